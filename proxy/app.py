@@ -1,0 +1,114 @@
+"""Wiring: ``create_app(settings, *, transport=None, registry=None, clock=...)``.
+
+The application is a small ASGI callable rather than a FastAPI app: three fixed
+paths (``/v1/*``, ``/healthz``, ``/metrics``) need no routing table, and the proxied
+path is the hot path (see :mod:`proxy.routes`). Everything is built here, once:
+settings are already validated, the one shared ``httpx.AsyncClient`` is created here
+and closed by the lifespan (or :meth:`ProxyApp.aclose` in tests that drive the app
+without a server), metrics go to the registry passed in (a fresh one per test).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+import httpx
+from prometheus_client import CollectorRegistry
+
+from proxy.admission import Admission
+from proxy.auth import load_key_check
+from proxy.config import Settings
+from proxy.metrics import Metrics
+from proxy.reqlog import RequestLog
+from proxy.routes import V1Handler
+from proxy.upstream import build_client, error_body
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+
+class ProxyApp:
+    """The proxy as an ASGI application."""
+
+    def __init__(self, settings: Settings, *, transport: httpx.AsyncBaseTransport | None = None,
+                 registry: CollectorRegistry | None = None,
+                 clock: Callable[[], float] = time.perf_counter,
+                 serve_metrics: bool | None = None) -> None:
+        self.settings = settings
+        self.client = build_client(settings, transport)
+        self.metrics = Metrics(settings, registry) if settings.measure else None
+        self.request_log = RequestLog(settings.log_requests) if settings.log_requests else None
+        self.admission = Admission(settings.max_concurrency, settings.max_queue)
+        self.serve_metrics = (not settings.metrics_port) if serve_metrics is None else serve_metrics
+        self.v1 = V1Handler(settings, self.client, self.metrics, self.admission, clock,
+                            load_key_check(settings), self.request_log)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            path: str = scope["path"]
+            if path.startswith("/v1/") or path == "/v1":
+                await self.v1(scope, receive, send)
+            elif path == "/healthz":
+                await _plain(send, 200, b"ok\n", b"text/plain; charset=utf-8")
+            elif path == "/metrics" and self.serve_metrics:
+                await self._metrics(scope, send)
+            else:
+                await _plain(send, 404, error_body(f"no route {path[:200]}; this proxy serves /v1/*",
+                                                   "invalid_request_error", "not_found"),
+                             b"application/json")
+        elif kind == "lifespan":
+            await self._lifespan(receive, send)
+
+    async def _metrics(self, scope: Scope, send: Send) -> None:
+        if self.metrics is None:
+            await _plain(send, 404, b"measurement is off (--no-measure)\n", b"text/plain")
+            return
+        accept = None
+        for name, value in scope["headers"]:
+            if name == b"accept":
+                accept = value.decode("latin-1")
+        body, content_type = self.metrics.exposition(accept)
+        await _plain(send, 200, body, content_type.encode())
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.aclose()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+        if self.request_log is not None:
+            self.request_log.close()
+
+
+async def _plain(send: Send, status: int, body: bytes, content_type: bytes) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", content_type),
+                            (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None = None,
+               registry: CollectorRegistry | None = None,
+               clock: Callable[[], float] = time.perf_counter) -> ProxyApp:
+    """Build the proxy; the production defaults are a real transport, a private
+    registry and ``time.perf_counter``."""
+    return ProxyApp(settings, transport=transport, registry=registry, clock=clock)
+
+
+def create_app_from_env() -> ProxyApp:
+    """Factory for uvicorn workers: settings come from the ``LLM_PROXY_*`` variables
+    that :mod:`proxy.serve` exported before starting them."""
+    from proxy.config import from_sources
+
+    return create_app(from_sources())

@@ -1,0 +1,50 @@
+"""Command line: ``llm-latency-proxy {serve,simulate,bench,demo}``.
+
+Each sub-command lives in its own module, which exposes ``add_parser(subparsers)``;
+that function registers the sub-command and sets ``func`` (``args -> exit code``).
+Modules are imported here eagerly but keep their heavy imports inside ``func`` so
+that ``--help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from proxy import __version__
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="llm-latency-proxy",
+        description=(
+            "OpenAI-compatible instrumenting reverse proxy: measures time to first token "
+            "(TTFT), inter-token latency (ITL), tokens and queue time per request and "
+            "exports them as Prometheus histograms."
+        ),
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    from proxy import serve
+
+    serve.add_parser(sub)
+    for name in ("proxy.simulator.cli", "proxy.bench.cli", "proxy.demo"):
+        try:
+            module = __import__(name, fromlist=["add_parser"])
+        except ImportError:  # sub-command not built yet in this checkout
+            continue
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    result: int = args.func(args)
+    return result
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

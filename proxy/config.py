@@ -1,0 +1,276 @@
+"""Settings: one frozen object, built from flags and environment, validated at start-up.
+
+Every option is declared once in ``OPTIONS``; from that table come the ``serve`` flags,
+their ``LLM_PROXY_*`` environment variables and their ``--help`` text, so the three
+can never drift apart. Precedence: flag, then environment, then default.
+
+A bad value raises :class:`SettingsError` whose one-line message names the setting
+(flag and variable) before any socket is opened. No web framework is imported here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+from urllib.parse import urlsplit
+
+ENV_PREFIX = "LLM_PROXY_"
+
+# Bucket edges where users set targets (see README "Metrics").
+TTFT_BUCKETS: tuple[float, ...] = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.65, 0.8, 1.0,
+    1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0,
+)  # fmt: skip
+ITL_BUCKETS: tuple[float, ...] = (
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
+    0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0,
+)  # fmt: skip
+DURATION_BUCKETS: tuple[float, ...] = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0,
+    15.0, 20.0, 30.0, 45.0, 60.0, 90.0, 120.0, 180.0, 300.0, 600.0,
+)  # fmt: skip
+QUEUE_BUCKETS: tuple[float, ...] = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+    5.0, 10.0, 30.0, 60.0,
+)  # fmt: skip
+OVERHEAD_BUCKETS: tuple[float, ...] = (
+    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+    0.1, 0.25, 1.0,
+)  # fmt: skip
+TOKEN_BUCKETS: tuple[float, ...] = tuple(float(2**i) for i in range(19))  # 1 .. 262144
+
+
+class SettingsError(ValueError):
+    """A setting has a bad value; the message names it and is one line."""
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """Everything the proxy needs to know, resolved once before it listens."""
+
+    upstream: str = "http://127.0.0.1:8000/v1"
+    upstream_name: str = ""
+    host: str = "127.0.0.1"
+    port: int = 8080
+    metrics_host: str = ""
+    metrics_port: int = 0
+    max_concurrency: int = 0
+    max_queue: int = 1000
+    max_body_bytes: int = 32 * 1024 * 1024
+    max_header_bytes: int = 64 * 1024
+    max_upstream_connections: int = 1000
+    connect_timeout: float = 5.0
+    read_timeout: float = 300.0
+    write_timeout: float = 30.0
+    body_timeout: float = 60.0
+    inject_usage: bool = True
+    measure: bool = True
+    log_requests: str = ""
+    max_models: int = 100
+    model_allowlist: tuple[str, ...] = ()
+    ttft_buckets: tuple[float, ...] = TTFT_BUCKETS
+    itl_buckets: tuple[float, ...] = ITL_BUCKETS
+    duration_buckets: tuple[float, ...] = DURATION_BUCKETS
+    token_buckets: tuple[float, ...] = TOKEN_BUCKETS
+    workers: int = 1
+    graceful_timeout: float = 30.0
+    upstream_api_key_env: str = ""
+    client_keys_file: str = ""
+    secret_headers: tuple[str, ...] = ()
+    access_log: bool = False
+
+    @property
+    def upstream_label(self) -> str:
+        """The ``upstream`` label value: the configured name, else the upstream's host."""
+        if self.upstream_name:
+            return self.upstream_name
+        parts = urlsplit(self.upstream)
+        return parts.netloc.rsplit("@", 1)[-1] or "upstream"
+
+
+# ---------------------------------------------------------------------------
+# Parsers and validators. Each takes the raw string and returns the typed value.
+
+
+def _url(raw: str) -> str:
+    parts = urlsplit(raw.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError("must be an http(s) URL with a host, e.g. https://api.openai.com/v1")
+    if parts.query or parts.fragment:
+        raise ValueError("must not carry a query string or fragment")
+    return raw.strip().rstrip("/")
+
+
+def _int(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
+    def parse(raw: str) -> int:
+        value = int(raw)
+        if value < minimum or (maximum is not None and value > maximum):
+            upper = f" and <= {maximum}" if maximum is not None else ""
+            raise ValueError(f"must be an integer >= {minimum}{upper}")
+        return value
+
+    return parse
+
+
+def _positive_float(raw: str) -> float:
+    value = float(raw)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError("must be a number of seconds > 0")
+    return value
+
+
+def _bool(raw: str) -> bool:
+    lowered = raw.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError("must be true or false")
+
+
+def _str(raw: str) -> str:
+    return raw.strip()
+
+
+def _names(raw: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in raw.split(",") if part.strip())
+
+
+def _buckets(raw: str) -> tuple[float, ...]:
+    values = tuple(float(part) for part in raw.split(",") if part.strip())
+    if not values or any(not math.isfinite(v) or v <= 0 for v in values):
+        raise ValueError("must be a comma-separated list of positive numbers")
+    if list(values) != sorted(set(values)):
+        raise ValueError("bucket edges must be strictly increasing")
+    return values
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    name: str  # Settings field
+    parse: Callable[[str], Any]
+    help: str
+    metavar: str = ""
+    flag_only_true: bool = False  # boolean switch: --flag / --no-flag
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("upstream", _url, "OpenAI-style base URL of the upstream, including /v1 "
+           "(what the app would have used as its base URL).", "URL"),
+    Option("upstream_name", _str, "Value of the 'upstream' metric label (default: the upstream's host:port).", "NAME"),
+    Option("host", _str, "Interface to listen on.", "HOST"),
+    Option("port", _int(0, 65535), "Port to listen on.", "PORT"),
+    Option("metrics_port", _int(0, 65535), "Serve /metrics on this separate port instead of the main one "
+           "(0: serve it on the main port). Use it in production so app clients cannot read metrics.", "PORT"),
+    Option("metrics_host", _str, "Interface for --metrics-port (default: same as --host).", "HOST"),
+    Option("max_concurrency", _int(0), "In-flight upstream requests allowed at once; more wait in a queue "
+           "and the wait is measured as queue time (0: unlimited).", "N"),
+    Option("max_queue", _int(0), "Requests allowed to wait for a slot when --max-concurrency is set; "
+           "beyond it the proxy answers 429 with Retry-After.", "N"),
+    Option("max_body_bytes", _int(1), "Largest request body accepted; larger gets 413 without being read.", "BYTES"),
+    Option("max_header_bytes", _int(1024), "Largest total size of request headers; larger gets 431.", "BYTES"),
+    Option("max_upstream_connections", _int(1), "Size of the upstream connection pool.", "N"),
+    Option("connect_timeout", _positive_float, "Seconds to connect to the upstream before answering 502.", "S"),
+    Option("read_timeout", _positive_float, "Seconds to wait for the upstream's headers or for its next "
+           "bytes; before headers: 504; mid-stream: the stream ends with outcome 'timeout'.", "S"),
+    Option("write_timeout", _positive_float, "Seconds allowed to send the request body upstream.", "S"),
+    Option("body_timeout", _positive_float, "Seconds allowed for the client to send its whole request "
+           "body; slower gets 408.", "S"),
+    Option("inject_usage", _bool, "Ask the upstream for stream_options.include_usage on streaming chat "
+           "completions that do not ask for it, and remove that usage-only event from the client's "
+           "stream (exact token counts).", flag_only_true=True),
+    Option("measure", _bool, "Measure and export metrics (off: a plain relay, for pricing the "
+           "measurement in benchmarks).", flag_only_true=True),
+    Option("log_requests", _str, "Write one JSON line per finished request to this file ('-' for stdout).", "FILE"),
+    Option("max_models", _int(1), "Distinct 'model' label values kept; later names are counted as 'other'.", "N"),
+    Option("model_allowlist", _names, "Comma-separated model names allowed as label values; any other "
+           "becomes 'other'.", "NAMES"),
+    Option("ttft_buckets", _buckets, "Comma-separated TTFT histogram bucket edges in seconds.", "EDGES"),
+    Option("itl_buckets", _buckets, "Comma-separated ITL and TPOT histogram bucket edges in seconds.", "EDGES"),
+    Option("duration_buckets", _buckets, "Comma-separated request-duration bucket edges in seconds.", "EDGES"),
+    Option("token_buckets", _buckets, "Comma-separated token-count bucket edges.", "EDGES"),
+    Option("workers", _int(1, 64), "Worker processes (metrics summed with prometheus-client multiprocess mode).", "N"),
+    Option("graceful_timeout", _positive_float, "On SIGTERM, seconds to let in-flight streams finish.", "S"),
+    Option("upstream_api_key_env", _str, "Name of an environment variable holding the key the proxy sends "
+           "upstream; clients must then present one of --client-keys-file's keys.", "VAR"),
+    Option("client_keys_file", _str, "File of client keys (one SHA-256 hex digest per line, "
+           "or 'sha256:<hex>') accepted when --upstream-api-key-env is set.", "FILE"),
+    Option("secret_headers", _names, "Extra header names to treat as secrets (never logged).", "NAMES"),
+    Option("access_log", _bool, "Let uvicorn write its access log.", flag_only_true=True),
+)
+
+_FIELDS = {f.name for f in fields(Settings)}
+assert all(o.name in _FIELDS for o in OPTIONS)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register every option as a flag; the default stays None so env can fill in."""
+    defaults = Settings()
+    for opt in OPTIONS:
+        default = getattr(defaults, opt.name)
+        shown = ",".join(str(v) for v in default) if isinstance(default, tuple) else default
+        help_text = f"{opt.help} [env {opt.env}; default {shown!s}]"
+        if opt.flag_only_true:
+            parser.add_argument(opt.flag, dest=opt.name, default=None,
+                                action=argparse.BooleanOptionalAction, help=help_text)
+        else:
+            parser.add_argument(opt.flag, dest=opt.name, default=None, metavar=opt.metavar,
+                                help=help_text)
+
+
+def from_sources(args: argparse.Namespace | None = None,
+                 environ: Mapping[str, str] | None = None) -> Settings:
+    """Build and validate settings: flag, then ``LLM_PROXY_*`` variable, then default."""
+    env = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    for opt in OPTIONS:
+        raw = getattr(args, opt.name, None) if args is not None else None
+        source = opt.flag
+        if raw is None and opt.env in env:
+            raw, source = env[opt.env], opt.env
+        if raw is None:
+            continue
+        if isinstance(raw, bool):
+            values[opt.name] = raw
+            continue
+        try:
+            values[opt.name] = opt.parse(str(raw))
+        except ValueError as exc:
+            detail = str(exc) or "invalid value"
+            if detail.startswith(("invalid literal", "could not convert")):
+                detail = "not a number"
+            raise SettingsError(f"invalid setting {opt.flag} ({opt.env}={raw!r} via {source}): {detail}") from None
+    settings = Settings(**values)
+    _check_combinations(settings)
+    return settings
+
+
+def _check_combinations(s: Settings) -> None:
+    if s.upstream_api_key_env:
+        if not os.environ.get(s.upstream_api_key_env):
+            raise SettingsError(
+                f"invalid setting --upstream-api-key-env: environment variable {s.upstream_api_key_env} is empty or unset")
+        if not s.client_keys_file:
+            raise SettingsError("invalid setting --client-keys-file: required with --upstream-api-key-env")
+        if not os.path.isfile(s.client_keys_file):
+            raise SettingsError(f"invalid setting --client-keys-file: no such file {s.client_keys_file!r}")
+    if s.metrics_port and s.metrics_port == s.port:
+        raise SettingsError("invalid setting --metrics-port: must differ from --port")
+
+
+def describe(settings: Settings, keys: Sequence[str] | None = None) -> dict[str, Any]:
+    """Settings as a plain dict for a start-up log line (nothing secret is held here)."""
+    return {f.name: getattr(settings, f.name) for f in fields(Settings)
+            if keys is None or f.name in keys}

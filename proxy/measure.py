@@ -1,0 +1,272 @@
+"""Measurement: timed events in, one frozen per-request record out.
+
+This module knows what an OpenAI streaming event *means* (does it carry generated
+output? is it the usage event?) and turns the times at which events were handed to
+the client into the quantities users feel. It knows nothing of HTTP, sockets or
+Prometheus, and never reads a clock: every time comes from the caller, read once per
+event.
+
+Definitions (kept word for word in the README and the metrics' HELP texts):
+
+* The request clock starts when the proxy receives the request, before any queueing.
+* TTFT ends when the first event carrying generated output is handed on to the client:
+  non-empty ``delta.content``, ``delta.reasoning_content`` or ``delta.reasoning``,
+  ``delta.tool_calls``, ``delta.refusal``, ``delta.function_call`` (or non-empty
+  ``choices[].text`` for ``/v1/completions``). A role-only or empty chunk is not a
+  token. With ``n > 1`` the first output of any choice counts.
+* ITL is every gap between consecutive output-bearing events.
+* TPOT is (last - first) / (completion_tokens - 1) per request, with tokens from the
+  upstream's usage, only when completion_tokens >= 2.
+
+Nothing here may raise on any input: a malformed event is simply not counted.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+_CHAT_OUTPUT_KEYS = ("content", "reasoning_content", "reasoning", "refusal")
+_CHAT_OUTPUT_CONTAINERS = ("tool_calls", "function_call")
+
+
+class Outcome(StrEnum):
+    COMPLETED = "completed"
+    CLIENT_DISCONNECTED = "client_disconnected"
+    UPSTREAM_INTERRUPTED = "upstream_interrupted"
+    UPSTREAM_ERROR = "upstream_error"
+    TIMEOUT = "timeout"
+    REJECTED = "rejected"  # answered by the proxy itself (413, 429, 502 before headers, ...)
+
+
+@dataclass(frozen=True, slots=True)
+class EventInfo:
+    """What one SSE ``data`` payload says, as far as measurement cares."""
+
+    outputs: int = 0  # choices in this event that carry generated output
+    usage: Mapping[str, Any] | None = None
+    usage_only: bool = False  # ``"choices": []`` with a usage object
+    upstream_queue_s: float | None = None
+
+
+NOT_COUNTED = EventInfo()
+
+
+def _count_outputs(choices: Any, text_route: bool) -> int:
+    if not isinstance(choices, list):
+        return 0
+    count = 0
+    for choice in choices:
+        if not isinstance(choice, dict):
+            continue
+        if text_route:
+            text = choice.get("text")
+            if isinstance(text, str) and text:
+                count += 1
+            continue
+        delta = choice.get("delta")
+        if not isinstance(delta, dict):
+            continue
+        for key in _CHAT_OUTPUT_KEYS:
+            value = delta.get(key)
+            if isinstance(value, str) and value:
+                count += 1
+                break
+        else:
+            for key in _CHAT_OUTPUT_CONTAINERS:
+                if delta.get(key):
+                    count += 1
+                    break
+    return count
+
+
+def upstream_queue_seconds(payload: Mapping[str, Any]) -> float | None:
+    """vLLM-style per-request ``metrics.queue_time_ms`` (top level or inside usage)."""
+    for holder in (payload, payload.get("usage")):
+        if isinstance(holder, dict):
+            metrics = holder.get("metrics")
+            if isinstance(metrics, dict):
+                value = metrics.get("queue_time_ms")
+                if isinstance(value, int | float) and not isinstance(value, bool) and value >= 0:
+                    return float(value) / 1000.0
+    return None
+
+
+def inspect_payload(payload: Any, *, text_route: bool) -> EventInfo:
+    """Classify one decoded JSON payload (a streaming chunk)."""
+    if not isinstance(payload, dict):
+        return NOT_COUNTED
+    choices = payload.get("choices")
+    outputs = _count_outputs(choices, text_route)
+    usage = payload.get("usage")
+    if not isinstance(usage, dict):
+        usage = None
+    queue = upstream_queue_seconds(payload) if usage is not None or "metrics" in payload else None
+    if not outputs and usage is None and queue is None:
+        return NOT_COUNTED
+    usage_only = usage is not None and isinstance(choices, list) and not choices
+    return EventInfo(outputs, usage, usage_only, queue)
+
+
+def inspect_event(data: bytes, *, text_route: bool) -> EventInfo:
+    """Classify one SSE ``data`` payload; never raises."""
+    if not data or data[:1] != b"{":
+        stripped = data.strip()
+        if not stripped.startswith(b"{"):
+            return NOT_COUNTED  # "[DONE]", keep-alive text, garbage
+        data = stripped
+    try:
+        payload = json.loads(data)
+    except (ValueError, RecursionError):
+        return NOT_COUNTED
+    return inspect_payload(payload, text_route=text_route)
+
+
+def _int_or_none(value: Any) -> int | None:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int | None = None
+    cached_prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+
+    @classmethod
+    def from_mapping(cls, usage: Mapping[str, Any] | None) -> Usage:
+        if not usage:
+            return cls()
+        details = usage.get("prompt_tokens_details")
+        cached = _int_or_none(details.get("cached_tokens")) if isinstance(details, dict) else None
+        return cls(
+            _int_or_none(usage.get("prompt_tokens")),
+            cached,
+            _int_or_none(usage.get("completion_tokens")),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    """Everything measured about one request, in seconds and tokens."""
+
+    request_id: str
+    route: str
+    model: str
+    upstream: str
+    stream: bool
+    status: int
+    outcome: Outcome
+    duration_s: float
+    overhead_s: float | None = None
+    queue_s: float | None = None
+    upstream_queue_s: float | None = None
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    itl_s: tuple[float, ...] = ()
+    output_events: int = 0
+    prompt_tokens: int | None = None
+    cached_prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    tokens_estimated: bool = False
+
+    def as_log(self) -> dict[str, Any]:
+        """Flat dict for the per-request JSON log (no keys, no prompt text exist here)."""
+        itl = self.itl_s
+        out: dict[str, Any] = {
+            "request_id": self.request_id,
+            "route": self.route,
+            "model": self.model,
+            "upstream": self.upstream,
+            "stream": self.stream,
+            "status": self.status,
+            "outcome": str(self.outcome),
+            "duration_s": self.duration_s,
+            "overhead_s": self.overhead_s,
+            "queue_s": self.queue_s,
+            "upstream_queue_s": self.upstream_queue_s,
+            "ttft_s": self.ttft_s,
+            "tpot_s": self.tpot_s,
+            "itl_count": len(itl),
+            "itl_mean_s": (sum(itl) / len(itl)) if itl else None,
+            "itl_max_s": max(itl) if itl else None,
+            "output_events": self.output_events,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "tokens_estimated": self.tokens_estimated,
+        }
+        return out
+
+
+@dataclass(slots=True)
+class StreamTimer:
+    """Accumulates event times for one streamed response.
+
+    ``event(data, t)`` is called for every SSE event right after its bytes were handed
+    on, with ``t`` read once for the read that carried it.
+    """
+
+    text_route: bool
+    first_t: float | None = None
+    last_t: float | None = None
+    output_events: int = 0
+    output_choices: int = 0
+    gaps: list[float] = field(default_factory=list)
+    usage: Mapping[str, Any] | None = None
+    upstream_queue_s: float | None = None
+
+    def event(self, data: bytes, t: float) -> EventInfo:
+        info = inspect_event(data, text_route=self.text_route)
+        if info is not NOT_COUNTED:
+            self.observe(info, t)
+        return info
+
+    def observe(self, info: EventInfo, t: float) -> None:
+        if info.outputs:
+            if self.last_t is None:
+                self.first_t = t
+            else:
+                self.gaps.append(t - self.last_t)
+            self.last_t = t
+            self.output_events += 1
+            self.output_choices += info.outputs
+        if info.usage is not None:
+            self.usage = info.usage
+        if info.upstream_queue_s is not None:
+            self.upstream_queue_s = info.upstream_queue_s
+
+
+def tpot(first_t: float | None, last_t: float | None, completion_tokens: int | None) -> float | None:
+    if first_t is None or last_t is None or completion_tokens is None or completion_tokens < 2:
+        return None
+    return (last_t - first_t) / (completion_tokens - 1)
+
+
+def estimate_prompt_tokens(body: Mapping[str, Any]) -> int | None:
+    """Rough prompt size (about 4 characters a token) when the upstream gave no usage."""
+    chars = 0
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        chars += len(prompt)
+    elif isinstance(prompt, list):
+        chars += sum(len(p) for p in prompt if isinstance(p, str))
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        for message in messages:
+            if not isinstance(message, dict):
+                continue
+            content = message.get("content")
+            if isinstance(content, str):
+                chars += len(content)
+            elif isinstance(content, list):
+                for part in content:
+                    if isinstance(part, dict) and isinstance(part.get("text"), str):
+                        chars += len(part["text"])
+    if chars == 0 and prompt is None and messages is None:
+        return None
+    return max(1, round(chars / 4))

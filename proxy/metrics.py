@@ -1,0 +1,205 @@
+"""Prometheus metrics: the only module that imports prometheus_client.
+
+Names, HELP texts, bucket edges and label sets live here and nowhere else. Label
+children are resolved once per request (``children()``), never per chunk; per-token
+observations (ITL) are made in one batch when the request ends, which the definition
+allows since each gap is still observed individually.
+
+Cardinality is bounded by construction: ``route`` comes from a fixed set of route
+templates, ``model`` passes through :class:`ModelLabels` (first N names, optional
+allow-list, then ``other``), ``upstream`` is the configured name, ``code`` is an HTTP
+status and ``outcome`` a fixed enum.
+
+Multiprocess mode (``--workers N``): prometheus_client decides its value storage when
+it is imported, from ``PROMETHEUS_MULTIPROC_DIR``; :mod:`proxy.serve` sets that before
+any worker imports this module. Then exposition sums all workers' files, the in-flight
+gauge uses ``livesum``, and exemplars are not available (the mmap files do not store
+them).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.multiprocess import MultiProcessCollector
+
+from proxy.config import OVERHEAD_BUCKETS, QUEUE_BUCKETS, Settings
+from proxy.measure import Outcome, RequestRecord
+
+OTHER_MODEL = "other"
+UNKNOWN_MODEL = "unknown"
+_EXEMPLAR_MAX = 64  # exemplar label sets are limited to 128 UTF-8 characters in all
+
+TTFT_HELP = (
+    "Time to first token: from the proxy receiving the request (before any queueing) until "
+    "the first event carrying generated output (non-empty delta.content, "
+    "delta.reasoning_content or delta.reasoning, delta.tool_calls, delta.refusal, "
+    "delta.function_call, or choices[].text for /v1/completions) was handed on to the client. "
+    "Role-only or empty chunks are not tokens. Streams only."
+)
+ITL_HELP = (
+    "Inter-token latency: every gap between consecutive output-bearing events handed on to "
+    "the client (one observation per gap). Streams only."
+)
+TPOT_HELP = (
+    "Time per output token per request: (last output event - first output event) / "
+    "(completion_tokens - 1), completion_tokens from the upstream's usage; only when "
+    "completion_tokens >= 2. Streams only."
+)
+
+
+def multiprocess_dir() -> str | None:
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
+
+
+class ModelLabels:
+    """Maps a request's ``model`` to a bounded label value."""
+
+    def __init__(self, max_models: int, allowlist: Iterable[str] = ()) -> None:
+        self._max = max_models
+        self._allow = frozenset(allowlist)
+        self._seen: set[str] = set()
+
+    def __call__(self, model: str) -> str:
+        if model in self._seen:
+            return model
+        if self._allow and model not in self._allow:
+            return OTHER_MODEL
+        if model == UNKNOWN_MODEL or len(self._seen) < self._max:
+            if len(model) > 200:
+                return OTHER_MODEL
+            self._seen.add(model)
+            return model
+        return OTHER_MODEL
+
+
+@dataclass(frozen=True, slots=True)
+class _Children:
+    ttft: Histogram
+    itl: Histogram
+    tpot: Histogram
+    queue: Histogram
+    upstream_queue: Histogram
+    overhead: Histogram
+    prompt: Histogram
+    cached: Histogram
+    completion: Histogram
+
+
+class Metrics:
+    """All of the proxy's metrics, registered in one (injectable) registry."""
+
+    def __init__(self, settings: Settings, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.multiprocess = multiprocess_dir() is not None
+        self.upstream = settings.upstream_label
+        self.model_label = ModelLabels(settings.max_models, settings.model_allowlist)
+        reg = self.registry
+        base = ("route", "model", "upstream")
+        self.requests = Counter(
+            "llm_proxy_requests", "Requests answered, by route, model, upstream, stream and HTTP "
+            "status code sent to the client.", (*base, "stream", "code"), registry=reg)
+        self.duration = Histogram(
+            "llm_proxy_request_duration_seconds", "From the proxy receiving the request until the "
+            "last byte was handed to the client.", (*base, "stream"),
+            buckets=settings.duration_buckets, registry=reg)
+        self.ttft = Histogram("llm_proxy_time_to_first_token_seconds", TTFT_HELP, base,
+                              buckets=settings.ttft_buckets, registry=reg)
+        self.itl = Histogram("llm_proxy_inter_token_latency_seconds", ITL_HELP, base,
+                             buckets=settings.itl_buckets, registry=reg)
+        self.tpot = Histogram("llm_proxy_time_per_output_token_seconds", TPOT_HELP, base,
+                              buckets=settings.itl_buckets, registry=reg)
+        self.queue = Histogram(
+            "llm_proxy_queue_time_seconds", "Time a request waited in the proxy for an admission "
+            "slot (--max-concurrency); 0 when unlimited. Chat and completions routes.", base,
+            buckets=QUEUE_BUCKETS, registry=reg)
+        self.upstream_queue = Histogram(
+            "llm_proxy_upstream_queue_time_seconds", "Queue time reported by the upstream itself "
+            "(vLLM metrics.queue_time_ms in the usage chunk, or an x-queue-time header in ms).",
+            base, buckets=QUEUE_BUCKETS, registry=reg)
+        self.overhead = Histogram(
+            "llm_proxy_overhead_seconds", "What the proxy itself costs before the upstream sees "
+            "the request: from receiving it to handing it to the upstream HTTP client, less "
+            "queue time.", base, buckets=OVERHEAD_BUCKETS, registry=reg)
+        tb = settings.token_buckets
+        self.prompt_tokens = Histogram(
+            "llm_proxy_prompt_tokens", "Prompt tokens per request (usage.prompt_tokens).", base,
+            buckets=tb, registry=reg)
+        self.cached_tokens = Histogram(
+            "llm_proxy_cached_prompt_tokens", "Prompt tokens served from the provider's prompt "
+            "cache per request (usage.prompt_tokens_details.cached_tokens).", base,
+            buckets=tb, registry=reg)
+        self.completion_tokens = Histogram(
+            "llm_proxy_completion_tokens", "Completion tokens per request "
+            "(usage.completion_tokens).", base, buckets=tb, registry=reg)
+        self.outcomes = Counter(
+            "llm_proxy_stream_outcomes", "How each stream ended: completed, client_disconnected, "
+            "upstream_interrupted, upstream_error (non-2xx), timeout.", (*base, "outcome"),
+            registry=reg)
+        self.in_flight_gauge = Gauge(
+            "llm_proxy_in_flight_requests", "Requests the proxy is handling right now "
+            "(queued or relaying), per upstream.", ("upstream",), registry=reg,
+            multiprocess_mode="livesum")
+        self.in_flight = self.in_flight_gauge.labels(self.upstream)
+        self._children: dict[tuple[str, str], _Children] = {}
+
+    def children(self, route: str, model: str) -> _Children:
+        key = (route, model)
+        found = self._children.get(key)
+        if found is None:
+            labels = (route, model, self.upstream)
+            found = _Children(
+                self.ttft.labels(*labels), self.itl.labels(*labels), self.tpot.labels(*labels),
+                self.queue.labels(*labels), self.upstream_queue.labels(*labels),
+                self.overhead.labels(*labels), self.prompt_tokens.labels(*labels),
+                self.cached_tokens.labels(*labels), self.completion_tokens.labels(*labels))
+            self._children[key] = found
+        return found
+
+    def observe(self, record: RequestRecord, *, measured: bool) -> None:
+        """Record one finished request. Called exactly once per request."""
+        model = record.model  # already a bounded label value
+        stream = "true" if record.stream else "false"
+        exemplar = None if self.multiprocess else {"request_id": record.request_id[:_EXEMPLAR_MAX]}
+        self.requests.labels(record.route, model, self.upstream, stream, str(record.status)).inc()
+        self.duration.labels(record.route, model, self.upstream, stream).observe(
+            record.duration_s, exemplar)
+        if not measured:
+            return
+        c = self.children(record.route, model)
+        if record.queue_s is not None:
+            c.queue.observe(record.queue_s)
+        if record.overhead_s is not None:
+            c.overhead.observe(record.overhead_s)
+        if record.upstream_queue_s is not None:
+            c.upstream_queue.observe(record.upstream_queue_s)
+        if record.prompt_tokens is not None:
+            c.prompt.observe(record.prompt_tokens)
+        if record.cached_prompt_tokens is not None:
+            c.cached.observe(record.cached_prompt_tokens)
+        if record.completion_tokens is not None:
+            c.completion.observe(record.completion_tokens)
+        if record.stream:
+            if record.outcome is not Outcome.REJECTED:
+                self.outcomes.labels(record.route, model, self.upstream, str(record.outcome)).inc()
+            if record.ttft_s is not None:
+                c.ttft.observe(record.ttft_s, exemplar)
+            observe_itl = c.itl.observe
+            for gap in record.itl_s:
+                observe_itl(gap)
+            if record.tpot_s is not None:
+                c.tpot.observe(record.tpot_s)
+
+    def exposition(self, accept: str | None) -> tuple[bytes, str]:
+        """Render the registry (or, with workers, every worker's files) for a scrape."""
+        encoder, content_type = choose_encoder(accept or "")
+        path = multiprocess_dir()
+        if path is not None:
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry, path=path)
+            return encoder(registry), content_type
+        return encoder(self.registry), content_type

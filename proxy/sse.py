@@ -1,0 +1,196 @@
+"""Incremental server-sent-events parser: bytes in, events out. No I/O, no clock.
+
+It follows the WHATWG event-stream grammar: lines end in CRLF, LF or CR (a CR at the
+end of one chunk may be the first half of a CRLF in the next); a blank line dispatches
+the event; lines starting with ``:`` are comments; ``data`` lines are joined with
+``\\n``. Only ``data`` is kept, since that is all the measurement needs, together with
+each event's byte span in the stream, which the relay needs to drop the one event it
+may remove (the usage-only event the proxy itself asked for).
+
+Memory is bounded: an event longer than ``max_event_bytes`` is still *forwarded* by the
+relay (the parser never touches the bytes the client gets) but its data is discarded
+and it is reported with ``oversize=True``, so the measurement skips it.
+
+The common case, one or more complete LF-terminated events per chunk with nothing
+pending, takes a fast path of a few ``bytes`` methods implemented in C.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_MAX_EVENT_BYTES = 1 << 20  # 1 MiB
+
+
+@dataclass(frozen=True, slots=True)
+class SSEEvent:
+    """One dispatched event: its data and its span ``[start, end)`` in the stream."""
+
+    data: bytes
+    start: int
+    end: int
+    oversize: bool = False
+
+
+class SSEParser:
+    """Feed chunks as they arrive; get back the events each chunk completes."""
+
+    __slots__ = (
+        "_data",
+        "_data_size",
+        "_event_start",
+        "_has_data",
+        "_line",
+        "_max",
+        "_offset",
+        "_oversize",
+        "_pending_cr",
+    )
+
+    def __init__(self, max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES) -> None:
+        self._max = max_event_bytes
+        self._offset = 0  # stream offset of the next byte to be fed
+        self._line = bytearray()  # an unterminated line carried over
+        self._pending_cr = False  # the previous chunk ended in CR
+        self._data: list[bytes] = []
+        self._data_size = 0
+        self._has_data = False
+        self._event_start = -1  # offset of the first line of the current event
+        self._oversize = False
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes held for an incomplete line or event (bounded by the event limit)."""
+        return len(self._line) + self._data_size
+
+    @property
+    def boundary(self) -> int:
+        """Stream offset up to which every byte belongs to a finished line or event."""
+        return self._event_start if self._event_start >= 0 else self._offset
+
+    def feed(self, chunk: bytes) -> list[SSEEvent]:
+        if not chunk:
+            return []
+        base = self._offset
+        self._offset += len(chunk)
+        if (
+            not self._line
+            and not self._pending_cr
+            and self._event_start < 0
+            and chunk.endswith(b"\n\n")
+            and b"\r" not in chunk
+        ):
+            fast = self._fast(chunk, base)
+            if fast is not None:
+                return fast
+        return self._slow(chunk, base)
+
+    def _fast(self, chunk: bytes, base: int) -> list[SSEEvent] | None:
+        """LF-only chunk made of whole events, each a single ``data:`` line."""
+        events: list[SSEEvent] = []
+        pos = 0
+        for block in chunk[:-2].split(b"\n\n"):
+            end = pos + len(block) + 2
+            if block.startswith(b"data:") and b"\n" not in block:
+                value = block[5:]
+                if value[:1] == b" ":
+                    value = value[1:]
+                if len(value) > self._max:
+                    events.append(SSEEvent(b"", base + pos, base + end, True))
+                else:
+                    events.append(SSEEvent(value, base + pos, base + end))
+            elif block.startswith(b":") and b"\n" not in block:
+                pass  # a comment on its own: no event
+            else:
+                return None  # anything unusual: let the general parser do it all
+            pos = end
+        return events
+
+    def _slow(self, chunk: bytes, base: int) -> list[SSEEvent]:
+        events: list[SSEEvent] = []
+        pos = 0
+        n = len(chunk)
+        if self._pending_cr:
+            self._pending_cr = False
+            if chunk[0:1] == b"\n":
+                pos = 1  # second half of a CRLF that straddled two chunks
+        while pos < n:
+            lf = chunk.find(b"\n", pos)
+            cr = chunk.find(b"\r", pos)
+            if lf < 0 and cr < 0:
+                self._carry(chunk[pos:], base + pos)
+                break
+            if cr < 0 or (0 <= lf < cr):
+                eol, nxt = lf, lf + 1
+            else:
+                eol = cr
+                if cr + 1 < n:
+                    nxt = cr + 2 if chunk[cr + 1 : cr + 2] == b"\n" else cr + 1
+                else:
+                    nxt = cr + 1
+                    self._pending_cr = True
+            line_start = base + pos - len(self._line)
+            if self._line:
+                self._line += chunk[pos:eol]
+                line = bytes(self._line)
+                self._line.clear()
+            else:
+                line = chunk[pos:eol]
+            event = self._line_done(line, line_start, base + nxt)
+            if event is not None:
+                events.append(event)
+            pos = nxt
+        return events
+
+    def _carry(self, part: bytes, offset: int) -> None:
+        """Keep an unterminated line for the next chunk, within the event limit."""
+        if self._event_start < 0 and not self._line:
+            self._event_start = offset
+        if self._oversize or len(self._line) + self._data_size + len(part) > self._max:
+            # Too long to parse: keep only enough to tell the field name.
+            self._oversize = True
+            self._data.clear()
+            self._data_size = 0
+            room = 16 - len(self._line)
+            if room > 0:
+                self._line += part[:room]
+            return
+        self._line += part
+
+    def _line_done(self, line: bytes, line_start: int, end: int) -> SSEEvent | None:
+        if not line:
+            if self._event_start < 0:
+                return None  # blank line between events
+            event = None
+            if self._has_data or self._oversize:
+                data = b"" if self._oversize else b"\n".join(self._data)
+                event = SSEEvent(data, self._event_start, end, self._oversize)
+            self._reset()
+            return event
+        if self._event_start < 0:
+            self._event_start = line_start
+        if line[:1] == b":":
+            return None
+        name, sep, value = line.partition(b":")
+        if name != b"data":
+            return None  # event, id, retry and unknown fields do not matter here
+        if sep and value[:1] == b" ":
+            value = value[1:]
+        self._has_data = True
+        if self._oversize:
+            return None
+        self._data_size += len(value) + 1
+        if self._data_size > self._max:
+            self._oversize = True
+            self._data.clear()
+            self._data_size = 0
+            return None
+        self._data.append(value)
+        return None
+
+    def _reset(self) -> None:
+        self._data = []
+        self._data_size = 0
+        self._has_data = False
+        self._event_start = -1
+        self._oversize = False
