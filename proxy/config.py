@@ -63,6 +63,7 @@ class Settings:
     max_body_bytes: int = 32 * 1024 * 1024
     max_header_bytes: int = 64 * 1024
     max_upstream_connections: int = 1000
+    http_client: str = "aiohttp"
     connect_timeout: float = 5.0
     read_timeout: float = 300.0
     write_timeout: float = 30.0
@@ -102,6 +103,7 @@ def _url(raw: str) -> str:
         raise ValueError("must be an http(s) URL with a host, e.g. https://api.openai.com/v1")
     if parts.query or parts.fragment:
         raise ValueError("must not carry a query string or fragment")
+    _ = parts.port  # raises ValueError for a bad port ("host:99999", "host:abc")
     return raw.strip().rstrip("/")
 
 
@@ -130,6 +132,16 @@ def _bool(raw: str) -> bool:
     if lowered in ("0", "false", "no", "off", ""):
         return False
     raise ValueError("must be true or false")
+
+
+def _choice(*allowed: str) -> Callable[[str], str]:
+    def parse(raw: str) -> str:
+        value = raw.strip().lower()
+        if value not in allowed:
+            raise ValueError("must be one of " + ", ".join(allowed))
+        return value
+
+    return parse
 
 
 def _str(raw: str) -> str:
@@ -182,6 +194,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("max_body_bytes", _int(1), "Largest request body accepted; larger gets 413 without being read.", "BYTES"),
     Option("max_header_bytes", _int(1024), "Largest total size of request headers; larger gets 431.", "BYTES"),
     Option("max_upstream_connections", _int(1), "Size of the upstream connection pool.", "N"),
+    Option("http_client", _choice("aiohttp", "httpx"), "Upstream HTTP client under httpx's interface: "
+           "'aiohttp' (fast pool and C parser, the default) or 'httpx' (httpcore's own pool).", "NAME"),
     Option("connect_timeout", _positive_float, "Seconds to connect to the upstream before answering 502.", "S"),
     Option("read_timeout", _positive_float, "Seconds to wait for the upstream's headers or for its next "
            "bytes; before headers: 504; mid-stream: the stream ends with outcome 'timeout'.", "S"),

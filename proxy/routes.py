@@ -255,11 +255,6 @@ class V1Handler:
                 response, send, self.clock, timer=timer, parser=parser, strip_usage=strip,
                 collect_limit=NON_STREAM_USAGE_LIMIT if observe and not is_sse else 0)
             outcome = result.outcome if ok else Outcome.UPSTREAM_ERROR
-            watch.done = True
-            if result.complete:
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-            # else: return without completing, so the server closes the connection and
-            # the client sees the stream break exactly as the upstream broke it.
         except asyncio.CancelledError:
             if not watch.disconnected:
                 raise
@@ -287,6 +282,11 @@ class V1Handler:
                         self.request_log.write(record)
             except Exception:  # measurement never breaks serving
                 log.exception("failed to record a request")
+        # Recorded first, so a client that saw the end can already scrape the request.
+        if result is not None and result.complete:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        # else: return without completing, so the server closes the connection and the
+        # client sees the stream break exactly as the upstream broke it.
 
     def _record(self, request_id: str, route: str, model: str, stream: bool, status: int,
                 outcome: Outcome, t0: float, t_end: float, overhead_s: float | None,

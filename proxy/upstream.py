@@ -46,7 +46,13 @@ def build_client(settings: Settings, transport: httpx.AsyncBaseTransport | None 
         max_keepalive_connections=settings.max_upstream_connections,
         keepalive_expiry=30.0,
     )
-    if transport is None:
+    if transport is None and settings.http_client == "aiohttp":
+        from proxy.transport import AiohttpTransport
+
+        transport = AiohttpTransport(
+            max_connections=settings.max_upstream_connections,
+            connect_timeout=settings.connect_timeout, read_timeout=settings.read_timeout)
+    elif transport is None:
         transport = httpx.AsyncHTTPTransport(limits=limits, retries=0)
     return httpx.AsyncClient(transport=transport, timeout=timeout, follow_redirects=False)
 

@@ -1,0 +1,135 @@
+"""A fast httpx transport for the upstream, backed by aiohttp's connection pool.
+
+Why: profiling the proxy at 64 concurrent streams (py-spy, see benchmarks/profile.md)
+showed httpcore's pool costing about 45 % of the proxy's CPU: every request walks every
+pooled connection and checks whether its socket is readable (``has_expired``), and every
+body read asks anyio for socket attributes. aiohttp's pool and C HTTP parser do the same
+job for a fraction of that. Keeping httpx as the *interface* (``httpx.AsyncClient`` on
+top of this transport) keeps the app's seams: tests inject ``httpx.MockTransport``, and
+``--http-client httpx`` selects httpx's own transport for comparison.
+
+Faithfulness: no automatic headers (aiohttp would add ``User-Agent``, ``Accept`` and
+``Accept-Encoding``), no decompression, no redirects, no cookies. Bodies arrive as
+aiohttp reads them (``iter_any``), de-chunked like httpx's ``aiter_raw``.
+
+Errors are raised as httpx's own exception classes, so callers map them once:
+connect failures -> ``httpx.ConnectError``/``ConnectTimeout``, no headers or no bytes
+within the read timeout -> ``httpx.ReadTimeout``, a connection that breaks mid-body ->
+``httpx.ReadError``/``RemoteProtocolError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.request
+from collections.abc import AsyncIterator
+
+import aiohttp
+import httpx
+
+
+class AiohttpTransport(httpx.AsyncBaseTransport):
+    def __init__(self, *, max_connections: int, connect_timeout: float, read_timeout: float,
+                 keepalive_expiry: float = 30.0) -> None:
+        self._limit = max_connections
+        self._keepalive = keepalive_expiry
+        self._timeout = aiohttp.ClientTimeout(
+            total=None, connect=connect_timeout, sock_connect=connect_timeout,
+            sock_read=read_timeout)
+        self._session: aiohttp.ClientSession | None = None
+        self._proxy_for: dict[str, str | None] = {}
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        # Created on first use, inside the running loop (aiohttp requires that).
+        if self._session is None or self._session.closed:
+            connector = aiohttp.TCPConnector(
+                limit=self._limit, limit_per_host=0, keepalive_timeout=self._keepalive,
+                ttl_dns_cache=60)
+            self._session = aiohttp.ClientSession(
+                connector=connector, timeout=self._timeout, auto_decompress=False,
+                cookie_jar=aiohttp.DummyCookieJar(), trust_env=False,
+                skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
+                read_bufsize=1 << 16, max_line_size=1 << 16, max_field_size=1 << 16)
+        return self._session
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        session = self._get_session()
+        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.headers.raw
+                   if k.lower() not in (b"host", b"content-length", b"transfer-encoding")]
+        body = request.content if request.content else None
+        origin = f"{request.url.scheme}://{request.url.netloc.decode('ascii')}"
+        proxy = self._proxy_for.get(origin, "")
+        if proxy == "":
+            proxy = self._proxy_for[origin] = env_proxy(request.url.scheme, request.url.host)
+        try:
+            response = await session.request(
+                request.method, str(request.url), headers=headers, data=body,
+                allow_redirects=False, compress=None, chunked=None, proxy=proxy)
+        except aiohttp.ConnectionTimeoutError as exc:
+            raise httpx.ConnectTimeout(str(exc) or "connect timeout", request=request) from exc
+        except aiohttp.ServerTimeoutError as exc:
+            raise httpx.ReadTimeout(str(exc) or "read timeout", request=request) from exc
+        except aiohttp.ClientConnectorError as exc:
+            raise httpx.ConnectError(str(exc), request=request) from exc
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError,
+                aiohttp.ClientResponseError) as exc:
+            raise httpx.RemoteProtocolError(str(exc) or type(exc).__name__, request=request) from exc
+        except aiohttp.ClientError as exc:
+            raise httpx.ReadError(str(exc) or type(exc).__name__, request=request) from exc
+        except asyncio.TimeoutError as exc:  # pragma: no cover - aiohttp wraps its own
+            raise httpx.ReadTimeout("timeout", request=request) from exc
+        return httpx.Response(
+            response.status,
+            headers=list(response.raw_headers),
+            stream=_Body(response, request),
+            request=request,
+            extensions={"reason_phrase": (response.reason or "").encode("latin-1", "replace")},
+        )
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+
+def env_proxy(scheme: str, host: str) -> str | None:
+    """HTTP(S)_PROXY / NO_PROXY for the upstream, looked up once per origin.
+
+    aiohttp's ``trust_env`` would redo this (and read ~/.netrc) on every request.
+    """
+    if urllib.request.proxy_bypass(host):
+        return None
+    return urllib.request.getproxies().get(scheme)
+
+
+class _Body(httpx.AsyncByteStream):
+    __slots__ = ("_done", "_request", "_response")
+
+    def __init__(self, response: aiohttp.ClientResponse, request: httpx.Request) -> None:
+        self._response = response
+        self._request = request
+        self._done = False
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        content = self._response.content
+        try:
+            while True:
+                chunk = await content.readany()
+                if not chunk:
+                    break
+                yield chunk
+        except aiohttp.ServerTimeoutError as exc:
+            raise httpx.ReadTimeout(str(exc) or "read timeout", request=self._request) from exc
+        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError) as exc:
+            raise httpx.RemoteProtocolError(str(exc) or "upstream closed mid-body",
+                                            request=self._request) from exc
+        except (aiohttp.ClientError, ConnectionError) as exc:
+            raise httpx.ReadError(str(exc) or type(exc).__name__, request=self._request) from exc
+        except asyncio.TimeoutError as exc:
+            raise httpx.ReadTimeout("read timeout", request=self._request) from exc
+        self._done = True
+
+    async def aclose(self) -> None:
+        if self._done:
+            self._response.release()  # fully read: the connection goes back to the pool
+        else:
+            self._response.close()  # unfinished: drop the connection, the upstream sees it

@@ -1,0 +1,98 @@
+"""``serve --workers 2``: metrics from every worker are summed on every scrape.
+
+The proxy runs as a real subprocess (uvicorn's supervisor and two worker processes)
+in front of a scheduled upstream. After N requests, every scrape, whichever worker
+answers it, must show exactly N requests and N TTFT observations; the private
+multiprocess directory must hold files of both workers and be gone after exit.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.scheduled_upstream import ScheduledUpstream
+from tests.servers import RunningServer, serve_in_thread
+
+pytestmark = pytest.mark.e2e
+
+REQUESTS = 40
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@pytest.fixture
+def upstream() -> Iterator[RunningServer]:
+    with serve_in_thread(ScheduledUpstream(ttft=0.005, itl=0.002, tokens=4)) as server:
+        yield server
+
+
+def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "proxy exited during start-up"
+        try:
+            if httpx.get(url + "/healthz", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.05)  # polling the server's own readiness endpoint
+    raise TimeoutError("proxy did not become healthy")
+
+
+def metric_total(text: str, name: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_two_workers_sum_metrics(upstream: RunningServer, tmp_path: Path) -> None:
+    port = free_port()
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "proxy", "serve", "--upstream", upstream.url + "/v1",
+         "--port", str(port), "--workers", "2", "--upstream-name", "up"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc)
+        body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "x"}]}
+        with httpx.Client(base_url=url, timeout=10) as client:
+            for _ in range(REQUESTS):  # new connections spread over both workers
+                with client.stream("POST", "/v1/chat/completions", json=body,
+                                   headers={"connection": "close"}) as response:
+                    assert response.status_code == 200
+                    assert b"data: [DONE]" in response.read()
+            [metrics_dir] = list(tmp_path.glob("llm-latency-proxy-metrics-*"))
+            pids = {m.group(1) for f in metrics_dir.iterdir()
+                    if (m := re.search(r"_(\d+)\.db$", f.name))}
+            assert len(pids) == 2, f"expected files from 2 workers, got {sorted(pids)}"
+            for _ in range(10):
+                text = httpx.get(url + "/metrics", headers={"connection": "close"}).text
+                assert metric_total(text, "llm_proxy_requests_total") == REQUESTS
+                assert metric_total(text, "llm_proxy_time_to_first_token_seconds_count") == REQUESTS
+                assert metric_total(text, "llm_proxy_inter_token_latency_seconds_count") == REQUESTS * 3
+                assert metric_total(text, "llm_proxy_in_flight_requests") == 0
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=20)
+    assert proc.returncode == 0, out.decode(errors="replace")
+    assert not list(tmp_path.glob("llm-latency-proxy-metrics-*")), "multiprocess dir left behind"
