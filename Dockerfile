@@ -1,0 +1,51 @@
+# llm-latency-proxy container image.
+#
+#   docker build -t llm-latency-proxy .
+#   docker run --rm -p 8080:8080 -e LLM_PROXY_UPSTREAM=https://api.openai.com/v1 llm-latency-proxy
+#
+# Every `serve` flag is also an LLM_PROXY_* environment variable (see
+# `llm-latency-proxy serve --help`). The same image runs the simulator and the bench:
+#   docker run --rm -p 8000:8000 llm-latency-proxy simulate --host 0.0.0.0 --port 8000
+#
+# Two stages: the first builds the project's wheel and installs it with its
+# dependencies into a virtual environment; the second copies only that environment
+# onto a clean slim base, so no build tools, sources or pip caches ship.
+
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+
+FROM ${PYTHON_IMAGE} AS build
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PYTHONDONTWRITEBYTECODE=1
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY proxy ./proxy
+RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels . \
+ && python -m venv /opt/venv \
+ && /opt/venv/bin/pip install --no-cache-dir /wheels/*.whl
+
+FROM ${PYTHON_IMAGE}
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    LLM_PROXY_HOST=0.0.0.0 \
+    LLM_PROXY_PORT=8080
+RUN groupadd --system --gid 10001 proxy \
+ && useradd --system --uid 10001 --gid proxy --no-create-home --home-dir /nonexistent \
+      --shell /usr/sbin/nologin proxy
+COPY --from=build /opt/venv /opt/venv
+USER 10001:10001
+EXPOSE 8080
+
+# The health check needs no curl: the image's own Python asks /healthz on the port
+# the proxy listens on; any error (refused, timeout, non-2xx) exits 1. Other commands run from this image (simulate, bench) override
+# or disable it (see docker-compose.yml).
+HEALTHCHECK --interval=10s --timeout=3s --start-period=10s --retries=3 \
+  CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/healthz' % os.environ.get('LLM_PROXY_PORT', '8080'), timeout=2)"]
+
+# Exec form: the proxy is PID 1 and receives SIGTERM itself. It then stops accepting,
+# lets in-flight streams finish for up to --graceful-timeout (LLM_PROXY_GRACEFUL_TIMEOUT,
+# 30 s) and exits 0; give `docker stop -t` / stop_grace_period a bit more than that.
+STOPSIGNAL SIGTERM
+ENTRYPOINT ["llm-latency-proxy"]
+CMD ["serve"]
