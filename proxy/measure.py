@@ -24,6 +24,7 @@ Nothing here may raise on any input: a malformed event is simply not counted.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -90,7 +91,8 @@ def upstream_queue_seconds(payload: Mapping[str, Any]) -> float | None:
             metrics = holder.get("metrics")
             if isinstance(metrics, dict):
                 value = metrics.get("queue_time_ms")
-                if isinstance(value, int | float) and not isinstance(value, bool) and value >= 0:
+                if (isinstance(value, int | float) and not isinstance(value, bool)
+                        and math.isfinite(value) and value >= 0):  # json.loads takes Infinity
                     return float(value) / 1000.0
     return None
 

@@ -200,6 +200,6 @@ class Metrics:
         path = multiprocess_dir()
         if path is not None:
             registry = CollectorRegistry()
-            MultiProcessCollector(registry, path=path)
+            MultiProcessCollector(registry, path=path)  # type: ignore[no-untyped-call]
             return encoder(registry), content_type
         return encoder(self.registry), content_type

@@ -64,14 +64,15 @@ async def relay(
     collected_size = 0
     pending = b""  # strip mode only: bytes not yet forwarded
     pending_start = 0  # stream offset of pending[0]
+    removed_end = -1  # strip mode: stream offset where the removed event ended
     try:
         async for chunk in response.aiter_raw():
             if not chunk:
                 continue
             if parser is not None and timer is not None:
                 if strip_usage:
-                    pending_start, pending = await _send_stripped(
-                        chunk, pending, pending_start, parser, timer, send, clock)
+                    pending_start, pending, removed_end = await _send_stripped(
+                        chunk, pending, pending_start, removed_end, parser, timer, send, clock)
                     continue
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 t = clock()
@@ -107,22 +108,27 @@ async def _send_stripped(
     chunk: bytes,
     pending: bytes,
     pending_start: int,
+    removed_end: int,
     parser: SSEParser,
     timer: StreamTimer,
     send: Send,
     clock: Clock,
-) -> tuple[int, bytes]:
+) -> tuple[int, bytes, int]:
     """Forward every complete event except the usage-only one; keep the rest pending."""
     events = parser.feed(chunk)
     data = pending + chunk if pending else chunk
-    boundary = parser.boundary - pending_start  # bytes of data that are complete
+    boundary = max(parser.boundary - pending_start, 0)  # bytes of data that are complete
     infos = []
     cut: list[tuple[int, int]] = []
+    if parser.straddling_lf >= 0 and parser.straddling_lf == removed_end:
+        # the LF of the removed event's final CRLF came in this read: remove it too
+        cut.append((removed_end - pending_start, removed_end - pending_start + 1))
     for event in events:
         info = inspect_event(event.data, text_route=timer.text_route) if not event.oversize else None
         infos.append(info)
         if info is not None and info.usage_only:
             cut.append((event.start - pending_start, event.end - pending_start))
+            removed_end = event.end
     if not cut:
         out = data if boundary == len(data) else data[:boundary]
     else:
@@ -139,4 +145,9 @@ async def _send_stripped(
         if info is not None:
             timer.observe(info, t)
     rest = data[boundary:]
-    return pending_start + boundary, rest
+    if len(rest) > parser.max_event_bytes:
+        # Already longer than the parser's limit: oversize, so never the event removed.
+        # Forward it as it comes rather than hold all of it (bounded memory, issue 6).
+        await send({"type": "http.response.body", "body": rest, "more_body": True})
+        return pending_start + len(data), b"", removed_end
+    return pending_start + boundary, rest, removed_end

@@ -401,4 +401,7 @@ def _with_usage(payload: dict[str, Any]) -> bytes | None:
         return None
     changed = dict(payload)
     changed["stream_options"] = {**(options or {}), "include_usage": True}
-    return json.dumps(changed, ensure_ascii=False, separators=(",", ":")).encode()
+    try:
+        return json.dumps(changed, ensure_ascii=False, separators=(",", ":")).encode()
+    except (ValueError, UnicodeEncodeError):  # e.g. a lone surrogate escaped in the JSON
+        return None  # forward the body as it came; tokens fall back to counting

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
+import signal
 import sys
 import tempfile
 from typing import Any
@@ -34,7 +36,6 @@ def add_parser(sub: Any) -> None:
         help="run the proxy",
         description="Run the instrumenting proxy in front of an OpenAI-compatible upstream. "
         "Every flag can also be set with the environment variable named in its help.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     config.add_arguments(parser)
     parser.set_defaults(func=run)
@@ -76,16 +77,19 @@ def _banner(settings: Settings) -> None:
     where = f"http://{settings.host}:{settings.port}"
     metrics = (f"http://{settings.metrics_host or settings.host}:{settings.metrics_port}/metrics"
                if settings.metrics_port else f"{where}/metrics")
-    print(f"llm-latency-proxy: relaying {where}/v1 -> {settings.upstream} "
+    upstream = re.sub(r"//[^/@]*@", "//***@", settings.upstream)  # never print URL credentials
+    print(f"llm-latency-proxy: relaying {where}/v1 -> {upstream} "
           f"(upstream label {settings.upstream_label!r}); metrics at {metrics}; "
           f"workers {settings.workers}", file=sys.stderr, flush=True)
 
 
 def _run_single(settings: Settings) -> int:
     import uvicorn
+    from prometheus_client import disable_created_metrics
 
     from proxy.app import create_app
 
+    disable_created_metrics()  # type: ignore[no-untyped-call]  # no *_created series
     try:
         app = create_app(settings)
     except SettingsError as exc:
@@ -94,8 +98,15 @@ def _run_single(settings: Settings) -> int:
     if settings.metrics_port and app.metrics is not None:
         _start_metrics_server(settings, app.metrics.registry)
     _banner(settings)
+    # uvicorn re-raises SIGTERM after its graceful shutdown, under the handler it found;
+    # the default one would end the process with -15. Ours exits 0 (issue 6).
+    signal.signal(signal.SIGTERM, _exit_zero)
     uvicorn.Server(uvicorn.Config(app, **_uvicorn_kwargs(settings))).run()
     return 0
+
+
+def _exit_zero(signum: int, frame: Any) -> None:
+    raise SystemExit(0)
 
 
 def _run_workers(settings: Settings) -> int:
@@ -110,7 +121,7 @@ def _run_workers(settings: Settings) -> int:
             from prometheus_client.multiprocess import MultiProcessCollector
 
             registry = CollectorRegistry()
-            MultiProcessCollector(registry, path=directory)
+            MultiProcessCollector(registry, path=directory)  # type: ignore[no-untyped-call]
             _start_metrics_server(settings, registry)
         _banner(settings)
         uvicorn.run("proxy.app:create_app_from_env", factory=True, workers=settings.workers,

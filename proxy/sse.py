@@ -9,7 +9,18 @@ may remove (the usage-only event the proxy itself asked for).
 
 Memory is bounded: an event longer than ``max_event_bytes`` is still *forwarded* by the
 relay (the parser never touches the bytes the client gets) but its data is discarded
-and it is reported with ``oversize=True``, so the measurement skips it.
+and it is reported with ``oversize=True``, so the measurement skips it. An event's size
+is its bytes from its first line up to the blank line that ends it, which does not
+depend on how the stream was cut into reads (so neither does the flag). Only events
+with a ``data`` field are dispatched, oversize or not; a long comment is no event.
+
+Spans: ``[start, end)`` runs from the event's first line through the line ending of
+the blank line that dispatched it. An event is dispatched as soon as that line ending
+is seen, even when it is a CR at the very end of a read (no waiting for the next read
+to learn whether an LF follows: timing matters more). If the next read then starts
+with the LF of that CRLF, the LF lies outside every span; it is reported as
+``SSEParser.straddling_lf`` (its offset) so a caller that removes an event can remove
+that byte with it.
 
 The common case, one or more complete LF-terminated events per chunk with nothing
 pending, takes a fast path of a few ``bytes`` methods implemented in C.
@@ -45,6 +56,7 @@ class SSEParser:
         "_offset",
         "_oversize",
         "_pending_cr",
+        "straddling_lf",
     )
 
     def __init__(self, max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES) -> None:
@@ -57,11 +69,20 @@ class SSEParser:
         self._has_data = False
         self._event_start = -1  # offset of the first line of the current event
         self._oversize = False
+        # Offset of an LF that began the last chunk fed and completed a CRLF whose CR
+        # ended the chunk before (so it lies outside the span of an event that CR ended);
+        # -1 when the last chunk did not start that way.
+        self.straddling_lf = -1
 
     @property
     def buffered_bytes(self) -> int:
         """Bytes held for an incomplete line or event (bounded by the event limit)."""
         return len(self._line) + self._data_size
+
+    @property
+    def max_event_bytes(self) -> int:
+        """Events longer than this (in stream bytes) are reported ``oversize``."""
+        return self._max
 
     @property
     def boundary(self) -> int:
@@ -71,6 +92,7 @@ class SSEParser:
     def feed(self, chunk: bytes) -> list[SSEEvent]:
         if not chunk:
             return []
+        self.straddling_lf = -1
         base = self._offset
         self._offset += len(chunk)
         if (
@@ -95,7 +117,7 @@ class SSEParser:
                 value = block[5:]
                 if value[:1] == b" ":
                     value = value[1:]
-                if len(value) > self._max:
+                if len(block) + 1 > self._max:  # event size: up to its blank line
                     events.append(SSEEvent(b"", base + pos, base + end, True))
                 else:
                     events.append(SSEEvent(value, base + pos, base + end))
@@ -114,6 +136,7 @@ class SSEParser:
             self._pending_cr = False
             if chunk[0:1] == b"\n":
                 pos = 1  # second half of a CRLF that straddled two chunks
+                self.straddling_lf = base
         while pos < n:
             lf = chunk.find(b"\n", pos)
             cr = chunk.find(b"\r", pos)
@@ -146,7 +169,7 @@ class SSEParser:
         """Keep an unterminated line for the next chunk, within the event limit."""
         if self._event_start < 0 and not self._line:
             self._event_start = offset
-        if self._oversize or len(self._line) + self._data_size + len(part) > self._max:
+        if self._oversize or offset + len(part) - self._event_start > self._max:
             # Too long to parse: keep only enough to tell the field name.
             self._oversize = True
             self._data.clear()
@@ -162,9 +185,10 @@ class SSEParser:
             if self._event_start < 0:
                 return None  # blank line between events
             event = None
-            if self._has_data or self._oversize:
-                data = b"" if self._oversize else b"\n".join(self._data)
-                event = SSEEvent(data, self._event_start, end, self._oversize)
+            if self._has_data:
+                oversize = self._oversize or line_start - self._event_start > self._max
+                data = b"" if oversize else b"\n".join(self._data)
+                event = SSEEvent(data, self._event_start, end, oversize)
             self._reset()
             return event
         if self._event_start < 0:
@@ -179,12 +203,12 @@ class SSEParser:
         self._has_data = True
         if self._oversize:
             return None
-        self._data_size += len(value) + 1
-        if self._data_size > self._max:
+        if end - self._event_start > self._max:  # already too long, whatever follows
             self._oversize = True
             self._data.clear()
             self._data_size = 0
             return None
+        self._data_size += len(value) + 1
         self._data.append(value)
         return None
 

@@ -54,7 +54,11 @@ def build_client(settings: Settings, transport: httpx.AsyncBaseTransport | None 
             connect_timeout=settings.connect_timeout, read_timeout=settings.read_timeout)
     elif transport is None:
         transport = httpx.AsyncHTTPTransport(limits=limits, retries=0)
-    return httpx.AsyncClient(transport=transport, timeout=timeout, follow_redirects=False)
+    client = httpx.AsyncClient(transport=transport, timeout=timeout, follow_redirects=False)
+    # httpx adds Accept, Accept-Encoding, Connection and User-Agent to every request;
+    # forward only what the client sent (else a client that never asked for gzip gets it).
+    client.headers.clear()
+    return client
 
 
 class UnsafePath(ValueError):
@@ -78,7 +82,7 @@ def safe_subpath(raw_path: bytes) -> bytes:
 def upstream_url(base: str, subpath: bytes, query: bytes) -> httpx.URL:
     """``<base><subpath>?<query>`` with the base's scheme and host, whatever the path says."""
     parts = urlsplit(base)
-    raw = parts.path.encode() + subpath
+    raw = parts.path.rstrip("/").encode() + subpath
     url = httpx.URL(scheme=parts.scheme, host=parts.hostname or "", port=parts.port,
                     raw_path=raw + (b"?" + query if query else b""))
     return url

@@ -54,6 +54,16 @@ def sample(registry: CollectorRegistry, name: str, **extra: str) -> float:
     return value
 
 
+def wait_recorded(registry: CollectorRegistry, name: str, expected: float, **extra: str) -> None:
+    """The SDK stops at ``[DONE]``; the proxy records when the upstream body ends, a moment
+    later. Wait (bounded) for the record rather than race it."""
+    flag = threading.Event()
+    deadline = time.monotonic() + 5.0
+    while registry.get_sample_value(name, {**LABELS, **extra}) != expected:
+        assert time.monotonic() < deadline, f"{name} never reached {expected}"
+        flag.wait(0.005)  # polling the registry, not timing anything
+
+
 def test_streaming_through_proxy_matches_schedule(
         proxied: tuple[ScheduledUpstream, RunningServer, CollectorRegistry]) -> None:
     fake, server, registry = proxied
@@ -76,6 +86,7 @@ def test_streaming_through_proxy_matches_schedule(
     # The upstream was asked for usage on the client's behalf.
     assert fake.requests[-1]["body"]["stream_options"] == {"include_usage": True}
 
+    wait_recorded(registry, "llm_proxy_requests_total", 1, stream="true", code="200")
     count = sample(registry, "llm_proxy_time_to_first_token_seconds_count")
     ttft = sample(registry, "llm_proxy_time_to_first_token_seconds_sum")
     assert count == 1
@@ -103,6 +114,7 @@ def test_non_streaming_through_proxy(
     answer = client.chat.completions.create(
         model="sched-model", messages=[{"role": "user", "content": "hi"}])
     assert answer.usage is not None and answer.usage.completion_tokens == TOKENS
+    wait_recorded(registry, "llm_proxy_requests_total", 1, stream="false", code="200")
     assert sample(registry, "llm_proxy_completion_tokens_sum") == TOKENS
     assert sample(registry, "llm_proxy_prompt_tokens_sum") == 9
     duration = sample(registry, "llm_proxy_request_duration_seconds_sum", stream="false")
@@ -124,14 +136,4 @@ def test_client_disconnect_closes_upstream_request(
     assert fake.closed.wait(2.0), "the upstream request was not closed"
     assert fake.closed_at[0] - gone < 0.1
     assert not fake.finished.is_set()
-    done = threading.Event()
-
-    def outcome_recorded() -> bool:
-        value = registry.get_sample_value("llm_proxy_stream_outcomes_total",
-                                          {**LABELS, "outcome": "client_disconnected"})
-        return value == 1
-
-    deadline = time.monotonic() + 2.0
-    while not outcome_recorded() and time.monotonic() < deadline:
-        done.wait(0.01)  # polling the registry for the recorded outcome
-    assert outcome_recorded()
+    wait_recorded(registry, "llm_proxy_stream_outcomes_total", 1, outcome="client_disconnected")

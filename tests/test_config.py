@@ -1,0 +1,160 @@
+"""Settings: flag over environment over default, one-line errors naming the setting,
+and the ``serve`` command refusing a bad value before it listens."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from proxy import config
+from proxy.config import OPTIONS, Settings, SettingsError, from_sources
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def parse(argv: list[str], environ: dict[str, str] | None = None) -> Settings:
+    parser = argparse.ArgumentParser()
+    config.add_arguments(parser)
+    return from_sources(parser.parse_args(argv), environ or {})
+
+
+def test_defaults_without_flags_or_env() -> None:
+    assert parse([]) == Settings()
+
+
+def test_flag_beats_env_beats_default() -> None:
+    env = {"LLM_PROXY_PORT": "9001", "LLM_PROXY_MAX_CONCURRENCY": "4",
+           "LLM_PROXY_UPSTREAM": "http://env-host:1/v1"}
+    s = parse(["--port", "9002"], env)
+    assert s.port == 9002  # flag
+    assert s.max_concurrency == 4  # env
+    assert s.upstream == "http://env-host:1/v1"
+    assert s.max_queue == Settings().max_queue  # default
+
+
+def test_boolean_switches_from_flags_and_env() -> None:
+    assert parse([]).inject_usage is True
+    assert parse(["--no-inject-usage"]).inject_usage is False
+    assert parse([], {"LLM_PROXY_INJECT_USAGE": "false"}).inject_usage is False
+    assert parse(["--inject-usage"], {"LLM_PROXY_INJECT_USAGE": "0"}).inject_usage is True
+    assert parse(["--no-measure"], {"LLM_PROXY_MEASURE": "yes"}).measure is False
+
+
+def test_lists_and_buckets_parse() -> None:
+    s = parse(["--model-allowlist", "a, b,,c", "--ttft-buckets", "0.1,0.5,2"])
+    assert s.model_allowlist == ("a", "b", "c")
+    assert s.ttft_buckets == (0.1, 0.5, 2.0)
+
+
+def test_upstream_trailing_slash_and_label() -> None:
+    s = parse(["--upstream", "https://user:pw@api.example.com:8443/v1/"])
+    assert s.upstream == "https://user:pw@api.example.com:8443/v1"
+    assert s.upstream_label == "api.example.com:8443"  # never the credentials
+    assert parse(["--upstream-name", "openai"]).upstream_label == "openai"
+
+
+def test_every_option_has_a_distinct_flag_and_env() -> None:
+    assert len({o.flag for o in OPTIONS}) == len(OPTIONS)
+    assert all(o.env == "LLM_PROXY_" + o.name.upper() for o in OPTIONS)
+
+
+BAD_VALUES = [
+    ("upstream", "not a url"),
+    ("upstream", "ftp://host/v1"),
+    ("upstream", "http:///v1"),
+    ("upstream", "http://[::1/v1"),
+    ("upstream", "http://host:99999/v1"),
+    ("upstream", "http://host:port/v1"),
+    ("upstream", "http://host/v1?x=1"),
+    ("port", "-1"),
+    ("port", "65536"),
+    ("port", "eighty"),
+    ("max_concurrency", "-1"),
+    ("max_queue", "-5"),
+    ("max_body_bytes", "0"),
+    ("max_models", "0"),
+    ("workers", "0"),
+    ("connect_timeout", "0"),
+    ("read_timeout", "-1"),
+    ("read_timeout", "nan"),
+    ("read_timeout", "inf"),
+    ("body_timeout", "soon"),
+    ("ttft_buckets", "1,0.5"),
+    ("ttft_buckets", "0.1,0.1"),
+    ("ttft_buckets", "a,b"),
+    ("itl_buckets", ""),
+    ("token_buckets", "-1,2"),
+    ("duration_buckets", "1,inf"),
+    ("inject_usage", "maybe"),
+]
+
+
+@pytest.mark.parametrize(("name", "raw"), BAD_VALUES)
+def test_bad_value_from_env_is_one_line_naming_the_setting(name: str, raw: str) -> None:
+    opt = next(o for o in OPTIONS if o.name == name)
+    with pytest.raises(SettingsError) as info:
+        parse([], {opt.env: raw})
+    message = str(info.value)
+    assert "\n" not in message
+    assert opt.flag in message
+    assert opt.env in message
+
+
+@pytest.mark.parametrize(("name", "raw"), [(n, r) for n, r in BAD_VALUES if n != "inject_usage"])
+def test_bad_value_from_flag_names_the_flag(name: str, raw: str) -> None:
+    opt = next(o for o in OPTIONS if o.name == name)
+    with pytest.raises(SettingsError) as info:
+        parse([f"{opt.flag}={raw}"])
+    message = str(info.value)
+    assert "\n" not in message
+    assert opt.flag in message
+
+
+def test_combination_errors_name_the_setting(tmp_path: Path) -> None:
+    with pytest.raises(SettingsError, match="--metrics-port"):
+        parse(["--port", "9000", "--metrics-port", "9000"])
+    with pytest.raises(SettingsError, match="--upstream-api-key-env"):
+        parse(["--upstream-api-key-env", "LLM_PROXY_TEST_SURELY_UNSET_VARIABLE"])
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("LLM_PROXY_")}
+    environ.update(env or {})
+    environ["COLUMNS"] = "200"
+    return subprocess.run([sys.executable, "-m", "proxy", *args], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT, env=environ, check=False)
+
+
+def test_serve_bad_port_exits_2_before_listening() -> None:
+    done = run_cli("serve", "--port", "-1", "--upstream", "http://127.0.0.1:9/v1")
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert "--port" in lines[0] and "LLM_PROXY_PORT" in lines[0]
+    assert "relaying" not in done.stderr  # the start-up banner never printed
+    assert done.stdout == ""
+
+
+def test_serve_bad_env_exits_2() -> None:
+    done = run_cli("serve", env={"LLM_PROXY_UPSTREAM": "nonsense"})
+    assert done.returncode == 2
+    assert "--upstream" in done.stderr and "LLM_PROXY_UPSTREAM" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_serve_help_lists_every_option_with_its_env_var() -> None:
+    done = run_cli("serve", "--help")
+    assert done.returncode == 0
+    out = done.stdout
+    for opt in OPTIONS:
+        assert opt.flag in out, opt.flag
+        assert opt.env in out, opt.env
+        if opt.flag_only_true:
+            assert "--no-" + opt.flag[2:] in out
+    # defaults are shown once, from the settings, not argparse's placeholder
+    assert "(default: None)" not in out

@@ -1,0 +1,347 @@
+"""Measurement: what counts as output, usage, queue time and TPOT, with a scripted clock.
+
+Events are built from Python objects with ``json.dumps`` and the times come from a
+script, so every expected value is computed from the same script the timer was fed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from proxy.measure import (
+    NOT_COUNTED,
+    EventInfo,
+    Outcome,
+    RequestRecord,
+    StreamTimer,
+    Usage,
+    estimate_prompt_tokens,
+    inspect_event,
+    inspect_payload,
+    tpot,
+    upstream_queue_seconds,
+)
+
+
+def chat(*deltas: dict[str, Any], **extra: Any) -> bytes:
+    """A chat.completion.chunk with one choice per delta."""
+    choices = [{"index": i, "delta": d, "finish_reason": None} for i, d in enumerate(deltas)]
+    return json.dumps({"object": "chat.completion.chunk", "choices": choices, **extra}).encode()
+
+
+def text(*texts: str) -> bytes:
+    choices = [{"index": i, "text": t} for i, t in enumerate(texts)]
+    return json.dumps({"object": "text_completion", "choices": choices}).encode()
+
+
+def usage_chunk(prompt: int, completion: int, cached: int | None = None,
+                **extra: Any) -> bytes:
+    usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                             "total_tokens": prompt + completion}
+    if cached is not None:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    usage.update(extra)
+    return json.dumps({"object": "chat.completion.chunk", "choices": [], "usage": usage}).encode()
+
+
+def run(script: Sequence[tuple[float, bytes]], *, text_route: bool = False) -> StreamTimer:
+    timer = StreamTimer(text_route=text_route)
+    for t, data in script:
+        timer.event(data, t)
+    return timer
+
+
+# ---------------------------------------------------------------------------
+# What carries output
+
+
+@pytest.mark.parametrize(
+    ("delta", "outputs"),
+    [
+        ({"role": "assistant"}, 0),
+        ({"role": "assistant", "content": ""}, 0),
+        ({"content": ""}, 0),
+        ({}, 0),
+        ({"content": None}, 0),
+        ({"content": "Hi"}, 1),
+        ({"role": "assistant", "content": "Hi"}, 1),
+        ({"reasoning_content": "thinking"}, 1),
+        ({"reasoning": "thinking"}, 1),
+        ({"reasoning_content": "", "content": ""}, 0),
+        ({"content": None, "reasoning_content": "x"}, 1),
+        ({"refusal": "I can't"}, 1),
+        ({"refusal": None}, 0),
+        ({"tool_calls": [{"index": 0, "function": {"arguments": "{"}}]}, 1),
+        ({"tool_calls": []}, 0),
+        ({"function_call": {"name": "f", "arguments": ""}}, 1),
+        ({"function_call": None}, 0),
+        ({"content": "a", "reasoning_content": "b"}, 1),  # one choice: one output
+    ],
+)
+def test_chat_delta_outputs(delta: dict[str, Any], outputs: int) -> None:
+    info = inspect_event(chat(delta), text_route=False)
+    assert info.outputs == outputs
+    assert info.usage is None
+    assert not info.usage_only
+
+
+@pytest.mark.parametrize(("texts", "outputs"), [(("",), 0), (("x",), 1), (("x", "", "y"), 2)])
+def test_completions_text(texts: tuple[str, ...], outputs: int) -> None:
+    assert inspect_event(text(*texts), text_route=True).outputs == outputs
+    # the chat reading of the same event finds no delta: no output
+    assert inspect_event(text(*texts), text_route=False).outputs == 0
+
+
+def test_chat_delta_is_not_text_output() -> None:
+    assert inspect_event(chat({"content": "x"}), text_route=True).outputs == 0
+
+
+def test_n_greater_than_one_counts_choices() -> None:
+    info = inspect_event(chat({"content": "a"}, {"role": "assistant"}, {"content": "c"}),
+                         text_route=False)
+    assert info.outputs == 2
+
+
+def test_usage_chunk_is_usage_only() -> None:
+    data = usage_chunk(11, 7, cached=4)
+    info = inspect_event(data, text_route=False)
+    assert info.usage_only
+    assert info.outputs == 0
+    assert info.usage == json.loads(data)["usage"]
+    assert Usage.from_mapping(info.usage) == Usage(11, 4, 7)
+
+
+def test_usage_on_a_content_chunk_is_not_usage_only() -> None:
+    """Some servers put usage on the last content chunk: keep it, never strip it."""
+    data = chat({"content": "end"}, usage={"prompt_tokens": 3, "completion_tokens": 2})
+    info = inspect_event(data, text_route=False)
+    assert info.outputs == 1
+    assert not info.usage_only
+    assert Usage.from_mapping(info.usage) == Usage(3, None, 2)
+
+
+def test_usage_without_choices_key_is_not_usage_only() -> None:
+    data = json.dumps({"usage": {"prompt_tokens": 1, "completion_tokens": 1}}).encode()
+    info = inspect_event(data, text_route=False)
+    assert info.usage is not None
+    assert not info.usage_only
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"[DONE]", b"", b" ", b"{", b"{not json}", b'{"choices": "nope"}', b"[1, 2]",
+        b"null", b"42", b'"text"', b'{"choices": [null, 1, "x", {"delta": "str"}]}',
+        b'{"choices": [{"delta": {"content": 5}}]}', b'{"usage": "many"}',
+        b"\xff\xfe{", b"{" * 100_000, b"[" * 100_000, b'{"choices": [{"delta": {"tool_calls": 0}}]}',
+        b'{"n": 1' + b"0" * 5000 + b"}",  # int longer than Python's digit limit
+        b'{"usage": {"prompt_tokens": -1, "completion_tokens": true}}',
+    ],
+)
+def test_malformed_events_never_raise(data: bytes) -> None:
+    info = inspect_event(data, text_route=False)
+    assert info.outputs == 0
+    assert not info.usage_only
+    if info.usage is not None:
+        assert Usage.from_mapping(info.usage) == Usage(None, None, None)
+    assert inspect_event(data, text_route=True).outputs == 0
+    timer = StreamTimer(text_route=False)
+    timer.event(data, 1.0)
+    assert timer.first_t is None
+
+
+def test_non_dict_payload_is_not_counted() -> None:
+    payloads: list[Any] = [[], [{"choices": []}], None, 3.5, "x"]
+    for payload in payloads:
+        assert inspect_payload(payload, text_route=False) is NOT_COUNTED
+
+
+def test_leading_whitespace_before_json_is_tolerated() -> None:
+    assert inspect_event(b"  " + chat({"content": "x"}), text_route=False).outputs == 1
+
+
+# ---------------------------------------------------------------------------
+# Upstream-reported queue time
+
+
+def test_vllm_queue_time_inside_usage() -> None:
+    data = usage_chunk(5, 5, metrics={"queue_time_ms": 250})
+    info = inspect_event(data, text_route=False)
+    assert info.upstream_queue_s == 250 / 1000
+    assert info.usage_only
+
+
+def test_vllm_queue_time_top_level() -> None:
+    payload = {"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 1},
+               "metrics": {"queue_time_ms": 12.5}}
+    info = inspect_event(json.dumps(payload).encode(), text_route=False)
+    assert info.upstream_queue_s == 12.5 / 1000
+
+
+def test_queue_time_alone_is_still_reported() -> None:
+    info = inspect_event(b'{"metrics": {"queue_time_ms": 8}}', text_route=False)
+    assert info is not NOT_COUNTED
+    assert info.upstream_queue_s == 8 / 1000
+
+
+@pytest.mark.parametrize("value", [-1, "12", None, True, [], float("nan"), float("inf")])
+def test_bad_queue_time_is_ignored(value: Any) -> None:
+    payload = {"usage": {"metrics": {"queue_time_ms": value}}}
+    assert upstream_queue_seconds(payload) is None
+    # the same through the JSON text, where NaN/Infinity are accepted by json.loads
+    info = inspect_event(json.dumps(payload).encode(), text_route=False)
+    assert info.upstream_queue_s is None
+
+
+# ---------------------------------------------------------------------------
+# The timer, driven by a scripted clock
+
+
+def test_role_only_first_chunk_does_not_start_ttft() -> None:
+    script = [
+        (0.125, chat({"role": "assistant"})),
+        (0.25, chat({"role": "assistant", "content": ""})),
+        (0.5, chat({"content": "Hel"})),
+        (0.625, chat({"content": "lo"})),
+        (0.75, chat({}, finish_reason="stop")),
+        (0.875, usage_chunk(9, 2)),
+        (0.9375, b"[DONE]"),
+    ]
+    timer = run(script)
+    outputs = [t for t, d in script if inspect_event(d, text_route=False).outputs]
+    assert timer.first_t == outputs[0] == 0.5
+    assert timer.last_t == outputs[-1]
+    assert timer.gaps == [b - a for a, b in itertools.pairwise(outputs)]
+    assert timer.output_events == len(outputs)
+    assert Usage.from_mapping(timer.usage) == Usage(9, None, 2)
+
+
+def test_every_gap_between_output_events_is_kept() -> None:
+    times = [0.5, 0.5078125, 0.53125, 0.6875, 1.0, 1.0009765625]
+    kinds: list[dict[str, Any]] = [{"reasoning_content": "r"}, {"reasoning": "r"}, {"content": "c"},
+             {"tool_calls": [{"index": 0}]}, {"refusal": "no"},
+             {"function_call": {"arguments": "x"}}]
+    script: list[tuple[float, bytes]] = []
+    for i, (t, delta) in enumerate(zip(times, kinds, strict=True)):
+        script.append((t, chat(delta)))
+        script.append((t + 0.0001 * (i + 1), chat({"content": ""})))  # not a token
+    timer = run(script)
+    assert timer.first_t == times[0]
+    assert timer.last_t == times[-1]
+    assert timer.gaps == [b - a for a, b in itertools.pairwise(times)]
+    assert timer.output_events == len(times)
+
+
+def test_n_choices_first_output_of_any_choice() -> None:
+    script = [
+        (0.25, chat({"role": "assistant"}, {"role": "assistant"})),
+        (0.5, chat({"role": "assistant"}, {"content": "b1"})),  # choice 1 first
+        (0.75, chat({"content": "a1"}, {"content": "b2"})),
+        (1.0, chat({"content": "a2"}, {})),
+    ]
+    timer = run(script)
+    assert timer.first_t == 0.5
+    assert timer.output_events == 3
+    assert timer.output_choices == sum(
+        inspect_event(d, text_route=False).outputs for _, d in script)
+    assert timer.output_choices == 4
+    assert timer.gaps == [0.75 - 0.5, 1.0 - 0.75]
+
+
+def test_completions_route_timer() -> None:
+    script = [(0.25, text("")), (0.5, text("A")), (1.0, text("B")), (1.5, usage_chunk(3, 2))]
+    timer = run(script, text_route=True)
+    assert (timer.first_t, timer.last_t) == (0.5, 1.0)
+    assert timer.gaps == [0.5]
+    assert Usage.from_mapping(timer.usage).completion_tokens == 2
+
+
+def test_malformed_event_mid_stream_is_skipped() -> None:
+    script = [(0.5, chat({"content": "a"})), (0.75, b"{broken"), (1.0, b"\x00"),
+              (1.25, chat({"content": "b"}))]
+    timer = run(script)
+    assert timer.gaps == [0.75]
+    assert timer.output_events == 2
+
+
+def test_queue_time_from_final_usage_chunk() -> None:
+    timer = run([(0.5, chat({"content": "a"})),
+                 (0.75, usage_chunk(1, 1, metrics={"queue_time_ms": 40}))])
+    assert timer.upstream_queue_s == 40 / 1000
+
+
+def test_event_returns_its_classification() -> None:
+    timer = StreamTimer(text_route=False)
+    info = timer.event(chat({"content": "x"}), 0.5)
+    assert isinstance(info, EventInfo)
+    assert info.outputs == 1
+
+
+# ---------------------------------------------------------------------------
+# TPOT
+
+
+@pytest.mark.parametrize("tokens", [2, 3, 17, 1000])
+def test_tpot_formula(tokens: int) -> None:
+    first, last = 0.5, 2.75
+    assert tpot(first, last, tokens) == (last - first) / (tokens - 1)
+
+
+@pytest.mark.parametrize("tokens", [None, 0, 1])
+def test_tpot_needs_two_tokens(tokens: int | None) -> None:
+    assert tpot(0.5, 2.75, tokens) is None
+
+
+def test_tpot_needs_output() -> None:
+    assert tpot(None, None, 10) is None
+
+
+def test_tpot_from_a_timed_stream() -> None:
+    script = [(0.5, chat({"content": "a"})), (0.625, chat({"content": "bc"})),
+              (1.0, chat({"content": "d"})), (1.25, usage_chunk(4, 4))]
+    timer = run(script)
+    usage = Usage.from_mapping(timer.usage)
+    assert usage.completion_tokens is not None
+    assert tpot(timer.first_t, timer.last_t, usage.completion_tokens) == (1.0 - 0.5) / (4 - 1)
+
+
+# ---------------------------------------------------------------------------
+# Usage, estimates and the log record
+
+
+def test_usage_parsing_rejects_bad_values() -> None:
+    assert Usage.from_mapping(None) == Usage()
+    assert Usage.from_mapping({}) == Usage()
+    assert Usage.from_mapping({"prompt_tokens": "3", "completion_tokens": 2.0,
+                               "prompt_tokens_details": {"cached_tokens": False}}) == Usage()
+    assert Usage.from_mapping({"prompt_tokens": 3, "prompt_tokens_details": None}) == Usage(3)
+
+
+def test_estimate_prompt_tokens() -> None:
+    messages = [{"role": "user", "content": "x" * 40},
+                {"role": "user", "content": [{"type": "text", "text": "y" * 40}]}]
+    assert estimate_prompt_tokens({"messages": messages}) == round(80 / 4)
+    assert estimate_prompt_tokens({"prompt": "z" * 12}) == 3
+    assert estimate_prompt_tokens({"prompt": ["ab", "cd", 5]}) == 1
+    assert estimate_prompt_tokens({"model": "m"}) is None
+
+
+def test_record_log_has_every_field() -> None:
+    record = RequestRecord("rid", "/v1/chat/completions", "m", "up", True, 200,
+                           outcome=Outcome.COMPLETED,
+                           duration_s=2.0, itl_s=(0.25, 0.75))
+    log = record.as_log()
+    assert log["itl_count"] == 2
+    assert log["itl_mean_s"] == 0.5
+    assert log["itl_max_s"] == 0.75
+    assert log["outcome"] == "completed"
+    fields = set(RequestRecord.__dataclass_fields__) - {"itl_s"}
+    assert fields <= set(log)
+    assert json.loads(json.dumps(log)) == log
+    assert all(not (isinstance(v, float) and math.isnan(v)) for v in log.values())

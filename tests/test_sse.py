@@ -1,0 +1,385 @@
+"""SSE parser: every split point, every line ending, spans, boundary and memory bound.
+
+Expected results come from ``reference_parse``, a deliberately naive whole-stream
+reading of the WHATWG event-stream grammar written here independently of
+:mod:`proxy.sse` (split lines on CRLF/LF/CR, blank line dispatches an event that had a
+``data`` field). The incremental parser must agree with it whatever the chunking.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import re
+from collections.abc import Iterable, Sequence
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from proxy.sse import SSEEvent, SSEParser
+
+Expected = tuple[bytes, int, int, bool]  # data, start, end, oversize
+_EOL = re.compile(rb"\r\n|\r|\n")
+
+
+@functools.lru_cache(maxsize=64)
+def reference_parse(stream: bytes, max_event_bytes: int = 1 << 20) -> list[Expected]:
+    """Whole-stream parse: (data, start, end, oversize) for every dispatched event.
+
+    An event's span runs from its first line to the end of the blank line that ends
+    it; it is oversize when its bytes before that blank line are more than
+    ``max_event_bytes``.
+    """
+    events: list[Expected] = []
+    pos = 0
+    start = -1
+    data: list[bytes] = []
+    has_data = False
+    for match in _EOL.finditer(stream):
+        line = stream[pos : match.start()]
+        end = match.end()
+        if not line:
+            if start >= 0 and has_data:
+                oversize = pos - start > max_event_bytes
+                events.append((b"" if oversize else b"\n".join(data), start, end, oversize))
+            start, data, has_data = -1, [], False
+        else:
+            if start < 0:
+                start = pos
+            if not line.startswith(b":"):
+                name, _sep, value = line.partition(b":")
+                if name == b"data":
+                    has_data = True
+                    data.append(value[1:] if value.startswith(b" ") else value)
+        pos = end
+    return events
+
+
+def expected_for(stream: bytes, cuts: Iterable[int], max_event_bytes: int = 1 << 20) -> list[Expected]:
+    """The reference events for ``stream`` fed in pieces cut at ``cuts``.
+
+    One documented difference from the whole stream: an event whose final CRLF is cut
+    between CR and LF ends after the CR (it is dispatched on the read that brought the
+    CR; the LF is reported as ``straddling_lf``).
+    """
+    where = set(cuts)
+    out = []
+    for data, start, end, oversize in reference_parse(stream, max_event_bytes):
+        if stream[end - 2 : end] == b"\r\n" and end - 1 in where:
+            end -= 1
+        out.append((data, start, end, oversize))
+    return out
+
+
+def as_tuples(events: Iterable[SSEEvent]) -> list[Expected]:
+    return [(e.data, e.start, e.end, e.oversize) for e in events]
+
+
+def feed_pieces(pieces: Sequence[bytes], max_event_bytes: int = 1 << 20) -> list[Expected]:
+    parser = SSEParser(max_event_bytes)
+    out: list[SSEEvent] = []
+    for piece in pieces:
+        out.extend(parser.feed(piece))
+    return as_tuples(out)
+
+
+def build(events: Sequence[Sequence[bytes]], eol: bytes | Sequence[bytes]) -> bytes:
+    """Each event is a list of lines, ended by a blank line; ``eol`` one or cycled."""
+    eols = [eol] if isinstance(eol, bytes) else list(eol)
+    out = bytearray()
+    i = 0
+    for lines in events:
+        for line in [*lines, b""]:
+            out += line + eols[i % len(eols)]
+            i += 1
+    return bytes(out)
+
+
+EVENTS: list[list[bytes]] = [
+    [b": keep-alive comment"],
+    [b'data: {"choices":[{"delta":{"role":"assistant"}}]}'],
+    [b"event: message", b"id: 7", b"data:no-space", b"retry: 10"],
+    [b"data: line one", b"data: line two", b": comment inside", b"data:  two spaces"],
+    [b"id: only-id"],  # no data field: not dispatched
+    [b"data"],  # field without colon: empty data
+    [b"data: [DONE]"],
+]
+EOLS: dict[str, bytes | list[bytes]] = {
+    "lf": b"\n",
+    "crlf": b"\r\n",
+    "cr": b"\r",
+    "mixed": [b"\r", b"\r\n", b"\n"],  # never a lone CR before an LF
+}
+
+
+@pytest.fixture(params=list(EOLS), ids=list(EOLS))
+def eol_name(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def stream(eol_name: str) -> bytes:
+    return build(EVENTS, EOLS[eol_name])
+
+
+def test_reference_reading_of_the_sample() -> None:
+    """Anchor the reference itself on a hand-checked case, so the comparisons mean something."""
+    data = [e[0] for e in reference_parse(build(EVENTS, b"\n"))]
+    assert data == [
+        b'{"choices":[{"delta":{"role":"assistant"}}]}',
+        b"no-space",
+        b"line one\nline two\n two spaces",
+        b"",
+        b"[DONE]",
+    ]
+
+
+def test_whole_stream_matches_reference(stream: bytes) -> None:
+    expected = reference_parse(stream)
+    assert len(expected) == 5
+    assert feed_pieces([stream]) == expected
+
+
+def test_every_two_piece_split(stream: bytes) -> None:
+    for cut in range(len(stream) + 1):
+        assert feed_pieces([stream[:cut], stream[cut:]]) == expected_for(stream, [cut]), cut
+
+
+def test_every_three_piece_split(eol_name: str) -> None:
+    # four of the sample events (every kind of line), to keep the n^2 cuts fast
+    stream = build(EVENTS[1:4] + EVENTS[5:6], EOLS[eol_name])
+    assert len(expected_for(stream, [])) == 4
+    n = len(stream)
+    for a in range(n + 1):
+        for b in range(a, n + 1):
+            got = feed_pieces([stream[:a], stream[a:b], stream[b:]])
+            assert got == expected_for(stream, [a, b]), (a, b)
+
+
+def test_byte_by_byte(stream: bytes) -> None:
+    expected = expected_for(stream, range(len(stream)))
+    assert feed_pieces([stream[i : i + 1] for i in range(len(stream))]) == expected
+
+
+def test_crlf_split_between_chunks_is_one_line_ending() -> None:
+    """A CR ending one chunk and an LF starting the next make one CRLF, not two lines."""
+    parser = SSEParser()
+    assert parser.feed(b"data: a\r") == []
+    assert parser.feed(b"\ndata: b\r") == []
+    # If the LF were a line of its own the event would already have been dispatched
+    # with only "a"; the CR + LF that follows ends the event with both lines.
+    assert parser.straddling_lf == len(b"data: a\r")
+    events = parser.feed(b"\n\r\n")
+    assert parser.straddling_lf == len(b"data: a\r\ndata: b\r")
+    assert [e.data for e in events] == [b"a\nb"]
+    assert (events[0].start, events[0].end) == (0, len(b"data: a\r\ndata: b\r\n\r\n"))
+    parser.feed(b"data: c\n")
+    assert parser.straddling_lf == -1
+
+
+def test_lone_cr_at_chunk_end_dispatches_at_once() -> None:
+    """An event ended by CR at the end of a read is dispatched on that read (timing)."""
+    parser = SSEParser()
+    events = parser.feed(b"data: x\r\r")
+    assert [(e.data, e.start, e.end) for e in events] == [(b"x", 0, 9)]
+    assert parser.feed(b"\n") == []  # the second half of a CRLF, nothing more
+    assert parser.straddling_lf == events[0].end  # so a caller can drop it with the event
+    assert parser.boundary == 10
+
+
+def test_events_without_data_are_not_dispatched() -> None:
+    stream = b"event: ping\n\n: comment\n\nid: 3\nretry: 5\n\n"
+    assert feed_pieces([stream]) == []
+    assert feed_pieces([stream[i : i + 1] for i in range(len(stream))]) == []
+
+
+def test_data_field_variants() -> None:
+    stream = b"data:x\n\ndata: x\n\ndata:  x\n\ndata\n\ndata:\n\ndatax: y\n\nDATA: z\n\n"
+    assert [e[0] for e in feed_pieces([stream])] == [b"x", b"x", b" x", b"", b""]
+
+
+def test_other_fields_ignored_data_kept() -> None:
+    stream = b"event: delta\nid: 42\ndata: payload\nretry: 100\nfoo: bar\n\n"
+    assert [e[0] for e in feed_pieces([stream])] == [b"payload"]
+
+
+def test_blank_lines_between_events_are_outside_spans() -> None:
+    stream = b"\n\ndata: a\n\n\n\r\ndata: b\n\n"
+    events = feed_pieces([stream])
+    assert [e[0] for e in events] == [b"a", b"b"]
+    assert [stream[s:e] for _, s, e, _ in events] == [b"data: a\n\n", b"data: b\n\n"]
+
+
+def test_removing_each_span_leaves_the_other_events(stream: bytes) -> None:
+    events = feed_pieces([stream])
+    for i, (_, start, end, _) in enumerate(events):
+        rest = stream[:start] + stream[end:]
+        others = [e[0] for j, e in enumerate(events) if j != i]
+        assert [e[0] for e in feed_pieces([rest])] == others, i
+
+
+def test_spans_tile_each_event_exactly(stream: bytes) -> None:
+    """Each span re-parsed alone is exactly that one event, whatever the chunking."""
+    for pieces in ([stream], [stream[i : i + 1] for i in range(len(stream))]):
+        for data, start, end, _ in feed_pieces(pieces):
+            alone = feed_pieces([stream[start:end]])
+            assert [e[0] for e in alone] == [data]
+            assert (alone[0][1], alone[0][2]) == (0, end - start)
+
+
+def test_boundary_after_every_split(stream: bytes) -> None:
+    """Bytes before ``boundary`` hold exactly the events seen so far; none start after it."""
+    expected = reference_parse(stream)
+    for cut in range(len(stream) + 1):
+        parser = SSEParser()
+        seen = as_tuples(parser.feed(stream[:cut]))
+        boundary = parser.boundary
+        assert 0 <= boundary <= cut
+        assert reference_parse(stream[:boundary]) == seen, cut
+        assert all(end <= boundary for _, _, end, _ in seen)
+        # the held-back tail belongs to an event that is not finished yet
+        seen_starts = {start for _, start, _, _ in seen}
+        later = [e for e in expected if e[1] not in seen_starts]
+        assert all(start >= boundary for _, start, _, _ in later), cut
+
+
+def test_boundary_is_the_offset_when_nothing_is_pending() -> None:
+    parser = SSEParser()
+    parser.feed(b"data: a\n\n")
+    assert parser.boundary == 9
+    parser.feed(b"data: b\n")
+    assert parser.boundary == 9  # an event has started and is not finished
+    parser.feed(b"\n")
+    assert parser.boundary == 18
+
+
+def test_done_marker_is_plain_data() -> None:
+    events = feed_pieces([b'data: {"a":1}\n\ndata: [DONE]\n\n'])
+    assert [e[0] for e in events] == [b'{"a":1}', b"[DONE]"]
+
+
+def test_empty_chunks_are_harmless() -> None:
+    parser = SSEParser()
+    assert parser.feed(b"") == []
+    assert [e.data for e in parser.feed(b"data: a\n\n")] == [b"a"]
+    assert parser.feed(b"") == []
+    assert parser.boundary == 9
+
+
+# ---------------------------------------------------------------------------
+# Over-long events: flagged, memory bounded, and the same whatever the chunking.
+
+LIMIT = 64
+
+
+def oversize_stream(eol: bytes) -> bytes:
+    return build(
+        [
+            [b"data: small"],
+            [b"data: " + b"x" * 200],  # one long line
+            [b"data: " + b"y" * 40, b"data: " + b"z" * 40],  # long only in total
+            [b": " + b"c" * 200],  # a long comment: still no event
+            [b"data: after"],
+        ],
+        eol,
+    )
+
+
+@pytest.mark.parametrize("eol", [b"\n", b"\r\n", b"\r"], ids=["lf", "crlf", "cr"])
+def test_oversize_flagged_and_parsing_continues(eol: bytes) -> None:
+    stream = oversize_stream(eol)
+    expected = reference_parse(stream, LIMIT)
+    assert [(e[0], e[3]) for e in expected] == [
+        (b"small", False), (b"", True), (b"", True), (b"after", False)]  # fmt: skip
+    assert feed_pieces([stream], LIMIT) == expected
+    every = range(len(stream))
+    assert feed_pieces([stream[i : i + 1] for i in every], LIMIT) == expected_for(
+        stream, every, LIMIT)
+    for cut in range(len(stream) + 1):
+        got = feed_pieces([stream[:cut], stream[cut:]], LIMIT)
+        assert got == expected_for(stream, [cut], LIMIT), cut
+
+
+@pytest.mark.parametrize("size", range(LIMIT - 12, LIMIT + 4))
+def test_oversize_threshold_does_not_depend_on_chunking(size: int) -> None:
+    """Around the limit, the same event is oversize or not however it was cut."""
+    stream = b"data: " + b"v" * size + b"\n\n"
+    expected = reference_parse(stream, LIMIT)
+    assert feed_pieces([stream], LIMIT) == expected
+    for cut in range(len(stream) + 1):
+        assert feed_pieces([stream[:cut], stream[cut:]], LIMIT) == expected, cut
+    assert feed_pieces([stream[i : i + 1] for i in range(len(stream))], LIMIT) == expected
+
+
+def test_memory_stays_bounded_for_an_endless_event() -> None:
+    parser = SSEParser(LIMIT)
+    peak = 0
+    parser.feed(b"data: ")
+    for _ in range(2000):
+        parser.feed(b"w" * 37)
+        peak = max(peak, parser.buffered_bytes)
+    parser.feed(b"\ndata: more\n")
+    for _ in range(100):
+        parser.feed(b"data: " + b"q" * 50 + b"\n")
+        peak = max(peak, parser.buffered_bytes)
+    assert peak <= LIMIT + 64
+    events = parser.feed(b"\n")
+    assert [(e.data, e.oversize) for e in events] == [(b"", True)]
+    assert parser.buffered_bytes == 0
+    assert [e.data for e in parser.feed(b"data: ok\n\n")] == [b"ok"]
+
+
+def test_buffered_bytes_tracks_partial_input() -> None:
+    parser = SSEParser()
+    assert parser.buffered_bytes == 0
+    parser.feed(b"data: abc")
+    assert parser.buffered_bytes >= len(b"data: abc")
+    parser.feed(b"\n")
+    assert parser.buffered_bytes >= 3
+    parser.feed(b"\n")
+    assert parser.buffered_bytes == 0
+
+
+# ---------------------------------------------------------------------------
+# Property: any events, any line endings, cut anywhere: same as fed whole.
+
+_text = st.binary(max_size=12).map(lambda b: b.replace(b"\r", b"").replace(b"\n", b""))
+_line = st.one_of(
+    _text.map(lambda v: b"data:" + v),
+    _text.map(lambda v: b"data: " + v),
+    st.just(b"data"),
+    _text.map(lambda v: b":" + v),
+    _text.map(lambda v: b"event: " + v),
+    _text.map(lambda v: b"id:" + v),
+    _text.filter(lambda v: v[:1] not in (b"", b":")),  # any field name, maybe no colon
+)
+_eol = st.sampled_from([b"\n", b"\r\n", b"\r"])
+
+
+@st.composite
+def streams(draw: st.DrawFn) -> tuple[bytes, list[int]]:
+    events = draw(st.lists(st.lists(_line, max_size=4), max_size=6))
+    out = bytearray()
+    for lines in events:
+        for line in [*lines, b""]:
+            out += line + draw(_eol)
+    if draw(st.booleans()):  # an unfinished tail
+        out += draw(_line)
+    stream = bytes(out)
+    cuts = sorted(draw(st.lists(st.integers(0, len(stream)), max_size=8)))
+    return stream, cuts
+
+
+@settings(max_examples=250, deadline=None)
+@given(streams(), st.sampled_from([LIMIT, 1 << 20]))
+def test_property_chunking_never_changes_the_events(
+    case: tuple[bytes, list[int]], limit: int
+) -> None:
+    stream, cuts = case
+    bounds = [0, *cuts, len(stream)]
+    pieces = [stream[a:b] for a, b in itertools.pairwise(bounds)]
+    whole = feed_pieces([stream], limit)
+    assert whole == reference_parse(stream, limit)
+    assert feed_pieces(pieces, limit) == expected_for(stream, cuts, limit)
+    assert [e[0] for e in feed_pieces(pieces, limit)] == [e[0] for e in whole]

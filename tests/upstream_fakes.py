@@ -1,0 +1,226 @@
+"""Helpers for in-process proxy tests: a scripted clock, a fake upstream behind
+``httpx.MockTransport`` and SSE stream builders.
+
+Time is scripted, never measured: the upstream's body generator sets the clock right
+before it yields each chunk, so the relay's one clock read per chunk sees exactly the
+scripted time and every expected metric can be computed from the script.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable, Coroutine, MutableMapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from prometheus_client import CollectorRegistry
+
+from proxy.app import ProxyApp, create_app
+from proxy.config import Settings
+
+UPSTREAM = "http://upstream.test:8000/v1"
+UPSTREAM_LABEL = "upstream.test:8000"
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+SSE_HEADERS = {"content-type": "text/event-stream; charset=utf-8"}
+
+Message = MutableMapping[str, Any]
+
+
+class ScriptedClock:
+    """A monotonic clock that only moves when a test (or a fake upstream) moves it."""
+
+    def __init__(self, now: float = 64.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def chunk_json(*deltas: dict[str, Any], model: str = "m", **extra: Any) -> dict[str, Any]:
+    choices = [{"index": i, "delta": d, "finish_reason": None} for i, d in enumerate(deltas)]
+    return {"id": "c1", "object": "chat.completion.chunk", "model": model, "choices": choices,
+            **extra}
+
+
+def usage_json(prompt: int, completion: int, cached: int | None = None,
+               **extra: Any) -> dict[str, Any]:
+    usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                             "total_tokens": prompt + completion}
+    if cached is not None:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    usage.update(extra)
+    return {"id": "c1", "object": "chat.completion.chunk", "model": "m", "choices": [],
+            "usage": usage}
+
+
+def sse(payload: dict[str, Any] | str, eol: bytes = b"\n") -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload)
+    return b"data: " + data.encode() + eol + eol
+
+
+@dataclass
+class Seen:
+    """What the fake upstream received."""
+
+    method: str
+    url: httpx.URL
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
+
+    def header(self, name: bytes) -> list[bytes]:
+        return [v for k, v in self.headers if k.lower() == name]
+
+    @property
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+Handler = Callable[[httpx.Request], Coroutine[None, None, httpx.Response]]
+
+
+@dataclass
+class FakeUpstream:
+    """Records every request; answers with whatever ``respond`` returns."""
+
+    respond: Handler
+    seen: list[Seen] = field(default_factory=list)
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        body = await request.aread()
+        self.seen.append(Seen(request.method, request.url, list(request.headers.raw), body))
+        return await self.respond(request)
+
+
+async def timed_body(clock: ScriptedClock, script: Sequence[tuple[float, bytes]],
+                     end: float | None = None,
+                     fail: BaseException | None = None,
+                     closed: asyncio.Event | None = None,
+                     hold: asyncio.Event | None = None) -> AsyncIterator[bytes]:
+    """Yield each chunk at its scripted time; then set the end time, or raise ``fail``.
+
+    ``hold``: after the script, wait for it (an upstream that goes quiet).
+    ``closed`` is set however the generator ends (normally, failing or closed early).
+    """
+    try:
+        for t, chunk in script:
+            clock.now = t
+            yield chunk
+        if hold is not None:
+            await hold.wait()
+        if fail is not None:
+            raise fail
+        if end is not None:
+            clock.now = end
+    finally:
+        if closed is not None:
+            closed.set()
+
+
+def make_app(handler: Handler, clock: ScriptedClock, **overrides: Any
+             ) -> tuple[ProxyApp, CollectorRegistry]:
+    settings = Settings(**{"upstream": UPSTREAM, **overrides})
+    registry = CollectorRegistry()
+    app = create_app(settings, transport=httpx.MockTransport(handler), registry=registry,
+                     clock=clock)
+    return app, registry
+
+
+def labels(route: str = CHAT, model: str = "m", **extra: str) -> dict[str, str]:
+    return {"route": route, "model": model, "upstream": UPSTREAM_LABEL, **extra}
+
+
+@dataclass
+class Histo:
+    count: float
+    sum: float
+    buckets: dict[float, float]
+
+
+def histogram(registry: CollectorRegistry, name: str, lbl: dict[str, str]) -> Histo:
+    """Count, sum and cumulative buckets of one histogram child (zeros if absent)."""
+    count = registry.get_sample_value(name + "_count", lbl) or 0.0
+    total = registry.get_sample_value(name + "_sum", lbl) or 0.0
+    buckets: dict[float, float] = {}
+    for metric in registry.collect():
+        for sample in metric.samples:
+            if sample.name != name + "_bucket":
+                continue
+            rest = {k: v for k, v in sample.labels.items() if k != "le"}
+            if rest == lbl:
+                buckets[float(sample.labels["le"])] = sample.value
+    return Histo(count, total, buckets)
+
+
+def expected_buckets(edges: Sequence[float], values: Sequence[float]) -> dict[float, float]:
+    out = {float(le): float(sum(1 for v in values if v <= le)) for le in edges}
+    out[float("inf")] = float(len(values))
+    return out
+
+
+@dataclass
+class RawResult:
+    messages: list[Message]
+
+    @property
+    def start(self) -> Message:
+        return next(m for m in self.messages if m["type"] == "http.response.start")
+
+    @property
+    def status(self) -> int:
+        return int(self.start["status"])
+
+    @property
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        return list(self.start["headers"])
+
+    @property
+    def body(self) -> bytes:
+        return b"".join(m.get("body", b"") for m in self.messages
+                        if m["type"] == "http.response.body")
+
+    @property
+    def completed(self) -> bool:
+        """The app sent a final body message (``more_body`` false)."""
+        return any(m["type"] == "http.response.body" and not m.get("more_body", False)
+                   for m in self.messages)
+
+
+async def call_raw(app: Any, method: str, path: str, *, body: bytes = b"",
+                   headers: Sequence[tuple[bytes, bytes]] = (),
+                   query: bytes = b"",
+                   disconnect_after_body_messages: int | None = None) -> RawResult:
+    """Drive the ASGI app directly and record every message it sends.
+
+    The client never disconnects unless ``disconnect_after_body_messages`` is given:
+    then ``http.disconnect`` is delivered once the app has sent that many body messages.
+    """
+    messages: list[Message] = []
+    delivered = False
+    gone = asyncio.Event()
+
+    async def receive() -> Message:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: Message) -> None:
+        messages.append(message)
+        if disconnect_after_body_messages is not None:
+            count = sum(1 for m in messages if m["type"] == "http.response.body")
+            if count >= disconnect_after_body_messages:
+                gone.set()
+
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
+        "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": query,
+        "root_path": "", "headers": [(k.lower(), v) for k, v in headers],
+        "client": ("127.0.0.1", 50000), "server": ("proxy.test", 80),
+    }
+    await app(scope, receive, send)
+    return RawResult(messages)
