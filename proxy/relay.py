@@ -21,16 +21,20 @@ written not to), measurement stops for that stream and the bytes keep flowing.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
-from proxy.measure import Outcome, StreamTimer, inspect_event
+from proxy.measure import EventInfo, Outcome, StreamTimer, inspect_event
 from proxy.sse import SSEParser
 
 log = logging.getLogger("proxy.relay")
+
+# ``"choices"`` as a key (an unescaped quote on both sides) with an empty list as value.
+_EMPTY_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]').search
 
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 Clock = Callable[[], float]
@@ -114,21 +118,28 @@ async def _send_stripped(
     send: Send,
     clock: Clock,
 ) -> tuple[int, bytes, int]:
-    """Forward every complete event except the usage-only one; keep the rest pending."""
+    """Forward every complete event except the usage-only one; keep the rest pending.
+
+    Only an event whose bytes hold ``"choices"`` followed by an empty list can be the
+    usage-only event; a regex finds those without decoding JSON, and only they are
+    decoded before the send. Every other event is decoded after it was handed on.
+    """
     events = parser.feed(chunk)
     data = pending + chunk if pending else chunk
     boundary = max(parser.boundary - pending_start, 0)  # bytes of data that are complete
-    infos = []
+    infos: list[EventInfo | None] = []
     cut: list[tuple[int, int]] = []
     if parser.straddling_lf >= 0 and parser.straddling_lf == removed_end:
         # the LF of the removed event's final CRLF came in this read: remove it too
         cut.append((removed_end - pending_start, removed_end - pending_start + 1))
     for event in events:
-        info = inspect_event(event.data, text_route=timer.text_route) if not event.oversize else None
+        info = None
+        if not event.oversize and _EMPTY_CHOICES(event.data):
+            info = inspect_event(event.data, text_route=timer.text_route)
+            if info.usage_only:
+                cut.append((event.start - pending_start, event.end - pending_start))
+                removed_end = event.end
         infos.append(info)
-        if info is not None and info.usage_only:
-            cut.append((event.start - pending_start, event.end - pending_start))
-            removed_end = event.end
     if not cut:
         out = data if boundary == len(data) else data[:boundary]
     else:
@@ -141,9 +152,11 @@ async def _send_stripped(
     if out:
         await send({"type": "http.response.body", "body": out, "more_body": True})
     t = clock()
-    for info in infos:
+    for event, info in zip(events, infos, strict=True):
         if info is not None:
             timer.observe(info, t)
+        elif not event.oversize:
+            timer.event(event.data, t)
     rest = data[boundary:]
     if len(rest) > parser.max_event_bytes:
         # Already longer than the parser's limit: oversize, so never the event removed.
