@@ -1,0 +1,261 @@
+"""The proxy's view of a run, read from its ``/metrics`` before and after.
+
+Parses the Prometheus text exposition format (only what a scrape of
+prometheus-client output needs: samples, label escapes, comments skipped), sums series
+over labels, takes the difference after - before, and estimates quantiles from the
+histogram buckets the way PromQL's ``histogram_quantile`` does: find the bucket where
+the rank falls and interpolate linearly within it (lower edge 0 for the first bucket;
+a rank in the ``+Inf`` bucket gives the highest finite edge).
+
+The bucket quantiles are therefore estimates whose error is bounded by the bucket
+width; ``_sum / _count`` (the mean) and the counts are exact, and are what the
+comparison with the client's numbers should lean on.
+
+Nothing here imports prometheus_client: the parser also serves URLs of other
+processes, and the module stays cheap to import for the CLI.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+import httpx
+
+Labels = tuple[tuple[str, str], ...]
+SeriesKey = tuple[str, Labels]
+Snapshot = dict[SeriesKey, float]
+
+PREFIX = "llm_proxy_"
+TTFT = "llm_proxy_time_to_first_token_seconds"
+ITL = "llm_proxy_inter_token_latency_seconds"
+TPOT = "llm_proxy_time_per_output_token_seconds"
+QUEUE = "llm_proxy_queue_time_seconds"
+UPSTREAM_QUEUE = "llm_proxy_upstream_queue_time_seconds"
+DURATION = "llm_proxy_request_duration_seconds"
+PROMPT_TOKENS = "llm_proxy_prompt_tokens"
+CACHED_TOKENS = "llm_proxy_cached_prompt_tokens"
+COMPLETION_TOKENS = "llm_proxy_completion_tokens"
+REQUESTS = "llm_proxy_requests_total"
+OUTCOMES = "llm_proxy_stream_outcomes_total"
+IN_FLIGHT = "llm_proxy_in_flight_requests"
+
+_ESCAPES = {"\\": "\\", '"': '"', "n": "\n"}
+
+
+def _parse_labels(text: str, pos: int) -> tuple[Labels, int]:
+    """Parse ``{a="x",b="y"}`` starting at ``text[pos] == '{'``; return labels and end."""
+    labels: list[tuple[str, str]] = []
+    pos += 1
+    n = len(text)
+    while pos < n:
+        while pos < n and text[pos] in " ,":
+            pos += 1
+        if pos < n and text[pos] == "}":
+            return tuple(sorted(labels)), pos + 1
+        eq = text.index("=", pos)
+        name = text[pos:eq].strip()
+        pos = text.index('"', eq) + 1
+        value: list[str] = []
+        while text[pos] != '"':
+            if text[pos] == "\\" and pos + 1 < n:
+                value.append(_ESCAPES.get(text[pos + 1], "\\" + text[pos + 1]))
+                pos += 2
+            else:
+                value.append(text[pos])
+                pos += 1
+        labels.append((name, "".join(value)))
+        pos += 1
+    raise ValueError("unterminated label set")
+
+
+def _parse_value(raw: str) -> float:
+    lowered = raw.lower()
+    if lowered in ("+inf", "inf"):
+        return math.inf
+    if lowered == "-inf":
+        return -math.inf
+    return float(raw)
+
+
+def parse(text: str) -> Snapshot:
+    """Samples of a text exposition as ``{(name, sorted labels): value}``.
+
+    Malformed lines are skipped rather than fatal: a scrape is a side view, and one
+    odd line must not stop a benchmark.
+    """
+    out: Snapshot = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        try:
+            brace = line.find("{")
+            space = line.find(" ")
+            if brace != -1 and (space == -1 or brace < space):
+                name = line[:brace]
+                labels, end = _parse_labels(line, brace)
+                rest = line[end:].split()
+            else:
+                name, *rest = line.split()
+                labels = ()
+            out[(name, labels)] = _parse_value(rest[0])
+        except (ValueError, IndexError):
+            continue
+    return out
+
+
+LabelFilter = Callable[[Mapping[str, str]], bool]
+
+
+def _any(_: Mapping[str, str]) -> bool:
+    return True
+
+
+def label_filter(**wanted: str) -> LabelFilter:
+    """Match series whose labels include every ``name=value`` given."""
+
+    def match(labels: Mapping[str, str]) -> bool:
+        return all(labels.get(k) == v for k, v in wanted.items())
+
+    return match
+
+
+def total(snapshot: Snapshot, name: str, where: LabelFilter = _any) -> float:
+    """Sum of every series of ``name`` whose labels pass ``where``."""
+    return math.fsum(v for (n, labels), v in snapshot.items() if n == name and where(dict(labels)))
+
+
+def by_label(
+    snapshot: Snapshot, name: str, label: str, where: LabelFilter = _any
+) -> dict[str, float]:
+    """Sum of ``name`` grouped by one label's value."""
+    out: dict[str, float] = {}
+    for (n, labels), v in snapshot.items():
+        if n != name:
+            continue
+        mapping = dict(labels)
+        if where(mapping) and label in mapping:
+            out[mapping[label]] = out.get(mapping[label], 0.0) + v
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Histogram:
+    """One histogram summed over series: cumulative counts per upper edge, sum, count."""
+
+    buckets: tuple[tuple[float, float], ...]  # (le, cumulative count), ascending, +Inf last
+    sum: float
+    count: float
+
+    @property
+    def mean(self) -> float:
+        return self.sum / self.count if self.count > 0 else math.nan
+
+    def __sub__(self, before: Histogram) -> Histogram:
+        earlier = dict(before.buckets)
+        return Histogram(
+            tuple((le, c - earlier.get(le, 0.0)) for le, c in self.buckets),
+            self.sum - before.sum,
+            self.count - before.count,
+        )
+
+    def quantile(self, q: float) -> float:
+        return histogram_quantile(q, self.buckets)
+
+
+def histogram(snapshot: Snapshot, name: str, where: LabelFilter = _any) -> Histogram:
+    """Sum the ``name`` histogram's series that pass ``where`` (``le`` is ignored there)."""
+    buckets: dict[float, float] = {}
+    for (n, labels), v in snapshot.items():
+        if n != name + "_bucket":
+            continue
+        mapping = dict(labels)
+        le = mapping.pop("le", None)
+        if le is None or not where(mapping):
+            continue
+        edge = _parse_value(le)
+        buckets[edge] = buckets.get(edge, 0.0) + v
+    return Histogram(
+        tuple(sorted(buckets.items())),
+        total(snapshot, name + "_sum", where),
+        total(snapshot, name + "_count", where),
+    )
+
+
+def histogram_quantile(q: float, buckets: Iterable[tuple[float, float]]) -> float:
+    """PromQL's ``histogram_quantile`` over cumulative ``(le, count)`` pairs."""
+    ordered = sorted(buckets)
+    if not ordered or ordered[-1][0] != math.inf:
+        return math.nan
+    if q < 0:
+        return -math.inf
+    if q > 1:
+        return math.inf
+    observations = ordered[-1][1]
+    if observations <= 0 or math.isnan(q):
+        return math.nan
+    rank = q * observations
+    index = next(i for i, (_, count) in enumerate(ordered) if count >= rank)
+    if index == len(ordered) - 1:
+        return ordered[-2][0] if len(ordered) > 1 else math.nan
+    upper, count = ordered[index]
+    if index == 0:
+        if upper <= 0:
+            return upper
+        lower, below = 0.0, 0.0
+    else:
+        lower, below = ordered[index - 1]
+    in_bucket = count - below
+    if in_bucket <= 0:
+        return upper
+    return lower + (upper - lower) * (rank - below) / in_bucket
+
+
+async def scrape(client: httpx.AsyncClient, url: str) -> Snapshot:
+    """GET ``url`` and parse it; raises ``httpx.HTTPError`` on transport or HTTP errors."""
+    response = await client.get(url, headers={"Accept": "text/plain"})
+    response.raise_for_status()
+    return parse(response.text)
+
+
+def has_proxy_metrics(snapshot: Snapshot) -> bool:
+    return any(name.startswith(PREFIX) for name, _ in snapshot)
+
+
+def metrics_url_for(base_url: str) -> str:
+    """``http://host:port/v1`` -> ``http://host:port/metrics`` (the proxy's default place)."""
+    base = base_url.rstrip("/")
+    if base.endswith("/v1"):
+        base = base[: -len("/v1")]
+    return base + "/metrics"
+
+
+@dataclass(frozen=True, slots=True)
+class ProxyView:
+    """What the proxy measured between two scrapes."""
+
+    ttft: Histogram
+    itl: Histogram
+    tpot: Histogram
+    queue: Histogram
+    requests: float
+    outcomes: dict[str, float]
+
+    @classmethod
+    def between(cls, before: Snapshot, after: Snapshot, where: LabelFilter = _any) -> ProxyView:
+        outcomes_after = by_label(after, OUTCOMES, "outcome", where)
+        outcomes_before = by_label(before, OUTCOMES, "outcome", where)
+        return cls(
+            ttft=histogram(after, TTFT, where) - histogram(before, TTFT, where),
+            itl=histogram(after, ITL, where) - histogram(before, ITL, where),
+            tpot=histogram(after, TPOT, where) - histogram(before, TPOT, where),
+            queue=histogram(after, QUEUE, where) - histogram(before, QUEUE, where),
+            requests=total(after, REQUESTS, where) - total(before, REQUESTS, where),
+            outcomes={
+                k: v - outcomes_before.get(k, 0.0)
+                for k, v in outcomes_after.items()
+                if v - outcomes_before.get(k, 0.0)
+            },
+        )

@@ -1,0 +1,179 @@
+"""Percentiles and the run summary: exact numbers from per-request records.
+
+Percentiles here are exact order statistics with linear interpolation between the two
+closest ranks (numpy's default ``linear`` method, also what vLLM's benchmark reports),
+unlike the proxy's, which are interpolated within histogram buckets. Durations are
+in seconds; the table shows milliseconds.
+
+Which requests count where:
+
+* TTFT, TPOT, total time and the ITL gaps come from completed requests only (an
+  interrupted stream would make its TTFT look fine and its total look fast).
+* Throughput is completed requests and their output tokens over the run's wall time.
+* Decode rate is 1 / TPOT: output tokens per second once the first token arrived. The
+  shares below reading pace (5 tok/s) and above 20 tok/s are of the completed
+  requests that have a TPOT (two or more output tokens).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .client import RequestResult
+
+READING_PACE_TOK_S = 5.0
+FAST_DECODE_TOK_S = 20.0
+QUANTILES = (0.5, 0.9, 0.99)
+
+
+def quantile(sorted_values: Sequence[float], q: float) -> float:
+    """The ``q``-quantile of already sorted values, linear between closest ranks."""
+    if not sorted_values:
+        return math.nan
+    if not 0.0 <= q <= 1.0:
+        raise ValueError("q must be within [0, 1]")
+    pos = (len(sorted_values) - 1) * q
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    frac = pos - lo
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * frac
+
+
+@dataclass(frozen=True, slots=True)
+class Dist:
+    """Count, mean and the usual percentiles of one quantity (NaN when empty)."""
+
+    count: int
+    mean: float
+    p50: float
+    p90: float
+    p99: float
+    min: float
+    max: float
+
+    @classmethod
+    def of(cls, values: Iterable[float]) -> Dist:
+        data = sorted(values)
+        if not data:
+            nan = math.nan
+            return cls(0, nan, nan, nan, nan, nan, nan)
+        return cls(
+            len(data),
+            math.fsum(data) / len(data),
+            quantile(data, 0.5),
+            quantile(data, 0.9),
+            quantile(data, 0.99),
+            data[0],
+            data[-1],
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Summary:
+    requests: int
+    completed: int
+    errors: int
+    error_kinds: dict[str, int]
+    wall_s: float
+    requests_per_s: float
+    output_tokens: int
+    output_tokens_per_s: float
+    ttft: Dist
+    itl: Dist
+    tpot: Dist
+    total: Dist
+    rated_requests: int  # completed requests with a decode rate
+    below_reading_pace_share: float  # decode rate < 5 tok/s
+    above_20_tok_s_share: float
+    tokens_from_usage: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def as_json(self) -> dict[str, Any]:
+        def clean(value: Any) -> Any:
+            if isinstance(value, float) and not math.isfinite(value):
+                return None
+            if isinstance(value, dict):
+                return {k: clean(v) for k, v in value.items()}
+            return value
+
+        return {k: clean(v) for k, v in asdict(self).items()}
+
+
+def summarize(results: Sequence[RequestResult], wall_s: float) -> Summary:
+    done = [r for r in results if r.ok]
+    kinds = Counter(r.outcome for r in results if not r.ok)
+    tokens_from_usage = all(r.completion_tokens is not None for r in done)
+    output_tokens = sum(
+        r.completion_tokens if r.completion_tokens is not None else r.output_events for r in done
+    )
+    rates = [rate for r in done if (rate := r.decode_rate) is not None]
+    rated = len(rates)
+    per_s = (lambda n: n / wall_s) if wall_s > 0 else (lambda n: math.nan)
+    return Summary(
+        requests=len(results),
+        completed=len(done),
+        errors=len(results) - len(done),
+        error_kinds=dict(sorted(kinds.items())),
+        wall_s=wall_s,
+        requests_per_s=per_s(len(done)),
+        output_tokens=output_tokens,
+        output_tokens_per_s=per_s(output_tokens),
+        ttft=Dist.of(r.ttft_s for r in done if r.ttft_s is not None),
+        itl=Dist.of(gap for r in done for gap in r.itl_s),
+        tpot=Dist.of(r.tpot_s for r in done if r.tpot_s is not None),
+        total=Dist.of(r.total_s for r in done),
+        rated_requests=rated,
+        below_reading_pace_share=(sum(x < READING_PACE_TOK_S for x in rates) / rated)
+        if rated
+        else math.nan,
+        above_20_tok_s_share=(sum(x > FAST_DECODE_TOK_S for x in rates) / rated)
+        if rated
+        else math.nan,
+        tokens_from_usage=tokens_from_usage,
+    )
+
+
+def ms(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value * 1000:.1f}"
+
+
+def pct(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value * 100:.1f}%"
+
+
+def format_table(summary: Summary) -> str:
+    """The human summary printed at the end of a run."""
+    rows = [("", "count", "mean ms", "p50 ms", "p90 ms", "p99 ms")]
+    for name, dist in (
+        ("TTFT", summary.ttft),
+        ("ITL", summary.itl),
+        ("TPOT", summary.tpot),
+        ("total", summary.total),
+    ):
+        rows.append(
+            (name, str(dist.count), ms(dist.mean), ms(dist.p50), ms(dist.p90), ms(dist.p99))
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = [
+        "  ".join(
+            cell.ljust(w) if i == 0 else cell.rjust(w)
+            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+        )
+        for row in rows
+    ]
+    errors = ", ".join(f"{k} {v}" for k, v in summary.error_kinds.items()) or "none"
+    token_note = "" if summary.tokens_from_usage else " (some counts are output events: no usage)"
+    lines += [
+        "",
+        f"requests   {summary.completed} completed of {summary.requests} in {summary.wall_s:.2f} s; errors: {summary.errors} ({errors})",
+        f"throughput {summary.requests_per_s:.2f} req/s, {summary.output_tokens_per_s:.1f} output tok/s"
+        f" ({summary.output_tokens} tokens){token_note}",
+        f"decode     {pct(summary.below_reading_pace_share)} below reading pace (<{READING_PACE_TOK_S:g} tok/s), "
+        f"{pct(summary.above_20_tok_s_share)} above {FAST_DECODE_TOK_S:g} tok/s "
+        f"(of {summary.rated_requests} requests with 2+ tokens)",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,123 @@
+"""What to send and when: prompts, request bodies and arrival times, all seeded.
+
+A workload is a weighted mix of :class:`Profile` s (prompt length, shared-prefix length,
+``max_tokens``). ``bench`` uses a single profile built from its flags; ``demo`` uses a
+mix. Everything is derived from ``random.Random`` instances seeded from the workload
+seed, one independent stream per purpose (prompts, arrivals, profile choice), so the
+same seed gives byte-identical bodies and identical arrival times, and changing, say,
+the rate does not change the prompts.
+
+Prompt text is made of random three-letter words and a space: about four characters a
+token, which is what both the proxy's fallback estimate and most simulators assume.
+Prompt lengths are therefore approximate; the upstream's ``usage`` has the real count.
+
+A shared prefix is byte-identical across every request of its profile and placed
+first, with the variable material last, so that a prefix cache (the simulator's, or a
+real server's) can reuse it.
+"""
+
+from __future__ import annotations
+
+import random
+import string
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+CHARS_PER_TOKEN = 4
+_LETTERS = string.ascii_lowercase
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    """One kind of request in a workload.
+
+    Profiles with the same ``name`` share one prefix (give them the same
+    ``shared_prefix_tokens``): a system prompt used by several kinds of request.
+    """
+
+    name: str = "default"
+    prompt_tokens: int = 256
+    shared_prefix_tokens: int = 0
+    max_tokens: int = 128
+    weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.prompt_tokens < 1:
+            raise ValueError("prompt_tokens must be >= 1")
+        if not 0 <= self.shared_prefix_tokens <= self.prompt_tokens:
+            raise ValueError("shared_prefix_tokens must be between 0 and prompt_tokens")
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        if self.weight <= 0:
+            raise ValueError("weight must be > 0")
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedRequest:
+    """One request to send: its position in the workload, profile and JSON body."""
+
+    index: int
+    profile: str
+    body: dict[str, Any]
+
+
+def words(rng: random.Random, tokens: int) -> str:
+    """About ``tokens`` tokens of text: random three-letter words, space-separated."""
+    return " ".join("".join(rng.choices(_LETTERS, k=3)) for _ in range(tokens))
+
+
+def shared_prefix(seed: int, profile: str, tokens: int) -> str:
+    """The byte-identical prefix every request of ``profile`` starts with."""
+    if tokens <= 0:
+        return ""
+    rng = random.Random(f"prefix:{seed}:{profile}")
+    return "System: " + words(rng, max(tokens - 2, 1))
+
+
+def chat_body(model: str, content: str, max_tokens: int) -> dict[str, Any]:
+    """A streaming chat completion that also asks for token usage at the end."""
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+def iter_requests(
+    profiles: Sequence[Profile], *, model: str, seed: int = 0
+) -> Iterator[PlannedRequest]:
+    """An endless, deterministic stream of requests drawn from ``profiles`` by weight."""
+    if not profiles:
+        raise ValueError("a workload needs at least one profile")
+    prompt_rng = random.Random(f"prompts:{seed}")
+    pick_rng = random.Random(f"mix:{seed}")
+    prefixes = {p.name: shared_prefix(seed, p.name, p.shared_prefix_tokens) for p in profiles}
+    weights = [p.weight for p in profiles]
+    index = 0
+    while True:
+        profile = profiles[0] if len(profiles) == 1 else pick_rng.choices(profiles, weights)[0]
+        prefix = prefixes[profile.name]
+        prefix_tokens = len(prefix) // CHARS_PER_TOKEN if prefix else 0
+        tail_tokens = max(profile.prompt_tokens - prefix_tokens, 1)
+        # The request number goes into the variable tail so no two prompts are equal.
+        tail = f"[{index}] " + words(prompt_rng, max(tail_tokens - 2, 1))
+        content = f"{prefix}\n\n{tail}" if prefix else tail
+        yield PlannedRequest(index, profile.name, chat_body(model, content, profile.max_tokens))
+        index += 1
+
+
+def poisson_arrivals(rate: float, *, seed: int = 0) -> Iterator[float]:
+    """Send times in seconds from the start for a Poisson process of ``rate`` per second.
+
+    The first request goes at 0; the gaps after it are exponential with mean ``1/rate``.
+    """
+    if rate <= 0:
+        raise ValueError("rate must be > 0")
+    rng = random.Random(f"arrivals:{seed}")
+    t = 0.0
+    while True:
+        yield t
+        t += rng.expovariate(rate)

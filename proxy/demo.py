@@ -1,0 +1,548 @@
+"""``llm-latency-proxy demo``: the whole product on one machine, no key, no GPU, no network.
+
+One command starts three things in one process and one event loop:
+
+1. the simulator (:mod:`proxy.simulator`) on a free loopback port, with a few decode
+   slots, a prefix cache, upstream queue times reported vLLM-style, and rare faults;
+2. the proxy in front of it on ``--port`` (8080, or a free port if that is taken),
+   serving ``/metrics`` like in production;
+3. a steady mixed workload through the proxy (short and long prompts, shared system
+   prompts, short and long answers, Poisson arrivals) with periodic bursts that
+   overflow the simulator's slots, so queue time and TTFT visibly jump.
+
+A live view, refreshed every second, shows what the *proxy* measures: it scrapes the
+proxy's own ``/metrics`` like Prometheus would and computes percentiles from the
+histogram deltas (over the last ``--window`` seconds and since start). On a TTY it
+redraws in place with plain ANSI codes; otherwise it prints one line per refresh.
+
+Why in-process uvicorn servers rather than subprocesses: start-up is a fraction of a
+second, there is a single Ctrl-C to handle, and nothing can be left running. The two
+servers do not install uvicorn's signal handlers; this module owns SIGINT/SIGTERM and
+shuts down in order: stop sending, cancel in-flight client requests (the proxy records
+them as ``client_disconnected``), stop the proxy, stop the simulator. Exit code 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import socket
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TextIO
+
+if TYPE_CHECKING:
+    import asyncio
+
+    import httpx
+    import uvicorn
+
+    from proxy.bench.promscrape import Snapshot
+
+READY_LINE = "demo: traffic is flowing"
+
+
+def add_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "demo",
+        help="run the simulator, the proxy and a live workload; watch what the proxy measures",
+        description=(
+            "Start a simulated OpenAI-compatible upstream, the proxy in front of it and a steady "
+            "mixed workload with periodic bursts, and show the proxy's live TTFT, ITL, queue time, "
+            "tokens, cache hit ratio and outcomes, refreshed every second, until Ctrl-C. "
+            "No API key, GPU or network needed."
+        ),
+    )
+    add = parser.add_argument
+    add("--host", metavar="HOST", default="127.0.0.1", help="Interface for the proxy [%(default)s]")
+    add(
+        "--port",
+        metavar="PORT",
+        type=int,
+        default=8080,
+        help="Proxy port; a free one if this one is taken [%(default)s]",
+    )
+    add(
+        "--duration",
+        metavar="S",
+        type=float,
+        default=None,
+        help="Stop after this many seconds [default: run until Ctrl-C]",
+    )
+    add(
+        "--rate",
+        metavar="PER_S",
+        type=float,
+        default=1.5,
+        help="Steady requests per second, Poisson arrivals [%(default)s]",
+    )
+    add(
+        "--burst-every",
+        metavar="S",
+        type=float,
+        default=15.0,
+        help="Seconds between bursts; 0: no bursts [%(default)s]",
+    )
+    add(
+        "--burst-size",
+        metavar="N",
+        type=int,
+        default=12,
+        help="Requests sent at once in a burst [%(default)s]",
+    )
+    add(
+        "--slots",
+        metavar="N",
+        type=int,
+        default=8,
+        help="The simulator's decode slots; bursts beyond them queue [%(default)s]",
+    )
+    add(
+        "--window",
+        metavar="S",
+        type=float,
+        default=5.0,
+        help="Seconds of history in the view's 'last' column [%(default)s]",
+    )
+    add(
+        "--refresh",
+        metavar="S",
+        type=float,
+        default=1.0,
+        help="Seconds between refreshes of the view [%(default)s]",
+    )
+    add(
+        "--seed",
+        metavar="N",
+        type=int,
+        default=0,
+        help="Seed for the workload and the simulator [%(default)s]",
+    )
+    parser.set_defaults(func=run_command)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    for name in ("rate", "refresh", "window"):
+        if getattr(args, name) <= 0:
+            print(f"demo: --{name} must be > 0", file=sys.stderr)
+            return 2
+    if args.slots < 1 or args.burst_size < 0 or args.burst_every < 0:
+        print("demo: --slots must be >= 1, --burst-size and --burst-every >= 0", file=sys.stderr)
+        return 2
+    if args.duration is not None and args.duration <= 0:
+        print("demo: --duration must be > 0", file=sys.stderr)
+        return 2
+    import asyncio
+
+    return asyncio.run(Demo(args, sys.stdout).main())
+
+
+# ---------------------------------------------------------------------------
+# Workload
+
+
+def demo_profiles() -> list[Any]:
+    """The mix: what a small product's traffic looks like to an inference server."""
+    from proxy.bench.workload import Profile
+
+    return [
+        # Chat turns behind a shared system prompt: short answers, mostly cached prefill.
+        Profile("chat", prompt_tokens=400, shared_prefix_tokens=300, max_tokens=48, weight=5),
+        # Same name, so the same system prompt; long answers hold decode slots for seconds.
+        Profile("chat", prompt_tokens=500, shared_prefix_tokens=300, max_tokens=200, weight=2),
+        # Retrieval: long unique context, nothing cached, so a long prefill and a high TTFT.
+        Profile("rag", prompt_tokens=3000, shared_prefix_tokens=0, max_tokens=96, weight=2),
+        # Agent step: long shared tool preamble, medium answer.
+        Profile("agent", prompt_tokens=2400, shared_prefix_tokens=2000, max_tokens=128, weight=1),
+    ]
+
+
+# ---------------------------------------------------------------------------
+# Servers
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A listening socket on ``port``, or on a free port if that one is taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    for candidate in (port, 0) if port else (0,):
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, candidate))
+        except OSError:
+            sock.close()
+            if candidate == 0:
+                raise
+            continue
+        sock.listen(2048)
+        sock.setblocking(False)
+        return sock
+    raise OSError("no port")  # pragma: no cover
+
+
+def _server(app: Any) -> uvicorn.Server:
+    import uvicorn
+
+    class QuietServer(uvicorn.Server):
+        """Signals belong to the demo, not to each server."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Any:
+            yield
+
+    config = uvicorn.Config(
+        app,
+        lifespan="on",
+        log_level="error",
+        access_log=False,
+        timeout_graceful_shutdown=2,
+    )
+    return QuietServer(config)
+
+
+# ---------------------------------------------------------------------------
+# Live view
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """Proxy figures between two scrapes."""
+
+    seconds: float
+    ttft: Any
+    itl: Any
+    tpot: Any
+    queue: Any
+    upstream_queue: Any
+    duration: Any
+    requests: float
+    prompt_tokens: float
+    cached_tokens: float
+    completion_tokens: float
+    outcomes: dict[str, float]
+
+
+def window(before: Snapshot, after: Snapshot, seconds: float) -> Window:
+    from proxy.bench import promscrape as p
+
+    def h(name: str) -> Any:
+        return p.histogram(after, name) - p.histogram(before, name)
+
+    outcomes_before = p.by_label(before, p.OUTCOMES, "outcome")
+    outcomes = {
+        k: v - outcomes_before.get(k, 0.0)
+        for k, v in p.by_label(after, p.OUTCOMES, "outcome").items()
+    }
+    return Window(
+        seconds=seconds,
+        ttft=h(p.TTFT),
+        itl=h(p.ITL),
+        tpot=h(p.TPOT),
+        queue=h(p.QUEUE),
+        upstream_queue=h(p.UPSTREAM_QUEUE),
+        duration=h(p.DURATION),
+        requests=p.total(after, p.REQUESTS) - p.total(before, p.REQUESTS),
+        prompt_tokens=h(p.PROMPT_TOKENS).sum,
+        cached_tokens=h(p.CACHED_TOKENS).sum,
+        completion_tokens=h(p.COMPLETION_TOKENS).sum,
+        outcomes={k: v for k, v in outcomes.items() if v},
+    )
+
+
+def _ms(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value * 1000:.0f}"
+
+
+def _row(hist: Any) -> list[str]:
+    if not hist.count:
+        return ["0", "-", "-", "-", "-"]
+    return [
+        f"{hist.count:.0f}",
+        _ms(hist.quantile(0.5)),
+        _ms(hist.quantile(0.9)),
+        _ms(hist.quantile(0.99)),
+        _ms(hist.mean),
+    ]
+
+
+def _ratio(part: float, whole: float) -> str:
+    return f"{100 * part / whole:.0f}%" if whole > 0 else "-"
+
+
+def render(header: list[str], recent: Window, total: Window, in_flight: float) -> list[str]:
+    """The full-screen view as lines."""
+    rows = [
+        ["", "n", "p50", "p90", "p99", "mean", "n", "p50", "p90", "p99", "mean"],
+    ]
+    for label, attr in (
+        ("TTFT ms", "ttft"),
+        ("ITL ms", "itl"),
+        ("TPOT ms", "tpot"),
+        ("queue ms (upstream)", "upstream_queue"),
+        ("request ms", "duration"),
+    ):
+        rows.append([label, *_row(getattr(recent, attr)), *_row(getattr(total, attr))])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    table = [
+        "  ".join(
+            c.ljust(w) if i == 0 else c.rjust(w)
+            for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        )
+        for r in rows
+    ]
+    left = sum(widths[:6]) + 2 * 5
+    title = (
+        f"{'':{widths[0]}}  {f'last {recent.seconds:.0f} s':^{left - widths[0] - 2}}  since start"
+    )
+    lines = [*header, "", title, *table, ""]
+    for label, w in (("last", recent), ("total", total)):
+        secs = max(w.seconds, 1e-9)
+        outcomes = ", ".join(f"{k} {v:.0f}" for k, v in sorted(w.outcomes.items())) or "-"
+        lines.append(
+            f"{label:5} {w.requests:6.0f} requests ({w.requests / secs:5.1f}/s)  "
+            f"tokens: prompt {w.prompt_tokens:.0f} (cache hits {_ratio(w.cached_tokens, w.prompt_tokens)}), "
+            f"completion {w.completion_tokens:.0f} ({w.completion_tokens / secs:.0f} tok/s)"
+        )
+        lines.append(f"      outcomes: {outcomes}")
+    lines.append(f"in flight now: {in_flight:.0f}")
+    return lines
+
+
+def one_line(elapsed: float, recent: Window, total: Window) -> str:
+    """The non-TTY view: one line per refresh, for logs and CI."""
+    outcomes = " ".join(f"{k}={v:.0f}" for k, v in sorted(total.outcomes.items()))
+    return (
+        f"demo t={elapsed:.0f}s requests={total.requests:.0f} "
+        f"ttft_p50={_ms(recent.ttft.quantile(0.5))}ms ttft_p99={_ms(recent.ttft.quantile(0.99))}ms "
+        f"itl_p50={_ms(recent.itl.quantile(0.5))}ms itl_p99={_ms(recent.itl.quantile(0.99))}ms "
+        f"upstream_queue_p90={_ms(recent.upstream_queue.quantile(0.9))}ms "
+        f"cache_hits={_ratio(total.cached_tokens, total.prompt_tokens)} {outcomes}"
+    )
+
+
+# ---------------------------------------------------------------------------
+# The demo
+
+
+class Demo:
+    def __init__(self, args: argparse.Namespace, out: TextIO, *, tty: bool | None = None) -> None:
+        self.args = args
+        self.out = out
+        self.tty = out.isatty() if tty is None else tty
+        self.inflight: set[asyncio.Task[Any]] = set()
+        self.completed = 0
+        self.ready_printed = False
+
+    async def main(self) -> int:
+        import asyncio
+        import logging
+        import signal
+
+        import httpx
+
+        from proxy.app import create_app
+        from proxy.config import Settings
+        from proxy.simulator.app import create_simulator_app
+        from proxy.simulator.model import SimConfig
+
+        args = self.args
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, stop.set)
+        # Faults are part of the show; the proxy's per-request warnings would wreck the view.
+        logging.getLogger("proxy").setLevel(logging.ERROR)
+
+        sim_config = SimConfig(
+            slots=args.slots,
+            prefill_rate=6000.0,
+            prefill_overhead=0.02,
+            itl=0.025,
+            itl_growth=0.03,
+            jitter=0.2,
+            error_rate=0.005,
+            drop_rate=0.005,
+            stall_rate=0.01,
+            stall_seconds=1.0,
+            vllm_metrics=True,
+            seed=args.seed,
+        )
+        sim_sock = _bind("127.0.0.1", 0)
+        sim_port = sim_sock.getsockname()[1]
+        sim_url = f"http://127.0.0.1:{sim_port}/v1"
+        proxy_sock = _bind(args.host, args.port)
+        proxy_port = proxy_sock.getsockname()[1]
+        host = f"[{args.host}]" if ":" in args.host else args.host
+        proxy_root = f"http://{host}:{proxy_port}"
+        settings = Settings(
+            upstream=sim_url, upstream_name="simulator", host=args.host, port=proxy_port
+        )
+        sim_server = _server(create_simulator_app(sim_config))
+        proxy_server = _server(create_app(settings))
+        sim_task = asyncio.create_task(sim_server.serve(sockets=[sim_sock]))
+        proxy_task = asyncio.create_task(proxy_server.serve(sockets=[proxy_sock]))
+        tasks: list[asyncio.Task[Any]] = []
+        http = httpx.AsyncClient(
+            timeout=httpx.Timeout(120.0, connect=5.0, pool=None),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+            trust_env=False,
+        )
+        try:
+            for server, task in ((sim_server, sim_task), (proxy_server, proxy_task)):
+                while not server.started:  # uvicorn's own flag; no event to wait on
+                    if task.done():
+                        await task  # surfaces the start-up error
+                        raise RuntimeError("server stopped during start-up")
+                    await asyncio.sleep(0.01)
+            note = f" (port {args.port} is taken)" if args.port and proxy_port != args.port else ""
+            self.say(f"demo: simulator at {sim_url} ({args.slots} decode slots)")
+            self.say(f"demo: proxy at {proxy_root}/v1{note}")
+            self.say(f"demo: metrics at {proxy_root}/metrics")
+            self.say(
+                f"demo: try  curl -s {proxy_root}/metrics | grep llm_proxy_time_to_first_token"
+            )
+            tasks.append(
+                asyncio.create_task(self.steady(http, proxy_root + "/v1/chat/completions"))
+            )
+            if args.burst_every and args.burst_size:
+                tasks.append(
+                    asyncio.create_task(self.bursts(http, proxy_root + "/v1/chat/completions"))
+                )
+            view = asyncio.create_task(self.view(http, proxy_root + "/metrics", proxy_root))
+            tasks.append(view)
+            waits = [asyncio.create_task(stop.wait()), view]
+            await asyncio.wait(waits, timeout=args.duration, return_when=asyncio.FIRST_COMPLETED)
+            waits[0].cancel()
+            if view.done() and not view.cancelled() and view.exception() is not None:
+                raise view.exception()  # type: ignore[misc]
+        finally:
+            # Restore default Ctrl-C handling: a second one interrupts a stuck shutdown.
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                with contextlib.suppress(NotImplementedError, RuntimeError):
+                    loop.remove_signal_handler(sig)
+            await self.shutdown(tasks, http, proxy_server, proxy_task, sim_server, sim_task)
+        self.say(f"demo: stopped after {self.completed} completed requests")
+        return 0
+
+    async def shutdown(
+        self,
+        tasks: list[asyncio.Task[Any]],
+        http: httpx.AsyncClient,
+        proxy_server: uvicorn.Server,
+        proxy_task: asyncio.Task[Any],
+        sim_server: uvicorn.Server,
+        sim_task: asyncio.Task[Any],
+    ) -> None:
+        import asyncio
+
+        for task in [*tasks, *self.inflight]:
+            task.cancel()
+        await asyncio.gather(*tasks, *self.inflight, return_exceptions=True)
+        await http.aclose()
+        for server, task in ((proxy_server, proxy_task), (sim_server, sim_task)):
+            server.should_exit = True
+            try:
+                await asyncio.wait_for(task, timeout=5.0)
+            except (TimeoutError, asyncio.CancelledError):
+                server.force_exit = True
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+    def say(self, line: str) -> None:
+        self.out.write(line + "\n")
+        self.out.flush()
+
+    # -- traffic ------------------------------------------------------------------------
+
+    def _launch(self, http: httpx.AsyncClient, url: str, planned: Any) -> None:
+        import asyncio
+
+        from proxy.bench.client import send
+
+        async def one() -> None:
+            result = await send(http, url, planned)
+            if result.ok:
+                self.completed += 1
+                if not self.ready_printed:
+                    self.ready_printed = True
+                    self.say(
+                        f"{READY_LINE}: first request completed in {result.total_s * 1000:.0f} ms"
+                    )
+
+        task = asyncio.create_task(one())
+        self.inflight.add(task)
+        task.add_done_callback(self.inflight.discard)
+
+    async def steady(self, http: httpx.AsyncClient, url: str) -> None:
+        import asyncio
+
+        from proxy.bench.workload import iter_requests, poisson_arrivals
+
+        planned = iter_requests(demo_profiles(), model="sim-llm", seed=self.args.seed)
+        start = time.perf_counter()
+        for offset in poisson_arrivals(self.args.rate, seed=self.args.seed):
+            delay = start + offset - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)  # pacing the workload
+            self._launch(http, url, next(planned))
+
+    async def bursts(self, http: httpx.AsyncClient, url: str) -> None:
+        import asyncio
+
+        from proxy.bench.workload import Profile, iter_requests
+
+        # A batch job's burst: its own system prompt, medium answers, more than the free slots.
+        burst = Profile("batch", prompt_tokens=500, shared_prefix_tokens=300, max_tokens=96)
+        planned = iter_requests([burst], model="sim-llm", seed=self.args.seed + 1)
+        while True:
+            await asyncio.sleep(self.args.burst_every)
+            for _ in range(self.args.burst_size):
+                self._launch(http, url, next(planned))
+
+    # -- view ---------------------------------------------------------------------------
+
+    async def view(self, http: httpx.AsyncClient, metrics_url: str, root: str) -> None:
+        import asyncio
+
+        import httpx
+
+        from proxy.bench import promscrape as p
+
+        refresh, span = self.args.refresh, self.args.window
+        start = time.perf_counter()
+        first = await p.scrape(http, metrics_url)
+        history: deque[tuple[float, Snapshot]] = deque([(start, first)])
+        if self.tty:
+            self.out.write("\x1b[2J")
+        tick = start
+        while True:
+            tick += refresh
+            await asyncio.sleep(max(0.0, tick - time.perf_counter()))
+            try:
+                snap = await p.scrape(http, metrics_url)
+            except httpx.HTTPError:
+                continue  # one failed scrape is not fatal; the next refresh tries again
+            now = time.perf_counter()
+            history.append((now, snap))
+            while len(history) > 2 and now - history[1][0] >= span - refresh / 2:
+                history.popleft()
+            old_t, old = history[0]
+            recent = window(old, snap, now - old_t)
+            total = window(first, snap, now - start)
+            if self.tty:
+                elapsed = int(now - start)
+                header = [
+                    f"llm-latency-proxy demo   up {elapsed // 60}:{elapsed % 60:02d}   "
+                    f"proxy {root}/v1   metrics {root}/metrics",
+                    "all figures are the proxy's own histograms (bucket-interpolated "
+                    "percentiles); Ctrl-C to stop",
+                ]
+                lines = render(header, recent, total, p.total(snap, p.IN_FLIGHT))
+                self.out.write("\x1b[H" + "".join(line + "\x1b[K\n" for line in lines) + "\x1b[J")
+                self.out.flush()
+            else:
+                self.say(one_line(now - start, recent, total))

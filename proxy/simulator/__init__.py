@@ -1,0 +1,20 @@
+"""Simulated OpenAI-compatible upstream: the demo's, the compose file's and the tests' LLM.
+
+``model`` holds the latency model (plain code, time passed in); ``app`` serves it over
+HTTP with FastAPI and sse-starlette; ``cli`` is the ``simulate`` sub-command.
+"""
+
+from __future__ import annotations
+
+from proxy.simulator.model import ConfigError, LatencyModel, SimConfig
+
+__all__ = ["ConfigError", "LatencyModel", "SimConfig", "create_simulator_app"]
+
+
+def __getattr__(name: str) -> object:
+    # The web stack is imported only when the app is asked for (keeps --help fast).
+    if name == "create_simulator_app":
+        from proxy.simulator.app import create_simulator_app
+
+        return create_simulator_app
+    raise AttributeError(name)

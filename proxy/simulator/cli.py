@@ -1,0 +1,283 @@
+"""``llm-latency-proxy simulate``: run the simulated OpenAI-compatible upstream.
+
+Every :class:`~proxy.simulator.model.SimConfig` field is one flag of the same name,
+with its default taken from the dataclass so that ``--help``, the code and
+docs/simulator.md cannot drift apart. Heavy imports (FastAPI, uvicorn) wait until the
+command runs, so ``llm-latency-proxy --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Callable
+from dataclasses import fields
+from typing import Any
+
+from proxy.simulator.model import OUTPUT_DISTS, ConfigError, SimConfig
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000  # where `llm-latency-proxy serve` looks for its upstream by default
+
+
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    def parse(raw: str) -> int:
+        try:
+            value = int(raw)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {raw!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum} (got {value})")
+        return value
+
+    return parse
+
+
+def _float_range(
+    low: float, high: float = math.inf, *, open_low: bool = False
+) -> Callable[[str], float]:
+    def parse(raw: str) -> float:
+        try:
+            value = float(raw)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {raw!r}") from None
+        if not math.isfinite(value) or value < low or value > high or (open_low and value == low):
+            rule = f"> {low}" if open_low else f">= {low}"
+            if high != math.inf:
+                rule += f" and <= {high}"
+            raise argparse.ArgumentTypeError(f"must be {rule} (got {raw})")
+        return value
+
+    return parse
+
+
+def _models(raw: str) -> tuple[str, ...]:
+    names = tuple(part.strip() for part in raw.split(",") if part.strip())
+    if not names:
+        raise argparse.ArgumentTypeError("needs at least one model name")
+    return names
+
+
+# flag name -> (parser, metavar, help). Booleans have parser None.
+_FLAGS: dict[str, tuple[Callable[[str], Any] | None, str, str]] = {
+    "slots": (
+        _int_at_least(1),
+        "N",
+        "Decode slots: requests generated at once (like vLLM --max-num-seqs). Requests "
+        "beyond them wait in a FIFO queue; that wait is their queue time.",
+    ),
+    "prefill_rate": (
+        _float_range(0, open_low=True),
+        "TOK/S",
+        "Prefill speed in uncached prompt tokens per second, on one compute lane "
+        "shared by all requests (a burst of long prompts queues behind itself).",
+    ),
+    "prefill_overhead": (
+        _float_range(0),
+        "S",
+        "Fixed seconds added to every request's time to first token "
+        "(scheduling, sampling the first token).",
+    ),
+    "itl": (
+        _float_range(0),
+        "S",
+        "Inter-token latency in seconds of one decode step with a single active stream "
+        "(0.02 s = 50 tokens/s).",
+    ),
+    "itl_growth": (
+        _float_range(0),
+        "F",
+        "Fractional ITL increase per additional active stream: a step takes "
+        "itl * (1 + itl_growth * (active - 1)).",
+    ),
+    "jitter": (
+        _float_range(0, 1),
+        "F",
+        "Relative jitter of each decode step: uniform in [1 - F, 1 + F] times the step.",
+    ),
+    "tokens_per_chunk": (
+        _int_at_least(1),
+        "K",
+        "Tokens per decode step and SSE chunk (K > 1 mimics speculative "
+        "decoding: fewer, larger chunks).",
+    ),
+    "chars_per_token": (
+        _float_range(0, open_low=True),
+        "C",
+        "Characters per token used to estimate prompt tokens from text.",
+    ),
+    "cache_block_tokens": (
+        _int_at_least(1),
+        "N",
+        "Prefix-cache block size in tokens; a prefix is reused in whole "
+        "blocks of N * --chars-per-token characters.",
+    ),
+    "cache_blocks": (
+        _int_at_least(0),
+        "N",
+        "Prefix-cache capacity in blocks (least recently used evicted first); "
+        "0 turns the prefix cache off.",
+    ),
+    "output_tokens": (
+        _int_at_least(1),
+        "N",
+        "Mean output length in tokens when a request sets no max_tokens.",
+    ),
+    "output_dist": (
+        None,
+        "DIST",
+        "Distribution of output lengths around --output-tokens: fixed, uniform "
+        "(from N/2 to 3N/2) or exponential.",
+    ),
+    "stop_early": (
+        None,
+        "",
+        "Let a request that sets max_tokens stop earlier (finish_reason 'stop') when "
+        "the length drawn from --output-dist is shorter. Off: exactly max_tokens "
+        "tokens, finish_reason 'length'.",
+    ),
+    "max_model_len": (
+        _int_at_least(2),
+        "N",
+        "Context length: prompt plus max_tokens beyond it gets a 400 context_length_exceeded.",
+    ),
+    "error_rate": (
+        _float_range(0, 1),
+        "P",
+        "Fault injection: share of requests answered at once with --error-status.",
+    ),
+    "error_status": (_int_at_least(400), "CODE", "HTTP status of injected errors (400..599)."),
+    "drop_rate": (
+        _float_range(0, 1),
+        "P",
+        "Fault injection: share of streams whose connection is dropped after a random "
+        "number of tokens (no finish chunk, no [DONE]).",
+    ),
+    "stall_rate": (
+        _float_range(0, 1),
+        "P",
+        "Fault injection: share of requests that stall once, before a random token.",
+    ),
+    "stall_seconds": (_float_range(0), "S", "Length of an injected stall in seconds."),
+    "vllm_metrics": (
+        None,
+        "",
+        "Add vLLM-style per-request timings to the usage object (usage.metrics: "
+        "queue_time_ms, prefill_time_ms, time_to_first_token_ms, decode_time_ms, "
+        "e2e_time_ms).",
+    ),
+    "models": (
+        _models,
+        "NAMES",
+        "Comma-separated model names listed by /v1/models. Requests may name any model "
+        "(it is echoed back) unless --strict-models.",
+    ),
+    "strict_models": (None, "", "Answer 404 model_not_found for models not in --models."),
+    "api_key": (str, "KEY", "Require 'Authorization: Bearer KEY' (default: no key needed)."),
+    "seed": (
+        int,
+        "N",
+        "Seed of the per-request random numbers: same seed and same arrival "
+        "order give the same lengths, words, jitter and faults.",
+    ),
+}
+
+
+def add_parser(sub: Any) -> None:
+    parser = sub.add_parser(
+        "simulate",
+        help="run a simulated OpenAI-compatible upstream (no GPU, no API key)",
+        description=(
+            "Run an OpenAI-compatible server whose latencies follow the physics of an "
+            "LLM server: decode slots and a FIFO queue, prefill time proportional to "
+            "uncached prompt tokens, a prefix cache, inter-token latency that grows "
+            "with the number of active streams, and optional faults. Point the proxy at "
+            "it with: llm-latency-proxy serve --upstream http://127.0.0.1:8000/v1"
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--host", default=DEFAULT_HOST, help="Interface to listen on.")
+    parser.add_argument(
+        "--port",
+        type=_int_at_least(0),
+        default=DEFAULT_PORT,
+        help="Port to listen on.",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="warning",
+        choices=("critical", "error", "warning", "info", "debug"),
+        help="uvicorn log level.",
+    )
+    parser.add_argument("--access-log", action="store_true", help="Log every request (uvicorn).")
+    defaults = SimConfig()
+    group = parser.add_argument_group("latency model and faults")
+    for f in fields(SimConfig):
+        parse, metavar, help_text = _FLAGS[f.name]
+        flag = "--" + f.name.replace("_", "-")
+        default = getattr(defaults, f.name)
+        if f.name == "models":
+            flag = "--models"
+            group.add_argument(
+                flag,
+                "--model",
+                dest=f.name,
+                type=parse,
+                metavar=metavar,
+                default=",".join(default),
+                help=help_text,
+            )
+        elif parse is None and f.name == "output_dist":
+            group.add_argument(
+                flag, dest=f.name, choices=OUTPUT_DISTS, default=default, help=help_text
+            )
+        elif parse is None:
+            group.add_argument(
+                flag,
+                dest=f.name,
+                action=argparse.BooleanOptionalAction,
+                default=default,
+                help=help_text,
+            )
+        else:
+            group.add_argument(
+                flag, dest=f.name, type=parse, metavar=metavar, default=default, help=help_text
+            )
+    parser.set_defaults(func=run)
+
+
+def config_from_args(args: argparse.Namespace) -> SimConfig:
+    return SimConfig(**{f.name: getattr(args, f.name) for f in fields(SimConfig)})
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = config_from_args(args)
+    except ConfigError as exc:
+        print(f"llm-latency-proxy simulate: error: {exc}", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    from proxy.simulator.app import create_simulator_app, quiet_simulated_drops
+
+    quiet_simulated_drops()
+    app = create_simulator_app(config)
+    print(
+        f"llm-latency-proxy simulate: OpenAI-compatible upstream at "
+        f"http://{args.host}:{args.port}/v1 (models: {', '.join(config.models)}; "
+        f"{config.slots} slots, ITL {config.itl * 1000:g} ms, seed {config.seed})",
+        file=sys.stderr,
+        flush=True,
+    )
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=args.access_log,
+        lifespan="on",
+        server_header=False,
+        timeout_graceful_shutdown=5,
+    )
+    return 0

@@ -1,0 +1,213 @@
+"""Tests for ``llm-latency-proxy demo``.
+
+* A subprocess test: ``python -m proxy demo`` starts, serves its metrics, sends traffic
+  and exits 0 within a few seconds of SIGINT. We wait on its output lines, never on a
+  fixed sleep.
+* The live view in-process on a pretend TTY (ANSI redraw) with ``--duration``.
+* The pure parts: the port fallback and the view's arithmetic over hand-built
+  exposition text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import math
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from proxy import demo
+from proxy.bench import promscrape
+
+pytestmark = pytest.mark.anyio
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+class Lines:
+    """Reads a pipe in a thread so the test can wait for a line with a deadline."""
+
+    def __init__(self, pipe: io.TextIOBase) -> None:
+        self.queue: queue.Queue[str | None] = queue.Queue()
+        self.seen: list[str] = []
+        self.thread = threading.Thread(target=self._read, args=(pipe,), daemon=True)
+        self.thread.start()
+
+    def _read(self, pipe: io.TextIOBase) -> None:
+        for line in pipe:
+            self.queue.put(line.rstrip("\n"))
+        self.queue.put(None)
+
+    def wait_for(self, pattern: str, timeout: float = 60.0) -> re.Match[str]:
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise AssertionError(f"no line matching {pattern!r} in: {self.seen}")
+            try:
+                line = self.queue.get(timeout=remaining)
+            except queue.Empty:
+                continue
+            if line is None:
+                raise AssertionError(f"output ended before {pattern!r}: {self.seen}")
+            self.seen.append(line)
+            match = re.search(pattern, line)
+            if match:
+                return match
+
+
+@pytest.mark.e2e
+def test_demo_serves_metrics_and_exits_cleanly_on_sigint() -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "proxy",
+        "demo",
+        "--port",
+        "0",
+        "--rate",
+        "4",
+        "--burst-every",
+        "2",
+        "--burst-size",
+        "4",
+    ]
+    with subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as proc:
+        try:
+            out = Lines(proc.stdout)  # type: ignore[arg-type]
+            metrics_url = out.wait_for(r"demo: metrics at (\S+)").group(1)
+            out.wait_for(re.escape(demo.READY_LINE))
+            # The view prints a line per second from the proxy's own metrics; wait until
+            # they show finished requests, then check the proxy's /metrics ourselves.
+            out.wait_for(r"^demo t=\d+s requests=[1-9]")
+            snapshot = promscrape.parse(httpx.get(metrics_url, timeout=10).text)
+            assert promscrape.histogram(snapshot, promscrape.TTFT).count >= 1
+            assert promscrape.histogram(snapshot, promscrape.ITL).count >= 1
+            assert promscrape.total(snapshot, promscrape.REQUESTS) >= 1
+
+            proc.send_signal(signal.SIGINT)
+            t0 = time.monotonic()
+            code = proc.wait(timeout=15)
+            elapsed = time.monotonic() - t0
+            out.wait_for(r"^demo: stopped after \d+ completed requests", timeout=5)
+            out.thread.join(5)
+            stderr = proc.stderr.read() if proc.stderr else ""
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert code == 0, stderr
+    assert elapsed < 5.0, elapsed
+    assert "Traceback" not in stderr, stderr
+    with pytest.raises(httpx.ConnectError):  # and nothing is left listening
+        httpx.get(metrics_url, timeout=2)
+
+
+async def test_demo_live_view_on_a_tty_until_duration() -> None:
+    args = argparse.Namespace(
+        host="127.0.0.1",
+        port=0,
+        duration=2.5,
+        rate=8.0,
+        burst_every=0.5,
+        burst_size=3,
+        slots=2,
+        window=1.0,
+        refresh=0.25,
+        seed=1,
+    )
+    out = io.StringIO()
+    started = time.monotonic()
+    code = await demo.Demo(args, out, tty=True).main()
+    assert code == 0
+    assert time.monotonic() - started < 15
+    text = out.getvalue()
+    assert "\x1b[H" in text and "\x1b[J" in text  # in-place redraw
+    frames = [f for f in text.split("\x1b[H") if "TTFT ms" in f]
+    assert len(frames) >= 3
+    assert "since start" in frames[-1] and "queue ms (upstream)" in frames[-1]
+    assert re.search(r"TTFT ms\s+\d+", frames[-1])
+    assert "demo: stopped after" in text
+
+
+def test_bind_falls_back_to_a_free_port_when_taken() -> None:
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    port = taken.getsockname()[1]
+    try:
+        sock = demo._bind("127.0.0.1", port)
+        try:
+            assert sock.getsockname()[1] not in (port, 0)
+        finally:
+            sock.close()
+    finally:
+        taken.close()
+    free = demo._bind("127.0.0.1", port)  # free again: it is used as asked
+    try:
+        assert free.getsockname()[1] == port
+    finally:
+        free.close()
+
+
+def _exposition(
+    ttft: dict[str, float],
+    count: float,
+    total: float,
+    completed: float,
+    prompt: float,
+    cached: float,
+) -> str:
+    labels = 'model="m",route="/v1/chat/completions",upstream="u"'
+    lines = [
+        f'llm_proxy_time_to_first_token_seconds_bucket{{le="{le}",{labels}}} {v}'
+        for le, v in ttft.items()
+    ]
+    lines += [
+        f"llm_proxy_time_to_first_token_seconds_sum{{{labels}}} {total}",
+        f"llm_proxy_time_to_first_token_seconds_count{{{labels}}} {count}",
+        f'llm_proxy_stream_outcomes_total{{{labels},outcome="completed"}} {completed}',
+        f'llm_proxy_requests_total{{{labels},code="200",stream="true"}} {count}',
+        f"llm_proxy_prompt_tokens_sum{{{labels}}} {prompt}",
+        f"llm_proxy_cached_prompt_tokens_sum{{{labels}}} {cached}",
+        'llm_proxy_in_flight_requests{upstream="u"} 4',
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def test_view_arithmetic_over_scrapes() -> None:
+    a = promscrape.parse(_exposition({"0.1": 1, "0.5": 2, "+Inf": 2}, 2, 0.3, 2, 100, 50))
+    b = promscrape.parse(_exposition({"0.1": 1, "0.5": 6, "+Inf": 7}, 7, 3.3, 7, 1100, 650))
+    w = demo.window(a, b, 2.0)
+    assert w.requests == 5 and w.ttft.count == 5 and w.ttft.mean == pytest.approx(0.6)
+    assert w.ttft.quantile(0.5) == pytest.approx(0.1 + 0.4 * 2.5 / 4)  # rank 2.5 of (0.1,0.5]
+    assert w.prompt_tokens == 1000 and w.cached_tokens == 600
+    assert w.outcomes == {"completed": 5.0}
+    lines = demo.render(["head"], w, demo.window({}, b, 10.0), 4.0)
+    text = "\n".join(lines)
+    assert "cache hits 60%" in text and "cache hits 59%" in text  # 650 / 1100 since start
+    assert "in flight now: 4" in text
+    assert re.search(r"TTFT ms\s+5\s+350\s", text)  # n and p50 of the last window
+    line = demo.one_line(12.0, w, w)
+    assert "requests=5" in line and "ttft_p50=350ms" in line and "completed=5" in line
+    empty = demo.window(b, b, 1.0)
+    assert empty.ttft.count == 0 and math.isnan(empty.ttft.quantile(0.5))
+    assert "TTFT ms" in "\n".join(demo.render(["head"], empty, empty, 0.0))
