@@ -158,3 +158,14 @@ def test_serve_help_lists_every_option_with_its_env_var() -> None:
             assert "--no-" + opt.flag[2:] in out
     # defaults are shown once, from the settings, not argparse's placeholder
     assert "(default: None)" not in out
+
+
+def test_readme_documents_every_setting() -> None:
+    """The README's settings table names every flag and its environment variable."""
+    from pathlib import Path
+
+    from proxy.config import OPTIONS
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    missing = [o.flag for o in OPTIONS if f"`{o.flag}" not in readme or f"`{o.env}`" not in readme]
+    assert not missing, f"README settings table lacks {missing}"
