@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, NamedTuple
 
 _CHAT_OUTPUT_KEYS = ("content", "reasoning_content", "reasoning", "refusal")
 _CHAT_OUTPUT_CONTAINERS = ("tool_calls", "function_call")
@@ -43,9 +44,9 @@ class Outcome(StrEnum):
     REJECTED = "rejected"  # answered by the proxy itself (413, 429, 502 before headers, ...)
 
 
-@dataclass(frozen=True, slots=True)
-class EventInfo:
-    """What one SSE ``data`` payload says, as far as measurement cares."""
+class EventInfo(NamedTuple):
+    """What one SSE ``data`` payload says, as far as measurement cares (a NamedTuple:
+    one is made per event)."""
 
     outputs: int = 0  # choices in this event that carry generated output
     usage: Mapping[str, Any] | None = None
@@ -113,13 +114,36 @@ def inspect_payload(payload: Any, *, text_route: bool) -> EventInfo:
     return EventInfo(outputs, usage, usage_only, queue)
 
 
+# Byte scan for the common event: a non-empty string value under one of the output
+# keys (an unescaped quote on both sides of the key, so text inside a JSON string never
+# matches), and no usage object or vLLM metrics that would need the full decode.
+_CHAT_OUTPUT = re.compile(rb'"(?:content|reasoning_content|reasoning|refusal)"\s*:\s*"[^"]')
+_TEXT_OUTPUT = re.compile(rb'"text"\s*:\s*"[^"]')
+_NEEDS_DECODE = re.compile(rb'"usage"\s*:\s*\{|"metrics"')
+_ONE_OUTPUT = EventInfo(1)
+
+
 def inspect_event(data: bytes, *, text_route: bool) -> EventInfo:
-    """Classify one SSE ``data`` payload; never raises."""
-    if not data or data[:1] != b"{":
+    """Classify one SSE ``data`` payload; never raises.
+
+    Most events of a stream are one token of text. Those are recognised by a byte scan
+    (a few microseconds less than ``json.loads`` per event, which issue 5 measured as a
+    quarter of the measurement's cost); every other event, and any event the scan is not
+    sure of, is decoded in full. The scan only trusts payloads that look like one JSON
+    object (``{`` ... ``}``); a property test checks it agrees with the full decode on
+    generated chunks.
+    """
+    if not data or data[:1] != b"{" or data[-1:] != b"}":
         stripped = data.strip()
         if not stripped.startswith(b"{"):
             return NOT_COUNTED  # "[DONE]", keep-alive text, garbage
         data = stripped
+    if data[-1:] == b"}" and not _NEEDS_DECODE.search(data):
+        hits = (_TEXT_OUTPUT if text_route else _CHAT_OUTPUT).findall(data)
+        # One hit and at most one "index" key: one choice, no tool calls, so exactly one
+        # output-bearing choice. Anything else (n > 1, tool calls) is decoded in full.
+        if len(hits) == 1 and data.count(b'"index"') <= 1:
+            return _ONE_OUTPUT
     try:
         payload = json.loads(data)
     except (ValueError, RecursionError):

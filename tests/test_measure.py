@@ -345,3 +345,54 @@ def test_record_log_has_every_field() -> None:
     assert fields <= set(log)
     assert json.loads(json.dumps(log)) == log
     assert all(not (isinstance(v, float) and math.isnan(v)) for v in log.values())
+
+
+# --- the byte scan must agree with the full decode -----------------------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from proxy.measure import inspect_payload  # noqa: E402
+
+_texts = st.one_of(st.just(""), st.text(max_size=8),
+                   st.sampled_from(['"', '\\', '"content":"x"', '\\"text\\": \\"y', "é", "\n"]))
+_deltas = st.dictionaries(
+    st.sampled_from(["content", "reasoning_content", "reasoning", "refusal", "role", "text"]),
+    st.one_of(_texts, st.none()), max_size=3)
+_tool_calls = st.lists(st.fixed_dictionaries(
+    {"index": st.integers(0, 2), "function": st.fixed_dictionaries({"arguments": _texts})}),
+    max_size=2)
+
+
+@st.composite
+def _chunks(draw: st.DrawFn) -> tuple[bytes, bool]:
+    text_route = draw(st.booleans())
+    choices = []
+    for i in range(draw(st.integers(0, 3))):
+        if text_route:
+            choices.append({"index": i, "text": draw(_texts), "finish_reason": None})
+        else:
+            delta = draw(_deltas)
+            calls = draw(_tool_calls)
+            if calls:
+                delta["tool_calls"] = calls
+            choices.append({"index": i, "delta": delta, "finish_reason": None})
+    payload: dict[str, Any] = {"id": "c", "object": "chunk", "choices": choices}
+    usage = draw(st.sampled_from(["absent", "null", "object"]))
+    if usage == "null":
+        payload["usage"] = None
+    elif usage == "object":
+        payload["usage"] = {"prompt_tokens": 3, "completion_tokens": 2}
+    if draw(st.booleans()) and usage == "object":
+        payload["usage"]["metrics"] = {"queue_time_ms": 5}
+    separators = draw(st.sampled_from([(",", ":"), (", ", ": "), (",", " : ")]))
+    ascii_only = draw(st.booleans())
+    return json.dumps(payload, separators=separators, ensure_ascii=ascii_only).encode(), text_route
+
+
+@settings(max_examples=400, deadline=None)
+@given(_chunks())
+def test_byte_scan_agrees_with_full_decode(chunk: tuple[bytes, bool]) -> None:
+    data, text_route = chunk
+    assert inspect_event(data, text_route=text_route) == inspect_payload(
+        json.loads(data), text_route=text_route)
