@@ -19,8 +19,11 @@ them).
 
 from __future__ import annotations
 
+import math
 import os
-from collections.abc import Iterable
+from bisect import bisect_left
+from collections import Counter as _Counter
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -50,6 +53,31 @@ TPOT_HELP = (
     "(completion_tokens - 1), completion_tokens from the upstream's usage; only when "
     "completion_tokens >= 2. Streams only."
 )
+
+
+def observe_many(child: Histogram, values: Sequence[float]) -> None:
+    """Observe many values at once: one increment per bucket touched, one for the sum.
+
+    Same result as ``observe`` per value (each value still lands in its own bucket), at
+    a fraction of the cost: ``observe`` walks the bucket list in Python and takes a lock
+    per call, which for ITL means per token. Relies on prometheus_client's histogram
+    child internals (``_upper_bounds``, ``_buckets``, ``_sum``, stable since 0.4); falls
+    back to ``observe`` if they are not there.
+    """
+    if not values:
+        return
+    try:
+        bounds: list[float] = child._upper_bounds
+        buckets = child._buckets
+        total = child._sum
+    except AttributeError:  # pragma: no cover - a future prometheus_client
+        for value in values:
+            child.observe(value)
+        return
+    counts = _Counter(bisect_left(bounds, value) for value in values)
+    for index, count in counts.items():
+        buckets[index].inc(count)
+    total.inc(math.fsum(values))
 
 
 def multiprocess_dir() -> str | None:
@@ -188,9 +216,7 @@ class Metrics:
                 self.outcomes.labels(record.route, model, self.upstream, str(record.outcome)).inc()
             if record.ttft_s is not None:
                 c.ttft.observe(record.ttft_s, exemplar)
-            observe_itl = c.itl.observe
-            for gap in record.itl_s:
-                observe_itl(gap)
+            observe_many(c.itl, record.itl_s)
             if record.tpot_s is not None:
                 c.tpot.observe(record.tpot_s)
 

@@ -396,3 +396,27 @@ def test_byte_scan_agrees_with_full_decode(chunk: tuple[bytes, bool]) -> None:
     data, text_route = chunk
     assert inspect_event(data, text_route=text_route) == inspect_payload(
         json.loads(data), text_route=text_route)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(min_value=0, max_value=20, allow_nan=False), max_size=50))
+def test_observe_many_equals_observe_each(values: list[float]) -> None:
+    """The batched ITL observation gives exactly the histogram per-value observe gives."""
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from proxy.config import ITL_BUCKETS
+    from proxy.metrics import observe_many
+
+    registry = CollectorRegistry()
+    batched = Histogram("batched", "h", buckets=ITL_BUCKETS, registry=registry)
+    single = Histogram("single", "h", buckets=ITL_BUCKETS, registry=registry)
+    observe_many(batched, values)
+    for value in values:
+        single.observe(value)
+    for bound in [*ITL_BUCKETS, float("inf")]:
+        le = "+Inf" if bound == float("inf") else str(bound)
+        assert registry.get_sample_value("batched_bucket", {"le": le}) == \
+            registry.get_sample_value("single_bucket", {"le": le})
+    assert registry.get_sample_value("batched_count") == len(values)
+    assert math.isclose(registry.get_sample_value("batched_sum") or 0.0,
+                        registry.get_sample_value("single_sum") or 0.0, abs_tol=1e-9)
