@@ -23,7 +23,7 @@ from proxy.config import Settings
 from proxy.metrics import Metrics
 from proxy.reqlog import RequestLog
 from proxy.routes import V1Handler
-from proxy.upstream import build_client, error_body
+from proxy.upstream import Upstream, error_body
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -39,12 +39,12 @@ class ProxyApp:
                  clock: Callable[[], float] = time.perf_counter,
                  serve_metrics: bool | None = None) -> None:
         self.settings = settings
-        self.client = build_client(settings, transport)
+        self.upstream = Upstream(settings, transport)
         self.metrics = Metrics(settings, registry) if settings.measure else None
         self.request_log = RequestLog(settings.log_requests) if settings.log_requests else None
         self.admission = Admission(settings.max_concurrency, settings.max_queue)
         self.serve_metrics = (not settings.metrics_port) if serve_metrics is None else serve_metrics
-        self.v1 = V1Handler(settings, self.client, self.metrics, self.admission, clock,
+        self.v1 = V1Handler(settings, self.upstream, self.metrics, self.admission, clock,
                             load_key_check(settings), self.request_log)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -86,7 +86,7 @@ class ProxyApp:
                 return
 
     async def aclose(self) -> None:
-        await self.client.aclose()
+        await self.upstream.aclose()
         if self.request_log is not None:
             self.request_log.close()
 

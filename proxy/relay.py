@@ -70,7 +70,7 @@ async def relay(
     pending_start = 0  # stream offset of pending[0]
     removed_end = -1  # strip mode: stream offset where the removed event ended
     try:
-        async for chunk in response.aiter_raw():
+        async for chunk in response.stream:  # type: ignore[union-attr]
             if not chunk:
                 continue
             if parser is not None and timer is not None:

@@ -41,6 +41,7 @@ from proxy.reqlog import RequestLog
 from proxy.sse import SSEParser
 from proxy.upstream import (
     UnsafePath,
+    Upstream,
     error_body,
     forward_headers,
     map_transport_error,
@@ -98,11 +99,11 @@ class _Watch:
 class V1Handler:
     """The ASGI endpoint for every ``/v1/*`` request."""
 
-    def __init__(self, settings: Settings, client: httpx.AsyncClient, metrics: Metrics | None,
+    def __init__(self, settings: Settings, upstream: Upstream, metrics: Metrics | None,
                  admission: Admission, clock: Clock, keys: KeyCheck | None,
                  request_log: RequestLog | None) -> None:
         self.settings = settings
-        self.client = client
+        self.upstream = upstream
         self.metrics = metrics
         self.admission = admission
         self.clock = clock
@@ -217,13 +218,13 @@ class V1Handler:
             if self.keys is not None:
                 out_headers = [(k, v) for k, v in out_headers if k not in (b"authorization", b"api-key")]
                 out_headers.append((b"authorization", self.keys.upstream_authorization))
-            request = self.client.build_request(
+            request = self.upstream.build_request(
                 method, upstream_url(s.upstream, subpath, scope.get("query_string", b"")),
-                headers=out_headers, content=body_out)
+                out_headers, body_out)
             t_send = self.clock()
             overhead_s = t_send - t0 - (queue_s or 0.0)
             try:
-                response = await self.client.send(request, stream=True)
+                response = await self.upstream.send(request)
             except httpx.TransportError as exc:
                 status, err = map_transport_error(exc)
                 outcome = Outcome.TIMEOUT if status == 504 else Outcome.UPSTREAM_ERROR
