@@ -285,14 +285,10 @@ def render(header: list[str], recent: Window, total: Window, in_flight: float) -
         ("request ms", "duration"),
     ):
         rows.append([label, *_row(getattr(recent, attr)), *_row(getattr(total, attr))])
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    table = [
-        "  ".join(
-            c.ljust(w) if i == 0 else c.rjust(w)
-            for i, (c, w) in enumerate(zip(r, widths, strict=True))
-        )
-        for r in rows
-    ]
+    from proxy.bench.stats import align_columns, column_widths
+
+    widths = column_widths(rows)
+    table = align_columns(rows)
     left = sum(widths[:6]) + 2 * 5
     title = (
         f"{'':{widths[0]}}  {f'last {recent.seconds:.0f} s':^{left - widths[0] - 2}}  since start"

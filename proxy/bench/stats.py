@@ -145,6 +145,22 @@ def pct(value: float) -> str:
     return "-" if math.isnan(value) else f"{value * 100:.1f}%"
 
 
+def column_widths(rows: Sequence[Sequence[str]]) -> list[int]:
+    return [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+
+
+def align_columns(rows: Sequence[Sequence[str]]) -> list[str]:
+    """Text table lines: first column left-aligned, the others right-aligned."""
+    widths = column_widths(rows)
+    return [
+        "  ".join(
+            cell.ljust(w) if i == 0 else cell.rjust(w)
+            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+        )
+        for row in rows
+    ]
+
+
 def format_table(summary: Summary) -> str:
     """The human summary printed at the end of a run."""
     rows = [("", "count", "mean ms", "p50 ms", "p90 ms", "p99 ms")]
@@ -157,14 +173,7 @@ def format_table(summary: Summary) -> str:
         rows.append(
             (name, str(dist.count), ms(dist.mean), ms(dist.p50), ms(dist.p90), ms(dist.p99))
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = [
-        "  ".join(
-            cell.ljust(w) if i == 0 else cell.rjust(w)
-            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
-        )
-        for row in rows
-    ]
+    lines = align_columns(rows)
     errors = ", ".join(f"{k} {v}" for k, v in summary.error_kinds.items()) or "none"
     token_note = "" if summary.tokens_from_usage else " (some counts are output events: no usage)"
     lines += [
