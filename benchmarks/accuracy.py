@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import socket
@@ -104,7 +105,7 @@ async def one(client: httpx.AsyncClient, url: str) -> dict[str, object]:
         async for raw in response.aiter_raw():
             t = time.perf_counter()
             stamps.extend(t for _ in range(raw.count(b'"content": "t')))
-    gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+    gaps = [b - a for a, b in itertools.pairwise(stamps)]
     return {"id": rid, "ttft": stamps[0] - start, "gaps": gaps}
 
 

@@ -13,6 +13,7 @@ With no limit (the default) ``acquire`` returns at once and the wait is 0.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import deque
 
 
@@ -57,10 +58,8 @@ class Admission:
             if waiter.done() and not waiter.cancelled():
                 self.release()  # we were handed a slot just as we were cancelled
             else:
-                try:
+                with contextlib.suppress(ValueError):
                     self._waiters.remove(waiter)
-                except ValueError:
-                    pass
             raise
 
     def release(self) -> None:

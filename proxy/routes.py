@@ -170,9 +170,9 @@ class V1Handler:
         # forwarded unchanged and measured under model "unknown".
         model, stream, payload = UNKNOWN_MODEL, False, None
         body_out, strip_usage = body, False
-        if body[:1] == b"{" or (body and body.lstrip()[:1] == b"{"):
-            if measured_route or len(body) <= 1 << 20:
-                payload = _json_object(body)
+        looks_like_object = body[:1] == b"{" or body.lstrip()[:1] == b"{"
+        if looks_like_object and (measured_route or len(body) <= 1 << 20):
+            payload = _json_object(body)
         if payload is not None:
             m = payload.get("model")
             if isinstance(m, str) and m:

@@ -20,7 +20,6 @@ within the read timeout -> ``httpx.ReadTimeout``, a connection that breaks mid-b
 
 from __future__ import annotations
 
-import asyncio
 import urllib.request
 from collections.abc import AsyncIterator
 
@@ -76,7 +75,7 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
             raise httpx.RemoteProtocolError(str(exc) or type(exc).__name__, request=request) from exc
         except aiohttp.ClientError as exc:
             raise httpx.ReadError(str(exc) or type(exc).__name__, request=request) from exc
-        except asyncio.TimeoutError as exc:  # pragma: no cover - aiohttp wraps its own
+        except TimeoutError as exc:  # pragma: no cover - aiohttp wraps its own
             raise httpx.ReadTimeout("timeout", request=request) from exc
         return httpx.Response(
             response.status,
@@ -124,7 +123,7 @@ class _Body(httpx.AsyncByteStream):
                                             request=self._request) from exc
         except (aiohttp.ClientError, ConnectionError) as exc:
             raise httpx.ReadError(str(exc) or type(exc).__name__, request=self._request) from exc
-        except asyncio.TimeoutError as exc:
+        except TimeoutError as exc:
             raise httpx.ReadTimeout("read timeout", request=self._request) from exc
         self._done = True
 

@@ -10,6 +10,7 @@ sets ``closed`` when a client goes away before the end, so tests can wait on it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 import time
@@ -96,10 +97,8 @@ class ScheduledUpstream:
                 due = t0 + self.ttft + i * self.itl
                 delay = due - time.perf_counter()
                 if delay > 0:
-                    try:
+                    with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(disconnected.wait(), delay)
-                    except TimeoutError:
-                        pass
                 if disconnected.is_set():
                     self.closed_at.append(time.perf_counter())
                     self.closed.set()

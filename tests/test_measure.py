@@ -352,8 +352,6 @@ def test_record_log_has_every_field() -> None:
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from proxy.measure import inspect_payload  # noqa: E402
-
 _texts = st.one_of(st.just(""), st.text(max_size=8),
                    st.sampled_from(['"', '\\', '"content":"x"', '\\"text\\": \\"y', "é", "\n"]))
 _deltas = st.dictionaries(
