@@ -1,0 +1,419 @@
+"""A light streaming load client: client-side TTFT and every inter-token gap, per stream.
+
+Why not wrk/hey/httpx: none of them times individual SSE events, and a heavy client
+would share the 2 cores with the system under test and distort what it measures. This
+is a raw asyncio ``Protocol`` client (uvloop when installed) that:
+
+* reads ``time.perf_counter()`` once per received chunk of bytes (``data_received``);
+* decodes HTTP/1.1 chunked transfer encoding (uvicorn, nginx), ``Content-Length`` or
+  close-delimited bodies, without copying more than the current read;
+* counts tokens with a byte scan for the fake upstream's token mark (so any JSON
+  re-serialisation by a proxy in between still counts), events by ``data:`` and the end
+  by ``[DONE]``; nothing is JSON-decoded;
+* runs ``concurrency`` users, each doing one stream after another, either on a new TCP
+  connection per stream (connect time is inside TTFT) or on one kept-alive connection.
+  Users start staggered over one stream's length so the load is steady, not a burst.
+
+TTFT is from just before connect/write to the first read that holds a token; gaps are
+between reads holding tokens (tokens that arrive in the same read add gaps of 0, which is
+what a client sees). A stream is broken unless it has status 200, exactly the expected
+tokens, ``[DONE]`` and a complete body.
+
+Every run is bounded: ``--duration`` (plus at most ``--stream-timeout`` to finish the
+streams in flight) and optionally ``--streams`` per user. Output: one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+try:  # run as a script or imported as benchmarks.loadgen
+    from fake_upstream import TOKEN_MARK, run_loop  # type: ignore[import-not-found]
+except ImportError:  # pragma: no cover - import path depends on how we are run
+    from benchmarks.fake_upstream import TOKEN_MARK, run_loop
+
+DATA = b"data:"
+DONE = b"[DONE]"
+perf_counter = time.perf_counter
+
+
+@dataclass
+class StreamResult:
+    """What one stream looked like from the client."""
+
+    t_start: float
+    ok: bool = False
+    error: str = ""
+    status: int = 0
+    ttft: float = math.nan
+    tokens: int = 0
+    events: int = 0
+    gaps: list[float] = field(default_factory=list)
+
+
+class _Conn(asyncio.Protocol):
+    """One HTTP/1.1 connection; one request in flight at a time (no pipelining)."""
+
+    __slots__ = (
+        "_last",
+        "_res",
+        "ccarry",
+        "chunked",
+        "clen",
+        "close_delim",
+        "crem",
+        "done_seen",
+        "fut",
+        "hbuf",
+        "in_head",
+        "need_crlf",
+        "tail",
+        "transport",
+    )
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.fut: asyncio.Future[None] | None = None
+        self._res: StreamResult | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        res = self._res
+        if res is not None and self.fut is not None and not self.fut.done():
+            if self.close_delim and self.done_seen:
+                self._finish(True, "")
+            else:
+                self._finish(False, "connection lost" + (f": {exc}" if exc else ""))
+
+    def start(self, request: bytes, res: StreamResult) -> asyncio.Future[None]:
+        self._res = res
+        self.hbuf = b""
+        self.in_head = True
+        self.tail = b""
+        self.ccarry = b""
+        self.crem = 0
+        self.need_crlf = 0
+        self.chunked = False
+        self.clen = -1
+        self.close_delim = False
+        self.done_seen = False
+        self._last = 0.0
+        self.fut = asyncio.get_running_loop().create_future()
+        assert self.transport is not None
+        self.transport.write(request)
+        return self.fut
+
+    def _finish(self, ok: bool, error: str) -> None:
+        res = self._res
+        assert res is not None and self.fut is not None
+        res.ok = ok
+        res.error = error
+        self._res = None
+        if not self.fut.done():
+            self.fut.set_result(None)
+
+    def data_received(self, data: bytes) -> None:
+        now = perf_counter()
+        res = self._res
+        if res is None:
+            return  # bytes after a finished response: ignore (nothing is pipelined)
+        if self.in_head:
+            self.hbuf += data
+            buf = self.hbuf.lstrip(b"\r\n")  # tolerate the last CRLF of a previous body
+            end = buf.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            lines = buf[:end].split(b"\r\n")
+            try:
+                res.status = int(lines[0].split(b" ", 2)[1])
+            except (IndexError, ValueError):
+                self._finish(False, "bad status line")
+                return
+            for line in lines[1:]:
+                name, _, value = line.partition(b":")
+                name = name.strip().lower()
+                if name == b"transfer-encoding" and b"chunked" in value.lower():
+                    self.chunked = True
+                elif name == b"content-length":
+                    self.clen = int(value)
+            self.close_delim = not self.chunked and self.clen < 0
+            self.in_head = False
+            data = buf[end + 4 :]
+            if not data and self.clen != 0:
+                return
+        if self.chunked:
+            payload, complete = self._dechunk(data)
+        elif self.clen >= 0:
+            payload = data[: self.clen]
+            self.clen -= len(payload)
+            complete = self.clen == 0
+        else:
+            payload, complete = data, False
+        if payload:
+            tail = self.tail
+            buf = tail + payload if tail else payload
+            n = buf.count(TOKEN_MARK) - (tail.count(TOKEN_MARK) if tail else 0)
+            res.events += buf.count(DATA) - (tail.count(DATA) if tail else 0)
+            if not self.done_seen and DONE in buf:
+                self.done_seen = True
+            self.tail = buf[-8:]
+            if n:
+                if res.tokens == 0:
+                    res.ttft = now - res.t_start
+                else:
+                    res.gaps.append(now - self._last)
+                if n > 1:
+                    res.gaps.extend([0.0] * (n - 1))
+                res.tokens += n
+                self._last = now
+        if complete:
+            if res.status != 200:
+                self._finish(False, f"http {res.status}")
+            elif not self.done_seen:
+                self._finish(False, "no [DONE]")
+            else:
+                self._finish(True, "")
+
+    def _dechunk(self, data: bytes) -> tuple[bytes, bool]:
+        """Strip chunked framing from ``data``; report whether the last chunk arrived."""
+        if self.ccarry:
+            data = self.ccarry + data
+            self.ccarry = b""
+        out: list[bytes] = []
+        pos, end = 0, len(data)
+        while pos < end:
+            if self.crem:
+                take = min(self.crem, end - pos)
+                out.append(data[pos : pos + take])
+                pos += take
+                self.crem -= take
+                if not self.crem:
+                    self.need_crlf = 2
+            elif self.need_crlf:
+                skip = min(self.need_crlf, end - pos)
+                pos += skip
+                self.need_crlf -= skip
+            else:
+                nl = data.find(b"\r\n", pos)
+                if nl < 0:
+                    self.ccarry = data[pos:]
+                    break
+                size = int(data[pos:nl].split(b";", 1)[0], 16)
+                pos = nl + 2
+                if size == 0:
+                    return b"".join(out), True
+                self.crem = size
+        if len(out) == 1:
+            return out[0], False
+        return b"".join(out), False
+
+
+@dataclass
+class LoadConfig:
+    """One load: who to hit, how hard and for how long."""
+
+    url: str  # base URL, e.g. http://127.0.0.1:8080/v1
+    concurrency: int = 64
+    duration: float = 8.0
+    warmup: float = 1.0
+    tokens: int = 50
+    keepalive: bool = True
+    streams: int = 0  # per user; 0: until duration
+    stagger: float = 1.0  # seconds over which user starts are spread
+    stream_timeout: float = 30.0
+    include_usage: bool = True
+    headers: tuple[str, ...] = ()
+    model: str = "bench"
+
+
+def _request_bytes(cfg: LoadConfig) -> tuple[str, int, bytes]:
+    parts = urlsplit(cfg.url)
+    host = parts.hostname or "127.0.0.1"
+    port = parts.port or 80
+    path = parts.path.rstrip("/") + "/chat/completions"
+    body: dict[str, Any] = {
+        "model": cfg.model,
+        "messages": [{"role": "user", "content": "benchmark"}],
+        "stream": True,
+        "max_tokens": cfg.tokens,
+    }
+    if cfg.include_usage:
+        body["stream_options"] = {"include_usage": True}
+    raw = json.dumps(body).encode()
+    extra = "".join(f"{h}\r\n" for h in cfg.headers)
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+        f"Accept: text/event-stream\r\nContent-Length: {len(raw)}\r\n{extra}"
+    )
+    if not cfg.keepalive:
+        head += "Connection: close\r\n"
+    return host, port, head.encode() + b"\r\n" + raw
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile of ``values`` (``q`` in 0..100); NaN when empty."""
+    if not values:
+        return math.nan
+    s = sorted(values)
+    k = (len(s) - 1) * q / 100.0
+    lo = math.floor(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def summarize(
+    results: list[StreamResult], cfg: LoadConfig, wall: float, cpu: float, warm: list[StreamResult]
+) -> dict[str, Any]:
+    """Aggregate per-stream results into one JSON-able report (seconds unless _ms)."""
+    counted_warmup = not results and bool(warm)
+    if counted_warmup:  # overloaded: no stream started after the warm-up; count them all
+        results, warm = warm, []
+    ok = [r for r in results if r.ok and r.tokens == cfg.tokens]
+    broken = [r for r in results if not (r.ok and r.tokens == cfg.tokens)]
+    ttfts = [r.ttft for r in ok]
+    gaps = [g for r in ok for g in r.gaps]
+    errors = Counter(r.error or f"tokens {r.tokens} != {cfg.tokens}" for r in broken)
+    events = sum(r.events for r in results)
+    warm_events = sum(r.events for r in warm)
+
+    def pct(vals: list[float]) -> dict[str, float]:
+        return {f"p{q}": percentile(vals, q) * 1000 for q in (50, 90, 99)} | {
+            "max": max(vals) * 1000 if vals else math.nan,
+            "n": len(vals),
+        }
+
+    return {
+        "config": asdict(cfg) | {"headers": len(cfg.headers)},
+        "streams": len(results),
+        "ok": len(ok),
+        "broken": len(broken),
+        "errors": dict(errors),
+        "warmup_streams": len(warm),
+        "counted_warmup": counted_warmup,
+        "warmup_broken": sum(1 for r in warm if not (r.ok and r.tokens == cfg.tokens)),
+        "tokens": sum(r.tokens for r in results),
+        "events": events,
+        "events_all": events + warm_events,
+        "ttft_ms": pct(ttfts),
+        "itl_ms": pct(gaps),
+        "wall_s": wall,
+        "client_cpu_s": cpu,
+        "client_cpu_us_per_event": cpu / events * 1e6 if events else math.nan,
+    }
+
+
+async def run_load(cfg: LoadConfig) -> dict[str, Any]:
+    """Run one load and return its summary; always ends within duration + stream_timeout."""
+    loop = asyncio.get_running_loop()
+    host, port, request = _request_bytes(cfg)
+    results: list[StreamResult] = []
+    warm: list[StreamResult] = []
+    cpu0 = time.process_time()
+    t0 = perf_counter()
+    warm_end = t0 + cfg.warmup
+    deadline = t0 + cfg.duration
+    step = cfg.stagger / max(cfg.concurrency, 1)
+
+    async def one(conn: _Conn | None) -> tuple[_Conn | None, StreamResult]:
+        res = StreamResult(t_start=perf_counter())
+        try:
+            if conn is None or conn.transport is None:
+                _, conn = await asyncio.wait_for(
+                    loop.create_connection(_Conn, host, port), cfg.stream_timeout
+                )
+            await asyncio.wait_for(conn.start(request, res), cfg.stream_timeout)
+        except (TimeoutError, OSError) as exc:
+            res.ok = False
+            res.error = type(exc).__name__
+            if conn is not None and conn.transport is not None:
+                conn.transport.abort()
+            conn = None
+        return conn, res
+
+    async def user(i: int) -> None:
+        await asyncio.sleep(i * step)
+        conn: _Conn | None = None
+        done = 0
+        while perf_counter() < deadline and (not cfg.streams or done < cfg.streams):
+            conn, res = await one(conn)
+            done += 1
+            (results if res.t_start >= warm_end else warm).append(res)
+            if not res.ok or not cfg.keepalive:
+                if conn is not None and conn.transport is not None:
+                    conn.transport.close()
+                conn = None
+        if conn is not None and conn.transport is not None:
+            conn.transport.close()
+
+    await asyncio.gather(*(user(i) for i in range(cfg.concurrency)))
+    wall = perf_counter() - t0
+    cpu = time.process_time() - cpu0
+    return summarize(results, cfg, wall, cpu, warm)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--url", required=True, help="base URL, e.g. http://127.0.0.1:8080/v1")
+    p.add_argument("--concurrency", "-c", type=int, default=64)
+    p.add_argument("--duration", type=float, default=8.0, help="seconds of load")
+    p.add_argument(
+        "--warmup",
+        type=float,
+        default=1.0,
+        help="streams started in the first seconds are not counted",
+    )
+    p.add_argument("--tokens", type=int, default=50, help="tokens per stream (max_tokens)")
+    p.add_argument(
+        "--new-connections",
+        action="store_true",
+        help="a new TCP connection per stream (default: keep-alive)",
+    )
+    p.add_argument("--streams", type=int, default=0, help="streams per user (0: until duration)")
+    p.add_argument(
+        "--stagger", type=float, default=1.0, help="spread user starts over this many seconds"
+    )
+    p.add_argument("--stream-timeout", type=float, default=30.0)
+    p.add_argument("--no-usage", action="store_true", help="do not ask for the usage chunk")
+    p.add_argument("--header", action="append", default=[], help="extra 'Name: value'")
+    p.add_argument(
+        "--bearer-env",
+        default="",
+        help="send 'Authorization: Bearer $VAR' (the key stays out of argv)",
+    )
+    a = p.parse_args(argv)
+    if a.bearer_env:
+        a.header.append(f"Authorization: Bearer {os.environ[a.bearer_env]}")
+    cfg = LoadConfig(
+        url=a.url,
+        concurrency=a.concurrency,
+        duration=a.duration,
+        warmup=a.warmup,
+        tokens=a.tokens,
+        keepalive=not a.new_connections,
+        streams=a.streams,
+        stagger=a.stagger,
+        stream_timeout=a.stream_timeout,
+        include_usage=not a.no_usage,
+        headers=tuple(a.header),
+    )
+    out = run_loop(run_load(cfg))
+    json.dump(out, sys.stdout)
+    sys.stdout.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

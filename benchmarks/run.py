@@ -1,0 +1,998 @@
+"""One command: fake upstream + every target side by side, interleaved rounds, medians.
+
+    python benchmarks/run.py                 # full run (about 15 min on 2 cores)
+    python benchmarks/run.py --quick         # smoke configuration, < 60 s
+    python benchmarks/run.py --with-litellm  # add LiteLLM (benchmarks/litellm/setup.sh first)
+
+What it does, and why:
+
+* Starts ``fake_upstream.py`` (fixed schedule: TTFT, ITL, tokens) and every target once:
+  ``direct`` (the upstream itself), ``nginx`` (proxy_buffering off, ``nginx.conf``),
+  ``proxy`` (``python -m proxy serve``), ``proxy-nomeasure`` (``--no-measure``, prices the
+  measurement) and optionally ``litellm``. Idle targets cost nothing, so all stay up.
+* For each round, for each load, runs ``loadgen.py`` against every target, rotating the
+  target order each round (A B C, B C A, ...), so drift on a noisy machine hits all
+  targets alike. "Added" figures are target minus direct *in the same round and load*;
+  the table shows the median over rounds.
+* Target CPU comes from ``/proc/<pid>/stat`` (utime+stime, summed over the process tree,
+  e.g. nginx master + workers) before/after each load, divided by SSE events relayed.
+  Memory per open stream is (median RSS while the load is steady - idle RSS) / streams;
+  peak RSS is ``VmHWM`` summed over the tree at the end.
+* Pinning (default, ``--no-pin`` to switch off): targets on CPU 0, fake upstream and load
+  client on CPU 1, so a target never competes with the instrument for its core.
+* A rate sweep raises the number of 50 tokens/s streams until a target's added p99 TTFT
+  passes the threshold (10 ms) or it breaks streams.
+* Bounded: every loadgen run has a duration and a stream timeout, every child process a
+  deadline, the whole run ``--max-minutes``; all children are stopped on exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import hashlib
+import json
+import os
+import platform
+import secrets
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+PY = sys.executable
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+DEFAULT_LITELLM_VENV = "/tmp/llm-latency-proxy-bench/venv-litellm"
+
+
+# --------------------------------------------------------------------------- /proc
+
+
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    with contextlib.suppress(OSError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/children") as f:
+                out.extend(int(x) for x in f.read().split())
+    return out
+
+
+def proc_tree(pid: int) -> list[int]:
+    """``pid`` and all its descendants (nginx workers, uvicorn workers)."""
+    seen, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        if p in seen:
+            continue
+        seen.append(p)
+        todo.extend(_children(p))
+    return seen
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """utime+stime of ``pids`` (fields 14, 15 of /proc/<pid>/stat), in seconds."""
+    total = 0
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+    return total / CLK_TCK
+
+
+def runqueue_wait_seconds(pids: list[int]) -> float:
+    """Time the threads of ``pids`` spent runnable but waiting for a CPU (schedstat field
+    2): how much other work on the machine delayed them."""
+    total = 0
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    total += int(f.read().split()[1])
+    return total / 1e9
+
+
+def busy_seconds() -> float:
+    """Non-idle CPU time of the whole machine (all CPUs) from /proc/stat, in seconds."""
+    with open("/proc/stat") as f:
+        values = [int(x) for x in f.readline().split()[1:]]
+    idle = values[3] + (values[4] if len(values) > 4 else 0)
+    return (sum(values[:8]) - idle) / CLK_TCK
+
+
+def mem_kib(pids: list[int], key: str) -> int:
+    """Sum of ``VmRSS``/``VmHWM`` (KiB) over ``pids``."""
+    total = 0
+    for pid in pids:
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    total += int(line.split()[1])
+                    break
+    return total
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_port(port: int, proc: subprocess.Popen[Any] | None, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before listening")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
+            return
+        time.sleep(0.1)  # polling for a port to open, not timing anything
+    raise TimeoutError(f"nothing listening on {port} after {timeout} s")
+
+
+@dataclass
+class Target:
+    """A thing the load client talks to, and the processes whose CPU/memory we read."""
+
+    name: str
+    url: str
+    proc: subprocess.Popen[Any] | None = None
+    headers: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    idle_rss_kib: int = 0
+
+    def pids(self) -> list[int]:
+        return proc_tree(self.proc.pid) if self.proc is not None else []
+
+
+class Bench:
+    """Owns the child processes; stops them all on exit."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.procs: list[subprocess.Popen[Any]] = []
+        self.tmp = Path(tempfile.mkdtemp(prefix="llm-proxy-bench-"))
+        self.upstream_proc: subprocess.Popen[Any] | None = None
+        self.code = ""
+
+    def pin(self, cpu: str) -> list[str]:
+        """Command prefix: optional priority (``--nice``) and CPU pinning (taskset)."""
+        prefix = ["nice", "-n", str(self.args.nice)] if self.args.nice else []
+        if self.args.no_pin or not shutil.which("taskset") or (os.cpu_count() or 1) < 2:
+            return prefix
+        return [*prefix, "taskset", "-c", cpu]
+
+    def spawn(
+        self,
+        cmd: list[str],
+        *,
+        name: str,
+        cpu: str,
+        env: dict[str, str] | None = None,
+        stdout: int | None = None,
+        cwd: Path = REPO,
+    ) -> subprocess.Popen[Any]:
+        log = open(self.tmp / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
+        proc = subprocess.Popen(
+            self.pin(cpu) + cmd,
+            cwd=cwd,
+            env={**os.environ, **(env or {})},
+            stdout=stdout if stdout is not None else log,
+            stderr=log,
+            start_new_session=True,
+        )
+        self.procs.append(proc)
+        return proc
+
+    def close(self) -> None:
+        for proc in reversed(self.procs):
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                except (ProcessLookupError, PermissionError):
+                    proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    proc.kill()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(5)
+        if not self.args.keep_tmp:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+    # -- starting things
+
+    def start_upstream(self) -> str:
+        a = self.args
+        proc = self.spawn(
+            [
+                PY,
+                str(HERE / "fake_upstream.py"),
+                "--port",
+                "0",
+                "--ttft",
+                str(a.ttft),
+                "--itl",
+                str(a.itl),
+                "--tokens",
+                str(a.tokens),
+                "--max-seconds",
+                str(a.max_minutes * 60),
+            ],
+            name="fake_upstream",
+            cpu=a.client_cpu,
+            stdout=subprocess.PIPE,
+        )
+        assert proc.stdout is not None
+        line = proc.stdout.readline().decode()
+        if not line.startswith("LISTENING"):
+            raise RuntimeError(f"fake upstream failed: {line!r}")
+        self.upstream_proc = proc
+        return f"http://127.0.0.1:{int(line.split()[1])}/v1"
+
+    def start_nginx(self, upstream: str) -> Target:
+        nginx = shutil.which("nginx") or "/usr/sbin/nginx"
+        prefix = self.tmp / "nginx"
+        prefix.mkdir()
+        port = free_port()
+        conf = (HERE / "nginx.conf").read_text()
+        for key, value in {
+            "@PREFIX@": str(prefix),
+            "@WORKERS@": str(self.args.nginx_workers),
+            "@UPSTREAM_PORT@": upstream.split(":")[-1].split("/")[0],
+            "@LISTEN_PORT@": str(port),
+        }.items():
+            conf = conf.replace(key, value)
+        (prefix / "nginx.conf").write_text(conf)
+        proc = self.spawn(
+            [
+                nginx,
+                "-p",
+                str(prefix),
+                "-c",
+                str(prefix / "nginx.conf"),
+                "-e",
+                str(prefix / "error.log"),
+            ],
+            name="nginx",
+            cpu=self.args.target_cpu,
+        )
+        wait_port(port, proc, 10)
+        return Target("nginx", f"http://127.0.0.1:{port}/v1", proc)
+
+    def snapshot_proxy(self) -> str:
+        """Copy ``proxy/`` once, so every proxy run in this benchmark runs the same code
+        even while the tree is being edited; returns a short hash of that code."""
+        src = self.tmp / "src"
+        if not (src / "proxy").exists():
+            shutil.copytree(
+                REPO / "proxy", src / "proxy", ignore=shutil.ignore_patterns("__pycache__")
+            )
+        digest = hashlib.sha256()
+        for path in sorted((src / "proxy").rglob("*.py")):
+            digest.update(path.relative_to(src).as_posix().encode() + path.read_bytes())
+        self.code = digest.hexdigest()[:12]
+        return self.code
+
+    def start_proxy(self, upstream: str, name: str, extra: list[str]) -> Target:
+        self.snapshot_proxy()
+        port = free_port()
+        cmd = [
+            PY,
+            "-m",
+            "proxy",
+            "serve",
+            "--upstream",
+            upstream,
+            "--port",
+            str(port),
+            *self.args.proxy_arg,
+            *extra,
+        ]
+        proc = self.spawn(cmd, name=name, cpu=self.args.target_cpu, cwd=self.tmp / "src")
+        wait_port(port, proc, 30)
+        return Target(name, f"http://127.0.0.1:{port}/v1", proc)
+
+    def start_litellm(self, upstream: str) -> Target | None:
+        venv = Path(self.args.litellm_venv)
+        exe = venv / "bin" / "litellm"
+        if not exe.exists():
+            print(
+                f"# litellm: skipped, no venv at {venv} (run benchmarks/litellm/setup.sh)",
+                file=sys.stderr,
+            )
+            return None
+        port = free_port()
+        conf = (
+            (HERE / "litellm" / "config.yaml")
+            .read_text()
+            .replace("@UPSTREAM_PORT@", upstream.split(":")[-1].split("/")[0])
+        )
+        path = self.tmp / "litellm.yaml"
+        path.write_text(conf)
+        key = os.environ.get("LITELLM_MASTER_KEY") or "sk-" + secrets.token_hex(24)
+        env = {
+            "LITELLM_MASTER_KEY": key,
+            "LITELLM_TELEMETRY": "False",
+            "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+            "LITELLM_LOG": "ERROR",
+        }
+        proc = self.spawn(
+            [
+                str(exe),
+                "--config",
+                str(path),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--num_workers",
+                "1",
+            ],
+            name="litellm",
+            cpu=self.args.target_cpu,
+            env=env,
+        )
+        wait_port(port, proc, 120)
+        return Target(
+            "litellm",
+            f"http://127.0.0.1:{port}/v1",
+            proc,
+            headers=["--bearer-env", "BENCH_BEARER"],
+            env={"BENCH_BEARER": key},
+        )
+
+    # -- running loads
+
+    def load(
+        self,
+        target: Target,
+        c: int,
+        keepalive: bool,
+        duration: float,
+        warmup: float,
+        tokens: int,
+        streams: int = 0,
+    ) -> dict[str, Any]:
+        """One loadgen run against ``target`` with CPU and memory read around it."""
+        a = self.args
+        cmd = [
+            PY,
+            str(HERE / "loadgen.py"),
+            "--url",
+            target.url,
+            "-c",
+            str(c),
+            "--duration",
+            str(duration),
+            "--warmup",
+            str(warmup),
+            "--tokens",
+            str(tokens),
+            "--stagger",
+            str(min(1.0, a.ttft + a.itl * tokens)),
+            "--stream-timeout",
+            str(a.stream_timeout),
+            *target.headers,
+        ]
+        if streams:
+            cmd += ["--streams", str(streams)]
+        if not keepalive:
+            cmd.append("--new-connections")
+        pids = target.pids()
+        up_pids = [self.upstream_proc.pid] if self.upstream_proc else []
+        idle = mem_kib(pids, "VmRSS")
+        cpu0, up0 = cpu_seconds(pids), cpu_seconds(up_pids)
+        t0 = time.monotonic()
+        busy0 = busy_seconds()
+        rq0, uprq0 = runqueue_wait_seconds(pids), runqueue_wait_seconds(up_pids)
+        proc = subprocess.Popen(
+            self.pin(a.client_cpu) + cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env={**os.environ, **target.env},
+            start_new_session=True,
+        )
+        self.procs.append(proc)
+        samples: list[tuple[float, int]] = []
+        steady_from = max(warmup, 1.0) + 0.3
+        while proc.poll() is None:
+            now = time.monotonic() - t0
+            if pids and steady_from <= now <= duration:
+                samples.append((now, mem_kib(pids, "VmRSS")))
+            try:
+                proc.wait(0.25)
+            except subprocess.TimeoutExpired:
+                if now > duration + a.stream_timeout + 30:
+                    proc.kill()
+        out, err = proc.communicate()
+        self.procs.remove(proc)
+        if proc.returncode != 0:
+            raise RuntimeError(f"loadgen failed on {target.name}: {err.decode()[-2000:]}")
+        res: dict[str, Any] = json.loads(out)
+        ev = res["events_all"] or 1
+        res["target"] = target.name
+        res["target_cpu_s"] = cpu_seconds(pids) - cpu0
+        up_cpu = cpu_seconds(up_pids) - up0
+        wall = time.monotonic() - t0
+        # CPU used by anything outside the benchmark meanwhile (other users of the
+        # machine), in cores: a noise gauge for reading the figures.
+        other = busy_seconds() - busy0 - res["target_cpu_s"] - up_cpu - res["client_cpu_s"]
+        res["other_load_cores"] = max(other, 0.0) / wall
+        res["target_runqueue_wait_frac"] = (
+            (runqueue_wait_seconds(pids) - rq0) / wall if pids else None
+        )
+        res["upstream_runqueue_wait_frac"] = (runqueue_wait_seconds(up_pids) - uprq0) / wall
+        res["target_cpu_us_per_event"] = res["target_cpu_s"] / ev * 1e6 if pids else None
+        res["upstream_cpu_us_per_event"] = up_cpu / ev * 1e6
+        res["client_cpu_us_per_event_all"] = res["client_cpu_s"] / ev * 1e6
+        res["idle_rss_kib"] = idle
+        steady = statistics.median(s for _, s in samples) if samples else None
+        res["mem_per_stream_kib"] = (steady - idle) / c if steady is not None else None
+        return res
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _med(values: list[float | None]) -> float | None:
+    vals = [v for v in values if v is not None and v == v]
+    return statistics.median(vals) if vals else None
+
+
+def _fmt(v: float | None, nd: int = 1) -> str:
+    return "n/a" if v is None else f"{v:.{nd}f}"
+
+
+def rounds_of(runs: list[dict[str, Any]]) -> int:
+    return len({r["round"] for r in runs})
+
+
+def _mem_per_stream(runs: list[dict[str, Any]], mine: list[dict[str, Any]], c: int) -> float | None:
+    """KiB per open stream from the first round: (steady RSS - the target's idle RSS before
+    its first load) / streams. Later rounds would under-read it, since Python keeps the
+    memory it once grew to."""
+    first = min(mine, key=lambda r: r["round"])
+    if first.get("mem_per_stream_kib") is None:
+        return None
+    steady = first["mem_per_stream_kib"] * c + first["idle_rss_kib"]
+    base = min(r["idle_rss_kib"] for r in runs if r["target"] == first["target"])
+    return float((steady - base) / c)
+
+
+def summarize_loads(runs: list[dict[str, Any]], targets: list[str]) -> list[dict[str, Any]]:
+    """Median over rounds of each per-round figure, per (load, target)."""
+    rows = []
+    loads = []
+    for r in runs:
+        if (r["load"], r["keepalive"]) not in loads:
+            loads.append((r["load"], r["keepalive"]))
+    for c, ka in loads:
+        for name in targets:
+            mine = [
+                r for r in runs if r["load"] == c and r["keepalive"] == ka and r["target"] == name
+            ]
+            if not mine:
+                continue
+            added_p50, added_p99, added_itl = [], [], []
+            for r in mine:
+                d = next(
+                    (
+                        x
+                        for x in runs
+                        if x["load"] == c
+                        and x["keepalive"] == ka
+                        and x["round"] == r["round"]
+                        and x["target"] == "direct"
+                    ),
+                    None,
+                )
+                if d is None:
+                    continue
+                added_p50.append(r["ttft_ms"]["p50"] - d["ttft_ms"]["p50"])
+                added_p99.append(r["ttft_ms"]["p99"] - d["ttft_ms"]["p99"])
+                added_itl.append(r["itl_ms"]["p99"] - d["itl_ms"]["p99"])
+            rows.append(
+                {
+                    "load": c,
+                    "keepalive": ka,
+                    "target": name,
+                    "rounds": len(mine),
+                    "ttft_p50": _med([r["ttft_ms"]["p50"] for r in mine]),
+                    "ttft_p99": _med([r["ttft_ms"]["p99"] for r in mine]),
+                    "itl_p99": _med([r["itl_ms"]["p99"] for r in mine]),
+                    "added_ttft_p50": _med(added_p50),
+                    "added_ttft_p99": _med(added_p99),
+                    "added_itl_p99": _med(added_itl),
+                    "streams": sum(r["streams"] + r["warmup_streams"] for r in mine),
+                    "broken": sum(r["broken"] + r["warmup_broken"] for r in mine),
+                    "cpu_us_per_event": _med([r["target_cpu_us_per_event"] for r in mine]),
+                    "mem_per_stream_kib": _mem_per_stream(runs, mine, c),
+                    "client_cpu_us_per_event": _med(
+                        [r["client_cpu_us_per_event_all"] for r in mine]
+                    ),
+                    "upstream_cpu_us_per_event": _med(
+                        [r["upstream_cpu_us_per_event"] for r in mine]
+                    ),
+                    "other_load_cores": _med([r.get("other_load_cores") for r in mine]),
+                    "rq_wait_ms_per_s": _med(
+                        [
+                            None
+                            if r.get("target_runqueue_wait_frac") is None
+                            else r["target_runqueue_wait_frac"] * 1000
+                            for r in mine
+                        ]
+                    ),
+                    "cpu_util": _med(
+                        [r["target_cpu_s"] / r["wall_s"] if r["wall_s"] else None for r in mine]
+                    ),
+                    "counted_warmup": any(r.get("counted_warmup") for r in mine),
+                    "overloaded": len(mine) < rounds_of(runs),
+                }
+            )
+    return rows
+
+
+def verdicts(rows: list[dict[str, Any]]) -> list[str]:
+    """Issue 5's targets for the ``proxy`` target, met or missed, with the figures."""
+
+    def row(target: str, load: int) -> dict[str, Any] | None:
+        return next(
+            (r for r in rows if r["target"] == target and r["load"] == load and r["keepalive"]),
+            None,
+        )
+
+    def check(label: str, value: float | None, limit: float, unit: str = "ms") -> str:
+        if value is None:
+            return f"- {label}: not measured"
+        return (
+            f"- {label}: {'MET' if value <= limit else 'MISSED'} "
+            f"({value:.2f} {unit}, target <= {limit:g} {unit})"
+        )
+
+    p64, p256 = row("proxy", 64), row("proxy", 256)
+    if p64 is None and p256 is None:
+        return []
+    out = ["", "Issue 5 targets for `proxy` (keep-alive loads, medians):", ""]
+    if p64:
+        out.append(check("64 streams added TTFT p50", p64["added_ttft_p50"], 1))
+        out.append(check("64 streams added TTFT p99", p64["added_ttft_p99"], 5))
+        out.append(check("64 streams added ITL p99", p64["added_itl_p99"], 1))
+        out.append(
+            f"- 64 streams broken streams: {'MET' if p64['broken'] == 0 else 'MISSED'} "
+            f"({p64['broken']})"
+        )
+    if p256:
+        out.append(check("256 streams added TTFT p50", p256["added_ttft_p50"], 2))
+        out.append(check("256 streams added TTFT p99", p256["added_ttft_p99"], 10))
+    for load in (64, 256):
+        mine, ng, off = row("proxy", load), row("nginx", load), row("proxy-nomeasure", load)
+        if mine and ng and mine["cpu_us_per_event"] and ng["cpu_us_per_event"]:
+            out.append(
+                check(
+                    f"{load} streams CPU/event vs nginx",
+                    mine["cpu_us_per_event"] / ng["cpu_us_per_event"],
+                    2,
+                    "x",
+                )
+            )
+        if mine and off and mine["cpu_us_per_event"] and off["cpu_us_per_event"]:
+            extra = (mine["cpu_us_per_event"] / off["cpu_us_per_event"] - 1) * 100
+            out.append(check(f"{load} streams measurement CPU over --no-measure", extra, 15, "%"))
+    ll = row("litellm", 64)
+    if p64 and ll and p64["added_ttft_p99"] is not None and ll["added_ttft_p99"] is not None:
+        ratio = ll["added_ttft_p99"] / max(p64["added_ttft_p99"], 0.1)
+        out.append(
+            f"- 64 streams added p99 TTFT vs LiteLLM: "
+            f"{'MET' if ratio >= 10 else 'MISSED'} (LiteLLM {ll['added_ttft_p99']:.1f} ms "
+            f"/ proxy {p64['added_ttft_p99']:.2f} ms = {ratio:.1f}x, target >= 10x; "
+            f"proxy figure floored at 0.1 ms)"
+        )
+    return out
+
+
+def render(
+    rows: list[dict[str, Any]], sweep: dict[str, Any], peaks: dict[str, int], meta: dict[str, Any]
+) -> str:
+    out = [
+        f"- date: {meta['date']}",
+        f"- machine: {meta['machine']}",
+        f"- command: `{meta['command']}`",
+        f"- schedule: {meta['schedule']}",
+        f"- code: {meta['code']}",
+        f"- pinning: {meta['pinning']}",
+        f"- rounds: {meta['rounds']} (medians shown)",
+        "",
+    ]
+    out.append(
+        "| load | conn | target | TTFT p50 ms | TTFT p99 ms | added TTFT p50 ms | "
+        "added TTFT p99 ms | ITL p99 ms | added ITL p99 ms | broken / streams | "
+        "CPU us/event | CPU cores | runqueue wait ms/s | KiB/open stream | "
+        "peak RSS MiB | rounds | other load (cores) |"
+    )
+    out.append("|" + "---|" * 17)
+    for r in rows:
+        direct = r["target"] == "direct"
+        peak = peaks.get(r["target"])
+        out.append(
+            f"| {r['load']} | {'keep-alive' if r['keepalive'] else 'new'} | {r['target']} "
+            f"| {_fmt(r['ttft_p50'])} | {_fmt(r['ttft_p99'])} "
+            f"| {'-' if direct else _fmt(r['added_ttft_p50'], 2)} "
+            f"| {'-' if direct else _fmt(r['added_ttft_p99'], 2)} | {_fmt(r['itl_p99'])} "
+            f"| {'-' if direct else _fmt(r['added_itl_p99'], 2)} "
+            f"| {r['broken']} / {r['streams']} "
+            f"| {'-' if direct else _fmt(r['cpu_us_per_event'])} "
+            f"| {'-' if direct else _fmt(r['cpu_util'], 2)} "
+            f"| {'-' if direct else _fmt(r['rq_wait_ms_per_s'], 0)} "
+            f"| {'-' if direct else _fmt(r['mem_per_stream_kib'])} "
+            f"| {'-' if direct or peak is None else _fmt(peak / 1024)} "
+            f"| {r['rounds']}{' (overloaded)' if r['overloaded'] else ''} "
+            f"| {_fmt(r['other_load_cores'], 2)} |"
+        )
+    out.append("")
+    out.append(
+        "Overloaded: TTFT p50 over --overload-ms or >10% broken streams in its first "
+        "round, so later rounds skip that load (figures then from that round; "
+        "streams that started during warm-up are then counted too). Other load: "
+        "CPU cores used meanwhile by processes outside the benchmark (noise gauge). "
+        "CPU cores: the target's CPU time / wall time. Runqueue wait: ms per second "
+        "the target's threads were runnable but waiting for a CPU (schedstat), i.e. "
+        "latency caused by CPU contention rather than by the target's own work."
+    )
+    out.append("")
+    out.append(
+        "Instrument cost (median CPU us per event, same loads): "
+        + ", ".join(
+            f"{r['load']}{'' if r['keepalive'] else 'new'}/{r['target']}: "
+            f"client {_fmt(r['client_cpu_us_per_event'])}, "
+            f"upstream {_fmt(r['upstream_cpu_us_per_event'])}"
+            for r in rows
+            if r["target"] == "direct"
+        )
+    )
+    out += verdicts(rows)
+    if sweep:
+        out += [
+            "",
+            f"Rate sweep (keep-alive, {meta['tokens']} tokens/stream at "
+            f"{1 / meta['itl']:.0f} tokens/s; added p99 TTFT vs direct in the same step, "
+            f"threshold {meta['threshold_ms']} ms; median of {meta['sweep_rounds']} runs per step):",
+            "",
+        ]
+        out.append(
+            "| streams | token events/s | "
+            + " | ".join(f"{t} added p99 ms" for t in sweep["targets"])
+            + " | direct p99 ms |"
+        )
+        out.append("|" + "---|" * (len(sweep["targets"]) + 3))
+        for step in sweep["steps"]:
+            cells = []
+            for t in sweep["targets"]:
+                v = step["added"].get(t)
+                b = step["broken"].get(t, 0)
+                cells.append("-" if v is None else _fmt(v, 1) + (f" ({b} broken)" if b else ""))
+            out.append(
+                f"| {step['c']} | {step['rate']:.0f} | "
+                + " | ".join(cells)
+                + f" | {_fmt(step['direct_p99'])} |"
+            )
+        out.append("")
+        for t in sweep["targets"]:
+            best = sweep["best"].get(t)
+            out.append(
+                f"- {t}: highest rate with added p99 TTFT <= {meta['threshold_ms']} ms: "
+                + (f"{best:.0f} events/s" if best else "none of the steps")
+            )
+    return "\n".join(out) + "\n"
+
+
+# --------------------------------------------------------------------------- main
+
+
+def machine() -> str:
+    model = ""
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    return (
+        f"{os.cpu_count()} CPUs ({model}), {platform.system()} {platform.release()}, "
+        f"Python {platform.python_version()}"
+    )
+
+
+@contextlib.contextmanager
+def time_budget(minutes: float) -> Iterator[None]:
+    """Raise TimeoutError if the whole run overstays; children are stopped by the caller."""
+
+    def expire(signum: int, frame: Any) -> None:
+        raise TimeoutError(f"benchmark exceeded --max-minutes {minutes}")
+
+    def terminate(signum: int, frame: Any) -> None:
+        raise SystemExit(f"stopped by signal {signum}")
+
+    # Background shells start us with SIGINT ignored; TERM and INT must both clean up.
+    signal.signal(signal.SIGTERM, terminate)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    old = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(max(1, int(minutes * 60)))
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--quick", action="store_true", help="smoke configuration (< 60 s)")
+    p.add_argument(
+        "--targets",
+        default="direct,nginx,proxy,proxy-nomeasure",
+        help="comma list from direct,nginx,proxy,proxy-nomeasure,litellm; "
+        "proxy-wN / proxy-nomeasure-wN run the proxy with --workers N",
+    )
+    p.add_argument("--with-litellm", action="store_true", help="add the litellm target")
+    p.add_argument("--litellm-venv", default=os.environ.get("LITELLM_VENV", DEFAULT_LITELLM_VENV))
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument(
+        "--loads",
+        default="1,64,64new,256,256new",
+        help="concurrent streams; suffix 'new' for a new connection per stream",
+    )
+    p.add_argument("--duration", type=float, default=8.0, help="seconds per load run")
+    p.add_argument("--warmup", type=float, default=1.5, help="seconds not counted per run")
+    p.add_argument("--ttft", type=float, default=0.05, help="fake upstream TTFT, seconds")
+    p.add_argument("--itl", type=float, default=0.02, help="fake upstream ITL, seconds")
+    p.add_argument("--tokens", type=int, default=50, help="tokens per stream")
+    p.add_argument(
+        "--sweep", default="16,32,64,128,192,256,384", help="streams per sweep step ('' to skip)"
+    )
+    p.add_argument("--sweep-duration", type=float, default=6.0)
+    p.add_argument("--sweep-rounds", type=int, default=2, help="runs per sweep step (median)")
+    p.add_argument("--threshold-ms", type=float, default=10.0)
+    p.add_argument("--stream-timeout", type=float, default=30.0)
+    p.add_argument(
+        "--overload-ms",
+        type=float,
+        default=1000.0,
+        help="a target whose TTFT p50 passes this (or that breaks >10%% of its "
+        "streams) at a load runs that load in one round only (0: never skip)",
+    )
+    p.add_argument("--nginx-workers", type=int, default=1)
+    p.add_argument(
+        "--proxy-arg",
+        action="append",
+        default=[],
+        help="extra argument for both proxy targets (repeat), e.g. --proxy-arg=--workers=2",
+    )
+    p.add_argument("--no-pin", action="store_true", help="do not pin processes to CPUs")
+    p.add_argument(
+        "--nice",
+        type=int,
+        default=0,
+        help="run every benchmark process at this niceness (negative needs root; "
+        "shields the figures from other work on a shared machine)",
+    )
+    p.add_argument("--target-cpu", default="0")
+    p.add_argument("--client-cpu", default="1")
+    p.add_argument("--max-minutes", type=float, default=40.0, help="hard bound for the run")
+    p.add_argument("--json", default="", help="also write every raw run to this JSON file")
+    p.add_argument("--write", default="", help="write the markdown report to this file")
+    p.add_argument("--keep-tmp", action="store_true", help="keep configs and logs (debug)")
+    p.add_argument(
+        "--render",
+        default="",
+        metavar="JSON",
+        help="only re-render the report from a --json file of an earlier run",
+    )
+    a = p.parse_args(argv)
+    if a.with_litellm and "litellm" not in a.targets:
+        a.targets += ",litellm"
+    if a.quick:
+        a.rounds, a.loads, a.duration, a.warmup = 1, "1,16,16new", 2.5, 0.5
+        a.tokens, a.sweep, a.max_minutes = 10, "", min(a.max_minutes, 3.0)
+    return a
+
+
+def rerender(path: str, write: str) -> int:
+    """Print (and ``--write``) the report of an earlier run from its ``--json`` file."""
+    data = json.loads(Path(path).read_text())
+    runs = data["runs"]
+    names = list(dict.fromkeys(r["target"] for r in runs))
+    names.sort(key=lambda n: n != "direct")
+    peaks = data.get("peaks", {})
+    report = render(summarize_loads(runs, names), data["sweep"], peaks, data["meta"])
+    sys.stdout.write(report)
+    if write:
+        Path(write).write_text(report)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    if a.render:
+        return rerender(a.render, a.write)
+    names = [t.strip() for t in a.targets.split(",") if t.strip()]
+    if "direct" not in names:
+        names.insert(0, "direct")
+    have_proxy = (REPO / "proxy" / "serve.py").exists()
+    bench = Bench(a)
+    runs: list[dict[str, Any]] = []
+    sweep: dict[str, Any] = {}
+    try:
+        with time_budget(a.max_minutes):
+            upstream = bench.start_upstream()
+            targets: list[Target] = []
+            for name in names:
+                if name == "direct":
+                    targets.append(Target("direct", upstream))
+                elif name == "nginx":
+                    targets.append(bench.start_nginx(upstream))
+                elif name.startswith("proxy"):
+                    # proxy, proxy-nomeasure, proxy-w2 (2 workers), proxy-nomeasure-w2 ...
+                    if not have_proxy:
+                        print(f"# {name}: skipped, proxy/serve.py not there yet", file=sys.stderr)
+                        continue
+                    base, _, workers = name.partition("-w")
+                    if base not in ("proxy", "proxy-nomeasure") or (
+                        workers and not workers.isdigit()
+                    ):
+                        raise SystemExit(f"unknown target {name!r}")
+                    extra = ["--no-measure"] if base == "proxy-nomeasure" else []
+                    extra += ["--workers", workers] if workers else []
+                    targets.append(bench.start_proxy(upstream, name, extra))
+                elif name == "litellm":
+                    t = bench.start_litellm(upstream)
+                    if t is not None:
+                        targets.append(t)
+                else:
+                    raise SystemExit(f"unknown target {name!r}")
+            # Warm-up: first requests (imports, connection pools) are not what we measure.
+            for t in targets:
+                w = bench.load(t, 4, True, 1.0, 0.0, min(a.tokens, 5), streams=2)
+                if w["broken"]:
+                    raise RuntimeError(f"{t.name}: warm-up streams broke: {w['errors']}")
+            loads = []
+            for spec in a.loads.split(","):
+                spec = spec.strip()
+                loads.append((int(spec.removesuffix("new")), not spec.endswith("new")))
+            overloaded: set[tuple[str, int, bool]] = set()
+            for rnd in range(a.rounds):
+                for c, ka in loads:
+                    k = rnd % len(targets)
+                    for t in targets[k:] + targets[:k]:
+                        if (t.name, c, ka) in overloaded:
+                            continue
+                        dur = max(a.duration, 10.0) if c == 1 and not a.quick else a.duration
+                        res = bench.load(t, c, ka, dur, a.warmup, a.tokens)
+                        res.update(round=rnd, load=c, keepalive=ka)
+                        runs.append(res)
+                        p50 = res["ttft_ms"]["p50"]
+                        if (
+                            t.name != "direct"
+                            and a.overload_ms
+                            and (
+                                p50 != p50
+                                or p50 > a.overload_ms
+                                or res["broken"] > 0.1 * res["streams"]
+                            )
+                        ):
+                            overloaded.add((t.name, c, ka))  # later rounds skip it
+                        print(
+                            f"# round {rnd + 1} c={c}{'' if ka else ' new'} {t.name}: "
+                            f"ttft p50 {res['ttft_ms']['p50']:.1f} p99 "
+                            f"{res['ttft_ms']['p99']:.1f} ms, itl p99 "
+                            f"{res['itl_ms']['p99']:.1f} ms, broken {res['broken']}/"
+                            f"{res['streams']}, cpu/ev "
+                            f"{_fmt(res['target_cpu_us_per_event'])} us",
+                            file=sys.stderr,
+                        )
+            steps = [int(s) for s in a.sweep.split(",") if s.strip()]
+            if steps:
+                sweep = {
+                    "targets": [t.name for t in targets if t.name != "direct"],
+                    "steps": [],
+                    "best": {},
+                }
+                alive = [t for t in targets if t.name != "direct"]
+                direct = targets[0]
+                for c in steps:
+                    if not alive:
+                        break
+                    step = {
+                        "c": c,
+                        "rate": c / a.itl,
+                        "direct_p99": None,
+                        "added": {},
+                        "broken": {},
+                    }
+                    direct_p99s: list[float] = []
+                    added_by: dict[str, list[float]] = {t.name: [] for t in alive}
+                    broken_by: dict[str, int] = {t.name: 0 for t in alive}
+                    for _ in range(a.sweep_rounds):
+                        d = bench.load(direct, c, True, a.sweep_duration, a.warmup, a.tokens)
+                        direct_p99s.append(d["ttft_ms"]["p99"])
+                        for t in alive:
+                            r = bench.load(t, c, True, a.sweep_duration, a.warmup, a.tokens)
+                            added_by[t.name].append(r["ttft_ms"]["p99"] - d["ttft_ms"]["p99"])
+                            broken_by[t.name] += r["broken"] + r["warmup_broken"]
+                    step["direct_p99"] = statistics.median(direct_p99s)
+                    for t in list(alive):
+                        added = statistics.median(added_by[t.name])
+                        broken = broken_by[t.name]
+                        step["added"][t.name] = added
+                        step["broken"][t.name] = broken
+                        print(
+                            f"# sweep c={c} {t.name}: added p99 {added:.1f} ms (median of "
+                            f"{a.sweep_rounds}), broken {broken}",
+                            file=sys.stderr,
+                        )
+                        if added > a.threshold_ms or broken:
+                            alive.remove(t)
+                        else:
+                            sweep["best"][t.name] = c / a.itl
+                    sweep["steps"].append(step)
+            peaks = {t.name: mem_kib(t.pids(), "VmHWM") for t in targets if t.proc is not None}
+    finally:
+        bench.close()
+    rows = summarize_loads(runs, [t.name for t in targets])
+    code = bench.code or "n/a (no proxy target)"
+    meta = {
+        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": machine(),
+        "command": "python benchmarks/run.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "schedule": f"fake upstream TTFT {a.ttft * 1000:.0f} ms, ITL {a.itl * 1000:.0f} ms, "
+        f"{a.tokens} tokens/stream; {a.duration:.0f} s per run "
+        f"({a.warmup:.1f} s warm-up not counted)",
+        "code": f"proxy/ sha256 {code} (snapshot taken at start)",
+        "pinning": (
+            "none"
+            if a.no_pin
+            else f"targets on CPU {a.target_cpu}; fake upstream + load client on CPU {a.client_cpu}"
+        )
+        + (f"; all at nice {a.nice}" if a.nice else ""),
+        "rounds": a.rounds,
+        "tokens": a.tokens,
+        "itl": a.itl,
+        "threshold_ms": a.threshold_ms,
+        "sweep_rounds": a.sweep_rounds,
+    }
+    report = render(rows, sweep, peaks, meta)
+    sys.stdout.write(report)
+    if a.write:
+        Path(a.write).write_text(report)
+    if a.json:
+        Path(a.json).write_text(
+            json.dumps(
+                {"meta": meta, "rows": rows, "sweep": sweep, "runs": runs, "peaks": peaks},
+                indent=1,
+                default=str,
+            )
+        )
+    broken = sum(r["broken"] for r in rows)
+    return 1 if broken else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
