@@ -96,3 +96,37 @@ def test_two_workers_sum_metrics(upstream: RunningServer, tmp_path: Path) -> Non
         out, _ = proc.communicate(timeout=20)
     assert proc.returncode == 0, out.decode(errors="replace")
     assert not list(tmp_path.glob("llm-latency-proxy-metrics-*")), "multiprocess dir left behind"
+
+
+def test_sigterm_with_workers_lets_in_flight_stream_finish(tmp_path: Path) -> None:
+    """SIGTERM to the supervisor: the stream in flight completes, the process exits 0."""
+    fake = ScheduledUpstream(ttft=0.05, itl=0.05, tokens=30)  # a 1.5 s stream
+    with serve_in_thread(fake) as up:
+        port = free_port()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "proxy", "serve", "--upstream", up.url + "/v1",
+             "--port", str(port), "--workers", "2", "--graceful-timeout", "20"],
+            env={**os.environ, "TMPDIR": str(tmp_path)},
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_healthy(url, proc)
+            body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "x"}]}
+            received = b""
+            signalled = False
+            with httpx.Client(base_url=url, timeout=20) as client, \
+                    client.stream("POST", "/v1/chat/completions", json=body) as response:
+                for raw in response.iter_raw():
+                    received += raw
+                    if not signalled and b'"content": "t0 "' in received:
+                        proc.send_signal(signal.SIGTERM)  # mid-stream, once
+                        signalled = True
+            assert signalled and not fake.closed.is_set()
+            assert received.count(b'"content": "t') == 30
+            assert b"data: [DONE]" in received
+            out, _ = proc.communicate(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    assert proc.returncode == 0, out.decode(errors="replace")
