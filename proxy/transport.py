@@ -20,8 +20,9 @@ within the read timeout -> ``httpx.ReadTimeout``, a connection that breaks mid-b
 
 from __future__ import annotations
 
+import asyncio
 import urllib.request
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import aiohttp
 import httpx
@@ -30,19 +31,22 @@ import httpx
 class AiohttpTransport(httpx.AsyncBaseTransport):
     def __init__(self, *, max_connections: int, connect_timeout: float, read_timeout: float,
                  keepalive_expiry: float = 30.0) -> None:
-        self._limit = max_connections
         self._keepalive = keepalive_expiry
         self._timeout = aiohttp.ClientTimeout(
             total=None, connect=connect_timeout, sock_connect=connect_timeout,
             sock_read=read_timeout)
         self._session: aiohttp.ClientSession | None = None
         self._proxy_for: dict[str, str | None] = {}
+        # The connection limit is ours, not aiohttp's, so that waiting for a free
+        # connection is told apart from connecting (504 pool timeout vs 502 unreachable).
+        self._slots = asyncio.Semaphore(max_connections)
+        self._pool_timeout = connect_timeout
 
     def _get_session(self) -> aiohttp.ClientSession:
         # Created on first use, inside the running loop (aiohttp requires that).
         if self._session is None or self._session.closed:
             connector = aiohttp.TCPConnector(
-                limit=self._limit, limit_per_host=0, keepalive_timeout=self._keepalive,
+                limit=0, limit_per_host=0, keepalive_timeout=self._keepalive,
                 ttl_dns_cache=60)
             self._session = aiohttp.ClientSession(
                 connector=connector, timeout=self._timeout, auto_decompress=False,
@@ -52,6 +56,29 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         return self._session
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if self._slots.locked():
+            try:
+                async with asyncio.timeout(self._pool_timeout):
+                    await self._slots.acquire()
+            except TimeoutError:
+                raise httpx.PoolTimeout("no upstream connection became free in time",
+                                        request=request) from None
+        else:
+            await self._slots.acquire()  # free slot: returns at once
+        try:
+            response = await self._request(request)
+        except BaseException:
+            self._slots.release()
+            raise
+        return httpx.Response(
+            response.status,
+            headers=list(response.raw_headers),
+            stream=_Body(response, request, self._slots.release),
+            request=request,
+            extensions={"reason_phrase": (response.reason or "").encode("latin-1", "replace")},
+        )
+
+    async def _request(self, request: httpx.Request) -> aiohttp.ClientResponse:
         session = self._get_session()
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.headers.raw
                    if k.lower() not in (b"host", b"content-length", b"transfer-encoding")]
@@ -61,7 +88,7 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         if proxy == "":
             proxy = self._proxy_for[origin] = env_proxy(request.url.scheme, request.url.host)
         try:
-            response = await session.request(
+            return await session.request(
                 request.method, str(request.url), headers=headers, data=body,
                 allow_redirects=False, compress=None, chunked=None, proxy=proxy)
         except aiohttp.ConnectionTimeoutError as exc:
@@ -77,13 +104,6 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
             raise httpx.ReadError(str(exc) or type(exc).__name__, request=request) from exc
         except TimeoutError as exc:  # pragma: no cover - aiohttp wraps its own
             raise httpx.ReadTimeout("timeout", request=request) from exc
-        return httpx.Response(
-            response.status,
-            headers=list(response.raw_headers),
-            stream=_Body(response, request),
-            request=request,
-            extensions={"reason_phrase": (response.reason or "").encode("latin-1", "replace")},
-        )
 
     async def aclose(self) -> None:
         if self._session is not None:
@@ -101,12 +121,14 @@ def env_proxy(scheme: str, host: str) -> str | None:
 
 
 class _Body(httpx.AsyncByteStream):
-    __slots__ = ("_done", "_request", "_response")
+    __slots__ = ("_done", "_release", "_request", "_response")
 
-    def __init__(self, response: aiohttp.ClientResponse, request: httpx.Request) -> None:
+    def __init__(self, response: aiohttp.ClientResponse, request: httpx.Request,
+                 release: Callable[[], None]) -> None:
         self._response = response
         self._request = request
         self._done = False
+        self._release: Callable[[], None] | None = release
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         content = self._response.content
@@ -132,3 +154,7 @@ class _Body(httpx.AsyncByteStream):
             self._response.release()  # fully read: the connection goes back to the pool
         else:
             self._response.close()  # unfinished: drop the connection, the upstream sees it
+        release = self._release
+        if release is not None:  # the connection slot, exactly once
+            self._release = None
+            release()
