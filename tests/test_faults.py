@@ -23,7 +23,7 @@ import re
 import signal
 import ssl
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 import anyio
 import httpx
@@ -374,8 +374,8 @@ async def test_client_disconnect_closes_upstream_within_100ms(proxy_for: ProxyFo
         await still_serves(proxy.url)
 
 
-async def test_client_disconnect_while_queued_makes_no_upstream_request(proxy_for: ProxyFor) -> None:
-    gate = Gate()
+def held_until(gate: Gate) -> Callable[[Conn], Awaitable[None]]:
+    """An upstream handler that sends one token, then waits for ``gate`` to finish."""
 
     async def hold(conn: Conn) -> None:
         await conn.head(200)
@@ -384,6 +384,12 @@ async def test_client_disconnect_while_queued_makes_no_upstream_request(proxy_fo
         await conn.chunk(b"data: [DONE]\n\n")
         await conn.end()
 
+    return hold
+
+
+async def test_client_disconnect_while_queued_makes_no_upstream_request(proxy_for: ProxyFor) -> None:
+    gate = Gate()
+    hold = held_until(gate)
     upstream = RawUpstream({"hold": hold})
     with upstream.running(), proxy_for(upstream.url, max_concurrency=1, max_queue=10) as (proxy, app):
         async with client() as c, c.stream(
@@ -511,14 +517,7 @@ async def test_upstream_connection_limit_holds(proxy_for: ProxyFor) -> None:
     """With every upstream connection busy, a request waits for one at most the connect
     timeout, then gets an OpenAI-shaped error; the proxy never opens more than the limit."""
     gate = Gate()
-
-    async def hold(conn: Conn) -> None:
-        await conn.head(200)
-        await conn.chunk(content_event(" held"))
-        await gate.wait()
-        await conn.chunk(b"data: [DONE]\n\n")
-        await conn.end()
-
+    hold = held_until(gate)
     upstream = RawUpstream({"hold": hold})
     with upstream.running(), proxy_for(upstream.url, max_upstream_connections=1,
                                        connect_timeout=0.5) as (proxy, _):

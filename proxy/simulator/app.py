@@ -407,16 +407,17 @@ class _Simulator:
 
     async def stream(self, job: _Job) -> AsyncIterator[bytes]:
         dumps = json.dumps
+        head = (
+            b'data: {"id":'
+            + dumps(job.request_id).encode()
+            + (b',"object":"chat.completion.chunk"' if job.chat else b',"object":"text_completion"')
+            + b',"created":'
+            + str(job.created).encode()
+            + b',"model":'
+            + dumps(job.model).encode()
+            + b',"choices":['
+        )
         if job.chat:
-            head = (
-                b'data: {"id":'
-                + dumps(job.request_id).encode()
-                + b',"object":"chat.completion.chunk","created":'
-                + str(job.created).encode()
-                + b',"model":'
-                + dumps(job.model).encode()
-                + b',"choices":['
-            )
             role = (
                 head
                 + b'{"index":%d,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}\n\n'
@@ -427,15 +428,6 @@ class _Simulator:
             )
             finish = head + b'{"index":%d,"delta":{},"logprobs":null,"finish_reason":"%s"}]}\n\n'
         else:
-            head = (
-                b'data: {"id":'
-                + dumps(job.request_id).encode()
-                + b',"object":"text_completion","created":'
-                + str(job.created).encode()
-                + b',"model":'
-                + dumps(job.model).encode()
-                + b',"choices":['
-            )
             role = b""
             token = head + b'{"index":%d,"text":%s,"logprobs":null,"finish_reason":null}]}\n\n'
             finish = head + b'{"index":%d,"text":"","logprobs":null,"finish_reason":"%s"}]}\n\n'
