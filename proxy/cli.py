@@ -2,7 +2,7 @@
 
 Each sub-command lives in its own module, which exposes ``add_parser(subparsers)``;
 that function registers the sub-command and sets ``func`` (``args -> exit code``).
-Modules are imported here eagerly but keep their heavy imports inside ``func`` so
+The modules keep their heavy imports (web stack, HTTP clients) inside ``func`` so
 that ``--help`` stays fast.
 """
 
@@ -27,14 +27,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    from proxy import serve
+    from proxy import demo, serve
+    from proxy.bench import cli as bench_cli
+    from proxy.simulator import cli as simulator_cli
 
-    serve.add_parser(sub)
-    for name in ("proxy.simulator.cli", "proxy.bench.cli", "proxy.demo"):
-        try:
-            module = __import__(name, fromlist=["add_parser"])
-        except ImportError:  # sub-command not built yet in this checkout
-            continue
+    for module in (serve, simulator_cli, bench_cli, demo):
         module.add_parser(sub)
     return parser
 
