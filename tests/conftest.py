@@ -1,3 +1,5 @@
+"""Shared fixtures: every async test here runs on asyncio (anyio's pytest plugin)."""
+
 from __future__ import annotations
 
 import pytest

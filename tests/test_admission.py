@@ -15,10 +15,6 @@ from proxy.admission import Admission, QueueFull
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
 
 async def settle(rounds: int = 5) -> None:
     """Let every ready task run (not a timed wait: zero-second yields)."""

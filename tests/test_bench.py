@@ -41,10 +41,6 @@ from tests.servers import serve_in_thread
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
 
 # ---------------------------------------------------------------------------
 # stats

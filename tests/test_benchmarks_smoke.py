@@ -35,10 +35,6 @@ pytestmark = [pytest.mark.anyio, pytest.mark.integration]
 EXTRA_EVENTS = 3
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
 
 @asynccontextmanager
 async def upstream(schedule: fake_upstream.Schedule) -> AsyncIterator[tuple[str, dict[str, int]]]:

@@ -35,10 +35,6 @@ pytestmark = pytest.mark.anyio
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
 
 class Lines:
     """Reads a pipe in a thread so the test can wait for a line with a deadline."""

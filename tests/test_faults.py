@@ -58,10 +58,6 @@ def client(timeout: float = 20) -> httpx.AsyncClient:
     return httpx.AsyncClient(timeout=timeout, verify=_SSL)
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
 
 # ---------------------------------------------------------------------------
 # Helpers

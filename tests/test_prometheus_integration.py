@@ -77,10 +77,6 @@ SYSTEM_PROMPT = "You are a terse assistant for the latency dashboard test. " * 4
 WAIT_S = 20.0  # bound on every poll of Prometheus or the proxy
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

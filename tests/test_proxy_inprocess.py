@@ -46,10 +46,6 @@ T0 = 64.0  # when the proxy receives the request
 BODY_READ = 1 / 512  # when it has the whole body: the overhead with no queueing
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
 
 def client_for(app: Any) -> httpx.AsyncClient:
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy.test")

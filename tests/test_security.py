@@ -39,10 +39,6 @@ from tests.test_faults import chat, client, run_proxy, still_serves
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
 
 # ---------------------------------------------------------------------------
 # Cardinality

@@ -35,10 +35,6 @@ from proxy.sse import SSEParser
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
 
 # Zero jitter so that step times are exact; tests that need jitter say so.
 EXACT = SimConfig(
