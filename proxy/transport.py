@@ -91,23 +91,33 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
             return await session.request(
                 request.method, str(request.url), headers=headers, data=body,
                 allow_redirects=False, compress=None, chunked=None, proxy=proxy)
-        except aiohttp.ConnectionTimeoutError as exc:
-            raise httpx.ConnectTimeout(str(exc) or "connect timeout", request=request) from exc
-        except aiohttp.ServerTimeoutError as exc:
-            raise httpx.ReadTimeout(str(exc) or "read timeout", request=request) from exc
-        except aiohttp.ClientConnectorError as exc:
-            raise httpx.ConnectError(str(exc), request=request) from exc
-        except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError,
-                aiohttp.ClientResponseError) as exc:
-            raise httpx.RemoteProtocolError(str(exc) or type(exc).__name__, request=request) from exc
-        except aiohttp.ClientError as exc:
-            raise httpx.ReadError(str(exc) or type(exc).__name__, request=request) from exc
-        except TimeoutError as exc:  # pragma: no cover - aiohttp wraps its own
-            raise httpx.ReadTimeout("timeout", request=request) from exc
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise as_httpx_error(exc, request) from exc
 
     async def aclose(self) -> None:
         if self._session is not None:
             await self._session.close()
+
+
+def as_httpx_error(exc: BaseException, request: httpx.Request) -> httpx.TransportError:
+    """The httpx exception for an aiohttp (or socket) failure, before or during the body.
+
+    Connect failures -> ``ConnectError``/``ConnectTimeout`` (502); no headers or no bytes
+    within the read timeout -> ``ReadTimeout`` (504 before headers, outcome ``timeout``
+    after); the peer breaking the exchange -> ``RemoteProtocolError``; anything else ->
+    ``ReadError``.
+    """
+    message = str(exc) or type(exc).__name__
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        return httpx.ConnectTimeout(message, request=request)
+    if isinstance(exc, TimeoutError):  # aiohttp.ServerTimeoutError is one too
+        return httpx.ReadTimeout(message, request=request)
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return httpx.ConnectError(message, request=request)
+    if isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientPayloadError
+                  | aiohttp.ClientResponseError):
+        return httpx.RemoteProtocolError(message, request=request)
+    return httpx.ReadError(message, request=request)
 
 
 def env_proxy(scheme: str, host: str) -> str | None:
@@ -138,15 +148,8 @@ class _Body(httpx.AsyncByteStream):
                 if not chunk:
                     break
                 yield chunk
-        except aiohttp.ServerTimeoutError as exc:
-            raise httpx.ReadTimeout(str(exc) or "read timeout", request=self._request) from exc
-        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError) as exc:
-            raise httpx.RemoteProtocolError(str(exc) or "upstream closed mid-body",
-                                            request=self._request) from exc
-        except (aiohttp.ClientError, ConnectionError) as exc:
-            raise httpx.ReadError(str(exc) or type(exc).__name__, request=self._request) from exc
-        except TimeoutError as exc:
-            raise httpx.ReadTimeout("read timeout", request=self._request) from exc
+        except (aiohttp.ClientError, ConnectionError, TimeoutError) as exc:
+            raise as_httpx_error(exc, self._request) from exc
         self._done = True
 
     async def aclose(self) -> None:
