@@ -84,6 +84,13 @@ def multiprocess_dir() -> str | None:
     return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
 
 
+def multiprocess_registry(path: str) -> CollectorRegistry:
+    """A registry that reads every worker's files in ``path`` at each collection."""
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=path)  # type: ignore[no-untyped-call]
+    return registry
+
+
 class ModelLabels:
     """Maps a request's ``model`` to a bounded label value."""
 
@@ -224,8 +231,5 @@ class Metrics:
         """Render the registry (or, with workers, every worker's files) for a scrape."""
         encoder, content_type = choose_encoder(accept or "")
         path = multiprocess_dir()
-        if path is not None:
-            registry = CollectorRegistry()
-            MultiProcessCollector(registry, path=path)  # type: ignore[no-untyped-call]
-            return encoder(registry), content_type
-        return encoder(self.registry), content_type
+        registry = multiprocess_registry(path) if path is not None else self.registry
+        return encoder(registry), content_type

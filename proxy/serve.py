@@ -117,12 +117,9 @@ def _run_workers(settings: Settings) -> int:
         import uvicorn
 
         if settings.metrics_port and settings.measure:
-            from prometheus_client import CollectorRegistry
-            from prometheus_client.multiprocess import MultiProcessCollector
+            from proxy.metrics import multiprocess_registry
 
-            registry = CollectorRegistry()
-            MultiProcessCollector(registry, path=directory)  # type: ignore[no-untyped-call]
-            _start_metrics_server(settings, registry)
+            _start_metrics_server(settings, multiprocess_registry(directory))
         _banner(settings)
         uvicorn.run("proxy.app:create_app_from_env", factory=True, workers=settings.workers,
                     **_uvicorn_kwargs(settings))

@@ -50,11 +50,6 @@ class Upstream:
             write=settings.write_timeout,
             pool=settings.connect_timeout,
         )
-        limits = httpx.Limits(
-            max_connections=settings.max_upstream_connections,
-            max_keepalive_connections=settings.max_upstream_connections,
-            keepalive_expiry=30.0,
-        )
         if transport is None and settings.http_client == "aiohttp":
             from proxy.transport import AiohttpTransport
 
@@ -62,6 +57,11 @@ class Upstream:
                 max_connections=settings.max_upstream_connections,
                 connect_timeout=settings.connect_timeout, read_timeout=settings.read_timeout)
         elif transport is None:
+            limits = httpx.Limits(
+                max_connections=settings.max_upstream_connections,
+                max_keepalive_connections=settings.max_upstream_connections,
+                keepalive_expiry=30.0,
+            )
             transport = httpx.AsyncHTTPTransport(limits=limits, retries=0)
         self.transport = transport
         self.client = httpx.AsyncClient(transport=transport, timeout=timeout, follow_redirects=False)
