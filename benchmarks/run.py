@@ -749,8 +749,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--targets",
         default="direct,nginx,proxy,proxy-nomeasure",
-        help="comma list from direct,nginx,proxy,proxy-nomeasure,litellm; "
-        "proxy-wN / proxy-nomeasure-wN run the proxy with --workers N",
+        help="comma list from direct,nginx,proxy,proxy-nomeasure,litellm; proxy targets take "
+        "suffixes: -nomeasure (--no-measure), -noinject (--no-inject-usage), -aiohttp/-httpx "
+        "(--http-client), -wN (--workers N)",
     )
     p.add_argument("--with-litellm", action="store_true", help="add the litellm target")
     p.add_argument("--litellm-venv", default=os.environ.get("LITELLM_VENV", DEFAULT_LITELLM_VENV))
@@ -836,7 +837,6 @@ def main(argv: list[str] | None = None) -> int:
     names = [t.strip() for t in a.targets.split(",") if t.strip()]
     if "direct" not in names:
         names.insert(0, "direct")
-    have_proxy = (REPO / "proxy" / "serve.py").exists()
     bench = Bench(a)
     runs: list[dict[str, Any]] = []
     sweep: dict[str, Any] = {}
@@ -850,17 +850,20 @@ def main(argv: list[str] | None = None) -> int:
                 elif name == "nginx":
                     targets.append(bench.start_nginx(upstream))
                 elif name.startswith("proxy"):
-                    # proxy, proxy-nomeasure, proxy-w2 (2 workers), proxy-nomeasure-w2 ...
-                    if not have_proxy:
-                        print(f"# {name}: skipped, proxy/serve.py not there yet", file=sys.stderr)
-                        continue
-                    base, _, workers = name.partition("-w")
-                    if base not in ("proxy", "proxy-nomeasure") or (
-                        workers and not workers.isdigit()
-                    ):
-                        raise SystemExit(f"unknown target {name!r}")
-                    extra = ["--no-measure"] if base == "proxy-nomeasure" else []
-                    extra += ["--workers", workers] if workers else []
+                    # proxy[-nomeasure][-noinject][-aiohttp|-httpx][-wN]: measurement off,
+                    # no usage injection, another upstream client, N workers
+                    extra = []
+                    for part in name.split("-")[1:]:
+                        if part == "nomeasure":
+                            extra.append("--no-measure")
+                        elif part == "noinject":
+                            extra.append("--no-inject-usage")
+                        elif part in ("aiohttp", "httpx", "builtin"):
+                            extra += ["--http-client", part]
+                        elif part.startswith("w") and part[1:].isdigit():
+                            extra += ["--workers", part[1:]]
+                        else:
+                            raise SystemExit(f"unknown target {name!r}")
                     targets.append(bench.start_proxy(upstream, name, extra))
                 elif name == "litellm":
                     t = bench.start_litellm(upstream)

@@ -10,6 +10,7 @@ without a server), metrics go to the registry passed in (a fresh one per test).
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
@@ -79,6 +80,7 @@ class ProxyApp:
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
+                _freeze_startup_objects()
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 await self.aclose()
@@ -89,6 +91,14 @@ class ProxyApp:
         await self.upstream.aclose()
         if self.request_log is not None:
             self.request_log.close()
+
+
+def _freeze_startup_objects() -> None:
+    """Move everything alive at startup (modules, classes, settings: ~100k objects) out of
+    the garbage collector's reach, so the periodic full collections that per-event
+    allocations trigger scan only what requests created (``gc.freeze``, Python 3.7+)."""
+    gc.collect()
+    gc.freeze()
 
 
 async def _plain(send: Send, status: int, body: bytes, content_type: bytes) -> None:

@@ -42,12 +42,12 @@ from proxy.sse import SSEParser
 from proxy.upstream import (
     UnsafePath,
     Upstream,
+    UpstreamResponse,
     error_body,
     forward_headers,
     map_transport_error,
     response_headers,
     safe_subpath,
-    upstream_url,
 )
 
 log = logging.getLogger("proxy")
@@ -190,7 +190,7 @@ class V1Handler:
         task = asyncio.current_task()
         assert task is not None
         watcher = asyncio.get_running_loop().create_task(_watch_disconnect(receive, task, watch))
-        response: httpx.Response | None = None
+        response: UpstreamResponse | None = None
         admitted = False
         queue_s: float | None = None
         overhead_s: float | None = None
@@ -218,13 +218,11 @@ class V1Handler:
             if self.keys is not None:
                 out_headers = [(k, v) for k, v in out_headers if k not in (b"authorization", b"api-key")]
                 out_headers.append((b"authorization", self.keys.upstream_authorization))
-            request = self.upstream.build_request(
-                method, upstream_url(s.upstream, subpath, scope.get("query_string", b"")),
-                out_headers, body_out)
             t_send = self.clock()
             overhead_s = t_send - t0 - (queue_s or 0.0)
             try:
-                response = await self.upstream.send(request)
+                response = await self.upstream.open(
+                    method, subpath, scope.get("query_string", b""), out_headers, body_out)
             except httpx.TransportError as exc:
                 status, err = map_transport_error(exc)
                 outcome = Outcome.TIMEOUT if status == 504 else Outcome.UPSTREAM_ERROR
@@ -292,7 +290,7 @@ class V1Handler:
     def _record(self, request_id: str, route: str, model: str, stream: bool, status: int,
                 outcome: Outcome, t0: float, t_end: float, overhead_s: float | None,
                 queue_s: float | None, timer: StreamTimer | None, result: RelayResult | None,
-                response: httpx.Response | None, payload: dict[str, Any] | None) -> RequestRecord:
+                response: UpstreamResponse | None, payload: dict[str, Any] | None) -> RequestRecord:
         if outcome is not Outcome.CLIENT_DISCONNECTED and result is not None:
             t_end = result.t_end
         usage_map = None

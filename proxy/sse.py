@@ -92,6 +92,22 @@ class SSEParser:
         """Stream offset up to which every byte belongs to a finished line or event."""
         return self._event_start if self._event_start >= 0 else self._offset
 
+    def single(self, chunk: bytes) -> bytes | None:
+        """The data of ``chunk`` if it is exactly one event of one ``data:`` line, else None.
+
+        That is the common shape (servers write one event per chunk), and this is the
+        cheap way to take it: no event objects, no list. On None nothing was consumed
+        and ``feed`` must be called with the same chunk.
+        """
+        n = len(chunk)
+        if (self._event_start >= 0 or self._line or self._pending_cr
+                or chunk[:5] != b"data:" or chunk.find(b"\n") != n - 2
+                or chunk[-1:] != b"\n" or b"\r" in chunk or n - 1 > self._max):
+            return None
+        self.straddling_lf = -1
+        self._offset += n
+        return chunk[6:-2] if chunk[5:6] == b" " else chunk[5:-2]
+
     def feed(self, chunk: bytes) -> list[SSEEvent]:
         if not chunk:
             return []

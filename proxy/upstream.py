@@ -19,11 +19,36 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
+from typing import Any, Protocol
 from urllib.parse import unquote_to_bytes, urlsplit
 
 import httpx
 
 from proxy.config import Settings
+from proxy.wire import WireTransport, serialize
+
+
+class UpstreamResponse(Protocol):
+    """What the relay needs of a response: ``httpx.Response`` and
+    :class:`proxy.wire.WireResponse` both have this shape."""
+
+    @property
+    def status_code(self) -> int: ...
+
+    @property
+    def headers(self) -> HeaderLookup: ...
+
+    @property
+    def stream(self) -> Any: ...
+
+    async def aclose(self) -> None: ...
+
+
+class HeaderLookup(Protocol):
+    @property
+    def raw(self) -> list[tuple[bytes, bytes]]: ...
+
+    def get(self, key: str, default: Any = ...) -> Any: ...
 
 HOP_BY_HOP = frozenset({
     b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization",
@@ -50,7 +75,19 @@ class Upstream:
             write=settings.write_timeout,
             pool=settings.connect_timeout,
         )
-        if transport is None and settings.http_client == "aiohttp":
+        client = settings.http_client
+        if transport is None and client == "builtin":
+            from proxy.transport import env_proxy
+
+            base = urlsplit(settings.upstream)
+            if env_proxy(base.scheme, base.hostname or "") is not None:
+                client = "aiohttp"  # the built-in client does not speak to HTTP proxies
+            else:
+                transport = WireTransport(
+                    max_connections=settings.max_upstream_connections,
+                    connect_timeout=settings.connect_timeout, read_timeout=settings.read_timeout,
+                    write_timeout=settings.write_timeout)
+        if transport is None and client == "aiohttp":
             from proxy.transport import AiohttpTransport
 
             transport = AiohttpTransport(
@@ -64,17 +101,30 @@ class Upstream:
             )
             transport = httpx.AsyncHTTPTransport(limits=limits, retries=0)
         self.transport = transport
+        self.base = settings.upstream
+        self._wire = transport if isinstance(transport, WireTransport) else None
+        # Computed once: the base path, and Host exactly as httpx would write it.
+        self._base_path = urlsplit(self.base).path.rstrip("/").encode()
+        base_url = httpx.URL(self.base)
+        self._origin = (base_url.scheme, base_url.host,
+                        base_url.port or (443 if base_url.scheme == "https" else 80))
+        self._host_header = httpx.Request("GET", base_url).headers.raw[0][1]
         self.client = httpx.AsyncClient(transport=transport, timeout=timeout, follow_redirects=False)
         # httpx adds Accept, Accept-Encoding, Connection and User-Agent to every request;
         # forward only what the client sent (else a client that never asked for gzip gets it).
         self.client.headers.clear()
 
-    def build_request(self, method: str, url: httpx.URL, headers: list[tuple[bytes, bytes]],
-                      content: bytes) -> httpx.Request:
-        return self.client.build_request(method, url, headers=headers, content=content)
-
-    async def send(self, request: httpx.Request) -> httpx.Response:
-        """Response headers arrived; the body is ``response.stream``, not yet read."""
+    async def open(self, method: str, subpath: bytes, query: bytes,
+                   headers: list[tuple[bytes, bytes]], body: bytes) -> UpstreamResponse:
+        """Send a request for ``<base><subpath>?<query>``; return once the response
+        headers arrived (the body is ``response.stream``, not yet read)."""
+        wire = self._wire
+        if wire is not None:
+            target = self._base_path + subpath + (b"?" + query if query else b"")
+            payload = serialize(method, target, self._host_header, headers, body)
+            return await wire.exchange(method, self._origin, payload)
+        request = self.client.build_request(
+            method, upstream_url(self.base, subpath, query), headers=headers, content=body)
         return await self.transport.handle_async_request(request)
 
     async def aclose(self) -> None:
