@@ -107,6 +107,7 @@ class _Connection(asyncio.Protocol):
 
     def __init__(self, transport_owner: WireTransport, origin: Origin) -> None:
         self.owner = transport_owner
+        self.time = transport_owner.loop.time  # bound once: read per upstream read
         self.origin = origin
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
@@ -126,7 +127,7 @@ class _Connection(asyncio.Protocol):
         if ex is None or ex.finished:
             self._abort()  # bytes nobody asked for: this connection is not reusable
             return
-        ex.last_read = self.owner.loop.time()
+        ex.last_read = self.time()
         ex.received = True
         try:
             self.parser.feed_data(data)
@@ -286,14 +287,18 @@ class _Connection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.abort()
 
-    def release(self) -> None:
-        """The response is done with: back to the pool if clean, else closed."""
-        ex = self.ex
+    def release(self, ex: _Exchange | None) -> None:
+        """``ex`` is done with: the connection goes back to the pool if ``ex`` ended
+        cleanly, else it is closed. A no-op unless ``ex`` is the connection's current
+        exchange (closing a response twice must not touch the next request's)."""
+        if ex is not self.ex:
+            return
         self.ex = None
         self._cancel_timer()
         if (ex is not None and ex.finished and ex.error is None and ex.keep_alive
-                and not self.lost and not self.read_paused and self.transport is not None
+                and not self.lost and self.transport is not None
                 and not self.transport.is_closing()):
+            self.resume_reading()  # it may have ended while the client was slow
             self.idle_since = self.owner.loop.time()
             self.owner.idle.setdefault(self.origin, []).append(self)
         else:
@@ -365,16 +370,16 @@ class WireTransport(httpx.AsyncBaseTransport):
                 ex.waiter = None
                 if (ex.error is not None and reused and not ex.received and attempt == 0
                         and method in IDEMPOTENT and not isinstance(ex.error, httpx.TimeoutException)):
-                    conn.release()  # the upstream closed the idle connection as we used it
+                    conn.release(ex)  # the upstream closed the idle connection as we used it
                     conn = None
                     continue
                 break
             assert conn is not None
-            if ex.error is not None:
-                raise ex.error
+            if ex.error is not None and not ex.headers_done:
+                raise ex.error  # after the headers, errors come with the body (pipe, iteration)
         except BaseException:
             if conn is not None:
-                conn.release()  # not finished cleanly: closed, never pooled
+                conn.release(conn.ex)  # not finished cleanly: closed, never pooled
             self._slots.release()
             raise
         return WireResponse(ex.status, ex.raw_headers, WireBody(conn, ex, self._slots.release))
@@ -435,8 +440,8 @@ class WireBody(httpx.AsyncByteStream):
         ex, conn = self._ex, self._conn
         loop = conn.owner.loop
         ex.sink = sink
-        conn._flush(ex)  # bytes that came with the headers
-        conn.resume_reading()  # in case they were held back waiting for a reader
+        conn.resume_reading()  # in case bytes were held back while there was no reader
+        conn._flush(ex)  # bytes that came with the headers (the sink may pause again)
         while True:
             if ex.finished:
                 self._raise_error()
@@ -462,6 +467,7 @@ class WireBody(httpx.AsyncByteStream):
             return PAUSE if ex.buffered > ITER_BUFFER else GO
 
         ex.sink = enqueue
+        conn.resume_reading()
         conn._flush(ex)
         while True:
             while queue:
@@ -489,7 +495,7 @@ class WireBody(httpx.AsyncByteStream):
 
     async def aclose(self) -> None:
         self._ex.sink = None
-        self._conn.release()
+        self._conn.release(self._ex)
         release = self._release
         if release is not None:  # the connection slot, exactly once
             self._release = None

@@ -75,9 +75,9 @@ def run_proxy(upstream_url: str, **overrides: object) -> Iterator[tuple[RunningS
 ProxyFor = Callable[..., contextlib.AbstractContextManager[tuple[RunningServer, ProxyApp]]]
 
 
-@pytest.fixture(params=["aiohttp", "httpx"])
+@pytest.fixture(params=["builtin", "aiohttp", "httpx"])
 def proxy_for(request: pytest.FixtureRequest) -> ProxyFor:
-    """``run_proxy`` with each upstream HTTP client: the fault matrix must hold for both."""
+    """``run_proxy`` with each upstream HTTP client: the fault matrix must hold for all three."""
     return functools.partial(run_proxy, http_client=request.param)
 
 

@@ -374,7 +374,11 @@ def _chunks(draw: st.DrawFn) -> tuple[bytes, bool]:
             calls = draw(_tool_calls)
             if calls:
                 delta["tool_calls"] = calls
-            choices.append({"index": i, "delta": delta, "finish_reason": None})
+            if draw(st.integers(0, 5)) == 0:
+                delta["function_call"] = draw(st.one_of(
+                    st.just({}), st.fixed_dictionaries({"arguments": _texts})))
+            finish = draw(st.sampled_from([None, "stop", "tool_calls"]))
+            choices.append({"index": i, "delta": delta, "finish_reason": finish})
     payload: dict[str, Any] = {"id": "c", "object": "chunk", "choices": choices}
     usage = draw(st.sampled_from(["absent", "null", "object"]))
     if usage == "null":
@@ -383,12 +387,14 @@ def _chunks(draw: st.DrawFn) -> tuple[bytes, bool]:
         payload["usage"] = {"prompt_tokens": 3, "completion_tokens": 2}
     if draw(st.booleans()) and usage == "object":
         payload["usage"]["metrics"] = {"queue_time_ms": 5}
+    if draw(st.integers(0, 7)) == 0:
+        payload["metrics"] = {"queue_time_ms": 7}
     separators = draw(st.sampled_from([(",", ":"), (", ", ": "), (",", " : ")]))
     ascii_only = draw(st.booleans())
     return json.dumps(payload, separators=separators, ensure_ascii=ascii_only).encode(), text_route
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=600, deadline=None)
 @given(_chunks())
 def test_byte_scan_agrees_with_full_decode(chunk: tuple[bytes, bool]) -> None:
     data, text_route = chunk

@@ -14,7 +14,8 @@ import re
 from collections.abc import Iterable, Sequence
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import event as hypothesis_event
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from proxy.sse import SSEEvent, SSEParser
@@ -383,3 +384,109 @@ def test_property_chunking_never_changes_the_events(
     assert whole == reference_parse(stream, limit)
     assert feed_pieces(pieces, limit) == expected_for(stream, cuts, limit)
     assert [e[0] for e in feed_pieces(pieces, limit)] == [e[0] for e in whole]
+
+
+# ---------------------------------------------------------------------------
+# ``single``: the relay's fast path for a chunk that is exactly one one-line event.
+
+
+def test_single_takes_one_data_line_event() -> None:
+    parser = SSEParser()
+    chunk = b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n'
+    assert parser.single(chunk) == b'{"choices":[{"delta":{"content":"a"}}]}'
+    assert (parser.boundary, parser.buffered_bytes, parser.straddling_lf) == (len(chunk), 0, -1)
+    assert parser.single(b"data:x\n\n") == b"x"
+    assert parser.single(b"data:\n\n") == b""
+    # The offsets moved on exactly as ``feed`` would have moved them.
+    start = len(chunk) + len(b"data:x\n\n") + len(b"data:\n\n")
+    assert as_tuples(parser.feed(b"data: y\n\n")) == [(b"y", start, start + 9, False)]
+
+
+@pytest.mark.parametrize("chunk", [
+    b"data: a\n\ndata: b\n\n",  # two events
+    b"data: a\r\n\r\n",  # CRLF
+    b"data: a\r\r",  # CR
+    b": keep-alive\n\n",  # a comment
+    b"data: a\n",  # the event is not finished
+    b"data: a",  # nor the line
+    b"data: a\ndata: b\n\n",  # two data lines
+    b"event: e\ndata: a\n\n",  # another field first
+    b"data: a\n\n\n",  # a blank line after the event
+    b"",
+], ids=["two-events", "crlf", "cr", "comment", "partial-event", "partial-line", "multi-line",
+        "field", "extra-blank", "empty"])
+def test_single_declines_anything_else_and_consumes_nothing(chunk: bytes) -> None:
+    parser = SSEParser()
+    assert parser.single(chunk) is None
+    assert (parser.boundary, parser.buffered_bytes) == (0, 0)
+    assert as_tuples(parser.feed(chunk)) == feed_pieces([chunk])
+
+
+@pytest.mark.parametrize("before", [b"da", b"data: a\n", b"data: a\r\r"],
+                         ids=["carried-line", "open-event", "pending-cr"])
+def test_single_declines_while_the_parser_holds_state(before: bytes) -> None:
+    parser = SSEParser()
+    parser.feed(before)
+    chunk = b"data: b\n\n"
+    assert parser.single(chunk) is None
+    assert as_tuples(parser.feed(chunk)) == feed_pieces([before, chunk])[
+        len(feed_pieces([before])):]
+
+
+def test_single_respects_the_event_limit() -> None:
+    # The event size is its bytes up to its blank line: n - 1 for a one-line event.
+    assert SSEParser(8).single(b"data: 1\n\n") == b"1"  # 8 bytes: at the limit
+    parser = SSEParser(8)
+    assert parser.single(b"data: 12\n\n") is None  # 9 bytes: oversize, left to feed
+    assert as_tuples(parser.feed(b"data: 12\n\n")) == [(b"", 0, 10, True)]
+
+
+_value = st.one_of(_text, st.integers(LIMIT - 12, LIMIT + 4).map(lambda n: b"v" * n))
+
+
+@st.composite
+def event_chunks(draw: st.DrawFn) -> list[bytes]:
+    """An SSE stream of one-line LF events (what ``single`` takes) mixed with everything
+    it must decline, cut at event boundaries and at random points."""
+    parts: list[bytes] = []
+    for kind in draw(st.lists(st.sampled_from(["single", "single", "lines", "oversize", "blank"]),
+                              max_size=10)):
+        eol = draw(_eol)
+        if kind == "single":
+            parts.append(draw(st.sampled_from([b"data:", b"data: "])) + draw(_value) + b"\n\n")
+        elif kind == "lines":
+            lines = draw(st.lists(_line, min_size=1, max_size=4))
+            parts.append(b"".join(line + draw(_eol) for line in lines) + eol)
+        elif kind == "oversize":
+            size = draw(st.integers(LIMIT - 4, 3 * LIMIT))
+            parts.append(b"data: " + b"o" * size + eol + b"data: more" + eol + eol)
+        else:
+            parts.append(eol)
+    stream = b"".join(parts)
+    edges = list(itertools.accumulate(map(len, parts), initial=0))
+    keep = draw(st.lists(st.booleans(), min_size=len(edges), max_size=len(edges)))
+    cuts = {edge for edge, kept in zip(edges, keep, strict=True) if kept}
+    cuts |= draw(st.sets(st.integers(0, len(stream)), max_size=6))
+    bounds = [0, *sorted(cuts), len(stream)]
+    return [stream[a:b] for a, b in itertools.pairwise(bounds)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(event_chunks(), st.sampled_from([LIMIT, 1 << 20]))
+@example([b"data: a\n\n", b"data:b\n\n", b"data: c\n", b"\ndata: d\n\n"], LIMIT)
+@example([b"data: a\r", b"\n\r", b"\ndata: b\n\n", b"data: " + b"v" * LIMIT + b"\n\n"], LIMIT)
+def test_property_single_then_feed_equals_feed(chunks: list[bytes], limit: int) -> None:
+    """Trying ``single`` first and falling back to ``feed`` (as the relay does) is
+    indistinguishable from ``feed`` alone: same events, same state after every chunk."""
+    fast, plain = SSEParser(limit), SSEParser(limit)
+    for chunk in chunks:
+        data = fast.single(chunk)
+        if data is not None:
+            hypothesis_event("single took a chunk")
+            got = [(data, False)]
+        else:
+            got = [(e.data, e.oversize) for e in fast.feed(chunk)]
+        assert got == [(e.data, e.oversize) for e in plain.feed(chunk)], chunk
+        assert fast.boundary == plain.boundary, chunk
+        assert fast.buffered_bytes == plain.buffered_bytes, chunk
+        assert fast.straddling_lf == plain.straddling_lf, chunk

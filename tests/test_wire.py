@@ -1,0 +1,1009 @@
+"""The built-in upstream client (:mod:`proxy.wire`) on real loopback sockets.
+
+Each test scripts an upstream as an asyncio server on the test's own event loop: a
+handler per accepted connection that writes exact bytes, so framing, keep-alive, resets
+and stalls are real socket events, and the server counts the connections it accepted.
+Sharing one loop keeps the order deterministic: what the server wrote is readable by
+the client on the loop's next turn, and "the client has seen these bytes" is an
+``asyncio.Event`` set from the client's own callback, never a sleep.
+
+The last test runs the proxy under real uvicorn and proves the relay's direct path
+(:class:`proxy.relay.DirectWriter`) engages with the installed uvicorn, so an upgrade
+that changes uvicorn's internals fails here instead of silently taking the slow path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import socket
+import struct
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client import CollectorRegistry
+
+import proxy.relay
+from proxy.app import create_app
+from proxy.config import Settings
+from proxy.relay import DirectWriter
+from proxy.upstream import Upstream
+from proxy.wire import GO, ITER_BUFFER, PAUSE, STOP, SinkStopped, WireBody, WireTransport
+from tests.raw_upstream import Conn, RawUpstream, closed_port, content_event
+from tests.servers import serve_in_thread
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(20)]
+
+# The most one data_received call brings: 256 KiB for asyncio's selector transport,
+# 256,000 bytes for uvloop's.
+READ_MAX = 256 * 1024
+
+
+@pytest.fixture(params=[pytest.param(("asyncio", {"use_uvloop": False}), id="asyncio"),
+                        pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop")])
+def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, bool]]:
+    """Both loops: the proxy serves on uvloop (``proxy.serve``), tests elsewhere on asyncio."""
+    return request.param  # type: ignore[no-any-return]
+
+
+# ---------------------------------------------------------------------------
+# A scripted upstream on the test's loop
+
+
+@dataclass
+class Scripted:
+    port: int = 0
+    accepted: int = 0
+    requests: list[tuple[int, bytes]] = field(default_factory=list)  # (connection, raw request)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def paths(self, connection: int | None = None) -> list[bytes]:
+        return [raw.split(b" ", 2)[1] for n, raw in self.requests
+                if connection is None or n == connection]
+
+    async def read_request(self, n: int, reader: asyncio.StreamReader) -> bytes | None:
+        """One request's exact bytes (head and Content-Length body); None at EOF."""
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+        except asyncio.IncompleteReadError:
+            return None
+        length = re.search(rb"(?i)\r\ncontent-length: *(\d+)\r\n", head)
+        raw = head + (await reader.readexactly(int(length[1])) if length else b"")
+        self.requests.append((n, raw))
+        return raw
+
+
+Handler = Callable[[Scripted, int, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+@contextlib.asynccontextmanager
+async def scripted(handler: Handler) -> AsyncIterator[Scripted]:
+    """Serve ``handler(upstream, n, reader, writer)`` for the n-th accepted connection."""
+    up = Scripted()
+    tasks: set[asyncio.Task[Any]] = set()
+
+    async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up.accepted += 1
+        task = asyncio.current_task()
+        assert task is not None
+        tasks.add(task)
+        try:
+            await handler(up, up.accepted, reader, writer)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        except asyncio.CancelledError:  # the test is over: drop what was not sent
+            writer.transport.abort()
+        finally:
+            tasks.discard(task)
+            writer.close()  # a FIN once what was written is sent
+
+    server = await asyncio.start_server(on_connect, "127.0.0.1", 0)
+    up.port = server.sockets[0].getsockname()[1]
+    try:
+        yield up
+    finally:
+        server.close()
+        for task in list(tasks):
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        async with asyncio.timeout(5):  # uvloop waits for open connections here
+            await server.wait_closed()
+
+
+def ok(body: bytes, *headers: bytes) -> bytes:
+    return b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n%s\r\n%s" % (
+        len(body), b"".join(h + b"\r\n" for h in headers), body)
+
+
+def answering(respond: Callable[[bytes], bytes] = lambda raw: ok(raw.split(b" ", 2)[1])) -> Handler:
+    """Keep-alive: answer every request on the connection with ``respond(raw request)``."""
+
+    async def handler(up: Scripted, n: int, reader: asyncio.StreamReader,
+                      writer: asyncio.StreamWriter) -> None:
+        while (raw := await up.read_request(n, reader)) is not None:
+            writer.write(respond(raw))
+            await writer.drain()
+
+    return handler
+
+
+async def until_eof(reader: asyncio.StreamReader, closed: asyncio.Event) -> None:
+    """Read until the client closes (FIN or RST), then set ``closed``."""
+    with contextlib.suppress(ConnectionError):
+        while await reader.read(65536):
+            pass
+    closed.set()
+
+
+def reset(writer: asyncio.StreamWriter) -> None:
+    """Abort with an RST (SO_LINGER 0)."""
+    sock = writer.get_extra_info("socket")
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.transport.abort()
+
+
+async def settled(value: Callable[[], object], *, turns: int = 50, within: float = 5.0) -> None:
+    """Return once ``value()`` has stayed the same for ``turns`` turns of the loop in a row
+    (the scripted server is stuck: nothing it waits for is happening)."""
+    async with asyncio.timeout(within):
+        last, same = value(), 0
+        while same < turns:
+            await asyncio.sleep(0)  # one turn of the loop, not a wait for time to pass
+            now = value()
+            same = same + 1 if now == last else 0
+            last = now
+
+
+async def until(condition: Callable[[], bool], *, within: float = 5.0) -> None:
+    """Return once ``condition()`` holds, checked once per turn of the loop."""
+    async with asyncio.timeout(within):
+        while not condition():  # noqa: ASYNC110 (the client's own state: it has no event)
+            await asyncio.sleep(0)
+
+
+class Raised:
+    """Equal to any exception of ``cls``: compares a (body, error) pair in one assert."""
+
+    def __init__(self, cls: type[BaseException]) -> None:
+        self.cls = cls
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, self.cls)
+
+    def __repr__(self) -> str:
+        return f"<any {self.cls.__name__}>"
+
+
+# ---------------------------------------------------------------------------
+# The client side
+
+
+class Wire:
+    """A WireTransport and an httpx client that only builds its requests."""
+
+    def __init__(self, **options: Any) -> None:
+        self.transport = WireTransport(**{"max_connections": 1, "connect_timeout": 2.0,
+                                          "read_timeout": 2.0, **options})
+        self.builder = httpx.AsyncClient(transport=self.transport)
+        self.builder.headers.clear()
+
+    def build(self, method: str, url: str, **kwargs: Any) -> httpx.Request:
+        return self.builder.build_request(method, url, **kwargs)
+
+    async def send(self, method: str, url: str, **kwargs: Any) -> httpx.Response:
+        return await self.transport.handle_async_request(self.build(method, url, **kwargs))
+
+    async def fetch(self, method: str, url: str, **kwargs: Any) -> tuple[int, bytes]:
+        response = await self.send(method, url, **kwargs)
+        body, error = await consume(response, "iter")
+        assert error is None
+        return response.status_code, body
+
+
+@contextlib.asynccontextmanager
+async def wire(**options: Any) -> AsyncIterator[Wire]:
+    w = Wire(**options)
+    async with w.builder:
+        yield w
+
+
+async def consume(response: httpx.Response, mode: str,
+                  on_chunk: Callable[[bytes], None] | None = None) -> tuple[bytes, Exception | None]:
+    """The body read by ``pipe`` or by iteration, and the transport error that ended it."""
+    body = response.stream
+    assert isinstance(body, WireBody)
+    got = bytearray()
+
+    def take(chunk: bytes) -> None:
+        got.extend(chunk)
+        if on_chunk is not None:
+            on_chunk(bytes(got))
+
+    def sink(chunk: bytes) -> int:
+        take(chunk)
+        return GO
+
+    async def drain() -> None:
+        raise AssertionError("drain called though the sink never asked to pause")
+
+    error: Exception | None = None
+    try:
+        if mode == "pipe":
+            await body.pipe(sink, drain)
+        else:
+            async for chunk in body:
+                take(chunk)
+    except httpx.TransportError as exc:
+        error = exc
+    finally:
+        await response.aclose()
+    return bytes(got), error
+
+
+@pytest.fixture(params=["pipe", "iter"])
+def mode(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+# ---------------------------------------------------------------------------
+# The pool
+
+
+async def test_sequential_requests_reuse_one_connection(mode: str) -> None:
+    async with scripted(answering()) as up, wire() as w:
+        for path in ("/a", "/b", "/c"):
+            response = await w.send("GET", up.url + path)
+            assert await consume(response, mode) == (path.encode(), None)
+        assert up.accepted == 1
+        assert up.paths(1) == [b"/a", b"/b", b"/c"]
+
+
+async def test_concurrent_requests_open_connections_then_reuse_them() -> None:
+    async with scripted(answering()) as up, wire(max_connections=2) as w:
+        for _ in range(3):
+            first, second = await asyncio.gather(w.send("GET", up.url + "/1"),
+                                                 w.send("GET", up.url + "/2"))
+            assert [await consume(r, "iter") for r in (first, second)] == [
+                (b"/1", None), (b"/2", None)]
+        assert up.accepted == 2
+        assert sorted(up.paths()) == [b"/1"] * 3 + [b"/2"] * 3
+
+
+async def test_connection_close_header_is_not_reused() -> None:
+    closed = asyncio.Event()
+
+    async def handler(up: Scripted, n: int, reader: asyncio.StreamReader,
+                      writer: asyncio.StreamWriter) -> None:
+        await up.read_request(n, reader)
+        writer.write(ok(b"bye", b"connection: close") if n == 1 else ok(b"hello"))
+        await until_eof(reader, closed)  # the socket stays open: only the header says close
+
+    async with scripted(handler) as up, wire() as w:
+        assert await w.fetch("GET", up.url + "/1") == (200, b"bye")
+        async with asyncio.timeout(5):
+            await closed.wait()  # the client closed it ...
+        assert await w.fetch("GET", up.url + "/2") == (200, b"hello")
+        assert up.accepted == 2  # ... and opened a new one
+
+
+@pytest.mark.parametrize("read_first", [False, True], ids=["headers-only", "part-of-body"])
+async def test_abandoned_response_closes_its_connection(read_first: bool) -> None:
+    closed = asyncio.Event()
+
+    async def handler(up: Scripted, n: int, reader: asyncio.StreamReader,
+                      writer: asyncio.StreamWriter) -> None:
+        if n == 1:
+            await up.read_request(n, reader)
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\n12345")
+            await until_eof(reader, closed)
+        else:
+            await answering()(up, n, reader, writer)
+
+    async with scripted(handler) as up, wire() as w:
+        response = await w.send("GET", up.url + "/abandoned")
+        if read_first:
+            chunks = response.stream.__aiter__()  # type: ignore[union-attr]
+            assert await chunks.__anext__() == b"12345"
+        await response.aclose()
+        async with asyncio.timeout(5):
+            await closed.wait()
+        assert await w.fetch("GET", up.url + "/next") == (200, b"/next")
+        assert up.accepted == 2
+
+
+async def test_idle_connection_closed_by_upstream_is_not_reused() -> None:
+    async def handler(up: Scripted, n: int, reader: asyncio.StreamReader,
+                      writer: asyncio.StreamWriter) -> None:
+        await up.read_request(n, reader)
+        writer.write(ok(b"once"))
+        await writer.drain()
+        writer.close()  # keep-alive answer, then the upstream closes the idle connection
+
+    async with scripted(handler) as up, wire() as w:
+        assert await w.fetch("GET", up.url + "/1") == (200, b"once")
+        origin = ("http", "127.0.0.1", up.port)
+        await settled(lambda: all(c.lost for c in w.transport.idle.get(origin, [])))
+        assert all(c.lost for c in w.transport.idle[origin])
+        # Not even a POST fails: the pool noticed the close and connects afresh.
+        assert await w.fetch("POST", up.url + "/2", content=b"{}") == (200, b"once")
+        assert up.accepted == 2
+
+
+# ---------------------------------------------------------------------------
+# Framing
+
+
+@pytest.mark.parametrize("framing", ["length", "chunked", "close"])
+async def test_bodies_arrive_complete(framing: str, mode: str) -> None:
+    parts = [b"first part,", b"second part,", b"x" * 70_000, b"last"]
+    body = b"".join(parts)
+
+    async def handler(up: Scripted, n: int, reader: asyncio.StreamReader,
+                      writer: asyncio.StreamWriter) -> None:
+        while await up.read_request(n, reader) is not None:
+            if framing == "length":
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(body))
+            elif framing == "chunked":
+                writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+            else:  # no length: the body ends when the connection does
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n\r\n")
+            for part in parts:
+                await writer.drain()
+                writer.write(b"%x;ext=1\r\n%s\r\n" % (len(part), part) if framing == "chunked"
+                             else part)
+            if framing == "chunked":
+                writer.write(b"0\r\nx-trailer: t\r\n\r\n")
+            await writer.drain()
+            if framing == "close":
+                return
+
+    async with scripted(handler) as up, wire() as w:
+        for _ in range(2):
+            response = await w.send("GET", up.url + "/")
+            assert response.status_code == 200
+            assert await consume(response, mode) == (body, None)
+        assert up.accepted == (2 if framing == "close" else 1)
+
+
+async def test_head_response_finishes_and_the_next_request_works() -> None:
+    async with scripted(answering(lambda raw: b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n"
+                                  if raw.startswith(b"HEAD") else ok(b"after head"))) as up, \
+            wire(read_timeout=5.0) as w:
+        response = await w.send("HEAD", up.url + "/")
+        assert response.headers["content-length"] == "100"
+        async with asyncio.timeout(2):  # finished at the headers, not at a read timeout
+            assert await consume(response, "iter") == (b"", None)
+        assert await w.fetch("GET", up.url + "/") == (200, b"after head")
+
+
+@pytest.mark.parametrize("together", [True, False], ids=["one-write", "separate-writes"])
+async def test_informational_responses_are_skipped(together: bool) -> None:
+    interim = [b"HTTP/1.1 100 Continue\r\n\r\n", b"HTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\n"]
+    final = ok(b"done", b"x-final: 1")
+
+    async def handler(up: Scripted, n: int, reader: asyncio.StreamReader,
+                      writer: asyncio.StreamWriter) -> None:
+        while await up.read_request(n, reader) is not None:
+            if together:
+                writer.write(b"".join(interim) + final)
+            else:
+                for part in [*interim, final]:
+                    writer.write(part)
+                    await writer.drain()
+                    for _ in range(3):
+                        await asyncio.sleep(0)  # let the client read each part on its own
+            await writer.drain()
+
+    async with scripted(handler) as up, wire() as w:
+        for _ in range(2):
+            response = await w.send("POST", up.url + "/", content=b"{}")
+            assert response.status_code == 200
+            assert response.headers.raw == [(b"content-length", b"4"), (b"x-final", b"1")]
+            assert await consume(response, "iter") == (b"done", None)
+        assert up.accepted == 1
+
+
+# ---------------------------------------------------------------------------
+# The one retry
+
+
+def close_on_second_request(answer_second_connection: bytes = b"") -> Handler:
+    """Connection 1: answer the first request (keep-alive), read the second, close
+    without a byte of answer (the upstream dropped the idle connection as it was reused).
+    Connection 2 onwards: answer normally."""
+
+    async def handler(up: Scripted, n: int, reader: asyncio.StreamReader,
+                      writer: asyncio.StreamWriter) -> None:
+        if n > 1:
+            await answering()(up, n, reader, writer)
+            return
+        await up.read_request(n, reader)
+        writer.write(ok(b"first"))
+        await writer.drain()
+        await up.read_request(n, reader)
+        if answer_second_connection:
+            writer.write(answer_second_connection)
+            await writer.drain()
+        writer.close()
+
+    return handler
+
+
+@pytest.mark.parametrize("method", ["GET", "HEAD", "DELETE"])
+async def test_idempotent_request_retried_once_on_a_new_connection(method: str) -> None:
+    async with scripted(close_on_second_request()) as up, wire() as w:
+        assert await w.fetch("GET", up.url + "/first") == (200, b"first")
+        status, body = await w.fetch(method, up.url + "/again")
+        assert status == 200
+        assert body == (b"" if method == "HEAD" else b"/again")
+        assert up.accepted == 2
+        assert up.paths(1) == [b"/first", b"/again"]  # sent, never answered
+        assert up.paths(2) == [b"/again"]  # sent once more
+
+
+async def test_post_is_never_sent_twice() -> None:
+    async with scripted(close_on_second_request()) as up, wire() as w:
+        assert await w.fetch("GET", up.url + "/first") == (200, b"first")
+        with pytest.raises(httpx.RemoteProtocolError):
+            await w.send("POST", up.url + "/generate", content=b'{"model":"m"}')
+        assert up.accepted == 1
+        assert up.paths() == [b"/first", b"/generate"]
+        # The slot came back (max_connections=1) and a new connection works.
+        assert await w.fetch("GET", up.url + "/later") == (200, b"/later")
+
+
+async def test_no_retry_once_part_of_the_answer_came() -> None:
+    async with scripted(close_on_second_request(b"HTTP/1.1 200 OK\r\ncontent-le")) as up, \
+            wire() as w:
+        assert await w.fetch("GET", up.url + "/first") == (200, b"first")
+        with pytest.raises(httpx.RemoteProtocolError):
+            await w.send("GET", up.url + "/again")
+        assert up.accepted == 1
+
+
+async def test_no_retry_on_a_fresh_connection() -> None:
+    async def handler(up: Scripted, n: int, reader: asyncio.StreamReader,
+                      writer: asyncio.StreamWriter) -> None:
+        await up.read_request(n, reader)  # and close without an answer
+
+    async with scripted(handler) as up, wire() as w:
+        with pytest.raises(httpx.RemoteProtocolError):
+            await w.send("GET", up.url + "/")
+        assert up.accepted == 1
+
+
+# ---------------------------------------------------------------------------
+# Timeouts and failures
+
+
+async def test_no_headers_within_read_timeout() -> None:
+    closed = asyncio.Event()
+
+    async def handler(up: Scripted, n: int, reader: asyncio.StreamReader,
+                      writer: asyncio.StreamWriter) -> None:
+        if n == 1:
+            await up.read_request(n, reader)
+            await until_eof(reader, closed)  # silence
+        else:
+            await answering()(up, n, reader, writer)
+
+    async with scripted(handler) as up, wire(read_timeout=0.2) as w:
+        loop = asyncio.get_running_loop()
+        t = loop.time()
+        with pytest.raises(httpx.ReadTimeout):
+            await w.send("GET", up.url + "/silent")
+        assert 0.2 <= loop.time() - t < 2.0
+        async with asyncio.timeout(5):
+            await closed.wait()  # the client gave up on the connection
+        assert await w.fetch("GET", up.url + "/next") == (200, b"/next")  # not retried, slot back
+        assert up.paths() == [b"/silent", b"/next"]
+
+
+async def test_stall_mid_body_is_a_read_timeout_after_every_byte(mode: str) -> None:
+    sent = b"data: one\n\n", b"data: two\n\n"
+    closed = asyncio.Event()
+
+    async def handler(up: Scripted, n: int, reader: asyncio.StreamReader,
+                      writer: asyncio.StreamWriter) -> None:
+        await up.read_request(n, reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        for part in sent:
+            writer.write(b"%x\r\n%s\r\n" % (len(part), part))
+            await writer.drain()
+        await until_eof(reader, closed)
+
+    async with scripted(handler) as up, wire(read_timeout=0.2) as w:
+        response = await w.send("GET", up.url + "/")
+        got, error = await consume(response, mode)
+        assert got == b"".join(sent)
+        assert isinstance(error, httpx.ReadTimeout)
+        async with asyncio.timeout(5):
+            await closed.wait()
+
+
+async def test_a_paused_reader_is_not_a_read_timeout() -> None:
+    """While the sink holds the upstream back, the upstream's silence is not its fault."""
+    start, paused = asyncio.Event(), asyncio.Event()
+    parts = [b"data: %d\n\n" % i for i in range(3)]
+
+    async def handler(up: Scripted, n: int, reader: asyncio.StreamReader,
+                      writer: asyncio.StreamWriter) -> None:
+        await up.read_request(n, reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(b"".join(parts)))
+        await writer.drain()
+        await start.wait()
+        writer.write(parts[0])
+        await paused.wait()
+        writer.write(b"".join(parts[1:]))  # there long before the client reads it
+        await until_eof(reader, asyncio.Event())
+
+    async with scripted(handler) as up, wire(read_timeout=0.1) as w:
+        response = await w.send("GET", up.url + "/")
+        got = bytearray()
+
+        def sink(chunk: bytes) -> int:
+            got.extend(chunk)
+            return GO if paused.is_set() else PAUSE
+
+        async def drain() -> None:
+            paused.set()
+            await asyncio.sleep(0.4)  # the slow client under test: four read timeouts long
+
+        start.set()
+        body = response.stream
+        assert isinstance(body, WireBody)
+        await body.pipe(sink, drain)
+        await response.aclose()
+        assert paused.is_set()
+        assert bytes(got) == b"".join(parts)
+
+
+async def test_connect_refused_is_connect_error() -> None:
+    async with wire() as w:
+        url = f"http://127.0.0.1:{closed_port()}/"
+        for _ in range(2):  # and the slot came back: not a PoolTimeout the second time
+            with pytest.raises(httpx.ConnectError):
+                await w.send("GET", url)
+
+
+async def test_pool_exhausted_is_pool_timeout_after_connect_timeout() -> None:
+    async def handler(up: Scripted, n: int, reader: asyncio.StreamReader,
+                      writer: asyncio.StreamWriter) -> None:
+        if n == 1:
+            await up.read_request(n, reader)
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nheld")
+            await until_eof(reader, asyncio.Event())
+        else:
+            await answering()(up, n, reader, writer)
+
+    async with scripted(handler) as up, wire(max_connections=1, connect_timeout=0.2) as w:
+        held = await w.send("GET", up.url + "/held")
+        loop = asyncio.get_running_loop()
+        t = loop.time()
+        with pytest.raises(httpx.PoolTimeout):
+            await w.send("GET", up.url + "/waits")
+        assert 0.2 <= loop.time() - t < 2.0
+        assert (up.accepted, up.paths()) == (1, [b"/held"])
+        await held.aclose()
+        assert await w.fetch("GET", up.url + "/after") == (200, b"/after")
+
+
+@pytest.mark.parametrize("framing", ["length", "chunked"])
+@pytest.mark.parametrize("how", ["rst", "fin"])
+async def test_upstream_breaks_mid_body_after_every_byte(how: str, framing: str, mode: str) -> None:
+    part = b"data: before the break\n\n"
+    received = asyncio.Event()
+
+    async def handler(up: Scripted, n: int, reader: asyncio.StreamReader,
+                      writer: asyncio.StreamWriter) -> None:
+        if n > 1:
+            await answering()(up, n, reader, writer)
+            return
+        await up.read_request(n, reader)
+        if framing == "length":
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 1000\r\n\r\n" + part)
+        else:
+            writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+                         b"%x\r\n%s\r\n" % (len(part), part))
+        await writer.drain()
+        # An RST may discard bytes in flight: break only once the client has them.
+        await received.wait()
+        if how == "rst":
+            reset(writer)
+        else:
+            writer.close()
+
+    async with scripted(handler) as up, wire() as w:
+        response = await w.send("GET", up.url + "/")
+        got, error = await consume(response, mode,
+                                   lambda got: received.set() if got == part else None)
+        assert got == part
+        assert isinstance(error, httpx.RemoteProtocolError)
+        assert await w.fetch("GET", up.url + "/next") == (200, b"/next")
+
+
+@pytest.mark.parametrize("framing", ["length", "chunked"])
+async def test_bytes_before_a_break_reach_a_reader_that_comes_late(framing: str, mode: str) -> None:
+    """The upstream sent part of the body and closed before anyone read the body."""
+    part = b"data: early\n\n"
+
+    async def handler(up: Scripted, n: int, reader: asyncio.StreamReader,
+                      writer: asyncio.StreamWriter) -> None:
+        await up.read_request(n, reader)
+        if framing == "length":
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 1000\r\n\r\n" + part)
+        else:
+            writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+                         b"%x\r\n%s\r\n" % (len(part), part))
+        await writer.drain()
+        writer.close()
+
+    async with scripted(handler) as up, wire() as w:
+        response = await w.send("GET", up.url + "/")
+        body = response.stream
+        assert isinstance(body, WireBody)
+        await until(lambda: body._conn.lost)  # the close was seen before the body was read
+        assert await consume(response, mode) == (part, Raised(httpx.RemoteProtocolError))
+
+
+@pytest.mark.parametrize("answer", [
+    b"garbage\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\ncontent-length: x\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\ncontent-length: 2\r\n\r\nab",
+], ids=["status-line", "content-length", "two-lengths"])
+async def test_malformed_head_is_remote_protocol_error(answer: bytes) -> None:
+    async with scripted(answering(lambda raw: answer)) as up, wire() as w:
+        with pytest.raises(httpx.RemoteProtocolError):
+            await w.send("GET", up.url + "/")
+        with pytest.raises(httpx.RemoteProtocolError):  # the slot came back
+            await w.send("GET", up.url + "/")
+
+
+async def test_malformed_chunk_is_remote_protocol_error_after_every_byte(mode: str) -> None:
+    have_headers = asyncio.Event()
+
+    async def handler(up: Scripted, n: int, reader: asyncio.StreamReader,
+                      writer: asyncio.StreamWriter) -> None:
+        await up.read_request(n, reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n")
+        await writer.drain()
+        await have_headers.wait()
+        writer.write(b"zz\r\nmore")
+        await until_eof(reader, asyncio.Event())
+
+    async with scripted(handler) as up, wire() as w:
+        response = await w.send("GET", up.url + "/")
+        have_headers.set()
+        got, error = await consume(response, mode)
+        assert (response.status_code, got) == (200, b"hello")
+        assert isinstance(error, httpx.RemoteProtocolError)
+
+
+async def test_malformed_chunk_in_the_first_read_still_returns_the_response() -> None:
+    answer = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\nzz\r\nmore"
+    async with scripted(answering(lambda raw: answer)) as up, wire() as w:
+        response = await w.send("GET", up.url + "/")
+        got, error = await consume(response, "iter")
+        assert (response.status_code, got) == (200, b"hello")
+        assert isinstance(error, httpx.RemoteProtocolError)
+
+
+# ---------------------------------------------------------------------------
+# Flow control
+
+
+TOTAL = 8 * 1024 * 1024
+PAYLOAD = b"".join(b"%015d\n" % i for i in range(TOTAL // 16))
+
+
+def big_body(progress: dict[str, int], start: asyncio.Event | None = None,
+             *, with_head: int = 0) -> Handler:
+    """``PAYLOAD`` as a Content-Length body in 64 KiB writes, as fast as the client lets
+    it; ``progress["sent"]`` is how much the kernel took. ``with_head`` bytes go out with
+    the head; the rest once ``start`` is set."""
+
+    async def handler(up: Scripted, n: int, reader: asyncio.StreamReader,
+                      writer: asyncio.StreamWriter) -> None:
+        await up.read_request(n, reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s"
+                     % (TOTAL, PAYLOAD[:with_head]))
+        await writer.drain()
+        if start is not None:
+            await start.wait()
+        for i in range(with_head, TOTAL, 65536):
+            writer.write(PAYLOAD[i:i + 65536])
+            await writer.drain()
+            progress["sent"] = min(i + 65536, TOTAL)
+        await until_eof(reader, asyncio.Event())
+
+    return handler
+
+
+@pytest.mark.parametrize("with_head", [0, 4096], ids=["body-after-head", "body-with-head"])
+async def test_pipe_pause_holds_the_upstream_until_drain_returns(with_head: int) -> None:
+    progress = {"sent": 0}
+    start = asyncio.Event()
+    draining = asyncio.Event()
+    resume = asyncio.Event()
+    got = bytearray()
+    calls: list[int] = []  # len(got) after each sink call
+
+    def sink(chunk: bytes) -> int:
+        got.extend(chunk)
+        calls.append(len(got))
+        return GO if resume.is_set() else PAUSE
+
+    async def drain() -> None:
+        draining.set()
+        await resume.wait()
+
+    async with scripted(big_body(progress, start, with_head=with_head)) as up, wire() as w:
+        response = await w.send("GET", up.url + "/")
+        body = response.stream
+        assert isinstance(body, WireBody)
+        start.set()
+        piping = asyncio.create_task(body.pipe(sink, drain))
+        try:
+            async with asyncio.timeout(5):
+                await draining.wait()
+            await settled(lambda: progress["sent"])  # the upstream cannot send any more
+            assert len(calls) == 1, "the sink was called again after it asked to pause"
+            assert progress["sent"] < TOTAL
+            resume.set()
+            async with asyncio.timeout(10):
+                await piping
+        finally:
+            piping.cancel()
+            await response.aclose()
+        assert bytes(got) == PAYLOAD
+        assert progress["sent"] == TOTAL
+
+
+async def test_iteration_holds_at_most_iter_buffer() -> None:
+    progress = {"sent": 0}
+    async with scripted(big_body(progress)) as up, wire() as w:
+        response = await w.send("GET", up.url + "/")
+        body = response.stream
+        assert isinstance(body, WireBody)
+        chunks = body.__aiter__()
+        got = bytearray(await chunks.__anext__())
+        await settled(lambda: progress["sent"])  # a slow consumer: the upstream is held
+        assert progress["sent"] < TOTAL
+        peak = body._ex.buffered  # bytes read from the socket, not yet taken by the consumer
+        assert ITER_BUFFER < peak <= ITER_BUFFER + READ_MAX
+        async for chunk in chunks:
+            got += chunk
+            peak = max(peak, body._ex.buffered)
+        await response.aclose()
+        assert peak <= ITER_BUFFER + READ_MAX
+        assert bytes(got) == PAYLOAD
+
+
+async def test_sink_stop_raises_sink_stopped_and_closes_the_connection() -> None:
+    closed = asyncio.Event()
+
+    async def handler(up: Scripted, n: int, reader: asyncio.StreamReader,
+                      writer: asyncio.StreamWriter) -> None:
+        await up.read_request(n, reader)
+        if n == 1:
+            writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+                         b"b\r\ndata: one\n\n\r\n")
+            await until_eof(reader, closed)
+        else:
+            writer.write(ok(b"fresh"))
+            await writer.drain()
+
+    async with scripted(handler) as up, wire() as w:
+        response = await w.send("GET", up.url + "/")
+        body = response.stream
+        assert isinstance(body, WireBody)
+        got: list[bytes] = []
+
+        def sink(chunk: bytes) -> int:
+            got.append(chunk)
+            return STOP
+
+        async def drain() -> None:
+            raise AssertionError("not paused")
+
+        with pytest.raises(SinkStopped):
+            await body.pipe(sink, drain)
+        assert got == [b"data: one\n\n"]
+        async with asyncio.timeout(5):
+            await closed.wait()  # before aclose: the stop itself dropped the connection
+        await response.aclose()
+        assert await w.fetch("GET", up.url + "/") == (200, b"fresh")
+        assert up.accepted == 2
+
+
+async def test_response_finished_while_paused_keeps_its_connection() -> None:
+    start = asyncio.Event()
+
+    async def handler(up: Scripted, n: int, reader: asyncio.StreamReader,
+                      writer: asyncio.StreamWriter) -> None:
+        while await up.read_request(n, reader) is not None:
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n")
+            await writer.drain()
+            await start.wait()
+            start.clear()
+            writer.write(b"x" * 100)  # read by the pipe's data_received
+            await writer.drain()
+
+    async with scripted(handler) as up, wire() as w:
+        for _ in range(2):
+            response = await w.send("GET", up.url + "/")
+            body = response.stream
+            assert isinstance(body, WireBody)
+            got = bytearray()
+
+            def sink(chunk: bytes, got: bytearray = got) -> int:
+                got.extend(chunk)
+                return PAUSE  # the client's buffer is full just as the body ends
+
+            async def drain() -> None:
+                raise AssertionError("the body had ended: nothing to wait for")
+
+            start.set()
+            await body.pipe(sink, drain)
+            await response.aclose()
+            assert bytes(got) == b"x" * 100
+        assert up.accepted == 1
+
+
+async def test_closing_a_response_twice_leaves_the_next_request_alone() -> None:
+    closed_twice = asyncio.Event()
+
+    async def handler(up: Scripted, n: int, reader: asyncio.StreamReader,
+                      writer: asyncio.StreamWriter) -> None:
+        await up.read_request(n, reader)
+        writer.write(ok(b"first"))
+        await up.read_request(n, reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 6\r\n\r\n")
+        await writer.drain()
+        await closed_twice.wait()
+        writer.write(b"second")
+        await until_eof(reader, asyncio.Event())
+
+    async with scripted(handler) as up, wire(read_timeout=1.0) as w:
+        origin = ("http", "127.0.0.1", up.port)
+        request = b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+        first = await w.transport.exchange("GET", origin, request)
+        assert b"".join([chunk async for chunk in first.stream]) == b"first"
+        await first.aclose()
+        second = await w.transport.exchange("GET", origin, request)  # the same connection
+        await first.aclose()  # again, as httpx.Response.aclose allows
+        closed_twice.set()
+        try:
+            async with asyncio.timeout(2):  # twice the read timeout
+                assert b"".join([chunk async for chunk in second.stream]) == b"second"
+        finally:
+            await second.aclose()
+        assert up.accepted == 1
+
+
+# ---------------------------------------------------------------------------
+# The request on the wire
+
+
+async def test_request_bytes_are_exactly_what_the_request_holds() -> None:
+    body = b'{"model":"m","messages":[]}'
+    async with scripted(answering()) as up, wire() as w:
+        request = w.build("POST", up.url + "/v1/chat/completions?api-version=2&x=%2F",
+                          headers=[(b"X-Mixed-Case", b"A"), (b"x-mixed-case", b"B"),
+                                   (b"content-type", b"application/json")], content=body)
+        response = await w.transport.handle_async_request(request)
+        assert await consume(response, "pipe") == (b"/v1/chat/completions?api-version=2&x=%2F",
+                                                   None)
+        get = w.build("GET", up.url + "/v1/models")
+        assert await consume(await w.transport.handle_async_request(get), "iter") == (
+            b"/v1/models", None)
+    host = b"127.0.0.1:%d" % up.port
+    assert request.headers.raw == [(b"Host", host), (b"X-Mixed-Case", b"A"),
+                                   (b"x-mixed-case", b"B"), (b"content-type", b"application/json"),
+                                   (b"Content-Length", b"%d" % len(body))]
+    assert [raw for _, raw in up.requests] == [
+        b"POST /v1/chat/completions?api-version=2&x=%2F HTTP/1.1\r\n"
+        + b"".join(k + b": " + v + b"\r\n" for k, v in request.headers.raw) + b"\r\n" + body,
+        b"GET /v1/models HTTP/1.1\r\nHost: " + host + b"\r\n\r\n",
+    ]
+
+
+async def test_upstream_open_writes_the_request_as_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The production seam: ``Upstream`` picks the built-in client and serializes itself."""
+    monkeypatch.setenv("NO_PROXY", "*")  # no environment proxy may send it to aiohttp
+    monkeypatch.setenv("no_proxy", "*")
+    body = b'{"model":"m","messages":[]}'
+    async with scripted(answering()) as up:
+        upstream = Upstream(Settings(upstream=up.url + "/v1"))
+        try:
+            assert isinstance(upstream.transport, WireTransport)
+            for method, subpath, query, content in [
+                    ("POST", b"/chat/completions", b"api-version=2&x=%2F", body),
+                    ("GET", b"/models", b"", b""),
+                    ("POST", b"/empty", b"", b"")]:
+                response = await upstream.open(
+                    method, subpath, query,
+                    [(b"X-Mixed-Case", b"A"), (b"x-mixed-case", b"B")], content)
+                assert response.status_code == 200
+                got = b"".join([chunk async for chunk in response.stream])
+                await response.aclose()
+                assert got == b"/v1" + subpath + (b"?" + query if query else b"")
+        finally:
+            await upstream.aclose()
+    head = b"Host: 127.0.0.1:%d\r\nX-Mixed-Case: A\r\nx-mixed-case: B\r\n" % up.port
+    assert [raw for _, raw in up.requests] == [
+        b"POST /v1/chat/completions?api-version=2&x=%2F HTTP/1.1\r\n" + head
+        + b"Content-Length: %d\r\n\r\n" % len(body) + body,
+        b"GET /v1/models HTTP/1.1\r\n" + head + b"\r\n",
+        b"POST /v1/empty HTTP/1.1\r\n" + head + b"Content-Length: 0\r\n\r\n",
+    ]
+    assert up.accepted == 1
+
+
+# ---------------------------------------------------------------------------
+# The relay's direct path under the installed uvicorn
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the proxy's loop is its own thread's
+@pytest.mark.parametrize("client_usage", [False, True], ids=["strip-mode", "plain-mode"])
+async def test_direct_writer_engages_under_uvicorn(client_usage: bool,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    events = [content_event(f" t{i}") for i in range(5)] + [b"data: [DONE]\n\n"]
+    expected = b"".join(events)
+
+    async def stream(conn: Conn) -> None:
+        await conn.head(200)
+        for ev in events:
+            await conn.chunk(ev)
+        await conn.end()
+
+    made: list[DirectWriter | None] = []
+    written: list[bytes] = []
+    real_direct_writer, real_write = proxy.relay.direct_writer, DirectWriter.write
+
+    def spy_direct_writer(send: Any) -> DirectWriter | None:
+        writer = real_direct_writer(send)
+        made.append(writer)
+        return writer
+
+    def spy_write(self: DirectWriter, chunk: bytes) -> bool:
+        written.append(chunk)
+        return real_write(self, chunk)
+
+    monkeypatch.setenv("NO_PROXY", "*")  # no environment proxy may send it to aiohttp
+    monkeypatch.setenv("no_proxy", "*")
+    monkeypatch.setattr(proxy.relay, "direct_writer", spy_direct_writer)
+    monkeypatch.setattr(DirectWriter, "write", spy_write)
+    body = {"model": "direct", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    if client_usage:
+        body["stream_options"] = {"include_usage": True}
+
+    upstream = RawUpstream({"direct": stream})
+    with upstream.running():
+        app = create_app(Settings(upstream=upstream.url + "/v1"), registry=CollectorRegistry())
+        assert isinstance(app.upstream.transport, WireTransport)
+        with serve_in_thread(app, http="httptools", timeout_graceful_shutdown=2) as server:
+            async with httpx.AsyncClient(timeout=10) as client:
+                local: set[object] = set()
+                for n in (1, 2):
+                    async with client.stream("POST", server.url + "/v1/chat/completions",
+                                             json=body) as r:
+                        got = b"".join([part async for part in r.aiter_raw()])
+                        local.add(r.extensions["network_stream"].get_extra_info("client_addr"))
+                    assert r.status_code == 200
+                    assert r.headers["transfer-encoding"] == "chunked"
+                    assert got == expected
+                    assert len(made) == n and isinstance(made[-1], DirectWriter), \
+                        "the relay fell back to ASGI send: uvicorn's internals changed?"
+                    assert b"".join(written) == expected * n
+                # Both on one keep-alive connection: uvicorn's state was left as its own
+                # ``send`` would have left it.
+                assert len(local) == 1
