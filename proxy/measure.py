@@ -123,7 +123,7 @@ _CHAT_SCAN = re.compile(
 _TEXT_SCAN = re.compile(rb'"text"\s*:\s*"[^"]|"index"|"usage"\s*:\s*\{|"metrics"')
 _INDEX = b'"index"'
 _OUTPUT_INITIALS = frozenset(b"crt")  # "content", "reasoning...", "refusal", "text"
-_ONE_OUTPUT = EventInfo(1)
+ONE_OUTPUT = EventInfo(1)  # the common event: one choice carrying output, nothing else
 
 
 # The cheapest test, for compact JSON (OpenAI, vLLM, llama.cpp): a plain substring
@@ -167,7 +167,7 @@ def inspect_event(data: bytes, *, text_route: bool) -> EventInfo:
             for key in _TEXT_KEYS if text_route else _CHAT_KEYS:
                 at = data.find(key)
                 if at >= 0 and data[at + len(key) : at + len(key) + 1] not in (b'"', b""):
-                    return _ONE_OUTPUT
+                    return ONE_OUTPUT
         hits = (_TEXT_SCAN if text_route else _CHAT_SCAN).findall(data)
         if len(hits) == 2:
             a, b = hits
@@ -175,7 +175,7 @@ def inspect_event(data: bytes, *, text_route: bool) -> EventInfo:
         else:
             hit = hits[0] if len(hits) == 1 else b""
         if hit[1:2] and hit[1] in _OUTPUT_INITIALS:
-            return _ONE_OUTPUT
+            return ONE_OUTPUT
         # No output value, no usage object, no metrics: unless a tool call or a function
         # call hides in it, a role-only, empty or finish event.
         if ((not hits or (len(hits) == 1 and hits[0] == _INDEX))

@@ -108,6 +108,16 @@ class SSEParser:
         self._offset += n
         return chunk[6:-2] if chunk[5:6] == b" " else chunk[5:-2]
 
+    def skip(self, size: int) -> bool:
+        """Consume ``size`` bytes the caller knows to be one whole event (it matched them
+        itself, see ``proxy.relay.TokenTemplate``); False, consuming nothing, unless the
+        parser is between events."""
+        if self._event_start >= 0 or self._line or self._pending_cr:
+            return False
+        self.straddling_lf = -1
+        self._offset += size
+        return True
+
     def feed(self, chunk: bytes) -> list[SSEEvent]:
         if not chunk:
             return []

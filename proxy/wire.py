@@ -388,6 +388,8 @@ class WireTransport(httpx.AsyncBaseTransport):
         """A pooled connection (True) or a new one (False)."""
         idle = self.idle.get(origin)
         now = self.loop.time()
+        while idle and now - idle[0].idle_since > self.keepalive_expiry:
+            idle.pop(0)._abort()  # the longest idle (LIFO: at the bottom) expired: close it
         while idle:
             conn = idle.pop()
             transport = conn.transport

@@ -424,3 +424,85 @@ def test_observe_many_equals_observe_each(values: list[float]) -> None:
     assert registry.get_sample_value("batched_count") == len(values)
     assert math.isclose(registry.get_sample_value("batched_sum") or 0.0,
                         registry.get_sample_value("single_sum") or 0.0, abs_tol=1e-9)
+
+
+# ---------------------------------------------------------------------------
+# The relay's token template (proxy.relay.TokenTemplate) against the full path
+
+from proxy.relay import _Forwarder  # noqa: E402
+from proxy.sse import SSEParser  # noqa: E402
+
+_token_texts = st.one_of(
+    st.text(min_size=0, max_size=6),
+    st.sampled_from(['"', "\\", "\\\\", '\\"', "\n", "é", "}", '"},{', "data: x", " "]))
+
+
+@st.composite
+def _token_streams(draw: st.DrawFn) -> tuple[list[bytes], bool, bool]:
+    """A stream of compact JSON token events as servers write them (one event per read,
+    sometimes two), with the shapes the template must cope with: a role-only first
+    chunk, a key change (reasoning then content), a field that varies per event, empty
+    texts, escapes, a finish chunk and a usage-only chunk."""
+    text_route = draw(st.booleans())
+    varying = draw(st.booleans())
+    events: list[bytes] = []
+
+    def event(choice: dict[str, Any], n: int) -> bytes:
+        payload: dict[str, Any] = {"id": "chatcmpl-1", "object": "chunk", "created": 7,
+                                   "model": "m", "choices": [choice]}
+        if varying:
+            payload["obfuscation"] = "x" * (n % 3)
+        return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+    if not text_route:
+        events.append(event({"index": 0, "delta": {"role": "assistant", "content": ""}}, 0))
+    keys = ["reasoning_content", "content"] if draw(st.booleans()) else ["content"]
+    n = 0
+    for key in keys:
+        for text in draw(st.lists(_token_texts, max_size=12)):
+            n += 1
+            choice: dict[str, Any] = ({"index": 0, "text": text} if text_route
+                                      else {"index": 0, "delta": {key: text}})
+            events.append(event({**choice, "finish_reason": None}, n))
+    events.append(event({"index": 0, "delta": {}, "finish_reason": "stop"}, n + 1))
+    if draw(st.booleans()):
+        events.append(b'data: {"id":"chatcmpl-1","choices":[],"usage":{"prompt_tokens":3,'
+                      b'"completion_tokens":%d}}\n\n' % n)
+    events.append(b"data: [DONE]\n\n")
+    chunks: list[bytes] = []
+    i = 0
+    while i < len(events):  # mostly one event per read, sometimes two
+        step = 2 if draw(st.integers(0, 4)) == 0 else 1
+        chunks.append(b"".join(events[i:i + step]))
+        i += step
+    return chunks, text_route, draw(st.booleans())
+
+
+@settings(max_examples=300, deadline=None)
+@given(_token_streams())
+def test_token_template_path_measures_exactly_what_the_full_path_does(
+        stream: tuple[list[bytes], bool, bool]) -> None:
+    chunks, text_route, strip = stream
+    fast = StreamTimer(text_route=text_route)
+    forwarder = _Forwarder(fast, SSEParser(), strip, 0)
+    sent = bytearray()
+    for t, chunk in enumerate(chunks):
+        sent += forwarder.take(chunk)
+        forwarder.observe(float(t))
+    sent += forwarder.tail()
+
+    full = StreamTimer(text_route=text_route)
+    parser = SSEParser()
+    expected = bytearray()
+    for t, chunk in enumerate(chunks):
+        for ev in parser.feed(chunk):
+            info = inspect_payload(json.loads(ev.data), text_route=text_route) \
+                if ev.data.startswith(b"{") else NOT_COUNTED
+            if info is not NOT_COUNTED:
+                full.observe(info, float(t))
+            if not (strip and info.usage_only):
+                expected += b"data: " + ev.data + b"\n\n"
+    assert (fast.first_t, fast.last_t, fast.output_events, fast.output_choices, fast.gaps,
+            fast.usage) == (full.first_t, full.last_t, full.output_events,
+                            full.output_choices, full.gaps, full.usage)
+    assert bytes(sent) == bytes(expected)
