@@ -289,6 +289,17 @@ class StreamTimer:
             self.observe(info, t)
         return info
 
+    def token(self, t: float) -> None:
+        """``observe(ONE_OUTPUT, t)``, for the common event, without looking at it."""
+        last = self.last_t
+        if last is None:
+            self.first_t = t
+        else:
+            self.gaps.append(t - last)
+        self.last_t = t
+        self.output_events += 1
+        self.output_choices += 1
+
     def observe(self, info: EventInfo, t: float) -> None:
         if info.outputs:
             if self.last_t is None:

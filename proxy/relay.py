@@ -184,6 +184,9 @@ class _Forwarder:
         try:
             if self.strip:
                 one = self._one
+                if one is ONE_OUTPUT:  # a template match
+                    timer.token(t)
+                    return
                 if one is not None:  # the chunk was one event
                     if isinstance(one, bytes):
                         if timer.event(one, t) is ONE_OUTPUT and self.template is not None:
@@ -199,7 +202,7 @@ class _Forwarder:
                 return
             chunk, template = self._chunk, self.template
             if template is not None and template.match(chunk) and parser.skip(len(chunk)):
-                timer.observe(ONE_OUTPUT, t)
+                timer.token(t)
                 return
             data = parser.single(chunk)
             if data is not None:
