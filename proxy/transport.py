@@ -1,7 +1,11 @@
-"""A fast httpx transport for the upstream, backed by aiohttp's connection pool.
+"""An httpx transport for the upstream backed by aiohttp's connection pool.
 
-Why: profiling the proxy at 64 concurrent streams (py-spy, see benchmarks/profile.md)
-showed httpcore's pool costing about 45 % of the proxy's CPU: every request walks every
+Used with ``--http-client aiohttp``, and instead of the built-in client
+(:mod:`proxy.wire`, the default) when an ``HTTP(S)_PROXY`` variable applies to the
+upstream, since aiohttp speaks to HTTP proxies and the built-in client does not.
+
+Why it was written (before :mod:`proxy.wire`): profiling the proxy at 64 concurrent
+streams (py-spy, see benchmarks/profile.md) showed httpcore's pool costing about 45 % of the proxy's CPU: every request walks every
 pooled connection and checks whether its socket is readable (``has_expired``), and every
 body read asks anyio for socket attributes. aiohttp's pool and C HTTP parser do the same
 job for a fraction of that. Keeping httpx as the *interface* (``httpx.AsyncClient`` on

@@ -3,8 +3,8 @@
 Faithfulness rules (see README "What unchanged means"): method, path below the base
 URL, query string, body bytes and headers are forwarded as received, except the
 hop-by-hop headers (RFC 9110 section 7.6.1, plus any named in ``Connection``), ``Host``
-and ``Content-Length`` (recomputed by httpx), and ``Accept-Encoding`` on measured routes
-(forced to ``identity`` so events can be parsed as they pass).
+and ``Content-Length`` (recomputed for the upstream), and ``Accept-Encoding`` on measured
+routes (forced to ``identity`` so events can be parsed as they pass).
 
 The proxy only ever talks to its configured upstream: the request target is the
 configured base URL plus the path *below* ``/v1``, and a path whose segments decode to
@@ -59,13 +59,15 @@ _RESPONSE_DROP = HOP_BY_HOP | {b"content-length"}
 
 
 class Upstream:
-    """The shared upstream client.
+    """The shared upstream client: :meth:`open` sends a request, returns at the headers.
 
-    ``httpx.AsyncClient`` builds requests (timeouts go into each request's extensions)
-    and owns the transport's life cycle; ``send`` then calls the transport directly.
-    The client's own ``send`` adds auth, redirect, cookie and elapsed-time layers that a
-    relay does not use, and wraps the body in two more iterators per chunk (issue 5:
-    about 12 us per event). Tests inject ``httpx.MockTransport`` as ``transport``.
+    Default (``--http-client builtin``): :class:`proxy.wire.WireTransport`; ``open``
+    serializes the request itself (base path, Host and the target computed once), so
+    no ``httpx`` object is built per request. Otherwise (``aiohttp``, ``httpx``, or an
+    ``httpx.MockTransport`` injected by tests): ``httpx.AsyncClient`` builds the request
+    (timeouts go into its extensions) and ``open`` calls the transport directly; the
+    client's own ``send`` adds auth, redirect, cookie and elapsed-time layers a relay
+    does not use, and wraps the body in two more iterators per chunk (issue 5).
     """
 
     def __init__(self, settings: Settings, transport: httpx.AsyncBaseTransport | None = None) -> None:
