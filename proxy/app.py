@@ -96,7 +96,10 @@ class ProxyApp:
 def _freeze_startup_objects() -> None:
     """Move everything alive at startup (modules, classes, settings: ~100k objects) out of
     the garbage collector's reach, so the periodic full collections that per-event
-    allocations trigger scan only what requests created (``gc.freeze``, Python 3.7+)."""
+    allocations trigger scan only what requests created (``gc.freeze``, Python 3.7+).
+    Cheap insurance rather than a measured win: on the benchmark (64 and 256 streams of
+    50 tokens) adding it did not move CPU per event beyond the noise, nor did a 100x
+    higher gen-0 threshold on top of it."""
     gc.collect()
     gc.freeze()
 

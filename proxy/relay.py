@@ -1,10 +1,14 @@
 """The relay: upstream bytes out to the client as they arrive, events observed on the side.
 
-Per read from the upstream the hot path does three things: hand the bytes on
-(``send``), read the clock once, feed the parser and timer. The bytes handed on are
-the very ``bytes`` object the upstream read produced: nothing is copied, re-encoded or
-buffered. Observation happens *after* the send, so measurement adds no latency to the
-chunk it measures, and the time read is the moment the event was handed on.
+Per read from the upstream the hot path does three things: hand the bytes on, read the
+clock once, observe the events (:class:`_Forwarder`). Handing on takes one of two ways:
+with the built-in upstream client under uvicorn, the read is written to the client's
+transport from the upstream socket's callback (:func:`_pipe`, :class:`DirectWriter`);
+otherwise the body is iterated and each chunk goes to ASGI ``send``. Either way the body
+bytes of each read go out as they are, at once and whole: nothing is re-encoded or held
+back (HTTP chunk framing aside). Observation happens *after* the hand-off, so
+measurement adds no latency to the chunk it measures, and the time read is the moment
+the event was handed on.
 
 The one exception (``strip_usage``): when the proxy itself added
 ``stream_options.include_usage`` to the request, the usage-only event it caused

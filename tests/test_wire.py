@@ -595,6 +595,14 @@ async def test_pool_exhausted_is_pool_timeout_after_connect_timeout() -> None:
         assert await w.fetch("GET", up.url + "/after") == (200, b"/after")
 
 
+def unfinished_answer(part: bytes, framing: str) -> bytes:
+    """A 200 head and ``part`` of a body that promises more (Content-Length or chunked)."""
+    if framing == "length":
+        return b"HTTP/1.1 200 OK\r\ncontent-length: 1000\r\n\r\n" + part
+    return (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+            b"%x\r\n%s\r\n" % (len(part), part))
+
+
 @pytest.mark.parametrize("framing", ["length", "chunked"])
 @pytest.mark.parametrize("how", ["rst", "fin"])
 async def test_upstream_breaks_mid_body_after_every_byte(how: str, framing: str, mode: str) -> None:
@@ -607,11 +615,7 @@ async def test_upstream_breaks_mid_body_after_every_byte(how: str, framing: str,
             await answering()(up, n, reader, writer)
             return
         await up.read_request(n, reader)
-        if framing == "length":
-            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 1000\r\n\r\n" + part)
-        else:
-            writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
-                         b"%x\r\n%s\r\n" % (len(part), part))
+        writer.write(unfinished_answer(part, framing))
         await writer.drain()
         # An RST may discard bytes in flight: break only once the client has them.
         await received.wait()
@@ -637,11 +641,7 @@ async def test_bytes_before_a_break_reach_a_reader_that_comes_late(framing: str,
     async def handler(up: Scripted, n: int, reader: asyncio.StreamReader,
                       writer: asyncio.StreamWriter) -> None:
         await up.read_request(n, reader)
-        if framing == "length":
-            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 1000\r\n\r\n" + part)
-        else:
-            writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
-                         b"%x\r\n%s\r\n" % (len(part), part))
+        writer.write(unfinished_answer(part, framing))
         await writer.drain()
         writer.close()
 
@@ -1007,3 +1007,23 @@ async def test_direct_writer_engages_under_uvicorn(client_usage: bool,
                 # Both on one keep-alive connection: uvicorn's state was left as its own
                 # ``send`` would have left it.
                 assert len(local) == 1
+
+
+# ---------------------------------------------------------------------------
+# Which client Upstream picks
+
+
+@pytest.mark.parametrize(("env", "expected"), [
+    ({}, "WireTransport"),
+    ({"HTTP_PROXY": "http://127.0.0.1:9"}, "AiohttpTransport"),
+    ({"HTTP_PROXY": "http://127.0.0.1:9", "NO_PROXY": "upstream.internal"}, "WireTransport"),
+], ids=["no-proxy", "http-proxy", "no-proxy-for-host"])
+def test_builtin_client_gives_way_to_aiohttp_when_an_http_proxy_applies(
+        monkeypatch: pytest.MonkeyPatch, env: dict[str, str], expected: str) -> None:
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY",
+                 "http_proxy", "https_proxy", "all_proxy", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    upstream = Upstream(Settings(upstream="http://upstream.internal:8000/v1"))
+    assert type(upstream.transport).__name__ == expected
