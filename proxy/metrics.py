@@ -196,15 +196,23 @@ class Metrics:
         return found
 
     def observe(self, record: RequestRecord, *, measured: bool) -> None:
-        """Record one finished request. Called exactly once per request."""
+        """Record one finished request. Called exactly once per request.
+
+        ``llm_proxy_requests_total`` is incremented last, so whoever sees a request
+        counted (a scrape, a test polling the registry from another thread) also sees
+        every other observation of that request.
+        """
         model = record.model  # already a bounded label value
         stream = "true" if record.stream else "false"
         exemplar = None if self.multiprocess else {"request_id": record.request_id[:_EXEMPLAR_MAX]}
-        self.requests.labels(record.route, model, self.upstream, stream, str(record.status)).inc()
         self.duration.labels(record.route, model, self.upstream, stream).observe(
             record.duration_s, exemplar)
-        if not measured:
-            return
+        if measured:
+            self._observe_measured(record, model, exemplar)
+        self.requests.labels(record.route, model, self.upstream, stream, str(record.status)).inc()
+
+    def _observe_measured(self, record: RequestRecord, model: str,
+                          exemplar: dict[str, str] | None) -> None:
         c = self.children(record.route, model)
         if record.queue_s is not None:
             c.queue.observe(record.queue_s)

@@ -506,3 +506,35 @@ def test_token_template_path_measures_exactly_what_the_full_path_does(
             fast.usage) == (full.first_t, full.last_t, full.output_events,
                             full.output_choices, full.gaps, full.usage)
     assert bytes(sent) == bytes(expected)
+
+
+# ---------------------------------------------------------------------------
+# Metrics.observe: a request is counted only once all its observations are in
+
+from prometheus_client import CollectorRegistry  # noqa: E402
+
+from proxy.config import Settings  # noqa: E402
+from proxy.metrics import Metrics  # noqa: E402
+
+
+def test_requests_total_is_incremented_after_every_other_observation() -> None:
+    """Whoever polls ``llm_proxy_requests_total`` (a test thread, a scrape) and sees the
+    request must also see its TTFT, ITL and TPOT (an e2e test raced exactly this)."""
+    registry = CollectorRegistry()
+    metrics = Metrics(Settings(upstream_name="u"), registry)
+    route, model = "/v1/chat/completions", "m"
+    counted = {"route": route, "model": model, "upstream": "u", "stream": "true", "code": "200"}
+    seen: list[float | None] = []
+    tpot = metrics.children(route, model).tpot  # the last histogram observe() touches
+    original = tpot.observe
+
+    def spy(value: float, *args: Any) -> None:
+        seen.append(registry.get_sample_value("llm_proxy_requests_total", counted))
+        original(value, *args)
+
+    tpot.observe = spy  # type: ignore[method-assign]
+    metrics.observe(RequestRecord(
+        "id", route, model, "u", True, 200, Outcome.COMPLETED, 1.0, ttft_s=0.1, tpot_s=0.02,
+        itl_s=(0.02, 0.02), output_events=3, completion_tokens=3), measured=True)
+    assert seen == [None]  # TPOT observed while the request was not yet counted
+    assert registry.get_sample_value("llm_proxy_requests_total", counted) == 1.0
