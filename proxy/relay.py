@@ -24,7 +24,6 @@ written not to), measurement stops for that stream and the bytes keep flowing.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import re
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -348,11 +347,15 @@ async def relay(
 
 async def _pipe(body: WireBody, writer: DirectWriter, fwd: _Forwarder, clock: Clock) -> RelayResult:
     write, take, observe, flow = writer.write, fwd.take, fwd.observe, writer.flow
+    cycle, transport_write = writer.cycle, writer.transport_write
 
     def sink(chunk: bytes) -> int:
+        # DirectWriter.write inlined: this runs once per upstream read
         out = take(chunk)
-        if out and not write(out):
-            return STOP
+        if out:
+            if cycle.disconnected:
+                return STOP
+            transport_write(b"%x\r\n%b\r\n" % (len(out), out))
         observe(clock())
         return PAUSE if flow.write_paused else GO
 
@@ -384,18 +387,18 @@ class DirectWriter:
     response completion) is exactly what it would be.
     """
 
-    __slots__ = ("_cycle", "_transport", "flow")
+    __slots__ = ("cycle", "flow", "transport_write")
 
     def __init__(self, cycle: Any) -> None:
-        self._cycle = cycle
-        self._transport: asyncio.Transport = cycle.transport
+        self.cycle = cycle  # uvicorn's RequestResponseCycle: .disconnected
+        self.transport_write: Callable[[bytes], None] = cycle.transport.write
         self.flow: Any = cycle.flow  # uvicorn's FlowControl: write_paused, drain()
 
     def write(self, chunk: bytes) -> bool:
-        """False: the client is gone (nothing written)."""
-        if self._cycle.disconnected:
+        """False: the client is gone (nothing written). (``_pipe``'s sink inlines this.)"""
+        if self.cycle.disconnected:
             return False
-        self._transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+        self.transport_write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
         return True
 
     async def drain(self) -> None:

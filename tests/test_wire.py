@@ -966,22 +966,25 @@ async def test_direct_writer_engages_under_uvicorn(client_usage: bool,
         await conn.end()
 
     made: list[DirectWriter | None] = []
-    written: list[bytes] = []
-    real_direct_writer, real_write = proxy.relay.direct_writer, DirectWriter.write
+    written: list[bytes] = []  # what went straight to uvicorn's transport, chunk-framed
+    real_direct_writer = proxy.relay.direct_writer
 
     def spy_direct_writer(send: Any) -> DirectWriter | None:
         writer = real_direct_writer(send)
         made.append(writer)
-        return writer
+        if writer is not None:
+            real_write = writer.transport_write
 
-    def spy_write(self: DirectWriter, chunk: bytes) -> bool:
-        written.append(chunk)
-        return real_write(self, chunk)
+            def spy_write(data: bytes) -> None:
+                written.append(data)
+                real_write(data)
+
+            writer.transport_write = spy_write
+        return writer
 
     monkeypatch.setenv("NO_PROXY", "*")  # no environment proxy may send it to aiohttp
     monkeypatch.setenv("no_proxy", "*")
     monkeypatch.setattr(proxy.relay, "direct_writer", spy_direct_writer)
-    monkeypatch.setattr(DirectWriter, "write", spy_write)
     body = {"model": "direct", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
     if client_usage:
         body["stream_options"] = {"include_usage": True}
@@ -1003,10 +1006,22 @@ async def test_direct_writer_engages_under_uvicorn(client_usage: bool,
                     assert got == expected
                     assert len(made) == n and isinstance(made[-1], DirectWriter), \
                         "the relay fell back to ASGI send: uvicorn's internals changed?"
-                    assert b"".join(written) == expected * n
+                    assert dechunk(b"".join(written)) == expected * n
                 # Both on one keep-alive connection: uvicorn's state was left as its own
                 # ``send`` would have left it.
                 assert len(local) == 1
+
+
+def dechunk(framed: bytes) -> bytes:
+    """The payload of back-to-back HTTP/1.1 chunks (``<hex size>\\r\\n<data>\\r\\n``)."""
+    out, pos = bytearray(), 0
+    while pos < len(framed):
+        eol = framed.index(b"\r\n", pos)
+        size = int(framed[pos:eol], 16)
+        out += framed[eol + 2 : eol + 2 + size]
+        assert framed[eol + 2 + size : eol + 4 + size] == b"\r\n"
+        pos = eol + 4 + size
+    return bytes(out)
 
 
 # ---------------------------------------------------------------------------
