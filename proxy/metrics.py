@@ -25,7 +25,6 @@ from bisect import bisect_left
 from collections import Counter as _Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import choose_encoder
@@ -182,7 +181,6 @@ class Metrics:
             multiprocess_mode="livesum")
         self.in_flight = self.in_flight_gauge.labels(self.upstream)
         self._children: dict[tuple[str, str], _Children] = {}
-        self._labelled: dict[tuple[Any, ...], Any] = {}
 
     def children(self, route: str, model: str) -> _Children:
         key = (route, model)
@@ -197,15 +195,6 @@ class Metrics:
             self._children[key] = found
         return found
 
-    def _child(self, metric: Any, route: str, model: str, *rest: str) -> Any:
-        """``metric.labels(route, model, upstream, *rest)``, looked up once per label set
-        (``labels()`` validates and locks on every call; the label values are bounded)."""
-        key = (id(metric), route, model, *rest)
-        child = self._labelled.get(key)
-        if child is None:
-            child = self._labelled[key] = metric.labels(route, model, self.upstream, *rest)
-        return child
-
     def observe(self, record: RequestRecord, *, measured: bool) -> None:
         """Record one finished request. Called exactly once per request.
 
@@ -216,10 +205,11 @@ class Metrics:
         model = record.model  # already a bounded label value
         stream = "true" if record.stream else "false"
         exemplar = None if self.multiprocess else {"request_id": record.request_id[:_EXEMPLAR_MAX]}
-        self._child(self.duration, record.route, model, stream).observe(record.duration_s, exemplar)
+        self.duration.labels(record.route, model, self.upstream, stream).observe(
+            record.duration_s, exemplar)
         if measured:
             self._observe_measured(record, model, exemplar)
-        self._child(self.requests, record.route, model, stream, str(record.status)).inc()
+        self.requests.labels(record.route, model, self.upstream, stream, str(record.status)).inc()
 
     def _observe_measured(self, record: RequestRecord, model: str,
                           exemplar: dict[str, str] | None) -> None:
@@ -238,7 +228,7 @@ class Metrics:
             c.completion.observe(record.completion_tokens)
         if record.stream:
             if record.outcome is not Outcome.REJECTED:
-                self._child(self.outcomes, record.route, model, str(record.outcome)).inc()
+                self.outcomes.labels(record.route, model, self.upstream, str(record.outcome)).inc()
             if record.ttft_s is not None:
                 c.ttft.observe(record.ttft_s, exemplar)
             observe_many(c.itl, record.itl_s)

@@ -192,8 +192,7 @@ class _Forwarder:
                     return
                 if one is not None:  # the chunk was one event
                     if isinstance(one, bytes):
-                        if timer.event(one, t) is ONE_OUTPUT and self.template is not None:
-                            self.template.learn(self._chunk)
+                        self._observe_single(timer, one, t)
                     else:
                         timer.observe(one, t)
                     return
@@ -209,8 +208,7 @@ class _Forwarder:
                 return
             data = parser.single(chunk)
             if data is not None:
-                if timer.event(data, t) is ONE_OUTPUT and template is not None:
-                    template.learn(chunk)
+                self._observe_single(timer, data, t)
                 return
             for event in parser.feed(self._chunk):
                 if not event.oversize:
@@ -218,6 +216,12 @@ class _Forwarder:
         except Exception:  # pragma: no cover - parser and timer do not raise
             log.exception("measurement failed; stream continues unmeasured")
             self.parser = None
+
+    def _observe_single(self, timer: StreamTimer, data: bytes, t: float) -> None:
+        """The chunk was one event with this data: classify it in full, and learn the
+        stream's token template from it if it was a token."""
+        if timer.event(data, t) is ONE_OUTPUT and self.template is not None:
+            self.template.learn(self._chunk)
 
     def tail(self) -> bytes:
         """What is still held back (strip mode) when the body ends, however it ended."""
@@ -347,15 +351,11 @@ async def relay(
 
 async def _pipe(body: WireBody, writer: DirectWriter, fwd: _Forwarder, clock: Clock) -> RelayResult:
     write, take, observe, flow = writer.write, fwd.take, fwd.observe, writer.flow
-    cycle, transport_write = writer.cycle, writer.transport_write
 
     def sink(chunk: bytes) -> int:
-        # DirectWriter.write inlined: this runs once per upstream read
         out = take(chunk)
-        if out:
-            if cycle.disconnected:
-                return STOP
-            transport_write(b"%x\r\n%b\r\n" % (len(out), out))
+        if out and not write(out):
+            return STOP
         observe(clock())
         return PAUSE if flow.write_paused else GO
 
@@ -395,7 +395,7 @@ class DirectWriter:
         self.flow: Any = cycle.flow  # uvicorn's FlowControl: write_paused, drain()
 
     def write(self, chunk: bytes) -> bool:
-        """False: the client is gone (nothing written). (``_pipe``'s sink inlines this.)"""
+        """False: the client is gone (nothing written)."""
         if self.cycle.disconnected:
             return False
         self.transport_write(b"%x\r\n%b\r\n" % (len(chunk), chunk))

@@ -100,18 +100,15 @@ class SSEParser:
         and ``feed`` must be called with the same chunk.
         """
         n = len(chunk)
-        if (self._event_start >= 0 or self._line or self._pending_cr
-                or chunk[:5] != b"data:" or chunk.find(b"\n") != n - 2
-                or chunk[-1:] != b"\n" or b"\r" in chunk or n - 1 > self._max):
+        if (chunk[:5] != b"data:" or chunk.find(b"\n") != n - 2 or chunk[-1:] != b"\n"
+                or b"\r" in chunk or n - 1 > self._max or not self.skip(n)):
             return None
-        self.straddling_lf = -1
-        self._offset += n
         return chunk[6:-2] if chunk[5:6] == b" " else chunk[5:-2]
 
     def skip(self, size: int) -> bool:
-        """Consume ``size`` bytes the caller knows to be one whole event (it matched them
-        itself, see ``proxy.relay.TokenTemplate``); False, consuming nothing, unless the
-        parser is between events."""
+        """Consume ``size`` bytes the caller knows to be one whole event (it checked them
+        itself: :meth:`single`, ``proxy.relay.TokenTemplate``); False, consuming nothing,
+        unless the parser is between events."""
         if self._event_start >= 0 or self._line or self._pending_cr:
             return False
         self.straddling_lf = -1

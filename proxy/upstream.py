@@ -25,7 +25,7 @@ from urllib.parse import unquote_to_bytes, urlsplit
 import httpx
 
 from proxy.config import Settings
-from proxy.wire import WireTransport, serialize
+from proxy.wire import WireTransport, origin_of, serialize
 
 
 class UpstreamResponse(Protocol):
@@ -77,12 +77,12 @@ class Upstream:
             write=settings.write_timeout,
             pool=settings.connect_timeout,
         )
+        base_url = httpx.URL(settings.upstream)
         client = settings.http_client
         if transport is None and client == "builtin":
             from proxy.transport import env_proxy
 
-            base = urlsplit(settings.upstream)
-            if env_proxy(base.scheme, base.hostname or "") is not None:
+            if env_proxy(base_url.scheme, base_url.host) is not None:
                 client = "aiohttp"  # the built-in client does not speak to HTTP proxies
             else:
                 transport = WireTransport(
@@ -107,9 +107,7 @@ class Upstream:
         self._wire = transport if isinstance(transport, WireTransport) else None
         # Computed once: the base path, and Host exactly as httpx would write it.
         self._base_path = urlsplit(self.base).path.rstrip("/").encode()
-        base_url = httpx.URL(self.base)
-        self._origin = (base_url.scheme, base_url.host,
-                        base_url.port or (443 if base_url.scheme == "https" else 80))
+        self._origin = origin_of(base_url)
         self._host_header = httpx.Request("GET", base_url).headers.raw[0][1]
         self.client = httpx.AsyncClient(transport=transport, timeout=timeout, follow_redirects=False)
         # httpx adds Accept, Accept-Encoding, Connection and User-Agent to every request;

@@ -52,7 +52,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import cast
 
 import httptools
@@ -100,6 +100,14 @@ class _Exchange:
         waiter = self.waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+
+    async def wait(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Until the next :meth:`wake` (headers, data in iteration, pause, end, failure)."""
+        self.waiter = loop.create_future()
+        try:
+            await self.waiter
+        finally:
+            self.waiter = None
 
 
 class _Connection(asyncio.Protocol):
@@ -330,10 +338,8 @@ class WireTransport(httpx.AsyncBaseTransport):
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         """The httpx transport interface (tests, and any caller holding an httpx.Request)."""
-        url = request.url
-        port = url.port or (443 if url.scheme == "https" else 80)
         try:
-            response = await self.exchange(request.method, (url.scheme, url.host, port),
+            response = await self.exchange(request.method, origin_of(request.url),
                                            _serialize(request))
         except httpx.TransportError as exc:
             exc.request = request
@@ -365,9 +371,7 @@ class WireTransport(httpx.AsyncBaseTransport):
                 conn, reused = await self._connection(origin)
                 ex = conn.start(payload, head)
                 while not ex.headers_done and not ex.finished:
-                    ex.waiter = self.loop.create_future()
-                    await ex.waiter
-                ex.waiter = None
+                    await ex.wait(self.loop)
                 if (ex.error is not None and reused and not ex.received and attempt == 0
                         and method in IDEMPOTENT and not isinstance(ex.error, httpx.TimeoutException)):
                     conn.release(ex)  # the upstream closed the idle connection as we used it
@@ -452,11 +456,7 @@ class WireBody(httpx.AsyncByteStream):
                 await drain()
                 conn.resume_reading()
                 continue
-            ex.waiter = loop.create_future()
-            try:
-                await ex.waiter
-            finally:
-                ex.waiter = None
+            await ex.wait(loop)
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         ex, conn = self._ex, self._conn
@@ -482,11 +482,7 @@ class WireBody(httpx.AsyncByteStream):
                 self._raise_error()
                 return
             conn.resume_reading()
-            ex.waiter = conn.owner.loop.create_future()
-            try:
-                await ex.waiter
-            finally:
-                ex.waiter = None
+            await ex.wait(conn.owner.loop)
 
     def _raise_error(self) -> None:
         error = self._ex.error
@@ -538,6 +534,11 @@ class WireResponse:
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 
 
+def origin_of(url: httpx.URL) -> Origin:
+    """``(scheme, host, port)``, the port defaulted from the scheme: a pool key."""
+    return url.scheme, url.host, url.port or (443 if url.scheme == "https" else 80)
+
+
 def serialize(method: str, target: bytes, host: bytes, headers: list[tuple[bytes, bytes]],
               body: bytes) -> bytes:
     """A request as HTTP/1.1 bytes: request line, ``Host``, ``headers`` as given,
@@ -546,24 +547,22 @@ def serialize(method: str, target: bytes, host: bytes, headers: list[tuple[bytes
     ``headers`` must not hold Host, Content-Length or Transfer-Encoding (the relay's
     header filter removes them, see ``proxy.upstream.forward_headers``).
     """
-    parts = [method.encode("ascii"), b" ", target, b" HTTP/1.1\r\nHost: ", host, b"\r\n"]
-    for name, value in headers:
-        parts += (name, b": ", value, b"\r\n")
+    fields = [(b"Host", host), *headers]
     if body or method in _BODY_METHODS:
-        parts += (b"Content-Length: ", str(len(body)).encode(), b"\r\n")
-    parts.append(b"\r\n")
-    if body:
-        parts.append(body)
-    return b"".join(parts)
+        fields.append((b"Content-Length", str(len(body)).encode()))
+    return _http11(method, target, fields, body)
 
 
 def _serialize(request: httpx.Request) -> bytes:
     """An ``httpx.Request`` as HTTP/1.1 bytes: exactly the headers it carries."""
-    lines = [request.method.encode("ascii"), b" ", request.url.raw_path, b" HTTP/1.1\r\n"]
-    for name, value in request.headers.raw:
-        lines += (name, b": ", value, b"\r\n")
-    lines.append(b"\r\n")
-    body = request.content
+    return _http11(request.method, request.url.raw_path, request.headers.raw, request.content)
+
+
+def _http11(method: str, target: bytes, fields: Iterable[tuple[bytes, bytes]], body: bytes) -> bytes:
+    parts = [method.encode("ascii"), b" ", target, b" HTTP/1.1\r\n"]
+    for name, value in fields:
+        parts += (name, b": ", value, b"\r\n")
+    parts.append(b"\r\n")
     if body:
-        lines.append(body)
-    return b"".join(lines)
+        parts.append(body)
+    return b"".join(parts)
