@@ -1,11 +1,12 @@
-"""Wiring: ``create_app(settings, *, transport=None, registry=None, clock=...)``.
+"""Wiring: ``create_app(settings, *, upstream=None, registry=None, clock=...)``.
 
 The application is a small ASGI callable rather than a FastAPI app: three fixed
 paths (``/v1/*``, ``/healthz``, ``/metrics``) need no routing table, and the proxied
 path is the hot path (see :mod:`proxy.routes`). Everything is built here, once:
-settings are already validated, the one shared ``httpx.AsyncClient`` is created here
-and closed by the lifespan (or :meth:`ProxyApp.aclose` in tests that drive the app
-without a server), metrics go to the registry passed in (a fresh one per test).
+settings are already validated, the one upstream client (:class:`proxy.upstream.Upstream`)
+is created here and closed by the lifespan (or :meth:`ProxyApp.aclose` in tests that
+drive the app without a server), metrics go to the registry passed in (a fresh one per
+test).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-import httpx
 from prometheus_client import CollectorRegistry
 
 from proxy.admission import Admission
@@ -35,12 +35,12 @@ Send = Callable[[Message], Awaitable[None]]
 class ProxyApp:
     """The proxy as an ASGI application."""
 
-    def __init__(self, settings: Settings, *, transport: httpx.AsyncBaseTransport | None = None,
+    def __init__(self, settings: Settings, *, upstream: Upstream | None = None,
                  registry: CollectorRegistry | None = None,
                  clock: Callable[[], float] = time.perf_counter,
                  serve_metrics: bool | None = None) -> None:
         self.settings = settings
-        self.upstream = Upstream(settings, transport)
+        self.upstream = upstream if upstream is not None else Upstream(settings)
         self.metrics = Metrics(settings, registry) if settings.measure else None
         self.request_log = RequestLog(settings.log_requests) if settings.log_requests else None
         self.admission = Admission(settings.max_concurrency, settings.max_queue)
@@ -111,12 +111,12 @@ async def _plain(send: Send, status: int, body: bytes, content_type: bytes) -> N
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-def create_app(settings: Settings, *, transport: httpx.AsyncBaseTransport | None = None,
+def create_app(settings: Settings, *, upstream: Upstream | None = None,
                registry: CollectorRegistry | None = None,
                clock: Callable[[], float] = time.perf_counter) -> ProxyApp:
-    """Build the proxy; the production defaults are a real transport, a private
-    registry and ``time.perf_counter``."""
-    return ProxyApp(settings, transport=transport, registry=registry, clock=clock)
+    """Build the proxy; the production defaults are the upstream client for
+    ``settings.upstream``, a private registry and ``time.perf_counter``."""
+    return ProxyApp(settings, upstream=upstream, registry=registry, clock=clock)
 
 
 def create_app_from_env() -> ProxyApp:

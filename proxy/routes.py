@@ -2,12 +2,14 @@
 
 The proxied routes are a plain ASGI endpoint, not a FastAPI route: per request there
 is no routing table walk, no dependency injection and no ``Request``/``Response``
-objects, and per chunk nothing but the relay loop (see issue 5 for the measurements
-that led here).
+objects, and per chunk nothing but the relay (``benchmarks/profile.md`` has the
+measurements that led here).
 
 Flow, one way: request in -> checks (path, sizes, key) -> body -> admission (queue
-time) -> upstream -> relay (bytes out, events observed) -> record -> metrics and log.
-The record is built and observed exactly once, in ``finally``, whatever happened.
+time) -> upstream -> relay (bytes out, events observed) -> one finish (record ->
+metrics, log line, warning). The finish runs exactly once per request, whatever
+happened, refused requests included, so the per-request log has one line per request
+and ``llm_proxy_requests_total`` counts every answer.
 """
 
 from __future__ import annotations
@@ -21,12 +23,12 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
-
 from proxy.admission import Admission, QueueFull
 from proxy.auth import KeyCheck, presented_key
 from proxy.config import Settings
+from proxy.logs import RateLimitedLog
 from proxy.measure import (
+    Meter,
     Outcome,
     RequestRecord,
     StreamTimer,
@@ -42,15 +44,19 @@ from proxy.sse import SSEParser
 from proxy.upstream import (
     UnsafePath,
     Upstream,
-    UpstreamResponse,
     error_body,
+    error_response,
     forward_headers,
-    map_transport_error,
     response_headers,
     safe_subpath,
 )
+from proxy.wire import UpstreamError, WireResponse
 
 log = logging.getLogger("proxy")
+
+# Headers a client may carry its key in; in server-held key mode all of them are
+# checked and none is forwarded.
+CLIENT_KEY_HEADERS = frozenset({b"authorization", b"x-api-key", b"api-key"})
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -80,6 +86,22 @@ def route_template(subpath: bytes) -> str:
     return f"/v1/{first}" + ("/{...}" if len(segments) > 1 and any(segments[1:]) else "")
 
 
+class Refused(Exception):
+    """The proxy answers the request itself, in the OpenAI error shape."""
+
+    def __init__(self, status: int, message: str, type_: str, code: str, *,
+                 outcome: Outcome = Outcome.REJECTED,
+                 extra: list[tuple[bytes, bytes]] | None = None, body: bytes = b"") -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.code = code
+        self.outcome = outcome
+        self.extra = extra or []
+        self.body = body  # a prepared error body (upstream failures), else built from the rest
+
+
 class BodyTooLarge(Exception):
     pass
 
@@ -96,8 +118,42 @@ class _Watch:
     done: bool = False
 
 
+@dataclass(slots=True)
+class _Request:
+    """What the steps learn about one request; :meth:`V1Handler._finish` turns it into
+    the frozen :class:`RequestRecord`. Every field has the value a refusal at any step
+    leaves, so the finish needs no case analysis of where the request stopped."""
+
+    t0: float
+    subpath: bytes = b""
+    route: str = "/v1/{other}"
+    measured: str | None = None  # the measured route, if this is one
+    model: str = UNKNOWN_MODEL  # the bounded label value
+    stream: bool = False
+    payload: dict[str, Any] | None = None
+    parsed: bool = False  # the body was read and parsed: a measured request from here on
+    status: int = 0
+    outcome: Outcome = Outcome.REJECTED
+    request_id: str = ""
+    queue_s: float | None = None
+    overhead_s: float | None = None
+    response: WireResponse | None = None
+    result: RelayResult | None = None
+    timer: StreamTimer | None = None
+    t_end: float = 0.0
+    reason: str = ""  # why the upstream failed, for the warning line
+
+
 class V1Handler:
-    """The ASGI endpoint for every ``/v1/*`` request."""
+    """The ASGI endpoint for every ``/v1/*`` request.
+
+    One request path, as small steps that return or raise: :meth:`_check` (path, sizes,
+    key), :meth:`_read` (the body), :meth:`_parse` (what the body asks for),
+    :meth:`_admit` (queue time), :meth:`_forward` (the upstream exchange) and
+    :meth:`_relay`. A step that refuses raises :class:`Refused`; whatever happened,
+    :meth:`_finish` runs once and builds the record, observes the metrics and writes the
+    log line, refused requests included.
+    """
 
     def __init__(self, settings: Settings, upstream: Upstream, metrics: Metrics | None,
                  admission: Admission, clock: Clock, keys: KeyCheck | None,
@@ -110,29 +166,50 @@ class V1Handler:
         self.keys = keys
         self.request_log = request_log
         self.upstream_name = settings.upstream_label
+        self.model_label: Callable[[str], str] = (
+            metrics.model_label if metrics is not None else _unbounded)
         self._secret_headers = frozenset(h.lower().encode() for h in settings.secret_headers)
+        self._warnings = RateLimitedLog(log, per_interval=10, interval_s=10.0)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        t0 = self.clock()
+        x = _Request(self.clock())
+        try:
+            headers = self._check(x, scope)
+            body = await self._read(x, receive)
+            body_out, strip = self._parse(x, body)
+            await self._exchange(x, scope, headers, body_out, strip, receive, send)
+        except Refused as refusal:
+            x.status, x.outcome = refusal.status, refusal.outcome
+            x.request_id = uuid.uuid4().hex
+            x.t_end = self.clock()
+            await _send_error(send, refusal, x.request_id)
+        except ClientGone:
+            x.status, x.outcome, x.t_end = 499, Outcome.CLIENT_DISCONNECTED, self.clock()
+        finally:
+            self._finish(x)
+        # Recorded first, so a client that saw the end can already scrape the request.
+        if x.result is not None and x.result.complete:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        # else: return without completing, so the server closes the connection and the
+        # client sees the stream break exactly as the upstream broke it.
+
+    # -- the steps -----------------------------------------------------------------------
+
+    def _check(self, x: _Request, scope: Scope) -> list[tuple[bytes, bytes]]:
+        """Cheap checks first: nothing is read and nothing is sent upstream."""
         s = self.settings
-        metrics = self.metrics
         raw_path: bytes = scope.get("raw_path") or scope["path"].encode()
-        method: str = scope["method"]
         try:
             subpath = safe_subpath(raw_path.split(b"?", 1)[0])
         except UnsafePath as exc:
-            await self._answer(send, 400, str(exc), "invalid_request_error", "invalid_path",
-                               t0, "/v1/{other}", UNKNOWN_MODEL, False)
-            return
-        measured_route = MEASURED_ROUTES.get(subpath) if method == "POST" else None
-        route = measured_route or route_template(subpath)
+            raise Refused(400, str(exc), "invalid_request_error", "invalid_path") from None
+        x.measured = MEASURED_ROUTES.get(subpath) if scope["method"] == "POST" else None
+        x.route = x.measured or route_template(subpath)
+        x.subpath = subpath
         headers: list[tuple[bytes, bytes]] = scope["headers"]
-
-        # Cheap checks first: nothing is read and nothing is sent upstream.
         if sum(len(k) + len(v) for k, v in headers) > s.max_header_bytes:
-            await self._answer(send, 431, "request headers too large", "invalid_request_error",
-                               "headers_too_large", t0, route, UNKNOWN_MODEL, False)
-            return
+            raise Refused(431, "request headers too large", "invalid_request_error",
+                          "headers_too_large")
         for name, value in headers:
             if name == b"content-length":
                 try:
@@ -140,159 +217,170 @@ class V1Handler:
                 except ValueError:
                     declared = -1
                 if declared < 0:
-                    await self._answer(send, 400, "invalid Content-Length", "invalid_request_error",
-                                       "invalid_content_length", t0, route, UNKNOWN_MODEL, False)
-                    return
+                    raise Refused(400, "invalid Content-Length", "invalid_request_error",
+                                  "invalid_content_length")
                 if declared > s.max_body_bytes:
-                    await self._too_large(send, t0, route)
-                    return
+                    raise self._too_large()
         if self.keys is not None and not self.keys.accepts(presented_key(headers)):
-            await self._answer(send, 401, "invalid or missing API key for this proxy",
-                               "invalid_request_error", "invalid_api_key", t0, route,
-                               UNKNOWN_MODEL, False)
-            return
+            raise Refused(401, "invalid or missing API key for this proxy",
+                          "invalid_request_error", "invalid_api_key")
+        return headers
 
+    def _too_large(self) -> Refused:
+        return Refused(413, f"request body larger than {self.settings.max_body_bytes} bytes",
+                       "invalid_request_error", "request_too_large")
+
+    async def _read(self, x: _Request, receive: Receive) -> bytes:
         try:
-            async with asyncio.timeout(s.body_timeout):
-                body = await _read_body(receive, s.max_body_bytes)
+            async with asyncio.timeout(self.settings.body_timeout):
+                return await _read_body(receive, self.settings.max_body_bytes)
         except BodyTooLarge:
-            await self._too_large(send, t0, route)
-            return
+            raise self._too_large() from None
         except TimeoutError:
-            await self._answer(send, 408, "request body not received in time",
-                               "invalid_request_error", "body_timeout", t0, route,
-                               UNKNOWN_MODEL, False)
-            return
-        except ClientGone:
-            return
+            raise Refused(408, "request body not received in time", "invalid_request_error",
+                          "body_timeout") from None
 
-        # What the request asks for. Never raises: a body that is not a JSON object is
-        # forwarded unchanged and measured under model "unknown".
-        model, stream, payload = UNKNOWN_MODEL, False, None
-        body_out, strip_usage = body, False
+    def _parse(self, x: _Request, body: bytes) -> tuple[bytes, bool]:
+        """What the request asks for: model, stream; the body to send and whether the
+        proxy added the usage request. Never raises: a body that is not a JSON object is
+        forwarded unchanged and measured under model "unknown"."""
+        x.parsed = True
+        model = UNKNOWN_MODEL
+        body_out, strip = body, False
         looks_like_object = body[:1] == b"{" or body.lstrip()[:1] == b"{"
-        if looks_like_object and (measured_route or len(body) <= 1 << 20):
-            payload = _json_object(body)
-        if payload is not None:
-            m = payload.get("model")
+        if looks_like_object and (x.measured or len(body) <= 1 << 20):
+            x.payload = _json_object(body)
+        if x.payload is not None:
+            m = x.payload.get("model")
             if isinstance(m, str) and m:
                 model = m
-            stream = measured_route is not None and payload.get("stream") is True
-            if stream and s.inject_usage and metrics is not None:
-                injected = _with_usage(payload)
+            x.stream = x.measured is not None and x.payload.get("stream") is True
+            if x.stream and self.settings.inject_usage and self.metrics is not None:
+                injected = _with_usage(x.payload)
                 if injected is not None:
-                    body_out, strip_usage = injected, True
-        label = metrics.model_label(model) if metrics is not None else model
+                    body_out, strip = injected, True
+        x.model = self.model_label(model)
+        return body_out, strip
 
+    async def _exchange(self, x: _Request, scope: Scope, headers: list[tuple[bytes, bytes]],
+                        body: bytes, strip: bool, receive: Receive, send: Send) -> None:
+        """Admission, the upstream exchange and the relay, with the in-flight gauge held
+        and a watcher that turns the client's disconnect into cancellation."""
+        metrics = self.metrics
         if metrics is not None:
             metrics.in_flight.inc()
         watch = _Watch()
         task = asyncio.current_task()
         assert task is not None
         watcher = asyncio.get_running_loop().create_task(_watch_disconnect(receive, task, watch))
-        response: UpstreamResponse | None = None
         admitted = False
-        queue_s: float | None = None
-        overhead_s: float | None = None
-        status = 502
-        result: RelayResult | None = None
-        timer: StreamTimer | None = None
-        request_id = ""
-        outcome = Outcome.REJECTED
         try:
-            if measured_route is not None:
-                t_q = self.clock()
-                try:
-                    await self.admission.acquire()
-                except QueueFull:
-                    status = 429
-                    await self._send_error(send, 429, "too many requests waiting for the upstream",
-                                           "rate_limit_error", "proxy_queue_full",
-                                           extra=[(b"retry-after", b"1")])
-                    return
-                admitted = True
-                queue_s = self.clock() - t_q if self.admission.limited else 0.0
-
-            out_headers = forward_headers(headers, identity=measured_route is not None,
-                                          drop=self._secret_headers if self.keys else frozenset())
-            if self.keys is not None:
-                out_headers = [(k, v) for k, v in out_headers if k not in (b"authorization", b"api-key")]
-                out_headers.append((b"authorization", self.keys.upstream_authorization))
-            t_send = self.clock()
-            overhead_s = t_send - t0 - (queue_s or 0.0)
-            try:
-                response = await self.upstream.open(
-                    method, subpath, scope.get("query_string", b""), out_headers, body_out)
-            except httpx.TransportError as exc:
-                status, err = map_transport_error(exc)
-                outcome = Outcome.TIMEOUT if status == 504 else Outcome.UPSTREAM_ERROR
-                request_id = uuid.uuid4().hex
-                await send({"type": "http.response.start", "status": status,
-                            "headers": [*JSON_HEADERS, (b"x-request-id", request_id.encode())]})
-                await send({"type": "http.response.body", "body": err, "more_body": False})
-                return
-
-            status = response.status_code
-            is_sse = response.headers.get("content-type", "").startswith("text/event-stream")
-            ok = 200 <= status < 300
-            observe = metrics is not None and measured_route is not None and ok
-            strip = strip_usage and is_sse and observe
-            request_id = response.headers.get("x-request-id", "")
-            resp_headers = response_headers(response.headers.raw, keep_length=not strip)
-            if not request_id:
-                request_id = uuid.uuid4().hex
-                resp_headers.append((b"x-request-id", request_id.encode()))
-            if is_sse and b"x-accel-buffering" not in (k for k, _ in resp_headers):
-                resp_headers.append((b"x-accel-buffering", b"no"))
-            await send({"type": "http.response.start", "status": status, "headers": resp_headers})
-
-            parser = None
-            if observe and is_sse:
-                timer = StreamTimer(text_route=measured_route == "/v1/completions")
-                parser = SSEParser()
-            result = await relay(
-                response, send, self.clock, timer=timer, parser=parser, strip_usage=strip,
-                collect_limit=NON_STREAM_USAGE_LIMIT if observe and not is_sse else 0)
-            outcome = result.outcome if ok else Outcome.UPSTREAM_ERROR
+            if x.measured is not None:
+                admitted = await self._admit(x)
+            await self._forward(x, scope, headers, body)
+            await self._relay(x, send, strip)
         except asyncio.CancelledError:
             if not watch.disconnected:
                 raise
             task.uncancel()
-            outcome = Outcome.CLIENT_DISCONNECTED
+            x.outcome = Outcome.CLIENT_DISCONNECTED
+            x.status = x.status or 499
+            x.t_end = self.clock()
         finally:
             watch.done = True
             watcher.cancel()
-            t_end = self.clock()
-            if response is not None:
+            if not x.t_end:
+                x.t_end = self.clock()
+            if x.response is not None:
                 with contextlib.suppress(Exception):
-                    await response.aclose()  # closes the upstream request if still open
+                    await x.response.aclose()  # closes the upstream request if still open
             if admitted:
                 self.admission.release()
             if metrics is not None:
                 metrics.in_flight.dec()
-            try:
-                if metrics is not None or self.request_log is not None:
-                    record = self._record(
-                        request_id, route, label, stream, status, outcome, t0, t_end,
-                        overhead_s, queue_s, timer, result, response, payload)
-                    if metrics is not None:
-                        metrics.observe(record, measured=measured_route is not None)
-                    if self.request_log is not None:
-                        self.request_log.write(record)
-            except Exception:  # measurement never breaks serving
-                log.exception("failed to record a request")
-        # Recorded first, so a client that saw the end can already scrape the request.
-        if result is not None and result.complete:
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        # else: return without completing, so the server closes the connection and the
-        # client sees the stream break exactly as the upstream broke it.
 
-    def _record(self, request_id: str, route: str, model: str, stream: bool, status: int,
-                outcome: Outcome, t0: float, t_end: float, overhead_s: float | None,
-                queue_s: float | None, timer: StreamTimer | None, result: RelayResult | None,
-                response: UpstreamResponse | None, payload: dict[str, Any] | None) -> RequestRecord:
-        if outcome is not Outcome.CLIENT_DISCONNECTED and result is not None:
-            t_end = result.t_end
+    async def _admit(self, x: _Request) -> bool:
+        t_q = self.clock()
+        try:
+            await self.admission.acquire()
+        except QueueFull:
+            raise Refused(429, "too many requests waiting for the upstream", "rate_limit_error",
+                          "proxy_queue_full", extra=[(b"retry-after", b"1")]) from None
+        x.queue_s = self.clock() - t_q if self.admission.limited else 0.0
+        return True
+
+    async def _forward(self, x: _Request, scope: Scope, headers: list[tuple[bytes, bytes]],
+                       body: bytes) -> None:
+        keys = self.keys
+        out_headers = forward_headers(headers, identity=x.measured is not None,
+                                      drop=self._secret_headers if keys else frozenset())
+        if keys is not None:
+            out_headers = [(k, v) for k, v in out_headers if k not in CLIENT_KEY_HEADERS]
+            out_headers.append((b"authorization", keys.upstream_authorization))
+        t_send = self.clock()
+        x.overhead_s = t_send - x.t0 - (x.queue_s or 0.0)
+        try:
+            x.response = await self.upstream.open(
+                scope["method"], x.subpath, scope.get("query_string", b""),
+                out_headers, body)
+        except UpstreamError as exc:
+            status, err = error_response(exc, self.upstream.host)
+            x.reason = f"{type(exc).__name__}: {exc}"
+            raise Refused(status, "", "", "", outcome=Outcome.TIMEOUT if status == 504
+                          else Outcome.UPSTREAM_ERROR, body=err) from None
+
+    async def _relay(self, x: _Request, send: Send, strip_usage: bool) -> None:
+        response = x.response
+        assert response is not None
+        x.status = status = response.status_code
+        is_sse = response.headers.get("content-type", "").startswith("text/event-stream")
+        ok = 200 <= status < 300
+        observe = self.metrics is not None and x.measured is not None and ok
+        strip = strip_usage and is_sse and observe
+        x.request_id = response.headers.get("x-request-id", "")
+        resp_headers = response_headers(response.headers.raw, keep_length=not strip)
+        if not x.request_id:
+            x.request_id = uuid.uuid4().hex
+            resp_headers.append((b"x-request-id", x.request_id.encode()))
+        if is_sse and b"x-accel-buffering" not in (k for k, _ in resp_headers):
+            resp_headers.append((b"x-accel-buffering", b"no"))
+        if not ok:
+            x.reason = f"HTTP {status}"
+        await send({"type": "http.response.start", "status": status, "headers": resp_headers})
+        meter = None
+        if observe and is_sse:
+            x.timer = StreamTimer(text_route=x.measured == "/v1/completions")
+            meter = Meter(x.timer, SSEParser())
+        x.result = result = await relay(
+            response.body, send, self.clock, meter=meter, strip_usage=strip,
+            collect_limit=NON_STREAM_USAGE_LIMIT if observe and not is_sse else 0)
+        x.outcome = result.outcome if ok else Outcome.UPSTREAM_ERROR
+        if result.outcome is not Outcome.CLIENT_DISCONNECTED:
+            x.t_end = result.t_end
+        if ok and result.outcome in (Outcome.TIMEOUT, Outcome.UPSTREAM_INTERRUPTED):
+            x.reason = f"stream {result.outcome}"
+
+    # -- the one finish ----------------------------------------------------------------
+
+    def _finish(self, x: _Request) -> None:
+        """Record, metrics, log line and warning: once per request, whatever happened."""
+        if x.reason:
+            self._warnings.warning(
+                "upstream failure: request_id=%s route=%s model=%s upstream=%s status=%s: %s",
+                x.request_id, x.route, x.model, self.upstream.host, x.status, x.reason)
+        if self.metrics is None and self.request_log is None:
+            return
+        try:
+            record = self._record(x)
+            if self.metrics is not None:
+                self.metrics.observe(record, measured=x.measured is not None and x.parsed)
+            if self.request_log is not None:
+                self.request_log.write(record)
+        except Exception:  # measurement never breaks serving
+            log.exception("failed to record a request")
+
+    def _record(self, x: _Request) -> RequestRecord:
+        timer, result, response = x.timer, x.result, x.response
         usage_map = None
         upstream_q = None
         if timer is not None:
@@ -314,45 +402,32 @@ class V1Handler:
         usage = Usage.from_mapping(usage_map)
         prompt, cached, completion = usage.prompt_tokens, usage.cached_prompt_tokens, usage.completion_tokens
         estimated = False
-        if timer is not None and usage_map is None and outcome is Outcome.COMPLETED:
+        if timer is not None and usage_map is None and x.outcome is Outcome.COMPLETED:
             completion = timer.output_choices
-            prompt = estimate_prompt_tokens(payload) if payload is not None else None
+            prompt = estimate_prompt_tokens(x.payload) if x.payload is not None else None
             estimated = True
         first = timer.first_t if timer is not None else None
         return RequestRecord(
-            request_id=request_id, route=route, model=model, upstream=self.upstream_name,
-            stream=stream, status=status, outcome=outcome, duration_s=t_end - t0,
-            overhead_s=overhead_s, queue_s=queue_s, upstream_queue_s=upstream_q,
-            ttft_s=(first - t0) if first is not None else None,
+            request_id=x.request_id, route=x.route, model=x.model, upstream=self.upstream_name,
+            stream=x.stream, status=x.status, outcome=x.outcome, duration_s=x.t_end - x.t0,
+            overhead_s=x.overhead_s, queue_s=x.queue_s, upstream_queue_s=upstream_q,
+            ttft_s=(first - x.t0) if first is not None else None,
             tpot_s=tpot(first, timer.last_t, completion) if timer is not None else None,
             itl_s=tuple(timer.gaps) if timer is not None else (),
             output_events=timer.output_events if timer is not None else 0,
             prompt_tokens=prompt, cached_prompt_tokens=cached, completion_tokens=completion,
             tokens_estimated=estimated)
 
-    async def _too_large(self, send: Send, t0: float, route: str) -> None:
-        await self._answer(send, 413, f"request body larger than {self.settings.max_body_bytes} bytes",
-                           "invalid_request_error", "request_too_large", t0, route,
-                           UNKNOWN_MODEL, False)
 
-    async def _answer(self, send: Send, status: int, message: str, type_: str, code: str,
-                      t0: float, route: str, model: str, stream: bool) -> None:
-        """An error the proxy answers itself, before the upstream is involved."""
-        request_id = await self._send_error(send, status, message, type_, code)
-        if self.metrics is not None:
-            record = RequestRecord(request_id, route, self.metrics.model_label(model),
-                                   self.upstream_name, stream, status, Outcome.REJECTED,
-                                   self.clock() - t0)
-            self.metrics.observe(record, measured=False)
+def _unbounded(model: str) -> str:
+    return model
 
-    async def _send_error(self, send: Send, status: int, message: str, type_: str, code: str,
-                          extra: list[tuple[bytes, bytes]] | None = None) -> str:
-        request_id = uuid.uuid4().hex
-        headers = [*JSON_HEADERS, (b"x-request-id", request_id.encode()), *(extra or [])]
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": error_body(message, type_, code),
-                    "more_body": False})
-        return request_id
+
+async def _send_error(send: Send, refusal: Refused, request_id: str) -> None:
+    headers = [*JSON_HEADERS, (b"x-request-id", request_id.encode()), *refusal.extra]
+    body = refusal.body or error_body(refusal.message, refusal.type, refusal.code)
+    await send({"type": "http.response.start", "status": refusal.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
 async def _read_body(receive: Receive, limit: int) -> bytes:

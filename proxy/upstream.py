@@ -1,4 +1,4 @@
-"""The upstream side: the shared HTTP client, request building, error mapping.
+"""The upstream side: the one client, request building, error mapping.
 
 Faithfulness rules (see README "What unchanged means"): method, path below the base
 URL, query string, body bytes and headers are forwarded as received, except the
@@ -11,44 +11,39 @@ configured base URL plus the path *below* ``/v1``, and a path whose segments dec
 ``.``/``..`` or contain an encoded slash or backslash is refused before anything is
 sent (:func:`safe_subpath`).
 
-Transport errors are mapped to OpenAI-shaped errors using httpx's own exception
-classes: cannot connect -> 502, timed out -> 504, anything else -> 502.
+The client is :mod:`proxy.wire`, and its exceptions are mapped to OpenAI-shaped errors
+here and only here (:func:`error_response`): cannot connect -> 502, no free connection
+or the upstream timed out -> 504, anything else -> 502; the message names the
+upstream's host, never a key or a path.
+
+``HTTP(S)_PROXY`` / ``NO_PROXY`` are honoured as users set them, decided once at
+start-up and logged in one line: an ``https`` upstream is reached through a ``CONNECT``
+tunnel, a plain ``http`` one by asking the proxy in absolute form
+(``POST http://host:port/v1/... HTTP/1.1``).
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import urllib.request
 from collections.abc import Iterable
-from typing import Any, Protocol
 from urllib.parse import unquote_to_bytes, urlsplit
 
-import httpx
-
 from proxy.config import Settings
-from proxy.wire import WireTransport, origin_of, serialize
+from proxy.wire import (
+    ConnectError,
+    Endpoint,
+    PoolTimeout,
+    ProxyEndpoint,
+    UpstreamError,
+    UpstreamTimeout,
+    WireResponse,
+    WireTransport,
+    serialize,
+)
 
-
-class UpstreamResponse(Protocol):
-    """What the relay needs of a response: ``httpx.Response`` and
-    :class:`proxy.wire.WireResponse` both have this shape."""
-
-    @property
-    def status_code(self) -> int: ...
-
-    @property
-    def headers(self) -> HeaderLookup: ...
-
-    @property
-    def stream(self) -> Any: ...
-
-    async def aclose(self) -> None: ...
-
-
-class HeaderLookup(Protocol):
-    @property
-    def raw(self) -> list[tuple[bytes, bytes]]: ...
-
-    def get(self, key: str, default: Any = ...) -> Any: ...
+log = logging.getLogger("proxy")
 
 HOP_BY_HOP = frozenset({
     b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization",
@@ -59,76 +54,66 @@ _RESPONSE_DROP = HOP_BY_HOP | {b"content-length"}
 
 
 class Upstream:
-    """The shared upstream client: :meth:`open` sends a request, returns at the headers.
+    """The configured upstream: :meth:`open` sends a request, returns at the headers.
 
-    Default (``--http-client builtin``): :class:`proxy.wire.WireTransport`; ``open``
-    serializes the request itself (base path, Host and the target computed once), so
-    no ``httpx`` object is built per request. Otherwise (``aiohttp``, ``httpx``, or an
-    ``httpx.MockTransport`` injected by tests): ``httpx.AsyncClient`` builds the request
-    (timeouts go into its extensions) and ``open`` calls the transport directly; the
-    client's own ``send`` adds auth, redirect, cookie and elapsed-time layers a relay
-    does not use, and wraps the body in two more iterators per chunk (issue 5).
+    Everything that does not change per request is computed here once: the endpoint
+    (pool key, with the HTTP proxy if one applies), the target prefix (the base path,
+    or the absolute form through a plain-http proxy) and the ``Host`` header, so a
+    request costs one ``bytes.join`` before it is written.
     """
 
-    def __init__(self, settings: Settings, transport: httpx.AsyncBaseTransport | None = None) -> None:
-        timeout = httpx.Timeout(
-            connect=settings.connect_timeout,
-            read=settings.read_timeout,
-            write=settings.write_timeout,
-            pool=settings.connect_timeout,
-        )
-        base_url = httpx.URL(settings.upstream)
-        client = settings.http_client
-        if transport is None and client == "builtin":
-            from proxy.transport import env_proxy
-
-            if env_proxy(base_url.scheme, base_url.host) is not None:
-                client = "aiohttp"  # the built-in client does not speak to HTTP proxies
-            else:
-                transport = WireTransport(
-                    max_connections=settings.max_upstream_connections,
-                    connect_timeout=settings.connect_timeout, read_timeout=settings.read_timeout,
-                    write_timeout=settings.write_timeout)
-        if transport is None and client == "aiohttp":
-            from proxy.transport import AiohttpTransport
-
-            transport = AiohttpTransport(
-                max_connections=settings.max_upstream_connections,
-                connect_timeout=settings.connect_timeout, read_timeout=settings.read_timeout)
-        elif transport is None:
-            limits = httpx.Limits(
-                max_connections=settings.max_upstream_connections,
-                max_keepalive_connections=settings.max_upstream_connections,
-                keepalive_expiry=30.0,
-            )
-            transport = httpx.AsyncHTTPTransport(limits=limits, retries=0)
-        self.transport = transport
+    def __init__(self, settings: Settings, transport: WireTransport | None = None) -> None:
         self.base = settings.upstream
-        self._wire = transport if isinstance(transport, WireTransport) else None
-        # Computed once: the base path, and Host exactly as httpx would write it.
-        self._base_path = urlsplit(self.base).path.rstrip("/").encode()
-        self._origin = origin_of(base_url)
-        self._host_header = httpx.Request("GET", base_url).headers.raw[0][1]
-        self.client = httpx.AsyncClient(transport=transport, timeout=timeout, follow_redirects=False)
-        # httpx adds Accept, Accept-Encoding, Connection and User-Agent to every request;
-        # forward only what the client sent (else a client that never asked for gzip gets it).
-        self.client.headers.clear()
+        parts = urlsplit(self.base)
+        scheme = parts.scheme
+        hostname = parts.hostname or ""
+        port = parts.port or (443 if scheme == "https" else 80)
+        self.host = f"{hostname}:{port}"
+        self.transport = transport if transport is not None else WireTransport(
+            max_connections=settings.max_upstream_connections,
+            connect_timeout=settings.connect_timeout, read_timeout=settings.read_timeout,
+            write_timeout=settings.write_timeout,
+            keepalive_expiry=getattr(settings, "upstream_keepalive_expiry", 4.0))
+        host_text = f"[{hostname}]" if ":" in hostname else hostname
+        netloc = host_text.encode("idna") + (f":{parts.port}".encode() if parts.port else b"")
+        self._host_header = netloc
+        self._prefix = parts.path.rstrip("/").encode()
+        self._proxy_headers: list[tuple[bytes, bytes]] = []
+        self.endpoint = Endpoint(scheme, hostname, port)
+        proxy_url = env_proxy(scheme, hostname)
+        if proxy_url is not None:
+            via = ProxyEndpoint.from_url(proxy_url)
+            if scheme == "https":
+                self.endpoint = Endpoint(scheme, hostname, port, via)
+                how = "a CONNECT tunnel"
+            else:
+                self.endpoint = Endpoint("http", via.host, via.port)
+                self._prefix = b"http://" + netloc + self._prefix
+                if via.authorization:
+                    self._proxy_headers = [(b"proxy-authorization", via.authorization)]
+                how = "absolute-form requests"
+            log.info("upstream %s is reached through the HTTP proxy %s:%d (%s_PROXY), with %s",
+                     self.host, via.host, via.port, scheme.upper(), how)
 
     async def open(self, method: str, subpath: bytes, query: bytes,
-                   headers: list[tuple[bytes, bytes]], body: bytes) -> UpstreamResponse:
+                   headers: list[tuple[bytes, bytes]], body: bytes) -> WireResponse:
         """Send a request for ``<base><subpath>?<query>``; return once the response
-        headers arrived (the body is ``response.stream``, not yet read)."""
-        wire = self._wire
-        if wire is not None:
-            target = self._base_path + subpath + (b"?" + query if query else b"")
-            payload = serialize(method, target, self._host_header, headers, body)
-            return await wire.exchange(method, self._origin, payload)
-        request = self.client.build_request(
-            method, upstream_url(self.base, subpath, query), headers=headers, content=body)
-        return await self.transport.handle_async_request(request)
+        headers arrived (the body is ``response.body``, not yet read)."""
+        target = self._prefix + subpath + (b"?" + query if query else b"")
+        if self._proxy_headers:
+            headers = [*headers, *self._proxy_headers]
+        payload = serialize(method, target, self._host_header, headers, body)
+        return await self.transport.exchange(method, self.endpoint, payload)
 
     async def aclose(self) -> None:
-        await self.client.aclose()
+        await self.transport.aclose()
+
+
+def env_proxy(scheme: str, host: str) -> str | None:
+    """The ``HTTP(S)_PROXY`` URL that applies to ``host``, unless ``NO_PROXY`` exempts it."""
+    if urllib.request.proxy_bypass(host):
+        return None
+    return urllib.request.getproxies().get(scheme)
 
 
 class UnsafePath(ValueError):
@@ -147,15 +132,6 @@ def safe_subpath(raw_path: bytes) -> bytes:
         if decoded in (b".", b"..") or b"/" in decoded or b"\\" in decoded or b"\x00" in decoded:
             raise UnsafePath("path contains a dot segment or an encoded slash")
     return rest
-
-
-def upstream_url(base: str, subpath: bytes, query: bytes) -> httpx.URL:
-    """``<base><subpath>?<query>`` with the base's scheme and host, whatever the path says."""
-    parts = urlsplit(base)
-    raw = parts.path.rstrip("/").encode() + subpath
-    url = httpx.URL(scheme=parts.scheme, host=parts.hostname or "", port=parts.port,
-                    raw_path=raw + (b"?" + query if query else b""))
-    return url
 
 
 def forward_headers(raw: Iterable[tuple[bytes, bytes]], *, identity: bool,
@@ -196,16 +172,17 @@ def error_body(message: str, type_: str, code: str | None) -> bytes:
                                  "code": code}}).encode()
 
 
-def map_transport_error(exc: httpx.TransportError) -> tuple[int, bytes]:
+def error_response(exc: UpstreamError, host: str) -> tuple[int, bytes]:
     """Status and OpenAI-shaped body for an upstream failure before response headers."""
-    if isinstance(exc, httpx.ConnectTimeout | httpx.ConnectError):
-        return 502, error_body(f"upstream unreachable: {type(exc).__name__}",
-                               "upstream_error", "upstream_unreachable")
-    if isinstance(exc, httpx.PoolTimeout):
-        return 504, error_body("no upstream connection became free in time",
+    detail = str(exc) or type(exc).__name__
+    if isinstance(exc, ConnectError):
+        return 502, error_body(f"upstream {host} unreachable: {detail}", "upstream_error",
+                               "upstream_unreachable")
+    if isinstance(exc, PoolTimeout):
+        return 504, error_body(f"no connection to upstream {host} became free in time",
                                "upstream_error", "upstream_pool_timeout")
-    if isinstance(exc, httpx.TimeoutException):
-        return 504, error_body(f"upstream timed out: {type(exc).__name__}",
-                               "upstream_error", "upstream_timeout")
-    return 502, error_body(f"upstream failed: {type(exc).__name__}", "upstream_error",
+    if isinstance(exc, UpstreamTimeout):
+        return 504, error_body(f"upstream {host} timed out: {detail}", "upstream_error",
+                               "upstream_timeout")
+    return 502, error_body(f"upstream {host} failed: {detail}", "upstream_error",
                            "upstream_failed")

@@ -1,78 +1,171 @@
-"""The proxy's own HTTP/1.1 client for the upstream: bytes in, callbacks out.
+"""The proxy's one upstream HTTP/1.1 client: bytes in, callbacks out.
 
-Why (issue 5, ``benchmarks/profile.md``): with aiohttp under the relay, every upstream
-read went data_received -> aiohttp parser -> StreamReader -> future -> task wake-up ->
-``readany`` -> the relay loop, about 35 us of CPU per SSE event before the proxy did any
-work of its own. Here an upstream connection is an :class:`asyncio.Protocol` fed to
-httptools' C parser (the parser uvicorn uses), and the body bytes of each read are
-handed to a callback *inside* ``data_received``: no buffer, no future, no task switch.
+An upstream connection is an :class:`asyncio.Protocol` fed to httptools' C parser (the
+parser uvicorn uses), and the body bytes of each read are handed to a *sink* callback
+inside ``data_received``: no buffer, no future, no task switch per read. A general
+client (httpx, aiohttp) puts a stream reader, a future and a task wake-up between the
+socket and the relay on every read; at SSE rates that was most of the proxy's CPU per
+event (``benchmarks/profile.md``).
 
-The seam is unchanged: :class:`WireTransport` is an httpx transport (``Upstream`` still
-builds ``httpx.Request`` objects, tests can still inject ``httpx.MockTransport``, errors
-are httpx's exception classes). Its responses carry a :class:`WireBody`, which reads
-two ways:
-
-* ``await body.pipe(sink, drain)``: the fast path. ``sink(chunk)`` runs in the
-  connection's ``data_received`` with the body bytes of that read and returns
-  :data:`GO`, :data:`PAUSE` (the client's buffer is full: upstream reading stops until
-  ``drain()`` returns) or :data:`STOP` (the client is gone).
-* ``async for chunk in body``: like any httpx stream, for non-stream answers and for
-  servers other than uvicorn; at most :data:`ITER_BUFFER` bytes are held before upstream
-  reading pauses.
+Reading a body is one call, :meth:`WireBody.pipe`: ``sink(chunk)`` runs with the body
+bytes of each read and returns :data:`GO` or :data:`PAUSE` (the client cannot take more
+now) or :data:`STOP` (the client is gone). ``pipe`` returns ``True`` when the body ended
+and ``False`` when the sink paused it; the caller waits for its client and calls
+``pipe`` again. Flow control thus travels one way, as the sink's return value.
 
 What the client does, and does not do:
 
-* Requests are written exactly as built: the request line, ``request.headers.raw``
-  (httpx adds ``Host`` and ``Content-Length``) and the body. No automatic headers, no
-  decompression, no redirects, no cookies. The one retry: an idempotent request whose
-  pooled connection closed before any byte of the answer is sent once more on a new
-  connection (the upstream closed an idle connection just as it was reused). A POST
-  is never sent twice.
+* Requests are written exactly as given (:func:`serialize`): no automatic headers, no
+  decompression, no redirects, no cookies.
 * Bodies are de-chunked (``Transfer-Encoding: chunked``), sized by ``Content-Length``,
-  or read until the upstream closes; 1xx responses are skipped. The bytes of one read
-  reach the sink as one ``bytes`` object.
-* A pool of keep-alive connections per origin (LIFO, so warm connections stay warm),
-  ``max_connections`` in total: waiting longer than the connect timeout for a free
-  connection is ``httpx.PoolTimeout`` (504). Idle connections are dropped after
-  ``keepalive_expiry`` or as soon as the upstream closes them. A connection is reused
-  only after a complete response that allowed keep-alive.
-* Timeouts, checked lazily (one timer per request, re-armed only when it fires, not per
-  read): no bytes for ``read_timeout`` -> ``httpx.ReadTimeout`` (504 before the headers,
-  outcome ``timeout`` after); the request not written within ``write_timeout`` ->
-  ``httpx.WriteTimeout``; connecting: ``httpx.ConnectTimeout``/``ConnectError`` (502).
-* A connection that breaks mid-body raises ``httpx.RemoteProtocolError`` after every
-  byte received before the break was handed on.
-* ``https://`` upstreams use ``ssl.create_default_context()`` (system CAs, SNI, hostname
-  checks). An ``HTTP(S)_PROXY`` environment proxy is not spoken here: ``Upstream``
-  uses the aiohttp client when one applies to the upstream.
+  or read until the upstream closes; 1xx responses are skipped.
+* A pool of keep-alive connections per endpoint, LIFO (warm connections stay warm),
+  ``max_connections`` in total; waiting longer than the connect timeout for a free
+  connection is :class:`PoolTimeout`. A connection is reused only after a complete
+  response that allowed keep-alive.
+* **Reusing an idle connection safely.** An upstream may close an idle connection at
+  the moment the proxy reuses it; a POST then fails with no answer and must not be sent
+  twice (it may have started a generation). uvicorn closes idle connections after 5 s,
+  and vLLM, SGLang and llama-cpp-python serve with uvicorn, so sparse traffic meets that
+  moment. Three defences, cheapest first:
+
+  1. *Expiry below the upstream's*: an idle connection older than
+     ``keepalive_expiry`` (default 4 s, below uvicorn's 5 s) is closed, not reused.
+  2. *Learning the upstream's limit*: when the upstream closes an idle connection
+     after ``t`` seconds, connections to that endpoint are retired after ``0.75 t``
+     from then on (never below 0.25 s, so one restart of the upstream, which closes
+     every idle connection at once, cannot end reuse altogether).
+  3. *A liveness check before reuse*: ``poll()`` on the socket, one system call. An
+     idle connection has nothing to read; if it is readable, the upstream's FIN (or
+     stray bytes) arrived but the event loop has not processed it yet, and the
+     connection is dropped. This is what closes the window that the first two leave
+     when the loop is busy.
+
+  What remains is a close and a request crossing on the wire within one network
+  round trip, before the proxy has learned the limit. Requests are not re-sent in that
+  case except for idempotent methods (GET, HEAD, ...): the proxy cannot prove that the
+  upstream did not read a POST, and a retry would hide the latency this proxy measures.
+* Timeouts, checked lazily (one timer per request, re-armed only when it fires): no
+  bytes for ``read_timeout`` -> :class:`ReadTimeout`; the request not written within
+  ``write_timeout`` -> :class:`WriteTimeout`; connecting -> :class:`ConnectTimeout`.
+* A connection that breaks mid-body raises :class:`ReadError` after every byte received
+  before the break was handed on; invalid HTTP raises :class:`RemoteProtocolError`.
+* ``https://`` upstreams use ``ssl.create_default_context()`` (system CAs, SNI,
+  hostname checks). Through an HTTP proxy (:class:`Endpoint` ``via``), an ``https``
+  upstream is reached with ``CONNECT`` and TLS inside the tunnel; a plain ``http``
+  upstream is asked in absolute form by the caller (see ``proxy.upstream``).
+
+Errors are this module's own small set (:class:`UpstreamError` and its subclasses),
+modelled on httpcore's split of pool, connection and protocol failures;
+``proxy.upstream.error_response`` maps them once to the OpenAI error shape.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import select
+import socket
 import ssl
-from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import cast
 
 import httptools
-import httpx
 
 GO, PAUSE, STOP = 0, 1, 2
 # Sent again once on a fresh connection when a pooled one turns out closed before any
 # byte of the answer came back. Never POST: it may have started a generation.
 IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE", "TRACE"})
-ITER_BUFFER = 256 * 1024
+# Bytes held for a response whose body nobody reads yet, before upstream reading pauses.
+HOLD_BUFFER = 256 * 1024
+# A learned idle limit is used at this fraction, and never below MIN_LEARNED_EXPIRY.
+LEARNED_MARGIN = 0.75
+MIN_LEARNED_EXPIRY = 0.25
 
 Sink = Callable[[bytes], int]
-Origin = tuple[str, str, int]
+
+
+class UpstreamError(Exception):
+    """The exchange with the upstream failed. Subclasses say where."""
+
+
+class ConnectError(UpstreamError):
+    """No connection: refused, unreachable, DNS, TLS, or a proxy that refused CONNECT."""
+
+
+class ConnectTimeout(ConnectError):
+    """Connecting (and, through a proxy, tunnelling) took longer than the connect timeout."""
+
+
+class PoolTimeout(UpstreamError):
+    """Every connection slot stayed busy for longer than the connect timeout."""
+
+
+class UpstreamTimeout(UpstreamError):
+    """The upstream went silent (a read) or would not take the request (a write)."""
+
+
+class ReadTimeout(UpstreamTimeout):
+    pass
+
+
+class WriteTimeout(UpstreamTimeout):
+    pass
+
+
+class ReadError(UpstreamError):
+    """The connection closed or was reset before the response was complete."""
+
+
+class RemoteProtocolError(UpstreamError):
+    """The upstream sent something that is not HTTP/1.1."""
+
+
+class ClientGone(Exception):
+    """The sink said STOP: the client the body was going to is gone."""
+
+
+@dataclass(frozen=True, slots=True)
+class ProxyEndpoint:
+    """An HTTP proxy to tunnel through (``HTTPS_PROXY`` for an https upstream)."""
+
+    host: str
+    port: int
+    authorization: bytes = b""  # the Proxy-Authorization value, from the proxy URL's user info
+
+    @classmethod
+    def from_url(cls, url: str) -> ProxyEndpoint:
+        from urllib.parse import unquote, urlsplit
+
+        parts = urlsplit(url if "://" in url else "http://" + url)
+        if parts.scheme != "http" or not parts.hostname:
+            raise ValueError(f"only http:// proxies are supported, not {url!r}")
+        auth = b""
+        if parts.username is not None:
+            user = f"{unquote(parts.username)}:{unquote(parts.password or '')}"
+            auth = b"Basic " + base64.b64encode(user.encode())
+        return cls(parts.hostname, parts.port or 80, auth)
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """Where a connection goes: a pool key."""
+
+    scheme: str
+    host: str
+    port: int
+    via: ProxyEndpoint | None = None  # CONNECT tunnel through this proxy (https only)
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.port}"
 
 
 class _Exchange:
     """One request/response on one connection; owned by the connection while active."""
 
     __slots__ = (
-        "buffered", "error", "finished", "has_length", "head", "headers_done", "informational",
+        "error", "finished", "has_length", "head", "headers_done", "informational",
         "keep_alive", "last_read", "message_done", "parts", "raw_headers", "received", "sink",
         "status", "waiter", "write_started",
     )  # fmt: skip
@@ -87,9 +180,8 @@ class _Exchange:
         self.keep_alive = False
         self.message_done = False  # the parser saw the end of the response
         self.finished = False  # done, by completion or failure; the connection is released
-        self.error: httpx.TransportError | None = None
+        self.error: UpstreamError | ClientGone | None = None
         self.parts: list[bytes] = []  # body bytes not yet handed to a sink
-        self.buffered = 0
         self.sink: Sink | None = None
         self.waiter: asyncio.Future[None] | None = None
         self.last_read = now
@@ -102,7 +194,7 @@ class _Exchange:
             waiter.set_result(None)
 
     async def wait(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Until the next :meth:`wake` (headers, data in iteration, pause, end, failure)."""
+        """Until the next :meth:`wake` (headers, pause, end, failure)."""
         self.waiter = loop.create_future()
         try:
             await self.waiter
@@ -113,15 +205,16 @@ class _Exchange:
 class _Connection(asyncio.Protocol):
     """One upstream connection: an asyncio protocol and httptools' parser callbacks."""
 
-    def __init__(self, transport_owner: WireTransport, origin: Origin) -> None:
-        self.owner = transport_owner
-        self.time = transport_owner.loop.time  # bound once: read per upstream read
-        self.origin = origin
+    def __init__(self, owner: WireTransport, endpoint: Endpoint) -> None:
+        self.owner = owner
+        self.time = owner.loop.time  # bound once: read per upstream read
+        self.endpoint = endpoint
         self.transport: asyncio.Transport | None = None
+        self.fileno = -1
         self.parser = httptools.HttpResponseParser(self)
         self.ex: _Exchange | None = None
         self.lost = False
-        self.idle_since = 0.0
+        self.idle_since = -1.0  # >= 0 while idle in the pool
         self.read_paused = False
         self.timer: asyncio.TimerHandle | None = None
 
@@ -129,6 +222,9 @@ class _Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            self.fileno = sock.fileno()
 
     def data_received(self, data: bytes) -> None:
         ex = self.ex
@@ -141,7 +237,7 @@ class _Connection(asyncio.Protocol):
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
             self._flush(ex)
-            self._fail(ex, httpx.RemoteProtocolError(f"invalid HTTP from the upstream: {exc}"))
+            self._fail(ex, RemoteProtocolError(f"invalid HTTP from the upstream: {exc}"))
             return
         self._flush(ex)
         if ex.message_done and not ex.finished:
@@ -150,6 +246,9 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
         self._cancel_timer()
+        if self.idle_since >= 0:  # closed by the upstream while idle in the pool
+            self.owner.learn_idle_limit(self.endpoint, self.owner.loop.time() - self.idle_since)
+            return
         ex = self.ex
         if ex is None or ex.finished:
             return
@@ -158,7 +257,7 @@ class _Connection(asyncio.Protocol):
             self._finish(ex)  # a body delimited by the connection's end is complete
             return
         detail = f": {exc}" if exc is not None else ""
-        self._fail(ex, httpx.RemoteProtocolError(f"upstream closed the connection{detail}"))
+        self._fail(ex, ReadError(f"upstream closed the connection{detail}"))
 
     # -- httptools callbacks -----------------------------------------------------------
 
@@ -201,32 +300,49 @@ class _Connection(asyncio.Protocol):
 
     def start(self, payload: bytes, head: bool) -> _Exchange:
         assert self.transport is not None and self.ex is None
+        self.idle_since = -1.0
         now = self.owner.loop.time()
         ex = self.ex = _Exchange(head, now)
         self.transport.write(payload)
         self._arm(now)
         return ex
 
+    def idle_and_alive(self, now: float, expiry: float) -> bool:
+        """May this pooled connection carry the next request? See the module docstring."""
+        transport = self.transport
+        if (self.lost or transport is None or transport.is_closing()
+                or now - self.idle_since > expiry):
+            return False
+        if self.fileno >= 0:
+            poller = select.poll()
+            poller.register(self.fileno, select.POLLIN)
+            if poller.poll(0):  # EOF, a reset or stray bytes: the upstream is done with it
+                self.owner.learn_idle_limit(self.endpoint, now - self.idle_since)
+                return False
+        return True
+
     def _flush(self, ex: _Exchange) -> None:
         parts = ex.parts
         sink = ex.sink
-        if not parts or sink is None:
-            if sink is None and ex.buffered + sum(map(len, parts)) > ITER_BUFFER:
-                self.pause_reading()  # no reader yet: hold at most ITER_BUFFER bytes
+        if not parts:
+            return
+        if sink is None:
+            if sum(map(len, parts)) > HOLD_BUFFER:
+                self.pause_reading()  # no reader yet: hold at most HOLD_BUFFER bytes
             return
         chunk = parts[0] if len(parts) == 1 else b"".join(parts)
         parts.clear()
         try:
             verdict = sink(chunk)
         except Exception as exc:  # a failing sink must not take the event loop's callback down
-            self._fail(ex, httpx.ReadError(f"relay failed: {exc!r}"))
+            self._fail(ex, ReadError(f"relay failed: {exc!r}"))
             return
         if verdict == GO:
             return
         if verdict == PAUSE:
             self.pause_reading()
         else:
-            self._fail(ex, SinkStopped("the client went away"))
+            self._fail(ex, ClientGone("the client went away"))
         ex.wake()
 
     def _finish(self, ex: _Exchange) -> None:
@@ -234,7 +350,7 @@ class _Connection(asyncio.Protocol):
         self._cancel_timer()
         ex.wake()
 
-    def _fail(self, ex: _Exchange, error: httpx.TransportError) -> None:
+    def _fail(self, ex: _Exchange, error: UpstreamError | ClientGone) -> None:
         if ex.finished:
             return
         ex.error = error
@@ -272,11 +388,12 @@ class _Connection(asyncio.Protocol):
         sending = (not ex.headers_done and self.transport is not None
                    and self.transport.get_write_buffer_size() > 0)
         if sending and now - ex.write_started >= owner.write_timeout:
-            self._fail(ex, httpx.WriteTimeout("request not sent to the upstream in time"))
+            self._fail(ex, WriteTimeout(
+                f"request not sent to the upstream within {owner.write_timeout:g} s"))
             return
         if now - ex.last_read >= owner.read_timeout:
             what = "response headers" if not ex.headers_done else "more of the body"
-            self._fail(ex, httpx.ReadTimeout(
+            self._fail(ex, ReadTimeout(
                 f"no {what} from the upstream within {owner.read_timeout:g} s"))
             return
         due = ex.last_read + owner.read_timeout
@@ -291,6 +408,7 @@ class _Connection(asyncio.Protocol):
 
     def _abort(self) -> None:
         self.lost = True
+        self.idle_since = -1.0
         self._cancel_timer()
         if self.transport is not None:
             self.transport.abort()
@@ -308,26 +426,26 @@ class _Connection(asyncio.Protocol):
                 and not self.transport.is_closing()):
             self.resume_reading()  # it may have ended while the client was slow
             self.idle_since = self.owner.loop.time()
-            self.owner.idle.setdefault(self.origin, []).append(self)
+            self.owner.idle.setdefault(self.endpoint, []).append(self)
         else:
             self._abort()
 
 
-class SinkStopped(httpx.TransportError):
-    """Raised by :meth:`WireBody.pipe` when the sink said STOP (the client is gone)."""
+class WireTransport:
+    """The pool and the exchange: ``await exchange(method, endpoint, payload)``."""
 
-
-class WireTransport(httpx.AsyncBaseTransport):
     def __init__(self, *, max_connections: int, connect_timeout: float, read_timeout: float,
-                 write_timeout: float = 30.0, keepalive_expiry: float = 30.0,
+                 write_timeout: float = 30.0, keepalive_expiry: float = 4.0,
                  ssl_context: ssl.SSLContext | None = None) -> None:
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
         self.write_timeout = write_timeout
         self.keepalive_expiry = keepalive_expiry
+        # Per endpoint: the idle limit learned from the upstream closing idle connections.
+        self.learned_expiry: dict[Endpoint, float] = {}
         self._ssl = ssl_context
         self._slots = asyncio.Semaphore(max_connections)
-        self.idle: dict[Origin, list[_Connection]] = {}
+        self.idle: dict[Endpoint, list[_Connection]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
@@ -336,51 +454,43 @@ class WireTransport(httpx.AsyncBaseTransport):
             self._loop = asyncio.get_running_loop()
         return self._loop
 
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        """The httpx transport interface (tests, and any caller holding an httpx.Request)."""
-        try:
-            response = await self.exchange(request.method, origin_of(request.url),
-                                           _serialize(request))
-        except httpx.TransportError as exc:
-            exc.request = request
-            raise
-        response.stream._request = request
-        return httpx.Response(response.status_code, headers=response.headers.raw,
-                              stream=response.stream, request=request)
+    def expiry(self, endpoint: Endpoint) -> float:
+        return self.learned_expiry.get(endpoint, self.keepalive_expiry)
 
-    async def exchange(self, method: str, origin: Origin, payload: bytes) -> WireResponse:
-        """Send ``payload`` (a whole serialized request) to ``origin``; return at the headers.
+    def learn_idle_limit(self, endpoint: Endpoint, idle_s: float) -> None:
+        """The upstream closed a connection that had been idle ``idle_s`` seconds."""
+        limit = max(MIN_LEARNED_EXPIRY, idle_s * LEARNED_MARGIN)
+        if limit < self.expiry(endpoint):
+            self.learned_expiry[endpoint] = limit
 
-        The proxy's own path: ``Upstream`` serializes the request itself (see
-        :func:`serialize`), so no ``httpx.Request``/``URL``/``Response`` is built per
-        request (about 0.3 ms of the proxy's overhead before the upstream saw a request,
-        measured in-process on the benchmark machine).
-        """
+    async def exchange(self, method: str, endpoint: Endpoint, payload: bytes) -> WireResponse:
+        """Send ``payload`` (a whole serialized request, :func:`serialize`) to
+        ``endpoint``; return at the response headers."""
         if self._slots.locked():
             try:
                 async with asyncio.timeout(self.connect_timeout):
                     await self._slots.acquire()
             except TimeoutError:
-                raise httpx.PoolTimeout("no upstream connection became free in time") from None
+                raise PoolTimeout("no upstream connection became free in time") from None
         else:
             await self._slots.acquire()  # free slot: returns at once
         conn: _Connection | None = None
         try:
             head = method == "HEAD"
             for attempt in range(2):
-                conn, reused = await self._connection(origin)
+                conn, reused = await self._connection(endpoint)
                 ex = conn.start(payload, head)
                 while not ex.headers_done and not ex.finished:
                     await ex.wait(self.loop)
                 if (ex.error is not None and reused and not ex.received and attempt == 0
-                        and method in IDEMPOTENT and not isinstance(ex.error, httpx.TimeoutException)):
+                        and method in IDEMPOTENT and not isinstance(ex.error, UpstreamTimeout)):
                     conn.release(ex)  # the upstream closed the idle connection as we used it
                     conn = None
                     continue
                 break
             assert conn is not None
             if ex.error is not None and not ex.headers_done:
-                raise ex.error  # after the headers, errors come with the body (pipe, iteration)
+                raise ex.error  # after the headers, errors come with the body (pipe)
         except BaseException:
             if conn is not None:
                 conn.release(conn.ex)  # not finished cleanly: closed, never pooled
@@ -388,36 +498,84 @@ class WireTransport(httpx.AsyncBaseTransport):
             raise
         return WireResponse(ex.status, ex.raw_headers, WireBody(conn, ex, self._slots.release))
 
-    async def _connection(self, origin: Origin) -> tuple[_Connection, bool]:
+    async def _connection(self, endpoint: Endpoint) -> tuple[_Connection, bool]:
         """A pooled connection (True) or a new one (False)."""
-        idle = self.idle.get(origin)
-        now = self.loop.time()
-        while idle and now - idle[0].idle_since > self.keepalive_expiry:
-            idle.pop(0)._abort()  # the longest idle (LIFO: at the bottom) expired: close it
-        while idle:
-            conn = idle.pop()
-            transport = conn.transport
-            if (conn.lost or transport is None or transport.is_closing()
-                    or now - conn.idle_since > self.keepalive_expiry):
+        idle = self.idle.get(endpoint)
+        if idle:
+            now = self.loop.time()
+            expiry = self.expiry(endpoint)
+            while idle and now - idle[0].idle_since > expiry:
+                idle.pop(0)._abort()  # the longest idle (LIFO: at the bottom) expired: close it
+            while idle:
+                conn = idle.pop()
+                if conn.idle_and_alive(now, expiry):
+                    return conn, True
                 conn._abort()
-                continue
-            return conn, True
-        scheme, host, port = origin
+        return await self._connect(endpoint), False
+
+    async def _connect(self, endpoint: Endpoint) -> _Connection:
         ssl_context: ssl.SSLContext | None = None
-        if scheme == "https":
+        if endpoint.scheme == "https":
             if self._ssl is None:
                 self._ssl = ssl.create_default_context()
             ssl_context = self._ssl
+        host, port, via = endpoint.host, endpoint.port, endpoint.via
+        target = f"{host}:{port}" + (f" through the proxy {via.host}:{via.port}" if via else "")
         try:
             async with asyncio.timeout(self.connect_timeout):
-                _, conn = await self.loop.create_connection(
-                    lambda: _Connection(self, origin), host, port, ssl=ssl_context,
-                    server_hostname=host if ssl_context is not None else None)
+                sock = await self._tunnel(via, host, port) if via is not None else None
+                if sock is not None:
+                    _, conn = await self.loop.create_connection(
+                        lambda: _Connection(self, endpoint), sock=sock, ssl=ssl_context,
+                        server_hostname=host if ssl_context is not None else None)
+                else:
+                    _, conn = await self.loop.create_connection(
+                        lambda: _Connection(self, endpoint), host, port, ssl=ssl_context,
+                        server_hostname=host if ssl_context is not None else None)
         except TimeoutError:
-            raise httpx.ConnectTimeout(f"connecting to {host}:{port} timed out") from None
+            raise ConnectTimeout(f"connecting to {target} timed out") from None
         except OSError as exc:  # refused, unreachable, DNS (socket.gaierror), TLS
-            raise httpx.ConnectError(f"cannot connect to {host}:{port}: {exc}") from exc
-        return conn, False
+            raise ConnectError(f"cannot connect to {target}: {exc}") from exc
+        return conn
+
+    async def _tunnel(self, via: ProxyEndpoint, host: str, port: int) -> socket.socket:
+        """A socket connected to ``host:port`` through ``via`` with ``CONNECT``."""
+        loop = self.loop
+        infos = await loop.getaddrinfo(via.host, via.port, type=socket.SOCK_STREAM)
+        last: OSError | None = None
+        for family, kind, proto, _, address in infos:
+            sock = socket.socket(family, kind, proto)
+            sock.setblocking(False)
+            try:
+                await loop.sock_connect(sock, address)
+                break
+            except OSError as exc:
+                sock.close()
+                last = exc
+        else:
+            raise last or OSError(f"no address for {via.host}")
+        try:
+            authority = f"{host}:{port}".encode("idna")
+            request = b"CONNECT %b HTTP/1.1\r\nHost: %b\r\n" % (authority, authority)
+            if via.authorization:
+                request += b"Proxy-Authorization: " + via.authorization + b"\r\n"
+            await loop.sock_sendall(sock, request + b"\r\n")
+            head = b""
+            while b"\r\n\r\n" not in head:
+                part = await loop.sock_recv(sock, 4096)
+                if not part or len(head) > 64 * 1024:
+                    raise OSError("the proxy closed the connection during CONNECT")
+                head += part
+            status_line = head.split(b"\r\n", 1)[0]
+            fields = status_line.split(b" ", 2)
+            if len(fields) < 2 or not fields[0].startswith(b"HTTP/1.") or fields[1] != b"200":
+                raise OSError(f"the proxy refused CONNECT: {status_line.decode('latin-1')[:200]}")
+            if not head.endswith(b"\r\n\r\n"):
+                raise OSError("the proxy sent bytes after its CONNECT answer")
+        except BaseException:
+            sock.close()
+            raise
+        return sock
 
     async def aclose(self) -> None:
         for conns in self.idle.values():
@@ -426,70 +584,53 @@ class WireTransport(httpx.AsyncBaseTransport):
         self.idle.clear()
 
 
-class WireBody(httpx.AsyncByteStream):
+class WireBody:
     """The body of a :class:`WireTransport` response; see the module docstring."""
 
-    __slots__ = ("_conn", "_ex", "_release", "_request")
+    __slots__ = ("_conn", "_ex", "_release")
 
     def __init__(self, conn: _Connection, ex: _Exchange, release: Callable[[], None]) -> None:
         self._conn = conn
         self._ex = ex
-        self._request: httpx.Request | None = None  # set when used under httpx's interface
         self._release: Callable[[], None] | None = release
 
-    async def pipe(self, sink: Sink, drain: Callable[[], Awaitable[None]]) -> None:
-        """Hand every body read to ``sink`` as it arrives; return when the body ended.
-
-        Raises the httpx error that ended the body early (after handing on every byte
-        received before it), or :class:`SinkStopped` when ``sink`` returned STOP.
-        """
+    async def pipe(self, sink: Sink) -> bool:
+        """Hand every body read to ``sink`` as it arrives. Returns True when the body
+        ended, False when ``sink`` returned PAUSE (call again when the client can take
+        more). Raises the :class:`UpstreamError` that ended the body early (after handing
+        on every byte received before it), or :class:`ClientGone` on STOP."""
         ex, conn = self._ex, self._conn
-        loop = conn.owner.loop
         ex.sink = sink
-        conn.resume_reading()  # in case bytes were held back while there was no reader
-        conn._flush(ex)  # bytes that came with the headers (the sink may pause again)
-        while True:
-            if ex.finished:
-                self._raise_error()
-                return
-            if conn.read_paused:
-                await drain()
-                conn.resume_reading()
-                continue
-            await ex.wait(loop)
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        ex, conn = self._ex, self._conn
-        queue: deque[bytes] = deque()
-
-        def enqueue(chunk: bytes) -> int:
-            queue.append(chunk)
-            ex.buffered += len(chunk)
-            ex.wake()
-            return PAUSE if ex.buffered > ITER_BUFFER else GO
-
-        ex.sink = enqueue
         conn.resume_reading()
-        conn._flush(ex)
+        conn._flush(ex)  # bytes that came with the headers or while paused
         while True:
-            while queue:
-                chunk = queue.popleft()
-                ex.buffered -= len(chunk)
-                if conn.read_paused and ex.buffered <= ITER_BUFFER // 2:
-                    conn.resume_reading()
-                yield chunk
             if ex.finished:
-                self._raise_error()
-                return
-            conn.resume_reading()
+                if ex.error is not None:
+                    raise ex.error
+                return True
+            if conn.read_paused:
+                return False
             await ex.wait(conn.owner.loop)
 
-    def _raise_error(self) -> None:
-        error = self._ex.error
-        if error is not None:
-            if self._request is not None:
-                error.request = self._request
-            raise error
+    async def read(self, limit: int) -> bytes:
+        """The whole body (at most ``limit`` bytes, else :class:`ReadError`), for callers
+        that need it at once rather than relayed."""
+        parts: list[bytes] = []
+        size = 0
+
+        def collect(chunk: bytes) -> int:
+            nonlocal size
+            size += len(chunk)
+            if size > limit:
+                return STOP
+            parts.append(chunk)
+            return GO
+
+        try:
+            await self.pipe(collect)
+        except ClientGone:
+            raise ReadError(f"upstream body larger than {limit} bytes") from None
+        return b"".join(parts)
 
     async def aclose(self) -> None:
         self._ex.sink = None
@@ -517,26 +658,20 @@ class Headers:
 
 
 class WireResponse:
-    """What :meth:`WireTransport.exchange` returns: the shape of ``httpx.Response`` the
-    relay uses (``status_code``, ``headers.get``/``.raw``, ``stream``, ``aclose``)."""
+    """What :meth:`WireTransport.exchange` returns: status, headers, and the body."""
 
-    __slots__ = ("headers", "status_code", "stream")
+    __slots__ = ("body", "headers", "status_code")
 
-    def __init__(self, status: int, raw_headers: list[tuple[bytes, bytes]], stream: WireBody) -> None:
+    def __init__(self, status: int, raw_headers: list[tuple[bytes, bytes]], body: WireBody) -> None:
         self.status_code = status
         self.headers = Headers(raw_headers)
-        self.stream = stream
+        self.body = body
 
     async def aclose(self) -> None:
-        await self.stream.aclose()
+        await self.body.aclose()
 
 
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
-
-
-def origin_of(url: httpx.URL) -> Origin:
-    """``(scheme, host, port)``, the port defaulted from the scheme: a pool key."""
-    return url.scheme, url.host, url.port or (443 if url.scheme == "https" else 80)
 
 
 def serialize(method: str, target: bytes, host: bytes, headers: list[tuple[bytes, bytes]],
@@ -544,24 +679,14 @@ def serialize(method: str, target: bytes, host: bytes, headers: list[tuple[bytes
     """A request as HTTP/1.1 bytes: request line, ``Host``, ``headers`` as given,
     ``Content-Length`` (for a body, or an empty POST/PUT/PATCH), then the body.
 
-    ``headers`` must not hold Host, Content-Length or Transfer-Encoding (the relay's
+    ``headers`` must not hold Host, Content-Length or Transfer-Encoding (the proxy's
     header filter removes them, see ``proxy.upstream.forward_headers``).
     """
-    fields = [(b"Host", host), *headers]
-    if body or method in _BODY_METHODS:
-        fields.append((b"Content-Length", str(len(body)).encode()))
-    return _http11(method, target, fields, body)
-
-
-def _serialize(request: httpx.Request) -> bytes:
-    """An ``httpx.Request`` as HTTP/1.1 bytes: exactly the headers it carries."""
-    return _http11(request.method, request.url.raw_path, request.headers.raw, request.content)
-
-
-def _http11(method: str, target: bytes, fields: Iterable[tuple[bytes, bytes]], body: bytes) -> bytes:
-    parts = [method.encode("ascii"), b" ", target, b" HTTP/1.1\r\n"]
-    for name, value in fields:
+    parts = [method.encode("ascii"), b" ", target, b" HTTP/1.1\r\nHost: ", host, b"\r\n"]
+    for name, value in headers:
         parts += (name, b": ", value, b"\r\n")
+    if body or method in _BODY_METHODS:
+        parts += (b"Content-Length: ", str(len(body)).encode(), b"\r\n")
     parts.append(b"\r\n")
     if body:
         parts.append(body)

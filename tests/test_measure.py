@@ -427,8 +427,9 @@ def test_observe_many_equals_observe_each(values: list[float]) -> None:
 
 
 # ---------------------------------------------------------------------------
-# The relay's token template (proxy.relay.TokenTemplate) against the full path
+# The token template (proxy.measure.TokenTemplate) against the full path
 
+from proxy.measure import Meter  # noqa: E402
 from proxy.relay import _Forwarder  # noqa: E402
 from proxy.sse import SSEParser  # noqa: E402
 
@@ -484,7 +485,7 @@ def test_token_template_path_measures_exactly_what_the_full_path_does(
         stream: tuple[list[bytes], bool, bool]) -> None:
     chunks, text_route, strip = stream
     fast = StreamTimer(text_route=text_route)
-    forwarder = _Forwarder(fast, SSEParser(), strip, 0)
+    forwarder = _Forwarder(Meter(fast, SSEParser()), strip, 0)
     sent = bytearray()
     for t, chunk in enumerate(chunks):
         sent += forwarder.take(chunk)

@@ -1,9 +1,11 @@
-"""Helpers for in-process proxy tests: a scripted clock, a fake upstream behind
-``httpx.MockTransport`` and SSE stream builders.
+"""Helpers for in-process proxy tests: the proxy app in front of the suite's scripted
+upstream (:mod:`tests.fake_upstream`, a real loopback server, so the production client
+runs), and SSE stream builders.
 
 Time is scripted, never measured: the upstream's body generator sets the clock right
-before it yields each chunk, so the relay's one clock read per chunk sees exactly the
-scripted time and every expected metric can be computed from the script.
+before it yields each chunk, and the upstream writes the next chunk only after the
+relay has read the clock for this one, so every expected metric can be computed from
+the script.
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ from prometheus_client import CollectorRegistry
 
 from proxy.app import ProxyApp, create_app
 from proxy.config import Settings
+from tests.fake_upstream import ScriptedClock, ScriptedUpstream
+
+__all__ = ["ScriptedClock"]
 
 UPSTREAM = "http://upstream.test:8000/v1"
 UPSTREAM_LABEL = "upstream.test:8000"
@@ -27,16 +32,6 @@ COMPLETIONS = "/v1/completions"
 SSE_HEADERS = {"content-type": "text/event-stream; charset=utf-8"}
 
 Message = MutableMapping[str, Any]
-
-
-class ScriptedClock:
-    """A monotonic clock that only moves when a test (or a fake upstream) moves it."""
-
-    def __init__(self, now: float = 64.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def chunk_json(*deltas: dict[str, Any], model: str = "m", **extra: Any) -> dict[str, Any]:
@@ -119,13 +114,43 @@ async def timed_body(clock: ScriptedClock, script: Sequence[tuple[float, bytes]]
             closed.set()
 
 
-def make_app(handler: Handler, clock: ScriptedClock, **overrides: Any
-             ) -> tuple[ProxyApp, CollectorRegistry]:
-    settings = Settings(**{"upstream": UPSTREAM, **overrides})
+class InProcess:
+    """The proxy app and its scripted upstream, as one ASGI app for a test.
+
+    The upstream's socket is bound at once (so its URL goes into the settings) and it
+    starts serving on the first request, inside the test's event loop. Attributes not
+    found here are the proxy app's (``app.metrics``, ``app.upstream``, ...).
+    """
+
+    def __init__(self, app: ProxyApp, upstream: ScriptedUpstream) -> None:
+        self.app = app
+        self.scripted = upstream
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await self.scripted.start()
+        await self.app(scope, receive, send)
+
+    async def aclose(self) -> None:
+        try:
+            await self.app.aclose()
+        finally:
+            await self.scripted.aclose()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.app, name)
+
+
+def make_app(handler: Handler, clock: ScriptedClock, *, base_path: str = "/v1",
+             **overrides: Any) -> tuple[Any, CollectorRegistry]:
+    """The proxy in front of ``handler`` served on loopback; ``base_path`` is the
+    upstream base URL's path (``--upstream http://127.0.0.1:PORT<base_path>``)."""
+    upstream = ScriptedUpstream(handler, clock)
+    origin = upstream.url.removesuffix("/v1")
+    settings = Settings(**{"upstream": origin + base_path, "upstream_name": UPSTREAM_LABEL,
+                           **overrides})
     registry = CollectorRegistry()
-    app = create_app(settings, transport=httpx.MockTransport(handler), registry=registry,
-                     clock=clock)
-    return app, registry
+    app = create_app(settings, registry=registry, clock=clock)
+    return InProcess(app, upstream), registry
 
 
 def labels(route: str = CHAT, model: str = "m", **extra: str) -> dict[str, str]:

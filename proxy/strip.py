@@ -1,0 +1,133 @@
+"""The one change the proxy makes to a stream: removing the usage event it asked for.
+
+When a streaming chat or completions request did not ask for
+``stream_options.include_usage``, the proxy asks for it (to learn exact token counts)
+and removes the usage-only event that causes (``"choices": []`` with a usage object)
+from what the client receives. To cut exactly that event the stripper must know where
+events end before the bytes are sent, so it forwards whole events only: the tail of a
+read that ends inside an event waits for the read that completes it. An SSE client
+cannot act on half an event anyway, and with upstreams that write one event per read
+(all the common servers) nothing ever waits.
+
+:meth:`UsageStripper.take` returns the bytes to hand on now; after handing them on, the
+relay reads the clock once and calls :meth:`UsageStripper.observe`, so what the
+stripper learned while cutting is not parsed twice.
+"""
+
+from __future__ import annotations
+
+import re
+
+from proxy.measure import ONE_OUTPUT, EventInfo, Meter, inspect_event
+from proxy.sse import SSEEvent
+
+# ``"choices"`` as a key (an unescaped quote on both sides) with an empty list as value.
+_EMPTY_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]').search
+
+
+class UsageStripper:
+    __slots__ = ("_chunk", "_events", "_infos", "_one", "meter", "pending", "pending_start",
+                 "removed_end")
+
+    def __init__(self, meter: Meter) -> None:
+        self.meter = meter
+        self.pending = b""  # bytes not yet forwarded
+        self.pending_start = 0  # stream offset of pending[0]
+        self.removed_end = -1  # stream offset where the removed event ended
+        self._chunk = b""
+        # a chunk that was one event: its data (decoded after the send), or what it said
+        # if that was known before; None: a list of events (``_events``)
+        self._one: bytes | EventInfo | None = None
+        self._events: list[SSEEvent] = []
+        self._infos: list[EventInfo | None] = []
+
+    def take(self, chunk: bytes) -> bytes:
+        """Every complete event except the usage-only one; the rest stays pending.
+
+        Only an event whose bytes hold ``"choices"`` followed by an empty list can be the
+        usage-only event; a regex finds those without decoding JSON, and only they are
+        decoded before the send. Every other event is decoded after it was handed on.
+        """
+        meter = self.meter
+        parser, timer = meter.parser, meter.timer
+        if not self.pending:  # the common cases: one whole event, nothing held back
+            self._chunk = chunk
+            if meter.template.match(chunk) and parser.skip(len(chunk)):
+                self.pending_start += len(chunk)
+                self._one = ONE_OUTPUT  # a token event: never the usage event
+                return chunk
+            data = parser.single(chunk)
+            if data is not None:
+                self.pending_start += len(chunk)
+                if not _EMPTY_CHOICES(data):
+                    self._one = data  # decoded after the send
+                    return chunk
+                first = self._one = inspect_event(data, text_route=timer.text_route)
+                if not first.usage_only:
+                    return chunk
+                self.removed_end = self.pending_start
+                return b""
+        self._one = None
+        pending_start, removed_end = self.pending_start, self.removed_end
+        events = self._events = parser.feed(chunk)
+        data = self.pending + chunk if self.pending else chunk
+        boundary = max(parser.boundary - pending_start, 0)  # bytes of data that are complete
+        infos: list[EventInfo | None] = []
+        cut: list[tuple[int, int]] = []
+        if parser.straddling_lf >= 0 and parser.straddling_lf == removed_end:
+            # the LF of the removed event's final CRLF came in this read: remove it too
+            cut.append((removed_end - pending_start, removed_end - pending_start + 1))
+        for event in events:
+            info: EventInfo | None = None
+            if not event.oversize and _EMPTY_CHOICES(event.data):
+                info = inspect_event(event.data, text_route=timer.text_route)
+                if info.usage_only:
+                    cut.append((event.start - pending_start, event.end - pending_start))
+                    removed_end = event.end
+            infos.append(info)
+        self._infos = infos
+        self.removed_end = removed_end
+        if not cut:
+            out = data if boundary == len(data) else data[:boundary]
+        else:
+            parts, pos = [], 0
+            for start, end in cut:
+                parts.append(data[pos:start])
+                pos = end
+            parts.append(data[pos:boundary])
+            out = b"".join(parts)
+        rest = data[boundary:]
+        if len(rest) > parser.max_event_bytes:
+            # Already longer than the parser's limit: oversize, so never the event removed.
+            # Forward it as it comes rather than hold all of it (bounded memory).
+            self.pending_start += len(data)
+            self.pending = b""
+            return out + rest
+        self.pending_start += boundary
+        self.pending = rest
+        return out
+
+    def observe(self, t: float) -> None:
+        """The events of the last :meth:`take`, handed on at ``t``."""
+        meter = self.meter
+        timer = meter.timer
+        one = self._one
+        if one is ONE_OUTPUT:  # a template match
+            timer.token(t)
+            return
+        if one is not None:  # the chunk was one event
+            if isinstance(one, bytes):
+                meter.single(self._chunk, one, t)
+            else:
+                timer.observe(one, t)
+            return
+        for event, info in zip(self._events, self._infos, strict=True):
+            if info is not None:
+                timer.observe(info, t)
+            elif not event.oversize:
+                timer.event(event.data, t)
+
+    def tail(self) -> bytes:
+        """What is still held back when the body ends, however it ended."""
+        pending, self.pending = self.pending, b""
+        return pending
