@@ -37,11 +37,14 @@ COPY --from=build /opt/venv /opt/venv
 USER 10001:10001
 EXPOSE 8080
 
-# The health check needs no curl: the image's own Python asks /healthz on the port
-# the proxy listens on; any error (refused, timeout, non-2xx) exits 1. Other commands run from this image (simulate, bench) override
-# or disable it (see docker-compose.yml).
+# One health check for every command of the image, with no curl: `healthcheck` reads
+# PID 1's command line (the entry point, or an init's arguments ending with it) and
+# asks /healthz where that command listens: `serve` on its --port or LLM_PROXY_PORT,
+# `simulate` on its --port; `bench` and `demo` run no server and count as healthy.
+# A shell wrapper is taken for `serve` (docker-compose.yml disables the check for its
+# load generator). Any error (refused, timeout, non-2xx) exits 1.
 HEALTHCHECK --interval=10s --timeout=3s --start-period=10s --retries=3 \
-  CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/healthz' % os.environ.get('LLM_PROXY_PORT', '8080'), timeout=2)"]
+  CMD ["python", "-m", "proxy", "healthcheck", "--path", "/healthz"]
 
 # Exec form: the proxy is PID 1 and receives SIGTERM itself. It then stops accepting,
 # lets in-flight streams finish for up to --graceful-timeout (LLM_PROXY_GRACEFUL_TIMEOUT,

@@ -1,11 +1,22 @@
 """Optional server-held upstream key (``--upstream-api-key-env``).
 
-Off by default: the client's ``Authorization`` passes through untouched and the
-upstream decides. When on, the proxy sends its own key upstream, so clients must
-present one of the proxy's own keys instead. Those are stored as SHA-256 digests
-(``--client-keys-file``: one hex digest a line, optionally ``sha256:`` in front;
-``#`` comments), and a presented key is hashed and compared with every stored digest
-in constant time, so neither the file nor the timing gives a key away.
+Off by default: the client's key headers pass through untouched and the upstream
+decides. When on, the proxy sends its own key upstream, so clients must present one of
+the proxy's own keys instead. Those are stored as SHA-256 digests (``--client-keys-file``:
+one hex digest a line, optionally ``sha256:`` in front; ``#`` comments), and a presented
+key is hashed and compared with every stored digest in constant time, so neither the
+file nor the timing gives a key away.
+
+Clients put their key where their SDK puts it: ``Authorization: Bearer`` (OpenAI, and
+recent Anthropic SDKs), ``x-api-key`` (Anthropic's raw API, older SDKs) or ``api-key``
+(Azure OpenAI). All three are read, and in server-held key mode all three are removed
+from the upstream request (:data:`CLIENT_KEY_HEADERS`), so the upstream never sees a
+client key next to the proxy's own. The proxy's key goes upstream in the one header
+``--upstream-auth`` names (:attr:`KeyCheck.upstream_header`).
+
+None of these headers is ever written anywhere: the per-request log holds no headers
+(:mod:`proxy.reqlog`), uvicorn's access log holds method, path and status, and error
+bodies name exception classes, not requests.
 
 Create a digest with ``printf %s "$KEY" | sha256sum``.
 """
@@ -21,12 +32,42 @@ from proxy.config import Settings, SettingsError
 
 _HEX = re.compile(r"^[0-9a-f]{64}$")
 
+CLIENT_KEY_HEADERS: frozenset[bytes] = frozenset({b"authorization", b"x-api-key", b"api-key"})
+"""Request headers that carry a client's key: checked, then removed before the request
+goes upstream in server-held key mode."""
+
+# When a client sends more than one, the key checked is the first of these that holds
+# one, whatever the order of the headers on the wire.
+_PRECEDENCE = {b"authorization": 0, b"x-api-key": 1, b"api-key": 2}
+
+# A header value the proxy writes itself: visible ASCII only, so a stray newline in the
+# environment variable can never start a second header line.
+_HEADER_VALUE = re.compile(r"^[\x21-\x7e]+$")
+
+
+def upstream_header(mode: str, key: str) -> tuple[bytes, bytes]:
+    """The (name, value) that carries the server-held ``key`` upstream, per ``--upstream-auth``."""
+    value = key.encode("ascii")
+    if mode == "bearer":
+        return b"authorization", b"Bearer " + value
+    if mode == "x-api-key":  # Anthropic
+        return b"x-api-key", value
+    if mode == "api-key":  # Azure OpenAI
+        return b"api-key", value
+    raise ValueError(f"unknown upstream auth mode {mode!r}")
+
 
 class KeyCheck:
-    __slots__ = ("_digests", "upstream_authorization")
+    """Checks a client's key against the stored digests; holds the header sent upstream.
 
-    def __init__(self, upstream_key: str, digests: list[bytes]) -> None:
-        self.upstream_authorization = b"Bearer " + upstream_key.encode()
+    ``upstream_header`` is decided once, here: the request path appends it as it is
+    after removing every :data:`CLIENT_KEY_HEADERS` header from the client's request.
+    """
+
+    __slots__ = ("_digests", "upstream_header")
+
+    def __init__(self, upstream_key: str, digests: list[bytes], upstream_auth: str = "bearer") -> None:
+        self.upstream_header: tuple[bytes, bytes] = upstream_header(upstream_auth, upstream_key)
         self._digests = digests
 
     def accepts(self, presented: bytes | None) -> bool:
@@ -39,32 +80,60 @@ class KeyCheck:
         return ok
 
 
-def load_key_check(settings: Settings) -> KeyCheck | None:
+def load_key_check(settings: Settings, *, given_as: tuple[str, str] | None = None) -> KeyCheck | None:
+    """The key check for ``settings``, or None when no server-held key is configured.
+
+    Raises :class:`SettingsError` for an unusable key or keys file. ``given_as`` names
+    the two settings (key variable, keys file) as the operator gave them, flag or
+    environment variable, for the message; the flags by default.
+    """
     if not settings.upstream_api_key_env:
         return None
-    key = os.environ.get(settings.upstream_api_key_env, "")
+    key_name, file_name = given_as or ("--upstream-api-key-env", "--client-keys-file")
+    key = os.environ.get(settings.upstream_api_key_env, "").strip()
+    if not key:
+        raise SettingsError(f"invalid setting {key_name}: environment variable "
+                            f"{settings.upstream_api_key_env} is empty or unset")
+    if not _HEADER_VALUE.match(key):
+        raise SettingsError(f"invalid setting {key_name}: environment variable "
+                            f"{settings.upstream_api_key_env} holds a space, control or "
+                            "non-ASCII character, which a header value cannot carry")
     digests: list[bytes] = []
-    with open(settings.client_keys_file, encoding="utf-8") as fh:
-        for number, line in enumerate(fh, 1):
-            text = line.split("#", 1)[0].strip().lower().removeprefix("sha256:")
-            if not text:
-                continue
-            if not _HEX.match(text):
-                raise SettingsError(
-                    f"invalid setting --client-keys-file: line {number} is not a SHA-256 hex digest")
-            digests.append(bytes.fromhex(text))
+    try:
+        with open(settings.client_keys_file, encoding="utf-8") as fh:
+            lines = fh.readlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SettingsError(f"invalid setting {file_name}: cannot read "
+                            f"{settings.client_keys_file!r} ({type(exc).__name__})") from None
+    for number, line in enumerate(lines, 1):
+        text = line.split("#", 1)[0].strip().lower().removeprefix("sha256:")
+        if not text:
+            continue
+        if not _HEX.match(text):
+            raise SettingsError(
+                f"invalid setting {file_name}: line {number} is not a SHA-256 hex digest")
+        digests.append(bytes.fromhex(text))
     if not digests:
-        raise SettingsError("invalid setting --client-keys-file: no keys in the file")
-    return KeyCheck(key, digests)
+        raise SettingsError(f"invalid setting {file_name}: no keys in the file")
+    return KeyCheck(key, digests, settings.upstream_auth)
 
 
 def presented_key(headers: list[tuple[bytes, bytes]]) -> bytes | None:
-    """The client's key from ``Authorization: Bearer`` or Azure-style ``api-key``."""
+    """The client's key from ``Authorization: Bearer``, ``x-api-key`` or ``api-key``.
+
+    A header without a usable key (``Authorization: Basic ...``, an empty value) does
+    not count; when several hold one, ``Authorization`` wins, then ``x-api-key``.
+    """
+    best_rank, best = len(_PRECEDENCE), None
     for name, value in headers:
-        if name == b"authorization":
+        rank = _PRECEDENCE.get(name)
+        if rank is None or rank >= best_rank:
+            continue
+        if rank == 0:
             scheme, _, token = value.partition(b" ")
-            if scheme.lower() == b"bearer" and token.strip():
-                return token.strip()
-        elif name == b"api-key" and value.strip():
-            return value.strip()
-    return None
+            key = token.strip() if scheme.lower() == b"bearer" else b""
+        else:
+            key = value.strip()
+        if key:
+            best_rank, best = rank, key
+    return best

@@ -4,8 +4,9 @@ Every option is declared once in ``OPTIONS``; from that table come the ``serve``
 their ``LLM_PROXY_*`` environment variables and their ``--help`` text, so the three
 can never drift apart. Precedence: flag, then environment, then default.
 
-A bad value raises :class:`SettingsError` whose one-line message names the setting
-(flag and variable) before any socket is opened. No web framework is imported here.
+A bad value raises :class:`SettingsError` before any socket is opened, with a one-line
+message that names the setting as the operator gave it: the flag, or the environment
+variable (and its flag). No web framework is imported here.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ class Settings:
     max_body_bytes: int = 32 * 1024 * 1024
     max_header_bytes: int = 64 * 1024
     max_upstream_connections: int = 1000
-    http_client: str = "builtin"
+    upstream_keepalive_expiry: float = 4.0
     connect_timeout: float = 5.0
     read_timeout: float = 300.0
     write_timeout: float = 30.0
@@ -80,6 +81,7 @@ class Settings:
     workers: int = 1
     graceful_timeout: float = 30.0
     upstream_api_key_env: str = ""
+    upstream_auth: str = "bearer"
     client_keys_file: str = ""
     secret_headers: tuple[str, ...] = ()
     access_log: bool = False
@@ -161,6 +163,9 @@ def _buckets(raw: str) -> tuple[float, ...]:
     return values
 
 
+UPSTREAM_AUTH_MODES = ("bearer", "x-api-key", "api-key")
+
+
 @dataclass(frozen=True, slots=True)
 class Option:
     name: str  # Settings field
@@ -168,6 +173,7 @@ class Option:
     help: str
     metavar: str = ""
     flag_only_true: bool = False  # boolean switch: --flag / --no-flag
+    unset: str = ""  # what an empty default means, shown as the default in --help
 
     @property
     def flag(self) -> str:
@@ -179,14 +185,18 @@ class Option:
 
 
 OPTIONS: tuple[Option, ...] = (
-    Option("upstream", _url, "OpenAI-style base URL of the upstream, including /v1 "
-           "(what the app would have used as its base URL).", "URL"),
-    Option("upstream_name", _str, "Value of the 'upstream' metric label (default: the upstream's host:port).", "NAME"),
+    Option("upstream", _url, "OpenAI-style base URL of the upstream, including its version "
+           "segment such as /v1 (what the app would have used as its base URL): the proxy's "
+           "/v1/<rest> goes to <URL>/<rest>. A URL whose path does not end in a version segment "
+           "is accepted with a start-up warning that shows what will be requested.", "URL"),
+    Option("upstream_name", _str, "Value of the 'upstream' metric label.", "NAME",
+           unset="the upstream's host:port"),
     Option("host", _str, "Interface to listen on.", "HOST"),
-    Option("port", _int(0, 65535), "Port to listen on.", "PORT"),
+    Option("port", _int(0, 65535), "Port to listen on (0: a free port chosen by the system, "
+           "printed in the start-up line).", "PORT"),
     Option("metrics_port", _int(0, 65535), "Serve /metrics on this separate port instead of the main one "
            "(0: serve it on the main port). Use it in production so app clients cannot read metrics.", "PORT"),
-    Option("metrics_host", _str, "Interface for --metrics-port (default: same as --host).", "HOST"),
+    Option("metrics_host", _str, "Interface for --metrics-port.", "HOST", unset="same as --host"),
     Option("max_concurrency", _int(0), "In-flight upstream requests allowed at once; more wait in a queue "
            "and the wait is measured as queue time (0: unlimited).", "N"),
     Option("max_queue", _int(0), "Requests allowed to wait for a slot when --max-concurrency is set; "
@@ -194,11 +204,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("max_body_bytes", _int(1), "Largest request body accepted; larger gets 413 without being read.", "BYTES"),
     Option("max_header_bytes", _int(1024), "Largest total size of request headers; larger gets 431.", "BYTES"),
     Option("max_upstream_connections", _int(1), "Size of the upstream connection pool.", "N"),
-    Option("http_client", _choice("builtin", "aiohttp", "httpx"), "Upstream HTTP client: 'builtin' "
-           "(the proxy's own HTTP/1.1 client, proxy/wire.py: upstream reads piped to the client "
-           "without a task switch; the default, and the fastest), 'aiohttp' (used instead when an "
-           "HTTP(S)_PROXY applies to the upstream) or 'httpx' (httpcore's pool; for comparison).",
-           "NAME"),
+    Option("upstream_keepalive_expiry", _positive_float, "Seconds an idle upstream connection may "
+           "wait in the pool and still be reused; older ones are closed instead. Below uvicorn's "
+           "5 s keep-alive, which vLLM, SGLang and llama-cpp-python serve with, so that a pooled "
+           "connection is not reused just as the upstream closes it. The client also learns a "
+           "shorter limit from an upstream that closes idle connections sooner.", "S"),
     Option("connect_timeout", _positive_float, "Seconds to connect to the upstream before answering 502.", "S"),
     Option("read_timeout", _positive_float, "Seconds to wait for the upstream's headers or for its next "
            "bytes; before headers: 504; mid-stream: the stream ends with outcome 'timeout'.", "S"),
@@ -210,10 +220,11 @@ OPTIONS: tuple[Option, ...] = (
            "stream (exact token counts).", flag_only_true=True),
     Option("measure", _bool, "Measure and export metrics (off: a plain relay, for pricing the "
            "measurement in benchmarks).", flag_only_true=True),
-    Option("log_requests", _str, "Write one JSON line per finished request to this file ('-' for stdout).", "FILE"),
+    Option("log_requests", _str, "Write one JSON line per finished request to this file ('-' for stdout).",
+           "FILE", unset="none, no per-request log"),
     Option("max_models", _int(1), "Distinct 'model' label values kept; later names are counted as 'other'.", "N"),
     Option("model_allowlist", _names, "Comma-separated model names allowed as label values; any other "
-           "becomes 'other'.", "NAMES"),
+           "becomes 'other'.", "NAMES", unset="none, the first --max-models names are kept"),
     Option("ttft_buckets", _buckets, "Comma-separated TTFT histogram bucket edges in seconds.", "EDGES"),
     Option("itl_buckets", _buckets, "Comma-separated ITL and TPOT histogram bucket edges in seconds.", "EDGES"),
     Option("duration_buckets", _buckets, "Comma-separated request-duration bucket edges in seconds.", "EDGES"),
@@ -221,10 +232,22 @@ OPTIONS: tuple[Option, ...] = (
     Option("workers", _int(1, 64), "Worker processes (metrics summed with prometheus-client multiprocess mode).", "N"),
     Option("graceful_timeout", _positive_float, "On SIGTERM, seconds to let in-flight streams finish.", "S"),
     Option("upstream_api_key_env", _str, "Name of an environment variable holding the key the proxy sends "
-           "upstream; clients must then present one of --client-keys-file's keys.", "VAR"),
+           "upstream; clients must then present one of --client-keys-file's keys, and their "
+           "Authorization, x-api-key and api-key headers are not sent upstream.", "VAR",
+           unset="none, the client's key headers pass through to the upstream"),
+    Option("upstream_auth", _choice(*UPSTREAM_AUTH_MODES), "How the key of --upstream-api-key-env "
+           "is sent upstream: 'bearer' (Authorization: Bearer KEY; OpenAI, vLLM and most servers), "
+           "'x-api-key' (x-api-key: KEY; Anthropic) or 'api-key' (api-key: KEY; Azure OpenAI). "
+           "Clients may present their own key in any of the three headers whatever this says.",
+           "MODE"),
     Option("client_keys_file", _str, "File of client keys (one SHA-256 hex digest per line, "
-           "or 'sha256:<hex>') accepted when --upstream-api-key-env is set.", "FILE"),
-    Option("secret_headers", _names, "Extra header names to treat as secrets (never logged).", "NAMES"),
+           "or 'sha256:<hex>') accepted when --upstream-api-key-env is set.", "FILE",
+           unset="none; required with --upstream-api-key-env"),
+    Option("secret_headers", _names, "Comma-separated request header names removed from the "
+           "upstream request when --upstream-api-key-env is set, like the client's key headers "
+           "(e.g. a header that only this proxy should see); without a server-held key they pass "
+           "through unchanged. No request header is ever logged, these or any other.", "NAMES",
+           unset="none"),
     Option("access_log", _bool, "Let uvicorn write its access log.", flag_only_true=True),
 )
 
@@ -232,13 +255,25 @@ _FIELDS = {f.name for f in fields(Settings)}
 assert all(o.name in _FIELDS for o in OPTIONS)
 
 
+_BY_NAME = {o.name: o for o in OPTIONS}
+
+
+def _shown_default(opt: Option, default: Any) -> str:
+    if isinstance(default, tuple):
+        default = ",".join(str(v) for v in default)
+    text = str(default)
+    if text:
+        return text
+    assert opt.unset, f"{opt.flag} has an empty default: say what its absence means"
+    return opt.unset
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register every option as a flag; the default stays None so env can fill in."""
     defaults = Settings()
     for opt in OPTIONS:
-        default = getattr(defaults, opt.name)
-        shown = ",".join(str(v) for v in default) if isinstance(default, tuple) else default
-        help_text = f"{opt.help} [env {opt.env}; default {shown!s}]"
+        shown = _shown_default(opt, getattr(defaults, opt.name))
+        help_text = f"{opt.help} [env {opt.env}; default: {shown}]"
         if opt.flag_only_true:
             parser.add_argument(opt.flag, dest=opt.name, default=None,
                                 action=argparse.BooleanOptionalAction, help=help_text)
@@ -247,16 +282,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                 help=help_text)
 
 
+def given_as(name: str, args: argparse.Namespace | None = None,
+             environ: Mapping[str, str] | None = None) -> str:
+    """How the operator gave setting ``name``: its flag, else its environment variable
+    when that is set, else (not given at all) its flag. Error messages use it, so that
+    they name what the operator has to change."""
+    opt = _BY_NAME[name]
+    env = os.environ if environ is None else environ
+    if args is not None and getattr(args, name, None) is not None:
+        return opt.flag
+    if opt.env in env:
+        return opt.env
+    return opt.flag
+
+
 def from_sources(args: argparse.Namespace | None = None,
                  environ: Mapping[str, str] | None = None) -> Settings:
-    """Build and validate settings: flag, then ``LLM_PROXY_*`` variable, then default."""
+    """Build and validate settings: flag, then ``LLM_PROXY_*`` variable, then default.
+
+    An invalid value raises :class:`SettingsError` naming the flag when the flag was
+    used, or the variable (and its flag) when the variable was, with the value as given.
+    """
     env = os.environ if environ is None else environ
     values: dict[str, Any] = {}
     for opt in OPTIONS:
         raw = getattr(args, opt.name, None) if args is not None else None
-        source = opt.flag
+        where = opt.flag
         if raw is None and opt.env in env:
-            raw, source = env[opt.env], opt.env
+            raw, where = env[opt.env], opt.env
         if raw is None:
             continue
         if isinstance(raw, bool):
@@ -268,23 +321,32 @@ def from_sources(args: argparse.Namespace | None = None,
             detail = str(exc) or "invalid value"
             if detail.startswith(("invalid literal", "could not convert")):
                 detail = "not a number"
-            raise SettingsError(f"invalid setting {opt.flag} ({opt.env}={raw!r} via {source}): {detail}") from None
+            also = f" ({opt.flag})" if where != opt.flag else ""
+            raise SettingsError(f"invalid setting {where}={str(raw)!r}{also}: {detail}") from None
     settings = Settings(**values)
-    _check_combinations(settings)
+    _check_combinations(settings, lambda name: given_as(name, args, env))
     return settings
 
 
-def _check_combinations(s: Settings) -> None:
+def _check_combinations(s: Settings, name: Callable[[str], str]) -> None:
     if s.upstream_api_key_env:
-        if not os.environ.get(s.upstream_api_key_env):
-            raise SettingsError(
-                f"invalid setting --upstream-api-key-env: environment variable {s.upstream_api_key_env} is empty or unset")
+        if not os.environ.get(s.upstream_api_key_env, "").strip():
+            raise SettingsError(f"invalid setting {name('upstream_api_key_env')}: environment "
+                                f"variable {s.upstream_api_key_env} is empty or unset")
         if not s.client_keys_file:
-            raise SettingsError("invalid setting --client-keys-file: required with --upstream-api-key-env")
+            raise SettingsError(f"invalid setting {name('client_keys_file')}: required with "
+                                f"{name('upstream_api_key_env')}")
         if not os.path.isfile(s.client_keys_file):
-            raise SettingsError(f"invalid setting --client-keys-file: no such file {s.client_keys_file!r}")
+            raise SettingsError(f"invalid setting {name('client_keys_file')}: no such file "
+                                f"{s.client_keys_file!r}")
+    elif s.upstream_auth != "bearer":
+        # Without a server-held key the client's own headers go upstream unchanged, so
+        # the setting would silently do nothing.
+        raise SettingsError(f"invalid setting {name('upstream_auth')}: only used with "
+                            f"{name('upstream_api_key_env')} (without it the client's key "
+                            "headers pass through unchanged)")
     if s.metrics_port and s.metrics_port == s.port:
-        raise SettingsError("invalid setting --metrics-port: must differ from --port")
+        raise SettingsError(f"invalid setting {name('metrics_port')}: must differ from {name('port')}")
 
 
 def describe(settings: Settings, keys: Sequence[str] | None = None) -> dict[str, Any]:

@@ -10,6 +10,11 @@ Multiprocess directory: a fresh private directory per proxy instance
 is removed when the proxy exits. Workers get the settings through the ``LLM_PROXY_*``
 variables, the same path a container uses.
 
+The start-up line (``relaying http://host:port/v1 -> upstream``) is printed once the
+port is bound and listening, so it names the port the system chose for ``--port 0``
+and a client that read it can connect. An upstream URL without a version segment gets
+one warning line before it (:func:`upstream_warning`).
+
 uvicorn runs with uvloop and httptools (``uvicorn[standard]``). On SIGTERM or SIGINT it
 stops accepting, lets in-flight streams finish for up to ``--graceful-timeout``
 seconds, then exits 0.
@@ -18,13 +23,16 @@ seconds, then exits 0.
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import re
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 from typing import Any
+from urllib.parse import urlsplit
 
 from proxy import config
 from proxy.config import OPTIONS, Settings, SettingsError
@@ -47,13 +55,42 @@ def run(args: argparse.Namespace) -> int:
         if settings.upstream_api_key_env:
             from proxy.auth import load_key_check
 
-            load_key_check(settings)  # fail now, before listening
+            named = (config.given_as("upstream_api_key_env", args),
+                     config.given_as("client_keys_file", args))
+            load_key_check(settings, given_as=named)  # fail now, before listening
     except SettingsError as exc:
         print(f"llm-latency-proxy: error: {exc}", file=sys.stderr)
         return 2
+    warning = upstream_warning(settings.upstream)
+    if warning:
+        print(f"llm-latency-proxy: warning: {warning}", file=sys.stderr, flush=True)
     if settings.workers > 1:
         return _run_workers(settings)
     return _run_single(settings)
+
+
+_VERSION_SEGMENT = re.compile(r"v\d+\w*")
+
+
+def upstream_warning(upstream: str) -> str | None:
+    """What an upstream URL without a version segment will be asked, else None.
+
+    The proxy appends what follows its own ``/v1`` to the upstream URL, so an upstream
+    given as ``http://host:8000`` gets ``/chat/completions``, which an OpenAI-compatible
+    server answers with 404. That is a likely mistake but not a certain one (a gateway
+    may route without a version), so it is said once at start-up, not refused.
+    """
+    last = urlsplit(upstream).path.rstrip("/").rsplit("/", 1)[-1]
+    if _VERSION_SEGMENT.fullmatch(last):
+        return None
+    shown = redact(upstream)
+    return (f"upstream {shown} has no version segment: /v1/chat/completions will be "
+            f"requested as {shown}/chat/completions")
+
+
+def redact(url: str) -> str:
+    """``url`` with its credentials masked: they are never printed."""
+    return re.sub(r"//[^/@]*@", "//***@", url)
 
 
 def _uvicorn_kwargs(settings: Settings) -> dict[str, Any]:
@@ -73,12 +110,14 @@ def _uvicorn_kwargs(settings: Settings) -> dict[str, Any]:
     }
 
 
-def _banner(settings: Settings) -> None:
-    where = f"http://{settings.host}:{settings.port}"
+def _banner(settings: Settings, port: int) -> None:
+    """The start-up line, printed once the port is bound: with ``--port 0`` it is the
+    only place the chosen port appears besides uvicorn's own line."""
+    host = f"[{settings.host}]" if ":" in settings.host else settings.host
+    where = f"http://{host}:{port}"
     metrics = (f"http://{settings.metrics_host or settings.host}:{settings.metrics_port}/metrics"
                if settings.metrics_port else f"{where}/metrics")
-    upstream = re.sub(r"//[^/@]*@", "//***@", settings.upstream)  # never print URL credentials
-    print(f"llm-latency-proxy: relaying {where}/v1 -> {upstream} "
+    print(f"llm-latency-proxy: relaying {where}/v1 -> {redact(settings.upstream)} "
           f"(upstream label {settings.upstream_label!r}); metrics at {metrics}; "
           f"workers {settings.workers}", file=sys.stderr, flush=True)
 
@@ -97,11 +136,17 @@ def _run_single(settings: Settings) -> int:
         return 2
     if settings.metrics_port and app.metrics is not None:
         _start_metrics_server(settings, app.metrics.registry)
-    _banner(settings)
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets)
+            if self.started:  # listening, application started: the port is final
+                _banner(settings, self.servers[0].sockets[0].getsockname()[1])
+
     # uvicorn re-raises SIGTERM after its graceful shutdown, under the handler it found;
-    # the default one would end the process with -15. Ours exits 0 (issue 6).
+    # the default one would end the process with -15. Ours exits 0.
     signal.signal(signal.SIGTERM, _exit_zero)
-    uvicorn.Server(uvicorn.Config(app, **_uvicorn_kwargs(settings))).run()
+    Server(uvicorn.Config(app, **_uvicorn_kwargs(settings))).run()
     return 0
 
 
@@ -110,19 +155,31 @@ def _exit_zero(signum: int, frame: Any) -> None:
 
 
 def _run_workers(settings: Settings) -> int:
+    """uvicorn's own supervisor, started as ``uvicorn.run`` starts it, except that the
+    socket is bound and listening here first, so the start-up line can name the port
+    (``--port 0``) and connections made after it wait in the backlog for a worker."""
     directory = tempfile.mkdtemp(prefix="llm-latency-proxy-metrics-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory
     export_settings(settings, os.environ)
     try:
         import uvicorn
+        from uvicorn.supervisors import Multiprocess
 
         if settings.metrics_port and settings.measure:
             from proxy.metrics import multiprocess_registry
 
             _start_metrics_server(settings, multiprocess_registry(directory))
-        _banner(settings)
-        uvicorn.run("proxy.app:create_app_from_env", factory=True, workers=settings.workers,
-                    **_uvicorn_kwargs(settings))
+        uconfig = uvicorn.Config("proxy.app:create_app_from_env", factory=True,
+                                 workers=settings.workers, **_uvicorn_kwargs(settings))
+        sock = uconfig.bind_socket()
+        sock.listen(uconfig.backlog)
+        _banner(settings, sock.getsockname()[1])
+        if "target" in inspect.signature(Multiprocess).parameters:  # older uvicorn releases
+            supervisor = Multiprocess(uconfig, target=uvicorn.Server(uconfig).run,  # type: ignore[call-arg]
+                                      sockets=[sock])
+        else:
+            supervisor = Multiprocess(uconfig, sockets=[sock])
+        supervisor.run()  # handles SIGINT and SIGTERM itself: stops the workers, returns
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     return 0

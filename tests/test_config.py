@@ -90,36 +90,112 @@ BAD_VALUES = [
     ("itl_buckets", ""),
     ("token_buckets", "-1,2"),
     ("duration_buckets", "1,inf"),
+    ("upstream_keepalive_expiry", "0"),
+    ("upstream_keepalive_expiry", "-4"),
+    ("upstream_keepalive_expiry", "nan"),
+    ("upstream_auth", "basic"),
     ("inject_usage", "maybe"),
 ]
 
 
 @pytest.mark.parametrize(("name", "raw"), BAD_VALUES)
-def test_bad_value_from_env_is_one_line_naming_the_setting(name: str, raw: str) -> None:
+def test_bad_value_from_env_is_one_line_naming_the_variable_and_flag(name: str, raw: str) -> None:
     opt = next(o for o in OPTIONS if o.name == name)
     with pytest.raises(SettingsError) as info:
         parse([], {opt.env: raw})
     message = str(info.value)
     assert "\n" not in message
-    assert opt.flag in message
-    assert opt.env in message
+    assert message.startswith(f"invalid setting {opt.env}={raw!r} ({opt.flag}): "), message
 
 
 @pytest.mark.parametrize(("name", "raw"), [(n, r) for n, r in BAD_VALUES if n != "inject_usage"])
-def test_bad_value_from_flag_names_the_flag(name: str, raw: str) -> None:
+def test_bad_value_from_flag_names_only_the_flag(name: str, raw: str) -> None:
+    """The variable is not named when the flag was used: the operator has a flag to fix,
+    and naming a variable they never set would send them looking for it."""
     opt = next(o for o in OPTIONS if o.name == name)
     with pytest.raises(SettingsError) as info:
-        parse([f"{opt.flag}={raw}"])
+        parse([f"{opt.flag}={raw}"], {opt.env: "ignored, the flag wins"})
     message = str(info.value)
     assert "\n" not in message
-    assert opt.flag in message
+    assert message.startswith(f"invalid setting {opt.flag}={raw!r}: "), message
+    assert opt.env not in message
+
+
+def test_a_value_with_a_newline_stays_on_one_line() -> None:
+    with pytest.raises(SettingsError) as info:
+        parse([], {"LLM_PROXY_PORT": "80\n81"})
+    assert "\n" not in str(info.value) and "'80\\n81'" in str(info.value)
+
+
+def test_new_upstream_settings() -> None:
+    assert Settings().upstream_keepalive_expiry == 4.0  # below uvicorn's 5 s keep-alive
+    assert parse(["--upstream-keepalive-expiry", "2.5"]).upstream_keepalive_expiry == 2.5
+    assert parse([], {"LLM_PROXY_UPSTREAM_KEEPALIVE_EXPIRY": "1"}).upstream_keepalive_expiry == 1.0
+    assert Settings().upstream_auth == "bearer"
+    assert not hasattr(Settings(), "http_client")  # one upstream client, nothing to choose
+
+
+@pytest.mark.parametrize("mode", ["bearer", "x-api-key", "api-key", "X-API-KEY"])
+def test_upstream_auth_modes(mode: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TEST_CONFIG_UPSTREAM_KEY", "srv")
+    keys = tmp_path / "keys"
+    keys.write_text("0" * 64 + "\n")
+    s = parse(["--upstream-auth", mode, "--upstream-api-key-env", "TEST_CONFIG_UPSTREAM_KEY",
+               "--client-keys-file", str(keys)])
+    assert s.upstream_auth == mode.lower()
+
+
+def test_upstream_auth_without_a_server_held_key_is_refused() -> None:
+    """Without --upstream-api-key-env the client's headers pass through unchanged, so a
+    non-default --upstream-auth would silently do nothing."""
+    assert parse(["--upstream-auth", "bearer"]).upstream_auth == "bearer"
+    with pytest.raises(SettingsError, match=r"^invalid setting --upstream-auth: only used with "
+                                            r"--upstream-api-key-env"):
+        parse(["--upstream-auth", "x-api-key"])
+    with pytest.raises(SettingsError, match=r"^invalid setting LLM_PROXY_UPSTREAM_AUTH: "):
+        parse([], {"LLM_PROXY_UPSTREAM_AUTH": "api-key"})
 
 
 def test_combination_errors_name_the_setting(tmp_path: Path) -> None:
-    with pytest.raises(SettingsError, match="--metrics-port"):
+    with pytest.raises(SettingsError, match=r"^invalid setting --metrics-port: must differ from --port$"):
         parse(["--port", "9000", "--metrics-port", "9000"])
-    with pytest.raises(SettingsError, match="--upstream-api-key-env"):
-        parse(["--upstream-api-key-env", "LLM_PROXY_TEST_SURELY_UNSET_VARIABLE"])
+    with pytest.raises(SettingsError, match=r"^invalid setting LLM_PROXY_METRICS_PORT: must differ "
+                                            r"from LLM_PROXY_PORT$"):
+        parse([], {"LLM_PROXY_PORT": "9000", "LLM_PROXY_METRICS_PORT": "9000"})
+    unset = "LLM_PROXY_TEST_SURELY_UNSET_VARIABLE"
+    with pytest.raises(SettingsError, match=f"^invalid setting --upstream-api-key-env: .*{unset}"):
+        parse(["--upstream-api-key-env", unset])
+    with pytest.raises(SettingsError, match=f"^invalid setting LLM_PROXY_UPSTREAM_API_KEY_ENV: .*{unset}"):
+        parse([], {"LLM_PROXY_UPSTREAM_API_KEY_ENV": unset})
+
+
+def test_keys_file_combinations_name_the_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TEST_CONFIG_UPSTREAM_KEY", "srv")
+    with pytest.raises(SettingsError, match=r"^invalid setting --client-keys-file: required with "
+                                            r"--upstream-api-key-env$"):
+        parse(["--upstream-api-key-env", "TEST_CONFIG_UPSTREAM_KEY"])
+    with pytest.raises(SettingsError, match=r"^invalid setting LLM_PROXY_CLIENT_KEYS_FILE: no such file"):
+        parse(["--upstream-api-key-env", "TEST_CONFIG_UPSTREAM_KEY"],
+              {"LLM_PROXY_CLIENT_KEYS_FILE": "/nonexistent/keys"})
+
+
+def test_every_help_text_says_what_its_default_is() -> None:
+    """An empty default is shown as what its absence means, never as nothing."""
+    parser = argparse.ArgumentParser()
+    config.add_arguments(parser)
+    for action in parser._actions:
+        if action.dest == "help":
+            continue
+        assert action.help is not None
+        shown = action.help.rsplit("; default: ", 1)[1]
+        assert shown.endswith("]") and shown[:-1].strip(), (action.dest, action.help)
+        assert "(default:" not in action.help, action.help  # one default, in one place
+
+
+def test_secret_headers_help_says_what_the_code_does() -> None:
+    opt = next(o for o in OPTIONS if o.name == "secret_headers")
+    assert "removed from the upstream request" in opt.help
+    assert "--upstream-api-key-env" in opt.help and "pass through unchanged" in opt.help
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -135,7 +211,7 @@ def test_serve_bad_port_exits_2_before_listening() -> None:
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1, done.stderr
-    assert "--port" in lines[0] and "LLM_PROXY_PORT" in lines[0]
+    assert lines[0] == "llm-latency-proxy: error: invalid setting --port='-1': must be an integer >= 0 and <= 65535"
     assert "relaying" not in done.stderr  # the start-up banner never printed
     assert done.stdout == ""
 
@@ -156,8 +232,10 @@ def test_serve_help_lists_every_option_with_its_env_var() -> None:
         assert opt.env in out, opt.env
         if opt.flag_only_true:
             assert "--no-" + opt.flag[2:] in out
-    # defaults are shown once, from the settings, not argparse's placeholder
+    # defaults are shown once, from the settings, not argparse's placeholder, never empty
     assert "(default: None)" not in out
+    assert "default: ]" not in out and "default ]" not in out
+    assert "--http-client" not in out
 
 
 def test_readme_documents_every_setting() -> None:

@@ -1,0 +1,144 @@
+"""``llm-latency-proxy healthcheck``: the container image's ``HEALTHCHECK``.
+
+One image runs several commands (``serve``, ``simulate``, ``bench``, ``demo``) and
+Docker runs the same health check whichever it is, so the check first finds out what
+the container runs, from the command line of PID 1: the image's entry point itself, or
+an init (``docker run --init``, compose ``init: true``) whose arguments end with it.
+
+- ``serve``: ``GET /healthz`` on the proxy's port, resolved from the same flags and
+  ``LLM_PROXY_*`` variables ``serve`` reads (a health check runs with the container's
+  environment);
+- ``simulate``: ``GET /healthz`` on the simulator's ``--port``;
+- ``bench``, ``demo``: no server to ask, so healthy while the command runs;
+- a command line that is not ours (a shell wrapper, another host's PID 1): treated as
+  ``serve``, the image's default command.
+
+Exit status 0 healthy, 1 not, as Docker expects; one line of output either way, which
+``docker inspect`` shows. The request goes straight to the socket (``http.client``),
+never through an ``HTTP_PROXY`` the container may set for its upstream.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+PROGRAM = "llm-latency-proxy"
+_ANY_ADDRESS = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """What to ask: ``host:port`` for a server, or ``None`` with the reason there is none."""
+
+    command: str
+    host: str | None = None
+    port: int | None = None
+    reason: str = ""
+
+
+def our_arguments(cmdline: Sequence[str]) -> list[str] | None:
+    """The arguments after ``llm-latency-proxy`` (or ``python -m proxy``) in a command
+    line, or None when the command line does not run this program."""
+    for i, arg in enumerate(cmdline):
+        if os.path.basename(arg) == PROGRAM:
+            return list(cmdline[i + 1:])
+        if arg == "-m" and cmdline[i + 1:i + 2] == ["proxy"]:
+            return list(cmdline[i + 2:])
+    return None
+
+
+def target_for(cmdline: Sequence[str] | None, environ: Mapping[str, str]) -> Target:
+    """Where the command in ``cmdline`` listens, with ``environ`` as its environment.
+
+    Raises :class:`proxy.config.SettingsError` when ``serve``'s settings are invalid
+    (then it is not serving either).
+    """
+    from proxy import config
+    from proxy.cli import build_parser
+
+    arguments = our_arguments(cmdline or []) or ["serve"]
+    try:
+        args, _ = build_parser().parse_known_args(arguments)
+    except SystemExit:  # argparse's exit: the command line is not one of ours
+        args, _ = build_parser().parse_known_args(["serve"])
+    command: str = args.command
+    if command == "serve":
+        settings = config.from_sources(args, environ)
+        host, port = settings.host, settings.port
+    elif command == "simulate":
+        host, port = args.host, args.port
+    else:
+        return Target(command, reason=f"'{command}' runs no server")
+    if port == 0:
+        return Target(command, reason="port 0 is chosen at start-up and cannot be known here")
+    return Target(command, _ANY_ADDRESS.get(host, host), port)
+
+
+def check(host: str, port: int, path: str, timeout: float) -> str | None:
+    """None when ``GET path`` answers 2xx within ``timeout``, else what went wrong."""
+    connection = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        connection.request("GET", path, headers={"connection": "close"})
+        response = connection.getresponse()
+        response.read()
+    except (OSError, http.client.HTTPException) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        connection.close()
+    if not 200 <= response.status < 300:
+        return f"status {response.status}"
+    return None
+
+
+def read_cmdline(pid: int) -> list[str] | None:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            raw = fh.read()
+    except OSError:  # no /proc (not Linux), or the process is gone
+        return None
+    return [part.decode(errors="replace") for part in raw.split(b"\0") if part]
+
+
+def add_parser(sub: Any) -> None:
+    parser = sub.add_parser(
+        "healthcheck",
+        help="exit 0 if the server this container runs answers (the image's HEALTHCHECK)",
+        description="Find the command this container runs (the command line of --pid) and, "
+        "for serve and simulate, ask its health endpoint on the port it listens on; bench "
+        "and demo run no server and count as healthy. Exit 0 healthy, 1 not.",
+    )
+    parser.add_argument("--pid", type=int, default=1,
+                        help="process whose command line says what runs (default: 1, the "
+                        "container's entry point)")
+    parser.add_argument("--path", default="/healthz", help="path to ask (default: /healthz)")
+    parser.add_argument("--timeout", type=float, default=2.0,
+                        help="seconds to wait for the answer (default: 2)")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from proxy.config import SettingsError
+
+    try:
+        target = target_for(read_cmdline(args.pid), os.environ)
+    except SettingsError as exc:
+        print(f"{PROGRAM} healthcheck: unhealthy: {exc}", file=sys.stderr)
+        return 1
+    if target.host is None or target.port is None:
+        print(f"{PROGRAM} healthcheck: {target.command}: nothing to ask ({target.reason})")
+        return 0
+    host = f"[{target.host}]" if ":" in target.host else target.host
+    url = f"http://{host}:{target.port}{args.path}"
+    problem = check(target.host, target.port, args.path, args.timeout)
+    if problem:
+        print(f"{PROGRAM} healthcheck: {target.command}: {url} unhealthy: {problem}",
+              file=sys.stderr)
+        return 1
+    print(f"{PROGRAM} healthcheck: {target.command}: {url} ok")
+    return 0

@@ -1,0 +1,145 @@
+"""``serve`` start-up as an operator sees it: the start-up line names the port actually
+bound (``--port 0``, with one process and with ``--workers``), and an upstream URL
+without a version segment gets exactly one warning saying what will be requested.
+
+The real command runs as a subprocess; the tests wait on its own output lines, with a
+deadline, never on a fixed sleep.
+"""
+
+from __future__ import annotations
+
+import http.client
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from proxy.serve import upstream_warning
+
+ROOT = Path(__file__).resolve().parent.parent
+BANNER = re.compile(r"^llm-latency-proxy: relaying http://127\.0\.0\.1:(\d+)/v1 -> ")
+
+
+@pytest.mark.parametrize(("upstream", "requested"), [
+    ("http://host:8000", "http://host:8000/chat/completions"),
+    ("http://host:8000/tenant", "http://host:8000/tenant/chat/completions"),
+    ("https://user:pw@host/api", "https://***@host/api/chat/completions"),
+    ("http://host/v1x/openai", "http://host/v1x/openai/chat/completions"),
+])
+def test_upstream_without_version_segment_warns(upstream: str, requested: str) -> None:
+    warning = upstream_warning(upstream)
+    assert warning is not None
+    assert warning.endswith(f"has no version segment: /v1/chat/completions will be requested as {requested}")
+    assert "pw" not in warning
+
+
+@pytest.mark.parametrize("upstream", [
+    "http://host:8000/v1", "https://api.openai.com/v1", "http://host/v2",
+    "https://generativelanguage.googleapis.com/v1beta", "https://x.openai.azure.com/openai/v1",
+    "http://host/tenant/v1alpha1",
+])
+def test_upstream_with_version_segment_does_not_warn(upstream: str) -> None:
+    assert upstream_warning(upstream) is None
+
+
+class Proc:
+    """The real ``serve`` command; its stderr lines collected as they come."""
+
+    def __init__(self, *args: str) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("LLM_PROXY_")}
+        env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", "proxy", "serve", *args], cwd=ROOT, env=env,
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.popen.stderr is not None
+        for line in self.popen.stderr:
+            self._queue.put(line.rstrip("\n"))
+        self._queue.put(None)
+
+    def wait_for(self, pattern: re.Pattern[str], within: float = 30.0) -> re.Match[str]:
+        deadline = time.monotonic() + within
+        while True:
+            remaining = deadline - time.monotonic()
+            assert remaining > 0, "no line matching " + pattern.pattern + ":\n" + "\n".join(self.lines)
+            try:
+                line = self._queue.get(timeout=remaining)
+            except queue.Empty:
+                continue
+            assert line is not None, "exited before printing it:\n" + "\n".join(self.lines)
+            self.lines.append(line)
+            match = pattern.search(line)
+            if match:
+                return match
+
+    def stop(self) -> int:
+        self.popen.send_signal(signal.SIGTERM)
+        code = self.popen.wait(30)
+        self._reader.join(10)
+        while (line := self._queue.get_nowait()) is not None:  # the rest, for the asserts
+            self.lines.append(line)
+        return code
+
+
+@contextmanager
+def serving(*args: str) -> Iterator[Proc]:
+    proc = Proc(*args)
+    try:
+        yield proc
+    finally:
+        if proc.popen.poll() is None:
+            proc.popen.kill()
+            proc.popen.wait(10)
+        if proc.popen.stderr is not None:
+            proc.popen.stderr.close()
+
+
+def get_healthz(port: int) -> int:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        connection.request("GET", "/healthz")
+        return connection.getresponse().status
+    finally:
+        connection.close()
+
+
+@pytest.mark.e2e
+def test_port_0_start_up_line_names_the_bound_port_and_one_warning_comes_first() -> None:
+    with serving("--port", "0", "--upstream", "http://127.0.0.1:9") as proc:
+        port = int(proc.wait_for(BANNER)[1])
+        assert port != 0
+        assert get_healthz(port) == 200  # the line is printed once the socket listens
+        assert proc.stop() == 0
+    warnings = [line for line in proc.lines if "warning" in line.lower()]
+    assert warnings == [
+        "llm-latency-proxy: warning: upstream http://127.0.0.1:9 has no version segment: "
+        "/v1/chat/completions will be requested as http://127.0.0.1:9/chat/completions"]
+    assert proc.lines.index(warnings[0]) < next(
+        i for i, line in enumerate(proc.lines) if BANNER.search(line))
+    assert sum(bool(BANNER.search(line)) for line in proc.lines) == 1
+
+
+@pytest.mark.e2e
+def test_port_0_with_workers_names_the_port_the_workers_share() -> None:
+    with serving("--port", "0", "--workers", "2", "--upstream", "http://127.0.0.1:9/v1") as proc:
+        port = int(proc.wait_for(BANNER)[1])
+        assert port != 0
+        # Connections made before the workers are up wait in the listening socket's backlog.
+        assert get_healthz(port) == 200
+        assert get_healthz(port) == 200
+        assert proc.stop() == 0
+    assert not [line for line in proc.lines if "warning" in line.lower()]
