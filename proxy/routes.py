@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy.admission import Admission, QueueFull
-from proxy.auth import KeyCheck, presented_key
+from proxy.auth import CLIENT_KEY_HEADERS, KeyCheck, presented_key
 from proxy.config import Settings
 from proxy.logs import RateLimitedLog
 from proxy.measure import (
@@ -53,10 +53,6 @@ from proxy.upstream import (
 from proxy.wire import UpstreamError, WireResponse
 
 log = logging.getLogger("proxy")
-
-# Headers a client may carry its key in; in server-held key mode all of them are
-# checked and none is forwarded.
-CLIENT_KEY_HEADERS = frozenset({b"authorization", b"x-api-key", b"api-key"})
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -316,7 +312,7 @@ class V1Handler:
                                       drop=self._secret_headers if keys else frozenset())
         if keys is not None:
             out_headers = [(k, v) for k, v in out_headers if k not in CLIENT_KEY_HEADERS]
-            out_headers.append((b"authorization", keys.upstream_authorization))
+            out_headers.append(keys.upstream_header)
         t_send = self.clock()
         x.overhead_s = t_send - x.t0 - (x.queue_s or 0.0)
         try:

@@ -106,7 +106,6 @@ def _uvicorn_kwargs(settings: Settings) -> dict[str, Any]:
         "proxy_headers": False,
         "server_header": False,
         "date_header": False,
-        "h11_max_incomplete_event_size": settings.max_header_bytes,
     }
 
 

@@ -73,7 +73,7 @@ class Upstream:
             max_connections=settings.max_upstream_connections,
             connect_timeout=settings.connect_timeout, read_timeout=settings.read_timeout,
             write_timeout=settings.write_timeout,
-            keepalive_expiry=getattr(settings, "upstream_keepalive_expiry", 4.0))
+            keepalive_expiry=settings.upstream_keepalive_expiry)
         host_text = f"[{hostname}]" if ":" in hostname else hostname
         netloc = host_text.encode("idna") + (f":{parts.port}".encode() if parts.port else b"")
         self._host_header = netloc
