@@ -232,12 +232,16 @@ class RequestRecord:
     queue_s: float | None = None
     upstream_queue_s: float | None = None
     ttft_s: float | None = None
+    ttfa_s: float | None = None  # time to first answer (non-reasoning) token
+    ttfb_s: float | None = None  # time to first body byte handed on
     tpot_s: float | None = None
     itl_s: tuple[float, ...] = ()
     output_events: int = 0
     prompt_tokens: int | None = None
     cached_prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    reasoning_tokens: int | None = None
+    cache_write_tokens: int | None = None
     tokens_estimated: bool = False
 
     def as_log(self) -> dict[str, Any]:
@@ -255,7 +259,9 @@ class RequestRecord:
             "overhead_s": self.overhead_s,
             "queue_s": self.queue_s,
             "upstream_queue_s": self.upstream_queue_s,
+            "ttfb_s": self.ttfb_s,
             "ttft_s": self.ttft_s,
+            "ttfa_s": self.ttfa_s,
             "tpot_s": self.tpot_s,
             "itl_count": len(itl),
             "itl_mean_s": (sum(itl) / len(itl)) if itl else None,
@@ -264,6 +270,8 @@ class RequestRecord:
             "prompt_tokens": self.prompt_tokens,
             "cached_prompt_tokens": self.cached_prompt_tokens,
             "completion_tokens": self.completion_tokens,
+            "reasoning_tokens": self.reasoning_tokens,
+            "cache_write_tokens": self.cache_write_tokens,
             "tokens_estimated": self.tokens_estimated,
         }
         return out

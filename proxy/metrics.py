@@ -39,14 +39,30 @@ _EXEMPLAR_MAX = 64  # exemplar label sets are limited to 128 UTF-8 characters in
 
 TTFT_HELP = (
     "Time to first token: from the proxy receiving the request (before any queueing) until "
-    "the first event carrying generated output (non-empty delta.content, "
-    "delta.reasoning_content or delta.reasoning, delta.tool_calls, delta.refusal, "
-    "delta.function_call, or choices[].text for /v1/completions) was handed on to the client. "
-    "Role-only or empty chunks are not tokens. Streams only."
+    "the first event carrying generated output, reasoning included, was handed on to the "
+    "client. Chat: non-empty delta.content, delta.reasoning_content or delta.reasoning, "
+    "delta.tool_calls, delta.refusal, delta.function_call; completions: choices[].text; "
+    "Responses: a non-empty delta in response.output_text/refusal/reasoning_text/"
+    "reasoning_summary_text/function_call_arguments/custom_tool_call_input/"
+    "mcp_call_arguments/code_interpreter_call_code/audio/audio.transcript .delta; Messages: "
+    "content_block_delta with text_delta, thinking_delta or input_json_delta. Opening events "
+    "(role-only chunk, response.created, message_start) are never tokens. Streams only."
+)
+TTFA_HELP = (
+    "Time to first answer token: as time to first token, but until the first output event "
+    "that is not reasoning (not delta.reasoning_content/reasoning, not "
+    "response.reasoning_text/reasoning_summary_text deltas, not thinking_delta). With a "
+    "reasoning model, when the user sees the answer start. Streams only."
+)
+TTFB_HELP = (
+    "Time to first byte: from the proxy receiving the request until the first response body "
+    "bytes were handed on to the client (OpenTelemetry's time to first chunk); time to first "
+    "token minus this is how long an upstream that answers at once keeps the user waiting. "
+    "Streams only."
 )
 ITL_HELP = (
-    "Inter-token latency: every gap between consecutive output-bearing events handed on to "
-    "the client (one observation per gap). Streams only."
+    "Inter-token latency: every gap between consecutive output-bearing events (reasoning and "
+    "answer alike) handed on to the client, one observation per gap. Streams only."
 )
 TPOT_HELP = (
     "Time per output token per request: (last output event - first output event) / "
@@ -115,6 +131,8 @@ class ModelLabels:
 @dataclass(frozen=True, slots=True)
 class _Children:
     ttft: Histogram
+    ttfa: Histogram
+    ttfb: Histogram
     itl: Histogram
     tpot: Histogram
     queue: Histogram
@@ -123,6 +141,8 @@ class _Children:
     prompt: Histogram
     cached: Histogram
     completion: Histogram
+    reasoning: Histogram
+    cache_write: Histogram
 
 
 class Metrics:
@@ -144,6 +164,10 @@ class Metrics:
             buckets=settings.duration_buckets, registry=reg)
         self.ttft = Histogram("llm_proxy_time_to_first_token_seconds", TTFT_HELP, base,
                               buckets=settings.ttft_buckets, registry=reg)
+        self.ttfa = Histogram("llm_proxy_time_to_first_answer_token_seconds", TTFA_HELP, base,
+                              buckets=settings.ttft_buckets, registry=reg)
+        self.ttfb = Histogram("llm_proxy_time_to_first_byte_seconds", TTFB_HELP, base,
+                              buckets=settings.ttft_buckets, registry=reg)
         self.itl = Histogram("llm_proxy_inter_token_latency_seconds", ITL_HELP, base,
                              buckets=settings.itl_buckets, registry=reg)
         self.tpot = Histogram("llm_proxy_time_per_output_token_seconds", TPOT_HELP, base,
@@ -162,18 +186,32 @@ class Metrics:
             "queue time.", base, buckets=OVERHEAD_BUCKETS, registry=reg)
         tb = settings.token_buckets
         self.prompt_tokens = Histogram(
-            "llm_proxy_prompt_tokens", "Prompt tokens per request (usage.prompt_tokens).", base,
+            "llm_proxy_prompt_tokens", "Prompt tokens per request, cached ones included: chat "
+            "and completions usage.prompt_tokens; Responses usage.input_tokens; Messages "
+            "input_tokens + cache_read_input_tokens + cache_creation_input_tokens.", base,
             buckets=tb, registry=reg)
         self.cached_tokens = Histogram(
-            "llm_proxy_cached_prompt_tokens", "Prompt tokens served from the provider's prompt "
-            "cache per request (usage.prompt_tokens_details.cached_tokens).", base,
-            buckets=tb, registry=reg)
+            "llm_proxy_cached_prompt_tokens", "Prompt tokens read from the provider's prompt "
+            "cache per request: usage.prompt_tokens_details.cached_tokens (chat, completions), "
+            "input_tokens_details.cached_tokens (Responses), cache_read_input_tokens "
+            "(Messages).", base, buckets=tb, registry=reg)
         self.completion_tokens = Histogram(
-            "llm_proxy_completion_tokens", "Completion tokens per request "
-            "(usage.completion_tokens).", base, buckets=tb, registry=reg)
+            "llm_proxy_completion_tokens", "Completion tokens per request, reasoning included: "
+            "usage.completion_tokens (chat, completions), output_tokens (Responses, Messages; "
+            "the last message_delta's cumulative value).", base, buckets=tb, registry=reg)
+        self.reasoning_tokens = Histogram(
+            "llm_proxy_reasoning_tokens", "Reasoning tokens per request: "
+            "usage.completion_tokens_details.reasoning_tokens (chat), "
+            "output_tokens_details.reasoning_tokens (Responses); only where the API reports "
+            "them.", base, buckets=tb, registry=reg)
+        self.cache_write_tokens = Histogram(
+            "llm_proxy_cache_write_prompt_tokens", "Prompt tokens written to the provider's "
+            "prompt cache per request (Messages cache_creation_input_tokens); only where the "
+            "upstream reports them.", base, buckets=tb, registry=reg)
         self.outcomes = Counter(
             "llm_proxy_stream_outcomes", "How each stream ended: completed, client_disconnected, "
-            "upstream_interrupted, upstream_error (non-2xx), timeout.", (*base, "outcome"),
+            "upstream_interrupted, upstream_error (non-2xx, unreachable, or an error event inside "
+            "a 200 stream: Responses error or response.failed, Messages event: error), timeout.", (*base, "outcome"),
             registry=reg)
         self.in_flight_gauge = Gauge(
             "llm_proxy_in_flight_requests", "Requests the proxy is handling right now "
@@ -188,10 +226,12 @@ class Metrics:
         if found is None:
             labels = (route, model, self.upstream)
             found = _Children(
-                self.ttft.labels(*labels), self.itl.labels(*labels), self.tpot.labels(*labels),
+                self.ttft.labels(*labels), self.ttfa.labels(*labels), self.ttfb.labels(*labels),
+                self.itl.labels(*labels), self.tpot.labels(*labels),
                 self.queue.labels(*labels), self.upstream_queue.labels(*labels),
                 self.overhead.labels(*labels), self.prompt_tokens.labels(*labels),
-                self.cached_tokens.labels(*labels), self.completion_tokens.labels(*labels))
+                self.cached_tokens.labels(*labels), self.completion_tokens.labels(*labels),
+                self.reasoning_tokens.labels(*labels), self.cache_write_tokens.labels(*labels))
             self._children[key] = found
         return found
 
@@ -226,11 +266,19 @@ class Metrics:
             c.cached.observe(record.cached_prompt_tokens)
         if record.completion_tokens is not None:
             c.completion.observe(record.completion_tokens)
+        if record.reasoning_tokens is not None:
+            c.reasoning.observe(record.reasoning_tokens)
+        if record.cache_write_tokens is not None:
+            c.cache_write.observe(record.cache_write_tokens)
         if record.stream:
             if record.outcome is not Outcome.REJECTED:
                 self.outcomes.labels(record.route, model, self.upstream, str(record.outcome)).inc()
+            if record.ttfb_s is not None:
+                c.ttfb.observe(record.ttfb_s)
             if record.ttft_s is not None:
                 c.ttft.observe(record.ttft_s, exemplar)
+            if record.ttfa_s is not None:
+                c.ttfa.observe(record.ttfa_s)
             observe_many(c.itl, record.itl_s)
             if record.tpot_s is not None:
                 c.tpot.observe(record.tpot_s)
