@@ -27,12 +27,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import resource
 import sys
 import time
 import urllib.request
 from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -51,17 +54,19 @@ from soak import (  # a sibling script
 
 
 def in_flight_gauge(port: int) -> float | None:
-    """The proxy's ``llm_proxy_in_flight_requests`` (None if it could not be read)."""
+    """The proxy's ``llm_proxy_in_flight_requests`` summed over its series (None if it
+    could not be read)."""
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
             text = r.read().decode()
-    except OSError:
+        return math.fsum(
+            sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == "llm_proxy_in_flight_requests"
+        )
+    except (OSError, ValueError):
         return None
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith("llm_proxy_in_flight_requests{"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 async def one(port: int, tokens: int, delay: float, open_now: list[int],
