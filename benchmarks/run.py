@@ -750,8 +750,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--targets",
         default="direct,nginx,proxy,proxy-nomeasure",
         help="comma list from direct,nginx,proxy,proxy-nomeasure,litellm; proxy targets take "
-        "suffixes: -nomeasure (--no-measure), -noinject (--no-inject-usage), -aiohttp/-httpx "
-        "(--http-client), -wN (--workers N)",
+        "suffixes: -nomeasure (--no-measure), -noinject (--no-inject-usage), -wN (--workers N)",
     )
     p.add_argument("--with-litellm", action="store_true", help="add the litellm target")
     p.add_argument("--litellm-venv", default=os.environ.get("LITELLM_VENV", DEFAULT_LITELLM_VENV))
@@ -850,16 +849,14 @@ def main(argv: list[str] | None = None) -> int:
                 elif name == "nginx":
                     targets.append(bench.start_nginx(upstream))
                 elif name.startswith("proxy"):
-                    # proxy[-nomeasure][-noinject][-aiohttp|-httpx][-wN]: measurement off,
-                    # no usage injection, another upstream client, N workers
+                    # proxy[-nomeasure][-noinject][-wN]: measurement off, no usage
+                    # injection, N workers
                     extra = []
                     for part in name.split("-")[1:]:
                         if part == "nomeasure":
                             extra.append("--no-measure")
                         elif part == "noinject":
                             extra.append("--no-inject-usage")
-                        elif part in ("aiohttp", "httpx", "builtin"):
-                            extra += ["--http-client", part]
                         elif part.startswith("w") and part[1:].isdigit():
                             extra += ["--workers", part[1:]]
                         else:
