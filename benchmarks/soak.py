@@ -17,7 +17,7 @@ seen in the first post-warm-up sample (they move with the requests in flight).
 
 Usage::
 
-    python benchmarks/soak.py                      # 60 s, as in CI
+    python benchmarks/soak.py                      # 60 s (tests/test_soak.py runs 40 s)
     python benchmarks/soak.py --duration 1800      # the 30-minute report run
 
 The helpers here (starting the processes, reading ``/proc``, a minimal streaming
