@@ -58,7 +58,7 @@ from tests.test_observability import (
     selectors,
 )
 
-pytestmark = [pytest.mark.integration, pytest.mark.anyio]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.anyio]
 
 MODELS = ("sim-a", "sim-b")
 UPSTREAM_NAME = "sim"
