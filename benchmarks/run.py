@@ -225,7 +225,7 @@ class Bench:
         self.logs: list[BinaryIO] = []  # children's output files, closed with them
         self.tmp = Path(tempfile.mkdtemp(prefix="llm-proxy-bench-"))
         self.upstream_procs: dict[bool, subprocess.Popen[Any]] = {}  # by close mode
-        self.code = ""
+        self.codes: dict[str, str] = {}  # proxy code measured: short sha256 per source
 
     def pin(self, cpu: str) -> list[str]:
         """Command prefix: optional priority (``--nice``) and CPU pinning (taskset)."""
@@ -342,27 +342,32 @@ class Bench:
         wait_port(port, proc, 10)
         return Target("nginx", f"http://127.0.0.1:{port}/v1", proc, close=close)
 
-    def snapshot_proxy(self) -> str:
-        """Copy ``proxy/`` (of this repository or ``--proxy-src``) once, so every proxy run
-        in this benchmark runs the same code even while the tree is being edited; returns a
-        short hash of that code."""
-        src = self.tmp / "src"
+    def snapshot_proxy(self, before: bool = False) -> Path:
+        """Copy ``proxy/`` once, so every proxy run in this benchmark runs the same code
+        even while the tree is being edited; the directory to run it from. ``before``: the
+        ``proxy/`` of the ``--before`` checkout instead of this repository's."""
+        src = self.tmp / ("src-before" if before else "src")
         if not (src / "proxy").exists():
+            origin = Path(self.args.before) if before else REPO
             shutil.copytree(
-                Path(self.args.proxy_src or REPO) / "proxy",
-                src / "proxy",
-                ignore=shutil.ignore_patterns("__pycache__"),
+                origin / "proxy", src / "proxy", ignore=shutil.ignore_patterns("__pycache__")
             )
-        digest = hashlib.sha256()
-        for path in sorted((src / "proxy").rglob("*.py")):
-            digest.update(path.relative_to(src).as_posix().encode() + path.read_bytes())
-        self.code = digest.hexdigest()[:12]
-        return self.code
+            digest = hashlib.sha256()
+            for path in sorted((src / "proxy").rglob("*.py")):
+                digest.update(path.relative_to(src).as_posix().encode() + path.read_bytes())
+            where = f" from {self.args.before}" if before else ""
+            self.codes["-before" if before else ""] = f"{digest.hexdigest()[:12]}{where}"
+        return src
 
     def start_proxy(
-        self, upstream: str, name: str, extra: list[str], close: bool = False
+        self,
+        upstream: str,
+        name: str,
+        extra: list[str],
+        close: bool = False,
+        before: bool = False,
     ) -> Target:
-        self.snapshot_proxy()
+        src = self.snapshot_proxy(before)
         port = free_port()
         cmd = [
             PY,
@@ -377,7 +382,7 @@ class Bench:
             *extra,
         ]
         tag = peak_key(name, close).replace("@", "-")
-        proc = self.spawn(cmd, name=tag, cpu=self.args.target_cpu, cwd=self.tmp / "src")
+        proc = self.spawn(cmd, name=tag, cpu=self.args.target_cpu, cwd=src)
         wait_port(port, proc, 30)
         return Target(name, f"http://127.0.0.1:{port}/v1", proc, close=close)
 
@@ -835,7 +840,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--targets",
         default="direct,nginx,proxy,proxy-nomeasure",
         help="comma list from direct,nginx,proxy,proxy-nomeasure,litellm; proxy targets take "
-        "suffixes: -nomeasure (--no-measure), -noinject (--no-inject-usage), -wN (--workers N)",
+        "suffixes: -nomeasure (--no-measure), -noinject (--no-inject-usage), -wN (--workers N), "
+        "-before (the proxy/ of --before DIR)",
     )
     p.add_argument("--with-litellm", action="store_true", help="add the litellm target")
     p.add_argument("--litellm-venv", default=os.environ.get("LITELLM_VENV", DEFAULT_LITELLM_VENV))
@@ -875,11 +881,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--nginx-workers", type=int, default=1)
     p.add_argument(
-        "--proxy-src",
+        "--before",
         default="",
         metavar="DIR",
-        help="measure the proxy/ package of this checkout (e.g. a git worktree of an "
-        "earlier commit) instead of this repository's",
+        help="a checkout (e.g. a git worktree of an earlier commit) whose proxy/ the "
+        "'-before' proxy targets run: proxy-before beside proxy compares two versions in "
+        "one run",
     )
     p.add_argument(
         "--proxy-arg",
@@ -941,11 +948,16 @@ def start_targets(bench: Bench, names: list[str], close: bool) -> list[Target]:
         elif name == "nginx":
             targets.append(bench.start_nginx(upstream, close))
         elif name.startswith("proxy"):
-            # proxy[-nomeasure][-noinject][-wN]: measurement off, no usage injection,
-            # N workers
+            # proxy[-nomeasure][-noinject][-wN][-before]: measurement off, no usage
+            # injection, N workers, the code of the --before checkout
             extra = []
+            before = False
             for part in name.split("-")[1:]:
-                if part == "nomeasure":
+                if part == "before":
+                    if not bench.args.before:
+                        raise SystemExit(f"target {name!r} needs --before DIR")
+                    before = True
+                elif part == "nomeasure":
                     extra.append("--no-measure")
                 elif part == "noinject":
                     extra.append("--no-inject-usage")
@@ -953,7 +965,7 @@ def start_targets(bench: Bench, names: list[str], close: bool) -> list[Target]:
                     extra += ["--workers", part[1:]]
                 else:
                     raise SystemExit(f"unknown target {name!r}")
-            targets.append(bench.start_proxy(upstream, name, extra, close))
+            targets.append(bench.start_proxy(upstream, name, extra, close, before))
         elif name == "litellm":
             t = bench.start_litellm(upstream, close)
             if t is not None:
@@ -1085,7 +1097,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         bench.close()
     rows = summarize_loads(runs, [t.name for t in targets])
-    code = bench.code or "n/a (no proxy target)"
+    code = "; ".join(
+        f"proxy{key} targets: proxy/ sha256 {value}" for key, value in bench.codes.items()
+    )
     meta = {
         "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": machine(),
@@ -1093,8 +1107,7 @@ def main(argv: list[str] | None = None) -> int:
         "schedule": f"fake upstream TTFT {a.ttft * 1000:.0f} ms, ITL {a.itl * 1000:.0f} ms, "
         f"{a.tokens} tokens/stream; {a.duration:.0f} s per run "
         f"({a.warmup:.1f} s warm-up not counted)",
-        "code": f"proxy/ sha256 {code} (snapshot taken at start"
-        + (f" from {a.proxy_src})" if a.proxy_src else ")"),
+        "code": f"{code} (snapshots taken at start)" if code else "n/a (no proxy target)",
         "pinning": (
             "none"
             if a.no_pin

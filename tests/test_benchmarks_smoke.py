@@ -7,8 +7,9 @@ Responses, Messages), stream and token counts against the fake upstream's schedu
 kept-alive versus new connections, the close-per-response upstream (one upstream
 connection per request, direct, through nginx and through the proxy), broken streams
 detected, and ``run.py`` end to end (fake upstream, direct, nginx when installed, the
-proxy and the proxy with ``--no-measure``; keep-alive and close upstreams; Responses and
-Messages streams relayed) producing a report with no broken streams.
+proxy, the proxy with ``--no-measure`` and a proxy from ``--before``; keep-alive and
+close upstreams; Responses and Messages streams relayed) producing a report with no
+broken streams.
 """
 
 from __future__ import annotations
@@ -262,7 +263,7 @@ async def test_truncated_stream_is_broken() -> None:
     assert out["errors"] == {"connection lost": 4}
 
 
-def _run_harness(tmp_path: Path, targets: list[str], loads: str) -> dict[str, Any]:
+def _run_harness(tmp_path: Path, targets: list[str], loads: str, *extra: str) -> dict[str, Any]:
     out = tmp_path / "bench.json"
     cmd = [
         sys.executable,
@@ -289,6 +290,7 @@ def _run_harness(tmp_path: Path, targets: list[str], loads: str) -> dict[str, An
         "2",
         "--json",
         str(out),
+        *extra,
     ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=150, cwd=BENCH.parent)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -329,9 +331,15 @@ def test_run_py_side_by_side(tmp_path: Path) -> None:
     if HAS_NGINX:
         targets.append("nginx")
     if HAS_PROXY:
-        targets += ["proxy", "proxy-nomeasure"]
-    result = _run_harness(tmp_path, targets, "4,4new")
+        # proxy-before: the proxy of another checkout (here this one again)
+        targets += ["proxy", "proxy-nomeasure", "proxy-before"]
+    result = _run_harness(tmp_path, targets, "4,4new", "--before", str(BENCH.parent))
     _check_runs(result, targets, [run.Load(4), run.Load(4, keepalive=False)])
+    if HAS_PROXY:  # both snapshots of the same tree: the same hash, each named
+        now, before = result["meta"]["code"].removesuffix(" (snapshots taken at start)").split("; ")
+        digest = now.removeprefix("proxy targets: proxy/ sha256 ")
+        assert len(digest) == 12
+        assert before == f"proxy-before targets: proxy/ sha256 {digest} from {BENCH.parent}"
 
 
 @pytest.mark.timeout(180)
