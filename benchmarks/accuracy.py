@@ -33,7 +33,7 @@ from pathlib import Path
 
 import httpx
 
-UPSTREAM = r'''
+UPSTREAM = r"""
 import asyncio, json, sys, time, itertools
 TTFT, ITL, TOKENS = float(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
 ids = itertools.count()
@@ -76,7 +76,7 @@ async def main():
     async with server:
         await server.serve_forever()
 asyncio.run(main())
-'''
+"""
 
 
 def free_port() -> int:
@@ -114,10 +114,12 @@ async def drive(url: str, requests: int, concurrency: int) -> list[dict[str, obj
     results: list[dict[str, object]] = []
     queue = list(range(requests))
     async with httpx.AsyncClient(limits=limits, timeout=60) as client:
+
         async def worker() -> None:
             while queue:
                 queue.pop()
                 results.append(await one(client, url))
+
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     return results
 
@@ -140,19 +142,46 @@ def main() -> int:
     workdir = Path(tempfile.mkdtemp(prefix="accuracy-"))
     log_file = workdir / "requests.jsonl"
     procs = [
-        subprocess.Popen([sys.executable, "-c", UPSTREAM, str(up_port), str(args.ttft),
-                          str(args.itl), str(args.tokens)], stdout=subprocess.PIPE),
-        subprocess.Popen([sys.executable, "-m", "proxy", "serve", "--upstream",
-                          f"http://127.0.0.1:{up_port}/v1", "--port", str(proxy_port),
-                          "--log-requests", str(log_file)], stderr=subprocess.DEVNULL,
-                         env={**os.environ}),
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                UPSTREAM,
+                str(up_port),
+                str(args.ttft),
+                str(args.itl),
+                str(args.tokens),
+            ],
+            stdout=subprocess.PIPE,
+        ),
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "proxy",
+                "serve",
+                "--upstream",
+                f"http://127.0.0.1:{up_port}/v1",
+                "--port",
+                str(proxy_port),
+                "--log-requests",
+                str(log_file),
+            ],
+            stderr=subprocess.DEVNULL,
+            env={**os.environ},
+        ),
     ]
     try:
         assert procs[0].stdout is not None
         procs[0].stdout.readline()
         wait_for(f"http://127.0.0.1:{proxy_port}/healthz")
-        results = asyncio.run(drive(f"http://127.0.0.1:{proxy_port}/v1/chat/completions",
-                                    args.requests, args.concurrency))
+        results = asyncio.run(
+            drive(
+                f"http://127.0.0.1:{proxy_port}/v1/chat/completions",
+                args.requests,
+                args.concurrency,
+            )
+        )
     finally:
         for proc in procs:
             proc.terminate()
@@ -170,14 +199,20 @@ def main() -> int:
         ttft_vs_client.append(float(r["ttft"]) - rec["ttft_s"])  # type: ignore[arg-type]
         itl_vs_schedule.append(rec["itl_mean_s"] - args.itl)
         itl_vs_client.append(statistics.fmean(gaps) - rec["itl_mean_s"])
-    print(f"accuracy: {len(results)} streams, concurrency {args.concurrency}, schedule "
-          f"TTFT {args.ttft * 1000:.0f} ms, ITL {args.itl * 1000:.0f} ms, {args.tokens} tokens")
-    for name, values in (("proxy TTFT - scheduled TTFT", ttft_vs_schedule),
-                         ("client TTFT - proxy TTFT", ttft_vs_client),
-                         ("proxy mean ITL - scheduled ITL", itl_vs_schedule),
-                         ("client mean ITL - proxy mean ITL", itl_vs_client)):
-        print(f"  {name:34s} median {statistics.median(values) * 1000:+.3f} ms   "
-              f"p99 {pct(values, 0.99) * 1000:+.3f} ms   max {max(values) * 1000:+.3f} ms")
+    print(
+        f"accuracy: {len(results)} streams, concurrency {args.concurrency}, schedule "
+        f"TTFT {args.ttft * 1000:.0f} ms, ITL {args.itl * 1000:.0f} ms, {args.tokens} tokens"
+    )
+    for name, values in (
+        ("proxy TTFT - scheduled TTFT", ttft_vs_schedule),
+        ("client TTFT - proxy TTFT", ttft_vs_client),
+        ("proxy mean ITL - scheduled ITL", itl_vs_schedule),
+        ("client mean ITL - proxy mean ITL", itl_vs_client),
+    ):
+        print(
+            f"  {name:34s} median {statistics.median(values) * 1000:+.3f} ms   "
+            f"p99 {pct(values, 0.99) * 1000:+.3f} ms   max {max(values) * 1000:+.3f} ms"
+        )
     return 0
 
 

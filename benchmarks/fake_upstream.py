@@ -1,20 +1,41 @@
-"""A fast fake OpenAI-style upstream with a fixed schedule, for benchmarks only.
+"""A fast fake upstream with a fixed schedule, for benchmarks only.
 
 Why not the simulator: a benchmark's upstream must never be the bottleneck, so this is a
 raw asyncio ``Protocol`` server (uvloop when installed) that writes pre-encoded bytes on
 an absolute timetable. Every streamed response follows the same schedule:
 
-* headers and a role-only chunk immediately (role-only is not a token);
+* headers and the events before the first token immediately (chat: a role-only chunk,
+  which is not a token);
 * the first token ``ttft`` seconds after the request was read, then one token every
   ``itl`` seconds, computed from the start time so timer jitter never accumulates;
-* a finish chunk, then a usage chunk (only when the request asked with
-  ``stream_options.include_usage``, as OpenAI does), then ``data: [DONE]``.
+* the closing events. Chat Completions: a finish chunk, then a usage chunk (only when
+  the request asked with ``stream_options.include_usage``, as OpenAI does), then
+  ``data: [DONE]``.
 
-Each SSE event is written as its own HTTP/1.1 chunk (``Transfer-Encoding: chunked``) and
-connections are kept alive, so load clients can measure both new and reused connections.
-``max_tokens`` in the request, when given, sets the number of tokens (handy for tests);
-otherwise ``--tokens``. Every token's text contains ``TOKEN_MARK`` so a client can count
-tokens with a byte scan whatever JSON formatting a proxy in between uses.
+Three APIs, each streamed the way its service streams it, one ``event: NAME`` /
+``data: JSON`` pair per event for the last two:
+
+* ``POST .../chat/completions`` (and ``.../completions``): the chat chunks above;
+  ``max_tokens`` sets the number of tokens.
+* ``POST .../responses`` (OpenAI Responses): ``response.created``,
+  ``response.in_progress``, ``response.output_item.added``,
+  ``response.content_part.added``, one ``response.output_text.delta`` per token, the
+  ``.done`` events, ``response.completed`` with ``usage``; ``max_output_tokens`` sets
+  the number of tokens.
+* ``POST .../messages`` (Anthropic Messages): ``message_start`` with usage,
+  ``content_block_start``, ``ping``, one ``content_block_delta`` (``text_delta``) per
+  token, ``content_block_stop``, ``message_delta`` with ``usage.output_tokens``,
+  ``message_stop``; ``max_tokens`` sets the number of tokens.
+
+Without a token count in the request, ``--tokens``. Every token's text contains
+``TOKEN_MARK`` so a client can count chat tokens with a byte scan whatever JSON
+formatting a proxy in between uses.
+
+Each SSE event is written as its own HTTP/1.1 chunk (``Transfer-Encoding: chunked``).
+Connections are kept alive, so load clients can measure both new and reused
+connections; with ``--close`` every response carries ``Connection: close`` and the
+server closes the connection after it, as HTTP/1.0-style servers and some load
+balancers do, so a proxy in front opens a new upstream connection per request.
 
 Run: ``python benchmarks/fake_upstream.py --port 0`` prints ``LISTENING <port>`` on stdout.
 """
@@ -23,11 +44,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import signal
 import sys
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -104,12 +126,218 @@ def _plain(status: str, body: bytes, close: bool) -> bytes:
     )
 
 
-class UpstreamProtocol(asyncio.Protocol):
-    """One client connection: read a request, answer it, repeat (keep-alive)."""
+def _named(name: str, obj: object) -> bytes:
+    """One HTTP chunk holding one named SSE event (Responses and Messages streams)."""
+    data = json.dumps(obj, separators=(",", ":")).encode()
+    return _chunk(b"event: " + name.encode() + b"\ndata: " + data + b"\n\n")
 
-    def __init__(self, schedule: Schedule, stats: dict[str, int]) -> None:
+
+TOKEN_TEXT = " " + TOKEN_MARK.decode()
+PROMPT_TOKENS = 8
+RESPONSE_ID, ITEM_ID = "resp_bench", "msg_bench"
+
+
+@dataclass(frozen=True)
+class Stream:
+    """One streamed response of a named-event API: the events before the first token,
+    the token event for each index, the events after the last token."""
+
+    before: bytes
+    token: Callable[[int], bytes]
+    after: bytes
+
+
+def _response_obj(status: str, output: list[object], usage: object) -> dict[str, object]:
+    return {
+        "id": RESPONSE_ID,
+        "object": "response",
+        "created_at": 0,
+        "status": status,
+        "model": MODEL,
+        "output": output,
+        "usage": usage,
+    }
+
+
+def _message_item(status: str, content: list[object]) -> dict[str, object]:
+    return {
+        "id": ITEM_ID,
+        "type": "message",
+        "status": status,
+        "role": "assistant",
+        "content": content,
+    }
+
+
+def _responses_usage(tokens: int) -> dict[str, object]:
+    return {
+        "input_tokens": PROMPT_TOKENS,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": PROMPT_TOKENS + tokens,
+    }
+
+
+@functools.lru_cache(maxsize=8192)
+def _responses_delta(seq: int) -> bytes:
+    """The ``response.output_text.delta`` event with sequence number ``seq``."""
+    return _named(
+        "response.output_text.delta",
+        {
+            "type": "response.output_text.delta",
+            "item_id": ITEM_ID,
+            "output_index": 0,
+            "content_index": 0,
+            "delta": TOKEN_TEXT,
+            "sequence_number": seq,
+        },
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def responses_stream(tokens: int) -> Stream:
+    """An OpenAI Responses stream of ``tokens`` text deltas."""
+    text = TOKEN_TEXT * tokens
+    part: dict[str, object] = {"type": "output_text", "text": text, "annotations": []}
+    item = _message_item("completed", [part])
+    where = {"item_id": ITEM_ID, "output_index": 0, "content_index": 0}
+    before = [
+        ("response.created", {"response": _response_obj("in_progress", [], None)}),
+        ("response.in_progress", {"response": _response_obj("in_progress", [], None)}),
+        (
+            "response.output_item.added",
+            {"output_index": 0, "item": _message_item("in_progress", [])},
+        ),
+        (
+            "response.content_part.added",
+            where | {"part": {"type": "output_text", "text": "", "annotations": []}},
+        ),
+    ]
+    after = [
+        ("response.output_text.done", where | {"text": text}),
+        ("response.content_part.done", where | {"part": part}),
+        ("response.output_item.done", {"output_index": 0, "item": item}),
+        (
+            "response.completed",
+            {"response": _response_obj("completed", [item], _responses_usage(tokens))},
+        ),
+    ]
+    first = len(before)
+
+    def encode(events: list[tuple[str, dict[str, object]]], seq: int) -> bytes:
+        return b"".join(
+            _named(name, {"type": name} | obj | {"sequence_number": seq + i})
+            for i, (name, obj) in enumerate(events)
+        )
+
+    return Stream(
+        encode(before, 0),
+        lambda i: _responses_delta(first + i),
+        encode(after, first + tokens),
+    )
+
+
+MESSAGES_DELTA = _named(
+    "content_block_delta",
+    {
+        "type": "content_block_delta",
+        "index": 0,
+        "delta": {"type": "text_delta", "text": TOKEN_TEXT},
+    },
+)
+
+
+def _messages_token(_: int) -> bytes:
+    return MESSAGES_DELTA
+
+
+@functools.lru_cache(maxsize=256)
+def messages_stream(tokens: int) -> Stream:
+    """An Anthropic Messages stream of ``tokens`` text deltas."""
+    message = {
+        "id": ITEM_ID,
+        "type": "message",
+        "role": "assistant",
+        "model": MODEL,
+        "content": [],
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": {"input_tokens": PROMPT_TOKENS, "output_tokens": 1},
+    }
+    before = (
+        _named("message_start", {"type": "message_start", "message": message})
+        + _named(
+            "content_block_start",
+            {
+                "type": "content_block_start",
+                "index": 0,
+                "content_block": {"type": "text", "text": ""},
+            },
+        )
+        + _named("ping", {"type": "ping"})
+    )
+    after = (
+        _named("content_block_stop", {"type": "content_block_stop", "index": 0})
+        + _named(
+            "message_delta",
+            {
+                "type": "message_delta",
+                "delta": {"stop_reason": "end_turn", "stop_sequence": None},
+                "usage": {"output_tokens": tokens},
+            },
+        )
+        + _named("message_stop", {"type": "message_stop"})
+    )
+    return Stream(before, _messages_token, after)
+
+
+def responses_body(tokens: int) -> dict[str, object]:
+    """The non-streamed Responses answer."""
+    part = {"type": "output_text", "text": TOKEN_TEXT * tokens, "annotations": []}
+    return _response_obj(
+        "completed", [_message_item("completed", [part])], _responses_usage(tokens)
+    )
+
+
+def messages_body(tokens: int) -> dict[str, object]:
+    """The non-streamed Messages answer."""
+    return {
+        "id": ITEM_ID,
+        "type": "message",
+        "role": "assistant",
+        "model": MODEL,
+        "content": [{"type": "text", "text": TOKEN_TEXT * tokens}],
+        "stop_reason": "end_turn",
+        "stop_sequence": None,
+        "usage": {"input_tokens": PROMPT_TOKENS, "output_tokens": tokens},
+    }
+
+
+@dataclass(frozen=True)
+class NamedEventAPI:
+    """An API whose stream is named events: the request field holding the token count,
+    the streamed answer and the whole one, both by token count."""
+
+    tokens_field: str
+    stream: Callable[[int], Stream]
+    body: Callable[[int], dict[str, object]]
+
+
+NAMED_EVENT_APIS = {
+    "/responses": NamedEventAPI("max_output_tokens", responses_stream, responses_body),
+    "/messages": NamedEventAPI("max_tokens", messages_stream, messages_body),
+}
+
+
+class UpstreamProtocol(asyncio.Protocol):
+    """One client connection: read a request, answer it, repeat (keep-alive); with
+    ``close_all``, answer one request with ``Connection: close`` and close."""
+
+    def __init__(self, schedule: Schedule, stats: dict[str, int], close_all: bool = False) -> None:
         self.schedule = schedule
         self.stats = stats
+        self.close_all = close_all
         self.buf = b""
         self.transport: asyncio.Transport | None = None
         self.busy = False
@@ -146,7 +374,7 @@ class UpstreamProtocol(asyncio.Protocol):
             return
         body = self.buf[end + 4 : end + 4 + length]
         self.buf = self.buf[end + 4 + length :]
-        close = headers.get("connection", "").lower() == "close"
+        close = self.close_all or headers.get("connection", "").lower() == "close"
         self.busy = True
         self.task = asyncio.get_running_loop().create_task(
             self._respond(method, target, body, close)
@@ -163,6 +391,8 @@ class UpstreamProtocol(asyncio.Protocol):
                 t and t.write(_plain("200 OK", b'{"status":"ok"}', close))
             elif method == "POST" and path.endswith(("/chat/completions", "/completions")):
                 await self._completion(body, close)
+            elif method == "POST" and path.endswith(("/responses", "/messages")):
+                await self._named_events(NAMED_EVENT_APIS[path[path.rfind("/") :]], body, close)
             else:
                 t and t.write(_plain("404 Not Found", b'{"error":{"message":"not found"}}', close))
         finally:
@@ -230,6 +460,41 @@ class UpstreamProtocol(asyncio.Protocol):
         t.write(tail)
         self.stats["completed"] += 1
 
+    async def _named_events(self, api: NamedEventAPI, body: bytes, close: bool) -> None:
+        """A Responses or Messages answer on the same schedule as ``_completion``."""
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        try:
+            req = json.loads(body or b"{}")
+        except ValueError:
+            req = {}
+        s = self.schedule
+        tokens = int(req.get(api.tokens_field) or s.tokens)
+        self.stats["requests"] += 1
+        if not req.get("stream"):
+            await asyncio.sleep(s.ttft + s.itl * (tokens - 1))
+            if self.transport is not None:
+                self.transport.write(_plain("200 OK", json.dumps(api.body(tokens)).encode(), close))
+            return
+        events = api.stream(tokens)
+        t = self.transport
+        if t is None:
+            return
+        t.write(HEAD_STREAM + (b"connection: close\r\n\r\n" if close else b"\r\n") + events.before)
+        token = events.token
+        first = start + s.ttft
+        for i in range(tokens):
+            delay = first + i * s.itl - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if self.transport is None:
+                self.stats["aborted"] += 1
+                return
+            t.write(token(i))
+        self.stats["events"] += tokens
+        t.write(events.after + b"0\r\n\r\n")
+        self.stats["completed"] += 1
+
 
 async def serve(
     host: str,
@@ -239,16 +504,23 @@ async def serve(
     port_out: list[int] | None = None,
     stop: asyncio.Event | None = None,
     stats: dict[str, int] | None = None,
+    *,
+    close: bool = False,
 ) -> None:
     """Serve until ``stop`` is set (or forever). ``port_out`` receives the bound port;
-    ``stats`` (connections, requests, completed, aborted, events) is updated live."""
+    ``stats`` (connections, requests, completed, aborted, events) is updated live;
+    ``close``: close the connection after every response."""
     loop = asyncio.get_running_loop()
     if stats is None:
         stats = {}
     for key in ("connections", "requests", "completed", "aborted", "events"):
         stats.setdefault(key, 0)
     server = await loop.create_server(
-        lambda: UpstreamProtocol(schedule, stats), host, port, backlog=4096, reuse_address=True
+        lambda: UpstreamProtocol(schedule, stats, close),
+        host,
+        port,
+        backlog=4096,
+        reuse_address=True,
     )
     bound = server.sockets[0].getsockname()[1]
     if port_out is not None:
@@ -284,6 +556,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--itl", type=float, default=Schedule.itl, help="seconds between tokens")
     p.add_argument("--tokens", type=int, default=Schedule.tokens, help="tokens per response")
     p.add_argument(
+        "--close",
+        action="store_true",
+        help="send Connection: close and close the connection after every response",
+    )
+    p.add_argument(
         "--max-seconds",
         type=float,
         default=3600.0,
@@ -301,10 +578,19 @@ def main(argv: list[str] | None = None) -> int:
         ports: list[int] = []
         ready = asyncio.Event()
         task = asyncio.create_task(
-            serve(a.host, a.port, Schedule(a.ttft, a.itl, a.tokens), ready, ports, stop)
+            serve(
+                a.host,
+                a.port,
+                Schedule(a.ttft, a.itl, a.tokens),
+                ready,
+                ports,
+                stop,
+                close=a.close,
+            )
         )
         await ready.wait()
-        sys.stdout.write(f"LISTENING {ports[0]} pid={os.getpid()}\n")
+        mode = " close" if a.close else ""
+        sys.stdout.write(f"LISTENING {ports[0]} pid={os.getpid()}{mode}\n")
         sys.stdout.flush()
         await task
 

@@ -27,12 +27,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import resource
 import sys
 import time
 import urllib.request
 from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -51,21 +54,24 @@ from soak import (  # a sibling script
 
 
 def in_flight_gauge(port: int) -> float | None:
-    """The proxy's ``llm_proxy_in_flight_requests`` (None if it could not be read)."""
+    """The proxy's ``llm_proxy_in_flight_requests`` summed over its series (None if it
+    could not be read)."""
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
             text = r.read().decode()
-    except OSError:
+        return math.fsum(
+            sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == "llm_proxy_in_flight_requests"
+        )
+    except (OSError, ValueError):
         return None
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith("llm_proxy_in_flight_requests{"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
-async def one(port: int, tokens: int, delay: float, open_now: list[int],
-              peak: list[int]) -> StreamResult:
+async def one(
+    port: int, tokens: int, delay: float, open_now: list[int], peak: list[int]
+) -> StreamResult:
     await asyncio.sleep(delay)
     writer = None
     try:
@@ -89,16 +95,24 @@ async def direct(args: argparse.Namespace) -> dict[str, object]:
     open_now, peak = [0], [0]
     with processes(upstream):
         t0 = time.monotonic()
-        results = await asyncio.gather(*(
-            one(upstream.port, args.tokens, args.ramp * i / args.streams, open_now, peak)
-            for i in range(args.streams)))
+        results = await asyncio.gather(
+            *(
+                one(upstream.port, args.tokens, args.ramp * i / args.streams, open_now, peak)
+                for i in range(args.streams)
+            )
+        )
         wall = time.monotonic() - t0
     ok = [r for r in results if r.ok]
     return {
-        "completed": len(ok), "broken": len(results) - len(ok), "peak_open_streams": peak[0],
-        "ttft_s": {k: round(v, 4) for k, v in quantiles([r.t_first - r.t_start for r in ok]).items()},
-        "max_token_gap_per_stream_s": {k: round(v, 4) for k, v in
-                                       quantiles([r.max_gap for r in ok]).items()},
+        "completed": len(ok),
+        "broken": len(results) - len(ok),
+        "peak_open_streams": peak[0],
+        "ttft_s": {
+            k: round(v, 4) for k, v in quantiles([r.t_first - r.t_start for r in ok]).items()
+        },
+        "max_token_gap_per_stream_s": {
+            k: round(v, 4) for k, v in quantiles([r.max_gap for r in ok]).items()
+        },
         "wall_s": round(wall, 1),
     }
 
@@ -110,8 +124,9 @@ async def hold(args: argparse.Namespace) -> dict[str, object]:
     load_before = os.getloadavg()
     cpu_before = resource.getrusage(resource.RUSAGE_SELF)
     upstream = start_upstream(args.ttft, args.itl, args.tokens, args.max_seconds + 60)
-    proxy = start_proxy(upstream.port, "--max-upstream-connections",
-                        str(args.streams + 100), *args.proxy_arg)
+    proxy = start_proxy(
+        upstream.port, "--max-upstream-connections", str(args.streams + 100), *args.proxy_arg
+    )
     open_now, peak = [0], [0]
     peaks: dict[str, float] = {"rss_mib": 0.0, "fds": 0, "upstream_conns": 0}
     gauge_at_peak: float | None = None
@@ -119,8 +134,12 @@ async def hold(args: argparse.Namespace) -> dict[str, object]:
         base = sample(proxy, upstream.port)
         loop = asyncio.get_running_loop()
         t0 = loop.time()
-        tasks = [asyncio.create_task(one(proxy.port, args.tokens, args.ramp * i / args.streams,
-                                         open_now, peak)) for i in range(args.streams)]
+        tasks = [
+            asyncio.create_task(
+                one(proxy.port, args.tokens, args.ramp * i / args.streams, open_now, peak)
+            )
+            for i in range(args.streams)
+        ]
         all_done = asyncio.gather(*tasks)
         while not all_done.done():
             await asyncio.wait([all_done], timeout=1.0)
@@ -148,24 +167,41 @@ async def hold(args: argparse.Namespace) -> dict[str, object]:
     if missing:
         broken["not finished within --max-seconds"] = missing
     return {
-        "streams": args.streams, "completed": len(ok), "broken": sum(broken.values()),
+        "streams": args.streams,
+        "completed": len(ok),
+        "broken": sum(broken.values()),
         "broken_reasons": broken,
-        "schedule": {"ttft_s": args.ttft, "itl_s": args.itl, "tokens": args.tokens,
-                     "stream_s": round(duration, 2), "ramp_s": args.ramp},
-        "peak_open_streams_client": peak[0], "proxy_in_flight_gauge_near_peak": gauge_at_peak,
-        "ttft_s": {k: round(v, 4) for k, v in quantiles([r.t_first - r.t_start for r in ok]).items()},
-        "max_token_gap_per_stream_s": {k: round(v, 4) for k, v in
-                                       quantiles([r.max_gap for r in ok]).items()},
-        "proxy_rss_mib": {"before": round(base["rss_mib"], 1), "peak": round(peaks["rss_mib"], 1),
-                          "after": round(end["rss_mib"], 1)},
+        "schedule": {
+            "ttft_s": args.ttft,
+            "itl_s": args.itl,
+            "tokens": args.tokens,
+            "stream_s": round(duration, 2),
+            "ramp_s": args.ramp,
+        },
+        "peak_open_streams_client": peak[0],
+        "proxy_in_flight_gauge_near_peak": gauge_at_peak,
+        "ttft_s": {
+            k: round(v, 4) for k, v in quantiles([r.t_first - r.t_start for r in ok]).items()
+        },
+        "max_token_gap_per_stream_s": {
+            k: round(v, 4) for k, v in quantiles([r.max_gap for r in ok]).items()
+        },
+        "proxy_rss_mib": {
+            "before": round(base["rss_mib"], 1),
+            "peak": round(peaks["rss_mib"], 1),
+            "after": round(end["rss_mib"], 1),
+        },
         "proxy_fds": {"before": base["fds"], "peak": peaks["fds"], "after": end["fds"]},
         "proxy_upstream_conns_peak": peaks["upstream_conns"],
         "proxy_cpu_s": round(end["cpu_s"] - base["cpu_s"], 1),
         "upstream_cpu_s": round(upstream_cpu, 1),
-        "client_cpu_s": round(cpu_after.ru_utime + cpu_after.ru_stime
-                              - cpu_before.ru_utime - cpu_before.ru_stime, 1),
+        "client_cpu_s": round(
+            cpu_after.ru_utime + cpu_after.ru_stime - cpu_before.ru_utime - cpu_before.ru_stime, 1
+        ),
         "load_average_before": [round(x, 2) for x in load_before],
-        "wall_s": round(wall, 1), "fd_soft_limit": fd_limit, "proxy_exit_code": code,
+        "wall_s": round(wall, 1),
+        "fd_soft_limit": fd_limit,
+        "proxy_exit_code": code,
         "direct_baseline": baseline,
     }
 
@@ -178,10 +214,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--itl", type=float, default=1.0)
     p.add_argument("--tokens", type=int, default=30)
     p.add_argument("--max-seconds", type=float, default=180.0, help="hard bound on the run")
-    p.add_argument("--proxy-arg", action="append", default=[],
-                   help="extra argument for 'python -m proxy serve' (repeatable)")
-    p.add_argument("--baseline", action="store_true",
-                   help="first run the same streams straight to the upstream, for comparison")
+    p.add_argument(
+        "--proxy-arg",
+        action="append",
+        default=[],
+        help="extra argument for 'python -m proxy serve' (repeatable)",
+    )
+    p.add_argument(
+        "--baseline",
+        action="store_true",
+        help="first run the same streams straight to the upstream, for comparison",
+    )
     p.add_argument("--json", help="also write the report to this file")
     args = p.parse_args(argv)
     t = time.monotonic()

@@ -7,17 +7,23 @@ is a raw asyncio ``Protocol`` client (uvloop when installed) that:
 * reads ``time.perf_counter()`` once per received chunk of bytes (``data_received``);
 * decodes HTTP/1.1 chunked transfer encoding (uvicorn, nginx), ``Content-Length`` or
   close-delimited bodies, without copying more than the current read;
-* counts tokens with a byte scan for the fake upstream's token mark (so any JSON
-  re-serialisation by a proxy in between still counts), events by ``data:`` and the end
-  by ``[DONE]``; nothing is JSON-decoded;
+* counts tokens with a byte scan, events by ``data:`` and the end by the API's last
+  event; nothing is JSON-decoded. Per ``--api``: ``chat`` (Chat Completions) counts the
+  fake upstream's token mark (so any JSON re-serialisation by a proxy in between still
+  counts) and ends with ``[DONE]``; ``responses`` (OpenAI Responses) counts
+  ``response.output_text.delta`` events and ends with ``response.completed``;
+  ``messages`` (Anthropic Messages) counts ``content_block_delta`` events and ends with
+  ``message_stop``. The event types are matched as quoted JSON strings, so the
+  ``event:`` lines and the final events that repeat the whole text are not counted;
 * runs ``concurrency`` users, each doing one stream after another, either on a new TCP
-  connection per stream (connect time is inside TTFT) or on one kept-alive connection.
+  connection per stream (connect time is inside TTFT) or on one kept-alive connection,
+  which is given up when the server answers ``Connection: close``.
   Users start staggered over one stream's length so the load is steady, not a burst.
 
 TTFT is from just before connect/write to the first read that holds a token; gaps are
 between reads holding tokens (tokens that arrive in the same read add gaps of 0, which is
 what a client sees). A stream is broken unless it has status 200, exactly the expected
-tokens, ``[DONE]`` and a complete body.
+tokens, the API's last event and a complete body.
 
 Every run is bounded: ``--duration`` (plus at most ``--stream-timeout`` to finish the
 streams in flight) and optionally ``--streams`` per user. Output: one JSON object.
@@ -27,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import math
 import os
@@ -43,8 +50,29 @@ except ImportError:  # pragma: no cover - import path depends on how we are run
     from benchmarks.fake_upstream import TOKEN_MARK, run_loop
 
 DATA = b"data:"
-DONE = b"[DONE]"
 perf_counter = time.perf_counter
+
+
+@dataclass(frozen=True)
+class API:
+    """What a stream of one API looks like to the byte scan, and where to send it."""
+
+    path: str  # after the base URL
+    token: bytes  # once per token event
+    end: bytes  # once, in the last event
+    end_name: str  # for the error message
+
+
+APIS = {
+    "chat": API("/chat/completions", TOKEN_MARK, b"[DONE]", "[DONE]"),
+    "responses": API(
+        "/responses",
+        b'"response.output_text.delta"',
+        b'"response.completed"',
+        "response.completed",
+    ),
+    "messages": API("/messages", b'"content_block_delta"', b'"message_stop"', "message_stop"),
+}
 
 
 @dataclass
@@ -72,19 +100,28 @@ class _Conn(asyncio.Protocol):
         "clen",
         "close_delim",
         "crem",
+        "done",
         "done_seen",
+        "end_name",
         "fut",
         "hbuf",
         "in_head",
+        "keep",
+        "mark",
         "need_crlf",
+        "reusable",
         "tail",
         "transport",
     )
 
-    def __init__(self) -> None:
+    def __init__(self, api: API = APIS["chat"]) -> None:
         self.transport: asyncio.Transport | None = None
         self.fut: asyncio.Future[None] | None = None
         self._res: StreamResult | None = None
+        self.mark, self.done, self.end_name = api.token, api.end, api.end_name
+        # bytes kept from the previous read, so a mark split between reads is found
+        self.keep = max(8, len(api.token), len(api.end))
+        self.reusable = True
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -110,6 +147,7 @@ class _Conn(asyncio.Protocol):
         self.clen = -1
         self.close_delim = False
         self.done_seen = False
+        self.reusable = True
         self._last = 0.0
         self.fut = asyncio.get_running_loop().create_future()
         assert self.transport is not None
@@ -149,6 +187,8 @@ class _Conn(asyncio.Protocol):
                     self.chunked = True
                 elif name == b"content-length":
                     self.clen = int(value)
+                elif name == b"connection" and b"close" in value.lower():
+                    self.reusable = False
             self.close_delim = not self.chunked and self.clen < 0
             self.in_head = False
             data = buf[end + 4 :]
@@ -164,12 +204,13 @@ class _Conn(asyncio.Protocol):
             payload, complete = data, False
         if payload:
             tail = self.tail
+            mark = self.mark
             buf = tail + payload if tail else payload
-            n = buf.count(TOKEN_MARK) - (tail.count(TOKEN_MARK) if tail else 0)
+            n = buf.count(mark) - (tail.count(mark) if tail else 0)
             res.events += buf.count(DATA) - (tail.count(DATA) if tail else 0)
-            if not self.done_seen and DONE in buf:
+            if not self.done_seen and self.done in buf:
                 self.done_seen = True
-            self.tail = buf[-8:]
+            self.tail = buf[-self.keep :]
             if n:
                 if res.tokens == 0:
                     res.ttft = now - res.t_start
@@ -183,7 +224,7 @@ class _Conn(asyncio.Protocol):
             if res.status != 200:
                 self._finish(False, f"http {res.status}")
             elif not self.done_seen:
-                self._finish(False, "no [DONE]")
+                self._finish(False, "no " + self.end_name)
             else:
                 self._finish(True, "")
 
@@ -237,23 +278,26 @@ class LoadConfig:
     include_usage: bool = True
     headers: tuple[str, ...] = ()
     model: str = "bench"
+    api: str = "chat"  # chat | responses | messages
 
 
 def _request_bytes(cfg: LoadConfig) -> tuple[str, int, bytes]:
     parts = urlsplit(cfg.url)
     host = parts.hostname or "127.0.0.1"
     port = parts.port or 80
-    path = parts.path.rstrip("/") + "/chat/completions"
-    body: dict[str, Any] = {
-        "model": cfg.model,
-        "messages": [{"role": "user", "content": "benchmark"}],
-        "stream": True,
-        "max_tokens": cfg.tokens,
-    }
-    if cfg.include_usage:
+    path = parts.path.rstrip("/") + APIS[cfg.api].path
+    body: dict[str, Any] = {"model": cfg.model, "stream": True}
+    headers = list(cfg.headers)
+    if cfg.api == "responses":
+        body |= {"input": "benchmark", "max_output_tokens": cfg.tokens}
+    else:
+        body |= {"messages": [{"role": "user", "content": "benchmark"}], "max_tokens": cfg.tokens}
+    if cfg.api == "messages":
+        headers.append("anthropic-version: 2023-06-01")
+    elif cfg.api == "chat" and cfg.include_usage:
         body["stream_options"] = {"include_usage": True}
     raw = json.dumps(body).encode()
-    extra = "".join(f"{h}\r\n" for h in cfg.headers)
+    extra = "".join(f"{h}\r\n" for h in headers)
     head = (
         f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
         f"Accept: text/event-stream\r\nContent-Length: {len(raw)}\r\n{extra}"
@@ -326,13 +370,14 @@ async def run_load(cfg: LoadConfig) -> dict[str, Any]:
     warm_end = t0 + cfg.warmup
     deadline = t0 + cfg.duration
     step = cfg.stagger / max(cfg.concurrency, 1)
+    protocol = functools.partial(_Conn, APIS[cfg.api])
 
     async def one(conn: _Conn | None) -> tuple[_Conn | None, StreamResult]:
         res = StreamResult(t_start=perf_counter())
         try:
             if conn is None or conn.transport is None:
                 _, conn = await asyncio.wait_for(
-                    loop.create_connection(_Conn, host, port), cfg.stream_timeout
+                    loop.create_connection(protocol, host, port), cfg.stream_timeout
                 )
             await asyncio.wait_for(conn.start(request, res), cfg.stream_timeout)
         except (TimeoutError, OSError) as exc:
@@ -351,7 +396,7 @@ async def run_load(cfg: LoadConfig) -> dict[str, Any]:
             conn, res = await one(conn)
             done += 1
             (results if res.t_start >= warm_end else warm).append(res)
-            if not res.ok or not cfg.keepalive:
+            if not res.ok or not cfg.keepalive or (conn is not None and not conn.reusable):
                 if conn is not None and conn.transport is not None:
                     conn.transport.close()
                 conn = None
@@ -386,7 +431,8 @@ def main(argv: list[str] | None = None) -> int:
         "--stagger", type=float, default=1.0, help="spread user starts over this many seconds"
     )
     p.add_argument("--stream-timeout", type=float, default=30.0)
-    p.add_argument("--no-usage", action="store_true", help="do not ask for the usage chunk")
+    p.add_argument("--api", choices=sorted(APIS), default="chat", help="which API to stream")
+    p.add_argument("--no-usage", action="store_true", help="do not ask for the usage chunk (chat)")
     p.add_argument("--header", action="append", default=[], help="extra 'Name: value'")
     p.add_argument(
         "--bearer-env",
@@ -408,6 +454,7 @@ def main(argv: list[str] | None = None) -> int:
         stream_timeout=a.stream_timeout,
         include_usage=not a.no_usage,
         headers=tuple(a.header),
+        api=a.api,
     )
     out = run_loop(run_load(cfg))
     json.dump(out, sys.stdout)

@@ -1,6 +1,6 @@
 """One command: fake upstream + every target side by side, interleaved rounds, medians.
 
-    python benchmarks/run.py                 # full run (about 15 min on 2 cores)
+    python benchmarks/run.py                 # full run (about 22 min on 2 cores)
     python benchmarks/run.py --quick         # smoke configuration, < 60 s
     python benchmarks/run.py --with-litellm  # add LiteLLM (benchmarks/litellm/setup.sh first)
 
@@ -10,6 +10,12 @@ What it does, and why:
   ``direct`` (the upstream itself), ``nginx`` (proxy_buffering off, ``nginx.conf``),
   ``proxy`` (``python -m proxy serve``), ``proxy-nomeasure`` (``--no-measure``, prices the
   measurement) and optionally ``litellm``. Idle targets cost nothing, so all stay up.
+* Loads with ``close`` (e.g. ``64close``) run against a second fake upstream started
+  with ``--close`` (``Connection: close`` and a closed connection after every response,
+  as HTTP/1.0-style servers and some load balancers do) and a second instance of every
+  target pointed at it, so each proxied request opens a new upstream connection. Loads
+  may name another API (``64-responses``, ``64-messages``): the fake upstream streams
+  OpenAI Responses or Anthropic Messages events on the same schedule.
 * For each round, for each load, runs ``loadgen.py`` against every target, rotating the
   target order each round (A B C, B C A, ...), so drift on a noisy machine hits all
   targets alike. "Added" figures are target minus direct *in the same round and load*;
@@ -35,6 +41,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import secrets
 import shutil
 import signal
@@ -47,7 +54,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -143,6 +150,47 @@ def wait_port(port: int, proc: subprocess.Popen[Any] | None, timeout: float) -> 
     raise TimeoutError(f"nothing listening on {port} after {timeout} s")
 
 
+APIS = ("chat", "responses", "messages")
+_LOAD = re.compile(r"(\d+)(new)?(close)?(?:-(chat|responses|messages))?")
+
+
+@dataclass(frozen=True)
+class Load:
+    """One load: concurrent streams, how the client connects, how the upstream answers,
+    which API is streamed."""
+
+    streams: int
+    keepalive: bool = True  # client: one kept-alive connection per user ('new': per stream)
+    close: bool = False  # upstream: Connection: close and closed after every response
+    api: str = "chat"
+
+    @classmethod
+    def parse(cls, spec: str, api: str = "chat") -> Load:
+        """``N[new][close][-API]``, e.g. ``64``, ``64new``, ``256close``, ``64-responses``;
+        ``api`` for specs that name none."""
+        m = _LOAD.fullmatch(spec.strip())
+        if m is None:
+            raise SystemExit(
+                f"bad load {spec!r}: N[new][close][-chat|-responses|-messages], "
+                "e.g. 64, 64new, 256close, 64-responses"
+            )
+        return cls(int(m[1]), m[2] is None, m[3] is not None, m[4] or api)
+
+    @classmethod
+    def of(cls, run: dict[str, Any]) -> Load:
+        """The load of a run or row (runs recorded before ``close``/``api`` existed
+        were keep-alive upstream, chat)."""
+        return cls(run["load"], run["keepalive"], run.get("close", False), run.get("api", "chat"))
+
+    @property
+    def label(self) -> str:
+        """The load as ``--loads`` spells it (``64``, ``64new``, ``256close-messages``)."""
+        conn = "" if self.keepalive else "new"
+        upstream = "close" if self.close else ""
+        api = "" if self.api == "chat" else "-" + self.api
+        return f"{self.streams}{conn}{upstream}{api}"
+
+
 @dataclass
 class Target:
     """A thing the load client talks to, and the processes whose CPU/memory we read."""
@@ -153,9 +201,19 @@ class Target:
     headers: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     idle_rss_kib: int = 0
+    close: bool = False  # in front of the close-per-response upstream
 
     def pids(self) -> list[int]:
         return proc_tree(self.proc.pid) if self.proc is not None else []
+
+    @property
+    def key(self) -> str:
+        """Unique per instance: the name, ``@close`` added for the close-upstream twin."""
+        return peak_key(self.name, self.close)
+
+
+def peak_key(name: str, close: bool) -> str:
+    return name + ("@close" if close else "")
 
 
 class Bench:
@@ -164,9 +222,10 @@ class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.procs: list[subprocess.Popen[Any]] = []
+        self.logs: list[BinaryIO] = []  # children's output files, closed with them
         self.tmp = Path(tempfile.mkdtemp(prefix="llm-proxy-bench-"))
-        self.upstream_proc: subprocess.Popen[Any] | None = None
-        self.code = ""
+        self.upstream_procs: dict[bool, subprocess.Popen[Any]] = {}  # by close mode
+        self.codes: dict[str, str] = {}  # proxy code measured: short sha256 per source
 
     def pin(self, cpu: str) -> list[str]:
         """Command prefix: optional priority (``--nice``) and CPU pinning (taskset)."""
@@ -185,7 +244,8 @@ class Bench:
         stdout: int | None = None,
         cwd: Path = REPO,
     ) -> subprocess.Popen[Any]:
-        log = open(self.tmp / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
+        log = open(self.tmp / f"{name}.log", "wb")  # noqa: SIM115 - closed in close()
+        self.logs.append(log)
         proc = subprocess.Popen(
             self.pin(cpu) + cmd,
             cwd=cwd,
@@ -214,12 +274,15 @@ class Bench:
                     proc.kill()
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(5)
+        for log in self.logs:
+            log.close()
         if not self.args.keep_tmp:
             shutil.rmtree(self.tmp, ignore_errors=True)
 
     # -- starting things
 
-    def start_upstream(self) -> str:
+    def start_upstream(self, close: bool = False) -> str:
+        """The fake upstream; ``close``: it closes the connection after every response."""
         a = self.args
         proc = self.spawn(
             [
@@ -235,8 +298,9 @@ class Bench:
                 str(a.tokens),
                 "--max-seconds",
                 str(a.max_minutes * 60),
+                *(["--close"] if close else []),
             ],
-            name="fake_upstream",
+            name="fake_upstream" + ("-close" if close else ""),
             cpu=a.client_cpu,
             stdout=subprocess.PIPE,
         )
@@ -244,12 +308,13 @@ class Bench:
         line = proc.stdout.readline().decode()
         if not line.startswith("LISTENING"):
             raise RuntimeError(f"fake upstream failed: {line!r}")
-        self.upstream_proc = proc
+        self.upstream_procs[close] = proc
         return f"http://127.0.0.1:{int(line.split()[1])}/v1"
 
-    def start_nginx(self, upstream: str) -> Target:
+    def start_nginx(self, upstream: str, close: bool = False) -> Target:
         nginx = shutil.which("nginx") or "/usr/sbin/nginx"
-        prefix = self.tmp / "nginx"
+        tag = peak_key("nginx", close).replace("@", "-")
+        prefix = self.tmp / tag
         prefix.mkdir()
         port = free_port()
         conf = (HERE / "nginx.conf").read_text()
@@ -271,28 +336,38 @@ class Bench:
                 "-e",
                 str(prefix / "error.log"),
             ],
-            name="nginx",
+            name=tag,
             cpu=self.args.target_cpu,
         )
         wait_port(port, proc, 10)
-        return Target("nginx", f"http://127.0.0.1:{port}/v1", proc)
+        return Target("nginx", f"http://127.0.0.1:{port}/v1", proc, close=close)
 
-    def snapshot_proxy(self) -> str:
+    def snapshot_proxy(self, before: bool = False) -> Path:
         """Copy ``proxy/`` once, so every proxy run in this benchmark runs the same code
-        even while the tree is being edited; returns a short hash of that code."""
-        src = self.tmp / "src"
+        even while the tree is being edited; the directory to run it from. ``before``: the
+        ``proxy/`` of the ``--before`` checkout instead of this repository's."""
+        src = self.tmp / ("src-before" if before else "src")
         if not (src / "proxy").exists():
+            origin = Path(self.args.before) if before else REPO
             shutil.copytree(
-                REPO / "proxy", src / "proxy", ignore=shutil.ignore_patterns("__pycache__")
+                origin / "proxy", src / "proxy", ignore=shutil.ignore_patterns("__pycache__")
             )
-        digest = hashlib.sha256()
-        for path in sorted((src / "proxy").rglob("*.py")):
-            digest.update(path.relative_to(src).as_posix().encode() + path.read_bytes())
-        self.code = digest.hexdigest()[:12]
-        return self.code
+            digest = hashlib.sha256()
+            for path in sorted((src / "proxy").rglob("*.py")):
+                digest.update(path.relative_to(src).as_posix().encode() + path.read_bytes())
+            where = f" from {self.args.before}" if before else ""
+            self.codes["-before" if before else ""] = f"{digest.hexdigest()[:12]}{where}"
+        return src
 
-    def start_proxy(self, upstream: str, name: str, extra: list[str]) -> Target:
-        self.snapshot_proxy()
+    def start_proxy(
+        self,
+        upstream: str,
+        name: str,
+        extra: list[str],
+        close: bool = False,
+        before: bool = False,
+    ) -> Target:
+        src = self.snapshot_proxy(before)
         port = free_port()
         cmd = [
             PY,
@@ -306,11 +381,12 @@ class Bench:
             *self.args.proxy_arg,
             *extra,
         ]
-        proc = self.spawn(cmd, name=name, cpu=self.args.target_cpu, cwd=self.tmp / "src")
+        tag = peak_key(name, close).replace("@", "-")
+        proc = self.spawn(cmd, name=tag, cpu=self.args.target_cpu, cwd=src)
         wait_port(port, proc, 30)
-        return Target(name, f"http://127.0.0.1:{port}/v1", proc)
+        return Target(name, f"http://127.0.0.1:{port}/v1", proc, close=close)
 
-    def start_litellm(self, upstream: str) -> Target | None:
+    def start_litellm(self, upstream: str, close: bool = False) -> Target | None:
         venv = Path(self.args.litellm_venv)
         exe = venv / "bin" / "litellm"
         if not exe.exists():
@@ -325,7 +401,8 @@ class Bench:
             .read_text()
             .replace("@UPSTREAM_PORT@", upstream.split(":")[-1].split("/")[0])
         )
-        path = self.tmp / "litellm.yaml"
+        tag = peak_key("litellm", close).replace("@", "-")
+        path = self.tmp / f"{tag}.yaml"
         path.write_text(conf)
         key = os.environ.get("LITELLM_MASTER_KEY") or "sk-" + secrets.token_hex(24)
         env = {
@@ -346,7 +423,7 @@ class Bench:
                 "--num_workers",
                 "1",
             ],
-            name="litellm",
+            name=tag,
             cpu=self.args.target_cpu,
             env=env,
         )
@@ -357,6 +434,7 @@ class Bench:
             proc,
             headers=["--bearer-env", "BENCH_BEARER"],
             env={"BENCH_BEARER": key},
+            close=close,
         )
 
     # -- running loads
@@ -370,6 +448,7 @@ class Bench:
         warmup: float,
         tokens: int,
         streams: int = 0,
+        api: str = "chat",
     ) -> dict[str, Any]:
         """One loadgen run against ``target`` with CPU and memory read around it."""
         a = self.args
@@ -390,6 +469,8 @@ class Bench:
             str(min(1.0, a.ttft + a.itl * tokens)),
             "--stream-timeout",
             str(a.stream_timeout),
+            "--api",
+            api,
             *target.headers,
         ]
         if streams:
@@ -397,7 +478,8 @@ class Bench:
         if not keepalive:
             cmd.append("--new-connections")
         pids = target.pids()
-        up_pids = [self.upstream_proc.pid] if self.upstream_proc else []
+        upstream = self.upstream_procs.get(target.close)
+        up_pids = [upstream.pid] if upstream is not None else []
         idle = mem_kib(pids, "VmRSS")
         cpu0, up0 = cpu_seconds(pids), cpu_seconds(up_pids)
         t0 = time.monotonic()
@@ -480,15 +562,11 @@ def _mem_per_stream(runs: list[dict[str, Any]], mine: list[dict[str, Any]], c: i
 def summarize_loads(runs: list[dict[str, Any]], targets: list[str]) -> list[dict[str, Any]]:
     """Median over rounds of each per-round figure, per (load, target)."""
     rows = []
-    loads = []
-    for r in runs:
-        if (r["load"], r["keepalive"]) not in loads:
-            loads.append((r["load"], r["keepalive"]))
-    for c, ka in loads:
+    loads = list(dict.fromkeys(Load.of(r) for r in runs))
+    for load in loads:
+        c = load.streams
         for name in targets:
-            mine = [
-                r for r in runs if r["load"] == c and r["keepalive"] == ka and r["target"] == name
-            ]
+            mine = [r for r in runs if Load.of(r) == load and r["target"] == name]
             if not mine:
                 continue
             added_p50, added_p99, added_itl = [], [], []
@@ -497,8 +575,7 @@ def summarize_loads(runs: list[dict[str, Any]], targets: list[str]) -> list[dict
                     (
                         x
                         for x in runs
-                        if x["load"] == c
-                        and x["keepalive"] == ka
+                        if Load.of(x) == load
                         and x["round"] == r["round"]
                         and x["target"] == "direct"
                     ),
@@ -512,7 +589,9 @@ def summarize_loads(runs: list[dict[str, Any]], targets: list[str]) -> list[dict
             rows.append(
                 {
                     "load": c,
-                    "keepalive": ka,
+                    "keepalive": load.keepalive,
+                    "close": load.close,
+                    "api": load.api,
                     "target": name,
                     "rounds": len(mine),
                     "ttft_p50": _med([r["ttft_ms"]["p50"] for r in mine]),
@@ -551,11 +630,12 @@ def summarize_loads(runs: list[dict[str, Any]], targets: list[str]) -> list[dict
 
 
 def verdicts(rows: list[dict[str, Any]]) -> list[str]:
-    """Issue 5's targets for the ``proxy`` target, met or missed, with the figures."""
+    """The performance targets for the ``proxy`` target, met or missed, with the figures
+    (keep-alive client and upstream, chat)."""
 
     def row(target: str, load: int) -> dict[str, Any] | None:
         return next(
-            (r for r in rows if r["target"] == target and r["load"] == load and r["keepalive"]),
+            (r for r in rows if r["target"] == target and Load.of(r) == Load(load)),
             None,
         )
 
@@ -570,7 +650,7 @@ def verdicts(rows: list[dict[str, Any]]) -> list[str]:
     p64, p256 = row("proxy", 64), row("proxy", 256)
     if p64 is None and p256 is None:
         return []
-    out = ["", "Issue 5 targets for `proxy` (keep-alive loads, medians):", ""]
+    out = ["", "Performance targets for `proxy` (keep-alive loads, medians):", ""]
     if p64:
         out.append(check("64 streams added TTFT p50", p64["added_ttft_p50"], 1))
         out.append(check("64 streams added TTFT p99", p64["added_ttft_p99"], 5))
@@ -622,17 +702,19 @@ def render(
         "",
     ]
     out.append(
-        "| load | conn | target | TTFT p50 ms | TTFT p99 ms | added TTFT p50 ms | "
-        "added TTFT p99 ms | ITL p99 ms | added ITL p99 ms | broken / streams | "
-        "CPU us/event | CPU cores | runqueue wait ms/s | KiB/open stream | "
-        "peak RSS MiB | rounds | other load (cores) |"
+        "| load | api | conn | upstream | target | TTFT p50 ms | TTFT p99 ms | "
+        "added TTFT p50 ms | added TTFT p99 ms | ITL p99 ms | added ITL p99 ms | "
+        "broken / streams | CPU us/event | CPU cores | runqueue wait ms/s | "
+        "KiB/open stream | peak RSS MiB | rounds | other load (cores) |"
     )
-    out.append("|" + "---|" * 17)
+    out.append("|" + "---|" * 19)
     for r in rows:
         direct = r["target"] == "direct"
-        peak = peaks.get(r["target"])
+        load = Load.of(r)
+        peak = peaks.get(peak_key(r["target"], load.close))
         out.append(
-            f"| {r['load']} | {'keep-alive' if r['keepalive'] else 'new'} | {r['target']} "
+            f"| {r['load']} | {load.api} | {'keep-alive' if r['keepalive'] else 'new'} "
+            f"| {'close' if load.close else 'keep-alive'} | {r['target']} "
             f"| {_fmt(r['ttft_p50'])} | {_fmt(r['ttft_p99'])} "
             f"| {'-' if direct else _fmt(r['added_ttft_p50'], 2)} "
             f"| {'-' if direct else _fmt(r['added_ttft_p99'], 2)} | {_fmt(r['itl_p99'])} "
@@ -655,12 +737,20 @@ def render(
         "CPU cores: the target's CPU time / wall time. Runqueue wait: ms per second "
         "the target's threads were runnable but waiting for a CPU (schedstat), i.e. "
         "latency caused by CPU contention rather than by the target's own work."
+        + (
+            " Upstream close: the fake upstream answers with `Connection: close` and closes "
+            "the connection after every response, so each proxied request opens a new "
+            "upstream connection (and the direct client a new connection per stream); "
+            "targets there are second instances pointed at that upstream."
+            if any(r.get("close") for r in rows)
+            else ""
+        )
     )
     out.append("")
     out.append(
         "Instrument cost (median CPU us per event, same loads): "
         + ", ".join(
-            f"{r['load']}{'' if r['keepalive'] else 'new'}/{r['target']}: "
+            f"{Load.of(r).label}/{r['target']}: "
             f"client {_fmt(r['client_cpu_us_per_event'])}, "
             f"upstream {_fmt(r['upstream_cpu_us_per_event'])}"
             for r in rows
@@ -750,16 +840,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--targets",
         default="direct,nginx,proxy,proxy-nomeasure",
         help="comma list from direct,nginx,proxy,proxy-nomeasure,litellm; proxy targets take "
-        "suffixes: -nomeasure (--no-measure), -noinject (--no-inject-usage), -aiohttp/-httpx "
-        "(--http-client), -wN (--workers N)",
+        "suffixes: -nomeasure (--no-measure), -noinject (--no-inject-usage), -wN (--workers N), "
+        "-before (the proxy/ of --before DIR)",
     )
     p.add_argument("--with-litellm", action="store_true", help="add the litellm target")
     p.add_argument("--litellm-venv", default=os.environ.get("LITELLM_VENV", DEFAULT_LITELLM_VENV))
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument(
         "--loads",
-        default="1,64,64new,256,256new",
-        help="concurrent streams; suffix 'new' for a new connection per stream",
+        default="1,64,64new,256,256new,1close,64close,256close",
+        help="concurrent streams N[new][close][-API]: 'new' for a new client connection "
+        "per stream, 'close' for the upstream that closes after every response, "
+        "-chat/-responses/-messages for the API (default --api), e.g. 64close-responses",
+    )
+    p.add_argument(
+        "--api",
+        choices=APIS,
+        default="chat",
+        help="API of loads that name none: chat (Chat Completions), responses (OpenAI "
+        "Responses), messages (Anthropic Messages)",
     )
     p.add_argument("--duration", type=float, default=8.0, help="seconds per load run")
     p.add_argument("--warmup", type=float, default=1.5, help="seconds not counted per run")
@@ -781,6 +880,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "streams) at a load runs that load in one round only (0: never skip)",
     )
     p.add_argument("--nginx-workers", type=int, default=1)
+    p.add_argument(
+        "--before",
+        default="",
+        metavar="DIR",
+        help="a checkout (e.g. a git worktree of an earlier commit) whose proxy/ the "
+        "'-before' proxy targets run: proxy-before beside proxy compares two versions in "
+        "one run",
+    )
     p.add_argument(
         "--proxy-arg",
         action="append",
@@ -811,7 +918,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if a.with_litellm and "litellm" not in a.targets:
         a.targets += ",litellm"
     if a.quick:
-        a.rounds, a.loads, a.duration, a.warmup = 1, "1,16,16new", 2.5, 0.5
+        a.rounds, a.loads, a.duration, a.warmup = 1, "1,16,16new,16close", 2.5, 0.5
         a.tokens, a.sweep, a.max_minutes = 10, "", min(a.max_minutes, 3.0)
     return a
 
@@ -830,6 +937,44 @@ def rerender(path: str, write: str) -> int:
     return 0
 
 
+def start_targets(bench: Bench, names: list[str], close: bool) -> list[Target]:
+    """A fake upstream (closing after every response if ``close``) and every named target
+    in front of it; ``direct`` first."""
+    upstream = bench.start_upstream(close)
+    targets: list[Target] = []
+    for name in names:
+        if name == "direct":
+            targets.append(Target("direct", upstream, close=close))
+        elif name == "nginx":
+            targets.append(bench.start_nginx(upstream, close))
+        elif name.startswith("proxy"):
+            # proxy[-nomeasure][-noinject][-wN][-before]: measurement off, no usage
+            # injection, N workers, the code of the --before checkout
+            extra = []
+            before = False
+            for part in name.split("-")[1:]:
+                if part == "before":
+                    if not bench.args.before:
+                        raise SystemExit(f"target {name!r} needs --before DIR")
+                    before = True
+                elif part == "nomeasure":
+                    extra.append("--no-measure")
+                elif part == "noinject":
+                    extra.append("--no-inject-usage")
+                elif part.startswith("w") and part[1:].isdigit():
+                    extra += ["--workers", part[1:]]
+                else:
+                    raise SystemExit(f"unknown target {name!r}")
+            targets.append(bench.start_proxy(upstream, name, extra, close, before))
+        elif name == "litellm":
+            t = bench.start_litellm(upstream, close)
+            if t is not None:
+                targets.append(t)
+        else:
+            raise SystemExit(f"unknown target {name!r}")
+    return targets
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     if a.render:
@@ -842,54 +987,41 @@ def main(argv: list[str] | None = None) -> int:
     sweep: dict[str, Any] = {}
     try:
         with time_budget(a.max_minutes):
-            upstream = bench.start_upstream()
-            targets: list[Target] = []
-            for name in names:
-                if name == "direct":
-                    targets.append(Target("direct", upstream))
-                elif name == "nginx":
-                    targets.append(bench.start_nginx(upstream))
-                elif name.startswith("proxy"):
-                    # proxy[-nomeasure][-noinject][-aiohttp|-httpx][-wN]: measurement off,
-                    # no usage injection, another upstream client, N workers
-                    extra = []
-                    for part in name.split("-")[1:]:
-                        if part == "nomeasure":
-                            extra.append("--no-measure")
-                        elif part == "noinject":
-                            extra.append("--no-inject-usage")
-                        elif part in ("aiohttp", "httpx", "builtin"):
-                            extra += ["--http-client", part]
-                        elif part.startswith("w") and part[1:].isdigit():
-                            extra += ["--workers", part[1:]]
-                        else:
-                            raise SystemExit(f"unknown target {name!r}")
-                    targets.append(bench.start_proxy(upstream, name, extra))
-                elif name == "litellm":
-                    t = bench.start_litellm(upstream)
-                    if t is not None:
-                        targets.append(t)
-                else:
-                    raise SystemExit(f"unknown target {name!r}")
+            loads = [Load.parse(spec, a.api) for spec in a.loads.split(",") if spec.strip()]
+            # One set of targets per upstream mode; keep-alive always (sweep, report order).
+            groups: dict[bool, list[Target]] = {}
+            for close in sorted({False} | {load.close for load in loads}):
+                groups[close] = start_targets(bench, names, close)
+            targets = groups[False]
             # Warm-up: first requests (imports, connection pools) are not what we measure.
-            for t in targets:
-                w = bench.load(t, 4, True, 1.0, 0.0, min(a.tokens, 5), streams=2)
-                if w["broken"]:
-                    raise RuntimeError(f"{t.name}: warm-up streams broke: {w['errors']}")
-            loads = []
-            for spec in a.loads.split(","):
-                spec = spec.strip()
-                loads.append((int(spec.removesuffix("new")), not spec.endswith("new")))
-            overloaded: set[tuple[str, int, bool]] = set()
+            for group in groups.values():
+                for t in group:
+                    for api in dict.fromkeys(["chat", *(load.api for load in loads)]):
+                        w = bench.load(t, 4, True, 1.0, 0.0, min(a.tokens, 5), streams=2, api=api)
+                        if w["broken"]:
+                            raise RuntimeError(
+                                f"{t.key} ({api}): warm-up streams broke: {w['errors']}"
+                            )
+            overloaded: set[tuple[str, Load]] = set()
             for rnd in range(a.rounds):
-                for c, ka in loads:
-                    k = rnd % len(targets)
-                    for t in targets[k:] + targets[:k]:
-                        if (t.name, c, ka) in overloaded:
+                for load in loads:
+                    group = groups[load.close]
+                    k = rnd % len(group)
+                    for t in group[k:] + group[:k]:
+                        if (t.name, load) in overloaded:
                             continue
+                        c = load.streams
                         dur = max(a.duration, 10.0) if c == 1 and not a.quick else a.duration
-                        res = bench.load(t, c, ka, dur, a.warmup, a.tokens)
-                        res.update(round=rnd, load=c, keepalive=ka)
+                        res = bench.load(
+                            t, c, load.keepalive, dur, a.warmup, a.tokens, api=load.api
+                        )
+                        res.update(
+                            round=rnd,
+                            load=c,
+                            keepalive=load.keepalive,
+                            close=load.close,
+                            api=load.api,
+                        )
                         runs.append(res)
                         p50 = res["ttft_ms"]["p50"]
                         if (
@@ -901,9 +1033,9 @@ def main(argv: list[str] | None = None) -> int:
                                 or res["broken"] > 0.1 * res["streams"]
                             )
                         ):
-                            overloaded.add((t.name, c, ka))  # later rounds skip it
+                            overloaded.add((t.name, load))  # later rounds skip it
                         print(
-                            f"# round {rnd + 1} c={c}{'' if ka else ' new'} {t.name}: "
+                            f"# round {rnd + 1} {load.label} {t.name}: "
                             f"ttft p50 {res['ttft_ms']['p50']:.1f} p99 "
                             f"{res['ttft_ms']['p99']:.1f} ms, itl p99 "
                             f"{res['itl_ms']['p99']:.1f} ms, broken {res['broken']}/"
@@ -956,11 +1088,18 @@ def main(argv: list[str] | None = None) -> int:
                         else:
                             sweep["best"][t.name] = c / a.itl
                     sweep["steps"].append(step)
-            peaks = {t.name: mem_kib(t.pids(), "VmHWM") for t in targets if t.proc is not None}
+            peaks = {
+                t.key: mem_kib(t.pids(), "VmHWM")
+                for group in groups.values()
+                for t in group
+                if t.proc is not None
+            }
     finally:
         bench.close()
     rows = summarize_loads(runs, [t.name for t in targets])
-    code = bench.code or "n/a (no proxy target)"
+    code = "; ".join(
+        f"proxy{key} targets: proxy/ sha256 {value}" for key, value in bench.codes.items()
+    )
     meta = {
         "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": machine(),
@@ -968,7 +1107,7 @@ def main(argv: list[str] | None = None) -> int:
         "schedule": f"fake upstream TTFT {a.ttft * 1000:.0f} ms, ITL {a.itl * 1000:.0f} ms, "
         f"{a.tokens} tokens/stream; {a.duration:.0f} s per run "
         f"({a.warmup:.1f} s warm-up not counted)",
-        "code": f"proxy/ sha256 {code} (snapshot taken at start)",
+        "code": f"{code} (snapshots taken at start)" if code else "n/a (no proxy target)",
         "pinning": (
             "none"
             if a.no_pin

@@ -17,7 +17,7 @@ seen in the first post-warm-up sample (they move with the requests in flight).
 
 Usage::
 
-    python benchmarks/soak.py                      # 60 s, as in CI
+    python benchmarks/soak.py                      # 60 s (tests/test_soak.py runs 40 s)
     python benchmarks/soak.py --duration 1800      # the 30-minute report run
 
 The helpers here (starting the processes, reading ``/proc``, a minimal streaming
@@ -72,8 +72,14 @@ class Proc:
 
 
 def _start(cmd: list[str], pattern: str, stream: str, timeout: float = 30.0) -> Proc:
-    popen = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    popen = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     found: list[int] = []
     ready = threading.Event()
     lines: list[str] = []
@@ -99,15 +105,42 @@ def _start(cmd: list[str], pattern: str, stream: str, timeout: float = 30.0) -> 
 
 
 def start_upstream(ttft: float, itl: float, tokens: int, max_seconds: float) -> Proc:
-    return _start([sys.executable, "benchmarks/fake_upstream.py", "--port", "0",
-                   "--ttft", str(ttft), "--itl", str(itl), "--tokens", str(tokens),
-                   "--max-seconds", str(max_seconds)], r"LISTENING (\d+)", "stdout")
+    return _start(
+        [
+            sys.executable,
+            "benchmarks/fake_upstream.py",
+            "--port",
+            "0",
+            "--ttft",
+            str(ttft),
+            "--itl",
+            str(itl),
+            "--tokens",
+            str(tokens),
+            "--max-seconds",
+            str(max_seconds),
+        ],
+        r"LISTENING (\d+)",
+        "stdout",
+    )
 
 
 def start_proxy(upstream_port: int, *extra: str) -> Proc:
-    return _start([sys.executable, "-m", "proxy", "serve", "--upstream",
-                   f"http://127.0.0.1:{upstream_port}/v1", "--port", "0", *extra],
-                  r"Uvicorn running on http://[\d.]+:(\d+)", "stderr")
+    return _start(
+        [
+            sys.executable,
+            "-m",
+            "proxy",
+            "serve",
+            "--upstream",
+            f"http://127.0.0.1:{upstream_port}/v1",
+            "--port",
+            "0",
+            *extra,
+        ],
+        r"Uvicorn running on http://[\d.]+:(\d+)",
+        "stderr",
+    )
 
 
 def stop(proc: Proc, timeout: float = 15.0) -> int | None:
@@ -169,17 +202,23 @@ def tcp_connections(pid: int, remote_port: int) -> int:
             next(fh)
             for line in fh:
                 cols = line.split()
-                if cols[3] == "01" and cols[9] in inodes and \
-                        int(cols[2].rsplit(":", 1)[1], 16) == remote_port:
+                if (
+                    cols[3] == "01"
+                    and cols[9] in inodes
+                    and int(cols[2].rsplit(":", 1)[1], 16) == remote_port
+                ):
                     count += 1
     return count
 
 
 def sample(proxy: Proc, upstream_port: int) -> dict[str, float]:
     fds, _ = socket_inodes(proxy.pid)
-    return {"rss_mib": rss_bytes(proxy.pid) / 2**20, "fds": fds,
-            "upstream_conns": tcp_connections(proxy.pid, upstream_port),
-            "cpu_s": cpu_seconds(proxy.pid)}
+    return {
+        "rss_mib": rss_bytes(proxy.pid) / 2**20,
+        "fds": fds,
+        "upstream_conns": tcp_connections(proxy.pid, upstream_port),
+        "cpu_s": cpu_seconds(proxy.pid),
+    }
 
 
 # ---------------------------------------------------------------------------
@@ -187,11 +226,19 @@ def sample(proxy: Proc, upstream_port: int) -> dict[str, float]:
 
 
 def chat_request(tokens: int, host: str = "127.0.0.1") -> bytes:
-    body = json.dumps({"model": "bench", "stream": True, "max_tokens": tokens,
-                       "messages": [{"role": "user", "content": "hello"}]}).encode()
-    return (b"POST /v1/chat/completions HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\n"
-            b"authorization: Bearer sk-bench\r\ncontent-length: %d\r\n\r\n%s"
-            % (host.encode(), len(body), body))
+    body = json.dumps(
+        {
+            "model": "bench",
+            "stream": True,
+            "max_tokens": tokens,
+            "messages": [{"role": "user", "content": "hello"}],
+        }
+    ).encode()
+    return (
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\n"
+        b"authorization: Bearer sk-bench\r\ncontent-length: %d\r\n\r\n%s"
+        % (host.encode(), len(body), body)
+    )
 
 
 @dataclass
@@ -208,8 +255,9 @@ class StreamResult:
     aborted: bool = False
 
 
-async def stream_once(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, tokens: int,
-                      *, abort_after: int = 0) -> StreamResult:
+async def stream_once(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, tokens: int, *, abort_after: int = 0
+) -> StreamResult:
     """One streamed chat completion on an open connection. ``abort_after`` > 0: close the
     connection after that many tokens (a client going away)."""
     loop = asyncio.get_running_loop()
@@ -278,8 +326,9 @@ class Counters:
     error_kinds: dict[str, int] = field(default_factory=dict)
 
 
-async def worker(port: int, tokens: int, abort_every: int, deadline: float, c: Counters,
-                 seed: int) -> None:
+async def worker(
+    port: int, tokens: int, abort_every: int, deadline: float, c: Counters, seed: int
+) -> None:
     loop = asyncio.get_running_loop()
     conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
     i = seed
@@ -290,7 +339,8 @@ async def worker(port: int, tokens: int, abort_every: int, deadline: float, c: C
                 conn = await asyncio.open_connection("127.0.0.1", port)
             abort = abort_every > 0 and i % abort_every == 0
             res = await asyncio.wait_for(
-                stream_once(*conn, tokens, abort_after=max(1, tokens // 3) if abort else 0), 60)
+                stream_once(*conn, tokens, abort_after=max(1, tokens // 3) if abort else 0), 60
+            )
             if res.aborted:
                 c.aborted += 1
                 conn = None
@@ -312,7 +362,9 @@ async def worker(port: int, tokens: int, abort_every: int, deadline: float, c: C
         conn[1].close()
 
 
-def flat_verdict(samples: list[dict[str, float]], warmup: float, concurrency: int) -> dict[str, object]:
+def flat_verdict(
+    samples: list[dict[str, float]], warmup: float, concurrency: int
+) -> dict[str, object]:
     after = [s for s in samples if s["t"] >= warmup]
     if len(after) < 3:
         return {"flat": None, "reason": "too few samples after warm-up"}
@@ -329,13 +381,17 @@ def flat_verdict(samples: list[dict[str, float]], warmup: float, concurrency: in
     conns_ok = max(conns) - conns[0] <= concurrency
     return {
         "flat": rss_ok and fds_ok and conns_ok,
-        "rss_first_mib": round(rss[0], 1), "rss_last_mib": round(rss[-1], 1),
-        "rss_max_mib": round(max(rss), 1), "rss_growth_mib": round(growth, 2),
-        "rss_slope_mib_per_min": round(slope, 3), "rss_last_third_climb_mib": round(climb, 2),
-        "fds_range": [min(fds), max(fds)], "upstream_conns_range": [min(conns), max(conns)],
+        "rss_first_mib": round(rss[0], 1),
+        "rss_last_mib": round(rss[-1], 1),
+        "rss_max_mib": round(max(rss), 1),
+        "rss_growth_mib": round(growth, 2),
+        "rss_slope_mib_per_min": round(slope, 3),
+        "rss_last_third_climb_mib": round(climb, 2),
+        "fds_range": [min(fds), max(fds)],
+        "upstream_conns_range": [min(conns), max(conns)],
         "thresholds": "RSS growth < max(8 MiB, 10%) and the last third's peak < the first "
-                      "third's + 4 MiB; fds and upstream "
-                      "connections within +concurrency of the first post-warm-up sample",
+        "third's + 4 MiB; fds and upstream "
+        "connections within +concurrency of the first post-warm-up sample",
     }
 
 
@@ -350,8 +406,10 @@ async def soak(args: argparse.Namespace) -> dict[str, object]:
         t0 = loop.time()
         deadline = t0 + args.duration
         abort_every = round(1 / args.abort_fraction) if args.abort_fraction > 0 else 0
-        tasks = [asyncio.create_task(worker(proxy.port, args.tokens, abort_every, deadline, c, i * 7))
-                 for i in range(args.concurrency)]
+        tasks = [
+            asyncio.create_task(worker(proxy.port, args.tokens, abort_every, deadline, c, i * 7))
+            for i in range(args.concurrency)
+        ]
         last_done = 0
         while loop.time() < deadline:
             await asyncio.sleep(min(args.interval, max(0.0, deadline - loop.time())))
@@ -368,12 +426,18 @@ async def soak(args: argparse.Namespace) -> dict[str, object]:
         code = stop(proxy)
     warmup = args.warmup if args.warmup is not None else max(10.0, 0.2 * args.duration)
     return {
-        "duration_s": args.duration, "concurrency": args.concurrency,
+        "duration_s": args.duration,
+        "concurrency": args.concurrency,
         "schedule": {"ttft_s": args.ttft, "itl_s": args.itl, "tokens": args.tokens},
-        "completed": c.completed, "aborted_by_client": c.aborted, "errors": c.errors,
-        "error_kinds": c.error_kinds, "warmup_s": warmup,
-        "samples": samples, "verdict": flat_verdict(samples, warmup, args.concurrency),
-        "proxy_cpu_s": round(end["cpu_s"], 1), "proxy_exit_code": code,
+        "completed": c.completed,
+        "aborted_by_client": c.aborted,
+        "errors": c.errors,
+        "error_kinds": c.error_kinds,
+        "warmup_s": warmup,
+        "samples": samples,
+        "verdict": flat_verdict(samples, warmup, args.concurrency),
+        "proxy_cpu_s": round(end["cpu_s"], 1),
+        "proxy_exit_code": code,
     }
 
 
@@ -381,16 +445,28 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--duration", type=float, default=60.0, help="seconds of load (default 60)")
     p.add_argument("--interval", type=float, default=5.0, help="seconds between samples")
-    p.add_argument("--warmup", type=float, default=None,
-                   help="seconds excluded from the verdict (default: 20%% of the run, >= 10 s)")
+    p.add_argument(
+        "--warmup",
+        type=float,
+        default=None,
+        help="seconds excluded from the verdict (default: 20%% of the run, >= 10 s)",
+    )
     p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--abort-fraction", type=float, default=0.1,
-                   help="share of streams the client abandons mid-stream")
+    p.add_argument(
+        "--abort-fraction",
+        type=float,
+        default=0.1,
+        help="share of streams the client abandons mid-stream",
+    )
     p.add_argument("--ttft", type=float, default=0.05)
     p.add_argument("--itl", type=float, default=0.01)
     p.add_argument("--tokens", type=int, default=30)
-    p.add_argument("--proxy-arg", action="append", default=[],
-                   help="extra argument for 'python -m proxy serve' (repeatable)")
+    p.add_argument(
+        "--proxy-arg",
+        action="append",
+        default=[],
+        help="extra argument for 'python -m proxy serve' (repeatable)",
+    )
     p.add_argument("--json", help="also write the report to this file")
     p.add_argument("-v", "--verbose", action="store_true", help="print each sample as it is taken")
     args = p.parse_args(argv)

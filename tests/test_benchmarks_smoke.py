@@ -2,10 +2,14 @@
 
 No timing is asserted (timing belongs to ``benchmarks/run.py`` and its report); these
 tests prove correctness of the instrument: the load client's chunked decoding and
-byte-scan counting over every split point, stream and token counts against the fake
-upstream's schedule, kept-alive versus new connections, broken streams detected, and
-``run.py`` end to end (fake upstream, direct, nginx when installed, the proxy and the
-proxy with ``--no-measure``) producing a report with no broken streams.
+byte-scan counting over every split point for all three APIs (Chat Completions,
+Responses, Messages), stream and token counts against the fake upstream's schedule,
+kept-alive versus new connections, the close-per-response upstream (one upstream
+connection per request, direct, through nginx and through the proxy), broken streams
+detected, and ``run.py`` end to end (fake upstream, direct, nginx when installed, the
+proxy, the proxy with ``--no-measure`` and a proxy from ``--before``; keep-alive and
+close upstreams; Responses and Messages streams relayed) producing a report with no
+broken streams.
 """
 
 from __future__ import annotations
@@ -27,23 +31,31 @@ sys.path.insert(0, str(BENCH))
 
 import fake_upstream  # noqa: E402
 import loadgen  # noqa: E402
+import run  # noqa: E402
 
-pytestmark = [pytest.mark.anyio, pytest.mark.integration]
+pytestmark = [pytest.mark.anyio, pytest.mark.integration, pytest.mark.slow]
 
-# Events per streamed response from the fake upstream besides tokens: role chunk,
-# finish chunk, [DONE] (+ the usage chunk when asked for).
-EXTRA_EVENTS = 3
+HAS_PROXY = (BENCH.parent / "proxy" / "serve.py").exists()
+HAS_NGINX = shutil.which("nginx") is not None
 
+# SSE events per streamed response besides the tokens. Chat: role chunk, finish chunk,
+# [DONE] (+ the usage chunk when asked for). Responses: created, in_progress,
+# output_item.added, content_part.added, output_text.done, content_part.done,
+# output_item.done, completed. Messages: message_start, content_block_start, ping,
+# content_block_stop, message_delta, message_stop.
+EXTRA_EVENTS = {"chat": 3, "responses": 8, "messages": 6}
 
 
 @asynccontextmanager
-async def upstream(schedule: fake_upstream.Schedule) -> AsyncIterator[tuple[str, dict[str, int]]]:
+async def upstream(
+    schedule: fake_upstream.Schedule, *, close: bool = False
+) -> AsyncIterator[tuple[str, dict[str, int]]]:
     """The fake upstream in this event loop; yields its base URL and live stats."""
     stop, ready = asyncio.Event(), asyncio.Event()
     ports: list[int] = []
     stats: dict[str, int] = {}
     task = asyncio.create_task(
-        fake_upstream.serve("127.0.0.1", 0, schedule, ready, ports, stop, stats)
+        fake_upstream.serve("127.0.0.1", 0, schedule, ready, ports, stop, stats, close=close)
     )
     await asyncio.wait_for(ready.wait(), 10)
     try:
@@ -56,40 +68,55 @@ async def upstream(schedule: fake_upstream.Schedule) -> AsyncIterator[tuple[str,
 FAST = fake_upstream.Schedule(ttft=0.005, itl=0.002, tokens=6)
 
 
+def _config(url: str, **overrides: Any) -> loadgen.LoadConfig:
+    settings: dict[str, Any] = {
+        "url": url,
+        "concurrency": 6,
+        "duration": 60,
+        "warmup": 0,
+        "tokens": 7,
+        "streams": 3,
+        "stagger": 0.01,
+        "stream_timeout": 10,
+    }
+    return loadgen.LoadConfig(**(settings | overrides))
+
+
 @pytest.mark.parametrize("keepalive", [True, False], ids=["keep-alive", "new-connections"])
-@pytest.mark.parametrize("usage", [True, False], ids=["usage", "no-usage"])
-async def test_direct_counts_match_schedule(keepalive: bool, usage: bool) -> None:
+@pytest.mark.parametrize(
+    ("api", "usage"),
+    [("chat", True), ("chat", False), ("responses", False), ("messages", False)],
+    ids=["chat-usage", "chat-no-usage", "responses", "messages"],
+)
+async def test_direct_counts_match_schedule(keepalive: bool, api: str, usage: bool) -> None:
     users, per_user, tokens = 6, 3, 7
     async with upstream(FAST) as (url, stats):
-        cfg = loadgen.LoadConfig(
-            url=url,
-            concurrency=users,
-            duration=60,
-            warmup=0,
-            tokens=tokens,
-            keepalive=keepalive,
-            streams=per_user,
-            stagger=0.01,
-            stream_timeout=10,
-            include_usage=usage,
-        )
+        cfg = _config(url, keepalive=keepalive, include_usage=usage, api=api)
         out = await loadgen.run_load(cfg)
     n = users * per_user
     assert out["streams"] == out["ok"] == n
     assert out["broken"] == 0 and out["errors"] == {}
     assert out["tokens"] == n * tokens
-    assert out["events"] == n * (tokens + EXTRA_EVENTS + usage)
+    assert out["events"] == n * (tokens + EXTRA_EVENTS[api] + usage)
     assert out["ttft_ms"]["n"] == n
     assert out["itl_ms"]["n"] == n * (tokens - 1)
     assert stats["requests"] == stats["completed"] == n
+    assert stats["events"] == n * tokens
     assert stats["connections"] == (users if keepalive else n)
 
 
-def _response(tokens: int, usage: bool) -> bytes:
-    body = fake_upstream.HEAD_STREAM + b"\r\n" + fake_upstream.ROLE
-    body += fake_upstream.TOKEN * tokens + fake_upstream.FINISH
-    body += fake_upstream._usage(8, tokens) if usage else b""
-    return body + fake_upstream.DONE
+def _response(api: str, tokens: int, usage: bool = False, close: bool = False) -> bytes:
+    """The fake upstream's exact bytes for one streamed response."""
+    head = fake_upstream.HEAD_STREAM + (b"connection: close\r\n" if close else b"") + b"\r\n"
+    if api == "chat":
+        body = fake_upstream.ROLE + fake_upstream.TOKEN * tokens + fake_upstream.FINISH
+        body += fake_upstream._usage(8, tokens) if usage else b""
+        return head + body + fake_upstream.DONE
+    stream = (
+        fake_upstream.responses_stream if api == "responses" else fake_upstream.messages_stream
+    )(tokens)
+    deltas = b"".join(stream.token(i) for i in range(tokens))
+    return head + stream.before + deltas + stream.after + b"0\r\n\r\n"
 
 
 class _Sink:
@@ -100,13 +127,16 @@ class _Sink:
         pass
 
 
-async def test_client_parses_every_split_point() -> None:
-    """The chunked decoder and the byte scan count right however TCP splits the bytes."""
+@pytest.mark.parametrize("api", ["chat", "responses", "messages"])
+async def test_client_parses_every_split_point(api: str) -> None:
+    """The chunked decoder and the byte scan count right however TCP splits the bytes,
+    the long event-type marks of Responses and Messages included."""
     tokens = 3
-    wire = _response(tokens, usage=True)
-    for size in (1, 2, 3, 5, 7, 64, len(wire)):
+    usage = api == "chat"
+    wire = _response(api, tokens, usage=usage)
+    for size in (1, 2, 3, 5, 7, 11, 29, 64, len(wire)):
         for offset in range(min(size, 8)):
-            conn = loadgen._Conn()
+            conn = loadgen._Conn(loadgen.APIS[api])
             conn.connection_made(_Sink())  # type: ignore[arg-type]
             res = loadgen.StreamResult(t_start=0.0)
             fut = conn.start(b"", res)
@@ -116,13 +146,98 @@ async def test_client_parses_every_split_point() -> None:
                     conn.data_received(piece)
             assert fut.done(), (size, offset)
             assert res.ok and res.status == 200, (size, offset, res.error)
-            assert res.tokens == tokens and res.events == tokens + EXTRA_EVENTS + 1
+            assert res.tokens == tokens and res.events == tokens + EXTRA_EVENTS[api] + usage
             assert len(res.gaps) == tokens - 1
+            assert conn.reusable
+
+
+def _without_last_event(api: str, tokens: int) -> bytes:
+    """A complete chunked body that lacks the API's last event."""
+    wire = _response(api, tokens)
+    if api == "chat":
+        return wire[: -len(fake_upstream.DONE)] + b"0\r\n\r\n"
+    last = wire.index(
+        b"event: response.completed" if api == "responses" else b"event: message_stop"
+    )
+    chunk = wire.rindex(b"\r\n", 0, wire.rindex(b"\r\n", 0, last)) + 2  # its size line
+    return wire[:chunk] + b"0\r\n\r\n"
+
+
+@pytest.mark.parametrize("api", ["chat", "responses", "messages"])
+async def test_missing_last_event_is_broken(api: str) -> None:
+    """A complete body without the API's last event is a broken stream."""
+    conn = loadgen._Conn(loadgen.APIS[api])
+    conn.connection_made(_Sink())  # type: ignore[arg-type]
+    res = loadgen.StreamResult(t_start=0.0)
+    fut = conn.start(b"", res)
+    conn.data_received(_without_last_event(api, 2))
+    assert fut.done() and not res.ok and res.tokens == 2
+    assert res.error == "no " + loadgen.APIS[api].end_name
+
+
+async def test_connection_close_is_not_reused() -> None:
+    """``Connection: close`` in a response head makes the client give the connection up."""
+    conn = loadgen._Conn()
+    conn.connection_made(_Sink())  # type: ignore[arg-type]
+    res = loadgen.StreamResult(t_start=0.0)
+    fut = conn.start(b"", res)
+    conn.data_received(_response("chat", 2, close=True))
+    assert fut.done() and res.ok and res.tokens == 2
+    assert not conn.reusable
+
+
+@pytest.mark.parametrize("api", ["chat", "responses", "messages"])
+async def test_close_mode_answers_once_per_connection(api: str) -> None:
+    """With ``close`` the upstream says ``Connection: close`` and hangs up after the
+    response, even when the client asked to keep the connection."""
+    async with upstream(FAST, close=True) as (url, stats):
+        host, port, request = loadgen._request_bytes(_config(url, api=api, tokens=3))
+        reader, writer = await asyncio.open_connection(host, port)
+        try:
+            writer.write(request)
+            await writer.drain()
+            wire = await asyncio.wait_for(reader.read(), 10)  # to EOF: the server closed
+        finally:
+            writer.close()
+    assert wire == _response(api, 3, usage=api == "chat", close=True)
+    assert stats["connections"] == stats["requests"] == stats["completed"] == 1
+
+
+def _bench() -> run.Bench:
+    return run.Bench(run.parse_args(["--no-pin", "--max-minutes", "2"]))
+
+
+@pytest.mark.parametrize("target", ["direct", "nginx", "proxy"])
+async def test_close_mode_opens_an_upstream_connection_per_request(target: str) -> None:
+    """Against the close-per-response upstream every request, relayed or not, reaches it
+    on a new connection, and the client's kept-alive streams all complete."""
+    if target == "nginx" and not HAS_NGINX:
+        pytest.skip("nginx not installed")
+    if target == "proxy" and not HAS_PROXY:
+        pytest.skip("no proxy in this tree")
+    users, per_user = 4, 3
+    bench = _bench()
+    try:
+        async with upstream(FAST, close=True) as (url, stats):
+            if target == "nginx":
+                url = (await asyncio.to_thread(bench.start_nginx, url, True)).url
+            elif target == "proxy":
+                url = (await asyncio.to_thread(bench.start_proxy, url, "proxy", [], True)).url
+            before = stats["connections"]  # start-up probes, if a target makes any
+            out = await loadgen.run_load(_config(url, concurrency=users, streams=per_user))
+            connections = stats["connections"] - before
+    finally:
+        await asyncio.to_thread(bench.close)
+    n = users * per_user
+    assert out["streams"] == out["ok"] == n and out["errors"] == {}
+    assert out["tokens"] == n * 7
+    assert stats["requests"] == stats["completed"] == n
+    assert connections == n
 
 
 async def test_truncated_stream_is_broken() -> None:
     """An upstream that hangs up mid-stream yields broken streams, not silent success."""
-    cut = _response(5, usage=False)
+    cut = _response("chat", 5)
     cut = cut[: cut.index(fake_upstream.TOKEN) + 2 * len(fake_upstream.TOKEN)]
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -134,11 +249,9 @@ async def test_truncated_stream_is_broken() -> None:
     server = await asyncio.start_server(handle, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     async with server:
-        cfg = loadgen.LoadConfig(
-            url=f"http://127.0.0.1:{port}/v1",
+        cfg = _config(
+            f"http://127.0.0.1:{port}/v1",
             concurrency=2,
-            duration=60,
-            warmup=0,
             tokens=5,
             streams=2,
             stagger=0,
@@ -147,9 +260,10 @@ async def test_truncated_stream_is_broken() -> None:
         out = await loadgen.run_load(cfg)
     assert out["streams"] == 4 and out["ok"] == 0 and out["broken"] == 4
     assert out["tokens"] == 4 * 2
+    assert out["errors"] == {"connection lost": 4}
 
 
-def _run_harness(tmp_path: Path, targets: list[str]) -> dict[str, Any]:
+def _run_harness(tmp_path: Path, targets: list[str], loads: str, *extra: str) -> dict[str, Any]:
     out = tmp_path / "bench.json"
     cmd = [
         sys.executable,
@@ -159,7 +273,7 @@ def _run_harness(tmp_path: Path, targets: list[str]) -> dict[str, Any]:
         "--rounds",
         "1",
         "--loads",
-        "4,4new",
+        loads,
         "--duration",
         "1.2",
         "--warmup",
@@ -176,28 +290,120 @@ def _run_harness(tmp_path: Path, targets: list[str]) -> dict[str, Any]:
         "2",
         "--json",
         str(out),
+        *extra,
     ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=150, cwd=BENCH.parent)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "| load | conn | target |" in done.stdout
+    assert "| load | api | conn | upstream | target |" in done.stdout
     result: dict[str, Any] = json.loads(out.read_text())
     return result
 
 
-def test_run_py_side_by_side(tmp_path: Path) -> None:
-    targets = ["direct"]
-    if shutil.which("nginx"):
-        targets.append("nginx")
-    if (BENCH.parent / "proxy" / "serve.py").exists():
-        targets += ["proxy", "proxy-nomeasure"]
-    result = _run_harness(tmp_path, targets)
-    seen = {(r["target"], r["load"], r["keepalive"]) for r in result["runs"]}
-    assert seen == {(t, 4, ka) for t in targets for ka in (True, False)}
-    for run in result["runs"]:
-        assert run["streams"] > 0 and run["broken"] == 0 and run["warmup_broken"] == 0, run
-        assert run["ok"] == run["streams"]
-        assert run["tokens"] == run["streams"] * 5
-        if run["target"] != "direct":
-            assert run["target_cpu_s"] >= 0
+def _check_runs(result: dict[str, Any], targets: list[str], loads: list[run.Load]) -> None:
+    seen = {(r["target"], run.Load.of(r)) for r in result["runs"]}
+    assert seen == {(t, load) for t in targets for load in loads}
+    for r in result["runs"]:
+        assert r["streams"] > 0 and r["broken"] == 0 and r["warmup_broken"] == 0, r
+        assert r["ok"] == r["streams"]
+        assert r["tokens"] == r["streams"] * 5
+        events = EXTRA_EVENTS[r["api"]] + (r["api"] == "chat")  # chat asks for usage
+        assert r["events"] == r["streams"] * (5 + events)
+        if r["target"] == "direct":
+            assert r["target_cpu_us_per_event"] is None
+        else:
+            cpu = r["target_cpu_s"] / r["events_all"] * 1e6
+            assert r["target_cpu_us_per_event"] == pytest.approx(cpu)
+    proxies = [r for r in result["runs"] if r["target"].startswith("proxy")]
+    if proxies:  # a Python relay of these runs uses more than one 10 ms clock tick
+        assert sum(r["target_cpu_s"] for r in proxies) > 0
     for row in result["rows"]:
         assert row["broken"] == 0
+    closing = {load.close for load in loads}
+    for t in targets:
+        for close in closing:
+            if t != "direct":  # every instance that ran reports its peak memory
+                assert result["peaks"][run.peak_key(t, close)] > 1024, (t, close)
+
+
+@pytest.mark.timeout(180)
+def test_run_py_side_by_side(tmp_path: Path) -> None:
+    targets = ["direct"]
+    if HAS_NGINX:
+        targets.append("nginx")
+    if HAS_PROXY:
+        # proxy-before: the proxy of another checkout (here this one again)
+        targets += ["proxy", "proxy-nomeasure", "proxy-before"]
+    result = _run_harness(tmp_path, targets, "4,4new", "--before", str(BENCH.parent))
+    _check_runs(result, targets, [run.Load(4), run.Load(4, keepalive=False)])
+    if HAS_PROXY:  # both snapshots of the same tree: the same hash, each named
+        now, before = result["meta"]["code"].removesuffix(" (snapshots taken at start)").split("; ")
+        digest = now.removeprefix("proxy targets: proxy/ sha256 ")
+        assert len(digest) == 12
+        assert before == f"proxy-before targets: proxy/ sha256 {digest} from {BENCH.parent}"
+
+
+@pytest.mark.timeout(180)
+def test_run_py_close_upstream_and_other_apis(tmp_path: Path) -> None:
+    """Close-per-response loads run against their own upstream and target instances;
+    Responses and Messages streams go through every target, the proxy as a relay."""
+    targets = ["direct"]
+    if HAS_NGINX:
+        targets.append("nginx")
+    if HAS_PROXY:
+        targets.append("proxy")
+    result = _run_harness(tmp_path, targets, "4close,4-responses,4newclose-messages")
+    loads = [
+        run.Load(4, close=True),
+        run.Load(4, api="responses"),
+        run.Load(4, keepalive=False, close=True, api="messages"),
+    ]
+    _check_runs(result, targets, loads)
+    rows = {(r["target"], run.Load.of(r)) for r in result["rows"]}
+    assert rows == {(t, load) for t in targets for load in loads}
+
+
+def test_old_reports_still_render() -> None:
+    """Runs recorded before loads had an upstream mode and an API (``--render`` of an
+    old ``--json``) read as keep-alive upstream, chat."""
+    figures = {"p50": 50.0, "p99": 60.0}
+    old = {
+        "round": 0,
+        "load": 64,
+        "keepalive": True,
+        "streams": 10,
+        "warmup_streams": 0,
+        "broken": 0,
+        "warmup_broken": 0,
+        "ttft_ms": figures,
+        "itl_ms": figures,
+        "target_cpu_us_per_event": None,
+        "client_cpu_us_per_event_all": 1.0,
+        "upstream_cpu_us_per_event": 1.0,
+        "target_cpu_s": 0.0,
+        "wall_s": 1.0,
+        "idle_rss_kib": 0,
+    }
+    runs = [old | {"target": "direct"}, old | {"target": "proxy", "target_cpu_us_per_event": 9.0}]
+    rows = run.summarize_loads(runs, ["direct", "proxy"])
+    assert [(r["target"], run.Load.of(r)) for r in rows] == [
+        ("direct", run.Load(64)),
+        ("proxy", run.Load(64)),
+    ]
+    meta = {
+        "date": "d",
+        "machine": "m",
+        "command": "c",
+        "schedule": "s",
+        "code": "x",
+        "pinning": "p",
+        "rounds": 1,
+        "tokens": 50,
+        "itl": 0.02,
+        "threshold_ms": 10.0,
+        "sweep_rounds": 2,
+    }
+    report = run.render(rows, {}, {"proxy": 2048}, meta)
+    assert "| 64 | chat | keep-alive | keep-alive | proxy | 50.0 | 60.0 | 0.00 |" in report
+    assert "| 2.0 |" in report  # peak RSS of the keep-alive proxy instance, in MiB
+    assert "Upstream close" not in report
+    assert "Performance targets for `proxy`" in report

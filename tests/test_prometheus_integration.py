@@ -58,7 +58,7 @@ from tests.test_observability import (
     selectors,
 )
 
-pytestmark = [pytest.mark.integration, pytest.mark.anyio]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.anyio]
 
 MODELS = ("sim-a", "sim-b")
 UPSTREAM_NAME = "sim"
@@ -66,16 +66,26 @@ TRAFFIC_SECONDS = 6.0
 CLIENTS = 8  # > proxy --max-concurrency (4) > simulator slots (3): both queue
 PROXY_MAX_CONCURRENCY = 4
 SIM_CONFIG = SimConfig(
-    slots=3, prefill_rate=50_000.0, prefill_overhead=0.02, itl=0.01, itl_growth=0.0,
-    jitter=0.2, output_tokens=24, output_dist="uniform", max_model_len=8192,
-    error_rate=0.1, error_status=503, drop_rate=0.2, vllm_metrics=True, models=MODELS,
+    slots=3,
+    prefill_rate=50_000.0,
+    prefill_overhead=0.02,
+    itl=0.01,
+    itl_growth=0.0,
+    jitter=0.2,
+    output_tokens=24,
+    output_dist="uniform",
+    max_model_len=8192,
+    error_rate=0.1,
+    error_status=503,
+    drop_rate=0.2,
+    vllm_metrics=True,
+    models=MODELS,
     seed=11,
 )
 # Long enough to span several 64-character cache blocks: repeated, it is served from
 # the simulator's prefix cache, so cached_tokens > 0.
 SYSTEM_PROMPT = "You are a terse assistant for the latency dashboard test. " * 40
 WAIT_S = 20.0  # bound on every poll of Prometheus or the proxy
-
 
 
 def free_port() -> int:
@@ -86,7 +96,9 @@ def free_port() -> int:
 
 
 @contextmanager
-def background(argv: list[str], log: Path, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[bytes]]:
+def background(
+    argv: list[str], log: Path, env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
     """A child process with its output in ``log``; ended (TERM, then KILL) on exit."""
     with log.open("wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
@@ -130,14 +142,18 @@ def request_body(route: str, model: str, stream: bool, i: int, max_tokens: int) 
     question = f"Question number {i}: how long is a piece of string?"
     body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "stream": stream}
     if route == "/chat/completions":
-        body["messages"] = [{"role": "system", "content": SYSTEM_PROMPT},
-                            {"role": "user", "content": question}]
+        body["messages"] = [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": question},
+        ]
     else:
         body["prompt"] = SYSTEM_PROMPT + question
     return body
 
 
-async def one_request(client: httpx.AsyncClient, route: str, body: dict[str, Any], tally: Tally) -> None:
+async def one_request(
+    client: httpx.AsyncClient, route: str, body: dict[str, Any], tally: Tally
+) -> None:
     tally.sent += 1
     try:
         async with client.stream("POST", route, json=body) as response:
@@ -167,7 +183,9 @@ async def drive_traffic(client: httpx.AsyncClient, seconds: float) -> Tally:
         while time.monotonic() < deadline:
             i = next(counter)
             route, model, stream = MIX[i % len(MIX)]
-            await one_request(client, route, request_body(route, model, stream, i, 8 + i % 24), tally)
+            await one_request(
+                client, route, request_body(route, model, stream, i, 8 + i % 24), tally
+            )
 
     async def hang_up() -> None:
         """A client that leaves after the first token of a long answer."""
@@ -203,7 +221,9 @@ class PromAPI:
         response = await self.client.get("/api/v1/query", params={"query": expr})
         body: dict[str, Any] = response.json()
         if response.status_code != 200 or body.get("status") != "success":
-            raise AssertionError(f"query failed ({response.status_code}): {body.get('error')}\n{expr}")
+            raise AssertionError(
+                f"query failed ({response.status_code}): {body.get('error')}\n{expr}"
+            )
         data: dict[str, Any] = body["data"]
         return data
 
@@ -235,10 +255,14 @@ def proxy_environment(upstream: str, port: int) -> dict[str, str]:
     image_env = dockerfile_env()
     env.update({k: v for k, v in image_env.items() if k.startswith(("LLM_PROXY_", "PYTHON"))})
     assert image_env["LLM_PROXY_HOST"] == "0.0.0.0"
-    env.update(LLM_PROXY_HOST="127.0.0.1", LLM_PROXY_PORT=str(port), LLM_PROXY_UPSTREAM=upstream,
-               LLM_PROXY_UPSTREAM_NAME=UPSTREAM_NAME,
-               LLM_PROXY_MAX_CONCURRENCY=str(PROXY_MAX_CONCURRENCY),
-               LLM_PROXY_GRACEFUL_TIMEOUT="5")
+    env.update(
+        LLM_PROXY_HOST="127.0.0.1",
+        LLM_PROXY_PORT=str(port),
+        LLM_PROXY_UPSTREAM=upstream,
+        LLM_PROXY_UPSTREAM_NAME=UPSTREAM_NAME,
+        LLM_PROXY_MAX_CONCURRENCY=str(PROXY_MAX_CONCURRENCY),
+        LLM_PROXY_GRACEFUL_TIMEOUT="5",
+    )
     return env
 
 
@@ -250,12 +274,16 @@ def exposition_totals(text: str) -> dict[str, dict[tuple[tuple[str, str], ...], 
     return out
 
 
-def label_values(totals: dict[str, dict[tuple[tuple[str, str], ...], float]], name: str, label: str) -> set[str]:
+def label_values(
+    totals: dict[str, dict[tuple[tuple[str, str], ...], float]], name: str, label: str
+) -> set[str]:
     return {dict(labels)[label] for labels, value in totals.get(name, {}).items() if value > 0}
 
 
 @pytest.fixture
-async def stack(tmp_path: Path) -> AsyncIterator[tuple[PromAPI, httpx.AsyncClient, subprocess.Popen[bytes], int]]:
+async def stack(
+    tmp_path: Path,
+) -> AsyncIterator[tuple[PromAPI, httpx.AsyncClient, subprocess.Popen[bytes], int]]:
     prometheus = require_tool("prometheus")
     with serve_in_thread(create_simulator_app(SIM_CONFIG)) as sim:
         proxy_port = free_port()
@@ -266,13 +294,19 @@ async def stack(tmp_path: Path) -> AsyncIterator[tuple[PromAPI, httpx.AsyncClien
             config_path.write_text(yaml.safe_dump(prometheus_config(proxy_port)))
             prom_port = free_port()
             prom_log = tmp_path / "prometheus.log"
-            prom_argv = [prometheus, f"--config.file={config_path}",
-                         f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-                         f"--web.listen-address=127.0.0.1:{prom_port}", "--log.level=warn"]
+            prom_argv = [
+                prometheus,
+                f"--config.file={config_path}",
+                f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{prom_port}",
+                "--log.level=warn",
+            ]
             with background(prom_argv, prom_log) as prom:
                 proxy_url = f"http://127.0.0.1:{proxy_port}"
-                async with httpx.AsyncClient(base_url=proxy_url + "/v1", timeout=30) as client, \
-                        httpx.AsyncClient(base_url=f"http://127.0.0.1:{prom_port}", timeout=10) as pc:
+                async with (
+                    httpx.AsyncClient(base_url=proxy_url + "/v1", timeout=30) as client,
+                    httpx.AsyncClient(base_url=f"http://127.0.0.1:{prom_port}", timeout=10) as pc,
+                ):
 
                     async def proxy_healthy() -> bool:
                         assert proxy.poll() is None, proxy_log.read_text()
@@ -294,7 +328,8 @@ async def stack(tmp_path: Path) -> AsyncIterator[tuple[PromAPI, httpx.AsyncClien
 
 
 async def test_every_panel_and_recording_rule_returns_data(
-        stack: tuple[PromAPI, httpx.AsyncClient, subprocess.Popen[bytes], int]) -> None:
+    stack: tuple[PromAPI, httpx.AsyncClient, subprocess.Popen[bytes], int],
+) -> None:
     prom, client, proxy, proxy_port = stack
     proxy_url = f"http://127.0.0.1:{proxy_port}"
 
@@ -318,11 +353,19 @@ async def test_every_panel_and_recording_rule_returns_data(
 
     # The traffic really had the variety the panels are meant to show.
     outcomes = label_values(totals, "llm_proxy_stream_outcomes_total", "outcome")
-    assert {"completed", "client_disconnected", "upstream_error", "upstream_interrupted"} <= outcomes, outcomes
+    assert {
+        "completed",
+        "client_disconnected",
+        "upstream_error",
+        "upstream_interrupted",
+    } <= outcomes, outcomes
     codes = label_values(totals, "llm_proxy_requests_total", "code")
     assert {"200", "400", "503"} <= codes, codes
     assert label_values(totals, "llm_proxy_requests_total", "model") == set(MODELS)
-    assert label_values(totals, "llm_proxy_requests_total", "route") == {"/v1/chat/completions", "/v1/completions"}
+    assert label_values(totals, "llm_proxy_requests_total", "route") == {
+        "/v1/chat/completions",
+        "/v1/completions",
+    }
     assert sum(totals["llm_proxy_queue_time_seconds_sum"].values()) > 0
     assert sum(totals["llm_proxy_upstream_queue_time_seconds_sum"].values()) > 0
     assert sum(totals["llm_proxy_cached_prompt_tokens_sum"].values()) > 0
@@ -355,15 +398,21 @@ async def test_every_panel_and_recording_rule_returns_data(
         values = [value for _, value in result if math.isfinite(value)]
         finite = len(values)
         example = f"{values[0]:.4g}" if values else "-"
-        report.append(f"{len(result):3d} series ({finite:2d} finite, e.g. {example:>8})  {title} [{ref}]")
+        report.append(
+            f"{len(result):3d} series ({finite:2d} finite, e.g. {example:>8})  {title} [{ref}]"
+        )
         if not finite:
             failures.append(f"{title} [{ref}]: {len(result)} series, none finite\n    {expr}")
     # ... and with one model and one upstream picked (Grafana's multi-value format).
-    for title, ref, expr in dashboard_queries({"model": "(sim-a)", "upstream": f"({UPSTREAM_NAME})"}):
+    for title, ref, expr in dashboard_queries(
+        {"model": "(sim-a)", "upstream": f"({UPSTREAM_NAME})"}
+    ):
         result = await prom.series(expr)
         models = {labels.get("model") for labels, _ in result} - {None}
         if not result or models - {"sim-a"}:
-            failures.append(f"{title} [{ref}] with model=sim-a: {len(result)} series, models {models}")
+            failures.append(
+                f"{title} [{ref}] with model=sim-a: {len(result)} series, models {models}"
+            )
 
     # Every recording rule's expression evaluates to data too, and every alert parses.
     for rule in load_rules(RECORDING_RULES):
@@ -371,20 +420,26 @@ async def test_every_panel_and_recording_rule_returns_data(
         values = [value for _, value in result if math.isfinite(value)]
         finite = len(values)
         example = f"{values[0]:.4g}" if values else "-"
-        report.append(f"{len(result):3d} series ({finite:2d} finite, e.g. {example:>8})  rule {rule['record']}")
+        report.append(
+            f"{len(result):3d} series ({finite:2d} finite, e.g. {example:>8})  rule {rule['record']}"
+        )
         if not finite:
             failures.append(f"rule {rule['record']}: {len(result)} series, none finite")
     for rule in load_rules(ALERT_RULES):
         await prom.query(rule["expr"])  # raises if Prometheus rejects it
 
     # The template variables' queries (label_values) find the traffic's labels.
-    for label, match, expected in (("upstream", "llm_proxy_requests_total", {UPSTREAM_NAME}),
-                                   ("model", 'llm_proxy_requests_total{upstream=~".*"}', set(MODELS))):
+    for label, match, expected in (
+        ("upstream", "llm_proxy_requests_total", {UPSTREAM_NAME}),
+        ("model", 'llm_proxy_requests_total{upstream=~".*"}', set(MODELS)),
+    ):
         response = await prom.client.get(f"/api/v1/label/{label}/values", params={"match[]": match})
         assert expected <= set(response.json()["data"]), (label, response.text)
 
-    print(f"\nrequests sent {tally.sent}, by status {tally.by_status}, "
-          f"client-side transport errors {tally.transport_errors}")
+    print(
+        f"\nrequests sent {tally.sent}, by status {tally.by_status}, "
+        f"client-side transport errors {tally.transport_errors}"
+    )
     print("\n".join(report))
     assert not failures, "\n".join(failures)
 
@@ -393,8 +448,9 @@ async def test_every_panel_and_recording_rule_returns_data(
     if argv[0] == "python":
         argv[0] = sys.executable
     with anyio.fail_after(10):
-        health = await anyio.run_process(argv, env={**os.environ, "LLM_PROXY_PORT": str(proxy_port)},
-                                         check=False)
+        health = await anyio.run_process(
+            argv, env={**os.environ, "LLM_PROXY_PORT": str(proxy_port)}, check=False
+        )
     assert health.returncode == 0, health.stderr.decode(errors="replace")
     # ... and SIGTERM (docker stop) ends the proxy cleanly.
     proxy.send_signal(signal.SIGTERM)

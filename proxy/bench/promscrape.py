@@ -1,18 +1,27 @@
 """The proxy's view of a run, read from its ``/metrics`` before and after.
 
-Parses the Prometheus text exposition format (only what a scrape of
-prometheus-client output needs: samples, label escapes, comments skipped), sums series
-over labels, takes the difference after - before, and estimates quantiles from the
-histogram buckets the way PromQL's ``histogram_quantile`` does: find the bucket where
-the rank falls and interpolate linearly within it (lower edge 0 for the first bucket;
-a rank in the ``+Inf`` bucket gives the highest finite edge).
+Reads the Prometheus text exposition with prometheus_client's own parser
+(``text_string_to_metric_families``: label escapes, timestamps, ``+Inf``/``NaN``
+values), keeps every sample as ``{(name, sorted labels): value}``, sums series over
+labels, takes the difference after - before, and estimates quantiles from the histogram
+buckets the way PromQL's ``histogram_quantile`` does: find the bucket where the rank
+falls and interpolate linearly within it (lower edge 0 for the first bucket; a rank in
+the ``+Inf`` bucket gives the highest finite edge).
 
 The bucket quantiles are therefore estimates whose error is bounded by the bucket
 width; ``_sum / _count`` (the mean) and the counts are exact, and are what the
 comparison with the client's numbers should lean on.
 
-Nothing here imports prometheus_client: the parser also serves URLs of other
-processes, and the module stays cheap to import for the CLI.
+Sample names are the parser's: a counter declared without the ``_total`` suffix
+(``# TYPE c counter`` then ``c 2``) reads as ``c_total``, the name prometheus_client
+gives it. Every counter the proxy exports is declared with ``_total``, so its series
+read exactly as exposed.
+
+Importing prometheus_client here is a deliberate exception to "only
+:mod:`proxy.metrics` imports it": this module defines no metric, it reads the format,
+and the library's parser is the reference reader of it. Only the bench CLI and the demo
+import this module, lazily; the serving path never does (there the multiprocess
+directory must exist before prometheus_client is first imported).
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 Labels = tuple[tuple[str, str], ...]
 SeriesKey = tuple[str, Labels]
@@ -41,69 +51,38 @@ REQUESTS = "llm_proxy_requests_total"
 OUTCOMES = "llm_proxy_stream_outcomes_total"
 IN_FLIGHT = "llm_proxy_in_flight_requests"
 
-_ESCAPES = {"\\": "\\", '"': '"', "n": "\n"}
+# What prometheus_client's parser raises on a line it cannot read.
+_MALFORMED = (ValueError, IndexError)
 
 
-def _parse_labels(text: str, pos: int) -> tuple[Labels, int]:
-    """Parse ``{a="x",b="y"}`` starting at ``text[pos] == '{'``; return labels and end."""
-    labels: list[tuple[str, str]] = []
-    pos += 1
-    n = len(text)
-    while pos < n:
-        while pos < n and text[pos] in " ,":
-            pos += 1
-        if pos < n and text[pos] == "}":
-            return tuple(sorted(labels)), pos + 1
-        eq = text.index("=", pos)
-        name = text[pos:eq].strip()
-        pos = text.index('"', eq) + 1
-        value: list[str] = []
-        while text[pos] != '"':
-            if text[pos] == "\\" and pos + 1 < n:
-                value.append(_ESCAPES.get(text[pos + 1], "\\" + text[pos + 1]))
-                pos += 2
-            else:
-                value.append(text[pos])
-                pos += 1
-        labels.append((name, "".join(value)))
-        pos += 1
-    raise ValueError("unterminated label set")
+def _samples(text: str) -> Snapshot:
+    out: Snapshot = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = float(sample.value)
+    return out
 
 
-def _parse_value(raw: str) -> float:
-    lowered = raw.lower()
-    if lowered in ("+inf", "inf"):
-        return math.inf
-    if lowered == "-inf":
-        return -math.inf
-    return float(raw)
+def _readable(line: str) -> bool:
+    try:
+        for _ in text_string_to_metric_families(line):
+            pass
+    except _MALFORMED:
+        return False
+    return True
 
 
 def parse(text: str) -> Snapshot:
     """Samples of a text exposition as ``{(name, sorted labels): value}``.
 
     Malformed lines are skipped rather than fatal: a scrape is a side view, and one
-    odd line must not stop a benchmark.
+    odd line must not stop a benchmark. The parser stops at the first bad line, so
+    only then is the text read a second time, without the lines it cannot read alone.
     """
-    out: Snapshot = {}
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        try:
-            brace = line.find("{")
-            space = line.find(" ")
-            if brace != -1 and (space == -1 or brace < space):
-                name = line[:brace]
-                labels, end = _parse_labels(line, brace)
-                rest = line[end:].split()
-            else:
-                name, *rest = line.split()
-                labels = ()
-            out[(name, labels)] = _parse_value(rest[0])
-        except (ValueError, IndexError):
-            continue
-    return out
+    try:
+        return _samples(text)
+    except _MALFORMED:
+        return _samples("\n".join(line for line in text.splitlines() if _readable(line)))
 
 
 LabelFilter = Callable[[Mapping[str, str]], bool]
@@ -175,7 +154,10 @@ def histogram(snapshot: Snapshot, name: str, where: LabelFilter = _any) -> Histo
         le = mapping.pop("le", None)
         if le is None or not where(mapping):
             continue
-        edge = _parse_value(le)
+        try:
+            edge = float(le)  # "+Inf" included
+        except ValueError:
+            continue
         buckets[edge] = buckets.get(edge, 0.0) + v
     return Histogram(
         tuple(sorted(buckets.items())),
