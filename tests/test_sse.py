@@ -4,21 +4,24 @@ Expected results come from ``reference_parse``, a deliberately naive whole-strea
 reading of the WHATWG event-stream grammar written here independently of
 :mod:`proxy.sse` (split lines on CRLF/LF/CR, blank line dispatches an event that had a
 ``data`` field, named by its last ``event`` line). The incremental parser must agree
-with it whatever the chunking.
+with it whatever the chunking, and so must what a dialect reads from the events.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
+import json
 import re
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import pytest
 from hypothesis import event as hypothesis_event
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from proxy.dialects import CHAT, COMPLETIONS, MESSAGES, RESPONSES, Dialect, EventInfo
 from proxy.sse import SSEEvent, SSEParser
 
 Expected = tuple[bytes, int, int, bool, bytes]  # data, start, end, oversize, event
@@ -617,3 +620,84 @@ def test_property_single_then_feed_equals_feed(chunks: list[bytes], limit: int) 
         assert fast.boundary == plain.boundary, chunk
         assert fast.buffered_bytes == plain.buffered_bytes, chunk
         assert fast.straddling_lf == plain.straddling_lf, chunk
+
+
+# ---------------------------------------------------------------------------
+# What a dialect reads from the events does not depend on how the bytes arrived.
+
+SAMPLES: dict[str, tuple[Dialect, list[tuple[str, dict[str, Any]]]]] = {
+    "chat": (CHAT, [
+        ("", {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}),
+        ("", {"choices": [{"index": 0, "delta": {"reasoning_content": "hm"}}]}),
+        ("", {"choices": [{"index": 0, "delta": {"content": "Hi"}}]}),
+        ("", {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}}),
+        ("", {"error": {"message": "boom"}}),
+    ]),
+    "completions": (COMPLETIONS, [
+        ("", {"choices": [{"index": 0, "text": "Hi"}]}),
+        ("", {"choices": [{"index": 0, "text": ""}]}),
+    ]),
+    "responses": (RESPONSES, [
+        ("response.created", {"type": "response.created", "response": {"usage": None}}),
+        ("response.reasoning_text.delta",
+         {"type": "response.reasoning_text.delta", "sequence_number": 1, "delta": "r"}),
+        ("response.output_text.delta",
+         {"type": "response.output_text.delta", "sequence_number": 2, "delta": "Hi"}),
+        ("response.output_text.delta",
+         {"type": "response.output_text.delta", "sequence_number": 3, "delta": ""}),
+        ("response.completed",
+         {"type": "response.completed", "response": {"usage": {"input_tokens": 3}}}),
+        ("error", {"type": "error", "message": "m"}),
+    ]),
+    "messages": (MESSAGES, [
+        ("message_start", {"type": "message_start", "message": {"usage": {"input_tokens": 5}}}),
+        ("ping", {"type": "ping"}),
+        ("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                 "delta": {"type": "thinking_delta", "thinking": "t"}}),
+        ("content_block_delta", {"type": "content_block_delta", "index": 1,
+                                 "delta": {"type": "text_delta", "text": "Hi"}}),
+        ("message_delta", {"type": "message_delta", "usage": {"output_tokens": 2}}),
+        ("error", {"type": "error", "error": {"type": "overloaded_error"}}),
+    ]),
+}  # fmt: skip
+
+
+@st.composite
+def dialect_streams(draw: st.DrawFn) -> tuple[Dialect, bytes, list[EventInfo]]:
+    """A stream of one dialect's events, each written with or without its ``event:``
+    line (without "type" sometimes when the line is there), compact or pretty-printed
+    over several ``data:`` lines, any line endings, comments between; and what each
+    event should read as."""
+    dialect, samples = SAMPLES[draw(st.sampled_from(sorted(SAMPLES)))]
+    out = bytearray()
+    expected: list[EventInfo] = []
+    for name, payload in draw(st.lists(st.sampled_from(samples), min_size=1, max_size=6)):
+        eol = draw(_eol)
+        named = bool(name) and draw(st.booleans())
+        if named and draw(st.booleans()):
+            payload = {k: v for k, v in payload.items() if k != "type"}
+        if draw(st.booleans()):
+            lines = [json.dumps(payload, separators=(",", ":"))]
+        else:
+            lines = json.dumps(payload, indent=1).split("\n")
+        if draw(st.booleans()):
+            out += b": keep-alive" + eol
+        if named:
+            out += b"event: " + name.encode() + eol
+        for line in lines:
+            out += b"data: " + line.encode() + eol
+        out += eol
+        expected.append(dialect.classify_payload(name.encode() if named else b"", payload))
+    return dialect, bytes(out), expected
+
+
+@settings(max_examples=150, deadline=None)
+@given(dialect_streams())
+def test_property_dialect_reads_the_same_whatever_the_reads(
+    case: tuple[Dialect, bytes, list[EventInfo]],
+) -> None:
+    dialect, stream, expected = case
+    for pieces in ([stream], [stream[i : i + 1] for i in range(len(stream))]):
+        parser = SSEParser()
+        got = [dialect.classify(e.event, e.data) for p in pieces for e in parser.feed(p)]
+        assert got == expected
