@@ -3,15 +3,18 @@
 It follows the WHATWG event-stream grammar: lines end in CRLF, LF or CR (a CR at the
 end of one chunk may be the first half of a CRLF in the next); a blank line dispatches
 the event; lines starting with ``:`` are comments; ``data`` lines are joined with
-``\\n``. Only ``data`` is kept, since that is all the measurement needs, together with
-each event's byte span in the stream, which the relay needs to drop the one event it
-may remove (the usage-only event the proxy itself asked for).
+``\\n``. Two fields are kept: ``data``, and ``event`` (the event name, the last
+``event`` line's value, ``b""`` when there is none: the parser does not substitute the
+standard's default ``message``, so an absent name stays distinguishable), since the
+Responses and Messages APIs name their events there. Each event also carries its byte
+span in the stream, which the relay needs to drop the one event it may remove (the
+usage-only event the proxy itself asked for). ``id`` and ``retry`` are not kept.
 
 Memory is bounded: an event longer than ``max_event_bytes`` is still *forwarded* by the
-relay (the parser never touches the bytes the client gets) but its data is discarded
-and it is reported with ``oversize=True``, so the measurement skips it. An event's size
-is its bytes from its first line up to the blank line that ends it, which does not
-depend on how the stream was cut into reads (so neither does the flag). Only events
+relay (the parser never touches the bytes the client gets) but its data and name are
+discarded and it is reported with ``oversize=True``, so the measurement skips it. An
+event's size is its bytes from its first line up to the blank line that ends it, which
+does not depend on how the stream was cut into reads (so neither does the flag). Only events
 with a ``data`` field are dispatched, oversize or not; a long comment is no event.
 
 Spans: ``[start, end)`` runs from the event's first line through the line ending of
@@ -23,7 +26,8 @@ with the LF of that CRLF, the LF lies outside every span; it is reported as
 that byte with it.
 
 The common case, one or more complete LF-terminated events per chunk with nothing
-pending, takes a fast path of a few ``bytes`` methods implemented in C.
+pending, each a ``data:`` line, optionally after one ``event:`` line, takes a fast path
+of a few ``bytes`` methods implemented in C.
 """
 
 from __future__ import annotations
@@ -34,16 +38,19 @@ DEFAULT_MAX_EVENT_BYTES = 1 << 20  # 1 MiB
 
 
 class SSEEvent(NamedTuple):
-    """One dispatched event: its data and its span ``[start, end)`` in the stream.
+    """One dispatched event: its data, its span ``[start, end)`` in the stream, and its
+    ``event:`` name (``b""`` when it has none, and always for an oversize event).
 
     A NamedTuple rather than a frozen dataclass: one is made per event on the hot path,
-    and a tuple is several times cheaper to build.
+    and a tuple is several times cheaper to build. ``event`` comes last, with a default,
+    so code that builds or unpacks the first four fields keeps working.
     """
 
     data: bytes
     start: int
     end: int
     oversize: bool = False
+    event: bytes = b""
 
 
 class SSEParser:
@@ -52,6 +59,7 @@ class SSEParser:
     __slots__ = (
         "_data",
         "_data_size",
+        "_event",
         "_event_start",
         "_has_data",
         "_line",
@@ -70,6 +78,7 @@ class SSEParser:
         self._data: list[bytes] = []
         self._data_size = 0
         self._has_data = False
+        self._event = b""  # the current event's name so far
         self._event_start = -1  # offset of the first line of the current event
         self._oversize = False
         # Offset of an LF that began the last chunk fed and completed a CRLF whose CR
@@ -80,7 +89,7 @@ class SSEParser:
     @property
     def buffered_bytes(self) -> int:
         """Bytes held for an incomplete line or event (bounded by the event limit)."""
-        return len(self._line) + self._data_size
+        return len(self._line) + self._data_size + len(self._event)
 
     @property
     def max_event_bytes(self) -> int:
@@ -92,18 +101,42 @@ class SSEParser:
         """Stream offset up to which every byte belongs to a finished line or event."""
         return self._event_start if self._event_start >= 0 else self._offset
 
-    def single(self, chunk: bytes) -> bytes | None:
-        """The data of ``chunk`` if it is exactly one event of one ``data:`` line, else None.
+    def single(self, chunk: bytes) -> tuple[bytes, bytes] | None:
+        """``(event, data)`` if ``chunk`` is exactly one event of one ``data:`` line,
+        optionally after one ``event:`` line, LF line endings only; else None. ``event``
+        is ``b""`` when there is no ``event:`` line.
 
-        That is the common shape (servers write one event per chunk), and this is the
-        cheap way to take it: no event objects, no list. On None nothing was consumed
-        and ``feed`` must be called with the same chunk.
+        That is the common shape (servers write one event per chunk; the Responses and
+        Messages APIs put the name first), and this is the cheap way to take it: no
+        event objects, no list. On None nothing was consumed and ``feed`` must be called
+        with the same chunk.
         """
         n = len(chunk)
-        if (chunk[:5] != b"data:" or chunk.find(b"\n") != n - 2 or chunk[-1:] != b"\n"
-                or b"\r" in chunk or n - 1 > self._max or not self.skip(n)):
+        if chunk[:5] == b"data:":
+            if (
+                chunk.find(b"\n") != n - 2
+                or chunk[-1:] != b"\n"
+                or b"\r" in chunk
+                or n - 1 > self._max
+                or not self.skip(n)
+            ):
+                return None
+            return b"", chunk[6:-2] if chunk[5:6] == b" " else chunk[5:-2]
+        if chunk[:6] != b"event:":
             return None
-        return chunk[6:-2] if chunk[5:6] == b" " else chunk[5:-2]
+        eol = chunk.find(b"\n")
+        if (
+            chunk[eol + 1 : eol + 6] != b"data:"
+            or chunk.find(b"\n", eol + 1) != n - 2
+            or chunk[-1:] != b"\n"
+            or b"\r" in chunk
+            or n - 1 > self._max
+            or not self.skip(n)
+        ):
+            return None
+        name = chunk[7:eol] if chunk[6:7] == b" " else chunk[6:eol]
+        at = eol + 6
+        return name, chunk[at + 1 : -2] if chunk[at : at + 1] == b" " else chunk[at:-2]
 
     def skip(self, size: int) -> bool:
         """Consume ``size`` bytes the caller knows to be one whole event (it checked them
@@ -134,23 +167,32 @@ class SSEParser:
         return self._slow(chunk, base)
 
     def _fast(self, chunk: bytes, base: int) -> list[SSEEvent] | None:
-        """LF-only chunk made of whole events, each a single ``data:`` line."""
+        """LF-only chunk made of whole events, each a single ``data:`` line, optionally
+        after a single ``event:`` line; None (nothing consumed) for anything else."""
         events: list[SSEEvent] = []
         pos = 0
         for block in chunk[:-2].split(b"\n\n"):
             end = pos + len(block) + 2
             if block.startswith(b"data:") and b"\n" not in block:
+                name = b""
                 value = block[5:]
-                if value[:1] == b" ":
-                    value = value[1:]
-                if len(block) + 1 > self._max:  # event size: up to its blank line
-                    events.append(SSEEvent(b"", base + pos, base + end, True))
-                else:
-                    events.append(SSEEvent(value, base + pos, base + end))
+            elif block.startswith(b"event:"):
+                eol = block.find(b"\n")
+                if block[eol + 1 : eol + 6] != b"data:" or block.find(b"\n", eol + 1) >= 0:
+                    return None
+                name = block[7:eol] if block[6:7] == b" " else block[6:eol]
+                value = block[eol + 6 :]
             elif block.startswith(b":") and b"\n" not in block:
-                pass  # a comment on its own: no event
+                pos = end
+                continue  # a comment on its own: no event
             else:
                 return None  # anything unusual: let the general parser do it all
+            if value[:1] == b" ":
+                value = value[1:]
+            if len(block) + 1 > self._max:  # event size: up to its blank line
+                events.append(SSEEvent(b"", base + pos, base + end, True))
+            else:
+                events.append(SSEEvent(value, base + pos, base + end, False, name))
             pos = end
         return events
 
@@ -200,6 +242,7 @@ class SSEParser:
             self._oversize = True
             self._data.clear()
             self._data_size = 0
+            self._event = b""
             room = 16 - len(self._line)
             if room > 0:
                 self._line += part[:room]
@@ -212,9 +255,11 @@ class SSEParser:
                 return None  # blank line between events
             event = None
             if self._has_data:
-                oversize = self._oversize or line_start - self._event_start > self._max
-                data = b"" if oversize else b"\n".join(self._data)
-                event = SSEEvent(data, self._event_start, end, oversize)
+                if self._oversize or line_start - self._event_start > self._max:
+                    event = SSEEvent(b"", self._event_start, end, True)
+                else:
+                    data = b"\n".join(self._data)
+                    event = SSEEvent(data, self._event_start, end, False, self._event)
             self._reset()
             return event
         if self._event_start < 0:
@@ -222,17 +267,22 @@ class SSEParser:
         if line[:1] == b":":
             return None
         name, sep, value = line.partition(b":")
-        if name != b"data":
-            return None  # event, id, retry and unknown fields do not matter here
-        if sep and value[:1] == b" ":
-            value = value[1:]
-        self._has_data = True
+        if name == b"data":
+            self._has_data = True
+        elif name != b"event":
+            return None  # id, retry and unknown fields do not matter here
         if self._oversize:
             return None
         if end - self._event_start > self._max:  # already too long, whatever follows
             self._oversize = True
             self._data.clear()
             self._data_size = 0
+            self._event = b""
+            return None
+        if sep and value[:1] == b" ":
+            value = value[1:]
+        if name == b"event":
+            self._event = value  # the last event line wins
             return None
         self._data_size += len(value) + 1
         self._data.append(value)
@@ -242,5 +292,6 @@ class SSEParser:
         self._data = []
         self._data_size = 0
         self._has_data = False
+        self._event = b""
         self._event_start = -1
         self._oversize = False

@@ -1,0 +1,763 @@
+"""API dialects: what one streamed event means for each API the proxy measures, and how
+each API reports token usage.
+
+Four streaming APIs are measured: chat completions (``/v1/chat/completions``),
+completions (``/v1/completions``), the OpenAI Responses API (``/v1/responses``) and the
+Anthropic Messages API (``/v1/messages``). Each has a :class:`Dialect` that reads one SSE
+event (its ``event:`` name and its joined ``data``) into an :class:`EventInfo`, and a
+raw usage mapping into a :class:`Usage` normalised so that one dashboard compares all
+four. Everything here is a pure function of its input: no I/O, no clock, no HTTP, no
+metrics, and nothing raises on any input (a malformed event is simply not counted).
+
+Definitions:
+
+* TTFT ends at the first event carrying generated output, reasoning included. Time to
+  first *answer* token ends at the first output event that is not reasoning
+  (``EventInfo.answer``).
+* Event name: the ``event:`` field when the event has one, else the data's ``"type"``.
+  An event is read the same whether its name comes from one or the other.
+* chat: a choice carries output when its ``delta`` has a non-empty ``content`` or
+  ``refusal`` string, a truthy ``tool_calls`` or ``function_call`` (answer), or a
+  non-empty ``reasoning_content`` or ``reasoning`` string (reasoning). Role-only and
+  empty chunks are not tokens. With ``n > 1``, ``outputs`` is the number of choices
+  carrying output and ``answer`` is true if any of them carries non-reasoning output.
+  completions: a choice carries output when its ``text`` is a non-empty string (answer).
+* chat and completions usage: ``prompt_tokens``, ``prompt_tokens_details.cached_tokens``
+  and ``.cache_write_tokens``, ``completion_tokens``,
+  ``completion_tokens_details.reasoning_tokens``. A data event with a truthy top-level
+  ``"error"`` (vLLM and TGI report failures mid-stream that way, and the ``openai``
+  client raises on it) is an error unless it carries output: real error events carry
+  no choices, and that rule keeps the error check off the token path. An event named
+  ``error`` is an error whatever its data.
+* Responses: output is a non-empty string ``delta`` in ``response.output_text.delta``,
+  ``response.refusal.delta``, ``response.function_call_arguments.delta``,
+  ``response.custom_tool_call_input.delta``, ``response.mcp_call_arguments.delta``,
+  ``response.code_interpreter_call_code.delta``, ``response.shell_call_command.delta``,
+  ``response.audio.delta``, ``response.audio.transcript.delta`` (answer) and
+  ``response.reasoning_text.delta``, ``response.reasoning_summary_text.delta``
+  (reasoning). Never output: ``response.created``, ``response.in_progress``,
+  ``response.queued``, every ``*.added`` and ``*.done``, and the progress events of
+  hosted tools (``response.shell_call_output_content.delta`` is the output of running a
+  command, not generated text; a partial image is not a token). Usage is
+  ``response.usage`` in ``response.completed``, ``response.incomplete`` and
+  ``response.failed`` (or the non-stream body's ``usage``): prompt ``input_tokens``,
+  cached ``input_tokens_details.cached_tokens``, cache write
+  ``input_tokens_details.cache_write_tokens``, completion ``output_tokens``, reasoning
+  ``output_tokens_details.reasoning_tokens``. ``error`` and ``response.failed`` are
+  errors; ``response.incomplete`` (a length or content-filter stop) is not.
+* Messages: output is a ``content_block_delta`` whose delta is a ``text_delta`` with a
+  non-empty ``text``, an ``input_json_delta`` with a non-empty ``partial_json``
+  (answer), or a ``thinking_delta`` with a non-empty ``thinking`` (reasoning). Never
+  output: ``message_start``, ``content_block_start``, ``ping``, ``signature_delta``,
+  ``citations_delta``, ``message_delta``, ``message_stop``. Usage is
+  ``message_start.message.usage`` and every ``message_delta.usage``; the API's counts
+  are cumulative, so the last value of each field wins (:func:`merge_usage`), never a
+  sum. Prompt is ``input_tokens + cache_read_input_tokens +
+  cache_creation_input_tokens`` (the API's own definition of total input; an absent
+  cache field counts 0, an absent ``input_tokens`` makes prompt unknown), cached is
+  ``cache_read_input_tokens``, cache write ``cache_creation_input_tokens``, completion
+  ``output_tokens``, reasoning ``output_tokens_details.thinking_tokens`` when the API
+  reports it. An ``error`` event (``{"type":"error","error":{...}}``) is an error.
+* Responses and Messages events with no name at all whose data has a truthy
+  ``"error"`` are errors too (a server that reports failures the chat way).
+* A token count only counts when it is an ``int >= 0`` (not a bool).
+
+Speed: most events of a stream are one token. Each dialect recognises its common token
+event from the bytes, without decoding JSON (``benchmarks/profile.md`` has the cost of
+a decode per event), and decodes everything else in full. The byte checks only return
+an answer when the bytes leave no doubt about what the full decode would say for the
+layouts servers write (compact JSON, keys written plainly, no duplicate keys); property
+tests check them against :meth:`Dialect.classify_payload` on generated events.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, NamedTuple, Protocol
+
+
+class EventInfo(NamedTuple):
+    """What one SSE event says, as far as measurement cares (a NamedTuple: one is made
+    per event)."""
+
+    outputs: int = 0  # output-bearing units: chat choices carrying output; else 0 or 1
+    answer: bool = False  # any of those outputs is answer, not reasoning
+    usage: Mapping[str, Any] | None = None  # the raw usage mapping this event carries
+    usage_only: bool = False  # chat/completions: ``"choices": []`` with usage, no error
+    error: bool = False  # an error reported inside a 200 stream
+    upstream_queue_s: float | None = None  # vLLM ``metrics.queue_time_ms``, in seconds
+
+
+NOT_COUNTED = EventInfo()
+ANSWER = EventInfo(1, True)
+REASONING = EventInfo(1, False)
+ERROR = EventInfo(error=True)
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Token counts normalised across the four APIs (None: not reported)."""
+
+    prompt_tokens: int | None = None  # all input tokens, cached or not
+    cached_prompt_tokens: int | None = None  # of those, read from the prompt cache
+    completion_tokens: int | None = None  # all output tokens, reasoning included
+    reasoning_tokens: int | None = None  # of those, reasoning
+    cache_write_tokens: int | None = None  # input tokens written to the prompt cache
+
+
+_NO_USAGE = Usage()
+_EMPTY: Mapping[str, Any] = {}
+
+
+def _count(value: Any) -> int | None:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    return None
+
+
+def _mapping(holder: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+    value = holder.get(key)
+    return value if isinstance(value, Mapping) else _EMPTY
+
+
+def _loads(data: bytes) -> Any:
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        return None
+
+
+def _event_name(event: bytes, payload: Any) -> str:
+    """The ``event:`` field if present, else the payload's ``"type"``; ``""`` if neither."""
+    if event:
+        return event.decode("utf-8", "replace")
+    if isinstance(payload, dict):
+        kind = payload.get("type")
+        if isinstance(kind, str):
+            return kind
+    return ""
+
+
+def _usage_of(holder: Any) -> Mapping[str, Any] | None:
+    if isinstance(holder, Mapping):
+        usage = holder.get("usage")
+        if isinstance(usage, Mapping):
+            return usage
+    return None
+
+
+def merge_usage(acc: dict[str, Any] | None, raw: Mapping[str, Any]) -> dict[str, Any]:
+    """Fold one event's raw usage into ``acc`` (a new dict when None) and return it.
+
+    Field by field, a later event's value wins: Messages and vLLM report cumulative
+    counts, so the last value is the total and a sum would double count. A nested
+    mapping (``prompt_tokens_details``, ``input_tokens_details``, ...) is merged one
+    level deep, so an event that reports only some details keeps the others. A null
+    value means "not reported here" and never erases an earlier value. ``acc`` is
+    updated in place; it never shares a nested mapping with an event.
+    """
+    out: dict[str, Any] = {} if acc is None else acc
+    if not isinstance(raw, Mapping):
+        return out
+    for key, value in raw.items():
+        if value is None:
+            continue
+        if isinstance(value, Mapping):
+            old = out.get(key)
+            merged = dict(old) if isinstance(old, dict) else {}
+            for inner, item in value.items():
+                if item is not None:
+                    merged[inner] = item
+            out[key] = merged
+        else:
+            out[key] = value
+    return out
+
+
+def upstream_queue_seconds(payload: Mapping[str, Any]) -> float | None:
+    """vLLM-style per-request ``metrics.queue_time_ms`` (top level or inside usage)."""
+    for holder in (payload, payload.get("usage")):
+        if isinstance(holder, dict):
+            metrics = holder.get("metrics")
+            if isinstance(metrics, dict):
+                value = metrics.get("queue_time_ms")
+                if (
+                    isinstance(value, int | float)
+                    and not isinstance(value, bool)
+                    and math.isfinite(value)  # json.loads takes Infinity and NaN
+                    and value >= 0
+                ):
+                    return float(value) / 1000.0
+    return None
+
+
+class Dialect(Protocol):
+    """One streaming API, as far as measurement cares.
+
+    The attributes are read-only properties so that frozen instances satisfy the
+    protocol. ``classify`` is the per-event entry point; ``classify_payload`` is the
+    full-decode reading it must agree with (and falls back to).
+    """
+
+    @property
+    def name(self) -> str:
+        """``"chat"``, ``"completions"``, ``"responses"`` or ``"messages"``."""
+        ...
+
+    @property
+    def route(self) -> str:
+        """The request path this dialect measures."""
+        ...
+
+    @property
+    def injects_usage(self) -> bool:
+        """Whether the proxy may add ``stream_options.include_usage`` to the request
+        (chat and completions only: the other two always report usage)."""
+        ...
+
+    @property
+    def token_keys(self) -> tuple[bytes, ...]:
+        """Compact JSON keys, opening quote included, whose non-empty string value is
+        the token text of the common event (for :class:`TokenTemplate`)."""
+        ...
+
+    def classify(self, event: bytes, data: bytes) -> EventInfo:
+        """Read one event: ``event`` is its ``event:`` name (``b""`` when absent),
+        ``data`` its joined data field."""
+        ...
+
+    def classify_payload(self, event: bytes, payload: Any) -> EventInfo:
+        """Read one event whose data was decoded to ``payload`` (None if undecodable)."""
+        ...
+
+    def body_usage(self, payload: Mapping[str, Any]) -> Mapping[str, Any] | None:
+        """The raw usage of a non-stream JSON answer."""
+        ...
+
+    def usage(self, raw: Mapping[str, Any] | None) -> Usage:
+        """Normalise a raw usage mapping (merged across events by :func:`merge_usage`)."""
+        ...
+
+
+# ---------------------------------------------------------------------------
+# chat completions and completions
+
+
+def _usage_is_null(data: bytes) -> bool:
+    """No ``"usage"`` key, or only ``"usage": null`` (OpenAI sends that on every chunk of
+    a stream that asked for usage)."""
+    at = data.find(b'"usage"')
+    if at < 0:
+        return True
+    rest = data[at + 7 : at + 16].lstrip(b" \t\r\n:")
+    return rest.startswith(b"null") and data.find(b'"usage"', at + 7) < 0
+
+
+_NONE = 0  # what one choice carries
+_REASONING = 1
+_ANSWER = 2
+
+
+@dataclass(frozen=True, slots=True)
+class ChatDialect:
+    """``/v1/chat/completions``.
+
+    The byte scan for the common event (one choice, one token, no usage, no metrics)
+    runs only on payloads that look like one JSON object with exactly one ``"delta"``
+    key (so at most one choice can carry output; ``measure.inspect_event`` counted
+    ``"index"`` keys instead, which misreads servers that omit them) and no usage
+    object or vLLM metrics. Then, cheapest first: the first ``"content"`` key followed
+    by a non-empty string is an answer; a delta whose only key is ``reasoning_content``
+    or ``reasoning`` with a non-empty string (``"delta":{"reasoning":"x"}``: its value
+    ends at the first unescaped quote, right before the delta's ``}``) is reasoning;
+    else one regex pass finds every output key with a non-empty string in any spacing.
+    An unescaped quote on both sides of a key means it cannot lie inside a JSON string.
+    Reasoning from the regex pass is only trusted with no answer key and no
+    ``"tool_calls"``/``"function_call"`` at all, "nothing" only when there is also no
+    ``"error"``, so the ``"error"`` search never runs for a token event.
+    """
+
+    name: str = "chat"
+    route: str = "/v1/chat/completions"
+    injects_usage: bool = True
+    token_keys: tuple[bytes, ...] = (
+        b'"content":"',
+        b'"reasoning_content":"',
+        b'"reasoning":"',
+        b'"refusal":"',
+    )
+
+    _marker: ClassVar[bytes] = b'"delta"'  # one per choice
+    _answer_key: ClassVar[bytes] = b'"content"'
+    _reasoning_delta: ClassVar[bytes] = b'"delta":{"reasoning'
+    _scan: ClassVar[re.Pattern[bytes]] = re.compile(
+        rb'"(content|refusal|reasoning_content|reasoning)"\s*:\s*"[^"]'
+    )
+    _answer_names: ClassVar[frozenset[bytes]] = frozenset((b"content", b"refusal"))
+    _containers: ClassVar[tuple[bytes, ...]] = (b'"tool_calls"', b'"function_call"')
+
+    def classify(self, event: bytes, data: bytes) -> EventInfo:
+        if event == b"error":
+            return ERROR
+        if data[:1] != b"{" or data[-1:] != b"}":
+            data = data.strip()
+            if data[:1] != b"{":
+                return NOT_COUNTED  # "[DONE]", keep-alive text, garbage
+            if data[-1:] != b"}":
+                return self.classify_payload(event, _loads(data))
+        if data.count(self._marker) == 1 and b'"metrics"' not in data and _usage_is_null(data):
+            key = self._answer_key
+            at = data.find(key) + len(key)
+            if at >= len(key):
+                value = data[at : at + 3]  # ':"x' or ': "x'
+                if value[:2] == b':"' and value[2:] != b'"':
+                    return ANSWER
+                if value == b': "' and data[at + 3 : at + 4] != b'"':
+                    return ANSWER
+            info = self._one_choice(data)
+            if info is not None:
+                return info
+        return self.classify_payload(event, _loads(data))
+
+    def _one_choice(self, data: bytes) -> EventInfo | None:
+        """The reading of a payload with one choice, no usage, no metrics, and no
+        compact answer in its first ``"content"`` (or ``"text"``); None if unsure."""
+        if self._reasoning_delta:
+            size = len(self._reasoning_delta)
+            at = data.find(self._reasoning_delta) + size
+            if at >= size:
+                if data.startswith(b'_content":"', at):
+                    at += 11
+                elif data.startswith(b'":"', at):
+                    at += 3
+                else:
+                    at = 0
+                if at and data[at : at + 1] != b'"':
+                    end = data.find(b'"', at)
+                    if end > at and data[end - 1] != 0x5C and data[end + 1 : end + 2] == b"}":
+                        return REASONING  # 0x5C: a backslash, the quote might be escaped
+        names: list[bytes] = self._scan.findall(data)
+        if names:
+            for found in names:
+                if found in self._answer_names:
+                    return ANSWER
+            if not any(key in data for key in self._containers):
+                return REASONING
+        elif b'"error"' not in data and not any(key in data for key in self._containers):
+            return NOT_COUNTED  # role-only, empty or finish chunk
+        return None
+
+    @staticmethod
+    def _carries(choice: Any) -> int:
+        if not isinstance(choice, dict):
+            return _NONE
+        delta = choice.get("delta")
+        if not isinstance(delta, dict):
+            return _NONE
+        for key in ("content", "refusal"):
+            value = delta.get(key)
+            if isinstance(value, str) and value:
+                return _ANSWER
+        if delta.get("tool_calls") or delta.get("function_call"):
+            return _ANSWER
+        for key in ("reasoning_content", "reasoning"):
+            value = delta.get(key)
+            if isinstance(value, str) and value:
+                return _REASONING
+        return _NONE
+
+    def classify_payload(self, event: bytes, payload: Any) -> EventInfo:
+        if event == b"error":
+            return ERROR
+        if not isinstance(payload, dict):
+            return NOT_COUNTED
+        choices = payload.get("choices")
+        outputs = 0
+        answer = False
+        if isinstance(choices, list):
+            for choice in choices:
+                kind = self._carries(choice)
+                if kind:
+                    outputs += 1
+                    answer = answer or kind == _ANSWER
+        usage = payload.get("usage")
+        if not isinstance(usage, dict):
+            usage = None
+        queue = (
+            upstream_queue_seconds(payload) if usage is not None or "metrics" in payload else None
+        )
+        error = not outputs and bool(payload.get("error"))
+        if usage is None and queue is None:
+            if outputs == 1:
+                return ANSWER if answer else REASONING
+            if not outputs:
+                return ERROR if error else NOT_COUNTED
+        usage_only = usage is not None and choices == [] and not error
+        return EventInfo(outputs, answer, usage, usage_only, error, queue)
+
+    def body_usage(self, payload: Mapping[str, Any]) -> Mapping[str, Any] | None:
+        return _usage_of(payload)
+
+    def usage(self, raw: Mapping[str, Any] | None) -> Usage:
+        if not isinstance(raw, Mapping):
+            return _NO_USAGE
+        prompt = _mapping(raw, "prompt_tokens_details")
+        completion = _mapping(raw, "completion_tokens_details")
+        return Usage(
+            _count(raw.get("prompt_tokens")),
+            _count(prompt.get("cached_tokens")),
+            _count(raw.get("completion_tokens")),
+            _count(completion.get("reasoning_tokens")),
+            _count(prompt.get("cache_write_tokens")),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionsDialect(ChatDialect):
+    """``/v1/completions``: the chat reading with ``choices[].text`` as the only output
+    (and the byte scan keyed on ``"text"``, one per choice)."""
+
+    name: str = "completions"
+    route: str = "/v1/completions"
+    injects_usage: bool = True
+    token_keys: tuple[bytes, ...] = (b'"text":"',)
+
+    _marker: ClassVar[bytes] = b'"text"'
+    _answer_key: ClassVar[bytes] = b'"text"'
+    _reasoning_delta: ClassVar[bytes] = b""
+    _scan: ClassVar[re.Pattern[bytes]] = re.compile(rb'"(text)"\s*:\s*"[^"]')
+    _answer_names: ClassVar[frozenset[bytes]] = frozenset((b"text",))
+    _containers: ClassVar[tuple[bytes, ...]] = ()
+
+    @staticmethod
+    def _carries(choice: Any) -> int:
+        if isinstance(choice, dict):
+            text = choice.get("text")
+            if isinstance(text, str) and text:
+                return _ANSWER
+        return _NONE
+
+
+# ---------------------------------------------------------------------------
+# Responses
+
+_RESPONSES_OUTPUT: dict[str, EventInfo] = {
+    "response.output_text.delta": ANSWER,
+    "response.refusal.delta": ANSWER,
+    "response.function_call_arguments.delta": ANSWER,
+    "response.custom_tool_call_input.delta": ANSWER,
+    "response.mcp_call_arguments.delta": ANSWER,
+    "response.code_interpreter_call_code.delta": ANSWER,
+    "response.shell_call_command.delta": ANSWER,
+    "response.audio.delta": ANSWER,
+    "response.audio.transcript.delta": ANSWER,
+    "response.reasoning_text.delta": REASONING,
+    "response.reasoning_summary_text.delta": REASONING,
+}
+_RESPONSES_OUTPUT_B = {name.encode(): info for name, info in _RESPONSES_OUTPUT.items()}
+_RESPONSES_USAGE = frozenset(("response.completed", "response.incomplete", "response.failed"))
+_RESPONSES_USAGE_B = frozenset(name.encode() for name in _RESPONSES_USAGE)
+_TYPE_PREFIX = b'{"type":"'
+
+
+def _data_type(data: bytes) -> bytes:
+    """The event name written first in compact data (``{"type":"NAME",...``), when it is
+    the data's only ``"type"`` key and needs no unescaping; else ``b""``."""
+    if data[:9] != _TYPE_PREFIX:
+        return b""
+    end = data.find(b'"', 9)
+    name = data[9:end]
+    if end < 0 or b"\\" in name or data.count(b'"type"') != 1:
+        return b""
+    return name
+
+
+@dataclass(frozen=True, slots=True)
+class ResponsesDialect:
+    """``/v1/responses``.
+
+    Byte check for the delta events: the name (from ``event:``, or from data that
+    starts with ``{"type":"NAME"`` and has no other ``"type"`` key) is one of the output
+    deltas, the data is one object with exactly one ``"delta"`` key, written
+    ``"delta":"`` followed by anything but a quote: a non-empty string. Events named
+    anything else are settled by their name alone, except the three that carry usage.
+    OpenAI's delta events carry a ``sequence_number`` and an ``obfuscation`` pad that
+    change every event, so :class:`TokenTemplate` rarely matches them; this check is
+    what keeps them cheap.
+    """
+
+    name: str = "responses"
+    route: str = "/v1/responses"
+    injects_usage: bool = False
+    token_keys: tuple[bytes, ...] = (b'"delta":"',)
+
+    def classify(self, event: bytes, data: bytes) -> EventInfo:
+        name = event or _data_type(data)
+        if not name:
+            return self.classify_payload(event, _loads(data))
+        info = _RESPONSES_OUTPUT_B.get(name)
+        if info is not None:
+            if data[:1] == b"{" and data[-1:] == b"}" and data.count(b'"delta"') == 1:
+                at = data.find(b'"delta":"') + 9
+                if at >= 9 and data[at : at + 1] != b'"':
+                    return info
+            return self.classify_payload(event, _loads(data))
+        if name == b"error":
+            return ERROR
+        if name in _RESPONSES_USAGE_B:
+            return self.classify_payload(event, _loads(data))
+        return NOT_COUNTED
+
+    def classify_payload(self, event: bytes, payload: Any) -> EventInfo:
+        name = _event_name(event, payload)
+        info = _RESPONSES_OUTPUT.get(name)
+        if info is not None:
+            if isinstance(payload, dict):
+                delta = payload.get("delta")
+                if isinstance(delta, str) and delta:
+                    return info
+            return NOT_COUNTED
+        if name == "error":
+            return ERROR
+        if name in _RESPONSES_USAGE:
+            usage = _usage_of(payload.get("response")) if isinstance(payload, dict) else None
+            if name == "response.failed":
+                return EventInfo(usage=usage, error=True)
+            return EventInfo(usage=usage) if usage is not None else NOT_COUNTED
+        if not name and isinstance(payload, dict) and payload.get("error"):
+            return ERROR
+        return NOT_COUNTED
+
+    def body_usage(self, payload: Mapping[str, Any]) -> Mapping[str, Any] | None:
+        return _usage_of(payload)
+
+    def usage(self, raw: Mapping[str, Any] | None) -> Usage:
+        if not isinstance(raw, Mapping):
+            return _NO_USAGE
+        inputs = _mapping(raw, "input_tokens_details")
+        outputs = _mapping(raw, "output_tokens_details")
+        return Usage(
+            _count(raw.get("input_tokens")),
+            _count(inputs.get("cached_tokens")),
+            _count(raw.get("output_tokens")),
+            _count(outputs.get("reasoning_tokens")),
+            _count(inputs.get("cache_write_tokens")),
+        )
+
+
+# ---------------------------------------------------------------------------
+# Messages
+
+_MESSAGES_OUTPUT: dict[str, tuple[str, EventInfo]] = {
+    "text_delta": ("text", ANSWER),
+    "input_json_delta": ("partial_json", ANSWER),
+    "thinking_delta": ("thinking", REASONING),
+}
+# What follows ``"delta":{"type":"`` in the compact form, the value's key, the reading.
+_MESSAGES_FAST: tuple[tuple[bytes, bytes, EventInfo], ...] = tuple(
+    (f'{kind}","{key}":"'.encode(), f'"{key}"'.encode(), info)
+    for kind, (key, info) in _MESSAGES_OUTPUT.items()
+)
+_MESSAGES_DELTA = b'"delta":{"type":"'
+_MESSAGES_USAGE_B = frozenset((b"message_start", b"message_delta"))
+
+
+@dataclass(frozen=True, slots=True)
+class MessagesDialect:
+    """``/v1/messages``.
+
+    Byte check for ``content_block_delta``, in the layout the API writes
+    (``{"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"Hi"}}``):
+    the data starts with ``{"type":"``, has exactly two ``"type"`` keys (the event's and
+    the delta's, which ``"delta":{"type":"`` pins as the delta's first key), one
+    ``"delta"`` key, the delta kind followed at once by its value key, that key once,
+    and its value a non-empty string. ``message_start`` and ``message_delta`` (usage)
+    and anything unsure are decoded; other names are settled by the name alone.
+    """
+
+    name: str = "messages"
+    route: str = "/v1/messages"
+    injects_usage: bool = False
+    token_keys: tuple[bytes, ...] = (b'"text":"', b'"thinking":"', b'"partial_json":"')
+
+    def classify(self, event: bytes, data: bytes) -> EventInfo:
+        name = event
+        if not name:
+            if data[:9] != _TYPE_PREFIX:
+                return self.classify_payload(event, _loads(data))
+            end = data.find(b'"', 9)
+            name = data[9:end]
+            if end < 0 or not name or b"\\" in name:
+                return self.classify_payload(event, _loads(data))
+        if name == b"content_block_delta":
+            at = data.find(_MESSAGES_DELTA) + len(_MESSAGES_DELTA)
+            if (
+                at >= len(_MESSAGES_DELTA)
+                and data[:9] == _TYPE_PREFIX
+                and data[-1:] == b"}"
+                and data.count(b'"type"') == 2
+                and data.count(b'"delta"') == 1
+            ):
+                for head, key, info in _MESSAGES_FAST:
+                    if data.startswith(head, at):
+                        value = at + len(head)
+                        if data[value : value + 1] != b'"' and data.count(key) == 1:
+                            return info
+                        break
+            return self.classify_payload(event, _loads(data))
+        if name == b"error":
+            return ERROR
+        if name not in _MESSAGES_USAGE_B and (event or data.count(b'"type"') == 1):
+            return NOT_COUNTED  # ping, content_block_start/stop, message_stop, unknown
+        return self.classify_payload(event, _loads(data))
+
+    def classify_payload(self, event: bytes, payload: Any) -> EventInfo:
+        name = _event_name(event, payload)
+        if name == "error":
+            return ERROR
+        if not isinstance(payload, dict):
+            return NOT_COUNTED
+        if name == "content_block_delta":
+            delta = payload.get("delta")
+            if isinstance(delta, dict):
+                kind = delta.get("type")
+                known = _MESSAGES_OUTPUT.get(kind) if isinstance(kind, str) else None
+                if known is not None:
+                    value = delta.get(known[0])
+                    if isinstance(value, str) and value:
+                        return known[1]
+            return NOT_COUNTED
+        if name == "message_start":
+            usage = _usage_of(payload.get("message"))
+            return EventInfo(usage=usage) if usage is not None else NOT_COUNTED
+        if name == "message_delta":
+            usage = _usage_of(payload)
+            return EventInfo(usage=usage) if usage is not None else NOT_COUNTED
+        if not name and payload.get("error"):
+            return ERROR
+        return NOT_COUNTED
+
+    def body_usage(self, payload: Mapping[str, Any]) -> Mapping[str, Any] | None:
+        return _usage_of(payload)
+
+    def usage(self, raw: Mapping[str, Any] | None) -> Usage:
+        if not isinstance(raw, Mapping):
+            return _NO_USAGE
+        fresh = _count(raw.get("input_tokens"))
+        read = _count(raw.get("cache_read_input_tokens"))
+        write = _count(raw.get("cache_creation_input_tokens"))
+        prompt = None if fresh is None else fresh + (read or 0) + (write or 0)
+        details = _mapping(raw, "output_tokens_details")
+        return Usage(
+            prompt,
+            read,
+            _count(raw.get("output_tokens")),
+            _count(details.get("thinking_tokens")),
+            write,
+        )
+
+
+CHAT = ChatDialect()
+COMPLETIONS = CompletionsDialect()
+RESPONSES = ResponsesDialect()
+MESSAGES = MessagesDialect()
+DIALECTS: dict[str, Dialect] = {d.route: d for d in (CHAT, COMPLETIONS, RESPONSES, MESSAGES)}
+
+
+# ---------------------------------------------------------------------------
+# The token template
+
+# The bytes of a JSON string's body with no quote, no line break, not ending in a backslash.
+_PLAIN_TEXT = re.compile(rb'[^"\r\n]*[^"\r\n\\]').fullmatch
+
+
+class TokenTemplate:
+    """The shape of one stream's token events, learned once, matched with two compares.
+
+    Servers write every token event of a stream the same way; only the token text
+    changes: ``data: {"id":"x",...,"delta":{"content":"<TEXT>"},...}\\n\\n``, or with an
+    ``event: NAME`` line first (Messages). From the first chunk that is one whole event
+    read as a single output (no usage, no error), this keeps the bytes before
+    ``<TEXT>``, the bytes after it, and what the event was (answer or reasoning). A later
+    chunk that starts and ends with exactly those bytes, and whose middle holds no quote,
+    no line break and no trailing backslash, is the same event with another non-empty
+    string in the same place. Every dialect's reading depends on such a string only
+    through whether it is empty, so the match is read exactly as the learned event was:
+    two byte compares instead of a parse and a scan.
+
+    Events that do not match (another key, a varying field such as a sequence number or
+    OpenAI's ``obfuscation``, escaped quotes) take the full path, so the template can
+    only make measurement cheaper, never different; after 8 misses in a row it is
+    learned again (a reasoning model moving from ``reasoning_content`` to ``content``).
+    A property test checks the template path against the full one on generated streams.
+    """
+
+    __slots__ = ("_head", "_info", "_misses", "_tail", "_width", "keys")
+
+    def __init__(self, keys: tuple[bytes, ...]) -> None:
+        self.keys = keys
+        self._head = b""  # empty: nothing learned
+        self._tail = b""
+        self._width = 0
+        self._misses = 0
+        self._info = ANSWER
+
+    def match(self, chunk: bytes) -> EventInfo | None:
+        """The learned reading if ``chunk`` is another event of the learned shape."""
+        head = self._head
+        if not head:
+            return None
+        if (
+            len(chunk) > self._width
+            and chunk.startswith(head)
+            and chunk.endswith(self._tail)
+            and _PLAIN_TEXT(chunk, len(head), len(chunk) - len(self._tail))
+        ):
+            self._misses = 0
+            return self._info
+        self._misses += 1
+        if self._misses >= 8:
+            self._head = b""
+        return None
+
+    def learn(self, chunk: bytes, info: EventInfo) -> None:
+        """``chunk`` is one whole event (``data:`` line, optionally after an ``event:``
+        line) that the full path read as ``info``; learn from it if nothing is learned
+        yet and it is a single output with no usage and no error."""
+        if (
+            self._head
+            or info.outputs != 1
+            or info.usage is not None
+            or info.error
+            or info.upstream_queue_s is not None
+            or not chunk.endswith(b"\n\n")
+        ):
+            return
+        if chunk.startswith(b"data:"):
+            begin = 0
+        elif chunk.startswith(b"event:"):
+            begin = chunk.find(b"\n") + 1  # the data line must come next
+            if not chunk.startswith(b"data:", begin):
+                return
+        else:
+            return
+        for key in self.keys:  # the first key with a non-empty value
+            at = chunk.find(key, begin)
+            if at < 0:
+                continue
+            start = at + len(key)
+            end = chunk.find(b'"', start)
+            if end > start:
+                break
+        else:
+            return
+        if chunk.find(key, start) >= 0 or b"\\" in chunk[start:end]:
+            return
+        self._head, self._tail = chunk[:start], chunk[end:]
+        self._width = len(self._head) + len(self._tail)
+        self._info = ANSWER if info.answer else REASONING
+        self._misses = 0
