@@ -1,20 +1,20 @@
 """Measurement: timed events in, one frozen per-request record out.
 
-This module knows what an OpenAI streaming event *means* (does it carry generated
-output? is it the usage event?) and turns the times at which events were handed to
-the client into the quantities users feel. It knows nothing of HTTP, sockets or
-Prometheus, and never reads a clock: every time comes from the caller, read once per
-event.
+What an event *means* is each API's dialect (:mod:`proxy.dialects`); this module turns
+the times at which events were handed to the client into the quantities users feel,
+the same way for every API. It knows nothing of HTTP, sockets, Prometheus or any API's
+JSON keys, and never reads a clock: every time comes from the caller, read once per
+upstream read.
 
 Definitions (kept word for word in the README and the metrics' HELP texts):
 
 * The request clock starts when the proxy receives the request, before any queueing.
-* TTFT ends when the first event carrying generated output is handed on to the client:
-  non-empty ``delta.content``, ``delta.reasoning_content`` or ``delta.reasoning``,
-  ``delta.tool_calls``, ``delta.refusal``, ``delta.function_call`` (or non-empty
-  ``choices[].text`` for ``/v1/completions``). A role-only or empty chunk is not a
-  token. With ``n > 1`` the first output of any choice counts.
-* ITL is every gap between consecutive output-bearing events.
+* TTFT ends when the first event carrying generated output, reasoning included, is
+  handed on to the client; the dialect says which events those are. Opening events
+  (role-only chunk, ``response.created``, ``message_start``) are never tokens.
+* Time to first answer token: the same, without reasoning.
+* Time to first byte: the first response body bytes handed on.
+* ITL is every gap between consecutive output-bearing events, reasoning and answer alike.
 * TPOT is (last - first) / (completion_tokens - 1) per request, with tokens from the
   upstream's usage, only when completion_tokens >= 2.
 
@@ -23,20 +23,15 @@ Nothing here may raise on any input: a malformed event is simply not counted.
 
 from __future__ import annotations
 
-import json
-import math
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
+
+from proxy.dialects import NOT_COUNTED, Dialect, EventInfo, TokenTemplate, merge_usage
 
 if TYPE_CHECKING:
     from proxy.sse import SSEParser
-
-_CHAT_OUTPUT_KEYS = ("content", "reasoning_content", "reasoning", "refusal")
-_CHAT_OUTPUT_CONTAINERS = ("tool_calls", "function_call")
-
 
 class Outcome(StrEnum):
     COMPLETED = "completed"
@@ -45,175 +40,6 @@ class Outcome(StrEnum):
     UPSTREAM_ERROR = "upstream_error"
     TIMEOUT = "timeout"
     REJECTED = "rejected"  # answered by the proxy itself (413, 429, 502 before headers, ...)
-
-
-class EventInfo(NamedTuple):
-    """What one SSE ``data`` payload says, as far as measurement cares (a NamedTuple:
-    one is made per event)."""
-
-    outputs: int = 0  # choices in this event that carry generated output
-    usage: Mapping[str, Any] | None = None
-    usage_only: bool = False  # ``"choices": []`` with a usage object
-    upstream_queue_s: float | None = None
-
-
-NOT_COUNTED = EventInfo()
-
-
-def _count_outputs(choices: Any, text_route: bool) -> int:
-    if not isinstance(choices, list):
-        return 0
-    count = 0
-    for choice in choices:
-        if not isinstance(choice, dict):
-            continue
-        if text_route:
-            text = choice.get("text")
-            if isinstance(text, str) and text:
-                count += 1
-            continue
-        delta = choice.get("delta")
-        if not isinstance(delta, dict):
-            continue
-        for key in _CHAT_OUTPUT_KEYS:
-            value = delta.get(key)
-            if isinstance(value, str) and value:
-                count += 1
-                break
-        else:
-            for key in _CHAT_OUTPUT_CONTAINERS:
-                if delta.get(key):
-                    count += 1
-                    break
-    return count
-
-
-def upstream_queue_seconds(payload: Mapping[str, Any]) -> float | None:
-    """vLLM-style per-request ``metrics.queue_time_ms`` (top level or inside usage)."""
-    for holder in (payload, payload.get("usage")):
-        if isinstance(holder, dict):
-            metrics = holder.get("metrics")
-            if isinstance(metrics, dict):
-                value = metrics.get("queue_time_ms")
-                if (isinstance(value, int | float) and not isinstance(value, bool)
-                        and math.isfinite(value) and value >= 0):  # json.loads takes Infinity
-                    return float(value) / 1000.0
-    return None
-
-
-def inspect_payload(payload: Any, *, text_route: bool) -> EventInfo:
-    """Classify one decoded JSON payload (a streaming chunk)."""
-    if not isinstance(payload, dict):
-        return NOT_COUNTED
-    choices = payload.get("choices")
-    outputs = _count_outputs(choices, text_route)
-    usage = payload.get("usage")
-    if not isinstance(usage, dict):
-        usage = None
-    queue = upstream_queue_seconds(payload) if usage is not None or "metrics" in payload else None
-    if not outputs and usage is None and queue is None:
-        return NOT_COUNTED
-    usage_only = usage is not None and isinstance(choices, list) and not choices
-    return EventInfo(outputs, usage, usage_only, queue)
-
-
-# Byte scan for the common event, one pass: a non-empty string value under one of the
-# output keys (an unescaped quote on both sides of the key, so text inside a JSON string
-# never matches), the ``"index"`` keys (one means one choice), and anything that needs
-# the full decode (a usage object, vLLM metrics).
-_CHAT_SCAN = re.compile(
-    rb'"(?:content|reasoning_content|reasoning|refusal)"\s*:\s*"[^"]|"index"|"usage"\s*:\s*\{|"metrics"')
-_TEXT_SCAN = re.compile(rb'"text"\s*:\s*"[^"]|"index"|"usage"\s*:\s*\{|"metrics"')
-_INDEX = b'"index"'
-_OUTPUT_INITIALS = frozenset(b"crt")  # "content", "reasoning...", "refusal", "text"
-ONE_OUTPUT = EventInfo(1)  # the common event: one choice carrying output, nothing else
-
-
-# The cheapest test, for compact JSON (OpenAI, vLLM, llama.cpp): a plain substring
-# search for an output key followed by the opening quote of a non-empty string.
-_CHAT_KEYS = (b'"content":"', b'"reasoning_content":"', b'"reasoning":"', b'"refusal":"',
-              b'"content": "')
-_TEXT_KEYS = (b'"text":"', b'"text": "')
-
-
-def _usage_is_null(data: bytes) -> bool:
-    """No ``"usage"`` key, or only ``"usage": null`` (OpenAI sends that on every chunk of
-    a stream that asked for usage)."""
-    at = data.find(b'"usage"')
-    if at < 0:
-        return True
-    rest = data[at + 7 : at + 16].lstrip(b" \t\r\n:")
-    return rest.startswith(b"null") and data.find(b'"usage"', at + 7) < 0
-
-
-def inspect_event(data: bytes, *, text_route: bool) -> EventInfo:
-    """Classify one SSE ``data`` payload; never raises.
-
-    Most events of a stream are one token of text. Those are recognised without
-    decoding (``json.loads`` per event was a quarter of the measurement's cost in issue
-    5), in two steps: substring searches for the compact form (``"content":"x``), then
-    one regex pass for any spacing; either way exactly one choice (at most one
-    ``"index"`` key), an output value that is a non-empty string, and no usage object or
-    vLLM metrics. Every other event, and any event the scans are not sure of, is decoded
-    in full. The scans only trust payloads that look like one JSON object
-    (``{`` ... ``}``); a property test checks they agree with the full decode on
-    generated chunks.
-    """
-    if not data or data[:1] != b"{" or data[-1:] != b"}":
-        stripped = data.strip()
-        if not stripped.startswith(b"{"):
-            return NOT_COUNTED  # "[DONE]", keep-alive text, garbage
-        data = stripped
-    if data[-1:] == b"}":
-        if (b'"metrics"' not in data and data.count(b'"index"') <= 1
-                and _usage_is_null(data)):
-            for key in _TEXT_KEYS if text_route else _CHAT_KEYS:
-                at = data.find(key)
-                if at >= 0 and data[at + len(key) : at + len(key) + 1] not in (b'"', b""):
-                    return ONE_OUTPUT
-        hits = (_TEXT_SCAN if text_route else _CHAT_SCAN).findall(data)
-        if len(hits) == 2:
-            a, b = hits
-            hit = b if a == _INDEX else a if b == _INDEX else b""
-        else:
-            hit = hits[0] if len(hits) == 1 else b""
-        if hit[1:2] and hit[1] in _OUTPUT_INITIALS:
-            return ONE_OUTPUT
-        # No output value, no usage object, no metrics: unless a tool call or a function
-        # call hides in it, a role-only, empty or finish event.
-        if ((not hits or (len(hits) == 1 and hits[0] == _INDEX))
-                and b'"tool_calls"' not in data and b'"function_call"' not in data):
-            return NOT_COUNTED
-    try:
-        payload = json.loads(data)
-    except (ValueError, RecursionError):
-        return NOT_COUNTED
-    return inspect_payload(payload, text_route=text_route)
-
-
-def _int_or_none(value: Any) -> int | None:
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
-    return None
-
-
-@dataclass(frozen=True, slots=True)
-class Usage:
-    prompt_tokens: int | None = None
-    cached_prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-
-    @classmethod
-    def from_mapping(cls, usage: Mapping[str, Any] | None) -> Usage:
-        if not usage:
-            return cls()
-        details = usage.get("prompt_tokens_details")
-        cached = _int_or_none(details.get("cached_tokens")) if isinstance(details, dict) else None
-        return cls(
-            _int_or_none(usage.get("prompt_tokens")),
-            cached,
-            _int_or_none(usage.get("completion_tokens")),
-        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,32 +107,36 @@ class RequestRecord:
 class StreamTimer:
     """Accumulates event times for one streamed response.
 
-    ``event(data, t)`` is called for every SSE event right after its bytes were handed
-    on, with ``t`` read once for the read that carried it.
+    ``observe(info, t)`` is called for every classified event right after its bytes were
+    handed on, with ``t`` read once for the read that carried it.
     """
 
-    text_route: bool
+    dialect: Dialect
     first_t: float | None = None
+    first_answer_t: float | None = None
     last_t: float | None = None
     output_events: int = 0
     output_choices: int = 0
     gaps: list[float] = field(default_factory=list)
-    usage: Mapping[str, Any] | None = None
+    usage: dict[str, Any] | None = None  # the raw usage, merged over events (last value wins)
     upstream_queue_s: float | None = None
+    error: bool = False  # an error event inside the 200 stream
 
-    def event(self, data: bytes, t: float) -> EventInfo:
-        info = inspect_event(data, text_route=self.text_route)
+    def event(self, name: bytes, data: bytes, t: float) -> EventInfo:
+        info = self.dialect.classify(name, data)
         if info is not NOT_COUNTED:
             self.observe(info, t)
         return info
 
-    def token(self, t: float) -> None:
-        """``observe(ONE_OUTPUT, t)``, for the common event, without looking at it."""
+    def token(self, t: float, answer: bool) -> None:
+        """``observe`` for the common event (one output, nothing else), without looking at it."""
         last = self.last_t
         if last is None:
             self.first_t = t
         else:
             self.gaps.append(t - last)
+        if answer and self.first_answer_t is None:
+            self.first_answer_t = t
         self.last_t = t
         self.output_events += 1
         self.output_choices += 1
@@ -317,13 +147,17 @@ class StreamTimer:
                 self.first_t = t
             else:
                 self.gaps.append(t - self.last_t)
+            if info.answer and self.first_answer_t is None:
+                self.first_answer_t = t
             self.last_t = t
             self.output_events += 1
             self.output_choices += info.outputs
         if info.usage is not None:
-            self.usage = info.usage
+            self.usage = merge_usage(self.usage, info.usage)
         if info.upstream_queue_s is not None:
             self.upstream_queue_s = info.upstream_queue_s
+        if info.error:
+            self.error = True
 
 
 def tpot(first_t: float | None, last_t: float | None, completion_tokens: int | None) -> float | None:
@@ -357,107 +191,39 @@ def estimate_prompt_tokens(body: Mapping[str, Any]) -> int | None:
     return max(1, round(chars / 4))
 
 
-# The bytes of a JSON string's body with no quote, no line break, not ending in a backslash.
-_PLAIN_TEXT = re.compile(rb'[^"\r\n]*[^"\r\n\\]').fullmatch
-
-
-class TokenTemplate:
-    """The shape of one stream's token events, learned once, matched with two compares.
-
-    Servers write every token event of a stream the same way; only the token text
-    changes: ``data: {"id":"x",...,"delta":{"content":"<TEXT>"},...}\n\n``. From the first
-    event that the full path classified as one output, this keeps what comes before
-    ``<TEXT>`` and what comes after it. A later chunk that starts and ends with exactly
-    those bytes, and whose middle holds no quote, no line break and no trailing
-    backslash, is the same JSON with another non-empty string in the same place: one
-    event, one output. That costs two byte compares instead of a parse and a scan per
-    event (measurement was a third of the proxy's CPU per event before it,
-    ``benchmarks/profile.md``).
-
-    Events that do not match (another key, a varying field such as OpenAI's
-    ``obfuscation``, escaped quotes) take the full path, so the template can only make
-    measurement cheaper, never different; after 8 misses in a row it is learned again
-    (a reasoning model moving from ``reasoning_content`` to ``content``). A property
-    test checks the template path against the full one on generated streams.
-    """
-
-    __slots__ = ("_head", "_misses", "_tail", "_width", "keys")
-
-    def __init__(self, text_route: bool) -> None:
-        self.keys = (b'"text":"',) if text_route else (
-            b'"content":"', b'"reasoning_content":"', b'"reasoning":"', b'"refusal":"')
-        self._head = b""  # empty: nothing learned
-        self._tail = b""
-        self._width = 0
-        self._misses = 0
-
-    def match(self, chunk: bytes) -> bool:
-        head = self._head
-        if not head:
-            return False
-        if (len(chunk) > self._width and chunk.startswith(head) and chunk.endswith(self._tail)
-                and _PLAIN_TEXT(chunk, len(head), len(chunk) - len(self._tail))):
-            self._misses = 0
-            return True
-        self._misses += 1
-        if self._misses >= 8:
-            self._head = b""
-        return False
-
-    def learn(self, chunk: bytes) -> None:
-        """``chunk`` is one whole ``data:`` event the full path found to be one output."""
-        if self._head:
-            return
-        for key in self.keys:
-            at = chunk.find(key)
-            if at >= 0:
-                break
-        else:
-            return
-        start = at + len(key)
-        end = chunk.find(b'"', start)
-        if (end <= start or chunk.find(key, start) >= 0 or b"\\" in chunk[start:end]
-                or not chunk.startswith(b"data:") or not chunk.endswith(b"\n\n")):
-            return
-        self._head, self._tail = chunk[:start], chunk[end:]
-        self._width = len(self._head) + len(self._tail)
-        self._misses = 0
-
-
-
-
 class Meter:
-    """One stream's measurement: the SSE parser, the event classification, the timer.
+    """One stream's measurement: the SSE parser, the dialect's classification, the timer.
 
     :meth:`chunk` is called with each read right after its bytes were handed on, with
     the time read once for it. The common event takes the cheapest path that is sure of
-    it: a token-template match (two byte compares), then one whole single-line event
-    (:meth:`SSEParser.single`), else the general parser.
+    it: the stream's token template (two byte compares, :class:`TokenTemplate`), then
+    one whole event (:meth:`SSEParser.single`), else the general parser.
     """
 
-    __slots__ = ("parser", "template", "text_route", "timer")
+    __slots__ = ("parser", "template", "timer")
 
     def __init__(self, timer: StreamTimer, parser: SSEParser) -> None:
         self.timer = timer
         self.parser = parser
-        self.text_route = timer.text_route
-        self.template = TokenTemplate(timer.text_route)
+        self.template = TokenTemplate(timer.dialect.token_keys)
 
     def chunk(self, chunk: bytes, t: float) -> None:
-        parser, timer, template = self.parser, self.timer, self.template
-        if template.match(chunk) and parser.skip(len(chunk)):
-            timer.token(t)
+        parser, timer = self.parser, self.timer
+        known = self.template.match(chunk)
+        if known is not None and parser.skip(len(chunk)):
+            timer.token(t, known.answer)
             return
-        data = parser.single(chunk)
-        if data is not None:
-            self.single(chunk, data, t)
+        one = parser.single(chunk)
+        if one is not None:
+            self.single(chunk, one[0], one[1], t)
             return
         for event in parser.feed(chunk):
             if not event.oversize:
-                timer.event(event.data, t)
+                timer.event(event.event, event.data, t)
 
-    def single(self, chunk: bytes, data: bytes, t: float) -> None:
-        """``chunk`` was one event with this data: classify it in full, and learn the
-        stream's token template from it if it was a token."""
-        if self.timer.event(data, t) is ONE_OUTPUT:
-            self.template.learn(chunk)
+    def single(self, chunk: bytes, name: bytes, data: bytes, t: float) -> None:
+        """``chunk`` was one event: classify it in full, and learn the stream's token
+        template from it if it was a token."""
+        info = self.timer.event(name, data, t)
+        if info.outputs == 1 and info.usage is None and not info.error:
+            self.template.learn(chunk, info)

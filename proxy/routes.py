@@ -18,24 +18,24 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import uuid
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
 from proxy.admission import Admission, QueueFull
 from proxy.auth import CLIENT_KEY_HEADERS, KeyCheck, presented_key
 from proxy.config import Settings
+from proxy.dialects import DIALECTS, Dialect, Usage, upstream_queue_seconds
 from proxy.logs import RateLimitedLog
 from proxy.measure import (
     Meter,
     Outcome,
     RequestRecord,
     StreamTimer,
-    Usage,
     estimate_prompt_tokens,
     tpot,
-    upstream_queue_seconds,
 )
 from proxy.metrics import UNKNOWN_MODEL, Metrics
 from proxy.relay import RelayResult, relay
@@ -60,7 +60,9 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 Clock = Callable[[], float]
 
-MEASURED_ROUTES = {b"/chat/completions": "/v1/chat/completions", b"/completions": "/v1/completions"}
+# The measured routes: POST to one of these is observed by its API's dialect.
+MEASURED_ROUTES: dict[bytes, Dialect] = {
+    d.route.removeprefix("/v1").encode(): d for d in DIALECTS.values()}
 # Route templates for everything else under /v1: the first path segment when it is a
 # known OpenAI-style resource, else a catch-all, so random paths add no label values.
 KNOWN_RESOURCES = frozenset({
@@ -123,7 +125,7 @@ class _Request:
     t0: float
     subpath: bytes = b""
     route: str = "/v1/{other}"
-    measured: str | None = None  # the measured route, if this is one
+    measured: Dialect | None = None  # the dialect of a measured route
     model: str = UNKNOWN_MODEL  # the bounded label value
     stream: bool = False
     payload: dict[str, Any] | None = None
@@ -200,7 +202,7 @@ class V1Handler:
         except UnsafePath as exc:
             raise Refused(400, str(exc), "invalid_request_error", "invalid_path") from None
         x.measured = MEASURED_ROUTES.get(subpath) if scope["method"] == "POST" else None
-        x.route = x.measured or route_template(subpath)
+        x.route = x.measured.route if x.measured is not None else route_template(subpath)
         x.subpath = subpath
         headers: list[tuple[bytes, bytes]] = scope["headers"]
         if sum(len(k) + len(v) for k, v in headers) > s.max_header_bytes:
@@ -251,7 +253,8 @@ class V1Handler:
             if isinstance(m, str) and m:
                 model = m
             x.stream = x.measured is not None and x.payload.get("stream") is True
-            if x.stream and self.settings.inject_usage and self.metrics is not None:
+            if (x.stream and x.measured is not None and x.measured.injects_usage
+                    and self.settings.inject_usage and self.metrics is not None):
                 injected = _with_usage(x.payload)
                 if injected is not None:
                     body_out, strip = injected, True
@@ -344,13 +347,16 @@ class V1Handler:
             x.reason = f"HTTP {status}"
         await send({"type": "http.response.start", "status": status, "headers": resp_headers})
         meter = None
-        if observe and is_sse:
-            x.timer = StreamTimer(text_route=x.measured == "/v1/completions")
+        if observe and is_sse and x.measured is not None:
+            x.timer = StreamTimer(x.measured)
             meter = Meter(x.timer, SSEParser())
         x.result = result = await relay(
             response.body, send, self.clock, meter=meter, strip_usage=strip,
             collect_limit=NON_STREAM_USAGE_LIMIT if observe and not is_sse else 0)
         x.outcome = result.outcome if ok else Outcome.UPSTREAM_ERROR
+        if x.outcome is Outcome.COMPLETED and x.timer is not None and x.timer.error:
+            x.outcome = Outcome.UPSTREAM_ERROR  # an error event inside the 200 stream
+            x.reason = "error event in the stream"
         if result.outcome is not Outcome.CLIENT_DISCONNECTED:
             x.t_end = result.t_end
         if ok and result.outcome in (Outcome.TIMEOUT, Outcome.UPSTREAM_INTERRUPTED):
@@ -376,43 +382,55 @@ class V1Handler:
             log.exception("failed to record a request")
 
     def _record(self, x: _Request) -> RequestRecord:
-        timer, result, response = x.timer, x.result, x.response
-        usage_map = None
+        timer, result, response, dialect = x.timer, x.result, x.response, x.measured
+        raw: Mapping[str, Any] | None = None
         upstream_q = None
         if timer is not None:
-            usage_map = timer.usage
+            raw = timer.usage
             upstream_q = timer.upstream_queue_s
-        elif result is not None and result.body:
+        elif result is not None and result.body and dialect is not None:
             body = _json_object(result.body)
             if body is not None:
-                u = body.get("usage")
-                usage_map = u if isinstance(u, dict) else None
+                raw = dialect.body_usage(body)
                 upstream_q = upstream_queue_seconds(body)
         if upstream_q is None and response is not None:
-            header = response.headers.get("x-queue-time")
-            if header:
-                with contextlib.suppress(ValueError):
-                    value = float(header)
-                    if value >= 0:
-                        upstream_q = value / 1000.0
-        usage = Usage.from_mapping(usage_map)
-        prompt, cached, completion = usage.prompt_tokens, usage.cached_prompt_tokens, usage.completion_tokens
+            upstream_q = _queue_header(response.headers.get("x-queue-time"))
+        usage = dialect.usage(raw) if dialect is not None else Usage()
+        prompt, completion = usage.prompt_tokens, usage.completion_tokens
         estimated = False
-        if timer is not None and usage_map is None and x.outcome is Outcome.COMPLETED:
+        if timer is not None and raw is None and x.outcome is Outcome.COMPLETED:
+            # No usage (--no-inject-usage, or a server that ignores the request for it):
+            # count output events, estimate the prompt.
             completion = timer.output_choices
             prompt = estimate_prompt_tokens(x.payload) if x.payload is not None else None
             estimated = True
         first = timer.first_t if timer is not None else None
+        answer = timer.first_answer_t if timer is not None else None
+        first_byte = result.t_first_byte if result is not None and timer is not None else None
         return RequestRecord(
             request_id=x.request_id, route=x.route, model=x.model, upstream=self.upstream_name,
             stream=x.stream, status=x.status, outcome=x.outcome, duration_s=x.t_end - x.t0,
             overhead_s=x.overhead_s, queue_s=x.queue_s, upstream_queue_s=upstream_q,
             ttft_s=(first - x.t0) if first is not None else None,
+            ttfa_s=(answer - x.t0) if answer is not None else None,
+            ttfb_s=(first_byte - x.t0) if first_byte is not None else None,
             tpot_s=tpot(first, timer.last_t, completion) if timer is not None else None,
             itl_s=tuple(timer.gaps) if timer is not None else (),
             output_events=timer.output_events if timer is not None else 0,
-            prompt_tokens=prompt, cached_prompt_tokens=cached, completion_tokens=completion,
-            tokens_estimated=estimated)
+            prompt_tokens=prompt, cached_prompt_tokens=usage.cached_prompt_tokens,
+            completion_tokens=completion, reasoning_tokens=usage.reasoning_tokens,
+            cache_write_tokens=usage.cache_write_tokens, tokens_estimated=estimated)
+
+
+def _queue_header(value: str) -> float | None:
+    """An ``x-queue-time`` header (ms, as TGI sends it) in seconds."""
+    if not value:
+        return None
+    try:
+        seconds = float(value) / 1000.0
+    except ValueError:
+        return None
+    return seconds if seconds >= 0 and math.isfinite(seconds) else None
 
 
 def _unbounded(model: str) -> str:

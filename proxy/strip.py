@@ -18,10 +18,13 @@ from __future__ import annotations
 
 import re
 
-from proxy.measure import ONE_OUTPUT, EventInfo, Meter, inspect_event
+from proxy.dialects import EventInfo
+from proxy.measure import Meter
 from proxy.sse import SSEEvent
 
-# ``"choices"`` as a key (an unescaped quote on both sides) with an empty list as value.
+# Only chat and completions streams are ever stripped (the only dialects that inject the
+# usage request), and their usage event has ``"choices"`` as a key (an unescaped quote
+# on both sides) with an empty list as value: a regex finds candidates without decoding.
 _EMPTY_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]').search
 
 
@@ -35,9 +38,9 @@ class UsageStripper:
         self.pending_start = 0  # stream offset of pending[0]
         self.removed_end = -1  # stream offset where the removed event ended
         self._chunk = b""
-        # a chunk that was one event: its data (decoded after the send), or what it said
-        # if that was known before; None: a list of events (``_events``)
-        self._one: bytes | EventInfo | None = None
+        # a chunk that was one event: its (name, data) (decoded after the send), or what it
+        # said if that was known before; None: a list of events (``_events``)
+        self._one: tuple[bytes, bytes] | EventInfo | None = None
         self._events: list[SSEEvent] = []
         self._infos: list[EventInfo | None] = []
 
@@ -52,17 +55,18 @@ class UsageStripper:
         parser, timer = meter.parser, meter.timer
         if not self.pending:  # the common cases: one whole event, nothing held back
             self._chunk = chunk
-            if meter.template.match(chunk) and parser.skip(len(chunk)):
+            known = meter.template.match(chunk)
+            if known is not None and parser.skip(len(chunk)):
                 self.pending_start += len(chunk)
-                self._one = ONE_OUTPUT  # a token event: never the usage event
+                self._one = known  # a token event: never the usage event
                 return chunk
-            data = parser.single(chunk)
-            if data is not None:
+            one = parser.single(chunk)
+            if one is not None:
                 self.pending_start += len(chunk)
-                if not _EMPTY_CHOICES(data):
-                    self._one = data  # decoded after the send
+                if not _EMPTY_CHOICES(one[1]):
+                    self._one = one  # decoded after the send
                     return chunk
-                first = self._one = inspect_event(data, text_route=timer.text_route)
+                first = self._one = timer.dialect.classify(*one)
                 if not first.usage_only:
                     return chunk
                 self.removed_end = self.pending_start
@@ -80,7 +84,7 @@ class UsageStripper:
         for event in events:
             info: EventInfo | None = None
             if not event.oversize and _EMPTY_CHOICES(event.data):
-                info = inspect_event(event.data, text_route=timer.text_route)
+                info = timer.dialect.classify(event.event, event.data)
                 if info.usage_only:
                     cut.append((event.start - pending_start, event.end - pending_start))
                     removed_end = event.end
@@ -112,20 +116,17 @@ class UsageStripper:
         meter = self.meter
         timer = meter.timer
         one = self._one
-        if one is ONE_OUTPUT:  # a template match
-            timer.token(t)
+        if isinstance(one, EventInfo):  # a template match, or classified before the send
+            timer.observe(one, t)
             return
-        if one is not None:  # the chunk was one event
-            if isinstance(one, bytes):
-                meter.single(self._chunk, one, t)
-            else:
-                timer.observe(one, t)
+        if one is not None:  # the chunk was one event, classified now
+            meter.single(self._chunk, one[0], one[1], t)
             return
         for event, info in zip(self._events, self._infos, strict=True):
             if info is not None:
                 timer.observe(info, t)
             elif not event.oversize:
-                timer.event(event.data, t)
+                timer.event(event.event, event.data, t)
 
     def tail(self) -> bytes:
         """What is still held back when the body ends, however it ended."""

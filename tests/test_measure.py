@@ -1,4 +1,5 @@
-"""Measurement: what counts as output, usage, queue time and TPOT, with a scripted clock.
+"""Measurement: the stream timer over the chat and completions dialects, usage, queue time
+and TPOT, with a scripted clock (the dialects themselves: tests/test_dialects.py).
 
 Events are built from Python objects with ``json.dumps`` and the times come from a
 script, so every expected value is computed from the same script the timer was fed.
@@ -14,19 +15,34 @@ from typing import Any
 
 import pytest
 
-from proxy.measure import (
+from proxy.dialects import (
+    CHAT,
+    COMPLETIONS,
     NOT_COUNTED,
+    Dialect,
     EventInfo,
+    Usage,
+    upstream_queue_seconds,
+)
+from proxy.measure import (
     Outcome,
     RequestRecord,
     StreamTimer,
-    Usage,
     estimate_prompt_tokens,
-    inspect_event,
-    inspect_payload,
     tpot,
-    upstream_queue_seconds,
 )
+
+
+def inspect_event(data: bytes, *, text_route: bool) -> EventInfo:
+    return (COMPLETIONS if text_route else CHAT).classify(b"", data)
+
+
+def inspect_payload(payload: Any, *, text_route: bool) -> EventInfo:
+    return (COMPLETIONS if text_route else CHAT).classify_payload(b"", payload)
+
+
+def dialect(text_route: bool) -> Dialect:
+    return COMPLETIONS if text_route else CHAT
 
 
 def chat(*deltas: dict[str, Any], **extra: Any) -> bytes:
@@ -51,9 +67,9 @@ def usage_chunk(prompt: int, completion: int, cached: int | None = None,
 
 
 def run(script: Sequence[tuple[float, bytes]], *, text_route: bool = False) -> StreamTimer:
-    timer = StreamTimer(text_route=text_route)
+    timer = StreamTimer(dialect(text_route))
     for t, data in script:
-        timer.event(data, t)
+        timer.event(b"", data, t)
     return timer
 
 
@@ -114,7 +130,7 @@ def test_usage_chunk_is_usage_only() -> None:
     assert info.usage_only
     assert info.outputs == 0
     assert info.usage == json.loads(data)["usage"]
-    assert Usage.from_mapping(info.usage) == Usage(11, 4, 7)
+    assert CHAT.usage(info.usage) == Usage(11, 4, 7)
 
 
 def test_usage_on_a_content_chunk_is_not_usage_only() -> None:
@@ -123,7 +139,7 @@ def test_usage_on_a_content_chunk_is_not_usage_only() -> None:
     info = inspect_event(data, text_route=False)
     assert info.outputs == 1
     assert not info.usage_only
-    assert Usage.from_mapping(info.usage) == Usage(3, None, 2)
+    assert CHAT.usage(info.usage) == Usage(3, None, 2)
 
 
 def test_usage_without_choices_key_is_not_usage_only() -> None:
@@ -149,10 +165,10 @@ def test_malformed_events_never_raise(data: bytes) -> None:
     assert info.outputs == 0
     assert not info.usage_only
     if info.usage is not None:
-        assert Usage.from_mapping(info.usage) == Usage(None, None, None)
+        assert CHAT.usage(info.usage) == Usage(None, None, None)
     assert inspect_event(data, text_route=True).outputs == 0
-    timer = StreamTimer(text_route=False)
-    timer.event(data, 1.0)
+    timer = StreamTimer(dialect(False))
+    timer.event(b"", data, 1.0)
     assert timer.first_t is None
 
 
@@ -219,7 +235,7 @@ def test_role_only_first_chunk_does_not_start_ttft() -> None:
     assert timer.last_t == outputs[-1]
     assert timer.gaps == [b - a for a, b in itertools.pairwise(outputs)]
     assert timer.output_events == len(outputs)
-    assert Usage.from_mapping(timer.usage) == Usage(9, None, 2)
+    assert CHAT.usage(timer.usage) == Usage(9, None, 2)
 
 
 def test_every_gap_between_output_events_is_kept() -> None:
@@ -259,7 +275,7 @@ def test_completions_route_timer() -> None:
     timer = run(script, text_route=True)
     assert (timer.first_t, timer.last_t) == (0.5, 1.0)
     assert timer.gaps == [0.5]
-    assert Usage.from_mapping(timer.usage).completion_tokens == 2
+    assert CHAT.usage(timer.usage).completion_tokens == 2
 
 
 def test_malformed_event_mid_stream_is_skipped() -> None:
@@ -277,8 +293,8 @@ def test_queue_time_from_final_usage_chunk() -> None:
 
 
 def test_event_returns_its_classification() -> None:
-    timer = StreamTimer(text_route=False)
-    info = timer.event(chat({"content": "x"}), 0.5)
+    timer = StreamTimer(dialect(False))
+    info = timer.event(b"", chat({"content": "x"}), 0.5)
     assert isinstance(info, EventInfo)
     assert info.outputs == 1
 
@@ -306,7 +322,7 @@ def test_tpot_from_a_timed_stream() -> None:
     script = [(0.5, chat({"content": "a"})), (0.625, chat({"content": "bc"})),
               (1.0, chat({"content": "d"})), (1.25, usage_chunk(4, 4))]
     timer = run(script)
-    usage = Usage.from_mapping(timer.usage)
+    usage = CHAT.usage(timer.usage)
     assert usage.completion_tokens is not None
     assert tpot(timer.first_t, timer.last_t, usage.completion_tokens) == (1.0 - 0.5) / (4 - 1)
 
@@ -316,11 +332,11 @@ def test_tpot_from_a_timed_stream() -> None:
 
 
 def test_usage_parsing_rejects_bad_values() -> None:
-    assert Usage.from_mapping(None) == Usage()
-    assert Usage.from_mapping({}) == Usage()
-    assert Usage.from_mapping({"prompt_tokens": "3", "completion_tokens": 2.0,
+    assert CHAT.usage(None) == Usage()
+    assert CHAT.usage({}) == Usage()
+    assert CHAT.usage({"prompt_tokens": "3", "completion_tokens": 2.0,
                                "prompt_tokens_details": {"cached_tokens": False}}) == Usage()
-    assert Usage.from_mapping({"prompt_tokens": 3, "prompt_tokens_details": None}) == Usage(3)
+    assert CHAT.usage({"prompt_tokens": 3, "prompt_tokens_details": None}) == Usage(3)
 
 
 def test_estimate_prompt_tokens() -> None:
@@ -484,7 +500,7 @@ def _token_streams(draw: st.DrawFn) -> tuple[list[bytes], bool, bool]:
 def test_token_template_path_measures_exactly_what_the_full_path_does(
         stream: tuple[list[bytes], bool, bool]) -> None:
     chunks, text_route, strip = stream
-    fast = StreamTimer(text_route=text_route)
+    fast = StreamTimer(dialect(text_route))
     forwarder = _Forwarder(Meter(fast, SSEParser()), strip, 0)
     sent = bytearray()
     for t, chunk in enumerate(chunks):
@@ -492,7 +508,7 @@ def test_token_template_path_measures_exactly_what_the_full_path_does(
         forwarder.observe(float(t))
     sent += forwarder.tail()
 
-    full = StreamTimer(text_route=text_route)
+    full = StreamTimer(dialect(text_route))
     parser = SSEParser()
     expected = bytearray()
     for t, chunk in enumerate(chunks):

@@ -31,7 +31,7 @@ from typing import Any
 
 import httpx
 
-from proxy.measure import inspect_event
+from proxy.dialects import CHAT, COMPLETIONS
 from proxy.sse import SSEParser
 
 from .workload import PlannedRequest
@@ -112,7 +112,7 @@ class _Timing:
         if data.strip() == b"[DONE]":
             self.done = True
             return
-        info = inspect_event(data, text_route=text_route)
+        info = (COMPLETIONS if text_route else CHAT).classify(b"", data)
         if info.outputs:
             if self.last is None:
                 self.first = t
