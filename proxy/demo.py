@@ -6,14 +6,18 @@ One command starts three things in one process and one event loop:
    slots, a prefix cache, upstream queue times reported vLLM-style, and rare faults;
 2. the proxy in front of it on ``--port`` (8080, or a free port if that is taken),
    serving ``/metrics`` like in production;
-3. a steady mixed workload through the proxy (short and long prompts, shared system
-   prompts, short and long answers, Poisson arrivals) with periodic bursts that
-   overflow the simulator's slots, so queue time and TTFT visibly jump.
+3. a steady mixed workload through the proxy over all four APIs the simulator speaks
+   (chat completions, completions, Responses, Messages; short and long prompts,
+   shared system prompts, short and long answers, some with reasoning, Poisson
+   arrivals) with periodic bursts that overflow the simulator's slots, so queue time
+   and TTFT visibly jump.
 
 A live view, refreshed every second, shows what the *proxy* measures: it scrapes the
 proxy's own ``/metrics`` like Prometheus would and computes percentiles from the
-histogram deltas (over the last ``--window`` seconds and since start). On a TTY it
-redraws in place with plain ANSI codes; otherwise it prints one line per refresh.
+histogram deltas (over the last ``--window`` seconds and since start), and per route
+(the ``route`` label) since start, beside how many requests the demo sent to each:
+a route the proxy does not measure shows its requests sent and no figures. On a TTY
+it redraws in place with plain ANSI codes; otherwise it prints one line per refresh.
 
 Why in-process uvicorn servers rather than subprocesses: start-up is a fraction of a
 second, there is a single Ctrl-C to handle, and nothing can be left running. The two
@@ -30,7 +34,8 @@ import math
 import socket
 import sys
 import time
-from collections import deque
+from collections import Counter, deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -43,6 +48,8 @@ if TYPE_CHECKING:
     from proxy.bench.promscrape import Snapshot
 
 READY_LINE = "demo: traffic is flowing"
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
+FIRST_ANSWER = "llm_proxy_time_to_first_answer_token_seconds"
 
 
 def add_parser(subparsers: Any) -> None:
@@ -50,10 +57,11 @@ def add_parser(subparsers: Any) -> None:
         "demo",
         help="run the simulator, the proxy and a live workload; watch what the proxy measures",
         description=(
-            "Start a simulated OpenAI-compatible upstream, the proxy in front of it and a steady "
-            "mixed workload with periodic bursts, and show the proxy's live TTFT, ITL, queue time, "
-            "tokens, cache hit ratio and outcomes, refreshed every second, until Ctrl-C. "
-            "No API key, GPU or network needed."
+            "Start a simulated OpenAI/Anthropic-compatible upstream, the proxy in front of it "
+            "and a steady mixed workload over chat completions, completions, Responses and "
+            "Messages with periodic bursts, and show the proxy's live TTFT, ITL, queue time, "
+            "tokens, cache hit ratio, outcomes and figures per route, refreshed every second, "
+            "until Ctrl-C. No API key, GPU or network needed."
         ),
     )
     add = parser.add_argument
@@ -145,18 +153,54 @@ def run_command(args: argparse.Namespace) -> int:
 
 
 def demo_profiles() -> list[Any]:
-    """The mix: what a small product's traffic looks like to an inference server."""
+    """The mix: what a small product's traffic looks like to an inference server, over
+    the four APIs (about half of it chat completions)."""
     from proxy.bench.workload import Profile
 
     return [
         # Chat turns behind a shared system prompt: short answers, mostly cached prefill.
-        Profile("chat", prompt_tokens=400, shared_prefix_tokens=300, max_tokens=48, weight=5),
+        Profile("chat", prompt_tokens=400, shared_prefix_tokens=300, max_tokens=48, weight=4),
         # Same name, so the same system prompt; long answers hold decode slots for seconds.
-        Profile("chat", prompt_tokens=500, shared_prefix_tokens=300, max_tokens=200, weight=2),
-        # Retrieval: long unique context, nothing cached, so a long prefill and a high TTFT.
-        Profile("rag", prompt_tokens=3000, shared_prefix_tokens=0, max_tokens=96, weight=2),
-        # Agent step: long shared tool preamble, medium answer.
-        Profile("agent", prompt_tokens=2400, shared_prefix_tokens=2000, max_tokens=128, weight=1),
+        Profile("chat", prompt_tokens=500, shared_prefix_tokens=300, max_tokens=200, weight=1),
+        # Retrieval over the Responses API: long unique context, nothing cached, so a
+        # long prefill and a high TTFT.
+        Profile(
+            "rag",
+            prompt_tokens=3000,
+            shared_prefix_tokens=0,
+            max_tokens=96,
+            weight=2,
+            api="responses",
+        ),
+        # An assistant over the Responses API that reasons before it answers.
+        Profile(
+            "assistant",
+            prompt_tokens=600,
+            shared_prefix_tokens=400,
+            max_tokens=80,
+            weight=1,
+            api="responses",
+            reasoning=True,
+        ),
+        # Agent step over Anthropic Messages: long shared tool preamble, thinking first.
+        Profile(
+            "agent",
+            prompt_tokens=2400,
+            shared_prefix_tokens=2000,
+            max_tokens=128,
+            weight=1,
+            api="messages",
+            reasoning=True,
+        ),
+        # Legacy completions: short autocomplete requests.
+        Profile(
+            "autocomplete",
+            prompt_tokens=200,
+            shared_prefix_tokens=0,
+            max_tokens=16,
+            weight=1,
+            api="completions",
+        ),
     ]
 
 
@@ -252,6 +296,51 @@ def window(before: Snapshot, after: Snapshot, seconds: float) -> Window:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class RouteFigures:
+    """One route's proxy figures between two scrapes."""
+
+    route: str
+    requests: float
+    ttft: Any
+    first_answer: Any | None  # None: the proxy does not export it
+    itl: Any
+    not_completed: float | None  # None: no stream outcomes recorded for the route
+
+
+def by_route(
+    before: Snapshot, after: Snapshot, routes: Sequence[str] = ROUTES
+) -> list[RouteFigures]:
+    from proxy.bench import promscrape as p
+
+    has_first_answer = p.histogram(after, FIRST_ANSWER).count > 0
+    out = []
+    for route in routes:
+        where = p.label_filter(route=route)
+
+        def h(name: str, where: p.LabelFilter = where) -> Any:
+            return p.histogram(after, name, where) - p.histogram(before, name, where)
+
+        outcomes_before = p.by_label(before, p.OUTCOMES, "outcome", where)
+        outcomes = {
+            k: v - outcomes_before.get(k, 0.0)
+            for k, v in p.by_label(after, p.OUTCOMES, "outcome", where).items()
+        }
+        out.append(
+            RouteFigures(
+                route=route,
+                requests=p.total(after, p.REQUESTS, where) - p.total(before, p.REQUESTS, where),
+                ttft=h(p.TTFT),
+                first_answer=h(FIRST_ANSWER) if has_first_answer else None,
+                itl=h(p.ITL),
+                not_completed=(
+                    sum(v for k, v in outcomes.items() if k != "completed") if outcomes else None
+                ),
+            )
+        )
+    return out
+
+
 def _ms(value: float) -> str:
     return "-" if math.isnan(value) else f"{value * 1000:.0f}"
 
@@ -272,8 +361,37 @@ def _ratio(part: float, whole: float) -> str:
     return f"{100 * part / whole:.0f}%" if whole > 0 else "-"
 
 
-def render(header: list[str], recent: Window, total: Window, in_flight: float) -> list[str]:
-    """The full-screen view as lines."""
+def _route_rows(routes: Sequence[RouteFigures], sent: Mapping[str, int]) -> list[list[str]]:
+    rows = [
+        ["since start, by route", "sent", "n", "TTFT p50", "p90", "answer p50", "ITL p50", "not ok"]
+    ]
+    for r in routes:
+        answer = "-" if r.first_answer is None else _ms(r.first_answer.quantile(0.5))
+        rows.append(
+            [
+                r.route,
+                str(sent.get(r.route, 0)),
+                f"{r.requests:.0f}",
+                _ms(r.ttft.quantile(0.5)),
+                _ms(r.ttft.quantile(0.9)),
+                answer,
+                _ms(r.itl.quantile(0.5)),
+                "-" if r.not_completed is None else f"{r.not_completed:.0f}",
+            ]
+        )
+    return rows
+
+
+def render(
+    header: list[str],
+    recent: Window,
+    total: Window,
+    in_flight: float,
+    routes: Sequence[RouteFigures] = (),
+    sent: Mapping[str, int] | None = None,
+) -> list[str]:
+    """The full-screen view as lines. ``sent`` counts the requests the demo sent per
+    route (client side), so a route the proxy does not measure still shows its traffic."""
     rows = [
         ["", "n", "p50", "p90", "p99", "mean", "n", "p50", "p90", "p99", "mean"],
     ]
@@ -304,18 +422,33 @@ def render(header: list[str], recent: Window, total: Window, in_flight: float) -
         )
         lines.append(f"      outcomes: {outcomes}")
     lines.append(f"in flight now: {in_flight:.0f}")
+    if routes:
+        lines += ["", *align_columns(_route_rows(routes, sent or {}))]
     return lines
 
 
-def one_line(elapsed: float, recent: Window, total: Window) -> str:
-    """The non-TTY view: one line per refresh, for logs and CI."""
+def one_line(
+    elapsed: float, recent: Window, total: Window, routes: Sequence[RouteFigures] = ()
+) -> str:
+    """The non-TTY view: one line per refresh, for logs and CI. Per route (since start):
+    the proxy's request count and TTFT p50, as ``responses=12/140ms``."""
     outcomes = " ".join(f"{k}={v:.0f}" for k, v in sorted(total.outcomes.items()))
+
+    def p50(hist: Any) -> str:
+        value = _ms(hist.quantile(0.5))
+        return value if value == "-" else value + "ms"
+
+    per_route = "".join(
+        f" {r.route.removeprefix('/v1/').replace('chat/completions', 'chat')}="
+        f"{r.requests:.0f}/{p50(r.ttft)}"
+        for r in routes
+    )
     return (
         f"demo t={elapsed:.0f}s requests={total.requests:.0f} "
         f"ttft_p50={_ms(recent.ttft.quantile(0.5))}ms ttft_p99={_ms(recent.ttft.quantile(0.99))}ms "
         f"itl_p50={_ms(recent.itl.quantile(0.5))}ms itl_p99={_ms(recent.itl.quantile(0.99))}ms "
         f"upstream_queue_p90={_ms(recent.upstream_queue.quantile(0.9))}ms "
-        f"cache_hits={_ratio(total.cached_tokens, total.prompt_tokens)} {outcomes}"
+        f"cache_hits={_ratio(total.cached_tokens, total.prompt_tokens)} {outcomes}{per_route}"
     )
 
 
@@ -330,6 +463,7 @@ class Demo:
         self.tty = out.isatty() if tty is None else tty
         self.inflight: set[asyncio.Task[Any]] = set()
         self.completed = 0
+        self.sent: Counter[str] = Counter()  # requests sent, by route
         self.ready_printed = False
 
     async def main(self) -> int:
@@ -362,6 +496,7 @@ class Demo:
             jitter=0.2,
             error_rate=0.005,
             drop_rate=0.005,
+            stream_error_rate=0.005,
             stall_rate=0.01,
             stall_seconds=1.0,
             vllm_metrics=True,
@@ -401,13 +536,9 @@ class Demo:
             self.say(
                 f"demo: try  curl -s {proxy_root}/metrics | grep llm_proxy_time_to_first_token"
             )
-            tasks.append(
-                asyncio.create_task(self.steady(http, proxy_root + "/v1/chat/completions"))
-            )
+            tasks.append(asyncio.create_task(self.steady(http, proxy_root + "/v1")))
             if args.burst_every and args.burst_size:
-                tasks.append(
-                    asyncio.create_task(self.bursts(http, proxy_root + "/v1/chat/completions"))
-                )
+                tasks.append(asyncio.create_task(self.bursts(http, proxy_root + "/v1")))
             view = asyncio.create_task(self.view(http, proxy_root + "/metrics", proxy_root))
             tasks.append(view)
             waits = [asyncio.create_task(stop.wait()), view]
@@ -454,13 +585,17 @@ class Demo:
 
     # -- traffic ------------------------------------------------------------------------
 
-    def _launch(self, http: httpx.AsyncClient, url: str, planned: Any) -> None:
+    def _launch(self, http: httpx.AsyncClient, base: str, planned: Any) -> None:
+        """Send one request to its API's path under ``base`` (the proxy's ``/v1``)."""
         import asyncio
 
         from proxy.bench.client import send
+        from proxy.bench.workload import API_PATHS, route_of
+
+        self.sent[route_of(planned.api)] += 1
 
         async def one() -> None:
-            result = await send(http, url, planned)
+            result = await send(http, base + API_PATHS[planned.api], planned)
             if result.ok:
                 self.completed += 1
                 if not self.ready_printed:
@@ -473,7 +608,7 @@ class Demo:
         self.inflight.add(task)
         task.add_done_callback(self.inflight.discard)
 
-    async def steady(self, http: httpx.AsyncClient, url: str) -> None:
+    async def steady(self, http: httpx.AsyncClient, base: str) -> None:
         import asyncio
 
         from proxy.bench.workload import iter_requests, poisson_arrivals
@@ -484,9 +619,9 @@ class Demo:
             delay = start + offset - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)  # pacing the workload
-            self._launch(http, url, next(planned))
+            self._launch(http, base, next(planned))
 
-    async def bursts(self, http: httpx.AsyncClient, url: str) -> None:
+    async def bursts(self, http: httpx.AsyncClient, base: str) -> None:
         import asyncio
 
         from proxy.bench.workload import Profile, iter_requests
@@ -497,7 +632,7 @@ class Demo:
         while True:
             await asyncio.sleep(self.args.burst_every)
             for _ in range(self.args.burst_size):
-                self._launch(http, url, next(planned))
+                self._launch(http, base, next(planned))
 
     # -- view ---------------------------------------------------------------------------
 
@@ -529,6 +664,7 @@ class Demo:
             old_t, old = history[0]
             recent = window(old, snap, now - old_t)
             total = window(first, snap, now - start)
+            routes = by_route(first, snap)
             if self.tty:
                 elapsed = int(now - start)
                 header = [
@@ -537,8 +673,8 @@ class Demo:
                     "all figures are the proxy's own histograms (bucket-interpolated "
                     "percentiles); Ctrl-C to stop",
                 ]
-                lines = render(header, recent, total, p.total(snap, p.IN_FLIGHT))
+                lines = render(header, recent, total, p.total(snap, p.IN_FLIGHT), routes, self.sent)
                 self.out.write("\x1b[H" + "".join(line + "\x1b[K\n" for line in lines) + "\x1b[J")
                 self.out.flush()
             else:
-                self.say(one_line(now - start, recent, total))
+                self.say(one_line(now - start, recent, total, routes))

@@ -29,17 +29,27 @@ from proxy.bench.client import (
     COMPLETED,
     HTTP_ERROR,
     INTERRUPTED,
+    STREAM_ERROR,
+    EventStream,
     RequestResult,
     RunPlan,
     run,
     send,
 )
 from proxy.bench.stats import Dist, format_table, quantile, summarize
-from proxy.bench.workload import PlannedRequest, Profile, chat_body, iter_requests, poisson_arrivals
+from proxy.bench.workload import (
+    API_PATHS,
+    PlannedRequest,
+    Profile,
+    chat_body,
+    iter_requests,
+    poisson_arrivals,
+    request_body,
+    route_of,
+)
 from tests.servers import serve_in_thread
 
 pytestmark = pytest.mark.anyio
-
 
 
 # ---------------------------------------------------------------------------
@@ -687,3 +697,379 @@ def test_bench_rejects_bad_flags(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "--prompt-tokens", "10", "--shared-prefix-tokens", "20"]) == 2
     assert main(["bench", "--base-url", "ftp://x"]) == 2
     assert "bench:" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------
+# The bench's own stream reading, for each API
+
+
+def test_event_stream_parser_over_every_split_and_line_ending() -> None:
+    events = [("message", b'{"a":1}'), ("response.created", b"x\ny"), ("message", b"[DONE]")]
+    for eol in (b"\n", b"\r\n", b"\r"):
+        raw = (
+            b": comment" + eol
+            + b"data: {\"a\":1}" + eol + eol
+            + b"event: response.created" + eol + b"data:x" + eol + b"data: y" + eol + eol
+            + b"event: ignored-without-data" + eol + eol
+            + b"data: [DONE]" + eol + eol
+        )  # fmt: skip
+        for cut in range(len(raw) + 1):
+            for cut2 in range(cut, min(len(raw), cut + 3) + 1):
+                parser = EventStream()
+                got = parser.feed(raw[:cut]) + parser.feed(raw[cut:cut2]) + parser.feed(raw[cut2:])
+                assert got == events, (eol, cut, cut2)
+
+
+def _sse(kind: str, payload: dict[str, object]) -> bytes:
+    return f"event: {kind}\ndata: ".encode() + json.dumps(payload).encode() + b"\n\n"
+
+
+def _responses_event(kind: str, **fields: object) -> bytes:
+    return _sse(kind, {"type": kind, "sequence_number": 0, **fields})
+
+
+def _messages_event(kind: str, **fields: object) -> bytes:
+    return _sse(kind, {"type": kind, **fields})
+
+
+RESPONSES_SCRIPT: list[tuple[float, bytes]] = [
+    (0.10, _responses_event("response.created") + _responses_event("response.in_progress")),
+    (0.20, _responses_event("response.reasoning_text.delta", delta=" hm")),  # first token +0.3
+    (0.05, _responses_event("response.reasoning_summary_text.delta", delta=" so")),
+    (0.05, _responses_event("response.output_text.delta", delta=" Hi")),  # first answer +0.4
+    (0.05, _responses_event("response.output_text.delta", delta="")),  # empty: not a token
+    (0.05, _responses_event("response.output_text.delta", delta=" there")),  # +0.5
+    (
+        0.01,
+        _responses_event(
+            "response.completed",
+            response={
+                "usage": {
+                    "input_tokens": 9,
+                    "input_tokens_details": {"cached_tokens": 4},
+                    "output_tokens": 5,
+                    "output_tokens_details": {"reasoning_tokens": 2},
+                }
+            },
+        ),
+    ),
+]
+
+MESSAGES_SCRIPT: list[tuple[float, bytes]] = [
+    (
+        0.10,
+        _messages_event(
+            "message_start",
+            message={
+                "usage": {
+                    "input_tokens": 3,
+                    "cache_read_input_tokens": 4,
+                    "cache_creation_input_tokens": 2,
+                    "output_tokens": 1,
+                }
+            },
+        )
+        + _messages_event("content_block_start", index=0, content_block={"type": "thinking"})
+        + _messages_event("ping"),
+    ),
+    (
+        0.20,
+        _messages_event(
+            "content_block_delta", index=0, delta={"type": "thinking_delta", "thinking": " hm"}
+        ),
+    ),
+    (
+        0.05,
+        _messages_event(
+            "content_block_delta", index=0, delta={"type": "thinking_delta", "thinking": " so"}
+        ),
+    ),
+    (
+        0.05,
+        _messages_event(
+            "content_block_delta", index=0, delta={"type": "signature_delta", "signature": "x"}
+        )
+        + _messages_event("content_block_stop", index=0)
+        + _messages_event("content_block_start", index=1, content_block={"type": "text"})
+        + _messages_event(
+            "content_block_delta", index=1, delta={"type": "text_delta", "text": " Hi"}
+        ),
+    ),
+    (0.05, b""),
+    (
+        0.05,
+        _messages_event(
+            "content_block_delta", index=1, delta={"type": "text_delta", "text": " there"}
+        ),
+    ),
+    (
+        0.01,
+        _messages_event("content_block_stop", index=1)
+        + _messages_event(
+            "message_delta",
+            delta={"stop_reason": "end_turn"},
+            usage={"output_tokens": 5, "output_tokens_details": {"thinking_tokens": 2}},
+        )
+        + _messages_event("message_stop"),
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("api", "script"), [("responses", RESPONSES_SCRIPT), ("messages", MESSAGES_SCRIPT)]
+)
+async def test_client_times_responses_and_messages(
+    api: str, script: list[tuple[float, bytes]]
+) -> None:
+    clock = FakeClock()
+
+    async def body() -> AsyncIterator[bytes]:
+        for dt, chunk in script:
+            clock.t += dt
+            yield chunk
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=body(), headers={"content-type": "text/event-stream"})
+
+    item = PlannedRequest(0, "p", request_body(api, "m", "hi", 5, reasoning=True), api)
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+        r = await send(client, "http://x/v1/" + api, item, origin=100.0, clock=clock)
+    assert r.outcome == COMPLETED and r.api == api
+    assert r.ttfb_s == pytest.approx(0.1)
+    assert r.ttft_s == pytest.approx(0.3)  # the first reasoning delta
+    assert r.first_answer_s == pytest.approx(0.4)
+    assert r.itl_s == pytest.approx((0.05, 0.05, 0.1))
+    assert r.output_events == 4
+    assert (r.prompt_tokens, r.cached_prompt_tokens) == (9, 4)  # Anthropic's: 3 + 4 + 2
+    assert (r.completion_tokens, r.reasoning_tokens) == (5, 2)
+    assert r.tpot_s == pytest.approx((0.5 - 0.3) / 4)
+
+
+@pytest.mark.parametrize(
+    ("api", "chunks", "outcome"),
+    [
+        (
+            "chat",
+            [_delta(content="a"), b'data: {"error": {"message": "boom"}}\n\n', b"data: [DONE]\n\n"],
+            STREAM_ERROR,
+        ),
+        (
+            "completions",
+            [_chunk({"choices": [{"index": 0, "text": "a"}]}), b"data: [DONE]\n\n"],
+            COMPLETED,
+        ),
+        (
+            "responses",
+            [
+                _responses_event("response.output_text.delta", delta="a"),
+                _responses_event("response.failed", response={}),
+            ],
+            STREAM_ERROR,
+        ),
+        ("responses", [_responses_event("error", message="boom")], STREAM_ERROR),
+        (
+            "responses",
+            [
+                _responses_event("response.output_text.delta", delta="a"),
+                _responses_event("response.incomplete", response={}),
+            ],
+            COMPLETED,
+        ),
+        ("responses", [_responses_event("response.output_text.delta", delta="a")], INTERRUPTED),
+        (
+            "messages",
+            [_messages_event("error", error={"type": "overloaded_error", "message": "Overloaded"})],
+            STREAM_ERROR,
+        ),
+        (
+            "messages",
+            [
+                _messages_event(
+                    "content_block_delta", index=0, delta={"type": "text_delta", "text": "a"}
+                )
+            ],
+            INTERRUPTED,
+        ),
+    ],
+)
+async def test_client_outcomes_per_api(api: str, chunks: list[bytes], outcome: str) -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=_stream(*chunks))
+
+    item = PlannedRequest(0, "p", request_body(api, "m", "hi", 5), api)
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+        r = await send(client, "http://x/v1/any", item)
+    assert r.outcome == outcome, r.error
+    assert (r.error is None) == (outcome == COMPLETED)
+
+
+def test_request_bodies_per_api() -> None:
+    assert request_body("chat", "m", "hi", 5, reasoning=True)["reasoning_effort"] == "low"
+    assert request_body("completions", "m", "hi", 5) == {
+        "model": "m",
+        "prompt": "hi",
+        "max_tokens": 5,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    assert request_body("responses", "m", "hi", 5, reasoning=True) == {
+        "model": "m",
+        "input": "hi",
+        "max_output_tokens": 5,
+        "stream": True,
+        "reasoning": {"effort": "low"},
+    }
+    messages = request_body("messages", "m", "hi", 5, reasoning=True)
+    assert messages["messages"] == [{"role": "user", "content": "hi"}]
+    assert (messages["max_tokens"], messages["stream"]) == (5, True)
+    assert messages["thinking"] == {"type": "enabled", "budget_tokens": 1024}
+    assert "thinking" not in request_body("messages", "m", "hi", 5)
+    mixed = _take(
+        40, profiles=[Profile("a", api="responses"), Profile("b", api="messages")], model="m"
+    )
+    assert {(r.profile, r.api) for r in mixed} == {("a", "responses"), ("b", "messages")}
+    assert all(("input" in r.body) == (r.api == "responses") for r in mixed)
+    with pytest.raises(ValueError):
+        Profile("bad", api="embeddings")
+    with pytest.raises(ValueError):
+        Profile("bad", api="completions", reasoning=True)
+    assert [route_of(api) for api in API_PATHS] == [
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/responses",
+        "/v1/messages",
+    ]
+
+
+def test_summary_and_table_show_first_answer_only_when_some_request_reasoned() -> None:
+    plain = [
+        RequestResult(0, "p", 0.0, COMPLETED, 200, 1.0, ttft_s=0.2, ttfb_s=0.05, first_answer_s=0.2)
+    ]
+    s = summarize(plain, 1.0)
+    assert s.reasoned == 0 and s.ttfb.mean == pytest.approx(0.05)
+    assert "TTFB" in format_table(s) and "first answer" not in format_table(s)
+    reasoned = [
+        *plain,
+        RequestResult(1, "p", 0.0, COMPLETED, 200, 1.0, ttft_s=0.2, first_answer_s=0.6),
+    ]
+    s = summarize(reasoned, 1.0)
+    assert s.reasoned == 1 and s.first_answer.mean == pytest.approx(0.4)
+    assert re.search(r"^first answer\s+2\s+400\.0", format_table(s), re.MULTILINE)
+
+
+# ---------------------------------------------------------------------------
+# The comparison when the proxy measures a route only partly, or not at all
+
+
+def _hist_lines(name: str, route: str, values: list[float]) -> list[str]:
+    labels = f'model="sim-llm",route="{route}",upstream="u"'
+    edges = (0.05, 0.1, 0.5)
+    out = [f'{name}_bucket{{le="{le}",{labels}}} {sum(v <= le for v in values)}' for le in edges]
+    out += [
+        f'{name}_bucket{{le="+Inf",{labels}}} {len(values)}',
+        f"{name}_sum{{{labels}}} {sum(values)}",
+        f"{name}_count{{{labels}}} {len(values)}",
+    ]
+    return out
+
+
+def test_comparison_adds_ttfb_and_first_answer_when_the_proxy_has_them() -> None:
+    from proxy.bench.cli import _proxy_filter, format_comparison, proxy_extra
+
+    route = "/v1/responses"
+    text = "\n".join(
+        [
+            *_hist_lines(promscrape.TTFT, route, [0.04, 0.08]),
+            *_hist_lines("llm_proxy_time_to_first_byte_seconds", route, [0.01, 0.02]),
+            *_hist_lines("llm_proxy_time_to_first_answer_token_seconds", route, [0.3, 0.4]),
+            *_hist_lines(promscrape.ITL, route, [0.02] * 4),
+            *_hist_lines(promscrape.TTFT, "/v1/chat/completions", [9.0]),  # filtered out
+            f'llm_proxy_requests_total{{code="200",model="sim-llm",route="{route}",stream="true",upstream="u"}} 2',
+        ]
+    )
+    after = promscrape.parse(text + "\n")
+    where = _proxy_filter(after, "sim-llm", route)
+    view = promscrape.ProxyView.between({}, after, where)
+    extra = proxy_extra({}, after, where)
+    assert set(extra) == {"TTFB", "first answer"}
+    results = tuple(
+        RequestResult(
+            i, "p", 0.0, COMPLETED, 200, 1.0, ttft_s=0.07, ttfb_s=0.03, first_answer_s=0.45,
+            itl_s=(0.02, 0.02), api="responses",
+        )
+        for i in range(2)
+    )  # fmt: skip
+    table = format_comparison(summarize(results, 1.0), results, view, extra, route)
+    assert re.search(r"^TTFB mean ms\s+30\.0\s+15\.0\s+15\.0$", table, re.MULTILINE)
+    assert re.search(r"^first answer mean ms\s+450\.0\s+350\.0\s+100\.0$", table, re.MULTILINE)
+    assert re.search(r"^TTFT count\s+2\s+2\s+\+0$", table, re.MULTILINE)  # not the chat one
+    assert re.search(r"^requests\s+2\s+2\s+\+0$", table, re.MULTILINE)
+    assert "no token timings" not in table and "no figures" not in table
+    # A proxy that exports neither gets neither row; one that saw nothing says so.
+    none = format_comparison(
+        summarize(results, 1.0), results, promscrape.ProxyView.between({}, {}), {}, "/v1/messages"
+    )
+    assert "TTFB" not in none and "TTFT" not in none
+    assert "the proxy has no figures for /v1/messages" in none
+
+
+@pytest.mark.e2e
+def test_bench_command_for_each_api_against_the_simulator_and_through_the_proxy(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Straight at the simulator every API completes, with the reasoning phase before
+    the answer; through a proxy that does not time /v1/responses and /v1/messages (as
+    of this writing), the comparison says so instead of failing."""
+    from proxy.cli import main
+
+    with simulator_and_proxy(slots=4, itl=0.005, jitter=0.0, reasoning_tokens=8, seed=2) as (
+        url,
+        sim_url,
+    ):
+        for api in ("chat", "completions", "responses", "messages"):
+            out_file = tmp_path / f"{api}.json"
+            argv = ["bench", "--base-url", sim_url, "--api", api, "--requests", "4"]
+            argv += ["--concurrency", "2", "--prompt-tokens", "64", "--max-tokens", "20"]
+            argv += ["--json", str(out_file)] + ([] if api == "completions" else ["--reasoning"])
+            assert main(argv) == 0, capsys.readouterr().err
+            data = json.loads(out_file.read_text())
+            assert data["summary"]["completed"] == 4, api
+            for r in data["requests"]:
+                assert r["api"] == api and r["completion_tokens"] == 20
+                assert len(r["itl_s"]) == 19
+                if api == "completions":  # no role chunk: the first byte is the first token
+                    assert r["ttfb_s"] == r["ttft_s"] == r["first_answer_s"]
+                    assert not r["reasoning_tokens"]
+                else:
+                    # The opening events come with the slot, before the prefill; then 8
+                    # reasoning steps of 5 ms between the first token and the first answer.
+                    assert r["ttfb_s"] < r["ttft_s"]
+                    assert r["reasoning_tokens"] == 8
+                    assert 0.03 < r["first_answer_s"] - r["ttft_s"] < 0.2, r
+        capsys.readouterr()
+        for api in ("responses", "messages"):
+            argv = ["bench", "--base-url", url + "/v1", "--api", api, "--requests", "3"]
+            assert main([*argv, "--concurrency", "3", "--max-tokens", "5", "--no-progress"]) == 0
+            view = capsys.readouterr().out.split("proxy's view")[1]
+            assert re.search(r"^requests\s+3\s+[03]\s", view, re.MULTILINE)
+            if "does not measure this route" in view:  # today's proxy
+                assert f"/v1/{api}" in view and "TTFT mean" not in view
+            else:  # a proxy that times the route: the counts agree exactly
+                assert re.search(r"^TTFT count\s+3\s+3\s+\+0$", view, re.MULTILINE)
+
+
+def test_bench_rejects_reasoning_for_completions_and_sends_each_apis_key(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from proxy.bench.cli import _key_headers
+    from proxy.cli import main
+
+    assert main(["bench", "--api", "completions", "--reasoning"]) == 2
+    assert "--reasoning" in capsys.readouterr().err
+    assert _key_headers("chat", "k") == (("Authorization", "Bearer k"),)
+    assert _key_headers("responses", None) == ()
+    assert _key_headers("messages", "k") == (
+        ("x-api-key", "k"),
+        ("anthropic-version", "2023-06-01"),
+    )
+    assert _key_headers("messages", None) == (("anthropic-version", "2023-06-01"),)

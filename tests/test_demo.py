@@ -35,7 +35,6 @@ pytestmark = pytest.mark.anyio
 REPO = Path(__file__).resolve().parents[1]
 
 
-
 class Lines:
     """Reads a pipe in a thread so the test can wait for a line with a deadline."""
 
@@ -141,6 +140,14 @@ async def test_demo_live_view_on_a_tty_until_duration() -> None:
     assert len(frames) >= 3
     assert "since start" in frames[-1] and "queue ms (upstream)" in frames[-1]
     assert re.search(r"TTFT ms\s+\d+", frames[-1])
+    # Per route: what the demo sent to each (its mix covers all four), what the proxy saw.
+    rows = {
+        m.group(1): (int(m.group(2)), int(m.group(3)))
+        for m in re.finditer(r"^(/v1/\S+)\s+(\d+)\s+(\d+)\s", frames[-1], re.MULTILINE)
+    }
+    assert set(rows) == set(demo.ROUTES)
+    assert rows["/v1/chat/completions"][0] > 0 and rows["/v1/chat/completions"][1] > 0
+    assert sum(sent for sent, _ in rows.values()) > rows["/v1/chat/completions"][0]
     assert "demo: stopped after" in text
 
 
@@ -207,3 +214,63 @@ def test_view_arithmetic_over_scrapes() -> None:
     empty = demo.window(b, b, 1.0)
     assert empty.ttft.count == 0 and math.isnan(empty.ttft.quantile(0.5))
     assert "TTFT ms" in "\n".join(demo.render(["head"], empty, empty, 0.0))
+
+
+def _route_exposition(route: str, ttft: list[float], completed: int, failed: int) -> list[str]:
+    labels = f'model="m",route="{route}",upstream="u"'
+    edges = ("0.1", "0.5", "+Inf")
+    lines = [
+        f'llm_proxy_time_to_first_token_seconds_bucket{{le="{le}",{labels}}} '
+        f"{sum(v <= float(le) for v in ttft)}"
+        for le in edges
+    ]
+    lines += [
+        f"llm_proxy_time_to_first_token_seconds_sum{{{labels}}} {sum(ttft)}",
+        f"llm_proxy_time_to_first_token_seconds_count{{{labels}}} {len(ttft)}",
+        f'llm_proxy_requests_total{{{labels},code="200",stream="true"}} {completed + failed}',
+    ]
+    if completed or failed:
+        lines += [
+            f'llm_proxy_stream_outcomes_total{{{labels},outcome="completed"}} {completed}',
+            f'llm_proxy_stream_outcomes_total{{{labels},outcome="upstream_error"}} {failed}',
+        ]
+    return lines
+
+
+def test_view_per_route() -> None:
+    chat = _route_exposition("/v1/chat/completions", [0.05, 0.2, 0.3], 2, 1)
+    # /v1/responses: counted by the proxy, not timed (a proxy that does not measure it).
+    responses = [
+        'llm_proxy_requests_total{model="m",route="/v1/responses",upstream="u",code="200",stream="true"} 4'
+    ]
+    after = promscrape.parse("\n".join(chat + responses) + "\n")
+    routes = demo.by_route({}, after)
+    assert [r.route for r in routes] == list(demo.ROUTES)
+    by = {r.route: r for r in routes}
+    assert by["/v1/chat/completions"].requests == 3 and by["/v1/chat/completions"].ttft.count == 3
+    assert by["/v1/chat/completions"].not_completed == 1
+    assert by["/v1/chat/completions"].first_answer is None  # the proxy does not export it
+    assert by["/v1/responses"].requests == 4 and by["/v1/responses"].ttft.count == 0
+    assert by["/v1/responses"].not_completed is None
+    sent = {"/v1/chat/completions": 3, "/v1/responses": 5, "/v1/messages": 2}
+    w = demo.window({}, after, 1.0)
+    text = "\n".join(demo.render(["head"], w, w, 0.0, routes, sent))
+    # rank 1.5 of 3 falls in (0.1, 0.5] holding 2: 0.1 + 0.4 * 0.5 / 2 = 200 ms
+    assert re.search(r"^/v1/chat/completions\s+3\s+3\s+200\s+\d+\s+-\s+-\s+1$", text, re.MULTILINE)
+    assert re.search(r"^/v1/responses\s+5\s+4\s+-\s+-\s+-\s+-\s+-$", text, re.MULTILINE)
+    assert re.search(r"^/v1/messages\s+2\s+0\s", text, re.MULTILINE)
+    assert re.search(r"^/v1/completions\s+0\s+0\s", text, re.MULTILINE)
+    line = demo.one_line(3.0, w, w, routes)
+    assert "chat=3/200ms" in line and "responses=4/-" in line and "messages=0/-" in line
+
+    # A proxy that exports the first-answer histogram gets its p50 per route.
+    answer = [
+        'llm_proxy_time_to_first_answer_token_seconds_bucket{le="1.0",model="m",route="/v1/responses",upstream="u"} 2',
+        'llm_proxy_time_to_first_answer_token_seconds_bucket{le="+Inf",model="m",route="/v1/responses",upstream="u"} 2',
+        'llm_proxy_time_to_first_answer_token_seconds_sum{model="m",route="/v1/responses",upstream="u"} 1.2',
+        'llm_proxy_time_to_first_answer_token_seconds_count{model="m",route="/v1/responses",upstream="u"} 2',
+    ]
+    with_answer = promscrape.parse("\n".join(chat + responses + answer) + "\n")
+    by = {r.route: r for r in demo.by_route({}, with_answer)}
+    assert by["/v1/responses"].first_answer.quantile(0.5) == pytest.approx(0.5)
+    assert by["/v1/chat/completions"].first_answer.count == 0

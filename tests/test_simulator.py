@@ -2,16 +2,21 @@
 
 Model tests pass times in by hand (the model has no clock), so they never sleep. App
 tests run the FastAPI app in process through ``httpx.ASGITransport`` with all
-latencies set to zero: they check shapes, not timing (ASGITransport joins the body).
-Timing over real sockets is in tests/test_simulator_e2e.py.
+latencies set to zero: they check shapes, event sequences and usage, not timing
+(ASGITransport joins the body). The exact schedule of each streaming API is checked
+in virtual time, through the ASGI app with a clock that only its sleep moves forward.
+Timing over real sockets is in tests/test_simulator_e2e.py; the official SDKs parse
+the Responses and Messages streams in tests/test_simulator_sdk.py.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import heapq
 import json
 import math
+import random
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
@@ -33,7 +38,6 @@ from proxy.simulator.model import (
 from proxy.sse import SSEParser
 
 pytestmark = pytest.mark.anyio
-
 
 
 # Zero jitter so that step times are exact; tests that need jitter say so.
@@ -296,6 +300,74 @@ def test_max_tokens_is_generated_exactly_unless_stop_early() -> None:
     assert (plan.output_tokens, plan.finish_reason) == (5, "stop")
 
 
+def test_reasoning_comes_first_and_max_tokens_covers_it() -> None:
+    model = LatencyModel(replace(EXACT, output_tokens=5, reasoning_tokens=16))
+    # No max_tokens: exactly --reasoning-tokens, then the answer's drawn length.
+    plan = model.plan("hi", reasoning=True)
+    assert (plan.reasoning_tokens, plan.output_tokens, plan.finish_reason) == (16, 21, "stop")
+    # max_tokens covers both, as in the real APIs.
+    plan = model.plan("hi", max_tokens=20, reasoning=True)
+    assert (plan.reasoning_tokens, plan.output_tokens, plan.finish_reason) == (16, 20, "length")
+    # Thinking is cut short only when it would leave no answer token.
+    plan = model.plan("hi", max_tokens=10, reasoning=True)
+    assert (plan.reasoning_tokens, plan.output_tokens) == (9, 10)
+    assert model.plan("hi", max_tokens=1, reasoning=True).reasoning_tokens == 0
+    # Not asked for, or turned off: no reasoning.
+    assert model.plan("hi", max_tokens=20).reasoning_tokens == 0
+    off = LatencyModel(replace(EXACT, output_tokens=5, reasoning_tokens=0))
+    assert off.plan("hi", reasoning=True).reasoning_tokens == 0
+    # --stop-early compares max_tokens with reasoning plus the drawn answer.
+    early = LatencyModel(replace(EXACT, output_tokens=5, reasoning_tokens=16, stop_early=True))
+    plan = early.plan("hi", max_tokens=40, reasoning=True)
+    assert (plan.output_tokens, plan.finish_reason) == (21, "stop")
+
+
+def test_steps_never_mix_reasoning_and_answer() -> None:
+    model = LatencyModel(replace(EXACT, output_tokens=4, reasoning_tokens=5))
+    plan = model.plan("hi", reasoning=True)
+    assert plan.steps(1) == (5, 4)
+    assert plan.steps(2) == (3, 2)  # 2+2+1 reasoning, 2+2 answer
+    assert plan.steps(8) == (1, 1)
+    assert model.plan("hi").steps(3) == (0, 2)
+
+
+def test_cache_writes_are_the_new_full_blocks() -> None:
+    model = LatencyModel(EXACT)  # 16-token blocks of 64 characters
+    text = words(650)  # 10 full blocks and 10 characters: 163 tokens
+    first = model.plan(text)
+    assert (first.prompt_tokens, first.cached_tokens, first.cache_write_tokens) == (163, 0, 160)
+    again = model.plan(text)
+    assert (again.cached_tokens, again.cache_write_tokens) == (160, 0)
+    longer = model.plan(text[:640] + "Z" * 200)  # 13 full blocks, 10 of them cached
+    assert (longer.cached_tokens, longer.cache_write_tokens) == (160, 48)
+    assert LatencyModel(replace(EXACT, cache_blocks=0)).plan(text).cache_write_tokens == 0
+
+
+def test_stream_error_rate_draws_only_when_enabled() -> None:
+    """Old seeds keep their words and schedules: the new fault takes no random number
+    while it is off. Off: the error, drop and stall decisions; on (rate 1): also the
+    stream error's decision and its position (a subclass that overrides ``random``
+    makes ``randrange`` call it too)."""
+
+    class Counting(random.Random):
+        calls = 0
+
+        def random(self) -> float:
+            Counting.calls += 1
+            return super().random()
+
+    for rate, draws in ((0.0, 3), (1.0, 5)):
+        Counting.calls = 0
+        model = LatencyModel(replace(EXACT, stream_error_rate=rate), rng_factory=Counting)
+        model.plan("hi")
+        assert Counting.calls == draws, rate
+    failing = LatencyModel(replace(EXACT, stream_error_rate=0.25))
+    plans = [failing.plan("hi", max_tokens=10) for _ in range(4000)]
+    share = sum(p.error_after_tokens is not None for p in plans) / 4000
+    assert share == pytest.approx(0.25, abs=0.02)
+    assert {p.error_after_tokens for p in plans} - {None} == set(range(10))
+
+
 @pytest.mark.parametrize(
     ("dist", "low", "high"), [("uniform", 50, 150), ("exponential", 1, math.inf)]
 )
@@ -349,6 +421,8 @@ def test_fault_rates_are_honoured() -> None:
         ("output_dist", "normal", "--output-dist"),
         ("error_status", 200, "--error-status"),
         ("cache_blocks", -1, "--cache-blocks"),
+        ("reasoning_tokens", -1, "--reasoning-tokens"),
+        ("stream_error_rate", 1.5, "--stream-error-rate"),
         ("models", (), "--models"),
     ],
 )
@@ -710,3 +784,515 @@ def test_docs_describe_every_flag() -> None:
         and f"`{f}" not in docs
     ]
     assert not missing
+
+
+# ---------------------------------------------------------------------------
+# Reasoning, Responses and Messages (in process)
+
+THINKING = replace(FAST, reasoning_tokens=3)
+
+
+def framed_events(body: bytes) -> list[dict[str, Any]]:
+    """A Responses or Messages stream's events, checking the framing first: each is
+    ``event: <type>`` then ``data: <json>``, LF only, no ``[DONE]``."""
+    assert b"\r" not in body and body.endswith(b"\n\n") and b"[DONE]" not in body
+    out = []
+    for raw in body.split(b"\n\n")[:-1]:
+        name, data = raw.split(b"\n")
+        assert name.startswith(b"event: ") and data.startswith(b"data: ")
+        payload = json.loads(data[len(b"data: ") :])
+        assert payload["type"] == name[len(b"event: ") :].decode()
+        out.append(payload)
+    return out
+
+
+def responses_body(**extra: Any) -> dict[str, Any]:
+    return {"model": "m1", "input": "Say something.", **extra}
+
+
+def messages_body(**extra: Any) -> dict[str, Any]:
+    return {
+        "model": "m1",
+        "max_tokens": 9,
+        "messages": [{"role": "user", "content": "Say something."}],
+        **extra,
+    }
+
+
+def joined(events: list[dict[str, Any]], kind: str, key: str = "delta") -> str:
+    return "".join(e[key] for e in events if e["type"] == kind)
+
+
+async def test_chat_reasoning_comes_as_reasoning_content_before_the_answer() -> None:
+    async with make_client(THINKING) as c:
+        r = await c.post(
+            "/v1/chat/completions",
+            json=chat_body(
+                stream=True, reasoning_effort="low", stream_options={"include_usage": True}
+            ),
+        )
+        plain = (
+            await c.post("/v1/chat/completions", json=chat_body(reasoning_effort="low"))
+        ).json()
+        none = (
+            await c.post("/v1/chat/completions", json=chat_body(reasoning_effort="none"))
+        ).json()
+    events = sse_events(r.content)
+    chunks = [json.loads(e) for e in events[:-1]]
+    deltas = [c["choices"][0]["delta"] for c in chunks[1:-2]]
+    assert [list(d) for d in deltas] == [["reasoning_content"]] * 3 + [["content"]] * 6
+    usage = chunks[-1]["usage"]
+    assert usage["completion_tokens"] == 9
+    assert usage["completion_tokens_details"] == {"reasoning_tokens": 3}
+    # The proxy counts a reasoning chunk as output: TTFT is the first reasoning token.
+    assert [inspect_event(e, text_route=False).outputs for e in events[1:10]] == [1] * 9
+    message = plain["choices"][0]["message"]
+    assert len(message["reasoning_content"].split()) == 3 and len(message["content"].split()) == 6
+    assert plain["usage"]["completion_tokens_details"] == {"reasoning_tokens": 3}
+    assert "reasoning_content" not in none["choices"][0]["message"]
+    assert "completion_tokens_details" not in none["usage"]
+
+
+async def test_responses_stream_event_sequence_without_reasoning(client: httpx.AsyncClient) -> None:
+    r = await client.post("/v1/responses", json=responses_body(stream=True))
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = framed_events(r.content)
+    assert [e["type"] for e in events] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        *["response.output_text.delta"] * 6,
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    created = events[0]["response"]
+    assert (
+        created["status"] == "in_progress" and created["output"] == [] and created["usage"] is None
+    )
+    assert created["id"].startswith("resp_") and created["object"] == "response"
+    assert created["model"] == "m1"
+    item = events[2]["item"]
+    assert item == {
+        "id": item["id"],
+        "type": "message",
+        "status": "in_progress",
+        "role": "assistant",
+        "content": [],
+    }
+    assert events[3]["part"] == {
+        "type": "output_text",
+        "annotations": [],
+        "logprobs": [],
+        "text": "",
+    }
+    text = joined(events, "response.output_text.delta")
+    assert [len(e["delta"].split()) for e in events[4:10]] == [1] * 6
+    assert all(
+        (e.get("item_id", item["id"]), e.get("output_index", 0)) == (item["id"], 0)
+        for e in events[2:-1]
+    )
+    assert events[10]["text"] == text and events[11]["part"]["text"] == text
+    assert events[12]["item"]["status"] == "completed"
+    done = events[-1]["response"]
+    assert done["status"] == "completed" and done["id"] == created["id"]
+    assert done["output"] == [events[12]["item"]]
+    # The prompt is "<|user|>\nSay something.\n<|assistant|>\n": 38 characters, 10 tokens.
+    assert done["usage"] == {
+        "input_tokens": 10,
+        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+        "output_tokens": 6,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": 16,
+    }
+
+
+async def test_responses_stream_event_sequence_with_reasoning() -> None:
+    async with make_client(THINKING) as c:
+        r = await c.post(
+            "/v1/responses", json=responses_body(stream=True, reasoning={"effort": "low"})
+        )
+    events = framed_events(r.content)
+    assert [e["type"] for e in events] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        *["response.reasoning_text.delta"] * 3,
+        "response.reasoning_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.output_item.added",
+        "response.content_part.added",
+        *["response.output_text.delta"] * 6,
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    reasoning, message = events[2]["item"], events[10]["item"]
+    assert (reasoning["type"], reasoning["status"], events[2]["output_index"]) == (
+        "reasoning",
+        "in_progress",
+        0,
+    )
+    assert (message["type"], events[10]["output_index"]) == ("message", 1)
+    assert events[3]["part"] == {"type": "reasoning_text", "text": ""}
+    thoughts = joined(events, "response.reasoning_text.delta")
+    assert events[7]["text"] == thoughts and events[8]["part"]["text"] == thoughts
+    assert events[9]["item"]["content"] == [{"type": "reasoning_text", "text": thoughts}]
+    assert all(e["output_index"] == 1 for e in events[10:-1])
+    done = events[-1]["response"]
+    assert [o["type"] for o in done["output"]] == ["reasoning", "message"]
+    assert done["reasoning"] == {"effort": "low"}  # the request's fields are echoed
+    usage = done["usage"]
+    assert (usage["output_tokens"], usage["output_tokens_details"]) == (9, {"reasoning_tokens": 3})
+
+
+async def test_responses_usage_counts_the_prefix_cache_and_non_stream_body() -> None:
+    async with make_client(THINKING) as c:
+        system = words(3000)  # "<|system|>\n" + 3 000 characters: 47 whole blocks shared
+        first = (await c.post("/v1/responses", json=responses_body(instructions=system))).json()
+        second = (
+            await c.post(
+                "/v1/responses",
+                json=responses_body(instructions=system, input="Another question, longer."),
+            )
+        ).json()
+        truncated = (
+            await c.post("/v1/responses", json=responses_body(max_output_tokens=5, reasoning={}))
+        ).json()
+    assert first["object"] == "response" and first["status"] == "completed"
+    assert first["incomplete_details"] is None and isinstance(first["completed_at"], int)
+    assert [o["type"] for o in first["output"]] == ["message"]
+    text = first["output"][0]["content"][0]["text"]
+    assert len(text.split()) == 6 and all(" " + w in VOCAB for w in text.split())
+    details = [u["usage"]["input_tokens_details"] for u in (first, second)]
+    assert details[0] == {"cached_tokens": 0, "cache_write_tokens": 47 * 16}
+    assert details[1]["cached_tokens"] == 47 * 16
+    # max_output_tokens covers reasoning and answer; reaching it is "incomplete".
+    assert truncated["status"] == "incomplete"
+    assert truncated["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert truncated["output"][1]["status"] == "incomplete"
+    assert truncated["usage"]["output_tokens"] == 5
+    assert truncated["usage"]["output_tokens_details"] == {"reasoning_tokens": 3}
+
+
+async def test_messages_stream_event_sequence_without_thinking(client: httpx.AsyncClient) -> None:
+    r = await client.post("/v1/messages", json=messages_body(stream=True, max_tokens=6))
+    events = framed_events(r.content)
+    assert [e["type"] for e in events] == [
+        "message_start",
+        "content_block_start",
+        "ping",
+        *["content_block_delta"] * 6,
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+    ]
+    message = events[0]["message"]
+    assert message["id"].startswith("msg_01") and message["type"] == "message"
+    assert (message["role"], message["model"], message["content"]) == ("assistant", "m1", [])
+    assert (message["stop_reason"], message["stop_sequence"]) == (None, None)
+    assert message["usage"]["output_tokens"] == 1  # as Anthropic's message_start says
+    assert events[1] == {
+        "type": "content_block_start",
+        "index": 0,
+        "content_block": {"type": "text", "text": ""},
+    }
+    assert all(e["index"] == 0 and e["delta"]["type"] == "text_delta" for e in events[3:9])
+    assert events[9] == {"type": "content_block_stop", "index": 0}
+    assert events[10]["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
+    assert events[10]["usage"]["output_tokens"] == 6
+    assert "output_tokens_details" not in events[10]["usage"]
+
+
+async def test_messages_stream_event_sequence_with_thinking() -> None:
+    async with make_client(THINKING) as c:
+        r = await c.post(
+            "/v1/messages",
+            json=messages_body(stream=True, thinking={"type": "enabled", "budget_tokens": 1024}),
+        )
+    async with make_client(replace(THINKING, stop_early=True)) as c:
+        natural = await c.post(
+            "/v1/messages",
+            json=messages_body(stream=True, max_tokens=100, thinking={"type": "adaptive"}),
+        )
+    events = framed_events(r.content)
+    assert [e["type"] for e in events] == [
+        "message_start",
+        "content_block_start",
+        "ping",
+        *["content_block_delta"] * 4,  # 3 thinking deltas and the signature
+        "content_block_stop",
+        "content_block_start",
+        *["content_block_delta"] * 6,
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+    ]
+    assert events[1]["content_block"] == {"type": "thinking", "thinking": "", "signature": ""}
+    assert [e["delta"]["type"] for e in events[3:7]] == ["thinking_delta"] * 3 + ["signature_delta"]
+    assert all(e["index"] == 0 for e in events[3:8])
+    assert events[8] == {
+        "type": "content_block_start",
+        "index": 1,
+        "content_block": {"type": "text", "text": ""},
+    }
+    assert all(e["index"] == 1 and e["delta"]["type"] == "text_delta" for e in events[9:15])
+    assert events[15] == {"type": "content_block_stop", "index": 1}
+    usage = events[16]["usage"]
+    assert (usage["output_tokens"], usage["output_tokens_details"]) == (9, {"thinking_tokens": 3})
+    assert events[16]["delta"]["stop_reason"] == "max_tokens"  # 9 = max_tokens
+    last = framed_events(natural.content)[-2]
+    assert last["delta"]["stop_reason"] == "end_turn" and last["usage"]["output_tokens"] == 9
+
+
+async def test_messages_input_tokens_exclude_cache_reads_and_writes() -> None:
+    from proxy.simulator.messages import render_messages_prompt
+
+    body = messages_body(system=words(3000), messages=[{"role": "user", "content": "Hello"}])
+    text = render_messages_prompt(body)
+    prompt, blocks = math.ceil(len(text) / 4), len(text) // 64
+    assert len(text) % 64  # so the second request reads every block the first wrote
+    async with make_client(THINKING) as c:
+        first = (await c.post("/v1/messages", json=body)).json()
+        second = (await c.post("/v1/messages", json={**body, "stream": True})).content
+    start = framed_events(second)[0]["message"]["usage"]
+    assert first["usage"] == {
+        "input_tokens": prompt - blocks * 16,
+        "cache_creation_input_tokens": blocks * 16,
+        "cache_read_input_tokens": 0,
+        "cache_creation": {
+            "ephemeral_5m_input_tokens": blocks * 16,
+            "ephemeral_1h_input_tokens": 0,
+        },
+        "output_tokens": 9,
+        "service_tier": "standard",
+    }
+    assert (start["input_tokens"], start["cache_read_input_tokens"]) == (
+        prompt - blocks * 16,
+        blocks * 16,
+    )
+    assert start["cache_creation_input_tokens"] == 0
+    assert first["type"] == "message" and first["stop_reason"] == "max_tokens"
+    assert [b["type"] for b in first["content"]] == ["text"]
+    assert len(first["content"][0]["text"].split()) == 9
+
+
+async def test_messages_non_stream_with_thinking() -> None:
+    async with make_client(THINKING) as c:
+        body = (
+            await c.post(
+                "/v1/messages",
+                json=messages_body(thinking={"type": "enabled", "budget_tokens": 1024}),
+            )
+        ).json()
+    thinking, text = body["content"]
+    assert thinking["type"] == "thinking" and len(thinking["thinking"].split()) == 3
+    assert thinking["signature"]
+    assert text["type"] == "text" and len(text["text"].split()) == 6
+    assert body["usage"]["output_tokens_details"] == {"thinking_tokens": 3}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "kind"),
+    [
+        (
+            "/v1/messages",
+            {"messages": [{"role": "user", "content": "x"}]},
+            400,
+            "invalid_request_error",
+        ),
+        ("/v1/messages", {"max_tokens": 5}, 400, "invalid_request_error"),
+        (
+            "/v1/messages",
+            {"max_tokens": 0, "messages": [{"role": "user", "content": "x"}]},
+            400,
+            "invalid_request_error",
+        ),
+        ("/v1/messages/count_tokens", {}, 404, "not_found_error"),
+    ],
+)
+async def test_messages_errors_have_the_anthropic_shape(
+    client: httpx.AsyncClient, path: str, body: dict[str, Any], status: int, kind: str
+) -> None:
+    r = await client.post(path, json=body)
+    assert r.status_code == status
+    assert r.json() == {
+        "type": "error",
+        "error": {"type": kind, "message": r.json()["error"]["message"]},
+    }
+    assert r.json()["error"]["message"]
+
+
+async def test_injected_errors_and_keys_on_the_new_routes() -> None:
+    async with make_client(replace(FAST, error_rate=1.0, error_status=529)) as c:
+        r = await c.post("/v1/messages", json=messages_body(stream=True))
+        assert r.status_code == 529 and r.json()["error"]["type"] == "overloaded_error"
+        r = await c.post("/v1/responses", json=responses_body(stream=True))
+        assert r.status_code == 529 and r.json()["error"]["type"] == "server_error"
+    async with make_client(replace(FAST, api_key="sk-sim")) as c:
+        r = await c.post("/v1/messages", json=messages_body())
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        for headers in ({"x-api-key": "sk-sim"}, {"Authorization": "Bearer sk-sim"}):
+            r = await c.post(
+                "/v1/messages",
+                json=messages_body(),
+                headers={**headers, "anthropic-version": "2023-06-01"},
+            )
+            assert r.status_code == 200, headers
+        assert (
+            await c.post("/v1/responses", json=responses_body(), headers={"x-api-key": "sk-sim"})
+        ).status_code == 200
+        r = await c.post("/v1/responses", json=responses_body())
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    async with make_client(FAST) as c:
+        r = await c.post("/v1/responses", json={"model": "m1"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "input"
+
+
+async def test_stream_errors_are_each_apis_error_event() -> None:
+    async with make_client(replace(THINKING, stream_error_rate=1.0, seed=11)) as c:
+        chat = (await c.post("/v1/chat/completions", json=chat_body(stream=True))).content
+        responses = (await c.post("/v1/responses", json=responses_body(stream=True))).content
+        messages = (await c.post("/v1/messages", json=messages_body(stream=True))).content
+        plain = await c.post("/v1/chat/completions", json=chat_body())  # not a stream: unharmed
+    events = sse_events(chat)
+    assert json.loads(events[-2])["error"]["type"] == "server_error"
+    assert not any(b'finish_reason":"' in e for e in events)
+    last = framed_events(responses)[-1]
+    assert last["type"] == "response.failed"
+    assert last["response"]["status"] == "failed"
+    assert last["response"]["error"]["code"] == "server_error"
+    assert framed_events(messages)[-1] == {
+        "type": "error",
+        "error": {"type": "overloaded_error", "message": "Overloaded"},
+    }
+    assert plain.status_code == 200 and plain.json()["choices"][0]["finish_reason"] == "stop"
+
+
+# -- the exact schedule, in virtual time -------------------------------------------
+
+
+class VirtualTime:
+    """A clock that only ``sleep`` moves: one stream's schedule runs without waiting."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def clock(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.now += seconds
+        await asyncio.sleep(0)
+
+
+async def timed_writes(
+    config: SimConfig, path: str, body: dict[str, Any]
+) -> list[tuple[float, bytes]]:
+    """Each body write of one streamed answer with the virtual time it went out, through
+    the ASGI app itself (httpx's ASGITransport would join the writes)."""
+    vt = VirtualTime()
+    app = create_simulator_app(config, clock=vt.clock, sleep=vt.sleep)
+    raw = json.dumps(body).encode()
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"host", b"sim"), (b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 1),
+        "server": ("sim", 80),
+    }
+    requested = False
+    never = asyncio.Event()
+    writes: list[tuple[float, bytes]] = []
+
+    async def receive() -> dict[str, Any]:
+        nonlocal requested
+        if not requested:
+            requested = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+        await never.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body" and message.get("body"):
+            writes.append((vt.now, message["body"]))
+
+    await app(scope, receive, send)
+    return writes
+
+
+SCHEDULED = SimConfig(
+    prefill_rate=1000.0,
+    prefill_overhead=0.01,
+    itl=0.02,
+    itl_growth=0.0,
+    jitter=0.0,
+    output_tokens=4,
+    output_dist="fixed",
+    reasoning_tokens=3,
+    seed=1,
+)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "first_answer_kind"),
+    [
+        (
+            "/v1/responses",
+            responses_body(stream=True, reasoning={"effort": "low"}),
+            b"response.output_text.delta",
+        ),
+        (
+            "/v1/messages",
+            messages_body(
+                stream=True, max_tokens=7, thinking={"type": "enabled", "budget_tokens": 1024}
+            ),
+            b'"text_delta"',
+        ),
+        ("/v1/chat/completions", chat_body(stream=True, reasoning_effort="low"), b'{"content":"'),
+    ],
+)
+@pytest.mark.parametrize("per_chunk", [1, 2])
+async def test_the_schedule_follows_from_the_config_exactly(
+    path: str, body: dict[str, Any], first_answer_kind: bytes, per_chunk: int
+) -> None:
+    """Opening events when the slot is granted (t = 0 here); the first reasoning delta
+    after the prefill, T = prompt tokens / prefill rate + overhead; one step per ITL;
+    the first answer delta ceil(3 / K) steps after T; the closing events with the last
+    step. Every write is one step (or the opening, or the end)."""
+    config = replace(SCHEDULED, tokens_per_chunk=per_chunk)
+    writes = await timed_writes(config, path, body)
+    from proxy.simulator.chat import render_chat_prompt
+    from proxy.simulator.messages import render_messages_prompt
+    from proxy.simulator.responses import render_responses_prompt
+
+    render = {
+        "/v1/responses": render_responses_prompt,
+        "/v1/messages": render_messages_prompt,
+        "/v1/chat/completions": render_chat_prompt,
+    }[path]
+    ttft = math.ceil(len(render(body)) / 4) / 1000.0 + 0.01
+    reasoning_steps, answer_steps = -(-3 // per_chunk), -(-4 // per_chunk)
+    times = [t for t, _ in writes]
+    expected = [0.0] + [ttft + i * 0.02 for i in range(reasoning_steps + answer_steps)]
+    # The closing events go out with no wait; chat writes its finish chunk and [DONE]
+    # separately, as it always has.
+    expected += [expected[-1]] * (2 if path == "/v1/chat/completions" else 1)
+    assert times == pytest.approx(expected)
+    first_answer = next(i for i, (_, w) in enumerate(writes) if first_answer_kind in w)
+    assert first_answer == 1 + reasoning_steps
+    assert times[first_answer] == pytest.approx(ttft + reasoning_steps * 0.02)

@@ -1,5 +1,5 @@
-"""End to end: the official openai SDK against the simulator in real uvicorn, and
-through the proxy in front of it.
+"""End to end: the official openai SDK (and anthropic's, for Messages) against the
+simulator in real uvicorn, and through the proxy in front of it.
 
 Latencies are small (ITL 4 ms) but prefill is slow enough (50 000 tokens/s) that a
 long prompt's extra prefill (0.16 s) stands well clear of loopback noise. Tolerances
@@ -439,3 +439,76 @@ def test_streams_survive_a_stale_sse_starlette_exit_flag() -> None:
         assert len(timed.text.split()) == 5
     finally:
         AppStatus.should_exit = False
+
+
+# ---------------------------------------------------------------------------
+# Responses and Messages: the reasoning phase, then the answer, on the wire
+
+
+def timed_responses(client: OpenAI, system: str) -> list[tuple[str, float]]:
+    """(kind, seconds since the call) of the opening event and every delta."""
+    kinds = {
+        "response.created": "open",
+        "response.reasoning_text.delta": "think",
+        "response.output_text.delta": "answer",
+    }
+    started = time.perf_counter()
+    events = client.responses.create(
+        model=MODEL, instructions=system, input="Why?", reasoning={"effort": "low"}, stream=True
+    )
+    return [(kinds[e.type], time.perf_counter() - started) for e in events if e.type in kinds]
+
+
+def timed_messages(client: Any, system: str) -> list[tuple[str, float]]:
+    kinds = {"thinking_delta": "think", "text_delta": "answer"}
+    started = time.perf_counter()
+    times = []
+    with client.messages.stream(
+        model=MODEL,
+        max_tokens=15,
+        system=system,
+        thinking={"type": "enabled", "budget_tokens": 1024},
+        messages=[{"role": "user", "content": "Why?"}],
+    ) as stream:
+        for event in stream:
+            t = time.perf_counter() - started
+            if event.type == "message_start":
+                times.append(("open", t))
+            elif event.type == "content_block_delta" and event.delta.type in kinds:
+                times.append((kinds[event.delta.type], t))
+    return times
+
+
+def test_responses_and_messages_reason_then_answer_on_schedule() -> None:
+    """Over real sockets, with the SDKs timing events as they parse them: the opening
+    events come before the prefill, the first reasoning delta after it, and the first
+    answer delta 10 steps (10 x 10 ms) after that."""
+    import anthropic
+
+    config = replace(CONFIG, itl=0.01, jitter=0.0, reasoning_tokens=10, output_tokens=5)
+    app = create_simulator_app(config)
+    prefill: dict[str, list[float]] = {"responses": [], "messages": []}
+    thinking: dict[str, list[float]] = {"responses": [], "messages": []}
+    with (
+        serve_in_thread(app) as server,
+        Sim(server, app.state.model).client() as oai,
+        anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0, timeout=30) as ant,
+    ):
+        for i in range(ROUNDS):
+            for name, timed in (
+                ("responses", lambda system: timed_responses(oai, system)),
+                ("messages", lambda system: timed_messages(ant, system)),
+            ):
+                times = timed(system_text(f"{name} {i}"))  # uncached: 0.16 s of prefill
+                assert [k for k, _ in times] == ["open"] + ["think"] * 10 + ["answer"] * 5
+                first = {kind: t for kind, t in reversed(times)}
+                prefill[name].append(first["think"] - first["open"])
+                thinking[name].append(first["answer"] - first["think"])
+    for name in ("responses", "messages"):
+        median_prefill = sorted(prefill[name])[ROUNDS // 2]
+        median_thinking = sorted(thinking[name])[ROUNDS // 2]
+        # The prefill (8 000 uncached tokens at 50 000/s, plus 5 ms) separates the opening
+        # events from the first token; then 10 reasoning steps of 10 ms before the answer.
+        # Measured medians, client side: prefill 164-167 ms, thinking 100.2-101.5 ms.
+        assert EXTRA_PREFILL_S * 0.8 < median_prefill < EXTRA_PREFILL_S + 0.1, (name, prefill)
+        assert 0.09 < median_thinking < 0.15, (name, thinking)

@@ -5,9 +5,10 @@ Modules, data flowing one way: :mod:`.workload` (what to send, when) ->
 summary table) and :mod:`.promscrape` (the proxy's own view from its ``/metrics``,
 scraped before and after). :mod:`.cli` wires them to the command line.
 
-The client reuses the proxy's own SSE parser and event classifier
-(:mod:`proxy.sse`, :mod:`proxy.measure`), so "first token" and "inter-token gap"
-mean exactly the same thing on both sides of the wire.
+The client reads each API's stream (chat completions, completions, Responses,
+Messages) with its own small parser, independent of the proxy's :mod:`proxy.sse` and
+:mod:`proxy.measure` on purpose: it takes the proxy's definitions of "first token" and
+"inter-token gap", not its code, so it can check the proxy rather than repeat it.
 """
 
 from __future__ import annotations

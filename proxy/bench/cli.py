@@ -3,11 +3,19 @@
 Heavy imports (httpx, asyncio machinery) happen inside :func:`run_command`, so that
 ``llm-latency-proxy --help`` stays quick.
 
+``--api`` picks the API (chat completions, completions, Responses, Messages): the path
+appended to the base URL, the request body, the key header (Messages:
+``x-api-key`` and ``anthropic-version``; the others ``Authorization: Bearer``) and the
+client's reading of the stream.
+
 When the target answers ``<base-url minus /v1>/metrics`` with ``llm_proxy_`` series (or
 ``--compare-metrics URL`` is given), the proxy's metrics are scraped before and after
-the run and its view is printed beside the client's. The proxy's series are summed over
-all labels except that, when they carry the bench's model name, only that model's are
-kept; other traffic through the same proxy during the run still blurs the comparison.
+the run and its view is printed beside the client's. Only the series of the API's
+route (the ``route`` label, e.g. ``/v1/responses``) are kept and, when they carry the
+bench's model name, only that model's; other traffic through the same proxy during
+the run still blurs the comparison. A proxy that does not measure a route has no
+figures for it: the comparison then says so instead of failing, and the time to first
+byte and to the first answer token are compared only where the proxy exports them.
 """
 
 from __future__ import annotations
@@ -23,8 +31,15 @@ from typing import TYPE_CHECKING, Any, TextIO
 if TYPE_CHECKING:
     from . import promscrape
     from .client import RequestResult
-    from .promscrape import ProxyView, Snapshot
+    from .promscrape import Histogram, ProxyView, Snapshot
     from .stats import Summary
+
+API_CHOICES = ("chat", "completions", "responses", "messages")
+ANTHROPIC_VERSION = "2023-06-01"
+# Histograms the proxy may export beyond promscrape's view (compared when present).
+FIRST_BYTE = "llm_proxy_time_to_first_byte_seconds"
+FIRST_ANSWER = "llm_proxy_time_to_first_answer_token_seconds"
+_JSON_KEYS = {"TTFB": "ttfb", "first answer": "first_answer"}
 
 
 class Progress:
@@ -99,13 +114,14 @@ class Progress:
 def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "bench",
-        help="measure TTFT, ITL and TPOT client side against any OpenAI-compatible URL",
+        help="measure TTFT, ITL and TPOT client side against any OpenAI- or Anthropic-style URL",
         description=(
-            "Send a workload of streaming chat completions to any OpenAI-compatible base URL "
-            "(the proxy, the simulator, a real provider) and measure per request, client side: "
-            "time to first token (TTFT), every inter-token gap (ITL), time per output token "
-            "(TPOT) and total time. Pointed at the proxy, it also prints the proxy's own view "
-            "from /metrics beside the client's."
+            "Send a workload of streaming requests (chat completions, completions, Responses "
+            "or Messages) to a base URL (the proxy, the simulator, a real provider) and "
+            "measure per request, client side: time to first byte (TTFB), time to first "
+            "token (TTFT), time to the first answer token after any reasoning, every "
+            "inter-token gap (ITL), time per output token (TPOT) and total time. Pointed at "
+            "the proxy, it also prints the proxy's own view from /metrics beside the client's."
         ),
     )
     parser.add_argument(
@@ -113,6 +129,19 @@ def add_parser(subparsers: Any) -> None:
         metavar="URL",
         default=os.environ.get("OPENAI_BASE_URL", "http://127.0.0.1:8080/v1"),
         help="OpenAI base URL including /v1 [env OPENAI_BASE_URL; default %(default)s]",
+    )
+    parser.add_argument(
+        "--api",
+        choices=API_CHOICES,
+        default="chat",
+        help="API to send: chat (/chat/completions), completions (/completions), "
+        "responses (/responses) or messages (/messages, Anthropic) [default %(default)s]",
+    )
+    parser.add_argument(
+        "--reasoning",
+        action="store_true",
+        help="Ask for reasoning: chat reasoning_effort low, Responses reasoning effort low, "
+        "Messages thinking with a 1024-token budget (not with --api completions)",
     )
     parser.add_argument(
         "--model",
@@ -124,7 +153,8 @@ def add_parser(subparsers: Any) -> None:
         "--api-key",
         metavar="KEY",
         default=None,
-        help="Bearer key sent upstream [default: env OPENAI_API_KEY, else none]",
+        help="Key sent upstream, as a Bearer token (x-api-key for --api messages) "
+        "[default: env OPENAI_API_KEY, or ANTHROPIC_API_KEY for --api messages, else none]",
     )
     parser.add_argument(
         "--requests",
@@ -224,7 +254,16 @@ def _validate(args: argparse.Namespace) -> str | None:
         return "--shared-prefix-tokens must be between 0 and --prompt-tokens"
     if not args.base_url.startswith(("http://", "https://")):
         return "--base-url must be an http(s) URL"
+    if args.reasoning and args.api == "completions":
+        return "--reasoning: the completions API has no way to ask for reasoning"
     return None
+
+
+def _key_headers(api: str, key: str | None) -> tuple[tuple[str, str], ...]:
+    if api == "messages":
+        version = (("anthropic-version", ANTHROPIC_VERSION),)
+        return ((("x-api-key", key),) if key else ()) + version
+    return (("Authorization", f"Bearer {key}"),) if key else ()
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -253,22 +292,29 @@ async def _main(args: argparse.Namespace) -> int:
     from . import promscrape
     from .client import RunPlan, make_client, run
     from .stats import format_table, summarize
-    from .workload import Profile, iter_requests, poisson_arrivals
+    from .workload import API_PATHS, Profile, iter_requests, poisson_arrivals, route_of
 
     base = args.base_url.rstrip("/")
     requests = args.requests if args.requests is not None else (None if args.duration else 100)
     concurrency = args.concurrency if args.concurrency is not None else (None if args.rate else 8)
-    key = args.api_key or os.environ.get("OPENAI_API_KEY")
-    headers = (("Authorization", f"Bearer {key}"),) if key else ()
+    key_env = "ANTHROPIC_API_KEY" if args.api == "messages" else "OPENAI_API_KEY"
+    key = args.api_key or os.environ.get(key_env)
     plan = RunPlan(
-        url=base + "/chat/completions",
+        url=base + API_PATHS[args.api],
         requests=requests,
         duration=args.duration,
         concurrency=concurrency,
         rate=args.rate,
-        headers=headers,
+        headers=_key_headers(args.api, key),
     )
-    profile = Profile("bench", args.prompt_tokens, args.shared_prefix_tokens, args.max_tokens)
+    profile = Profile(
+        "bench",
+        args.prompt_tokens,
+        args.shared_prefix_tokens,
+        args.max_tokens,
+        api=args.api,
+        reasoning=args.reasoning,
+    )
     planned = iter_requests([profile], model=args.model, seed=args.seed)
     arrivals = poisson_arrivals(args.rate, seed=args.seed) if args.rate else None
 
@@ -321,17 +367,21 @@ async def _main(args: argparse.Namespace) -> int:
         status = f" (HTTP {failed.status})" if failed.status else ""
         print(f"bench: first error: {failed.outcome}{status}: {failed.error}", file=sys.stderr)
     view = None
+    extra: dict[str, Histogram] = {}
+    route = route_of(args.api)
     if before is not None and after is not None:
-        where = _model_filter(after, args.model)
+        where = _proxy_filter(after, args.model, route)
         view = promscrape.ProxyView.between(before, after, where)
+        extra = proxy_extra(before, after, where)
         print(f"\nproxy's view ({metrics_url}) beside the client's:", file=out)
-        print(format_comparison(summary, outcome.results, view), file=out)
+        print(format_comparison(summary, outcome.results, view, extra, route), file=out)
     if args.json:
-        _write_json(args.json, args, outcome.results, summary, view)
+        _write_json(args.json, args, outcome.results, summary, view, extra)
     return 0 if summary.completed else 1
 
 
-def _model_filter(snapshot: Snapshot, model: str) -> promscrape.LabelFilter:
+def _proxy_filter(snapshot: Snapshot, model: str, route: str) -> promscrape.LabelFilter:
+    """The route's series; only the bench's model's when the proxy labels it."""
     from . import promscrape
 
     if any(
@@ -339,21 +389,49 @@ def _model_filter(snapshot: Snapshot, model: str) -> promscrape.LabelFilter:
         for name, labels in snapshot
         if name.startswith(promscrape.PREFIX)
     ):
-        return promscrape.label_filter(model=model)
-    return lambda _labels: True
+        return promscrape.label_filter(model=model, route=route)
+    return promscrape.label_filter(route=route)
+
+
+def proxy_extra(
+    before: Snapshot, after: Snapshot, where: promscrape.LabelFilter
+) -> dict[str, Histogram]:
+    """TTFB and first-answer histograms over the run, for those the proxy exports at all
+    (on any route: a proxy that has them but saw none of the bench's route shows 0)."""
+    from . import promscrape
+
+    out = {}
+    for label, name in (("TTFB", FIRST_BYTE), ("first answer", FIRST_ANSWER)):
+        if promscrape.histogram(after, name).count > 0:
+            out[label] = promscrape.histogram(after, name, where) - promscrape.histogram(
+                before, name, where
+            )
+    return out
 
 
 def _ms(value: float) -> str:
     return "-" if math.isnan(value) else f"{value * 1000:.1f}"
 
 
-def format_comparison(summary: Summary, results: tuple[RequestResult, ...], view: ProxyView) -> str:
+def format_comparison(
+    summary: Summary,
+    results: tuple[RequestResult, ...],
+    view: ProxyView,
+    extra: dict[str, Histogram] | None = None,
+    route: str = "/v1/chat/completions",
+) -> str:
     """Client and proxy side by side; the difference is client minus proxy.
 
     The client's figures include connection handling and the network both ways (and,
     for TTFT, the wait before the proxy's clock starts), so they should be a little
     larger. The proxy's percentiles are bucket estimates; its means and counts are exact.
+    ``extra`` holds the proxy's TTFB and first-answer histograms when it exports them;
+    a figure the proxy has no observation of shows as ``-``. When the proxy has no
+    token timings at all for the route (it does not measure it yet), only the request
+    counts are compared, and a line says why.
     """
+    extra = extra or {}
+    timed = view.ttft.count > 0 or view.itl.count > 0
     rows: list[tuple[str, str, str, str]] = [("", "client", "proxy", "diff")]
 
     def add(name: str, client: float, proxy: float, unit: str = "ms") -> None:
@@ -363,11 +441,13 @@ def format_comparison(summary: Summary, results: tuple[RequestResult, ...], view
         else:
             rows.append((name, f"{client:g}", f"{proxy:g}", f"{client - proxy:+g}"))
 
-    for label, dist, hist in (
-        ("TTFT", summary.ttft, view.ttft),
-        ("ITL", summary.itl, view.itl),
-        ("TPOT", summary.tpot, view.tpot),
-    ):
+    compared = [("TTFT", summary.ttft, view.ttft)]
+    if "TTFB" in extra:
+        compared.insert(0, ("TTFB", summary.ttfb, extra["TTFB"]))
+    if "first answer" in extra:
+        compared.append(("first answer", summary.first_answer, extra["first answer"]))
+    compared += [("ITL", summary.itl, view.itl), ("TPOT", summary.tpot, view.tpot)]
+    for label, dist, hist in compared if timed else ():
         add(f"{label} mean", dist.mean, hist.mean)
         for q, value in ((0.5, dist.p50), (0.9, dist.p90), (0.99, dist.p99)):
             add(f"{label} p{round(q * 100)}", value, hist.quantile(q))
@@ -382,6 +462,16 @@ def format_comparison(summary: Summary, results: tuple[RequestResult, ...], view
         )
         for r in rows
     ]
+    if view.requests == 0 and not timed:
+        lines.append(
+            f"the proxy has no figures for {route}: it does not measure this route "
+            "(yet), or none of these requests went through it"
+        )
+    elif not timed:
+        lines.append(
+            f"the proxy counted the {route} requests but has no token timings for them: "
+            "it does not measure this route (yet)"
+        )
     if view.outcomes:
         lines.append(
             "proxy outcomes: " + ", ".join(f"{k} {v:g}" for k, v in sorted(view.outcomes.items()))
@@ -402,6 +492,7 @@ def _write_json(
     results: tuple[RequestResult, ...],
     summary: Summary,
     view: ProxyView | None,
+    extra: dict[str, Histogram] | None = None,
 ) -> None:
     payload: dict[str, Any] = {
         "config": {k: v for k, v in vars(args).items() if k not in ("func", "api_key")},
@@ -428,6 +519,7 @@ def _write_json(
             "tpot": hist(view.tpot),
             "requests": view.requests,
             "outcomes": view.outcomes,
+            **{_JSON_KEYS[k]: hist(h) for k, h in (extra or {}).items()},
         }
     text = json.dumps(payload, indent=1, allow_nan=False)
     if path == "-":

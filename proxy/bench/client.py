@@ -1,18 +1,34 @@
-"""The async streaming client: sends planned requests and times every received chunk.
+"""The async streaming client: sends planned requests and times every received event.
 
-Per request it measures, client side, what the proxy measures server side and with the
-same code for "what is an output-bearing event": the bytes of each received chunk go
-through :class:`proxy.sse.SSEParser`, each event through
-:func:`proxy.measure.inspect_event`. The clock (``time.perf_counter`` by default) is read
-once per received chunk, right after it arrives, and that time stamps every event the
-chunk completes.
+Per request it measures, client side, what the proxy measures server side, for each
+of the four APIs (chat completions, completions, Responses, Messages). It reads the
+stream with its own small SSE parser (:class:`EventStream`) and its own reading of
+each API's events (:func:`classify`), on purpose independent of the proxy's
+``proxy.sse`` and ``proxy.measure``: a bench that shared the proxy's code would share
+its mistakes, and could not check it. The clock (``time.perf_counter`` by default) is
+read once per received chunk, right after it arrives, and that time stamps every
+event the chunk completes.
 
 Definitions, as in the proxy, but with the clock started just before the request is
-sent (so the client's TTFT also holds connection set-up and both network legs):
+sent (so the client's figures also hold connection set-up and both network legs):
 
-* TTFT: send -> first output-bearing event received.
-* ITL: every gap between consecutive output-bearing events.
-* TPOT: (last - first) / (completion_tokens - 1), tokens from the upstream's usage.
+* TTFB: send -> first byte of the response body.
+* TTFT: send -> first event carrying generated output, reasoning or answer (chat
+  ``delta.content``/``reasoning_content``/``reasoning``/``refusal``/``tool_calls``,
+  completions ``text``, Responses ``response.output_text.delta``,
+  ``response.reasoning_text.delta``, ``response.reasoning_summary_text.delta``,
+  ``response.refusal.delta``, ``response.function_call_arguments.delta``, Messages
+  ``text_delta``, ``thinking_delta``, ``input_json_delta``; a role-only chunk, an
+  empty delta or a ``signature_delta`` is not a token).
+* First answer: send -> first output event that is not reasoning.
+* ITL: every gap between consecutive output events, reasoning included.
+* TPOT: (last - first) / (output tokens - 1), tokens from the upstream's usage.
+
+A stream completed when it ended the way its API ends a finished answer: chat and
+completions ``data: [DONE]``; Responses ``response.completed`` or
+``response.incomplete`` (max output tokens reached); Messages ``message_stop``. An
+error event inside the stream (chat ``{"error": ...}``, Responses ``error`` or
+``response.failed``, Messages ``event: error``) makes it a ``stream_error``.
 
 Bodies are sent with ``Accept-Encoding: identity`` and read with ``aiter_raw`` so that
 what is parsed is exactly what came off the socket.
@@ -24,25 +40,31 @@ or an open loop of Poisson arrivals (``rate``, optionally capped by ``concurrenc
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
-
-from proxy.dialects import CHAT, COMPLETIONS
-from proxy.sse import SSEParser
 
 from .workload import PlannedRequest
 
 Clock = Callable[[], float]
 
-COMPLETED = "completed"  # HTTP 200 and the stream ended with ``data: [DONE]``
+COMPLETED = "completed"  # HTTP 200 and the stream ended the way its API ends an answer
 HTTP_ERROR = "http_error"  # a non-200 answer
-INTERRUPTED = "interrupted"  # the stream ended or broke before ``[DONE]``
-STREAM_ERROR = "stream_error"  # an ``{"error": ...}`` event inside the stream
+INTERRUPTED = "interrupted"  # the stream ended or broke before its end event
+STREAM_ERROR = "stream_error"  # an error event inside the stream
 TRANSPORT_ERROR = "transport_error"  # could not connect, timed out, ...
+
+_ENDINGS = {
+    "chat": "data: [DONE]",
+    "completions": "data: [DONE]",
+    "responses": "response.completed",
+    "messages": "message_stop",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +86,10 @@ class RequestResult:
     completion_tokens: int | None = None
     error: str | None = None
     request_id: str | None = None  # the answer's ``x-request-id`` (the proxy's request log key)
+    api: str = "chat"
+    ttfb_s: float | None = None
+    first_answer_s: float | None = None
+    reasoning_tokens: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -83,47 +109,265 @@ class RequestResult:
         return out
 
 
-def _usage_int(usage: dict[str, Any] | None, *keys: str) -> int | None:
-    value: Any = usage
+# ---------------------------------------------------------------------------
+# Reading a stream: SSE framing, then what each API's events mean
+
+_LINE_END = re.compile(rb"\r\n|\r|\n")
+
+
+class EventStream:
+    """Incremental Server-Sent Events parser: bytes in, ``(event, data)`` pairs out.
+
+    Only what the SSE specification needs for these APIs: lines end in CRLF, LF or CR
+    (a CR at the end of one chunk and an LF at the start of the next are one line
+    end); ``event:`` names the event, ``data:`` lines are joined with LF, a line
+    starting with ``:`` is a comment, a blank line dispatches. An event without
+    ``event:`` is named ``message``.
+    """
+
+    __slots__ = ("_data", "_event", "_skip_lf", "_tail")
+
+    def __init__(self) -> None:
+        self._tail = b""
+        self._event = b""
+        self._data: list[bytes] = []
+        self._skip_lf = False
+
+    def feed(self, chunk: bytes) -> list[tuple[str, bytes]]:
+        if not chunk:
+            return []
+        if self._skip_lf and chunk[:1] == b"\n":
+            chunk = chunk[1:]
+        buf = self._tail + chunk
+        self._skip_lf = buf[-1:] == b"\r"
+        lines = _LINE_END.split(buf)
+        self._tail = lines.pop()
+        out: list[tuple[str, bytes]] = []
+        for line in lines:
+            if not line:
+                if self._data:
+                    kind = (self._event or b"message").decode("utf-8", "replace")
+                    out.append((kind, b"\n".join(self._data)))
+                self._event, self._data = b"", []
+            elif line[:1] != b":":
+                field, _, value = line.partition(b":")
+                if value[:1] == b" ":
+                    value = value[1:]
+                if field == b"data":
+                    self._data.append(value)
+                elif field == b"event":
+                    self._event = value
+        return out
+
+
+REASONING = "reasoning"
+ANSWER = "answer"
+
+
+class Reading(NamedTuple):
+    """What one event says, as far as timing and counting care."""
+
+    output: str | None = None  # REASONING, ANSWER or None
+    usage: dict[str, int] | None = None  # prompt, cached, completion, reasoning (those given)
+    done: bool = False
+    error: str | None = None
+
+
+NOTHING = Reading()
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def _dig(obj: Any, *keys: str) -> Any:
     for key in keys:
-        if not isinstance(value, dict):
+        if not isinstance(obj, dict):
             return None
-        value = value.get(key)
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
-    return None
+        obj = obj.get(key)
+    return obj
+
+
+def _usage(**counts: Any) -> dict[str, int] | None:
+    out = {k: v for k, value in counts.items() if (v := _int(value)) is not None}
+    return out or None
+
+
+def _nonempty(value: Any) -> bool:
+    return bool(value) and (isinstance(value, str | list | dict))
+
+
+def _error_text(data: bytes) -> str:
+    return data[:200].decode("utf-8", "replace")
+
+
+def _chat(obj: dict[str, Any], data: bytes, text_api: bool) -> Reading:
+    if obj.get("error"):
+        return Reading(error=_error_text(data))
+    output = None
+    choices = obj.get("choices")
+    for choice in choices if isinstance(choices, list) else ():
+        if not isinstance(choice, dict):
+            continue
+        if text_api:
+            if _nonempty(choice.get("text")):
+                output = ANSWER
+            continue
+        delta = choice.get("delta")
+        if not isinstance(delta, dict):
+            continue
+        if any(
+            _nonempty(delta.get(k)) for k in ("content", "refusal", "tool_calls", "function_call")
+        ):
+            output = ANSWER
+        elif output is None and any(
+            _nonempty(delta.get(k)) for k in ("reasoning_content", "reasoning")
+        ):
+            output = REASONING
+    usage = obj.get("usage")
+    counts = None
+    if isinstance(usage, dict):
+        counts = _usage(
+            prompt=usage.get("prompt_tokens"),
+            cached=_dig(usage, "prompt_tokens_details", "cached_tokens"),
+            completion=usage.get("completion_tokens"),
+            reasoning=_dig(usage, "completion_tokens_details", "reasoning_tokens"),
+        )
+    return Reading(output, counts)
+
+
+_RESPONSES_OUTPUT = {
+    "response.output_text.delta": ANSWER,
+    "response.refusal.delta": ANSWER,
+    "response.function_call_arguments.delta": ANSWER,
+    "response.reasoning_text.delta": REASONING,
+    "response.reasoning_summary_text.delta": REASONING,
+}
+
+
+def _responses(obj: dict[str, Any], data: bytes) -> Reading:
+    kind = obj.get("type")
+    if kind in _RESPONSES_OUTPUT:
+        return Reading(_RESPONSES_OUTPUT[kind]) if _nonempty(obj.get("delta")) else NOTHING
+    if kind in ("response.completed", "response.incomplete"):
+        usage = _dig(obj, "response", "usage")
+        counts = None
+        if isinstance(usage, dict):
+            counts = _usage(
+                prompt=usage.get("input_tokens"),
+                cached=_dig(usage, "input_tokens_details", "cached_tokens"),
+                completion=usage.get("output_tokens"),
+                reasoning=_dig(usage, "output_tokens_details", "reasoning_tokens"),
+            )
+        return Reading(usage=counts, done=True)
+    if kind in ("error", "response.failed"):
+        return Reading(error=_error_text(data))
+    return NOTHING
+
+
+_MESSAGES_OUTPUT = {
+    "text_delta": ("text", ANSWER),
+    "input_json_delta": ("partial_json", ANSWER),
+    "thinking_delta": ("thinking", REASONING),
+}
+
+
+def _messages(obj: dict[str, Any], data: bytes) -> Reading:
+    kind = obj.get("type")
+    if kind == "content_block_delta":
+        delta = obj.get("delta")
+        if isinstance(delta, dict) and delta.get("type") in _MESSAGES_OUTPUT:
+            key, output = _MESSAGES_OUTPUT[delta["type"]]
+            return Reading(output) if _nonempty(delta.get(key)) else NOTHING
+        return NOTHING
+    if kind in ("message_start", "message_delta"):
+        usage = _dig(obj, "message", "usage") if kind == "message_start" else obj.get("usage")
+        if not isinstance(usage, dict):
+            return NOTHING
+        # Anthropic's input_tokens excludes cache reads and writes: the prompt is the sum.
+        parts = [
+            _int(usage.get(k))
+            for k in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+        ]
+        prompt = sum(p for p in parts if p is not None) if parts[0] is not None else None
+        return Reading(
+            usage=_usage(
+                prompt=prompt,
+                cached=usage.get("cache_read_input_tokens"),
+                completion=usage.get("output_tokens") if kind == "message_delta" else None,
+                reasoning=_dig(usage, "output_tokens_details", "thinking_tokens"),
+            )
+        )
+    if kind == "message_stop":
+        return Reading(done=True)
+    if kind == "error":
+        return Reading(error=_error_text(data))
+    return NOTHING
+
+
+def classify(api: str, event: str, data: bytes) -> Reading:
+    """What one SSE event of ``api`` means; never raises (a malformed event means nothing)."""
+    if api in ("chat", "completions"):
+        if data.strip() == b"[DONE]":
+            return Reading(done=True)
+    elif api == "messages" and event == "error":
+        return Reading(error=_error_text(data))
+    try:
+        obj = json.loads(data)
+    except ValueError:
+        return NOTHING
+    if not isinstance(obj, dict):
+        return NOTHING
+    if api == "responses":
+        return _responses(obj, data)
+    if api == "messages":
+        return _messages(obj, data)
+    return _chat(obj, data, api == "completions")
 
 
 class _Timing:
     """Accumulates one stream's event times; knows nothing of HTTP."""
 
-    __slots__ = ("done", "error", "first", "gaps", "last", "outputs", "usage")
+    __slots__ = (
+        "api",
+        "done",
+        "error",
+        "first",
+        "first_answer",
+        "gaps",
+        "last",
+        "outputs",
+        "usage",
+    )
 
-    def __init__(self) -> None:
+    def __init__(self, api: str) -> None:
+        self.api = api
         self.first: float | None = None
+        self.first_answer: float | None = None
         self.last: float | None = None
         self.gaps: list[float] = []
         self.outputs = 0
-        self.usage: dict[str, Any] | None = None
+        self.usage: dict[str, int] = {}
         self.done = False
         self.error: str | None = None
 
-    def event(self, data: bytes, t: float, text_route: bool) -> None:
-        if data.strip() == b"[DONE]":
-            self.done = True
-            return
-        info = (COMPLETIONS if text_route else CHAT).classify(b"", data)
-        if info.outputs:
+    def event(self, name: str, data: bytes, t: float) -> None:
+        reading = classify(self.api, name, data)
+        if reading.output is not None:
             if self.last is None:
                 self.first = t
             else:
                 self.gaps.append(t - self.last)
+            if reading.output == ANSWER and self.first_answer is None:
+                self.first_answer = t
             self.last = t
             self.outputs += 1
-        if info.usage is not None:
-            self.usage = dict(info.usage)
-        elif not info.outputs and data.startswith(b'{"error"'):
-            self.error = data[:200].decode("utf-8", "replace")
+        if reading.usage:
+            self.usage.update(reading.usage)
+        if reading.done:
+            self.done = True
+        if reading.error is not None and self.error is None:
+            self.error = reading.error
 
 
 async def send(
@@ -135,16 +379,15 @@ async def send(
     origin: float = 0.0,
     clock: Clock = time.perf_counter,
 ) -> RequestResult:
-    """Send one streaming request and time it; never raises for HTTP or transport errors."""
-    text_route = url.rstrip("/").endswith("/completions") and not url.rstrip("/").endswith(
-        "/chat/completions"
-    )
-    parser = SSEParser()
-    timing = _Timing()
+    """Send one streaming request of ``planned.api`` to ``url`` and time it; never raises
+    for HTTP or transport errors."""
+    parser = EventStream()
+    timing = _Timing(planned.api)
     status: int | None = None
     request_id: str | None = None
     outcome = INTERRUPTED
     error: str | None = None
+    first_byte: float | None = None
     sent_headers = {"Accept-Encoding": "identity", **(headers or {})}
     t0 = clock()
     try:
@@ -158,19 +401,22 @@ async def send(
             else:
                 async for chunk in response.aiter_raw():
                     t = clock()  # once per received chunk
-                    for event in parser.feed(chunk):
-                        timing.event(event.data, t, text_route)
+                    if first_byte is None:
+                        first_byte = t
+                    for name, data in parser.feed(chunk):
+                        timing.event(name, data, t)
                 if timing.error is not None:
                     outcome, error = STREAM_ERROR, timing.error
                 elif timing.done:
                     outcome = COMPLETED
                 else:
-                    error = "stream ended before data: [DONE]"
+                    error = f"stream ended before {_ENDINGS.get(planned.api, 'its end')}"
     except httpx.HTTPError as exc:
         outcome = INTERRUPTED if status == 200 else TRANSPORT_ERROR
         error = f"{type(exc).__name__}: {exc}"[:300]
     t_end = clock()
-    completion = _usage_int(timing.usage, "completion_tokens")
+    usage = timing.usage
+    completion = usage.get("completion")
     tpot = None
     if (
         timing.first is not None
@@ -179,6 +425,10 @@ async def send(
         and completion >= 2
     ):
         tpot = (timing.last - timing.first) / (completion - 1)
+
+    def since(t: float | None) -> float | None:
+        return None if t is None else t - t0
+
     return RequestResult(
         index=planned.index,
         profile=planned.profile,
@@ -186,15 +436,19 @@ async def send(
         outcome=outcome,
         status=status,
         total_s=t_end - t0,
-        ttft_s=None if timing.first is None else timing.first - t0,
+        ttft_s=since(timing.first),
         itl_s=tuple(timing.gaps),
         tpot_s=tpot,
         output_events=timing.outputs,
-        prompt_tokens=_usage_int(timing.usage, "prompt_tokens"),
-        cached_prompt_tokens=_usage_int(timing.usage, "prompt_tokens_details", "cached_tokens"),
+        prompt_tokens=usage.get("prompt"),
+        cached_prompt_tokens=usage.get("cached"),
         completion_tokens=completion,
         error=error,
         request_id=request_id,
+        api=planned.api,
+        ttfb_s=since(first_byte),
+        first_answer_s=since(timing.first_answer),
+        reasoning_tokens=usage.get("reasoning"),
     )
 
 

@@ -7,8 +7,10 @@ in seconds; the table shows milliseconds.
 
 Which requests count where:
 
-* TTFT, TPOT, total time and the ITL gaps come from completed requests only (an
-  interrupted stream would make its TTFT look fine and its total look fast).
+* TTFB, TTFT, first answer, TPOT, total time and the ITL gaps come from completed
+  requests only (an interrupted stream would make its TTFT look fine and its total
+  look fast). The table shows the first-answer row only when some request reasoned
+  before answering (otherwise it is TTFT again).
 * Throughput is completed requests and their output tokens over the run's wall time.
 * Decode rate is 1 / TPOT: output tokens per second once the first token arrived. The
   shares below reading pace (5 tok/s) and above 20 tok/s are of the completed
@@ -91,6 +93,9 @@ class Summary:
     above_20_tok_s_share: float
     tokens_from_usage: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
+    ttfb: Dist = field(default_factory=lambda: Dist.of(()))
+    first_answer: Dist = field(default_factory=lambda: Dist.of(()))
+    reasoned: int = 0  # completed requests whose first output was reasoning
 
     def as_json(self) -> dict[str, Any]:
         def clean(value: Any) -> Any:
@@ -134,6 +139,13 @@ def summarize(results: Sequence[RequestResult], wall_s: float) -> Summary:
         if rated
         else math.nan,
         tokens_from_usage=tokens_from_usage,
+        ttfb=Dist.of(r.ttfb_s for r in done if r.ttfb_s is not None),
+        first_answer=Dist.of(r.first_answer_s for r in done if r.first_answer_s is not None),
+        reasoned=sum(
+            1
+            for r in done
+            if r.first_answer_s is not None and r.ttft_s is not None and r.first_answer_s > r.ttft_s
+        ),
     )
 
 
@@ -164,12 +176,11 @@ def align_columns(rows: Sequence[Sequence[str]]) -> list[str]:
 def format_table(summary: Summary) -> str:
     """The human summary printed at the end of a run."""
     rows = [("", "count", "mean ms", "p50 ms", "p90 ms", "p99 ms")]
-    for name, dist in (
-        ("TTFT", summary.ttft),
-        ("ITL", summary.itl),
-        ("TPOT", summary.tpot),
-        ("total", summary.total),
-    ):
+    dists = [("TTFB", summary.ttfb), ("TTFT", summary.ttft)]
+    if summary.reasoned:
+        dists.append(("first answer", summary.first_answer))
+    dists += [("ITL", summary.itl), ("TPOT", summary.tpot), ("total", summary.total)]
+    for name, dist in dists:
         rows.append(
             (name, str(dist.count), ms(dist.mean), ms(dist.p50), ms(dist.p90), ms(dist.p99))
         )

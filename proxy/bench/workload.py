@@ -1,8 +1,8 @@
 """What to send and when: prompts, request bodies and arrival times, all seeded.
 
-A workload is a weighted mix of :class:`Profile` s (prompt length, shared-prefix length,
-``max_tokens``). ``bench`` uses a single profile built from its flags; ``demo`` uses a
-mix. Everything is derived from ``random.Random`` instances seeded from the workload
+A workload is a weighted mix of :class:`Profile` s (API, prompt length, shared-prefix
+length, ``max_tokens``, reasoning). ``bench`` uses a single profile built from its
+flags; ``demo`` uses a mix over all four APIs. Everything is derived from ``random.Random`` instances seeded from the workload
 seed, one independent stream per purpose (prompts, arrivals, profile choice), so the
 same seed gives byte-identical bodies and identical arrival times, and changing, say,
 the rate does not change the prompts.
@@ -14,6 +14,13 @@ Prompt lengths are therefore approximate; the upstream's ``usage`` has the real 
 A shared prefix is byte-identical across every request of its profile and placed
 first, with the variable material last, so that a prefix cache (the simulator's, or a
 real server's) can reuse it.
+
+Every API gets the same prompt as one user message (the legacy completions API as its
+``prompt``), asks for streaming and for the token usage the API can report, and, for a
+reasoning profile, asks for reasoning with the API's own parameter: chat
+``reasoning_effort: "low"``, Responses ``reasoning: {"effort": "low"}``, Messages
+``thinking: {"type": "enabled", "budget_tokens": 1024}`` (Anthropic then wants
+``max_tokens`` above 1024; the simulator does not).
 """
 
 from __future__ import annotations
@@ -26,6 +33,20 @@ from typing import Any
 
 CHARS_PER_TOKEN = 4
 _LETTERS = string.ascii_lowercase
+
+# API name -> path under the base URL (which ends in /v1).
+API_PATHS: dict[str, str] = {
+    "chat": "/chat/completions",
+    "completions": "/completions",
+    "responses": "/responses",
+    "messages": "/messages",
+}
+ANTHROPIC_THINKING_BUDGET = 1024  # Anthropic's minimum budget_tokens
+
+
+def route_of(api: str) -> str:
+    """The proxy's ``route`` label for an API: its path under ``/v1``."""
+    return "/v1" + API_PATHS[api]
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,8 +62,14 @@ class Profile:
     shared_prefix_tokens: int = 0
     max_tokens: int = 128
     weight: float = 1.0
+    api: str = "chat"  # a key of API_PATHS
+    reasoning: bool = False  # ask for reasoning (chat, Responses and Messages only)
 
     def __post_init__(self) -> None:
+        if self.api not in API_PATHS:
+            raise ValueError(f"api must be one of {', '.join(API_PATHS)}")
+        if self.reasoning and self.api == "completions":
+            raise ValueError("the completions API has no way to ask for reasoning")
         if self.prompt_tokens < 1:
             raise ValueError("prompt_tokens must be >= 1")
         if not 0 <= self.shared_prefix_tokens <= self.prompt_tokens:
@@ -60,6 +87,7 @@ class PlannedRequest:
     index: int
     profile: str
     body: dict[str, Any]
+    api: str = "chat"
 
 
 def words(rng: random.Random, tokens: int) -> str:
@@ -86,6 +114,41 @@ def chat_body(model: str, content: str, max_tokens: int) -> dict[str, Any]:
     }
 
 
+def request_body(
+    api: str, model: str, content: str, max_tokens: int, *, reasoning: bool = False
+) -> dict[str, Any]:
+    """A streaming request of ``api`` carrying ``content`` as its one user message."""
+    body: dict[str, Any]
+    if api == "chat":
+        body = chat_body(model, content, max_tokens)
+        if reasoning:
+            body["reasoning_effort"] = "low"
+    elif api == "completions":
+        body = {
+            "model": model,
+            "prompt": content,
+            "max_tokens": max_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    elif api == "responses":
+        body = {"model": model, "input": content, "max_output_tokens": max_tokens, "stream": True}
+        if reasoning:
+            body["reasoning"] = {"effort": "low"}
+    elif api == "messages":
+        body = {
+            "model": model,
+            "max_tokens": max_tokens,
+            "messages": [{"role": "user", "content": content}],
+            "stream": True,
+        }
+        if reasoning:
+            body["thinking"] = {"type": "enabled", "budget_tokens": ANTHROPIC_THINKING_BUDGET}
+    else:
+        raise ValueError(f"unknown api {api!r}")
+    return body
+
+
 def iter_requests(
     profiles: Sequence[Profile], *, model: str, seed: int = 0
 ) -> Iterator[PlannedRequest]:
@@ -105,7 +168,10 @@ def iter_requests(
         # The request number goes into the variable tail so no two prompts are equal.
         tail = f"[{index}] " + words(prompt_rng, max(tail_tokens - 2, 1))
         content = f"{prefix}\n\n{tail}" if prefix else tail
-        yield PlannedRequest(index, profile.name, chat_body(model, content, profile.max_tokens))
+        body = request_body(
+            profile.api, model, content, profile.max_tokens, reasoning=profile.reasoning
+        )
+        yield PlannedRequest(index, profile.name, body, profile.api)
         index += 1
 
 

@@ -1,7 +1,10 @@
-"""Simulated OpenAI-compatible upstream: the demo's, the compose file's and the tests' LLM.
+"""Simulated LLM upstream: the demo's, the compose file's and the tests' LLM.
 
-``model`` holds the latency model (plain code, time passed in); ``app`` serves it over
-HTTP with FastAPI and sse-starlette; ``cli`` is the ``simulate`` sub-command.
+It speaks OpenAI chat completions, completions and Responses, and Anthropic Messages.
+``model`` holds the latency model (plain code, time passed in); ``engine`` runs one
+request's life on the event loop; ``chat``, ``responses`` and ``messages`` turn its
+steps into each API's bytes; ``app`` serves them over HTTP with FastAPI and
+sse-starlette; ``cli`` is the ``simulate`` sub-command.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``llm-latency-proxy simulate``: run the simulated OpenAI-compatible upstream.
+"""``llm-latency-proxy simulate``: run the simulated OpenAI- and Anthropic-compatible upstream.
 
 Every :class:`~proxy.simulator.model.SimConfig` field is one flag of the same name,
 with its default taken from the dataclass so that ``--help``, the code and
@@ -137,6 +137,13 @@ _FLAGS: dict[str, tuple[Callable[[str], Any] | None, str, str]] = {
         "the length drawn from --output-dist is shorter. Off: exactly max_tokens "
         "tokens, finish_reason 'length'.",
     ),
+    "reasoning_tokens": (
+        _int_at_least(0),
+        "N",
+        "Reasoning tokens of a request that asks for reasoning (chat reasoning_effort, "
+        "Responses reasoning, Messages thinking), generated before the answer and "
+        "counted in its max tokens; 0: no reasoning output.",
+    ),
     "max_model_len": (
         _int_at_least(2),
         "N",
@@ -153,6 +160,14 @@ _FLAGS: dict[str, tuple[Callable[[str], Any] | None, str, str]] = {
         "P",
         "Fault injection: share of streams whose connection is dropped after a random "
         "number of tokens (no finish chunk, no [DONE]).",
+    ),
+    "stream_error_rate": (
+        _float_range(0, 1),
+        "P",
+        "Fault injection: share of streams that end, after a random number of tokens, "
+        "with the API's error event (HTTP status 200): chat and completions "
+        'data: {"error": ...}, Responses response.failed, Messages event: error '
+        "(overloaded_error).",
     ),
     "stall_rate": (
         _float_range(0, 1),
@@ -174,7 +189,11 @@ _FLAGS: dict[str, tuple[Callable[[str], Any] | None, str, str]] = {
         "(it is echoed back) unless --strict-models.",
     ),
     "strict_models": (None, "", "Answer 404 model_not_found for models not in --models."),
-    "api_key": (str, "KEY", "Require 'Authorization: Bearer KEY' (default: no key needed)."),
+    "api_key": (
+        str,
+        "KEY",
+        "Require 'Authorization: Bearer KEY' or 'x-api-key: KEY' (default: no key needed).",
+    ),
     "seed": (
         int,
         "N",
@@ -187,9 +206,10 @@ _FLAGS: dict[str, tuple[Callable[[str], Any] | None, str, str]] = {
 def add_parser(sub: Any) -> None:
     parser = sub.add_parser(
         "simulate",
-        help="run a simulated OpenAI-compatible upstream (no GPU, no API key)",
+        help="run a simulated OpenAI/Anthropic-compatible upstream (no GPU, no API key)",
         description=(
-            "Run an OpenAI-compatible server whose latencies follow the physics of an "
+            "Run an OpenAI- and Anthropic-compatible server (chat completions, "
+            "completions, Responses, Messages) whose latencies follow the physics of an "
             "LLM server: decode slots and a FIFO queue, prefill time proportional to "
             "uncached prompt tokens, a prefix cache, inter-token latency that grows "
             "with the number of active streams, and optional faults. Point the proxy at "
@@ -264,7 +284,7 @@ def run(args: argparse.Namespace) -> int:
     quiet_simulated_drops()
     app = create_simulator_app(config)
     print(
-        f"llm-latency-proxy simulate: OpenAI-compatible upstream at "
+        f"llm-latency-proxy simulate: OpenAI/Anthropic-compatible upstream at "
         f"http://{args.host}:{args.port}/v1 (models: {', '.join(config.models)}; "
         f"{config.slots} slots, ITL {config.itl * 1000:g} ms, seed {config.seed})",
         file=sys.stderr,

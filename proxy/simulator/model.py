@@ -25,9 +25,15 @@ The physics, in the order a request meets them (see docs/simulator.md):
    slows each one. A step yields ``tokens_per_chunk`` tokens.
 5. **Output length.** ``max_tokens`` when the request sets it (``finish_reason``
    ``length``), else drawn from ``output_dist`` around ``output_tokens``
-   (``finish_reason`` ``stop``), always within ``max_model_len``.
+   (``finish_reason`` ``stop``), always within ``max_model_len``. A request that asks
+   for reasoning first thinks for exactly ``reasoning_tokens`` tokens, then answers;
+   its ``max_tokens`` covers both, as in the real APIs (the thinking is cut short only
+   when it would leave no answer token), and without one the answer has the drawn
+   length. Steps never mix the two phases, so the first answer token comes exactly
+   ``ceil(reasoning_tokens / tokens_per_chunk)`` steps after the first token.
 6. **Faults** (decided per request when it arrives): an immediate error, a dropped
-   connection after a random number of tokens, or a stall before a random token.
+   connection after a random number of tokens, an error event inside a stream after a
+   random number of tokens, or a stall before a random token.
 
 Deliberately left out: prefill/decode interference, KV-cache capacity, preemption.
 """
@@ -67,10 +73,12 @@ class SimConfig:
     output_tokens: int = 128
     output_dist: str = "uniform"
     stop_early: bool = False
+    reasoning_tokens: int = 16
     max_model_len: int = 131_072
     error_rate: float = 0.0
     error_status: int = 500
     drop_rate: float = 0.0
+    stream_error_rate: float = 0.0
     stall_rate: float = 0.0
     stall_seconds: float = 2.0
     vllm_metrics: bool = False
@@ -92,6 +100,8 @@ class SimConfig:
         ):
             if getattr(self, name) < 1:
                 raise bad(name, "must be an integer >= 1")
+        if self.reasoning_tokens < 0:
+            raise bad("reasoning_tokens", "must be an integer >= 0 (0: no reasoning output)")
         if self.cache_blocks < 0:
             raise bad("cache_blocks", "must be >= 0 (0 turns the prefix cache off)")
         for name in ("prefill_rate", "chars_per_token"):
@@ -102,7 +112,7 @@ class SimConfig:
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise bad(name, "must be a number >= 0")
-        for name in ("jitter", "error_rate", "drop_rate", "stall_rate"):
+        for name in ("jitter", "error_rate", "drop_rate", "stream_error_rate", "stall_rate"):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
                 raise bad(name, "must be between 0 and 1")
@@ -136,8 +146,16 @@ class PrefixCache:
 
     def lookup_and_insert(self, text: str) -> int:
         """Return how many leading full blocks were cached, then remember all of them."""
+        return self.lookup_and_insert_blocks(text)[0]
+
+    def lookup_and_insert_blocks(self, text: str) -> tuple[int, int]:
+        """(leading full blocks that were cached, full blocks now stored).
+
+        The difference is what this prompt wrote to the cache (Anthropic's
+        ``cache_creation_input_tokens``).
+        """
         if self.capacity == 0:
-            return 0
+            return 0, 0
         size = self.block_chars
         hashes: list[int] = []
         parent = 0
@@ -155,7 +173,7 @@ class PrefixCache:
             blocks.move_to_end(h)
         while len(blocks) > self.capacity:
             blocks.popitem(last=False)
-        return hits
+        return hits, len(hashes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,12 +184,21 @@ class RequestPlan:
     rng: random.Random = field(repr=False, compare=False)
     prompt_tokens: int
     cached_tokens: int
-    output_tokens: int  # per choice
+    output_tokens: int  # per choice, reasoning included
     finish_reason: str
     prefill_compute_s: float
+    reasoning_tokens: int = 0  # the first output tokens of each choice are reasoning
+    cache_write_tokens: int = 0  # uncached full blocks this prompt stored in the cache
     error: bool = False
     drop_after_tokens: int | None = None  # the connection dies after this many tokens
+    error_after_tokens: int | None = None  # a stream error event after this many tokens
     stall_before_token: int | None = None  # a stall of stall_seconds before this token
+
+    def steps(self, tokens_per_chunk: int) -> tuple[int, int]:
+        """(reasoning steps, answer steps): a step never holds tokens of both phases."""
+        reasoning = self.reasoning_tokens
+        answer = self.output_tokens - reasoning
+        return -(-reasoning // tokens_per_chunk), -(-answer // tokens_per_chunk)
 
 
 @dataclass(slots=True, eq=False)
@@ -228,12 +255,18 @@ class LatencyModel:
         return max(1, math.ceil(len(text) / self.config.chars_per_token))
 
     def plan(
-        self, text: str, *, max_tokens: int | None = None, prompt_tokens: int | None = None
+        self,
+        text: str,
+        *,
+        max_tokens: int | None = None,
+        prompt_tokens: int | None = None,
+        reasoning: bool = False,
     ) -> RequestPlan:
         """Decide everything about a request that does not depend on other requests.
 
         ``text`` is the prompt as the server would tokenize it (chat messages already
-        rendered); ``prompt_tokens`` overrides the estimate (a prompt sent as token ids).
+        rendered); ``prompt_tokens`` overrides the estimate (a prompt sent as token ids);
+        ``reasoning``: the request asked for reasoning (see the module docstring).
         Raises :class:`ContextTooLong` before touching the cache.
         """
         cfg = self.config
@@ -247,27 +280,34 @@ class LatencyModel:
         index = self.requests
         self.requests += 1
         rng = self._rng_factory(index)
-        hit_blocks = self.cache.lookup_and_insert(text)
+        hit_blocks, stored_blocks = self.cache.lookup_and_insert_blocks(text)
         # Like vLLM, the last prompt token is always computed: cap below the prompt size.
         cached = min(
             hit_blocks * cfg.cache_block_tokens,
             ((tokens - 1) // cfg.cache_block_tokens) * cfg.cache_block_tokens,
         )
+        written = min((stored_blocks - hit_blocks) * cfg.cache_block_tokens, tokens - cached)
         self.prompt_tokens_total += tokens
         self.cached_tokens_total += cached
 
-        sampled = self._sample_length(rng)
+        thinking = cfg.reasoning_tokens if reasoning else 0
+        natural = thinking + self._sample_length(rng)
         room = cfg.max_model_len - tokens
-        if max_tokens is not None and not (cfg.stop_early and sampled < max_tokens):
+        if max_tokens is not None and not (cfg.stop_early and natural < max_tokens):
             output, finish = max_tokens, "length"
         else:
-            output, finish = sampled, "stop"
+            output, finish = natural, "stop"
         if output >= room:
             output, finish = room, "length"
+        thinking = min(thinking, output - 1)
 
         error = rng.random() < cfg.error_rate
         drop = rng.randrange(output) if rng.random() < cfg.drop_rate else None
         stall = rng.randrange(output) if rng.random() < cfg.stall_rate else None
+        # Drawn only when enabled, so older seeds keep their words and schedules.
+        stream_error = None
+        if cfg.stream_error_rate and rng.random() < cfg.stream_error_rate:
+            stream_error = rng.randrange(output)
         return RequestPlan(
             index=index,
             rng=rng,
@@ -276,8 +316,11 @@ class LatencyModel:
             output_tokens=output,
             finish_reason=finish,
             prefill_compute_s=(tokens - cached) / cfg.prefill_rate,
+            reasoning_tokens=thinking,
+            cache_write_tokens=written,
             error=error,
             drop_after_tokens=drop,
+            error_after_tokens=stream_error,
             stall_before_token=stall,
         )
 

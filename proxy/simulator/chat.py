@@ -1,0 +1,287 @@
+"""OpenAI chat completions and legacy completions, shaped like OpenAI's and vLLM's.
+
+A stream: response headers at once (while the request may still be queued); a
+role-only chunk when the request gets its decode slot (so time to first *byte* and
+time to first *token* differ, as they do in production); one chunk per decode step;
+a chunk with an empty delta and ``finish_reason``; the usage-only chunk
+(``"choices": []``) when ``stream_options.include_usage`` is set; then
+``data: [DONE]``. Events end in LF (``data: ...\\n\\n``), like OpenAI's.
+
+A chat request that sets ``reasoning_effort`` (other than ``"none"``) is a reasoning
+request: its reasoning steps come as ``delta.reasoning_content`` (the field of
+DeepSeek's API, vLLM's reasoning parsers and llama.cpp) before the answer's
+``delta.content``, and usage gains ``completion_tokens_details.reasoning_tokens``.
+
+A simulated stream error (``--stream-error-rate``) sends ``data: {"error": {...}}``
+and ``data: [DONE]`` in place of the finish and usage chunks, as vLLM does when a
+generation fails after the headers went out.
+
+Chunks are built from pre-encoded byte templates: the simulator must stay cheap with
+hundreds of streams on a small CPU.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from proxy.simulator.engine import (
+    STREAM_ERROR_MESSAGE,
+    ApiError,
+    Ask,
+    Engine,
+    Job,
+    content_text,
+    int_param,
+    model_name,
+    tools_text,
+)
+from proxy.simulator.model import SimConfig
+
+DONE = b"data: [DONE]\n\n"
+_ERROR_EVENT = (
+    b"data: "
+    + json.dumps(
+        ApiError(500, STREAM_ERROR_MESSAGE, "server_error", "simulated_error").openai_body(),
+        separators=(",", ":"),
+    ).encode()
+    + b"\n\n"
+)
+
+
+def render_chat_prompt(body: dict[str, Any]) -> str:
+    """The text a server would prefill: tools first, then each message in order.
+
+    The order keeps the property the prefix cache rewards: identical leading messages
+    give an identical leading text.
+    """
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "'messages' must be a non-empty array", param="messages")
+    pieces = [tools_text(body.get("tools"))]
+    for message in messages:
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ApiError(400, "each message must be an object with a 'role'", param="messages")
+        text = content_text(message.get("content"))
+        if message.get("tool_calls"):
+            text += json.dumps(message["tool_calls"], separators=(",", ":"))
+        pieces.append(f"<|{message['role']}|>\n{text}\n")
+    pieces.append("<|assistant|>\n")
+    return "".join(pieces)
+
+
+def completion_prompt(body: dict[str, Any]) -> tuple[str, int | None]:
+    """(text, exact token count if the prompt was sent as token ids)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ApiError(400, "'prompt' must not be empty", param="prompt")
+        return prompt, None
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    ):
+        return " ".join(map(str, prompt)), len(prompt)
+    raise ApiError(
+        400,
+        "'prompt' must be a string, a list of one string or a list of token ids "
+        "(batched prompts are not simulated)",
+        param="prompt",
+    )
+
+
+def asks_for_reasoning(body: dict[str, Any]) -> bool:
+    effort = body.get("reasoning_effort")
+    return effort is not None and effort != "none"
+
+
+class _OpenAIStream:
+    """What chat completions and completions share: usage, the stream, the body."""
+
+    route = ""
+    id_prefix = ""
+    chat = True
+
+    def usage(self, job: Job, engine: Engine, end: float) -> dict[str, Any]:
+        plan = job.plan
+        completion = job.emitted * job.ask.n
+        usage: dict[str, Any] = {
+            "prompt_tokens": plan.prompt_tokens,
+            "total_tokens": plan.prompt_tokens + completion,
+            "completion_tokens": completion,
+            "prompt_tokens_details": {"cached_tokens": plan.cached_tokens},
+        }
+        if plan.reasoning_tokens:
+            usage["completion_tokens_details"] = {
+                "reasoning_tokens": job.reasoning_emitted * job.ask.n
+            }
+        if engine.config.vllm_metrics and job.ticket is not None:
+            admitted = job.ticket.admitted_at if job.ticket.admitted_at is not None else job.arrival
+            first = job.first_t if job.first_t is not None else end
+            last = job.last_t if job.last_t is not None else end
+
+            def ms(seconds: float) -> float:
+                return round(max(0.0, seconds) * 1000.0, 3)
+
+            usage["metrics"] = {
+                "queue_time_ms": ms(admitted - job.ticket.arrival),
+                "prefill_time_ms": ms(first - admitted),
+                "time_to_first_token_ms": ms(first - job.arrival),
+                "decode_time_ms": ms(last - first),
+                "e2e_time_ms": ms(end - job.arrival),
+            }
+        return usage
+
+    async def stream(self, job: Job, engine: Engine) -> AsyncGenerator[bytes, None]:
+        dumps = json.dumps
+        n = job.ask.n
+        head = (
+            b'data: {"id":'
+            + dumps(job.request_id).encode()
+            + (
+                b',"object":"chat.completion.chunk"'
+                if self.chat
+                else b',"object":"text_completion"'
+            )
+            + b',"created":'
+            + str(job.created).encode()
+            + b',"model":'
+            + dumps(job.ask.model).encode()
+            + b',"choices":['
+        )
+        if self.chat:
+            role = (
+                head
+                + b'{"index":%d,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}\n\n'
+            )
+            token = (
+                head
+                + b'{"index":%d,"delta":{"content":%s},"logprobs":null,"finish_reason":null}]}\n\n'
+            )
+            thought = (
+                head
+                + b'{"index":%d,"delta":{"reasoning_content":%s},"logprobs":null,"finish_reason":null}]}\n\n'
+            )
+            finish = head + b'{"index":%d,"delta":{},"logprobs":null,"finish_reason":"%s"}]}\n\n'
+        else:
+            role = b""
+            token = thought = (
+                head + b'{"index":%d,"text":%s,"logprobs":null,"finish_reason":null}]}\n\n'
+            )
+            finish = head + b'{"index":%d,"text":"","logprobs":null,"finish_reason":"%s"}]}\n\n'
+        steps = engine.steps(job, min_sleep=0.0)
+        try:
+            async for count in steps:
+                if count == 0:
+                    if role:
+                        yield b"".join(role % i for i in range(n))
+                    continue
+                words = engine.words(job, count)
+                template = thought if job.in_reasoning else token
+                if n == 1:
+                    yield template % (0, words[0])
+                else:
+                    yield b"".join(template % (i, w) for i, w in enumerate(words))
+        finally:
+            await steps.aclose()
+        if job.failed:
+            yield _ERROR_EVENT + DONE
+            return
+        reason = job.plan.finish_reason.encode()
+        yield b"".join(finish % (i, reason) for i in range(n))
+        if job.ask.options.get("include_usage"):
+            usage = dumps(self.usage(job, engine, engine.clock()), separators=(",", ":")).encode()
+            yield head + b'],"usage":' + usage + b"}\n\n"
+        yield DONE
+
+    def body(self, job: Job, engine: Engine) -> dict[str, Any]:
+        usage = self.usage(job, engine, engine.clock())
+        reason = job.plan.finish_reason
+        choices: list[dict[str, Any]]
+        if self.chat:
+            choices = []
+            for i, (texts, thoughts) in enumerate(zip(job.texts, job.thoughts, strict=True)):
+                message = {"role": "assistant", "content": "".join(texts)}
+                if thoughts:
+                    message["reasoning_content"] = "".join(thoughts)
+                choices.append(
+                    {"index": i, "message": message, "logprobs": None, "finish_reason": reason}
+                )
+            obj = "chat.completion"
+        else:
+            choices = [
+                {"index": i, "text": "".join(t), "logprobs": None, "finish_reason": reason}
+                for i, t in enumerate(job.texts)
+            ]
+            obj = "text_completion"
+        return {
+            "id": job.request_id,
+            "object": obj,
+            "created": job.created,
+            "model": job.ask.model,
+            "choices": choices,
+            "usage": usage,
+        }
+
+
+def _stream_fields(body: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
+    stream = bool(body.get("stream"))
+    options = body.get("stream_options")
+    include_usage = stream and isinstance(options, dict) and bool(options.get("include_usage"))
+    return stream, {"include_usage": include_usage}
+
+
+class ChatCompletions(_OpenAIStream):
+    """``POST /v1/chat/completions``."""
+
+    route = "/v1/chat/completions"
+    id_prefix = "chatcmpl-"
+    chat = True
+
+    def ask(self, body: dict[str, Any], config: SimConfig) -> Ask:
+        model = model_name(body, config)
+        text = render_chat_prompt(body)
+        max_tokens = int_param(body, "max_completion_tokens", minimum=1)
+        if max_tokens is None:
+            max_tokens = int_param(body, "max_tokens", minimum=1)
+        n = int_param(body, "n", minimum=1, maximum=128) or 1
+        stream, options = _stream_fields(body)
+        return Ask(
+            model=model,
+            prompt=text,
+            max_tokens=max_tokens,
+            n=n,
+            stream=stream,
+            reasoning=asks_for_reasoning(body),
+            prompt_param="messages",
+            options=options,
+        )
+
+
+class Completions(_OpenAIStream):
+    """``POST /v1/completions`` (legacy; no reasoning parameter exists for it)."""
+
+    route = "/v1/completions"
+    id_prefix = "cmpl-"
+    chat = False
+
+    def ask(self, body: dict[str, Any], config: SimConfig) -> Ask:
+        model = model_name(body, config)
+        text, exact = completion_prompt(body)
+        max_tokens = int_param(body, "max_tokens", minimum=1)
+        n = int_param(body, "n", minimum=1, maximum=128) or 1
+        stream, options = _stream_fields(body)
+        return Ask(
+            model=model,
+            prompt=text,
+            prompt_tokens=exact,
+            max_tokens=max_tokens,
+            n=n,
+            stream=stream,
+            prompt_param="prompt",
+            options=options,
+        )

@@ -1,0 +1,364 @@
+"""The OpenAI Responses API, ``POST /v1/responses``, streamed or not.
+
+Every event is ``event: <type>\\ndata: <json>\\n\\n`` (LF), its JSON starting with
+``type`` and ``sequence_number`` (0, 1, 2, ... per response); there is no ``[DONE]``
+line. Field for field the events follow the ``openai`` SDK's types
+(``openai.types.responses``), so ``client.responses.create(stream=True)`` and
+``client.responses.stream(...)`` parse them. A stream, with the moment each write
+goes out:
+
+* headers at once, while the request may still wait for a decode slot;
+* when it gets its slot: ``response.created``, ``response.in_progress``;
+* a reasoning request (``"reasoning"`` given, with an ``effort`` other than
+  ``"none"``) opens output item 0, a ``reasoning`` item, in the write of its first
+  step: ``response.output_item.added``, ``response.content_part.added``
+  (``reasoning_text``), then one ``response.reasoning_text.delta`` per reasoning
+  step. The raw reasoning text is what open-weight servers stream (vLLM's Responses
+  API for gpt-oss); OpenAI's own models only stream *summaries*
+  (``response.reasoning_summary_text.delta``), and in a few bursts rather than one per
+  decode step, which would hide the decode schedule this simulator is for;
+* the reasoning item closes in the write of the first answer step
+  (``response.reasoning_text.done``, ``response.content_part.done``,
+  ``response.output_item.done``), which then opens the ``message`` item
+  (``response.output_item.added``, ``response.content_part.added`` with an empty
+  ``output_text``) before its first ``response.output_text.delta``; one such delta per
+  answer step;
+* one last write: ``response.output_text.done``, ``response.content_part.done``,
+  ``response.output_item.done``, then ``response.completed``, or
+  ``response.incomplete`` (``incomplete_details.reason`` ``max_output_tokens``) when
+  ``max_output_tokens`` ended the answer, as OpenAI does. Its ``response.usage`` has
+  ``input_tokens``, ``input_tokens_details.cached_tokens`` (prefix-cache hits) and
+  ``cache_write_tokens``, ``output_tokens`` (reasoning and answer),
+  ``output_tokens_details.reasoning_tokens`` and ``total_tokens``.
+
+A simulated stream error (``--stream-error-rate``) ends the stream with
+``response.failed`` (status ``failed``, ``error.code`` ``server_error``) in place of
+the open items' closing events; the HTTP status stays 200.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from proxy.simulator.engine import (
+    STREAM_ERROR_MESSAGE,
+    ApiError,
+    Ask,
+    Engine,
+    Job,
+    content_text,
+    int_param,
+    model_name,
+    tools_text,
+)
+from proxy.simulator.model import SimConfig
+
+# Request fields echoed in the response object, with the API's defaults.
+_ECHOED: dict[str, Any] = {
+    "instructions": None,
+    "max_output_tokens": None,
+    "metadata": {},
+    "parallel_tool_calls": True,
+    "previous_response_id": None,
+    "reasoning": None,
+    "store": True,
+    "temperature": 1.0,
+    "text": {"format": {"type": "text"}},
+    "tool_choice": "auto",
+    "tools": [],
+    "top_p": 1.0,
+    "truncation": "disabled",
+    "user": None,
+}
+
+
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def render_responses_prompt(body: dict[str, Any]) -> str:
+    """Tools, then ``instructions`` as a system message, then the ``input`` items."""
+    items = body.get("input")
+    if isinstance(items, str):
+        if not items:
+            raise ApiError(400, "'input' must not be empty", param="input")
+        items = [{"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise ApiError(400, "'input' must be a string or a non-empty array", param="input")
+    pieces = [tools_text(body.get("tools"))]
+    instructions = body.get("instructions")
+    if isinstance(instructions, str) and instructions:
+        pieces.append(f"<|system|>\n{instructions}\n")
+    for item in items:
+        if not isinstance(item, dict):
+            raise ApiError(400, "each input item must be an object", param="input")
+        role = item.get("role")
+        if isinstance(role, str):
+            pieces.append(f"<|{role}|>\n{content_text(item.get('content'))}\n")
+        else:  # function calls, their outputs, earlier reasoning: their JSON is the text
+            pieces.append(f"<|{item.get('type', 'item')}|>\n{_dumps(item).decode()}\n")
+    pieces.append("<|assistant|>\n")
+    return "".join(pieces)
+
+
+def asks_for_reasoning(body: dict[str, Any]) -> bool:
+    reasoning = body.get("reasoning")
+    return isinstance(reasoning, dict) and reasoning.get("effort") != "none"
+
+
+class _Events:
+    """Numbers events in order and frames them."""
+
+    __slots__ = ("seq",)
+
+    def __init__(self) -> None:
+        self.seq = 0
+
+    def __call__(self, kind: str, **fields: Any) -> bytes:
+        data = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return b"event: " + kind.encode() + b"\ndata: " + _dumps(data) + b"\n\n"
+
+    def delta(self, template: bytes, word: bytes) -> bytes:
+        out = template % (self.seq, word)
+        self.seq += 1
+        return out
+
+
+class Responses:
+    """``POST /v1/responses``."""
+
+    route = "/v1/responses"
+    id_prefix = "resp_"
+
+    def ask(self, body: dict[str, Any], config: SimConfig) -> Ask:
+        model = model_name(body, config)
+        text = render_responses_prompt(body)
+        max_tokens = int_param(body, "max_output_tokens", minimum=1)
+        echoed = {k: body.get(k, default) for k, default in _ECHOED.items()}
+        return Ask(
+            model=model,
+            prompt=text,
+            max_tokens=max_tokens,
+            stream=bool(body.get("stream")),
+            reasoning=asks_for_reasoning(body),
+            prompt_param="input",
+            options=echoed,
+        )
+
+    # -- objects -----------------------------------------------------------------------
+
+    @staticmethod
+    def _ids(job: Job) -> tuple[str, str]:
+        tail = job.request_id.removeprefix("resp_")
+        return "rs_" + tail, "msg_" + tail
+
+    def response(self, job: Job, status: str, output: list[Any], **extra: Any) -> dict[str, Any]:
+        return {
+            "id": job.request_id,
+            "object": "response",
+            "created_at": job.created,
+            "status": status,
+            "background": False,
+            "error": None,
+            "incomplete_details": None,
+            **job.ask.options,
+            "model": job.ask.model,
+            "output": output,
+            "usage": None,
+            **extra,
+        }
+
+    def usage(self, job: Job) -> dict[str, Any]:
+        plan = job.plan
+        return {
+            "input_tokens": plan.prompt_tokens,
+            "input_tokens_details": {
+                "cached_tokens": plan.cached_tokens,
+                "cache_write_tokens": plan.cache_write_tokens,
+            },
+            "output_tokens": job.emitted,
+            "output_tokens_details": {"reasoning_tokens": job.reasoning_emitted},
+            "total_tokens": plan.prompt_tokens + job.emitted,
+        }
+
+    def _reasoning_item(self, job: Job, status: str, text: str | None) -> dict[str, Any]:
+        content = [] if text is None else [{"type": "reasoning_text", "text": text}]
+        return {
+            "id": self._ids(job)[0],
+            "type": "reasoning",
+            "summary": [],
+            "content": content,
+            "status": status,
+        }
+
+    def _message_item(self, job: Job, status: str, text: str | None) -> dict[str, Any]:
+        content = [] if text is None else [_output_text(text)]
+        return {
+            "id": self._ids(job)[1],
+            "type": "message",
+            "status": status,
+            "role": "assistant",
+            "content": content,
+        }
+
+    def _final(self, job: Job, engine: Engine) -> tuple[str, dict[str, Any], str]:
+        """(response status, extra response fields, message item status)."""
+        if job.plan.finish_reason == "length":
+            return (
+                "incomplete",
+                {"incomplete_details": {"reason": "max_output_tokens"}},
+                "incomplete",
+            )
+        return "completed", {"completed_at": int(engine.wall_clock())}, "completed"
+
+    def _output(self, job: Job, message_status: str) -> list[dict[str, Any]]:
+        output = []
+        if job.plan.reasoning_tokens:
+            output.append(self._reasoning_item(job, "completed", "".join(job.thoughts[0])))
+        output.append(self._message_item(job, message_status, "".join(job.texts[0])))
+        return output
+
+    # -- the stream --------------------------------------------------------------------
+
+    async def stream(self, job: Job, engine: Engine) -> AsyncGenerator[bytes, None]:
+        event = _Events()
+        rs_id, msg_id = self._ids(job)
+        thinks = job.plan.reasoning_tokens > 0
+        message_index = 1 if thinks else 0
+        thought = (
+            b'event: response.reasoning_text.delta\ndata: {"type":"response.reasoning_text.delta",'
+            b'"sequence_number":%d,"item_id":"' + rs_id.encode() + b'","output_index":0,'
+            b'"content_index":0,"delta":%s}\n\n'
+        )
+        token = (
+            b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta",'
+            b'"sequence_number":%d,"item_id":"'
+            + msg_id.encode()
+            + b'","output_index":'
+            + str(message_index).encode()
+            + b',"content_index":0,"delta":%s,"logprobs":[]}\n\n'
+        )
+        reasoning_open = message_open = False
+        steps = engine.steps(job, min_sleep=0.0)
+        try:
+            async for count in steps:
+                if count == 0:
+                    start = self.response(job, "in_progress", [])
+                    yield event("response.created", response=start) + event(
+                        "response.in_progress", response=start
+                    )
+                    continue
+                (word,) = engine.words(job, count)
+                if job.in_reasoning:
+                    opening = b""
+                    if not reasoning_open:
+                        reasoning_open = True
+                        opening = event(
+                            "response.output_item.added",
+                            output_index=0,
+                            item=self._reasoning_item(job, "in_progress", None),
+                        ) + event(
+                            "response.content_part.added",
+                            item_id=rs_id,
+                            output_index=0,
+                            content_index=0,
+                            part={"type": "reasoning_text", "text": ""},
+                        )
+                    yield opening + event.delta(thought, word)
+                    continue
+                opening = b""
+                if not message_open:
+                    message_open = True
+                    if reasoning_open:
+                        opening = self._close_reasoning(job, event)
+                    opening += event(
+                        "response.output_item.added",
+                        output_index=message_index,
+                        item=self._message_item(job, "in_progress", None),
+                    ) + event(
+                        "response.content_part.added",
+                        item_id=msg_id,
+                        output_index=message_index,
+                        content_index=0,
+                        part=_output_text(""),
+                    )
+                yield opening + event.delta(token, word)
+        finally:
+            await steps.aclose()
+        if job.failed:
+            failed = self.response(
+                job,
+                "failed",
+                [],
+                error={"code": "server_error", "message": STREAM_ERROR_MESSAGE},
+            )
+            yield event("response.failed", response=failed)
+            return
+        status, extra, message_status = self._final(job, engine)
+        text = "".join(job.texts[0])
+        yield (
+            event(
+                "response.output_text.done",
+                item_id=msg_id,
+                output_index=message_index,
+                content_index=0,
+                text=text,
+                logprobs=[],
+            )
+            + event(
+                "response.content_part.done",
+                item_id=msg_id,
+                output_index=message_index,
+                content_index=0,
+                part=_output_text(text),
+            )
+            + event(
+                "response.output_item.done",
+                output_index=message_index,
+                item=self._message_item(job, message_status, text),
+            )
+            + event(
+                f"response.{status}",
+                response=self.response(
+                    job, status, self._output(job, message_status), usage=self.usage(job), **extra
+                ),
+            )
+        )
+
+    def _close_reasoning(self, job: Job, event: _Events) -> bytes:
+        rs_id = self._ids(job)[0]
+        thoughts = "".join(job.thoughts[0])
+        return (
+            event(
+                "response.reasoning_text.done",
+                item_id=rs_id,
+                output_index=0,
+                content_index=0,
+                text=thoughts,
+            )
+            + event(
+                "response.content_part.done",
+                item_id=rs_id,
+                output_index=0,
+                content_index=0,
+                part={"type": "reasoning_text", "text": thoughts},
+            )
+            + event(
+                "response.output_item.done",
+                output_index=0,
+                item=self._reasoning_item(job, "completed", thoughts),
+            )
+        )
+
+    def body(self, job: Job, engine: Engine) -> dict[str, Any]:
+        status, extra, message_status = self._final(job, engine)
+        return self.response(
+            job, status, self._output(job, message_status), usage=self.usage(job), **extra
+        )
+
+
+def _output_text(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "annotations": [], "logprobs": [], "text": text}
