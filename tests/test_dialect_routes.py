@@ -12,6 +12,7 @@ the upstream's.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 from collections.abc import Sequence
 from typing import Any
@@ -140,7 +141,7 @@ def sse_upstream(clock: ScriptedClock, script: Sequence[tuple[float, bytes]], **
 
 
 def gaps(times: Sequence[float]) -> list[float]:
-    return [b - a for a, b in zip(times, times[1:], strict=False)]
+    return [b - a for a, b in itertools.pairwise(times)]
 
 
 def assert_timing(registry: Any, route: str, r_times: list[float], a_times: list[float]) -> None:

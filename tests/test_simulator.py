@@ -24,7 +24,8 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.measure import inspect_event, upstream_queue_seconds
+from proxy.dialects import CHAT, COMPLETIONS, EventInfo, upstream_queue_seconds
+
 from proxy.simulator import cli as sim_cli
 from proxy.simulator.app import VOCAB, create_simulator_app
 from proxy.simulator.model import (
@@ -38,6 +39,10 @@ from proxy.simulator.model import (
 from proxy.sse import SSEParser
 
 pytestmark = pytest.mark.anyio
+
+def inspect_event(data: bytes, *, text_route: bool) -> EventInfo:
+    """The proxy's own reading of one event (what the simulator's events must satisfy)."""
+    return (COMPLETIONS if text_route else CHAT).classify(b"", data)
 
 
 # Zero jitter so that step times are exact; tests that need jitter say so.
