@@ -25,7 +25,6 @@ import httpx
 import pytest
 
 from proxy.dialects import CHAT, COMPLETIONS, EventInfo, upstream_queue_seconds
-
 from proxy.simulator import cli as sim_cli
 from proxy.simulator.app import VOCAB, create_simulator_app
 from proxy.simulator.model import (
