@@ -9,9 +9,13 @@ Errors before the body use the OpenAI shape ``{"error": {"message", "type", "par
 ``Authorization: Bearer KEY`` (OpenAI's SDK) or ``x-api-key: KEY`` (Anthropic's);
 ``anthropic-version`` is accepted and not checked.
 
-Streams go out through sse-starlette with the dialect's own pre-framed bytes, LF line
-endings (OpenAI's and Anthropic's, not sse-starlette's default CRLF) and its
-keep-alive ping off.
+Streams go out through sse-starlette for what it is for: it watches for the client's
+disconnect and ends the generator (so an abandoned request frees its decode slot, as a
+real server's does) and it stops streams on shutdown. The bytes are the dialect's own
+pre-framed events with LF line endings (OpenAI's and Anthropic's, not sse-starlette's
+default CRLF), and its keep-alive ping is off: a real upstream sends no SSE comments
+between tokens (Anthropic's ``ping`` is an event of its own, sent by the Messages
+dialect), and a comment would be an extra read the proxy's tests would have to expect.
 
 A simulated mid-stream drop (``--drop-rate``) raises :class:`SimulatedDrop`; a
 middleware around the routes swallows it, so uvicorn closes the connection without
