@@ -379,6 +379,49 @@ def _anchor(heading: str) -> str:
     return text.replace(" ", "-")
 
 
+TTFT_METRIC = "llm_proxy_time_to_first_token_seconds"
+
+
+def _aggregations(expr: str) -> list[promql_parser.AggregateExpr]:
+    found: list[promql_parser.AggregateExpr] = []
+
+    def visit(node: Any) -> None:
+        if isinstance(node, promql_parser.AggregateExpr):
+            found.append(node)
+
+    promql_parser.walk(promql_parser.parse(expr), visit)
+    return found
+
+
+def test_ttft_rules_and_alerts_cover_every_route() -> None:
+    """Every rule over the TTFT histogram selects no route and keeps ``route`` in each
+    aggregation (so /v1/responses and /v1/messages are covered like chat, and not
+    averaged away by it); every TTFT alert reads those per-route series and names the
+    route in its summary, so a page says which API is slow."""
+    per_route: set[str] = set()
+    for rule in load_rules(RECORDING_RULES):
+        reads = [s for s in selectors(rule["expr"]) if s.name.startswith(TTFT_METRIC)]
+        if not reads:
+            continue
+        for sel in reads:
+            assert all(m.name != "route" for m in sel.matchers.matchers), rule["record"]
+        for agg in _aggregations(rule["expr"]):
+            assert agg.modifier is not None, rule["record"]
+            assert str(agg.modifier.type) == "AggModifierType.By", rule["record"]
+            assert "route" in agg.modifier.labels, f"{rule['record']}: sum by must keep route"
+        assert "route" in rule["record"].split(":")[0].split("_"), rule["record"]
+        per_route.add(rule["record"])
+    assert len(per_route) == 10  # TTFT p50/p95/p99 and seven SLO windows
+    ttft_alerts = 0
+    for rule in load_rules(ALERT_RULES):
+        recorded = {s.name for s in selectors(rule["expr"]) if ":" in s.name}
+        if recorded & per_route:
+            ttft_alerts += 1
+            assert recorded - {"llm_proxy:ttft_slo:error_budget"} <= per_route, rule["alert"]
+            assert "{{ $labels.route }}" in rule["annotations"]["summary"], rule["alert"]
+    assert ttft_alerts == 4
+
+
 def test_slo_objective_lives_in_one_rule() -> None:
     """Changing the 99 % objective is one edit: the error budget rule."""
     budget = [r for r in load_rules(RECORDING_RULES) if r["record"] == "llm_proxy:ttft_slo:error_budget"]
