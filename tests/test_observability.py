@@ -103,7 +103,8 @@ def substitute_macros(expr: str, variables: dict[str, str]) -> str:
     return out
 
 
-ALL = {"model": ".*", "upstream": ".*"}
+VARIABLES = ("upstream", "model", "route")  # the dashboard's label filters
+ALL = {name: ".*" for name in VARIABLES}
 
 
 def dashboard_queries(variables: dict[str, str] | None = None) -> list[tuple[str, str, str]]:
@@ -203,16 +204,45 @@ def test_every_panel_has_title_description_and_queries() -> None:
             assert target["datasource"]["uid"] == "${datasource}"
 
 
-def test_dashboard_variables_datasource_upstream_model() -> None:
+def test_dashboard_variables_datasource_upstream_model_route() -> None:
     variables = {v["name"]: v for v in load_dashboard()["templating"]["list"]}
     assert variables["datasource"]["type"] == "datasource"
     assert variables["datasource"]["query"] == "prometheus"
-    for name in ("upstream", "model"):
+    for name in VARIABLES:
         var = variables[name]
         assert var["type"] == "query"
         assert var["multi"] and var["includeAll"] and var["allValue"] == ".*"
         assert name in var["definition"]
+        assert var["query"]["query"] == var["definition"]
     assert "$upstream" in variables["model"]["definition"]
+    assert variables["route"]["definition"] == "label_values(llm_proxy_requests_total, route)"
+
+
+def _series_labels(exposition: str) -> dict[str, set[str]]:
+    """Label names of every sample name the proxy exports, and of every recorded series
+    (the level before the first colon lists them: upstream_model_route:...)."""
+    found: dict[str, set[str]] = {}
+    for family in text_string_to_metric_families(exposition):
+        for sample in family.samples:
+            found.setdefault(sample.name, set()).update(sample.labels)
+    for name in recorded_names():
+        found[name] = set(name.split(":", 1)[0].split("_"))
+    return found
+
+
+def test_every_query_filters_on_each_variable_its_series_carry(exposition: str) -> None:
+    """A series with a route (upstream, model) label is always narrowed by $route
+    ($upstream, $model): picking one API on the dashboard narrows every panel that can
+    be narrowed, and no panel silently shows all routes."""
+    series_labels = _series_labels(exposition)
+    marks = {name: f"VAR_{name}" for name in VARIABLES}
+    for title, ref, expr in dashboard_queries(marks):
+        for sel in selectors(expr):
+            regex = {m.name: m.value for m in sel.matchers.matchers if str(m.op) == "MatchOp.Re"}
+            for name in VARIABLES:
+                if name in series_labels[sel.name]:
+                    assert regex.get(name) == marks[name], (
+                        f"{title} {ref}: {sel.name} has a {name} label but no {name}=~\"${name}\"")
 
 
 def test_every_query_parses_after_macro_substitution() -> None:

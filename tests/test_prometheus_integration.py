@@ -50,6 +50,7 @@ from tests.servers import serve_in_thread
 from tests.test_dialect_routes import T0, messages_script, responses_script
 from tests.test_observability import (
     ALERT_RULES,
+    ALL,
     PROMETHEUS_DIR,
     PROMETHEUS_YML,
     RECORDING_RULES,
@@ -491,15 +492,26 @@ async def test_every_panel_and_recording_rule_returns_data(
         )
         if not finite:
             failures.append(f"{title} [{ref}]: {len(result)} series, none finite\n    {expr}")
-    # ... and with one model and one upstream picked (Grafana's multi-value format).
+    # ... with one model and one upstream picked (Grafana's multi-value format) ...
     for title, ref, expr in dashboard_queries(
-        {"model": "(sim-a)", "upstream": f"({UPSTREAM_NAME})"}
+        {**ALL, "model": "(sim-a)", "upstream": f"({UPSTREAM_NAME})"}
     ):
         result = await prom.series(expr)
         models = {labels.get("model") for labels, _ in result} - {None}
         if not result or models - {"sim-a"}:
             failures.append(
                 f"{title} [{ref}] with model=sim-a: {len(result)} series, models {models}"
+            )
+    # ... and with the Responses and Messages routes picked: every panel has data from
+    # those two APIs, and from no other.
+    picked = {RESPONSES, MESSAGES}
+    for title, ref, expr in dashboard_queries({**ALL, "route": f"({RESPONSES}|{MESSAGES})"}):
+        result = await prom.series(expr)
+        routes = {labels.get("route") for labels, _ in result} - {None}
+        if not any(math.isfinite(value) for _, value in result) or routes - picked:
+            failures.append(
+                f"{title} [{ref}] with route={sorted(picked)}: {len(result)} series, "
+                f"routes {routes}"
             )
 
     # Every recording rule's expression evaluates to data too, and every alert parses.
@@ -520,6 +532,7 @@ async def test_every_panel_and_recording_rule_returns_data(
     for label, match, expected in (
         ("upstream", "llm_proxy_requests_total", {UPSTREAM_NAME}),
         ("model", 'llm_proxy_requests_total{upstream=~".*"}', set(MODELS)),
+        ("route", "llm_proxy_requests_total", ROUTES),
     ):
         response = await prom.client.get(f"/api/v1/label/{label}/values", params={"match[]": match})
         assert expected <= set(response.json()["data"]), (label, response.text)
