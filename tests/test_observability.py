@@ -240,7 +240,7 @@ def test_every_query_filters_on_each_variable_its_series_carry(exposition: str) 
         for sel in selectors(expr):
             regex = {m.name: m.value for m in sel.matchers.matchers if str(m.op) == "MatchOp.Re"}
             for name in VARIABLES:
-                if name in series_labels[sel.name]:
+                if name in series_labels[sel.name or ""]:
                     assert regex.get(name) == marks[name], (
                         f"{title} {ref}: {sel.name} has a {name} label but no {name}=~\"${name}\"")
 
@@ -430,7 +430,7 @@ def test_ttft_rules_and_alerts_cover_every_route() -> None:
     route in its summary, so a page says which API is slow."""
     per_route: set[str] = set()
     for rule in load_rules(RECORDING_RULES):
-        reads = [s for s in selectors(rule["expr"]) if s.name.startswith(TTFT_METRIC)]
+        reads = [s for s in selectors(rule["expr"]) if (s.name or "").startswith(TTFT_METRIC)]
         if not reads:
             continue
         for sel in reads:
@@ -444,7 +444,7 @@ def test_ttft_rules_and_alerts_cover_every_route() -> None:
     assert len(per_route) == 10  # TTFT p50/p95/p99 and seven SLO windows
     ttft_alerts = 0
     for rule in load_rules(ALERT_RULES):
-        recorded = {s.name for s in selectors(rule["expr"]) if ":" in s.name}
+        recorded = {s.name or "" for s in selectors(rule["expr"]) if ":" in (s.name or "")}
         if recorded & per_route:
             ttft_alerts += 1
             assert recorded - {"llm_proxy:ttft_slo:error_budget"} <= per_route, rule["alert"]
