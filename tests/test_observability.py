@@ -103,7 +103,8 @@ def substitute_macros(expr: str, variables: dict[str, str]) -> str:
     return out
 
 
-ALL = {"model": ".*", "upstream": ".*"}
+VARIABLES = ("upstream", "model", "route")  # the dashboard's label filters
+ALL = {name: ".*" for name in VARIABLES}
 
 
 def dashboard_queries(variables: dict[str, str] | None = None) -> list[tuple[str, str, str]]:
@@ -203,16 +204,45 @@ def test_every_panel_has_title_description_and_queries() -> None:
             assert target["datasource"]["uid"] == "${datasource}"
 
 
-def test_dashboard_variables_datasource_upstream_model() -> None:
+def test_dashboard_variables_datasource_upstream_model_route() -> None:
     variables = {v["name"]: v for v in load_dashboard()["templating"]["list"]}
     assert variables["datasource"]["type"] == "datasource"
     assert variables["datasource"]["query"] == "prometheus"
-    for name in ("upstream", "model"):
+    for name in VARIABLES:
         var = variables[name]
         assert var["type"] == "query"
         assert var["multi"] and var["includeAll"] and var["allValue"] == ".*"
         assert name in var["definition"]
+        assert var["query"]["query"] == var["definition"]
     assert "$upstream" in variables["model"]["definition"]
+    assert variables["route"]["definition"] == "label_values(llm_proxy_requests_total, route)"
+
+
+def _series_labels(exposition: str) -> dict[str, set[str]]:
+    """Label names of every sample name the proxy exports, and of every recorded series
+    (the level before the first colon lists them: upstream_model_route:...)."""
+    found: dict[str, set[str]] = {}
+    for family in text_string_to_metric_families(exposition):
+        for sample in family.samples:
+            found.setdefault(sample.name, set()).update(sample.labels)
+    for name in recorded_names():
+        found[name] = set(name.split(":", 1)[0].split("_"))
+    return found
+
+
+def test_every_query_filters_on_each_variable_its_series_carry(exposition: str) -> None:
+    """A series with a route (upstream, model) label is always narrowed by $route
+    ($upstream, $model): picking one API on the dashboard narrows every panel that can
+    be narrowed, and no panel silently shows all routes."""
+    series_labels = _series_labels(exposition)
+    marks = {name: f"VAR_{name}" for name in VARIABLES}
+    for title, ref, expr in dashboard_queries(marks):
+        for sel in selectors(expr):
+            regex = {m.name: m.value for m in sel.matchers.matchers if str(m.op) == "MatchOp.Re"}
+            for name in VARIABLES:
+                if name in series_labels[sel.name or ""]:
+                    assert regex.get(name) == marks[name], (
+                        f"{title} {ref}: {sel.name} has a {name} label but no {name}=~\"${name}\"")
 
 
 def test_every_query_parses_after_macro_substitution() -> None:
@@ -377,6 +407,49 @@ def _anchor(heading: str) -> str:
     """GitHub's heading anchor: lower case, punctuation dropped, spaces to dashes."""
     text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
     return text.replace(" ", "-")
+
+
+TTFT_METRIC = "llm_proxy_time_to_first_token_seconds"
+
+
+def _aggregations(expr: str) -> list[promql_parser.AggregateExpr]:
+    found: list[promql_parser.AggregateExpr] = []
+
+    def visit(node: Any) -> None:
+        if isinstance(node, promql_parser.AggregateExpr):
+            found.append(node)
+
+    promql_parser.walk(promql_parser.parse(expr), visit)
+    return found
+
+
+def test_ttft_rules_and_alerts_cover_every_route() -> None:
+    """Every rule over the TTFT histogram selects no route and keeps ``route`` in each
+    aggregation (so /v1/responses and /v1/messages are covered like chat, and not
+    averaged away by it); every TTFT alert reads those per-route series and names the
+    route in its summary, so a page says which API is slow."""
+    per_route: set[str] = set()
+    for rule in load_rules(RECORDING_RULES):
+        reads = [s for s in selectors(rule["expr"]) if (s.name or "").startswith(TTFT_METRIC)]
+        if not reads:
+            continue
+        for sel in reads:
+            assert all(m.name != "route" for m in sel.matchers.matchers), rule["record"]
+        for agg in _aggregations(rule["expr"]):
+            assert agg.modifier is not None, rule["record"]
+            assert str(agg.modifier.type) == "AggModifierType.By", rule["record"]
+            assert "route" in agg.modifier.labels, f"{rule['record']}: sum by must keep route"
+        assert "route" in rule["record"].split(":")[0].split("_"), rule["record"]
+        per_route.add(rule["record"])
+    assert len(per_route) == 10  # TTFT p50/p95/p99 and seven SLO windows
+    ttft_alerts = 0
+    for rule in load_rules(ALERT_RULES):
+        recorded = {s.name or "" for s in selectors(rule["expr"]) if ":" in (s.name or "")}
+        if recorded & per_route:
+            ttft_alerts += 1
+            assert recorded - {"llm_proxy:ttft_slo:error_budget"} <= per_route, rule["alert"]
+            assert "{{ $labels.route }}" in rule["annotations"]["summary"], rule["alert"]
+    assert ttft_alerts == 4
 
 
 def test_slo_objective_lives_in_one_rule() -> None:

@@ -9,10 +9,13 @@ The proxy runs as the container runs it: ``llm-latency-proxy serve`` (``python -
 proxy serve``) configured only by the Dockerfile's ``LLM_PROXY_*`` environment
 (host narrowed to loopback), and the Dockerfile's ``HEALTHCHECK`` command is run
 against it. The traffic covers what the panels show: two models, streamed and not,
-chat and completions, a shared prompt prefix (cache hits), injected upstream errors
-and mid-stream drops, a request the upstream rejects, a client that hangs up, and more
-concurrent requests than both the proxy's ``--max-concurrency`` and the simulator's
-slots, so queue time is non-zero at the proxy and as the upstream reports it.
+all four measured APIs (chat and completions from the simulator; Responses and
+Messages streams with a reasoning phase before the answer and reasoning and
+cache-write tokens in their usage), a shared prompt prefix (cache hits), injected
+upstream errors and mid-stream drops, a request the upstream rejects, a client that
+hangs up, and more concurrent requests than both the proxy's ``--max-concurrency`` and
+the simulator's slots, so queue time is non-zero at the proxy and as the upstream
+reports it.
 
 Without a ``prometheus`` binary the test is skipped on a developer machine and fails in
 CI (``CI=true``). Waiting is on Prometheus's own API (bounded polls), never on a fixed
@@ -33,7 +36,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 import httpx
@@ -44,8 +47,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from proxy.simulator.app import create_simulator_app
 from proxy.simulator.model import SimConfig
 from tests.servers import serve_in_thread
+from tests.test_dialect_routes import T0, messages_script, responses_script
 from tests.test_observability import (
     ALERT_RULES,
+    ALL,
     PROMETHEUS_DIR,
     PROMETHEUS_YML,
     RECORDING_RULES,
@@ -61,6 +66,8 @@ from tests.test_observability import (
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.anyio]
 
 MODELS = ("sim-a", "sim-b")
+RESPONSES, MESSAGES = "/v1/responses", "/v1/messages"
+ROUTES = {"/v1/chat/completions", "/v1/completions", RESPONSES, MESSAGES}
 UPSTREAM_NAME = "sim"
 TRAFFIC_SECONDS = 6.0
 CLIENTS = 8  # > proxy --max-concurrency (4) > simulator slots (3): both queue
@@ -128,6 +135,60 @@ async def poll(what: str, check: Callable[[], Awaitable[bool]], log: Path | None
 
 
 # ---------------------------------------------------------------------------
+# Upstream: the simulator, and scripted Responses and Messages streams
+
+# The suite's Responses and Messages scripts (tests/test_dialect_routes.py), played
+# ten times faster: first bytes after 12.5 ms, reasoning from 50 ms, the answer 25 ms
+# after the last reasoning event, then usage with reasoning tokens (Responses) or
+# cache-write tokens (Messages). Played at those offsets by the upstream itself, so the
+# proxy sees a reasoning wait between first token and first answer token.
+SCRIPT_SPEED = 10.0
+REASONING_EVENTS = 3
+
+
+class ASGIApp(Protocol):
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None: ...
+
+
+def dialect_script(path: str, i: int) -> list[tuple[float, bytes]]:
+    """(seconds after the request, bytes) of the i-th scripted stream for ``path``."""
+    answer = 4 + i % 8
+    if path == RESPONSES:
+        script, _, _ = responses_script(REASONING_EVENTS, answer)
+    else:
+        script, _, _ = messages_script(REASONING_EVENTS, answer)
+    return [((t - T0) / SCRIPT_SPEED, chunk) for t, chunk in script]
+
+
+def with_dialect_routes(simulator: ASGIApp) -> ASGIApp:
+    """The simulator, with /v1/responses and /v1/messages answered by scripted streams.
+
+    Kept apart from the simulator so that this test knows exactly what those streams
+    hold (a reasoning phase, reasoning and cache-write tokens) whatever the simulator
+    serves. The ``x-queue-time`` header (ms, as TGI sends it) gives these routes an
+    upstream-reported queue time too.
+    """
+    counter = itertools.count()
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] not in (RESPONSES, MESSAGES):
+            await simulator(scope, receive, send)
+            return
+        while (await receive()).get("more_body"):
+            pass
+        start = anyio.current_time()
+        script = dialect_script(scope["path"], next(counter))
+        headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"x-queue-time", b"3")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        for offset, chunk in script:
+            await anyio.sleep_until(start + offset)  # the stream's schedule, not a wait
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+
+    return app
+
+
+# ---------------------------------------------------------------------------
 # Traffic
 
 
@@ -140,12 +201,19 @@ class Tally:
 
 def request_body(route: str, model: str, stream: bool, i: int, max_tokens: int) -> dict[str, Any]:
     question = f"Question number {i}: how long is a piece of string?"
-    body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "stream": stream}
+    body: dict[str, Any] = {"model": model, "stream": stream}
+    if route == "/responses":
+        body.update(instructions=SYSTEM_PROMPT, input=question, max_output_tokens=max_tokens)
+        return body
+    body["max_tokens"] = max_tokens
     if route == "/chat/completions":
         body["messages"] = [
             {"role": "system", "content": SYSTEM_PROMPT},
             {"role": "user", "content": question},
         ]
+    elif route == "/messages":
+        body["system"] = SYSTEM_PROMPT
+        body["messages"] = [{"role": "user", "content": question}]
     else:
         body["prompt"] = SYSTEM_PROMPT + question
     return body
@@ -164,13 +232,17 @@ async def one_request(
         tally.transport_errors += 1
 
 
-MIX = [  # (route, model, stream): both models, streamed and not, chat and completions
+MIX = [  # (route, model, stream): both models, streamed and not, all four APIs
     ("/chat/completions", "sim-a", True),
     ("/chat/completions", "sim-b", False),
+    ("/responses", "sim-a", True),
     ("/completions", "sim-b", True),
+    ("/messages", "sim-a", True),
     ("/chat/completions", "sim-b", True),
     ("/completions", "sim-a", False),
+    ("/responses", "sim-b", True),
     ("/chat/completions", "sim-a", True),
+    ("/messages", "sim-b", True),
 ]
 
 
@@ -280,12 +352,18 @@ def label_values(
     return {dict(labels)[label] for labels, value in totals.get(name, {}).items() if value > 0}
 
 
+def route_total(
+    totals: dict[str, dict[tuple[tuple[str, str], ...], float]], name: str, route: str
+) -> float:
+    return sum(v for labels, v in totals.get(name, {}).items() if dict(labels)["route"] == route)
+
+
 @pytest.fixture
 async def stack(
     tmp_path: Path,
 ) -> AsyncIterator[tuple[PromAPI, httpx.AsyncClient, subprocess.Popen[bytes], int]]:
     prometheus = require_tool("prometheus")
-    with serve_in_thread(create_simulator_app(SIM_CONFIG)) as sim:
+    with serve_in_thread(with_dialect_routes(create_simulator_app(SIM_CONFIG))) as sim:
         proxy_port = free_port()
         proxy_log = tmp_path / "proxy.log"
         argv = [sys.executable, "-m", "proxy", "serve"]
@@ -362,13 +440,24 @@ async def test_every_panel_and_recording_rule_returns_data(
     codes = label_values(totals, "llm_proxy_requests_total", "code")
     assert {"200", "400", "503"} <= codes, codes
     assert label_values(totals, "llm_proxy_requests_total", "model") == set(MODELS)
-    assert label_values(totals, "llm_proxy_requests_total", "route") == {
-        "/v1/chat/completions",
-        "/v1/completions",
-    }
+    assert label_values(totals, "llm_proxy_requests_total", "route") == ROUTES
+    assert label_values(totals, "llm_proxy_time_to_first_token_seconds_count", "route") == ROUTES
     assert sum(totals["llm_proxy_queue_time_seconds_sum"].values()) > 0
     assert sum(totals["llm_proxy_upstream_queue_time_seconds_sum"].values()) > 0
     assert sum(totals["llm_proxy_cached_prompt_tokens_sum"].values()) > 0
+    assert route_total(totals, "llm_proxy_reasoning_tokens_sum", RESPONSES) > 0
+    assert route_total(totals, "llm_proxy_cache_write_prompt_tokens_sum", MESSAGES) > 0
+    for route in (RESPONSES, MESSAGES):  # a reasoning phase: the answer starts later
+        mean = {
+            name: route_total(totals, f"llm_proxy_{name}_seconds_sum", route)
+            / route_total(totals, f"llm_proxy_{name}_seconds_count", route)
+            for name in ("time_to_first_byte", "time_to_first_token", "time_to_first_answer_token")
+        }
+        assert (
+            mean["time_to_first_byte"]
+            < mean["time_to_first_token"]
+            < mean["time_to_first_answer_token"]
+        ), (route, mean)
 
     # Every metric the dashboard reads is in the proxy's /metrics, with samples.
     recorded = {rule["record"] for rule in load_rules(RECORDING_RULES)}
@@ -403,15 +492,26 @@ async def test_every_panel_and_recording_rule_returns_data(
         )
         if not finite:
             failures.append(f"{title} [{ref}]: {len(result)} series, none finite\n    {expr}")
-    # ... and with one model and one upstream picked (Grafana's multi-value format).
+    # ... with one model and one upstream picked (Grafana's multi-value format) ...
     for title, ref, expr in dashboard_queries(
-        {"model": "(sim-a)", "upstream": f"({UPSTREAM_NAME})"}
+        {**ALL, "model": "(sim-a)", "upstream": f"({UPSTREAM_NAME})"}
     ):
         result = await prom.series(expr)
         models = {labels.get("model") for labels, _ in result} - {None}
         if not result or models - {"sim-a"}:
             failures.append(
                 f"{title} [{ref}] with model=sim-a: {len(result)} series, models {models}"
+            )
+    # ... and with the Responses and Messages routes picked: every panel has data from
+    # those two APIs, and from no other.
+    picked = {RESPONSES, MESSAGES}
+    for title, ref, expr in dashboard_queries({**ALL, "route": f"({RESPONSES}|{MESSAGES})"}):
+        result = await prom.series(expr)
+        routes = {labels.get("route") for labels, _ in result} - {None}
+        if not any(math.isfinite(value) for _, value in result) or routes - picked:
+            failures.append(
+                f"{title} [{ref}] with route={sorted(picked)}: {len(result)} series, "
+                f"routes {routes}"
             )
 
     # Every recording rule's expression evaluates to data too, and every alert parses.
@@ -432,6 +532,7 @@ async def test_every_panel_and_recording_rule_returns_data(
     for label, match, expected in (
         ("upstream", "llm_proxy_requests_total", {UPSTREAM_NAME}),
         ("model", 'llm_proxy_requests_total{upstream=~".*"}', set(MODELS)),
+        ("route", "llm_proxy_requests_total", ROUTES),
     ):
         response = await prom.client.get(f"/api/v1/label/{label}/values", params={"match[]": match})
         assert expected <= set(response.json()["data"]), (label, response.text)
