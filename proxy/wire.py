@@ -341,6 +341,9 @@ class _Connection(asyncio.Protocol):
             return
         if verdict == PAUSE:
             self.pause_reading()
+        elif ex.finished:  # the whole body had arrived, but the sink did not take it
+            if ex.error is None:
+                ex.error = ClientGone("the client went away")
         else:
             self._fail(ex, ClientGone("the client went away"))
         ex.wake()
