@@ -140,7 +140,7 @@ async def request(upstream: Upstream, body: bytes = b'{"model":"m"}') -> WireRes
     ("never-reads", WriteTimeout, TIMEOUT),
     ("hangs-up", ReadError, FAILED),
     ("not-http", RemoteProtocolError, FAILED),
-])
+], ids=["refused", "tunnel-timeout", "pool", "silent", "never-reads", "hangs-up", "not-http"])
 async def test_real_failures_name_the_host_and_nothing_secret(
         case: str, expected_error: type[UpstreamError], expected: tuple[int, str],
         monkeypatch: pytest.MonkeyPatch) -> None:

@@ -199,6 +199,20 @@ async def test_expired_connections_at_the_bottom_of_the_pool_are_closed() -> Non
         assert w.transport.idle[up.endpoint] == [top]
 
 
+async def test_the_most_recently_used_connection_is_reused_first() -> None:
+    """LIFO: the warmest connection carries the next request, so the coldest age out."""
+    async with scripted(answering()) as up, wire(max_connections=2) as w:
+        first, second = await asyncio.gather(w.send("GET", up.endpoint, "/a"),
+                                              w.send("GET", up.endpoint, "/b"))
+        for response in (first, second):  # released /a, then /b: /b's is on top
+            await response.body.read(100)
+            await response.aclose()
+        assert await w.fetch("GET", up.endpoint, "/c") == (200, b"/c")
+        [on_b] = [n for n, raw in up.requests if raw.startswith(b"GET /b ")]
+        assert up.paths(on_b) == [b"/b", b"/c"]
+        assert up.accepted == 2
+
+
 async def test_upstream_closing_an_idle_connection_teaches_its_limit() -> None:
     close_now = asyncio.Event()
     closed = asyncio.Event()
