@@ -422,3 +422,26 @@ def test_upstream_logs_one_line_when_a_proxy_applies(
     assert lines == ([expected] if expected else [])
     assert all(record.levelno == logging.INFO for record in caplog.records)
     assert (up.endpoint.via is not None) == (expected is not None and "https" in upstream)
+
+
+async def test_connect_to_an_ipv6_upstream_brackets_its_address() -> None:
+    async with fake_proxy("close") as (fake, port):
+        transport = WireTransport(max_connections=1, connect_timeout=1.0, read_timeout=1.0)
+        endpoint = Endpoint("https", "::1", 8443, ProxyEndpoint("127.0.0.1", port))
+        try:
+            with pytest.raises(ConnectError):
+                await transport.exchange("GET", endpoint, b"GET / HTTP/1.1\r\n\r\n")
+        finally:
+            await transport.aclose()
+    assert fake.connects == [b"CONNECT [::1]:8443 HTTP/1.1\r\nHost: [::1]:8443\r\n\r\n"]
+
+
+@pytest.mark.parametrize("variable", ["HTTPS_PROXY", "https_proxy"])
+def test_an_unsupported_proxy_url_fails_at_start_up_without_its_credentials(
+        variable: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The error reaches the terminal at start-up: it must not print the password."""
+    proxy_environment(monkeypatch, **{variable: "socks5h://relay:hunter2@proxy.internal:1080"})
+    with pytest.raises(ValueError, match="only http:// proxies") as caught:
+        Upstream(Settings(upstream="https://api.example.com/v1"))
+    assert "proxy.internal:1080" in str(caught.value)
+    assert "hunter2" not in str(caught.value)
