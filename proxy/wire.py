@@ -140,7 +140,8 @@ class ProxyEndpoint:
 
         parts = urlsplit(url if "://" in url else "http://" + url)
         if parts.scheme != "http" or not parts.hostname:
-            raise ValueError(f"only http:// proxies are supported, not {url!r}")
+            shown = parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()
+            raise ValueError(f"only http:// proxies are supported, not {shown!r}")  # no password
         auth = b""
         if parts.username is not None:
             user = f"{unquote(parts.username)}:{unquote(parts.password or '')}"
@@ -341,6 +342,9 @@ class _Connection(asyncio.Protocol):
             return
         if verdict == PAUSE:
             self.pause_reading()
+        elif ex.finished:  # the whole body had arrived, but the sink did not take it
+            if ex.error is None:
+                ex.error = ClientGone("the client went away")
         else:
             self._fail(ex, ClientGone("the client went away"))
         ex.wake()
@@ -555,7 +559,7 @@ class WireTransport:
         else:
             raise last or OSError(f"no address for {via.host}")
         try:
-            authority = f"{host}:{port}".encode("idna")
+            authority = (f"[{host}]:{port}" if ":" in host else f"{host}:{port}").encode("idna")
             request = b"CONNECT %b HTTP/1.1\r\nHost: %b\r\n" % (authority, authority)
             if via.authorization:
                 request += b"Proxy-Authorization: " + via.authorization + b"\r\n"

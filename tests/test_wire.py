@@ -1,4 +1,4 @@
-"""The built-in upstream client (:mod:`proxy.wire`) on real loopback sockets.
+"""The upstream client (:mod:`proxy.wire`) on real loopback sockets.
 
 Each test scripts an upstream as an asyncio server on the test's own event loop: a
 handler per accepted connection that writes exact bytes, so framing, keep-alive, resets
@@ -7,9 +7,14 @@ Sharing one loop keeps the order deterministic: what the server wrote is readabl
 the client on the loop's next turn, and "the client has seen these bytes" is an
 ``asyncio.Event`` set from the client's own callback, never a sleep.
 
+Requests are built with :func:`proxy.wire.serialize` and sent with
+:meth:`WireTransport.exchange`, as :class:`proxy.upstream.Upstream` does; bodies are read
+with :meth:`WireBody.pipe` (a sink per read) or :meth:`WireBody.read` (all at once).
+
 The last test runs the proxy under real uvicorn and proves the relay's direct path
-(:class:`proxy.relay.DirectWriter`) engages with the installed uvicorn, so an upgrade
-that changes uvicorn's internals fails here instead of silently taking the slow path.
+(:class:`proxy.uvicorn_writer.DirectWriter`) engages with the installed uvicorn, so an
+upgrade that changes uvicorn's internals fails here instead of silently taking the slow
+path.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import contextlib
 import re
 import socket
 import struct
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,9 +35,25 @@ from prometheus_client import CollectorRegistry
 import proxy.relay
 from proxy.app import create_app
 from proxy.config import Settings
-from proxy.relay import DirectWriter
 from proxy.upstream import Upstream
-from proxy.wire import GO, ITER_BUFFER, PAUSE, STOP, SinkStopped, WireBody, WireTransport
+from proxy.uvicorn_writer import DirectWriter
+from proxy.wire import (
+    GO,
+    HOLD_BUFFER,
+    PAUSE,
+    STOP,
+    ClientGone,
+    ConnectError,
+    Endpoint,
+    PoolTimeout,
+    ReadError,
+    ReadTimeout,
+    RemoteProtocolError,
+    UpstreamError,
+    WireResponse,
+    WireTransport,
+    serialize,
+)
 from tests.raw_upstream import Conn, RawUpstream, closed_port, content_event
 from tests.servers import serve_in_thread
 
@@ -41,6 +62,11 @@ pytestmark = [pytest.mark.anyio, pytest.mark.timeout(20)]
 # The most one data_received call brings: 256 KiB for asyncio's selector transport,
 # 256,000 bytes for uvloop's.
 READ_MAX = 256 * 1024
+# Large enough for every whole body read in this file.
+LIMIT = 64 * 1024 * 1024
+
+PROXY_VARIABLES = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY",
+                   "http_proxy", "https_proxy", "all_proxy", "no_proxy")
 
 
 @pytest.fixture(params=[pytest.param(("asyncio", {"use_uvloop": False}), id="asyncio"),
@@ -48,6 +74,12 @@ READ_MAX = 256 * 1024
 def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, bool]]:
     """Both loops: the proxy serves on uvloop (``proxy.serve``), tests elsewhere on asyncio."""
     return request.param  # type: ignore[no-any-return]
+
+
+def no_environment_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A proxy set in the test machine's environment must not reroute the upstream."""
+    for name in PROXY_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
 
 
 # ---------------------------------------------------------------------------
@@ -63,6 +95,10 @@ class Scripted:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def endpoint(self) -> Endpoint:
+        return Endpoint("http", "127.0.0.1", self.port)
 
     def paths(self, connection: int | None = None) -> list[bytes]:
         return [raw.split(b" ", 2)[1] for n, raw in self.requests
@@ -181,75 +217,83 @@ class Raised:
         return f"<any {self.cls.__name__}>"
 
 
+
+
 # ---------------------------------------------------------------------------
 # The client side
 
 
+def request(method: str, endpoint: Endpoint, target: str, body: bytes = b"",
+            headers: Sequence[tuple[bytes, bytes]] = ()) -> bytes:
+    """A request as ``Upstream.open`` builds it: ``serialize``, Host from the endpoint."""
+    return serialize(method, target.encode(), str(endpoint).encode(), list(headers), body)
+
+
 class Wire:
-    """A WireTransport and an httpx client that only builds its requests."""
+    """A WireTransport with the test's defaults: one connection, 2 s timeouts."""
 
     def __init__(self, **options: Any) -> None:
         self.transport = WireTransport(**{"max_connections": 1, "connect_timeout": 2.0,
                                           "read_timeout": 2.0, **options})
-        self.builder = httpx.AsyncClient(transport=self.transport)
-        self.builder.headers.clear()
 
-    def build(self, method: str, url: str, **kwargs: Any) -> httpx.Request:
-        return self.builder.build_request(method, url, **kwargs)
+    async def send(self, method: str, endpoint: Endpoint, target: str,
+                   body: bytes = b"") -> WireResponse:
+        return await self.transport.exchange(method, endpoint,
+                                             request(method, endpoint, target, body))
 
-    async def send(self, method: str, url: str, **kwargs: Any) -> httpx.Response:
-        return await self.transport.handle_async_request(self.build(method, url, **kwargs))
-
-    async def fetch(self, method: str, url: str, **kwargs: Any) -> tuple[int, bytes]:
-        response = await self.send(method, url, **kwargs)
-        body, error = await consume(response, "iter")
-        assert error is None
-        return response.status_code, body
+    async def fetch(self, method: str, endpoint: Endpoint, target: str,
+                    body: bytes = b"") -> tuple[int, bytes]:
+        response = await self.send(method, endpoint, target, body)
+        try:
+            return response.status_code, await response.body.read(LIMIT)
+        finally:
+            await response.aclose()
 
 
 @contextlib.asynccontextmanager
 async def wire(**options: Any) -> AsyncIterator[Wire]:
     w = Wire(**options)
-    async with w.builder:
+    try:
         yield w
+    finally:
+        await w.transport.aclose()
 
 
-async def consume(response: httpx.Response, mode: str,
-                  on_chunk: Callable[[bytes], None] | None = None) -> tuple[bytes, Exception | None]:
-    """The body read by ``pipe`` or by iteration, and the transport error that ended it."""
-    body = response.stream
-    assert isinstance(body, WireBody)
+async def consume(response: WireResponse, mode: str = "pipe",
+                  on_chunk: Callable[[bytes], None] | None = None
+                  ) -> tuple[bytes, UpstreamError | None]:
+    """The body, read by ``pipe`` with a sink that never pauses or by ``read``, and the
+    error that ended it. ``read`` hands on nothing when the body fails: it is all or
+    nothing."""
     got = bytearray()
 
-    def take(chunk: bytes) -> None:
+    def sink(chunk: bytes) -> int:
         got.extend(chunk)
         if on_chunk is not None:
             on_chunk(bytes(got))
-
-    def sink(chunk: bytes) -> int:
-        take(chunk)
         return GO
 
-    async def drain() -> None:
-        raise AssertionError("drain called though the sink never asked to pause")
-
-    error: Exception | None = None
+    error: UpstreamError | None = None
     try:
         if mode == "pipe":
-            await body.pipe(sink, drain)
+            assert await response.body.pipe(sink), "pipe paused though the sink never did"
         else:
-            async for chunk in body:
-                take(chunk)
-    except httpx.TransportError as exc:
+            got += await response.body.read(LIMIT)
+    except UpstreamError as exc:
         error = exc
     finally:
         await response.aclose()
     return bytes(got), error
 
 
-@pytest.fixture(params=["pipe", "iter"])
+@pytest.fixture(params=["pipe", "read"])
 def mode(request: pytest.FixtureRequest) -> str:
     return str(request.param)
+
+
+def before_failure(mode: str, got: bytes) -> bytes:
+    """What ``consume`` returns of a body that failed after ``got`` arrived."""
+    return got if mode == "pipe" else b""
 
 
 # ---------------------------------------------------------------------------
@@ -259,7 +303,7 @@ def mode(request: pytest.FixtureRequest) -> str:
 async def test_sequential_requests_reuse_one_connection(mode: str) -> None:
     async with scripted(answering()) as up, wire() as w:
         for path in ("/a", "/b", "/c"):
-            response = await w.send("GET", up.url + path)
+            response = await w.send("GET", up.endpoint, path)
             assert await consume(response, mode) == (path.encode(), None)
         assert up.accepted == 1
         assert up.paths(1) == [b"/a", b"/b", b"/c"]
@@ -268,10 +312,9 @@ async def test_sequential_requests_reuse_one_connection(mode: str) -> None:
 async def test_concurrent_requests_open_connections_then_reuse_them() -> None:
     async with scripted(answering()) as up, wire(max_connections=2) as w:
         for _ in range(3):
-            first, second = await asyncio.gather(w.send("GET", up.url + "/1"),
-                                                 w.send("GET", up.url + "/2"))
-            assert [await consume(r, "iter") for r in (first, second)] == [
-                (b"/1", None), (b"/2", None)]
+            first, second = await asyncio.gather(w.send("GET", up.endpoint, "/1"),
+                                                 w.send("GET", up.endpoint, "/2"))
+            assert [await consume(r) for r in (first, second)] == [(b"/1", None), (b"/2", None)]
         assert up.accepted == 2
         assert sorted(up.paths()) == [b"/1"] * 3 + [b"/2"] * 3
 
@@ -286,10 +329,10 @@ async def test_connection_close_header_is_not_reused() -> None:
         await until_eof(reader, closed)  # the socket stays open: only the header says close
 
     async with scripted(handler) as up, wire() as w:
-        assert await w.fetch("GET", up.url + "/1") == (200, b"bye")
+        assert await w.fetch("GET", up.endpoint, "/1") == (200, b"bye")
         async with asyncio.timeout(5):
             await closed.wait()  # the client closed it ...
-        assert await w.fetch("GET", up.url + "/2") == (200, b"hello")
+        assert await w.fetch("GET", up.endpoint, "/2") == (200, b"hello")
         assert up.accepted == 2  # ... and opened a new one
 
 
@@ -307,14 +350,15 @@ async def test_abandoned_response_closes_its_connection(read_first: bool) -> Non
             await answering()(up, n, reader, writer)
 
     async with scripted(handler) as up, wire() as w:
-        response = await w.send("GET", up.url + "/abandoned")
+        response = await w.send("GET", up.endpoint, "/abandoned")
         if read_first:
-            chunks = response.stream.__aiter__()  # type: ignore[union-attr]
-            assert await chunks.__anext__() == b"12345"
+            got: list[bytes] = []
+            assert not await response.body.pipe(lambda chunk: got.append(chunk) or PAUSE)
+            assert got == [b"12345"]
         await response.aclose()
         async with asyncio.timeout(5):
             await closed.wait()
-        assert await w.fetch("GET", up.url + "/next") == (200, b"/next")
+        assert await w.fetch("GET", up.endpoint, "/next") == (200, b"/next")
         assert up.accepted == 2
 
 
@@ -327,13 +371,22 @@ async def test_idle_connection_closed_by_upstream_is_not_reused() -> None:
         writer.close()  # keep-alive answer, then the upstream closes the idle connection
 
     async with scripted(handler) as up, wire() as w:
-        assert await w.fetch("GET", up.url + "/1") == (200, b"once")
-        origin = ("http", "127.0.0.1", up.port)
-        await settled(lambda: all(c.lost for c in w.transport.idle.get(origin, [])))
-        assert all(c.lost for c in w.transport.idle[origin])
+        assert await w.fetch("GET", up.endpoint, "/1") == (200, b"once")
+        await settled(lambda: all(c.lost for c in w.transport.idle.get(up.endpoint, [])))
+        assert all(c.lost for c in w.transport.idle[up.endpoint])
         # Not even a POST fails: the pool noticed the close and connects afresh.
-        assert await w.fetch("POST", up.url + "/2", content=b"{}") == (200, b"once")
+        assert await w.fetch("POST", up.endpoint, "/2", b"{}") == (200, b"once")
         assert up.accepted == 2
+
+
+async def test_body_larger_than_the_read_limit_is_a_read_error() -> None:
+    async with scripted(answering(lambda raw: ok(b"x" * 100))) as up, wire() as w:
+        response = await w.send("GET", up.endpoint, "/")
+        with pytest.raises(ReadError, match="larger than 99 bytes"):
+            await response.body.read(99)
+        await response.aclose()
+        assert await w.fetch("GET", up.endpoint, "/") == (200, b"x" * 100)
+        assert up.accepted == 2  # the half-read connection was not reused
 
 
 # ---------------------------------------------------------------------------
@@ -366,7 +419,7 @@ async def test_bodies_arrive_complete(framing: str, mode: str) -> None:
 
     async with scripted(handler) as up, wire() as w:
         for _ in range(2):
-            response = await w.send("GET", up.url + "/")
+            response = await w.send("GET", up.endpoint, "/")
             assert response.status_code == 200
             assert await consume(response, mode) == (body, None)
         assert up.accepted == (2 if framing == "close" else 1)
@@ -376,11 +429,11 @@ async def test_head_response_finishes_and_the_next_request_works() -> None:
     async with scripted(answering(lambda raw: b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n"
                                   if raw.startswith(b"HEAD") else ok(b"after head"))) as up, \
             wire(read_timeout=5.0) as w:
-        response = await w.send("HEAD", up.url + "/")
-        assert response.headers["content-length"] == "100"
+        response = await w.send("HEAD", up.endpoint, "/")
+        assert response.headers.get("content-length") == "100"
         async with asyncio.timeout(2):  # finished at the headers, not at a read timeout
-            assert await consume(response, "iter") == (b"", None)
-        assert await w.fetch("GET", up.url + "/") == (200, b"after head")
+            assert await consume(response, "read") == (b"", None)
+        assert await w.fetch("GET", up.endpoint, "/") == (200, b"after head")
 
 
 @pytest.mark.parametrize("together", [True, False], ids=["one-write", "separate-writes"])
@@ -403,10 +456,10 @@ async def test_informational_responses_are_skipped(together: bool) -> None:
 
     async with scripted(handler) as up, wire() as w:
         for _ in range(2):
-            response = await w.send("POST", up.url + "/", content=b"{}")
+            response = await w.send("POST", up.endpoint, "/", b"{}")
             assert response.status_code == 200
             assert response.headers.raw == [(b"content-length", b"4"), (b"x-final", b"1")]
-            assert await consume(response, "iter") == (b"done", None)
+            assert await consume(response, "read") == (b"done", None)
         assert up.accepted == 1
 
 
@@ -439,8 +492,8 @@ def close_on_second_request(answer_second_connection: bytes = b"") -> Handler:
 @pytest.mark.parametrize("method", ["GET", "HEAD", "DELETE"])
 async def test_idempotent_request_retried_once_on_a_new_connection(method: str) -> None:
     async with scripted(close_on_second_request()) as up, wire() as w:
-        assert await w.fetch("GET", up.url + "/first") == (200, b"first")
-        status, body = await w.fetch(method, up.url + "/again")
+        assert await w.fetch("GET", up.endpoint, "/first") == (200, b"first")
+        status, body = await w.fetch(method, up.endpoint, "/again")
         assert status == 200
         assert body == (b"" if method == "HEAD" else b"/again")
         assert up.accepted == 2
@@ -450,21 +503,21 @@ async def test_idempotent_request_retried_once_on_a_new_connection(method: str) 
 
 async def test_post_is_never_sent_twice() -> None:
     async with scripted(close_on_second_request()) as up, wire() as w:
-        assert await w.fetch("GET", up.url + "/first") == (200, b"first")
-        with pytest.raises(httpx.RemoteProtocolError):
-            await w.send("POST", up.url + "/generate", content=b'{"model":"m"}')
+        assert await w.fetch("GET", up.endpoint, "/first") == (200, b"first")
+        with pytest.raises(ReadError):
+            await w.send("POST", up.endpoint, "/generate", b'{"model":"m"}')
         assert up.accepted == 1
         assert up.paths() == [b"/first", b"/generate"]
         # The slot came back (max_connections=1) and a new connection works.
-        assert await w.fetch("GET", up.url + "/later") == (200, b"/later")
+        assert await w.fetch("GET", up.endpoint, "/later") == (200, b"/later")
 
 
 async def test_no_retry_once_part_of_the_answer_came() -> None:
     async with scripted(close_on_second_request(b"HTTP/1.1 200 OK\r\ncontent-le")) as up, \
             wire() as w:
-        assert await w.fetch("GET", up.url + "/first") == (200, b"first")
-        with pytest.raises(httpx.RemoteProtocolError):
-            await w.send("GET", up.url + "/again")
+        assert await w.fetch("GET", up.endpoint, "/first") == (200, b"first")
+        with pytest.raises(ReadError):
+            await w.send("GET", up.endpoint, "/again")
         assert up.accepted == 1
 
 
@@ -474,8 +527,8 @@ async def test_no_retry_on_a_fresh_connection() -> None:
         await up.read_request(n, reader)  # and close without an answer
 
     async with scripted(handler) as up, wire() as w:
-        with pytest.raises(httpx.RemoteProtocolError):
-            await w.send("GET", up.url + "/")
+        with pytest.raises(ReadError):
+            await w.send("GET", up.endpoint, "/")
         assert up.accepted == 1
 
 
@@ -497,13 +550,13 @@ async def test_no_headers_within_read_timeout() -> None:
     async with scripted(handler) as up, wire(read_timeout=0.2) as w:
         loop = asyncio.get_running_loop()
         t = loop.time()
-        with pytest.raises(httpx.ReadTimeout):
-            await w.send("GET", up.url + "/silent")
+        with pytest.raises(ReadTimeout, match="no response headers"):
+            await w.send("GET", up.endpoint, "/silent")
         assert 0.2 <= loop.time() - t < 2.0
         async with asyncio.timeout(5):
             await closed.wait()  # the client gave up on the connection
-        assert await w.fetch("GET", up.url + "/next") == (200, b"/next")  # not retried, slot back
-        assert up.paths() == [b"/silent", b"/next"]
+        assert await w.fetch("GET", up.endpoint, "/next") == (200, b"/next")  # slot back
+        assert up.paths() == [b"/silent", b"/next"]  # not retried
 
 
 async def test_stall_mid_body_is_a_read_timeout_after_every_byte(mode: str) -> None:
@@ -520,18 +573,18 @@ async def test_stall_mid_body_is_a_read_timeout_after_every_byte(mode: str) -> N
         await until_eof(reader, closed)
 
     async with scripted(handler) as up, wire(read_timeout=0.2) as w:
-        response = await w.send("GET", up.url + "/")
+        response = await w.send("GET", up.endpoint, "/")
         got, error = await consume(response, mode)
-        assert got == b"".join(sent)
-        assert isinstance(error, httpx.ReadTimeout)
+        assert got == before_failure(mode, b"".join(sent))
+        assert isinstance(error, ReadTimeout)
         async with asyncio.timeout(5):
             await closed.wait()
 
 
 async def test_a_paused_reader_is_not_a_read_timeout() -> None:
     """While the sink holds the upstream back, the upstream's silence is not its fault."""
-    start, paused = asyncio.Event(), asyncio.Event()
     parts = [b"data: %d\n\n" % i for i in range(3)]
+    start, paused = asyncio.Event(), asyncio.Event()
 
     async def handler(up: Scripted, n: int, reader: asyncio.StreamReader,
                       writer: asyncio.StreamWriter) -> None:
@@ -545,32 +598,48 @@ async def test_a_paused_reader_is_not_a_read_timeout() -> None:
         await until_eof(reader, asyncio.Event())
 
     async with scripted(handler) as up, wire(read_timeout=0.1) as w:
-        response = await w.send("GET", up.url + "/")
+        response = await w.send("GET", up.endpoint, "/")
         got = bytearray()
+        verdict = PAUSE
 
         def sink(chunk: bytes) -> int:
             got.extend(chunk)
-            return GO if paused.is_set() else PAUSE
-
-        async def drain() -> None:
-            paused.set()
-            await asyncio.sleep(0.4)  # the slow client under test: four read timeouts long
+            return verdict
 
         start.set()
-        body = response.stream
-        assert isinstance(body, WireBody)
-        await body.pipe(sink, drain)
+        assert not await response.body.pipe(sink)  # paused after the first part
+        assert bytes(got) == parts[0]
+        paused.set()
+        # The slow client under test: paused while the read-timeout timer fires three
+        # times (each at least one read timeout after the last), counted, not slept.
+        conn = response.body._conn
+        fired = asyncio.Event()
+        checks = 0
+        check = conn._check_timeouts
+
+        def counting_check() -> None:
+            nonlocal checks
+            checks += 1
+            if checks == 3:
+                fired.set()
+            check()
+
+        conn._check_timeouts = counting_check  # type: ignore[method-assign]
+        async with asyncio.timeout(5):
+            await fired.wait()
+        assert conn.read_paused and not conn.lost
+        verdict = GO
+        assert await response.body.pipe(sink)
         await response.aclose()
-        assert paused.is_set()
         assert bytes(got) == b"".join(parts)
 
 
 async def test_connect_refused_is_connect_error() -> None:
     async with wire() as w:
-        url = f"http://127.0.0.1:{closed_port()}/"
+        endpoint = Endpoint("http", "127.0.0.1", closed_port())
         for _ in range(2):  # and the slot came back: not a PoolTimeout the second time
-            with pytest.raises(httpx.ConnectError):
-                await w.send("GET", url)
+            with pytest.raises(ConnectError, match=f"127.0.0.1:{endpoint.port}"):
+                await w.send("GET", endpoint, "/")
 
 
 async def test_pool_exhausted_is_pool_timeout_after_connect_timeout() -> None:
@@ -584,15 +653,15 @@ async def test_pool_exhausted_is_pool_timeout_after_connect_timeout() -> None:
             await answering()(up, n, reader, writer)
 
     async with scripted(handler) as up, wire(max_connections=1, connect_timeout=0.2) as w:
-        held = await w.send("GET", up.url + "/held")
+        held = await w.send("GET", up.endpoint, "/held")
         loop = asyncio.get_running_loop()
         t = loop.time()
-        with pytest.raises(httpx.PoolTimeout):
-            await w.send("GET", up.url + "/waits")
+        with pytest.raises(PoolTimeout):
+            await w.send("GET", up.endpoint, "/waits")
         assert 0.2 <= loop.time() - t < 2.0
         assert (up.accepted, up.paths()) == (1, [b"/held"])
         await held.aclose()
-        assert await w.fetch("GET", up.url + "/after") == (200, b"/after")
+        assert await w.fetch("GET", up.endpoint, "/after") == (200, b"/after")
 
 
 def unfinished_answer(part: bytes, framing: str) -> bytes:
@@ -605,7 +674,7 @@ def unfinished_answer(part: bytes, framing: str) -> bytes:
 
 @pytest.mark.parametrize("framing", ["length", "chunked"])
 @pytest.mark.parametrize("how", ["rst", "fin"])
-async def test_upstream_breaks_mid_body_after_every_byte(how: str, framing: str, mode: str) -> None:
+async def test_upstream_breaks_mid_body_after_every_byte(how: str, framing: str) -> None:
     part = b"data: before the break\n\n"
     received = asyncio.Event()
 
@@ -625,12 +694,12 @@ async def test_upstream_breaks_mid_body_after_every_byte(how: str, framing: str,
             writer.close()
 
     async with scripted(handler) as up, wire() as w:
-        response = await w.send("GET", up.url + "/")
-        got, error = await consume(response, mode,
+        response = await w.send("GET", up.endpoint, "/")
+        got, error = await consume(response, "pipe",
                                    lambda got: received.set() if got == part else None)
         assert got == part
-        assert isinstance(error, httpx.RemoteProtocolError)
-        assert await w.fetch("GET", up.url + "/next") == (200, b"/next")
+        assert isinstance(error, ReadError)
+        assert await w.fetch("GET", up.endpoint, "/next") == (200, b"/next")
 
 
 @pytest.mark.parametrize("framing", ["length", "chunked"])
@@ -646,11 +715,9 @@ async def test_bytes_before_a_break_reach_a_reader_that_comes_late(framing: str,
         writer.close()
 
     async with scripted(handler) as up, wire() as w:
-        response = await w.send("GET", up.url + "/")
-        body = response.stream
-        assert isinstance(body, WireBody)
-        await until(lambda: body._conn.lost)  # the close was seen before the body was read
-        assert await consume(response, mode) == (part, Raised(httpx.RemoteProtocolError))
+        response = await w.send("GET", up.endpoint, "/")
+        await until(lambda: response.body._conn.lost)  # the close came before the read
+        assert await consume(response, mode) == (before_failure(mode, part), Raised(ReadError))
 
 
 @pytest.mark.parametrize("answer", [
@@ -660,10 +727,10 @@ async def test_bytes_before_a_break_reach_a_reader_that_comes_late(framing: str,
 ], ids=["status-line", "content-length", "two-lengths"])
 async def test_malformed_head_is_remote_protocol_error(answer: bytes) -> None:
     async with scripted(answering(lambda raw: answer)) as up, wire() as w:
-        with pytest.raises(httpx.RemoteProtocolError):
-            await w.send("GET", up.url + "/")
-        with pytest.raises(httpx.RemoteProtocolError):  # the slot came back
-            await w.send("GET", up.url + "/")
+        with pytest.raises(RemoteProtocolError):
+            await w.send("GET", up.endpoint, "/")
+        with pytest.raises(RemoteProtocolError):  # the slot came back
+            await w.send("GET", up.endpoint, "/")
 
 
 async def test_malformed_chunk_is_remote_protocol_error_after_every_byte(mode: str) -> None:
@@ -679,20 +746,20 @@ async def test_malformed_chunk_is_remote_protocol_error_after_every_byte(mode: s
         await until_eof(reader, asyncio.Event())
 
     async with scripted(handler) as up, wire() as w:
-        response = await w.send("GET", up.url + "/")
+        response = await w.send("GET", up.endpoint, "/")
         have_headers.set()
         got, error = await consume(response, mode)
-        assert (response.status_code, got) == (200, b"hello")
-        assert isinstance(error, httpx.RemoteProtocolError)
+        assert (response.status_code, got) == (200, before_failure(mode, b"hello"))
+        assert isinstance(error, RemoteProtocolError)
 
 
 async def test_malformed_chunk_in_the_first_read_still_returns_the_response() -> None:
     answer = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\nzz\r\nmore"
     async with scripted(answering(lambda raw: answer)) as up, wire() as w:
-        response = await w.send("GET", up.url + "/")
-        got, error = await consume(response, "iter")
+        response = await w.send("GET", up.endpoint, "/")
+        got, error = await consume(response)
         assert (response.status_code, got) == (200, b"hello")
-        assert isinstance(error, httpx.RemoteProtocolError)
+        assert isinstance(error, RemoteProtocolError)
 
 
 # ---------------------------------------------------------------------------
@@ -727,66 +794,62 @@ def big_body(progress: dict[str, int], start: asyncio.Event | None = None,
 
 
 @pytest.mark.parametrize("with_head", [0, 4096], ids=["body-after-head", "body-with-head"])
-async def test_pipe_pause_holds_the_upstream_until_drain_returns(with_head: int) -> None:
+async def test_pipe_pause_holds_the_upstream_until_the_caller_resumes(with_head: int) -> None:
     progress = {"sent": 0}
     start = asyncio.Event()
-    draining = asyncio.Event()
-    resume = asyncio.Event()
     got = bytearray()
     calls: list[int] = []  # len(got) after each sink call
+    verdict = PAUSE
 
     def sink(chunk: bytes) -> int:
         got.extend(chunk)
         calls.append(len(got))
-        return GO if resume.is_set() else PAUSE
-
-    async def drain() -> None:
-        draining.set()
-        await resume.wait()
+        return verdict
 
     async with scripted(big_body(progress, start, with_head=with_head)) as up, wire() as w:
-        response = await w.send("GET", up.url + "/")
-        body = response.stream
-        assert isinstance(body, WireBody)
+        response = await w.send("GET", up.endpoint, "/")
         start.set()
-        piping = asyncio.create_task(body.pipe(sink, drain))
         try:
             async with asyncio.timeout(5):
-                await draining.wait()
+                assert not await response.body.pipe(sink), "pipe did not return on PAUSE"
             await settled(lambda: progress["sent"])  # the upstream cannot send any more
             assert len(calls) == 1, "the sink was called again after it asked to pause"
             assert progress["sent"] < TOTAL
-            resume.set()
+            verdict = GO  # the client caught up: the caller resumes by piping again
             async with asyncio.timeout(10):
-                await piping
+                assert await response.body.pipe(sink)
         finally:
-            piping.cancel()
             await response.aclose()
         assert bytes(got) == PAYLOAD
         assert progress["sent"] == TOTAL
 
 
-async def test_iteration_holds_at_most_iter_buffer() -> None:
+async def test_body_nobody_reads_yet_holds_at_most_hold_buffer() -> None:
     progress = {"sent": 0}
     async with scripted(big_body(progress)) as up, wire() as w:
-        response = await w.send("GET", up.url + "/")
-        body = response.stream
-        assert isinstance(body, WireBody)
-        chunks = body.__aiter__()
-        got = bytearray(await chunks.__anext__())
-        await settled(lambda: progress["sent"])  # a slow consumer: the upstream is held
+        response = await w.send("GET", up.endpoint, "/")
+        await settled(lambda: progress["sent"])  # no reader: the upstream is held
         assert progress["sent"] < TOTAL
-        peak = body._ex.buffered  # bytes read from the socket, not yet taken by the consumer
-        assert ITER_BUFFER < peak <= ITER_BUFFER + READ_MAX
-        async for chunk in chunks:
-            got += chunk
-            peak = max(peak, body._ex.buffered)
+        held = sum(map(len, response.body._ex.parts))  # read from the socket, not handed on
+        assert HOLD_BUFFER < held <= HOLD_BUFFER + READ_MAX
+        got = bytearray()
+        peak = 0
+
+        def sink(chunk: bytes) -> int:
+            nonlocal peak
+            got.extend(chunk)
+            peak = max(peak, len(chunk))
+            return GO
+
+        assert await response.body.pipe(sink)
         await response.aclose()
-        assert peak <= ITER_BUFFER + READ_MAX
+        assert peak == held  # the held bytes in the first call; later reads are smaller
         assert bytes(got) == PAYLOAD
 
 
-async def test_sink_stop_raises_sink_stopped_and_closes_the_connection() -> None:
+@pytest.mark.parametrize("complete", [False, True], ids=["mid-body", "body-complete"])
+async def test_sink_stop_raises_client_gone_and_closes_the_connection(complete: bool) -> None:
+    """STOP is never lost, even when the whole body had arrived before anyone read it."""
     closed = asyncio.Event()
 
     async def handler(up: Scripted, n: int, reader: asyncio.StreamReader,
@@ -794,32 +857,31 @@ async def test_sink_stop_raises_sink_stopped_and_closes_the_connection() -> None
         await up.read_request(n, reader)
         if n == 1:
             writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
-                         b"b\r\ndata: one\n\n\r\n")
+                         b"b\r\ndata: one\n\n\r\n" + (b"0\r\n\r\n" if complete else b""))
             await until_eof(reader, closed)
         else:
             writer.write(ok(b"fresh"))
             await writer.drain()
 
     async with scripted(handler) as up, wire() as w:
-        response = await w.send("GET", up.url + "/")
-        body = response.stream
-        assert isinstance(body, WireBody)
+        response = await w.send("GET", up.endpoint, "/")
+        if complete:
+            await until(lambda: response.body._ex.finished)
         got: list[bytes] = []
 
         def sink(chunk: bytes) -> int:
             got.append(chunk)
             return STOP
 
-        async def drain() -> None:
-            raise AssertionError("not paused")
-
-        with pytest.raises(SinkStopped):
-            await body.pipe(sink, drain)
+        with pytest.raises(ClientGone):
+            await response.body.pipe(sink)
         assert got == [b"data: one\n\n"]
         async with asyncio.timeout(5):
-            await closed.wait()  # before aclose: the stop itself dropped the connection
-        await response.aclose()
-        assert await w.fetch("GET", up.url + "/") == (200, b"fresh")
+            if not complete:  # still generating: the stop itself drops the connection
+                await closed.wait()
+            await response.aclose()
+            await closed.wait()  # not pooled
+        assert await w.fetch("GET", up.endpoint, "/") == (200, b"fresh")
         assert up.accepted == 2
 
 
@@ -838,20 +900,15 @@ async def test_response_finished_while_paused_keeps_its_connection() -> None:
 
     async with scripted(handler) as up, wire() as w:
         for _ in range(2):
-            response = await w.send("GET", up.url + "/")
-            body = response.stream
-            assert isinstance(body, WireBody)
+            response = await w.send("GET", up.endpoint, "/")
             got = bytearray()
 
             def sink(chunk: bytes, got: bytearray = got) -> int:
                 got.extend(chunk)
                 return PAUSE  # the client's buffer is full just as the body ends
 
-            async def drain() -> None:
-                raise AssertionError("the body had ended: nothing to wait for")
-
             start.set()
-            await body.pipe(sink, drain)
+            assert await response.body.pipe(sink), "the body had ended: nothing to resume"
             await response.aclose()
             assert bytes(got) == b"x" * 100
         assert up.accepted == 1
@@ -872,17 +929,16 @@ async def test_closing_a_response_twice_leaves_the_next_request_alone() -> None:
         await until_eof(reader, asyncio.Event())
 
     async with scripted(handler) as up, wire(read_timeout=1.0) as w:
-        origin = ("http", "127.0.0.1", up.port)
-        request = b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
-        first = await w.transport.exchange("GET", origin, request)
-        assert b"".join([chunk async for chunk in first.stream]) == b"first"
+        payload = request("GET", up.endpoint, "/")
+        first = await w.transport.exchange("GET", up.endpoint, payload)
+        assert await first.body.read(LIMIT) == b"first"
         await first.aclose()
-        second = await w.transport.exchange("GET", origin, request)  # the same connection
-        await first.aclose()  # again, as httpx.Response.aclose allows
+        second = await w.transport.exchange("GET", up.endpoint, payload)  # same connection
+        await first.aclose()  # again
         closed_twice.set()
         try:
             async with asyncio.timeout(2):  # twice the read timeout
-                assert b"".join([chunk async for chunk in second.stream]) == b"second"
+                assert await second.body.read(LIMIT) == b"second"
         finally:
             await second.aclose()
         assert up.accepted == 1
@@ -892,38 +948,34 @@ async def test_closing_a_response_twice_leaves_the_next_request_alone() -> None:
 # The request on the wire
 
 
-async def test_request_bytes_are_exactly_what_the_request_holds() -> None:
+async def test_request_bytes_are_exactly_as_serialized() -> None:
     body = b'{"model":"m","messages":[]}'
+    headers = [(b"X-Mixed-Case", b"A"), (b"x-mixed-case", b"B"),
+               (b"content-type", b"application/json")]
     async with scripted(answering()) as up, wire() as w:
-        request = w.build("POST", up.url + "/v1/chat/completions?api-version=2&x=%2F",
-                          headers=[(b"X-Mixed-Case", b"A"), (b"x-mixed-case", b"B"),
-                                   (b"content-type", b"application/json")], content=body)
-        response = await w.transport.handle_async_request(request)
-        assert await consume(response, "pipe") == (b"/v1/chat/completions?api-version=2&x=%2F",
-                                                   None)
-        get = w.build("GET", up.url + "/v1/models")
-        assert await consume(await w.transport.handle_async_request(get), "iter") == (
-            b"/v1/models", None)
-    host = b"127.0.0.1:%d" % up.port
-    assert request.headers.raw == [(b"Host", host), (b"X-Mixed-Case", b"A"),
-                                   (b"x-mixed-case", b"B"), (b"content-type", b"application/json"),
-                                   (b"Content-Length", b"%d" % len(body))]
-    assert [raw for _, raw in up.requests] == [
-        b"POST /v1/chat/completions?api-version=2&x=%2F HTTP/1.1\r\n"
-        + b"".join(k + b": " + v + b"\r\n" for k, v in request.headers.raw) + b"\r\n" + body,
-        b"GET /v1/models HTTP/1.1\r\nHost: " + host + b"\r\n\r\n",
-    ]
+        host = b"127.0.0.1:%d" % up.port
+        post = serialize("POST", b"/v1/chat/completions?api-version=2&x=%2F", host, headers, body)
+        get = serialize("GET", b"/v1/models", host, [], b"")
+        for method, payload, target in [("POST", post, b"/v1/chat/completions?api-version=2&x=%2F"),
+                                        ("GET", get, b"/v1/models")]:
+            response = await w.transport.exchange(method, up.endpoint, payload)
+            assert await consume(response) == (target, None)
+    assert post == (b"POST /v1/chat/completions?api-version=2&x=%2F HTTP/1.1\r\n"
+                    b"Host: " + host + b"\r\nX-Mixed-Case: A\r\nx-mixed-case: B\r\n"
+                    b"content-type: application/json\r\n"
+                    b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    assert get == b"GET /v1/models HTTP/1.1\r\nHost: " + host + b"\r\n\r\n"
+    assert [raw for _, raw in up.requests] == [post, get]
 
 
 async def test_upstream_open_writes_the_request_as_given(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The production seam: ``Upstream`` picks the built-in client and serializes itself."""
-    monkeypatch.setenv("NO_PROXY", "*")  # no environment proxy may send it to aiohttp
-    monkeypatch.setenv("no_proxy", "*")
+    """The production seam: ``Upstream`` builds the target, Host and framing itself."""
+    no_environment_proxy(monkeypatch)
     body = b'{"model":"m","messages":[]}'
     async with scripted(answering()) as up:
-        upstream = Upstream(Settings(upstream=up.url + "/v1"))
+        upstream = Upstream(Settings(upstream=up.url + "/base/v1"))
         try:
-            assert isinstance(upstream.transport, WireTransport)
+            assert upstream.endpoint == up.endpoint
             for method, subpath, query, content in [
                     ("POST", b"/chat/completions", b"api-version=2&x=%2F", body),
                     ("GET", b"/models", b"", b""),
@@ -932,17 +984,17 @@ async def test_upstream_open_writes_the_request_as_given(monkeypatch: pytest.Mon
                     method, subpath, query,
                     [(b"X-Mixed-Case", b"A"), (b"x-mixed-case", b"B")], content)
                 assert response.status_code == 200
-                got = b"".join([chunk async for chunk in response.stream])
+                got = await response.body.read(LIMIT)
                 await response.aclose()
-                assert got == b"/v1" + subpath + (b"?" + query if query else b"")
+                assert got == b"/base/v1" + subpath + (b"?" + query if query else b"")
         finally:
             await upstream.aclose()
     head = b"Host: 127.0.0.1:%d\r\nX-Mixed-Case: A\r\nx-mixed-case: B\r\n" % up.port
     assert [raw for _, raw in up.requests] == [
-        b"POST /v1/chat/completions?api-version=2&x=%2F HTTP/1.1\r\n" + head
+        b"POST /base/v1/chat/completions?api-version=2&x=%2F HTTP/1.1\r\n" + head
         + b"Content-Length: %d\r\n\r\n" % len(body) + body,
-        b"GET /v1/models HTTP/1.1\r\n" + head + b"\r\n",
-        b"POST /v1/empty HTTP/1.1\r\n" + head + b"Content-Length: 0\r\n\r\n",
+        b"GET /base/v1/models HTTP/1.1\r\n" + head + b"\r\n",
+        b"POST /base/v1/empty HTTP/1.1\r\n" + head + b"Content-Length: 0\r\n\r\n",
     ]
     assert up.accepted == 1
 
@@ -982,8 +1034,7 @@ async def test_direct_writer_engages_under_uvicorn(client_usage: bool,
             writer.transport_write = spy_write
         return writer
 
-    monkeypatch.setenv("NO_PROXY", "*")  # no environment proxy may send it to aiohttp
-    monkeypatch.setenv("no_proxy", "*")
+    no_environment_proxy(monkeypatch)
     monkeypatch.setattr(proxy.relay, "direct_writer", spy_direct_writer)
     body = {"model": "direct", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
     if client_usage:
@@ -1022,23 +1073,3 @@ def dechunk(framed: bytes) -> bytes:
         assert framed[eol + 2 + size : eol + 4 + size] == b"\r\n"
         pos = eol + 4 + size
     return bytes(out)
-
-
-# ---------------------------------------------------------------------------
-# Which client Upstream picks
-
-
-@pytest.mark.parametrize(("env", "expected"), [
-    ({}, "WireTransport"),
-    ({"HTTP_PROXY": "http://127.0.0.1:9"}, "AiohttpTransport"),
-    ({"HTTP_PROXY": "http://127.0.0.1:9", "NO_PROXY": "upstream.internal"}, "WireTransport"),
-], ids=["no-proxy", "http-proxy", "no-proxy-for-host"])
-def test_builtin_client_gives_way_to_aiohttp_when_an_http_proxy_applies(
-        monkeypatch: pytest.MonkeyPatch, env: dict[str, str], expected: str) -> None:
-    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY",
-                 "http_proxy", "https_proxy", "all_proxy", "no_proxy"):
-        monkeypatch.delenv(name, raising=False)
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    upstream = Upstream(Settings(upstream="http://upstream.internal:8000/v1"))
-    assert type(upstream.transport).__name__ == expected

@@ -1,0 +1,370 @@
+"""Reusing an idle upstream connection safely (:mod:`proxy.wire`, "Reusing an idle
+connection safely" in its docstring).
+
+The race: a uvicorn upstream closes a keep-alive connection after ``timeout_keep_alive``
+of silence; a POST written onto that connection as it closes gets no answer and cannot
+be re-sent (it may have started a generation), so the proxy answered 502. The unit
+tests take each defence alone and make its moment deterministic; the last test is the
+race itself, with real uvicorn servers on both sides and idle gaps straddling the
+upstream's limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import re
+import select
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from prometheus_client import CollectorRegistry
+
+from proxy.app import create_app
+from proxy.config import Settings
+from proxy.wire import LEARNED_MARGIN, MIN_LEARNED_EXPIRY, Endpoint, WireTransport
+from tests.test_wire import (
+    PROXY_VARIABLES,
+    Scripted,
+    answering,
+    anyio_backend,  # noqa: F401 (the fixture: every async test on asyncio and on uvloop)
+    ok,
+    scripted,
+    settled,
+    until_eof,
+    wire,
+)
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(20)]
+
+
+# ---------------------------------------------------------------------------
+# The liveness check: a close the event loop has not processed yet
+
+
+class HandDriven:
+    """An upstream driven by the test with plain socket calls: a FIN, an RST or a stray
+    byte leaves it exactly when the test says, with no event loop of its own in between."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listener.setblocking(False)
+        self.endpoint = Endpoint("http", "127.0.0.1", self.listener.getsockname()[1])
+        self.requests: list[bytes] = []
+
+    async def accept(self) -> socket.socket:
+        sock, _ = await asyncio.get_running_loop().sock_accept(self.listener)
+        return sock
+
+    async def answer_one(self, sock: socket.socket) -> None:
+        """Read one request (head and Content-Length body), answer 200 with its path."""
+        loop = asyncio.get_running_loop()
+        data = b""
+        while b"\r\n\r\n" not in data:
+            part = await loop.sock_recv(sock, 65536)
+            assert part, "the client closed before sending a request"
+            data += part
+        head, _, body = data.partition(b"\r\n\r\n")
+        length = re.search(rb"(?i)\r\ncontent-length: *(\d+)", head)
+        while length and len(body) < int(length[1]):
+            body += await loop.sock_recv(sock, 65536)
+        self.requests.append(head + b"\r\n\r\n" + body)
+        await loop.sock_sendall(sock, ok(head.split(b" ", 2)[1]))
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def upstream_lets_go(sock: socket.socket, how: str) -> None:
+    """What an upstream does to an idle connection it is done with."""
+    if how == "fin":
+        sock.close()
+    elif how == "rst":
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.close()
+    else:  # some servers say 408 before closing an idle connection
+        sock.sendall(b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\n\r\n")
+
+
+@pytest.mark.parametrize("how", ["fin", "rst", "stray-bytes"])
+async def test_liveness_check_drops_a_connection_whose_close_the_loop_has_not_seen(
+        how: str) -> None:
+    up = HandDriven()
+    socks: list[socket.socket] = []
+
+    async def serve_one() -> None:
+        socks.append(await up.accept())
+        await up.answer_one(socks[-1])
+
+    try:
+        async with wire(max_connections=1) as w:
+            first = asyncio.create_task(serve_one())
+            assert await w.fetch("GET", up.endpoint, "/1") == (200, b"/1")
+            await first
+            [conn] = w.transport.idle[up.endpoint]
+
+            # From here until the POST is written the test does not yield to the loop.
+            upstream_lets_go(socks[0], how)
+            readable, _, _ = select.select([conn.fileno], [], [], 5)  # blocks: no loop turn
+            assert readable, "what the upstream did never reached the client's socket"
+            assert not conn.lost, "the loop saw the close already: the window is not tested"
+            second = asyncio.create_task(serve_one())  # runs once the exchange yields
+            try:
+                response = await w.send("POST", up.endpoint, "/2", b"{}")
+                assert (response.status_code, await response.body.read(1000)) == (200, b"/2")
+                await response.aclose()
+                await second
+            finally:
+                second.cancel()
+            assert conn.lost  # dropped by the check, not reused
+            assert len(socks) == 2
+            assert [r.split(b"\r\n", 1)[0] for r in up.requests] == [
+                b"GET /1 HTTP/1.1", b"POST /2 HTTP/1.1"]  # the POST once, on connection 2
+            # And the check taught the pool this upstream's idle limit.
+            assert w.transport.expiry(up.endpoint) == MIN_LEARNED_EXPIRY
+    finally:
+        for sock in socks:
+            sock.close()
+        up.close()
+
+
+# ---------------------------------------------------------------------------
+# The learned idle limit
+
+
+@pytest.mark.parametrize(("observed", "expected"), [
+    (5.0, 5.0 * LEARNED_MARGIN),
+    (1.0, 0.75),
+    (0.4, 0.3),
+    (0.3, MIN_LEARNED_EXPIRY),  # 0.225: below the floor
+    (0.0, MIN_LEARNED_EXPIRY),  # a restart of the upstream closes everything at once
+    (6.0, 4.0),  # 4.5 is above the configured expiry: nothing learned
+])
+def test_learn_idle_limit_sets_three_quarters_of_the_observed_lifetime(
+        observed: float, expected: float) -> None:
+    transport = WireTransport(max_connections=1, connect_timeout=1.0, read_timeout=1.0,
+                              keepalive_expiry=4.0)
+    here, elsewhere = Endpoint("http", "a", 80), Endpoint("http", "b", 80)
+    transport.learn_idle_limit(here, observed)
+    assert transport.expiry(here) == pytest.approx(expected)
+    assert transport.expiry(elsewhere) == 4.0  # per endpoint
+
+
+def test_learned_idle_limit_only_ever_goes_down() -> None:
+    transport = WireTransport(max_connections=1, connect_timeout=1.0, read_timeout=1.0)
+    here = Endpoint("http", "a", 80)
+    seen = []
+    for observed in [2.0, 3.0, 1.0, 2.0, 0.1, 1.0]:
+        transport.learn_idle_limit(here, observed)
+        seen.append(transport.expiry(here))
+    assert seen == pytest.approx([1.5, 1.5, 0.75, 0.75, 0.25, 0.25])
+
+
+@pytest.mark.parametrize(("idle_for", "reused"), [(0.7, True), (0.8, False)])
+async def test_idle_connection_older_than_the_learned_limit_is_not_reused(
+        idle_for: float, reused: bool) -> None:
+    async with scripted(answering()) as up, wire() as w:
+        assert await w.fetch("GET", up.endpoint, "/1") == (200, b"/1")
+        w.transport.learn_idle_limit(up.endpoint, 1.0)  # 0.75 s from now on
+        [conn] = w.transport.idle[up.endpoint]
+        conn.idle_since -= idle_for  # idle that long, without waiting for it
+        assert await w.fetch("POST", up.endpoint, "/2", b"{}") == (200, b"/2")
+        assert up.accepted == (1 if reused else 2)
+        assert conn.lost is not reused
+        assert up.paths(up.accepted) == ([b"/1", b"/2"] if reused else [b"/2"])
+
+
+async def test_expired_connections_at_the_bottom_of_the_pool_are_closed() -> None:
+    """LIFO: the warm connection on top is reused, the expired one below is closed."""
+    async with scripted(answering()) as up, wire(max_connections=2) as w:
+        responses = await asyncio.gather(w.send("GET", up.endpoint, "/a"),
+                                         w.send("GET", up.endpoint, "/b"))
+        for response in responses:
+            await response.body.read(100)
+            await response.aclose()
+        bottom, top = w.transport.idle[up.endpoint]
+        bottom.idle_since -= 5.0  # older than the 4 s expiry
+        assert await w.fetch("GET", up.endpoint, "/c") == (200, b"/c")
+        assert (bottom.lost, top.lost, up.accepted) == (True, False, 2)
+        assert w.transport.idle[up.endpoint] == [top]
+
+
+async def test_the_most_recently_used_connection_is_reused_first() -> None:
+    """LIFO: the warmest connection carries the next request, so the coldest age out."""
+    async with scripted(answering()) as up, wire(max_connections=2) as w:
+        first, second = await asyncio.gather(w.send("GET", up.endpoint, "/a"),
+                                              w.send("GET", up.endpoint, "/b"))
+        for response in (first, second):  # released /a, then /b: /b's is on top
+            await response.body.read(100)
+            await response.aclose()
+        assert await w.fetch("GET", up.endpoint, "/c") == (200, b"/c")
+        [on_b] = [n for n, raw in up.requests if raw.startswith(b"GET /b ")]
+        assert up.paths(on_b) == [b"/b", b"/c"]
+        assert up.accepted == 2
+
+
+async def test_upstream_closing_an_idle_connection_teaches_its_limit() -> None:
+    close_now = asyncio.Event()
+    closed = asyncio.Event()
+
+    async def handler(up: Scripted, n: int, reader: asyncio.StreamReader,
+                      writer: asyncio.StreamWriter) -> None:
+        await up.read_request(n, reader)
+        writer.write(ok(b"once"))
+        await writer.drain()
+        if n == 1:
+            await close_now.wait()
+            writer.close()  # the upstream's keep-alive timeout
+        else:
+            await until_eof(reader, closed)
+
+    async with scripted(handler) as up, wire() as w:
+        assert await w.fetch("GET", up.endpoint, "/1") == (200, b"once")
+        [conn] = w.transport.idle[up.endpoint]
+        conn.idle_since -= 2.0  # the upstream keeps connections 2 s (and a little more)
+        close_now.set()
+        await settled(lambda: conn.lost)
+        assert conn.lost
+        learned = w.transport.expiry(up.endpoint)
+        assert 2.0 * LEARNED_MARGIN <= learned < 2.0 * LEARNED_MARGIN + 0.2
+        assert await w.fetch("POST", up.endpoint, "/2", b"{}") == (200, b"once")
+        assert up.accepted == 2
+
+
+# ---------------------------------------------------------------------------
+# The race itself: uvicorn upstreams with a 1 s keep-alive, requests 0.96-1.04 s apart
+
+
+@contextlib.contextmanager
+def uvicorn_server(app: Any, **config: Any) -> Iterator[str]:
+    """``app`` under uvicorn with uvloop and httptools (as ``proxy.serve`` runs the proxy,
+    and as vLLM and friends run theirs) in a thread; yields its URL. The socket is bound
+    and listening before uvicorn starts, so there is nothing to wait for: connections
+    queue in the backlog until uvicorn accepts them."""
+    sock = socket.create_server(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, loop="uvloop", http="httptools",
+                                           lifespan="on", log_level="warning", **config))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True,
+                              name="uvicorn-keepalive-test")
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+
+
+@dataclass
+class CountingUpstream:
+    """A tiny OpenAI-style upstream: answers each JSON POST with a small JSON object and
+    counts what it answered, and on how many connections (client ports) it came."""
+
+    answered: int = 0
+    clients: set[Any] = field(default_factory=set)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while (message := await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        model = json.loads(body)["model"]
+        self.answered += 1
+        self.clients.add(tuple(scope["client"]))
+        answer = json.dumps({
+            "id": f"c{self.answered}", "object": "chat.completion", "created": 0,
+            "model": model, "choices": [{"index": 0, "finish_reason": "stop",
+                                         "message": {"role": "assistant", "content": "hi"}}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+        }).encode()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(answer)).encode())]})
+        await send({"type": "http.response.body", "body": answer})
+
+
+@dataclass
+class RaceResult:
+    statuses: list[int]
+    failures: list[str]
+    upstream_answered: int
+    upstream_connections: int
+    seconds: float
+
+
+KEEP_ALIVE = 1  # the upstream's timeout_keep_alive, seconds
+GAPS = (0.96, 1.04)  # idle time after each response: straddles the upstream's limit
+BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+async def run_race(sequences: int, per_sequence: int, *, seed: int = 0,
+                   adjust: Callable[[Any], None] | None = None) -> RaceResult:
+    """``sequences`` independent clients, each with its own proxy (the whole app under
+    uvicorn) and its own upstream, each sending ``per_sequence`` POSTs with idle gaps
+    drawn from ``GAPS``. ``adjust(app)`` may change a proxy before it serves."""
+    rng = random.Random(seed)
+    gaps = [[rng.uniform(*GAPS) for _ in range(per_sequence - 1)] for _ in range(sequences)]
+    upstreams = [CountingUpstream() for _ in range(sequences)]
+    statuses: list[int] = []
+    failures: list[str] = []
+
+    async def sequence(proxy_url: str, gaps: list[float]) -> None:
+        async with httpx.AsyncClient(base_url=proxy_url, timeout=30) as client:
+            for gap in [*gaps, None]:
+                r = await client.post("/v1/chat/completions", json=BODY)
+                statuses.append(r.status_code)
+                if r.status_code != 200:
+                    failures.append(f"{r.status_code} {r.text[:200]}")
+                if gap is not None:
+                    await asyncio.sleep(gap)  # the workload: an idle gap, not a wait for state
+
+    with contextlib.ExitStack() as stack:
+        proxy_urls = []
+        for upstream in upstreams:
+            upstream_url = stack.enter_context(
+                uvicorn_server(upstream, timeout_keep_alive=KEEP_ALIVE))
+            app = create_app(Settings(upstream=upstream_url + "/v1"),
+                             registry=CollectorRegistry())
+            if adjust is not None:
+                adjust(app)
+            proxy_urls.append(stack.enter_context(uvicorn_server(app)))
+        t0 = time.perf_counter()
+        await asyncio.gather(*(sequence(url, g) for url, g in zip(proxy_urls, gaps, strict=True)))
+        seconds = time.perf_counter() - t0
+    return RaceResult(statuses, failures, sum(u.answered for u in upstreams),
+                      sum(len(u.clients) for u in upstreams), seconds)
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the servers run on their own loops
+async def test_no_request_fails_when_idle_gaps_straddle_the_upstream_keep_alive(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in PROXY_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    sequences, per_sequence = 8, 25
+    result = await run_race(sequences, per_sequence)
+    total = sequences * per_sequence
+    assert len(result.statuses) == total
+    assert result.failures == [], f"{len(result.failures)} of {total} failed"
+    assert result.upstream_answered == total  # each request answered by the upstream, once
+    print(f"\n{total} requests in {result.seconds:.1f} s, 0 failed; "
+          f"{result.upstream_connections} upstream connections")
