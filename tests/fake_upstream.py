@@ -16,8 +16,8 @@ is that server. It parses each request (httptools, the parser uvicorn uses), rec
   expected metric can be computed from the script. Faults: a body iterator that raises
   ends the response mid-body (closed without the chunked terminator; a
   ``ConnectionResetError`` resets it with an RST instead); one that waits on an event
-  stalls; when the proxy closes the connection early the iterator is closed, so its
-  ``finally`` tells the test.
+  stalls; when the proxy closes the connection early, a handler still working on its
+  answer is cancelled and the iterator is closed, so their ``finally`` tells the test.
 * a **behaviour**, ``async (Conn) -> None``, for what lives below HTTP: :class:`Conn`
   writes bytes verbatim (malformed HTTP included), sends a head and chunks by hand,
   resets with an RST, closes with a FIN mid-body, or waits for the proxy to close.
@@ -481,8 +481,16 @@ class ScriptedUpstream:
         request = httpx.Request(seen.method, httpx.URL(f"http://{host}{seen.target}"),
                                 headers=seen.headers, content=seen.body,
                                 extensions={"seen": seen})
+        answering = asyncio.ensure_future(self.handler(request))
+        await _first(asyncio.shield(answering), lost.wait())
+        if not answering.done():  # the proxy went away before the answer: stop the script
+            answering.cancel()
+            with contextlib.suppress(BaseException):
+                await answering
+            conn.keep_open = False
+            return
         try:
-            response = await self.handler(request)
+            response = answering.result()
         except ConnectionResetError:
             conn.reset()  # no answer at all
             return
