@@ -398,24 +398,28 @@ class ScriptedUpstream:
             stop.append((asyncio.get_running_loop(), done))
             try:
                 await self.start()
-            except BaseException as exc:
+            except Exception as exc:  # reported to the test below
                 failure.append(exc)
-                raise
             finally:
                 started.set()
-            await done.wait()
-            await self.aclose()
+            try:
+                if not failure:
+                    await done.wait()
+            finally:
+                await self.aclose()
 
         thread = threading.Thread(target=asyncio.run, args=(main(),), daemon=True,
                                   name="fake-upstream")
         thread.start()
-        if not started.wait(10) or failure:
-            raise RuntimeError(f"fake upstream did not start: {failure!r}")
         try:
+            if not started.wait(10) or failure:
+                raise RuntimeError(f"fake upstream did not start: {failure!r}")
             yield self
         finally:
-            loop, done = stop[0]
-            loop.call_soon_threadsafe(done.set)
+            if stop:
+                loop, done = stop[0]
+                with contextlib.suppress(RuntimeError):  # its loop already ended
+                    loop.call_soon_threadsafe(done.set)
             thread.join(10)
 
     # -- one connection -----------------------------------------------------------------------

@@ -223,11 +223,11 @@ def app(loop: asyncio.AbstractEventLoop) -> Iterator[tuple[InProcess, Script]]:
     """The whole proxy in front of one scripted upstream, for every example."""
     script = Script()
     proxy, _ = make_app(script.handler, ScriptedClock())
-    loop.run_until_complete(proxy.__aenter__())
     try:
+        loop.run_until_complete(proxy.scripted.start())
         yield proxy, script
     finally:
-        loop.run_until_complete(proxy.__aexit__(None, None, None))
+        loop.run_until_complete(proxy.aclose())
 
 
 def through_app(loop: asyncio.AbstractEventLoop, app: tuple[InProcess, Script],

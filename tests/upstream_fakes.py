@@ -122,10 +122,14 @@ def make_app(handler: Handler | None, clock: ScriptedClock, *, base_path: str = 
     ``base_path`` is the upstream base URL's path
     (``--upstream http://127.0.0.1:PORT<base_path>``). Use the app as ``async with app:``."""
     upstream = ScriptedUpstream(handler, clock, behaviour=behaviour)
-    settings = Settings(**{"upstream": upstream.url + base_path, "upstream_name": UPSTREAM_LABEL,
-                           **overrides})
-    registry = CollectorRegistry()
-    app = create_app(settings, registry=registry, clock=clock)
+    try:
+        settings = Settings(**{"upstream": upstream.url + base_path,
+                               "upstream_name": UPSTREAM_LABEL, **overrides})
+        registry = CollectorRegistry()
+        app = create_app(settings, registry=registry, clock=clock)
+    except BaseException:
+        upstream.sock.close()  # bound, never served: nothing else to close
+        raise
     return InProcess(app, upstream), registry
 
 
