@@ -22,7 +22,6 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.app import ProxyApp
 from proxy.config import QUEUE_BUCKETS, Settings
 from proxy.measure import tpot
 from tests.upstream_fakes import (
@@ -31,6 +30,7 @@ from tests.upstream_fakes import (
     SSE_HEADERS,
     UPSTREAM_LABEL,
     FakeUpstream,
+    InProcess,
     ScriptedClock,
     call_raw,
     chunk_json,
@@ -58,7 +58,7 @@ def client_for(app: Any) -> httpx.AsyncClient:
 class BodyClock:
     """ASGI wrapper: the clock moves to ``T0 + BODY_READ`` when the body has been read."""
 
-    def __init__(self, app: ProxyApp, clock: ScriptedClock) -> None:
+    def __init__(self, app: InProcess, clock: ScriptedClock) -> None:
         self.app = app
         self.clock = clock
 
@@ -73,7 +73,7 @@ class BodyClock:
         await self.app(scope, timed_receive, send)
 
 
-async def until_queued(app: ProxyApp, count: int = 1) -> None:
+async def until_queued(app: InProcess, count: int = 1) -> None:
     """Run the loop until ``count`` requests wait for a slot (loop passes, not time)."""
     for _ in range(10_000):
         if app.admission.waiting >= count:

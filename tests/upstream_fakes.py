@@ -11,7 +11,7 @@ the script. The SSE builders are :mod:`tests.fake_upstream`'s, re-exported here.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Coroutine, MutableMapping, Sequence
+from collections.abc import AsyncIterator, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +22,7 @@ from proxy.app import ProxyApp, create_app
 from proxy.config import Settings
 from tests.fake_upstream import (
     Behaviour,
+    Handler,
     ScriptedClock,
     ScriptedUpstream,
     Seen,
@@ -39,9 +40,6 @@ COMPLETIONS = "/v1/completions"
 SSE_HEADERS = {"content-type": "text/event-stream; charset=utf-8"}
 
 Message = MutableMapping[str, Any]
-
-
-Handler = Callable[[httpx.Request], Coroutine[None, None, httpx.Response]]
 
 
 @dataclass
