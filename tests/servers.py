@@ -1,21 +1,32 @@
-"""Real uvicorn servers on loopback ports for end-to-end tests.
+"""Real servers on loopback ports for end-to-end tests.
 
-Each server runs in its own thread with its own event loop, bound to port 0 so the
-kernel picks a free port (no race between choosing and binding). We wait on uvicorn's
-own ``started`` flag, never on a fixed sleep.
+:func:`serve_in_thread` runs an ASGI app under uvicorn in its own thread with its own
+event loop, bound to port 0 so the kernel picks a free port (no race between choosing
+and binding); it waits on uvicorn's own ``started`` flag, never on a fixed sleep.
+:func:`proxy_process` runs the real command (``python -m proxy serve``) in a subprocess,
+where its signals, logs and ports are the subject, and waits for its start-up line.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import re
+import socket
+import subprocess
+import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import anyio
 import uvicorn
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @dataclass
@@ -62,3 +73,66 @@ def serve_in_thread(app: Any, *, host: str = "127.0.0.1", timeout: float = 10.0,
     finally:
         server.should_exit = True
         thread.join(timeout)
+
+
+def closed_port() -> int:
+    """A loopback port that nothing listens on (bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def refuses(port: int) -> bool:
+    """Nothing accepts connections on ``port`` (any more)."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return False
+    except OSError:
+        return True
+
+
+@contextlib.asynccontextmanager
+async def proxy_process(upstream_url: str, *args: str
+                        ) -> AsyncIterator[tuple[subprocess.Popen[str], int, list[str]]]:
+    """``python -m proxy serve`` on a kernel-chosen port; yields (process, port, output
+    lines of stdout and stderr). Killed at the end if still running."""
+    proc = subprocess.Popen(  # noqa: ASYNC220 (returns at once; the test waits below)
+        [sys.executable, "-m", "proxy", "serve", "--upstream", upstream_url + "/v1",
+         "--port", "0", *args],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    ready: list[int] = []
+    started = threading.Event()
+    out: list[str] = []
+
+    def pump_stderr() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            out.append(line)
+            m = re.search(r"Uvicorn running on http://[\d.]+:(\d+)", line)
+            if m:
+                ready.append(int(m[1]))
+                started.set()
+        started.set()
+
+    def pump_stdout() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            out.append(line)
+
+    threads = [threading.Thread(target=f, daemon=True) for f in (pump_stderr, pump_stdout)]
+    for th in threads:
+        th.start()
+    try:
+        await anyio.to_thread.run_sync(started.wait, 20)
+        assert ready, "proxy did not start:\n" + "".join(out)
+        yield proc, ready[0], out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+        for th in threads:
+            th.join(5)
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()

@@ -1,4 +1,4 @@
-"""End to end: official openai SDK -> proxy (uvicorn) -> scheduled upstream (uvicorn).
+"""End to end: official openai SDK -> proxy (uvicorn) -> scheduled upstream (its own thread).
 
 The upstream's schedule is known (first token ``ttft`` after it got the request, then
 one every ``itl``), so the proxy's TTFT must sit just above ``ttft`` (plus loopback
@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry
 
 from proxy.app import create_app
 from proxy.config import Settings
-from tests.scheduled_upstream import ScheduledUpstream
+from tests.fake_upstream import Scheduled, ScriptedUpstream
 from tests.servers import RunningServer, serve_in_thread
 
 pytestmark = pytest.mark.e2e
@@ -32,20 +32,20 @@ LABELS = {"route": "/v1/chat/completions", "model": "sched-model", "upstream": "
 
 
 @pytest.fixture
-def upstream() -> Iterator[tuple[ScheduledUpstream, RunningServer]]:
-    app = ScheduledUpstream(ttft=TTFT, itl=ITL, tokens=TOKENS, prompt_tokens=9, cached_tokens=4)
-    with serve_in_thread(app) as server:
-        yield app, server
+def upstream() -> Iterator[tuple[Scheduled, ScriptedUpstream]]:
+    fake = Scheduled(ttft=TTFT, itl=ITL, tokens=TOKENS, prompt_tokens=9, cached_tokens=4)
+    with ScriptedUpstream(fake).running() as server:
+        yield fake, server
 
 
 @pytest.fixture
-def proxied(upstream: tuple[ScheduledUpstream, RunningServer]
-            ) -> Iterator[tuple[ScheduledUpstream, RunningServer, CollectorRegistry]]:
+def proxied(upstream: tuple[Scheduled, ScriptedUpstream]
+            ) -> Iterator[tuple[Scheduled, RunningServer, CollectorRegistry, ScriptedUpstream]]:
     fake, up = upstream
     registry = CollectorRegistry()
     settings = Settings(upstream=up.url + "/v1", upstream_name="sched")
     with serve_in_thread(create_app(settings, registry=registry)) as proxy_server:
-        yield fake, proxy_server, registry
+        yield fake, proxy_server, registry, up
 
 
 def sample(registry: CollectorRegistry, name: str, **extra: str) -> float:
@@ -65,8 +65,8 @@ def wait_recorded(registry: CollectorRegistry, name: str, expected: float, **ext
 
 
 def test_streaming_through_proxy_matches_schedule(
-        proxied: tuple[ScheduledUpstream, RunningServer, CollectorRegistry]) -> None:
-    fake, server, registry = proxied
+        proxied: tuple[Scheduled, RunningServer, CollectorRegistry, ScriptedUpstream]) -> None:
+    _fake, server, registry, up = proxied
     client = OpenAI(base_url=server.url + "/v1", api_key="sk-test-not-a-key", max_retries=0)
     started = time.perf_counter()
     stream = client.chat.completions.create(
@@ -84,7 +84,7 @@ def test_streaming_through_proxy_matches_schedule(
     assert first_seen is not None and first_seen >= TTFT
 
     # The upstream was asked for usage on the client's behalf.
-    assert fake.requests[-1]["body"]["stream_options"] == {"include_usage": True}
+    assert up.requests[-1].json["stream_options"] == {"include_usage": True}
 
     wait_recorded(registry, "llm_proxy_requests_total", 1, stream="true", code="200")
     count = sample(registry, "llm_proxy_time_to_first_token_seconds_count")
@@ -108,8 +108,8 @@ def test_streaming_through_proxy_matches_schedule(
 
 
 def test_non_streaming_through_proxy(
-        proxied: tuple[ScheduledUpstream, RunningServer, CollectorRegistry]) -> None:
-    _fake, server, registry = proxied
+        proxied: tuple[Scheduled, RunningServer, CollectorRegistry, ScriptedUpstream]) -> None:
+    _fake, server, registry, _ = proxied
     client = OpenAI(base_url=server.url + "/v1", api_key="sk-test-not-a-key", max_retries=0)
     answer = client.chat.completions.create(
         model="sched-model", messages=[{"role": "user", "content": "hi"}])
@@ -119,12 +119,12 @@ def test_non_streaming_through_proxy(
     assert sample(registry, "llm_proxy_prompt_tokens_sum") == 9
     duration = sample(registry, "llm_proxy_request_duration_seconds_sum", stream="false")
     assert duration >= TTFT + ITL * (TOKENS - 1)
-    assert registry.get_sample_value("llm_proxy_time_to_first_token_seconds_count", LABELS) in (None, 0)
+    assert registry.get_sample_value("llm_proxy_time_to_first_token_seconds_count", LABELS) == 0
 
 
 def test_client_disconnect_closes_upstream_request(
-        proxied: tuple[ScheduledUpstream, RunningServer, CollectorRegistry]) -> None:
-    fake, server, registry = proxied
+        proxied: tuple[Scheduled, RunningServer, CollectorRegistry, ScriptedUpstream]) -> None:
+    fake, server, registry, _ = proxied
     body = {"model": "sched-model", "stream": True, "messages": [{"role": "user", "content": "x"}]}
     with httpx.Client(base_url=server.url, timeout=5) as client, \
             client.stream("POST", "/v1/chat/completions", json=body) as response:

@@ -1,7 +1,8 @@
-"""The fault matrix of issue 6: each fault behaves as promised and the proxy keeps serving.
+"""The fault matrix: each fault behaves as promised and the proxy keeps serving.
 
 Every test runs the proxy in a real uvicorn server on loopback and puts a
-misbehaving raw TCP upstream (:mod:`tests.raw_upstream`) behind it, so the faults are
+misbehaving raw upstream (:class:`tests.fake_upstream.RawUpstream`, on a thread of its
+own) behind it, so the faults are
 real socket events (refused connects, silence, RSTs, half-sent chunked bodies), not
 mocked exceptions. After each fault the test checks three things: what the client got,
 the outcome label the proxy recorded in ``/metrics``, and that a normal request through
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import random
 import re
@@ -35,17 +35,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from proxy.app import ProxyApp, create_app
 from proxy.config import Settings
 from proxy.sse import DEFAULT_MAX_EVENT_BYTES, SSEParser
-from tests.raw_upstream import (
-    Conn,
-    Gate,
-    RawUpstream,
-    closed_port,
-    content_event,
-    proxy_process,
-    refuses,
-    stream_events,
-)
-from tests.servers import RunningServer, serve_in_thread
+from tests.fake_upstream import Conn, Gate, RawUpstream, content_event, stream_events
+from tests.servers import RunningServer, closed_port, proxy_process, refuses, serve_in_thread
 
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
 
@@ -70,15 +61,6 @@ def run_proxy(upstream_url: str, **overrides: object) -> Iterator[tuple[RunningS
     app = create_app(settings, registry=CollectorRegistry())
     with serve_in_thread(app, timeout_graceful_shutdown=2) as server:
         yield server, app
-
-
-ProxyFor = Callable[..., contextlib.AbstractContextManager[tuple[RunningServer, ProxyApp]]]
-
-
-@pytest.fixture(params=["builtin", "aiohttp", "httpx"])
-def proxy_for(request: pytest.FixtureRequest) -> ProxyFor:
-    """``run_proxy`` with each upstream HTTP client: the fault matrix must hold for all three."""
-    return functools.partial(run_proxy, http_client=request.param)
 
 
 def chat(model: str, *, stream: bool = True, **extra: object) -> bytes:
@@ -171,9 +153,9 @@ def openai_error(body: bytes) -> dict[str, object]:
 # Upstream faults before the response headers
 
 
-async def test_upstream_refuses_connection_502_within_connect_timeout(proxy_for: ProxyFor) -> None:
+async def test_upstream_refuses_connection_502_within_connect_timeout() -> None:
     port = closed_port()
-    with proxy_for(f"http://127.0.0.1:{port}", connect_timeout=2.0) as (proxy, _):
+    with run_proxy(f"http://127.0.0.1:{port}", connect_timeout=2.0) as (proxy, _):
         t = time.perf_counter()
         status, _, body, _ = await read_stream(proxy.url, chat("refused"))
         elapsed = time.perf_counter() - t
@@ -186,8 +168,8 @@ async def test_upstream_refuses_connection_502_within_connect_timeout(proxy_for:
             await still_serves(proxy.url)
 
 
-async def test_upstream_dns_failure_502_within_connect_timeout(proxy_for: ProxyFor) -> None:
-    with proxy_for("http://upstream.invalid", connect_timeout=2.0) as (proxy, _):
+async def test_upstream_dns_failure_502_within_connect_timeout() -> None:
+    with run_proxy("http://upstream.invalid", connect_timeout=2.0) as (proxy, _):
         for _ in range(2):  # and again: the proxy keeps answering promptly
             t = time.perf_counter()
             status, _, body, _ = await read_stream(proxy.url, chat("dns"))
@@ -198,12 +180,12 @@ async def test_upstream_dns_failure_502_within_connect_timeout(proxy_for: ProxyF
             assert (await c.get(proxy.url + "/healthz")).status_code == 200
 
 
-async def test_upstream_never_sends_headers_504_after_read_timeout(proxy_for: ProxyFor) -> None:
+async def test_upstream_never_sends_headers_504_after_read_timeout() -> None:
     async def silent(conn: Conn) -> None:
         await conn.until_closed(30)
 
     upstream = RawUpstream({"silent": silent})
-    with upstream.running(), proxy_for(upstream.url, read_timeout=0.5) as (proxy, _):
+    with upstream.running(), run_proxy(upstream.url, read_timeout=0.5) as (proxy, _):
         t = time.perf_counter()
         status, _, body, _ = await read_stream(proxy.url, chat("silent"))
         elapsed = time.perf_counter() - t
@@ -221,7 +203,7 @@ async def test_upstream_never_sends_headers_504_after_read_timeout(proxy_for: Pr
 # Upstream faults mid-stream
 
 
-async def test_upstream_stalls_mid_stream_client_keeps_bytes_outcome_timeout(proxy_for: ProxyFor) -> None:
+async def test_upstream_stalls_mid_stream_client_keeps_bytes_outcome_timeout() -> None:
     sent = stream_events(2, usage=False)[:3]  # role chunk and two tokens, then silence
 
     async def stall(conn: Conn) -> None:
@@ -231,7 +213,7 @@ async def test_upstream_stalls_mid_stream_client_keeps_bytes_outcome_timeout(pro
         await conn.until_closed(30)
 
     upstream = RawUpstream({"stall": stall})
-    with upstream.running(), proxy_for(upstream.url, read_timeout=0.5) as (proxy, _):
+    with upstream.running(), run_proxy(upstream.url, read_timeout=0.5) as (proxy, _):
         status, headers, got, error = await read_stream(proxy.url, chat("stall"))
         assert status == 200 and headers["content-type"].startswith("text/event-stream")
         assert got == b"".join(sent)
@@ -242,7 +224,7 @@ async def test_upstream_stalls_mid_stream_client_keeps_bytes_outcome_timeout(pro
 
 
 @pytest.mark.parametrize("how", ["rst", "fin"])
-async def test_upstream_drops_mid_stream_client_keeps_bytes(how: str, proxy_for: ProxyFor) -> None:
+async def test_upstream_drops_mid_stream_client_keeps_bytes(how: str) -> None:
     first = stream_events(3, usage=False)[:2]
     second = [content_event(" late")]
     gate = Gate()
@@ -263,7 +245,7 @@ async def test_upstream_drops_mid_stream_client_keeps_bytes(how: str, proxy_for:
 
     upstream = RawUpstream({"drop": drop})
     expected = b"".join(first) + (b"".join(second) if how == "fin" else b"")
-    with upstream.running(), proxy_for(upstream.url) as (proxy, _):
+    with upstream.running(), run_proxy(upstream.url) as (proxy, _):
         status, _, got, error = await read_stream(
             proxy.url, chat("drop"), until=lambda b: b == b"".join(first), then=gate.open)
         assert status == 200
@@ -281,14 +263,14 @@ async def test_upstream_drops_mid_stream_client_keeps_bytes(how: str, proxy_for:
     (503, "text/plain", b"upstream overloaded\n\xff\xfe not even utf-8"),
 ])
 async def test_upstream_error_status_passes_through_unchanged(
-        status: int, content_type: str, body: bytes, proxy_for: ProxyFor) -> None:
+        status: int, content_type: str, body: bytes) -> None:
     async def fail(conn: Conn) -> None:
         await conn.head(status, content_type=content_type, length=len(body),
                         extra=(("retry-after", "7"), ("x-upstream-marker", "m1")))
         await conn.write(body)
 
     upstream = RawUpstream({"fail": fail})
-    with upstream.running(), proxy_for(upstream.url) as (proxy, _):
+    with upstream.running(), run_proxy(upstream.url) as (proxy, _):
         got_status, headers, got, error = await read_stream(proxy.url, chat("fail"))
         assert (got_status, got, error) == (status, body, None)
         assert headers["content-type"] == content_type
@@ -320,7 +302,7 @@ HOSTILE = {
 
 
 @pytest.mark.parametrize("kind", sorted(HOSTILE))
-async def test_hostile_stream_forwarded_unchanged(kind: str, proxy_for: ProxyFor) -> None:
+async def test_hostile_stream_forwarded_unchanged(kind: str) -> None:
     parts = HOSTILE[kind]
 
     async def hostile(conn: Conn) -> None:
@@ -330,7 +312,7 @@ async def test_hostile_stream_forwarded_unchanged(kind: str, proxy_for: ProxyFor
         await conn.end()
 
     upstream = RawUpstream({"hostile": hostile})
-    with upstream.running(), proxy_for(upstream.url) as (proxy, _):
+    with upstream.running(), run_proxy(upstream.url) as (proxy, _):
         status, _, got, error = await read_stream(proxy.url, chat("hostile"))
         assert (status, error) == (200, None)
         assert got == b"".join(parts)
@@ -349,14 +331,14 @@ async def test_hostile_stream_forwarded_unchanged(kind: str, proxy_for: ProxyFor
 # Client faults
 
 
-async def test_client_disconnect_closes_upstream_within_100ms(proxy_for: ProxyFor) -> None:
+async def test_client_disconnect_closes_upstream_within_100ms() -> None:
     async def endless(conn: Conn) -> None:
         await conn.head(200)
         await conn.chunk(content_event(" first"))
         await conn.until_closed(10)
 
     upstream = RawUpstream({"endless": endless})
-    with upstream.running(), proxy_for(upstream.url) as (proxy, _):
+    with upstream.running(), run_proxy(upstream.url) as (proxy, _):
         async with client() as c, c.stream("POST", proxy.url + CHAT, content=chat("endless")) as r:
             parts = r.aiter_raw()
             await read_until(parts, bytearray(), lambda b: b" first" in b)
@@ -383,11 +365,11 @@ def held_until(gate: Gate) -> Callable[[Conn], Awaitable[None]]:
     return hold
 
 
-async def test_client_disconnect_while_queued_makes_no_upstream_request(proxy_for: ProxyFor) -> None:
+async def test_client_disconnect_while_queued_makes_no_upstream_request() -> None:
     gate = Gate()
     hold = held_until(gate)
     upstream = RawUpstream({"hold": hold})
-    with upstream.running(), proxy_for(upstream.url, max_concurrency=1, max_queue=10) as (proxy, app):
+    with upstream.running(), run_proxy(upstream.url, max_concurrency=1, max_queue=10) as (proxy, app):
         async with client() as c, c.stream(
                 "POST", proxy.url + CHAT, content=chat("hold")) as holder:
             parts, got = holder.aiter_raw(), bytearray()
@@ -418,14 +400,14 @@ async def test_client_disconnect_while_queued_makes_no_upstream_request(proxy_fo
     b"this is not json", b"[1, 2, 3]", b'{"model": "\xff\xfe", "stream": true}', b"",
     b'"just a string"', b'{"model": ' * 5000,
 ], ids=["text", "array", "invalid-utf8", "empty", "string", "deep"])
-async def test_bad_request_bodies_are_forwarded_not_500(body: bytes, proxy_for: ProxyFor) -> None:
+async def test_bad_request_bodies_are_forwarded_not_500(body: bytes) -> None:
     async def reject(conn: Conn) -> None:  # what a real upstream does with such a body
         payload = b'{"error":{"message":"invalid body","type":"invalid_request_error"}}'
         await conn.head(400, content_type="application/json", length=len(payload))
         await conn.write(payload)
 
     upstream = RawUpstream({"": reject})
-    with upstream.running(), proxy_for(upstream.url) as (proxy, _):
+    with upstream.running(), run_proxy(upstream.url) as (proxy, _):
         async with client() as c:
             r = await c.post(proxy.url + CHAT, content=body,
                              headers={"content-type": "application/json"})
@@ -509,13 +491,13 @@ async def test_headers_above_limit_get_431() -> None:
         await still_serves(proxy.url)
 
 
-async def test_upstream_connection_limit_holds(proxy_for: ProxyFor) -> None:
+async def test_upstream_connection_limit_holds() -> None:
     """With every upstream connection busy, a request waits for one at most the connect
     timeout, then gets an OpenAI-shaped error; the proxy never opens more than the limit."""
     gate = Gate()
     hold = held_until(gate)
     upstream = RawUpstream({"hold": hold})
-    with upstream.running(), proxy_for(upstream.url, max_upstream_connections=1,
+    with upstream.running(), run_proxy(upstream.url, max_upstream_connections=1,
                                        connect_timeout=0.5) as (proxy, _):
         async with client() as c, c.stream("POST", proxy.url + CHAT, content=chat("hold")) as r:
             parts, got = r.aiter_raw(), bytearray()
@@ -523,7 +505,7 @@ async def test_upstream_connection_limit_holds(proxy_for: ProxyFor) -> None:
             t = time.perf_counter()
             status, _, body, _ = await read_stream(proxy.url, chat("waits"))
             assert time.perf_counter() - t < 3.0
-            # Both upstream clients tell a wait for a free connection from a failed connect.
+            # A wait for a free connection is told apart from a failed connect.
             assert (status, openai_error(body)["code"]) == (504, "upstream_pool_timeout")
             assert upstream.connections == 1
             gate.open()

@@ -1,15 +1,19 @@
 """Property tests (hypothesis) for the promises that must hold for *any* input.
 
-* The relay: any byte string, cut into any chunks, reaches the client identical (less
-  exactly the usage-only events in the one documented strip mode), and the relay never
-  holds more than its limit of not-yet-forwarded bytes.
+* The relay: any byte string, cut into any chunks, reaches the client identical and read
+  for read (less exactly the usage-only events in the one documented strip mode), and
+  the relay never holds more than its limit of not-yet-forwarded bytes.
 * The SSE parser: never raises, never buffers more than its event limit (plus a small
   constant), and finds the same events however the stream is cut.
 * The measurement: ``inspect_event`` and the stream timer never raise on any payload.
 
-The relay is driven directly with an ``httpx.Response`` over a lazy async iterator (as
-a socket delivers it) and a recording ``send``; one property drives the whole app
-through ``httpx.ASGITransport`` with an ``httpx.MockTransport`` upstream.
+The relay properties run the production path: the upstream client
+(:class:`proxy.wire.WireTransport`) against the suite's scripted upstream on loopback,
+whose chunks go out in lockstep with the relay (one chunk per upstream read, see
+tests/fake_upstream.py), and :func:`proxy.relay.relay` handing them to a recording
+``send``. The whole-app property drives the app the same way. One event loop, one
+upstream and one keep-alive connection serve every example of the module, so the
+examples stay cheap.
 """
 
 from __future__ import annotations
@@ -18,19 +22,20 @@ import asyncio
 import itertools
 import json
 from collections.abc import AsyncIterator, Iterator, MutableMapping
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from prometheus_client import CollectorRegistry
 
-from proxy.app import create_app
-from proxy.config import Settings
-from proxy.measure import StreamTimer, inspect_event
+from proxy.measure import Meter, StreamTimer, inspect_event
 from proxy.relay import relay
 from proxy.sse import SSEParser
+from proxy.wire import Endpoint, WireTransport, serialize
+from tests.fake_upstream import ScriptedClock, ScriptedUpstream
+from tests.upstream_fakes import CHAT, InProcess, call_raw, make_app
 
 FUZZ = settings(max_examples=100, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -77,18 +82,17 @@ def without(data: bytes, spans: list[tuple[int, int]]) -> bytes:
     return b"".join(out)
 
 
-@pytest.fixture(scope="module")
-def loop() -> Iterator[asyncio.AbstractEventLoop]:
-    """One event loop for all examples (a loop per example would dominate the run time)."""
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
+class Script:
+    """The current example's upstream body, and what the client got of it so far.
 
+    ``body`` yields the pieces; the upstream writes each one and waits until the relay
+    has handed it on (lockstep), so before each piece everything earlier has been
+    processed, and what has not been sent yet is held by the relay."""
 
-class Recorder:
-    """Upstream body and client ``send`` in one: tracks how many bytes are held back."""
+    def __init__(self) -> None:
+        self.reset([])
 
-    def __init__(self, pieces: list[bytes]) -> None:
+    def reset(self, pieces: list[bytes]) -> None:
         self.pieces = pieces
         self.received = 0
         self.sent: list[bytes] = []
@@ -97,10 +101,13 @@ class Recorder:
 
     async def body(self) -> AsyncIterator[bytes]:
         for piece in self.pieces:
-            # Everything before this piece has been processed: what is not yet sent is held.
             self.max_held = max(self.max_held, self.received - self.sent_bytes)
             self.received += len(piece)
             yield piece
+
+    async def handler(self, request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, headers={"content-type": "text/event-stream"},
+                              content=self.body())
 
     async def send(self, message: MutableMapping[str, Any]) -> None:
         assert message["type"] == "http.response.body" and message["more_body"] is True
@@ -108,27 +115,83 @@ class Recorder:
         self.sent_bytes += len(message["body"])
 
 
-def drive(loop: asyncio.AbstractEventLoop, pieces: list[bytes], *, strip: bool,
-          max_event: int = 1 << 20) -> Recorder:
-    rec = Recorder(pieces)
-    response = httpx.Response(200, headers={"content-type": "text/event-stream"},
-                              content=rec.body())
-    ticks = iter(range(10**9))
-    result = loop.run_until_complete(relay(
-        response, rec.send, lambda: float(next(ticks)), timer=StreamTimer(text_route=False),
-        parser=SSEParser(max_event), strip_usage=strip))
-    assert result.complete
-    return rec
+@dataclass
+class Wire:
+    loop: asyncio.AbstractEventLoop
+    clock: ScriptedClock
+    script: Script
+    upstream: ScriptedUpstream
+    transport: WireTransport
+
+
+@pytest.fixture(scope="module")
+def loop() -> Iterator[asyncio.AbstractEventLoop]:
+    """One event loop for all examples (a loop per example would dominate the run time)."""
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def wire(loop: asyncio.AbstractEventLoop) -> Iterator[Wire]:
+    """The production upstream client and one scripted upstream, for the whole module."""
+    clock = ScriptedClock()
+    script = Script()
+    upstream = ScriptedUpstream(script.handler, clock)
+    transport = WireTransport(max_connections=1, connect_timeout=5.0, read_timeout=5.0)
+    try:
+        loop.run_until_complete(upstream.start())
+        yield Wire(loop, clock, script, upstream, transport)
+    finally:
+        loop.run_until_complete(transport.aclose())
+        loop.run_until_complete(upstream.aclose())
+
+
+def drive(wire: Wire, pieces: list[bytes], *, strip: bool, max_event: int = 1 << 20) -> Script:
+    """One exchange through the production client; the body relayed to ``script.send``."""
+    script = wire.script
+    script.reset(pieces)
+    endpoint = Endpoint("http", "127.0.0.1", wire.upstream.port)
+    host = f"127.0.0.1:{wire.upstream.port}".encode()
+    payload = serialize("POST", CHAT.encode(), host, [], b"{}")
+
+    async def go() -> None:
+        response = await wire.transport.exchange("POST", endpoint, payload)
+        try:
+            assert response.status_code == 200
+            meter = Meter(StreamTimer(text_route=False), SSEParser(max_event))
+            result = await relay(response.body, script.send, wire.clock, meter=meter,
+                                 strip_usage=strip)
+        finally:
+            await response.aclose()
+        assert result.complete
+
+    wire.loop.run_until_complete(go())
+    return script
 
 
 @FUZZ
 @given(cut())
+@example((b"", []))
+@example((b"data: x\n\n", [b"data: x\n\n"]))
 def test_relay_forwards_any_bytes_in_any_chunks_unchanged(
-        loop: asyncio.AbstractEventLoop, case: tuple[bytes, list[bytes]]) -> None:
+        wire: Wire, case: tuple[bytes, list[bytes]]) -> None:
     data, pieces = case
-    rec = drive(loop, pieces, strip=False)
-    assert b"".join(rec.sent) == data
-    assert rec.sent == pieces  # chunk for chunk, as they arrived: nothing buffered
+    script = drive(wire, pieces, strip=False)
+    assert b"".join(script.sent) == data
+    assert script.sent == pieces  # read for read, as they arrived: nothing buffered
+
+
+def test_one_connection_serves_every_example(wire: Wire) -> None:
+    """The examples above and below share one keep-alive connection (or the run slows
+    down by a connect per example without any test failing)."""
+    before = wire.upstream.connections
+    for pieces in ([b"data: a\n\n"], [b"da", b"ta: b\n\n"], []):
+        drive(wire, pieces, strip=False)
+    assert wire.upstream.connections - before in (0, 1)  # at most the first reconnects
+    after = wire.upstream.connections
+    drive(wire, [b"data: c\n\n"], strip=True)
+    assert wire.upstream.connections == after
 
 
 @FUZZ
@@ -136,50 +199,73 @@ def test_relay_forwards_any_bytes_in_any_chunks_unchanged(
 @example((b"data: {\"choices\":[],\"usage\":{}}\r\n\r\ndata: x\n\n",
           [b"data: {\"choices\":[],\"usage\":{}}\r", b"\n\r\ndata: x\n\n"]))
 def test_relay_strip_mode_removes_exactly_the_usage_only_events(
-        loop: asyncio.AbstractEventLoop, case: tuple[bytes, list[bytes]]) -> None:
+        wire: Wire, case: tuple[bytes, list[bytes]]) -> None:
     data, pieces = case
-    rec = drive(loop, pieces, strip=True)
-    assert b"".join(rec.sent) == without(data, usage_only_spans(data))
+    script = drive(wire, pieces, strip=True)
+    assert b"".join(script.sent) == without(data, usage_only_spans(data))
 
 
 @FUZZ
 @given(cut(st.lists(PIECES | st.binary(min_size=100, max_size=400), max_size=12).map(b"".join)))
 def test_relay_strip_mode_holds_back_a_bounded_number_of_bytes(
-        loop: asyncio.AbstractEventLoop, case: tuple[bytes, list[bytes]]) -> None:
+        wire: Wire, case: tuple[bytes, list[bytes]]) -> None:
     """An event longer than the parser's limit is forwarded as it comes, not held whole."""
     data, pieces = case
     limit = 64
-    rec = drive(loop, pieces, strip=True, max_event=limit)
-    assert rec.max_held <= limit + 64
+    script = drive(wire, pieces, strip=True, max_event=limit)
+    assert script.max_held <= limit + 64
     usage_spans = [(a, b) for a, b in usage_only_spans(data) if b - a <= limit]
-    assert b"".join(rec.sent) == without(data, usage_spans)
+    assert b"".join(script.sent) == without(data, usage_spans)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@pytest.fixture(scope="module")
+def app(loop: asyncio.AbstractEventLoop) -> Iterator[tuple[InProcess, Script]]:
+    """The whole proxy in front of one scripted upstream, for every example."""
+    script = Script()
+    proxy, _ = make_app(script.handler, ScriptedClock())
+    try:
+        loop.run_until_complete(proxy.scripted.start())
+        yield proxy, script
+    finally:
+        loop.run_until_complete(proxy.aclose())
+
+
+def through_app(loop: asyncio.AbstractEventLoop, app: tuple[InProcess, Script],
+                pieces: list[bytes], **request: Any) -> list[bytes]:
+    """POST a stream request through the app; the body messages it sent, in order."""
+    proxy, script = app
+    script.reset(pieces)
+    body = json.dumps({"model": "m", "stream": True, **request}).encode()
+    result = loop.run_until_complete(call_raw(proxy, "POST", CHAT, body=body))
+    assert result.status == 200
+    assert result.completed
+    return [m["body"] for m in result.messages
+            if m["type"] == "http.response.body" and m.get("more_body")]
+
+
+@FUZZ
 @given(cut())
 def test_whole_app_relays_any_bytes_unchanged(
-        loop: asyncio.AbstractEventLoop, case: tuple[bytes, list[bytes]]) -> None:
+        loop: asyncio.AbstractEventLoop, app: tuple[InProcess, Script],
+        case: tuple[bytes, list[bytes]]) -> None:
+    """The client asked for usage itself: nothing is removed, and each upstream read
+    goes out as one body message."""
     data, pieces = case
+    sent = through_app(loop, app, pieces, stream_options={"include_usage": True})
+    assert b"".join(sent) == data
+    assert sent == pieces
 
-    async def lazy() -> AsyncIterator[bytes]:
-        for piece in pieces:
-            yield piece
 
-    def upstream(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=lazy())
-
-    async def go() -> bytes:
-        app = create_app(Settings(upstream="http://upstream.test/v1"),
-                         transport=httpx.MockTransport(upstream), registry=CollectorRegistry())
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                     base_url="http://proxy") as c:
-            r = await c.post("/v1/chat/completions", json={
-                "model": "m", "stream": True, "stream_options": {"include_usage": True}})
-        await app.aclose()
-        assert r.status_code == 200
-        return r.content
-
-    assert loop.run_until_complete(go()) == data
+@FUZZ
+@given(cut(SSE_ISH))
+def test_whole_app_removes_only_the_usage_event_it_asked_for(
+        loop: asyncio.AbstractEventLoop, app: tuple[InProcess, Script],
+        case: tuple[bytes, list[bytes]]) -> None:
+    """The client did not ask for usage, so the proxy asks for it and removes exactly the
+    usage-only events from what the client gets."""
+    data, pieces = case
+    sent = through_app(loop, app, pieces)
+    assert b"".join(sent) == without(data, usage_only_spans(data))
 
 
 # ---------------------------------------------------------------------------
@@ -234,8 +320,11 @@ JSON = st.recursive(
 @example(b'{"choices":[{"delta":{"content":"x"}}],"usage":{"metrics":{"queue_time_ms":1e999}}}', False)
 def test_measurement_never_raises(data: bytes, text_route: bool) -> None:
     info = inspect_event(data, text_route=text_route)
-    assert info.outputs >= 0
     timer = StreamTimer(text_route=text_route)
-    timer.event(data, 1.0)
-    timer.event(data, 2.0)
-    assert timer.output_events in (0, 2)
+    assert timer.event(data, 1.0) == info
+    assert timer.event(data, 2.0) == info  # the same payload classifies the same
+    outputs = 1 if info.outputs else 0
+    assert timer.output_events == 2 * outputs
+    assert timer.output_choices == 2 * info.outputs
+    assert timer.gaps == [1.0] * outputs
+    assert (timer.first_t, timer.last_t) == ((1.0, 2.0) if outputs else (None, None))

@@ -31,6 +31,10 @@ from proxy.measure import (
     estimate_prompt_tokens,
     tpot,
 )
+from tests.fake_upstream import chunk_json, sse, text_json, usage_json
+
+# Payloads from the suite's one chunk builder (tests/fake_upstream.py), as the bytes of
+# an SSE ``data`` field.
 
 
 def inspect_event(data: bytes, *, text_route: bool) -> EventInfo:
@@ -47,23 +51,16 @@ def dialect(text_route: bool) -> Dialect:
 
 def chat(*deltas: dict[str, Any], **extra: Any) -> bytes:
     """A chat.completion.chunk with one choice per delta."""
-    choices = [{"index": i, "delta": d, "finish_reason": None} for i, d in enumerate(deltas)]
-    return json.dumps({"object": "chat.completion.chunk", "choices": choices, **extra}).encode()
+    return json.dumps(chunk_json(*deltas, **extra)).encode()
 
 
 def text(*texts: str) -> bytes:
-    choices = [{"index": i, "text": t} for i, t in enumerate(texts)]
-    return json.dumps({"object": "text_completion", "choices": choices}).encode()
+    return json.dumps(text_json(*texts)).encode()
 
 
 def usage_chunk(prompt: int, completion: int, cached: int | None = None,
                 **extra: Any) -> bytes:
-    usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
-                             "total_tokens": prompt + completion}
-    if cached is not None:
-        usage["prompt_tokens_details"] = {"cached_tokens": cached}
-    usage.update(extra)
-    return json.dumps({"object": "chat.completion.chunk", "choices": [], "usage": usage}).encode()
+    return json.dumps(usage_json(prompt, completion, cached, **extra)).encode()
 
 
 def run(script: Sequence[tuple[float, bytes]], *, text_route: bool = False) -> StreamTimer:
@@ -225,7 +222,7 @@ def test_role_only_first_chunk_does_not_start_ttft() -> None:
         (0.25, chat({"role": "assistant", "content": ""})),
         (0.5, chat({"content": "Hel"})),
         (0.625, chat({"content": "lo"})),
-        (0.75, chat({}, finish_reason="stop")),
+        (0.75, chat({}, finish="stop")),
         (0.875, usage_chunk(9, 2)),
         (0.9375, b"[DONE]"),
     ]
@@ -469,7 +466,7 @@ def _token_streams(draw: st.DrawFn) -> tuple[list[bytes], bool, bool]:
                                    "model": "m", "choices": [choice]}
         if varying:
             payload["obfuscation"] = "x" * (n % 3)
-        return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+        return sse(payload, compact=True)
 
     if not text_route:
         events.append(event({"index": 0, "delta": {"role": "assistant", "content": ""}}, 0))

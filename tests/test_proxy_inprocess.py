@@ -1,10 +1,13 @@
-"""The proxy in process: ``httpx.ASGITransport`` in front, ``httpx.MockTransport`` behind.
+"""The proxy in process: ``httpx.ASGITransport`` in front, the suite's scripted upstream
+behind (tests/fake_upstream.py: a real loopback server, so the production upstream client
+runs, exactly as users run it).
 
 ASGITransport joins the response body, so timing is asserted only through the scripted
 clock (see tests/upstream_fakes.py): the fake upstream sets the clock before each
 chunk, and every expected metric is computed from that script. Where the app ends a
 response without completing it (the upstream broke mid-stream), the app is driven
-directly with a recording ``send`` instead.
+directly with a recording ``send`` instead. Every app is used as ``async with app:``, so
+its upstream client and the scripted server are closed however the test ends.
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.app import ProxyApp
 from proxy.config import QUEUE_BUCKETS, Settings
 from proxy.measure import tpot
 from tests.upstream_fakes import (
@@ -28,6 +30,7 @@ from tests.upstream_fakes import (
     SSE_HEADERS,
     UPSTREAM_LABEL,
     FakeUpstream,
+    InProcess,
     ScriptedClock,
     call_raw,
     chunk_json,
@@ -36,6 +39,7 @@ from tests.upstream_fakes import (
     labels,
     make_app,
     sse,
+    text_json,
     timed_body,
     usage_json,
 )
@@ -54,7 +58,7 @@ def client_for(app: Any) -> httpx.AsyncClient:
 class BodyClock:
     """ASGI wrapper: the clock moves to ``T0 + BODY_READ`` when the body has been read."""
 
-    def __init__(self, app: ProxyApp, clock: ScriptedClock) -> None:
+    def __init__(self, app: InProcess, clock: ScriptedClock) -> None:
         self.app = app
         self.clock = clock
 
@@ -69,7 +73,7 @@ class BodyClock:
         await self.app(scope, timed_receive, send)
 
 
-async def until_queued(app: ProxyApp, count: int = 1) -> None:
+async def until_queued(app: InProcess, count: int = 1) -> None:
     """Run the loop until ``count`` requests wait for a slot (loop passes, not time)."""
     for _ in range(10_000):
         if app.admission.waiting >= count:
@@ -95,7 +99,7 @@ def chat_script(usage: dict[str, Any] | None = USAGE, eol: bytes = b"\n"
               {"refusal": "no"}]
     script = [(T0 + 0.25, sse(chunk_json({"role": "assistant"}), eol))]
     script += [(t, sse(chunk_json(d), eol)) for t, d in zip(OUTPUT_TIMES, deltas, strict=True)]
-    script.append((T0 + 1.375, sse(chunk_json({}, finish_reason="stop"), eol)))
+    script.append((T0 + 1.375, sse(chunk_json({}, finish="stop"), eol)))
     if usage is not None:
         script.append((T0 + 1.5, sse(usage, eol)))
     script.append((T0 + 1.625, b"data: [DONE]" + eol + eol))
@@ -151,14 +155,14 @@ async def test_bytes_identical_when_client_asked_for_usage() -> None:
     script = chat_script()
     up = sse_upstream(clock, script)
     app, _ = make_app(up, clock)
-    request = stream_request(stream_options={"include_usage": True})
-    raw = json.dumps(request).encode()
-    async with client_for(app) as client:
-        response = await client.post(CHAT, content=raw)
-    assert response.status_code == 200
-    assert response.content == b"".join(c for _, c in script)
-    assert up.seen[0].body == raw  # nothing injected, body bytes untouched
-    await app.aclose()
+    async with app:
+        request = stream_request(stream_options={"include_usage": True})
+        raw = json.dumps(request).encode()
+        async with client_for(app) as client:
+            response = await client.post(CHAT, content=raw)
+        assert response.status_code == 200
+        assert response.content == b"".join(c for _, c in script)
+        assert up.seen[0].body == raw  # nothing injected, body bytes untouched
 
 
 async def test_bytes_identical_with_injection_off() -> None:
@@ -166,17 +170,17 @@ async def test_bytes_identical_with_injection_off() -> None:
     script = chat_script(usage=None)
     up = sse_upstream(clock, script)
     app, registry = make_app(up, clock, inject_usage=False)
-    raw = json.dumps(stream_request()).encode()
-    async with client_for(app) as client:
-        response = await client.post(CHAT, content=raw)
-    assert response.content == b"".join(c for _, c in script)
-    assert up.seen[0].body == raw
-    # no usage: completion tokens are the output-bearing events, prompt an estimate
-    completion = histogram(registry, "llm_proxy_completion_tokens", labels())
-    assert completion.sum == len(OUTPUT_TIMES)
-    prompt = histogram(registry, "llm_proxy_prompt_tokens", labels())
-    assert prompt.count == 1
-    await app.aclose()
+    async with app:
+        raw = json.dumps(stream_request()).encode()
+        async with client_for(app) as client:
+            response = await client.post(CHAT, content=raw)
+        assert response.content == b"".join(c for _, c in script)
+        assert up.seen[0].body == raw
+        # no usage: completion tokens are the output-bearing events, prompt an estimate
+        completion = histogram(registry, "llm_proxy_completion_tokens", labels())
+        assert completion.sum == len(OUTPUT_TIMES)
+        prompt = histogram(registry, "llm_proxy_prompt_tokens", labels())
+        assert prompt.count == 1
 
 
 async def test_injection_asks_for_usage_and_strips_the_usage_event() -> None:
@@ -184,38 +188,38 @@ async def test_injection_asks_for_usage_and_strips_the_usage_event() -> None:
     script = chat_script()
     up = sse_upstream(clock, script)
     app, registry = make_app(up, clock)
-    request = stream_request(stream_options={"other": 1}, temperature=0.5)
-    response = await post(app, CHAT, request)
-    upstream_stream = b"".join(c for _, c in script)
-    assert response.content == strip_event(upstream_stream, sse(USAGE))
-    sent = up.seen[0].json
-    assert sent["stream_options"] == {"other": 1, "include_usage": True}
-    assert {k: v for k, v in sent.items() if k != "stream_options"} == {
-        k: v for k, v in request.items() if k != "stream_options"}
-    # the length header of the upstream cannot hold for the shortened body
-    assert "content-length" not in response.headers
-    assert histogram(registry, "llm_proxy_completion_tokens", labels()).sum == 21
-    await app.aclose()
+    async with app:
+        request = stream_request(stream_options={"other": 1}, temperature=0.5)
+        response = await post(app, CHAT, request)
+        upstream_stream = b"".join(c for _, c in script)
+        assert response.content == strip_event(upstream_stream, sse(USAGE))
+        sent = up.seen[0].json
+        assert sent["stream_options"] == {"other": 1, "include_usage": True}
+        assert {k: v for k, v in sent.items() if k != "stream_options"} == {
+            k: v for k, v in request.items() if k != "stream_options"}
+        # the length header of the upstream cannot hold for the shortened body
+        assert "content-length" not in response.headers
+        assert histogram(registry, "llm_proxy_completion_tokens", labels()).sum == 21
 
 
 async def test_injection_when_include_usage_is_false() -> None:
     clock = ScriptedClock()
     up = sse_upstream(clock, chat_script())
     app, _ = make_app(up, clock)
-    await post(app, CHAT, stream_request(stream_options={"include_usage": False}))
-    assert up.seen[0].json["stream_options"] == {"include_usage": True}
-    await app.aclose()
+    async with app:
+        await post(app, CHAT, stream_request(stream_options={"include_usage": False}))
+        assert up.seen[0].json["stream_options"] == {"include_usage": True}
 
 
 async def test_no_injection_for_non_streaming() -> None:
     clock = ScriptedClock()
     up = json_upstream(200, json.dumps({"choices": [], "usage": USAGE["usage"]}).encode())
     app, _ = make_app(up, clock)
-    raw = json.dumps({"model": "m", "messages": []}).encode()
-    async with client_for(app) as client:
-        await client.post(CHAT, content=raw)
-    assert up.seen[0].body == raw
-    await app.aclose()
+    async with app:
+        raw = json.dumps({"model": "m", "messages": []}).encode()
+        async with client_for(app) as client:
+            await client.post(CHAT, content=raw)
+        assert up.seen[0].body == raw
 
 
 @pytest.mark.parametrize("eol", [b"\n", b"\r\n"], ids=["lf", "crlf"])
@@ -236,12 +240,12 @@ async def test_stripping_whatever_the_chunking(eol: bytes) -> None:
         pieces = [(T0 + 0.5, stream[:cut]), (T0 + 1.0, stream[cut:])]
         up = sse_upstream(clock, pieces)
         app, registry = make_app(up, clock)
-        response = await post(app, CHAT, stream_request())
-        if response.content != expected:
-            failures.append(cut)
-        tokens = histogram(registry, "llm_proxy_completion_tokens", labels())
-        assert tokens.sum == 21, cut
-        await app.aclose()
+        async with app:
+            response = await post(app, CHAT, stream_request())
+            if response.content != expected:
+                failures.append(cut)
+            tokens = histogram(registry, "llm_proxy_completion_tokens", labels())
+            assert tokens.sum == 21, cut
     assert failures == []
 
 
@@ -257,9 +261,9 @@ async def test_stripping_with_three_way_splits_around_the_usage_event() -> None:
     for a, b in itertools.combinations(around, 2):
         pieces = [(T0 + 0.5, stream[:a]), (T0 + 0.75, stream[a:b]), (T0 + 1.0, stream[b:])]
         app, _ = make_app(sse_upstream(clock, pieces), clock)
-        response = await post(app, CHAT, stream_request())
-        assert response.content == expected, (a, b)
-        await app.aclose()
+        async with app:
+            response = await post(app, CHAT, stream_request())
+            assert response.content == expected, (a, b)
 
 
 async def test_stripping_passes_an_over_long_event_through() -> None:
@@ -272,10 +276,10 @@ async def test_stripping_passes_an_over_long_event_through() -> None:
     step = 1 << 16
     pieces = [(T0 + 0.5 + i / 1024, stream[i : i + step]) for i in range(0, len(stream), step)]
     app, registry = make_app(sse_upstream(clock, pieces), clock)
-    response = await post(app, CHAT, stream_request())
-    assert response.content == strip_event(stream, sse(USAGE))
-    assert histogram(registry, "llm_proxy_completion_tokens", labels()).sum == 21
-    await app.aclose()
+    async with app:
+        response = await post(app, CHAT, stream_request())
+        assert response.content == strip_event(stream, sse(USAGE))
+        assert histogram(registry, "llm_proxy_completion_tokens", labels()).sum == 21
 
 
 # ---------------------------------------------------------------------------
@@ -313,25 +317,25 @@ async def test_request_headers(method: str, path: str, measured: bool) -> None:
     clock = ScriptedClock()
     up = json_upstream(200, b"{}")
     app, _ = make_app(up, clock)
-    body = json.dumps({"model": "m"}).encode()
-    headers = [(b"host", b"proxy.test:8080"), (b"content-length", str(len(body)).encode()),
-               (b"accept-encoding", b"gzip, br"), *HOP_BY_HOP_REQUEST, *END_TO_END_REQUEST]
-    result = await call_raw(app, method, path, body=body, headers=headers)
-    assert result.status == 200
-    seen = up.seen[0]
-    names = [k.lower() for k, _ in seen.headers]
-    for name, _ in HOP_BY_HOP_REQUEST:
-        assert name not in names, name
-    assert seen.header(b"host") == [f"127.0.0.1:{app.scripted.port}".encode()]
-    assert seen.header(b"accept-encoding") == ([b"identity"] if measured else [b"gzip, br"])
-    assert seen.header(b"content-length") == [str(len(body)).encode()]
-    # the end-to-end headers arrive as sent, in order, and nothing else is added
-    rest = [(k.lower(), v) for k, v in seen.headers
-            if k.lower() not in (b"host", b"accept-encoding", b"content-length")]
-    assert rest == END_TO_END_REQUEST
-    assert seen.method == method
-    assert seen.body == body
-    await app.aclose()
+    async with app:
+        body = json.dumps({"model": "m"}).encode()
+        headers = [(b"host", b"proxy.test:8080"), (b"content-length", str(len(body)).encode()),
+                   (b"accept-encoding", b"gzip, br"), *HOP_BY_HOP_REQUEST, *END_TO_END_REQUEST]
+        result = await call_raw(app, method, path, body=body, headers=headers)
+        assert result.status == 200
+        seen = up.seen[0]
+        names = [k.lower() for k, _ in seen.headers]
+        for name, _ in HOP_BY_HOP_REQUEST:
+            assert name not in names, name
+        assert seen.header_values("host") == [f"127.0.0.1:{app.scripted.port}"]
+        assert seen.header_values("accept-encoding") == (["identity"] if measured else ["gzip, br"])
+        assert seen.header_values("content-length") == [str(len(body))]
+        # the end-to-end headers arrive as sent, in order, and nothing else is added
+        rest = [(k.lower(), v) for k, v in seen.headers
+                if k.lower() not in (b"host", b"accept-encoding", b"content-length")]
+        assert rest == END_TO_END_REQUEST
+        assert seen.method == method
+        assert seen.body == body
 
 
 async def test_no_default_headers_are_added_upstream() -> None:
@@ -339,10 +343,10 @@ async def test_no_default_headers_are_added_upstream() -> None:
     clock = ScriptedClock()
     up = json_upstream(200, b"{}")
     app, _ = make_app(up, clock)
-    await call_raw(app, "GET", "/v1/models", headers=[(b"host", b"proxy.test")])
-    names = {k.lower() for k, _ in up.seen[0].headers}
-    assert names == {b"host"}
-    await app.aclose()
+    async with app:
+        await call_raw(app, "GET", "/v1/models", headers=[(b"host", b"proxy.test")])
+        names = {k.lower() for k, _ in up.seen[0].headers}
+        assert names == {b"host"}
 
 
 @pytest.mark.parametrize(
@@ -359,11 +363,11 @@ async def test_path_mapping_and_query(base_path: str, path: str, query: bytes, t
     clock = ScriptedClock()
     up = json_upstream(200, b"{}")
     app, _ = make_app(up, clock, base_path=base_path)
-    method = "POST" if path.endswith("completions") else "GET"
-    result = await call_raw(app, method, path, query=query, body=b"{}" if method == "POST" else b"")
-    assert result.status == 200
-    assert up.seen[0].url.raw_path.decode() == target
-    await app.aclose()
+    async with app:
+        method = "POST" if path.endswith("completions") else "GET"
+        result = await call_raw(app, method, path, query=query, body=b"{}" if method == "POST" else b"")
+        assert result.status == 200
+        assert up.seen[0].target == target
 
 
 @pytest.mark.parametrize("path", ["/v1/../admin", "/v1/models/%2e%2e/x", "/v1/a%2Fb"])
@@ -371,10 +375,10 @@ async def test_paths_that_would_leave_the_base_are_refused(path: str) -> None:
     clock = ScriptedClock()
     up = json_upstream(200, b"{}")
     app, _ = make_app(up, clock)
-    result = await call_raw(app, "GET", path)
-    assert result.status == 400
-    assert up.seen == []
-    await app.aclose()
+    async with app:
+        result = await call_raw(app, "GET", path)
+        assert result.status == 400
+        assert up.seen == []
 
 
 async def test_response_headers() -> None:
@@ -385,33 +389,33 @@ async def test_response_headers() -> None:
         "x-request-id": "req-upstream-7", "openai-processing-ms": "12",
         "set-cookie": "a=b"})
     app, _ = make_app(up, clock)
-    request = stream_request(stream_options={"include_usage": True})
-    result = await call_raw(app, "POST", CHAT, body=json.dumps(request).encode())
-    got = dict(result.headers)
-    names = [k for k, _ in result.headers]
-    for hop in (b"connection", b"x-hop", b"keep-alive", b"transfer-encoding"):
-        assert hop not in names
-    assert got[b"x-request-id"] == b"req-upstream-7"
-    assert names.count(b"x-request-id") == 1
-    assert got[b"openai-processing-ms"] == b"12"
-    assert got[b"set-cookie"] == b"a=b"
-    assert got[b"x-accel-buffering"] == b"no"
-    assert got[b"content-type"] == SSE_HEADERS["content-type"].encode()
-    await app.aclose()
+    async with app:
+        request = stream_request(stream_options={"include_usage": True})
+        result = await call_raw(app, "POST", CHAT, body=json.dumps(request).encode())
+        got = dict(result.headers)
+        names = [k for k, _ in result.headers]
+        for hop in (b"connection", b"x-hop", b"keep-alive", b"transfer-encoding"):
+            assert hop not in names
+        assert got[b"x-request-id"] == b"req-upstream-7"
+        assert names.count(b"x-request-id") == 1
+        assert got[b"openai-processing-ms"] == b"12"
+        assert got[b"set-cookie"] == b"a=b"
+        assert got[b"x-accel-buffering"] == b"no"
+        assert got[b"content-type"] == SSE_HEADERS["content-type"].encode()
 
 
 async def test_request_id_generated_when_upstream_has_none() -> None:
     clock = ScriptedClock()
     app, _ = make_app(json_upstream(200, b'{"data": []}'), clock)
-    async with client_for(app) as client:
-        first = await client.get("/v1/models")
-        second = await client.get("/v1/models")
-    ids = [r.headers.get("x-request-id") for r in (first, second)]
-    assert all(ids) and ids[0] != ids[1]
-    assert "x-accel-buffering" not in first.headers  # not an event stream
-    assert first.content == b'{"data": []}'
-    assert first.headers["content-length"] == str(len(first.content))
-    await app.aclose()
+    async with app:
+        async with client_for(app) as client:
+            first = await client.get("/v1/models")
+            second = await client.get("/v1/models")
+        ids = [r.headers.get("x-request-id") for r in (first, second)]
+        assert all(ids) and ids[0] != ids[1]
+        assert "x-accel-buffering" not in first.headers  # not an event stream
+        assert first.content == b'{"data": []}'
+        assert first.headers["content-length"] == str(len(first.content))
 
 
 # ---------------------------------------------------------------------------
@@ -439,9 +443,9 @@ async def test_upstream_failures_before_headers(how: str, status: int, code: str
     clock = ScriptedClock()
     up = failing_upstream(how)
     app, registry = make_app(up, clock, read_timeout=0.2)
-    if how == "refused":
-        await app.scripted.aclose()  # nobody listens on the port any more
-    try:
+    async with app:
+        if how == "refused":
+            await app.scripted.aclose()  # nobody listens on the port any more
         response = await post(app, CHAT, stream_request())
         assert response.status_code == status
         error = response.json()["error"]
@@ -449,13 +453,11 @@ async def test_upstream_failures_before_headers(how: str, status: int, code: str
         assert error["code"] == code
         assert "127.0.0.1" in error["message"]  # the upstream host is named
         assert response.headers["content-type"] == "application/json"
-        assert response.headers["x-request-id"]
+        assert len(response.headers["x-request-id"]) == 32  # a fresh uuid4 hex
         assert registry.get_sample_value(
             "llm_proxy_requests_total", labels(stream="true", code=str(status))) == 1
         assert registry.get_sample_value(
             "llm_proxy_stream_outcomes_total", labels(outcome=outcome)) == 1
-    finally:
-        await app.aclose()
 
 
 @pytest.mark.parametrize(
@@ -470,17 +472,17 @@ async def test_upstream_error_status_passed_through(status: int, body: bytes,
     clock = ScriptedClock()
     up = json_upstream(status, body, {"content-type": content_type, "retry-after": "7"})
     app, registry = make_app(up, clock)
-    response = await post(app, CHAT, stream_request())
-    assert response.status_code == status
-    assert response.content == body
-    assert response.headers["content-type"] == content_type
-    assert response.headers["retry-after"] == "7"
-    assert registry.get_sample_value(
-        "llm_proxy_requests_total", labels(stream="true", code=str(status))) == 1
-    assert registry.get_sample_value(
-        "llm_proxy_stream_outcomes_total", labels(outcome="upstream_error")) == 1
-    assert histogram(registry, "llm_proxy_time_to_first_token_seconds", labels()).count == 0
-    await app.aclose()
+    async with app:
+        response = await post(app, CHAT, stream_request())
+        assert response.status_code == status
+        assert response.content == body
+        assert response.headers["content-type"] == content_type
+        assert response.headers["retry-after"] == "7"
+        assert registry.get_sample_value(
+            "llm_proxy_requests_total", labels(stream="true", code=str(status))) == 1
+        assert registry.get_sample_value(
+            "llm_proxy_stream_outcomes_total", labels(outcome="upstream_error")) == 1
+        assert histogram(registry, "llm_proxy_time_to_first_token_seconds", labels()).count == 0
 
 
 @pytest.mark.parametrize("body", [b"not json {", b"[1, 2, 3]", b'"str"', b"", b"\xff\xfe"])
@@ -488,62 +490,62 @@ async def test_body_not_a_json_object_forwarded_unchanged(body: bytes) -> None:
     clock = ScriptedClock()
     up = json_upstream(400, b'{"error": {"message": "bad body"}}')
     app, registry = make_app(up, clock)
-    async with client_for(app) as client:
-        response = await client.post(CHAT, content=body)
-    assert response.status_code == 400
-    assert up.seen[0].body == body
-    assert registry.get_sample_value(
-        "llm_proxy_requests_total", labels(model="unknown", stream="false", code="400")) == 1
-    await app.aclose()
+    async with app:
+        async with client_for(app) as client:
+            response = await client.post(CHAT, content=body)
+        assert response.status_code == 400
+        assert up.seen[0].body == body
+        assert registry.get_sample_value(
+            "llm_proxy_requests_total", labels(model="unknown", stream="false", code="400")) == 1
 
 
 async def test_body_too_large_with_content_length() -> None:
     clock = ScriptedClock()
     up = json_upstream(200, b"{}")
     app, registry = make_app(up, clock, max_body_bytes=100)
-    body = json.dumps({"model": "m", "pad": "x" * 100}).encode()
-    reads = 0
-    sent: list[Any] = []
+    async with app:
+        body = json.dumps({"model": "m", "pad": "x" * 100}).encode()
+        reads = 0
+        sent: list[Any] = []
 
-    async def receive() -> Any:
-        nonlocal reads
-        reads += 1
-        return {"type": "http.request", "body": body, "more_body": False}
+        async def receive() -> Any:
+            nonlocal reads
+            reads += 1
+            return {"type": "http.request", "body": body, "more_body": False}
 
-    async def send(message: Any) -> None:
-        sent.append(message)
+        async def send(message: Any) -> None:
+            sent.append(message)
 
-    scope = {"type": "http", "method": "POST", "path": CHAT, "raw_path": CHAT.encode(),
-             "query_string": b"", "headers": [(b"content-length", str(len(body)).encode())]}
-    await app(scope, receive, send)
-    assert sent[0]["status"] == 413
-    assert json.loads(sent[1]["body"])["error"]["code"]
-    assert reads == 0  # refused on the declared length, nothing read
-    assert up.seen == []
-    assert registry.get_sample_value(
-        "llm_proxy_requests_total", labels(model="unknown", stream="false", code="413")) == 1
-    await app.aclose()
+        scope = {"type": "http", "method": "POST", "path": CHAT, "raw_path": CHAT.encode(),
+                 "query_string": b"", "headers": [(b"content-length", str(len(body)).encode())]}
+        await app(scope, receive, send)
+        assert sent[0]["status"] == 413
+        assert json.loads(sent[1]["body"])["error"]["code"] == "request_too_large"
+        assert reads == 0  # refused on the declared length, nothing read
+        assert up.seen == []
+        assert registry.get_sample_value(
+            "llm_proxy_requests_total", labels(model="unknown", stream="false", code="413")) == 1
 
 
 async def test_body_too_large_chunked() -> None:
     clock = ScriptedClock()
     up = json_upstream(200, b"{}")
     app, _ = make_app(up, clock, max_body_bytes=100)
+    async with app:
 
-    async def chunks() -> AsyncIterator[bytes]:
-        for _ in range(10):
-            yield b"x" * 30
+        async def chunks() -> AsyncIterator[bytes]:
+            for _ in range(10):
+                yield b"x" * 30
 
-    async with client_for(app) as client:
-        response = await client.post(CHAT, content=chunks())
-    assert response.status_code == 413
-    assert set(response.json()["error"]) >= {"message", "type", "code"}
-    assert up.seen == []
-    # exactly at the limit is fine
-    async with client_for(app) as client:
-        response = await client.post(CHAT, content=b"x" * 100)
-    assert response.status_code == 200
-    await app.aclose()
+        async with client_for(app) as client:
+            response = await client.post(CHAT, content=chunks())
+        assert response.status_code == 413
+        assert set(response.json()["error"]) >= {"message", "type", "code"}
+        assert up.seen == []
+        # exactly at the limit is fine
+        async with client_for(app) as client:
+            response = await client.post(CHAT, content=b"x" * 100)
+        assert response.status_code == 200
 
 
 # ---------------------------------------------------------------------------
@@ -553,52 +555,52 @@ async def test_body_too_large_chunked() -> None:
 async def test_model_cardinality_cap() -> None:
     clock = ScriptedClock()
     app, registry = make_app(json_upstream(200, b"{}"), clock, max_models=2)
-    models = ["m1", "m2", "m3", "m1", "m4", "m2"]
-    for model in models:
-        await post(app, CHAT, {"model": model})
-    expected: dict[str, int] = {}
-    for model in models:
-        label = model if model in ("m1", "m2") else "other"
-        expected[label] = expected.get(label, 0) + 1
-    for label, count in expected.items():
+    async with app:
+        models = ["m1", "m2", "m3", "m1", "m4", "m2"]
+        for model in models:
+            await post(app, CHAT, {"model": model})
+        expected: dict[str, int] = {}
+        for model in models:
+            label = model if model in ("m1", "m2") else "other"
+            expected[label] = expected.get(label, 0) + 1
+        for label, count in expected.items():
+            assert registry.get_sample_value(
+                "llm_proxy_requests_total", labels(model=label, stream="false", code="200")) == count
         assert registry.get_sample_value(
-            "llm_proxy_requests_total", labels(model=label, stream="false", code="200")) == count
-    assert registry.get_sample_value(
-        "llm_proxy_requests_total", labels(model="m3", stream="false", code="200")) is None
-    await app.aclose()
+            "llm_proxy_requests_total", labels(model="m3", stream="false", code="200")) is None
 
 
 async def test_model_allowlist() -> None:
     clock = ScriptedClock()
     app, registry = make_app(json_upstream(200, b"{}"), clock, model_allowlist=("gpt-x",))
-    for model in ("gpt-x", "gpt-y", "z"):
-        await post(app, CHAT, {"model": model})
-    assert registry.get_sample_value(
-        "llm_proxy_requests_total", labels(model="gpt-x", stream="false", code="200")) == 1
-    assert registry.get_sample_value(
-        "llm_proxy_requests_total", labels(model="other", stream="false", code="200")) == 2
-    await app.aclose()
+    async with app:
+        for model in ("gpt-x", "gpt-y", "z"):
+            await post(app, CHAT, {"model": model})
+        assert registry.get_sample_value(
+            "llm_proxy_requests_total", labels(model="gpt-x", stream="false", code="200")) == 1
+        assert registry.get_sample_value(
+            "llm_proxy_requests_total", labels(model="other", stream="false", code="200")) == 2
 
 
 async def test_route_label_only_from_templates() -> None:
     clock = ScriptedClock()
     app, registry = make_app(json_upstream(200, b"{}"), clock)
-    paths = ["/v1/models", "/v1/models/gpt-4o", "/v1/zzz-random", "/v1/zzz/deeper/path",
-             "/v1/files/file-abc/content", "/v1/chat/completions/extra", "/v1/.env"]
-    async with client_for(app) as client:
-        for path in paths:
-            await client.get(path)
-        await client.post(CHAT, json={"model": "m"})
-    routes = set()
-    for metric in registry.collect():
-        for sample in metric.samples:
-            if "route" in sample.labels:
-                routes.add(sample.labels["route"])
-    assert routes <= {"/v1/models", "/v1/models/{...}", "/v1/{other}", "/v1/files/{...}",
-                      "/v1/chat/{...}", CHAT}
-    assert not any(part in route for route in routes
-                   for part in ("zzz", "gpt-4o", "file-abc", ".env", "extra"))
-    await app.aclose()
+    async with app:
+        paths = ["/v1/models", "/v1/models/gpt-4o", "/v1/zzz-random", "/v1/zzz/deeper/path",
+                 "/v1/files/file-abc/content", "/v1/chat/completions/extra", "/v1/.env"]
+        async with client_for(app) as client:
+            for path in paths:
+                await client.get(path)
+            await client.post(CHAT, json={"model": "m"})
+        routes = set()
+        for metric in registry.collect():
+            for sample in metric.samples:
+                if "route" in sample.labels:
+                    routes.add(sample.labels["route"])
+        assert routes <= {"/v1/models", "/v1/models/{...}", "/v1/{other}", "/v1/files/{...}",
+                          "/v1/chat/{...}", CHAT}
+        assert not any(part in route for route in routes
+                       for part in ("zzz", "gpt-4o", "file-abc", ".env", "extra"))
 
 
 # ---------------------------------------------------------------------------
@@ -611,66 +613,66 @@ async def test_stream_metrics_exactly_as_scripted() -> None:
                                           metrics={"queue_time_ms": 250}))
     up = sse_upstream(clock, script, headers={"x-request-id": "req-42"})
     app, registry = make_app(up, clock)
-    async with client_for(BodyClock(app, clock)) as client:
-        response = await client.post(CHAT, json=stream_request())
-    assert response.status_code == 200
-    lbl = labels()
+    async with app:
+        async with client_for(BodyClock(app, clock)) as client:
+            response = await client.post(CHAT, json=stream_request())
+        assert response.status_code == 200
+        lbl = labels()
 
-    ttft = histogram(registry, "llm_proxy_time_to_first_token_seconds", lbl)
-    assert (ttft.count, ttft.sum) == (1, OUTPUT_TIMES[0] - T0)
-    assert ttft.buckets == expected_buckets(Settings().ttft_buckets, [OUTPUT_TIMES[0] - T0])
+        ttft = histogram(registry, "llm_proxy_time_to_first_token_seconds", lbl)
+        assert (ttft.count, ttft.sum) == (1, OUTPUT_TIMES[0] - T0)
+        assert ttft.buckets == expected_buckets(Settings().ttft_buckets, [OUTPUT_TIMES[0] - T0])
 
-    gaps = [b - a for a, b in itertools.pairwise(OUTPUT_TIMES)]
-    itl = histogram(registry, "llm_proxy_inter_token_latency_seconds", lbl)
-    assert (itl.count, itl.sum) == (len(gaps), sum(gaps))
-    assert itl.buckets == expected_buckets(Settings().itl_buckets, gaps)
+        gaps = [b - a for a, b in itertools.pairwise(OUTPUT_TIMES)]
+        itl = histogram(registry, "llm_proxy_inter_token_latency_seconds", lbl)
+        assert (itl.count, itl.sum) == (len(gaps), sum(gaps))
+        assert itl.buckets == expected_buckets(Settings().itl_buckets, gaps)
 
-    per_token = tpot(OUTPUT_TIMES[0], OUTPUT_TIMES[-1], 21)
-    assert per_token is not None
-    tp = histogram(registry, "llm_proxy_time_per_output_token_seconds", lbl)
-    assert (tp.count, tp.sum) == (1, per_token)
+        per_token = tpot(OUTPUT_TIMES[0], OUTPUT_TIMES[-1], 21)
+        assert per_token is not None
+        tp = histogram(registry, "llm_proxy_time_per_output_token_seconds", lbl)
+        assert (tp.count, tp.sum) == (1, per_token)
 
-    overhead = histogram(registry, "llm_proxy_overhead_seconds", lbl)
-    assert (overhead.count, overhead.sum) == (1, BODY_READ)
-    queue = histogram(registry, "llm_proxy_queue_time_seconds", lbl)
-    assert (queue.count, queue.sum) == (1, 0.0)
-    upstream_queue = histogram(registry, "llm_proxy_upstream_queue_time_seconds", lbl)
-    assert (upstream_queue.count, upstream_queue.sum) == (1, 250 / 1000)
+        overhead = histogram(registry, "llm_proxy_overhead_seconds", lbl)
+        assert (overhead.count, overhead.sum) == (1, BODY_READ)
+        queue = histogram(registry, "llm_proxy_queue_time_seconds", lbl)
+        assert (queue.count, queue.sum) == (1, 0.0)
+        upstream_queue = histogram(registry, "llm_proxy_upstream_queue_time_seconds", lbl)
+        assert (upstream_queue.count, upstream_queue.sum) == (1, 250 / 1000)
 
-    for name, value in (("llm_proxy_prompt_tokens", 13), ("llm_proxy_cached_prompt_tokens", 8),
-                        ("llm_proxy_completion_tokens", 21)):
-        h = histogram(registry, name, lbl)
-        assert (h.count, h.sum) == (1, value), name
-        assert h.buckets == expected_buckets(Settings().token_buckets, [value]), name
+        for name, value in (("llm_proxy_prompt_tokens", 13), ("llm_proxy_cached_prompt_tokens", 8),
+                            ("llm_proxy_completion_tokens", 21)):
+            h = histogram(registry, name, lbl)
+            assert (h.count, h.sum) == (1, value), name
+            assert h.buckets == expected_buckets(Settings().token_buckets, [value]), name
 
-    duration = histogram(registry, "llm_proxy_request_duration_seconds", labels(stream="true"))
-    assert (duration.count, duration.sum) == (1, STREAM_END - T0)
-    assert registry.get_sample_value(
-        "llm_proxy_requests_total", labels(stream="true", code="200")) == 1
-    assert registry.get_sample_value(
-        "llm_proxy_stream_outcomes_total", labels(outcome="completed")) == 1
-    assert registry.get_sample_value(
-        "llm_proxy_in_flight_requests", {"upstream": UPSTREAM_LABEL}) == 0
-    await app.aclose()
+        duration = histogram(registry, "llm_proxy_request_duration_seconds", labels(stream="true"))
+        assert (duration.count, duration.sum) == (1, STREAM_END - T0)
+        assert registry.get_sample_value(
+            "llm_proxy_requests_total", labels(stream="true", code="200")) == 1
+        assert registry.get_sample_value(
+            "llm_proxy_stream_outcomes_total", labels(outcome="completed")) == 1
+        assert registry.get_sample_value(
+            "llm_proxy_in_flight_requests", {"upstream": UPSTREAM_LABEL}) == 0
 
 
 async def test_completions_route_metrics() -> None:
     clock = ScriptedClock()
     times = [T0 + 0.25, T0 + 0.375, T0 + 0.875]
-    script = [(T0 + 0.125, sse({"choices": [{"index": 0, "text": ""}]}))]
-    script += [(t, sse({"choices": [{"index": 0, "text": f"w{i}"}]})) for i, t in enumerate(times)]
+    script = [(T0 + 0.125, sse(text_json("")))]
+    script += [(t, sse(text_json(f"w{i}"))) for i, t in enumerate(times)]
     script.append((T0 + 1.0, sse(usage_json(5, 3))))
     up = sse_upstream(clock, script)
     app, registry = make_app(up, clock)
-    async with client_for(BodyClock(app, clock)) as client:
-        await client.post(COMPLETIONS, json={"model": "m", "prompt": "p", "stream": True})
-    lbl = labels(route=COMPLETIONS)
-    assert histogram(registry, "llm_proxy_time_to_first_token_seconds", lbl).sum == times[0] - T0
-    itl = histogram(registry, "llm_proxy_inter_token_latency_seconds", lbl)
-    assert itl.sum == sum(b - a for a, b in itertools.pairwise(times))
-    assert histogram(registry, "llm_proxy_time_per_output_token_seconds", lbl).sum == tpot(
-        times[0], times[-1], 3)
-    await app.aclose()
+    async with app:
+        async with client_for(BodyClock(app, clock)) as client:
+            await client.post(COMPLETIONS, json={"model": "m", "prompt": "p", "stream": True})
+        lbl = labels(route=COMPLETIONS)
+        assert histogram(registry, "llm_proxy_time_to_first_token_seconds", lbl).sum == times[0] - T0
+        itl = histogram(registry, "llm_proxy_inter_token_latency_seconds", lbl)
+        assert itl.sum == sum(b - a for a, b in itertools.pairwise(times))
+        assert histogram(registry, "llm_proxy_time_per_output_token_seconds", lbl).sum == tpot(
+            times[0], times[-1], 3)
 
 
 async def test_non_stream_metrics_and_x_queue_time_header() -> None:
@@ -686,20 +688,20 @@ async def test_non_stream_metrics_and_x_queue_time_header() -> None:
                               content=lazy(json.dumps(body).encode()))
 
     app, registry = make_app(FakeUpstream(respond), clock)
-    async with client_for(BodyClock(app, clock)) as client:
-        response = await client.post(CHAT, json={"model": "m", "messages": []})
-    assert response.json() == body
-    lbl = labels()
-    assert histogram(registry, "llm_proxy_upstream_queue_time_seconds", lbl).sum == 125 / 1000
-    assert histogram(registry, "llm_proxy_prompt_tokens", lbl).sum == 7
-    assert histogram(registry, "llm_proxy_cached_prompt_tokens", lbl).sum == 2
-    assert histogram(registry, "llm_proxy_completion_tokens", lbl).sum == 3
-    assert histogram(registry, "llm_proxy_time_to_first_token_seconds", lbl).count == 0
-    duration = histogram(registry, "llm_proxy_request_duration_seconds", labels(stream="false"))
-    assert duration.sum == 0.75
-    assert registry.get_sample_value(
-        "llm_proxy_stream_outcomes_total", labels(outcome="completed")) is None
-    await app.aclose()
+    async with app:
+        async with client_for(BodyClock(app, clock)) as client:
+            response = await client.post(CHAT, json={"model": "m", "messages": []})
+        assert response.json() == body
+        lbl = labels()
+        assert histogram(registry, "llm_proxy_upstream_queue_time_seconds", lbl).sum == 125 / 1000
+        assert histogram(registry, "llm_proxy_prompt_tokens", lbl).sum == 7
+        assert histogram(registry, "llm_proxy_cached_prompt_tokens", lbl).sum == 2
+        assert histogram(registry, "llm_proxy_completion_tokens", lbl).sum == 3
+        assert histogram(registry, "llm_proxy_time_to_first_token_seconds", lbl).count == 0
+        duration = histogram(registry, "llm_proxy_request_duration_seconds", labels(stream="false"))
+        assert duration.sum == 0.75
+        assert registry.get_sample_value(
+            "llm_proxy_stream_outcomes_total", labels(outcome="completed")) is None
 
 
 async def test_queue_time_under_the_concurrency_limit() -> None:
@@ -718,19 +720,19 @@ async def test_queue_time_under_the_concurrency_limit() -> None:
         return httpx.Response(200, headers=SSE_HEADERS, content=body())
 
     app, registry = make_app(FakeUpstream(respond), clock, max_concurrency=1)
-    clock.now = T0
-    async with client_for(app) as client:
-        a = asyncio.create_task(client.post(CHAT, json=stream_request(), headers={"x-test": "a"}))
-        b = asyncio.create_task(client.post(CHAT, json=stream_request(), headers={"x-test": "b"}))
-        await until_queued(app)  # b waits behind a
-        assert not a.done()
-        clock.now = T0 + waited
-        gate.set()
-        await asyncio.gather(a, b)
-    queue = histogram(registry, "llm_proxy_queue_time_seconds", labels())
-    assert (queue.count, queue.sum) == (2, waited)
-    assert queue.buckets == expected_buckets(QUEUE_BUCKETS, [0.0, waited])
-    await app.aclose()
+    async with app:
+        clock.now = T0
+        async with client_for(app) as client:
+            a = asyncio.create_task(client.post(CHAT, json=stream_request(), headers={"x-test": "a"}))
+            b = asyncio.create_task(client.post(CHAT, json=stream_request(), headers={"x-test": "b"}))
+            await until_queued(app)  # b waits behind a
+            assert not a.done()
+            clock.now = T0 + waited
+            gate.set()
+            await asyncio.gather(a, b)
+        queue = histogram(registry, "llm_proxy_queue_time_seconds", labels())
+        assert (queue.count, queue.sum) == (2, waited)
+        assert queue.buckets == expected_buckets(QUEUE_BUCKETS, [0.0, waited])
 
 
 async def test_queue_full_answers_429() -> None:
@@ -745,19 +747,19 @@ async def test_queue_full_answers_429() -> None:
         return httpx.Response(200, headers=SSE_HEADERS, content=body())
 
     app, registry = make_app(FakeUpstream(respond), clock, max_concurrency=1, max_queue=1)
-    async with client_for(app) as client:
-        first = asyncio.create_task(client.post(CHAT, json=stream_request()))
-        second = asyncio.create_task(client.post(CHAT, json=stream_request()))
-        await until_queued(app)
-        third = await client.post(CHAT, json=stream_request())
-        gate.set()
-        await asyncio.gather(first, second)
-    assert third.status_code == 429
-    assert third.headers["retry-after"]
-    assert third.json()["error"]["type"] == "rate_limit_error"
-    assert registry.get_sample_value(
-        "llm_proxy_requests_total", labels(stream="true", code="429")) == 1
-    await app.aclose()
+    async with app:
+        async with client_for(app) as client:
+            first = asyncio.create_task(client.post(CHAT, json=stream_request()))
+            second = asyncio.create_task(client.post(CHAT, json=stream_request()))
+            await until_queued(app)
+            third = await client.post(CHAT, json=stream_request())
+            gate.set()
+            await asyncio.gather(first, second)
+        assert third.status_code == 429
+        assert third.headers["retry-after"] == "1"
+        assert third.json()["error"]["type"] == "rate_limit_error"
+        assert registry.get_sample_value(
+            "llm_proxy_requests_total", labels(stream="true", code="429")) == 1
 
 
 # ---------------------------------------------------------------------------
@@ -769,10 +771,9 @@ async def test_request_log_line(tmp_path: Path) -> None:
     log_file = tmp_path / "requests.jsonl"
     up = sse_upstream(clock, chat_script(), headers={"x-request-id": "req-log-1"})
     app, _ = make_app(up, clock, log_requests=str(log_file))
-    async with client_for(BodyClock(app, clock)) as client:
+    async with app, client_for(BodyClock(app, clock)) as client:
         await client.post(CHAT, json=stream_request(),
                           headers={"authorization": "Bearer sk-very-secret-key"})
-    await app.aclose()
     lines = log_file.read_text().splitlines()
     assert len(lines) == 1
     record = json.loads(lines[0])
@@ -795,26 +796,26 @@ async def test_metrics_openmetrics_with_request_id_exemplar() -> None:
     clock = ScriptedClock()
     up = sse_upstream(clock, chat_script(), headers={"x-request-id": "req-exemplar-9"})
     app, _ = make_app(up, clock)
-    async with client_for(BodyClock(app, clock)) as client:
-        await client.post(CHAT, json=stream_request())
-        om = await client.get("/metrics", headers={"accept": "application/openmetrics-text; "
-                                                             "version=1.0.0; charset=utf-8"})
-        text = await client.get("/metrics")
-    assert om.status_code == 200
-    assert om.headers["content-type"].startswith("application/openmetrics-text")
-    assert om.text.rstrip().endswith("# EOF")
-    ttft_lines = [line for line in om.text.splitlines()
-                  if line.startswith("llm_proxy_time_to_first_token_seconds_bucket")
-                  and 'request_id="req-exemplar-9"' in line]
-    assert len(ttft_lines) == 1
-    assert ttft_lines[0].split(" # ")[1].split()[1] == str(OUTPUT_TIMES[0] - T0)
-    assert any(line.startswith("llm_proxy_request_duration_seconds_bucket")
-               and 'request_id="req-exemplar-9"' in line for line in om.text.splitlines())
-    assert text.headers["content-type"].startswith("text/plain")
-    assert "# EOF" not in text.text
-    assert "request_id" not in text.text
-    assert "llm_proxy_time_to_first_token_seconds_bucket" in text.text
-    await app.aclose()
+    async with app:
+        async with client_for(BodyClock(app, clock)) as client:
+            await client.post(CHAT, json=stream_request())
+            om = await client.get("/metrics", headers={"accept": "application/openmetrics-text; "
+                                                                 "version=1.0.0; charset=utf-8"})
+            text = await client.get("/metrics")
+        assert om.status_code == 200
+        assert om.headers["content-type"].startswith("application/openmetrics-text")
+        assert om.text.rstrip().endswith("# EOF")
+        ttft_lines = [line for line in om.text.splitlines()
+                      if line.startswith("llm_proxy_time_to_first_token_seconds_bucket")
+                      and 'request_id="req-exemplar-9"' in line]
+        assert len(ttft_lines) == 1
+        assert ttft_lines[0].split(" # ")[1].split()[1] == str(OUTPUT_TIMES[0] - T0)
+        assert any(line.startswith("llm_proxy_request_duration_seconds_bucket")
+                   and 'request_id="req-exemplar-9"' in line for line in om.text.splitlines())
+        assert text.headers["content-type"].startswith("text/plain")
+        assert "# EOF" not in text.text
+        assert "request_id" not in text.text
+        assert "llm_proxy_time_to_first_token_seconds_bucket" in text.text
 
 
 async def test_healthz_does_not_call_upstream() -> None:
@@ -823,11 +824,11 @@ async def test_healthz_does_not_call_upstream() -> None:
 
     up = FakeUpstream(respond)
     app, _ = make_app(up, ScriptedClock())
-    async with client_for(app) as client:
-        response = await client.get("/healthz")
-    assert response.status_code == 200
-    assert up.seen == []
-    await app.aclose()
+    async with app:
+        async with client_for(app) as client:
+            response = await client.get("/healthz")
+        assert response.status_code == 200
+        assert up.seen == []
 
 
 # ---------------------------------------------------------------------------
@@ -856,26 +857,26 @@ async def test_upstream_failure_mid_stream(failure: Exception | None, outcome: s
         return await (broken if not broken.seen else healthy)(request)
 
     app, registry = make_app(respond, clock, inject_usage=inject, read_timeout=0.3)
-    result = await call_raw(app, "POST", CHAT, body=json.dumps(stream_request()).encode())
-    assert result.status == 200
-    assert result.body == b"".join(c for _, c in script)  # every byte that arrived
-    assert not result.completed  # the stream breaks as the upstream's did
-    await asyncio.wait_for(closed.wait(), 5)
-    assert registry.get_sample_value(
-        "llm_proxy_stream_outcomes_total", labels(outcome=outcome)) == 1
-    ttft = histogram(registry, "llm_proxy_time_to_first_token_seconds", labels())
-    assert ttft.sum == OUTPUT_TIMES[0] - T0
-    itl = histogram(registry, "llm_proxy_inter_token_latency_seconds", labels())
-    assert itl.count == 2
-    assert registry.get_sample_value(
-        "llm_proxy_in_flight_requests", {"upstream": UPSTREAM_LABEL}) == 0
-    # and the proxy keeps serving
-    result = await call_raw(app, "POST", CHAT, body=json.dumps(stream_request()).encode())
-    assert result.completed
-    assert len(healthy.seen) == 1
-    assert registry.get_sample_value(
-        "llm_proxy_stream_outcomes_total", labels(outcome="completed")) == 1
-    await app.aclose()
+    async with app:
+        result = await call_raw(app, "POST", CHAT, body=json.dumps(stream_request()).encode())
+        assert result.status == 200
+        assert result.body == b"".join(c for _, c in script)  # every byte that arrived
+        assert not result.completed  # the stream breaks as the upstream's did
+        await asyncio.wait_for(closed.wait(), 5)
+        assert registry.get_sample_value(
+            "llm_proxy_stream_outcomes_total", labels(outcome=outcome)) == 1
+        ttft = histogram(registry, "llm_proxy_time_to_first_token_seconds", labels())
+        assert ttft.sum == OUTPUT_TIMES[0] - T0
+        itl = histogram(registry, "llm_proxy_inter_token_latency_seconds", labels())
+        assert itl.count == 2
+        assert registry.get_sample_value(
+            "llm_proxy_in_flight_requests", {"upstream": UPSTREAM_LABEL}) == 0
+        # and the proxy keeps serving
+        result = await call_raw(app, "POST", CHAT, body=json.dumps(stream_request()).encode())
+        assert result.completed
+        assert len(healthy.seen) == 1
+        assert registry.get_sample_value(
+            "llm_proxy_stream_outcomes_total", labels(outcome="completed")) == 1
 
 
 async def test_client_disconnect_closes_the_upstream_stream() -> None:
@@ -885,12 +886,12 @@ async def test_client_disconnect_closes_the_upstream_stream() -> None:
     script = chat_script(usage=None)[:3]
     up = sse_upstream(clock, script, end=None, hold=never, closed=closed)
     app, registry = make_app(up, clock)
-    result = await call_raw(app, "POST", CHAT, body=json.dumps(stream_request()).encode(),
-                            disconnect_after_body_messages=len(script))
-    assert result.body == b"".join(c for _, c in script)
-    await asyncio.wait_for(closed.wait(), 5)  # the upstream request was closed, not left generating
-    assert registry.get_sample_value(
-        "llm_proxy_stream_outcomes_total", labels(outcome="client_disconnected")) == 1
-    assert registry.get_sample_value(
-        "llm_proxy_in_flight_requests", {"upstream": UPSTREAM_LABEL}) == 0
-    await app.aclose()
+    async with app:
+        result = await call_raw(app, "POST", CHAT, body=json.dumps(stream_request()).encode(),
+                                disconnect_after_body_messages=len(script))
+        assert result.body == b"".join(c for _, c in script)
+        await asyncio.wait_for(closed.wait(), 5)  # the upstream request was closed, not left generating
+        assert registry.get_sample_value(
+            "llm_proxy_stream_outcomes_total", labels(outcome="client_disconnected")) == 1
+        assert registry.get_sample_value(
+            "llm_proxy_in_flight_requests", {"upstream": UPSTREAM_LABEL}) == 0

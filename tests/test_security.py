@@ -1,11 +1,12 @@
-"""Security promises of issue 6: bounded label cardinality, no secret in any output,
-the optional server-held upstream key, no path trick reaching another host or escaping
-the upstream's base path, and ``/metrics`` on a port of its own.
+"""Security promises: bounded label cardinality, no secret in any output, the optional
+server-held upstream key, no path trick reaching another host or escaping the
+upstream's base path, and ``/metrics`` on a port of its own.
 
-The cardinality test drives the app in-process (thousands of requests, no sockets);
+The cardinality test drives the app in-process (thousands of requests) in front of the
+suite's scripted upstream on loopback, so the production upstream client carries them;
 the others are end to end: the proxy in a real uvicorn server (or the real command in
 a subprocess where its logs and ports are the subject) in front of a recording raw
-upstream (:mod:`tests.raw_upstream`).
+upstream (:class:`tests.fake_upstream.RawUpstream`, on a thread of its own).
 """
 
 from __future__ import annotations
@@ -30,11 +31,11 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.app import create_app
-from proxy.config import Settings
 from proxy.routes import KNOWN_RESOURCES
-from tests.raw_upstream import Conn, RawUpstream, closed_port, proxy_process, stream_events
+from tests.fake_upstream import Conn, RawUpstream, ScriptedClock, stream_events
+from tests.servers import closed_port, proxy_process
 from tests.test_faults import chat, client, run_proxy, still_serves
+from tests.upstream_fakes import UPSTREAM_LABEL, make_app
 
 pytestmark = pytest.mark.anyio
 
@@ -44,21 +45,21 @@ pytestmark = pytest.mark.anyio
 # Cardinality
 
 
-async def _lazy(data: bytes) -> AsyncIterator[bytes]:
-    yield data
+async def _events(events: list[bytes]) -> AsyncIterator[bytes]:
+    for event in events:
+        yield event
 
 
-def _mock_upstream(request: httpx.Request) -> httpx.Response:
-    """An upstream behind ``httpx.MockTransport``; bodies are lazy, as a socket's are."""
+async def _answer(request: httpx.Request) -> httpx.Response:
+    """A stream when one is asked for, else a small JSON object."""
     try:
         body = json.loads(request.content)
-    except ValueError:
+    except (ValueError, RecursionError):
         body = None
     if isinstance(body, dict) and body.get("stream") is True:
         return httpx.Response(200, headers={"content-type": "text/event-stream"},
-                              content=_lazy(b"".join(stream_events(2, usage=True))))
-    return httpx.Response(200, headers={"content-type": "application/json"},
-                          content=_lazy(b'{"ok": true}'))
+                              content=_events(stream_events(2, usage=True)))
+    return httpx.Response(200, json={"ok": True})
 
 
 def _label_values(registry: CollectorRegistry) -> tuple[int, dict[str, set[str]]]:
@@ -76,9 +77,7 @@ async def test_thousands_of_random_models_and_paths_keep_series_bounded() -> Non
     rng = random.Random(20261129)
     alphabet = string.ascii_letters + string.digits + "-_.:/ éü💥"
     max_models = 20
-    registry = CollectorRegistry()
-    app = create_app(Settings(upstream="http://upstream.test/v1", max_models=max_models),
-                     transport=httpx.MockTransport(_mock_upstream), registry=registry)
+    app, registry = make_app(_answer, ScriptedClock(), max_models=max_models)
     tokens: set[str] = set()  # every random string the "scanner" sent
 
     def rand(n: int, chars: str = alphabet) -> str:
@@ -86,8 +85,8 @@ async def test_thousands_of_random_models_and_paths_keep_series_bounded() -> Non
         tokens.add(text)
         return text
 
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                 base_url="http://proxy") as c:
+    async with app, httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                      base_url="http://proxy") as c:
         async def one(i: int) -> None:
             kind = i % 4
             headers = {"x-model": rand(8, string.ascii_letters), "user-agent": rand(8, string.ascii_letters)}  # never label sources
@@ -107,7 +106,10 @@ async def test_thousands_of_random_models_and_paths_keep_series_bounded() -> Non
 
         for start in range(0, 1200, 100):
             await asyncio.gather(*(one(i) for i in range(start, start + 100)))
-    await app.aclose()
+        # every request under /v1 was answered and counted: the upstream's or a refusal
+        answered = sum(s.value for f in registry.collect() for s in f.samples
+                       if s.name == "llm_proxy_requests_total")
+        assert answered == 900  # 1200 less the 300 outside /v1 (kind 3)
 
     series, values = _label_values(registry)
     models = values["model"]
@@ -116,7 +118,7 @@ async def test_thousands_of_random_models_and_paths_keep_series_bounded() -> Non
     templates = {"/v1", "/v1/{other}", "/v1/chat/completions", "/v1/completions"}
     templates |= {f"/v1/{r}" for r in KNOWN_RESOURCES} | {f"/v1/{r}/{{...}}" for r in KNOWN_RESOURCES}
     assert values["route"] <= templates
-    assert values["upstream"] == {"upstream.test"}
+    assert values["upstream"] == {UPSTREAM_LABEL}
     assert all(v.isdigit() for v in values["code"])
     # No label value at all came from a client header or a raw path segment.
     leaked = {v for vs in values.values() for v in vs} & (tokens - models)
@@ -192,7 +194,13 @@ async def test_secrets_never_appear_in_logs_metrics_or_errors(tmp_path: Path) ->
     # ... and the captured output really is the proxy's logs: one JSON line per request
     # that reached the handler, and uvicorn's access log lines.
     records = [json.loads(line) for line in out if line.startswith("{")]
-    assert len(records) == 5 and {r["outcome"] for r in records} >= {"completed", "upstream_interrupted"}
+    assert sorted((r["status"], r["outcome"]) for r in records) == [
+        (200, "completed"), (200, "completed"), (200, "completed"),  # stream, JSON, models
+        (200, "upstream_interrupted"),  # drop
+        (400, "rejected"),  # the proxy's own 400 (path)
+        (401, "upstream_error"),  # refuse
+        (413, "rejected"),  # the proxy's own 413 (body); the 404 is outside /v1/*
+    ]
     assert "GET /v1/models" in logs
     for needle in needles:
         assert needle not in logs, f"secret in the logs: {needle}"
@@ -244,7 +252,7 @@ async def test_server_held_key_checks_clients_and_sends_only_its_own(
     for seen in upstream.requests:
         assert seen.header("authorization") == f"Bearer {server_key}"
         assert seen.header("api-key") is None and seen.header("x-org-secret") is None
-        assert all(client_key not in v for _, v in seen.headers)
+        assert all(client_key.encode() not in v for _, v in seen.headers)
 
 
 async def still_serves_with_key(base: str, key: str) -> None:

@@ -21,8 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.scheduled_upstream import ScheduledUpstream
-from tests.servers import RunningServer, serve_in_thread
+from tests.fake_upstream import Scheduled, ScriptedUpstream
 
 pytestmark = pytest.mark.e2e
 
@@ -37,8 +36,8 @@ def free_port() -> int:
 
 
 @pytest.fixture
-def upstream() -> Iterator[RunningServer]:
-    with serve_in_thread(ScheduledUpstream(ttft=0.005, itl=0.002, tokens=4)) as server:
+def upstream() -> Iterator[ScriptedUpstream]:
+    with ScriptedUpstream(Scheduled(ttft=0.005, itl=0.002, tokens=4)).running() as server:
         yield server
 
 
@@ -63,7 +62,7 @@ def metric_total(text: str, name: str) -> float:
     return total
 
 
-def test_two_workers_sum_metrics(upstream: RunningServer, tmp_path: Path) -> None:
+def test_two_workers_sum_metrics(upstream: ScriptedUpstream, tmp_path: Path) -> None:
     port = free_port()
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
@@ -100,8 +99,8 @@ def test_two_workers_sum_metrics(upstream: RunningServer, tmp_path: Path) -> Non
 
 def test_sigterm_with_workers_lets_in_flight_stream_finish(tmp_path: Path) -> None:
     """SIGTERM to the supervisor: the stream in flight completes, the process exits 0."""
-    fake = ScheduledUpstream(ttft=0.05, itl=0.05, tokens=30)  # a 1.5 s stream
-    with serve_in_thread(fake) as up:
+    fake = Scheduled(ttft=0.05, itl=0.05, tokens=30)  # a 1.5 s stream
+    with ScriptedUpstream(fake).running() as up:
         port = free_port()
         proc = subprocess.Popen(
             [sys.executable, "-m", "proxy", "serve", "--upstream", up.url + "/v1",

@@ -1,18 +1,17 @@
 """Helpers for in-process proxy tests: the proxy app in front of the suite's scripted
 upstream (:mod:`tests.fake_upstream`, a real loopback server, so the production client
-runs), and SSE stream builders.
+runs), driven through ASGI.
 
 Time is scripted, never measured: the upstream's body generator sets the clock right
 before it yields each chunk, and the upstream writes the next chunk only after the
 relay has read the clock for this one, so every expected metric can be computed from
-the script.
+the script. The SSE builders are :mod:`tests.fake_upstream`'s, re-exported here.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-from collections.abc import AsyncIterator, Callable, Coroutine, MutableMapping, Sequence
+from collections.abc import AsyncIterator, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,59 +20,26 @@ from prometheus_client import CollectorRegistry
 
 from proxy.app import ProxyApp, create_app
 from proxy.config import Settings
-from tests.fake_upstream import ScriptedClock, ScriptedUpstream
+from tests.fake_upstream import (
+    Behaviour,
+    Handler,
+    ScriptedClock,
+    ScriptedUpstream,
+    Seen,
+    chunk_json,
+    sse,
+    text_json,
+    usage_json,
+)
 
-__all__ = ["ScriptedClock"]
+__all__ = ["ScriptedClock", "Seen", "chunk_json", "sse", "text_json", "usage_json"]
 
-UPSTREAM = "http://upstream.test:8000/v1"
 UPSTREAM_LABEL = "upstream.test:8000"
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 SSE_HEADERS = {"content-type": "text/event-stream; charset=utf-8"}
 
 Message = MutableMapping[str, Any]
-
-
-def chunk_json(*deltas: dict[str, Any], model: str = "m", **extra: Any) -> dict[str, Any]:
-    choices = [{"index": i, "delta": d, "finish_reason": None} for i, d in enumerate(deltas)]
-    return {"id": "c1", "object": "chat.completion.chunk", "model": model, "choices": choices,
-            **extra}
-
-
-def usage_json(prompt: int, completion: int, cached: int | None = None,
-               **extra: Any) -> dict[str, Any]:
-    usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
-                             "total_tokens": prompt + completion}
-    if cached is not None:
-        usage["prompt_tokens_details"] = {"cached_tokens": cached}
-    usage.update(extra)
-    return {"id": "c1", "object": "chat.completion.chunk", "model": "m", "choices": [],
-            "usage": usage}
-
-
-def sse(payload: dict[str, Any] | str, eol: bytes = b"\n") -> bytes:
-    data = payload if isinstance(payload, str) else json.dumps(payload)
-    return b"data: " + data.encode() + eol + eol
-
-
-@dataclass
-class Seen:
-    """What the fake upstream received."""
-
-    method: str
-    url: httpx.URL
-    headers: list[tuple[bytes, bytes]]
-    body: bytes
-
-    def header(self, name: bytes) -> list[bytes]:
-        return [v for k, v in self.headers if k.lower() == name]
-
-    @property
-    def json(self) -> Any:
-        return json.loads(self.body)
-
-
-Handler = Callable[[httpx.Request], Coroutine[None, None, httpx.Response]]
 
 
 @dataclass
@@ -84,8 +50,7 @@ class FakeUpstream:
     seen: list[Seen] = field(default_factory=list)
 
     async def __call__(self, request: httpx.Request) -> httpx.Response:
-        body = await request.aread()
-        self.seen.append(Seen(request.method, request.url, list(request.headers.raw), body))
+        self.seen.append(request.extensions["seen"])  # exactly as the upstream received it
         return await self.respond(request)
 
 
@@ -117,9 +82,10 @@ async def timed_body(clock: ScriptedClock, script: Sequence[tuple[float, bytes]]
 class InProcess:
     """The proxy app and its scripted upstream, as one ASGI app for a test.
 
-    The upstream's socket is bound at once (so its URL goes into the settings) and it
-    starts serving on the first request, inside the test's event loop. Attributes not
-    found here are the proxy app's (``app.metrics``, ``app.upstream``, ...).
+    ``async with app:`` starts the upstream and closes both at the end, however the
+    block ends. The upstream's socket is bound at once (so its URL goes into the
+    settings); it also starts on the first request. Attributes not found here are the
+    proxy app's (``app.metrics``, ``app.upstream``, ...).
     """
 
     def __init__(self, app: ProxyApp, upstream: ScriptedUpstream) -> None:
@@ -129,6 +95,13 @@ class InProcess:
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         await self.scripted.start()
         await self.app(scope, receive, send)
+
+    async def __aenter__(self) -> InProcess:
+        await self.scripted.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
 
     async def aclose(self) -> None:
         try:
@@ -140,16 +113,21 @@ class InProcess:
         return getattr(self.app, name)
 
 
-def make_app(handler: Handler, clock: ScriptedClock, *, base_path: str = "/v1",
-             **overrides: Any) -> tuple[Any, CollectorRegistry]:
-    """The proxy in front of ``handler`` served on loopback; ``base_path`` is the
-    upstream base URL's path (``--upstream http://127.0.0.1:PORT<base_path>``)."""
-    upstream = ScriptedUpstream(handler, clock)
-    origin = upstream.url.removesuffix("/v1")
-    settings = Settings(**{"upstream": origin + base_path, "upstream_name": UPSTREAM_LABEL,
-                           **overrides})
-    registry = CollectorRegistry()
-    app = create_app(settings, registry=registry, clock=clock)
+def make_app(handler: Handler | None, clock: ScriptedClock, *, base_path: str = "/v1",
+             behaviour: Behaviour | None = None,
+             **overrides: Any) -> tuple[InProcess, CollectorRegistry]:
+    """The proxy in front of ``handler`` (or a raw ``behaviour``) served on loopback;
+    ``base_path`` is the upstream base URL's path
+    (``--upstream http://127.0.0.1:PORT<base_path>``). Use the app as ``async with app:``."""
+    upstream = ScriptedUpstream(handler, clock, behaviour=behaviour)
+    try:
+        settings = Settings(**{"upstream": upstream.url + base_path,
+                               "upstream_name": UPSTREAM_LABEL, **overrides})
+        registry = CollectorRegistry()
+        app = create_app(settings, registry=registry, clock=clock)
+    except BaseException:
+        upstream.sock.close()  # bound, never served: nothing else to close
+        raise
     return InProcess(app, upstream), registry
 
 
@@ -216,13 +194,15 @@ class RawResult:
 async def call_raw(app: Any, method: str, path: str, *, body: bytes = b"",
                    headers: Sequence[tuple[bytes, bytes]] = (),
                    query: bytes = b"",
-                   disconnect_after_body_messages: int | None = None) -> RawResult:
-    """Drive the ASGI app directly and record every message it sends.
+                   disconnect_after_body_messages: int | None = None,
+                   record: list[Message] | None = None) -> RawResult:
+    """Drive the ASGI app directly and record every message it sends (into ``record``
+    as they are sent, if given).
 
     The client never disconnects unless ``disconnect_after_body_messages`` is given:
     then ``http.disconnect`` is delivered once the app has sent that many body messages.
     """
-    messages: list[Message] = []
+    messages: list[Message] = record if record is not None else []
     delivered = False
     gone = asyncio.Event()
 
