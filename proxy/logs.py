@@ -3,7 +3,7 @@
 When the upstream is down every request fails, and one line per request would bury
 everything else in the log (and cost I/O on the hot path). :class:`RateLimitedLog`
 writes at most ``per_interval`` lines per ``interval_s``; the lines it holds back are
-counted and reported in one line when the next interval opens.
+counted and reported in one line with the first warning of a later interval.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ class RateLimitedLog:
         now = self._clock()
         if now - self._window_start >= self._interval:
             if self._suppressed:
-                self._logger.warning("%d more upstream failure lines suppressed in the last "
-                                     "%g s", self._suppressed, self._interval)
+                self._logger.warning("%d upstream failure lines were suppressed (at most %d "
+                                     "per %g s)", self._suppressed, self._per, self._interval)
             self._window_start = now
             self._written = 0
             self._suppressed = 0

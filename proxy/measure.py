@@ -39,6 +39,9 @@ class Outcome(StrEnum):
     UPSTREAM_INTERRUPTED = "upstream_interrupted"
     UPSTREAM_ERROR = "upstream_error"
     TIMEOUT = "timeout"
+    # the proxy itself cut the request short: it was shutting down and the request was
+    # still running after --graceful-timeout (the server cancels it)
+    CANCELLED = "cancelled"
     REJECTED = "rejected"  # answered by the proxy itself (413, 429, 502 before headers, ...)
 
 

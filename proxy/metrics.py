@@ -211,7 +211,8 @@ class Metrics:
         self.outcomes = Counter(
             "llm_proxy_stream_outcomes", "How each stream ended: completed, client_disconnected, "
             "upstream_interrupted, upstream_error (non-2xx, unreachable, or an error event inside "
-            "a 200 stream: Responses error or response.failed, Messages event: error), timeout.", (*base, "outcome"),
+            "a 200 stream: Responses error or response.failed, Messages event: error), timeout, "
+            "cancelled (still running when the proxy's shutdown grace period ended).", (*base, "outcome"),
             registry=reg)
         self.in_flight_gauge = Gauge(
             "llm_proxy_in_flight_requests", "Requests the proxy is handling right now "

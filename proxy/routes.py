@@ -280,6 +280,11 @@ class V1Handler:
             await self._relay(x, send, strip)
         except asyncio.CancelledError:
             if not watch.disconnected:
+                # The server cancelled the request (shutdown past --graceful-timeout): it
+                # is still finished, with an outcome that says so; 503 if nothing was sent.
+                x.outcome = Outcome.CANCELLED
+                x.status = x.status or 503
+                x.t_end = self.clock()
                 raise
             task.uncancel()
             x.outcome = Outcome.CLIENT_DISCONNECTED
@@ -343,7 +348,7 @@ class V1Handler:
             resp_headers.append((b"x-request-id", x.request_id.encode()))
         if is_sse and b"x-accel-buffering" not in (k for k, _ in resp_headers):
             resp_headers.append((b"x-accel-buffering", b"no"))
-        if not ok:
+        if status >= 500:  # a 4xx is the client's request, not an upstream failure
             x.reason = f"HTTP {status}"
         await send({"type": "http.response.start", "status": status, "headers": resp_headers})
         meter = None
@@ -366,6 +371,8 @@ class V1Handler:
 
     def _finish(self, x: _Request) -> None:
         """Record, metrics, log line and warning: once per request, whatever happened."""
+        if not x.request_id:  # the client left before any answer: the log still needs an id
+            x.request_id = uuid.uuid4().hex
         if x.reason:
             self._warnings.warning(
                 "upstream failure: request_id=%s route=%s model=%s upstream=%s status=%s: %s",

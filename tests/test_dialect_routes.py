@@ -200,8 +200,8 @@ async def test_messages_stream_measured_exactly(thinking: int) -> None:
         seen = up.seen[0]
         assert seen.body == body
         # the client's Anthropic headers pass through untouched
-        assert seen.header(b"x-api-key") == [b"sk-ant-client"]
-        assert seen.header(b"anthropic-version") == [b"2023-06-01"]
+        assert seen.header("x-api-key") == "sk-ant-client"
+        assert seen.header("anthropic-version") == "2023-06-01"
         assert_timing(registry, MESSAGES, r_times, a_times)
         lbl = labels(route=MESSAGES)
         # Anthropic's input_tokens excludes cache reads and writes: prompt = 10 + 30 + 5
