@@ -5,7 +5,7 @@
   the relay never holds more than its limit of not-yet-forwarded bytes.
 * The SSE parser: never raises, never buffers more than its event limit (plus a small
   constant), and finds the same events however the stream is cut.
-* The measurement: ``inspect_event`` and the stream timer never raise on any payload.
+* The measurement: every dialect and the stream timer never raise on any payload.
 
 The relay properties run the production path: the upstream client
 (:class:`proxy.wire.WireTransport`) against the suite's scripted upstream on loopback,
@@ -30,7 +30,8 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from proxy.measure import Meter, StreamTimer, inspect_event
+from proxy import dialects
+from proxy.measure import Meter, StreamTimer
 from proxy.relay import relay
 from proxy.sse import SSEParser
 from proxy.wire import Endpoint, WireTransport, serialize
@@ -70,7 +71,7 @@ def usage_only_spans(data: bytes) -> list[tuple[int, int]]:
     parser = SSEParser()
     events = parser.feed(data)
     return [(e.start, e.end) for e in events
-            if not e.oversize and inspect_event(e.data, text_route=False).usage_only]
+            if not e.oversize and dialects.CHAT.classify(e.event, e.data).usage_only]
 
 
 def without(data: bytes, spans: list[tuple[int, int]]) -> bytes:
@@ -159,7 +160,7 @@ def drive(wire: Wire, pieces: list[bytes], *, strip: bool, max_event: int = 1 <<
         response = await wire.transport.exchange("POST", endpoint, payload)
         try:
             assert response.status_code == 200
-            meter = Meter(StreamTimer(text_route=False), SSEParser(max_event))
+            meter = Meter(StreamTimer(dialects.CHAT), SSEParser(max_event))
             result = await relay(response.body, script.send, wire.clock, meter=meter,
                                  strip_usage=strip)
         finally:
@@ -318,11 +319,19 @@ JSON = st.recursive(
 @example(b"[" * 20_000, False)
 @example(b'{"a":' * 20_000, True)
 @example(b'{"choices":[{"delta":{"content":"x"}}],"usage":{"metrics":{"queue_time_ms":1e999}}}', False)
+@example(b'{"type":"content_block_delta","delta":{"type":"text_delta","text":"x"}}', False)
+@example(b'{"type":"response.output_text.delta","delta":"x"}', True)
 def test_measurement_never_raises(data: bytes, text_route: bool) -> None:
-    info = inspect_event(data, text_route=text_route)
-    timer = StreamTimer(text_route=text_route)
-    assert timer.event(data, 1.0) == info
-    assert timer.event(data, 2.0) == info  # the same payload classifies the same
+    for dialect in dialects.DIALECTS.values():
+        for name in (b"", b"message_start", b"response.completed", b"error"):
+            info = dialect.classify(name, data)
+            dialect.usage(info.usage)  # normalising any usage it found never raises either
+    name = b""
+    dialect = dialects.COMPLETIONS if text_route else dialects.CHAT
+    info = dialect.classify(name, data)
+    timer = StreamTimer(dialect)
+    assert timer.event(name, data, 1.0) == info
+    assert timer.event(name, data, 2.0) == info  # the same payload classifies the same
     outputs = 1 if info.outputs else 0
     assert timer.output_events == 2 * outputs
     assert timer.output_choices == 2 * info.outputs
