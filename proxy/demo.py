@@ -471,6 +471,25 @@ class Demo:
         import logging
         import signal
 
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, stop.set)
+        # Faults are part of the show; the proxy's per-request warnings would wreck the view
+        # (restored on the way out: the demo also runs inside other programs' processes).
+        proxy_log = logging.getLogger("proxy")
+        level = proxy_log.level
+        proxy_log.setLevel(logging.ERROR)
+        try:
+            return await self._main(loop, stop)
+        finally:
+            proxy_log.setLevel(level)
+
+    async def _main(self, loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> int:
+        import asyncio
+        import signal
+
         import httpx
 
         from proxy.app import create_app
@@ -479,13 +498,6 @@ class Demo:
         from proxy.simulator.model import SimConfig
 
         args = self.args
-        loop = asyncio.get_running_loop()
-        stop = asyncio.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(sig, stop.set)
-        # Faults are part of the show; the proxy's per-request warnings would wreck the view.
-        logging.getLogger("proxy").setLevel(logging.ERROR)
 
         sim_config = SimConfig(
             slots=args.slots,

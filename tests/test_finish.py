@@ -339,7 +339,7 @@ async def test_upstream_failure_logs_one_warning_without_secrets(
     handler = {"unreachable": normal_stream, "timeout": hold,
                "reset-mid-stream": _reset_mid_stream, "stall-mid-stream": _stall_mid_stream,
                "5xx": _server_error}[how]
-    caplog.set_level(logging.DEBUG)
+    caplog.set_level(logging.DEBUG, logger="proxy")
     app, _ = make_app(FakeUpstream(handler), ScriptedClock(), read_timeout=0.05)
     async with app:
         host = app.upstream.host

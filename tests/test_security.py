@@ -123,8 +123,10 @@ async def test_thousands_of_random_models_and_paths_keep_series_bounded() -> Non
     # No label value at all came from a client header or a raw path segment.
     leaked = {v for vs in values.values() for v in vs} & (tokens - models)
     assert not leaked
-    # The bound: per metric family, at most (models x routes x stream x codes x outcomes).
-    assert series < 6000, f"{series} series"
+    # The bound: per metric family, at most (models x routes x stream x codes x outcomes);
+    # 1,200 random requests make about 7,200 series across the 17 families (TTFT, first
+    # answer, first byte and duration have 25 samples a child, token histograms 21).
+    assert series < 8000, f"{series} series"
 
 
 # ---------------------------------------------------------------------------
