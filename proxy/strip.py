@@ -29,8 +29,10 @@ _EMPTY_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]').search
 
 
 class UsageStripper:
-    __slots__ = ("_chunk", "_events", "_infos", "_one", "meter", "pending", "pending_start",
-                 "removed_end")
+    __slots__ = ("_answer", "_chunk", "_events", "_infos", "_one", "meter", "pending",
+                 "pending_start", "removed_end")
+
+    _TEMPLATE_MATCH = EventInfo(1, True)  # a marker: the last chunk matched the token template
 
     def __init__(self, meter: Meter) -> None:
         self.meter = meter
@@ -43,6 +45,7 @@ class UsageStripper:
         self._one: tuple[bytes, bytes] | EventInfo | None = None
         self._events: list[SSEEvent] = []
         self._infos: list[EventInfo | None] = []
+        self._answer = True
 
     def take(self, chunk: bytes) -> bytes:
         """Every complete event except the usage-only one; the rest stays pending.
@@ -58,7 +61,8 @@ class UsageStripper:
             known = meter.template.match(chunk)
             if known is not None and parser.skip(len(chunk)):
                 self.pending_start += len(chunk)
-                self._one = known  # a token event: never the usage event
+                self._one = self._TEMPLATE_MATCH  # a token event: never the usage event
+                self._answer = known.answer
                 return chunk
             one = parser.single(chunk)
             if one is not None:
@@ -116,7 +120,10 @@ class UsageStripper:
         meter = self.meter
         timer = meter.timer
         one = self._one
-        if isinstance(one, EventInfo):  # a template match, or classified before the send
+        if one is self._TEMPLATE_MATCH:  # the common event: one output, nothing else
+            timer.token(t, self._answer)
+            return
+        if isinstance(one, EventInfo):  # classified before the send
             timer.observe(one, t)
             return
         if one is not None:  # the chunk was one event, classified now
