@@ -72,6 +72,8 @@ class RequestRecord:
     reasoning_tokens: int | None = None
     cache_write_tokens: int | None = None
     tokens_estimated: bool = False
+    trace_id: str = ""  # hex, when the request was traced and sampled (proxy.tracing)
+    span_id: str = ""
 
     def as_log(self) -> dict[str, Any]:
         """Flat dict for the per-request JSON log (no keys, no prompt text exist here)."""
