@@ -34,6 +34,8 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span
 from proxy.config import Settings
 from proxy.tracing import from_settings
 from tests.servers import closed_port
+from tests.test_dialect_routes import MESSAGES, RESPONSES, messages_script, responses_script
+from tests.test_dialect_routes import sse_upstream as dialect_upstream
 from tests.test_proxy_inprocess import json_upstream
 from tests.upstream_fakes import (
     CHAT,
@@ -447,3 +449,66 @@ async def test_tracing_off_sends_the_client_headers_unchanged() -> None:
         assert app.tracing is None
         await post(app, CHAT, chat_request(), {"traceparent": TRACEPARENT})
         assert up.seen[0].header_values("traceparent") == [TRACEPARENT]
+
+
+# ---------------------------------------------------------------------------
+# The other two APIs: names per the conventions, their own timings and tokens
+
+
+@pytest.mark.parametrize("api", ["messages", "responses"])
+async def test_messages_and_responses_spans(receiver: Receiver, api: str) -> None:
+    clock = ScriptedClock(T0)
+    if api == "messages":
+        route, provider = MESSAGES, "anthropic"
+        script, r_times, a_times = messages_script(2, 3)
+    else:
+        route, provider = RESPONSES, "openai"
+        script, r_times, a_times = responses_script(2, 3)
+    up = dialect_upstream(clock, script)
+    app, registry = make_app(up, clock, otlp_endpoint=receiver.url)
+    async with app:
+        payload = {"model": "m", "stream": True, "max_tokens": 8,
+                   "messages": [{"role": "user", "content": PROMPT}]}
+        if api == "responses":
+            payload = {"model": "m", "stream": True, "input": PROMPT}
+        response = await post(app, route, payload, CLIENT_HEADERS)
+        assert response.status_code == 200
+        (span,) = await exported(app, receiver)
+        got = attrs(span.attributes)
+        assert span.name == "chat m"
+        assert got["gen_ai.operation.name"] == "chat"
+        assert got["gen_ai.provider.name"] == provider
+        assert got["llm_proxy.ttft_s"] == r_times[0] - T0
+        assert got["llm_proxy.ttfa_s"] == a_times[0] - T0
+        assert got["llm_proxy.ttft_s"] == registry.get_sample_value(
+            "llm_proxy_time_to_first_token_seconds_sum",
+            {"route": route, "model": "m", "upstream": "upstream.test:8000"})
+        tokens = {k: v for k, v in got.items() if k.startswith("gen_ai.usage.")}
+        if api == "messages":
+            assert tokens == {"gen_ai.usage.input_tokens": 45,
+                              "gen_ai.usage.cache_read.input_tokens": 30,
+                              "gen_ai.usage.cache_creation.input_tokens": 5,
+                              "gen_ai.usage.output_tokens": 5}
+        else:
+            assert tokens["gen_ai.usage.output_tokens"] >= 1
+        assert "error.type" not in got
+        assert hexid(span.parent_span_id) == CLIENT_PARENT
+        assert up.seen[0].header_values("traceparent") == [
+            f"00-{CLIENT_TRACE}-{hexid(span.span_id)}-01"]
+        exported_bytes = b"".join(receiver.bodies)
+        for secret in (b"PROMPT-TEXT", b"w0 ", SECRET_KEY.encode()):
+            assert secret not in exported_bytes
+
+
+async def test_error_event_inside_a_200_stream(receiver: Receiver) -> None:
+    clock = ScriptedClock(T0)
+    script, _, _ = messages_script(0, 2, error=True)
+    app, _ = make_app(dialect_upstream(clock, script), clock, otlp_endpoint=receiver.url)
+    async with app:
+        response = await post(app, MESSAGES, {"model": "m", "stream": True, "max_tokens": 8,
+                                              "messages": [{"role": "user", "content": "x"}]})
+        assert response.status_code == 200
+        (span,) = await exported(app, receiver)
+        got = attrs(span.attributes)
+        assert (got["http.response.status_code"], got["error.type"]) == (200, "upstream_error")
+        assert span.status.code == span.status.STATUS_CODE_ERROR
