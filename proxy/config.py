@@ -165,6 +165,11 @@ def _buckets(raw: str) -> tuple[float, ...]:
     return values
 
 
+def _optional_url(raw: str) -> str:
+    """A URL, or empty for none (what ``serve`` writes back for its workers when unset)."""
+    return _url(raw) if raw.strip() else ""
+
+
 UPSTREAM_AUTH_MODES = ("bearer", "x-api-key", "api-key")
 
 
@@ -251,7 +256,7 @@ OPTIONS: tuple[Option, ...] = (
            "through unchanged. No request header is ever logged, these or any other.", "NAMES",
            unset="none"),
     Option("access_log", _bool, "Let uvicorn write its access log.", flag_only_true=True),
-    Option("otlp_endpoint", _url, "Export one OpenTelemetry span per measured request over "
+    Option("otlp_endpoint", _optional_url, "Export one OpenTelemetry span per measured request over "
            "OTLP/HTTP to this base URL (spans go to <URL>/v1/traces), like "
            "OTEL_EXPORTER_OTLP_ENDPOINT; needs pip install 'llm-latency-proxy[otel]'. "
            "OTEL_SDK_DISABLED=true turns tracing off.", "URL",

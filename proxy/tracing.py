@@ -111,6 +111,7 @@ class Tracing:
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
         self.provider = provider
+        self.description = ""  # where spans go, for the start-up line
         self.tracer: Tracer = provider.get_tracer("proxy.tracing")
         self.clock = clock
         self.propagate = propagate
@@ -220,17 +221,28 @@ def _error_type(record: RequestRecord) -> str:
     return ""
 
 
-def requested(settings: Settings, environ: Mapping[str, str] | None = None) -> str:
-    """Where spans would go: ``--otlp-endpoint``, else the standard OTLP variables; empty
-    when tracing was not asked for."""
+def wanted(settings: Settings, environ: Mapping[str, str] | None = None) -> str:
+    """Where spans should go: ``--otlp-endpoint``, else the standard OTLP variables;
+    empty when tracing was not asked for or ``OTEL_SDK_DISABLED=true``."""
     env = os.environ if environ is None else environ
+    if _disabled(env):
+        return ""
+    return _endpoint(settings, env)
+
+
+def _endpoint(settings: Settings, env: Mapping[str, str]) -> str:
     return (settings.otlp_endpoint or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "")
             or env.get("OTEL_EXPORTER_OTLP_ENDPOINT", ""))
 
 
+def _disabled(env: Mapping[str, str]) -> bool:
+    return env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true"
+
+
 def from_settings(settings: Settings, clock: Callable[[], float],
                   environ: Mapping[str, str] | None = None) -> Tracing | None:
-    """Tracing as configured, or None (and one log line saying why, if it was asked for).
+    """Tracing as configured, or None (and one warning line saying why when it was asked
+    for; when it is on, the start-up line says where spans go).
 
     On when an OTLP endpoint is given (``--otlp-endpoint``, ``OTEL_EXPORTER_OTLP_ENDPOINT``
     or ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``) unless ``OTEL_SDK_DISABLED=true``. Service
@@ -238,11 +250,11 @@ def from_settings(settings: Settings, clock: Callable[[], float],
     ``OTEL_*`` variables, read by the SDK itself.
     """
     env = os.environ if environ is None else environ
-    endpoint = requested(settings, env)
+    endpoint = _endpoint(settings, env)
     if not endpoint:
         return None
-    if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
-        log.info("tracing off: OTEL_SDK_DISABLED=true")
+    if _disabled(env):
+        log.warning("tracing off: an OTLP endpoint is set but OTEL_SDK_DISABLED=true")
         return None
     try:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
@@ -260,7 +272,9 @@ def from_settings(settings: Settings, clock: Callable[[], float],
     exporter = (OTLPSpanExporter(endpoint=settings.otlp_endpoint.rstrip("/") + "/v1/traces")
                 if settings.otlp_endpoint else OTLPSpanExporter())
     provider.add_span_processor(BatchSpanProcessor(exporter))
-    log.info("tracing on: OTLP/HTTP to %s, service %s, sampler %s", endpoint,
-             resource.attributes.get("service.name"), provider.sampler.get_description())
-    return Tracing(provider, clock=clock, upstream=settings.upstream,
-                   propagate=settings.propagate_trace)
+    tracing = Tracing(provider, clock=clock, upstream=settings.upstream,
+                      propagate=settings.propagate_trace)
+    tracing.description = (f"OTLP/HTTP to {endpoint}, service "
+                           f"{resource.attributes.get('service.name')}, sampler "
+                           f"{provider.sampler.get_description()}")
+    return tracing

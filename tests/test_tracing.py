@@ -16,12 +16,14 @@ import gzip
 import http.server
 import json
 import logging
+import signal
 import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio
 import httpx
 import pytest
 
@@ -31,9 +33,12 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
-from proxy.config import Settings
-from proxy.tracing import from_settings
-from tests.servers import closed_port
+from proxy.config import Settings, SettingsError, from_sources
+from proxy.serve import export_settings
+from proxy.simulator.app import create_simulator_app
+from proxy.simulator.model import SimConfig
+from proxy.tracing import from_settings, wanted
+from tests.servers import closed_port, proxy_process, serve_in_thread
 from tests.test_dialect_routes import MESSAGES, RESPONSES, messages_script, responses_script
 from tests.test_dialect_routes import sse_upstream as dialect_upstream
 from tests.test_proxy_inprocess import json_upstream
@@ -422,6 +427,19 @@ def test_off_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     assert tracing is not None
     tracing.shutdown()
     assert from_settings(Settings(), lambda: 0.0, {**env, "OTEL_SDK_DISABLED": "true"}) is None
+    assert wanted(Settings(), {**env, "OTEL_SDK_DISABLED": "TRUE"}) == ""
+    assert wanted(Settings(otlp_endpoint="http://a:4318"), env) == "http://a:4318"
+
+
+def test_settings_round_trip_through_the_workers_environment() -> None:
+    """``serve --workers`` writes every setting back as its variable, unset ones too."""
+    for settings in (Settings(), Settings(otlp_endpoint="http://collector:4318",
+                                          propagate_trace=False)):
+        environ: dict[str, str] = {}
+        export_settings(settings, environ)
+        assert from_sources(environ=environ) == settings
+    with pytest.raises(SettingsError, match="LLM_PROXY_OTLP_ENDPOINT"):
+        from_sources(environ={"LLM_PROXY_OTLP_ENDPOINT": "collector:4318"})
 
 
 def test_without_the_packages_one_line_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -512,3 +530,46 @@ async def test_error_event_inside_a_200_stream(receiver: Receiver) -> None:
         got = attrs(span.attributes)
         assert (got["http.response.status_code"], got["error.type"]) == (200, "upstream_error")
         assert span.status.code == span.status.STATUS_CODE_ERROR
+
+
+# ---------------------------------------------------------------------------
+# The real command, configured by the standard environment only
+
+
+@pytest.mark.e2e
+async def test_serve_with_standard_env_exports_at_shutdown(
+        receiver: Receiver, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``python -m proxy serve`` with ``OTEL_EXPORTER_OTLP_ENDPOINT`` only, in front of
+    the simulator: a batch delay longer than the test proves that SIGTERM exports what
+    is still queued, and the start-up log says tracing is on."""
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.url)
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "e2e-proxy")
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "600000")
+    config = SimConfig(prefill_rate=1e9, prefill_overhead=0.01, itl=0.001, itl_growth=0.0,
+                       jitter=0.0, output_tokens=4, output_dist="fixed", seed=3)
+    with serve_in_thread(create_simulator_app(config)) as sim:
+        async with proxy_process(sim.url) as (proc, port, out):
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+                response = await client.post(
+                    CHAT, json={"model": "sim", "stream": True,
+                                "messages": [{"role": "user", "content": PROMPT}]},
+                    headers={"traceparent": TRACEPARENT,
+                             "authorization": f"Bearer {SECRET_KEY}"})
+                assert response.status_code == 200
+            with receiver.lock:
+                assert receiver.spans == []  # still in the batch
+            proc.send_signal(signal.SIGTERM)
+            assert await anyio.to_thread.run_sync(proc.wait, 20) == 0
+    banner = [line for line in out if "relaying" in line]
+    assert f"; tracing: OTLP/HTTP to {receiver.url}, service e2e-proxy, sampler " in banner[0]
+    with receiver.lock:
+        (span,) = receiver.spans
+        resource = receiver.resources[0]
+    assert resource["service.name"] == "e2e-proxy"
+    got = attrs(span.attributes)
+    assert (span.name, hexid(span.trace_id), hexid(span.parent_span_id)) == (
+        "chat sim", CLIENT_TRACE, CLIENT_PARENT)
+    assert got["gen_ai.usage.output_tokens"] == 4
+    assert 0 < got["llm_proxy.ttft_s"] <= got["llm_proxy.ttfa_s"] < got["llm_proxy.ttft_s"] + 1
+    for secret in (b"PROMPT-TEXT", SECRET_KEY.encode()):
+        assert secret not in b"".join(receiver.bodies)
