@@ -573,3 +573,23 @@ async def test_serve_with_standard_env_exports_at_shutdown(
     assert 0 < got["llm_proxy.ttft_s"] <= got["llm_proxy.ttfa_s"] < got["llm_proxy.ttft_s"] + 1
     for secret in (b"PROMPT-TEXT", SECRET_KEY.encode()):
         assert secret not in b"".join(receiver.bodies)
+
+
+async def test_a_refused_request_is_a_span_too(receiver: Receiver) -> None:
+    """The proxy answers 413 itself: nothing reaches the upstream, the span says why."""
+    clock = ScriptedClock(T0)
+    up = chat_stream(clock)
+    app, _ = make_app(up, clock, otlp_endpoint=receiver.url, max_body_bytes=1024)
+    async with app:
+        response = await post(app, CHAT, chat_request(), {"traceparent": TRACEPARENT})
+        assert response.status_code == 413
+        (span,) = await exported(app, receiver)
+        assert up.seen == []
+        assert span.name == "chat"  # the body was never read: no model
+        assert hexid(span.parent_span_id) == CLIENT_PARENT
+        got = attrs(span.attributes)
+        assert {k: got[k] for k in ("http.response.status_code", "error.type",
+                                    "llm_proxy.outcome")} == {
+            "http.response.status_code": 413, "error.type": "413",
+            "llm_proxy.outcome": "rejected"}
+        assert "gen_ai.request.model" not in got
