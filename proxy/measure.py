@@ -104,6 +104,8 @@ class RequestRecord:
             "reasoning_tokens": self.reasoning_tokens,
             "cache_write_tokens": self.cache_write_tokens,
             "tokens_estimated": self.tokens_estimated,
+            "trace_id": self.trace_id or None,
+            "span_id": self.span_id or None,
         }
         return out
 

@@ -21,6 +21,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -205,10 +206,11 @@ CLIENT_HEADERS = {"traceparent": TRACEPARENT, "tracestate": "vendor=client",
 
 
 async def test_stream_span_attributes_parent_events_and_upstream_traceparent(
-        receiver: Receiver) -> None:
+        receiver: Receiver, tmp_path: Path) -> None:
     clock = ScriptedClock(T0)
     up = chat_stream(clock)
-    app, registry = make_app(up, clock, otlp_endpoint=receiver.url)
+    log_file = tmp_path / "requests.jsonl"
+    app, registry = make_app(up, clock, otlp_endpoint=receiver.url, log_requests=str(log_file))
     async with app:
         response = await post(app, CHAT, chat_request(), CLIENT_HEADERS)
         assert response.status_code == 200
@@ -266,6 +268,9 @@ async def test_stream_span_attributes_parent_events_and_upstream_traceparent(
         assert {line.split("{", 1)[0] for line in ttft_lines} == {
             "llm_proxy_time_to_first_token_seconds_bucket",
             "llm_proxy_request_duration_seconds_bucket"}
+        # The per-request log line names the same trace and span.
+        (line,) = log_file.read_text().splitlines()
+        assert (json.loads(line)["trace_id"], json.loads(line)["span_id"]) == (CLIENT_TRACE, span_id)
         # No prompt, completion or key anywhere in what was exported.
         exported_bytes = b"".join(receiver.bodies)
         for secret in (b"PROMPT-TEXT", ANSWER.encode(), SECRET_KEY.encode(), b"tenant"):
