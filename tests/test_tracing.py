@@ -111,7 +111,7 @@ def receiver() -> Iterator[Receiver]:
             pass
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
     thread.start()
     got.url = f"http://127.0.0.1:{server.server_address[1]}"
     try:
@@ -325,6 +325,19 @@ async def test_upstream_error_span_says_so(receiver: Receiver) -> None:
         assert got["error.type"] == "503"
         assert got["llm_proxy.outcome"] == "upstream_error"
         assert span.status.code == span.status.STATUS_CODE_ERROR
+
+
+async def test_a_malformed_traceparent_starts_a_new_trace(receiver: Receiver) -> None:
+    clock = ScriptedClock(T0)
+    up = chat_stream(clock)
+    app, _ = make_app(up, clock, otlp_endpoint=receiver.url)
+    async with app:
+        response = await post(app, CHAT, chat_request(), {"traceparent": "00-zz-yy-01"})
+        assert response.status_code == 200
+        (span,) = await exported(app, receiver)
+        assert span.parent_span_id == b""
+        assert up.seen[0].header("traceparent").split("-")[1:3] == [  # type: ignore[union-attr]
+            hexid(span.trace_id), hexid(span.span_id)]
 
 
 async def test_no_propagation_leaves_the_client_headers_untouched(receiver: Receiver) -> None:
