@@ -2,8 +2,9 @@
 
 The only module that imports OpenTelemetry, and only when tracing is asked for
 (:func:`from_settings`): without the ``otel`` extra installed, or without an OTLP
-endpoint, the proxy runs as it does without this module, and the request path pays one
-``if`` per request.
+endpoint, the proxy runs as it does without this module: the request path then pays
+one ``is None`` check at each of the three points where it calls this module (start,
+inject, finish).
 
 A span is started when a measured request (chat, completions, Responses, Messages) is
 received, with the request clock's start time, as the child of the client's W3C
