@@ -11,6 +11,7 @@ test).
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -24,6 +25,7 @@ from proxy.config import Settings
 from proxy.metrics import Metrics
 from proxy.reqlog import RequestLog
 from proxy.routes import V1Handler
+from proxy.tracing import from_settings as tracing_from_settings
 from proxy.upstream import Upstream, error_body
 
 Scope = MutableMapping[str, Any]
@@ -44,9 +46,10 @@ class ProxyApp:
         self.metrics = Metrics(settings, registry) if settings.measure else None
         self.request_log = RequestLog(settings.log_requests) if settings.log_requests else None
         self.admission = Admission(settings.max_concurrency, settings.max_queue)
+        self.tracing = tracing_from_settings(settings, clock)
         self.serve_metrics = (not settings.metrics_port) if serve_metrics is None else serve_metrics
         self.v1 = V1Handler(settings, self.upstream, self.metrics, self.admission, clock,
-                            load_key_check(settings), self.request_log)
+                            load_key_check(settings), self.request_log, self.tracing)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -91,6 +94,8 @@ class ProxyApp:
         await self.upstream.aclose()
         if self.request_log is not None:
             self.request_log.close()
+        if self.tracing is not None:  # exports what is queued: off the event loop
+            await asyncio.to_thread(self.tracing.shutdown)
 
 
 def _freeze_startup_objects() -> None:

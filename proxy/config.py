@@ -85,6 +85,8 @@ class Settings:
     client_keys_file: str = ""
     secret_headers: tuple[str, ...] = ()
     access_log: bool = False
+    otlp_endpoint: str = ""
+    propagate_trace: bool = True
 
     @property
     def upstream_label(self) -> str:
@@ -161,6 +163,11 @@ def _buckets(raw: str) -> tuple[float, ...]:
     if list(values) != sorted(set(values)):
         raise ValueError("bucket edges must be strictly increasing")
     return values
+
+
+def _optional_url(raw: str) -> str:
+    """A URL, or empty for none (what ``serve`` writes back for its workers when unset)."""
+    return _url(raw) if raw.strip() else ""
 
 
 UPSTREAM_AUTH_MODES = ("bearer", "x-api-key", "api-key")
@@ -249,6 +256,14 @@ OPTIONS: tuple[Option, ...] = (
            "through unchanged. No request header is ever logged, these or any other.", "NAMES",
            unset="none"),
     Option("access_log", _bool, "Let uvicorn write its access log.", flag_only_true=True),
+    Option("otlp_endpoint", _optional_url, "Export one OpenTelemetry span per measured request over "
+           "OTLP/HTTP to this base URL (spans go to <URL>/v1/traces), like "
+           "OTEL_EXPORTER_OTLP_ENDPOINT; needs pip install 'llm-latency-proxy[otel]'. "
+           "OTEL_SDK_DISABLED=true turns tracing off.", "URL",
+           unset="none; tracing is on when OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT is set"),
+    Option("propagate_trace", _bool, "With tracing on, send the upstream a traceparent whose "
+           "parent is the proxy's span (replacing the client's traceparent/tracestate); off: "
+           "the client's trace headers pass through untouched.", flag_only_true=True),
 )
 
 _FIELDS = {f.name for f in fields(Settings)}

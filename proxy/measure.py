@@ -72,6 +72,8 @@ class RequestRecord:
     reasoning_tokens: int | None = None
     cache_write_tokens: int | None = None
     tokens_estimated: bool = False
+    trace_id: str = ""  # hex, when the request was traced and sampled (proxy.tracing)
+    span_id: str = ""
 
     def as_log(self) -> dict[str, Any]:
         """Flat dict for the per-request JSON log (no keys, no prompt text exist here)."""
@@ -102,6 +104,8 @@ class RequestRecord:
             "reasoning_tokens": self.reasoning_tokens,
             "cache_write_tokens": self.cache_write_tokens,
             "tokens_estimated": self.tokens_estimated,
+            "trace_id": self.trace_id or None,
+            "span_id": self.span_id or None,
         }
         return out
 

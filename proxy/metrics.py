@@ -96,6 +96,14 @@ def observe_many(child: Histogram, values: Sequence[float]) -> None:
     total.inc(math.fsum(values))
 
 
+def _exemplar(record: RequestRecord) -> dict[str, str]:
+    """The trace of a traced request (what Grafana links to Tempo by), else its request
+    id; both together would pass the 128-character limit on an exemplar's labels."""
+    if record.trace_id:
+        return {"trace_id": record.trace_id, "span_id": record.span_id}
+    return {"request_id": record.request_id[:_EXEMPLAR_MAX]}
+
+
 def multiprocess_dir() -> str | None:
     return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
 
@@ -245,7 +253,7 @@ class Metrics:
         """
         model = record.model  # already a bounded label value
         stream = "true" if record.stream else "false"
-        exemplar = None if self.multiprocess else {"request_id": record.request_id[:_EXEMPLAR_MAX]}
+        exemplar = None if self.multiprocess else _exemplar(record)
         self.duration.labels(record.route, model, self.upstream, stream).observe(
             record.duration_s, exemplar)
         if measured:

@@ -7,7 +7,7 @@ measurements that led here).
 
 Flow, one way: request in -> checks (path, sizes, key) -> body -> admission (queue
 time) -> upstream -> relay (bytes out, events observed) -> one finish (record ->
-metrics, log line, warning). The finish runs exactly once per request, whatever
+metrics, log line, warning, trace span). The finish runs exactly once per request, whatever
 happened, refused requests included, so the per-request log has one line per request
 and ``llm_proxy_requests_total`` counts every answer.
 """
@@ -41,6 +41,7 @@ from proxy.metrics import UNKNOWN_MODEL, Metrics
 from proxy.relay import RelayResult, relay
 from proxy.reqlog import RequestLog
 from proxy.sse import SSEParser
+from proxy.tracing import Trace, Tracing
 from proxy.upstream import (
     UnsafePath,
     Upstream,
@@ -140,6 +141,8 @@ class _Request:
     timer: StreamTimer | None = None
     t_end: float = 0.0
     reason: str = ""  # why the upstream failed, for the warning line
+    request_model: str = ""  # the body's "model" as sent, for the trace only
+    trace: Trace | None = None  # the request's span, when tracing is on
 
 
 class V1Handler:
@@ -155,8 +158,9 @@ class V1Handler:
 
     def __init__(self, settings: Settings, upstream: Upstream, metrics: Metrics | None,
                  admission: Admission, clock: Clock, keys: KeyCheck | None,
-                 request_log: RequestLog | None) -> None:
+                 request_log: RequestLog | None, tracing: Tracing | None = None) -> None:
         self.settings = settings
+        self.tracing = tracing
         self.upstream = upstream
         self.metrics = metrics
         self.admission = admission
@@ -205,6 +209,8 @@ class V1Handler:
         x.route = x.measured.route if x.measured is not None else route_template(subpath)
         x.subpath = subpath
         headers: list[tuple[bytes, bytes]] = scope["headers"]
+        if self.tracing is not None and x.measured is not None:
+            x.trace = self.tracing.start(headers, x.t0, x.measured.name)
         if sum(len(k) + len(v) for k, v in headers) > s.max_header_bytes:
             raise Refused(431, "request headers too large", "invalid_request_error",
                           "headers_too_large")
@@ -251,7 +257,7 @@ class V1Handler:
         if x.payload is not None:
             m = x.payload.get("model")
             if isinstance(m, str) and m:
-                model = m
+                model = x.request_model = m
             x.stream = x.measured is not None and x.payload.get("stream") is True
             if (x.stream and x.measured is not None and x.measured.injects_usage
                     and self.settings.inject_usage and self.metrics is not None):
@@ -321,6 +327,8 @@ class V1Handler:
         if keys is not None:
             out_headers = [(k, v) for k, v in out_headers if k not in CLIENT_KEY_HEADERS]
             out_headers.append(keys.upstream_header)
+        if x.trace is not None and self.tracing is not None:
+            out_headers = self.tracing.inject(x.trace, out_headers)
         t_send = self.clock()
         x.overhead_s = t_send - x.t0 - (x.queue_s or 0.0)
         try:
@@ -377,7 +385,7 @@ class V1Handler:
             self._warnings.warning(
                 "upstream failure: request_id=%s route=%s model=%s upstream=%s status=%s: %s",
                 x.request_id, x.route, x.model, self.upstream.host, x.status, x.reason)
-        if self.metrics is None and self.request_log is None:
+        if self.metrics is None and self.request_log is None and x.trace is None:
             return
         try:
             record = self._record(x)
@@ -385,6 +393,8 @@ class V1Handler:
                 self.metrics.observe(record, measured=x.measured is not None and x.parsed)
             if self.request_log is not None:
                 self.request_log.write(record)
+            if x.trace is not None and self.tracing is not None:
+                self.tracing.finish(x.trace, record, x.request_model)
         except Exception:  # measurement never breaks serving
             log.exception("failed to record a request")
 
@@ -426,7 +436,9 @@ class V1Handler:
             output_events=timer.output_events if timer is not None else 0,
             prompt_tokens=prompt, cached_prompt_tokens=usage.cached_prompt_tokens,
             completion_tokens=completion, reasoning_tokens=usage.reasoning_tokens,
-            cache_write_tokens=usage.cache_write_tokens, tokens_estimated=estimated)
+            cache_write_tokens=usage.cache_write_tokens, tokens_estimated=estimated,
+            trace_id=x.trace.trace_id if x.trace is not None else "",
+            span_id=x.trace.span_id if x.trace is not None else "")
 
 
 def _queue_header(value: str) -> float | None:

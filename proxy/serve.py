@@ -109,16 +109,18 @@ def _uvicorn_kwargs(settings: Settings) -> dict[str, Any]:
     }
 
 
-def _banner(settings: Settings, port: int) -> None:
+def _banner(settings: Settings, port: int, tracing: str = "") -> None:
     """The start-up line, printed once the port is bound: with ``--port 0`` it is the
-    only place the chosen port appears besides uvicorn's own line."""
+    only place the chosen port appears besides uvicorn's own line. ``tracing``: where
+    spans go, when tracing is on."""
     host = f"[{settings.host}]" if ":" in settings.host else settings.host
     where = f"http://{host}:{port}"
     metrics = (f"http://{settings.metrics_host or settings.host}:{settings.metrics_port}/metrics"
                if settings.metrics_port else f"{where}/metrics")
     print(f"llm-latency-proxy: relaying {where}/v1 -> {redact(settings.upstream)} "
           f"(upstream label {settings.upstream_label!r}); metrics at {metrics}; "
-          f"workers {settings.workers}", file=sys.stderr, flush=True)
+          f"workers {settings.workers}" + (f"; tracing: {redact(tracing)}" if tracing else ""),
+          file=sys.stderr, flush=True)
 
 
 def _run_single(settings: Settings) -> int:
@@ -140,7 +142,8 @@ def _run_single(settings: Settings) -> int:
         async def startup(self, sockets: list[socket.socket] | None = None) -> None:
             await super().startup(sockets)
             if self.started:  # listening, application started: the port is final
-                _banner(settings, self.servers[0].sockets[0].getsockname()[1])
+                _banner(settings, self.servers[0].sockets[0].getsockname()[1],
+                        app.tracing.description if app.tracing is not None else "")
 
     # uvicorn re-raises SIGTERM after its graceful shutdown, under the handler it found;
     # the default one would end the process with -15. Ours exits 0.
@@ -172,7 +175,11 @@ def _run_workers(settings: Settings) -> int:
                                  workers=settings.workers, **_uvicorn_kwargs(settings))
         sock = uconfig.bind_socket()
         sock.listen(uconfig.backlog)
-        _banner(settings, sock.getsockname()[1])
+        from proxy.tracing import wanted
+
+        endpoint = wanted(settings)
+        _banner(settings, sock.getsockname()[1],
+                f"OTLP/HTTP to {endpoint}, from each worker" if endpoint else "")
         if "target" in inspect.signature(Multiprocess).parameters:  # older uvicorn releases
             supervisor = Multiprocess(uconfig, target=uvicorn.Server(uconfig).run,  # type: ignore[call-arg]
                                       sockets=[sock])

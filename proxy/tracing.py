@@ -1,0 +1,281 @@
+"""OpenTelemetry tracing: one span per measured request, filled from its record.
+
+The only module that imports OpenTelemetry, and only when tracing is asked for
+(:func:`from_settings`): without the ``otel`` extra installed, or without an OTLP
+endpoint, the proxy runs as it does without this module: the request path then pays
+one ``is None`` check at each of the three points where it calls this module (start,
+inject, finish).
+
+A span is started when a measured request (chat, completions, Responses, Messages) is
+received, with the request clock's start time, as the child of the client's W3C
+``traceparent`` if it sent one; the upstream gets a ``traceparent`` naming that span as
+its parent (unless ``--no-propagate-trace``). Nothing happens per event: the span's
+attributes and its three events (first byte, first token, first answer token) are all
+written at the one finish, from the frozen :class:`~proxy.measure.RequestRecord`, and
+the span ends at the record's end time. The record never holds prompt or completion
+text, headers or keys, so neither can the span.
+
+Times: the record's times are offsets on the proxy's monotonic clock; the span needs
+wall-clock nanoseconds. :meth:`Tracing.start` maps the request's start to the wall
+clock once (one ``time.time_ns()`` against one clock reading) and every later time in
+the span is that start plus an offset from the record, so the span's durations are the
+record's exactly.
+
+Names follow the OpenTelemetry GenAI semantic conventions (development status), as
+published in ``opentelemetry-semantic-conventions`` 0.66b2 (schema 1.44.0): all of them are in the ``ATTR`` table below and nowhere else. Operation: chat
+completions, Responses and Messages are ``chat``, completions is
+``text_completion``. Provider: the API's flavour (``openai`` for the three OpenAI APIs,
+``anthropic`` for Messages), since the proxy cannot know what serves it. The span kind
+is ``CLIENT``: the span describes the call to the model server, and the upstream's own
+server span is its child.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+from proxy.config import Settings
+from proxy.measure import Outcome, RequestRecord
+
+if TYPE_CHECKING:
+    from opentelemetry.propagators.textmap import TextMapPropagator
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.trace import Span, Tracer
+
+log = logging.getLogger("proxy")
+
+# Every attribute name the span carries. GenAI and general semantic conventions first,
+# then the proxy's own measurements (``llm_proxy.*``, seconds).
+ATTR = {
+    "operation": "gen_ai.operation.name",
+    "provider": "gen_ai.provider.name",
+    "request_model": "gen_ai.request.model",
+    "stream": "gen_ai.request.stream",
+    "input_tokens": "gen_ai.usage.input_tokens",
+    "output_tokens": "gen_ai.usage.output_tokens",
+    "cache_read_tokens": "gen_ai.usage.cache_read.input_tokens",
+    "cache_creation_tokens": "gen_ai.usage.cache_creation.input_tokens",
+    "reasoning_tokens": "gen_ai.usage.reasoning.output_tokens",
+    "time_to_first_chunk": "gen_ai.response.time_to_first_chunk",
+    "server_address": "server.address",
+    "server_port": "server.port",
+    "status_code": "http.response.status_code",
+    "error_type": "error.type",
+    "ttft": "llm_proxy.ttft_s",
+    "ttfa": "llm_proxy.ttfa_s",
+    "queue": "llm_proxy.queue_s",
+    "overhead": "llm_proxy.overhead_s",
+    "outcome": "llm_proxy.outcome",
+    "request_id": "llm_proxy.request_id",
+    "tokens_estimated": "llm_proxy.tokens_estimated",
+}
+EVENT_FIRST_BYTE = "llm_proxy.first_byte"
+EVENT_FIRST_TOKEN = "llm_proxy.first_token"
+EVENT_FIRST_ANSWER_TOKEN = "llm_proxy.first_answer_token"
+
+# gen_ai.operation.name and gen_ai.provider.name per dialect name (proxy.dialects).
+OPERATION = {"chat": "chat", "completions": "text_completion", "responses": "chat",
+             "messages": "chat"}
+PROVIDER = {"chat": "openai", "completions": "openai", "responses": "openai",
+            "messages": "anthropic"}
+SERVICE_NAME = "llm-latency-proxy"
+TRACE_HEADERS = (b"traceparent", b"tracestate", b"baggage")
+_MODEL_MAX = 256  # a model name is the client's text: bounded in the span name
+
+
+@dataclass(slots=True)
+class Trace:
+    """One request's span. ``trace_id``/``span_id`` are hex, empty when the span is not
+    sampled (then no exemplar points at a trace that was never exported)."""
+
+    span: Span
+    start_ns: int
+    operation: str
+    trace_id: str
+    span_id: str
+
+
+class Tracing:
+    """Spans for measured requests; built once by :func:`from_settings`."""
+
+    def __init__(self, provider: TracerProvider, *, clock: Callable[[], float],
+                 upstream: str, propagate: bool) -> None:
+        from opentelemetry import trace
+        from opentelemetry.baggage.propagation import W3CBaggagePropagator
+        from opentelemetry.propagators.composite import CompositePropagator
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        self.provider = provider
+        self.description = ""  # where spans go, for the start-up line
+        self.tracer: Tracer = provider.get_tracer("proxy.tracing")
+        self.clock = clock
+        self.propagate = propagate
+        self._trace_api = trace
+        self._extractor: TextMapPropagator = CompositePropagator(
+            [TraceContextTextMapPropagator(), W3CBaggagePropagator()])
+        self._injector: TextMapPropagator = TraceContextTextMapPropagator()
+        parts = urlsplit(upstream)
+        self._server = {ATTR["server_address"]: parts.hostname or "",
+                        ATTR["server_port"]: parts.port or (443 if parts.scheme == "https" else 80)}
+
+    def start(self, headers: Sequence[tuple[bytes, bytes]], t0: float, dialect: str) -> Trace:
+        """The request's span, started at ``t0`` (request clock) as the child of the
+        client's ``traceparent``, if any."""
+        carrier = {name.decode("latin-1"): value.decode("latin-1")
+                   for name, value in headers if name in TRACE_HEADERS}
+        context = self._extractor.extract(carrier) if carrier else None
+        start_ns = time.time_ns() - round((self.clock() - t0) * 1e9)
+        operation = OPERATION.get(dialect, dialect)
+        attributes: dict[str, Any] = {ATTR["operation"]: operation,
+                                      ATTR["provider"]: PROVIDER.get(dialect, "openai"),
+                                      **self._server}
+        span = self.tracer.start_span(operation, context=context,
+                                      kind=self._trace_api.SpanKind.CLIENT,
+                                      attributes=attributes, start_time=start_ns)
+        ctx = span.get_span_context()
+        sampled = ctx.trace_flags.sampled
+        return Trace(span, start_ns, operation,
+                     f"{ctx.trace_id:032x}" if sampled else "",
+                     f"{ctx.span_id:016x}" if sampled else "")
+
+    def inject(self, trace: Trace, headers: list[tuple[bytes, bytes]]
+               ) -> list[tuple[bytes, bytes]]:
+        """The upstream's headers with ``traceparent``/``tracestate`` naming the
+        proxy's span; the client's are replaced. Unchanged with propagation off."""
+        if not self.propagate:
+            return headers
+        carrier: dict[str, str] = {}
+        self._injector.inject(carrier, context=self._trace_api.set_span_in_context(trace.span))
+        if not carrier:
+            return headers
+        out = [(k, v) for k, v in headers if k not in (b"traceparent", b"tracestate")]
+        out.extend((k.encode("latin-1"), v.encode("latin-1")) for k, v in carrier.items())
+        return out
+
+    def finish(self, trace: Trace, record: RequestRecord, request_model: str) -> None:
+        """Fill the span from the record and end it at the record's end time."""
+        span = trace.span
+        if request_model:
+            model = request_model[:_MODEL_MAX]
+            span.update_name(f"{trace.operation} {model}")
+        if not span.is_recording():
+            span.end()
+            return
+        a: dict[str, Any] = {
+            ATTR["stream"]: record.stream,
+            ATTR["status_code"]: record.status,
+            ATTR["outcome"]: str(record.outcome),
+            ATTR["request_id"]: record.request_id,
+        }
+        if request_model:
+            a[ATTR["request_model"]] = request_model[:_MODEL_MAX]
+        optional = (
+            ("input_tokens", record.prompt_tokens),
+            ("output_tokens", record.completion_tokens),
+            ("cache_read_tokens", record.cached_prompt_tokens),
+            ("cache_creation_tokens", record.cache_write_tokens),
+            ("reasoning_tokens", record.reasoning_tokens),
+            ("time_to_first_chunk", record.ttfb_s),
+            ("ttft", record.ttft_s),
+            ("ttfa", record.ttfa_s),
+            ("queue", record.queue_s),
+            ("overhead", record.overhead_s),
+        )
+        for key, value in optional:
+            if value is not None:
+                a[ATTR[key]] = value
+        if record.tokens_estimated:
+            a[ATTR["tokens_estimated"]] = True
+        error = _error_type(record)
+        if error:
+            a[ATTR["error_type"]] = error
+            span.set_status(self._trace_api.Status(self._trace_api.StatusCode.ERROR))
+        span.set_attributes(a)
+        start = trace.start_ns
+        for name, offset in ((EVENT_FIRST_BYTE, record.ttfb_s), (EVENT_FIRST_TOKEN, record.ttft_s),
+                             (EVENT_FIRST_ANSWER_TOKEN, record.ttfa_s)):
+            if offset is not None:
+                span.add_event(name, timestamp=start + round(offset * 1e9))
+        span.end(end_time=start + round(record.duration_s * 1e9))
+
+    def force_flush(self, timeout_s: float = 10.0) -> bool:
+        return self.provider.force_flush(int(timeout_s * 1000))
+
+    def shutdown(self) -> None:
+        """Export what is still queued, then stop the exporter's thread."""
+        self.provider.shutdown()
+
+
+def _error_type(record: RequestRecord) -> str:
+    """``error.type``: the HTTP status sent when it is an error, else the outcome when the
+    request did not complete (a stream cut short under a 200); empty on success."""
+    if record.status >= 400:
+        return str(record.status)
+    if record.outcome is not Outcome.COMPLETED:
+        return str(record.outcome)
+    return ""
+
+
+def wanted(settings: Settings, environ: Mapping[str, str] | None = None) -> str:
+    """Where spans should go: ``--otlp-endpoint``, else the standard OTLP variables;
+    empty when tracing was not asked for or ``OTEL_SDK_DISABLED=true``."""
+    env = os.environ if environ is None else environ
+    if _disabled(env):
+        return ""
+    return _endpoint(settings, env)
+
+
+def _endpoint(settings: Settings, env: Mapping[str, str]) -> str:
+    return (settings.otlp_endpoint or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "")
+            or env.get("OTEL_EXPORTER_OTLP_ENDPOINT", ""))
+
+
+def _disabled(env: Mapping[str, str]) -> bool:
+    return env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true"
+
+
+def from_settings(settings: Settings, clock: Callable[[], float],
+                  environ: Mapping[str, str] | None = None) -> Tracing | None:
+    """Tracing as configured, or None (and one warning line saying why when it was asked
+    for; when it is on, the start-up line says where spans go).
+
+    On when an OTLP endpoint is given (``--otlp-endpoint``, ``OTEL_EXPORTER_OTLP_ENDPOINT``
+    or ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``) unless ``OTEL_SDK_DISABLED=true``. Service
+    name, resource attributes, sampler and batch settings come from the standard
+    ``OTEL_*`` variables, read by the SDK itself.
+    """
+    env = os.environ if environ is None else environ
+    endpoint = _endpoint(settings, env)
+    if not endpoint:
+        return None
+    if _disabled(env):
+        log.warning("tracing off: an OTLP endpoint is set but OTEL_SDK_DISABLED=true")
+        return None
+    try:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    except ImportError as exc:
+        log.warning("tracing off: an OTLP endpoint is set but the OpenTelemetry packages are "
+                    "not installed (pip install 'llm-latency-proxy[otel]'): %s", exc)
+        return None
+    resource = Resource.create()
+    if str(resource.attributes.get("service.name", "")).startswith("unknown_service"):
+        resource = resource.merge(Resource.create({"service.name": SERVICE_NAME}))
+    provider = TracerProvider(resource=resource)  # the sampler: OTEL_TRACES_SAMPLER(_ARG)
+    exporter = (OTLPSpanExporter(endpoint=settings.otlp_endpoint.rstrip("/") + "/v1/traces")
+                if settings.otlp_endpoint else OTLPSpanExporter())
+    provider.add_span_processor(BatchSpanProcessor(exporter))
+    tracing = Tracing(provider, clock=clock, upstream=settings.upstream,
+                      propagate=settings.propagate_trace)
+    tracing.description = (f"OTLP/HTTP to {endpoint}, service "
+                           f"{resource.attributes.get('service.name')}, sampler "
+                           f"{provider.sampler.get_description()}")
+    return tracing

@@ -1,0 +1,613 @@
+"""OpenTelemetry tracing (proxy/tracing.py) against a real OTLP/HTTP receiver.
+
+The receiver is a small loopback HTTP server that decodes each
+``ExportTraceServiceRequest`` with ``opentelemetry-proto``, as a Collector would. The
+proxy runs in process in front of the suite's scripted upstream (the production
+upstream client, a real loopback server), with the production exporter and batch
+processor: a test flushes the proxy's tracer provider, then reads what the receiver
+decoded. Times are scripted (tests/upstream_fakes.py), so every duration in a span is
+known exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import http.server
+import json
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+
+pytest.importorskip("opentelemetry.sdk")
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+)
+from opentelemetry.proto.trace.v1.trace_pb2 import Span
+
+from proxy.config import Settings, SettingsError, from_sources
+from proxy.serve import export_settings
+from proxy.simulator.app import create_simulator_app
+from proxy.simulator.model import SimConfig
+from proxy.tracing import from_settings, wanted
+from tests.servers import closed_port, proxy_process, serve_in_thread
+from tests.test_dialect_routes import MESSAGES, RESPONSES, messages_script, responses_script
+from tests.test_dialect_routes import sse_upstream as dialect_upstream
+from tests.test_proxy_inprocess import json_upstream
+from tests.upstream_fakes import (
+    CHAT,
+    COMPLETIONS,
+    SSE_HEADERS,
+    FakeUpstream,
+    InProcess,
+    ScriptedClock,
+    chunk_json,
+    make_app,
+    sse,
+    text_json,
+    timed_body,
+    usage_json,
+)
+
+pytestmark = pytest.mark.anyio
+
+T0 = 64.0
+CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+CLIENT_PARENT = "00f067aa0ba902b7"
+TRACEPARENT = f"00-{CLIENT_TRACE}-{CLIENT_PARENT}-01"
+SECRET_KEY = "sk-test-NEVER-IN-A-SPAN-0123456789"
+PROMPT = "PROMPT-TEXT-NEVER-IN-A-SPAN " * 4000  # about 112 kB
+ANSWER = "ANSWER-TEXT-NEVER"
+SERVER_PORT_OF = "server.port"
+
+
+# ---------------------------------------------------------------------------
+# The OTLP/HTTP receiver
+
+
+@dataclass
+class Receiver:
+    """What the loopback OTLP/HTTP server received: raw bodies and decoded spans."""
+
+    url: str = ""
+    bodies: list[bytes] = field(default_factory=list)
+    spans: list[Span] = field(default_factory=list)
+    resources: list[dict[str, Any]] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    got = Receiver()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers.get("content-length", "0")))
+            if self.headers.get("content-encoding") == "gzip":
+                body = gzip.decompress(body)
+            request = ExportTraceServiceRequest()
+            request.ParseFromString(body)
+            with got.lock:
+                got.bodies.append(body)
+                for rs in request.resource_spans:
+                    got.resources.append(attrs(rs.resource.attributes))
+                    for ss in rs.scope_spans:
+                        got.spans.extend(ss.spans)
+            self.send_response(200 if self.path == "/v1/traces" else 404)
+            self.send_header("content-type", "application/x-protobuf")
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    got.url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        yield got
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(10)
+
+
+def attrs(kvs: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for kv in kvs:
+        kind = kv.value.WhichOneof("value")
+        out[kv.key] = getattr(kv.value, kind) if kind else None
+    return out
+
+
+def hexid(raw: bytes) -> str:
+    return raw.hex()
+
+
+async def exported(app: InProcess, receiver: Receiver) -> list[Span]:
+    """Every span the proxy made so far, once its batch processor has sent them."""
+    tracing = app.tracing
+    assert tracing is not None
+    assert await asyncio.to_thread(tracing.force_flush)  # the loop keeps serving meanwhile
+    with receiver.lock:
+        return list(receiver.spans)
+
+
+# ---------------------------------------------------------------------------
+# Upstreams with scripted time
+
+
+def chat_stream(clock: ScriptedClock) -> FakeUpstream:
+    script = [
+        (T0 + 0.25, sse(chunk_json({"role": "assistant"}))),
+        (T0 + 0.5, sse(chunk_json({"reasoning_content": "hm"}))),
+        (T0 + 0.625, sse(chunk_json({"content": ANSWER}))),
+        (T0 + 0.75, sse(chunk_json({"content": "lo"}))),
+        (T0 + 1.0, sse(chunk_json({}, finish="stop"))),
+        (T0 + 1.125, sse(usage_json(7, 3, 2, completion_tokens_details={"reasoning_tokens": 1}))),
+        (T0 + 1.25, b"data: [DONE]\n\n"),
+    ]
+
+    async def respond(request: httpx.Request) -> httpx.Response:
+        clock.now = T0 + 0.125
+        return httpx.Response(200, headers={**SSE_HEADERS, "x-request-id": "req-stream"},
+                              content=timed_body(clock, script, T0 + 1.5))
+
+    return FakeUpstream(respond)
+
+
+def completions_json(clock: ScriptedClock) -> FakeUpstream:
+    body = json.dumps({**text_json(ANSWER), "usage": {
+        "prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9}}).encode()
+
+    async def respond(request: httpx.Request) -> httpx.Response:
+        clock.now = T0 + 0.5
+
+        async def content() -> Any:
+            yield body
+
+        return httpx.Response(200, headers={"content-type": "application/json",
+                                            "content-length": str(len(body)),
+                                            "x-request-id": "req-plain"}, content=content())
+
+    return FakeUpstream(respond)
+
+
+async def post(app: Any, path: str, payload: dict[str, Any],
+               headers: dict[str, str] | None = None) -> httpx.Response:
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://proxy.test") as client:
+        return await client.post(path, content=json.dumps(payload).encode(),
+                                 headers=headers or {})
+
+
+def chat_request(**extra: Any) -> dict[str, Any]:
+    return {"model": "m", "stream": True,
+            "messages": [{"role": "user", "content": PROMPT}], **extra}
+
+
+CLIENT_HEADERS = {"traceparent": TRACEPARENT, "tracestate": "vendor=client",
+                  "baggage": "tenant=t1", "authorization": f"Bearer {SECRET_KEY}",
+                  "x-api-key": SECRET_KEY}
+
+
+# ---------------------------------------------------------------------------
+# Spans
+
+
+async def test_stream_span_attributes_parent_events_and_upstream_traceparent(
+        receiver: Receiver, tmp_path: Path) -> None:
+    clock = ScriptedClock(T0)
+    up = chat_stream(clock)
+    log_file = tmp_path / "requests.jsonl"
+    app, registry = make_app(up, clock, otlp_endpoint=receiver.url, log_requests=str(log_file))
+    async with app:
+        response = await post(app, CHAT, chat_request(), CLIENT_HEADERS)
+        assert response.status_code == 200
+        spans = await exported(app, receiver)
+        assert len(spans) == 1
+        span = spans[0]
+        span_id = hexid(span.span_id)
+        assert span.name == "chat m"
+        assert span.kind == Span.SPAN_KIND_CLIENT
+        assert hexid(span.trace_id) == CLIENT_TRACE
+        assert hexid(span.parent_span_id) == CLIENT_PARENT
+        port = int(app.upstream.host.rsplit(":", 1)[1])
+        assert attrs(span.attributes) == {
+            "gen_ai.operation.name": "chat",
+            "gen_ai.provider.name": "openai",
+            "gen_ai.request.model": "m",
+            "gen_ai.request.stream": True,
+            "gen_ai.usage.input_tokens": 7,
+            "gen_ai.usage.output_tokens": 3,
+            "gen_ai.usage.cache_read.input_tokens": 2,
+            "gen_ai.usage.reasoning.output_tokens": 1,
+            "gen_ai.response.time_to_first_chunk": 0.25,
+            "server.address": "127.0.0.1",
+            SERVER_PORT_OF: port,
+            "http.response.status_code": 200,
+            "llm_proxy.ttft_s": 0.5,
+            "llm_proxy.ttfa_s": 0.625,
+            "llm_proxy.queue_s": 0.0,
+            "llm_proxy.overhead_s": 0.0,
+            "llm_proxy.outcome": "completed",
+            "llm_proxy.request_id": "req-stream",
+        }
+        # The TTFT attribute is the measured TTFT: the histogram saw the same value.
+        ttft_sum = registry.get_sample_value(
+            "llm_proxy_time_to_first_token_seconds_sum",
+            {"route": CHAT, "model": "m", "upstream": "upstream.test:8000"})
+        assert ttft_sum == 0.5
+        assert span.end_time_unix_nano - span.start_time_unix_nano == 1_500_000_000
+        assert [(e.name, e.time_unix_nano - span.start_time_unix_nano) for e in span.events] == [
+            ("llm_proxy.first_byte", 250_000_000), ("llm_proxy.first_token", 500_000_000),
+            ("llm_proxy.first_answer_token", 625_000_000)]
+        assert span.status.code == span.status.STATUS_CODE_UNSET
+        # The upstream's traceparent: same trace, the proxy's span as parent, sampled.
+        sent = up.seen[0]
+        assert sent.header_values("traceparent") == [f"00-{CLIENT_TRACE}-{span_id}-01"]
+        assert sent.header_values("tracestate") == ["vendor=client"]
+        assert sent.header_values("baggage") == ["tenant=t1"]  # passed on as received
+        # Exemplars on TTFT and duration point at the trace.
+        text, _ = app.metrics.exposition("application/openmetrics-text; version=1.0.0")
+        exemplar = f'# {{span_id="{span_id}",trace_id="{CLIENT_TRACE}"}}'
+        ttft_lines = [line for line in text.decode().splitlines()
+                      if line.startswith(("llm_proxy_time_to_first_token_seconds_bucket",
+                                          "llm_proxy_request_duration_seconds_bucket"))
+                      and exemplar in line]
+        assert {line.split("{", 1)[0] for line in ttft_lines} == {
+            "llm_proxy_time_to_first_token_seconds_bucket",
+            "llm_proxy_request_duration_seconds_bucket"}
+        # The per-request log line names the same trace and span.
+        (line,) = log_file.read_text().splitlines()
+        assert (json.loads(line)["trace_id"], json.loads(line)["span_id"]) == (CLIENT_TRACE, span_id)
+        # No prompt, completion or key anywhere in what was exported.
+        exported_bytes = b"".join(receiver.bodies)
+        for secret in (b"PROMPT-TEXT", ANSWER.encode(), SECRET_KEY.encode(), b"tenant"):
+            assert secret not in exported_bytes
+
+
+async def test_non_stream_span(receiver: Receiver) -> None:
+    clock = ScriptedClock(T0)
+    up = completions_json(clock)
+    app, _ = make_app(up, clock, otlp_endpoint=receiver.url)
+    async with app:
+        response = await post(app, COMPLETIONS, {"model": "m", "prompt": PROMPT},
+                              {"authorization": f"Bearer {SECRET_KEY}"})
+        assert response.status_code == 200
+        (span,) = await exported(app, receiver)
+        assert span.name == "text_completion m"
+        assert span.parent_span_id == b""  # no traceparent from the client: a root span
+        assert attrs(span.attributes) == {
+            "gen_ai.operation.name": "text_completion",
+            "gen_ai.provider.name": "openai",
+            "gen_ai.request.model": "m",
+            "gen_ai.request.stream": False,
+            "gen_ai.usage.input_tokens": 5,
+            "gen_ai.usage.output_tokens": 4,
+            "server.address": "127.0.0.1",
+            SERVER_PORT_OF: int(app.upstream.host.rsplit(":", 1)[1]),
+            "http.response.status_code": 200,
+            "llm_proxy.queue_s": 0.0,
+            "llm_proxy.overhead_s": 0.0,
+            "llm_proxy.outcome": "completed",
+            "llm_proxy.request_id": "req-plain",
+        }
+        assert list(span.events) == []
+        assert span.end_time_unix_nano - span.start_time_unix_nano == 500_000_000
+        _version, trace_id, parent_id, flags = up.seen[0].header("traceparent").split("-")  # type: ignore[union-attr]
+        assert (trace_id, parent_id) == (hexid(span.trace_id), hexid(span.span_id))
+        assert int(flags, 16) & 1  # sampled (the SDK may add the random-trace-id flag)
+        exported_bytes = b"".join(receiver.bodies)
+        for secret in (b"PROMPT-TEXT", ANSWER.encode(), SECRET_KEY.encode()):
+            assert secret not in exported_bytes
+
+
+async def test_upstream_error_span_says_so(receiver: Receiver) -> None:
+    clock = ScriptedClock(T0)
+
+    app, _ = make_app(json_upstream(503, b'{"error":{"message":"busy"}}'), clock, otlp_endpoint=receiver.url)
+    async with app:
+        response = await post(app, CHAT, chat_request())
+        assert response.status_code == 503
+        (span,) = await exported(app, receiver)
+        got = attrs(span.attributes)
+        assert got["error.type"] == "503"
+        assert got["llm_proxy.outcome"] == "upstream_error"
+        assert span.status.code == span.status.STATUS_CODE_ERROR
+
+
+async def test_a_malformed_traceparent_starts_a_new_trace(receiver: Receiver) -> None:
+    clock = ScriptedClock(T0)
+    up = chat_stream(clock)
+    app, _ = make_app(up, clock, otlp_endpoint=receiver.url)
+    async with app:
+        response = await post(app, CHAT, chat_request(), {"traceparent": "00-zz-yy-01"})
+        assert response.status_code == 200
+        (span,) = await exported(app, receiver)
+        assert span.parent_span_id == b""
+        assert up.seen[0].header("traceparent").split("-")[1:3] == [  # type: ignore[union-attr]
+            hexid(span.trace_id), hexid(span.span_id)]
+
+
+async def test_no_propagation_leaves_the_client_headers_untouched(receiver: Receiver) -> None:
+    clock = ScriptedClock(T0)
+    up = chat_stream(clock)
+    app, _ = make_app(up, clock, otlp_endpoint=receiver.url, propagate_trace=False)
+    async with app:
+        await post(app, CHAT, chat_request(), CLIENT_HEADERS)
+        (span,) = await exported(app, receiver)
+        assert hexid(span.parent_span_id) == CLIENT_PARENT  # still the client's child
+        assert up.seen[0].header_values("traceparent") == [TRACEPARENT]
+        assert up.seen[0].header_values("tracestate") == ["vendor=client"]
+
+
+# ---------------------------------------------------------------------------
+# Sampling, exemplars without a trace, off switches
+
+
+@pytest.mark.parametrize(("sampler", "arg", "expected"), [
+    ("always_on", None, 3), ("always_off", None, 0),
+    ("traceidratio", "1.0", 3), ("traceidratio", "0", 0)])
+async def test_sampling(receiver: Receiver, monkeypatch: pytest.MonkeyPatch, sampler: str,
+                        arg: str | None, expected: int) -> None:
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", sampler)
+    if arg is not None:
+        monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", arg)
+    clock = ScriptedClock(T0)
+    up = chat_stream(clock)
+    app, _ = make_app(up, clock, otlp_endpoint=receiver.url)
+    async with app:
+        for _ in range(3):
+            assert (await post(app, CHAT, chat_request())).status_code == 200
+        assert len(await exported(app, receiver)) == expected
+        sampled = {int(seen.header("traceparent")[-2:], 16) & 1  # type: ignore[index]
+                   for seen in up.seen}
+        assert sampled == {1 if expected else 0}  # the decision travels upstream
+        text, _ = app.metrics.exposition("application/openmetrics-text; version=1.0.0")
+        ttft = [line for line in text.decode().splitlines()
+                if line.startswith("llm_proxy_time_to_first_token_seconds_bucket") and " # " in line]
+        assert ttft
+        if expected:
+            assert all("trace_id=" in line for line in ttft)
+        else:  # not sampled: no trace to point at, the request id as before
+            assert all('request_id="req-stream"' in line and "trace_id" not in line
+                       for line in ttft)
+
+
+async def test_parent_based_sampler_follows_the_client(receiver: Receiver,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "parentbased_traceidratio")
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", "0")
+    clock = ScriptedClock(T0)
+    app, _ = make_app(chat_stream(clock), clock, otlp_endpoint=receiver.url)
+    async with app:
+        await post(app, CHAT, chat_request(), {"traceparent": TRACEPARENT})  # sampled parent
+        await post(app, CHAT, chat_request())  # a root: ratio 0
+        spans = await exported(app, receiver)
+        assert [hexid(s.trace_id) for s in spans] == [CLIENT_TRACE]
+
+
+async def test_exporter_down_the_proxy_keeps_serving(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "1")
+    clock = ScriptedClock(T0)
+    app, _ = make_app(chat_stream(clock), clock,
+                      otlp_endpoint=f"http://127.0.0.1:{closed_port()}")
+    async with app:
+        for _ in range(3):
+            response = await post(app, CHAT, chat_request())
+            assert response.status_code == 200
+            assert ANSWER.encode() in response.content
+        assert app.tracing is not None
+        await asyncio.to_thread(app.tracing.force_flush, 5)  # fails within its timeout
+        assert (await post(app, CHAT, chat_request())).status_code == 200
+
+
+async def test_resource_and_service_name(receiver: Receiver,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment.name=test")
+    clock = ScriptedClock(T0)
+    app, _ = make_app(chat_stream(clock), clock, otlp_endpoint=receiver.url)
+    async with app:
+        await post(app, CHAT, chat_request())
+        await exported(app, receiver)
+        assert receiver.resources[0]["service.name"] == "llm-latency-proxy"
+        assert receiver.resources[0]["deployment.environment.name"] == "test"
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "edge-proxy")
+    assert _service(receiver.url) == "edge-proxy"
+
+
+def _service(url: str) -> str:
+    tracing = from_settings(Settings(otlp_endpoint=url), lambda: 0.0)
+    assert tracing is not None
+    try:
+        return str(tracing.provider.resource.attributes["service.name"])
+    finally:
+        tracing.shutdown()
+
+
+def test_off_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", raising=False)
+    assert from_settings(Settings(), lambda: 0.0) is None
+    env = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://127.0.0.1:1/v1/traces"}
+    tracing = from_settings(Settings(), lambda: 0.0, env)
+    assert tracing is not None
+    tracing.shutdown()
+    assert from_settings(Settings(), lambda: 0.0, {**env, "OTEL_SDK_DISABLED": "true"}) is None
+    assert wanted(Settings(), {**env, "OTEL_SDK_DISABLED": "TRUE"}) == ""
+    assert wanted(Settings(otlp_endpoint="http://a:4318"), env) == "http://a:4318"
+
+
+def test_settings_round_trip_through_the_workers_environment() -> None:
+    """``serve --workers`` writes every setting back as its variable, unset ones too."""
+    for settings in (Settings(), Settings(otlp_endpoint="http://collector:4318",
+                                          propagate_trace=False)):
+        environ: dict[str, str] = {}
+        export_settings(settings, environ)
+        assert from_sources(environ=environ) == settings
+    with pytest.raises(SettingsError, match="LLM_PROXY_OTLP_ENDPOINT"):
+        from_sources(environ={"LLM_PROXY_OTLP_ENDPOINT": "collector:4318"})
+
+
+def test_without_the_packages_one_line_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules,
+                        "opentelemetry.exporter.otlp.proto.http.trace_exporter", None)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("proxy")
+    logger.addHandler(handler)
+    try:
+        assert from_settings(Settings(otlp_endpoint="http://127.0.0.1:1"), lambda: 0.0) is None
+    finally:
+        logger.removeHandler(handler)
+    lines = [r.getMessage() for r in records if "tracing off" in r.getMessage()]
+    assert len(lines) == 1
+    assert "llm-latency-proxy[otel]" in lines[0]
+
+
+async def test_tracing_off_sends_the_client_headers_unchanged() -> None:
+    clock = ScriptedClock(T0)
+    up = chat_stream(clock)
+    app, _ = make_app(up, clock)
+    async with app:
+        assert app.tracing is None
+        await post(app, CHAT, chat_request(), {"traceparent": TRACEPARENT})
+        assert up.seen[0].header_values("traceparent") == [TRACEPARENT]
+
+
+# ---------------------------------------------------------------------------
+# The other two APIs: names per the conventions, their own timings and tokens
+
+
+@pytest.mark.parametrize("api", ["messages", "responses"])
+async def test_messages_and_responses_spans(receiver: Receiver, api: str) -> None:
+    clock = ScriptedClock(T0)
+    if api == "messages":
+        route, provider = MESSAGES, "anthropic"
+        script, r_times, a_times = messages_script(2, 3)
+    else:
+        route, provider = RESPONSES, "openai"
+        script, r_times, a_times = responses_script(2, 3)
+    up = dialect_upstream(clock, script)
+    app, registry = make_app(up, clock, otlp_endpoint=receiver.url)
+    async with app:
+        payload = {"model": "m", "stream": True, "max_tokens": 8,
+                   "messages": [{"role": "user", "content": PROMPT}]}
+        if api == "responses":
+            payload = {"model": "m", "stream": True, "input": PROMPT}
+        response = await post(app, route, payload, CLIENT_HEADERS)
+        assert response.status_code == 200
+        (span,) = await exported(app, receiver)
+        got = attrs(span.attributes)
+        assert span.name == "chat m"
+        assert got["gen_ai.operation.name"] == "chat"
+        assert got["gen_ai.provider.name"] == provider
+        assert got["llm_proxy.ttft_s"] == r_times[0] - T0
+        assert got["llm_proxy.ttfa_s"] == a_times[0] - T0
+        assert got["llm_proxy.ttft_s"] == registry.get_sample_value(
+            "llm_proxy_time_to_first_token_seconds_sum",
+            {"route": route, "model": "m", "upstream": "upstream.test:8000"})
+        tokens = {k: v for k, v in got.items() if k.startswith("gen_ai.usage.")}
+        if api == "messages":
+            assert tokens == {"gen_ai.usage.input_tokens": 45,
+                              "gen_ai.usage.cache_read.input_tokens": 30,
+                              "gen_ai.usage.cache_creation.input_tokens": 5,
+                              "gen_ai.usage.output_tokens": 5}
+        else:
+            assert tokens["gen_ai.usage.output_tokens"] >= 1
+        assert "error.type" not in got
+        assert hexid(span.parent_span_id) == CLIENT_PARENT
+        assert up.seen[0].header_values("traceparent") == [
+            f"00-{CLIENT_TRACE}-{hexid(span.span_id)}-01"]
+        exported_bytes = b"".join(receiver.bodies)
+        for secret in (b"PROMPT-TEXT", b"w0 ", SECRET_KEY.encode()):
+            assert secret not in exported_bytes
+
+
+async def test_error_event_inside_a_200_stream(receiver: Receiver) -> None:
+    clock = ScriptedClock(T0)
+    script, _, _ = messages_script(0, 2, error=True)
+    app, _ = make_app(dialect_upstream(clock, script), clock, otlp_endpoint=receiver.url)
+    async with app:
+        response = await post(app, MESSAGES, {"model": "m", "stream": True, "max_tokens": 8,
+                                              "messages": [{"role": "user", "content": "x"}]})
+        assert response.status_code == 200
+        (span,) = await exported(app, receiver)
+        got = attrs(span.attributes)
+        assert (got["http.response.status_code"], got["error.type"]) == (200, "upstream_error")
+        assert span.status.code == span.status.STATUS_CODE_ERROR
+
+
+# ---------------------------------------------------------------------------
+# The real command, configured by the standard environment only
+
+
+@pytest.mark.e2e
+async def test_serve_with_standard_env_exports_at_shutdown(
+        receiver: Receiver, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``python -m proxy serve`` with ``OTEL_EXPORTER_OTLP_ENDPOINT`` only, in front of
+    the simulator: a batch delay longer than the test proves that SIGTERM exports what
+    is still queued, and the start-up log says tracing is on."""
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.url)
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "e2e-proxy")
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "600000")
+    config = SimConfig(prefill_rate=1e9, prefill_overhead=0.01, itl=0.001, itl_growth=0.0,
+                       jitter=0.0, output_tokens=4, output_dist="fixed", seed=3)
+    with serve_in_thread(create_simulator_app(config)) as sim:
+        async with proxy_process(sim.url) as (proc, port, out):
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+                response = await client.post(
+                    CHAT, json={"model": "sim", "stream": True,
+                                "messages": [{"role": "user", "content": PROMPT}]},
+                    headers={"traceparent": TRACEPARENT,
+                             "authorization": f"Bearer {SECRET_KEY}"})
+                assert response.status_code == 200
+            with receiver.lock:
+                assert receiver.spans == []  # still in the batch
+            proc.send_signal(signal.SIGTERM)
+            assert await anyio.to_thread.run_sync(proc.wait, 20) == 0
+    banner = [line for line in out if "relaying" in line]
+    assert f"; tracing: OTLP/HTTP to {receiver.url}, service e2e-proxy, sampler " in banner[0]
+    with receiver.lock:
+        (span,) = receiver.spans
+        resource = receiver.resources[0]
+    assert resource["service.name"] == "e2e-proxy"
+    got = attrs(span.attributes)
+    assert (span.name, hexid(span.trace_id), hexid(span.parent_span_id)) == (
+        "chat sim", CLIENT_TRACE, CLIENT_PARENT)
+    assert got["gen_ai.usage.output_tokens"] == 4
+    assert 0 < got["llm_proxy.ttft_s"] <= got["llm_proxy.ttfa_s"] < got["llm_proxy.ttft_s"] + 1
+    for secret in (b"PROMPT-TEXT", SECRET_KEY.encode()):
+        assert secret not in b"".join(receiver.bodies)
+
+
+async def test_a_refused_request_is_a_span_too(receiver: Receiver) -> None:
+    """The proxy answers 413 itself: nothing reaches the upstream, the span says why."""
+    clock = ScriptedClock(T0)
+    up = chat_stream(clock)
+    app, _ = make_app(up, clock, otlp_endpoint=receiver.url, max_body_bytes=1024)
+    async with app:
+        response = await post(app, CHAT, chat_request(), {"traceparent": TRACEPARENT})
+        assert response.status_code == 413
+        (span,) = await exported(app, receiver)
+        assert up.seen == []
+        assert span.name == "chat"  # the body was never read: no model
+        assert hexid(span.parent_span_id) == CLIENT_PARENT
+        got = attrs(span.attributes)
+        assert {k: got[k] for k in ("http.response.status_code", "error.type",
+                                    "llm_proxy.outcome")} == {
+            "http.response.status_code": 413, "error.type": "413",
+            "llm_proxy.outcome": "rejected"}
+        assert "gen_ai.request.model" not in got
