@@ -684,10 +684,10 @@ async def sigterm_mid_stream(
     victim_before = sent.per_replica[victim.name]
     in_flight = 4
     started = anyio.Event()
-    got_first = 0
+    first_token: set[int] = set()
+    finished: set[int] = set()
 
     async def long_stream(i: int) -> None:
-        nonlocal got_first
         body = body_for("/chat/completions", "sim-a", True, i)
         body["max_tokens"] = 60  # 0.6 s of decoding: still running at SIGTERM
         sent.requests += 1
@@ -699,11 +699,11 @@ async def sigterm_mid_stream(
             assert response.status_code == 200
             async for chunk in response.aiter_raw():
                 received += chunk
-                if _has_token(received) and not getattr(long_stream, f"seen{i}", False):
-                    setattr(long_stream, f"seen{i}", True)
-                    got_first += 1
-                    if got_first == in_flight:
+                if i not in first_token and _has_token(received):
+                    first_token.add(i)
+                    if len(first_token) == in_flight:
                         started.set()
+        finished.add(i)
         if not received.rstrip().endswith(b"data: [DONE]"):
             sent.incomplete.append(f"{victim.name} long #{i}")
 
@@ -711,7 +711,8 @@ async def sigterm_mid_stream(
         for _ in range(in_flight):
             tg.start_soon(long_stream, next(counter))
         await started.wait()
-        victim.proc.send_signal(signal.SIGTERM)  # every stream is mid-way
+        victim.proc.send_signal(signal.SIGTERM)
+        assert not finished, "every stream must be mid-way at SIGTERM"
     assert not sent.incomplete, sent.incomplete
     with anyio.fail_after(WAIT_S):
         code = await anyio.to_thread.run_sync(victim.proc.wait)
