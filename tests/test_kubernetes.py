@@ -91,6 +91,11 @@ def settings(objects: list[dict[str, Any]]) -> dict[str, str]:
     return data
 
 
+def named(objects: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    (found,) = [o for o in objects if o["kind"] == kind and o["metadata"]["name"] == name]
+    return found
+
+
 def matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
     return all(labels.get(k) == v for k, v in selector.items())
 
@@ -229,7 +234,7 @@ def test_service_pdb_and_hpa_select_the_pods(rendered: list[dict[str, Any]]) -> 
     pods = pod_template_labels(rendered)
     deployment = one(rendered, "Deployment")
     assert matches(deployment["spec"]["selector"]["matchLabels"], pods)
-    service = one(rendered, "Service")
+    service = named(rendered, "Service", "llm-latency-proxy")
     assert matches(service["spec"]["selector"], pods)
     assert {p["name"]: p["targetPort"] for p in service["spec"]["ports"]} == {
         "http": "http",
@@ -253,10 +258,21 @@ def test_service_pdb_and_hpa_select_the_pods(rendered: list[dict[str, Any]]) -> 
 
 def test_service_monitor_scrapes_the_metrics_port(rendered: list[dict[str, Any]]) -> None:
     monitor = one(rendered, "ServiceMonitor")
-    service = one(rendered, "Service")
     assert monitor["apiVersion"] == OPERATOR_GROUP
     spec = monitor["spec"]
-    assert matches(spec["selector"]["matchLabels"], service["metadata"]["labels"])
+    # Exactly one Service is scraped (two would scrape every pod twice and double every
+    # sum): the headless one that keeps a terminating, draining pod listed.
+    services = [
+        o
+        for o in rendered
+        if o["kind"] == "Service"
+        and matches(spec["selector"]["matchLabels"], o["metadata"]["labels"])
+    ]
+    assert len(services) == 1, [o["metadata"]["name"] for o in services]
+    (service,) = services
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["publishNotReadyAddresses"] is True
+    assert matches(service["spec"]["selector"], pod_template_labels(rendered))
     assert "namespaceSelector" not in spec  # the monitor's own namespace, as the Service
     (endpoint,) = spec["endpoints"]
     assert endpoint["port"] == "metrics"
