@@ -18,11 +18,14 @@ Both start after a warm-up has created every series the workload touches and bot
 have scraped it, so a rate over any window sees the same increments in both (a series
 born between two scrapes loses what happened before its first sample, differently per
 target). Then every panel query and every recording rule's expression, evaluated at
-the same instant, must give the same series with the same values in both (within the
-2 % that rate's extrapolation to the window's edges may differ by, as each target is
-scraped at its own moment); the request count must equal what the client sent; and TTFT
-p50 and p95 from the summed histogram (the panel's query and the recording rule's)
-must lie within one bucket width of the client's own percentiles over all requests.
+the same instant, must give the same series with the same values in both: exactly over
+the counters as they stand (rate and increase taken out), and as written within what
+rate's extrapolation to the window's edges lets two equal histories differ by, each
+target being scraped at its own moment (1.6 scrape intervals over the series' age;
+percentiles as written are left to the client comparison). Request and stream counts
+must equal what the client sent, and TTFT p50 and p95 from the summed histogram (the
+panel's query and the recording rule's) must lie within one bucket width of the
+client's own percentiles over all requests.
 
 Then the 10 % replica gets SIGTERM with streams in flight, as a pod does when deleted:
 every one of its streams completes, it exits 0, and what it had counted by its last
