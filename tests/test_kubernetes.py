@@ -1,0 +1,384 @@
+"""The Kubernetes manifests (deploy/kubernetes/), checked offline: no cluster needed.
+
+``kubectl kustomize`` renders the base and the openai overlay as ``kubectl apply -k``
+would; every core object is validated with kubernetes-validate against the
+Kubernetes version below (strict: unknown fields fail); the Prometheus Operator
+objects, which it has no schema for, get a structural check of the fields this
+deployment relies on. The PrometheusRule and the dashboard ConfigMap must be exact,
+current copies of prometheus/rules/ and grafana/dashboards/, and the PrometheusRule's
+groups pass ``promtool check rules`` and the repository's promtool rule tests.
+
+Without ``kubectl`` (Debian ``kubernetes-client``) or ``promtool`` the tests that need
+them are skipped on a developer machine and fail in CI (``CI=true``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.test_observability import (
+    DASHBOARD,
+    DOCKERFILE,
+    PROMETHEUS_YML,
+    ROOT,
+    RULE_TESTS,
+    require_tool,
+    run_tool,
+)
+
+# The schemas every core object is validated against; the oldest release the
+# manifests are meant for (topologySpreadConstraints.matchLabelKeys is beta and on by
+# default since 1.27; nothing newer is used).
+KUBERNETES_VERSION = "1.32.0"
+
+DEPLOY = ROOT / "deploy" / "kubernetes"
+OVERLAYS = sorted(p.parent for p in (DEPLOY / "overlays").glob("*/kustomization.yaml"))
+OPERATOR_GROUP = "monitoring.coreos.com/v1"
+
+
+def _load_generate() -> Any:
+    spec = importlib.util.spec_from_file_location("generate", DEPLOY / "generate.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+generate = _load_generate()
+
+
+def render(directory: Path) -> list[dict[str, Any]]:
+    kubectl = require_tool("kubectl")
+    result = run_tool(kubectl, "kustomize", str(directory))
+    assert result.returncode == 0, result.stderr
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+@pytest.fixture(scope="module")
+def base() -> list[dict[str, Any]]:
+    return render(DEPLOY)
+
+
+@pytest.fixture(scope="module", params=[DEPLOY, *OVERLAYS], ids=lambda p: p.name)
+def rendered(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
+    return render(request.param)
+
+
+def one(objects: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    (found,) = [o for o in objects if o["kind"] == kind]
+    return found
+
+
+def container(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    (proxy,) = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"]
+    return proxy
+
+
+def settings(objects: list[dict[str, Any]]) -> dict[str, str]:
+    """The LLM_PROXY_* variables the proxy container gets from its ConfigMap."""
+    env_from = container(objects)["envFrom"]
+    names = {e["configMapRef"]["name"] for e in env_from}
+    maps = [o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] in names]
+    assert len(maps) == len(names) == 1
+    data: dict[str, str] = maps[0]["data"]
+    return data
+
+
+def named(objects: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    (found,) = [o for o in objects if o["kind"] == kind and o["metadata"]["name"] == name]
+    return found
+
+
+def matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+# ---------------------------------------------------------------------------
+# Generated copies
+
+
+def test_generated_files_are_current() -> None:
+    for path, text in generate.outputs().items():
+        assert path.read_text() == text, (
+            f"{path.relative_to(ROOT)} is stale: run python deploy/kubernetes/generate.py"
+        )
+    assert generate.main(["--check"]) == 0
+
+
+def test_generated_copies_hold_the_sources_unchanged(base: list[dict[str, Any]]) -> None:
+    rule = one(base, "PrometheusRule")
+    sources = [
+        g
+        for p in sorted((ROOT / "prometheus" / "rules").glob("*.yml"))
+        for g in yaml.safe_load(p.read_text())["groups"]
+    ]
+    assert rule["spec"]["groups"] == sources
+    (dashboards,) = [
+        o
+        for o in base
+        if o["kind"] == "ConfigMap"
+        and o["metadata"].get("labels", {}).get("grafana_dashboard") == "1"
+    ]
+    assert dashboards["data"] == {DASHBOARD.name: DASHBOARD.read_text()}
+
+
+# ---------------------------------------------------------------------------
+# Schemas
+
+
+def test_every_core_object_validates(rendered: list[dict[str, Any]]) -> None:
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    kinds = set()
+    for obj in rendered:
+        if obj["apiVersion"] == OPERATOR_GROUP:
+            continue  # no schema in kubernetes-validate: see the structural tests below
+        kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+        kinds.add(obj["kind"])
+    assert kinds == {
+        "ConfigMap",
+        "Service",
+        "Deployment",
+        "PodDisruptionBudget",
+        "HorizontalPodAutoscaler",
+    }
+    assert not [o for o in rendered if o["kind"] == "Secret"], "keys never live in the repo"
+
+
+def test_validation_rejects_a_wrong_field(base: list[dict[str, Any]]) -> None:
+    """The validation above can fail: a misspelt field in the pod spec is refused."""
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    deployment = yaml.safe_load(yaml.safe_dump(one(base, "Deployment")))
+    deployment["spec"]["template"]["spec"]["terminationGracePeriod"] = 150
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, KUBERNETES_VERSION, strict=True)
+
+
+# ---------------------------------------------------------------------------
+# The Deployment
+
+
+def _dockerfile_user() -> str:
+    (user,) = re.findall(r"^USER\s+(\S+)", DOCKERFILE.read_text(), re.MULTILINE)
+    return user
+
+
+def test_deployment_security(rendered: list[dict[str, Any]]) -> None:
+    pod = one(rendered, "Deployment")["spec"]["template"]["spec"]
+    proxy = container(rendered)
+    uid, gid = _dockerfile_user().split(":")
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert str(pod["securityContext"]["runAsUser"]) == uid
+    assert str(pod["securityContext"]["runAsGroup"]) == gid
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert pod["automountServiceAccountToken"] is False
+    sc = proxy["securityContext"]
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["allowPrivilegeEscalation"] is False
+    assert sc.get("privileged", False) is False
+    assert sc["capabilities"] == {"drop": ["ALL"]}
+    assert "runAsUser" not in sc or str(sc["runAsUser"]) == uid
+
+
+def test_multiprocess_directory_is_writable(rendered: list[dict[str, Any]]) -> None:
+    """--workers makes its metrics directory with mkdtemp under TMPDIR (proxy/serve.py);
+    with a read-only root that must be an emptyDir."""
+    assert int(settings(rendered)["LLM_PROXY_WORKERS"]) > 1
+    proxy = container(rendered)
+    env = {e["name"]: e.get("value") for e in proxy["env"]}
+    mounts = {m["mountPath"]: m["name"] for m in proxy["volumeMounts"]}
+    volumes = {
+        v["name"]: v for v in one(rendered, "Deployment")["spec"]["template"]["spec"]["volumes"]
+    }
+    assert "emptyDir" in volumes[mounts[env["TMPDIR"]]]
+
+
+def test_probes_shutdown_and_resources(rendered: list[dict[str, Any]]) -> None:
+    pod = one(rendered, "Deployment")["spec"]["template"]["spec"]
+    proxy = container(rendered)
+    config = settings(rendered)
+    ports = {p["name"]: p["containerPort"] for p in proxy["ports"]}
+    assert ports["http"] == int(config["LLM_PROXY_PORT"])
+    assert ports["metrics"] == int(config["LLM_PROXY_METRICS_PORT"])
+    assert config["LLM_PROXY_HOST"] == config["LLM_PROXY_METRICS_HOST"] == "0.0.0.0"
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+        # /healthz is answered by the proxy itself and never calls the upstream.
+        assert proxy[probe]["httpGet"] == {"path": "/healthz", "port": "http"}, probe
+    # preStop, then SIGTERM, then up to the graceful timeout: all inside the grace period.
+    command = proxy["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[0] == "sleep"
+    pre_stop = float(command[1])
+    graceful = float(config["LLM_PROXY_GRACEFUL_TIMEOUT"])
+    assert pod["terminationGracePeriodSeconds"] >= pre_stop + graceful + 10
+    assert proxy["resources"]["requests"]["cpu"] and proxy["resources"]["limits"]["memory"]
+    keys = {c["topologyKey"] for c in pod["topologySpreadConstraints"]}
+    assert "kubernetes.io/hostname" in keys
+    pod_labels = pod_template_labels(rendered)
+    for constraint in pod["topologySpreadConstraints"]:
+        assert matches(constraint["labelSelector"]["matchLabels"], pod_labels)
+    assert "replicas" not in one(rendered, "Deployment")["spec"], "the HPA owns the count"
+
+
+def pod_template_labels(objects: list[dict[str, Any]]) -> dict[str, str]:
+    labels: dict[str, str] = one(objects, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    return labels
+
+
+def test_service_pdb_and_hpa_select_the_pods(rendered: list[dict[str, Any]]) -> None:
+    pods = pod_template_labels(rendered)
+    deployment = one(rendered, "Deployment")
+    assert matches(deployment["spec"]["selector"]["matchLabels"], pods)
+    service = named(rendered, "Service", "llm-latency-proxy")
+    assert matches(service["spec"]["selector"], pods)
+    assert {p["name"]: p["targetPort"] for p in service["spec"]["ports"]} == {
+        "http": "http",
+        "metrics": "metrics",
+    }
+    assert matches(one(rendered, "PodDisruptionBudget")["spec"]["selector"]["matchLabels"], pods)
+    hpa = one(rendered, "HorizontalPodAutoscaler")["spec"]
+    assert hpa["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": deployment["metadata"]["name"],
+    }
+    assert [m["resource"]["name"] for m in hpa["metrics"]] == ["cpu"]
+    assert hpa["minReplicas"] >= 2
+    assert "cpu" in container(rendered)["resources"]["requests"], "utilization needs a request"
+
+
+# ---------------------------------------------------------------------------
+# Prometheus Operator objects: the fields this deployment relies on
+
+
+def test_service_monitor_scrapes_the_metrics_port(rendered: list[dict[str, Any]]) -> None:
+    monitor = one(rendered, "ServiceMonitor")
+    assert monitor["apiVersion"] == OPERATOR_GROUP
+    spec = monitor["spec"]
+    # Exactly one Service is scraped (two would scrape every pod twice and double every
+    # sum): the headless one that keeps a terminating, draining pod listed.
+    services = [
+        o
+        for o in rendered
+        if o["kind"] == "Service"
+        and matches(spec["selector"]["matchLabels"], o["metadata"]["labels"])
+    ]
+    assert len(services) == 1, [o["metadata"]["name"] for o in services]
+    (service,) = services
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["publishNotReadyAddresses"] is True
+    assert matches(service["spec"]["selector"], pod_template_labels(rendered))
+    assert "namespaceSelector" not in spec  # the monitor's own namespace, as the Service
+    (endpoint,) = spec["endpoints"]
+    assert endpoint["port"] == "metrics"
+    assert endpoint["path"] == "/metrics"
+    assert "metrics" in {p["name"] for p in service["spec"]["ports"]}
+    # The job label is the Service's app.kubernetes.io/name: the name the shipped
+    # prometheus.yml scrapes under and the LLMProxyDown alert selects.
+    job = service["metadata"]["labels"][spec["jobLabel"]]
+    scrape_jobs = {
+        j["job_name"] for j in yaml.safe_load(PROMETHEUS_YML.read_text())["scrape_configs"]
+    }
+    assert job == "llm-latency-proxy" and job in scrape_jobs
+    rule = one(rendered, "PrometheusRule")
+    assert f'job="{job}"' in yaml.safe_dump(rule["spec"])
+    # Both Operator objects carry the same labels, so one ruleSelector/serviceMonitorSelector
+    # of the Prometheus resource picks up both.
+    assert monitor["metadata"]["labels"] == rule["metadata"]["labels"]
+
+
+def test_prometheus_rule_structure(rendered: list[dict[str, Any]]) -> None:
+    rule = one(rendered, "PrometheusRule")
+    assert rule["apiVersion"] == OPERATOR_GROUP
+    assert set(rule["spec"]) == {"groups"}
+    names = [g["name"] for g in rule["spec"]["groups"]]
+    assert len(names) == len(set(names)), "group names must be unique within the resource"
+    for group in rule["spec"]["groups"]:
+        assert set(group) <= {"name", "interval", "rules"}, group["name"]
+        for r in group["rules"]:
+            assert ("record" in r) != ("alert" in r), r
+            assert isinstance(r["expr"], str) and r["expr"].strip()
+            assert set(r) <= {"record", "alert", "expr", "for", "labels", "annotations"}
+
+
+def test_grafana_dashboard_configmap(rendered: list[dict[str, Any]]) -> None:
+    maps = [
+        o
+        for o in rendered
+        if o["kind"] == "ConfigMap"
+        and o["metadata"].get("labels", {}).get("grafana_dashboard") == "1"
+    ]
+    assert len(maps) == 1
+    assert all(key.endswith(".json") for key in maps[0]["data"])
+    # kubectl apply keeps the whole object in an annotation limited to 256 KiB.
+    assert len(yaml.safe_dump(maps[0])) < 200_000
+
+
+@pytest.fixture(scope="module")
+def generated_rules(
+    tmp_path_factory: pytest.TempPathFactory, base: list[dict[str, Any]]
+) -> Iterator[Path]:
+    """The PrometheusRule's groups as a plain rule file, as the Operator hands them on."""
+    path = tmp_path_factory.mktemp("rules") / "prometheusrule-groups.yml"
+    path.write_text(yaml.safe_dump({"groups": one(base, "PrometheusRule")["spec"]["groups"]}))
+    yield path
+
+
+def test_promtool_check_generated_rules(generated_rules: Path) -> None:
+    promtool = require_tool("promtool")
+    result = run_tool(promtool, "check", "rules", str(generated_rules))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_promtool_rule_tests_pass_on_generated_rules(generated_rules: Path, tmp_path: Path) -> None:
+    """The repository's rule tests, pointed at the PrometheusRule's groups instead of
+    prometheus/rules/*.yml: the deployed rules behave as the tested ones."""
+    promtool = require_tool("promtool")
+    copies = []
+    for test in RULE_TESTS:
+        doc = yaml.safe_load(test.read_text())
+        doc["rule_files"] = [str(generated_rules)]
+        copy = tmp_path / test.name
+        copy.write_text(yaml.safe_dump(doc, sort_keys=False))
+        copies.append(str(copy))
+    result = run_tool(promtool, "test", "rules", *copies, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("SUCCESS") == len(RULE_TESTS), result.stdout
+
+
+# ---------------------------------------------------------------------------
+# The openai overlay
+
+
+def test_openai_overlay_holds_the_key_by_reference() -> None:
+    objects = render(DEPLOY / "overlays" / "openai")
+    config = settings(objects)
+    assert config["LLM_PROXY_UPSTREAM"] == "https://api.openai.com/v1"
+    key_env = config["LLM_PROXY_UPSTREAM_API_KEY_ENV"]
+    proxy = container(objects)
+    (key,) = [e for e in proxy["env"] if e["name"] == key_env]
+    ref = key["valueFrom"]["secretKeyRef"]
+    assert ref["optional"] is False and ref["name"] and ref["key"]
+    mounts = {m["name"]: m["mountPath"] for m in proxy["volumeMounts"]}
+    keys_file = Path(config["LLM_PROXY_CLIENT_KEYS_FILE"])
+    assert mounts["client-keys"] == str(keys_file.parent)
+    volumes = {
+        v["name"]: v for v in one(objects, "Deployment")["spec"]["template"]["spec"]["volumes"]
+    }
+    assert volumes["client-keys"]["secret"]["secretName"]
+    assert not proxy["image"].startswith("llm-latency-proxy:")
+    for obj in objects:
+        assert obj["metadata"].get("namespace") == "llm-proxy", obj["kind"]
+    text = (DEPLOY / "overlays" / "openai" / "kustomization.yaml").read_text()
+    assert not re.search(r"sk-[A-Za-z0-9]{8,}", text)
+
+
+def test_no_key_in_any_manifest() -> None:
+    for path in DEPLOY.rglob("*"):
+        if path.is_file():
+            assert not re.search(r"sk-[A-Za-z0-9_-]{16,}", path.read_text()), path
