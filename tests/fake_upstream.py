@@ -61,14 +61,17 @@ Behaviour = Callable[["Conn"], Awaitable[None]]
 DONE = b"data: [DONE]\n\n"
 
 
-def sse(payload: dict[str, Any] | str, eol: bytes = b"\n", *, compact: bool = False) -> bytes:
+def sse(payload: dict[str, Any] | str, eol: bytes = b"\n", *, compact: bool = False,
+        event: str | None = None) -> bytes:
     """One SSE event: ``data: <payload>`` and a blank line, with ``eol`` line endings.
-    ``compact``: JSON without spaces, as OpenAI, vLLM and llama.cpp write it."""
+    ``compact``: JSON without spaces, as OpenAI, vLLM and llama.cpp write it.
+    ``event``: an ``event: <name>`` line first, as the Responses and Messages APIs send."""
     if isinstance(payload, str):
         data = payload
     else:
         data = json.dumps(payload, separators=(",", ":") if compact else None)
-    return b"data: " + data.encode() + eol + eol
+    name = b"event: " + event.encode() + eol if event is not None else b""
+    return name + b"data: " + data.encode() + eol + eol
 
 
 def chunk_json(*deltas: dict[str, Any], model: str = "m", finish: str | None = None,

@@ -17,18 +17,18 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-import httpx
 import pytest
 
+from tests import upstream_fakes as fakes
 from tests.upstream_fakes import (
-    SSE_HEADERS,
     FakeUpstream,
     ScriptedClock,
     call_raw,
     histogram,
+    json_upstream,
     labels,
     make_app,
-    timed_body,
+    sse,
 )
 
 pytestmark = pytest.mark.anyio
@@ -42,8 +42,9 @@ MESSAGES = "/v1/messages"
 
 
 def event(name: str, payload: dict[str, Any], *, named: bool = True) -> bytes:
-    data = json.dumps({"type": name, **payload}, separators=(",", ":"))
-    return (f"event: {name}\n" if named else "").encode() + b"data: " + data.encode() + b"\n\n"
+    """One event as the Responses and Messages APIs write it: the data's ``type`` is the
+    event's name, and the ``event:`` line carries it too unless ``named`` is False."""
+    return sse({"type": name, **payload}, compact=True, event=name if named else None)
 
 
 def responses_script(reasoning: int, answer: int, *, end: str = "response.completed",
@@ -132,12 +133,8 @@ def messages_script(thinking: int, answer: int, *, error: bool = False
 
 def sse_upstream(clock: ScriptedClock, script: Sequence[tuple[float, bytes]], **kwargs: Any
                  ) -> FakeUpstream:
-    async def respond(request: httpx.Request) -> httpx.Response:
-        clock.now = HEADERS_AT
-        return httpx.Response(200, headers=SSE_HEADERS,
-                              content=timed_body(clock, script, script[-1][0] + 0.001, **kwargs))
-
-    return FakeUpstream(respond)
+    return fakes.sse_upstream(clock, script, headers_at=HEADERS_AT, end=script[-1][0] + 0.001,
+                              **kwargs)
 
 
 def gaps(times: Sequence[float]) -> list[float]:
@@ -250,15 +247,6 @@ async def test_response_incomplete_is_completed_with_its_usage() -> None:
         await app.aclose()
 
 
-def json_upstream(payload: dict[str, Any]) -> FakeUpstream:
-    body = json.dumps(payload).encode()
-
-    async def respond(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(200, headers={"content-type": "application/json"}, content=body)
-
-    return FakeUpstream(respond)
-
-
 @pytest.mark.parametrize(("route", "payload", "expected"), [
     (RESPONSES, {"id": "resp_1", "object": "response", "status": "completed", "output": [],
                  "usage": {"input_tokens": 20, "input_tokens_details": {"cached_tokens": 16},
@@ -273,7 +261,7 @@ def json_upstream(payload: dict[str, Any]) -> FakeUpstream:
 async def test_non_stream_usage(route: str, payload: dict[str, Any],
                                 expected: dict[str, int]) -> None:
     clock = ScriptedClock(T0)
-    app, registry = make_app(json_upstream(payload), clock)
+    app, registry = make_app(json_upstream(200, json.dumps(payload).encode()), clock)
     try:
         result = await call_raw(app, "POST", route, body=b'{"model": "m"}')
         assert result.status == 200

@@ -24,6 +24,7 @@ import pytest
 
 from proxy.config import QUEUE_BUCKETS, Settings
 from proxy.measure import tpot
+from tests import upstream_fakes as fakes
 from tests.upstream_fakes import (
     CHAT,
     COMPLETIONS,
@@ -36,11 +37,12 @@ from tests.upstream_fakes import (
     chunk_json,
     expected_buckets,
     histogram,
+    json_upstream,
     labels,
+    lazy,
     make_app,
     sse,
     text_json,
-    timed_body,
     usage_json,
 )
 
@@ -110,30 +112,8 @@ STREAM_END = T0 + 1.75
 
 
 def sse_upstream(clock: ScriptedClock, script: Sequence[tuple[float, bytes]], *,
-                 end: float | None = STREAM_END, headers: dict[str, str] | None = None,
-                 **kwargs: Any) -> FakeUpstream:
-    async def respond(request: httpx.Request) -> httpx.Response:
-        clock.now = T0 + 0.125  # upstream answers with headers
-        return httpx.Response(200, headers={**SSE_HEADERS, **(headers or {})},
-                              content=timed_body(clock, script, end, **kwargs))
-
-    return FakeUpstream(respond)
-
-
-async def lazy(body: bytes) -> AsyncIterator[bytes]:
-    """A body read from the network (httpx reads a bytes body eagerly, no transport does)."""
-    if body:
-        yield body
-
-
-def json_upstream(status: int, body: bytes, headers: dict[str, str] | None = None
-                  ) -> FakeUpstream:
-    async def respond(request: httpx.Request) -> httpx.Response:
-        sent = {"content-type": "application/json", **(headers or {}),
-                "content-length": str(len(body))}
-        return httpx.Response(status, headers=sent, content=lazy(body))
-
-    return FakeUpstream(respond)
+                 end: float | None = STREAM_END, **kwargs: Any) -> FakeUpstream:
+    return fakes.sse_upstream(clock, script, headers_at=T0 + 0.125, end=end, **kwargs)
 
 
 def strip_event(stream: bytes, event: bytes) -> bytes:

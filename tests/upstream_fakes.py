@@ -54,6 +54,34 @@ class FakeUpstream:
         return await self.respond(request)
 
 
+def sse_upstream(clock: ScriptedClock, script: Sequence[tuple[float, bytes]], *,
+                 headers_at: float, end: float | None,
+                 headers: dict[str, str] | None = None, **kwargs: Any) -> FakeUpstream:
+    """An event stream answered at ``headers_at`` and played by :func:`timed_body`."""
+    async def respond(request: httpx.Request) -> httpx.Response:
+        clock.now = headers_at  # upstream answers with headers
+        return httpx.Response(200, headers={**SSE_HEADERS, **(headers or {})},
+                              content=timed_body(clock, script, end, **kwargs))
+
+    return FakeUpstream(respond)
+
+
+async def lazy(body: bytes) -> AsyncIterator[bytes]:
+    """A body read from the network (httpx reads a bytes body eagerly, no transport does)."""
+    if body:
+        yield body
+
+
+def json_upstream(status: int, body: bytes, headers: dict[str, str] | None = None
+                  ) -> FakeUpstream:
+    async def respond(request: httpx.Request) -> httpx.Response:
+        sent = {"content-type": "application/json", **(headers or {}),
+                "content-length": str(len(body))}
+        return httpx.Response(status, headers=sent, content=lazy(body))
+
+    return FakeUpstream(respond)
+
+
 async def timed_body(clock: ScriptedClock, script: Sequence[tuple[float, bytes]],
                      end: float | None = None,
                      fail: BaseException | None = None,
