@@ -210,12 +210,14 @@ class Metrics:
         self.reasoning_tokens = Histogram(
             "llm_proxy_reasoning_tokens", "Reasoning tokens per request: "
             "usage.completion_tokens_details.reasoning_tokens (chat), "
-            "output_tokens_details.reasoning_tokens (Responses); only where the API reports "
+            "output_tokens_details.reasoning_tokens (Responses), "
+            "output_tokens_details.thinking_tokens (Messages); only where the API reports "
             "them.", base, buckets=tb, registry=reg)
         self.cache_write_tokens = Histogram(
             "llm_proxy_cache_write_prompt_tokens", "Prompt tokens written to the provider's "
-            "prompt cache per request (Messages cache_creation_input_tokens); only where the "
-            "upstream reports them.", base, buckets=tb, registry=reg)
+            "prompt cache per request: prompt_tokens_details.cache_write_tokens (chat), "
+            "input_tokens_details.cache_write_tokens (Responses), cache_creation_input_tokens "
+            "(Messages); only where the upstream reports them.", base, buckets=tb, registry=reg)
         self.outcomes = Counter(
             "llm_proxy_stream_outcomes", "How each stream ended: completed, client_disconnected, "
             "upstream_interrupted, upstream_error (non-2xx, unreachable, or an error event inside "
