@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
+import signal
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
@@ -21,12 +23,17 @@ from prometheus_client import CollectorRegistry
 
 from proxy.admission import Admission
 from proxy.auth import load_key_check
-from proxy.config import Settings
+from proxy.clients import identify_from
+from proxy.config import Settings, SettingsError
 from proxy.metrics import Metrics
 from proxy.reqlog import RequestLog
 from proxy.routes import V1Handler
 from proxy.tracing import from_settings as tracing_from_settings
-from proxy.upstream import Upstream, error_body
+from proxy.upstream import Upstream, Upstreams, error_body
+from proxy.upstreams import reload_specs
+from proxy.wire import WireTransport
+
+log = logging.getLogger("proxy")
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -37,19 +44,53 @@ Send = Callable[[Message], Awaitable[None]]
 class ProxyApp:
     """The proxy as an ASGI application."""
 
-    def __init__(self, settings: Settings, *, upstream: Upstream | None = None,
+    def __init__(self, settings: Settings, *, transport: WireTransport | None = None,
                  registry: CollectorRegistry | None = None,
                  clock: Callable[[], float] = time.perf_counter,
                  serve_metrics: bool | None = None) -> None:
         self.settings = settings
-        self.upstream = upstream if upstream is not None else Upstream(settings)
         self.metrics = Metrics(settings, registry) if settings.measure else None
+        self.upstreams = Upstreams(
+            settings.upstream_specs, self.metrics.in_flight if self.metrics else None, transport)
         self.request_log = RequestLog(settings.log_requests) if settings.log_requests else None
-        self.admission = Admission(settings.max_concurrency, settings.max_queue)
         self.tracing = tracing_from_settings(settings, clock)
         self.serve_metrics = (not settings.metrics_port) if serve_metrics is None else serve_metrics
-        self.v1 = V1Handler(settings, self.upstream, self.metrics, self.admission, clock,
-                            load_key_check(settings), self.request_log, self.tracing)
+        self.keys = load_key_check(settings)
+        self.v1 = V1Handler(settings, self.upstreams, self.metrics, clock, self.keys,
+                            self.request_log, self.tracing, identify_from(settings))
+
+    @property
+    def upstream(self) -> Upstream:
+        """The first upstream's client (the only one without a config file)."""
+        return self.upstreams.targets[0].client
+
+    @property
+    def admission(self) -> Admission:
+        """The first upstream's admission (the only one without a config file)."""
+        return self.upstreams.targets[0].admission
+
+    def reload(self) -> bool:
+        """Re-read the config file's ``[[upstream]]`` tables and switch to them; streams
+        in flight finish on the upstream they started on. A file that does not load is
+        refused with one log line and the running table stays. Top-level settings are
+        read at start only: a change to them is named in a warning and not applied."""
+        path = self.settings.config
+        if not path:
+            log.warning("SIGHUP ignored: no --config file to reload")
+            return False
+        try:
+            specs = reload_specs(self.settings)
+            if any(s.api_key_env for s in specs) and self.keys is None:
+                raise SettingsError(f"config {path}: an upstream now holds a key "
+                                    "(api_key_env) but client keys were not set up at start "
+                                    "(--client-keys-file): restart to add one")
+        except SettingsError as exc:
+            log.error("config reload refused, the running upstreams stay: %s", exc)
+            return False
+        self.upstreams.replace(specs)
+        log.info("config reloaded from %s: upstreams %s", path,
+                 ", ".join(f"{s.name} {s.url}" for s in specs))
+        return True
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -83,6 +124,8 @@ class ProxyApp:
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
+                if self.settings.config:
+                    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.reload)
                 _freeze_startup_objects()
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
@@ -91,7 +134,7 @@ class ProxyApp:
                 return
 
     async def aclose(self) -> None:
-        await self.upstream.aclose()
+        await self.upstreams.aclose()
         if self.request_log is not None:
             self.request_log.close()
         if self.tracing is not None:  # exports what is queued: off the event loop
@@ -116,12 +159,12 @@ async def _plain(send: Send, status: int, body: bytes, content_type: bytes) -> N
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-def create_app(settings: Settings, *, upstream: Upstream | None = None,
+def create_app(settings: Settings, *, transport: WireTransport | None = None,
                registry: CollectorRegistry | None = None,
                clock: Callable[[], float] = time.perf_counter) -> ProxyApp:
-    """Build the proxy; the production defaults are the upstream client for
-    ``settings.upstream``, a private registry and ``time.perf_counter``."""
-    return ProxyApp(settings, upstream=upstream, registry=registry, clock=clock)
+    """Build the proxy; the production defaults are one upstream client per configured
+    upstream, a private registry and ``time.perf_counter``."""
+    return ProxyApp(settings, transport=transport, registry=registry, clock=clock)
 
 
 def create_app_from_env() -> ProxyApp:

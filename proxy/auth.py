@@ -12,7 +12,10 @@ recent Anthropic SDKs), ``x-api-key`` (Anthropic's raw API, older SDKs) or ``api
 (Azure OpenAI). All three are read, and in server-held key mode all three are removed
 from the upstream request (:data:`CLIENT_KEY_HEADERS`), so the upstream never sees a
 client key next to the proxy's own. The proxy's key goes upstream in the one header
-``--upstream-auth`` names (:attr:`KeyCheck.upstream_header`).
+``--upstream-auth`` (or the upstream's ``auth`` in a config file) names
+(:func:`key_header`). With several upstreams, client keys are checked as soon as one
+upstream holds a key, and then the client's key headers go to none of them: an upstream
+without ``api_key_env`` (a local vLLM) gets no key at all.
 
 None of these headers is ever written anywhere: the per-request log holds no headers
 (:mod:`proxy.reqlog`), uvicorn's access log holds method, path and status, and error
@@ -27,8 +30,13 @@ import hashlib
 import hmac
 import os
 import re
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from proxy.config import Settings, SettingsError
+
+if TYPE_CHECKING:
+    from proxy.upstreams import UpstreamSpec
 
 _HEX = re.compile(r"^[0-9a-f]{64}$")
 
@@ -58,16 +66,16 @@ def upstream_header(mode: str, key: str) -> tuple[bytes, bytes]:
 
 
 class KeyCheck:
-    """Checks a client's key against the stored digests; holds the header sent upstream.
+    """Checks a client's key against the stored digests.
 
-    ``upstream_header`` is decided once, here: the request path appends it as it is
-    after removing every :data:`CLIENT_KEY_HEADERS` header from the client's request.
+    The key that goes upstream is each upstream's own (:func:`key_header`), decided once
+    when the upstreams are built: the request path appends it after removing every
+    :data:`CLIENT_KEY_HEADERS` header from the client's request.
     """
 
-    __slots__ = ("_digests", "upstream_header")
+    __slots__ = ("_digests",)
 
-    def __init__(self, upstream_key: str, digests: list[bytes], upstream_auth: str = "bearer") -> None:
-        self.upstream_header: tuple[bytes, bytes] = upstream_header(upstream_auth, upstream_key)
+    def __init__(self, digests: list[bytes]) -> None:
         self._digests = digests
 
     def accepts(self, presented: bytes | None) -> bool:
@@ -80,24 +88,37 @@ class KeyCheck:
         return ok
 
 
+def key_header(spec: UpstreamSpec, environ: Mapping[str, str] | None = None
+               ) -> tuple[bytes, bytes] | None:
+    """The header that carries upstream ``spec``'s own key, or None when it holds none
+    (then the client's key headers pass through, unless client keys are checked)."""
+    if not spec.api_key_env:
+        return None
+    env = os.environ if environ is None else environ
+    return upstream_header(spec.auth, env.get(spec.api_key_env, "").strip())
+
+
 def load_key_check(settings: Settings, *, given_as: tuple[str, str] | None = None) -> KeyCheck | None:
-    """The key check for ``settings``, or None when no server-held key is configured.
+    """The client key check, or None when no upstream holds a server-side key.
 
     Raises :class:`SettingsError` for an unusable key or keys file. ``given_as`` names
     the two settings (key variable, keys file) as the operator gave them, flag or
-    environment variable, for the message; the flags by default.
+    environment variable, for the message; the flags by default. (A config file's
+    upstream keys were checked when the file was read, :mod:`proxy.upstreams`.)
     """
-    if not settings.upstream_api_key_env:
+    held = settings.upstream_api_key_env or any(u.api_key_env for u in settings.upstreams)
+    if not held:
         return None
     key_name, file_name = given_as or ("--upstream-api-key-env", "--client-keys-file")
-    key = os.environ.get(settings.upstream_api_key_env, "").strip()
-    if not key:
-        raise SettingsError(f"invalid setting {key_name}: environment variable "
-                            f"{settings.upstream_api_key_env} is empty or unset")
-    if not _HEADER_VALUE.match(key):
-        raise SettingsError(f"invalid setting {key_name}: environment variable "
-                            f"{settings.upstream_api_key_env} holds a space, control or "
-                            "non-ASCII character, which a header value cannot carry")
+    if settings.upstream_api_key_env:
+        key = os.environ.get(settings.upstream_api_key_env, "").strip()
+        if not key:
+            raise SettingsError(f"invalid setting {key_name}: environment variable "
+                                f"{settings.upstream_api_key_env} is empty or unset")
+        if not _HEADER_VALUE.match(key):
+            raise SettingsError(f"invalid setting {key_name}: environment variable "
+                                f"{settings.upstream_api_key_env} holds a space, control or "
+                                "non-ASCII character, which a header value cannot carry")
     digests: list[bytes] = []
     try:
         with open(settings.client_keys_file, encoding="utf-8") as fh:
@@ -115,7 +136,7 @@ def load_key_check(settings: Settings, *, given_as: tuple[str, str] | None = Non
         digests.append(bytes.fromhex(text))
     if not digests:
         raise SettingsError(f"invalid setting {file_name}: no keys in the file")
-    return KeyCheck(key, digests, settings.upstream_auth)
+    return KeyCheck(digests)
 
 
 def presented_key(headers: list[tuple[bytes, bytes]]) -> bytes | None:

@@ -4,9 +4,16 @@ Every option is declared once in ``OPTIONS``; from that table come the ``serve``
 their ``LLM_PROXY_*`` environment variables and their ``--help`` text, so the three
 can never drift apart. Precedence: flag, then environment, then default.
 
+A config file (``--config FILE``, TOML) adds a layer below the environment: its
+top-level keys are these options by name (``max_concurrency = 64``), and its
+``[[upstream]]`` tables declare several upstreams (:mod:`proxy.upstreams`). Precedence:
+flag, then environment, then file, then default. The single-upstream options
+(``--upstream``, ``--upstream-name``, ``--upstream-api-key-env``, ``--upstream-auth``)
+cannot be combined with a file: the file's tables say the same, per upstream.
+
 A bad value raises :class:`SettingsError` before any socket is opened, with a one-line
-message that names the setting as the operator gave it: the flag, or the environment
-variable (and its flag). No web framework is imported here.
+message that names the setting as the operator gave it: the flag, the environment
+variable (and its flag), or the file and key. No web framework is imported here.
 """
 
 from __future__ import annotations
@@ -14,10 +21,14 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
+
+if TYPE_CHECKING:
+    from proxy.upstreams import UpstreamSpec
 
 ENV_PREFIX = "LLM_PROXY_"
 
@@ -87,6 +98,12 @@ class Settings:
     access_log: bool = False
     otlp_endpoint: str = ""
     propagate_trace: bool = True
+    config: str = ""
+    client_label_from: str = ""
+    max_clients: int = 50
+    client_allowlist: tuple[str, ...] = ()
+    # From the config file's [[upstream]] tables (not an option): empty without a file.
+    upstreams: tuple[UpstreamSpec, ...] = ()
 
     @property
     def upstream_label(self) -> str:
@@ -96,12 +113,21 @@ class Settings:
         parts = urlsplit(self.upstream)
         return parts.netloc.rsplit("@", 1)[-1] or "upstream"
 
+    @property
+    def upstream_specs(self) -> tuple[UpstreamSpec, ...]:
+        """Every upstream: the config file's, else the one the single-upstream flags give."""
+        if self.upstreams:
+            return self.upstreams
+        from proxy.upstreams import single_spec
+
+        return (single_spec(self),)
+
 
 # ---------------------------------------------------------------------------
 # Parsers and validators. Each takes the raw string and returns the typed value.
 
 
-def _url(raw: str) -> str:
+def parse_url(raw: str) -> str:
     parts = urlsplit(raw.strip())
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError("must be an http(s) URL with a host, e.g. https://api.openai.com/v1")
@@ -109,6 +135,19 @@ def _url(raw: str) -> str:
         raise ValueError("must not carry a query string or fragment")
     _ = parts.port  # raises ValueError for a bad port ("host:99999", "host:abc")
     return raw.strip().rstrip("/")
+
+
+_url = parse_url
+
+
+def _client_label_from(raw: str) -> str:
+    value = raw.strip()
+    if value in ("", "key"):
+        return value
+    kind, _, header = value.partition(":")
+    if kind == "header" and re.fullmatch(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+", header.strip()):
+        return "header:" + header.strip().lower()
+    raise ValueError("must be 'header:NAME' (e.g. header:X-Team) or 'key'")
 
 
 def _int(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
@@ -198,6 +237,20 @@ OPTIONS: tuple[Option, ...] = (
            "is accepted with a start-up warning that shows what will be requested.", "URL"),
     Option("upstream_name", _str, "Value of the 'upstream' metric label.", "NAME",
            unset="the upstream's host:port"),
+    Option("config", _str, "TOML file declaring several upstreams ([[upstream]] tables: name, "
+           "url, models, routes, api_key_env, auth, default, limits, headers) and, at its top "
+           "level, any of these settings by name; flags and LLM_PROXY_* variables override it. "
+           "Cannot be combined with --upstream, --upstream-name, --upstream-api-key-env or "
+           "--upstream-auth. SIGHUP re-reads its [[upstream]] tables.", "FILE",
+           unset="none, one upstream from --upstream"),
+    Option("client_label_from", _client_label_from, "Add a 'client' label to the request, "
+           "latency and token metrics, taken from a request header ('header:X-Team') or from "
+           "the client's API key ('key': a keyed fingerprint, never the key; needs "
+           "LLM_PROXY_FINGERPRINT_SECRET).", "SOURCE", unset="none, no client label"),
+    Option("max_clients", _int(1), "Distinct 'client' label values kept; later ones are "
+           "counted as 'other'.", "N"),
+    Option("client_allowlist", _names, "Comma-separated client label values allowed; any other "
+           "becomes 'other'.", "NAMES", unset="none, the first --max-clients values are kept"),
     Option("host", _str, "Interface to listen on.", "HOST"),
     Option("port", _int(0, 65535), "Port to listen on (0: a free port chosen by the system, "
            "printed in the start-up line).", "PORT"),
@@ -311,39 +364,98 @@ def given_as(name: str, args: argparse.Namespace | None = None,
     return opt.flag
 
 
+SINGLE_UPSTREAM_OPTIONS = ("upstream", "upstream_name", "upstream_api_key_env", "upstream_auth")
+FINGERPRINT_SECRET_ENV = "LLM_PROXY_FINGERPRINT_SECRET"
+
+
 def from_sources(args: argparse.Namespace | None = None,
                  environ: Mapping[str, str] | None = None) -> Settings:
-    """Build and validate settings: flag, then ``LLM_PROXY_*`` variable, then default.
+    """Build and validate settings: flag, then ``LLM_PROXY_*`` variable, then the config
+    file's top-level key, then default; then the file's ``[[upstream]]`` tables.
 
     An invalid value raises :class:`SettingsError` naming the flag when the flag was
-    used, or the variable (and its flag) when the variable was, with the value as given.
+    used, the variable (and its flag) when the variable was, or the file and key, with
+    the value as given.
     """
     env = os.environ if environ is None else environ
-    values: dict[str, Any] = {}
+    raw_values: dict[str, tuple[Any, str]] = {}  # option -> (raw value, where it came from)
     for opt in OPTIONS:
         raw = getattr(args, opt.name, None) if args is not None else None
-        where = opt.flag
-        if raw is None and opt.env in env:
-            raw, where = env[opt.env], opt.env
-        if raw is None:
-            continue
-        if isinstance(raw, bool):
-            values[opt.name] = raw
-            continue
-        try:
-            values[opt.name] = opt.parse(str(raw))
-        except ValueError as exc:
-            detail = str(exc) or "invalid value"
-            if detail.startswith(("invalid literal", "could not convert")):
-                detail = "not a number"
-            also = f" ({opt.flag})" if where != opt.flag else ""
-            raise SettingsError(f"invalid setting {where}={str(raw)!r}{also}: {detail}") from None
+        if raw is not None:
+            raw_values[opt.name] = (raw, opt.flag)
+        elif opt.env in env:
+            raw_values[opt.name] = (env[opt.env], opt.env)
+    values = {name: _parse_option(_BY_NAME[name], raw, where)
+              for name, (raw, where) in raw_values.items()}
+    path = values.get("config", "")
+    doc: dict[str, Any] = {}
+    if path:
+        from proxy.upstreams import read_file
+
+        given = [raw_values[n][1] for n in SINGLE_UPSTREAM_OPTIONS if n in raw_values]
+        if given:
+            raise SettingsError(f"invalid setting {given[0]}: cannot be combined with "
+                                f"{raw_values['config'][1]} {path}: its [[upstream]] tables "
+                                "declare the upstreams")
+        doc = read_file(path)
+        for key, raw in doc.items():
+            if key == "upstream":
+                continue
+            found = _BY_NAME.get(key)
+            if found is None or key == "config" or key in SINGLE_UPSTREAM_OPTIONS:
+                hint = (" (declare upstreams as [[upstream]] tables)"
+                        if key in SINGLE_UPSTREAM_OPTIONS else "")
+                raise SettingsError(f"config {path}: {key}: unknown setting{hint}")
+            if key not in values:
+                values[key] = _parse_option(found, _toml_text(raw), f"config {path}: {key}",
+                                            file=True)
     settings = Settings(**values)
-    _check_combinations(settings, lambda name: given_as(name, args, env))
+    if path:
+        from proxy.upstreams import upstream_specs
+
+        settings = replace(settings, upstreams=upstream_specs(path, doc, settings, env))
+    _check_combinations(settings, lambda name: given_as(name, args, env), env)
     return settings
 
 
-def _check_combinations(s: Settings, name: Callable[[str], str]) -> None:
+def _toml_text(value: Any) -> str:
+    """A TOML value as the text its option's parser reads."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return ",".join(str(v) for v in value)
+    return str(value)
+
+
+def _parse_option(opt: Option, raw: Any, where: str, *, file: bool = False) -> Any:
+    if isinstance(raw, bool):
+        return raw
+    try:
+        return opt.parse(str(raw))
+    except ValueError as exc:
+        detail = str(exc) or "invalid value"
+        if detail.startswith(("invalid literal", "could not convert")):
+            detail = "not a number"
+        if file:
+            raise SettingsError(f"{where}: {detail} (got {raw!r})") from None
+        also = f" ({opt.flag})" if where != opt.flag else ""
+        raise SettingsError(f"invalid setting {where}={str(raw)!r}{also}: {detail}") from None
+
+
+def _check_combinations(s: Settings, name: Callable[[str], str],
+                        env: Mapping[str, str]) -> None:
+    if s.client_label_from == "key" and not env.get(FINGERPRINT_SECRET_ENV, "").strip():
+        raise SettingsError(f"invalid setting {name('client_label_from')}=key: needs the "
+                            f"secret in {FINGERPRINT_SECRET_ENV} (the same on every replica), "
+                            "so that a key's label is a keyed fingerprint, never a plain hash")
+    held = [u for u in s.upstreams if u.api_key_env]
+    if held and not s.client_keys_file:
+        raise SettingsError(f"invalid setting {name('client_keys_file')}: required when an "
+                            f"upstream holds a key (upstream {held[0].name!r} has api_key_env "
+                            f"in {s.config})")
+    if held and not os.path.isfile(s.client_keys_file):
+        raise SettingsError(f"invalid setting {name('client_keys_file')}: no such file "
+                            f"{s.client_keys_file!r}")
     if s.upstream_api_key_env:
         if not os.environ.get(s.upstream_api_key_env, "").strip():
             raise SettingsError(f"invalid setting {name('upstream_api_key_env')}: environment "

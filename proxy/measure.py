@@ -57,6 +57,7 @@ class RequestRecord:
     status: int
     outcome: Outcome
     duration_s: float
+    client: str = ""  # the bounded client label value, when --client-label-from is set
     overhead_s: float | None = None
     queue_s: float | None = None
     upstream_queue_s: float | None = None
@@ -83,6 +84,7 @@ class RequestRecord:
             "route": self.route,
             "model": self.model,
             "upstream": self.upstream,
+            "client": self.client or None,
             "stream": self.stream,
             "status": self.status,
             "outcome": str(self.outcome),

@@ -7,8 +7,11 @@ allows since each gap is still observed individually.
 
 Cardinality is bounded by construction: ``route`` comes from a fixed set of route
 templates, ``model`` passes through :class:`ModelLabels` (first N names, optional
-allow-list, then ``other``), ``upstream`` is the configured name, ``code`` is an HTTP
-status and ``outcome`` a fixed enum.
+allow-list, then ``other``), ``upstream`` is a configured upstream's name, ``code`` is
+an HTTP status and ``outcome`` a fixed enum. The optional ``client`` label
+(``--client-label-from``) is bounded the same way as ``model`` (:class:`BoundedLabels`);
+when it is off the label does not exist at all (absent, not empty), so a dashboard
+query that does not mention it works either way.
 
 Multiprocess mode (``--workers N``): prometheus_client decides its value storage when
 it is imported, from ``PROMETHEUS_MULTIPROC_DIR``; :mod:`proxy.serve` sets that before
@@ -115,25 +118,29 @@ def multiprocess_registry(path: str) -> CollectorRegistry:
     return registry
 
 
-class ModelLabels:
-    """Maps a request's ``model`` to a bounded label value."""
+class BoundedLabels:
+    """Maps a request's ``model`` (or client) to a bounded label value: the first
+    ``max_values`` distinct values keep theirs (``unknown`` always does), an allow-list if
+    given admits only its names, anything else (and anything longer than 200 characters)
+    becomes ``other``."""
 
-    def __init__(self, max_models: int, allowlist: Iterable[str] = ()) -> None:
-        self._max = max_models
+    def __init__(self, max_values: int, allowlist: Iterable[str] = ()) -> None:
+        self._max = max_values
         self._allow = frozenset(allowlist)
         self._seen: set[str] = set()
 
-    def __call__(self, model: str) -> str:
-        if model in self._seen:
-            return model
-        if self._allow and model not in self._allow:
+    def __call__(self, value: str) -> str:
+        if value in self._seen:
+            return value
+        if self._allow and value not in self._allow:
             return OTHER_MODEL
-        if model == UNKNOWN_MODEL or len(self._seen) < self._max:
-            if len(model) > 200:
+        if value == UNKNOWN_MODEL or len(self._seen) < self._max:
+            if len(value) > 200:
                 return OTHER_MODEL
-            self._seen.add(model)
-            return model
+            self._seen.add(value)
+            return value
         return OTHER_MODEL
+
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,24 +166,27 @@ class Metrics:
     def __init__(self, settings: Settings, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.multiprocess = multiprocess_dir() is not None
-        self.upstream = settings.upstream_label
-        self.model_label = ModelLabels(settings.max_models, settings.model_allowlist)
+        self.model_label = BoundedLabels(settings.max_models, settings.model_allowlist)
+        self.client_label = (BoundedLabels(settings.max_clients, settings.client_allowlist)
+                             if settings.client_label_from else None)
         reg = self.registry
         base = ("route", "model", "upstream")
+        # The metrics that say who is waiting carry the optional client label.
+        who = (*base, "client") if self.client_label is not None else base
         self.requests = Counter(
             "llm_proxy_requests", "Requests answered, by route, model, upstream, stream and HTTP "
-            "status code sent to the client.", (*base, "stream", "code"), registry=reg)
+            "status code sent to the client.", (*who, "stream", "code"), registry=reg)
         self.duration = Histogram(
             "llm_proxy_request_duration_seconds", "From the proxy receiving the request until the "
-            "last byte was handed to the client.", (*base, "stream"),
+            "last byte was handed to the client.", (*who, "stream"),
             buckets=settings.duration_buckets, registry=reg)
-        self.ttft = Histogram("llm_proxy_time_to_first_token_seconds", TTFT_HELP, base,
+        self.ttft = Histogram("llm_proxy_time_to_first_token_seconds", TTFT_HELP, who,
                               buckets=settings.ttft_buckets, registry=reg)
-        self.ttfa = Histogram("llm_proxy_time_to_first_answer_token_seconds", TTFA_HELP, base,
+        self.ttfa = Histogram("llm_proxy_time_to_first_answer_token_seconds", TTFA_HELP, who,
                               buckets=settings.ttft_buckets, registry=reg)
         self.ttfb = Histogram("llm_proxy_time_to_first_byte_seconds", TTFB_HELP, base,
                               buckets=settings.ttft_buckets, registry=reg)
-        self.itl = Histogram("llm_proxy_inter_token_latency_seconds", ITL_HELP, base,
+        self.itl = Histogram("llm_proxy_inter_token_latency_seconds", ITL_HELP, who,
                              buckets=settings.itl_buckets, registry=reg)
         self.tpot = Histogram("llm_proxy_time_per_output_token_seconds", TPOT_HELP, base,
                               buckets=settings.itl_buckets, registry=reg)
@@ -196,28 +206,28 @@ class Metrics:
         self.prompt_tokens = Histogram(
             "llm_proxy_prompt_tokens", "Prompt tokens per request, cached ones included: chat "
             "and completions usage.prompt_tokens; Responses usage.input_tokens; Messages "
-            "input_tokens + cache_read_input_tokens + cache_creation_input_tokens.", base,
+            "input_tokens + cache_read_input_tokens + cache_creation_input_tokens.", who,
             buckets=tb, registry=reg)
         self.cached_tokens = Histogram(
             "llm_proxy_cached_prompt_tokens", "Prompt tokens read from the provider's prompt "
             "cache per request: usage.prompt_tokens_details.cached_tokens (chat, completions), "
             "input_tokens_details.cached_tokens (Responses), cache_read_input_tokens "
-            "(Messages).", base, buckets=tb, registry=reg)
+            "(Messages).", who, buckets=tb, registry=reg)
         self.completion_tokens = Histogram(
             "llm_proxy_completion_tokens", "Completion tokens per request, reasoning included: "
             "usage.completion_tokens (chat, completions), output_tokens (Responses, Messages; "
-            "the last message_delta's cumulative value).", base, buckets=tb, registry=reg)
+            "the last message_delta's cumulative value).", who, buckets=tb, registry=reg)
         self.reasoning_tokens = Histogram(
             "llm_proxy_reasoning_tokens", "Reasoning tokens per request: "
             "usage.completion_tokens_details.reasoning_tokens (chat), "
             "output_tokens_details.reasoning_tokens (Responses), "
             "output_tokens_details.thinking_tokens (Messages); only where the API reports "
-            "them.", base, buckets=tb, registry=reg)
+            "them.", who, buckets=tb, registry=reg)
         self.cache_write_tokens = Histogram(
             "llm_proxy_cache_write_prompt_tokens", "Prompt tokens written to the provider's "
             "prompt cache per request: prompt_tokens_details.cache_write_tokens (chat), "
             "input_tokens_details.cache_write_tokens (Responses), cache_creation_input_tokens "
-            "(Messages); only where the upstream reports them.", base, buckets=tb, registry=reg)
+            "(Messages); only where the upstream reports them.", who, buckets=tb, registry=reg)
         self.outcomes = Counter(
             "llm_proxy_stream_outcomes", "How each stream ended: completed, client_disconnected, "
             "upstream_interrupted, upstream_error (non-2xx, unreachable, or an error event inside "
@@ -228,21 +238,25 @@ class Metrics:
             "llm_proxy_in_flight_requests", "Requests the proxy is handling right now "
             "(queued or relaying), per upstream.", ("upstream",), registry=reg,
             multiprocess_mode="livesum")
-        self.in_flight = self.in_flight_gauge.labels(self.upstream)
-        self._children: dict[tuple[str, str], _Children] = {}
+        self._children: dict[tuple[str, str, str, str], _Children] = {}
 
-    def children(self, route: str, model: str) -> _Children:
-        key = (route, model)
+    def in_flight(self, upstream: str) -> Gauge:
+        """The in-flight gauge's child for one upstream (resolved once per upstream)."""
+        return self.in_flight_gauge.labels(upstream)
+
+    def children(self, route: str, model: str, upstream: str, client: str = "") -> _Children:
+        key = (route, model, upstream, client)
         found = self._children.get(key)
         if found is None:
-            labels = (route, model, self.upstream)
+            labels = (route, model, upstream)
+            who = (*labels, client) if self.client_label is not None else labels
             found = _Children(
-                self.ttft.labels(*labels), self.ttfa.labels(*labels), self.ttfb.labels(*labels),
-                self.itl.labels(*labels), self.tpot.labels(*labels),
+                self.ttft.labels(*who), self.ttfa.labels(*who), self.ttfb.labels(*labels),
+                self.itl.labels(*who), self.tpot.labels(*labels),
                 self.queue.labels(*labels), self.upstream_queue.labels(*labels),
-                self.overhead.labels(*labels), self.prompt_tokens.labels(*labels),
-                self.cached_tokens.labels(*labels), self.completion_tokens.labels(*labels),
-                self.reasoning_tokens.labels(*labels), self.cache_write_tokens.labels(*labels))
+                self.overhead.labels(*labels), self.prompt_tokens.labels(*who),
+                self.cached_tokens.labels(*who), self.completion_tokens.labels(*who),
+                self.reasoning_tokens.labels(*who), self.cache_write_tokens.labels(*who))
             self._children[key] = found
         return found
 
@@ -253,18 +267,19 @@ class Metrics:
         counted (a scrape, a test polling the registry from another thread) also sees
         every other observation of that request.
         """
-        model = record.model  # already a bounded label value
         stream = "true" if record.stream else "false"
         exemplar = None if self.multiprocess else _exemplar(record)
-        self.duration.labels(record.route, model, self.upstream, stream).observe(
-            record.duration_s, exemplar)
+        # model and client are already bounded label values
+        who: tuple[str, ...] = (record.route, record.model, record.upstream)
+        if self.client_label is not None:
+            who = (*who, record.client)
+        self.duration.labels(*who, stream).observe(record.duration_s, exemplar)
         if measured:
-            self._observe_measured(record, model, exemplar)
-        self.requests.labels(record.route, model, self.upstream, stream, str(record.status)).inc()
+            self._observe_measured(record, exemplar)
+        self.requests.labels(*who, stream, str(record.status)).inc()
 
-    def _observe_measured(self, record: RequestRecord, model: str,
-                          exemplar: dict[str, str] | None) -> None:
-        c = self.children(record.route, model)
+    def _observe_measured(self, record: RequestRecord, exemplar: dict[str, str] | None) -> None:
+        c = self.children(record.route, record.model, record.upstream, record.client)
         if record.queue_s is not None:
             c.queue.observe(record.queue_s)
         if record.overhead_s is not None:
@@ -283,7 +298,8 @@ class Metrics:
             c.cache_write.observe(record.cache_write_tokens)
         if record.stream:
             if record.outcome is not Outcome.REJECTED:
-                self.outcomes.labels(record.route, model, self.upstream, str(record.outcome)).inc()
+                self.outcomes.labels(record.route, record.model, record.upstream,
+                                     str(record.outcome)).inc()
             if record.ttfb_s is not None:
                 c.ttfb.observe(record.ttfb_s)
             if record.ttft_s is not None:

@@ -23,9 +23,11 @@ import uuid
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import unquote
 
-from proxy.admission import Admission, QueueFull
+from proxy.admission import QueueFull
 from proxy.auth import CLIENT_KEY_HEADERS, KeyCheck, presented_key
+from proxy.clients import Identify
 from proxy.config import Settings
 from proxy.dialects import DIALECTS, Dialect, Usage, upstream_queue_seconds
 from proxy.logs import RateLimitedLog
@@ -43,8 +45,9 @@ from proxy.reqlog import RequestLog
 from proxy.sse import SSEParser
 from proxy.tracing import Trace, Tracing
 from proxy.upstream import (
+    Target,
     UnsafePath,
-    Upstream,
+    Upstreams,
     error_body,
     error_response,
     forward_headers,
@@ -72,6 +75,7 @@ KNOWN_RESOURCES = frozenset({
     "tokenize", "detokenize", "chat", "completions", "realtime", "containers", "conversations",
 })  # fmt: skip
 NON_STREAM_USAGE_LIMIT = 8 * 1024 * 1024
+ALL_UPSTREAMS = "all"  # the upstream label of the merged GET /v1/models
 JSON_HEADERS = [(b"content-type", b"application/json")]
 
 
@@ -141,8 +145,11 @@ class _Request:
     timer: StreamTimer | None = None
     t_end: float = 0.0
     reason: str = ""  # why the upstream failed, for the warning line
-    request_model: str = ""  # the body's "model" as sent, for the trace only
+    request_model: str = ""  # the body's "model" as sent: routing and the trace
     trace: Trace | None = None  # the request's span, when tracing is on
+    target: Target | None = None  # the upstream the request was routed to
+    client: str = ""  # the bounded client label value, when that label is on
+    upstream: str = ""  # the upstream label when no single target took it (model list)
 
 
 class V1Handler:
@@ -156,20 +163,22 @@ class V1Handler:
     log line, refused requests included.
     """
 
-    def __init__(self, settings: Settings, upstream: Upstream, metrics: Metrics | None,
-                 admission: Admission, clock: Clock, keys: KeyCheck | None,
-                 request_log: RequestLog | None, tracing: Tracing | None = None) -> None:
+    def __init__(self, settings: Settings, upstreams: Upstreams, metrics: Metrics | None,
+                 clock: Clock, keys: KeyCheck | None, request_log: RequestLog | None,
+                 tracing: Tracing | None = None, identify: Identify | None = None) -> None:
         self.settings = settings
         self.tracing = tracing
-        self.upstream = upstream
+        self.upstreams = upstreams
         self.metrics = metrics
-        self.admission = admission
         self.clock = clock
         self.keys = keys
         self.request_log = request_log
-        self.upstream_name = settings.upstream_label
         self.model_label: Callable[[str], str] = (
             metrics.model_label if metrics is not None else _unbounded)
+        self.identify = identify
+        self.client_label: Callable[[str], str] = (
+            metrics.client_label if metrics is not None and metrics.client_label is not None
+            else _unbounded)
         self._secret_headers = frozenset(h.lower().encode() for h in settings.secret_headers)
         self._warnings = RateLimitedLog(log, per_interval=10, interval_s=10.0)
 
@@ -179,6 +188,10 @@ class V1Handler:
             headers = self._check(x, scope)
             body = await self._read(x, receive)
             body_out, strip = self._parse(x, body)
+            if self._union(x, scope):
+                await self._models_union(x, scope, headers, send)
+                return
+            self._route(x)
             await self._exchange(x, scope, headers, body_out, strip, receive, send)
         except Refused as refusal:
             x.status, x.outcome = refusal.status, refusal.outcome
@@ -209,6 +222,8 @@ class V1Handler:
         x.route = x.measured.route if x.measured is not None else route_template(subpath)
         x.subpath = subpath
         headers: list[tuple[bytes, bytes]] = scope["headers"]
+        if self.identify is not None:
+            x.client = self.client_label(self.identify(headers))
         if self.tracing is not None and x.measured is not None:
             x.trace = self.tracing.start(headers, x.t0, x.measured.name)
         if sum(len(k) + len(v) for k, v in headers) > s.max_header_bytes:
@@ -267,13 +282,84 @@ class V1Handler:
         x.model = self.model_label(model)
         return body_out, strip
 
+    def _route(self, x: _Request) -> None:
+        """Which upstream takes the request: by the body's model, by the model id of
+        ``/v1/models/{id}``, else the default upstream; none is a 404."""
+        model: str | None = x.request_model or None
+        if model is None and x.subpath.startswith(b"/models/"):
+            model = unquote(x.subpath[len(b"/models/"):].decode("latin-1")) or None
+        x.target = self.upstreams.pick(model, x.route)
+        if x.target is None:
+            shown = f"model {model[:200]!r}" if model is not None else "a request without a model"
+            raise Refused(404, f"{shown} on {x.route} is not served by this proxy: no upstream "
+                          "takes it and none is the default", "invalid_request_error",
+                          "model_not_found")
+
+    def _union(self, x: _Request, scope: Scope) -> bool:
+        return (x.subpath == b"/models" and scope["method"] == "GET"
+                and len(self.upstreams.targets) > 1)
+
+    async def _models_union(self, x: _Request, scope: Scope,
+                            headers: list[tuple[bytes, bytes]], send: Send) -> None:
+        """``GET /v1/models`` with several upstreams: every upstream's list, asked at
+        once, merged in config order (the first upstream wins a duplicate id). An
+        upstream that fails to answer is left out and logged, not a 502 for the list."""
+        targets = self.upstreams.targets
+        query = scope.get("query_string", b"")
+        lists = await asyncio.gather(*(self._model_list(t, headers, query) for t in targets))
+        seen: set[Any] = set()
+        data: list[Any] = []
+        for items in lists:
+            for item in items or ():
+                key = item.get("id") if isinstance(item, dict) else None
+                if key is None or key in seen:
+                    continue
+                seen.add(key)
+                data.append(item)
+        x.request_id = uuid.uuid4().hex
+        x.t_end = self.clock()
+        x.upstream = ALL_UPSTREAMS
+        if all(items is None for items in lists):
+            x.status, x.outcome = 502, Outcome.UPSTREAM_ERROR
+            await _send_error(send, Refused(502, "no upstream answered the model list",
+                                            "upstream_error", "upstream_failed"), x.request_id)
+            return
+        body = json.dumps({"object": "list", "data": data}).encode()
+        x.status, x.outcome = 200, Outcome.COMPLETED
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            *JSON_HEADERS, (b"content-length", str(len(body)).encode()),
+            (b"x-request-id", x.request_id.encode())]})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    async def _model_list(self, target: Target, headers: list[tuple[bytes, bytes]],
+                          query: bytes) -> list[Any] | None:
+        out = self._upstream_headers(target, headers, identity=False)
+        try:
+            response = await target.client.open("GET", b"/models", query, out, b"")
+            try:
+                body = await response.body.read(NON_STREAM_USAGE_LIMIT)
+            finally:
+                await response.aclose()
+        except UpstreamError as exc:
+            self._warnings.warning("model list: upstream %s left out: %s: %s", target.name,
+                                   type(exc).__name__, exc)
+            return None
+        parsed = _json_object(body) if 200 <= response.status_code < 300 else None
+        items = parsed.get("data") if parsed is not None else None
+        if not isinstance(items, list):
+            self._warnings.warning("model list: upstream %s left out: HTTP %s%s", target.name,
+                                   response.status_code,
+                                   "" if parsed is None else " without a data list")
+            return None
+        return items
+
     async def _exchange(self, x: _Request, scope: Scope, headers: list[tuple[bytes, bytes]],
                         body: bytes, strip: bool, receive: Receive, send: Send) -> None:
         """Admission, the upstream exchange and the relay, with the in-flight gauge held
         and a watcher that turns the client's disconnect into cancellation."""
-        metrics = self.metrics
-        if metrics is not None:
-            metrics.in_flight.inc()
+        target = x.target
+        assert target is not None
+        target.enter()
         watch = _Watch()
         task = asyncio.current_task()
         assert task is not None
@@ -281,7 +367,7 @@ class V1Handler:
         admitted = False
         try:
             if x.measured is not None:
-                admitted = await self._admit(x)
+                admitted = await self._admit(x, target)
             await self._forward(x, scope, headers, body)
             await self._relay(x, send, strip)
         except asyncio.CancelledError:
@@ -305,38 +391,54 @@ class V1Handler:
                 with contextlib.suppress(Exception):
                     await x.response.aclose()  # closes the upstream request if still open
             if admitted:
-                self.admission.release()
-            if metrics is not None:
-                metrics.in_flight.dec()
+                target.admission.release()
+            target.leave()
 
-    async def _admit(self, x: _Request) -> bool:
+    async def _admit(self, x: _Request, target: Target) -> bool:
         t_q = self.clock()
+        admission = target.admission
         try:
-            await self.admission.acquire()
+            await admission.acquire()
         except QueueFull:
-            raise Refused(429, "too many requests waiting for the upstream", "rate_limit_error",
-                          "proxy_queue_full", extra=[(b"retry-after", b"1")]) from None
-        x.queue_s = self.clock() - t_q if self.admission.limited else 0.0
+            raise Refused(429, f"too many requests waiting for upstream {target.name}",
+                          "rate_limit_error", "proxy_queue_full",
+                          extra=[(b"retry-after", b"1")]) from None
+        x.queue_s = self.clock() - t_q if admission.limited else 0.0
         return True
 
-    async def _forward(self, x: _Request, scope: Scope, headers: list[tuple[bytes, bytes]],
-                       body: bytes) -> None:
+    def _upstream_headers(self, target: Target, headers: list[tuple[bytes, bytes]], *,
+                          identity: bool) -> list[tuple[bytes, bytes]]:
+        """The client's headers as the upstream gets them: keys replaced by the
+        upstream's own when client keys are checked, the upstream's configured headers
+        set (replacing the client's of the same name)."""
         keys = self.keys
-        out_headers = forward_headers(headers, identity=x.measured is not None,
+        out_headers = forward_headers(headers, identity=identity,
                                       drop=self._secret_headers if keys else frozenset())
         if keys is not None:
             out_headers = [(k, v) for k, v in out_headers if k not in CLIENT_KEY_HEADERS]
-            out_headers.append(keys.upstream_header)
+            if target.key is not None:
+                out_headers.append(target.key)
+        if target.headers:
+            names = {k for k, _ in target.headers}
+            out_headers = [(k, v) for k, v in out_headers if k not in names]
+            out_headers.extend(target.headers)
+        return out_headers
+
+    async def _forward(self, x: _Request, scope: Scope, headers: list[tuple[bytes, bytes]],
+                       body: bytes) -> None:
+        target = x.target
+        assert target is not None
+        out_headers = self._upstream_headers(target, headers, identity=x.measured is not None)
         if x.trace is not None and self.tracing is not None:
             out_headers = self.tracing.inject(x.trace, out_headers)
         t_send = self.clock()
         x.overhead_s = t_send - x.t0 - (x.queue_s or 0.0)
         try:
-            x.response = await self.upstream.open(
+            x.response = await target.client.open(
                 scope["method"], x.subpath, scope.get("query_string", b""),
                 out_headers, body)
         except UpstreamError as exc:
-            status, err = error_response(exc, self.upstream.host)
+            status, err = error_response(exc, target.client.host)
             x.reason = f"{type(exc).__name__}: {exc}"
             raise Refused(status, "", "", "", outcome=Outcome.TIMEOUT if status == 504
                           else Outcome.UPSTREAM_ERROR, body=err) from None
@@ -384,7 +486,8 @@ class V1Handler:
         if x.reason:
             self._warnings.warning(
                 "upstream failure: request_id=%s route=%s model=%s upstream=%s status=%s: %s",
-                x.request_id, x.route, x.model, self.upstream.host, x.status, x.reason)
+                x.request_id, x.route, x.model,
+                x.target.client.host if x.target is not None else "-", x.status, x.reason)
         if self.metrics is None and self.request_log is None and x.trace is None:
             return
         try:
@@ -425,8 +528,10 @@ class V1Handler:
         answer = timer.first_answer_t if timer is not None else None
         first_byte = result.t_first_byte if result is not None and timer is not None else None
         return RequestRecord(
-            request_id=x.request_id, route=x.route, model=x.model, upstream=self.upstream_name,
-            stream=x.stream, status=x.status, outcome=x.outcome, duration_s=x.t_end - x.t0,
+            request_id=x.request_id, route=x.route, model=x.model,
+            upstream=(x.target.name if x.target is not None
+                      else x.upstream or self.upstreams.fallback_name),
+            client=x.client, stream=x.stream, status=x.status, outcome=x.outcome, duration_s=x.t_end - x.t0,
             overhead_s=x.overhead_s, queue_s=x.queue_s, upstream_queue_s=upstream_q,
             ttft_s=(first - x.t0) if first is not None else None,
             ttfa_s=(answer - x.t0) if answer is not None else None,

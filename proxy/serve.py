@@ -52,7 +52,7 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         settings = config.from_sources(args)
-        if settings.upstream_api_key_env:
+        if settings.upstream_api_key_env or any(u.api_key_env for u in settings.upstreams):
             from proxy.auth import load_key_check
 
             named = (config.given_as("upstream_api_key_env", args),
@@ -61,9 +61,10 @@ def run(args: argparse.Namespace) -> int:
     except SettingsError as exc:
         print(f"llm-latency-proxy: error: {exc}", file=sys.stderr)
         return 2
-    warning = upstream_warning(settings.upstream)
-    if warning:
-        print(f"llm-latency-proxy: warning: {warning}", file=sys.stderr, flush=True)
+    for spec in settings.upstream_specs:
+        warning = upstream_warning(spec.url)
+        if warning:
+            print(f"llm-latency-proxy: warning: {warning}", file=sys.stderr, flush=True)
     if settings.workers > 1:
         return _run_workers(settings)
     return _run_single(settings)
@@ -117,8 +118,11 @@ def _banner(settings: Settings, port: int, tracing: str = "") -> None:
     where = f"http://{host}:{port}"
     metrics = (f"http://{settings.metrics_host or settings.host}:{settings.metrics_port}/metrics"
                if settings.metrics_port else f"{where}/metrics")
-    print(f"llm-latency-proxy: relaying {where}/v1 -> {redact(settings.upstream)} "
-          f"(upstream label {settings.upstream_label!r}); metrics at {metrics}; "
+    targets = ", ".join(f"{redact(u.url)} ({u.name!r}{', default' if u.default else ''})"
+                        for u in settings.upstream_specs)
+    if not settings.upstreams:
+        targets = f"{redact(settings.upstream)} (upstream label {settings.upstream_label!r})"
+    print(f"llm-latency-proxy: relaying {where}/v1 -> {targets}; metrics at {metrics}; "
           f"workers {settings.workers}" + (f"; tracing: {redact(tracing)}" if tracing else ""),
           file=sys.stderr, flush=True)
 
@@ -180,15 +184,44 @@ def _run_workers(settings: Settings) -> int:
         endpoint = wanted(settings)
         _banner(settings, sock.getsockname()[1],
                 f"OTLP/HTTP to {endpoint}, from each worker" if endpoint else "")
+        supervisor_class = _reloading_supervisor(Multiprocess, settings)
         if "target" in inspect.signature(Multiprocess).parameters:  # older uvicorn releases
-            supervisor = Multiprocess(uconfig, target=uvicorn.Server(uconfig).run,  # type: ignore[call-arg]
-                                      sockets=[sock])
+            supervisor = supervisor_class(uconfig, target=uvicorn.Server(uconfig).run,
+                                          sockets=[sock])
         else:
-            supervisor = Multiprocess(uconfig, sockets=[sock])
+            supervisor = supervisor_class(uconfig, sockets=[sock])
         supervisor.run()  # handles SIGINT and SIGTERM itself: stops the workers, returns
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     return 0
+
+
+def _reloading_supervisor(base: Any, settings: Settings) -> Any:
+    """uvicorn's supervisor, except on SIGHUP: uvicorn restarts every worker, which
+    would start workers on a config that may not load; here the supervisor checks the
+    file first, then passes SIGHUP to each worker, which switches its upstreams in place
+    (:meth:`proxy.app.ProxyApp.reload`) without dropping a stream."""
+
+    class Supervisor(base):  # type: ignore[misc]
+        def handle_hup(self) -> None:
+            if not settings.config:
+                print("llm-latency-proxy: SIGHUP ignored: no --config file to reload",
+                      file=sys.stderr, flush=True)
+                return
+            from proxy.upstreams import reload_specs
+
+            try:
+                reload_specs(settings)
+            except SettingsError as exc:
+                print(f"llm-latency-proxy: error: config reload refused, the running "
+                      f"upstreams stay: {exc}", file=sys.stderr, flush=True)
+                return
+            for process in self.processes:
+                pid = process.pid
+                if pid is not None:
+                    os.kill(pid, signal.SIGHUP)
+
+    return Supervisor
 
 
 def _start_metrics_server(settings: Settings, registry: Any) -> None:
@@ -202,6 +235,9 @@ def _start_metrics_server(settings: Settings, registry: Any) -> None:
 def export_settings(settings: Settings, environ: Any) -> None:
     """Write every setting back as its ``LLM_PROXY_*`` variable (for worker processes)."""
     for opt in OPTIONS:
+        if settings.config and opt.name in config.SINGLE_UPSTREAM_OPTIONS:
+            environ.pop(opt.env, None)  # the workers read the upstreams from the file
+            continue
         value = getattr(settings, opt.name)
         if isinstance(value, bool):
             text = "true" if value else "false"

@@ -24,13 +24,17 @@ tunnel, a plain ``http`` one by asking the proxy in absolute form
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import urllib.request
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
 from urllib.parse import unquote_to_bytes, urlsplit
 
-from proxy.config import Settings
+from proxy.admission import Admission
+from proxy.auth import key_header
+from proxy.upstreams import NO_UPSTREAM, RoutingTable, UpstreamSpec
 from proxy.wire import (
     ConnectError,
     Endpoint,
@@ -54,7 +58,7 @@ _RESPONSE_DROP = HOP_BY_HOP | {b"content-length"}
 
 
 class Upstream:
-    """The configured upstream: :meth:`open` sends a request, returns at the headers.
+    """One upstream's client: :meth:`open` sends a request, returns at the headers.
 
     Everything that does not change per request is computed here once: the endpoint
     (pool key, with the HTTP proxy if one applies), the target prefix (the base path,
@@ -62,18 +66,18 @@ class Upstream:
     request costs one ``bytes.join`` before it is written.
     """
 
-    def __init__(self, settings: Settings, transport: WireTransport | None = None) -> None:
-        self.base = settings.upstream
+    def __init__(self, spec: UpstreamSpec, transport: WireTransport | None = None) -> None:
+        self.base = spec.url
         parts = urlsplit(self.base)
         scheme = parts.scheme
         hostname = parts.hostname or ""
         port = parts.port or (443 if scheme == "https" else 80)
         self.host = f"{hostname}:{port}"
+        self.hostname, self.port = hostname, port
         self.transport = transport if transport is not None else WireTransport(
-            max_connections=settings.max_upstream_connections,
-            connect_timeout=settings.connect_timeout, read_timeout=settings.read_timeout,
-            write_timeout=settings.write_timeout,
-            keepalive_expiry=settings.upstream_keepalive_expiry)
+            max_connections=spec.max_connections, connect_timeout=spec.connect_timeout,
+            read_timeout=spec.read_timeout, write_timeout=spec.write_timeout,
+            keepalive_expiry=spec.keepalive_expiry)
         host_text = f"[{hostname}]" if ":" in hostname else hostname
         netloc = host_text.encode("idna") + (f":{parts.port}".encode() if parts.port else b"")
         self._host_header = netloc
@@ -107,6 +111,92 @@ class Upstream:
 
     async def aclose(self) -> None:
         await self.transport.aclose()
+
+
+class Gauge(Protocol):
+    def inc(self) -> None: ...
+    def dec(self) -> None: ...
+
+
+class _NoGauge:
+    def inc(self) -> None:
+        pass
+
+    def dec(self) -> None:
+        pass
+
+
+class Target:
+    """One upstream, live: its client, its admission (``max_concurrency``/``max_queue``
+    per upstream), the headers it adds, and its in-flight gauge. Everything is decided
+    here once; a request only reads it."""
+
+    __slots__ = ("active", "admission", "client", "closing", "headers", "in_flight", "key",
+                 "name", "spec")
+
+    def __init__(self, spec: UpstreamSpec, in_flight: Gauge | None = None,
+                 transport: WireTransport | None = None) -> None:
+        self.spec = spec
+        self.name = spec.name
+        self.client = Upstream(spec, transport)
+        self.admission = Admission(spec.max_concurrency, spec.max_queue)
+        self.key = key_header(spec)
+        self.headers = tuple((k.encode(), v.encode()) for k, v in spec.headers)
+        self.in_flight: Gauge = in_flight if in_flight is not None else _NoGauge()
+        self.active = 0  # requests using it now, so a reload closes it only when idle
+        self.closing = False
+
+    def enter(self) -> None:
+        self.active += 1
+        self.in_flight.inc()
+
+    def leave(self) -> None:
+        self.active -= 1
+        self.in_flight.dec()
+        if self.closing and not self.active:
+            asyncio.get_running_loop().create_task(self.client.aclose())
+
+
+class Upstreams:
+    """Every upstream and the routing table over them; :meth:`replace` swaps both at
+    once (config reload), keeping the live :class:`Target` of every upstream whose
+    settings did not change, so its pool, queue and in-flight requests carry on."""
+
+    def __init__(self, specs: Sequence[UpstreamSpec],
+                 gauge: Callable[[str], Gauge] | None = None,
+                 transport: WireTransport | None = None) -> None:
+        self._gauge = gauge
+        self._transport = transport  # tests inject one client for a single upstream
+        self.targets: tuple[Target, ...] = ()
+        self.table = RoutingTable(())
+        self.replace(specs)
+
+    def replace(self, specs: Sequence[UpstreamSpec]) -> None:
+        old = {t.spec: t for t in self.targets}
+        targets = tuple(old.pop(spec) if spec in old else self._target(spec) for spec in specs)
+        self.targets, self.table = targets, RoutingTable(specs)
+        for retired in old.values():
+            retired.closing = True
+            if not retired.active:
+                asyncio.get_running_loop().create_task(retired.client.aclose())
+
+    def _target(self, spec: UpstreamSpec) -> Target:
+        gauge = self._gauge(spec.name) if self._gauge is not None else None
+        return Target(spec, gauge, self._transport)
+
+    def pick(self, model: str | None, route: str) -> Target | None:
+        index = self.table.pick(model, route)
+        return self.targets[index] if index is not None else None
+
+    @property
+    def fallback_name(self) -> str:
+        """The upstream label of a request refused before it was routed."""
+        d = self.table.default
+        return self.targets[d].name if d is not None else NO_UPSTREAM
+
+    async def aclose(self) -> None:
+        for target in self.targets:
+            await target.client.aclose()
 
 
 def env_proxy(scheme: str, host: str) -> str | None:

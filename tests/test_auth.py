@@ -8,8 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from proxy.auth import CLIENT_KEY_HEADERS, KeyCheck, load_key_check, presented_key, upstream_header
+from proxy.auth import (
+    CLIENT_KEY_HEADERS,
+    KeyCheck,
+    key_header,
+    load_key_check,
+    presented_key,
+    upstream_header,
+)
 from proxy.config import UPSTREAM_AUTH_MODES, Settings, SettingsError
+from proxy.upstreams import single_spec
 
 KEY = b"cli-0123456789abcdef"
 
@@ -61,8 +69,8 @@ def test_every_header_a_key_is_read_from_is_one_the_proxy_strips() -> None:
 ])
 def test_upstream_header_per_mode(mode: str, header: tuple[bytes, bytes]) -> None:
     assert upstream_header(mode, "srv-key") == header
-    check = KeyCheck("srv-key", [hashlib.sha256(KEY).digest()], mode)
-    assert check.upstream_header == header
+    spec = single_spec(Settings(upstream_api_key_env="K", upstream_auth=mode))
+    assert key_header(spec, {"K": " srv-key\n"}) == header
     # The server-held key goes out in a header the proxy first removes from the client's
     # request, so the upstream sees it exactly once.
     assert header[0] in CLIENT_KEY_HEADERS
@@ -75,12 +83,14 @@ def test_every_documented_mode_has_a_header() -> None:
 
 
 def test_key_check_accepts_only_stored_keys() -> None:
-    check = KeyCheck("srv", [hashlib.sha256(b"other").digest(), hashlib.sha256(KEY).digest()])
+    check = KeyCheck([hashlib.sha256(b"other").digest(), hashlib.sha256(KEY).digest()])
     assert check.accepts(KEY)
     assert not check.accepts(KEY + b"x")
     assert not check.accepts(b"")
     assert not check.accepts(None)
-    assert check.upstream_header == (b"authorization", b"Bearer srv")  # the default mode
+    assert key_header(single_spec(Settings(upstream_api_key_env="K")), {"K": "srv"}) == (
+        b"authorization", b"Bearer srv")  # the default mode
+    assert key_header(single_spec(Settings()), {"K": "srv"}) is None  # no key held
 
 
 def keys_file(tmp_path: Path) -> str:
@@ -96,7 +106,6 @@ def test_load_key_check_sends_the_key_per_upstream_auth(
     check = load_key_check(Settings(upstream_api_key_env="TEST_AUTH_UPSTREAM_KEY",
                                     upstream_auth=mode, client_keys_file=keys_file(tmp_path)))
     assert check is not None
-    assert check.upstream_header == upstream_header(mode, "srv-key")
     assert check.accepts(KEY)
 
 

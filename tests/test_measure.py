@@ -539,7 +539,7 @@ def test_requests_total_is_incremented_after_every_other_observation() -> None:
     route, model = "/v1/chat/completions", "m"
     counted = {"route": route, "model": model, "upstream": "u", "stream": "true", "code": "200"}
     seen: list[float | None] = []
-    tpot = metrics.children(route, model).tpot  # the last histogram observe() touches
+    tpot = metrics.children(route, model, "u").tpot  # the last histogram observe() touches
     original = tpot.observe
 
     def spy(value: float, *args: Any) -> None:

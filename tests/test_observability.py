@@ -143,7 +143,7 @@ def proxy_exposition() -> str:
         app = create_app(Settings(upstream="http://127.0.0.1:9/v1", upstream_name="sim"),
                          registry=CollectorRegistry())
         assert app.metrics is not None
-        app.metrics.children("/v1/chat/completions", "m")
+        app.metrics.children("/v1/chat/completions", "m", "sim")
         app.metrics.requests.labels("/v1/chat/completions", "m", "sim", "true", "200")
         app.metrics.duration.labels("/v1/chat/completions", "m", "sim", "true")
         app.metrics.outcomes.labels("/v1/chat/completions", "m", "sim", "completed")

@@ -20,6 +20,7 @@ import pytest
 
 from proxy.config import Settings
 from proxy.upstream import Upstream, error_response
+from proxy.upstreams import single_spec
 from proxy.wire import (
     ConnectError,
     ConnectTimeout,
@@ -167,7 +168,7 @@ async def test_real_failures_name_the_host_and_nothing_secret(
         scheme = "https" if case == "tunnel-timeout" else "http"
         transport = WireTransport(**{"max_connections": 1, "connect_timeout": 0.3,
                                      "read_timeout": 0.3, **options})
-        upstream = Upstream(Settings(upstream=f"{scheme}://{host}/{TENANT}/v1"),
+        upstream = Upstream(single_spec(Settings(upstream=f"{scheme}://{host}/{TENANT}/v1")),
                             transport=transport)
         stack.push_async_callback(upstream.aclose)
         body = b"x" * (64 * 1024 * 1024) if case == "never-reads" else b'{"model":"m"}'

@@ -36,6 +36,7 @@ import proxy.relay
 from proxy.app import create_app
 from proxy.config import Settings
 from proxy.upstream import Upstream
+from proxy.upstreams import single_spec
 from proxy.uvicorn_writer import DirectWriter
 from proxy.wire import (
     GO,
@@ -975,7 +976,7 @@ async def test_upstream_open_writes_the_request_as_given(monkeypatch: pytest.Mon
     no_environment_proxy(monkeypatch)
     body = b'{"model":"m","messages":[]}'
     async with scripted(answering()) as up:
-        upstream = Upstream(Settings(upstream=up.url + "/base/v1"))
+        upstream = Upstream(single_spec(Settings(upstream=up.url + "/base/v1")))
         try:
             assert upstream.endpoint == up.endpoint
             for method, subpath, query, content in [

@@ -1,0 +1,68 @@
+"""Who is waiting: the raw value of the optional ``client`` label.
+
+``--client-label-from header:X-Team`` takes a request header's value;
+``--client-label-from key`` takes a fingerprint of the client's API key (from
+``Authorization: Bearer``, ``x-api-key`` or ``api-key``, as :func:`proxy.auth.presented_key`
+reads them). The fingerprint is ``HMAC-SHA256(secret, key)`` cut to 12 hex digits and
+prefixed ``key-``: stable across restarts and replicas (they share the secret in
+``LLM_PROXY_FINGERPRINT_SECRET``), not reversible, and, unlike a plain hash, useless to
+anyone who has a list of candidate keys but not the secret. The key itself is never
+kept, logged or exported.
+
+A request without the header or key is ``unknown``; a value that is not short visible
+ASCII is ``other``. The value is then bounded like ``model`` (first ``--max-clients``
+values, optional allow-list) by :class:`proxy.metrics.BoundedLabels`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+from collections.abc import Callable, Mapping, Sequence
+
+from proxy.auth import presented_key
+from proxy.config import FINGERPRINT_SECRET_ENV, Settings
+
+UNKNOWN_CLIENT = "unknown"
+OTHER_CLIENT = "other"
+_MAX_LEN = 64
+
+Identify = Callable[[Sequence[tuple[bytes, bytes]]], str]
+
+
+def fingerprint(secret: bytes, key: bytes) -> str:
+    """The label for ``key``: a keyed hash, never the key nor a plain hash of it."""
+    return "key-" + hmac.new(secret, key, hashlib.sha256).hexdigest()[:12]
+
+
+def identify_from(settings: Settings, environ: Mapping[str, str] | None = None) -> Identify | None:
+    """The function that names a request's client, or None when the label is off."""
+    source = settings.client_label_from
+    if not source:
+        return None
+    if source == "key":
+        env = os.environ if environ is None else environ
+        secret = env.get(FINGERPRINT_SECRET_ENV, "").strip().encode()
+        if not secret:  # from_sources refuses this at start-up; here for direct callers
+            raise ValueError(f"--client-label-from key needs {FINGERPRINT_SECRET_ENV}")
+
+        def by_key(headers: Sequence[tuple[bytes, bytes]]) -> str:
+            key = presented_key(list(headers))
+            return fingerprint(secret, key) if key else UNKNOWN_CLIENT
+
+        return by_key
+    wanted = source.removeprefix("header:").encode()
+
+    def by_header(headers: Sequence[tuple[bytes, bytes]]) -> str:
+        for name, value in headers:
+            if name == wanted:
+                text = value.strip()
+                if not text:
+                    return UNKNOWN_CLIENT
+                if len(text) > _MAX_LEN or not text.isascii() or not text.decode().isprintable():
+                    return OTHER_CLIENT
+                return text.decode()
+        return UNKNOWN_CLIENT
+
+    return by_header

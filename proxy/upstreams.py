@@ -1,0 +1,374 @@
+"""Several upstreams: the config file, its validation, and routing by model.
+
+One proxy may front several upstreams (OpenAI for ``gpt-*``, a vLLM cluster for
+``meta-llama/*``, Anthropic for ``claude-*``). They are declared in a TOML file
+(``--config FILE``, read with the standard library's ``tomllib``) as ``[[upstream]]``
+tables; without a file the single-upstream flags (``--upstream``, ``--upstream-name``,
+``--upstream-api-key-env``, ``--upstream-auth``) describe one upstream that takes every
+model, and both cases run the same code: a list of :class:`UpstreamSpec` and a
+:class:`RoutingTable` over it.
+
+Routing: the request's ``model`` picks the first upstream, in file order, whose patterns
+match it (exact names or shell-style patterns, ``fnmatch`` case-sensitive) and, if the
+upstream names ``routes``, that serves the request's route; a request with no model,
+or a model nobody matches, goes to the upstream marked ``default = true``; with no
+default it is answered 404 (``model_not_found``). The body is forwarded unchanged: no
+model renaming, no retry, no fallback to another upstream after a failure (a retry
+would hide the very latency the proxy exists to show).
+
+Everything is checked before the proxy listens, and every problem is one line that
+names the file, the upstream and the setting (:class:`proxy.config.SettingsError`):
+a file that does not parse, an unknown key, a wrong type, a key variable that is unset,
+two upstreams with one name, two defaults, and a pattern that can never match because
+an earlier upstream's pattern catches everything it would (:func:`_shadowed`: ``*``, a
+``prefix*`` pattern, or any pattern that matches an exact name listed later).
+
+Top-level keys of the file are the proxy's own settings by their option names
+(``max_concurrency = 64``, ``read_timeout = 600``, ``client_label_from = "header:X-Team"``);
+a flag or ``LLM_PROXY_*`` variable overrides the file (:func:`proxy.config.from_sources`).
+Per-upstream limits and timeouts default to those settings.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import re
+import tomllib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from proxy.config import UPSTREAM_AUTH_MODES, Settings, SettingsError, parse_url
+
+# Keys of an [[upstream]] table: name -> (kind, what the message says it must be).
+_UPSTREAM_KEYS = {
+    "name": "a non-empty string",
+    "url": "an http(s) base URL with its version segment, e.g. https://api.openai.com/v1",
+    "models": "a list of model names or shell-style patterns, e.g. [\"gpt-*\", \"o3*\"]",
+    "routes": "a list of /v1 routes this upstream serves, e.g. [\"/v1/messages\"]",
+    "api_key_env": "the name of an environment variable holding the upstream's key",
+    "auth": "one of " + ", ".join(UPSTREAM_AUTH_MODES),
+    "default": "true or false",
+    "max_concurrency": "an integer >= 0 (0: unlimited)",
+    "max_queue": "an integer >= 0",
+    "max_connections": "an integer >= 1",
+    "connect_timeout": "a number of seconds > 0",
+    "read_timeout": "a number of seconds > 0",
+    "write_timeout": "a number of seconds > 0",
+    "keepalive_expiry": "a number of seconds > 0",
+    "headers": "a table of header names to values, e.g. { anthropic-version = \"2023-06-01\" }",
+}
+# Headers the proxy owns: set through other settings, or meaningless to set per upstream.
+_RESERVED_HEADERS = frozenset({
+    "host", "content-length", "transfer-encoding", "connection", "keep-alive", "upgrade",
+    "te", "trailer", "proxy-authorization", "proxy-connection", "authorization", "x-api-key",
+    "api-key", "accept-encoding", "expect",
+})  # fmt: skip
+_TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
+_HEADER_VALUE = re.compile(r"^[\x20-\x7e]*$")
+_LABEL = re.compile(r"^[\x21-\x7e]{1,64}$")
+_PATTERN_CHARS = frozenset("*?[")
+NO_UPSTREAM = "none"  # the upstream label of a request no upstream takes
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamSpec:
+    """One upstream as configured (no live objects: those are :class:`proxy.app`'s)."""
+
+    name: str
+    url: str
+    models: tuple[str, ...] = ("*",)
+    routes: tuple[str, ...] = ()  # empty: every route
+    api_key_env: str = ""
+    auth: str = "bearer"
+    default: bool = False
+    max_concurrency: int = 0
+    max_queue: int = 1000
+    max_connections: int = 1000
+    connect_timeout: float = 5.0
+    read_timeout: float = 300.0
+    write_timeout: float = 30.0
+    keepalive_expiry: float = 4.0
+    headers: tuple[tuple[str, str], ...] = ()
+
+    def serves(self, route: str) -> bool:
+        return not self.routes or any(route == r or route.startswith(r + "/") for r in self.routes)
+
+
+def single_spec(settings: Settings) -> UpstreamSpec:
+    """The one upstream the single-upstream flags describe: every model, the default."""
+    return UpstreamSpec(
+        name=settings.upstream_label, url=settings.upstream, models=("*",), default=True,
+        api_key_env=settings.upstream_api_key_env, auth=settings.upstream_auth,
+        **_limits(settings))
+
+
+def _limits(settings: Settings) -> dict[str, Any]:
+    return {"max_concurrency": settings.max_concurrency, "max_queue": settings.max_queue,
+            "max_connections": settings.max_upstream_connections,
+            "connect_timeout": settings.connect_timeout, "read_timeout": settings.read_timeout,
+            "write_timeout": settings.write_timeout,
+            "keepalive_expiry": settings.upstream_keepalive_expiry}
+
+
+# ---------------------------------------------------------------------------
+# The file.
+
+
+def read_file(path: str) -> dict[str, Any]:
+    """The parsed TOML document; a file that cannot be read or parsed is one line."""
+    try:
+        with open(path, "rb") as fh:
+            return tomllib.load(fh)
+    except OSError as exc:
+        raise SettingsError(f"config {path}: cannot read it ({exc.strerror or exc})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise SettingsError(f"config {path}: not valid TOML: {exc}") from None
+
+
+def upstream_specs(path: str, doc: Mapping[str, Any], settings: Settings,
+                   environ: Mapping[str, str] | None = None) -> tuple[UpstreamSpec, ...]:
+    """Every ``[[upstream]]`` of ``doc``, validated; per-upstream limits default to
+    ``settings`` (the flags, variables and top-level keys already applied)."""
+    env = os.environ if environ is None else environ
+    tables = doc.get("upstream")
+    if tables is None:
+        raise SettingsError(f"config {path}: no [[upstream]] table: declare at least one")
+    if not isinstance(tables, list) or not all(isinstance(t, dict) for t in tables) or not tables:
+        raise SettingsError(f"config {path}: 'upstream' must be [[upstream]] tables")
+    specs: list[UpstreamSpec] = []
+    for index, table in enumerate(tables, 1):
+        specs.append(_spec(path, index, table, settings, env))
+    _check_table(path, specs)
+    return tuple(specs)
+
+
+def _spec(path: str, index: int, table: Mapping[str, Any], settings: Settings,
+          env: Mapping[str, str]) -> UpstreamSpec:
+    raw_name = table.get("name")
+    who = (f"upstream {raw_name!r}" if isinstance(raw_name, str) and raw_name
+           else f"upstream #{index}")
+
+    def fail(key: str, problem: str) -> SettingsError:
+        return SettingsError(f"config {path}: {who}: {key}: {problem}")
+
+    for key in table:
+        if key not in _UPSTREAM_KEYS:
+            raise fail(key, "unknown setting (known: " + ", ".join(_UPSTREAM_KEYS) + ")")
+
+    def get(key: str, kind: type | tuple[type, ...], check: Callable[[Any], bool] = lambda v: True
+            ) -> Any:
+        value = table[key]
+        if isinstance(value, bool) and kind is not bool:
+            raise fail(key, f"must be {_UPSTREAM_KEYS[key]}")
+        if not isinstance(value, kind) or not check(value):
+            raise fail(key, f"must be {_UPSTREAM_KEYS[key]}, not {value!r}")
+        return value
+
+    if "name" not in table:
+        raise fail("name", "missing: every upstream needs a name (its 'upstream' label value)")
+    name = get("name", str, lambda v: bool(_LABEL.match(v)))
+    if "url" not in table:
+        raise fail("url", f"missing: must be {_UPSTREAM_KEYS['url']}")
+    try:
+        url = parse_url(get("url", str))
+    except ValueError as exc:
+        raise fail("url", str(exc)) from None
+    values: dict[str, Any] = {"name": name, "url": url, **_limits(settings)}
+    if "models" in table:
+        models = get("models", list, lambda v: all(isinstance(m, str) and m for m in v))
+        values["models"] = tuple(models)
+    else:
+        values["models"] = ()
+    if "routes" in table:
+        routes = get("routes", list, lambda v: bool(v) and all(
+            isinstance(r, str) and r.startswith("/v1/") for r in v))
+        values["routes"] = tuple(r.rstrip("/") for r in routes)
+    if "default" in table:
+        values["default"] = get("default", bool)
+    if "auth" in table:
+        values["auth"] = get("auth", str, lambda v: v in UPSTREAM_AUTH_MODES)
+    if "api_key_env" in table:
+        var = get("api_key_env", str, lambda v: bool(v.strip()))
+        key = env.get(var, "").strip()
+        if not key:
+            raise fail("api_key_env", f"environment variable {var} is empty or unset")
+        if not re.match(r"^[\x21-\x7e]+$", key):
+            raise fail("api_key_env", f"environment variable {var} holds a space, control or "
+                       "non-ASCII character, which a header value cannot carry")
+        values["api_key_env"] = var
+    elif "auth" in table:
+        raise fail("auth", "only used with api_key_env (without it the client's key headers "
+                   "pass through unchanged)")
+    for key, minimum in (("max_concurrency", 0), ("max_queue", 0), ("max_connections", 1)):
+        if key in table:
+            values[key] = get(key, int, _at_least(minimum))
+    for key in ("connect_timeout", "read_timeout", "write_timeout", "keepalive_expiry"):
+        if key in table:
+            values[key] = float(get(key, (int, float), lambda v: 0 < v < float("inf")))
+    if "headers" in table:
+        headers = get("headers", dict)
+        pairs = []
+        for header, value in headers.items():
+            if not _TOKEN.match(header) or header.lower() in _RESERVED_HEADERS:
+                raise fail("headers", f"{header!r} cannot be set here (keys go through "
+                           "api_key_env and auth; hop-by-hop and framing headers are the "
+                           "proxy's)")
+            if not isinstance(value, str) or not _HEADER_VALUE.match(value):
+                raise fail("headers", f"the value of {header!r} must be a string of visible "
+                           "ASCII characters")
+            pairs.append((header.lower(), value))
+        values["headers"] = tuple(pairs)
+    spec = UpstreamSpec(**values)
+    if not spec.models and not spec.default:
+        raise fail("models", "missing: an upstream that is not the default needs model "
+                   "patterns, or it never receives a request")
+    return spec
+
+
+def _at_least(minimum: int) -> Callable[[Any], bool]:
+    return lambda v: bool(v >= minimum)
+
+
+def _check_table(path: str, specs: Sequence[UpstreamSpec]) -> None:
+    seen: set[str] = set()
+    defaults = []
+    for spec in specs:
+        if spec.name in seen:
+            raise SettingsError(f"config {path}: upstream {spec.name!r}: name: two upstreams "
+                                "are named alike; names are the 'upstream' label and must differ")
+        seen.add(spec.name)
+        if spec.default:
+            defaults.append(spec.name)
+    if len(defaults) > 1:
+        raise SettingsError(f"config {path}: upstream {defaults[1]!r}: default: "
+                            f"{defaults[0]!r} is already the default; only one may be")
+    for later_index, later in enumerate(specs):
+        for pattern in later.models:
+            for earlier in specs[:later_index]:
+                if not _covers_routes(earlier, later):
+                    continue
+                catcher = next((p for p in earlier.models if _shadowed(p, pattern)), None)
+                if catcher is not None:
+                    raise SettingsError(
+                        f"config {path}: upstream {later.name!r}: models: {pattern!r} can never "
+                        f"match: upstream {earlier.name!r} comes first and its pattern "
+                        f"{catcher!r} catches every model it would")
+
+
+def _covers_routes(earlier: UpstreamSpec, later: UpstreamSpec) -> bool:
+    """Whether ``earlier`` serves every route ``later`` serves."""
+    if not earlier.routes:
+        return True
+    if not later.routes:
+        return False
+    return all(earlier.serves(r) for r in later.routes)
+
+
+def _literal_prefix(pattern: str) -> str:
+    for i, ch in enumerate(pattern):
+        if ch in _PATTERN_CHARS:
+            return pattern[:i]
+    return pattern
+
+
+def _shadowed(earlier: str, later: str) -> bool:
+    """True when every model ``later`` matches is matched by ``earlier`` already.
+
+    Exact for the shapes people write: ``*`` catches everything; ``prefix*`` (one
+    trailing star, no other wildcard) catches every pattern whose literal prefix starts
+    with ``prefix``; an exact name is caught by any pattern that matches it. Other
+    pairs (two patterns with inner wildcards) are not decided and never refused.
+    """
+    if not any(c in _PATTERN_CHARS for c in later):
+        return fnmatch.fnmatchcase(later, earlier)
+    if earlier.endswith("*") and not any(c in _PATTERN_CHARS for c in earlier[:-1]):
+        return _literal_prefix(later).startswith(earlier[:-1])
+    return False
+
+
+# ---------------------------------------------------------------------------
+# Routing.
+
+
+class RoutingTable:
+    """Which upstream takes a request: built once per configuration, read per request.
+
+    ``pick`` costs one dict lookup for a model seen before: the decision per
+    (model, route) is cached, bounded (a client sending random model names cannot grow
+    it past ``cache_size``; past it, decisions are made by the patterns each time).
+    """
+
+    def __init__(self, specs: Sequence[UpstreamSpec], cache_size: int = 4096) -> None:
+        self.specs = tuple(specs)
+        self.default = next((i for i, s in enumerate(self.specs) if s.default), None)
+        self._cache: dict[tuple[str, str], int | None] = {}
+        self._cache_size = cache_size
+        # One matcher per upstream: exact names in a set, patterns compiled once.
+        self._exact = [frozenset(m for m in s.models if not any(c in _PATTERN_CHARS for c in m))
+                       for s in self.specs]
+        self._patterns = [
+            [re.compile(fnmatch.translate(m)).match for m in s.models
+             if any(c in _PATTERN_CHARS for c in m)] for s in self.specs]
+
+    def pick(self, model: str | None, route: str) -> int | None:
+        """The index of the upstream for ``model`` on ``route``, or None (answer 404)."""
+        if model is None:
+            return self._default_for(route)
+        key = (model, route)
+        found = self._cache.get(key, -1)
+        if found != -1:
+            return found
+        chosen = self._match(model, route)
+        if len(self._cache) < self._cache_size:
+            self._cache[key] = chosen
+        return chosen
+
+    def _match(self, model: str, route: str) -> int | None:
+        for i, spec in enumerate(self.specs):
+            if not spec.serves(route):
+                continue
+            if model in self._exact[i] or any(m(model) for m in self._patterns[i]):
+                return i
+        return self._default_for(route)
+
+    def _default_for(self, route: str) -> int | None:
+        d = self.default
+        if d is None or not self.specs[d].serves(route):
+            return None
+        return d
+
+
+def reload_specs(settings: Settings) -> tuple[UpstreamSpec, ...]:
+    """The ``[[upstream]]`` tables of ``settings.config`` as the file says now (SIGHUP).
+
+    Per-upstream defaults come from the running settings; top-level keys are read at
+    start only, and one that changed is named in a warning rather than half-applied.
+    """
+    import logging
+
+    from proxy.config import OPTIONS
+
+    path = settings.config
+    doc = read_file(path)
+    specs = upstream_specs(path, doc, settings)
+    by_name = {o.name: o for o in OPTIONS}
+    changed = []
+    for key, raw in doc.items():
+        opt = by_name.get(key)
+        if key == "upstream" or opt is None:
+            continue
+        try:
+            value = raw if isinstance(raw, bool) else opt.parse(
+                ",".join(map(str, raw)) if isinstance(raw, list) else str(raw))
+        except ValueError:
+            value = None
+        if value != getattr(settings, key):
+            changed.append(key)
+    if changed:
+        logging.getLogger("proxy").warning(
+            "config %s: top-level settings %s differ from the running ones (or a flag or "
+            "variable overrides them); they are read at start only: restart to apply",
+            path, ", ".join(changed))
+    return specs
