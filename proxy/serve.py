@@ -94,8 +94,23 @@ def redact(url: str) -> str:
     return re.sub(r"//[^/@]*@", "//***@", url)
 
 
+def _log_config() -> dict[str, Any]:
+    """uvicorn's logging configuration plus the proxy's own logger, at INFO, on uvicorn's
+    stderr handler: the one-line reports (config reloaded, upstream reached through an
+    HTTP proxy, rate-limited upstream failures) reach the operator in the same format
+    as uvicorn's lines, in every worker (uvicorn applies it in each process)."""
+    import copy
+
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config["loggers"]["proxy"] = {"handlers": ["default"], "level": "INFO", "propagate": False}
+    return config
+
+
 def _uvicorn_kwargs(settings: Settings) -> dict[str, Any]:
     return {
+        "log_config": _log_config(),
         "host": settings.host,
         "port": settings.port,
         "loop": "uvloop",
