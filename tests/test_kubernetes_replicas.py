@@ -657,11 +657,11 @@ async def ttft_percentiles(many: Prom, one: Prom, sent: Sent, when: float) -> di
             "(rate(llm_proxy_time_to_first_token_seconds_bucket[1m])))"
         )
         rule_expr = rules[
-            f"upstream_model_route:llm_proxy_time_to_first_token_seconds:{name}_rate5m"
+            f"upstream_model_route_client:llm_proxy_time_to_first_token_seconds:{name}_rate5m"
         ]
-        # The rule keeps (upstream, model, route); over all of them it is the same
+        # The rule keeps (upstream, model, route, client); over all of them it is the same
         # expression summed by le alone, which is the panel's query over 5m.
-        rule_all = rule_expr.replace("sum by (le, upstream, model, route)", "sum by (le)")
+        rule_all = rule_expr.replace("sum by (le, upstream, model, route, client)", "sum by (le)")
         assert rule_all != rule_expr
         values = {
             "replicas": await many.at(panel, when),

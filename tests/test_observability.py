@@ -103,8 +103,28 @@ def substitute_macros(expr: str, variables: dict[str, str]) -> str:
     return out
 
 
-VARIABLES = ("upstream", "model", "route")  # the dashboard's label filters
+VARIABLES = ("upstream", "model", "route", "client")  # the dashboard's label filters
 ALL = {name: ".*" for name in VARIABLES}
+# Metrics that carry the optional `client` label when the proxy labels clients (it is
+# absent otherwise, so the default exposition does not show it). Queue time, overhead,
+# time to first byte, TPOT, stream outcomes and the in-flight gauge never carry it.
+CLIENT_METRICS = (
+    "llm_proxy_requests_total",
+    "llm_proxy_time_to_first_token_seconds",
+    "llm_proxy_time_to_first_answer_token_seconds",
+    "llm_proxy_inter_token_latency_seconds",
+    "llm_proxy_request_duration_seconds",
+    "llm_proxy_prompt_tokens",
+    "llm_proxy_cached_prompt_tokens",
+    "llm_proxy_completion_tokens",
+    "llm_proxy_reasoning_tokens",
+    "llm_proxy_cache_write_prompt_tokens",
+)
+
+
+def carries_client(sample_name: str) -> bool:
+    return any(sample_name == m or sample_name in (f"{m}_bucket", f"{m}_sum", f"{m}_count")
+               for m in CLIENT_METRICS)
 
 
 def dashboard_queries(variables: dict[str, str] | None = None) -> list[tuple[str, str, str]]:
@@ -204,7 +224,7 @@ def test_every_panel_has_title_description_and_queries() -> None:
             assert target["datasource"]["uid"] == "${datasource}"
 
 
-def test_dashboard_variables_datasource_upstream_model_route() -> None:
+def test_dashboard_variables_datasource_upstream_model_route_client() -> None:
     variables = {v["name"]: v for v in load_dashboard()["templating"]["list"]}
     assert variables["datasource"]["type"] == "datasource"
     assert variables["datasource"]["query"] == "prometheus"
@@ -216,24 +236,30 @@ def test_dashboard_variables_datasource_upstream_model_route() -> None:
         assert var["query"]["query"] == var["definition"]
     assert "$upstream" in variables["model"]["definition"]
     assert variables["route"]["definition"] == "label_values(llm_proxy_requests_total, route)"
+    assert variables["client"]["definition"] == (
+        'label_values(llm_proxy_requests_total{upstream=~"$upstream"}, client)')
 
 
 def _series_labels(exposition: str) -> dict[str, set[str]]:
-    """Label names of every sample name the proxy exports, and of every recorded series
-    (the level before the first colon lists them: upstream_model_route:...)."""
+    """Label names of every sample name the proxy exports (``client`` included where
+    the proxy adds it when labelling clients), and of every recorded series (the level
+    before the first colon lists them: upstream_model_route_client:...)."""
     found: dict[str, set[str]] = {}
     for family in text_string_to_metric_families(exposition):
         for sample in family.samples:
             found.setdefault(sample.name, set()).update(sample.labels)
+            if carries_client(sample.name):
+                found[sample.name].add("client")
     for name in recorded_names():
         found[name] = set(name.split(":", 1)[0].split("_"))
     return found
 
 
 def test_every_query_filters_on_each_variable_its_series_carry(exposition: str) -> None:
-    """A series with a route (upstream, model) label is always narrowed by $route
-    ($upstream, $model): picking one API on the dashboard narrows every panel that can
-    be narrowed, and no panel silently shows all routes."""
+    """A series with a route (upstream, model, client) label is always narrowed by
+    $route ($upstream, $model, $client): picking one API on the dashboard narrows every
+    panel that can be narrowed, and no panel silently shows all routes. A series without
+    the label is never filtered on it: picking a client would empty that panel."""
     series_labels = _series_labels(exposition)
     marks = {name: f"VAR_{name}" for name in VARIABLES}
     for title, ref, expr in dashboard_queries(marks):
@@ -243,6 +269,8 @@ def test_every_query_filters_on_each_variable_its_series_carry(exposition: str) 
                 if name in series_labels[sel.name or ""]:
                     assert regex.get(name) == marks[name], (
                         f"{title} {ref}: {sel.name} has a {name} label but no {name}=~\"${name}\"")
+                else:
+                    assert name not in regex, f"{title} {ref}: {sel.name} has no {name} label"
 
 
 def test_every_query_parses_after_macro_substitution() -> None:
@@ -450,6 +478,42 @@ def test_ttft_rules_and_alerts_cover_every_route() -> None:
             assert recorded - {"llm_proxy:ttft_slo:error_budget"} <= per_route, rule["alert"]
             assert "{{ $labels.route }}" in rule["annotations"]["summary"], rule["alert"]
     assert ttft_alerts == 4
+
+
+def _level(record: str) -> set[str]:
+    return set(record.split(":", 1)[0].split("_"))
+
+
+def test_alerts_name_their_upstream_and_route_and_ttft_alerts_their_client() -> None:
+    """With several upstreams behind one proxy an alert must say which one: every alert
+    but LLMProxyDown reads only recorded series kept per upstream, model and route, and
+    its summary names the upstream and the route. The TTFT rules also keep ``client``
+    (absent when the proxy does not label clients, then grouping as without it), and
+    the TTFT alerts name the client only when the label is there."""
+    for rule in load_rules(RECORDING_RULES):
+        if any((sel.name or "").startswith(TTFT_METRIC) for sel in selectors(rule["expr"])):
+            assert "client" in _level(rule["record"]), rule["record"]
+            for agg in _aggregations(rule["expr"]):
+                assert agg.modifier is not None and "client" in agg.modifier.labels, rule["record"]
+    for rule in load_rules(ALERT_RULES):
+        if rule["alert"] == "LLMProxyDown":
+            continue
+        recorded = {s.name or "" for s in selectors(rule["expr"])} - {
+            "llm_proxy:ttft_slo:error_budget"}
+        assert recorded and all(":" in name for name in recorded), rule["alert"]
+        summary = rule["annotations"]["summary"]
+        for name in recorded:
+            assert {"upstream", "model", "route"} <= _level(name), (rule["alert"], name)
+        for label in ("upstream", "model", "route"):
+            assert f"{{{{ $labels.{label} }}}}" in summary, (rule["alert"], label)
+            assert f"{{{{ $labels.{label} }}}}" in rule["annotations"]["description"]
+        ttft = any(TTFT_METRIC in name or "ttft" in name for name in recorded)
+        for text in (summary, rule["annotations"]["description"]):
+            if ttft:
+                assert all("client" in _level(name) for name in recorded), rule["alert"]
+                assert "{{ with $labels.client }}" in text, rule["alert"]
+            else:
+                assert "client" not in text, rule["alert"]
 
 
 def test_slo_objective_lives_in_one_rule() -> None:

@@ -4,14 +4,25 @@ It speaks OpenAI chat completions, completions and Responses, and Anthropic Mess
 ``model`` holds the latency model (plain code, time passed in); ``engine`` runs one
 request's life on the event loop; ``chat``, ``responses`` and ``messages`` turn its
 steps into each API's bytes; ``app`` serves them over HTTP with FastAPI and
-sse-starlette; ``cli`` is the ``simulate`` sub-command.
+sse-starlette; ``profiles`` names speed profiles (``fast``, ``slow``) for running it
+as several upstreams of different speeds; ``cli`` is the ``simulate`` sub-command.
 """
 
 from __future__ import annotations
 
 from proxy.simulator.model import ConfigError, LatencyModel, SimConfig
+from proxy.simulator.profiles import PROFILES, SpeedProfile, create_profile_app, profile_config
 
-__all__ = ["ConfigError", "LatencyModel", "SimConfig", "create_simulator_app"]
+__all__ = [
+    "PROFILES",
+    "ConfigError",
+    "LatencyModel",
+    "SimConfig",
+    "SpeedProfile",
+    "create_profile_app",
+    "create_simulator_app",
+    "profile_config",
+]
 
 
 def __getattr__(name: str) -> object:

@@ -4,18 +4,29 @@ Every :class:`~proxy.simulator.model.SimConfig` field is one flag of the same na
 with its default taken from the dataclass so that ``--help``, the code and
 docs/simulator.md cannot drift apart. Heavy imports (FastAPI, uvicorn) wait until the
 command runs, so ``llm-latency-proxy --help`` stays fast.
+
+``--profile NAME`` applies a speed profile (:mod:`proxy.simulator.profiles`) to that
+configuration; ``--profiles A,B`` serves one simulator per profile from one process,
+profile *i* on ``--port`` + *i*, each with its own latency model, queue and cache, as
+separate servers would have. A speed flag given on the command line wins over the
+profile, so each flag's action notes that it was given (argparse itself cannot tell a
+default from an explicit value equal to it). Several servers in one process share the
+process's signals: the command, not each uvicorn server, catches SIGINT and SIGTERM
+and stops them all.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import fields
 from typing import Any
 
 from proxy.simulator.model import OUTPUT_DISTS, ConfigError, SimConfig
+from proxy.simulator.profiles import PROFILES, get_profile
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000  # where `llm-latency-proxy serve` looks for its upstream by default
@@ -50,6 +61,52 @@ def _float_range(
         return value
 
     return parse
+
+
+def _profiles(raw: str) -> tuple[str, ...]:
+    names = tuple(part.strip() for part in raw.split(",") if part.strip())
+    if not names:
+        raise argparse.ArgumentTypeError("needs at least one profile name")
+    for name in names:
+        if name not in PROFILES:
+            known = ", ".join(PROFILES)
+            raise argparse.ArgumentTypeError(f"unknown profile {name!r} (known: {known})")
+    return names
+
+
+_GIVEN = "given_flags"  # namespace attribute: dests of the flags the command line set
+
+
+def _note_given(namespace: argparse.Namespace, dest: str) -> None:
+    setattr(namespace, _GIVEN, (*getattr(namespace, _GIVEN, ()), dest))
+
+
+class _Store(argparse.Action):
+    """``store``, noting that the flag was given (a profile must not override it)."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        setattr(namespace, self.dest, values)
+        _note_given(namespace, self.dest)
+
+
+class _StoreBool(argparse.BooleanOptionalAction):
+    """``--flag`` / ``--no-flag``, noting that it was given."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        super().__call__(parser, namespace, values, option_string)
+        _note_given(namespace, self.dest)
 
 
 def _models(raw: str) -> tuple[str, ...]:
@@ -231,6 +288,23 @@ def add_parser(sub: Any) -> None:
         help="uvicorn log level.",
     )
     parser.add_argument("--access-log", action="store_true", help="Log every request (uvicorn).")
+    speeds = "; ".join(f"{p.name}: {p.describe()}" for p in PROFILES.values())
+    choice = parser.add_mutually_exclusive_group()
+    choice.add_argument(
+        "--profile",
+        choices=tuple(PROFILES),
+        default=None,
+        help=f"Speed profile ({speeds}). Sets --prefill-overhead, --prefill-rate, --itl and "
+        "--itl-growth; any of them given on the command line wins.",
+    )
+    choice.add_argument(
+        "--profiles",
+        type=_profiles,
+        metavar="NAMES",
+        default=None,
+        help="Comma-separated speed profiles, e.g. fast,slow: one simulator per profile in "
+        "this process, profile i on --port + i (every other flag applies to all of them).",
+    )
     defaults = SimConfig()
     group = parser.add_argument_group("latency model and faults")
     for f in fields(SimConfig):
@@ -243,6 +317,7 @@ def add_parser(sub: Any) -> None:
                 flag,
                 "--model",
                 dest=f.name,
+                action=_Store,
                 type=parse,
                 metavar=metavar,
                 default=",".join(default),
@@ -250,43 +325,87 @@ def add_parser(sub: Any) -> None:
             )
         elif parse is None and f.name == "output_dist":
             group.add_argument(
-                flag, dest=f.name, choices=OUTPUT_DISTS, default=default, help=help_text
+                flag,
+                dest=f.name,
+                action=_Store,
+                choices=OUTPUT_DISTS,
+                default=default,
+                help=help_text,
             )
         elif parse is None:
             group.add_argument(
                 flag,
                 dest=f.name,
-                action=argparse.BooleanOptionalAction,
+                action=_StoreBool,
                 default=default,
                 help=help_text,
             )
         else:
             group.add_argument(
-                flag, dest=f.name, type=parse, metavar=metavar, default=default, help=help_text
+                flag,
+                dest=f.name,
+                action=_Store,
+                type=parse,
+                metavar=metavar,
+                default=default,
+                help=help_text,
             )
     parser.set_defaults(func=run)
 
 
-def config_from_args(args: argparse.Namespace) -> SimConfig:
-    return SimConfig(**{f.name: getattr(args, f.name) for f in fields(SimConfig)})
+def config_from_args(args: argparse.Namespace, profile: str | None = None) -> SimConfig:
+    """The configuration the flags describe, with speed profile ``profile`` (default:
+    ``--profile``) under the speed flags given explicitly."""
+    values = {f.name: getattr(args, f.name) for f in fields(SimConfig)}
+    name = profile if profile is not None else getattr(args, "profile", None)
+    if name is not None:
+        given = set(getattr(args, _GIVEN, ()))
+        values.update({k: v for k, v in get_profile(name).fields().items() if k not in given})
+    return SimConfig(**values)
+
+
+def profile_names(args: argparse.Namespace) -> tuple[str, ...]:
+    """The profiles to serve: ``--profiles``, else ``--profile``, else none."""
+    if getattr(args, "profiles", None):
+        return tuple(args.profiles)
+    profile = getattr(args, "profile", None)
+    return (profile,) if profile else ()
+
+
+def _describe(config: SimConfig) -> str:
+    return (
+        f"models: {', '.join(config.models)}; {config.slots} slots, "
+        f"TTFT {config.prefill_overhead * 1000:g} ms + prompt tokens / "
+        f"{config.prefill_rate:g} tok/s, ITL {config.itl * 1000:g} ms, seed {config.seed}"
+    )
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}/v1" if ":" in host else f"http://{host}:{port}/v1"
 
 
 def run(args: argparse.Namespace) -> int:
+    names = profile_names(args)
     try:
-        config = config_from_args(args)
+        configs = [(name, config_from_args(args, name)) for name in names]
+        if not configs:
+            configs = [("", config_from_args(args))]
     except ConfigError as exc:
         print(f"llm-latency-proxy simulate: error: {exc}", file=sys.stderr)
         return 2
+    if len(configs) > 1:
+        return _serve_many(args, configs)
     import uvicorn
 
     from proxy.simulator.app import create_simulator_app, quiet_simulated_drops
 
+    name, config = configs[0]
     quiet_simulated_drops()
     app = create_simulator_app(config)
+    profile = f" (profile {name})" if name else ""
     print(
-        f"llm-latency-proxy simulate: OpenAI/Anthropic-compatible upstream at "
-        f"http://{args.host}:{args.port}/v1 (models: {', '.join(config.models)}; "
-        f"{config.slots} slots, ITL {config.itl * 1000:g} ms, seed {config.seed})",
+        f"llm-latency-proxy simulate: OpenAI/Anthropic-compatible upstream{profile} at "
+        f"{_url(args.host, args.port)} ({_describe(config)})",
         file=sys.stderr,
         flush=True,
     )
@@ -300,4 +419,104 @@ def run(args: argparse.Namespace) -> int:
         server_header=False,
         timeout_graceful_shutdown=5,
     )
+    return 0
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    sock.setblocking(False)
+    return sock
+
+
+def _serve_many(args: argparse.Namespace, configs: list[tuple[str, SimConfig]]) -> int:
+    """One uvicorn server per profile, all on one event loop; ports bound up front, so a
+    taken port fails the command before anything serves."""
+    import asyncio
+    import contextlib
+    import signal
+
+    import uvicorn
+
+    from proxy.simulator.app import create_simulator_app, quiet_simulated_drops
+
+    last = args.port + len(configs) - 1
+    if args.port and last > 65535:
+        print(
+            f"llm-latency-proxy simulate: error: --port {args.port} + {len(configs) - 1} "
+            "profiles goes past port 65535",
+            file=sys.stderr,
+        )
+        return 2
+    sockets: list[socket.socket] = []
+    for i in range(len(configs)):
+        port = args.port + i if args.port else 0
+        try:
+            sockets.append(_listen(args.host, port))
+        except OSError as exc:
+            for sock in sockets:
+                sock.close()
+            print(
+                f"llm-latency-proxy simulate: error: cannot listen on {args.host}:{port} "
+                f"for profile {configs[i][0]}: {exc}",
+                file=sys.stderr,
+            )
+            return 2
+
+    class Server(uvicorn.Server):
+        """Signals belong to the command, which stops every server."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield
+
+    quiet_simulated_drops()
+    servers = []
+    for _, config in configs:
+        servers.append(
+            Server(
+                uvicorn.Config(
+                    create_simulator_app(config),
+                    log_level=args.log_level,
+                    access_log=args.access_log,
+                    lifespan="on",
+                    server_header=False,
+                    timeout_graceful_shutdown=5,
+                )
+            )
+        )
+
+    async def serve_all() -> None:
+        loop = asyncio.get_running_loop()
+
+        def stop(sig: signal.Signals) -> None:
+            for server in servers:  # a second Ctrl-C forces the exit, as uvicorn's own
+                server.handle_exit(sig, None)
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop, sig)
+        # Announced once the sockets listen and the signals are handled: from this line
+        # on, a client can connect and SIGTERM stops the servers gracefully.
+        for (name, config), sock in zip(configs, sockets, strict=True):
+            print(
+                f"llm-latency-proxy simulate: profile {name} at "
+                f"{_url(args.host, sock.getsockname()[1])} ({_describe(config)})",
+                file=sys.stderr,
+                flush=True,
+            )
+        await asyncio.gather(
+            *(server.serve(sockets=[sock]) for server, sock in zip(servers, sockets, strict=True))
+        )
+
+    try:
+        asyncio.run(serve_all())
+    finally:
+        for sock in sockets:
+            sock.close()
     return 0
