@@ -27,7 +27,7 @@ from typing import Any
 from proxy.admission import Admission, QueueFull
 from proxy.auth import CLIENT_KEY_HEADERS, KeyCheck, presented_key
 from proxy.config import Settings
-from proxy.dialects import DIALECTS, Dialect, Usage, upstream_queue_seconds
+from proxy.dialects import DIALECTS, NO_RESPONSE, Dialect, Usage, upstream_queue_seconds
 from proxy.logs import RateLimitedLog
 from proxy.measure import (
     Meter,
@@ -402,14 +402,17 @@ class V1Handler:
         timer, result, response, dialect = x.timer, x.result, x.response, x.measured
         raw: Mapping[str, Any] | None = None
         upstream_q = None
+        reply = NO_RESPONSE
         if timer is not None:
             raw = timer.usage
             upstream_q = timer.upstream_queue_s
+            reply = timer.response()
         elif result is not None and result.body and dialect is not None:
             body = _json_object(result.body)
             if body is not None:
                 raw = dialect.body_usage(body)
                 upstream_q = upstream_queue_seconds(body)
+                reply = dialect.body_response(body)
         if upstream_q is None and response is not None:
             upstream_q = _queue_header(response.headers.get("x-queue-time"))
         usage = dialect.usage(raw) if dialect is not None else Usage()
@@ -438,7 +441,9 @@ class V1Handler:
             completion_tokens=completion, reasoning_tokens=usage.reasoning_tokens,
             cache_write_tokens=usage.cache_write_tokens, tokens_estimated=estimated,
             trace_id=x.trace.trace_id if x.trace is not None else "",
-            span_id=x.trace.span_id if x.trace is not None else "")
+            span_id=x.trace.span_id if x.trace is not None else "",
+            response_id=reply.id, response_model=reply.model,
+            finish_reasons=reply.finish_reasons)
 
 
 def _queue_header(value: str) -> float | None:
