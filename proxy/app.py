@@ -23,6 +23,7 @@ from proxy.admission import Admission
 from proxy.auth import load_key_check
 from proxy.config import Settings
 from proxy.metrics import Metrics
+from proxy.otel_metrics import from_settings as otel_metrics_from_settings
 from proxy.reqlog import RequestLog
 from proxy.routes import V1Handler
 from proxy.tracing import from_settings as tracing_from_settings
@@ -47,9 +48,11 @@ class ProxyApp:
         self.request_log = RequestLog(settings.log_requests) if settings.log_requests else None
         self.admission = Admission(settings.max_concurrency, settings.max_queue)
         self.tracing = tracing_from_settings(settings, clock)
+        self.otel_metrics = otel_metrics_from_settings(settings)
         self.serve_metrics = (not settings.metrics_port) if serve_metrics is None else serve_metrics
         self.v1 = V1Handler(settings, self.upstream, self.metrics, self.admission, clock,
                             load_key_check(settings), self.request_log, self.tracing)
+        self.v1.otel_metrics = self.otel_metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -96,6 +99,8 @@ class ProxyApp:
             self.request_log.close()
         if self.tracing is not None:  # exports what is queued: off the event loop
             await asyncio.to_thread(self.tracing.shutdown)
+        if self.otel_metrics is not None:  # the last export, off the event loop too
+            await asyncio.to_thread(self.otel_metrics.shutdown)
 
 
 def _freeze_startup_objects() -> None:

@@ -38,6 +38,7 @@ from proxy.measure import (
     tpot,
 )
 from proxy.metrics import UNKNOWN_MODEL, Metrics
+from proxy.otel_metrics import OtelMetrics
 from proxy.relay import RelayResult, relay
 from proxy.reqlog import RequestLog
 from proxy.sse import SSEParser
@@ -155,6 +156,8 @@ class V1Handler:
     :meth:`_finish` runs once and builds the record, observes the metrics and writes the
     log line, refused requests included.
     """
+
+    otel_metrics: OtelMetrics | None = None  # --otlp-metrics: set by proxy.app
 
     def __init__(self, settings: Settings, upstream: Upstream, metrics: Metrics | None,
                  admission: Admission, clock: Clock, keys: KeyCheck | None,
@@ -395,6 +398,8 @@ class V1Handler:
                 self.request_log.write(record)
             if x.trace is not None and self.tracing is not None:
                 self.tracing.finish(x.trace, record, x.request_model)
+            if self.otel_metrics is not None and x.measured is not None:
+                self.otel_metrics.record(record, x.measured.name)
         except Exception:  # measurement never breaks serving
             log.exception("failed to record a request")
 

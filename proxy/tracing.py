@@ -45,6 +45,7 @@ from proxy.measure import Outcome, RequestRecord
 
 if TYPE_CHECKING:
     from opentelemetry.propagators.textmap import TextMapPropagator
+    from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.trace import Span, Tracer
 
@@ -57,6 +58,9 @@ ATTR = {
     "provider": "gen_ai.provider.name",
     "request_model": "gen_ai.request.model",
     "stream": "gen_ai.request.stream",
+    "response_id": "gen_ai.response.id",
+    "response_model": "gen_ai.response.model",
+    "finish_reasons": "gen_ai.response.finish_reasons",
     "input_tokens": "gen_ai.usage.input_tokens",
     "output_tokens": "gen_ai.usage.output_tokens",
     "cache_read_tokens": "gen_ai.usage.cache_read.input_tokens",
@@ -120,9 +124,7 @@ class Tracing:
         self._extractor: TextMapPropagator = CompositePropagator(
             [TraceContextTextMapPropagator(), W3CBaggagePropagator()])
         self._injector: TextMapPropagator = TraceContextTextMapPropagator()
-        parts = urlsplit(upstream)
-        self._server = {ATTR["server_address"]: parts.hostname or "",
-                        ATTR["server_port"]: parts.port or (443 if parts.scheme == "https" else 80)}
+        self._server = server_attributes(upstream)
 
     def start(self, headers: Sequence[tuple[bytes, bytes]], t0: float, dialect: str) -> Trace:
         """The request's span, started at ``t0`` (request clock) as the child of the
@@ -175,6 +177,12 @@ class Tracing:
         }
         if request_model:
             a[ATTR["request_model"]] = request_model[:_MODEL_MAX]
+        if record.response_id:
+            a[ATTR["response_id"]] = record.response_id
+        if record.response_model:
+            a[ATTR["response_model"]] = record.response_model
+        if record.finish_reasons:
+            a[ATTR["finish_reasons"]] = record.finish_reasons
         optional = (
             ("input_tokens", record.prompt_tokens),
             ("output_tokens", record.completion_tokens),
@@ -192,7 +200,7 @@ class Tracing:
                 a[ATTR[key]] = value
         if record.tokens_estimated:
             a[ATTR["tokens_estimated"]] = True
-        error = _error_type(record)
+        error = error_type(record)
         if error:
             a[ATTR["error_type"]] = error
             span.set_status(self._trace_api.Status(self._trace_api.StatusCode.ERROR))
@@ -212,7 +220,14 @@ class Tracing:
         self.provider.shutdown()
 
 
-def _error_type(record: RequestRecord) -> str:
+def server_attributes(upstream: str) -> dict[str, Any]:
+    """``server.address`` and ``server.port`` of the upstream URL."""
+    parts = urlsplit(upstream)
+    return {ATTR["server_address"]: parts.hostname or "",
+            ATTR["server_port"]: parts.port or (443 if parts.scheme == "https" else 80)}
+
+
+def error_type(record: RequestRecord) -> str:
     """``error.type``: the HTTP status sent when it is an error, else the outcome when the
     request did not complete (a stream cut short under a 200); empty on success."""
     if record.status >= 400:
@@ -220,6 +235,25 @@ def _error_type(record: RequestRecord) -> str:
     if record.outcome is not Outcome.COMPLETED:
         return str(record.outcome)
     return ""
+
+
+def otel_resource() -> Resource:
+    """The process's resource, for spans and OTLP metrics alike: the standard variables
+    (``OTEL_SERVICE_NAME``, ``OTEL_RESOURCE_ATTRIBUTES``), service name
+    ``llm-latency-proxy`` unless they name one, and a ``service.instance.id`` per process
+    unless they give one, so that the cumulative metrics of ``--workers N`` processes
+    (and of replicas) stay apart in the backend."""
+    import uuid
+
+    from opentelemetry.sdk.resources import Resource
+
+    resource = Resource.create()
+    extra: dict[str, str] = {}
+    if str(resource.attributes.get("service.name", "")).startswith("unknown_service"):
+        extra["service.name"] = SERVICE_NAME
+    if "service.instance.id" not in resource.attributes:
+        extra["service.instance.id"] = str(uuid.uuid4())
+    return resource.merge(Resource.create(extra)) if extra else resource
 
 
 def wanted(settings: Settings, environ: Mapping[str, str] | None = None) -> str:
@@ -259,16 +293,13 @@ def from_settings(settings: Settings, clock: Callable[[], float],
         return None
     try:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-        from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
     except ImportError as exc:
         log.warning("tracing off: an OTLP endpoint is set but the OpenTelemetry packages are "
                     "not installed (pip install 'llm-latency-proxy[otel]'): %s", exc)
         return None
-    resource = Resource.create()
-    if str(resource.attributes.get("service.name", "")).startswith("unknown_service"):
-        resource = resource.merge(Resource.create({"service.name": SERVICE_NAME}))
+    resource = otel_resource()
     provider = TracerProvider(resource=resource)  # the sampler: OTEL_TRACES_SAMPLER(_ARG)
     exporter = (OTLPSpanExporter(endpoint=settings.otlp_endpoint.rstrip("/") + "/v1/traces")
                 if settings.otlp_endpoint else OTLPSpanExporter())

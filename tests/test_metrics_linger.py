@@ -46,8 +46,7 @@ class HeldStream:
             yield sse(usage_json(3, 2))
             yield DONE
 
-        return httpx.Response(200, headers={"content-type": "text/event-stream"},
-                              content=body())
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body())
 
 
 @pytest.fixture
@@ -64,17 +63,35 @@ def start(up: ScriptedUpstream, log: Path, *args: str) -> tuple[subprocess.Popen
     port, metrics_port = free_port(), free_port()
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "proxy", "serve", "--upstream", up.url + "/v1",
-             "--port", str(port), "--metrics-port", str(metrics_port),
-             "--graceful-timeout", "20", *args],
-            stdout=out, stderr=subprocess.STDOUT,
-            env={**{k: v for k, v in os.environ.items() if not k.startswith("LLM_PROXY_")},
-                 "TMPDIR": str(log.parent)})
+            [
+                sys.executable,
+                "-m",
+                "proxy",
+                "serve",
+                "--upstream",
+                up.url + "/v1",
+                "--port",
+                str(port),
+                "--metrics-port",
+                str(metrics_port),
+                "--graceful-timeout",
+                "20",
+                *args,
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={
+                **{k: v for k, v in os.environ.items() if not k.startswith("LLM_PROXY_")},
+                "TMPDIR": str(log.parent),
+            },
+        )
     wait_healthy(f"http://127.0.0.1:{port}", proc)
     return proc, port, metrics_port
 
 
-def wait_for_line(log: Path, text: str, proc: subprocess.Popen[bytes], timeout: float = 20) -> float:
+def wait_for_line(
+    log: Path, text: str, proc: subprocess.Popen[bytes], timeout: float = 20
+) -> float:
     """When ``text`` appeared in the process's output (monotonic clock)."""
     deadline = time.monotonic() + timeout
     while text not in log.read_text(errors="replace"):
@@ -89,8 +106,10 @@ def stream_through_sigterm(port: int, proc: subprocess.Popen[bytes], stream: Hel
     body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "x"}]}
     received = b""
     signalled = False
-    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=20) as client, \
-            client.stream("POST", "/v1/chat/completions", json=body) as response:
+    with (
+        httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=20) as client,
+        client.stream("POST", "/v1/chat/completions", json=body) as response,
+    ):
         assert response.status_code == 200
         for raw in response.iter_raw():
             received += raw
@@ -104,12 +123,12 @@ def stream_through_sigterm(port: int, proc: subprocess.Popen[bytes], stream: Hel
 
 @pytest.mark.parametrize("workers", ["1", "2"])
 def test_the_last_stream_is_scraped_after_the_drain(
-        held: tuple[HeldStream, ScriptedUpstream], tmp_path: Path, workers: str) -> None:
+    held: tuple[HeldStream, ScriptedUpstream], tmp_path: Path, workers: str
+) -> None:
     stream, up = held
     linger = 2
     log = tmp_path / "proxy.log"
-    proc, port, metrics_port = start(up, log, "--metrics-linger", str(linger),
-                                     "--workers", workers)
+    proc, port, metrics_port = start(up, log, "--metrics-linger", str(linger), "--workers", workers)
     try:
         received = stream_through_sigterm(port, proc, stream)
         assert b'"content": "last"' in received and received.endswith(DONE)
@@ -131,7 +150,8 @@ def test_the_last_stream_is_scraped_after_the_drain(
 
 
 def test_a_second_sigterm_ends_the_linger(
-        held: tuple[HeldStream, ScriptedUpstream], tmp_path: Path) -> None:
+    held: tuple[HeldStream, ScriptedUpstream], tmp_path: Path
+) -> None:
     stream, up = held
     log = tmp_path / "proxy.log"
     proc, port, metrics_port = start(up, log, "--metrics-linger", "600")
@@ -148,7 +168,8 @@ def test_a_second_sigterm_ends_the_linger(
 
 
 def test_without_linger_the_drained_proxy_exits_at_once(
-        held: tuple[HeldStream, ScriptedUpstream], tmp_path: Path) -> None:
+    held: tuple[HeldStream, ScriptedUpstream], tmp_path: Path
+) -> None:
     """The default (0): no line, no wait (what the linger changes)."""
     stream, up = held
     log = tmp_path / "proxy.log"
