@@ -484,7 +484,8 @@ def test_off_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_settings_round_trip_through_the_workers_environment() -> None:
     """``serve --workers`` writes every setting back as its variable, unset ones too."""
     for settings in (Settings(), Settings(otlp_endpoint="http://collector:4318",
-                                          propagate_trace=False)):
+                                          propagate_trace=False, otlp_metrics=True,
+                                          metrics_linger=30)):
         environ: dict[str, str] = {}
         export_settings(settings, environ)
         assert from_sources(environ=environ) == settings
@@ -589,12 +590,15 @@ async def test_error_event_inside_a_200_stream(receiver: Receiver) -> None:
 @pytest.mark.e2e
 async def test_serve_with_standard_env_exports_at_shutdown(
         receiver: Receiver, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``python -m proxy serve`` with ``OTEL_EXPORTER_OTLP_ENDPOINT`` only, in front of
-    the simulator: a batch delay longer than the test proves that SIGTERM exports what
-    is still queued, and the start-up log says tracing is on."""
+    """``python -m proxy serve`` with ``OTEL_EXPORTER_OTLP_ENDPOINT`` only (and
+    ``OTEL_METRICS_EXPORTER=otlp`` for the OTLP metrics), in front of the simulator: a
+    batch delay and an export interval longer than the test prove that SIGTERM exports
+    what is still queued, and the start-up log says tracing and OTLP metrics are on."""
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.url)
     monkeypatch.setenv("OTEL_SERVICE_NAME", "e2e-proxy")
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "600000")
+    monkeypatch.setenv("OTEL_METRICS_EXPORTER", "otlp")
+    monkeypatch.setenv("OTEL_METRIC_EXPORT_INTERVAL", "600000")
     config = SimConfig(prefill_rate=1e9, prefill_overhead=0.01, itl=0.001, itl_growth=0.0,
                        jitter=0.0, output_tokens=4, output_dist="fixed", seed=3)
     with serve_in_thread(create_simulator_app(config)) as sim:
@@ -608,10 +612,18 @@ async def test_serve_with_standard_env_exports_at_shutdown(
                 assert response.status_code == 200
             with receiver.lock:
                 assert receiver.spans == []  # still in the batch
+                assert receiver.metrics == []  # before the first export interval
             proc.send_signal(signal.SIGTERM)
             assert await anyio.to_thread.run_sync(proc.wait, 20) == 0
     banner = [line for line in out if "relaying" in line]
     assert f"; tracing: OTLP/HTTP to {receiver.url}, service e2e-proxy, sampler " in banner[0]
+    assert banner[0].rstrip().endswith(
+        f"; OTLP metrics: OTLP/HTTP to {receiver.url}/v1/metrics, every 600 s")
+    with receiver.lock:
+        (exported_metrics,) = receiver.metrics
+    ttft_metric = next(m for m in exported_metrics if m.name == "gen_ai.server.time_to_first_token")
+    ((point_attrs, point),) = points(ttft_metric)
+    assert (point.count, point_attrs["gen_ai.request.model"]) == (1, "sim")
     with receiver.lock:
         (span,) = receiver.spans
         resource = receiver.resources[0]
@@ -621,6 +633,8 @@ async def test_serve_with_standard_env_exports_at_shutdown(
         "chat sim", CLIENT_TRACE, CLIENT_PARENT)
     assert got["gen_ai.usage.output_tokens"] == 4
     assert 0 < got["llm_proxy.ttft_s"] <= got["llm_proxy.ttfa_s"] < got["llm_proxy.ttft_s"] + 1
+    assert point.sum == got["llm_proxy.ttft_s"]  # the same measurement, both ways
+    assert (got["gen_ai.response.model"], got["gen_ai.response.finish_reasons"]) == ("sim", ["stop"])
     for secret in (b"PROMPT-TEXT", SECRET_KEY.encode()):
         assert secret not in b"".join(receiver.bodies)
 
