@@ -13,7 +13,10 @@ its parent (unless ``--no-propagate-trace``). Nothing happens per event: the spa
 attributes and its three events (first byte, first token, first answer token) are all
 written at the one finish, from the frozen :class:`~proxy.measure.RequestRecord`, and
 the span ends at the record's end time. The record never holds prompt or completion
-text, headers or keys, so neither can the span.
+text, headers or keys, so neither can the span. ``gen_ai.response.id``, ``.model`` and
+``.finish_reasons`` come from the record too: the dialects read them from the events
+they decode anyway (:mod:`proxy.dialects`, "Response info"), so tracing adds no work per
+event.
 
 Times: the record's times are offsets on the proxy's monotonic clock; the span needs
 wall-clock nanoseconds. :meth:`Tracing.start` maps the request's start to the wall
