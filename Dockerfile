@@ -10,10 +10,18 @@
 # Two stages: the first builds the project's wheel and installs it with its
 # dependencies into a virtual environment; the second copies only that environment
 # onto a clean slim base, so no build tools, sources or pip caches ship.
+#
+# The image includes the `otel` extra (the OpenTelemetry SDK and its OTLP/HTTP
+# exporter), so tracing and OTLP metrics work by setting OTEL_EXPORTER_OTLP_ENDPOINT
+# (README "OpenTelemetry"); both stay off until configured and cost nothing then (the
+# packages are not even imported). Size: 1.8 MB of wheels, about 12 MB installed (from
+# 64 to 76 MB for the whole environment), measured with pip outside Docker (no Docker
+# engine where this was written). For the plain image: --build-arg EXTRAS=
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build
+ARG EXTRAS=otel
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONDONTWRITEBYTECODE=1
@@ -22,7 +30,8 @@ COPY pyproject.toml README.md ./
 COPY proxy ./proxy
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels . \
  && python -m venv /opt/venv \
- && /opt/venv/bin/pip install --no-cache-dir /wheels/*.whl
+ && wheel="$(echo /wheels/*.whl)" \
+ && /opt/venv/bin/pip install --no-cache-dir "${wheel}${EXTRAS:+[${EXTRAS}]}"
 
 FROM ${PYTHON_IMAGE}
 ENV PATH=/opt/venv/bin:$PATH \

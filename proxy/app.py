@@ -26,6 +26,7 @@ from proxy.auth import load_key_check
 from proxy.clients import identify_from
 from proxy.config import Settings, SettingsError
 from proxy.metrics import Metrics
+from proxy.otel_metrics import from_settings as otel_metrics_from_settings
 from proxy.reqlog import RequestLog
 from proxy.routes import V1Handler
 from proxy.tracing import from_settings as tracing_from_settings
@@ -54,10 +55,12 @@ class ProxyApp:
             settings.upstream_specs, self.metrics.in_flight if self.metrics else None, transport)
         self.request_log = RequestLog(settings.log_requests) if settings.log_requests else None
         self.tracing = tracing_from_settings(settings, clock)
+        self.otel_metrics = otel_metrics_from_settings(settings)
         self.serve_metrics = (not settings.metrics_port) if serve_metrics is None else serve_metrics
         self.keys = load_key_check(settings)
         self.v1 = V1Handler(settings, self.upstreams, self.metrics, clock, self.keys,
                             self.request_log, self.tracing, identify_from(settings))
+        self.v1.otel_metrics = self.otel_metrics
 
     @property
     def upstream(self) -> Upstream:
@@ -139,6 +142,8 @@ class ProxyApp:
             self.request_log.close()
         if self.tracing is not None:  # exports what is queued: off the event loop
             await asyncio.to_thread(self.tracing.shutdown)
+        if self.otel_metrics is not None:  # the last export, off the event loop too
+            await asyncio.to_thread(self.otel_metrics.shutdown)
 
 
 def _freeze_startup_objects() -> None:

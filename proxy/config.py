@@ -98,6 +98,8 @@ class Settings:
     access_log: bool = False
     otlp_endpoint: str = ""
     propagate_trace: bool = True
+    otlp_metrics: bool = False
+    metrics_linger: int = 0
     config: str = ""
     client_label_from: str = ""
     max_clients: int = 50
@@ -317,6 +319,16 @@ OPTIONS: tuple[Option, ...] = (
     Option("propagate_trace", _bool, "With tracing on, send the upstream a traceparent whose "
            "parent is the proxy's span (replacing the client's traceparent/tracestate); off: "
            "the client's trace headers pass through untouched.", flag_only_true=True),
+    Option("otlp_metrics", _bool, "Also export the OpenTelemetry GenAI metrics "
+           "(gen_ai.server.time_to_first_token, ...) over OTLP/HTTP, once per request, to "
+           "--otlp-endpoint or OTEL_EXPORTER_OTLP_(METRICS_)ENDPOINT; also on when "
+           "OTEL_METRICS_EXPORTER=otlp, off with OTEL_METRICS_EXPORTER=none. Prometheus "
+           "/metrics is unchanged.", flag_only_true=True),
+    Option("metrics_linger", _int(0, 3600), "After SIGTERM and the drain, keep "
+           "--metrics-port answering this many seconds before exiting, so that a scrape "
+           "sees the counts of the last streams (set it above one scrape interval plus "
+           "the scrape timeout); a second SIGTERM or SIGINT ends it at once. Only with "
+           "--metrics-port: the main port stops listening when the drain begins.", "S"),
 )
 
 _FIELDS = {f.name for f in fields(Settings)}

@@ -60,6 +60,21 @@ Definitions:
   reports it. An ``error`` event (``{"type":"error","error":{...}}``) is an error.
 * Responses and Messages events with no name at all whose data has a truthy
   ``"error"`` are errors too (a server that reports failures the chat way).
+* Response info (:class:`ResponseInfo`: id, the model that answered, why it stopped;
+  for the trace only, never a metric label), as each API words it, read only from
+  events that are decoded anyway or carry no output, so no token event is decoded for
+  it. chat and completions: the top-level ``id`` and ``model`` and every choice's
+  non-null ``finish_reason``, from the usage chunk and from chunks without output whose
+  ``finish_reason`` is set (the byte check sends those to the full decode: one per
+  choice per stream). Servers such as vLLM put the reason on the last token's event
+  instead, which the byte checks read without decoding; so the stream timer keeps the
+  data of the last output event it classified, and :meth:`Dialect.output_response`
+  decodes that once, at the end of a stream where nothing else said why it ended.
+  Responses: ``response.id`` and ``.model`` of the final event, and as the reason its
+  ``incomplete_details.reason`` when set, else its ``status``. Messages: ``message.id``
+  and ``.model`` of ``message_start``, ``delta.stop_reason`` of ``message_delta``.
+  Non-stream answers: the same fields of the body (``stop_reason`` for Messages).
+  Only events without output carry it in :attr:`EventInfo.response`.
 * A token count only counts when it is an ``int >= 0`` (not a bool).
 
 Speed: most events of a stream are one token. Each dialect recognises its common token
@@ -80,6 +95,23 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple, Protocol
 
 
+class ResponseInfo(NamedTuple):
+    """What a response says about itself: its id, the model that answered and why it
+    stopped (the span's ``gen_ai.response.*``). Empty strings: not said."""
+
+    id: str = ""
+    model: str = ""
+    finish: tuple[tuple[int, str], ...] = ()  # (choice index, reason as the API says it)
+
+    @property
+    def finish_reasons(self) -> tuple[str, ...]:
+        """The reasons in choice order."""
+        return tuple(reason for _, reason in sorted(self.finish))
+
+
+NO_RESPONSE = ResponseInfo()
+
+
 class EventInfo(NamedTuple):
     """What one SSE event says, as far as measurement cares (a NamedTuple: one is made
     per event)."""
@@ -90,6 +122,8 @@ class EventInfo(NamedTuple):
     usage_only: bool = False  # chat/completions: ``"choices": []`` with usage, no error
     error: bool = False  # an error reported inside a 200 stream
     upstream_queue_s: float | None = None  # vLLM ``metrics.queue_time_ms``, in seconds
+    # id, model, finish reasons: only on events without output (see "Response info")
+    response: ResponseInfo | None = None
 
 
 NOT_COUNTED = EventInfo()
@@ -148,6 +182,67 @@ def _usage_of(holder: Any) -> Mapping[str, Any] | None:
         if isinstance(usage, Mapping):
             return usage
     return None
+
+
+_ID_MAX = 256  # the upstream's text: bounded before it goes anywhere
+_REASON_MAX = 64
+_CHOICES_MAX = 128
+
+
+def _text(value: Any, limit: int = _ID_MAX) -> str:
+    return value[:limit] if isinstance(value, str) else ""
+
+
+def _chat_response(payload: Mapping[str, Any], *, always: bool) -> ResponseInfo | None:
+    """id, model and every choice's non-null ``finish_reason`` of a chat or completions
+    chunk or body; None when it has no finish reason (and ``always`` is false) or says
+    nothing at all."""
+    finish: list[tuple[int, str]] = []
+    choices = payload.get("choices")
+    if isinstance(choices, list):
+        for position, choice in enumerate(choices[:_CHOICES_MAX]):
+            if isinstance(choice, dict):
+                reason = choice.get("finish_reason")
+                if isinstance(reason, str) and reason:
+                    index = _count(choice.get("index"))
+                    finish.append((position if index is None else index, reason[:_REASON_MAX]))
+    if not finish and not always:
+        return None
+    info = ResponseInfo(_text(payload.get("id")), _text(payload.get("model")), tuple(finish))
+    return info if info != NO_RESPONSE else None
+
+
+def _single_response(holder: Any, reason: Any) -> ResponseInfo | None:
+    """id and model of ``holder``, and ``reason`` as the one finish reason."""
+    if not isinstance(holder, Mapping):
+        return None
+    finish = ((0, reason[:_REASON_MAX]),) if isinstance(reason, str) and reason else ()
+    info = ResponseInfo(_text(holder.get("id")), _text(holder.get("model")), finish)
+    return info if info != NO_RESPONSE else None
+
+
+def _responses_response(response: Any) -> ResponseInfo | None:
+    """A Responses API ``Response``: the API has no per-output finish reason, so the
+    reason is ``incomplete_details.reason`` when the response is incomplete
+    (``max_output_tokens``, ``content_filter``), else its ``status``
+    (``completed``, ``failed``, ``cancelled``), as the API words them."""
+    if not isinstance(response, Mapping):
+        return None
+    status = response.get("status")
+    details = response.get("incomplete_details")
+    reason = details.get("reason") if isinstance(details, Mapping) else None
+    return _single_response(response, reason if isinstance(reason, str) and reason else status)
+
+
+def _finish_given(data: bytes) -> bool:
+    """A ``"finish_reason"`` key whose value is not null: a chunk that says why a choice
+    ended (read only for chunks that carry no output, which are few per stream)."""
+    at = data.find(b'"finish_reason"')
+    while at >= 0:
+        if not data[at + 15 : at + 26].lstrip(b" \t\r\n:").startswith(b"null"):
+            return True
+        at = data.find(b'"finish_reason"', at + 15)
+    return False
 
 
 def merge_usage(acc: dict[str, Any] | None, raw: Mapping[str, Any]) -> dict[str, Any]:
@@ -236,6 +331,16 @@ class Dialect(Protocol):
 
     def body_usage(self, payload: Mapping[str, Any]) -> Mapping[str, Any] | None:
         """The raw usage of a non-stream JSON answer."""
+        ...
+
+    def body_response(self, payload: Mapping[str, Any]) -> ResponseInfo:
+        """id, model and finish reasons of a non-stream JSON answer."""
+        ...
+
+    def output_response(self, data: bytes) -> ResponseInfo | None:
+        """What an output event's data says about the response, decoded once at the end
+        of a stream that said no finish reason anywhere else; None for APIs whose output
+        events never carry one."""
         ...
 
     def usage(self, raw: Mapping[str, Any] | None) -> Usage:
@@ -347,8 +452,9 @@ class ChatDialect:
                     return ANSWER
             if not any(key in data for key in self._containers):
                 return REASONING
-        elif b'"error"' not in data and not any(key in data for key in self._containers):
-            return NOT_COUNTED  # role-only, empty or finish chunk
+        elif (b'"error"' not in data and not any(key in data for key in self._containers)
+              and not _finish_given(data)):
+            return NOT_COUNTED  # role-only or empty chunk
         return None
 
     @staticmethod
@@ -391,16 +497,24 @@ class ChatDialect:
             upstream_queue_seconds(payload) if usage is not None or "metrics" in payload else None
         )
         error = not outputs and bool(payload.get("error"))
-        if usage is None and queue is None:
+        response = None if outputs else _chat_response(payload, always=usage is not None)
+        if usage is None and queue is None and response is None:
             if outputs == 1:
                 return ANSWER if answer else REASONING
             if not outputs:
                 return ERROR if error else NOT_COUNTED
         usage_only = usage is not None and choices == [] and not error
-        return EventInfo(outputs, answer, usage, usage_only, error, queue)
+        return EventInfo(outputs, answer, usage, usage_only, error, queue, response)
 
     def body_usage(self, payload: Mapping[str, Any]) -> Mapping[str, Any] | None:
         return _usage_of(payload)
+
+    def body_response(self, payload: Mapping[str, Any]) -> ResponseInfo:
+        return _chat_response(payload, always=True) or NO_RESPONSE
+
+    def output_response(self, data: bytes) -> ResponseInfo | None:
+        payload = _loads(data.strip())
+        return _chat_response(payload, always=True) if isinstance(payload, dict) else None
 
     def usage(self, raw: Mapping[str, Any] | None) -> Usage:
         if not isinstance(raw, Mapping):
@@ -524,16 +638,26 @@ class ResponsesDialect:
         if name == "error":
             return ERROR
         if name in _RESPONSES_USAGE:
-            usage = _usage_of(payload.get("response")) if isinstance(payload, dict) else None
+            final = payload.get("response") if isinstance(payload, dict) else None
+            usage = _usage_of(final)
+            response = _responses_response(final)
             if name == "response.failed":
-                return EventInfo(usage=usage, error=True)
-            return EventInfo(usage=usage) if usage is not None else NOT_COUNTED
+                return EventInfo(usage=usage, error=True, response=response)
+            if usage is None and response is None:
+                return NOT_COUNTED
+            return EventInfo(usage=usage, response=response)
         if not name and isinstance(payload, dict) and payload.get("error"):
             return ERROR
         return NOT_COUNTED
 
     def body_usage(self, payload: Mapping[str, Any]) -> Mapping[str, Any] | None:
         return _usage_of(payload)
+
+    def body_response(self, payload: Mapping[str, Any]) -> ResponseInfo:
+        return _responses_response(payload) or NO_RESPONSE
+
+    def output_response(self, data: bytes) -> ResponseInfo | None:
+        return None  # the final event (always decoded) says it all
 
     def usage(self, raw: Mapping[str, Any] | None) -> Usage:
         if not isinstance(raw, Mapping):
@@ -632,17 +756,30 @@ class MessagesDialect:
                         return known[1]
             return NOT_COUNTED
         if name == "message_start":
-            usage = _usage_of(payload.get("message"))
-            return EventInfo(usage=usage) if usage is not None else NOT_COUNTED
-        if name == "message_delta":
+            message = payload.get("message")
+            usage = _usage_of(message)
+            response = _single_response(message, None)  # stop_reason is null here
+        elif name == "message_delta":
             usage = _usage_of(payload)
-            return EventInfo(usage=usage) if usage is not None else NOT_COUNTED
+            delta = payload.get("delta")
+            response = _single_response(
+                delta, delta.get("stop_reason") if isinstance(delta, Mapping) else None)
+        else:
+            usage = response = None
+        if usage is not None or response is not None:
+            return EventInfo(usage=usage, response=response)
         if not name and payload.get("error"):
             return ERROR
         return NOT_COUNTED
 
     def body_usage(self, payload: Mapping[str, Any]) -> Mapping[str, Any] | None:
         return _usage_of(payload)
+
+    def body_response(self, payload: Mapping[str, Any]) -> ResponseInfo:
+        return _single_response(payload, payload.get("stop_reason")) or NO_RESPONSE
+
+    def output_response(self, data: bytes) -> ResponseInfo | None:
+        return None  # message_start and message_delta (always decoded) say it all
 
     def usage(self, raw: Mapping[str, Any] | None) -> Usage:
         if not isinstance(raw, Mapping):

@@ -28,7 +28,16 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
-from proxy.dialects import NOT_COUNTED, Dialect, EventInfo, TokenTemplate, merge_usage
+from proxy.dialects import (
+    ANSWER,
+    NOT_COUNTED,
+    REASONING,
+    Dialect,
+    EventInfo,
+    ResponseInfo,
+    TokenTemplate,
+    merge_usage,
+)
 
 if TYPE_CHECKING:
     from proxy.sse import SSEParser
@@ -75,6 +84,11 @@ class RequestRecord:
     tokens_estimated: bool = False
     trace_id: str = ""  # hex, when the request was traced and sampled (proxy.tracing)
     span_id: str = ""
+    # What the upstream said about its answer (proxy.dialects.ResponseInfo), for the
+    # trace: never a metric label (ids are unbounded).
+    response_id: str = ""
+    response_model: str = ""
+    finish_reasons: tuple[str, ...] = ()  # in choice order, as the API words them
 
     def as_log(self) -> dict[str, Any]:
         """Flat dict for the per-request JSON log (no keys, no prompt text exist here)."""
@@ -108,6 +122,9 @@ class RequestRecord:
             "tokens_estimated": self.tokens_estimated,
             "trace_id": self.trace_id or None,
             "span_id": self.span_id or None,
+            "response_id": self.response_id or None,
+            "response_model": self.response_model or None,
+            "finish_reasons": list(self.finish_reasons),
         }
         return out
 
@@ -130,11 +147,20 @@ class StreamTimer:
     usage: dict[str, Any] | None = None  # the raw usage, merged over events (last value wins)
     upstream_queue_s: float | None = None
     error: bool = False  # an error event inside the 200 stream
+    response_id: str = ""  # from the events that say it (last non-empty value wins)
+    response_model: str = ""
+    finish: dict[int, str] | None = None  # choice index -> finish reason
+    last_output: bytes = b""  # data of the last output event classified (not templated)
 
     def event(self, name: bytes, data: bytes, t: float) -> EventInfo:
         info = self.dialect.classify(name, data)
-        if info is not NOT_COUNTED:
+        if info is ANSWER or info is REASONING:  # the common token event: nothing else in it
+            self.token(t, info is ANSWER)
+            self.last_output = data
+        elif info is not NOT_COUNTED:
             self.observe(info, t)
+            if info.outputs:
+                self.last_output = data
         return info
 
     def token(self, t: float, answer: bool) -> None:
@@ -167,6 +193,36 @@ class StreamTimer:
             self.upstream_queue_s = info.upstream_queue_s
         if info.error:
             self.error = True
+        if info.response is not None:
+            self._merge_response(info.response)
+
+    def _merge_response(self, response: ResponseInfo) -> None:
+        if response.id:
+            self.response_id = response.id
+        if response.model:
+            self.response_model = response.model
+        if response.finish:
+            if self.finish is None:
+                self.finish = {}
+            self.finish.update(response.finish)
+
+    def response(self) -> ResponseInfo:
+        """What the stream said about its answer. When no event said why it ended, the
+        last output event is decoded once, here: some servers (vLLM) put the finish
+        reason on the last token's event, which the per-event byte checks read without
+        decoding (:meth:`Dialect.output_response`)."""
+        if not self.finish and self.last_output:
+            tail = self.dialect.output_response(self.last_output)
+            if tail is not None:
+                if not self.response_id:
+                    self.response_id = tail.id
+                if not self.response_model:
+                    self.response_model = tail.model
+                if tail.finish:
+                    self.finish = dict(tail.finish)
+            self.last_output = b""  # read once
+        finish = tuple(sorted(self.finish.items())) if self.finish else ()
+        return ResponseInfo(self.response_id, self.response_model, finish)
 
 
 def tpot(first_t: float | None, last_t: float | None, completion_tokens: int | None) -> float | None:

@@ -29,7 +29,7 @@ from proxy.admission import QueueFull
 from proxy.auth import CLIENT_KEY_HEADERS, KeyCheck, presented_key
 from proxy.clients import Identify
 from proxy.config import Settings
-from proxy.dialects import DIALECTS, Dialect, Usage, upstream_queue_seconds
+from proxy.dialects import DIALECTS, NO_RESPONSE, Dialect, Usage, upstream_queue_seconds
 from proxy.logs import RateLimitedLog
 from proxy.measure import (
     Meter,
@@ -40,6 +40,7 @@ from proxy.measure import (
     tpot,
 )
 from proxy.metrics import UNKNOWN_MODEL, Metrics
+from proxy.otel_metrics import OtelMetrics
 from proxy.relay import RelayResult, relay
 from proxy.reqlog import RequestLog
 from proxy.sse import SSEParser
@@ -162,6 +163,8 @@ class V1Handler:
     :meth:`_finish` runs once and builds the record, observes the metrics and writes the
     log line, refused requests included.
     """
+
+    otel_metrics: OtelMetrics | None = None  # --otlp-metrics: set by proxy.app
 
     def __init__(self, settings: Settings, upstreams: Upstreams, metrics: Metrics | None,
                  clock: Clock, keys: KeyCheck | None, request_log: RequestLog | None,
@@ -496,8 +499,11 @@ class V1Handler:
                 self.metrics.observe(record, measured=x.measured is not None and x.parsed)
             if self.request_log is not None:
                 self.request_log.write(record)
+            upstream = x.target.telemetry if x.target is not None else None
             if x.trace is not None and self.tracing is not None:
-                self.tracing.finish(x.trace, record, x.request_model)
+                self.tracing.finish(x.trace, record, x.request_model, upstream)
+            if self.otel_metrics is not None and x.measured is not None:
+                self.otel_metrics.record(record, x.measured.name, upstream)
         except Exception:  # measurement never breaks serving
             log.exception("failed to record a request")
 
@@ -505,14 +511,17 @@ class V1Handler:
         timer, result, response, dialect = x.timer, x.result, x.response, x.measured
         raw: Mapping[str, Any] | None = None
         upstream_q = None
+        reply = NO_RESPONSE
         if timer is not None:
             raw = timer.usage
             upstream_q = timer.upstream_queue_s
+            reply = timer.response()
         elif result is not None and result.body and dialect is not None:
             body = _json_object(result.body)
             if body is not None:
                 raw = dialect.body_usage(body)
                 upstream_q = upstream_queue_seconds(body)
+                reply = dialect.body_response(body)
         if upstream_q is None and response is not None:
             upstream_q = _queue_header(response.headers.get("x-queue-time"))
         usage = dialect.usage(raw) if dialect is not None else Usage()
@@ -543,7 +552,9 @@ class V1Handler:
             completion_tokens=completion, reasoning_tokens=usage.reasoning_tokens,
             cache_write_tokens=usage.cache_write_tokens, tokens_estimated=estimated,
             trace_id=x.trace.trace_id if x.trace is not None else "",
-            span_id=x.trace.span_id if x.trace is not None else "")
+            span_id=x.trace.span_id if x.trace is not None else "",
+            response_id=reply.id, response_model=reply.model,
+            finish_reasons=reply.finish_reasons)
 
 
 def _queue_header(value: str) -> float | None:

@@ -18,19 +18,33 @@ one warning line before it (:func:`upstream_warning`).
 uvicorn runs with uvloop and httptools (``uvicorn[standard]``). On SIGTERM or SIGINT it
 stops accepting, lets in-flight streams finish for up to ``--graceful-timeout``
 seconds, then exits 0.
+
+Metrics linger (``--metrics-linger S``, with ``--metrics-port``): the streams that finish
+during the drain are counted, but a process that exits the moment the drain ends takes
+those counts with it unless a scrape happened to fall in between. So after the drain
+the ``--metrics-port`` server (its own thread, or the supervisor's with ``--workers``)
+keeps answering for S seconds while nothing else runs: the main port is already closed,
+the workers have exited, and their multiprocess files still hold every count. A second
+SIGTERM or SIGINT ends the wait at once. It is off by default (0), so a plain
+``serve`` stops as fast as before; the Kubernetes manifests set it from the
+ServiceMonitor's scrape interval and size ``terminationGracePeriodSeconds`` for it.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import inspect
 import os
 import re
+import select
 import shutil
 import signal
 import socket
 import sys
 import tempfile
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -125,10 +139,10 @@ def _uvicorn_kwargs(settings: Settings) -> dict[str, Any]:
     }
 
 
-def _banner(settings: Settings, port: int, tracing: str = "") -> None:
+def _banner(settings: Settings, port: int, tracing: str = "", otlp_metrics: str = "") -> None:
     """The start-up line, printed once the port is bound: with ``--port 0`` it is the
     only place the chosen port appears besides uvicorn's own line. ``tracing``: where
-    spans go, when tracing is on."""
+    spans go, when tracing is on; ``otlp_metrics``: where OTLP metrics go, when on."""
     host = f"[{settings.host}]" if ":" in settings.host else settings.host
     where = f"http://{host}:{port}"
     metrics = (f"http://{settings.metrics_host or settings.host}:{settings.metrics_port}/metrics"
@@ -138,7 +152,8 @@ def _banner(settings: Settings, port: int, tracing: str = "") -> None:
     if not settings.upstreams:
         targets = f"{redact(settings.upstream)} (upstream label {settings.upstream_label!r})"
     print(f"llm-latency-proxy: relaying {where}/v1 -> {targets}; metrics at {metrics}; "
-          f"workers {settings.workers}" + (f"; tracing: {redact(tracing)}" if tracing else ""),
+          f"workers {settings.workers}" + (f"; tracing: {redact(tracing)}" if tracing else "")
+          + (f"; OTLP metrics: {redact(otlp_metrics)}" if otlp_metrics else ""),
           file=sys.stderr, flush=True)
 
 
@@ -154,15 +169,38 @@ def _run_single(settings: Settings) -> int:
     except SettingsError as exc:
         print(f"llm-latency-proxy: error: {exc}", file=sys.stderr)
         return 2
+    linger = 0
     if settings.metrics_port and app.metrics is not None:
         _start_metrics_server(settings, app.metrics.registry)
+        linger = settings.metrics_linger
 
     class Server(uvicorn.Server):
+        signals = 0  # stop signals received
+        lingering: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            self.signals += 1
+            if self.lingering is not None:  # a second signal: stop lingering
+                loop, stop = self.lingering
+                loop.call_soon_threadsafe(stop.set)  # safe from a signal handler
+            super().handle_exit(sig, frame)
+
         async def startup(self, sockets: list[socket.socket] | None = None) -> None:
             await super().startup(sockets)
             if self.started:  # listening, application started: the port is final
                 _banner(settings, self.servers[0].sockets[0].getsockname()[1],
-                        app.tracing.description if app.tracing is not None else "")
+                        app.tracing.description if app.tracing is not None else "",
+                        app.otel_metrics.description if app.otel_metrics is not None else "")
+
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().shutdown(sockets)  # the drain, then the app's own shutdown
+            if linger and not self.force_exit:
+                stop = asyncio.Event()
+                self.lingering = (asyncio.get_running_loop(), stop)
+                if self.signals == 1:  # stopped by a signal, and not told twice
+                    _linger_line(settings, linger)
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(stop.wait(), linger)
 
     # uvicorn re-raises SIGTERM after its graceful shutdown, under the handler it found;
     # the default one would end the process with -15. Ours exits 0.
@@ -194,18 +232,26 @@ def _run_workers(settings: Settings) -> int:
                                  workers=settings.workers, **_uvicorn_kwargs(settings))
         sock = uconfig.bind_socket()
         sock.listen(uconfig.backlog)
+        from proxy import otel_metrics
         from proxy.tracing import wanted
 
         endpoint = wanted(settings)
         _banner(settings, sock.getsockname()[1],
-                f"OTLP/HTTP to {endpoint}, from each worker" if endpoint else "")
+                f"OTLP/HTTP to {endpoint}, from each worker" if endpoint else "",
+                f"OTLP/HTTP to {otel_metrics.endpoint(settings)}, from each worker"
+                if otel_metrics.wanted(settings) else "")
         supervisor_class = _reloading_supervisor(Multiprocess, settings)
         if "target" in inspect.signature(Multiprocess).parameters:  # older uvicorn releases
             supervisor = supervisor_class(uconfig, target=uvicorn.Server(uconfig).run,
                                           sockets=[sock])
         else:
             supervisor = supervisor_class(uconfig, sockets=[sock])
+        stopped = _stop_signals()  # after Multiprocess() installed its handlers
         supervisor.run()  # handles SIGINT and SIGTERM itself: stops the workers, returns
+        sock.close()
+        if settings.metrics_port and settings.measure and settings.metrics_linger and stopped():
+            _linger_line(settings, settings.metrics_linger)
+            _wait_for_signal(settings.metrics_linger)  # the metrics thread serves meanwhile
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     return 0
@@ -237,6 +283,46 @@ def _reloading_supervisor(base: Any, settings: Settings) -> Any:
                     os.kill(pid, signal.SIGHUP)
 
     return Supervisor
+
+
+def _linger_line(settings: Settings, seconds: int) -> None:
+    print(f"llm-latency-proxy: drained; /metrics stays on port {settings.metrics_port} for "
+          f"{seconds} s so the last counts are scraped (--metrics-linger; SIGTERM again to "
+          "stop now)", file=sys.stderr, flush=True)
+
+
+def _stop_signals() -> Callable[[], bool]:
+    """Whether the supervisor was stopped by SIGTERM/SIGINT (its handlers, installed by
+    its constructor, still run): the linger follows a stop signal only, not a supervisor
+    that gave up on a worker that cannot start."""
+    got: list[int] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        previous = signal.getsignal(sig)
+
+        def note(signum: int, frame: Any, previous: Any = previous) -> None:
+            got.append(signum)
+            if callable(previous):
+                previous(signum, frame)
+
+        signal.signal(sig, note)
+    return lambda: bool(got)
+
+
+def _wait_for_signal(seconds: float) -> None:
+    """Sleep up to ``seconds``; a SIGTERM or SIGINT ends it at once (the handler writes
+    to a pipe that ``select`` waits on)."""
+    read_fd, write_fd = os.pipe()
+    try:
+        def wake(signum: int, frame: Any) -> None:
+            with contextlib.suppress(OSError):  # closed: the wait is over already
+                os.write(write_fd, b"\0")
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, wake)
+        select.select([read_fd], [], [], seconds)
+    finally:
+        os.close(read_fd)
+        os.close(write_fd)
 
 
 def _start_metrics_server(settings: Settings, registry: Any) -> None:

@@ -13,7 +13,10 @@ its parent (unless ``--no-propagate-trace``). Nothing happens per event: the spa
 attributes and its three events (first byte, first token, first answer token) are all
 written at the one finish, from the frozen :class:`~proxy.measure.RequestRecord`, and
 the span ends at the record's end time. The record never holds prompt or completion
-text, headers or keys, so neither can the span.
+text, headers or keys, so neither can the span. ``gen_ai.response.id``, ``.model`` and
+``.finish_reasons`` come from the record too: the dialects read them from the events
+they decode anyway (:mod:`proxy.dialects`, "Response info"), so tracing adds no work per
+event.
 
 Times: the record's times are offsets on the proxy's monotonic clock; the span needs
 wall-clock nanoseconds. :meth:`Tracing.start` maps the request's start to the wall
@@ -45,6 +48,7 @@ from proxy.measure import Outcome, RequestRecord
 
 if TYPE_CHECKING:
     from opentelemetry.propagators.textmap import TextMapPropagator
+    from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.trace import Span, Tracer
 
@@ -57,6 +61,9 @@ ATTR = {
     "provider": "gen_ai.provider.name",
     "request_model": "gen_ai.request.model",
     "stream": "gen_ai.request.stream",
+    "response_id": "gen_ai.response.id",
+    "response_model": "gen_ai.response.model",
+    "finish_reasons": "gen_ai.response.finish_reasons",
     "input_tokens": "gen_ai.usage.input_tokens",
     "output_tokens": "gen_ai.usage.output_tokens",
     "cache_read_tokens": "gen_ai.usage.cache_read.input_tokens",
@@ -120,9 +127,7 @@ class Tracing:
         self._extractor: TextMapPropagator = CompositePropagator(
             [TraceContextTextMapPropagator(), W3CBaggagePropagator()])
         self._injector: TextMapPropagator = TraceContextTextMapPropagator()
-        parts = urlsplit(upstream)
-        self._server = {ATTR["server_address"]: parts.hostname or "",
-                        ATTR["server_port"]: parts.port or (443 if parts.scheme == "https" else 80)}
+        self._server = server_attributes(upstream)
 
     def start(self, headers: Sequence[tuple[bytes, bytes]], t0: float, dialect: str) -> Trace:
         """The request's span, started at ``t0`` (request clock) as the child of the
@@ -158,8 +163,11 @@ class Tracing:
         out.extend((k.encode("latin-1"), v.encode("latin-1")) for k, v in carrier.items())
         return out
 
-    def finish(self, trace: Trace, record: RequestRecord, request_model: str) -> None:
-        """Fill the span from the record and end it at the record's end time."""
+    def finish(self, trace: Trace, record: RequestRecord, request_model: str,
+               upstream: Mapping[str, Any] | None = None) -> None:
+        """Fill the span from the record and end it at the record's end time.
+        ``upstream``: the attributes of the upstream the request went to
+        (:func:`upstream_attributes`), which the span's start could not know yet."""
         span = trace.span
         if request_model:
             model = request_model[:_MODEL_MAX]
@@ -175,6 +183,12 @@ class Tracing:
         }
         if request_model:
             a[ATTR["request_model"]] = request_model[:_MODEL_MAX]
+        if record.response_id:
+            a[ATTR["response_id"]] = record.response_id
+        if record.response_model:
+            a[ATTR["response_model"]] = record.response_model
+        if record.finish_reasons:
+            a[ATTR["finish_reasons"]] = record.finish_reasons
         optional = (
             ("input_tokens", record.prompt_tokens),
             ("output_tokens", record.completion_tokens),
@@ -192,10 +206,12 @@ class Tracing:
                 a[ATTR[key]] = value
         if record.tokens_estimated:
             a[ATTR["tokens_estimated"]] = True
-        error = _error_type(record)
+        error = error_type(record)
         if error:
             a[ATTR["error_type"]] = error
             span.set_status(self._trace_api.Status(self._trace_api.StatusCode.ERROR))
+        if upstream:
+            a.update(upstream)
         span.set_attributes(a)
         start = trace.start_ns
         for name, offset in ((EVENT_FIRST_BYTE, record.ttfb_s), (EVENT_FIRST_TOKEN, record.ttft_s),
@@ -212,7 +228,32 @@ class Tracing:
         self.provider.shutdown()
 
 
-def _error_type(record: RequestRecord) -> str:
+def server_attributes(upstream: str) -> dict[str, Any]:
+    """``server.address`` and ``server.port`` of the upstream URL."""
+    parts = urlsplit(upstream)
+    return {ATTR["server_address"]: parts.hostname or "",
+            ATTR["server_port"]: parts.port or (443 if parts.scheme == "https" else 80)}
+
+
+# gen_ai.provider.name for the hosts whose provider is certain; any other upstream keeps
+# the value its API implies, unless the config file names it (``provider = "vllm"``).
+KNOWN_PROVIDERS = {"api.openai.com": "openai", "api.anthropic.com": "anthropic"}
+
+
+def upstream_attributes(url: str, provider: str = "") -> dict[str, Any]:
+    """``server.address``/``server.port`` of an upstream and, when known, its
+    ``gen_ai.provider.name``: computed once per upstream, set on each span and metric."""
+    attributes = server_attributes(url)
+    host = str(attributes[ATTR["server_address"]])
+    name = provider or KNOWN_PROVIDERS.get(host, "")
+    if not name and host.endswith(".openai.azure.com"):
+        name = "azure.ai.openai"
+    if name:
+        attributes[ATTR["provider"]] = name
+    return attributes
+
+
+def error_type(record: RequestRecord) -> str:
     """``error.type``: the HTTP status sent when it is an error, else the outcome when the
     request did not complete (a stream cut short under a 200); empty on success."""
     if record.status >= 400:
@@ -220,6 +261,25 @@ def _error_type(record: RequestRecord) -> str:
     if record.outcome is not Outcome.COMPLETED:
         return str(record.outcome)
     return ""
+
+
+def otel_resource() -> Resource:
+    """The process's resource, for spans and OTLP metrics alike: the standard variables
+    (``OTEL_SERVICE_NAME``, ``OTEL_RESOURCE_ATTRIBUTES``), service name
+    ``llm-latency-proxy`` unless they name one, and a ``service.instance.id`` per process
+    unless they give one, so that the cumulative metrics of ``--workers N`` processes
+    (and of replicas) stay apart in the backend."""
+    import uuid
+
+    from opentelemetry.sdk.resources import Resource
+
+    resource = Resource.create()
+    extra: dict[str, str] = {}
+    if str(resource.attributes.get("service.name", "")).startswith("unknown_service"):
+        extra["service.name"] = SERVICE_NAME
+    if "service.instance.id" not in resource.attributes:
+        extra["service.instance.id"] = str(uuid.uuid4())
+    return resource.merge(Resource.create(extra)) if extra else resource
 
 
 def wanted(settings: Settings, environ: Mapping[str, str] | None = None) -> str:
@@ -259,16 +319,13 @@ def from_settings(settings: Settings, clock: Callable[[], float],
         return None
     try:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-        from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
     except ImportError as exc:
         log.warning("tracing off: an OTLP endpoint is set but the OpenTelemetry packages are "
                     "not installed (pip install 'llm-latency-proxy[otel]'): %s", exc)
         return None
-    resource = Resource.create()
-    if str(resource.attributes.get("service.name", "")).startswith("unknown_service"):
-        resource = resource.merge(Resource.create({"service.name": SERVICE_NAME}))
+    resource = otel_resource()
     provider = TracerProvider(resource=resource)  # the sampler: OTEL_TRACES_SAMPLER(_ARG)
     exporter = (OTLPSpanExporter(endpoint=settings.otlp_endpoint.rstrip("/") + "/v1/traces")
                 if settings.otlp_endpoint else OTLPSpanExporter())

@@ -34,6 +34,7 @@ from urllib.parse import unquote_to_bytes, urlsplit
 
 from proxy.admission import Admission
 from proxy.auth import key_header
+from proxy.tracing import upstream_attributes
 from proxy.upstreams import NO_UPSTREAM, RoutingTable, UpstreamSpec
 from proxy.wire import (
     ConnectError,
@@ -132,7 +133,7 @@ class Target:
     here once; a request only reads it."""
 
     __slots__ = ("active", "admission", "client", "closing", "headers", "in_flight", "key",
-                 "name", "spec")
+                 "name", "spec", "telemetry")
 
     def __init__(self, spec: UpstreamSpec, in_flight: Gauge | None = None,
                  transport: WireTransport | None = None) -> None:
@@ -143,6 +144,7 @@ class Target:
         self.key = key_header(spec)
         self.headers = tuple((k.encode(), v.encode()) for k, v in spec.headers)
         self.in_flight: Gauge = in_flight if in_flight is not None else _NoGauge()
+        self.telemetry = upstream_attributes(spec.url, spec.provider)  # span/OTLP attributes
         self.active = 0  # requests using it now, so a reload closes it only when idle
         self.closing = False
 

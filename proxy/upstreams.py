@@ -50,6 +50,7 @@ _UPSTREAM_KEYS = {
     "api_key_env": "the name of an environment variable holding the upstream's key",
     "auth": "one of " + ", ".join(UPSTREAM_AUTH_MODES),
     "default": "true or false",
+    "provider": "the gen_ai.provider.name on spans and OTLP metrics, e.g. \"vllm\"",
     "max_concurrency": "an integer >= 0 (0: unlimited)",
     "max_queue": "an integer >= 0",
     "max_connections": "an integer >= 1",
@@ -91,6 +92,7 @@ class UpstreamSpec:
     write_timeout: float = 30.0
     keepalive_expiry: float = 4.0
     headers: tuple[tuple[str, str], ...] = ()
+    provider: str = ""  # gen_ai.provider.name; empty: from the host, else from the API
 
     def serves(self, route: str) -> bool:
         return not self.routes or any(route == r or route.startswith(r + "/") for r in self.routes)
@@ -187,6 +189,8 @@ def _spec(path: str, index: int, table: Mapping[str, Any], settings: Settings,
         values["routes"] = tuple(r.rstrip("/") for r in routes)
     if "default" in table:
         values["default"] = get("default", bool)
+    if "provider" in table:
+        values["provider"] = get("provider", str, lambda v: bool(_LABEL.match(v)))
     if "auth" in table:
         values["auth"] = get("auth", str, lambda v: v in UPSTREAM_AUTH_MODES)
     if "api_key_env" in table:

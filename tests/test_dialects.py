@@ -30,6 +30,7 @@ from proxy.dialects import (
     RESPONSES,
     Dialect,
     EventInfo,
+    ResponseInfo,
     TokenTemplate,
     Usage,
     merge_usage,
@@ -373,9 +374,12 @@ RESPONSES_TEXT_STREAM = [
 ]  # fmt: skip
 
 
+RESPONSE_INFO = ResponseInfo("resp_1", "gpt-4.1-2025-04-14", ((0, "completed"),))
+
+
 def test_responses_text_stream() -> None:
     infos = read(RESPONSES, RESPONSES_TEXT_STREAM)
-    usage_event = EventInfo(usage=RESPONSE_USAGE)
+    usage_event = EventInfo(usage=RESPONSE_USAGE, response=RESPONSE_INFO)
     assert infos == [NOT_COUNTED] * 4 + [ANSWER, NOT_COUNTED, ANSWER] + [NOT_COUNTED] * 3 + [
         usage_event
     ]
@@ -476,10 +480,11 @@ def test_responses_events_that_are_never_output(kind: str) -> None:
 def test_responses_usage_events(kind: str, error: bool) -> None:
     response = response_object(kind.split(".")[1], RESPONSE_USAGE)
     infos = read(RESPONSES, [resp(kind, 9, response=response)])
-    assert infos == [EventInfo(usage=RESPONSE_USAGE, error=error)]
+    said = ResponseInfo("resp_1", "gpt-4.1-2025-04-14", ((0, kind.split(".")[1]),))
+    assert infos == [EventInfo(usage=RESPONSE_USAGE, error=error, response=said)]
     assert RESPONSES.usage(infos[0].usage) == Usage(37, 12, 11, 4, 20)
     no_usage = read(RESPONSES, [resp(kind, 9, response=response_object(kind, None))])
-    assert no_usage == [EventInfo(error=error)]
+    assert no_usage == [EventInfo(error=error, response=said._replace(finish=((0, kind),)))]
 
 
 def test_responses_usage_only_from_the_final_events() -> None:
@@ -503,7 +508,12 @@ def test_responses_error_events() -> None:
         [error, nested, resp("response.failed", 4, response=failed),
          resp("response.incomplete", 5, response=incomplete)],
     )  # fmt: skip
-    assert infos == [ERROR, ERROR, ERROR, EventInfo(usage=RESPONSE_USAGE)]
+    assert infos == [
+        ERROR, ERROR,
+        EventInfo(error=True, response=RESPONSE_INFO._replace(finish=((0, "failed"),))),
+        EventInfo(usage=RESPONSE_USAGE,
+                  response=RESPONSE_INFO._replace(finish=((0, "max_output_tokens"),))),
+    ]  # fmt: skip
     # with no name at all, a chat-style error object still says error
     assert RESPONSES.classify(b"", b'{"error":{"message":"boom"}}') == ERROR
     assert RESPONSES.classify(b"", b"not json") == NOT_COUNTED
@@ -582,8 +592,10 @@ MESSAGES_STREAM = [
 
 def test_messages_stream() -> None:
     infos = read(MESSAGES, MESSAGES_STREAM)
-    start = EventInfo(usage=START_USAGE)
-    delta1, delta2 = (EventInfo(usage=MESSAGES_STREAM[i][1]["usage"]) for i in (17, 18))
+    start = EventInfo(usage=START_USAGE, response=ResponseInfo("msg_1", "claude-sonnet-4-5"))
+    stopped = ResponseInfo(finish=((0, "tool_use"),))
+    delta1, delta2 = (EventInfo(usage=MESSAGES_STREAM[i][1]["usage"], response=stopped)
+                      for i in (17, 18))
     assert infos == [
         start, NOT_COUNTED, NOT_COUNTED, REASONING, REASONING, NOT_COUNTED, NOT_COUNTED,
         NOT_COUNTED, ANSWER, NOT_COUNTED, NOT_COUNTED, ANSWER, NOT_COUNTED, NOT_COUNTED,
@@ -645,6 +657,99 @@ def test_messages_non_stream_body_usage() -> None:
         "usage": {"input_tokens": 10, "cache_read_input_tokens": 4, "output_tokens": 20},
     }
     assert MESSAGES.usage(MESSAGES.body_usage(body)) == Usage(14, 4, 20)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------
+# Response info: id, model, finish reasons, from events without output only
+
+
+def chunk(*choices: dict[str, Any], **extra: Any) -> bytes:
+    """A compact chat chunk as OpenAI and vLLM write it (id and model on every chunk)."""
+    return dumps({"id": "chatcmpl-9", "object": "chat.completion.chunk", "created": 1,
+                  "model": "gpt-4o-2024-08-06", "choices": list(choices), **extra})
+
+
+CHUNK_INFO = ResponseInfo("chatcmpl-9", "gpt-4o-2024-08-06")
+
+
+@pytest.mark.parametrize("compact", [True, False])
+def test_chat_finish_chunk_says_why(compact: bool) -> None:
+    """OpenAI ends each choice with an empty delta and its finish_reason: decoded (one
+    per choice per stream); the role chunk before it is not."""
+    data = chunk({"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"})
+    if not compact:
+        data = json.dumps(json.loads(data)).encode()
+    finished = CHUNK_INFO._replace(finish=((0, "length"),))
+    assert CHAT.classify(b"", data) == EventInfo(response=finished)
+    role = chunk({"index": 0, "delta": {"role": "assistant", "content": ""},
+                  "finish_reason": None})
+    assert CHAT.classify(b"", role) == NOT_COUNTED
+
+
+def test_chat_usage_chunk_names_the_response() -> None:
+    usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    info = CHAT.classify(b"", chunk(usage=usage))
+    assert info == EventInfo(0, False, usage, True, response=CHUNK_INFO)
+
+
+def test_chat_finish_of_every_choice_in_choice_order() -> None:
+    data = chunk({"index": 1, "delta": {}, "finish_reason": "stop"},
+                 {"index": 0, "delta": {}, "finish_reason": "tool_calls"})
+    info = CHAT.classify(b"", data)
+    assert info.response is not None
+    assert info.response.finish_reasons == ("tool_calls", "stop")
+
+
+def test_completions_finish_chunk() -> None:
+    data = dumps({"id": "cmpl-1", "object": "text_completion", "model": "m",
+                  "choices": [{"index": 0, "text": "", "logprobs": None,
+                               "finish_reason": "stop"}]})
+    assert COMPLETIONS.classify(b"", data) == EventInfo(
+        response=ResponseInfo("cmpl-1", "m", ((0, "stop"),)))
+
+
+def test_finish_on_the_last_token_is_read_at_the_end() -> None:
+    """vLLM puts the reason on the last token's event: the byte check reads it as a token
+    without decoding, and output_response decodes it once, at the end."""
+    data = chunk({"index": 0, "delta": {"content": "."}, "logprobs": None,
+                  "finish_reason": "length", "stop_reason": None})
+    assert CHAT.classify(b"", data) == ANSWER
+    assert CHAT.output_response(data) == CHUNK_INFO._replace(finish=((0, "length"),))
+    assert CHAT.output_response(b"not json") is None
+    assert RESPONSES.output_response(data) is None
+    assert MESSAGES.output_response(data) is None
+
+
+def test_response_info_is_bounded() -> None:
+    data = chunk({"index": 0, "delta": {}, "finish_reason": "x" * 1000}, id="i" * 1000)
+    info = CHAT.classify(b"", data).response
+    assert info is not None
+    assert (len(info.id), len(info.finish_reasons[0])) == (256, 64)
+
+
+@pytest.mark.parametrize(("dialect", "body", "expected"), [
+    (CHAT, {"id": "chatcmpl-1", "object": "chat.completion", "model": "gpt-4o-mini-2024-07-18",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "x"},
+                         "finish_reason": "stop"},
+                        {"index": 1, "message": {"role": "assistant", "content": "y"},
+                         "finish_reason": "length"}]},
+     ResponseInfo("chatcmpl-1", "gpt-4o-mini-2024-07-18", ((0, "stop"), (1, "length")))),
+    (COMPLETIONS, {"id": "cmpl-1", "object": "text_completion", "model": "m",
+                   "choices": [{"index": 0, "text": "x", "finish_reason": "length"}]},
+     ResponseInfo("cmpl-1", "m", ((0, "length"),))),
+    (RESPONSES, response_object("incomplete", RESPONSE_USAGE,
+                                incomplete_details={"reason": "content_filter"}),
+     RESPONSE_INFO._replace(finish=((0, "content_filter"),))),
+    (RESPONSES, response_object("completed", RESPONSE_USAGE), RESPONSE_INFO),
+    (MESSAGES, {"id": "msg_1", "type": "message", "role": "assistant", "content": [],
+                "model": "claude-sonnet-4-5", "stop_reason": "max_tokens",
+                "usage": {"input_tokens": 1, "output_tokens": 2}},
+     ResponseInfo("msg_1", "claude-sonnet-4-5", ((0, "max_tokens"),))),
+    (CHAT, {"error": {"message": "x"}}, ResponseInfo()),
+])  # fmt: skip
+def test_non_stream_body_response(dialect: Dialect, body: dict[str, Any],
+                                  expected: ResponseInfo) -> None:
+    assert dialect.body_response(body) == expected
 
 
 # ---------------------------------------------------------------------------
@@ -802,7 +907,8 @@ def choice_chunks(draw: st.DrawFn) -> tuple[Dialect, bytes, bytes]:
     choices = []
     for i in range(draw(st.integers(0, 3))):
         if dialect is COMPLETIONS:
-            choices.append({"index": i, "text": draw(_texts), "finish_reason": None})
+            finish = draw(st.sampled_from([None, "stop", "length"]))
+            choices.append({"index": i, "text": draw(_texts), "finish_reason": finish})
         else:
             delta = draw(_deltas)
             calls = draw(_tool_calls)

@@ -210,12 +210,16 @@ def test_probes_shutdown_and_resources(rendered: list[dict[str, Any]]) -> None:
     for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
         # /healthz is answered by the proxy itself and never calls the upstream.
         assert proxy[probe]["httpGet"] == {"path": "/healthz", "port": "http"}, probe
-    # preStop, then SIGTERM, then up to the graceful timeout: all inside the grace period.
+    # preStop, then SIGTERM, then up to the graceful timeout, then the metrics linger
+    # (at least one scrape interval after the drain): all inside the grace period.
     command = proxy["lifecycle"]["preStop"]["exec"]["command"]
     assert command[0] == "sleep"
     pre_stop = float(command[1])
     graceful = float(config["LLM_PROXY_GRACEFUL_TIMEOUT"])
-    assert pod["terminationGracePeriodSeconds"] >= pre_stop + graceful + 10
+    linger = float(config["LLM_PROXY_METRICS_LINGER"])
+    (endpoint,) = one(rendered, "ServiceMonitor")["spec"]["endpoints"]
+    assert linger >= seconds(endpoint["interval"]) + seconds(endpoint["scrapeTimeout"])
+    assert pod["terminationGracePeriodSeconds"] >= pre_stop + graceful + linger + 10
     assert proxy["resources"]["requests"]["cpu"] and proxy["resources"]["limits"]["memory"]
     keys = {c["topologyKey"] for c in pod["topologySpreadConstraints"]}
     assert "kubernetes.io/hostname" in keys
@@ -223,6 +227,15 @@ def test_probes_shutdown_and_resources(rendered: list[dict[str, Any]]) -> None:
     for constraint in pod["topologySpreadConstraints"]:
         assert matches(constraint["labelSelector"]["matchLabels"], pod_labels)
     assert "replicas" not in one(rendered, "Deployment")["spec"], "the HPA owns the count"
+
+
+def seconds(duration: str) -> float:
+    """A Prometheus duration as the ServiceMonitor writes it (``15s``, ``1m``)."""
+    units = {"ms": 0.001, "s": 1, "m": 60, "h": 3600}
+    for unit in sorted(units, key=len, reverse=True):
+        if duration.endswith(unit):
+            return float(duration[: -len(unit)]) * units[unit]
+    raise AssertionError(f"not a duration: {duration!r}")
 
 
 def pod_template_labels(objects: list[dict[str, Any]]) -> dict[str, str]:

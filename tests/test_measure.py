@@ -15,12 +15,14 @@ from typing import Any
 
 import pytest
 
+from proxy import dialects as dialects_module
 from proxy.dialects import (
     CHAT,
     COMPLETIONS,
     NOT_COUNTED,
     Dialect,
     EventInfo,
+    ResponseInfo,
     Usage,
     upstream_queue_seconds,
 )
@@ -294,6 +296,68 @@ def test_event_returns_its_classification() -> None:
     info = timer.event(b"", chat({"content": "x"}), 0.5)
     assert isinstance(info, EventInfo)
     assert info.outputs == 1
+
+
+# ---------------------------------------------------------------------------
+# What the stream says about its answer, without decoding its token events
+
+
+class CountingJson:
+    """``json`` for proxy.dialects, counting decodes."""
+
+    def __init__(self) -> None:
+        self.loads_calls = 0
+
+    def loads(self, data: Any) -> Any:
+        self.loads_calls += 1
+        return json.loads(data)
+
+
+def compact_chunk(delta: dict[str, Any] | None, finish: str | None = None,
+                  **extra: Any) -> bytes:
+    choices = [] if delta is None else [
+        {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish, **extra}]
+    return sse({"id": "chatcmpl-7", "object": "chat.completion.chunk", "created": 1,
+                "model": "served-model", "choices": choices}, compact=True)
+
+
+def metered(chunks: Sequence[bytes], monkeypatch: pytest.MonkeyPatch) -> tuple[StreamTimer, int]:
+    """The stream through the production Meter; the decodes it took."""
+    counting = CountingJson()
+    monkeypatch.setattr(dialects_module, "json", counting)
+    timer = StreamTimer(CHAT)
+    meter = Meter(timer, SSEParser())
+    for t, chunk in enumerate(chunks):
+        meter.chunk(chunk, float(t))
+    return timer, counting.loads_calls
+
+
+TOKENS = [compact_chunk({"content": f"w{i} "}) for i in range(20)]
+
+
+def test_openai_stream_says_why_from_its_finish_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
+    usage = sse(usage_json(5, 20, model="served-model"), compact=True)
+    chunks = [compact_chunk({"role": "assistant", "content": ""}), *TOKENS,
+              compact_chunk({}, "stop"), usage, b"data: [DONE]\n\n"]
+    timer, decodes = metered(chunks, monkeypatch)
+    assert decodes == 2  # the finish chunk and the usage chunk; no token event
+    assert timer.response() == ResponseInfo("c1", "served-model", ((0, "stop"),))
+    assert timer.output_events == 20
+
+
+def test_vllm_stream_says_why_on_its_last_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reason rides on the last token's event: read once, at the end."""
+    last = compact_chunk({"content": "end"}, "length", stop_reason=None)
+    timer, decodes = metered([*TOKENS, last, b"data: [DONE]\n\n"], monkeypatch)
+    assert decodes == 0
+    assert timer.response() == ResponseInfo("chatcmpl-7", "served-model", ((0, "length"),))
+    assert timer.output_events == 21
+
+
+def test_stream_cut_short_still_names_its_response(monkeypatch: pytest.MonkeyPatch) -> None:
+    timer, _ = metered(TOKENS[:3], monkeypatch)
+    assert timer.response() == ResponseInfo("chatcmpl-7", "served-model")
+    assert StreamTimer(CHAT).response() == ResponseInfo()
 
 
 # ---------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import gzip
 import http.server
 import json
 import logging
+import math
 import signal
 import sys
 import threading
@@ -29,11 +30,16 @@ import httpx
 import pytest
 
 pytest.importorskip("opentelemetry.sdk")
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+    ExportMetricsServiceRequest,
+)
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
 )
+from opentelemetry.proto.metrics.v1.metrics_pb2 import Metric
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
+from proxy import otel_metrics
 from proxy.config import Settings, SettingsError, from_sources
 from proxy.serve import export_settings
 from proxy.simulator.app import create_simulator_app
@@ -41,6 +47,7 @@ from proxy.simulator.model import SimConfig
 from proxy.tracing import from_settings, wanted
 from tests.servers import closed_port, proxy_process, serve_in_thread
 from tests.test_dialect_routes import MESSAGES, RESPONSES, messages_script, responses_script
+from tests.test_dialect_routes import event as dialect_event
 from tests.test_dialect_routes import sse_upstream as dialect_upstream
 from tests.test_proxy_inprocess import json_upstream
 from tests.upstream_fakes import (
@@ -53,6 +60,7 @@ from tests.upstream_fakes import (
     chunk_json,
     make_app,
     sse,
+    sse_upstream,
     text_json,
     timed_body,
     usage_json,
@@ -82,6 +90,8 @@ class Receiver:
     bodies: list[bytes] = field(default_factory=list)
     spans: list[Span] = field(default_factory=list)
     resources: list[dict[str, Any]] = field(default_factory=list)
+    metrics: list[list[Metric]] = field(default_factory=list)  # per export, in order
+    metric_resources: list[dict[str, Any]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -94,6 +104,19 @@ def receiver() -> Iterator[Receiver]:
             body = self.rfile.read(int(self.headers.get("content-length", "0")))
             if self.headers.get("content-encoding") == "gzip":
                 body = gzip.decompress(body)
+            if self.path == "/v1/metrics":
+                metrics = ExportMetricsServiceRequest()
+                metrics.ParseFromString(body)
+                with got.lock:
+                    got.bodies.append(body)
+                    for rm in metrics.resource_metrics:
+                        got.metric_resources.append(attrs(rm.resource.attributes))
+                        got.metrics.append([m for sm in rm.scope_metrics for m in sm.metrics])
+                self.send_response(200)
+                self.send_header("content-type", "application/x-protobuf")
+                self.send_header("content-length", "0")
+                self.end_headers()
+                return
             request = ExportTraceServiceRequest()
             request.ParseFromString(body)
             with got.lock:
@@ -123,11 +146,15 @@ def receiver() -> Iterator[Receiver]:
 
 
 def attrs(kvs: Any) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for kv in kvs:
-        kind = kv.value.WhichOneof("value")
-        out[kv.key] = getattr(kv.value, kind) if kind else None
-    return out
+    return {kv.key: value_of(kv.value) for kv in kvs}
+
+
+def value_of(value: Any) -> Any:
+    """An OTLP AnyValue as Python (an array as a list)."""
+    kind = value.WhichOneof("value")
+    if kind == "array_value":
+        return [value_of(v) for v in value.array_value.values]
+    return getattr(value, kind) if kind else None
 
 
 def hexid(raw: bytes) -> str:
@@ -228,6 +255,9 @@ async def test_stream_span_attributes_parent_events_and_upstream_traceparent(
             "gen_ai.provider.name": "openai",
             "gen_ai.request.model": "m",
             "gen_ai.request.stream": True,
+            "gen_ai.response.id": "c1",
+            "gen_ai.response.model": "m",
+            "gen_ai.response.finish_reasons": ["stop"],
             "gen_ai.usage.input_tokens": 7,
             "gen_ai.usage.output_tokens": 3,
             "gen_ai.usage.cache_read.input_tokens": 2,
@@ -293,6 +323,8 @@ async def test_non_stream_span(receiver: Receiver) -> None:
             "gen_ai.provider.name": "openai",
             "gen_ai.request.model": "m",
             "gen_ai.request.stream": False,
+            "gen_ai.response.id": "c1",
+            "gen_ai.response.model": "m",
             "gen_ai.usage.input_tokens": 5,
             "gen_ai.usage.output_tokens": 4,
             "server.address": "127.0.0.1",
@@ -452,7 +484,8 @@ def test_off_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_settings_round_trip_through_the_workers_environment() -> None:
     """``serve --workers`` writes every setting back as its variable, unset ones too."""
     for settings in (Settings(), Settings(otlp_endpoint="http://collector:4318",
-                                          propagate_trace=False)):
+                                          propagate_trace=False, otlp_metrics=True,
+                                          metrics_linger=30)):
         environ: dict[str, str] = {}
         export_settings(settings, environ)
         assert from_sources(environ=environ) == settings
@@ -557,12 +590,15 @@ async def test_error_event_inside_a_200_stream(receiver: Receiver) -> None:
 @pytest.mark.e2e
 async def test_serve_with_standard_env_exports_at_shutdown(
         receiver: Receiver, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``python -m proxy serve`` with ``OTEL_EXPORTER_OTLP_ENDPOINT`` only, in front of
-    the simulator: a batch delay longer than the test proves that SIGTERM exports what
-    is still queued, and the start-up log says tracing is on."""
+    """``python -m proxy serve`` with ``OTEL_EXPORTER_OTLP_ENDPOINT`` only (and
+    ``OTEL_METRICS_EXPORTER=otlp`` for the OTLP metrics), in front of the simulator: a
+    batch delay and an export interval longer than the test prove that SIGTERM exports
+    what is still queued, and the start-up log says tracing and OTLP metrics are on."""
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.url)
     monkeypatch.setenv("OTEL_SERVICE_NAME", "e2e-proxy")
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "600000")
+    monkeypatch.setenv("OTEL_METRICS_EXPORTER", "otlp")
+    monkeypatch.setenv("OTEL_METRIC_EXPORT_INTERVAL", "600000")
     config = SimConfig(prefill_rate=1e9, prefill_overhead=0.01, itl=0.001, itl_growth=0.0,
                        jitter=0.0, output_tokens=4, output_dist="fixed", seed=3)
     with serve_in_thread(create_simulator_app(config)) as sim:
@@ -576,10 +612,18 @@ async def test_serve_with_standard_env_exports_at_shutdown(
                 assert response.status_code == 200
             with receiver.lock:
                 assert receiver.spans == []  # still in the batch
+                assert receiver.metrics == []  # before the first export interval
             proc.send_signal(signal.SIGTERM)
             assert await anyio.to_thread.run_sync(proc.wait, 20) == 0
     banner = [line for line in out if "relaying" in line]
     assert f"; tracing: OTLP/HTTP to {receiver.url}, service e2e-proxy, sampler " in banner[0]
+    assert banner[0].rstrip().endswith(
+        f"; OTLP metrics: OTLP/HTTP to {receiver.url}/v1/metrics, every 600 s")
+    with receiver.lock:
+        (exported_metrics,) = receiver.metrics
+    ttft_metric = next(m for m in exported_metrics if m.name == "gen_ai.server.time_to_first_token")
+    ((point_attrs, point),) = points(ttft_metric)
+    assert (point.count, point_attrs["gen_ai.request.model"]) == (1, "sim")
     with receiver.lock:
         (span,) = receiver.spans
         resource = receiver.resources[0]
@@ -589,6 +633,8 @@ async def test_serve_with_standard_env_exports_at_shutdown(
         "chat sim", CLIENT_TRACE, CLIENT_PARENT)
     assert got["gen_ai.usage.output_tokens"] == 4
     assert 0 < got["llm_proxy.ttft_s"] <= got["llm_proxy.ttfa_s"] < got["llm_proxy.ttft_s"] + 1
+    assert point.sum == got["llm_proxy.ttft_s"]  # the same measurement, both ways
+    assert (got["gen_ai.response.model"], got["gen_ai.response.finish_reasons"]) == ("sim", ["stop"])
     for secret in (b"PROMPT-TEXT", SECRET_KEY.encode()):
         assert secret not in b"".join(receiver.bodies)
 
@@ -611,3 +657,252 @@ async def test_a_refused_request_is_a_span_too(receiver: Receiver) -> None:
             "http.response.status_code": 413, "error.type": "413",
             "llm_proxy.outcome": "rejected"}
         assert "gen_ai.request.model" not in got
+
+
+# ---------------------------------------------------------------------------
+# gen_ai.response.*: what the upstream said about its answer, for every API
+
+
+CHAT_ID, CHAT_MODEL = "chatcmpl-B7", "gpt-4o-2024-08-06"
+USAGE_4_3 = {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
+
+
+def compact_chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
+    return sse({"id": CHAT_ID, "object": "chat.completion.chunk", "created": 1,
+                "model": CHAT_MODEL, "choices": choices, **extra}, compact=True)
+
+
+def choice(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> dict[str, Any]:
+    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish, **extra}
+
+
+def chat_script(layout: str) -> list[tuple[float, bytes]]:
+    """OpenAI ends with an empty-delta chunk holding the reason; vLLM puts the reason
+    on the last token's chunk. Both then send the usage chunk and [DONE]."""
+    script = [(T0 + 0.25, compact_chunk([choice({"role": "assistant", "content": ""})])),
+              (T0 + 0.5, compact_chunk([choice({"content": "one "})])),
+              (T0 + 0.625, compact_chunk([choice({"content": "two "})]))]
+    if layout == "openai":
+        script += [(T0 + 0.75, compact_chunk([choice({"content": "three"})])),
+                   (T0 + 0.875, compact_chunk([choice({}, "length")]))]
+    else:
+        script += [(T0 + 0.75, compact_chunk([choice({"content": "three"}, "length",
+                                                     stop_reason=None)]))]
+    return [*script, (T0 + 1.0, compact_chunk([], usage=USAGE_4_3)),
+            (T0 + 1.125, b"data: [DONE]\n\n")]
+
+
+def completions_script() -> list[tuple[float, bytes]]:
+    def text_chunk(text: str, finish: str | None = None) -> bytes:
+        return sse({"id": "cmpl-C1", "object": "text_completion", "created": 1,
+                    "model": "gpt-3.5-turbo-instruct", "choices": [
+                        {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]},
+                   compact=True)
+
+    return [(T0 + 0.5, text_chunk("one ")), (T0 + 0.625, text_chunk("two")),
+            (T0 + 0.75, text_chunk("", "stop")), (T0 + 0.875, b"data: [DONE]\n\n")]
+
+
+def responses_incomplete_script() -> list[tuple[float, bytes]]:
+    """A Responses stream cut by max_output_tokens: response.incomplete says why."""
+    script, _, _ = responses_script(0, 3, end="response.incomplete")
+    at, _ = script[-1]
+    final = {"id": "resp_9", "object": "response", "status": "incomplete",
+             "model": "gpt-4.1-2025-04-14",
+             "incomplete_details": {"reason": "max_output_tokens"},
+             "usage": {"input_tokens": 40, "output_tokens": 3, "total_tokens": 43}}
+    return [*script[:-1], (at, dialect_event("response.incomplete",
+                                             {"response": final, "sequence_number": 99}))]
+
+
+STREAMS = {  # route, script, (id, model, finish reasons)
+    "chat-openai": (CHAT, lambda: chat_script("openai"), (CHAT_ID, CHAT_MODEL, ["length"])),
+    "chat-vllm": (CHAT, lambda: chat_script("vllm"), (CHAT_ID, CHAT_MODEL, ["length"])),
+    "completions": (COMPLETIONS, completions_script,
+                    ("cmpl-C1", "gpt-3.5-turbo-instruct", ["stop"])),
+    "responses": (RESPONSES, responses_incomplete_script,
+                  ("resp_9", "gpt-4.1-2025-04-14", ["max_output_tokens"])),
+    "messages": (MESSAGES, lambda: messages_script(1, 2)[0], ("msg_1", "m", ["end_turn"])),
+}
+
+
+def request_for(route: str, stream: bool) -> dict[str, Any]:
+    if route == RESPONSES:
+        return {"model": "m", "stream": stream, "input": PROMPT}
+    if route == COMPLETIONS:
+        return {"model": "m", "stream": stream, "prompt": PROMPT}
+    return {"model": "m", "stream": stream, "max_tokens": 8,
+            "messages": [{"role": "user", "content": PROMPT}]}
+
+
+RESPONSE_KEYS = ("gen_ai.response.id", "gen_ai.response.model",
+                 "gen_ai.response.finish_reasons")
+
+
+@pytest.mark.parametrize("name", list(STREAMS))
+async def test_stream_span_names_the_response(receiver: Receiver, name: str) -> None:
+    route, script, expected = STREAMS[name]
+    clock = ScriptedClock(T0)
+    events = script()
+    up = sse_upstream(clock, events, headers_at=T0 + 0.125, end=events[-1][0] + 0.125)
+    app, registry = make_app(up, clock, otlp_endpoint=receiver.url)
+    async with app:
+        response = await post(app, route, request_for(route, True))
+        assert response.status_code == 200
+        (span,) = await exported(app, receiver)
+        got = attrs(span.attributes)
+        assert tuple(got.get(k) for k in RESPONSE_KEYS) == expected
+        assert got["llm_proxy.outcome"] == "completed"
+        assert got["llm_proxy.ttft_s"] == registry.get_sample_value(
+            "llm_proxy_time_to_first_token_seconds_sum",
+            {"route": route, "model": "m", "upstream": "upstream.test:8000"})
+
+
+NON_STREAM = {  # route, body, (id, model, finish reasons)
+    "chat": (CHAT, {"id": "chatcmpl-N1", "object": "chat.completion", "created": 1,
+                    "model": CHAT_MODEL, "choices": [
+                        {"index": 0, "message": {"role": "assistant", "content": "a"},
+                         "finish_reason": "stop"},
+                        {"index": 1, "message": {"role": "assistant", "content": "b"},
+                         "finish_reason": "length"}], "usage": USAGE_4_3},
+             ("chatcmpl-N1", CHAT_MODEL, ["stop", "length"])),
+    "completions": (COMPLETIONS, {"id": "cmpl-N2", "object": "text_completion", "created": 1,
+                                  "model": "gpt-3.5-turbo-instruct", "choices": [
+                                      {"index": 0, "text": "a", "logprobs": None,
+                                       "finish_reason": "length"}], "usage": USAGE_4_3},
+                    ("cmpl-N2", "gpt-3.5-turbo-instruct", ["length"])),
+    "responses": (RESPONSES, {"id": "resp_N3", "object": "response", "status": "completed",
+                              "model": "gpt-4.1-2025-04-14", "incomplete_details": None,
+                              "output": [], "usage": {"input_tokens": 4, "output_tokens": 3}},
+                  ("resp_N3", "gpt-4.1-2025-04-14", ["completed"])),
+    "messages": (MESSAGES, {"id": "msg_N4", "type": "message", "role": "assistant",
+                            "model": "claude-sonnet-4-5", "content": [],
+                            "stop_reason": "max_tokens", "stop_sequence": None,
+                            "usage": {"input_tokens": 4, "output_tokens": 3}},
+                 ("msg_N4", "claude-sonnet-4-5", ["max_tokens"])),
+}
+
+
+@pytest.mark.parametrize("name", list(NON_STREAM))
+async def test_non_stream_span_names_the_response(receiver: Receiver, name: str) -> None:
+    route, body, expected = NON_STREAM[name]
+    clock = ScriptedClock(T0)
+    app, _ = make_app(json_upstream(200, json.dumps(body).encode()), clock,
+                      otlp_endpoint=receiver.url)
+    async with app:
+        response = await post(app, route, request_for(route, False))
+        assert response.status_code == 200
+        (span,) = await exported(app, receiver)
+        got = attrs(span.attributes)
+        assert tuple(got.get(k) for k in RESPONSE_KEYS) == expected
+        assert got["gen_ai.usage.output_tokens"] == 3
+
+
+async def test_response_attributes_are_never_metric_labels(receiver: Receiver) -> None:
+    clock = ScriptedClock(T0)
+    events = chat_script("openai")
+    up = sse_upstream(clock, events, headers_at=T0 + 0.125, end=T0 + 1.25)
+    app, _ = make_app(up, clock, otlp_endpoint=receiver.url)
+    async with app:
+        await post(app, CHAT, request_for(CHAT, True))
+        text, _ = app.metrics.exposition("application/openmetrics-text; version=1.0.0")
+        for said in (CHAT_ID, CHAT_MODEL, "length"):
+            assert said not in text.decode()
+
+
+# ---------------------------------------------------------------------------
+# OTLP metrics (--otlp-metrics): the GenAI instruments, decoded as a Collector would
+
+
+async def exported_metrics(app: InProcess, receiver: Receiver) -> dict[str, Metric]:
+    """The metrics of the proxy's latest export, by name, after a forced export."""
+    assert app.otel_metrics is not None
+    assert await asyncio.to_thread(app.otel_metrics.force_flush)
+    with receiver.lock:
+        return {m.name: m for m in receiver.metrics[-1]}
+
+
+def points(metric: Metric) -> list[tuple[dict[str, Any], Any]]:
+    return [(attrs(p.attributes), p) for p in metric.histogram.data_points]
+
+
+async def test_otlp_metrics_names_units_buckets_and_the_measured_values(
+        receiver: Receiver) -> None:
+    clock = ScriptedClock(T0)
+    up = chat_stream(clock)
+    app, registry = make_app(up, clock, otlp_endpoint=receiver.url, otlp_metrics=True)
+    async with app:
+        assert (await post(app, CHAT, chat_request())).status_code == 200
+        got = await exported_metrics(app, receiver)
+        lbl = {"route": CHAT, "model": "m", "upstream": "upstream.test:8000"}
+        ttft = registry.get_sample_value("llm_proxy_time_to_first_token_seconds_sum", lbl)
+        tpot = registry.get_sample_value("llm_proxy_time_per_output_token_seconds_sum", lbl)
+        duration = registry.get_sample_value(
+            "llm_proxy_request_duration_seconds_sum", {**lbl, "stream": "true"})
+        assert (ttft, tpot, duration) == (0.5, 0.125, 1.5)
+        port = int(app.upstream.host.rsplit(":", 1)[1])
+        base = {"gen_ai.operation.name": "chat", "gen_ai.provider.name": "openai",
+                "gen_ai.request.model": "m", "gen_ai.response.model": "m",
+                "server.address": "127.0.0.1", SERVER_PORT_OF: port}
+        expected = {  # name: (unit, bucket advice, [(attributes, value)])
+            "gen_ai.server.time_to_first_token": (
+                "s", [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                      2.5, 5.0, 7.5, 10.0], [(base, ttft)]),
+            "gen_ai.server.time_per_output_token": (
+                "s", [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5],
+                [(base, tpot)]),
+            "gen_ai.server.request.duration": (
+                "s", [0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24,
+                      20.48, 40.96, 81.92], [(base, duration)]),
+            "gen_ai.client.token.usage": (
+                "{token}", [1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576,
+                            4194304, 16777216, 67108864],
+                [({**base, "gen_ai.token.type": "input"}, 7),
+                 ({**base, "gen_ai.token.type": "output"}, 3)]),
+        }
+        assert set(got) == set(expected)
+        for name, (unit, bounds, values) in expected.items():
+            metric = got[name]
+            assert metric.unit == unit, name
+            assert metric.histogram.aggregation_temporality == 2  # cumulative
+            seen = sorted(((a, p.count, p.sum, list(p.explicit_bounds), list(p.bucket_counts))
+                           for a, p in points(metric)), key=repr)
+            want = sorted(((a, 1, float(v), [float(b) for b in bounds],
+                            [1 if i == next(j for j, b in enumerate([*bounds, math.inf])
+                                            if v <= b) else 0
+                             for i in range(len(bounds) + 1)]) for a, v in values), key=repr)
+            assert seen == want, name
+        with receiver.lock:
+            resource = receiver.metric_resources[-1]
+        assert resource["service.name"] == "llm-latency-proxy"
+        assert resource["service.instance.id"]
+
+
+async def test_otlp_metrics_failed_request_has_error_type_and_no_ttft(
+        receiver: Receiver) -> None:
+    clock = ScriptedClock(T0)
+    app, _ = make_app(json_upstream(503, b'{"error":{"message":"busy"}}'), clock,
+                      otlp_endpoint=receiver.url, otlp_metrics=True)
+    async with app:
+        assert (await post(app, CHAT, chat_request())).status_code == 503
+        got = await exported_metrics(app, receiver)
+        assert set(got) == {"gen_ai.server.request.duration"}
+        ((a, point),) = points(got["gen_ai.server.request.duration"])
+        assert (a["error.type"], a["gen_ai.request.model"], point.count) == ("503", "m", 1)
+        assert "gen_ai.response.model" not in a
+
+
+def test_otlp_metrics_off_unless_asked() -> None:
+    on = Settings(otlp_metrics=True)
+    assert not otel_metrics.wanted(Settings(), {})
+    assert otel_metrics.wanted(on, {})
+    assert otel_metrics.wanted(Settings(), {"OTEL_METRICS_EXPORTER": "otlp"})
+    assert not otel_metrics.wanted(Settings(), {"OTEL_METRICS_EXPORTER": "prometheus"})
+    assert not otel_metrics.wanted(on, {"OTEL_METRICS_EXPORTER": "none"})
+    assert not otel_metrics.wanted(on, {"OTEL_SDK_DISABLED": "true"})
+    assert otel_metrics.from_settings(Settings(), {}) is None
+    assert otel_metrics.endpoint(Settings(otlp_endpoint="http://c:4318/"), {}) == (
+        "http://c:4318/v1/metrics")
+    assert otel_metrics.endpoint(Settings(), {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:1"}) == (
+        "http://c:1/v1/metrics")
+    assert otel_metrics.endpoint(Settings(), {}) == "http://localhost:4318/v1/metrics"

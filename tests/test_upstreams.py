@@ -5,6 +5,7 @@ README says (first match in file order, routes, default, none)."""
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import textwrap
@@ -65,15 +66,7 @@ def load(tmp_path: Path, text: str, env: dict[str, str] | None = None,
     args = argparse.Namespace(**{o.name: None for o in config.OPTIONS})
     for name, value in flags.items():
         setattr(args, name, value)
-    import os
-
-    saved = dict(os.environ)
-    os.environ.update(ENV)  # the key variables are read from the process environment too
-    try:
-        return from_sources(args, environ)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    return from_sources(args, environ)
 
 
 def test_the_example_file_loads_with_defaults_from_the_top_level(tmp_path: Path) -> None:
@@ -188,17 +181,9 @@ def test_config_and_single_upstream_flags_together_is_an_error(tmp_path: Path) -
 
 def test_an_upstream_key_requires_client_keys(tmp_path: Path) -> None:
     path = write(tmp_path, TWO)
-    with pytest.raises(SettingsError, match="--client-keys-file: required when an upstream "
-                       "holds a key .upstream 'openai' has api_key_env"):
-        import os
-
-        saved = dict(os.environ)
-        os.environ.update(ENV)
-        try:
-            from_sources(None, {"LLM_PROXY_CONFIG": path, **ENV})
-        finally:
-            os.environ.clear()
-            os.environ.update(saved)
+    with pytest.raises(SettingsError, match=r"--client-keys-file: required when an upstream "
+                       r"holds a key \(upstream 'openai' has api_key_env"):
+        from_sources(None, {"LLM_PROXY_CONFIG": path, **ENV})
 
 
 def test_key_fingerprints_need_the_secret(tmp_path: Path) -> None:
@@ -240,19 +225,13 @@ def test_routing_table_first_match_routes_default_and_none() -> None:
 
 
 def test_reload_reads_the_tables_and_names_changed_top_level_keys(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     s = load(tmp_path, TWO)
     (tmp_path / "proxy.toml").write_text(
         textwrap.dedent(TWO).replace("max_clients = 7", "max_clients = 8").replace(
             'models = ["meta-llama/*", "qwen*"]', 'models = ["mistral*"]'))
-    import os
-
-    os.environ.update(ENV)
-    try:
-        specs = reload_specs(s)
-    finally:
-        for k in ENV:
-            os.environ.pop(k, None)
+    monkeypatch.setattr("os.environ", {**os.environ, **ENV})
+    specs = reload_specs(s)
     assert specs[1].models == ("mistral*",)
     assert "top-level settings max_clients differ" in caplog.text
 

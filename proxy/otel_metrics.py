@@ -1,0 +1,270 @@
+"""Optional OTLP metrics: the OpenTelemetry GenAI metric instruments, once per request.
+
+For teams whose metrics pipeline is OTLP rather than Prometheus scraping. Prometheus
+stays the primary interface (:mod:`proxy.metrics`); this module only re-states, under
+the GenAI semantic-convention names, what the finished
+:class:`~proxy.measure.RequestRecord` already holds. Nothing happens per event: one
+:meth:`OtelMetrics.record` per request, from the record, after the response ended.
+Like :mod:`proxy.tracing` it imports OpenTelemetry only when asked for, and without the
+``otel`` extra the proxy runs as before and says why at start-up.
+
+On with ``--otlp-metrics`` (``LLM_PROXY_OTLP_METRICS=true``), or when
+``OTEL_METRICS_EXPORTER`` names ``otlp`` explicitly: the standard variable's unset
+default is ``otlp`` too, but a proxy that started exporting to localhost:4318 because
+a variable was *absent* would surprise everyone, so only an explicit ``otlp`` counts.
+``OTEL_METRICS_EXPORTER=none`` and ``OTEL_SDK_DISABLED=true`` turn it off whatever the
+flag says. Where they go: ``--otlp-endpoint`` (``<URL>/v1/metrics``), else the
+exporter's own standard variables (``OTEL_EXPORTER_OTLP_METRICS_ENDPOINT``,
+``OTEL_EXPORTER_OTLP_ENDPOINT``, default ``http://localhost:4318``); how often:
+``OTEL_METRIC_EXPORT_INTERVAL`` (the periodic reader's, default 60 s); the temporality:
+the exporter's default (cumulative) unless
+``OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE`` says otherwise.
+
+Instruments (names, units and explicit bucket boundaries as advised by
+``docs/gen-ai/gen-ai-metrics.md`` of the OpenTelemetry semantic conventions, development
+status; the same release of the conventions as :mod:`proxy.tracing`):
+
+* ``gen_ai.server.time_to_first_token`` (s): the record's TTFT, for streams that
+  completed without error (the convention counts successful responses only);
+* ``gen_ai.server.time_per_output_token`` (s): the record's TPOT, same condition. The
+  convention divides (duration - TTFT) by the tokens after the first; the proxy's TPOT
+  is (last token - first token) / (completion tokens - 1), the same up to the gap
+  between the last token and the end of the response;
+* ``gen_ai.server.request.duration`` (s): every request to a measured route, refused
+  ones included, with ``error.type`` when it failed (the same value as on the span);
+* ``gen_ai.client.token.usage`` ({token}): input and output tokens
+  (``gen_ai.token.type``) when the upstream reported them; never estimates (the
+  convention forbids counts the instrumentation cannot obtain).
+
+Attributes: ``gen_ai.operation.name``, ``gen_ai.provider.name`` (as on the span),
+``gen_ai.request.model`` and ``gen_ai.response.model``, ``server.address``,
+``server.port``. The two model attributes are bounded like the Prometheus ``model``
+label (the first ``--max-models`` names keep their value, later ones become ``other``;
+``--model-allowlist`` applies to the request model), because each attribute value makes
+a series in the backend; ``gen_ai.request.model`` is absent when the request named none.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from proxy.config import Settings
+from proxy.measure import RequestRecord
+from proxy.metrics import UNKNOWN_MODEL, BoundedLabels
+from proxy.tracing import (
+    ATTR,
+    OPERATION,
+    PROVIDER,
+    error_type,
+    otel_resource,
+    server_attributes,
+)
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.metrics import MeterProvider
+
+log = logging.getLogger("proxy")
+
+# Instrument names, units and the conventions' bucket advice, in one place.
+TTFT = "gen_ai.server.time_to_first_token"
+TPOT = "gen_ai.server.time_per_output_token"
+DURATION = "gen_ai.server.request.duration"
+TOKENS = "gen_ai.client.token.usage"
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+DURATION_BUCKETS = (
+    0.01,
+    0.02,
+    0.04,
+    0.08,
+    0.16,
+    0.32,
+    0.64,
+    1.28,
+    2.56,
+    5.12,
+    10.24,
+    20.48,
+    40.96,
+    81.92,
+)
+TOKEN_BUCKETS = (
+    1,
+    4,
+    16,
+    64,
+    256,
+    1024,
+    4096,
+    16384,
+    65536,
+    262144,
+    1048576,
+    4194304,
+    16777216,
+    67108864,
+)
+TOKEN_TYPE = "gen_ai.token.type"
+
+
+class OtelMetrics:
+    """The four instruments; built once by :func:`from_settings`."""
+
+    def __init__(self, provider: MeterProvider, settings: Settings) -> None:
+        self.provider = provider
+        self.description = ""  # where metrics go, for the start-up line
+        meter = provider.get_meter("proxy.otel_metrics")
+        self.ttft = meter.create_histogram(
+            TTFT,
+            unit="s",
+            description="Time to generate first token for successful responses.",
+            explicit_bucket_boundaries_advisory=TTFT_BUCKETS,
+        )
+        self.tpot = meter.create_histogram(
+            TPOT,
+            unit="s",
+            description="Time per output token generated after the first token "
+            "for successful responses.",
+            explicit_bucket_boundaries_advisory=TPOT_BUCKETS,
+        )
+        self.duration = meter.create_histogram(
+            DURATION,
+            unit="s",
+            description="Generative AI server request duration such as "
+            "time-to-last byte or last output token.",
+            explicit_bucket_boundaries_advisory=DURATION_BUCKETS,
+        )
+        self.tokens = meter.create_histogram(
+            TOKENS,
+            unit="{token}",
+            description="Number of input and output tokens used.",
+            explicit_bucket_boundaries_advisory=TOKEN_BUCKETS,
+        )
+        self._server = server_attributes(settings.upstream)
+        self._response_models = BoundedLabels(settings.max_models)
+
+    def record(self, record: RequestRecord, dialect: str,
+               upstream: Mapping[str, Any] | None = None) -> None:
+        """One finished request to a measured route (``dialect``: its API's name;
+        ``upstream``: the attributes of the upstream it went to)."""
+        a: dict[str, Any] = {
+            ATTR["operation"]: OPERATION.get(dialect, dialect),
+            ATTR["provider"]: PROVIDER.get(dialect, "openai"),
+            **(upstream or self._server),
+        }
+        if record.model != UNKNOWN_MODEL:
+            a[ATTR["request_model"]] = record.model  # already a bounded label value
+        if record.response_model:
+            a[ATTR["response_model"]] = self._response_models(record.response_model)
+        error = error_type(record)
+        self.duration.record(record.duration_s, {**a, ATTR["error_type"]: error} if error else a)
+        if not error:
+            if record.ttft_s is not None:
+                self.ttft.record(record.ttft_s, a)
+            if record.tpot_s is not None:
+                self.tpot.record(record.tpot_s, a)
+        if not record.tokens_estimated:
+            if record.prompt_tokens is not None:
+                self.tokens.record(record.prompt_tokens, {**a, TOKEN_TYPE: "input"})
+            if record.completion_tokens is not None:
+                self.tokens.record(record.completion_tokens, {**a, TOKEN_TYPE: "output"})
+
+    def force_flush(self, timeout_s: float = 10.0) -> bool:
+        return self.provider.force_flush(int(timeout_s * 1000))
+
+    def shutdown(self) -> None:
+        """Export what was recorded since the last export, then stop the reader's thread."""
+        self.provider.shutdown()
+
+
+def _exporters(env: Mapping[str, str]) -> set[str]:
+    return {e.strip().lower() for e in env.get("OTEL_METRICS_EXPORTER", "").split(",") if e.strip()}
+
+
+def wanted(settings: Settings, environ: Mapping[str, str] | None = None) -> bool:
+    """Whether OTLP metrics were asked for and not switched off."""
+    env = os.environ if environ is None else environ
+    exporters = _exporters(env)
+    if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true" or "none" in exporters:
+        return False
+    return settings.otlp_metrics or "otlp" in exporters
+
+
+def endpoint(settings: Settings, environ: Mapping[str, str] | None = None) -> str:
+    """Where metrics go, as the exporter will resolve it."""
+    env = os.environ if environ is None else environ
+    if settings.otlp_endpoint:
+        return settings.otlp_endpoint.rstrip("/") + "/v1/metrics"
+    if env.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"):
+        return env["OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"]
+    base = env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or "http://localhost:4318"
+    return base.rstrip("/") + "/v1/metrics"
+
+
+def from_settings(
+    settings: Settings, environ: Mapping[str, str] | None = None
+) -> OtelMetrics | None:
+    """OTLP metrics as configured, or None (with one warning line saying why when they
+    were asked for but cannot be on)."""
+    env = os.environ if environ is None else environ
+    if not wanted(settings, env):
+        if settings.otlp_metrics:
+            log.warning(
+                "OTLP metrics off: --otlp-metrics is set but OTEL_SDK_DISABLED=true "
+                "or OTEL_METRICS_EXPORTER=none"
+            )
+        return None
+    if not settings.measure:
+        log.warning("OTLP metrics off: measurement is off (--no-measure)")
+        return None
+    try:
+        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+    except ImportError as exc:
+        log.warning(
+            "OTLP metrics off: asked for but the OpenTelemetry packages are not "
+            "installed (pip install 'llm-latency-proxy[otel]'): %s",
+            exc,
+        )
+        return None
+    exporter = (
+        OTLPMetricExporter(endpoint=endpoint(settings, env))
+        if settings.otlp_endpoint
+        else OTLPMetricExporter()
+    )
+    reader = PeriodicExportingMetricReader(exporter)  # OTEL_METRIC_EXPORT_INTERVAL
+    resource = otel_resource()
+    metrics = OtelMetrics(MeterProvider(resource=resource, metric_readers=[reader]), settings)
+    metrics.description = f"OTLP/HTTP to {endpoint(settings, env)}, every {_interval_s(env):g} s"
+    return metrics
+
+
+def _interval_s(env: Mapping[str, str]) -> float:
+    """``OTEL_METRIC_EXPORT_INTERVAL`` in seconds, as the reader reads it (ms, default
+    60000; a bad value means the default)."""
+    try:
+        value = float(env.get("OTEL_METRIC_EXPORT_INTERVAL", "60000"))
+    except ValueError:
+        value = 60000.0
+    return (value if value > 0 else 60000.0) / 1000
