@@ -2,9 +2,13 @@
 
 One command starts three things in one process and one event loop:
 
-1. the simulator (:mod:`proxy.simulator`) on a free loopback port, with a few decode
-   slots, a prefix cache, upstream queue times reported vLLM-style, and rare faults;
-2. the proxy in front of it on ``--port`` (8080, or a free port if that is taken),
+1. two simulated upstreams (:mod:`proxy.simulator`) on free loopback ports: ``local``,
+   with a few decode slots, a prefix cache, upstream queue times reported vLLM-style
+   and rare faults, serving model ``sim-llm``; and ``cloud``, the same server at the
+   ``slow`` speed profile (:mod:`proxy.simulator.profiles`: half a second more to the
+   first token, 20 tokens/s), serving the ``cloud-*`` models;
+2. the proxy in front of both on ``--port`` (8080, or a free port if that is taken),
+   routing by model as a config file with two ``[[upstream]]`` tables would, and
    serving ``/metrics`` like in production;
 3. a steady mixed workload through the proxy over all four APIs the simulator speaks
    (chat completions, completions, Responses, Messages; short and long prompts,
@@ -15,8 +19,11 @@ One command starts three things in one process and one event loop:
 A live view, refreshed every second, shows what the *proxy* measures: it scrapes the
 proxy's own ``/metrics`` like Prometheus would and computes percentiles from the
 histogram deltas (over the last ``--window`` seconds and since start), and per route
-(the ``route`` label) since start, beside how many requests the demo sent to each:
-a route the proxy does not measure shows its requests sent and no figures. On a TTY
+(the ``route`` label) and per upstream since start, beside how many requests the demo
+sent to each: a route the proxy does not measure shows its requests sent and no
+figures. A quarter of the steady traffic asks for ``cloud-llm``, so the two upstreams'
+TTFT differ side by side from the first refresh, as on the dashboard's "compare
+upstreams" row. On a TTY
 it redraws in place with plain ANSI codes; otherwise it prints one line per refresh.
 
 Why in-process uvicorn servers rather than subprocesses: start-up is a fraction of a
@@ -31,6 +38,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import random
 import socket
 import sys
 import time
@@ -49,6 +57,11 @@ if TYPE_CHECKING:
 
 READY_LINE = "demo: traffic is flowing"
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
+# The two simulated upstreams: (upstream label, model the demo sends, model patterns).
+LOCAL = ("local", "sim-llm", ("sim-llm",))
+CLOUD = ("cloud", "cloud-llm", ("cloud-*",))
+UPSTREAMS = (LOCAL[0], CLOUD[0])
+CLOUD_SHARE = 0.25  # of the steady traffic
 FIRST_ANSWER = "llm_proxy_time_to_first_answer_token_seconds"
 
 
@@ -309,14 +322,15 @@ class RouteFigures:
 
 
 def by_route(
-    before: Snapshot, after: Snapshot, routes: Sequence[str] = ROUTES
+    before: Snapshot, after: Snapshot, routes: Sequence[str] = ROUTES, label: str = "route"
 ) -> list[RouteFigures]:
+    """Figures per value of ``label`` (``route`` by default, or ``upstream``)."""
     from proxy.bench import promscrape as p
 
     has_first_answer = p.histogram(after, FIRST_ANSWER).count > 0
     out = []
     for route in routes:
-        where = p.label_filter(route=route)
+        where = p.label_filter(**{label: route})
 
         def h(name: str, where: p.LabelFilter = where) -> Any:
             return p.histogram(after, name, where) - p.histogram(before, name, where)
@@ -361,9 +375,11 @@ def _ratio(part: float, whole: float) -> str:
     return f"{100 * part / whole:.0f}%" if whole > 0 else "-"
 
 
-def _route_rows(routes: Sequence[RouteFigures], sent: Mapping[str, int]) -> list[list[str]]:
+def _route_rows(
+    routes: Sequence[RouteFigures], sent: Mapping[str, int], by: str = "route"
+) -> list[list[str]]:
     rows = [
-        ["since start, by route", "sent", "n", "TTFT p50", "p90", "answer p50", "ITL p50", "not ok"]
+        [f"since start, by {by}", "sent", "n", "TTFT p50", "p90", "answer p50", "ITL p50", "not ok"]
     ]
     for r in routes:
         answer = "-" if r.first_answer is None else _ms(r.first_answer.quantile(0.5))
@@ -389,9 +405,11 @@ def render(
     in_flight: float,
     routes: Sequence[RouteFigures] = (),
     sent: Mapping[str, int] | None = None,
+    upstreams: Sequence[RouteFigures] = (),
 ) -> list[str]:
     """The full-screen view as lines. ``sent`` counts the requests the demo sent per
-    route (client side), so a route the proxy does not measure still shows its traffic."""
+    route and per upstream (client side), so a route the proxy does not measure still
+    shows its traffic."""
     rows = [
         ["", "n", "p50", "p90", "p99", "mean", "n", "p50", "p90", "p99", "mean"],
     ]
@@ -424,6 +442,8 @@ def render(
     lines.append(f"in flight now: {in_flight:.0f}")
     if routes:
         lines += ["", *align_columns(_route_rows(routes, sent or {}))]
+    if upstreams:
+        lines += ["", *align_columns(_route_rows(upstreams, sent or {}, "upstream"))]
     return lines
 
 
@@ -496,6 +516,8 @@ class Demo:
         from proxy.config import Settings
         from proxy.simulator.app import create_simulator_app
         from proxy.simulator.model import SimConfig
+        from proxy.simulator.profiles import profile_config
+        from proxy.upstreams import UpstreamSpec
 
         args = self.args
 
@@ -517,16 +539,23 @@ class Demo:
         sim_sock = _bind("127.0.0.1", 0)
         sim_port = sim_sock.getsockname()[1]
         sim_url = f"http://127.0.0.1:{sim_port}/v1"
+        cloud_sock = _bind("127.0.0.1", 0)
+        cloud_url = f"http://127.0.0.1:{cloud_sock.getsockname()[1]}/v1"
         proxy_sock = _bind(args.host, args.port)
         proxy_port = proxy_sock.getsockname()[1]
         host = f"[{args.host}]" if ":" in args.host else args.host
         proxy_root = f"http://{host}:{proxy_port}"
-        settings = Settings(
-            upstream=sim_url, upstream_name="simulator", host=args.host, port=proxy_port
+        # What a config file with two [[upstream]] tables gives: model -> upstream.
+        specs = (
+            UpstreamSpec(LOCAL[0], sim_url, models=LOCAL[2], default=True),
+            UpstreamSpec(CLOUD[0], cloud_url, models=CLOUD[2]),
         )
+        settings = Settings(upstreams=specs, host=args.host, port=proxy_port)
         sim_server = _server(create_simulator_app(sim_config))
+        cloud_server = _server(create_simulator_app(profile_config("slow", sim_config)))
         proxy_server = _server(create_app(settings))
         sim_task = asyncio.create_task(sim_server.serve(sockets=[sim_sock]))
+        cloud_task = asyncio.create_task(cloud_server.serve(sockets=[cloud_sock]))
         proxy_task = asyncio.create_task(proxy_server.serve(sockets=[proxy_sock]))
         tasks: list[asyncio.Task[Any]] = []
         http = httpx.AsyncClient(
@@ -535,14 +564,25 @@ class Demo:
             trust_env=False,
         )
         try:
-            for server, task in ((sim_server, sim_task), (proxy_server, proxy_task)):
+            for server, task in (
+                (sim_server, sim_task),
+                (cloud_server, cloud_task),
+                (proxy_server, proxy_task),
+            ):
                 while not server.started:  # uvicorn's own flag; no event to wait on
                     if task.done():
                         await task  # surfaces the start-up error
                         raise RuntimeError("server stopped during start-up")
                     await asyncio.sleep(0.01)
             note = f" (port {args.port} is taken)" if args.port and proxy_port != args.port else ""
-            self.say(f"demo: simulator at {sim_url} ({args.slots} decode slots)")
+            self.say(
+                f"demo: simulator at {sim_url} ({args.slots} decode slots), upstream "
+                f"{LOCAL[0]!r} for model {LOCAL[1]}"
+            )
+            self.say(
+                f"demo: simulator at {cloud_url} (slow profile), upstream {CLOUD[0]!r} for "
+                f"models {', '.join(CLOUD[2])} ({CLOUD_SHARE:.0%} of the traffic)"
+            )
             self.say(f"demo: proxy at {proxy_root}/v1{note}")
             self.say(f"demo: metrics at {proxy_root}/metrics")
             self.say(
@@ -563,7 +603,9 @@ class Demo:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 with contextlib.suppress(NotImplementedError, RuntimeError):
                     loop.remove_signal_handler(sig)
-            await self.shutdown(tasks, http, proxy_server, proxy_task, sim_server, sim_task)
+            await self.shutdown(
+                tasks, http, proxy_server, proxy_task, [(sim_server, sim_task),
+                                                        (cloud_server, cloud_task)])
         self.say(f"demo: stopped after {self.completed} completed requests")
         return 0
 
@@ -573,8 +615,7 @@ class Demo:
         http: httpx.AsyncClient,
         proxy_server: uvicorn.Server,
         proxy_task: asyncio.Task[Any],
-        sim_server: uvicorn.Server,
-        sim_task: asyncio.Task[Any],
+        upstreams: Sequence[tuple[uvicorn.Server, asyncio.Task[Any]]],
     ) -> None:
         import asyncio
 
@@ -582,7 +623,7 @@ class Demo:
             task.cancel()
         await asyncio.gather(*tasks, *self.inflight, return_exceptions=True)
         await http.aclose()
-        for server, task in ((proxy_server, proxy_task), (sim_server, sim_task)):
+        for server, task in ((proxy_server, proxy_task), *upstreams):
             server.should_exit = True
             try:
                 await asyncio.wait_for(task, timeout=5.0)
@@ -605,6 +646,7 @@ class Demo:
         from proxy.bench.workload import API_PATHS, route_of
 
         self.sent[route_of(planned.api)] += 1
+        self.sent[CLOUD[0] if planned.body.get("model") == CLOUD[1] else LOCAL[0]] += 1
 
         async def one() -> None:
             result = await send(http, base + API_PATHS[planned.api], planned)
@@ -625,13 +667,15 @@ class Demo:
 
         from proxy.bench.workload import iter_requests, poisson_arrivals
 
-        planned = iter_requests(demo_profiles(), model="sim-llm", seed=self.args.seed)
+        local = iter_requests(demo_profiles(), model=LOCAL[1], seed=self.args.seed)
+        cloud = iter_requests(demo_profiles(), model=CLOUD[1], seed=self.args.seed + 2)
+        pick = random.Random(f"upstreams:{self.args.seed}")
         start = time.perf_counter()
         for offset in poisson_arrivals(self.args.rate, seed=self.args.seed):
             delay = start + offset - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)  # pacing the workload
-            self._launch(http, base, next(planned))
+            self._launch(http, base, next(cloud if pick.random() < CLOUD_SHARE else local))
 
     async def bursts(self, http: httpx.AsyncClient, base: str) -> None:
         import asyncio
@@ -640,7 +684,7 @@ class Demo:
 
         # A batch job's burst: its own system prompt, medium answers, more than the free slots.
         burst = Profile("batch", prompt_tokens=500, shared_prefix_tokens=300, max_tokens=96)
-        planned = iter_requests([burst], model="sim-llm", seed=self.args.seed + 1)
+        planned = iter_requests([burst], model=LOCAL[1], seed=self.args.seed + 1)
         while True:
             await asyncio.sleep(self.args.burst_every)
             for _ in range(self.args.burst_size):
@@ -677,6 +721,7 @@ class Demo:
             recent = window(old, snap, now - old_t)
             total = window(first, snap, now - start)
             routes = by_route(first, snap)
+            upstreams = by_route(first, snap, UPSTREAMS, label="upstream")
             if self.tty:
                 elapsed = int(now - start)
                 header = [
@@ -685,8 +730,10 @@ class Demo:
                     "all figures are the proxy's own histograms (bucket-interpolated "
                     "percentiles); Ctrl-C to stop",
                 ]
-                lines = render(header, recent, total, p.total(snap, p.IN_FLIGHT), routes, self.sent)
+                lines = render(
+                    header, recent, total, p.total(snap, p.IN_FLIGHT), routes, self.sent, upstreams
+                )
                 self.out.write("\x1b[H" + "".join(line + "\x1b[K\n" for line in lines) + "\x1b[J")
                 self.out.flush()
             else:
-                self.say(one_line(now - start, recent, total, routes))
+                self.say(one_line(now - start, recent, total, [*routes, *upstreams]))

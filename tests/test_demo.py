@@ -148,6 +148,15 @@ async def test_demo_live_view_on_a_tty_until_duration() -> None:
     assert set(rows) == set(demo.ROUTES)
     assert rows["/v1/chat/completions"][0] > 0 and rows["/v1/chat/completions"][1] > 0
     assert sum(sent for sent, _ in rows.values()) > rows["/v1/chat/completions"][0]
+    # Per upstream: both simulated upstreams got traffic, and the slow one is slower.
+    ups = {
+        m.group(1): (int(m.group(2)), int(m.group(3)), m.group(4))
+        for m in re.finditer(r"^(local|cloud)\s+(\d+)\s+(\d+)\s+(\S+)", frames[-1], re.MULTILINE)
+    }
+    assert set(ups) == {"local", "cloud"}
+    assert ups["local"][0] > ups["cloud"][0] > 0
+    if ups["cloud"][1] and ups["local"][1]:  # TTFT p50 in ms, once each has finished one
+        assert int(ups["cloud"][2]) > int(ups["local"][2]) + 300
     assert "demo: stopped after" in text
 
 
