@@ -12,7 +12,8 @@ What it does, and why:
   measurement) and optionally ``litellm``. Idle targets cost nothing, so all stay up.
 * ``proxy-20up`` (any ``-Nup``) is the same proxy started with ``--config`` instead of
   ``--upstream``: a generated file of N upstreams, N-1 decoys first and the fake upstream
-  last, so routing by model walks the whole table (see :meth:`Bench.upstreams_config`).
+  last, so routing by model walks the whole table before the table caches its decision
+  (see :meth:`Bench.upstreams_config`).
 * Loads with ``close`` (e.g. ``64close``) run against a second fake upstream started
   with ``--close`` (``Connection: close`` and a closed connection after every response,
   as HTTP/1.0-style servers and some load balancers do) and a second instance of every
