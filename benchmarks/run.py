@@ -10,6 +10,10 @@ What it does, and why:
   ``direct`` (the upstream itself), ``nginx`` (proxy_buffering off, ``nginx.conf``),
   ``proxy`` (``python -m proxy serve``), ``proxy-nomeasure`` (``--no-measure``, prices the
   measurement) and optionally ``litellm``. Idle targets cost nothing, so all stay up.
+* ``proxy-20up`` (any ``-Nup``) is the same proxy started with ``--config`` instead of
+  ``--upstream``: a generated file of N upstreams, N-1 decoys first and the fake upstream
+  last, so routing by model walks the whole table before the table caches its decision
+  (see :meth:`Bench.upstreams_config`).
 * Loads with ``close`` (e.g. ``64close``) run against a second fake upstream started
   with ``--close`` (``Connection: close`` and a closed connection after every response,
   as HTTP/1.0-style servers and some load balancers do) and a second instance of every
@@ -60,6 +64,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 PY = sys.executable
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+BENCH_MODEL = "bench"  # the model every loadgen.py request names (LoadConfig.model)
 DEFAULT_LITELLM_VENV = "/tmp/llm-latency-proxy-bench/venv-litellm"
 
 
@@ -226,6 +231,7 @@ class Bench:
         self.tmp = Path(tempfile.mkdtemp(prefix="llm-proxy-bench-"))
         self.upstream_procs: dict[bool, subprocess.Popen[Any]] = {}  # by close mode
         self.codes: dict[str, str] = {}  # proxy code measured: short sha256 per source
+        self.refusing: socket.socket | None = None  # the decoy upstreams' port (-Nup)
 
     def pin(self, cpu: str) -> list[str]:
         """Command prefix: optional priority (``--nice``) and CPU pinning (taskset)."""
@@ -276,6 +282,8 @@ class Bench:
                     proc.wait(5)
         for log in self.logs:
             log.close()
+        if self.refusing is not None:
+            self.refusing.close()
         if not self.args.keep_tmp:
             shutil.rmtree(self.tmp, ignore_errors=True)
 
@@ -359,6 +367,63 @@ class Bench:
             self.codes["-before" if before else ""] = f"{digest.hexdigest()[:12]}{where}"
         return src
 
+    def refusing_port(self) -> int:
+        """A loopback port bound for the whole run but never listening: a connection to
+        it is refused at once, and nothing else can take it meanwhile."""
+        if self.refusing is None:
+            self.refusing = socket.socket()
+            self.refusing.bind(("127.0.0.1", 0))
+        return int(self.refusing.getsockname()[1])
+
+    def upstreams_config(self, upstream: str, count: int, tag: str) -> Path:
+        """A ``--config`` file of ``count`` upstreams: ``count - 1`` decoys, then
+        ``upstream`` last, the only one whose patterns match :data:`BENCH_MODEL`.
+
+        Every decoy has the shapes a real table holds (``prefix*`` patterns, a
+        ``family/*`` pattern, one sharing the benchmark model's first letters so its
+        match fails late, exact names), so a request walks every set lookup and every
+        compiled pattern before it reaches the last upstream. The routing table caches
+        its decision per (model, route): only the first request per model and route pays
+        that walk, every later one a dict lookup. With the one model of the load, the
+        figures price routing as users run it (a cached lookup per request, beside it the
+        decoys' idle pools, queues and label children); routing is per request, so any
+        cost of it is spread over the request's events. Decoys point at
+        :meth:`refusing_port`: a request routed to one by mistake fails at once and
+        shows as broken streams.
+        """
+        closed = self.refusing_port()
+        lines = [
+            f"# {count} upstreams for benchmarks/run.py: {count - 1} decoys, the fake "
+            "upstream last.",
+            "",
+        ]
+        for i in range(1, count):
+            n = f"{i:02d}"
+            models = [
+                f"decoy-{n}-*",
+                f"family-{n}/*",
+                f"{BENCH_MODEL}-{n}-*",
+                f"decoy-{n}-exact",
+                f"family-{n}/exact",
+            ]
+            lines += [
+                "[[upstream]]",
+                f'name = "decoy-{n}"',
+                f'url = "http://127.0.0.1:{closed}/decoy-{n}/v1"',
+                "models = [" + ", ".join(f'"{m}"' for m in models) + "]",
+                "",
+            ]
+        lines += [
+            "[[upstream]]",
+            'name = "fake-upstream"',
+            f'url = "{upstream}"',
+            f'models = ["{BENCH_MODEL}*"]',
+            "",
+        ]
+        path = self.tmp / f"{tag}.toml"
+        path.write_text("\n".join(lines))
+        return path
+
     def start_proxy(
         self,
         upstream: str,
@@ -366,22 +431,29 @@ class Bench:
         extra: list[str],
         close: bool = False,
         before: bool = False,
+        upstreams: int = 0,
     ) -> Target:
+        """``python -m proxy serve`` in front of ``upstream``; ``upstreams`` > 0: through a
+        ``--config`` file of that many upstreams (:meth:`upstreams_config`) instead of
+        ``--upstream``, every other flag the same."""
         src = self.snapshot_proxy(before)
         port = free_port()
+        tag = peak_key(name, close).replace("@", "-")
+        if upstreams:
+            where = ["--config", str(self.upstreams_config(upstream, upstreams, tag))]
+        else:
+            where = ["--upstream", upstream]
         cmd = [
             PY,
             "-m",
             "proxy",
             "serve",
-            "--upstream",
-            upstream,
+            *where,
             "--port",
             str(port),
             *self.args.proxy_arg,
             *extra,
         ]
-        tag = peak_key(name, close).replace("@", "-")
         proc = self.spawn(cmd, name=tag, cpu=self.args.target_cpu, cwd=src)
         wait_port(port, proc, 30)
         return Target(name, f"http://127.0.0.1:{port}/v1", proc, close=close)
@@ -676,6 +748,22 @@ def verdicts(rows: list[dict[str, Any]]) -> list[str]:
         if mine and off and mine["cpu_us_per_event"] and off["cpu_us_per_event"]:
             extra = (mine["cpu_us_per_event"] / off["cpu_us_per_event"] - 1) * 100
             out.append(check(f"{load} streams measurement CPU over --no-measure", extra, 15, "%"))
+    # Routing among several upstreams (-Nup targets) against the single-upstream proxy:
+    # figures side by side, no verdict, since "no measurable cost" is read against the
+    # round-to-round spread of the same table, not a fixed limit.
+    single = row("proxy", 64)
+    for r in rows:
+        many = re.fullmatch(r"proxy-(\d+)up", r["target"])
+        if not (many and single and Load.of(r) == Load(64)):
+            continue
+        cpu, cpu1 = r["cpu_us_per_event"], single["cpu_us_per_event"]
+        diff = f", {(cpu / cpu1 - 1) * 100:+.1f} %" if cpu and cpu1 else ""
+        out.append(
+            f"- 64 streams with {many[1]} upstreams (`{r['target']}`) vs one (`proxy`): "
+            f"CPU/event {_fmt(cpu)} vs {_fmt(cpu1)} us{diff}; added TTFT p50 "
+            f"{_fmt(r['added_ttft_p50'], 2)} vs {_fmt(single['added_ttft_p50'], 2)} ms, p99 "
+            f"{_fmt(r['added_ttft_p99'], 2)} vs {_fmt(single['added_ttft_p99'], 2)} ms"
+        )
     ll = row("litellm", 64)
     if p64 and ll and p64["added_ttft_p99"] is not None and ll["added_ttft_p99"] is not None:
         ratio = ll["added_ttft_p99"] / max(p64["added_ttft_p99"], 0.1)
@@ -841,6 +929,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="direct,nginx,proxy,proxy-nomeasure",
         help="comma list from direct,nginx,proxy,proxy-nomeasure,litellm; proxy targets take "
         "suffixes: -nomeasure (--no-measure), -noinject (--no-inject-usage), -wN (--workers N), "
+        "-Nup (--config with N upstreams, the benchmark's last, e.g. proxy-20up), "
         "-before (the proxy/ of --before DIR)",
     )
     p.add_argument("--with-litellm", action="store_true", help="add the litellm target")
@@ -948,10 +1037,12 @@ def start_targets(bench: Bench, names: list[str], close: bool) -> list[Target]:
         elif name == "nginx":
             targets.append(bench.start_nginx(upstream, close))
         elif name.startswith("proxy"):
-            # proxy[-nomeasure][-noinject][-wN][-before]: measurement off, no usage
-            # injection, N workers, the code of the --before checkout
+            # proxy[-nomeasure][-noinject][-wN][-Nup][-before]: measurement off, no usage
+            # injection, N workers, a --config file of N upstreams, the code of the
+            # --before checkout
             extra = []
             before = False
+            upstreams = 0
             for part in name.split("-")[1:]:
                 if part == "before":
                     if not bench.args.before:
@@ -963,9 +1054,16 @@ def start_targets(bench: Bench, names: list[str], close: bool) -> list[Target]:
                     extra.append("--no-inject-usage")
                 elif part.startswith("w") and part[1:].isdigit():
                     extra += ["--workers", part[1:]]
+                elif part.endswith("up") and part[:-2].isdigit() and int(part[:-2]) >= 1:
+                    upstreams = int(part[:-2])
                 else:
                     raise SystemExit(f"unknown target {name!r}")
-            targets.append(bench.start_proxy(upstream, name, extra, close, before))
+            if upstreams and before:
+                raise SystemExit(
+                    f"target {name!r}: -Nup runs this tree's proxy only (the config file "
+                    "is written for its --config); compare proxy-Nup with proxy instead"
+                )
+            targets.append(bench.start_proxy(upstream, name, extra, close, before, upstreams))
         elif name == "litellm":
             t = bench.start_litellm(upstream, close)
             if t is not None:

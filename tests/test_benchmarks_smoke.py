@@ -9,16 +9,21 @@ connection per request, direct, through nginx and through the proxy), broken str
 detected, and ``run.py`` end to end (fake upstream, direct, nginx when installed, the
 proxy, the proxy with ``--no-measure`` and a proxy from ``--before``; keep-alive and
 close upstreams; Responses and Messages streams relayed) producing a report with no
-broken streams.
+broken streams. The ``proxy-20up`` target's generated config loads with the proxy's own
+loader and routes the benchmark's model past every decoy, and the proxy started on it
+relays every stream to the fake upstream.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shutil
+import socket
 import subprocess
 import sys
+import urllib.request
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -32,6 +37,9 @@ sys.path.insert(0, str(BENCH))
 import fake_upstream  # noqa: E402
 import loadgen  # noqa: E402
 import run  # noqa: E402
+
+from proxy.config import from_sources  # noqa: E402
+from proxy.upstreams import RoutingTable  # noqa: E402
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration, pytest.mark.slow]
 
@@ -235,6 +243,67 @@ async def test_close_mode_opens_an_upstream_connection_per_request(target: str) 
     assert connections == n
 
 
+def test_many_upstreams_config_routes_the_benchmark_model_last() -> None:
+    """The ``-Nup`` config loads with the proxy's own loader (no pattern shadowed, names
+    distinct), and the benchmark's model goes past every decoy to the last upstream;
+    the decoys' port refuses connections, so a misrouted request would break a stream."""
+    assert loadgen.LoadConfig.model == run.BENCH_MODEL
+    bench = _bench()
+    try:
+        path = bench.upstreams_config("http://127.0.0.1:1/v1", 20, "proxy-20up")
+        specs = from_sources(None, {"LLM_PROXY_CONFIG": str(path)}).upstreams
+        assert len({s.name for s in specs}) == len(specs) == 20
+        assert specs[-1].url == "http://127.0.0.1:1/v1"
+        for route in ("/v1/chat/completions", "/v1/responses", "/v1/messages"):
+            table = RoutingTable(specs)
+            assert table.pick(run.BENCH_MODEL, route) == 19, route
+            assert table.pick("decoy-07-x", route) == 6  # the decoys do match their own
+            assert table.pick("family-19/exact", route) == 18
+            assert table.pick("unknown", route) is None  # no default: nothing catches all
+        port = bench.refusing_port()
+        assert all(s.url == f"http://127.0.0.1:{port}/{s.name}/v1" for s in specs[:-1])
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), 2).close()
+    finally:
+        bench.close()
+
+
+def _scrape(url: str) -> str:
+    with urllib.request.urlopen(url.removesuffix("/v1") + "/metrics", timeout=10) as resp:
+        text: str = resp.read().decode()
+    return text
+
+
+async def test_many_upstreams_proxy_relays_to_the_last() -> None:
+    """``proxy-20up`` is the production proxy on that config: it knows all 20 upstreams
+    and relays every stream to the fake upstream, none to a decoy."""
+    if not HAS_PROXY:
+        pytest.skip("no proxy in this tree")
+    users, per_user = 4, 3
+    bench = _bench()
+    try:
+        async with upstream(FAST) as (url, stats):
+            target = await asyncio.to_thread(
+                bench.start_proxy, url, "proxy-20up", [], False, False, 20
+            )
+            out = await loadgen.run_load(_config(target.url, concurrency=users, streams=per_user))
+            metrics = await asyncio.to_thread(_scrape, target.url)
+    finally:
+        await asyncio.to_thread(bench.close)
+    n = users * per_user
+    assert out["streams"] == out["ok"] == n and out["errors"] == {}
+    assert stats["requests"] == stats["completed"] == n
+    known = set(re.findall(r'^llm_proxy_in_flight_requests\{upstream="([^"]+)"\}', metrics, re.M))
+    assert known == {f"decoy-{i:02d}" for i in range(1, 20)} | {"fake-upstream"}
+    answered = re.findall(r"^llm_proxy_requests_total\{([^}]*)\} (\S+)$", metrics, re.M)
+    by_upstream: dict[str, float] = {}
+    for labels, value in answered:
+        name = re.search(r'upstream="([^"]+)"', labels)
+        assert name is not None
+        by_upstream[name[1]] = by_upstream.get(name[1], 0) + float(value)
+    assert by_upstream == {"fake-upstream": n}
+
+
 async def test_truncated_stream_is_broken() -> None:
     """An upstream that hangs up mid-stream yields broken streams, not silent success."""
     cut = _response("chat", 5)
@@ -360,6 +429,67 @@ def test_run_py_close_upstream_and_other_apis(tmp_path: Path) -> None:
     _check_runs(result, targets, loads)
     rows = {(r["target"], run.Load.of(r)) for r in result["rows"]}
     assert rows == {(t, load) for t in targets for load in loads}
+
+
+@pytest.mark.timeout(180)
+def test_run_py_many_upstreams_beside_one(tmp_path: Path) -> None:
+    """``proxy-20up`` runs in the same run as ``proxy``, keep-alive and close upstreams
+    (each instance with its own config file), and reports the same figures."""
+    if not HAS_PROXY:
+        pytest.skip("no proxy in this tree")
+    targets = ["direct", "proxy", "proxy-20up"]
+    result = _run_harness(tmp_path, targets, "4,4close")
+    _check_runs(result, targets, [run.Load(4), run.Load(4, close=True)])
+    for r in result["runs"]:
+        if r["target"] == "proxy-20up":
+            assert r["target_cpu_us_per_event"] is not None and r["target_cpu_s"] >= 0
+
+
+def test_many_upstreams_cannot_run_the_before_code(tmp_path: Path) -> None:
+    """The config file is written for this tree's proxy: ``-Nup`` with ``-before`` is
+    refused before anything starts."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "run.py"),
+            "--targets",
+            "proxy-20up-before",
+            "--before",
+            str(BENCH.parent),
+            "--max-minutes",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=BENCH.parent,
+    )
+    assert done.returncode != 0
+    assert "-Nup runs this tree's proxy only" in done.stderr
+
+
+def test_many_upstreams_figures_beside_one_in_the_report() -> None:
+    """The report puts the 64-stream figures of ``proxy-20up`` beside ``proxy``'s."""
+
+    def row(target: str, cpu: float, p50: float, p99: float) -> dict[str, Any]:
+        return {
+            "target": target,
+            "load": 64,
+            "keepalive": True,
+            "close": False,
+            "api": "chat",
+            "cpu_us_per_event": cpu,
+            "added_ttft_p50": p50,
+            "added_ttft_p99": p99,
+            "added_itl_p99": 0.1,
+            "broken": 0,
+        }
+
+    lines = run.verdicts([row("proxy", 30.0, 0.1, 0.2), row("proxy-20up", 30.3, 0.12, 0.25)])
+    assert (
+        "- 64 streams with 20 upstreams (`proxy-20up`) vs one (`proxy`): CPU/event 30.3 vs "
+        "30.0 us, +1.0 %; added TTFT p50 0.12 vs 0.10 ms, p99 0.25 vs 0.20 ms"
+    ) in lines
 
 
 def test_old_reports_still_render() -> None:

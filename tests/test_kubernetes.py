@@ -1,12 +1,14 @@
 """The Kubernetes manifests (deploy/kubernetes/), checked offline: no cluster needed.
 
-``kubectl kustomize`` renders the base and the openai overlay as ``kubectl apply -k``
+``kubectl kustomize`` renders the base and every overlay as ``kubectl apply -k``
 would; every core object is validated with kubernetes-validate against the
 Kubernetes version below (strict: unknown fields fail); the Prometheus Operator
 objects, which it has no schema for, get a structural check of the fields this
 deployment relies on. The PrometheusRule and the dashboard ConfigMap must be exact,
 current copies of prometheus/rules/ and grafana/dashboards/, and the PrometheusRule's
-groups pass ``promtool check rules`` and the repository's promtool rule tests.
+groups pass ``promtool check rules`` and the repository's promtool rule tests. The
+several-upstreams overlay's config file, as mounted, loads with the proxy's own loader
+together with the environment the Deployment gives the container.
 
 Without ``kubectl`` (Debian ``kubernetes-client``) or ``promtool`` the tests that need
 them are skipped on a developer machine and fail in CI (``CI=true``).
@@ -16,13 +18,16 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import tomllib
 from collections.abc import Iterator
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import pytest
 import yaml
 
+from proxy.config import ENV_PREFIX, SettingsError, from_sources
+from proxy.upstreams import RoutingTable
 from tests.test_observability import (
     DASHBOARD,
     DOCKERFILE,
@@ -395,3 +400,145 @@ def test_no_key_in_any_manifest() -> None:
     for path in DEPLOY.rglob("*"):
         if path.is_file():
             assert not re.search(r"sk-[A-Za-z0-9_-]{16,}", path.read_text()), path
+
+
+# ---------------------------------------------------------------------------
+# The several-upstreams overlay
+
+SEVERAL = DEPLOY / "overlays" / "several-upstreams"
+
+
+@pytest.fixture(scope="module")
+def several() -> list[dict[str, Any]]:
+    return render(SEVERAL)
+
+
+def container_env(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every variable the proxy container gets: its ConfigMap's, then its own ``env``
+    entries (a value, or the ``valueFrom`` reference)."""
+    env: dict[str, Any] = dict(settings(objects))
+    for entry in container(objects)["env"]:
+        env[entry["name"]] = entry.get("value", entry.get("valueFrom"))
+    return env
+
+
+def mounted_file(objects: list[dict[str, Any]], path: str) -> tuple[dict[str, Any], str]:
+    """The ConfigMap volume holding ``path`` in the proxy container, and the file's text."""
+    file = PurePosixPath(path)
+    mounts = {m["mountPath"]: m for m in container(objects)["volumeMounts"]}
+    mount = mounts[str(file.parent)]
+    assert "subPath" not in mount, "a subPath mount is never updated by the kubelet"
+    volumes = one(objects, "Deployment")["spec"]["template"]["spec"]["volumes"]
+    (volume,) = [v for v in volumes if v["name"] == mount["name"]]
+    config_map = named(objects, "ConfigMap", volume["configMap"]["name"])
+    text: str = config_map["data"][file.name]
+    return config_map, text
+
+
+def test_several_upstreams_env_has_a_config_and_no_single_upstream(
+    several: list[dict[str, Any]],
+) -> None:
+    """The base's LLM_PROXY_UPSTREAM* settings are gone (with a config file they stop
+    the proxy at start), LLM_PROXY_CONFIG names the mounted file."""
+    env = container_env(several)
+    assert env["LLM_PROXY_CONFIG"] == "/etc/llm-proxy/config/proxy.toml"
+    assert not [name for name in env if name.startswith(ENV_PREFIX + "UPSTREAM")]
+    assert "UPSTREAM_API_KEY" not in env  # the base's single-upstream key variable
+    assert settings(render(DEPLOY))["LLM_PROXY_UPSTREAM"], "the base keeps its upstream"
+
+
+def test_several_upstreams_config_map_is_the_file_and_rolls_the_pods(
+    several: list[dict[str, Any]],
+) -> None:
+    """The mounted file is the overlay's proxy.toml, in a ConfigMap whose name carries
+    its hash: a change to the file is a new pod template, so the pods roll."""
+    config_map, text = mounted_file(several, container_env(several)["LLM_PROXY_CONFIG"])
+    assert text == (SEVERAL / "proxy.toml").read_text()
+    name = config_map["metadata"]["name"]
+    assert re.fullmatch(r"llm-latency-proxy-upstreams-[a-z0-9]{10}", name), name
+    assert config_map["metadata"]["namespace"] == "llm-proxy"
+
+
+def _start_env(several: list[dict[str, Any]], tmp_path: Path) -> dict[str, str]:
+    """The container's environment as the proxy would see it: the mounted file and the
+    client keys file written under ``tmp_path``, a made-up value in every variable a
+    Secret fills."""
+    env = container_env(several)
+    _, text = mounted_file(several, env["LLM_PROXY_CONFIG"])
+    config = tmp_path / "proxy.toml"
+    config.write_text(text)
+    keys_file = tmp_path / "client-keys"
+    keys_file.write_text("0" * 64 + "\n")
+    out: dict[str, str] = {}
+    for name, value in env.items():
+        if isinstance(value, dict):
+            ref = value["secretKeyRef"]
+            assert ref["optional"] is False, name  # the proxy needs every key it names
+            out[name] = f"test-{ref['key']}-key"
+        else:
+            out[name] = value
+    return out | {"LLM_PROXY_CONFIG": str(config), "LLM_PROXY_CLIENT_KEYS_FILE": str(keys_file)}
+
+
+def test_several_upstreams_config_loads_with_the_deployment_env(
+    several: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    """The mounted proxy.toml and the container's environment together pass the real
+    loader: every api_key_env is a variable the Deployment fills from the Secret, the
+    routing is what the file says, no top-level key is silently overridden."""
+    env = _start_env(several, tmp_path)
+    s = from_sources(None, env)
+    assert [u.name for u in s.upstreams] == ["openai", "anthropic", "vllm"]
+    secret_vars = {n for n, v in container_env(several).items() if isinstance(v, dict)}
+    assert {u.api_key_env for u in s.upstreams if u.api_key_env} == secret_vars
+    table = RoutingTable(s.upstreams)
+
+    def routed(model: str, route: str = "/v1/chat/completions") -> str:
+        index = table.pick(model, route)
+        assert index is not None, model
+        return s.upstreams[index].name
+
+    assert routed("gpt-4o") == routed("o3-mini") == routed("unknown") == "openai"
+    assert routed("claude-sonnet-4-5", "/v1/messages") == "anthropic"
+    assert routed("meta-llama/Llama-3.1-8B-Instruct") == routed("Qwen/Qwen2.5-7B") == "vllm"
+    assert s.upstreams[2].url == "http://vllm:8000/v1" and s.upstreams[2].provider == "vllm"
+    assert s.workers == int(env["LLM_PROXY_WORKERS"])
+    # A variable wins over the file's top-level key: none may be set for the same setting.
+    doc = tomllib.loads((SEVERAL / "proxy.toml").read_text())
+    for key in doc:
+        if key != "upstream":
+            assert ENV_PREFIX + key.upper() not in env, key
+    assert s.client_label_from == "header:x-team" and s.max_clients == 50
+
+
+def test_several_upstreams_with_the_base_upstream_would_not_start(
+    several: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    """Why the overlay removes LLM_PROXY_UPSTREAM*: left in, even empty, the proxy
+    refuses to start; and without a key variable it refuses too."""
+    env = _start_env(several, tmp_path)
+    base = settings(render(DEPLOY))
+    with pytest.raises(SettingsError, match="LLM_PROXY_UPSTREAM: cannot be combined"):
+        from_sources(None, env | {"LLM_PROXY_UPSTREAM": base["LLM_PROXY_UPSTREAM"]})
+    with pytest.raises(SettingsError, match="LLM_PROXY_UPSTREAM="):  # blanked: still refused
+        from_sources(None, env | {"LLM_PROXY_UPSTREAM": ""})
+    with pytest.raises(SettingsError, match="LLM_PROXY_UPSTREAM_NAME: cannot be combined"):
+        from_sources(None, env | {"LLM_PROXY_UPSTREAM_NAME": base["LLM_PROXY_UPSTREAM_NAME"]})
+    with pytest.raises(SettingsError, match="OPENAI_API_KEY is empty or unset"):
+        from_sources(None, {k: v for k, v in env.items() if k != "OPENAI_API_KEY"})
+
+
+def test_several_upstreams_overlay_keeps_keys_out(several: list[dict[str, Any]]) -> None:
+    proxy = container(several)
+    assert not proxy["image"].startswith("llm-latency-proxy:")
+    for obj in several:
+        assert obj["metadata"].get("namespace") == "llm-proxy", obj["kind"]
+    mounts = {m["name"]: m["mountPath"] for m in proxy["volumeMounts"]}
+    keys_file = Path(settings(several)["LLM_PROXY_CLIENT_KEYS_FILE"])
+    assert mounts["client-keys"] == str(keys_file.parent)
+    volumes = {
+        v["name"]: v for v in one(several, "Deployment")["spec"]["template"]["spec"]["volumes"]
+    }
+    assert volumes["client-keys"]["secret"]["secretName"]
+    for path in SEVERAL.iterdir():
+        assert not re.search(r"sk-[A-Za-z0-9_-]{8,}", path.read_text()), path
