@@ -116,6 +116,13 @@ class Settings:
         return parts.netloc.rsplit("@", 1)[-1] or "upstream"
 
     @property
+    def default_url(self) -> str:
+        """The default upstream's URL (else the first's): where a request that was not
+        routed would have gone, for telemetry attributes set before routing."""
+        specs = self.upstream_specs
+        return next((u.url for u in specs if u.default), specs[0].url)
+
+    @property
     def upstream_specs(self) -> tuple[UpstreamSpec, ...]:
         """Every upstream: the config file's, else the one the single-upstream flags give."""
         if self.upstreams:

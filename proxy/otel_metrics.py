@@ -160,7 +160,7 @@ class OtelMetrics:
             description="Number of input and output tokens used.",
             explicit_bucket_boundaries_advisory=TOKEN_BUCKETS,
         )
-        self._server = server_attributes(settings.upstream)
+        self._server = server_attributes(settings.default_url)
         self._response_models = BoundedLabels(settings.max_models)
 
     def record(self, record: RequestRecord, dialect: str,

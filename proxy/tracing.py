@@ -330,7 +330,7 @@ def from_settings(settings: Settings, clock: Callable[[], float],
     exporter = (OTLPSpanExporter(endpoint=settings.otlp_endpoint.rstrip("/") + "/v1/traces")
                 if settings.otlp_endpoint else OTLPSpanExporter())
     provider.add_span_processor(BatchSpanProcessor(exporter))
-    tracing = Tracing(provider, clock=clock, upstream=settings.upstream,
+    tracing = Tracing(provider, clock=clock, upstream=settings.default_url,
                       propagate=settings.propagate_trace)
     tracing.description = (f"OTLP/HTTP to {endpoint}, service "
                            f"{resource.attributes.get('service.name')}, sampler "
