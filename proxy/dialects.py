@@ -124,9 +124,13 @@ class EventInfo(NamedTuple):
     upstream_queue_s: float | None = None  # vLLM ``metrics.queue_time_ms``, in seconds
     # id, model, finish reasons: only on events without output (see "Response info")
     response: ResponseInfo | None = None
+    # the stream's own last event: chat/completions ``[DONE]``, Responses
+    # ``response.completed``/``incomplete``/``failed``, Messages ``message_stop``
+    end: bool = False
 
 
 NOT_COUNTED = EventInfo()
+END = EventInfo(end=True)
 ANSWER = EventInfo(1, True)
 REASONING = EventInfo(1, False)
 ERROR = EventInfo(error=True)
@@ -411,7 +415,7 @@ class ChatDialect:
         if data[:1] != b"{" or data[-1:] != b"}":
             data = data.strip()
             if data[:1] != b"{":
-                return NOT_COUNTED  # "[DONE]", keep-alive text, garbage
+                return END if data == b"[DONE]" else NOT_COUNTED  # keep-alive text, garbage
             if data[-1:] != b"}":
                 return self.classify_payload(event, _loads(data))
         if data.count(self._marker) == 1 and b'"metrics"' not in data and _usage_is_null(data):
@@ -642,10 +646,10 @@ class ResponsesDialect:
             usage = _usage_of(final)
             response = _responses_response(final)
             if name == "response.failed":
-                return EventInfo(usage=usage, error=True, response=response)
+                return EventInfo(usage=usage, error=True, response=response, end=True)
             if usage is None and response is None:
-                return NOT_COUNTED
-            return EventInfo(usage=usage, response=response)
+                return END
+            return EventInfo(usage=usage, response=response, end=True)
         if not name and isinstance(payload, dict) and payload.get("error"):
             return ERROR
         return NOT_COUNTED
@@ -735,14 +739,18 @@ class MessagesDialect:
             return self.classify_payload(event, _loads(data))
         if name == b"error":
             return ERROR
+        if name == b"message_stop":
+            return END
         if name not in _MESSAGES_USAGE_B and (event or data.count(b'"type"') == 1):
-            return NOT_COUNTED  # ping, content_block_start/stop, message_stop, unknown
+            return NOT_COUNTED  # ping, content_block_start/stop, unknown
         return self.classify_payload(event, _loads(data))
 
     def classify_payload(self, event: bytes, payload: Any) -> EventInfo:
         name = _event_name(event, payload)
         if name == "error":
             return ERROR
+        if name == "message_stop":
+            return END
         if not isinstance(payload, dict):
             return NOT_COUNTED
         if name == "content_block_delta":

@@ -147,6 +147,7 @@ class StreamTimer:
     usage: dict[str, Any] | None = None  # the raw usage, merged over events (last value wins)
     upstream_queue_s: float | None = None
     error: bool = False  # an error event inside the 200 stream
+    ended_t: float | None = None  # when the stream's own last event was handed on
     response_id: str = ""  # from the events that say it (last non-empty value wins)
     response_model: str = ""
     finish: dict[int, str] | None = None  # choice index -> finish reason
@@ -193,6 +194,8 @@ class StreamTimer:
             self.upstream_queue_s = info.upstream_queue_s
         if info.error:
             self.error = True
+        if info.end:
+            self.ended_t = t
         if info.response is not None:
             self._merge_response(info.response)
 

@@ -229,7 +229,8 @@ class Metrics:
             "input_tokens_details.cache_write_tokens (Responses), cache_creation_input_tokens "
             "(Messages); only where the upstream reports them.", who, buckets=tb, registry=reg)
         self.outcomes = Counter(
-            "llm_proxy_stream_outcomes", "How each stream ended: completed, client_disconnected, "
+            "llm_proxy_stream_outcomes", "How each stream ended: completed (its last event reached the client, even if the "
+            "client closed before the upstream's final bytes), client_disconnected, "
             "upstream_interrupted, upstream_error (non-2xx, unreachable, or an error event inside "
             "a 200 stream: Responses error or response.failed, Messages event: error), timeout, "
             "cancelled (still running when the proxy's shutdown grace period ended).", (*base, "outcome"),

@@ -382,9 +382,16 @@ class V1Handler:
                 x.t_end = self.clock()
                 raise
             task.uncancel()
-            x.outcome = Outcome.CLIENT_DISCONNECTED
-            x.status = x.status or 499
-            x.t_end = self.clock()
+            timer = x.timer
+            if timer is not None and timer.ended_t is not None and not timer.error:
+                # The client had the stream's last event and closed before the upstream's
+                # final bytes (the chunked terminator): the official openai SDK closes as
+                # soon as it reads [DONE]. The stream was complete for the client.
+                x.outcome, x.t_end = Outcome.COMPLETED, timer.ended_t
+            else:
+                x.outcome = Outcome.CLIENT_DISCONNECTED
+                x.status = x.status or 499
+                x.t_end = self.clock()
         finally:
             watch.done = True
             watcher.cancel()

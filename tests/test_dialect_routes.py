@@ -328,3 +328,53 @@ async def test_client_disconnect_closes_the_upstream(route: str) -> None:
             labels(route=route, outcome="client_disconnected")) == 1
     finally:
         await app.aclose()
+
+
+def chat_done_script() -> tuple[list[tuple[float, bytes]], list[float], list[float]]:
+    """A chat stream that ends with ``[DONE]``, as OpenAI writes it."""
+    a_times = [REASONING_AT + i * ITL for i in range(3)]
+    script = [(HEADERS_AT, sse(fakes.chunk_json({"role": "assistant"}), compact=True))]
+    script += [(t, sse(fakes.chunk_json({"content": f"w{i}"}), compact=True))
+               for i, t in enumerate(a_times)]
+    end = a_times[-1] + 0.001
+    script += [(end, sse(fakes.chunk_json({}, finish="stop"), compact=True)),
+               (end + 0.001, sse(fakes.usage_json(4, 3), compact=True)),
+               (end + 0.002, b"data: [DONE]\n\n")]
+    return script, [], a_times
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", RESPONSES, MESSAGES])
+@pytest.mark.parametrize("cut", [0, 1])
+async def test_a_client_that_leaves_after_the_last_event_completed_its_stream(
+        route: str, cut: int) -> None:
+    """The official openai SDK closes the connection as soon as it reads ``[DONE]``,
+    before the upstream's final chunk: that stream was complete for the client (outcome
+    completed, duration until the last event). Leaving one event earlier is a
+    disconnect."""
+    clock = ScriptedClock(T0)
+    make = {RESPONSES: lambda: responses_script(0, 3), MESSAGES: lambda: messages_script(0, 3),
+            "/v1/chat/completions": chat_done_script}[route]
+    full, _, _ = make()
+    script = full[:len(full) - cut]
+    closed = asyncio.Event()
+    app, registry = make_app(
+        sse_upstream(clock, script, closed=closed, hold=asyncio.Event()), clock)
+    try:
+        result = await call_raw(app, "POST", route,
+                                body=b'{"model": "m", "stream": true, "stream_options": '
+                                     b'{"include_usage": true}}',
+                                disconnect_after_body_messages=len(script))
+        assert result.body == b"".join(c for _, c in script)
+        await asyncio.wait_for(closed.wait(), 5)
+        outcome = "completed" if cut == 0 else "client_disconnected"
+        assert registry.get_sample_value(
+            "llm_proxy_stream_outcomes_total", labels(route=route, outcome=outcome)) == 1
+        duration = histogram(registry, "llm_proxy_request_duration_seconds",
+                             {**labels(route=route), "stream": "true"})
+        assert duration.count == 1
+        if cut == 0:
+            assert duration.sum == script[-1][0] - T0
+        assert registry.get_sample_value("llm_proxy_requests_total", {
+            **labels(route=route), "stream": "true", "code": "200"}) == 1  # the status sent
+    finally:
+        await app.aclose()

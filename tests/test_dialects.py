@@ -25,6 +25,7 @@ from proxy.dialects import (
     DIALECTS,
     ERROR,
     MESSAGES,
+    END,
     NOT_COUNTED,
     REASONING,
     RESPONSES,
@@ -179,7 +180,7 @@ def test_reasoning_then_answer_chat_stream() -> None:
     ]
     infos = [CHAT.classify(b"", e) for e in events]
     assert infos[:5] == [NOT_COUNTED, REASONING, REASONING, ANSWER, NOT_COUNTED]
-    assert infos[6] == NOT_COUNTED
+    assert infos[6] == END  # [DONE]: the stream's own last event
     assert (first(infos, answer=False), first(infos, answer=True)) == (1, 3)
     assert stream_usage(CHAT, infos) == Usage(9, None, 3, 2, None)
 
@@ -379,7 +380,7 @@ RESPONSE_INFO = ResponseInfo("resp_1", "gpt-4.1-2025-04-14", ((0, "completed"),)
 
 def test_responses_text_stream() -> None:
     infos = read(RESPONSES, RESPONSES_TEXT_STREAM)
-    usage_event = EventInfo(usage=RESPONSE_USAGE, response=RESPONSE_INFO)
+    usage_event = EventInfo(usage=RESPONSE_USAGE, response=RESPONSE_INFO, end=True)
     assert infos == [NOT_COUNTED] * 4 + [ANSWER, NOT_COUNTED, ANSWER] + [NOT_COUNTED] * 3 + [
         usage_event
     ]
@@ -481,10 +482,11 @@ def test_responses_usage_events(kind: str, error: bool) -> None:
     response = response_object(kind.split(".")[1], RESPONSE_USAGE)
     infos = read(RESPONSES, [resp(kind, 9, response=response)])
     said = ResponseInfo("resp_1", "gpt-4.1-2025-04-14", ((0, kind.split(".")[1]),))
-    assert infos == [EventInfo(usage=RESPONSE_USAGE, error=error, response=said)]
+    assert infos == [EventInfo(usage=RESPONSE_USAGE, error=error, response=said, end=True)]
     assert RESPONSES.usage(infos[0].usage) == Usage(37, 12, 11, 4, 20)
     no_usage = read(RESPONSES, [resp(kind, 9, response=response_object(kind, None))])
-    assert no_usage == [EventInfo(error=error, response=said._replace(finish=((0, kind),)))]
+    assert no_usage == [EventInfo(error=error, response=said._replace(finish=((0, kind),)),
+                                  end=True)]
 
 
 def test_responses_usage_only_from_the_final_events() -> None:
@@ -510,9 +512,10 @@ def test_responses_error_events() -> None:
     )  # fmt: skip
     assert infos == [
         ERROR, ERROR,
-        EventInfo(error=True, response=RESPONSE_INFO._replace(finish=((0, "failed"),))),
+        EventInfo(error=True, response=RESPONSE_INFO._replace(finish=((0, "failed"),)),
+                  end=True),
         EventInfo(usage=RESPONSE_USAGE,
-                  response=RESPONSE_INFO._replace(finish=((0, "max_output_tokens"),))),
+                  response=RESPONSE_INFO._replace(finish=((0, "max_output_tokens"),)), end=True),
     ]  # fmt: skip
     # with no name at all, a chat-style error object still says error
     assert RESPONSES.classify(b"", b'{"error":{"message":"boom"}}') == ERROR
@@ -599,7 +602,7 @@ def test_messages_stream() -> None:
     assert infos == [
         start, NOT_COUNTED, NOT_COUNTED, REASONING, REASONING, NOT_COUNTED, NOT_COUNTED,
         NOT_COUNTED, ANSWER, NOT_COUNTED, NOT_COUNTED, ANSWER, NOT_COUNTED, NOT_COUNTED,
-        NOT_COUNTED, ANSWER, NOT_COUNTED, delta1, delta2, NOT_COUNTED,
+        NOT_COUNTED, ANSWER, NOT_COUNTED, delta1, delta2, END,
     ]  # fmt: skip
     assert (first(infos, answer=False), first(infos, answer=True)) == (3, 8)
     # cumulative counts: the last value of each field wins, never a sum
@@ -1255,8 +1258,9 @@ def full_path(dialect: Dialect, chunks: list[bytes]) -> list[EventInfo]:
         for e in parser.feed(chunk):
             try:
                 payload = json.loads(e.data)
-            except ValueError:
-                payload = None
+            except ValueError:  # not JSON ([DONE], keep-alive text): the bytes say it all
+                infos.append(dialect.classify(e.event, e.data))
+                continue
             infos.append(dialect.classify_payload(e.event, payload))
     return infos
 
