@@ -26,6 +26,7 @@ from proxy.metrics import Metrics
 from proxy.reqlog import RequestLog
 from proxy.routes import V1Handler
 from proxy.tracing import from_settings as tracing_from_settings
+from proxy.ui import UI_PATHS, live_page
 from proxy.upstream import Upstream, error_body
 
 Scope = MutableMapping[str, Any]
@@ -48,6 +49,7 @@ class ProxyApp:
         self.admission = Admission(settings.max_concurrency, settings.max_queue)
         self.tracing = tracing_from_settings(settings, clock)
         self.serve_metrics = (not settings.metrics_port) if serve_metrics is None else serve_metrics
+        self.ui = live_page(settings, self.metrics)
         self.v1 = V1Handler(settings, self.upstream, self.metrics, self.admission, clock,
                             load_key_check(settings), self.request_log, self.tracing)
 
@@ -61,6 +63,8 @@ class ProxyApp:
                 await _plain(send, 200, b"ok\n", b"text/plain; charset=utf-8")
             elif path == "/metrics" and self.serve_metrics:
                 await self._metrics(scope, send)
+            elif path in UI_PATHS and self.serve_metrics and self.ui is not None:
+                await self.ui.asgi(scope, send)
             else:
                 await _plain(send, 404, error_body(f"no route {path[:200]}; this proxy serves /v1/*",
                                                    "invalid_request_error", "not_found"),

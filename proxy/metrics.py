@@ -23,7 +23,7 @@ import math
 import os
 from bisect import bisect_left
 from collections import Counter as _Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -230,6 +230,7 @@ class Metrics:
             multiprocess_mode="livesum")
         self.in_flight = self.in_flight_gauge.labels(self.upstream)
         self._children: dict[tuple[str, str], _Children] = {}
+        self.watchers: list[Callable[[RequestRecord], None]] = []  # each finished request
 
     def children(self, route: str, model: str) -> _Children:
         key = (route, model)
@@ -261,6 +262,8 @@ class Metrics:
         if measured:
             self._observe_measured(record, model, exemplar)
         self.requests.labels(record.route, model, self.upstream, stream, str(record.status)).inc()
+        for watch in self.watchers:
+            watch(record)
 
     def _observe_measured(self, record: RequestRecord, model: str,
                           exemplar: dict[str, str] | None) -> None:
