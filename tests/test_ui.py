@@ -293,7 +293,7 @@ def test_labels_not_selected_are_summed_whatever_they_are() -> None:
     assert only_b["ttft"]["p90"] == pytest.approx(hist.quantile(0.9))
 
 
-def test_the_registry_is_read_at_most_every_quarter_second() -> None:
+def test_the_registry_is_read_at_most_twice_a_second() -> None:
     clock = Clock()
     _, registry = observed()
     counting = Counting(registry)

@@ -20,6 +20,7 @@ have gets 400 too. Errors use the OpenAI error shape, like the rest of the proxy
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import json
@@ -152,14 +153,22 @@ class LivePage:
     # -- servers ---------------------------------------------------------------------
 
     async def asgi(self, scope: Scope, send: Send) -> None:
-        status, headers, body = self.respond(scope["method"], scope["path"], scope["query_string"])
+        """Answer on the event loop's server. ``/ui/data`` is computed in a worker
+        thread: reading a large registry takes milliseconds (see benchmarks/RESULTS.md),
+        and there the relay keeps the loop, the GIL passing back to it every few
+        milliseconds, instead of waiting for the whole reading."""
+        method, path, query = scope["method"], scope["path"], scope["query_string"]
+        if path == DATA_PATH and method == "GET" and len(query) <= MAX_QUERY:
+            status, headers, body = await asyncio.to_thread(self.respond, method, path, query)
+        else:
+            status, headers, body = self.respond(method, path, query)
         raw = [(k.encode(), v.encode()) for k, v in headers]
         raw.append((b"content-length", str(len(body)).encode()))
         await send({"type": "http.response.start", "status": status, "headers": raw})
         await send(
             {
                 "type": "http.response.body",
-                "body": b"" if scope["method"] == "HEAD" else body,
+                "body": b"" if method == "HEAD" else body,
                 "more_body": False,
             }
         )
