@@ -46,6 +46,7 @@ from tests.servers import RunningServer, serve_in_thread
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
 MODELS = ("sim-small", "sim-large")
+CHARTS = 7  # on the live page: three over time, two histograms, time split, throughput
 
 SIM = SimConfig(
     slots=6,
@@ -96,6 +97,7 @@ def chrome(width: int = 1360, height: int = 1000) -> Iterator[Any]:
         "--disable-component-update",
         "--disable-sync",
         "--disable-default-apps",
+        "--disable-lcd-text",  # grey antialiasing: a smaller PNG for the README
     ):
         options.add_argument(arg)
     options.set_capability("goog:loggingPrefs", {"performance": "ALL", "browser": "ALL"})
@@ -129,8 +131,9 @@ def wait_for(driver: Any, script: str, timeout: float = 20.0) -> Any:
     )
 
 
-def full_screenshot(driver: Any, path: Path) -> None:
-    """The whole page, not just the window (DevTools ``Page.captureScreenshot``)."""
+def full_screenshot(driver: Any, path: Path, scale: float = 1.0) -> None:
+    """The whole page, not just the window (DevTools ``Page.captureScreenshot``), at
+    ``scale`` (the README's is smaller, to stay under 200 KB)."""
     metrics = driver.execute_cdp_cmd("Page.getLayoutMetrics", {})
     size = metrics["cssContentSize"]
     shot = driver.execute_cdp_cmd(
@@ -138,7 +141,13 @@ def full_screenshot(driver: Any, path: Path) -> None:
         {
             "format": "png",
             "captureBeyondViewport": True,
-            "clip": {"x": 0, "y": 0, "width": size["width"], "height": size["height"], "scale": 1},
+            "clip": {
+                "x": 0,
+                "y": 0,
+                "width": size["width"],
+                "height": size["height"],
+                "scale": scale,
+            },
         },
     )
     path.write_bytes(base64.b64decode(shot["data"]))
@@ -211,13 +220,18 @@ class Workload:
             worker.join(30)
 
 
+SYSTEM = "You answer questions about the proxy's documentation. " * 40  # shared: cached
+
+
 def one(client: Any, rng: random.Random, index: int, n: int) -> None:
-    """One streamed request: the large model gets long prompts (slower TTFT)."""
+    """One streamed request: the large model gets long unique prompts (slower TTFT), the
+    small one short questions behind a shared system prompt (the prefix cache serves it)."""
     model = MODELS[(index + n) % 2]
-    words = 6000 if model == "sim-large" else 200
-    prompt = f"[{index}:{n}] " + " ".join(
+    words = 6000 if model == "sim-large" else 60
+    unique = f"[{index}:{n}] " + " ".join(
         rng.choice(("alpha", "beta", "gamma", "delta")) for _ in range(words)
     )
+    prompt = unique if model == "sim-large" else SYSTEM + unique
     if n % 4 == 1:
         stream: Any = client.completions.create(
             model=model,
@@ -270,17 +284,17 @@ def live_stack(threads: int = 4, sim: SimConfig = SIM) -> Iterator[Stack]:
                 workload.close()
 
 
-def screenshot(path: Path, seconds: float) -> None:
+def screenshot(path: Path, seconds: float, scale: float = 0.72) -> None:
     """The README's picture: the page after ``seconds`` of traffic."""
     with live_stack(threads=5) as stack, chrome(1360, 1000) as driver:
         driver.get(stack.page_url)
         stack.workload.start()
         stack.workload.stop.wait(seconds)  # let traffic build history for the charts
-        wait_for(driver, "document.querySelectorAll('[data-drawn=chart]').length >= 8")
+        wait_for(driver, f"document.querySelectorAll('[data-drawn=chart]').length == {CHARTS}")
         refreshed = int(driver.execute_script("return document.body.dataset.refreshes"))
         wait_for(driver, f"+document.body.dataset.refreshes > {refreshed}")
         tmp = path.with_suffix(".tmp.png")
-        full_screenshot(driver, tmp)
+        full_screenshot(driver, tmp, scale)
     shutil.move(tmp, path)
 
 
@@ -288,8 +302,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="Take the README's screenshot of /ui.")
     parser.add_argument("--screenshot", type=Path, default=Path("docs/ui.png"))
     parser.add_argument("--seconds", type=float, default=45.0)
+    parser.add_argument("--scale", type=float, default=0.72)
     args = parser.parse_args()
-    screenshot(args.screenshot, args.seconds)
+    screenshot(args.screenshot, args.seconds, args.scale)
     print(f"{args.screenshot}: {args.screenshot.stat().st_size} bytes")
 
 

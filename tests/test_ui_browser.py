@@ -21,6 +21,7 @@ import pytest
 
 from proxy.bench import promscrape
 from tests.browser import (
+    CHARTS,
     browser_missing,
     chrome,
     console_errors,
@@ -37,7 +38,6 @@ pytestmark = [
 ]
 
 FIRST_ANSWER = "llm_proxy_time_to_first_answer_token_seconds"
-CHARTS = 7
 
 
 def shown(driver: Any) -> dict[str, str]:
