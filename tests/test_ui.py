@@ -245,7 +245,7 @@ def test_the_ring_is_bounded_and_idle_series_are_shared() -> None:
     metrics = Metrics(Settings(upstream_name="up"), CollectorRegistry())
     metrics.observe(record(0, model="idle"), measured=True)
     data = ui_data.LiveData(metrics.registry, clock=clock)
-    for second in range(3600):
+    for second in range(400):  # more than the fine ring (61 s) and the coarse (300 s)
         metrics.observe(record(second, model="busy"), measured=True)
         data.answer(("", "", ""))
         clock.now += 1.0
@@ -576,18 +576,22 @@ def test_demo_prints_the_page_url_first() -> None:
     import anyio
 
     from proxy import demo
+    from proxy.cli import build_parser
 
-    args = argparse.Namespace(
-        host="127.0.0.1",
-        port=0,
-        duration=0.5,
-        rate=2.0,
-        burst_every=0.0,
-        burst_size=0,
-        slots=2,
-        window=5.0,
-        refresh=0.2,
-        seed=0,
+    args = build_parser().parse_args(
+        [
+            "demo",
+            "--port",
+            "0",
+            "--duration",
+            "0.5",
+            "--burst-every",
+            "0",
+            "--slots",
+            "2",
+            "--refresh",
+            "0.2",
+        ]
     )
     out = io.StringIO()
     assert anyio.run(demo.Demo(args, out, tty=False).main) == 0

@@ -38,7 +38,7 @@ from proxy.bench.stats import (
     summary_lines,
     table_rows,
 )
-from proxy.ui.page import asset, inline, script_json
+from proxy.ui.page import inline, script_json
 
 MAX_POINTS = 400
 DECODE_BINS = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0)  # tok/s upper edges
@@ -198,7 +198,8 @@ def build(
         "fast": FAST_DECODE_TOK_S,
     }
     page, _ = inline(
-        asset("report.html"),
+        "report.html",
+        "llm-latency-proxy · bench report",
         css=["ui.css"],
         js=["charts.js", "report.js"],
         data=script_json(data),

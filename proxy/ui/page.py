@@ -47,7 +47,7 @@ Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 Response = tuple[int, list[tuple[str, str]], bytes]
 
 _JSON = "application/json"
-_SLOT = re.compile(r"\{\{(meta|css|data|js)\}\}")
+_SLOT = re.compile(r"\{\{(meta|title|css|data|js)\}\}")
 _NO_STORE = ("cache-control", "no-store")
 
 
@@ -62,7 +62,8 @@ def _sha256(text: str) -> str:
 
 
 def inline(
-    template: str,
+    body: str,
+    title: str,
     *,
     css: Iterable[str],
     js: Iterable[str],
@@ -70,10 +71,11 @@ def inline(
     meta_csp: bool = False,
     connect_self: bool = False,
 ) -> tuple[str, str]:
-    """``template`` with its ``{{css}}``, ``{{js}}`` and ``{{data}}`` filled in from the
-    named assets, and the Content-Security-Policy that allows exactly them. With
-    ``meta_csp`` the policy is also written into the page (a report opened from a
-    file has no response headers)."""
+    """A whole HTML document: ``page.html`` around the ``body`` asset, the named
+    stylesheets and scripts inlined, ``data`` in the body's ``{{data}}`` slot; and the
+    Content-Security-Policy that allows exactly those scripts and styles. With
+    ``meta_csp`` the policy is also written into the page (a report opened from a file
+    has no response headers)."""
     style = "\n".join(asset(name) for name in css)
     script = "\n".join(asset(name) for name in js)
     connect = "'self'" if connect_self else "'none'"
@@ -82,7 +84,8 @@ def inline(
         f"img-src data:; connect-src {connect}; base-uri 'none'; form-action 'none'"
     )
     meta = f'<meta http-equiv="Content-Security-Policy" content="{policy}">' if meta_csp else ""
-    parts = {"meta": meta, "css": style, "data": data, "js": script}
+    template = asset("page.html").replace("{{body}}", asset(body))
+    parts = {"meta": meta, "title": title, "css": style, "data": data, "js": script}
     page = _SLOT.sub(lambda m: parts[m[1]], template)  # one pass: data cannot inject a slot
     return page, policy
 
@@ -106,7 +109,11 @@ class LivePage:
         self.data = LiveData(registry, clock=clock)
         self.slow = slow
         html, policy = inline(
-            asset("ui.html"), css=["ui.css"], js=["charts.js", "ui.js"], connect_self=True
+            "ui.html",
+            "llm-latency-proxy · live",
+            css=["ui.css"],
+            js=["charts.js", "ui.js"],
+            connect_self=True,
         )
         self.html = html.encode()
         self.policy = policy + "; frame-ancestors 'none'"
