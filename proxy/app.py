@@ -1,7 +1,8 @@
 """Wiring: ``create_app(settings, *, upstream=None, registry=None, clock=...)``.
 
-The application is a small ASGI callable rather than a FastAPI app: three fixed
-paths (``/v1/*``, ``/healthz``, ``/metrics``) need no routing table, and the proxied
+The application is a small ASGI callable rather than a FastAPI app: a few fixed
+paths (``/v1/*``, ``/healthz``, ``/metrics``, and the live page ``/ui``, ``/ui/data``
+wherever ``/metrics`` is, see :mod:`proxy.ui`) need no routing table, and the proxied
 path is the hot path (see :mod:`proxy.routes`). Everything is built here, once:
 settings are already validated, the one upstream client (:class:`proxy.upstream.Upstream`)
 is created here and closed by the lifespan (or :meth:`ProxyApp.aclose` in tests that

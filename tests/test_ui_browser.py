@@ -8,7 +8,8 @@ the test lasts less than a minute, so "last minute" is everything too); choosing
 model, then a route, changes them to that model's and route's figures; the page asked
 for nothing but its own origin (the browser's network log) and logged no error; and a
 screenshot of it is saved in the test's temporary directory, taken by the same function
-that takes the README's.
+that takes the README's. A link naming a model the proxy does not know falls back to
+every model.
 """
 
 from __future__ import annotations
@@ -135,7 +136,15 @@ def test_live_page_draws_the_proxys_figures_in_a_real_browser(tmp_path: Path) ->
         assert offsite == []
         assert console_errors(driver) == []
 
+        # A selector the proxy does not know (a stale link, a restarted proxy): the page
+        # says so, then falls back to every value.
+        driver.get(stack.page_url + "?model=gone")
+        wait_for(driver, "JSON.parse(document.body.dataset.selection || '{}').model === ''")
+        assert "?" not in driver.current_url
+        assert float(shown(driver)["total.requests"]) == float(everything["total.requests"])
+
         stack.workload.resume()
+        wait_for(driver, f"document.querySelectorAll('[data-drawn=chart]').length == {CHARTS}")
         shot = tmp_path / "ui.png"
         full_screenshot(driver, shot)
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000

@@ -207,6 +207,10 @@
       if (!r.ok) {
         $("#status").textContent = (body.error && body.error.message) || `HTTP ${r.status}`;
         $("#status").className = "bad";
+        if (body.error && body.error.code === "unknown_selector") {
+          for (const s of sels) $("#" + s).value = "";  // e.g. after a restart: back to all
+          history.replaceState(null, "", location.pathname);
+        }
         return;
       }
       draw(body);
