@@ -76,7 +76,7 @@ MIN_COLLECT_S = 0.5
 FINE_S, FINE_KEEP_S = 1.0, 61.0
 COARSE_S, COARSE_KEEP = 5.0, 60
 WINDOW_S = 60.0
-_MEMO_MAX = 32  # aggregates and points remembered per collection (one per selection)
+_MEMO_MAX = 8  # aggregates and points remembered per collection: a few selections
 
 _OUTCOME_NAMES = tuple(str(o) for o in Outcome if o is not Outcome.REJECTED)
 _CODES = ("2xx", "3xx", "4xx", "5xx")
