@@ -161,9 +161,9 @@ class LivePage:
 
     async def asgi(self, scope: Scope, send: Send) -> None:
         """Answer on the event loop's server. ``/ui/data`` is computed in a worker
-        thread: reading a large registry takes milliseconds (see benchmarks/RESULTS.md),
-        and there the relay keeps the loop, the GIL passing back to it every few
-        milliseconds, instead of waiting for the whole reading."""
+        thread: reading a registry of many series takes milliseconds (about a quarter of
+        a ``/metrics`` scrape of it), and there the relay keeps the loop, the GIL passing
+        back to it every few milliseconds, instead of waiting for the whole reading."""
         method, path, query = scope["method"], scope["path"], scope["query_string"]
         if path == DATA_PATH and method == "GET" and len(query) <= MAX_QUERY:
             status, headers, body = await asyncio.to_thread(self.respond, method, path, query)
