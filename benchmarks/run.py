@@ -30,6 +30,10 @@ What it does, and why:
   peak RSS is ``VmHWM`` summed over the tree at the end.
 * Pinning (default, ``--no-pin`` to switch off): targets on CPU 0, fake upstream and load
   client on CPU 1, so a target never competes with the instrument for its core.
+* The live page's cost: a ``proxy-ui`` target is a ``proxy`` whose page is open during
+  every load (:class:`PagePoller`: ``GET /ui`` once, then ``/ui/data`` every second, as
+  the page's script does), so ``proxy`` beside ``proxy-ui`` prices an open page in CPU
+  per event, e.g. ``--targets direct,proxy,proxy-ui --loads 64``.
 * A rate sweep raises the number of 50 tokens/s streams until a target's added p99 TTFT
   passes the threshold (10 ms) or it breaks streams.
 * Bounded: every loadgen run has a duration and a stream timeout, every child process a
@@ -54,7 +58,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -207,6 +213,7 @@ class Target:
     env: dict[str, str] = field(default_factory=dict)
     idle_rss_kib: int = 0
     close: bool = False  # in front of the close-per-response upstream
+    poll_ui: bool = False  # its live page is open (polled) during every load
 
     def pids(self) -> list[int]:
         return proc_tree(self.proc.pid) if self.proc is not None else []
@@ -215,6 +222,40 @@ class Target:
     def key(self) -> str:
         """Unique per instance: the name, ``@close`` added for the close-upstream twin."""
         return peak_key(self.name, self.close)
+
+
+class PagePoller:
+    """A browser tab with the proxy's live page open: ``GET /ui`` once, then
+    ``/ui/data`` every ``every`` seconds, one request at a time, until stopped."""
+
+    def __init__(self, root: str, every: float = 1.0) -> None:
+        self.root = root
+        self.every = every
+        self.polls = 0
+        self.failures = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="ui-poller", daemon=True)
+
+    def __enter__(self) -> PagePoller:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(10)
+
+    def _get(self, path: str) -> None:
+        try:
+            with urllib.request.urlopen(self.root + path, timeout=5) as response:
+                response.read()
+            self.polls += 1
+        except OSError:
+            self.failures += 1
+
+    def _run(self) -> None:
+        self._get("/ui")
+        while not self.stop.wait(self.every):
+            self._get("/ui/data")
 
 
 def peak_key(name: str, close: bool) -> str:
@@ -567,15 +608,17 @@ class Bench:
         self.procs.append(proc)
         samples: list[tuple[float, int]] = []
         steady_from = max(warmup, 1.0) + 0.3
-        while proc.poll() is None:
-            now = time.monotonic() - t0
-            if pids and steady_from <= now <= duration:
-                samples.append((now, mem_kib(pids, "VmRSS")))
-            try:
-                proc.wait(0.25)
-            except subprocess.TimeoutExpired:
-                if now > duration + a.stream_timeout + 30:
-                    proc.kill()
+        page = PagePoller(target.url.removesuffix("/v1")) if target.poll_ui else None
+        with page if page is not None else contextlib.nullcontext():
+            while proc.poll() is None:
+                now = time.monotonic() - t0
+                if pids and steady_from <= now <= duration:
+                    samples.append((now, mem_kib(pids, "VmRSS")))
+                try:
+                    proc.wait(0.25)
+                except subprocess.TimeoutExpired:
+                    if now > duration + a.stream_timeout + 30:
+                        proc.kill()
         out, err = proc.communicate()
         self.procs.remove(proc)
         if proc.returncode != 0:
@@ -583,6 +626,8 @@ class Bench:
         res: dict[str, Any] = json.loads(out)
         ev = res["events_all"] or 1
         res["target"] = target.name
+        if page is not None:
+            res["ui_polls"], res["ui_poll_failures"] = page.polls, page.failures
         res["target_cpu_s"] = cpu_seconds(pids) - cpu0
         up_cpu = cpu_seconds(up_pids) - up0
         wall = time.monotonic() - t0
@@ -930,7 +975,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="comma list from direct,nginx,proxy,proxy-nomeasure,litellm; proxy targets take "
         "suffixes: -nomeasure (--no-measure), -noinject (--no-inject-usage), -wN (--workers N), "
         "-Nup (--config with N upstreams, the benchmark's last, e.g. proxy-20up), "
-        "-before (the proxy/ of --before DIR)",
+        "-before (the proxy/ of --before DIR), -ui (its live page polled every second)",
     )
     p.add_argument("--with-litellm", action="store_true", help="add the litellm target")
     p.add_argument("--litellm-venv", default=os.environ.get("LITELLM_VENV", DEFAULT_LITELLM_VENV))
@@ -1037,11 +1082,11 @@ def start_targets(bench: Bench, names: list[str], close: bool) -> list[Target]:
         elif name == "nginx":
             targets.append(bench.start_nginx(upstream, close))
         elif name.startswith("proxy"):
-            # proxy[-nomeasure][-noinject][-wN][-Nup][-before]: measurement off, no usage
-            # injection, N workers, a --config file of N upstreams, the code of the
-            # --before checkout
+            # proxy[-nomeasure][-noinject][-wN][-Nup][-before][-ui]: measurement off, no
+            # usage injection, N workers, a --config file of N upstreams, the code of the
+            # --before checkout, the live page open
             extra = []
-            before = False
+            before = poll_ui = False
             upstreams = 0
             for part in name.split("-")[1:]:
                 if part == "before":
@@ -1056,6 +1101,8 @@ def start_targets(bench: Bench, names: list[str], close: bool) -> list[Target]:
                     extra += ["--workers", part[1:]]
                 elif part.endswith("up") and part[:-2].isdigit() and int(part[:-2]) >= 1:
                     upstreams = int(part[:-2])
+                elif part == "ui":
+                    poll_ui = True
                 else:
                     raise SystemExit(f"unknown target {name!r}")
             if upstreams and before:
@@ -1063,7 +1110,9 @@ def start_targets(bench: Bench, names: list[str], close: bool) -> list[Target]:
                     f"target {name!r}: -Nup runs this tree's proxy only (the config file "
                     "is written for its --config); compare proxy-Nup with proxy instead"
                 )
-            targets.append(bench.start_proxy(upstream, name, extra, close, before, upstreams))
+            target = bench.start_proxy(upstream, name, extra, close, before, upstreams)
+            target.poll_ui = poll_ui
+            targets.append(target)
         elif name == "litellm":
             t = bench.start_litellm(upstream, close)
             if t is not None:

@@ -1,7 +1,8 @@
 """Wiring: ``create_app(settings, *, upstream=None, registry=None, clock=...)``.
 
-The application is a small ASGI callable rather than a FastAPI app: three fixed
-paths (``/v1/*``, ``/healthz``, ``/metrics``) need no routing table, and the proxied
+The application is a small ASGI callable rather than a FastAPI app: a few fixed
+paths (``/v1/*``, ``/healthz``, ``/metrics``, and the live page ``/ui``, ``/ui/data``
+wherever ``/metrics`` is, see :mod:`proxy.ui`) need no routing table, and the proxied
 path is the hot path (see :mod:`proxy.routes`). Everything is built here, once:
 settings are already validated, the one upstream client (:class:`proxy.upstream.Upstream`)
 is created here and closed by the lifespan (or :meth:`ProxyApp.aclose` in tests that
@@ -30,6 +31,7 @@ from proxy.otel_metrics import from_settings as otel_metrics_from_settings
 from proxy.reqlog import RequestLog
 from proxy.routes import V1Handler
 from proxy.tracing import from_settings as tracing_from_settings
+from proxy.ui import UI_PATHS, live_page
 from proxy.upstream import Upstream, Upstreams, error_body
 from proxy.upstreams import reload_specs
 from proxy.wire import WireTransport
@@ -57,6 +59,7 @@ class ProxyApp:
         self.tracing = tracing_from_settings(settings, clock)
         self.otel_metrics = otel_metrics_from_settings(settings)
         self.serve_metrics = (not settings.metrics_port) if serve_metrics is None else serve_metrics
+        self.ui = live_page(settings, self.metrics)
         self.keys = load_key_check(settings)
         self.v1 = V1Handler(settings, self.upstreams, self.metrics, clock, self.keys,
                             self.request_log, self.tracing, identify_from(settings))
@@ -105,6 +108,8 @@ class ProxyApp:
                 await _plain(send, 200, b"ok\n", b"text/plain; charset=utf-8")
             elif path == "/metrics" and self.serve_metrics:
                 await self._metrics(scope, send)
+            elif path in UI_PATHS and self.serve_metrics and self.ui is not None:
+                await self.ui.asgi(scope, send)
             else:
                 await _plain(send, 404, error_body(f"no route {path[:200]}; this proxy serves /v1/*",
                                                    "invalid_request_error", "not_found"),

@@ -96,6 +96,7 @@ class Settings:
     client_keys_file: str = ""
     secret_headers: tuple[str, ...] = ()
     access_log: bool = False
+    ui: bool = True
     otlp_endpoint: str = ""
     propagate_trace: bool = True
     otlp_metrics: bool = False
@@ -318,6 +319,8 @@ OPTIONS: tuple[Option, ...] = (
            "through unchanged. No request header is ever logged, these or any other.", "NAMES",
            unset="none"),
     Option("access_log", _bool, "Let uvicorn write its access log.", flag_only_true=True),
+    Option("ui", _bool, "Serve the live page (/ui) and its data (/ui/data) wherever /metrics is "
+           "served: on the main port, or on --metrics-port when that is set.", flag_only_true=True),
     Option("otlp_endpoint", _optional_url, "Export one OpenTelemetry span per measured request over "
            "OTLP/HTTP to this base URL (spans go to <URL>/v1/traces), like "
            "OTEL_EXPORTER_OTLP_ENDPOINT; needs pip install 'llm-latency-proxy[otel]'. "

@@ -16,7 +16,9 @@ One command starts three things in one process and one event loop:
    arrivals) with periodic bursts that overflow the simulator's slots, so queue time
    and TTFT visibly jump.
 
-A live view, refreshed every second, shows what the *proxy* measures: it scrapes the
+The first line printed is the URL of the proxy's live page (``/ui``: charts in a
+browser, see :mod:`proxy.ui`). The terminal view stays, for terminals without a
+browser: refreshed every second, it shows what the *proxy* measures: it scrapes the
 proxy's own ``/metrics`` like Prometheus would and computes percentiles from the
 histogram deltas (over the last ``--window`` seconds and since start), and per route
 (the ``route`` label) and per upstream since start, beside how many requests the demo
@@ -575,6 +577,7 @@ class Demo:
                         raise RuntimeError("server stopped during start-up")
                     await asyncio.sleep(0.01)
             note = f" (port {args.port} is taken)" if args.port and proxy_port != args.port else ""
+            self.say(f"demo: live page at {proxy_root}/ui")
             self.say(
                 f"demo: simulator at {sim_url} ({args.slots} decode slots), upstream "
                 f"{LOCAL[0]!r} for model {LOCAL[1]}"

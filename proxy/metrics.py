@@ -26,7 +26,7 @@ import math
 import os
 from bisect import bisect_left
 from collections import Counter as _Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -240,6 +240,7 @@ class Metrics:
             "(queued or relaying), per upstream.", ("upstream",), registry=reg,
             multiprocess_mode="livesum")
         self._children: dict[tuple[str, str, str, str], _Children] = {}
+        self.watchers: list[Callable[[RequestRecord], None]] = []  # each finished request
 
     def in_flight(self, upstream: str) -> Gauge:
         """The in-flight gauge's child for one upstream (resolved once per upstream)."""
@@ -278,6 +279,8 @@ class Metrics:
         if measured:
             self._observe_measured(record, exemplar)
         self.requests.labels(*who, stream, str(record.status)).inc()
+        for watch in self.watchers:
+            watch(record)
 
     def _observe_measured(self, record: RequestRecord, exemplar: dict[str, str] | None) -> None:
         c = self.children(record.route, record.model, record.upstream, record.client)

@@ -171,7 +171,7 @@ def _run_single(settings: Settings) -> int:
         return 2
     linger = 0
     if settings.metrics_port and app.metrics is not None:
-        _start_metrics_server(settings, app.metrics.registry)
+        _start_metrics_server(settings, app.metrics.registry, app.ui)
         linger = settings.metrics_linger
 
     class Server(uvicorn.Server):
@@ -325,12 +325,38 @@ def _wait_for_signal(seconds: float) -> None:
         os.close(write_fd)
 
 
-def _start_metrics_server(settings: Settings, registry: Any) -> None:
-    """``/metrics`` on its own port, out of reach of app clients (``--metrics-port``)."""
-    from prometheus_client import start_http_server
+def _start_metrics_server(settings: Settings, registry: Any, page: Any = None) -> None:
+    """``/metrics`` on its own port, out of reach of app clients (``--metrics-port``),
+    and the live page beside it unless ``--no-ui``: the page shows what ``/metrics``
+    shows, so it goes where ``/metrics`` goes. prometheus_client's own WSGI app answers
+    everything but the page's paths, on a server built as its ``start_http_server``
+    builds one (threads, silent log). ``page``: the relaying process's page (single
+    process), which also knows the slowest requests; with workers, a page of its own."""
+    import threading
+    from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-    start_http_server(settings.metrics_port, addr=settings.metrics_host or settings.host,
-                      registry=registry)
+    from prometheus_client import make_wsgi_app, start_http_server
+    from prometheus_client.exposition import ThreadingWSGIServer
+
+    host = settings.metrics_host or settings.host
+    if not settings.ui or not settings.measure:
+        start_http_server(settings.metrics_port, addr=host, registry=registry)
+        return
+    if page is None:
+        from proxy.ui import LivePage
+
+        page = LivePage(registry)
+
+    class Quiet(WSGIRequestHandler):
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    class Server(ThreadingWSGIServer):
+        address_family = socket.getaddrinfo(host, settings.metrics_port, 0, socket.SOCK_STREAM)[0][0]
+
+    app = page.wsgi(make_wsgi_app(registry))
+    httpd = make_server(host, settings.metrics_port, app, Server, handler_class=Quiet)
+    threading.Thread(target=httpd.serve_forever, name="metrics-port", daemon=True).start()
 
 
 def export_settings(settings: Settings, environ: Any) -> None:

@@ -236,6 +236,27 @@ def add_parser(subparsers: Any) -> None:
         "--no-compare", action="store_true", help="Do not look for the proxy's metrics"
     )
     parser.add_argument("--no-progress", action="store_true", help="No progress output on stderr")
+    parser.add_argument(
+        "--prompt-tokens-max",
+        metavar="N",
+        type=int,
+        default=None,
+        help="Vary the prompt length: each prompt between --prompt-tokens and N tokens "
+        "(uniform, seeded), so the report can show TTFT against prompt length",
+    )
+    parser.add_argument(
+        "--report",
+        metavar="FILE",
+        default=None,
+        help="Write a self-contained HTML report of the run: client CDFs with the proxy's "
+        "figures on top, TTFT against prompt length, decode rates, errors, settings",
+    )
+    parser.add_argument(
+        "--compare",
+        metavar="JSON",
+        default=None,
+        help="With --report: draw another run (its --json file) beside this one",
+    )
     parser.set_defaults(func=run_command)
 
 
@@ -256,6 +277,10 @@ def _validate(args: argparse.Namespace) -> str | None:
         return "--base-url must be an http(s) URL"
     if args.reasoning and args.api == "completions":
         return "--reasoning: the completions API has no way to ask for reasoning"
+    if args.prompt_tokens_max is not None and args.prompt_tokens_max < args.prompt_tokens:
+        return "--prompt-tokens-max must be >= --prompt-tokens"
+    if args.compare and not args.report:
+        return "--compare needs --report"
     return None
 
 
@@ -268,9 +293,13 @@ def _key_headers(api: str, key: str | None) -> tuple[tuple[str, str], ...]:
 
 def run_command(args: argparse.Namespace) -> int:
     problem = _validate(args)
+    other = None
+    if problem is None and args.compare:
+        other, problem = _read_run(args.compare)
     if problem:
         print(f"bench: {problem}", file=sys.stderr)
         return 2
+    args.compare_run = other
     import asyncio
 
     try:
@@ -314,6 +343,7 @@ async def _main(args: argparse.Namespace) -> int:
         args.max_tokens,
         api=args.api,
         reasoning=args.reasoning,
+        prompt_tokens_max=args.prompt_tokens_max or 0,
     )
     planned = iter_requests([profile], model=args.model, seed=args.seed)
     arrivals = poisson_arrivals(args.rate, seed=args.seed) if args.rate else None
@@ -375,9 +405,26 @@ async def _main(args: argparse.Namespace) -> int:
         extra = proxy_extra(before, after, where)
         print(f"\nproxy's view ({metrics_url}) beside the client's:", file=out)
         print(format_comparison(summary, outcome.results, view, extra, route), file=out)
-    if args.json:
-        _write_json(args.json, args, outcome.results, summary, view, extra)
+    if args.json or args.report:
+        payload = _payload(args, outcome.results, summary, view, extra)
+        if args.json:
+            _write_json(args.json, payload)
+        if args.report:
+            _write_report(args, payload)
+            print(f"bench: report written to {args.report}", file=sys.stderr)
     return 0 if summary.completed else 1
+
+
+def _read_run(path: str) -> tuple[dict[str, Any] | None, str | None]:
+    """Another run's ``--json`` file for ``--compare``, or why it cannot be used."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            run = json.load(fh)
+    except (OSError, ValueError) as exc:
+        return None, f"--compare {path}: {exc}"
+    if not isinstance(run, dict) or not {"summary", "requests"} <= run.keys():
+        return None, f"--compare {path}: not a bench --json file (no summary and requests)"
+    return run, None
 
 
 def _proxy_filter(snapshot: Snapshot, model: str, route: str) -> promscrape.LabelFilter:
@@ -486,16 +533,17 @@ def format_comparison(
     return "\n".join(lines)
 
 
-def _write_json(
-    path: str,
+def _payload(
     args: argparse.Namespace,
     results: tuple[RequestResult, ...],
     summary: Summary,
     view: ProxyView | None,
     extra: dict[str, Histogram] | None = None,
-) -> None:
+) -> dict[str, Any]:
+    """The run as JSON-ready data: what ``--json`` writes and ``--report`` draws."""
+    hidden = ("func", "api_key", "compare_run")
     payload: dict[str, Any] = {
-        "config": {k: v for k, v in vars(args).items() if k not in ("func", "api_key")},
+        "config": {k: v for k, v in vars(args).items() if k not in hidden},
         "summary": summary.as_json(),
         "requests": [r.as_json() for r in results],
     }
@@ -511,6 +559,8 @@ def _write_json(
                 "p50": f(h.quantile(0.5)),
                 "p90": f(h.quantile(0.9)),
                 "p99": f(h.quantile(0.99)),
+                # cumulative counts at the finite bucket edges, over the run
+                "buckets": [[le, c] for le, c in h.buckets if math.isfinite(le)],
             }
 
         payload["proxy"] = {
@@ -521,6 +571,19 @@ def _write_json(
             "outcomes": view.outcomes,
             **{_JSON_KEYS[k]: hist(h) for k, h in (extra or {}).items()},
         }
+    return payload
+
+
+def _write_report(args: argparse.Namespace, payload: dict[str, Any]) -> None:
+    from .report import build
+
+    name = os.path.basename(args.compare) if args.compare else ""
+    html = build(payload, getattr(args, "compare_run", None), name)
+    with open(args.report, "w", encoding="utf-8") as fh:
+        fh.write(html)
+
+
+def _write_json(path: str, payload: dict[str, Any]) -> None:
     text = json.dumps(payload, indent=1, allow_nan=False)
     if path == "-":
         print(text)

@@ -4,9 +4,8 @@ Reads the Prometheus text exposition with prometheus_client's own parser
 (``text_string_to_metric_families``: label escapes, timestamps, ``+Inf``/``NaN``
 values), keeps every sample as ``{(name, sorted labels): value}``, sums series over
 labels, takes the difference after - before, and estimates quantiles from the histogram
-buckets the way PromQL's ``histogram_quantile`` does: find the bucket where the rank
-falls and interpolate linearly within it (lower edge 0 for the first bucket; a rank in
-the ``+Inf`` bucket gives the highest finite edge).
+buckets the way PromQL's ``histogram_quantile`` does (:mod:`proxy.buckets`, shared with
+the live page).
 
 The bucket quantiles are therefore estimates whose error is bounded by the bucket
 width; ``_sum / _count`` (the mean) and the counts are exact, and are what the
@@ -27,11 +26,13 @@ directory must exist before prometheus_client is first imported).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+from proxy.buckets import histogram_quantile
 
 Labels = tuple[tuple[str, str], ...]
 SeriesKey = tuple[str, Labels]
@@ -164,35 +165,6 @@ def histogram(snapshot: Snapshot, name: str, where: LabelFilter = _any) -> Histo
         total(snapshot, name + "_sum", where),
         total(snapshot, name + "_count", where),
     )
-
-
-def histogram_quantile(q: float, buckets: Iterable[tuple[float, float]]) -> float:
-    """PromQL's ``histogram_quantile`` over cumulative ``(le, count)`` pairs."""
-    ordered = sorted(buckets)
-    if not ordered or ordered[-1][0] != math.inf:
-        return math.nan
-    if q < 0:
-        return -math.inf
-    if q > 1:
-        return math.inf
-    observations = ordered[-1][1]
-    if observations <= 0 or math.isnan(q):
-        return math.nan
-    rank = q * observations
-    index = next(i for i, (_, count) in enumerate(ordered) if count >= rank)
-    if index == len(ordered) - 1:
-        return ordered[-2][0] if len(ordered) > 1 else math.nan
-    upper, count = ordered[index]
-    if index == 0:
-        if upper <= 0:
-            return upper
-        lower, below = 0.0, 0.0
-    else:
-        lower, below = ordered[index - 1]
-    in_bucket = count - below
-    if in_bucket <= 0:
-        return upper
-    return lower + (upper - lower) * (rank - below) / in_bucket
 
 
 async def scrape(client: httpx.AsyncClient, url: str) -> Snapshot:

@@ -173,9 +173,10 @@ def align_columns(rows: Sequence[Sequence[str]]) -> list[str]:
     ]
 
 
-def format_table(summary: Summary) -> str:
-    """The human summary printed at the end of a run."""
-    rows = [("", "count", "mean ms", "p50 ms", "p90 ms", "p99 ms")]
+def table_rows(summary: Summary) -> list[tuple[str, ...]]:
+    """The distribution table's cells, header first: what :func:`format_table` prints and
+    the HTML report shows (``--report``), so the two cannot disagree."""
+    rows: list[tuple[str, ...]] = [("", "count", "mean ms", "p50 ms", "p90 ms", "p99 ms")]
     dists = [("TTFB", summary.ttfb), ("TTFT", summary.ttft)]
     if summary.reasoned:
         dists.append(("first answer", summary.first_answer))
@@ -184,11 +185,14 @@ def format_table(summary: Summary) -> str:
         rows.append(
             (name, str(dist.count), ms(dist.mean), ms(dist.p50), ms(dist.p90), ms(dist.p99))
         )
-    lines = align_columns(rows)
+    return rows
+
+
+def summary_lines(summary: Summary) -> list[str]:
+    """The lines under the table: requests and errors, throughput, decode rates."""
     errors = ", ".join(f"{k} {v}" for k, v in summary.error_kinds.items()) or "none"
     token_note = "" if summary.tokens_from_usage else " (some counts are output events: no usage)"
-    lines += [
-        "",
+    return [
         f"requests   {summary.completed} completed of {summary.requests} in {summary.wall_s:.2f} s; errors: {summary.errors} ({errors})",
         f"throughput {summary.requests_per_s:.2f} req/s, {summary.output_tokens_per_s:.1f} output tok/s"
         f" ({summary.output_tokens} tokens){token_note}",
@@ -196,4 +200,24 @@ def format_table(summary: Summary) -> str:
         f"{pct(summary.above_20_tok_s_share)} above {FAST_DECODE_TOK_S:g} tok/s "
         f"(of {summary.rated_requests} requests with 2+ tokens)",
     ]
-    return "\n".join(lines)
+
+
+def format_table(summary: Summary) -> str:
+    """The human summary printed at the end of a run."""
+    return "\n".join([*align_columns(table_rows(summary)), "", *summary_lines(summary)])
+
+
+def summary_from_json(data: dict[str, Any]) -> Summary:
+    """A :class:`Summary` back from :meth:`Summary.as_json` (``None`` was NaN)."""
+
+    def number(value: Any) -> Any:
+        return math.nan if value is None else value
+
+    def dist(value: dict[str, Any]) -> Dist:
+        return Dist(**{k: number(v) for k, v in value.items()})
+
+    values = {k: number(v) for k, v in data.items()}
+    for name in ("ttft", "itl", "tpot", "total", "ttfb", "first_answer"):
+        if isinstance(data.get(name), dict):
+            values[name] = dist(data[name])
+    return Summary(**values)

@@ -1,7 +1,7 @@
 """What to send and when: prompts, request bodies and arrival times, all seeded.
 
-A workload is a weighted mix of :class:`Profile` s (API, prompt length, shared-prefix
-length, ``max_tokens``, reasoning). ``bench`` uses a single profile built from its
+A workload is a weighted mix of :class:`Profile` s (API, prompt length or a range of
+lengths, shared-prefix length, ``max_tokens``, reasoning). ``bench`` uses a single profile built from its
 flags; ``demo`` uses a mix over all four APIs. Everything is derived from ``random.Random`` instances seeded from the workload
 seed, one independent stream per purpose (prompts, arrivals, profile choice), so the
 same seed gives byte-identical bodies and identical arrival times, and changing, say,
@@ -64,6 +64,7 @@ class Profile:
     weight: float = 1.0
     api: str = "chat"  # a key of API_PATHS
     reasoning: bool = False  # ask for reasoning (chat, Responses and Messages only)
+    prompt_tokens_max: int = 0  # above prompt_tokens: each prompt's length drawn between
 
     def __post_init__(self) -> None:
         if self.api not in API_PATHS:
@@ -76,6 +77,8 @@ class Profile:
             raise ValueError("shared_prefix_tokens must be between 0 and prompt_tokens")
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
+        if self.prompt_tokens_max and self.prompt_tokens_max < self.prompt_tokens:
+            raise ValueError("prompt_tokens_max must be >= prompt_tokens")
         if self.weight <= 0:
             raise ValueError("weight must be > 0")
 
@@ -157,6 +160,7 @@ def iter_requests(
         raise ValueError("a workload needs at least one profile")
     prompt_rng = random.Random(f"prompts:{seed}")
     pick_rng = random.Random(f"mix:{seed}")
+    length_rng = random.Random(f"lengths:{seed}")  # drawn from only for varying lengths
     prefixes = {p.name: shared_prefix(seed, p.name, p.shared_prefix_tokens) for p in profiles}
     weights = [p.weight for p in profiles]
     index = 0
@@ -164,7 +168,10 @@ def iter_requests(
         profile = profiles[0] if len(profiles) == 1 else pick_rng.choices(profiles, weights)[0]
         prefix = prefixes[profile.name]
         prefix_tokens = len(prefix) // CHARS_PER_TOKEN if prefix else 0
-        tail_tokens = max(profile.prompt_tokens - prefix_tokens, 1)
+        length = profile.prompt_tokens
+        if profile.prompt_tokens_max > length:
+            length = length_rng.randint(length, profile.prompt_tokens_max)
+        tail_tokens = max(length - prefix_tokens, 1)
         # The request number goes into the variable tail so no two prompts are equal.
         tail = f"[{index}] " + words(prompt_rng, max(tail_tokens - 2, 1))
         content = f"{prefix}\n\n{tail}" if prefix else tail

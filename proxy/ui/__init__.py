@@ -1,0 +1,47 @@
+"""The live page (``GET /ui``, ``GET /ui/data``) and the assets the bench report shares.
+
+:mod:`proxy.ui.data` computes the figures from the registry when asked,
+:mod:`proxy.ui.slow` keeps the slowest recent requests, :mod:`proxy.ui.page` serves
+both over ASGI (main port) or WSGI (metrics port), and ``static/`` holds the HTML, CSS
+and JavaScript, drawn with plain SVG: no library, no request off the machine.
+
+The page follows ``/metrics``: it is served where ``/metrics`` is (the main port, or
+``--metrics-port``), since it shows the same data; ``--no-ui`` turns it off.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from proxy.ui.page import PATHS as UI_PATHS
+from proxy.ui.page import LivePage
+from proxy.ui.slow import SlowRequests
+
+if TYPE_CHECKING:
+    from proxy.config import Settings
+    from proxy.metrics import Metrics
+
+__all__ = ["UI_PATHS", "LivePage", "live_page"]
+
+
+def live_page(settings: Settings, metrics: Metrics | None) -> LivePage | None:
+    """The page of a relaying process: it reads the registry that ``/metrics`` reads (with
+    ``--workers``, every worker's files) and is told of each finished request for its
+    slowest-requests table. ``None`` when the page is off or nothing is measured."""
+    if not settings.ui or metrics is None:
+        return None
+    from proxy.metrics import multiprocess_dir, multiprocess_registry
+    from proxy.ui.data import SAMPLE_NAMES
+
+    path = multiprocess_dir()
+    # One process: only the samples the page uses are built at each reading. With
+    # workers, the collector reads every file whatever is asked (and registers no names,
+    # so a restricted registry would see nothing).
+    registry: Any = (
+        multiprocess_registry(path)
+        if path is not None
+        else metrics.registry.restricted_registry(SAMPLE_NAMES)
+    )
+    slow = SlowRequests()
+    metrics.watchers.append(slow.add)
+    return LivePage(registry, slow=slow)

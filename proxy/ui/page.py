@@ -1,0 +1,229 @@
+"""``GET /ui`` and ``GET /ui/data``: the live page and its JSON, over ASGI or WSGI.
+
+The page is one HTML document with its stylesheet and scripts inlined, assembled once
+from the files in ``proxy/ui/static`` when the proxy starts; the browser then fetches
+only ``/ui/data``, from the same origin. Its Content-Security-Policy allows exactly those
+inlined scripts and styles (by hash) and connections to its own origin, so the page
+cannot reach anything off the machine, whatever a label value contains.
+
+The same :class:`LivePage` answers on the main port (from :class:`proxy.app.ProxyApp`,
+ASGI, on the event loop) and on the metrics port (:meth:`LivePage.wsgi`, in front of
+prometheus_client's WSGI app): wherever ``/metrics`` is served, and nowhere else, so
+that an operator who protected ``/metrics`` by moving it to its own port protected the
+page too.
+
+Bad input costs nothing: a query string longer than ``MAX_QUERY`` bytes, more than
+three parameters, a repeated or unknown one, is refused with 400 before anything is
+read; a well-formed selector naming a route, model or upstream the registry does not
+have gets 400 too. Errors use the OpenAI error shape, like the rest of the proxy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import json
+import re
+import time
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from functools import cache
+from http import HTTPStatus
+from importlib import resources
+from typing import Any
+from urllib.parse import parse_qsl
+
+from proxy.ui.data import SELECTORS, BadSelection, LiveData, Registry, Selection
+from proxy.ui.slow import SlowRequests
+from proxy.upstream import error_body
+
+PAGE_PATH = "/ui"
+DATA_PATH = "/ui/data"
+PATHS = frozenset((PAGE_PATH, PAGE_PATH + "/", DATA_PATH))
+MAX_QUERY = 512
+
+Scope = MutableMapping[str, Any]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+Response = tuple[int, list[tuple[str, str]], bytes]
+
+_JSON = "application/json"
+_SLOT = re.compile(r"\{\{(meta|title|css|data|js)\}\}")
+_NO_STORE = ("cache-control", "no-store")
+
+
+@cache
+def asset(name: str) -> str:
+    """One file of ``proxy/ui/static``, as shipped in the package."""
+    return resources.files("proxy.ui").joinpath("static", name).read_text(encoding="utf-8")
+
+
+def _sha256(text: str) -> str:
+    return "'sha256-" + base64.b64encode(hashlib.sha256(text.encode()).digest()).decode() + "'"
+
+
+def inline(
+    body: str,
+    title: str,
+    *,
+    css: Iterable[str],
+    js: Iterable[str],
+    data: str = "",
+    meta_csp: bool = False,
+    connect_self: bool = False,
+) -> tuple[str, str]:
+    """A whole HTML document: ``page.html`` around the ``body`` asset, the named
+    stylesheets and scripts inlined, ``data`` in the body's ``{{data}}`` slot; and the
+    Content-Security-Policy that allows exactly those scripts and styles. With
+    ``meta_csp`` the policy is also written into the page (a report opened from a file
+    has no response headers)."""
+    style = "\n".join(asset(name) for name in css)
+    script = "\n".join(asset(name) for name in js)
+    connect = "'self'" if connect_self else "'none'"
+    policy = (
+        f"default-src 'none'; script-src {_sha256(script)}; style-src {_sha256(style)}; "
+        f"img-src data:; connect-src {connect}; base-uri 'none'; form-action 'none'"
+    )
+    meta = f'<meta http-equiv="Content-Security-Policy" content="{policy}">' if meta_csp else ""
+    template = asset("page.html").replace("{{body}}", asset(body))
+    parts = {"meta": meta, "title": title, "css": style, "data": data, "js": script}
+    page = _SLOT.sub(lambda m: parts[m[1]], template)  # one pass: data cannot inject a slot
+    return page, policy
+
+
+def script_json(value: Any) -> str:
+    """JSON safe inside a ``<script type="application/json">`` element."""
+    return json.dumps(value, separators=(",", ":"), allow_nan=False).replace("<", "\\u003c")
+
+
+class LivePage:
+    """The page and its data for one registry (and, in the process that relays, its
+    slowest requests)."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        *,
+        slow: SlowRequests | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.data = LiveData(registry, clock=clock)
+        self.slow = slow
+        html, policy = inline(
+            "ui.html",
+            "llm-latency-proxy · live",
+            css=["ui.css"],
+            js=["charts.js", "ui.js"],
+            connect_self=True,
+        )
+        self.html = html.encode()
+        self.policy = policy + "; frame-ancestors 'none'"
+
+    def respond(self, method: str, path: str, query: bytes) -> Response:
+        if method not in ("GET", "HEAD"):
+            return _error(405, f"{path} answers GET only", "method_not_allowed")
+        if len(query) > MAX_QUERY:
+            return _error(400, f"query string longer than {MAX_QUERY} bytes", "query_too_long")
+        if path == DATA_PATH:
+            return self._data(query)
+        headers = [
+            ("content-type", "text/html; charset=utf-8"),
+            _NO_STORE,
+            ("content-security-policy", self.policy),
+            ("x-content-type-options", "nosniff"),
+            ("referrer-policy", "no-referrer"),
+        ]
+        return 200, headers, self.html
+
+    def _data(self, query: bytes) -> Response:
+        try:
+            selection = parse_selection(query)
+        except ValueError as exc:
+            return _error(400, str(exc), "invalid_selector")
+        slow = None
+        if self.slow is not None:
+            slow = self.slow.slowest(
+                lambda key: all(
+                    not want or want == have for want, have in zip(selection, key, strict=True)
+                )
+            )
+        try:
+            answer = self.data.answer(selection, slow)
+        except BadSelection as exc:
+            return _error(400, str(exc), "unknown_selector")
+        body = json.dumps(answer, separators=(",", ":"), allow_nan=False).encode()
+        return (
+            200,
+            [("content-type", _JSON), _NO_STORE, ("x-content-type-options", "nosniff")],
+            body,
+        )
+
+    # -- servers ---------------------------------------------------------------------
+
+    async def asgi(self, scope: Scope, send: Send) -> None:
+        """Answer on the event loop's server. ``/ui/data`` is computed in a worker
+        thread: reading a registry of many series takes milliseconds (about a quarter of
+        a ``/metrics`` scrape of it), and there the relay keeps the loop, the GIL passing
+        back to it every few milliseconds, instead of waiting for the whole reading."""
+        method, path, query = scope["method"], scope["path"], scope["query_string"]
+        if path == DATA_PATH and method == "GET" and len(query) <= MAX_QUERY:
+            status, headers, body = await asyncio.to_thread(self.respond, method, path, query)
+        else:
+            status, headers, body = self.respond(method, path, query)
+        raw = [(k.encode(), v.encode()) for k, v in headers]
+        raw.append((b"content-length", str(len(body)).encode()))
+        await send({"type": "http.response.start", "status": status, "headers": raw})
+        await send(
+            {
+                "type": "http.response.body",
+                "body": b"" if method == "HEAD" else body,
+                "more_body": False,
+            }
+        )
+
+    def wsgi(self, fallback: Callable[..., Iterable[bytes]]) -> Callable[..., Iterable[bytes]]:
+        """A WSGI app: the page's paths here, everything else to ``fallback`` (the
+        metrics port's prometheus_client app)."""
+
+        def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+            path = environ.get("PATH_INFO", "")
+            if path not in PATHS:
+                return fallback(environ, start_response)
+            method = environ.get("REQUEST_METHOD", "GET")
+            query = environ.get("QUERY_STRING", "").encode("latin-1")
+            status, headers, body = self.respond(method, path, query)
+            headers.append(("content-length", str(len(body))))
+            start_response(f"{status} {HTTPStatus(status).phrase}", headers)
+            return [b"" if method == "HEAD" else body]
+
+        return app
+
+
+def parse_selection(query: bytes) -> Selection:
+    """``route``, ``model`` and ``upstream`` from a query string, each at most once;
+    absent, empty or ``*`` selects every value."""
+    try:
+        pairs = parse_qsl(
+            query.decode("latin-1"),
+            keep_blank_values=True,
+            max_num_fields=len(SELECTORS),
+            errors="strict",
+        )
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"bad query string: {str(exc)[:100]}") from None
+    found: dict[str, str] = {}
+    for name, value in pairs:
+        if name not in SELECTORS:
+            raise ValueError(f"unknown parameter {name[:40]!r}; use " + ", ".join(SELECTORS))
+        if name in found:
+            raise ValueError(f"parameter {name!r} given twice")
+        found[name] = "" if value == "*" else value
+    route, model, upstream = (found.get(name, "") for name in SELECTORS)
+    return route, model, upstream
+
+
+def _error(status: int, message: str, code: str) -> Response:
+    return (
+        status,
+        [("content-type", _JSON), _NO_STORE],
+        error_body(message, "invalid_request_error", code),
+    )

@@ -1,0 +1,312 @@
+"""A headless browser and a live stack (simulator, proxy, workload) for the page tests,
+and the code that takes the README's screenshot.
+
+The browser is Debian's ``chromium`` driven through its ``chromium-driver`` by Selenium,
+always with the system driver (``Service(CHROMEDRIVER)``): Selenium Manager never runs,
+so nothing is downloaded. Performance logging (``goog:loggingPrefs``) records every
+request the page makes, which is how a test proves that it made none off the machine.
+
+The workload is the official ``openai`` SDK in a few threads, two models (short and long
+prompts, so their TTFTs differ) over chat completions (some reasoning first) and legacy
+completions, with no retries so that every attempt is one request the proxy counts.
+:meth:`Workload.pause` stops it and waits until the proxy has recorded every request
+sent, so a test can compare the page with ``/metrics`` at one moment.
+
+The README screenshot (``docs/ui.png``) comes from the same code:
+
+    python -m tests.browser --screenshot docs/ui.png --seconds 45
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import contextlib
+import itertools
+import json
+import random
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from prometheus_client import CollectorRegistry
+
+from proxy.app import create_app
+from proxy.bench import promscrape
+from proxy.config import Settings
+from proxy.simulator.app import create_simulator_app
+from proxy.simulator.model import SimConfig
+from tests.servers import RunningServer, serve_in_thread
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMEDRIVER = "/usr/bin/chromedriver"
+MODELS = ("sim-small", "sim-large")
+CHARTS = 7  # on the live page: three over time, two histograms, time split, throughput
+
+SIM = SimConfig(
+    slots=6,
+    prefill_rate=40_000.0,
+    prefill_overhead=0.01,
+    itl=0.012,
+    itl_growth=0.05,
+    jitter=0.3,
+    output_tokens=24,
+    reasoning_tokens=8,
+    error_rate=0.02,
+    stall_rate=0.05,
+    stall_seconds=0.3,
+    vllm_metrics=True,
+    seed=7,
+)
+
+
+def browser_missing() -> str | None:
+    """Why the browser tests cannot run here, or None."""
+    if not (Path(CHROMIUM).exists() and Path(CHROMEDRIVER).exists()):
+        return f"needs Debian's chromium and chromium-driver ({CHROMIUM}, {CHROMEDRIVER})"
+    try:
+        import selenium  # noqa: F401
+    except ImportError:
+        return "needs selenium (pip install selenium)"
+    return None
+
+
+@contextlib.contextmanager
+def chrome(width: int = 1360, height: int = 1000) -> Iterator[Any]:
+    """Headless chromium with performance and console logging."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        f"--window-size={width},{height}",
+        "--hide-scrollbars",
+        "--no-first-run",
+        "--disable-extensions",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--disable-default-apps",
+        "--disable-lcd-text",  # grey antialiasing: a smaller PNG for the README
+    ):
+        options.add_argument(arg)
+    options.set_capability("goog:loggingPrefs", {"performance": "ALL", "browser": "ALL"})
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def requested_urls(driver: Any) -> list[str]:
+    """Every URL the browser asked for since the last call (performance log)."""
+    urls = []
+    for entry in driver.get_log("performance"):
+        message = json.loads(entry["message"])["message"]
+        if message.get("method") == "Network.requestWillBeSent":
+            urls.append(message["params"]["request"]["url"])
+    return urls
+
+
+def console_errors(driver: Any) -> list[dict[str, Any]]:
+    return [e for e in driver.get_log("browser") if e.get("level") == "SEVERE"]
+
+
+def wait_for(driver: Any, script: str, timeout: float = 20.0) -> Any:
+    """Wait until ``script`` (a JavaScript expression) is truthy; return its value."""
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    return WebDriverWait(driver, timeout, poll_frequency=0.05).until(
+        lambda d: d.execute_script(f"return ({script});")
+    )
+
+
+def full_screenshot(driver: Any, path: Path, scale: float = 1.0) -> None:
+    """The whole page, not just the window (DevTools ``Page.captureScreenshot``), at
+    ``scale`` (the README's is smaller, to stay under 200 KB)."""
+    metrics = driver.execute_cdp_cmd("Page.getLayoutMetrics", {})
+    size = metrics["cssContentSize"]
+    shot = driver.execute_cdp_cmd(
+        "Page.captureScreenshot",
+        {
+            "format": "png",
+            "captureBeyondViewport": True,
+            "clip": {
+                "x": 0,
+                "y": 0,
+                "width": size["width"],
+                "height": size["height"],
+                "scale": scale,
+            },
+        },
+    )
+    path.write_bytes(base64.b64decode(shot["data"]))
+
+
+@dataclass
+class Workload:
+    """Streams through the proxy from ``threads`` threads until stopped."""
+
+    base_url: str
+    threads: int = 4
+    sent: int = 0  # attempts, every one a request the proxy records
+    stop: threading.Event = field(default_factory=threading.Event)
+    go: threading.Event = field(default_factory=threading.Event)
+    _busy: int = 0
+    _cond: threading.Condition = field(default_factory=threading.Condition)
+    _workers: list[threading.Thread] = field(default_factory=list)
+
+    def start(self) -> None:
+        self.go.set()
+        for i in range(self.threads):
+            worker = threading.Thread(target=self._run, args=(i,), daemon=True)
+            worker.start()
+            self._workers.append(worker)
+
+    def _run(self, index: int) -> None:
+        from openai import OpenAI, OpenAIError
+
+        client = OpenAI(base_url=self.base_url + "/v1", api_key="sk-sim", max_retries=0, timeout=30)
+        rng = random.Random(index)
+        for n in itertools.count():
+            self.go.wait()
+            if self.stop.is_set():
+                return
+            with self._cond:
+                if not self.go.is_set():
+                    continue
+                self._busy += 1
+                self.sent += 1
+            try:
+                one(client, rng, index, n)
+            except OpenAIError:
+                pass  # injected faults: the proxy counts them too
+            finally:
+                with self._cond:
+                    self._busy -= 1
+                    self._cond.notify_all()
+
+    def pause(self, metrics_url: str, timeout: float = 20.0) -> dict[Any, float]:
+        """Stop sending, let every request finish, wait until the proxy has recorded
+        them all; return the ``/metrics`` snapshot of that moment."""
+        with self._cond:
+            self.go.clear()
+            assert self._cond.wait_for(lambda: self._busy == 0, timeout)
+        deadline = time.monotonic() + timeout
+        while True:
+            snap = promscrape.parse(httpx.get(metrics_url).text)
+            if promscrape.total(snap, promscrape.REQUESTS) >= self.sent:
+                return snap
+            assert time.monotonic() < deadline, "the proxy did not record every request"
+            self.stop.wait(0.01)  # polling the proxy's record, not timing anything
+
+    def resume(self) -> None:
+        self.go.set()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.go.set()
+        for worker in self._workers:
+            worker.join(30)
+
+
+SYSTEM = "You answer questions about the proxy's documentation. " * 40  # shared: cached
+
+
+def one(client: Any, rng: random.Random, index: int, n: int) -> None:
+    """One streamed request: the large model gets long unique prompts (slower TTFT), the
+    small one short questions behind a shared system prompt (the prefix cache serves it)."""
+    model = MODELS[(index + n) % 2]
+    words = 6000 if model == "sim-large" else 60
+    unique = f"[{index}:{n}] " + " ".join(
+        rng.choice(("alpha", "beta", "gamma", "delta")) for _ in range(words)
+    )
+    prompt = unique if model == "sim-large" else SYSTEM + unique
+    if n % 4 == 1:
+        stream: Any = client.completions.create(
+            model=model,
+            prompt=prompt,
+            max_tokens=16,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    else:
+        extra = {"reasoning_effort": "low"} if n % 3 == 0 else {}
+        stream = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": prompt}],
+            stream=True,
+            max_tokens=rng.choice((12, 24, 48)),
+            stream_options={"include_usage": True},
+            **extra,
+        )
+    for _ in stream:
+        pass
+
+
+@dataclass
+class Stack:
+    sim: RunningServer
+    proxy: RunningServer
+    workload: Workload
+
+    @property
+    def page_url(self) -> str:
+        return self.proxy.url + "/ui"
+
+    @property
+    def metrics_url(self) -> str:
+        return self.proxy.url + "/metrics"
+
+
+@contextlib.contextmanager
+def live_stack(threads: int = 4, sim: SimConfig = SIM) -> Iterator[Stack]:
+    """Simulator and proxy in real uvicorn servers on loopback, and a workload (not
+    started: the caller decides when traffic begins)."""
+    with serve_in_thread(create_simulator_app(sim)) as upstream:
+        settings = Settings(upstream=upstream.url + "/v1", upstream_name="simulator")
+        app = create_app(settings, registry=CollectorRegistry())
+        with serve_in_thread(app) as proxy:
+            workload = Workload(proxy.url, threads)
+            try:
+                yield Stack(upstream, proxy, workload)
+            finally:
+                workload.close()
+
+
+def screenshot(path: Path, seconds: float, scale: float = 0.72) -> None:
+    """The README's picture: the page after ``seconds`` of traffic."""
+    with live_stack(threads=5) as stack, chrome(1360, 1000) as driver:
+        driver.get(stack.page_url)
+        stack.workload.start()
+        stack.workload.stop.wait(seconds)  # let traffic build history for the charts
+        wait_for(driver, f"document.querySelectorAll('[data-drawn=chart]').length == {CHARTS}")
+        refreshed = int(driver.execute_script("return document.body.dataset.refreshes"))
+        wait_for(driver, f"+document.body.dataset.refreshes > {refreshed}")
+        tmp = path.with_suffix(".tmp.png")
+        full_screenshot(driver, tmp, scale)
+    shutil.move(tmp, path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Take the README's screenshot of /ui.")
+    parser.add_argument("--screenshot", type=Path, default=Path("docs/ui.png"))
+    parser.add_argument("--seconds", type=float, default=45.0)
+    parser.add_argument("--scale", type=float, default=0.72)
+    args = parser.parse_args()
+    screenshot(args.screenshot, args.seconds, args.scale)
+    print(f"{args.screenshot}: {args.screenshot.stat().st_size} bytes")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,599 @@
+"""The live page's data (``/ui/data``), its serving rules and its bad-input answers.
+
+* The figures against the registry's own exposition: the same registry read through
+  ``/metrics`` text and prometheus_client's parser (:mod:`proxy.bench.promscrape`) gives
+  the same counts, means and bucket percentiles.
+* "Last minute" and "over time" with a scripted clock: which collection the window starts
+  from, the ring's bounds, the breaks where no page polled.
+* Labels the page does not select on are summed generically (a ``client`` label, two
+  upstreams), whatever they are.
+* Bad input: 400 in the OpenAI error shape, refused before the registry is read.
+* Where the page is served: with ``/metrics`` (main port, or ``--metrics-port``), not with
+  ``--no-ui`` or ``--no-measure``; with ``--workers`` it sums every worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import math
+import signal
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+from openai import OpenAI
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+from proxy.bench import promscrape
+from proxy.config import Settings, from_sources
+from proxy.measure import Outcome, RequestRecord
+from proxy.metrics import Metrics
+from proxy.simulator.app import create_simulator_app
+from proxy.simulator.model import SimConfig
+from proxy.ui import LivePage
+from proxy.ui import data as ui_data
+from proxy.ui.page import MAX_QUERY
+from proxy.ui.slow import KEEP, SlowRequests
+from tests.servers import closed_port, proxy_process, serve_in_thread
+
+pytestmark = pytest.mark.anyio
+
+TTFT = "llm_proxy_time_to_first_token_seconds"
+ITL = "llm_proxy_inter_token_latency_seconds"
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+
+
+class Clock:
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Counting:
+    """A registry that counts how often it was read."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.reads = 0
+
+    def collect(self) -> Iterable[Any]:
+        self.reads += 1
+        return self.registry.collect()
+
+
+def record(i: int = 0, **kw: Any) -> RequestRecord:
+    values: dict[str, Any] = {
+        "request_id": f"req-{i}",
+        "route": CHAT,
+        "model": "m-a",
+        "upstream": "up",
+        "stream": True,
+        "status": 200,
+        "outcome": Outcome.COMPLETED,
+        "duration_s": 1.0,
+        "overhead_s": 0.001,
+        "queue_s": 0.0,
+        "ttft_s": 0.2,
+        "ttfa_s": 0.3,
+        "tpot_s": 0.03,
+        "itl_s": (0.02, 0.03, 0.04),
+        "output_events": 4,
+        "prompt_tokens": 100,
+        "cached_prompt_tokens": 25,
+        "completion_tokens": 4,
+    }
+    values.update(kw)
+    return RequestRecord(**values)
+
+
+def traffic() -> Iterator[RequestRecord]:
+    """Two routes, two models, streams and not, every outcome."""
+    outcomes = [Outcome.COMPLETED] * 6 + [Outcome.UPSTREAM_ERROR, Outcome.CLIENT_DISCONNECTED]
+    for i in range(40):
+        model = "m-a" if i % 3 else "m-b"
+        yield record(
+            i,
+            route=CHAT if i % 4 else COMPLETIONS,
+            model=model,
+            ttft_s=0.05 + 0.037 * i,
+            ttfa_s=0.08 + 0.04 * i,
+            duration_s=1.0 + 0.05 * i,
+            queue_s=0.01 * (i % 5),
+            itl_s=tuple(0.01 + 0.013 * ((i + k) % 17) for k in range(5)),
+            tpot_s=0.02 + 0.01 * (i % 25),
+            outcome=outcomes[i % len(outcomes)],
+            stream=i % 10 != 9,
+            status=200 if i % 8 else 502,
+            prompt_tokens=100 + 10 * i,
+            cached_prompt_tokens=(50 if model == "m-a" else 0),
+        )
+
+
+def observed(registry: CollectorRegistry | None = None) -> tuple[Metrics, CollectorRegistry]:
+    registry = registry or CollectorRegistry()
+    metrics = Metrics(Settings(upstream_name="up"), registry)
+    for r in traffic():
+        metrics.observe(r, measured=True)
+    return metrics, registry
+
+
+def scraped(registry: CollectorRegistry) -> promscrape.Snapshot:
+    """The registry as ``/metrics`` shows it, read as the bench reads it."""
+    return promscrape.parse(generate_latest(registry).decode())
+
+
+# ---------------------------------------------------------------------------
+# The figures
+
+
+@pytest.mark.parametrize(
+    "selection", [("", "", ""), (CHAT, "", ""), ("", "m-b", ""), (COMPLETIONS, "m-a", "up")]
+)
+def test_figures_equal_the_exposition(selection: tuple[str, str, str]) -> None:
+    _, registry = observed()
+    data = ui_data.LiveData(registry, clock=Clock())
+    total = data.answer(selection)["figures"]["total"]
+    wanted = {k: v for k, v in zip(("route", "model", "upstream"), selection, strict=True) if v}
+    snap = scraped(registry)
+    where = promscrape.label_filter(**wanted)
+    assert total["requests"] == promscrape.total(snap, promscrape.REQUESTS, where) > 0
+    for key, name in (
+        ("ttft", TTFT),
+        ("itl", ITL),
+        ("tpot", promscrape.TPOT),
+        ("ttfa", "llm_proxy_time_to_first_answer_token_seconds"),
+    ):
+        hist = promscrape.histogram(snap, name, where)
+        assert total[key]["n"] == hist.count > 0
+        assert total[key]["mean"] == pytest.approx(hist.mean)
+        for q in (0.5, 0.9, 0.99):
+            assert total[key][f"p{round(q * 100)}"] == pytest.approx(hist.quantile(q))
+    prompt = promscrape.histogram(snap, promscrape.PROMPT_TOKENS, where).sum
+    cached = promscrape.histogram(snap, promscrape.CACHED_TOKENS, where).sum
+    assert total["cache_hit_ratio"] == pytest.approx(cached / prompt)
+    assert total["outcomes"] == {
+        k: v
+        for k, v in promscrape.by_label(snap, promscrape.OUTCOMES, "outcome", where).items()
+        if v
+    }
+    assert (
+        total["output_tokens"]
+        == promscrape.histogram(snap, promscrape.COMPLETION_TOKENS, where).sum
+    )
+
+
+def test_time_split_adds_up_to_the_mean_streamed_request() -> None:
+    metrics = Metrics(Settings(upstream_name="up"), CollectorRegistry())
+    for i in range(4):
+        metrics.observe(
+            record(i, queue_s=0.1, overhead_s=0.002, ttft_s=0.5, duration_s=2.0), measured=True
+        )
+    metrics.observe(
+        record(9, stream=False, ttft_s=None, duration_s=30.0, queue_s=0.1, overhead_s=0.002),
+        measured=True,
+    )
+    split = ui_data.LiveData(metrics.registry, clock=Clock()).answer(("", "", ""))["figures"][
+        "total"
+    ]["time"]
+    # The non-streamed 30 s request is not part of the streamed request's mean duration;
+    # its queue and overhead (0.1 s, 0.002 s) are, being the same as the streams'.
+    assert split["request_s"] == pytest.approx(2.0)
+    assert split["parts_s"] == pytest.approx(
+        {"queue": 0.1, "overhead": 0.002, "first_token": 0.398, "decode": 1.5}
+    )
+    assert math.fsum(split["shares"].values()) == pytest.approx(1.0)
+
+
+def test_last_minute_starts_from_the_collection_a_minute_ago() -> None:
+    clock = Clock()
+    metrics = Metrics(Settings(upstream_name="up"), CollectorRegistry())
+    data = ui_data.LiveData(metrics.registry, clock=clock)
+    for i in range(5):
+        metrics.observe(record(i, ttft_s=2.0), measured=True)
+    first = data.answer(("", "", ""))
+    assert first["figures"]["window"] is None  # nothing to compare with yet
+    assert first["figures"]["total"]["ttft"]["n"] == 5
+    for second in range(1, 62):  # a page polling once a second
+        clock.now += 1.0
+        if second == 30:
+            for i in range(3):
+                metrics.observe(record(10 + i, ttft_s=0.1), measured=True)
+        answer = data.answer(("", "", ""))
+    assert answer["window_s"] == pytest.approx(60.0)
+    window, total = answer["figures"]["window"], answer["figures"]["total"]
+    assert window["ttft"]["n"] == 3 and window["ttft"]["p99"] < 0.1
+    assert total["ttft"]["n"] == 8 and total["ttft"]["p99"] > 1.5
+    assert window["requests_per_s"] == pytest.approx(3 / 60)
+    clock.now += 45.0  # no page for 45 s: the last minute is what the ring has
+    later = data.answer(("", "", ""))
+    # The base is the oldest collection within the minute (45 s after the three came),
+    # not the current one: the minute has no request.
+    assert later["window_s"] == pytest.approx(60.0)
+    assert (
+        later["figures"]["window"]["requests"] == 0 and later["figures"]["window"]["ttft"] is None
+    )
+
+
+def test_over_time_points_every_five_seconds_with_breaks_where_no_page_polled() -> None:
+    clock = Clock()
+    metrics = Metrics(Settings(upstream_name="up"), CollectorRegistry())
+    data = ui_data.LiveData(metrics.registry, clock=clock)
+    for second in range(21):
+        if second % 5 == 2:
+            metrics.observe(record(second, ttft_s=0.1 * (second + 1)), measured=True)
+        data.answer(("", "", ""))
+        clock.now += 1.0
+    clock.now += 100.0  # the page was closed
+    metrics.observe(record(99, ttft_s=5.0), measured=True)
+    series = data.answer(("", "", ""))["series"]
+    # collections at 0, 5, 10, 15, 20 and now (121): four 5 s points, a break, one more
+    assert series["t"] == [-121 + 5, -121 + 10, -121 + 15, -121 + 20, -121 + 25, 0]
+    p50 = series["ttft.p50"]
+    assert p50[4] is None and series["requests_per_s"][4] is None
+    assert [p is not None for p in p50] == [True, True, True, True, False, True]
+    assert series["requests_per_s"][:4] == [pytest.approx(1 / 5)] * 4
+    assert p50[0] < p50[1] < p50[2] < p50[3] < p50[5]
+
+
+def test_the_ring_is_bounded_and_idle_series_are_shared() -> None:
+    clock = Clock()
+    metrics = Metrics(Settings(upstream_name="up"), CollectorRegistry())
+    metrics.observe(record(0, model="idle"), measured=True)
+    data = ui_data.LiveData(metrics.registry, clock=clock)
+    for second in range(400):  # more than the fine ring (61 s) and the coarse (300 s)
+        metrics.observe(record(second, model="busy"), measured=True)
+        data.answer(("", "", ""))
+        clock.now += 1.0
+    assert len(data.fine) <= 62 and len(data.coarse) == ui_data.COARSE_KEEP
+    idle = [c.series[(CHAT, "idle", "up")] for c in (*data.fine, *data.coarse)]
+    assert all(s.scalars is idle[0].scalars for s in idle)
+    assert all(s.hists[TTFT] is idle[0].hists[TTFT] for s in idle)
+    busy = [c.series[(CHAT, "busy", "up")] for c in data.fine]
+    assert len({id(s.hists[TTFT]) for s in busy}) == len(busy)
+
+
+def test_labels_not_selected_are_summed_whatever_they_are() -> None:
+    """A ``client`` label and two upstreams, as later versions may export."""
+    registry = CollectorRegistry()
+    ttft = Histogram(
+        TTFT,
+        "t",
+        ("route", "model", "upstream", "client"),
+        registry=registry,
+        buckets=(0.1, 0.5, 1.0),
+    )
+    requests = Counter(
+        "llm_proxy_requests",
+        "r",
+        ("route", "model", "upstream", "client", "code"),
+        registry=registry,
+    )
+    for upstream, client, value in (
+        ("a", "app1", 0.05),
+        ("a", "app2", 0.3),
+        ("b", "app1", 0.7),
+        ("b", "app1", 0.8),
+    ):
+        ttft.labels(CHAT, "m", upstream, client).observe(value)
+        requests.labels(CHAT, "m", upstream, client, "200").inc()
+    data = ui_data.LiveData(registry, clock=Clock())
+    everything = data.answer(("", "", ""))
+    assert everything["choices"] == {"route": [CHAT], "model": ["m"], "upstream": ["a", "b"]}
+    assert everything["figures"]["total"]["ttft"]["n"] == 4
+    assert everything["figures"]["total"]["requests"] == 4
+    only_b = data.answer(("", "m", "b"))["figures"]["total"]
+    assert only_b["ttft"]["n"] == 2 and only_b["ttft"]["mean"] == pytest.approx(0.75)
+    snap = scraped(registry)
+    hist = promscrape.histogram(snap, TTFT, promscrape.label_filter(upstream="b"))
+    assert only_b["ttft"]["p90"] == pytest.approx(hist.quantile(0.9))
+
+
+def test_the_registry_is_read_at_most_twice_a_second() -> None:
+    clock = Clock()
+    _, registry = observed()
+    counting = Counting(registry)
+    data = ui_data.LiveData(counting, clock=clock)
+    for _ in range(10):  # ten pages, or one hostile poller, in the same instant
+        data.answer(("", "", ""))
+    assert counting.reads == 1
+    clock.now += ui_data.MIN_COLLECT_S
+    data.answer(("", "m-a", ""))
+    assert counting.reads == 2
+
+
+# ---------------------------------------------------------------------------
+# Bad input
+
+
+def page_with_counter() -> tuple[LivePage, Counting]:
+    _, registry = observed()
+    counting = Counting(registry)
+    return LivePage(counting, clock=Clock()), counting
+
+
+@pytest.mark.parametrize(
+    ("query", "code"),
+    [
+        (b"x" * (MAX_QUERY + 1), "query_too_long"),
+        (b"model=" + b"%41" * 400, "query_too_long"),
+        (b"model=a&model=b", "invalid_selector"),
+        (b"route=a&model=b&upstream=c&x=d", "invalid_selector"),
+        (b"colour=red", "invalid_selector"),
+        (b"model=%ff%fe", "invalid_selector"),
+        (b"&" * 200, "invalid_selector"),
+    ],
+)
+def test_malformed_queries_are_refused_before_the_registry_is_read(query: bytes, code: str) -> None:
+    page, counting = page_with_counter()
+    status, headers, body = page.respond("GET", "/ui/data", query)
+    assert status == 400
+    assert dict(headers)["content-type"] == "application/json"
+    error = json.loads(body)["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" and error["code"] == code
+    assert counting.reads == 0
+    assert len(body) < 400  # the input is not echoed back whole
+
+
+@pytest.mark.parametrize("query", [b"model=nope", b"route=%2Fv1%2Fembeddings", b"upstream=up2"])
+def test_unknown_selectors_are_400_in_the_openai_shape(query: bytes) -> None:
+    page, _ = page_with_counter()
+    status, _, body = page.respond("GET", "/ui/data", query)
+    assert status == 400
+    error = json.loads(body)["error"]
+    assert error["code"] == "unknown_selector" and "unknown" in error["message"]
+
+
+def test_known_selectors_and_star_are_accepted() -> None:
+    page, _ = page_with_counter()
+    for query in (b"", b"model=m-a", b"route=%2Fv1%2Fcompletions&model=*", b"upstream=up&model="):
+        status, _, body = page.respond("GET", "/ui/data", query)
+        assert status == 200, body
+    assert json.loads(body)["selection"] == {"route": "", "model": "", "upstream": "up"}
+
+
+def test_only_get_and_head() -> None:
+    page, _ = page_with_counter()
+    status, _, body = page.respond("POST", "/ui/data", b"")
+    assert status == 405 and json.loads(body)["error"]["code"] == "method_not_allowed"
+    assert page.respond("HEAD", "/ui", b"")[0] == 200
+
+
+def test_the_page_reaches_nothing_off_the_machine() -> None:
+    page, _ = page_with_counter()
+    _status, headers, body = page.respond("GET", "/ui", b"")
+    html = body.decode()
+    policy = dict(headers)["content-security-policy"]
+    assert "default-src 'none'" in policy and "connect-src 'self'" in policy
+    assert "unsafe-inline" not in policy
+    # Nothing loads from anywhere: no src, the one href is the empty data: icon; the only
+    # absolute URL is SVG's namespace name, which is an identifier, not a request.
+    assert " src=" not in html
+    assert html.count("href=") == 1 and 'href="data:,"' in html
+    assert set(_urls(html)) == {"http://www.w3.org/2000/svg"}
+    assert "{{" not in html
+
+
+def _urls(text: str) -> list[str]:
+    import re
+
+    return re.findall(r"https?://[^\s\"'`)]+", text)
+
+
+# ---------------------------------------------------------------------------
+# Slowest requests
+
+
+def test_slowest_requests_per_series_and_only_the_last_minute() -> None:
+    clock = Clock()
+    slow = SlowRequests(clock)
+    for i in range(30):
+        slow.add(record(i, model="m-a", ttft_s=0.01 * i))
+        clock.now += 0.1
+    for i in range(3):
+        slow.add(record(100 + i, model="m-b", ttft_s=0.001 * i))
+    slow.add(record(200, model="m-b", ttft_s=None, duration_s=9.0, outcome=Outcome.TIMEOUT))
+    slow.add(record(300, model="m-b", stream=False, ttft_s=None, duration_s=99.0))
+    everything = slow.slowest(lambda key: True)
+    assert len(everything) == KEEP
+    assert everything[0]["request_id"] == "req-200" and everything[0]["outcome"] == "timeout"
+    assert [r["request_id"] for r in everything[1:]] == [f"req-{i}" for i in range(29, 20, -1)]
+    only_b = slow.slowest(lambda key: key[1] == "m-b")
+    assert [r["request_id"] for r in only_b] == ["req-200", "req-102", "req-101", "req-100"]
+    assert set(everything[0]) == {
+        "request_id",
+        "route",
+        "model",
+        "upstream",
+        "ttft_s",
+        "ttfa_s",
+        "duration_s",
+        "prompt_tokens",
+        "cached_prompt_tokens",
+        "completion_tokens",
+        "outcome",
+        "ago_s",
+    }
+    clock.now += 61.0
+    assert slow.slowest(lambda key: True) == []
+
+
+def test_the_slowest_requests_reach_the_page_through_metrics() -> None:
+    settings = Settings(upstream_name="up")
+    from proxy.app import create_app
+
+    app = create_app(settings, registry=CollectorRegistry())
+    assert app.metrics is not None and app.ui is not None
+    for i in range(3):
+        app.metrics.observe(record(i, ttft_s=0.1 * (i + 1)), measured=True)
+    status, _, body = app.ui.respond("GET", "/ui/data", b"model=m-a")
+    assert status == 200
+    answer = json.loads(body)
+    assert [r["request_id"] for r in answer["slow"]] == ["req-2", "req-1", "req-0"]
+    # The app's page reads a registry restricted to the samples it uses: all of them.
+    total = answer["figures"]["total"]
+    assert total["requests"] == 3 and total["ttft"]["n"] == total["itl"]["n"] / 3 == 3
+    assert total["tpot"]["n"] == 3 and total["time"]["request_s"] == pytest.approx(1.0)
+    assert total["cache_hit_ratio"] == pytest.approx(0.25)
+
+
+# ---------------------------------------------------------------------------
+# Where it is served
+
+
+async def get(app: Any, path: str) -> httpx.Response:
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://proxy.test"
+    ) as client:
+        return await client.get(path)
+
+
+@pytest.mark.parametrize(
+    ("settings", "served"),
+    [
+        (Settings(), True),
+        (Settings(ui=False), False),
+        (Settings(measure=False), False),
+        (Settings(metrics_port=9999), False),  # it went to the metrics port with /metrics
+    ],
+)
+async def test_the_page_follows_metrics_on_the_main_port(settings: Settings, served: bool) -> None:
+    from proxy.app import create_app
+
+    app = create_app(settings, registry=CollectorRegistry())
+    try:
+        page, data = await get(app, "/ui"), await get(app, "/ui/data")
+        metrics = await get(app, "/metrics")
+        if served:
+            assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+            assert "content-security-policy" in page.headers
+            assert data.status_code == 200 and "figures" in data.json()
+        else:
+            assert page.status_code == data.status_code == 404
+            assert "error" in data.json()
+        assert (metrics.status_code == 200) == (served or settings.ui is False)
+    finally:
+        await app.aclose()
+
+
+def test_ui_setting_from_flag_and_environment() -> None:
+    from proxy import config
+
+    parser = argparse.ArgumentParser()
+    config.add_arguments(parser)
+    assert from_sources(parser.parse_args([]), environ={}).ui is True
+    assert from_sources(parser.parse_args(["--no-ui"]), environ={}).ui is False
+    assert from_sources(parser.parse_args([]), environ={"LLM_PROXY_UI": "false"}).ui is False
+
+
+SIM = SimConfig(slots=8, itl=0.002, output_tokens=6, output_dist="fixed", prefill_rate=1e6, seed=3)
+
+
+def stream_chat(base_url: str, n: int, model: str = "sim-llm") -> None:
+    client = OpenAI(base_url=base_url + "/v1", api_key="sk-sim", max_retries=0, timeout=30)
+    for i in range(n):
+        for _ in client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": f"hello {i}"}],
+            stream=True,
+            stream_options={"include_usage": True},
+        ):
+            pass
+
+
+@pytest.mark.e2e
+async def test_metrics_port_serves_the_page_and_the_main_port_does_not() -> None:
+    import anyio
+
+    metrics_port = closed_port()
+    with serve_in_thread(create_simulator_app(SIM)) as sim:
+        async with proxy_process(sim.url, "--metrics-port", str(metrics_port)) as (_, port, _out):
+            await anyio.to_thread.run_sync(stream_chat, f"http://127.0.0.1:{port}", 3)
+            side = f"http://127.0.0.1:{metrics_port}"
+            async with httpx.AsyncClient() as client:
+                for path in ("/ui", "/ui/data"):
+                    assert (await client.get(f"http://127.0.0.1:{port}{path}")).status_code == 404
+                page = await client.get(side + "/ui")
+                assert page.status_code == 200 and "<svg" not in page.text  # drawn by script
+                assert "content-security-policy" in page.headers
+                bad = await client.get(side + "/ui/data?model=nope")
+                assert bad.status_code == 400 and bad.json()["error"]["code"] == "unknown_selector"
+                metrics = await client.get(side + "/metrics")  # unchanged: the exposition
+                assert metrics.headers["content-type"].startswith("text/plain")
+                for _ in range(100):  # the record is made just after the client saw the end
+                    data = (await client.get(side + "/ui/data")).json()
+                    if data["figures"]["total"]["requests"] == 3:
+                        break
+                    await anyio.sleep(0.3)
+                snap = promscrape.parse((await client.get(side + "/metrics")).text)
+                assert (
+                    data["figures"]["total"]["requests"]
+                    == promscrape.total(snap, promscrape.REQUESTS)
+                    == 3
+                )
+                assert [r["model"] for r in data["slow"]] == ["sim-llm"] * 3
+
+
+@pytest.mark.e2e
+async def test_with_workers_the_page_sums_every_worker() -> None:
+    import anyio
+
+    with serve_in_thread(create_simulator_app(SIM)) as sim:
+        async with proxy_process(sim.url, "--workers", "2") as (proc, port, _out):
+            base = f"http://127.0.0.1:{port}"
+            try:
+                await anyio.to_thread.run_sync(stream_chat, base, 10)
+                async with httpx.AsyncClient() as client:
+                    for _ in range(100):  # each worker records its requests as they end
+                        snap = promscrape.parse((await client.get(base + "/metrics")).text)
+                        if promscrape.total(snap, promscrape.REQUESTS) == 10:
+                            break
+                        await anyio.sleep(0.1)
+                    # New connections, so that both workers answer some of them.
+                    answers = [
+                        (
+                            await client.get(base + "/ui/data", headers={"connection": "close"})
+                        ).json()
+                        for _ in range(6)
+                    ]
+            finally:  # the supervisor stops its workers; a kill would leave them running
+                proc.send_signal(signal.SIGTERM)
+                await anyio.to_thread.run_sync(proc.wait, 15)
+            ttft = promscrape.histogram(snap, TTFT)
+            for answer in answers:
+                total = answer["figures"]["total"]
+                assert total["requests"] == 10 and total["ttft"]["n"] == 10
+                assert total["ttft"]["mean"] == pytest.approx(ttft.mean)
+                assert total["ttft"]["p90"] == pytest.approx(ttft.quantile(0.9))
+
+
+def test_demo_prints_the_page_url_first() -> None:
+    import anyio
+
+    from proxy import demo
+    from proxy.cli import build_parser
+
+    args = build_parser().parse_args(
+        [
+            "demo",
+            "--port",
+            "0",
+            "--duration",
+            "0.5",
+            "--burst-every",
+            "0",
+            "--slots",
+            "2",
+            "--refresh",
+            "0.2",
+        ]
+    )
+    out = io.StringIO()
+    assert anyio.run(demo.Demo(args, out, tty=False).main) == 0
+    first = out.getvalue().splitlines()[0]
+    assert first.startswith("demo: live page at http://127.0.0.1:") and first.endswith("/ui")
