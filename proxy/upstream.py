@@ -127,6 +127,9 @@ class _NoGauge:
         pass
 
 
+_CLOSING: set[asyncio.Task[None]] = set()  # pools of retired upstreams being closed
+
+
 class Target:
     """One upstream, live: its client, its admission (``max_concurrency``/``max_queue``
     per upstream), the headers it adds, and its in-flight gauge. Everything is decided
@@ -156,7 +159,13 @@ class Target:
         self.active -= 1
         self.in_flight.dec()
         if self.closing and not self.active:
-            asyncio.get_running_loop().create_task(self.client.aclose())
+            self.close_soon()
+
+    def close_soon(self) -> None:
+        """Close the pool from the loop (held until done: the loop keeps weak refs)."""
+        task = asyncio.get_running_loop().create_task(self.client.aclose())
+        _CLOSING.add(task)
+        task.add_done_callback(_CLOSING.discard)
 
 
 class Upstreams:
@@ -180,7 +189,7 @@ class Upstreams:
         for retired in old.values():
             retired.closing = True
             if not retired.active:
-                asyncio.get_running_loop().create_task(retired.client.aclose())
+                retired.close_soon()
 
     def _target(self, spec: UpstreamSpec) -> Target:
         gauge = self._gauge(spec.name) if self._gauge is not None else None
