@@ -15,7 +15,10 @@ cache-write tokens in their usage), a shared prompt prefix (cache hits), injecte
 upstream errors and mid-stream drops, a request the upstream rejects, a client that
 hangs up, and more concurrent requests than both the proxy's ``--max-concurrency`` and
 the simulator's slots, so queue time is non-zero at the proxy and as the upstream
-reports it.
+reports it. The upstreams come from a config file (``LLM_PROXY_CONFIG``): the simulator
+under two names, one per model, with a client label from an ``X-Team`` header sent by
+two teams, so every panel that splits by upstream or client must show both upstreams
+and both teams.
 
 Without a ``prometheus`` binary the test is skipped on a developer machine and fails in
 CI (``CI=true``). Waiting is on Prometheus's own API (bounded polls), never on a fixed
@@ -69,6 +72,12 @@ MODELS = ("sim-a", "sim-b")
 RESPONSES, MESSAGES = "/v1/responses", "/v1/messages"
 ROUTES = {"/v1/chat/completions", "/v1/completions", RESPONSES, MESSAGES}
 UPSTREAM_NAME = "sim"
+# The proxy runs from a config file with two upstreams (the same simulator under two
+# names, one per model) and a client label from a header, so the "compare upstreams" and
+# "clients" panels and the per-upstream, per-client rules run on the proxy's own series.
+SECOND_UPSTREAM = "sim-2"
+UPSTREAMS = {UPSTREAM_NAME: "sim-a", SECOND_UPSTREAM: "sim-b"}
+TEAMS = ("search", "ads")
 TRAFFIC_SECONDS = 6.0
 CLIENTS = 8  # > proxy --max-concurrency (4) > simulator slots (3): both queue
 PROXY_MAX_CONCURRENCY = 4
@@ -220,11 +229,12 @@ def request_body(route: str, model: str, stream: bool, i: int, max_tokens: int) 
 
 
 async def one_request(
-    client: httpx.AsyncClient, route: str, body: dict[str, Any], tally: Tally
+    client: httpx.AsyncClient, route: str, body: dict[str, Any], tally: Tally, team: str = ""
 ) -> None:
     tally.sent += 1
     try:
-        async with client.stream("POST", route, json=body) as response:
+        headers = {"x-team": team} if team else {}
+        async with client.stream("POST", route, json=body, headers=headers) as response:
             async for _ in response.aiter_bytes():
                 pass
         tally.by_status[response.status_code] = tally.by_status.get(response.status_code, 0) + 1
@@ -256,7 +266,8 @@ async def drive_traffic(client: httpx.AsyncClient, seconds: float) -> Tally:
             i = next(counter)
             route, model, stream = MIX[i % len(MIX)]
             await one_request(
-                client, route, request_body(route, model, stream, i, 8 + i % 24), tally
+                client, route, request_body(route, model, stream, i, 8 + i % 24), tally,
+                TEAMS[i % len(TEAMS)],
             )
 
     async def hang_up() -> None:
@@ -320,9 +331,19 @@ def prometheus_config(proxy_port: int) -> dict[str, Any]:
     return config
 
 
-def proxy_environment(upstream: str, port: int) -> dict[str, str]:
+def proxy_environment(upstream: str, port: int, config: Path) -> dict[str, str]:
     """The container's environment: the Dockerfile's LLM_PROXY_* variables, then what
-    compose would set; only the host is narrowed to loopback for this test."""
+    compose would set; only the host is narrowed to loopback for this test. The
+    upstreams come from a config file written to ``config``: the simulator under two
+    names, one per model, and a client label from the X-Team header."""
+    config.write_text(
+        'client_label_from = "header:X-Team"\n'
+        + "".join(
+            f'[[upstream]]\nname = "{name}"\nurl = "{upstream}"\nmodels = ["{model}"]\n'
+            + ("default = true\n" if name == UPSTREAM_NAME else "")
+            for name, model in UPSTREAMS.items()
+        )
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLM_PROXY_")}
     image_env = dockerfile_env()
     env.update({k: v for k, v in image_env.items() if k.startswith(("LLM_PROXY_", "PYTHON"))})
@@ -330,8 +351,7 @@ def proxy_environment(upstream: str, port: int) -> dict[str, str]:
     env.update(
         LLM_PROXY_HOST="127.0.0.1",
         LLM_PROXY_PORT=str(port),
-        LLM_PROXY_UPSTREAM=upstream,
-        LLM_PROXY_UPSTREAM_NAME=UPSTREAM_NAME,
+        LLM_PROXY_CONFIG=str(config),
         LLM_PROXY_MAX_CONCURRENCY=str(PROXY_MAX_CONCURRENCY),
         LLM_PROXY_GRACEFUL_TIMEOUT="5",
     )
@@ -367,7 +387,8 @@ async def stack(
         proxy_port = free_port()
         proxy_log = tmp_path / "proxy.log"
         argv = [sys.executable, "-m", "proxy", "serve"]
-        with background(argv, proxy_log, proxy_environment(sim.url + "/v1", proxy_port)) as proxy:
+        env = proxy_environment(sim.url + "/v1", proxy_port, tmp_path / "proxy.toml")
+        with background(argv, proxy_log, env) as proxy:
             config_path = tmp_path / "prometheus.yml"
             config_path.write_text(yaml.safe_dump(prometheus_config(proxy_port)))
             prom_port = free_port()
@@ -440,6 +461,9 @@ async def test_every_panel_and_recording_rule_returns_data(
     codes = label_values(totals, "llm_proxy_requests_total", "code")
     assert {"200", "400", "503"} <= codes, codes
     assert label_values(totals, "llm_proxy_requests_total", "model") == set(MODELS)
+    assert label_values(totals, "llm_proxy_requests_total", "upstream") == set(UPSTREAMS)
+    assert set(TEAMS) <= label_values(totals, "llm_proxy_time_to_first_token_seconds_count",
+                                      "client")
     assert label_values(totals, "llm_proxy_requests_total", "route") == ROUTES
     assert label_values(totals, "llm_proxy_time_to_first_token_seconds_count", "route") == ROUTES
     assert sum(totals["llm_proxy_queue_time_seconds_sum"].values()) > 0
@@ -492,6 +516,13 @@ async def test_every_panel_and_recording_rule_returns_data(
         )
         if not finite:
             failures.append(f"{title} [{ref}]: {len(result)} series, none finite\n    {expr}")
+        # a panel that splits by upstream or client shows every one of them
+        upstreams = {labels["upstream"] for labels, _ in result if "upstream" in labels}
+        if upstreams and upstreams != set(UPSTREAMS):
+            failures.append(f"{title} [{ref}]: upstreams {sorted(upstreams)}")
+        clients = {labels["client"] for labels, _ in result if "client" in labels}
+        if clients and not set(TEAMS) <= clients:
+            failures.append(f"{title} [{ref}]: clients {sorted(clients)}")
     # ... with one model and one upstream picked (Grafana's multi-value format) ...
     for title, ref, expr in dashboard_queries(
         {**ALL, "model": "(sim-a)", "upstream": f"({UPSTREAM_NAME})"}
@@ -530,7 +561,8 @@ async def test_every_panel_and_recording_rule_returns_data(
 
     # The template variables' queries (label_values) find the traffic's labels.
     for label, match, expected in (
-        ("upstream", "llm_proxy_requests_total", {UPSTREAM_NAME}),
+        ("upstream", "llm_proxy_requests_total", set(UPSTREAMS)),
+        ("client", "llm_proxy_requests_total", set(TEAMS)),
         ("model", 'llm_proxy_requests_total{upstream=~".*"}', set(MODELS)),
         ("route", "llm_proxy_requests_total", ROUTES),
     ):
