@@ -80,15 +80,18 @@ def streams(tokens: int) -> dict[str, list[bytes]]:
     return out
 
 
-def child(tokens: int, count: int, repeat: int) -> dict[str, Any]:
-    """Run in the checkout under test (its ``proxy`` first on sys.path)."""
+def child(tokens: int, count: int, repeat: int, plain: bool = False) -> dict[str, Any]:
+    """Run in the checkout under test (its ``proxy`` first on sys.path). ``plain``: the
+    dialects a proxy uses when nothing reads response info (no trace, OTLP metrics or
+    request log), where the checkout has them, and no ``timer.response()``."""
     import proxy
-    from proxy.dialects import DIALECTS
+    from proxy import dialects as d
     from proxy.measure import Meter, StreamTimer
     from proxy.sse import SSEParser
     from proxy.strip import UsageStripper
 
-    by_name = {d.name: d for d in DIALECTS.values()}
+    table = getattr(d, "DIALECTS_WITHOUT_RESPONSE_INFO", d.DIALECTS) if plain else d.DIALECTS
+    by_name = {dialect.name: dialect for dialect in table.values()}
     results: dict[str, Any] = {"proxy": str(Path(proxy.__file__).parent)}
     for name, chunks in streams(tokens).items():
         dialect = by_name[API_OF[name]]
@@ -107,7 +110,7 @@ def child(tokens: int, count: int, repeat: int) -> dict[str, Any]:
                 else:
                     for i, chunk in enumerate(chunks):
                         meter.chunk(chunk, float(i))
-                reply = getattr(timer, "response", None)
+                reply = None if plain else getattr(timer, "response", None)
                 if reply is not None:
                     reply()
             best = min(best, time.perf_counter() - start)
@@ -128,6 +131,7 @@ def measure(tree: Path, args: argparse.Namespace) -> dict[str, Any]:
         str(args.streams),
         "--repeat",
         str(args.repeat),
+        *(["--plain"] if args.plain else []),
     ]
     done = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True, check=True)
     result: dict[str, Any] = json.loads(done.stdout)
@@ -142,10 +146,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=50, help="tokens per stream")
     p.add_argument("--streams", type=int, default=2000, help="streams per timed run")
     p.add_argument("--repeat", type=int, default=7, help="timed runs; the best counts")
+    p.add_argument("--plain", action="store_true",
+                   help="the path of a proxy with no trace, OTLP metrics or request log")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        print(json.dumps(child(args.tokens, args.streams, args.repeat)))
+        print(json.dumps(child(args.tokens, args.streams, args.repeat, args.plain)))
         return 0
     trees = {"after": REPO}
     if args.before:

@@ -62,8 +62,8 @@ class ProxyApp:
         self.ui = live_page(settings, self.metrics)
         self.keys = load_key_check(settings)
         self.v1 = V1Handler(settings, self.upstreams, self.metrics, clock, self.keys,
-                            self.request_log, self.tracing, identify_from(settings))
-        self.v1.otel_metrics = self.otel_metrics
+                            self.request_log, self.tracing, identify_from(settings),
+                            self.otel_metrics)
 
     @property
     def upstream(self) -> Upstream:

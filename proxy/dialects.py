@@ -91,7 +91,7 @@ import json
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar, NamedTuple, Protocol
 
 
@@ -408,6 +408,10 @@ class ChatDialect:
     )
     _answer_names: ClassVar[frozenset[bytes]] = frozenset((b"content", b"refusal"))
     _containers: ClassVar[tuple[bytes, ...]] = (b'"tool_calls"', b'"function_call"')
+    # Decode the chunks that carry a finish reason (and no output) for the response
+    # info: only when something reads it (a trace, OTLP metrics, the per-request log);
+    # else such a chunk is settled by the byte checks like any chunk without output.
+    response_info: bool = True
 
     def classify(self, event: bytes, data: bytes) -> EventInfo:
         if event == b"error":
@@ -457,7 +461,7 @@ class ChatDialect:
             if not any(key in data for key in self._containers):
                 return REASONING
         elif (b'"error"' not in data and not any(key in data for key in self._containers)
-              and not _finish_given(data)):
+              and not (self.response_info and _finish_given(data))):
             return NOT_COUNTED  # role-only or empty chunk
         return None
 
@@ -811,6 +815,11 @@ COMPLETIONS = CompletionsDialect()
 RESPONSES = ResponsesDialect()
 MESSAGES = MessagesDialect()
 DIALECTS: dict[str, Dialect] = {d.route: d for d in (CHAT, COMPLETIONS, RESPONSES, MESSAGES)}
+# The same, not reading response info where that costs a decode per stream (chat and
+# completions' finish chunk): for a proxy with no trace, OTLP metrics or request log.
+DIALECTS_WITHOUT_RESPONSE_INFO: dict[str, Dialect] = {
+    d.route: d for d in (replace(CHAT, response_info=False),
+                         replace(COMPLETIONS, response_info=False), RESPONSES, MESSAGES)}
 
 
 # ---------------------------------------------------------------------------

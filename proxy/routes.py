@@ -29,7 +29,14 @@ from proxy.admission import QueueFull
 from proxy.auth import CLIENT_KEY_HEADERS, KeyCheck, presented_key
 from proxy.clients import Identify
 from proxy.config import Settings
-from proxy.dialects import DIALECTS, NO_RESPONSE, Dialect, Usage, upstream_queue_seconds
+from proxy.dialects import (
+    DIALECTS,
+    DIALECTS_WITHOUT_RESPONSE_INFO,
+    NO_RESPONSE,
+    Dialect,
+    Usage,
+    upstream_queue_seconds,
+)
 from proxy.logs import RateLimitedLog
 from proxy.measure import (
     Meter,
@@ -68,6 +75,8 @@ Clock = Callable[[], float]
 # The measured routes: POST to one of these is observed by its API's dialect.
 MEASURED_ROUTES: dict[bytes, Dialect] = {
     d.route.removeprefix("/v1").encode(): d for d in DIALECTS.values()}
+MEASURED_ROUTES_WITHOUT_RESPONSE_INFO: dict[bytes, Dialect] = {
+    d.route.removeprefix("/v1").encode(): d for d in DIALECTS_WITHOUT_RESPONSE_INFO.values()}
 # Route templates for everything else under /v1: the first path segment when it is a
 # known OpenAI-style resource, else a catch-all, so random paths add no label values.
 KNOWN_RESOURCES = frozenset({
@@ -164,13 +173,13 @@ class V1Handler:
     log line, refused requests included.
     """
 
-    otel_metrics: OtelMetrics | None = None  # --otlp-metrics: set by proxy.app
-
     def __init__(self, settings: Settings, upstreams: Upstreams, metrics: Metrics | None,
                  clock: Clock, keys: KeyCheck | None, request_log: RequestLog | None,
-                 tracing: Tracing | None = None, identify: Identify | None = None) -> None:
+                 tracing: Tracing | None = None, identify: Identify | None = None,
+                 otel_metrics: OtelMetrics | None = None) -> None:
         self.settings = settings
         self.tracing = tracing
+        self.otel_metrics = otel_metrics
         self.upstreams = upstreams
         self.metrics = metrics
         self.clock = clock
@@ -183,6 +192,9 @@ class V1Handler:
             metrics.client_label if metrics is not None and metrics.client_label is not None
             else _unbounded)
         self._secret_headers = frozenset(h.lower().encode() for h in settings.secret_headers)
+        # Response id, model and finish reasons are read only for whoever reads them.
+        wanted = tracing is not None or request_log is not None or otel_metrics is not None
+        self.routes = MEASURED_ROUTES if wanted else MEASURED_ROUTES_WITHOUT_RESPONSE_INFO
         self._warnings = RateLimitedLog(log, per_interval=10, interval_s=10.0)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -221,7 +233,7 @@ class V1Handler:
             subpath = safe_subpath(raw_path.split(b"?", 1)[0])
         except UnsafePath as exc:
             raise Refused(400, str(exc), "invalid_request_error", "invalid_path") from None
-        x.measured = MEASURED_ROUTES.get(subpath) if scope["method"] == "POST" else None
+        x.measured = self.routes.get(subpath) if scope["method"] == "POST" else None
         x.route = x.measured.route if x.measured is not None else route_template(subpath)
         x.subpath = subpath
         headers: list[tuple[bytes, bytes]] = scope["headers"]
@@ -522,7 +534,8 @@ class V1Handler:
         if timer is not None:
             raw = timer.usage
             upstream_q = timer.upstream_queue_s
-            reply = timer.response()
+            if self.routes is MEASURED_ROUTES:
+                reply = timer.response()
         elif result is not None and result.body and dialect is not None:
             body = _json_object(result.body)
             if body is not None:

@@ -1288,3 +1288,18 @@ def test_token_template_matches_a_steady_stream() -> None:
         chunks = [make(t) for t in ["a", "bc", "d e", "f"]]
         infos, matched = template_path(dialect, chunks)
         assert (infos, matched) == ([ANSWER] * 4, 3), dialect.name
+
+
+def test_without_a_reader_the_finish_chunk_is_not_decoded() -> None:
+    """A proxy with no trace, OTLP metrics or request log does not pay the finish chunk's
+    decode: the plain variants settle it by the byte checks, and the rest is the same."""
+    from proxy.dialects import DIALECTS_WITHOUT_RESPONSE_INFO
+
+    finish = b'{"id":"c","object":"chat.completion.chunk","model":"m","choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}'
+    plain = DIALECTS_WITHOUT_RESPONSE_INFO[CHAT.route]
+    assert plain.classify(b"", finish) is NOT_COUNTED
+    assert CHAT.classify(b"", finish).response == ResponseInfo("c", "m", ((0, "stop"),))
+    token = b'{"id":"c","choices":[{"index":0,"delta":{"content":"x"},"finish_reason":null}]}'
+    for data in (token, b"[DONE]", b'{"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":2}}'):
+        assert plain.classify(b"", data) == CHAT.classify(b"", data)
+    assert DIALECTS_WITHOUT_RESPONSE_INFO[RESPONSES.route] is RESPONSES
