@@ -86,10 +86,6 @@ class ProxyApp:
             return False
         try:
             specs = reload_specs(self.settings)
-            if any(s.api_key_env for s in specs) and self.keys is None:
-                raise SettingsError(f"config {path}: an upstream now holds a key "
-                                    "(api_key_env) but client keys were not set up at start "
-                                    "(--client-keys-file): restart to add one")
         except SettingsError as exc:
             log.error("config reload refused, the running upstreams stay: %s", exc)
             return False

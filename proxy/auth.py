@@ -98,6 +98,18 @@ def key_header(spec: UpstreamSpec, environ: Mapping[str, str] | None = None
     return upstream_header(spec.auth, env.get(spec.api_key_env, "").strip())
 
 
+def key_problem(var: str, environ: Mapping[str, str] | None = None) -> str:
+    """Why the key in environment variable ``var`` cannot be sent upstream, or ``""``."""
+    env = os.environ if environ is None else environ
+    key = env.get(var, "").strip()
+    if not key:
+        return f"environment variable {var} is empty or unset"
+    if not _HEADER_VALUE.match(key):
+        return (f"environment variable {var} holds a space, control or non-ASCII character, "
+                "which a header value cannot carry")
+    return ""
+
+
 def load_key_check(settings: Settings, *, given_as: tuple[str, str] | None = None) -> KeyCheck | None:
     """The client key check, or None when no upstream holds a server-side key.
 
@@ -106,19 +118,13 @@ def load_key_check(settings: Settings, *, given_as: tuple[str, str] | None = Non
     environment variable, for the message; the flags by default. (A config file's
     upstream keys were checked when the file was read, :mod:`proxy.upstreams`.)
     """
-    held = settings.upstream_api_key_env or any(u.api_key_env for u in settings.upstreams)
-    if not held:
+    if not settings.holds_upstream_key:
         return None
     key_name, file_name = given_as or ("--upstream-api-key-env", "--client-keys-file")
     if settings.upstream_api_key_env:
-        key = os.environ.get(settings.upstream_api_key_env, "").strip()
-        if not key:
-            raise SettingsError(f"invalid setting {key_name}: environment variable "
-                                f"{settings.upstream_api_key_env} is empty or unset")
-        if not _HEADER_VALUE.match(key):
-            raise SettingsError(f"invalid setting {key_name}: environment variable "
-                                f"{settings.upstream_api_key_env} holds a space, control or "
-                                "non-ASCII character, which a header value cannot carry")
+        problem = key_problem(settings.upstream_api_key_env)
+        if problem:
+            raise SettingsError(f"invalid setting {key_name}: {problem}")
     digests: list[bytes] = []
     try:
         with open(settings.client_keys_file, encoding="utf-8") as fh:

@@ -117,6 +117,12 @@ class Settings:
         return parts.netloc.rsplit("@", 1)[-1] or "upstream"
 
     @property
+    def holds_upstream_key(self) -> bool:
+        """The proxy sends a key of its own to some upstream: clients must then present
+        one of the proxy's keys (``--client-keys-file``)."""
+        return bool(self.upstream_api_key_env) or any(u.api_key_env for u in self.upstreams)
+
+    @property
     def default_url(self) -> str:
         """The default upstream's URL (else the first's): where a request that was not
         routed would have gone, for telemetry attributes set before routing."""
@@ -149,13 +155,15 @@ def parse_url(raw: str) -> str:
 
 _url = parse_url
 
+HEADER_NAME = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")  # an RFC 9110 token
+
 
 def _client_label_from(raw: str) -> str:
     value = raw.strip()
     if value in ("", "key"):
         return value
     kind, _, header = value.partition(":")
-    if kind == "header" and re.fullmatch(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+", header.strip()):
+    if kind == "header" and HEADER_NAME.match(header.strip()):
         return "header:" + header.strip().lower()
     raise ValueError("must be 'header:NAME' (e.g. header:X-Team) or 'key'")
 
@@ -429,8 +437,7 @@ def from_sources(args: argparse.Namespace | None = None,
                         if key in SINGLE_UPSTREAM_OPTIONS else "")
                 raise SettingsError(f"config {path}: {key}: unknown setting{hint}")
             if key not in values:
-                values[key] = _parse_option(found, _toml_text(raw), f"config {path}: {key}",
-                                            file=True)
+                values[key] = toml_value(found, raw, f"config {path}: {key}")
     settings = Settings(**values)
     if path:
         from proxy.upstreams import upstream_specs
@@ -440,13 +447,14 @@ def from_sources(args: argparse.Namespace | None = None,
     return settings
 
 
-def _toml_text(value: Any) -> str:
-    """A TOML value as the text its option's parser reads."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, list):
-        return ",".join(str(v) for v in value)
-    return str(value)
+def toml_value(opt: Option, raw: Any, where: str) -> Any:
+    """A config file's value for ``opt``, parsed as its flag would be; a bad one raises
+    :class:`SettingsError` naming ``where`` (the file and key)."""
+    if isinstance(raw, bool):  # as text, so a number option refuses it like a flag would
+        raw = "true" if raw else "false"
+    elif isinstance(raw, list):
+        raw = ",".join(str(v) for v in raw)
+    return _parse_option(opt, raw, where, file=True)
 
 
 def _parse_option(opt: Option, raw: Any, where: str, *, file: bool = False) -> Any:
@@ -470,25 +478,20 @@ def _check_combinations(s: Settings, name: Callable[[str], str],
         raise SettingsError(f"invalid setting {name('client_label_from')}=key: needs the "
                             f"secret in {FINGERPRINT_SECRET_ENV} (the same on every replica), "
                             "so that a key's label is a keyed fingerprint, never a plain hash")
-    held = [u for u in s.upstreams if u.api_key_env]
-    if held and not s.client_keys_file:
-        raise SettingsError(f"invalid setting {name('client_keys_file')}: required when an "
-                            f"upstream holds a key (upstream {held[0].name!r} has api_key_env "
-                            f"in {s.config})")
-    if held and not os.path.isfile(s.client_keys_file):
-        raise SettingsError(f"invalid setting {name('client_keys_file')}: no such file "
-                            f"{s.client_keys_file!r}")
-    if s.upstream_api_key_env:
-        if not os.environ.get(s.upstream_api_key_env, "").strip():
-            raise SettingsError(f"invalid setting {name('upstream_api_key_env')}: environment "
-                                f"variable {s.upstream_api_key_env} is empty or unset")
+    if s.upstream_api_key_env and not os.environ.get(s.upstream_api_key_env, "").strip():
+        raise SettingsError(f"invalid setting {name('upstream_api_key_env')}: environment "
+                            f"variable {s.upstream_api_key_env} is empty or unset")
+    if s.holds_upstream_key:
         if not s.client_keys_file:
-            raise SettingsError(f"invalid setting {name('client_keys_file')}: required with "
-                                f"{name('upstream_api_key_env')}")
+            held = next((u for u in s.upstreams if u.api_key_env), None)
+            why = (f"when an upstream holds a key (upstream {held.name!r} has api_key_env "
+                   f"in {s.config})" if held is not None else
+                   f"with {name('upstream_api_key_env')}")
+            raise SettingsError(f"invalid setting {name('client_keys_file')}: required {why}")
         if not os.path.isfile(s.client_keys_file):
             raise SettingsError(f"invalid setting {name('client_keys_file')}: no such file "
                                 f"{s.client_keys_file!r}")
-    elif s.upstream_auth != "bearer":
+    if not s.upstream_api_key_env and s.upstream_auth != "bearer":
         # Without a server-held key the client's own headers go upstream unchanged, so
         # the setting would silently do nothing.
         raise SettingsError(f"invalid setting {name('upstream_auth')}: only used with "

@@ -193,8 +193,10 @@ class V1Handler:
             else _unbounded)
         self._secret_headers = frozenset(h.lower().encode() for h in settings.secret_headers)
         # Response id, model and finish reasons are read only for whoever reads them.
-        wanted = tracing is not None or request_log is not None or otel_metrics is not None
-        self.routes = MEASURED_ROUTES if wanted else MEASURED_ROUTES_WITHOUT_RESPONSE_INFO
+        self.response_info = (tracing is not None or request_log is not None
+                              or otel_metrics is not None)
+        self.routes = (MEASURED_ROUTES if self.response_info
+                       else MEASURED_ROUTES_WITHOUT_RESPONSE_INFO)
         self._warnings = RateLimitedLog(log, per_interval=10, interval_s=10.0)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -534,7 +536,7 @@ class V1Handler:
         if timer is not None:
             raw = timer.usage
             upstream_q = timer.upstream_queue_s
-            if self.routes is MEASURED_ROUTES:
+            if self.response_info:
                 reply = timer.response()
         elif result is not None and result.body and dialect is not None:
             body = _json_object(result.body)

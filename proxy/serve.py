@@ -66,12 +66,11 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         settings = config.from_sources(args)
-        if settings.upstream_api_key_env or any(u.api_key_env for u in settings.upstreams):
-            from proxy.auth import load_key_check
+        from proxy.auth import load_key_check
 
-            named = (config.given_as("upstream_api_key_env", args),
-                     config.given_as("client_keys_file", args))
-            load_key_check(settings, given_as=named)  # fail now, before listening
+        named = (config.given_as("upstream_api_key_env", args),
+                 config.given_as("client_keys_file", args))
+        load_key_check(settings, given_as=named)  # fail now, before listening
     except SettingsError as exc:
         print(f"llm-latency-proxy: error: {exc}", file=sys.stderr)
         return 2

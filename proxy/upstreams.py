@@ -32,6 +32,7 @@ Per-upstream limits and timeouts default to those settings.
 from __future__ import annotations
 
 import fnmatch
+import logging
 import os
 import re
 import tomllib
@@ -39,7 +40,16 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from proxy.config import UPSTREAM_AUTH_MODES, Settings, SettingsError, parse_url
+from proxy.auth import key_problem
+from proxy.config import (
+    HEADER_NAME,
+    OPTIONS,
+    UPSTREAM_AUTH_MODES,
+    Settings,
+    SettingsError,
+    parse_url,
+    toml_value,
+)
 
 # Keys of an [[upstream]] table: name -> (kind, what the message says it must be).
 _UPSTREAM_KEYS = {
@@ -66,11 +76,11 @@ _RESERVED_HEADERS = frozenset({
     "te", "trailer", "proxy-authorization", "proxy-connection", "authorization", "x-api-key",
     "api-key", "accept-encoding", "expect",
 })  # fmt: skip
-_TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
 _HEADER_VALUE = re.compile(r"^[\x20-\x7e]*$")
 _LABEL = re.compile(r"^[\x21-\x7e]{1,64}$")
 _PATTERN_CHARS = frozenset("*?[")
 NO_UPSTREAM = "none"  # the upstream label of a request no upstream takes
+log = logging.getLogger("proxy")
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,12 +205,9 @@ def _spec(path: str, index: int, table: Mapping[str, Any], settings: Settings,
         values["auth"] = get("auth", str, lambda v: v in UPSTREAM_AUTH_MODES)
     if "api_key_env" in table:
         var = get("api_key_env", str, lambda v: bool(v.strip()))
-        key = env.get(var, "").strip()
-        if not key:
-            raise fail("api_key_env", f"environment variable {var} is empty or unset")
-        if not re.match(r"^[\x21-\x7e]+$", key):
-            raise fail("api_key_env", f"environment variable {var} holds a space, control or "
-                       "non-ASCII character, which a header value cannot carry")
+        problem = key_problem(var, env)
+        if problem:
+            raise fail("api_key_env", problem)
         values["api_key_env"] = var
     elif "auth" in table:
         raise fail("auth", "only used with api_key_env (without it the client's key headers "
@@ -215,7 +222,7 @@ def _spec(path: str, index: int, table: Mapping[str, Any], settings: Settings,
         headers = get("headers", dict)
         pairs = []
         for header, value in headers.items():
-            if not _TOKEN.match(header) or header.lower() in _RESERVED_HEADERS:
+            if not HEADER_NAME.match(header) or header.lower() in _RESERVED_HEADERS:
                 raise fail("headers", f"{header!r} cannot be set here (keys go through "
                            "api_key_env and auth; hop-by-hop and framing headers are the "
                            "proxy's)")
@@ -270,6 +277,10 @@ def _covers_routes(earlier: UpstreamSpec, later: UpstreamSpec) -> bool:
     return all(earlier.serves(r) for r in later.routes)
 
 
+def _is_pattern(model: str) -> bool:
+    return any(c in _PATTERN_CHARS for c in model)
+
+
 def _literal_prefix(pattern: str) -> str:
     for i, ch in enumerate(pattern):
         if ch in _PATTERN_CHARS:
@@ -285,9 +296,9 @@ def _shadowed(earlier: str, later: str) -> bool:
     with ``prefix``; an exact name is caught by any pattern that matches it. Other
     pairs (two patterns with inner wildcards) are not decided and never refused.
     """
-    if not any(c in _PATTERN_CHARS for c in later):
+    if not _is_pattern(later):
         return fnmatch.fnmatchcase(later, earlier)
-    if earlier.endswith("*") and not any(c in _PATTERN_CHARS for c in earlier[:-1]):
+    if earlier.endswith("*") and not _is_pattern(earlier[:-1]):
         return _literal_prefix(later).startswith(earlier[:-1])
     return False
 
@@ -310,11 +321,9 @@ class RoutingTable:
         self._cache: dict[tuple[str, str], int | None] = {}
         self._cache_size = cache_size
         # One matcher per upstream: exact names in a set, patterns compiled once.
-        self._exact = [frozenset(m for m in s.models if not any(c in _PATTERN_CHARS for c in m))
-                       for s in self.specs]
-        self._patterns = [
-            [re.compile(fnmatch.translate(m)).match for m in s.models
-             if any(c in _PATTERN_CHARS for c in m)] for s in self.specs]
+        self._exact = [frozenset(m for m in s.models if not _is_pattern(m)) for s in self.specs]
+        self._patterns = [[re.compile(fnmatch.translate(m)).match for m in s.models
+                           if _is_pattern(m)] for s in self.specs]
 
     def pick(self, model: str | None, route: str) -> int | None:
         """The index of the upstream for ``model`` on ``route``, or None (answer 404)."""
@@ -345,18 +354,21 @@ class RoutingTable:
 
 
 def reload_specs(settings: Settings) -> tuple[UpstreamSpec, ...]:
-    """The ``[[upstream]]`` tables of ``settings.config`` as the file says now (SIGHUP).
+    """The ``[[upstream]]`` tables of ``settings.config`` as the file says now (SIGHUP),
+    or :class:`SettingsError` when they cannot replace the running ones.
 
     Per-upstream defaults come from the running settings; top-level keys are read at
     start only, and one that changed is named in a warning rather than half-applied.
+    Client keys are set up at start too: a file that gives an upstream a key when the
+    running proxy checks none is refused.
     """
-    import logging
-
-    from proxy.config import OPTIONS
-
     path = settings.config
     doc = read_file(path)
     specs = upstream_specs(path, doc, settings)
+    if any(s.api_key_env for s in specs) and not settings.holds_upstream_key:
+        raise SettingsError(f"config {path}: an upstream now holds a key (api_key_env) but "
+                            "client keys were not set up at start (--client-keys-file): "
+                            "restart to add one")
     by_name = {o.name: o for o in OPTIONS}
     changed = []
     for key, raw in doc.items():
@@ -364,14 +376,13 @@ def reload_specs(settings: Settings) -> tuple[UpstreamSpec, ...]:
         if key == "upstream" or opt is None:
             continue
         try:
-            value = raw if isinstance(raw, bool) else opt.parse(
-                ",".join(map(str, raw)) if isinstance(raw, list) else str(raw))
-        except ValueError:
+            value = toml_value(opt, raw, key)
+        except SettingsError:
             value = None
         if value != getattr(settings, key):
             changed.append(key)
     if changed:
-        logging.getLogger("proxy").warning(
+        log.warning(
             "config %s: top-level settings %s differ from the running ones (or a flag or "
             "variable overrides them); they are read at start only: restart to apply",
             path, ", ".join(changed))

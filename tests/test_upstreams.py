@@ -58,15 +58,18 @@ def write(tmp_path: Path, text: str, name: str = "proxy.toml") -> str:
 
 def load(tmp_path: Path, text: str, env: dict[str, str] | None = None,
          **flags: str) -> Settings:
+    """Settings as ``serve`` builds them: ``flags`` (``max_concurrency="5"``) parsed as
+    the command line's ``--max-concurrency 5``, the file through ``LLM_PROXY_CONFIG``."""
     path = write(tmp_path, text)
     keys = tmp_path / "client-keys"
     keys.write_text("0" * 64 + "\n")
     environ = {"LLM_PROXY_CONFIG": path, "LLM_PROXY_CLIENT_KEYS_FILE": str(keys),
                **ENV, **(env or {})}
-    args = argparse.Namespace(**{o.name: None for o in config.OPTIONS})
-    for name, value in flags.items():
-        setattr(args, name, value)
-    return from_sources(args, environ)
+    parser = argparse.ArgumentParser()
+    config.add_arguments(parser)
+    argv = [part for name, value in flags.items()
+            for part in ("--" + name.replace("_", "-"), value)]
+    return from_sources(parser.parse_args(argv), environ)
 
 
 def test_the_example_file_loads_with_defaults_from_the_top_level(tmp_path: Path) -> None:
@@ -113,6 +116,7 @@ default = true
     ("bogus = 1\n" + BASE, "bogus: unknown setting"),
     ("upstream_name = 'x'\n" + BASE, "upstream_name: unknown setting (declare upstreams as"),
     ("max_concurrency = -1\n" + BASE, "max_concurrency: must be an integer >= 0"),
+    ("max_concurrency = true\n" + BASE, "max_concurrency: not a number (got 'true')"),
     (BASE.replace('default = true', 'colour = "red"'), "upstream 'a': colour: unknown setting"),
     (BASE.replace('name = "a"\n', ''), "upstream #1: name: missing"),
     (BASE.replace('url = "http://a:1/v1"\n', ''), "upstream 'a': url: missing"),
