@@ -60,6 +60,10 @@ class ProxyApp:
         self.otel_metrics = otel_metrics_from_settings(settings)
         self.serve_metrics = (not settings.metrics_port) if serve_metrics is None else serve_metrics
         self.ui = live_page(settings, self.metrics)
+        # Said in the 404 for any other path (a browser opening the root first): what is here.
+        self.elsewhere = ("" if not self.serve_metrics or self.metrics is None else
+                          "; the live page is at /ui, metrics at /metrics" if self.ui is not None
+                          else "; metrics are at /metrics")
         self.keys = load_key_check(settings)
         self.v1 = V1Handler(settings, self.upstreams, self.metrics, clock, self.keys,
                             self.request_log, self.tracing, identify_from(settings),
@@ -107,7 +111,8 @@ class ProxyApp:
             elif path in UI_PATHS and self.serve_metrics and self.ui is not None:
                 await self.ui.asgi(scope, send)
             else:
-                await _plain(send, 404, error_body(f"no route {path[:200]}; this proxy serves /v1/*",
+                await _plain(send, 404, error_body(f"no route {path[:200]}; this proxy serves "
+                                                   f"/v1/*{self.elsewhere}",
                                                    "invalid_request_error", "not_found"),
                              b"application/json")
         elif kind == "lifespan":

@@ -217,6 +217,8 @@ def _banner(settings: Settings, port: int, tracing: str = "", otlp_metrics: str 
     where = f"http://{host}:{port}"
     metrics = (f"http://{settings.metrics_host or settings.host}:{settings.metrics_port}/metrics"
                if settings.metrics_port else f"{where}/metrics")
+    if settings.ui and settings.measure:  # the page is served wherever /metrics is
+        metrics += f"; live page at {metrics.removesuffix('/metrics')}/ui"
     targets = ", ".join(f"{redact(u.url)} ({u.name!r}{', default' if u.default else ''})"
                         for u in settings.upstream_specs)
     if not settings.upstreams:

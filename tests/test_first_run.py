@@ -31,6 +31,7 @@ import pytest
 
 from proxy.simulator import cli as sim_cli
 from tests.fake_upstream import Gate, ScriptedUpstream, stream_events
+from tests.servers import closed_port
 
 ROOT = Path(__file__).resolve().parent.parent
 BANNER = re.compile(r"^llm-latency-proxy: relaying http://127\.0\.0\.1:(\d+)/v1 -> ")
@@ -183,6 +184,36 @@ def test_ctrl_c_while_the_workers_start_exits_0_without_a_traceback() -> None:
         assert proxy.group_gone(), "a worker or helper process outlived the proxy"
     assert not [line for line in proxy.lines if any(word in line for word in NOT_CLEAN)], \
         proxy.text()
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("workers", [1, 2])
+def test_the_start_up_line_names_the_live_page(workers: int) -> None:
+    with command("serve", "--upstream", "http://127.0.0.1:9/v1", "--port", "0",
+                 "--workers", str(workers)) as proxy:
+        line = proxy.wait_for(BANNER.pattern).string
+        port = int(BANNER.search(line)[1])  # type: ignore[index]
+        page = f"http://127.0.0.1:{port}/ui"
+        assert f"; metrics at http://127.0.0.1:{port}/metrics; live page at {page};" in line
+        answer = httpx.get(page, timeout=20)
+        assert answer.status_code == 200 and answer.headers["content-type"].startswith("text/html")
+        root = httpx.get(f"http://127.0.0.1:{port}/", timeout=20)
+        assert root.status_code == 404 and "the live page is at /ui" in root.text
+        proxy.ctrl_c()
+        assert proxy.finish() == 0, proxy.text()
+
+
+@pytest.mark.e2e
+def test_with_a_metrics_port_the_live_page_is_named_there() -> None:
+    metrics_port = closed_port()
+    with command("serve", "--upstream", "http://127.0.0.1:9/v1", "--port", "0",
+                 "--metrics-port", str(metrics_port)) as proxy:
+        line = proxy.wait_for(BANNER.pattern).string
+        side = f"http://127.0.0.1:{metrics_port}"
+        assert f"; metrics at {side}/metrics; live page at {side}/ui;" in line
+        assert httpx.get(side + "/ui", timeout=20).status_code == 200
+        proxy.ctrl_c()
+        assert proxy.finish() == 0, proxy.text()
 
 
 @pytest.fixture
