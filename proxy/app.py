@@ -146,10 +146,11 @@ class ProxyApp:
         await self.upstreams.aclose()
         if self.request_log is not None:
             self.request_log.close()
-        if self.tracing is not None:  # exports what is queued: off the event loop
-            await asyncio.to_thread(self.tracing.shutdown)
-        if self.otel_metrics is not None:  # the last export, off the event loop too
-            await asyncio.to_thread(self.otel_metrics.shutdown)
+        # The last exports of spans and OTLP metrics: off the event loop, side by side, so
+        # their bounded waits (a collector that is down) do not add up.
+        await asyncio.gather(*(asyncio.to_thread(exporting.shutdown)
+                               for exporting in (self.tracing, self.otel_metrics)
+                               if exporting is not None))
 
 
 def _freeze_startup_objects() -> None:

@@ -308,11 +308,11 @@ def _run_workers(settings: Settings) -> int:
         sock.listen(uconfig.backlog)
         _running_line(settings, sock.getsockname()[1])
         from proxy import otel_metrics
-        from proxy.tracing import wanted
+        from proxy.tracing import sampling, wanted
 
         endpoint = wanted(settings)
         _banner(settings, sock.getsockname()[1],
-                f"OTLP/HTTP to {endpoint}, from each worker" if endpoint else "",
+                f"on, {sampling()} -> {endpoint}, from each worker" if endpoint else "",
                 f"OTLP/HTTP to {otel_metrics.endpoint(settings)}, from each worker"
                 if otel_metrics.wanted(settings) else "")
         supervisor_class = _reloading_supervisor(Multiprocess, settings)
