@@ -60,6 +60,10 @@ class ProxyApp:
         self.otel_metrics = otel_metrics_from_settings(settings)
         self.serve_metrics = (not settings.metrics_port) if serve_metrics is None else serve_metrics
         self.ui = live_page(settings, self.metrics)
+        # Said in the 404 for any other path (a browser opening the root first): what is here.
+        self.elsewhere = ("" if not self.serve_metrics or self.metrics is None else
+                          "; the live page is at /ui, metrics at /metrics" if self.ui is not None
+                          else "; metrics are at /metrics")
         self.keys = load_key_check(settings)
         self.v1 = V1Handler(settings, self.upstreams, self.metrics, clock, self.keys,
                             self.request_log, self.tracing, identify_from(settings),
@@ -107,7 +111,8 @@ class ProxyApp:
             elif path in UI_PATHS and self.serve_metrics and self.ui is not None:
                 await self.ui.asgi(scope, send)
             else:
-                await _plain(send, 404, error_body(f"no route {path[:200]}; this proxy serves /v1/*",
+                await _plain(send, 404, error_body(f"no route {path[:200]}; this proxy serves "
+                                                   f"/v1/*{self.elsewhere}",
                                                    "invalid_request_error", "not_found"),
                              b"application/json")
         elif kind == "lifespan":
@@ -141,10 +146,11 @@ class ProxyApp:
         await self.upstreams.aclose()
         if self.request_log is not None:
             self.request_log.close()
-        if self.tracing is not None:  # exports what is queued: off the event loop
-            await asyncio.to_thread(self.tracing.shutdown)
-        if self.otel_metrics is not None:  # the last export, off the event loop too
-            await asyncio.to_thread(self.otel_metrics.shutdown)
+        # The last exports of spans and OTLP metrics: off the event loop, side by side, so
+        # their bounded waits (a collector that is down) do not add up.
+        await asyncio.gather(*(asyncio.to_thread(exporting.shutdown)
+                               for exporting in (self.tracing, self.otel_metrics)
+                               if exporting is not None))
 
 
 def _freeze_startup_objects() -> None:

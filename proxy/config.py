@@ -434,7 +434,7 @@ def from_sources(args: argparse.Namespace | None = None,
             found = _BY_NAME.get(key)
             if found is None or key == "config" or key in SINGLE_UPSTREAM_OPTIONS:
                 hint = (" (declare upstreams as [[upstream]] tables)"
-                        if key in SINGLE_UPSTREAM_OPTIONS else "")
+                        if key in SINGLE_UPSTREAM_OPTIONS else _closest_key(key))
                 raise SettingsError(f"config {path}: {key}: unknown setting{hint}")
             if key not in values:
                 values[key] = toml_value(found, raw, f"config {path}: {key}")
@@ -445,6 +445,22 @@ def from_sources(args: argparse.Namespace | None = None,
         settings = replace(settings, upstreams=upstream_specs(path, doc, settings, env))
     _check_combinations(settings, lambda name: given_as(name, args, env), env)
     return settings
+
+
+def _closest_key(key: str) -> str:
+    """`` (did you mean NAME?)`` for a top-level config key that is a typo of a setting's
+    name, or its flag or variable written as a key; there are too many settings to list
+    them all, as an ``[[upstream]]`` table's few keys are."""
+    import difflib
+
+    names = [o.name for o in OPTIONS if o.name != "config" and o.name not in SINGLE_UPSTREAM_OPTIONS]
+    plain = key.lower().lstrip("-").replace("-", "_").removeprefix("llm_proxy_")
+    close = difflib.get_close_matches(plain, [*names, "upstream"], n=1, cutoff=0.75)
+    if close == ["upstream"]:
+        return " (declare upstreams as [[upstream]] tables)"
+    if close:
+        return f" (did you mean {close[0]}?)"
+    return " (a key is a flag's name without -- and with _ for -, e.g. max_concurrency)"
 
 
 def toml_value(opt: Option, raw: Any, where: str) -> Any:

@@ -17,7 +17,8 @@ One command starts three things in one process and one event loop:
    and TTFT visibly jump.
 
 The first line printed is the URL of the proxy's live page (``/ui``: charts in a
-browser, see :mod:`proxy.ui`). The terminal view stays, for terminals without a
+browser, see :mod:`proxy.ui`); the terminal view's header repeats it, since its first
+frame clears the screen. The terminal view stays, for terminals without a
 browser: refreshed every second, it shows what the *proxy* measures: it scrapes the
 proxy's own ``/metrics`` like Prometheus would and computes percentiles from the
 histogram deltas (over the last ``--window`` seconds and since start), and per route
@@ -727,8 +728,9 @@ class Demo:
             upstreams = by_route(first, snap, UPSTREAMS, label="upstream")
             if self.tty:
                 elapsed = int(now - start)
-                header = [
+                header = [  # the page's URL stays in sight: the first frame clears the lines above
                     f"llm-latency-proxy demo   up {elapsed // 60}:{elapsed % 60:02d}   "
+                    f"live page (charts) {root}/ui",
                     f"proxy {root}/v1   metrics {root}/metrics",
                     "all figures are the proxy's own histograms (bucket-interpolated "
                     "percentiles); Ctrl-C to stop",

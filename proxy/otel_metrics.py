@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from proxy.config import Settings
@@ -133,6 +133,7 @@ class OtelMetrics:
     def __init__(self, provider: MeterProvider, settings: Settings) -> None:
         self.provider = provider
         self.description = ""  # where metrics go, for the start-up line
+        self.stop_exporter: Callable[[], Any] | None = None  # ends its retries at shutdown
         meter = provider.get_meter("proxy.otel_metrics")
         self.ttft = meter.create_histogram(
             TTFT,
@@ -193,8 +194,15 @@ class OtelMetrics:
         return self.provider.force_flush(int(timeout_s * 1000))
 
     def shutdown(self) -> None:
-        """Export what was recorded since the last export, then stop the reader's thread."""
-        self.provider.shutdown()
+        """Export what was recorded since the last export, then stop the reader's thread;
+        with the collector down, waiting at most
+        :data:`proxy.otlp_export.SHUTDOWN_WAIT_S`."""
+        if self.stop_exporter is None:
+            self.provider.shutdown()
+            return
+        from proxy.otlp_export import bounded_shutdown
+
+        bounded_shutdown(self.provider.shutdown, self.stop_exporter)
 
 
 def _exporters(env: Mapping[str, str]) -> set[str]:
@@ -248,14 +256,26 @@ def from_settings(
             exc,
         )
         return None
-    exporter = (
-        OTLPMetricExporter(endpoint=endpoint(settings, env))
-        if settings.otlp_endpoint
-        else OTLPMetricExporter()
+    from opentelemetry.sdk.metrics.export import MetricExportResult
+
+    from proxy import otlp_export
+
+    exporter_class = otlp_export.watched(
+        OTLPMetricExporter,
+        otlp_export.ExportWatch("OTLP metrics", endpoint(settings, env)),
+        MetricExportResult.SUCCESS,
+        MetricExportResult.FAILURE,
     )
+    exporter = (
+        exporter_class(endpoint=endpoint(settings, env))
+        if settings.otlp_endpoint
+        else exporter_class()
+    )
+    otlp_export.quiet(OTLPMetricExporter.__module__)
     reader = PeriodicExportingMetricReader(exporter)  # OTEL_METRIC_EXPORT_INTERVAL
     resource = otel_resource()
     metrics = OtelMetrics(MeterProvider(resource=resource, metric_readers=[reader]), settings)
+    metrics.stop_exporter = exporter.shutdown
     metrics.description = f"OTLP/HTTP to {endpoint(settings, env)}, every {_interval_s(env):g} s"
     return metrics
 

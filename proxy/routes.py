@@ -208,7 +208,7 @@ class V1Handler:
             if self._union(x, scope):
                 await self._models_union(x, scope, headers, send)
                 return
-            self._route(x)
+            self._route(x, body)
             await self._exchange(x, scope, headers, body_out, strip, receive, send)
         except Refused as refusal:
             x.status, x.outcome = refusal.status, refusal.outcome
@@ -299,13 +299,19 @@ class V1Handler:
         x.model = self.model_label(model)
         return body_out, strip
 
-    def _route(self, x: _Request) -> None:
+    def _route(self, x: _Request, body: bytes) -> None:
         """Which upstream takes the request: by the body's model, by the model id of
-        ``/v1/models/{id}``, else the default upstream; none is a 404."""
+        ``/v1/models/{id}``, else the default upstream; none is a 404, or a 400 when the
+        body meant to name the model is not a JSON object (with a default upstream it
+        is forwarded unchanged instead: the upstream answers it as it would directly)."""
         model: str | None = x.request_model or None
         if model is None and x.subpath.startswith(b"/models/"):
             model = unquote(x.subpath[len(b"/models/"):].decode("latin-1")) or None
         x.target = self.upstreams.pick(model, x.route)
+        if x.target is None and model is None and x.payload is None and _meant_as_json(x, body):
+            raise Refused(400, f"{_not_an_object(body)}, so it names no model to route by "
+                          "(and no upstream is the default)", "invalid_request_error",
+                          "invalid_json")
         if x.target is None:
             shown = f"model {model[:200]!r}" if model is not None else "a request without a model"
             raise Refused(404, f"{shown} on {x.route} is not served by this proxy: no upstream "
@@ -627,6 +633,31 @@ async def _watch_disconnect(receive: Receive, task: asyncio.Task[Any], watch: _W
                 watch.disconnected = True
                 task.cancel()
             return
+
+
+def _meant_as_json(x: _Request, body: bytes) -> bool:
+    """A body that should have been a JSON object: any body on the four JSON APIs, and
+    on other routes a body that starts as one (not a multipart upload) and was parsed
+    (at most 1 MiB off the measured routes, see :meth:`V1Handler._parse`)."""
+    if not body.strip():
+        return False
+    return x.measured is not None or (body.lstrip()[:1] == b"{" and len(body) <= 1 << 20)
+
+
+def _not_an_object(body: bytes) -> str:
+    """What is wrong with a body that is not a JSON object, without quoting it: where
+    the parser stopped, or which JSON type it is."""
+    try:
+        value = json.loads(body)
+    except RecursionError:
+        return "the request body is not valid JSON (nested too deeply)"
+    except ValueError as exc:
+        where = f" ({exc.msg}: line {exc.lineno} column {exc.colno})" if isinstance(
+            exc, json.JSONDecodeError) else " (not UTF-8)"
+        return f"the request body is not valid JSON{where}"
+    kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(value), "a number")
+    return f"the request body is JSON ({kind}) but not an object"
 
 
 def _json_object(body: bytes) -> dict[str, Any] | None:

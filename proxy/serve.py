@@ -10,14 +10,17 @@ Multiprocess directory: a fresh private directory per proxy instance
 is removed when the proxy exits. Workers get the settings through the ``LLM_PROXY_*``
 variables, the same path a container uses.
 
-The start-up line (``relaying http://host:port/v1 -> upstream``) is printed once the
+The port is bound first, before the application is built: a port that is taken fails
+the command in one line with the way out (``--port 0``), exit 3, before anything says it
+started. The start-up line (``relaying http://host:port/v1 -> upstream``) is printed once the
 port is bound and listening, so it names the port the system chose for ``--port 0``
 and a client that read it can connect. An upstream URL without a version segment gets
 one warning line before it (:func:`upstream_warning`).
 
 uvicorn runs with uvloop and httptools (``uvicorn[standard]``). On SIGTERM or SIGINT it
 stops accepting, lets in-flight streams finish for up to ``--graceful-timeout``
-seconds, then exits 0.
+seconds, then exits 0; Ctrl-C in a terminal is such a stop, not a crash: no traceback,
+also when it comes during start-up (with ``--workers``, see :func:`_sigint_blocked`).
 
 Metrics linger (``--metrics-linger S``, with ``--metrics-port``): the streams that finish
 during the drain are counted, but a process that exits the moment the drain ends takes
@@ -35,6 +38,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import inspect
 import os
 import re
@@ -44,7 +48,7 @@ import signal
 import socket
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -74,13 +78,80 @@ def run(args: argparse.Namespace) -> int:
     except SettingsError as exc:
         print(f"llm-latency-proxy: error: {exc}", file=sys.stderr)
         return 2
+    # Ctrl-C in a terminal or SIGTERM before the server installs its own handlers (while
+    # the app is built, the workers start): a stop, not a crash, so exit 0 without a
+    # traceback, as after a drain.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _exit_zero)
     for spec in settings.upstream_specs:
         warning = upstream_warning(spec.url)
         if warning:
             print(f"llm-latency-proxy: warning: {warning}", file=sys.stderr, flush=True)
-    if settings.workers > 1:
-        return _run_workers(settings)
-    return _run_single(settings)
+    try:
+        if settings.workers > 1:
+            return _run_workers(settings)
+        return _run_single(settings)
+    except CannotListen as exc:
+        flags = (config.given_as(exc.option, args), config.given_as(exc.host_option, args))
+        print(f"llm-latency-proxy: error: {listen_problem(exc.host, exc.port, exc.error, *flags)}",
+              file=sys.stderr, flush=True)
+        return 3
+
+
+class CannotListen(Exception):
+    """A port the proxy cannot listen on (``option``: the setting that names it)."""
+
+    def __init__(self, option: str, host: str, port: int, error: OSError) -> None:
+        super().__init__(f"{host}:{port}: {error}")
+        self.option = option
+        self.host_option = "metrics_host" if option == "metrics_port" else "host"
+        self.host, self.port, self.error = host, port, error
+
+
+def listen_problem(host: str, port: int, error: OSError, port_flag: str = "--port",
+                   host_flag: str = "--host") -> str:
+    """One line saying why ``host:port`` cannot be listened on and what to change: the
+    usual cause, a port another server holds, gets ``--port 0`` as a way out."""
+    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    sep = " " if port_flag.startswith("--") else "="  # a flag, or its variable
+    if error.errno == errno.EADDRINUSE:
+        return (f"cannot listen on {where}: the port is in use (another server listens "
+                f"there); choose another with {port_flag}{sep}PORT, or {port_flag}{sep}0 for "
+                "any free port")
+    if error.errno == errno.EACCES:
+        return (f"cannot listen on {where}: permission denied (ports below 1024 need "
+                f"privileges); choose another with {port_flag}{sep}PORT")
+    if error.errno == errno.EADDRNOTAVAIL or isinstance(error, socket.gaierror):
+        return (f"cannot listen on {where}: {host} is not an address of this machine "
+                f"({error.strerror or error}); check {host_flag}")
+    return f"cannot listen on {where}: {error.strerror or error}"
+
+
+def _listen(host: str, port: int, option: str = "port") -> socket.socket:
+    """A socket bound to ``host:port`` as uvicorn binds one (``SO_REUSEADDR``,
+    inheritable for the workers), before anything starts or is announced: a port that
+    is taken fails the command with :func:`listen_problem`'s line, not after the
+    application started and printed that it did."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise CannotListen(option, host, port, exc) from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _running_line(settings: Settings, port: int) -> None:
+    """The line uvicorn writes when it binds a port itself; it does not for a socket it
+    is handed, and scripts wait for it (``Uvicorn running on http://host:port``)."""
+    import logging
+
+    host = f"[{settings.host}]" if ":" in settings.host else settings.host
+    logging.getLogger("uvicorn.error").info(
+        "Uvicorn running on http://%s:%d (Press CTRL+C to quit)", host, port)
 
 
 _VERSION_SEGMENT = re.compile(r"v\d+\w*")
@@ -146,6 +217,8 @@ def _banner(settings: Settings, port: int, tracing: str = "", otlp_metrics: str 
     where = f"http://{host}:{port}"
     metrics = (f"http://{settings.metrics_host or settings.host}:{settings.metrics_port}/metrics"
                if settings.metrics_port else f"{where}/metrics")
+    if settings.ui and settings.measure:  # the page is served wherever /metrics is
+        metrics += f"; live page at {metrics.removesuffix('/metrics')}/ui"
     targets = ", ".join(f"{redact(u.url)} ({u.name!r}{', default' if u.default else ''})"
                         for u in settings.upstream_specs)
     if not settings.upstreams:
@@ -163,6 +236,7 @@ def _run_single(settings: Settings) -> int:
     from proxy.app import create_app
 
     disable_created_metrics()  # type: ignore[no-untyped-call]  # no *_created series
+    sock = _listen(settings.host, settings.port)
     try:
         app = create_app(settings)
     except SettingsError as exc:
@@ -187,6 +261,7 @@ def _run_single(settings: Settings) -> int:
         async def startup(self, sockets: list[socket.socket] | None = None) -> None:
             await super().startup(sockets)
             if self.started:  # listening, application started: the port is final
+                _running_line(settings, self.servers[0].sockets[0].getsockname()[1])
                 _banner(settings, self.servers[0].sockets[0].getsockname()[1],
                         app.tracing.description if app.tracing is not None else "",
                         app.otel_metrics.description if app.otel_metrics is not None else "")
@@ -201,10 +276,10 @@ def _run_single(settings: Settings) -> int:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(stop.wait(), linger)
 
-    # uvicorn re-raises SIGTERM after its graceful shutdown, under the handler it found;
-    # the default one would end the process with -15. Ours exits 0.
-    signal.signal(signal.SIGTERM, _exit_zero)
-    Server(uvicorn.Config(app, **_uvicorn_kwargs(settings))).run()
+    # uvicorn re-raises SIGTERM or SIGINT after its graceful shutdown, under the handler
+    # it found (installed by run()): the default ones would end the process with -15, or
+    # with a KeyboardInterrupt traceback and 130 for Ctrl-C. Ours exits 0.
+    Server(uvicorn.Config(app, **_uvicorn_kwargs(settings))).run(sockets=[sock])
     return 0
 
 
@@ -229,14 +304,15 @@ def _run_workers(settings: Settings) -> int:
             _start_metrics_server(settings, multiprocess_registry(directory))
         uconfig = uvicorn.Config("proxy.app:create_app_from_env", factory=True,
                                  workers=settings.workers, **_uvicorn_kwargs(settings))
-        sock = uconfig.bind_socket()
+        sock = _listen(settings.host, settings.port)
         sock.listen(uconfig.backlog)
+        _running_line(settings, sock.getsockname()[1])
         from proxy import otel_metrics
-        from proxy.tracing import wanted
+        from proxy.tracing import sampling, wanted
 
         endpoint = wanted(settings)
         _banner(settings, sock.getsockname()[1],
-                f"OTLP/HTTP to {endpoint}, from each worker" if endpoint else "",
+                f"on, {sampling()} -> {endpoint}, from each worker" if endpoint else "",
                 f"OTLP/HTTP to {otel_metrics.endpoint(settings)}, from each worker"
                 if otel_metrics.wanted(settings) else "")
         supervisor_class = _reloading_supervisor(Multiprocess, settings)
@@ -263,6 +339,18 @@ def _reloading_supervisor(base: Any, settings: Settings) -> Any:
     (:meth:`proxy.app.ProxyApp.reload`) without dropping a stream."""
 
     class Supervisor(base):  # type: ignore[misc]
+        def init_processes(self) -> None:
+            with _sigint_blocked():
+                super().init_processes()
+
+        def keep_subprocess_alive(self) -> None:  # restarts a worker that died
+            with _sigint_blocked():
+                super().keep_subprocess_alive()
+
+        def handle_ttin(self) -> None:  # one worker more
+            with _sigint_blocked():
+                super().handle_ttin()
+
         def handle_hup(self) -> None:
             if not settings.config:
                 print("llm-latency-proxy: SIGHUP ignored: no --config file to reload",
@@ -282,6 +370,25 @@ def _reloading_supervisor(base: Any, settings: Settings) -> Any:
                     os.kill(pid, signal.SIGHUP)
 
     return Supervisor
+
+
+@contextlib.contextmanager
+def _sigint_blocked() -> Iterator[None]:
+    """SIGINT blocked while workers are started: they inherit the mask and keep it, so
+    the Ctrl-C a terminal sends to the whole process group reaches the supervisor only,
+    which stops each worker with SIGTERM (one drain, one path). A worker that got it
+    would print a ``KeyboardInterrupt`` traceback if it came before uvicorn's handlers
+    were installed (while it imports). A SIGINT that arrives meanwhile is delivered to
+    the supervisor when the block ends, not lost. multiprocessing's resource tracker is
+    started first: starting it unblocks SIGINT (it uses the same mask for itself)."""
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def _linger_line(settings: Settings, seconds: int) -> None:
@@ -339,7 +446,10 @@ def _start_metrics_server(settings: Settings, registry: Any, page: Any = None) -
 
     host = settings.metrics_host or settings.host
     if not settings.ui or not settings.measure:
-        start_http_server(settings.metrics_port, addr=host, registry=registry)
+        try:
+            start_http_server(settings.metrics_port, addr=host, registry=registry)
+        except OSError as exc:
+            raise CannotListen("metrics_port", host, settings.metrics_port, exc) from None
         return
     if page is None:
         from proxy.ui import LivePage
@@ -354,7 +464,10 @@ def _start_metrics_server(settings: Settings, registry: Any, page: Any = None) -
         address_family = socket.getaddrinfo(host, settings.metrics_port, 0, socket.SOCK_STREAM)[0][0]
 
     app = page.wsgi(make_wsgi_app(registry))
-    httpd = make_server(host, settings.metrics_port, app, Server, handler_class=Quiet)
+    try:
+        httpd = make_server(host, settings.metrics_port, app, Server, handler_class=Quiet)
+    except OSError as exc:
+        raise CannotListen("metrics_port", host, settings.metrics_port, exc) from None
     threading.Thread(target=httpd.serve_forever, name="metrics-port", daemon=True).start()
 
 

@@ -120,6 +120,7 @@ class Tracing:
 
         self.provider = provider
         self.description = ""  # where spans go, for the start-up line
+        self.stop_exporter: Callable[[], Any] | None = None  # ends its retries at shutdown
         self.tracer: Tracer = provider.get_tracer("proxy.tracing")
         self.clock = clock
         self.propagate = propagate
@@ -224,8 +225,14 @@ class Tracing:
         return self.provider.force_flush(int(timeout_s * 1000))
 
     def shutdown(self) -> None:
-        """Export what is still queued, then stop the exporter's thread."""
-        self.provider.shutdown()
+        """Export what is still queued, then stop the exporter's thread; with the
+        collector down, waiting at most :data:`proxy.otlp_export.SHUTDOWN_WAIT_S`."""
+        if self.stop_exporter is None:
+            self.provider.shutdown()
+            return
+        from proxy.otlp_export import bounded_shutdown
+
+        bounded_shutdown(self.provider.shutdown, self.stop_exporter)
 
 
 def server_attributes(upstream: str) -> dict[str, Any]:
@@ -325,14 +332,49 @@ def from_settings(settings: Settings, clock: Callable[[], float],
         log.warning("tracing off: an OTLP endpoint is set but the OpenTelemetry packages are "
                     "not installed (pip install 'llm-latency-proxy[otel]'): %s", exc)
         return None
+    from opentelemetry.sdk.trace.export import SpanExportResult
+
+    from proxy import otlp_export
+
     resource = otel_resource()
     provider = TracerProvider(resource=resource)  # the sampler: OTEL_TRACES_SAMPLER(_ARG)
-    exporter = (OTLPSpanExporter(endpoint=settings.otlp_endpoint.rstrip("/") + "/v1/traces")
-                if settings.otlp_endpoint else OTLPSpanExporter())
+    exporter_class = otlp_export.watched(
+        OTLPSpanExporter, otlp_export.ExportWatch("spans", endpoint),
+        SpanExportResult.SUCCESS, SpanExportResult.FAILURE)
+    exporter = (exporter_class(endpoint=settings.otlp_endpoint.rstrip("/") + "/v1/traces")
+                if settings.otlp_endpoint else exporter_class())
+    otlp_export.quiet(OTLPSpanExporter.__module__)
     provider.add_span_processor(BatchSpanProcessor(exporter))
     tracing = Tracing(provider, clock=clock, upstream=settings.default_url,
                       propagate=settings.propagate_trace)
-    tracing.description = (f"OTLP/HTTP to {endpoint}, service "
-                           f"{resource.attributes.get('service.name')}, sampler "
-                           f"{provider.sampler.get_description()}")
+    tracing.stop_exporter = exporter.shutdown
+    tracing.description = (f"on, {sampling(env)} -> {endpoint}, service "
+                           f"{resource.attributes.get('service.name')}")
     return tracing
+
+
+# The samplers the SDK knows by name (OTEL_TRACES_SAMPLER); any other name is warned
+# about by the SDK, which then uses its default, parentbased_always_on.
+SAMPLERS = ("always_on", "always_off", "traceidratio", "parentbased_always_on",
+            "parentbased_always_off", "parentbased_traceidratio")
+
+
+def sampling(environ: Mapping[str, str] | None = None) -> str:
+    """Which requests get a span, in the operator's words: ``ratio 0.1
+    (parentbased_traceidratio)``, ``every request (parentbased_always_on)``. Read from
+    ``OTEL_TRACES_SAMPLER`` and ``OTEL_TRACES_SAMPLER_ARG`` as the SDK reads them (an
+    unknown name is the default, a ratio that is not a number is 1.0), rather than the
+    SDK's own description of the sampler object, which spells out its internals."""
+    env = os.environ if environ is None else environ
+    name = env.get("OTEL_TRACES_SAMPLER", "").strip().lower() or "parentbased_always_on"
+    if name not in SAMPLERS:
+        name = "parentbased_always_on"
+    if name.endswith("traceidratio"):
+        try:
+            ratio = float(env.get("OTEL_TRACES_SAMPLER_ARG", ""))
+        except ValueError:
+            ratio = 1.0
+        what = f"ratio {ratio:g}"
+    else:
+        what = "no request" if name.endswith("always_off") else "every request"
+    return f"{what} ({name})"

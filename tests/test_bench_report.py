@@ -135,6 +135,44 @@ def test_the_report_is_self_contained_and_data_cannot_escape_its_element() -> No
     assert data["runs"][0]["table"][0] == ["", "count", "mean ms", "p50 ms", "p90 ms", "p99 ms"]
 
 
+def test_gaps_of_one_read_are_counted_for_the_note_under_the_itl_chart() -> None:
+    assert report.same_read_share([0.0, 0.0, 0.01, 0.02]) == 0.5
+    assert report.same_read_share([]) == 0.0
+    view = report.run_view(payload([request(0, itl_s=[0.0, 0.01, 0.02, 0.03])]), "this run")
+    assert view["cdf"]["itl"]["same_read"] == 0.25
+
+
+@pytest.mark.skipif(browser_missing() is not None, reason=str(browser_missing()))
+def test_errors_are_kinds_out_of_the_requests_sent_and_the_itl_chart_says_what_its_zeros_are(
+    tmp_path: Path,
+) -> None:
+    runs = [request(i, itl_s=[0.0, 0.01, 0.02, 0.04]) for i in range(3)]
+    runs.append(request(3, outcome="http_error", ttft_s=None, itl_s=[]))
+    page = tmp_path / "report.html"
+    page.write_text(report.build(payload(runs)))
+    with chrome() as driver:
+        driver.get(page.as_uri())
+        wait_for(driver, "document.body.dataset.ready === '1'")
+        rows = driver.execute_script(
+            "return [...document.querySelectorAll('#errors tr')]"
+            ".map(tr => [...tr.children].map(td => td.textContent))"
+        )
+        assert rows == [["", "kind", "requests"], ["this run", "client: http_error", "1"]]
+        text = driver.execute_script(
+            "return ['errors-note', 'itl-same-read']"
+            ".map(id => document.getElementById(id).textContent)"
+        )
+        assert text[0] == "this run: 4 requests sent, 1 failed on the client side."
+        assert text[1].startswith("this run: 25% of the client's gaps are 0: events that "
+                                  "arrived in one read")
+        ticks = driver.execute_script(
+            "return [...document.querySelectorAll('[data-chart=itl-cdf] text')]"
+            ".map(t => t.textContent)"
+        )
+        assert "10 ms" in ticks and "0.001 ms" not in ticks  # from the smallest gap above 0
+        assert console_errors(driver) == []
+
+
 def test_prompt_lengths_vary_within_the_range_and_fixed_ones_do_not_move() -> None:
     def lengths(profile: Profile) -> list[int]:
         it = iter_requests([profile], model="m", seed=5)

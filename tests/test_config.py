@@ -216,6 +216,24 @@ def test_serve_bad_port_exits_2_before_listening() -> None:
     assert done.stdout == ""
 
 
+@pytest.mark.parametrize(("key", "hint"), [
+    ("max_concurency", "(did you mean max_concurrency?)"),  # a typo
+    ("max-concurrency", "(did you mean max_concurrency?)"),  # the flag's spelling
+    ("LLM_PROXY_GRACEFUL_TIMEOUT", "(did you mean graceful_timeout?)"),  # the variable's
+    ("upstreams", "(declare upstreams as [[upstream]] tables)"),
+    ("colour", "(a key is a flag's name without -- and with _ for -, e.g. max_concurrency)"),
+])
+def test_an_unknown_config_key_gets_the_closest_setting(
+        tmp_path: Path, key: str, hint: str) -> None:
+    path = tmp_path / "proxy.toml"
+    path.write_text(f'"{key}" = 4\n\n[[upstream]]\nname = "a"\nurl = "http://a:1/v1"\n'
+                    "default = true\n")
+    done = run_cli("serve", "--config", str(path))
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        f"llm-latency-proxy: error: config {path}: {key}: unknown setting {hint}"]
+
+
 def test_serve_bad_env_exits_2() -> None:
     done = run_cli("serve", env={"LLM_PROXY_UPSTREAM": "nonsense"})
     assert done.returncode == 2

@@ -139,6 +139,10 @@ async def test_demo_live_view_on_a_tty_until_duration() -> None:
     frames = [f for f in text.split("\x1b[H") if "TTFT ms" in f]
     assert len(frames) >= 3
     assert "since start" in frames[-1] and "queue ms (upstream)" in frames[-1]
+    # The live page's URL, printed first, stays in every frame: the first one clears it.
+    page = re.search(r"^demo: live page at (http://\S+/ui)$", text, re.MULTILINE)
+    assert page is not None
+    assert all(f"live page (charts) {page[1]}" in frame for frame in frames)
     assert re.search(r"TTFT ms\s+\d+", frames[-1])
     # Per route: what the demo sent to each (its mix covers all four), what the proxy saw.
     rows = {

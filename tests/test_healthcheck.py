@@ -131,11 +131,11 @@ def test_healthcheck_asks_the_simulator_on_its_port() -> None:
     try:
         deadline = time.monotonic() + 30
         seen = []
-        while True:  # uvicorn's own line: the simulator listens
+        while True:  # the simulator's own line, printed once it listens
             line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
             assert line is not None, "simulator exited:\n" + "".join(seen)
             seen.append(line)
-            if re.search(rf"Uvicorn running on http://127\.0\.0\.1:{port}\b", line):
+            if re.search(rf"upstream at http://127\.0\.0\.1:{port}/v1\b", line):
                 break
         # LLM_PROXY_PORT points elsewhere: the port comes from the simulator's own --port.
         done = run_healthcheck("--pid", str(sim.pid), env=clean_env(LLM_PROXY_PORT=str(free_port())))

@@ -171,6 +171,37 @@ async def test_a_model_nobody_serves_is_a_404_that_reaches_no_upstream(
             **lbl("none", "mistral-large"), "stream": "true", "code": "404"}) == 1
 
 
+@pytest.mark.parametrize(("route", "content", "message"), [
+    (CHAT, b'{"model": "gpt-4o", "stream": true,}',
+     "the request body is not valid JSON (Expecting property name enclosed in double quotes: "
+     "line 1 column 36)"),
+    (MESSAGES, b"model=claude-3", "the request body is not valid JSON (Expecting value: line 1 "
+     "column 1)"),
+    (CHAT, b'[{"model": "gpt-4o"}]', "the request body is JSON (an array) but not an object"),
+    ("/v1/embeddings", b'{"model": "gpt-4o", "input": "x"', "the request body is not valid JSON "
+     "(Expecting ',' delimiter: line 1 column 33)"),
+])
+async def test_a_body_that_is_not_a_json_object_with_no_default_is_a_400_saying_so(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, route: str, content: bytes,
+        message: str) -> None:
+    """With no default upstream such a body cannot be routed; the answer says why (with a
+    default it is forwarded unchanged, tests/test_proxy_inprocess.py)."""
+    clock = ScriptedClock()
+    answer = json_answer(200, {"id": "x"})
+    async with two_upstreams(tmp_path, clock, answer, answer, plain,
+                             monkeypatch=monkeypatch) as s, s.http() as http:
+        r = await http.post(route, content=content, headers={"content-type": "application/json"})
+        assert r.status_code == 400
+        assert r.json()["error"] == {
+            "message": message + ", so it names no model to route by (and no upstream is the "
+            "default)", "type": "invalid_request_error", "param": None, "code": "invalid_json"}
+        # A body that is not meant as JSON (a multipart upload) is still unroutable, not invalid.
+        r = await http.post("/v1/audio/transcriptions", content=b"--b\r\nmodel\r\n--b--\r\n",
+                            headers={"content-type": "multipart/form-data; boundary=b"})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        assert not s.a.requests and not s.b.requests
+
+
 def with_keys(url_a: str, url_b: str) -> str:
     return f"""
     [[upstream]]

@@ -20,7 +20,9 @@ import math
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,12 +41,12 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.proto.metrics.v1.metrics_pb2 import Metric
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
-from proxy import otel_metrics
+from proxy import otel_metrics, otlp_export
 from proxy.config import Settings, SettingsError, from_sources
 from proxy.serve import export_settings
 from proxy.simulator.app import create_simulator_app
 from proxy.simulator.model import SimConfig
-from proxy.tracing import from_settings, wanted
+from proxy.tracing import from_settings, sampling, wanted
 from tests.servers import closed_port, proxy_process, serve_in_thread
 from tests.test_dialect_routes import MESSAGES, RESPONSES, messages_script, responses_script
 from tests.test_dialect_routes import event as dialect_event
@@ -97,6 +99,13 @@ class Receiver:
 
 @pytest.fixture
 def receiver() -> Iterator[Receiver]:
+    with receiving() as got:
+        yield got
+
+
+@contextmanager
+def receiving(port: int = 0) -> Iterator[Receiver]:
+    """A loopback OTLP/HTTP receiver on ``port`` (0: a free one) until the block ends."""
     got = Receiver()
 
     class Handler(http.server.BaseHTTPRequestHandler):
@@ -133,7 +142,7 @@ def receiver() -> Iterator[Receiver]:
         def log_message(self, format: str, *args: Any) -> None:
             pass
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
     thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
     thread.start()
     got.url = f"http://127.0.0.1:{server.server_address[1]}"
@@ -445,6 +454,101 @@ async def test_exporter_down_the_proxy_keeps_serving(monkeypatch: pytest.MonkeyP
         assert (await post(app, CHAT, chat_request())).status_code == 200
 
 
+async def test_a_collector_that_refuses_is_one_line_per_outage_and_one_when_it_is_back(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The exporter's own retry and failure lines (four of over 250 characters per
+    batch) are replaced by one line when exports start failing and one when they work
+    again; three failed exports in between say nothing more."""
+    # One retry within the timeout: its line carries the reason, as with the default 10 s.
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "2")
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "600000")  # exports happen at each flush
+    port = closed_port()
+    clock = ScriptedClock(T0)
+    app, _ = make_app(chat_stream(clock), clock, otlp_endpoint=f"http://127.0.0.1:{port}")
+    caplog.set_level(logging.DEBUG)
+    async with app:
+        assert app.tracing is not None
+        for _ in range(3):
+            assert (await post(app, CHAT, chat_request())).status_code == 200
+            await asyncio.to_thread(app.tracing.force_flush, 5)  # one failed export each
+        with receiving(port) as collector:  # the collector comes up on its address
+            assert (await post(app, CHAT, chat_request())).status_code == 200
+            await asyncio.to_thread(app.tracing.force_flush, 5)
+            with collector.lock:
+                assert len(collector.spans) == 1
+    said = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert [r.getMessage() for r in said] == [
+        f"spans cannot be exported to http://127.0.0.1:{port} ([Errno 111] Connection "
+        "refused); the exporter keeps trying and drops what it cannot send; one line when it "
+        "works again",
+        f"spans reach http://127.0.0.1:{port} again (3 exports failed meanwhile)"]
+
+
+@pytest.mark.e2e
+async def test_collector_down_at_sigterm_the_stop_waits_at_most_two_seconds_for_it() -> None:
+    """``serve`` with tracing on and the collector refusing connections, stopped with
+    nothing in flight while spans are queued: the last export gets its bounded wait
+    instead of the exporter's retries (about 7 s for each of two rounds), and the log
+    gets one line, not four long lines per batch."""
+    dead = f"http://127.0.0.1:{closed_port()}"
+    async with proxy_process(f"http://127.0.0.1:{closed_port()}", "--otlp-endpoint", dead) as (
+            proc, port, out):
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+            for _ in range(3):  # each a span (the upstream is down too: 502s, fast)
+                response = await client.post(CHAT, json=chat_request())
+                assert response.status_code == 502
+        started = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert await anyio.to_thread.run_sync(proc.wait, 30) == 0
+        took = time.monotonic() - started
+    text = "".join(out)
+    assert took < otlp_export.SHUTDOWN_WAIT_S + 3.0, (took, text)
+    assert [line for line in out if "cannot be exported" in line] == [
+        f"WARNING:  spans cannot be exported to {dead} ([Errno 111] Connection refused); the "
+        "exporter keeps trying and drops what it cannot send; one line when it works again\n"]
+    assert "Transient error" not in text and "Failed to export" not in text, text
+
+
+@pytest.mark.parametrize(("env", "words"), [
+    ({}, "every request (parentbased_always_on)"),
+    ({"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.1"},
+     "ratio 0.1 (parentbased_traceidratio)"),
+    ({"OTEL_TRACES_SAMPLER": "TraceIdRatio", "OTEL_TRACES_SAMPLER_ARG": "x"},
+     "ratio 1 (traceidratio)"),  # the SDK's reading: a bad ratio is 1.0
+    ({"OTEL_TRACES_SAMPLER": "always_off"}, "no request (always_off)"),
+    ({"OTEL_TRACES_SAMPLER": "nonsense"}, "every request (parentbased_always_on)"),
+])
+def test_the_start_up_line_says_the_sampling_in_the_operators_words(
+        env: dict[str, str], words: str) -> None:
+    assert sampling(env) == words
+
+
+def test_outage_lines_are_rate_limited_when_the_collector_comes_and_goes(
+        caplog: pytest.LogCaptureFixture) -> None:
+    now = [0.0]
+    watch = otlp_export.ExportWatch("spans", "http://c", clock=lambda: now[0])
+    caplog.set_level(logging.INFO, logger="proxy")
+    for t, ok in ((0, False), (1, False), (5, True), (10, False), (11, True), (70, False),
+                  (71, True)):
+        now[0] = float(t)
+        watch.note(ok, "[Errno 111] Connection refused")
+    assert [r.getMessage()[:30] for r in caplog.records] == [
+        "spans cannot be exported to ht", "spans reach http://c again (2 ",  # at 0 and 5
+        "spans cannot be exported to ht", "spans reach http://c again (1 "]  # at 70, 71
+
+
+@pytest.mark.parametrize(("text", "reason"), [
+    ("HTTPConnectionPool(host='127.0.0.1', port=1): Max retries exceeded with url: /v1/traces "
+     "(Caused by NewConnectionError(\"HTTPConnection(host='127.0.0.1', port=1): Failed to "
+     "establish a new connection: [Errno 111] Connection refused\"))",
+     "[Errno 111] Connection refused"),
+    ("Service Unavailable", "Service Unavailable"),
+    ("x" * 300, "x" * 117 + "..."),
+])
+def test_the_reason_is_the_part_a_person_needs(text: str, reason: str) -> None:
+    assert otlp_export.short_reason(text) == reason
+
+
 async def test_resource_and_service_name(receiver: Receiver,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment.name=test")
@@ -616,7 +720,8 @@ async def test_serve_with_standard_env_exports_at_shutdown(
             proc.send_signal(signal.SIGTERM)
             assert await anyio.to_thread.run_sync(proc.wait, 20) == 0
     banner = [line for line in out if "relaying" in line]
-    assert f"; tracing: OTLP/HTTP to {receiver.url}, service e2e-proxy, sampler " in banner[0]
+    assert (f"; tracing: on, every request (parentbased_always_on) -> {receiver.url}, "
+            "service e2e-proxy;") in banner[0]
     assert banner[0].rstrip().endswith(
         f"; OTLP metrics: OTLP/HTTP to {receiver.url}/v1/metrics, every 600 s")
     with receiver.lock:

@@ -481,6 +481,31 @@ async def test_the_page_follows_metrics_on_the_main_port(settings: Settings, ser
         await app.aclose()
 
 
+@pytest.mark.parametrize(
+    ("settings", "pointer"),
+    [
+        (Settings(), "; the live page is at /ui, metrics at /metrics"),
+        (Settings(ui=False), "; metrics are at /metrics"),
+        (Settings(measure=False), ""),
+        (Settings(metrics_port=9999), ""),  # app clients are not pointed at the metrics port
+    ],
+)
+async def test_any_other_path_points_to_what_this_port_serves(
+    settings: Settings, pointer: str
+) -> None:
+    from proxy.app import create_app
+
+    app = create_app(settings, registry=CollectorRegistry())
+    try:
+        root = await get(app, "/")  # where a browser starts
+        assert root.status_code == 404
+        error = root.json()["error"]
+        assert error["message"] == f"no route /; this proxy serves /v1/*{pointer}"
+        assert (error["type"], error["code"]) == ("invalid_request_error", "not_found")
+    finally:
+        await app.aclose()
+
+
 def test_ui_setting_from_flag_and_environment() -> None:
     from proxy import config
 

@@ -13,12 +13,14 @@ What it shows, and how it is computed here (the page only draws):
   points drawn, the ranks evenly spaced), with the proxy's cumulative bucket counts over
   the run drawn on top as points. Where both exist, the largest difference between the
   two at a bucket edge is named: the client's clock also holds the connection and the
-  network both ways, so its curve sits a little to the right of the proxy's;
+  network both ways, so its curve sits a little to the right of the proxy's. Gaps of 0
+  (events that arrived in one read) are counted and drawn at the axis's left edge;
 * TTFT against prompt length, requests split by how much of the prompt the prefix cache
   served (under or over half), each with its least-squares line: the prefill slope, in
   milliseconds per 1000 prompt tokens; a cache flattens it;
 * decode rate per request (1 / TPOT) against reading pace (5 and 20 tokens/s);
-* errors by kind (client side) and the proxy's stream outcomes;
+* errors by kind (client side), out of the requests sent, and the proxy's stream
+  outcomes;
 * the run's settings.
 
 ``--compare`` draws the other run beside this one in every chart and table.
@@ -104,6 +106,13 @@ def agreement(client: Sequence[float], proxy: list[tuple[float, float]]) -> dict
     return {"gap": gap, "at": le, "client": client_share, "proxy": proxy_share}
 
 
+def same_read_share(gaps: Sequence[float]) -> float:
+    """The share of the client's ITL gaps that are 0: events that arrived in one read,
+    which the client times once (it reads the clock once per read). A log axis cannot
+    place 0, so the page says how many there are under the chart."""
+    return sum(1 for g in gaps if g <= 0.0) / len(gaps) if gaps else 0.0
+
+
 def fit(points: Sequence[tuple[float, float]]) -> dict[str, float] | None:
     """Least-squares line ``y = a + b x``; None with fewer than two distinct x."""
     n = len(points)
@@ -168,6 +177,7 @@ def run_view(payload: dict[str, Any], name: str) -> dict[str, Any]:
                 "client": cdf_points(itl),
                 "proxy": proxy_cdf(proxy.get("itl")),
                 "agreement": agreement(itl, proxy_cdf(proxy.get("itl"))),
+                "same_read": same_read_share(itl),
             },
         },
         "proxy": {

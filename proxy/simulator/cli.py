@@ -249,7 +249,7 @@ _FLAGS: dict[str, tuple[Callable[[str], Any] | None, str, str]] = {
     "api_key": (
         str,
         "KEY",
-        "Require 'Authorization: Bearer KEY' or 'x-api-key: KEY' (default: no key needed).",
+        "Require 'Authorization: Bearer KEY' or 'x-api-key: KEY'; without it, no key is needed.",
     ),
     "seed": (
         int,
@@ -258,6 +258,16 @@ _FLAGS: dict[str, tuple[Callable[[str], Any] | None, str, str]] = {
         "order give the same lengths, words, jitter and faults.",
     ),
 }
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each flag's default in its help, except a flag with none (``None`` or empty): its
+    help says what happens without it, and "(default: None)" would say nothing."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default == "":
+            return action.help
+        return super()._get_help_string(action)
 
 
 def add_parser(sub: Any) -> None:
@@ -272,7 +282,7 @@ def add_parser(sub: Any) -> None:
             "with the number of active streams, and optional faults. Point the proxy at "
             "it with: llm-latency-proxy serve --upstream http://127.0.0.1:8000/v1"
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     parser.add_argument("--host", default=DEFAULT_HOST, help="Interface to listen on.")
     parser.add_argument(
@@ -400,25 +410,41 @@ def run(args: argparse.Namespace) -> int:
     from proxy.simulator.app import create_simulator_app, quiet_simulated_drops
 
     name, config = configs[0]
+    try:  # bound before the URL is announced: a taken port is said as such, not after it
+        sock = _listen(args.host, args.port)
+    except OSError as exc:
+        from proxy.serve import listen_problem
+
+        print(
+            f"llm-latency-proxy simulate: error: {listen_problem(args.host, args.port, exc)}",
+            file=sys.stderr,
+        )
+        return 2
     quiet_simulated_drops()
     app = create_simulator_app(config)
     profile = f" (profile {name})" if name else ""
-    print(
+    print(  # the socket listens: a client that read this line can connect (--port 0 too)
         f"llm-latency-proxy simulate: OpenAI/Anthropic-compatible upstream{profile} at "
-        f"{_url(args.host, args.port)} ({_describe(config)})",
+        f"{_url(args.host, sock.getsockname()[1])} ({_describe(config)})",
         file=sys.stderr,
         flush=True,
     )
-    uvicorn.run(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        access_log=args.access_log,
-        lifespan="on",
-        server_header=False,
-        timeout_graceful_shutdown=5,
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            log_level=args.log_level,
+            access_log=args.access_log,
+            lifespan="on",
+            server_header=False,
+            timeout_graceful_shutdown=5,
+        )
     )
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
+        pass
+    finally:
+        sock.close()
     return 0
 
 

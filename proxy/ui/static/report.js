@@ -48,7 +48,16 @@
       series.push({ name: named(run, "client"), cls: CLIENT[k] + (k ? " dash" : ""), step: true, points: c.client });
       if (c.proxy.length) series.push({ name: named(run, "proxy buckets"), cls: PROXY[k], dots: true, points: c.proxy });
     });
-    Charts.lines(chart(`${name}-cdf`), series, { xlog: true, xfmt: axisMs, yfmt: (v) => `${Math.round(v * 100)}%`, ymax: 1, empty: "no completed requests" });
+    // The axis starts at the smallest gap above 0: gaps of 0 (events of one read) sit on its left edge.
+    const positive = series.flatMap((s) => s.points.map((p) => p[0]).filter((v) => v > 0));
+    const xmin = positive.length ? Math.min(...positive) : undefined;
+    Charts.lines(chart(`${name}-cdf`), series, { xlog: true, xmin, xfmt: axisMs, yfmt: (v) => `${Math.round(v * 100)}%`, ymax: 1, empty: "no completed requests" });
+    const sameRead = $(`#${name}-same-read`);
+    if (sameRead) {
+      sameRead.textContent = runs.filter((run) => run.cdf[name].same_read > 0).map((run) =>
+        `${run.name}: ${+(run.cdf[name].same_read * 100).toPrecision(2)}% of the client's gaps are 0: events that arrived in one read, ` +
+        "which the client times once (it reads the clock once per read); they are drawn at the left edge.").join(" ");
+    }
     const notes = runs.map((run) => {
       const a = run.cdf[name].agreement;
       if (!a) return `${run.name}: no proxy figures to compare with (not run through the proxy, or it was not scraped).`;
@@ -116,13 +125,16 @@
   function errors() {
     const table = $("#errors");
     table.appendChild(row(["", "kind", "requests"], "th"));
+    const sent = [];
     runs.forEach((run) => {
       const kinds = Object.entries(run.errors);
-      table.appendChild(row([run.name, "client: requests sent", String(run.requests)]));
-      if (!kinds.length) table.appendChild(row(["", "client: errors", "none"]));
-      for (const [k, v] of kinds) table.appendChild(row(["", `client: ${k}`, String(v)], "td", (td, i) => { if (i === 1) td.className = "bad"; }));
+      const failed = kinds.reduce((sum, [, v]) => sum + v, 0);
+      sent.push(`${run.name}: ${run.requests} requests sent, ${failed || "none"} failed on the client side.`);
+      if (!kinds.length) table.appendChild(row([run.name, "client: errors", "none"]));
+      kinds.forEach(([k, v], i) => table.appendChild(row([i ? "" : run.name, `client: ${k}`, String(v)], "td", (td, c) => { if (c === 1) td.className = "bad"; })));
       for (const [k, v] of Object.entries(run.outcomes)) table.appendChild(row(["", `proxy outcome: ${k}`, String(v)]));
     });
+    $("#errors-note").textContent = sent.join(" ");
   }
 
   function settings() {
