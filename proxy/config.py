@@ -289,7 +289,7 @@ OPTIONS: tuple[Option, ...] = (
            "shorter limit from an upstream that closes idle connections sooner.", "S"),
     Option("connect_timeout", _positive_float, "Seconds to connect to the upstream before answering 502.", "S"),
     Option("read_timeout", _positive_float, "Seconds to wait for the upstream's headers or for its next "
-           "bytes; before headers: 504; mid-stream: the stream ends with outcome 'timeout'.", "S"),
+           "bytes; before headers: 504; mid-stream: the stream ends with outcome 'upstream_timeout'.", "S"),
     Option("write_timeout", _positive_float, "Seconds allowed to send the request body upstream.", "S"),
     Option("body_timeout", _positive_float, "Seconds allowed for the client to send its whole request "
            "body; slower gets 408.", "S"),

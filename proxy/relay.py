@@ -166,7 +166,8 @@ async def relay(body: WireBody, send: Send, clock: Clock, *, meter: Meter | None
     except ClientGone:
         return RelayResult(Outcome.CLIENT_DISCONNECTED, False, clock(), fwd.t_first)
     except UpstreamError as exc:
-        outcome = Outcome.TIMEOUT if isinstance(exc, UpstreamTimeout) else Outcome.UPSTREAM_INTERRUPTED
+        outcome = (Outcome.UPSTREAM_TIMEOUT if isinstance(exc, UpstreamTimeout)
+                   else Outcome.UPSTREAM_INTERRUPTED)
         complete = False
         await drain()  # what arrived before the failure still reaches the client
     await flush(fwd.tail())

@@ -162,7 +162,7 @@ async def test_upstream_refuses_connection_502_within_connect_timeout() -> None:
         assert status == 502
         assert openai_error(body)["code"] == "upstream_unreachable"
         assert elapsed < 2.0
-        await outcome_is(proxy.url, "upstream_error", "refused")
+        await outcome_is(proxy.url, "upstream_unreachable", "refused")
         # The upstream comes up on that port: the proxy serves it (no poisoned pool).
         with RawUpstream(port=port).running():
             await still_serves(proxy.url)
@@ -175,7 +175,8 @@ async def test_upstream_dns_failure_502_within_connect_timeout() -> None:
             status, _, body, _ = await read_stream(proxy.url, chat("dns"))
             assert status == 502 and time.perf_counter() - t < 2.0
             assert openai_error(body)["code"] == "upstream_unreachable"
-        await wait_metric(proxy.url, "llm_proxy_stream_outcomes_total", 2, outcome="upstream_error")
+        await wait_metric(proxy.url, "llm_proxy_stream_outcomes_total", 2,
+                          outcome="upstream_unreachable")
         async with client() as c:
             assert (await c.get(proxy.url + "/healthz")).status_code == 200
 
@@ -195,7 +196,30 @@ async def test_upstream_never_sends_headers_504_after_read_timeout() -> None:
         # The proxy gave up on the upstream request: the upstream sees its connection close.
         seen = upstream.seen("silent")[0]
         assert await anyio.to_thread.run_sync(seen.closed.wait, 5)
-        await outcome_is(proxy.url, "timeout", "silent")
+        await outcome_is(proxy.url, "upstream_timeout", "silent")
+        await still_serves(proxy.url)
+
+
+@pytest.mark.parametrize(("how", "outcome"), [
+    ("hangs-up", "upstream_interrupted"),  # the request arrived; the upstream closed, no answer
+    ("resets", "upstream_interrupted"),  # ... or reset (a crash during prefill)
+    ("not-http", "upstream_error"),  # something answered, but not in HTTP
+])
+async def test_upstream_fails_before_headers_502(how: str, outcome: str) -> None:
+    async def fail(conn: Conn) -> None:
+        if how == "hangs-up":
+            conn.close()
+        elif how == "resets":
+            conn.reset()
+        else:
+            await conn.write(b"SSH-2.0-OpenSSH_9.2\r\n\r\n")
+            await conn.until_closed(30)
+
+    upstream = RawUpstream({how: fail})
+    with upstream.running(), run_proxy(upstream.url) as (proxy, _):
+        status, _, body, _ = await read_stream(proxy.url, chat(how))
+        assert (status, openai_error(body)["code"]) == (502, "upstream_failed")
+        await outcome_is(proxy.url, outcome, how)
         await still_serves(proxy.url)
 
 
@@ -203,7 +227,7 @@ async def test_upstream_never_sends_headers_504_after_read_timeout() -> None:
 # Upstream faults mid-stream
 
 
-async def test_upstream_stalls_mid_stream_client_keeps_bytes_outcome_timeout() -> None:
+async def test_upstream_stalls_mid_stream_client_keeps_bytes_outcome_upstream_timeout() -> None:
     sent = stream_events(2, usage=False)[:3]  # role chunk and two tokens, then silence
 
     async def stall(conn: Conn) -> None:
@@ -219,7 +243,7 @@ async def test_upstream_stalls_mid_stream_client_keeps_bytes_outcome_timeout() -
         assert got == b"".join(sent)
         assert error is not None, "the stream must end broken, not as if complete"
         assert await anyio.to_thread.run_sync(upstream.seen("stall")[0].closed.wait, 5)
-        await outcome_is(proxy.url, "timeout", "stall")
+        await outcome_is(proxy.url, "upstream_timeout", "stall")
         await still_serves(proxy.url)
 
 
@@ -275,7 +299,7 @@ async def test_upstream_error_status_passes_through_unchanged(
         assert (got_status, got, error) == (status, body, None)
         assert headers["content-type"] == content_type
         assert headers["retry-after"] == "7" and headers["x-upstream-marker"] == "m1"
-        await outcome_is(proxy.url, "upstream_error", "fail")
+        await outcome_is(proxy.url, "upstream_4xx" if status < 500 else "upstream_5xx", "fail")
         await wait_metric(proxy.url, "llm_proxy_requests_total", 1, code=str(status))
         await still_serves(proxy.url)
 
@@ -507,6 +531,7 @@ async def test_upstream_connection_limit_holds() -> None:
             assert time.perf_counter() - t < 3.0
             # A wait for a free connection is told apart from a failed connect.
             assert (status, openai_error(body)["code"]) == (504, "upstream_pool_timeout")
+            await outcome_is(proxy.url, "pool_timeout", "waits")
             assert upstream.connections == 1
             gate.open()
             got += b"".join([p async for p in parts])

@@ -414,9 +414,9 @@ def failing_upstream(how: str) -> FakeUpstream:
 
 @pytest.mark.parametrize(
     ("how", "status", "code", "outcome"),
-    [("refused", 502, "upstream_unreachable", "upstream_error"),
-     ("silent", 504, "upstream_timeout", "timeout"),
-     ("reset", 502, "upstream_failed", "upstream_error")],
+    [("refused", 502, "upstream_unreachable", "upstream_unreachable"),
+     ("silent", 504, "upstream_timeout", "upstream_timeout"),
+     ("reset", 502, "upstream_failed", "upstream_interrupted")],
 )
 async def test_upstream_failures_before_headers(how: str, status: int, code: str,
                                                 outcome: str) -> None:
@@ -461,7 +461,8 @@ async def test_upstream_error_status_passed_through(status: int, body: bytes,
         assert registry.get_sample_value(
             "llm_proxy_requests_total", labels(stream="true", code=str(status))) == 1
         assert registry.get_sample_value(
-            "llm_proxy_stream_outcomes_total", labels(outcome="upstream_error")) == 1
+            "llm_proxy_stream_outcomes_total",
+            labels(outcome="upstream_4xx" if status < 500 else "upstream_5xx")) == 1
         assert histogram(registry, "llm_proxy_time_to_first_token_seconds", labels()).count == 0
 
 
@@ -819,7 +820,7 @@ async def test_healthz_does_not_call_upstream() -> None:
     ("failure", "outcome"),
     [(ConnectionResetError("reset"), "upstream_interrupted"),
      (RuntimeError("closed without the chunked terminator"), "upstream_interrupted"),
-     (None, "timeout")],
+     (None, "upstream_timeout")],
 )
 @pytest.mark.parametrize("inject", [True, False])
 async def test_upstream_failure_mid_stream(failure: Exception | None, outcome: str,
