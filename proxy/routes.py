@@ -497,7 +497,8 @@ class V1Handler:
             meter = Meter(x.timer, SSEParser())
         x.result = result = await relay(
             response.body, send, self.clock, meter=meter, strip_usage=strip,
-            collect_limit=NON_STREAM_USAGE_LIMIT if observe and not is_sse else 0)
+            collect_limit=NON_STREAM_USAGE_LIMIT if observe and not is_sse else 0,
+            write_timeout=self.settings.client_write_timeout)
         x.outcome = (result.outcome if ok or result.outcome is Outcome.CLIENT_STALLED
                      else status_outcome(status))
         if x.outcome is Outcome.COMPLETED and x.timer is not None and x.timer.error:
@@ -519,6 +520,13 @@ class V1Handler:
                 "upstream failure: request_id=%s route=%s model=%s upstream=%s status=%s: %s",
                 x.request_id, x.route, x.model,
                 x.target.client.host if x.target is not None else "-", x.status, x.reason)
+        if x.outcome is Outcome.CLIENT_STALLED:
+            self._warnings.warning(
+                "client stalled: request_id=%s route=%s model=%s upstream=%s status=%s: the "
+                "client took no bytes for %g s (--client-write-timeout); closed it and the "
+                "upstream request", x.request_id, x.route, x.model,
+                x.target.client.host if x.target is not None else "-", x.status,
+                self.settings.client_write_timeout)
         if self.metrics is None and self.request_log is None and x.trace is None:
             return
         try:
