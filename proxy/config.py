@@ -80,6 +80,7 @@ class Settings:
     read_timeout: float = 300.0
     write_timeout: float = 30.0
     body_timeout: float = 60.0
+    client_write_timeout: float = 60.0
     inject_usage: bool = True
     measure: bool = True
     log_requests: str = ""
@@ -289,10 +290,14 @@ OPTIONS: tuple[Option, ...] = (
            "shorter limit from an upstream that closes idle connections sooner.", "S"),
     Option("connect_timeout", _positive_float, "Seconds to connect to the upstream before answering 502.", "S"),
     Option("read_timeout", _positive_float, "Seconds to wait for the upstream's headers or for its next "
-           "bytes; before headers: 504; mid-stream: the stream ends with outcome 'timeout'.", "S"),
+           "bytes; before headers: 504; mid-stream: the stream ends with outcome 'upstream_timeout'.", "S"),
     Option("write_timeout", _positive_float, "Seconds allowed to send the request body upstream.", "S"),
     Option("body_timeout", _positive_float, "Seconds allowed for the client to send its whole request "
            "body; slower gets 408.", "S"),
+    Option("client_write_timeout", _positive_float, "Seconds a client may take no byte of its "
+           "answer while the proxy has bytes for it; then the proxy closes the client's and the "
+           "upstream's connection, frees the slot and ends the request with outcome "
+           "'client_stalled'. A slow client that keeps reading is never cut.", "S"),
     Option("inject_usage", _bool, "Ask the upstream for stream_options.include_usage on streaming chat "
            "completions that do not ask for it, and remove that usage-only event from the client's "
            "stream (exact token counts).", flag_only_true=True),

@@ -43,15 +43,35 @@ if TYPE_CHECKING:
     from proxy.sse import SSEParser
 
 class Outcome(StrEnum):
+    """How a request ended, named for what happened and whose side it happened on.
+
+    The README's outcome table says what the client saw for each. Earlier versions
+    counted ``upstream_timeout`` and ``pool_timeout`` as one value, ``timeout``, and
+    ``upstream_unreachable``, ``upstream_4xx`` and ``upstream_5xx`` as
+    ``upstream_error``; the shipped rules select the old names too, so that a fleet
+    running both versions during a rollout is still counted whole.
+    """
+
     COMPLETED = "completed"
-    CLIENT_DISCONNECTED = "client_disconnected"
+    CLIENT_DISCONNECTED = "client_disconnected"  # the client closed before the last event
+    CLIENT_STALLED = "client_stalled"  # the client took no bytes for --client-write-timeout
+    # the upstream connection closed or reset before the answer was complete
     UPSTREAM_INTERRUPTED = "upstream_interrupted"
+    # no headers, or no more bytes, within --read-timeout; or the request not taken
+    # within --write-timeout
+    UPSTREAM_TIMEOUT = "upstream_timeout"
+    POOL_TIMEOUT = "pool_timeout"  # no upstream connection became free within --connect-timeout
+    UPSTREAM_UNREACHABLE = "upstream_unreachable"  # connect refused, DNS, TLS, CONNECT refused
+    UPSTREAM_4XX = "upstream_4xx"  # the upstream answered 4xx (relayed unchanged)
+    UPSTREAM_5XX = "upstream_5xx"  # the upstream answered 5xx (relayed unchanged)
+    # an error event inside a 200 stream, invalid HTTP from the upstream, or another
+    # failed answer (a non-2xx status that is neither 4xx nor 5xx; no upstream answered
+    # the merged model list)
     UPSTREAM_ERROR = "upstream_error"
-    TIMEOUT = "timeout"
     # the proxy itself cut the request short: it was shutting down and the request was
     # still running after --graceful-timeout (the server cancels it)
     CANCELLED = "cancelled"
-    REJECTED = "rejected"  # answered by the proxy itself (413, 429, 502 before headers, ...)
+    REJECTED = "rejected"  # answered by the proxy itself (413, 429, 404, ...)
 
 
 @dataclass(frozen=True, slots=True)

@@ -230,10 +230,16 @@ class Metrics:
             "(Messages); only where the upstream reports them.", who, buckets=tb, registry=reg)
         self.outcomes = Counter(
             "llm_proxy_stream_outcomes", "How each stream ended: completed (its last event reached the client, even if the "
-            "client closed before the upstream's final bytes), client_disconnected, "
-            "upstream_interrupted, upstream_error (non-2xx, unreachable, or an error event inside "
-            "a 200 stream: Responses error or response.failed, Messages event: error), timeout, "
-            "cancelled (still running when the proxy's shutdown grace period ended).", (*base, "outcome"),
+            "client closed before the upstream's final bytes), client_disconnected (the client "
+            "left first), client_stalled (the client took no bytes for --client-write-timeout; "
+            "the proxy closed both connections), upstream_interrupted (the upstream connection "
+            "closed or reset before the end), upstream_timeout (no headers or no more bytes "
+            "within --read-timeout), pool_timeout (no upstream connection free within "
+            "--connect-timeout), upstream_unreachable (connect failed), upstream_4xx, "
+            "upstream_5xx (the upstream's status, relayed), upstream_error (an error event "
+            "inside a 200 stream: Responses error or response.failed, Messages event: error; "
+            "or invalid HTTP), cancelled (still running when the proxy's shutdown grace "
+            "period ended).", (*base, "outcome"),
             registry=reg)
         self.in_flight_gauge = Gauge(
             "llm_proxy_in_flight_requests", "Requests the proxy is handling right now "

@@ -20,12 +20,22 @@ control travels one way: the writer's verdict is the sink's return value, the re
 waits for the client and calls ``pipe`` again. The one change to a stream, removing the
 usage event the proxy asked for, is :mod:`proxy.strip`.
 
+Waiting for the client is bounded by ``write_timeout`` (``--client-write-timeout``):
+a client that takes no byte for that long ends the relay with outcome
+``client_stalled``, and its connection is dropped, so the caller closes the upstream
+request and frees its slot. Under uvicorn that is measured as nginx's ``send_timeout``
+is, as no write progress (:class:`proxy.uvicorn_writer.ClientConnection`), so a slow
+client that keeps reading is never cut. Under any other ASGI server nothing says
+whether a client is taking bytes: each ``send`` call is bounded as a whole, and the
+relay returns without completing the response, which leaves the closing to the server.
+
 Failures of measurement never break a stream: if the observer raised (it is written not
 to), measurement stops for that stream and the bytes keep flowing.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -34,13 +44,17 @@ from typing import Any
 
 from proxy.measure import Meter, Outcome
 from proxy.strip import UsageStripper
-from proxy.uvicorn_writer import direct_writer
+from proxy.uvicorn_writer import client_connection, direct_writer
 from proxy.wire import GO, PAUSE, STOP, ClientGone, UpstreamError, UpstreamTimeout, WireBody
 
 log = logging.getLogger("proxy.relay")
 
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 Clock = Callable[[], float]
+
+
+class _Stalled(Exception):
+    """The client took nothing for the client write timeout."""
 
 
 @dataclass(slots=True)
@@ -111,22 +125,27 @@ class _Forwarder:
 
 
 async def relay(body: WireBody, send: Send, clock: Clock, *, meter: Meter | None = None,
-                strip_usage: bool = False, collect_limit: int = 0) -> RelayResult:
+                strip_usage: bool = False, collect_limit: int = 0,
+                write_timeout: float = 60.0) -> RelayResult:
     """Forward ``body`` to the client; return how it ended.
 
     ``meter`` given: an event stream to observe. ``strip_usage``: remove the usage event
     the proxy asked for (:mod:`proxy.strip`). ``collect_limit`` > 0: keep up to that
     many bytes of a non-stream body so usage can be read at the end. A client that goes
     away ends the relay (outcome ``client_disconnected``); when the disconnect arrives
-    as cancellation it propagates to the caller.
+    as cancellation it propagates to the caller. A client that takes no byte for
+    ``write_timeout`` seconds ends it too (``client_stalled``), its connection dropped
+    where the server allows it (see the module docstring).
     """
     fwd = _Forwarder(meter, strip_usage, collect_limit)
     take, observe = fwd.take, fwd.observe
     direct = direct_writer(send)
+    client = direct if direct is not None else client_connection(send)
     queue: deque[bytes] = deque()
 
     if direct is not None:
         write = direct.write
+        writable = direct.writable
 
         def sink(chunk: bytes) -> int:
             out = take(chunk)
@@ -136,12 +155,30 @@ async def relay(body: WireBody, send: Send, clock: Clock, *, meter: Meter | None
             return verdict
 
         async def drain() -> None:
-            await direct.drain()
+            if not await writable(write_timeout):
+                raise _Stalled
 
         async def flush(data: bytes) -> None:
             if data:
                 write(data)
+            await drain()
     else:
+        if client is not None:  # uvicorn's send waits unbounded: wait here first, bounded
+            waitable = client.writable
+
+            async def put(data: bytes) -> None:
+                if not await waitable(write_timeout):
+                    raise _Stalled
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+        else:
+
+            async def put(data: bytes) -> None:
+                try:
+                    async with asyncio.timeout(write_timeout):
+                        await send({"type": "http.response.body", "body": data,
+                                    "more_body": True})
+                except TimeoutError:
+                    raise _Stalled from None
 
         def sink(chunk: bytes) -> int:
             queue.append(chunk)
@@ -151,23 +188,31 @@ async def relay(body: WireBody, send: Send, clock: Clock, *, meter: Meter | None
             while queue:
                 out = take(queue.popleft())
                 if out:
-                    await send({"type": "http.response.body", "body": out, "more_body": True})
+                    await put(out)
                 observe(clock())
 
         async def flush(data: bytes) -> None:
             if data:
-                await send({"type": "http.response.body", "body": data, "more_body": True})
+                await put(data)
+            if client is not None and not await client.writable(write_timeout):
+                raise _Stalled  # the end must not wait unbounded in uvicorn's send either
 
     outcome, complete = Outcome.COMPLETED, True
     try:
-        while not await body.pipe(sink):
+        try:
+            while not await body.pipe(sink):
+                await drain()
             await drain()
-        await drain()
+        except UpstreamError as exc:
+            outcome = (Outcome.UPSTREAM_TIMEOUT if isinstance(exc, UpstreamTimeout)
+                       else Outcome.UPSTREAM_INTERRUPTED)
+            complete = False
+            await drain()  # what arrived before the failure still reaches the client
+        await flush(fwd.tail())
     except ClientGone:
         return RelayResult(Outcome.CLIENT_DISCONNECTED, False, clock(), fwd.t_first)
-    except UpstreamError as exc:
-        outcome = Outcome.TIMEOUT if isinstance(exc, UpstreamTimeout) else Outcome.UPSTREAM_INTERRUPTED
-        complete = False
-        await drain()  # what arrived before the failure still reaches the client
-    await flush(fwd.tail())
+    except _Stalled:
+        if client is not None:
+            client.abort()
+        return RelayResult(Outcome.CLIENT_STALLED, False, clock(), fwd.t_first)
     return RelayResult(outcome, complete, clock(), fwd.t_first, fwd.body() if complete else None)

@@ -62,7 +62,14 @@ from proxy.upstream import (
     response_headers,
     safe_subpath,
 )
-from proxy.wire import UpstreamError, WireResponse
+from proxy.wire import (
+    ConnectError,
+    PoolTimeout,
+    ReadError,
+    UpstreamError,
+    UpstreamTimeout,
+    WireResponse,
+)
 
 log = logging.getLogger("proxy")
 
@@ -470,8 +477,7 @@ class V1Handler:
         except UpstreamError as exc:
             status, err = error_response(exc, target.client.host)
             x.reason = f"{type(exc).__name__}: {exc}"
-            raise Refused(status, "", "", "", outcome=Outcome.TIMEOUT if status == 504
-                          else Outcome.UPSTREAM_ERROR, body=err) from None
+            raise Refused(status, "", "", "", outcome=failure_outcome(exc), body=err) from None
 
     async def _relay(self, x: _Request, send: Send, strip_usage: bool) -> None:
         response = x.response
@@ -497,14 +503,16 @@ class V1Handler:
             meter = Meter(x.timer, SSEParser())
         x.result = result = await relay(
             response.body, send, self.clock, meter=meter, strip_usage=strip,
-            collect_limit=NON_STREAM_USAGE_LIMIT if observe and not is_sse else 0)
-        x.outcome = result.outcome if ok else Outcome.UPSTREAM_ERROR
+            collect_limit=NON_STREAM_USAGE_LIMIT if observe and not is_sse else 0,
+            write_timeout=self.settings.client_write_timeout)
+        x.outcome = (result.outcome if ok or result.outcome is Outcome.CLIENT_STALLED
+                     else status_outcome(status))
         if x.outcome is Outcome.COMPLETED and x.timer is not None and x.timer.error:
             x.outcome = Outcome.UPSTREAM_ERROR  # an error event inside the 200 stream
             x.reason = "error event in the stream"
         if result.outcome is not Outcome.CLIENT_DISCONNECTED:
             x.t_end = result.t_end
-        if ok and result.outcome in (Outcome.TIMEOUT, Outcome.UPSTREAM_INTERRUPTED):
+        if ok and result.outcome in (Outcome.UPSTREAM_TIMEOUT, Outcome.UPSTREAM_INTERRUPTED):
             x.reason = f"stream {result.outcome}"
 
     # -- the one finish ----------------------------------------------------------------
@@ -518,6 +526,13 @@ class V1Handler:
                 "upstream failure: request_id=%s route=%s model=%s upstream=%s status=%s: %s",
                 x.request_id, x.route, x.model,
                 x.target.client.host if x.target is not None else "-", x.status, x.reason)
+        if x.outcome is Outcome.CLIENT_STALLED:
+            self._warnings.warning(
+                "client stalled: request_id=%s route=%s model=%s upstream=%s status=%s: the "
+                "client took no bytes for %g s (--client-write-timeout); closed it and the "
+                "upstream request", x.request_id, x.route, x.model,
+                x.target.client.host if x.target is not None else "-", x.status,
+                self.settings.client_write_timeout)
         if self.metrics is None and self.request_log is None and x.trace is None:
             return
         try:
@@ -583,6 +598,28 @@ class V1Handler:
             span_id=x.trace.span_id if x.trace is not None else "",
             response_id=reply.id, response_model=reply.model,
             finish_reasons=reply.finish_reasons)
+
+
+def failure_outcome(exc: UpstreamError) -> Outcome:
+    """The outcome of an upstream exchange that failed before the response headers."""
+    if isinstance(exc, ConnectError):  # ConnectTimeout included: nothing was sent
+        return Outcome.UPSTREAM_UNREACHABLE
+    if isinstance(exc, PoolTimeout):
+        return Outcome.POOL_TIMEOUT
+    if isinstance(exc, UpstreamTimeout):
+        return Outcome.UPSTREAM_TIMEOUT
+    if isinstance(exc, ReadError):  # closed or reset with the request sent, no answer yet
+        return Outcome.UPSTREAM_INTERRUPTED
+    return Outcome.UPSTREAM_ERROR  # invalid HTTP
+
+
+def status_outcome(status: int) -> Outcome:
+    """The outcome of an answer the upstream gave with a status other than 2xx."""
+    if 400 <= status < 500:
+        return Outcome.UPSTREAM_4XX
+    if 500 <= status < 600:
+        return Outcome.UPSTREAM_5XX
+    return Outcome.UPSTREAM_ERROR
 
 
 def _queue_header(value: str) -> float | None:

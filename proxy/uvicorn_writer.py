@@ -1,4 +1,5 @@
-"""Writing a relayed body straight to uvicorn's transport (the relay's fast path).
+"""Writing a relayed body straight to uvicorn's transport (the relay's fast path), and
+bounding a client that stops reading.
 
 uvicorn's ASGI ``send`` costs a message dict, state checks and a coroutine per body
 chunk; for an SSE stream that is per event. :class:`DirectWriter` does what ``send``
@@ -7,10 +8,21 @@ on uvicorn's private attributes (``RequestResponseCycle`` of the httptools proto
 which is why it lives alone here, why ``pyproject.toml`` bounds uvicorn's version, and
 why :func:`direct_writer` checks every attribute it uses and returns None (the relay
 then uses ``send``) rather than guess.
+
+A client that stops reading is uvicorn's flow control saying "wait" for ever: uvicorn's
+own ``send`` waits without a bound, and the relay, waiting with it, holds the upstream
+connection, the admission slot and the upstream's generation. :class:`ClientConnection`
+waits the same way but watches the transport's write buffer: when it has not shrunk for
+the client write timeout (no byte taken, like nginx's ``send_timeout`` between two
+successive writes), :meth:`ClientConnection.writable` says so and
+:meth:`ClientConnection.abort` drops the connection. A slow client that takes bytes is
+never cut. Under any other ASGI server the relay can only bound each ``send`` call
+(:mod:`proxy.relay`).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -18,26 +30,80 @@ from proxy.wire import GO, PAUSE, STOP
 
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
+# How often a paused client's write buffer is looked at (at most; a quarter of the
+# timeout when that is shorter): a stall is detected within timeout + this.
+PROGRESS_CHECK_S = 1.0
 
-class DirectWriter:
+
+class ClientConnection:
+    """uvicorn's connection to one client, as far as a client that stops reading goes.
+
+    Works with both of uvicorn's HTTP/1.1 protocols (httptools and h11): their
+    ``RequestResponseCycle`` has the same ``transport``, ``flow`` (``FlowControl``:
+    ``write_paused``, ``drain()``) and ``disconnected``.
+    """
+
+    __slots__ = ("cycle", "flow", "transport")
+
+    def __init__(self, cycle: Any) -> None:
+        self.cycle = cycle  # uvicorn's RequestResponseCycle: .disconnected
+        self.flow: Any = cycle.flow  # uvicorn's FlowControl: write_paused, drain()
+        self.transport: Any = cycle.transport
+
+    async def writable(self, stall_s: float) -> bool:
+        """Wait while uvicorn's flow control holds writes back; True once the client
+        may be written to again (or is gone: the next write says so), False when the
+        client took no byte for ``stall_s`` seconds."""
+        flow = self.flow
+        if not flow.write_paused:
+            return True
+        transport = self.transport
+        loop = asyncio.get_running_loop()
+        step = min(PROGRESS_CHECK_S, stall_s / 4)
+        left = transport.get_write_buffer_size()
+        progress_at = loop.time()  # the write that filled the buffer
+        while flow.write_paused:
+            try:
+                async with asyncio.timeout(step):
+                    await flow.drain()
+            except TimeoutError:
+                now = loop.time()
+                still = transport.get_write_buffer_size()
+                if still < left:  # the client took bytes since the last look
+                    progress_at = now
+                left = still
+                if now - progress_at >= stall_s:
+                    return False
+        return True
+
+    def abort(self) -> None:
+        """Drop the connection now. A stalled client will not take the bytes still
+        buffered for it, so a plain close would wait for them and keep the socket open
+        until the kernel gives up. Marked disconnected at once, as uvicorn marks it when
+        the transport reports the loss a moment later, so that uvicorn does not log the
+        unfinished response as an application error."""
+        self.cycle.disconnected = True
+        self.transport.abort()
+
+
+class DirectWriter(ClientConnection):
     """Writes body chunks straight to uvicorn's transport, as uvicorn's own ``send`` would.
 
     uvicorn's ``RequestResponseCycle.send`` (httptools protocol), for a body chunk of a
     chunked response: wait while the transport is paused, return if the client
     disconnected, else write ``<hex size>\r\n<chunk>\r\n``. This does the same, minus
     the message dict, the state checks and the coroutine per chunk (about 25 us per SSE
-    event on the benchmark machine); the waiting moves to :meth:`drain`, which the relay
-    awaits only when :meth:`write` said the transport asked to pause. The response start and the final
-    empty chunk still go through ``send``, so uvicorn's state (keep-alive, access log,
+    event on the benchmark machine); the waiting moves to :meth:`writable`, which the
+    relay awaits only when :meth:`write` said the transport asked to pause, and which
+    bounds it. The response start and the final empty chunk still go through ``send``, so uvicorn's state (keep-alive, access log,
     response completion) is exactly what it would be.
     """
 
-    __slots__ = ("cycle", "flow", "transport_write")
+    __slots__ = ("transport_write",)
 
     def __init__(self, cycle: Any) -> None:
-        self.cycle = cycle  # uvicorn's RequestResponseCycle: .disconnected
+        super().__init__(cycle)
         self.transport_write: Callable[[bytes], None] = cycle.transport.write
-        self.flow: Any = cycle.flow  # uvicorn's FlowControl: write_paused, drain()
 
     def write(self, chunk: bytes) -> int:
         """Write one body chunk; STOP if the client is gone (nothing written), PAUSE if
@@ -47,11 +113,10 @@ class DirectWriter:
         self.transport_write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
         return PAUSE if self.flow.write_paused else GO
 
-    async def drain(self) -> None:
-        await self.flow.drain()
 
 
 _UVICORN_HTTPTOOLS = "uvicorn.protocols.http.httptools_impl"
+_UVICORN_CYCLES = frozenset({_UVICORN_HTTPTOOLS, "uvicorn.protocols.http.h11_impl"})
 
 
 def direct_writer(send: Send) -> DirectWriter | None:
@@ -74,3 +139,19 @@ def direct_writer(send: Send) -> DirectWriter | None:
     except (AttributeError, KeyError):
         return None
     return DirectWriter(cycle) if ready else None
+
+
+def client_connection(send: Send) -> ClientConnection | None:
+    """The client's connection when ``send`` is one of uvicorn's HTTP/1.1 cycles; None
+    under any other server (the relay then bounds each ``send`` instead)."""
+    cycle = getattr(send, "__self__", None)
+    if cycle is None or type(cycle).__module__ not in _UVICORN_CYCLES:
+        return None
+    try:
+        ready = (cycle.flow is not None and cycle.transport is not None
+                 and isinstance(cycle.disconnected, bool)
+                 and hasattr(cycle.flow, "write_paused")
+                 and hasattr(cycle.transport, "get_write_buffer_size"))
+    except AttributeError:
+        return None
+    return ClientConnection(cycle) if ready else None

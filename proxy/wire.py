@@ -48,6 +48,10 @@ What the client does, and does not do:
 * Timeouts, checked lazily (one timer per request, re-armed only when it fires): no
   bytes for ``read_timeout`` -> :class:`ReadTimeout`; the request not written within
   ``write_timeout`` -> :class:`WriteTimeout`; connecting -> :class:`ConnectTimeout`.
+  The read timeout measures the upstream only: while reading is paused for a slow
+  client, nothing the upstream sends is read, so that time is not silence. The timer
+  lapses while paused and each pause's length is credited on resume; bounding a client
+  that stops reading altogether is the relay's business (``--client-write-timeout``).
 * A connection that breaks mid-body raises :class:`ReadError` after every byte received
   before the break was handed on; invalid HTTP raises :class:`RemoteProtocolError`.
 * ``https://`` upstreams use ``ssl.create_default_context()`` (system CAs, SNI,
@@ -217,6 +221,7 @@ class _Connection(asyncio.Protocol):
         self.lost = False
         self.idle_since = -1.0  # >= 0 while idle in the pool
         self.read_paused = False
+        self.paused_at = 0.0  # when reading was paused, for the read timeout's credit
         self.timer: asyncio.TimerHandle | None = None
 
     # -- asyncio.Protocol ------------------------------------------------------------
@@ -366,11 +371,19 @@ class _Connection(asyncio.Protocol):
     def pause_reading(self) -> None:
         if not self.read_paused and self.transport is not None and not self.lost:
             self.read_paused = True
+            self.paused_at = self.time()
             self.transport.pause_reading()
 
     def resume_reading(self) -> None:
         if self.read_paused and self.transport is not None and not self.lost:
             self.read_paused = False
+            ex = self.ex
+            if ex is not None and not ex.finished:
+                now = self.time()
+                ex.last_read += now - self.paused_at  # the pause was not the upstream's silence
+                if self.timer is None:  # it lapsed while paused
+                    self.timer = self.owner.loop.call_at(
+                        ex.last_read + self.owner.read_timeout, self._check_timeouts)
             self.transport.resume_reading()
 
     def _arm(self, now: float) -> None:
@@ -385,10 +398,10 @@ class _Connection(asyncio.Protocol):
         ex = self.ex
         if ex is None or ex.finished:
             return
+        if self.read_paused:
+            return  # nothing is read, so nothing to judge: resume_reading() re-arms
         owner = self.owner
         now = owner.loop.time()
-        if self.read_paused:
-            ex.last_read = now  # a paused read is the client's slowness, not the upstream's
         sending = (not ex.headers_done and self.transport is not None
                    and self.transport.get_write_buffer_size() > 0)
         if sending and now - ex.write_started >= owner.write_timeout:

@@ -44,9 +44,10 @@ class RunningServer:
 @contextlib.contextmanager
 def serve_in_thread(app: Any, *, host: str = "127.0.0.1", timeout: float = 10.0,
                     **config: Any) -> Iterator[RunningServer]:
-    """Run ``app`` under uvicorn on ``host``:free port; yield once it listens."""
+    """Run ``app`` under uvicorn on ``host``:free port; yield once it listens. The loop
+    is asyncio's unless ``config`` says otherwise (``loop="uvloop"``, what serve uses)."""
     cfg = uvicorn.Config(app, host=host, port=0, log_level="warning", lifespan="on",
-                         loop="asyncio", **config)
+                         **{"loop": "asyncio", **config})
     server = uvicorn.Server(cfg)
     # No signal handlers from a non-main thread.
     server.install_signal_handlers = lambda: None  # type: ignore[method-assign]

@@ -282,7 +282,7 @@ async def test_non_stream_usage(route: str, payload: dict[str, Any],
 @pytest.mark.parametrize(("failure", "outcome"), [
     (ConnectionResetError("reset"), "upstream_interrupted"),
     (RuntimeError("dropped without the chunked terminator"), "upstream_interrupted"),
-    (None, "timeout"),
+    (None, "upstream_timeout"),
 ])
 async def test_stream_breaks_mid_way(route: str, failure: Exception | None, outcome: str) -> None:
     clock = ScriptedClock(T0)

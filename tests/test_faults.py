@@ -18,12 +18,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import random
 import re
 import signal
+import socket
 import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
 
 import anyio
 import httpx
@@ -55,11 +58,13 @@ def client(timeout: float = 20) -> httpx.AsyncClient:
 
 
 @contextlib.contextmanager
-def run_proxy(upstream_url: str, **overrides: object) -> Iterator[tuple[RunningServer, ProxyApp]]:
-    """The proxy (fresh registry) in a real uvicorn server in front of ``upstream_url``."""
+def run_proxy(upstream_url: str, *, loop: str = "asyncio",
+              **overrides: object) -> Iterator[tuple[RunningServer, ProxyApp]]:
+    """The proxy (fresh registry) in a real uvicorn server in front of ``upstream_url``,
+    on ``loop`` (asyncio's; ``uvloop`` is what ``serve`` runs on)."""
     settings = Settings(upstream=upstream_url + "/v1", **overrides)  # type: ignore[arg-type]
     app = create_app(settings, registry=CollectorRegistry())
-    with serve_in_thread(app, timeout_graceful_shutdown=2) as server:
+    with serve_in_thread(app, timeout_graceful_shutdown=2, loop=loop) as server:
         yield server, app
 
 
@@ -162,7 +167,7 @@ async def test_upstream_refuses_connection_502_within_connect_timeout() -> None:
         assert status == 502
         assert openai_error(body)["code"] == "upstream_unreachable"
         assert elapsed < 2.0
-        await outcome_is(proxy.url, "upstream_error", "refused")
+        await outcome_is(proxy.url, "upstream_unreachable", "refused")
         # The upstream comes up on that port: the proxy serves it (no poisoned pool).
         with RawUpstream(port=port).running():
             await still_serves(proxy.url)
@@ -175,7 +180,8 @@ async def test_upstream_dns_failure_502_within_connect_timeout() -> None:
             status, _, body, _ = await read_stream(proxy.url, chat("dns"))
             assert status == 502 and time.perf_counter() - t < 2.0
             assert openai_error(body)["code"] == "upstream_unreachable"
-        await wait_metric(proxy.url, "llm_proxy_stream_outcomes_total", 2, outcome="upstream_error")
+        await wait_metric(proxy.url, "llm_proxy_stream_outcomes_total", 2,
+                          outcome="upstream_unreachable")
         async with client() as c:
             assert (await c.get(proxy.url + "/healthz")).status_code == 200
 
@@ -195,7 +201,30 @@ async def test_upstream_never_sends_headers_504_after_read_timeout() -> None:
         # The proxy gave up on the upstream request: the upstream sees its connection close.
         seen = upstream.seen("silent")[0]
         assert await anyio.to_thread.run_sync(seen.closed.wait, 5)
-        await outcome_is(proxy.url, "timeout", "silent")
+        await outcome_is(proxy.url, "upstream_timeout", "silent")
+        await still_serves(proxy.url)
+
+
+@pytest.mark.parametrize(("how", "outcome"), [
+    ("hangs-up", "upstream_interrupted"),  # the request arrived; the upstream closed, no answer
+    ("resets", "upstream_interrupted"),  # ... or reset (a crash during prefill)
+    ("not-http", "upstream_error"),  # something answered, but not in HTTP
+])
+async def test_upstream_fails_before_headers_502(how: str, outcome: str) -> None:
+    async def fail(conn: Conn) -> None:
+        if how == "hangs-up":
+            conn.close()
+        elif how == "resets":
+            conn.reset()
+        else:
+            await conn.write(b"SSH-2.0-OpenSSH_9.2\r\n\r\n")
+            await conn.until_closed(30)
+
+    upstream = RawUpstream({how: fail})
+    with upstream.running(), run_proxy(upstream.url) as (proxy, _):
+        status, _, body, _ = await read_stream(proxy.url, chat(how))
+        assert (status, openai_error(body)["code"]) == (502, "upstream_failed")
+        await outcome_is(proxy.url, outcome, how)
         await still_serves(proxy.url)
 
 
@@ -203,7 +232,7 @@ async def test_upstream_never_sends_headers_504_after_read_timeout() -> None:
 # Upstream faults mid-stream
 
 
-async def test_upstream_stalls_mid_stream_client_keeps_bytes_outcome_timeout() -> None:
+async def test_upstream_stalls_mid_stream_client_keeps_bytes_outcome_upstream_timeout() -> None:
     sent = stream_events(2, usage=False)[:3]  # role chunk and two tokens, then silence
 
     async def stall(conn: Conn) -> None:
@@ -219,7 +248,7 @@ async def test_upstream_stalls_mid_stream_client_keeps_bytes_outcome_timeout() -
         assert got == b"".join(sent)
         assert error is not None, "the stream must end broken, not as if complete"
         assert await anyio.to_thread.run_sync(upstream.seen("stall")[0].closed.wait, 5)
-        await outcome_is(proxy.url, "timeout", "stall")
+        await outcome_is(proxy.url, "upstream_timeout", "stall")
         await still_serves(proxy.url)
 
 
@@ -275,7 +304,7 @@ async def test_upstream_error_status_passes_through_unchanged(
         assert (got_status, got, error) == (status, body, None)
         assert headers["content-type"] == content_type
         assert headers["retry-after"] == "7" and headers["x-upstream-marker"] == "m1"
-        await outcome_is(proxy.url, "upstream_error", "fail")
+        await outcome_is(proxy.url, "upstream_4xx" if status < 500 else "upstream_5xx", "fail")
         await wait_metric(proxy.url, "llm_proxy_requests_total", 1, code=str(status))
         await still_serves(proxy.url)
 
@@ -350,6 +379,206 @@ async def test_client_disconnect_closes_upstream_within_100ms() -> None:
         assert seen.closed_at - t_disconnect < 0.100
         await outcome_is(proxy.url, "client_disconnected", "endless")
         await still_serves(proxy.url)
+
+
+# ---------------------------------------------------------------------------
+# A client that stops reading (--client-write-timeout)
+
+FLOOD_EVENT = content_event("x" * 16_000)
+FLOOD_LIMIT = 512 << 20  # a bound for a broken proxy; a working one stops reading long before
+
+
+@dataclass
+class Flood:
+    """An upstream answer streamed as fast as the proxy takes it, until the proxy closes
+    the connection (or ``FLOOD_LIMIT`` bytes, then it ends normally). ``last_write``:
+    when the proxy's side last took a chunk (``time.perf_counter()``); the proxy paused
+    its reading at the latest then. ``longest_wait``: the longest the proxy held a
+    chunk back (its reading paused: the client was not reading)."""
+
+    limit: int = FLOOD_LIMIT
+    sent: int = 0
+    last_write: float = 0.0
+    longest_wait: float = 0.0
+    ended: bool = False
+
+    async def __call__(self, conn: Conn) -> None:
+        await conn.head(200)
+        while self.sent < self.limit:
+            t = time.perf_counter()
+            await conn.chunk(FLOOD_EVENT)
+            self.last_write = time.perf_counter()
+            self.longest_wait = max(self.longest_wait, self.last_write - t)
+            self.sent += len(FLOOD_EVENT)
+        await conn.end()
+        self.ended = True
+
+
+async def raw_request(port: int, body: bytes, *, rcvbuf: int = 4096) -> tuple[socket.socket, bytes]:
+    """POST ``body`` on a raw socket whose receive buffer is ``rcvbuf`` bytes (set before
+    connecting, so the window it advertises stays small), read up to the end of the
+    response head and return the socket and the head; the caller decides what to read."""
+    loop = asyncio.get_running_loop()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        sock.setblocking(False)
+        await loop.sock_connect(sock, ("127.0.0.1", port))
+        await loop.sock_sendall(sock, b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+                                b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                                % (len(body), body))
+        head = b""
+        async with asyncio.timeout(10):
+            while b"\r\n\r\n" not in head:
+                part = await loop.sock_recv(sock, 1)  # byte by byte: no body byte is taken
+                assert part, "the proxy closed before the response head"
+                head += part
+    except BaseException:
+        sock.close()
+        raise
+    return sock, head
+
+
+async def read_to_end(sock: socket.socket, *,
+                      pace: Callable[[int], Awaitable[None]] | None = None,
+                      within: float = 30.0) -> tuple[bytes, BaseException | None]:
+    """Everything the socket still delivers until the peer closes it (EOF or a reset);
+    ``pace(bytes so far)`` runs between reads (a slow client)."""
+    loop = asyncio.get_running_loop()
+    got = bytearray()
+    async with asyncio.timeout(within):
+        while True:
+            try:
+                part = await loop.sock_recv(sock, 1 << 20)
+            except ConnectionError as exc:
+                return bytes(got), exc
+            if not part:
+                return bytes(got), None
+            got += part
+            if pace is not None:
+                await pace(len(got))
+
+
+def dechunk(body: bytes) -> bytes:
+    """A chunked body's content (which must be complete)."""
+    out, at = bytearray(), 0
+    while True:
+        eol = body.index(b"\r\n", at)
+        size = int(body[at:eol], 16)
+        if size == 0:
+            return bytes(out)
+        out += body[eol + 2:eol + 2 + size]
+        at = eol + 2 + size
+        assert body[at:at + 2] == b"\r\n"
+        at += 2
+
+
+async def gauge_at_most(base: str, name: str, value: float, within: float) -> float:
+    """Poll ``/metrics`` until gauge ``name`` is at most ``value``; the
+    ``time.perf_counter()`` when it was seen so, bounded by ``within`` seconds."""
+    deadline = time.monotonic() + within
+    async with client() as c:
+        while True:
+            if metric(await scrape(base, c), name) <= value:
+                return time.perf_counter()
+            assert time.monotonic() < deadline, f"{name} still above {value} after {within} s"
+            await anyio.sleep(0.01)
+
+
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+async def test_client_that_stops_reading_is_closed_and_frees_the_upstream(
+        loop: str, caplog: pytest.LogCaptureFixture) -> None:
+    timeout = 1.0
+    flood = Flood()
+    gate = Gate()
+    steady_events = stream_events(20, usage=False)
+
+    async def steady(conn: Conn) -> None:
+        await conn.head(200)
+        for ev in steady_events[:10]:
+            await conn.chunk(ev)
+        await gate.wait(within=120)
+        for ev in steady_events[10:]:
+            await conn.chunk(ev)
+        await conn.end()
+
+    upstream = RawUpstream({"flood": flood, "steady": steady})
+    caplog.set_level(logging.WARNING, logger="proxy")
+    with upstream.running(), run_proxy(upstream.url, loop=loop, client_write_timeout=timeout,
+                                       max_concurrency=2) as (proxy, app):
+        async with client() as c, c.stream("POST", proxy.url + CHAT,
+                                           content=chat("steady")) as other:
+            # Another stream is under way, and stays so while the stall happens.
+            parts, got = other.aiter_raw(), bytearray()
+            await read_until(parts, got, lambda b: b == b"".join(steady_events[:10]))
+            sock, head = await raw_request(proxy.port, chat("flood"))
+            with sock:
+                t_stopped = time.perf_counter()  # and the client reads nothing more
+                assert head.startswith(b"HTTP/1.1 200 ")
+                match = re.search(rb"(?i)\r\nx-request-id: *([0-9a-f]+)\r\n", head)
+                assert match is not None
+                request_id = match[1].decode()
+                t_freed = await gauge_at_most(proxy.url, "llm_proxy_in_flight_requests", 1,
+                                              within=timeout + 30)
+                assert metric(await scrape(proxy.url), "llm_proxy_stream_outcomes_total",
+                              model="steady") == 0  # the one that ended is the stalled one
+                # Not before the timeout, and within a second of the proxy's last read.
+                assert t_freed - t_stopped >= timeout - 0.05
+                assert t_freed - flood.last_write < timeout + 1.0
+                assert app.admission.active == 1  # only the other stream holds a slot
+                seen = upstream.seen("flood")[0]
+                assert await anyio.to_thread.run_sync(seen.closed.wait, 5), "upstream left open"
+                assert not flood.ended
+                await outcome_is(proxy.url, "client_stalled", "flood")
+                # The client's connection is closed too: what is left ends, and the body
+                # does not (no last chunk).
+                rest, _ = await read_to_end(sock, within=10)
+                assert not (head + rest).endswith(b"0\r\n\r\n")
+            gate.open()
+            got += b"".join([p async for p in parts])
+            assert bytes(got) == b"".join(steady_events)  # every byte of the other stream
+        await outcome_is(proxy.url, "completed", "steady")
+        assert app.admission.active == 0
+        await still_serves(proxy.url)
+    warnings = [r.getMessage() for r in caplog.records
+                if r.name == "proxy" and r.levelno == logging.WARNING]
+    assert [w for w in warnings if w.startswith("client stalled:")] == [
+        w for w in warnings if f"client stalled: request_id={request_id} " in w]
+    assert any(f"client stalled: request_id={request_id} " in w for w in warnings), warnings
+
+
+async def test_slow_client_that_keeps_reading_is_never_cut() -> None:
+    """Three times the client reads nothing for three read timeouts, so the proxy holds
+    the upstream back that long (the flood never pauses by itself: every gap in what the
+    proxy hands on is the client's); the client write timeout is longer. Neither timeout
+    cuts the stream: it completes, every byte in order."""
+    read_timeout, write_timeout, gap = 0.5, 5.0, 1.5
+    flood = Flood(limit=12 << 20)
+    upstream = RawUpstream({"flood": flood})
+    with upstream.running(), run_proxy(upstream.url, loop="uvloop", read_timeout=read_timeout,
+                                       client_write_timeout=write_timeout,
+                                       itl_buckets=(read_timeout,)) as (proxy, _):
+        sock, _ = await raw_request(proxy.port, chat("flood"), rcvbuf=256 << 10)
+        gaps = 0
+
+        async def pace(received: int) -> None:
+            nonlocal gaps
+            if gaps < 3 and received > (gaps + 1) * (2 << 20):
+                gaps += 1
+                await anyio.sleep(gap)  # the slow client under test: it reads nothing
+
+        with sock:
+            body, error = await read_to_end(sock, pace=pace, within=120)
+        assert error is None and gaps == 3
+        assert flood.ended
+        assert dechunk(body) == FLOOD_EVENT * (flood.sent // len(FLOOD_EVENT))
+        await outcome_is(proxy.url, "completed", "flood")
+        # The proxy really held the stream back longer than the read timeout, three times.
+        samples = await scrape(proxy.url)
+        itl = "llm_proxy_inter_token_latency_seconds_bucket"
+        longer = (metric(samples, itl, model="flood", le="+Inf")
+                  - metric(samples, itl, model="flood", le=str(read_timeout)))
+        assert longer >= 3
 
 
 def held_until(gate: Gate) -> Callable[[Conn], Awaitable[None]]:
@@ -507,6 +736,7 @@ async def test_upstream_connection_limit_holds() -> None:
             assert time.perf_counter() - t < 3.0
             # A wait for a free connection is told apart from a failed connect.
             assert (status, openai_error(body)["code"]) == (504, "upstream_pool_timeout")
+            await outcome_is(proxy.url, "pool_timeout", "waits")
             assert upstream.connections == 1
             gate.open()
             got += b"".join([p async for p in parts])

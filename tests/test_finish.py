@@ -177,9 +177,9 @@ REFUSALS = {
                            _post(headers=[(b"x-filler", b"f" * 2000)])),
     "429-queue-full": Refusal(429, "rejected", "proxy_queue_full", CHAT, "true",
                               {"max_concurrency": 1, "max_queue": 0}, _queue_full, hold),
-    "502-unreachable": Refusal(502, "upstream_error", "upstream_unreachable", CHAT, "true",
+    "502-unreachable": Refusal(502, "upstream_unreachable", "upstream_unreachable", CHAT, "true",
                                {}, _unreachable),
-    "504-upstream-timeout": Refusal(504, "timeout", "upstream_timeout", CHAT, "true",
+    "504-upstream-timeout": Refusal(504, "upstream_timeout", "upstream_timeout", CHAT, "true",
                                     {"read_timeout": 0.05}, _post(), hold,
                                     reaches_upstream=True),
 }
@@ -331,7 +331,7 @@ async def _server_error(request: httpx.Request) -> httpx.Response:
     [("unreachable", 502, "ConnectError: cannot connect to 127.0.0.1:"),
      ("timeout", 504, "ReadTimeout: no response headers from the upstream within 0.05 s"),
      ("reset-mid-stream", 200, "stream upstream_interrupted"),
-     ("stall-mid-stream", 200, "stream timeout"),
+     ("stall-mid-stream", 200, "stream upstream_timeout"),
      ("5xx", 500, "HTTP 500")],
 )
 async def test_upstream_failure_logs_one_warning_without_secrets(

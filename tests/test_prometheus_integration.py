@@ -455,7 +455,8 @@ async def test_every_panel_and_recording_rule_returns_data(
     assert {
         "completed",
         "client_disconnected",
-        "upstream_error",
+        "upstream_4xx",
+        "upstream_5xx",
         "upstream_interrupted",
     } <= outcomes, outcomes
     codes = label_values(totals, "llm_proxy_requests_total", "code")

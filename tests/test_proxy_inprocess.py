@@ -414,9 +414,9 @@ def failing_upstream(how: str) -> FakeUpstream:
 
 @pytest.mark.parametrize(
     ("how", "status", "code", "outcome"),
-    [("refused", 502, "upstream_unreachable", "upstream_error"),
-     ("silent", 504, "upstream_timeout", "timeout"),
-     ("reset", 502, "upstream_failed", "upstream_error")],
+    [("refused", 502, "upstream_unreachable", "upstream_unreachable"),
+     ("silent", 504, "upstream_timeout", "upstream_timeout"),
+     ("reset", 502, "upstream_failed", "upstream_interrupted")],
 )
 async def test_upstream_failures_before_headers(how: str, status: int, code: str,
                                                 outcome: str) -> None:
@@ -461,7 +461,8 @@ async def test_upstream_error_status_passed_through(status: int, body: bytes,
         assert registry.get_sample_value(
             "llm_proxy_requests_total", labels(stream="true", code=str(status))) == 1
         assert registry.get_sample_value(
-            "llm_proxy_stream_outcomes_total", labels(outcome="upstream_error")) == 1
+            "llm_proxy_stream_outcomes_total",
+            labels(outcome="upstream_4xx" if status < 500 else "upstream_5xx")) == 1
         assert histogram(registry, "llm_proxy_time_to_first_token_seconds", labels()).count == 0
 
 
@@ -819,7 +820,7 @@ async def test_healthz_does_not_call_upstream() -> None:
     ("failure", "outcome"),
     [(ConnectionResetError("reset"), "upstream_interrupted"),
      (RuntimeError("closed without the chunked terminator"), "upstream_interrupted"),
-     (None, "timeout")],
+     (None, "upstream_timeout")],
 )
 @pytest.mark.parametrize("inject", [True, False])
 async def test_upstream_failure_mid_stream(failure: Exception | None, outcome: str,
@@ -857,6 +858,51 @@ async def test_upstream_failure_mid_stream(failure: Exception | None, outcome: s
         assert len(healthy.seen) == 1
         assert registry.get_sample_value(
             "llm_proxy_stream_outcomes_total", labels(outcome="completed")) == 1
+
+
+async def test_client_stalled_under_plain_asgi_send() -> None:
+    """Under an ASGI server other than uvicorn nothing says whether the client takes
+    bytes: a ``send`` that has not returned after --client-write-timeout ends the request
+    as client_stalled, the upstream request is closed and the slot freed; the response is
+    left incomplete for the server to close."""
+    clock = ScriptedClock()
+    closed = asyncio.Event()
+    script = chat_script(usage=None)
+    up = sse_upstream(clock, script, end=None, closed=closed)
+    app, registry = make_app(up, clock, client_write_timeout=0.2, max_concurrency=1)
+    messages: list[dict[str, Any]] = []
+    stuck = asyncio.Event()
+    requests = [{"type": "http.request", "body": json.dumps(stream_request()).encode(),
+                 "more_body": False}]
+
+    async def receive() -> dict[str, Any]:
+        if requests:
+            return requests.pop()
+        await asyncio.Event().wait()  # the client never leaves
+        raise AssertionError
+
+    async def send(message: dict[str, Any]) -> None:
+        messages.append(message)
+        if sum(m["type"] == "http.response.body" for m in messages) == 2:
+            stuck.set()
+            await asyncio.Event().wait()  # the client stopped reading: send never returns
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": CHAT, "raw_path": CHAT.encode(),
+             "query_string": b"", "root_path": "", "headers": [],
+             "client": ("127.0.0.1", 50000), "server": ("proxy.test", 80)}
+    async with app:
+        async with asyncio.timeout(10):
+            await app(scope, receive, send)
+        assert stuck.is_set()
+        assert not any(m["type"] == "http.response.body" and not m.get("more_body")
+                       for m in messages)  # not completed
+        await asyncio.wait_for(closed.wait(), 5)  # the upstream request was closed
+        assert registry.get_sample_value(
+            "llm_proxy_stream_outcomes_total", labels(outcome="client_stalled")) == 1
+        assert registry.get_sample_value(
+            "llm_proxy_in_flight_requests", {"upstream": UPSTREAM_LABEL}) == 0
+        assert app.admission.active == 0
 
 
 async def test_client_disconnect_closes_the_upstream_stream() -> None:

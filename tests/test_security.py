@@ -200,7 +200,7 @@ async def test_secrets_never_appear_in_logs_metrics_or_errors(tmp_path: Path) ->
         (200, "completed"), (200, "completed"), (200, "completed"),  # stream, JSON, models
         (200, "upstream_interrupted"),  # drop
         (400, "rejected"),  # the proxy's own 400 (path)
-        (401, "upstream_error"),  # refuse
+        (401, "upstream_4xx"),  # refuse
         (413, "rejected"),  # the proxy's own 413 (body); the 404 is outside /v1/*
     ]
     assert "GET /v1/models" in logs

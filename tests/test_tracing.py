@@ -364,7 +364,7 @@ async def test_upstream_error_span_says_so(receiver: Receiver) -> None:
         (span,) = await exported(app, receiver)
         got = attrs(span.attributes)
         assert got["error.type"] == "503"
-        assert got["llm_proxy.outcome"] == "upstream_error"
+        assert got["llm_proxy.outcome"] == "upstream_5xx"
         assert span.status.code == span.status.STATUS_CODE_ERROR
 
 

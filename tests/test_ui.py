@@ -93,7 +93,7 @@ def record(i: int = 0, **kw: Any) -> RequestRecord:
 
 def traffic() -> Iterator[RequestRecord]:
     """Two routes, two models, streams and not, every outcome."""
-    outcomes = [Outcome.COMPLETED] * 6 + [Outcome.UPSTREAM_ERROR, Outcome.CLIENT_DISCONNECTED]
+    outcomes = [Outcome.COMPLETED] * 6 + [Outcome.UPSTREAM_5XX, Outcome.CLIENT_DISCONNECTED]
     for i in range(40):
         model = "m-a" if i % 3 else "m-b"
         yield record(
@@ -397,11 +397,11 @@ def test_slowest_requests_per_series_and_only_the_last_minute() -> None:
         clock.now += 0.1
     for i in range(3):
         slow.add(record(100 + i, model="m-b", ttft_s=0.001 * i))
-    slow.add(record(200, model="m-b", ttft_s=None, duration_s=9.0, outcome=Outcome.TIMEOUT))
+    slow.add(record(200, model="m-b", ttft_s=None, duration_s=9.0, outcome=Outcome.UPSTREAM_TIMEOUT))
     slow.add(record(300, model="m-b", stream=False, ttft_s=None, duration_s=99.0))
     everything = slow.slowest(lambda key: True)
     assert len(everything) == KEEP
-    assert everything[0]["request_id"] == "req-200" and everything[0]["outcome"] == "timeout"
+    assert everything[0]["request_id"] == "req-200" and everything[0]["outcome"] == "upstream_timeout"
     assert [r["request_id"] for r in everything[1:]] == [f"req-{i}" for i in range(29, 20, -1)]
     only_b = slow.slowest(lambda key: key[1] == "m-b")
     assert [r["request_id"] for r in only_b] == ["req-200", "req-102", "req-101", "req-100"]

@@ -2,7 +2,10 @@
 
 Cannot connect -> 502 ``upstream_unreachable``; no free connection -> 504
 ``upstream_pool_timeout``; the upstream timed out -> 504 ``upstream_timeout``; anything
-else -> 502 ``upstream_failed``. The message names the upstream's host and never a key
+else -> 502 ``upstream_failed``. The outcome recorded for each
+(:func:`proxy.routes.failure_outcome`) names the same cause: ``upstream_unreachable``,
+``pool_timeout``, ``upstream_timeout``, ``upstream_interrupted`` (closed or reset before
+an answer) or ``upstream_error`` (not HTTP). The message names the upstream's host and never a key
 or a path: the failures here are real ones, produced by :class:`proxy.upstream.Upstream`
 for a request carrying a key in its header and query and a tenant in its base path, and
 none of them may appear in what the client is told.
@@ -19,6 +22,8 @@ from typing import Any
 import pytest
 
 from proxy.config import Settings
+from proxy.measure import Outcome
+from proxy.routes import failure_outcome
 from proxy.upstream import Upstream, error_response
 from proxy.upstreams import single_spec
 from proxy.wire import (
@@ -50,21 +55,24 @@ TIMEOUT = (504, "upstream_timeout")
 FAILED = (502, "upstream_failed")
 
 
-@pytest.mark.parametrize(("error", "expected"), [
-    (ConnectError("cannot connect to h:1: refused"), UNREACHABLE),
-    (ConnectTimeout("connecting to h:1 timed out"), UNREACHABLE),
-    (PoolTimeout("no upstream connection became free in time"), POOL),
-    (ReadTimeout("no response headers from the upstream within 1 s"), TIMEOUT),
-    (WriteTimeout("request not sent to the upstream within 1 s"), TIMEOUT),
-    (ReadError("upstream closed the connection"), FAILED),
-    (RemoteProtocolError("invalid HTTP from the upstream"), FAILED),
-    (UpstreamError(), FAILED),
+@pytest.mark.parametrize(("error", "expected", "outcome"), [
+    (ConnectError("cannot connect to h:1: refused"), UNREACHABLE, Outcome.UPSTREAM_UNREACHABLE),
+    (ConnectTimeout("connecting to h:1 timed out"), UNREACHABLE, Outcome.UPSTREAM_UNREACHABLE),
+    (PoolTimeout("no upstream connection became free in time"), POOL, Outcome.POOL_TIMEOUT),
+    (ReadTimeout("no response headers from the upstream within 1 s"), TIMEOUT,
+     Outcome.UPSTREAM_TIMEOUT),
+    (WriteTimeout("request not sent to the upstream within 1 s"), TIMEOUT,
+     Outcome.UPSTREAM_TIMEOUT),
+    (ReadError("upstream closed the connection"), FAILED, Outcome.UPSTREAM_INTERRUPTED),
+    (RemoteProtocolError("invalid HTTP from the upstream"), FAILED, Outcome.UPSTREAM_ERROR),
+    (UpstreamError(), FAILED, Outcome.UPSTREAM_ERROR),
 ])
-def test_each_error_class_maps_to_its_status_and_code(error: UpstreamError,
-                                                      expected: tuple[int, str]) -> None:
+def test_each_error_class_maps_to_its_status_code_and_outcome(
+        error: UpstreamError, expected: tuple[int, str], outcome: Outcome) -> None:
     status, body = error_response(error, "upstream.internal:8000")
     err = json.loads(body)["error"]
     assert (status, err["code"]) == expected
+    assert failure_outcome(error) is outcome
     assert err["type"] == "upstream_error" and err["param"] is None
     assert "upstream.internal:8000" in err["message"]
 
@@ -133,18 +141,18 @@ async def request(upstream: Upstream, body: bytes = b'{"model":"m"}') -> WireRes
                                 (b"content-type", b"application/json")], body)
 
 
-@pytest.mark.parametrize(("case", "expected_error", "expected"), [
-    ("refused", ConnectError, UNREACHABLE),
-    ("tunnel-timeout", ConnectTimeout, UNREACHABLE),
-    ("pool", PoolTimeout, POOL),
-    ("silent", ReadTimeout, TIMEOUT),
-    ("never-reads", WriteTimeout, TIMEOUT),
-    ("hangs-up", ReadError, FAILED),
-    ("not-http", RemoteProtocolError, FAILED),
+@pytest.mark.parametrize(("case", "expected_error", "expected", "outcome"), [
+    ("refused", ConnectError, UNREACHABLE, Outcome.UPSTREAM_UNREACHABLE),
+    ("tunnel-timeout", ConnectTimeout, UNREACHABLE, Outcome.UPSTREAM_UNREACHABLE),
+    ("pool", PoolTimeout, POOL, Outcome.POOL_TIMEOUT),
+    ("silent", ReadTimeout, TIMEOUT, Outcome.UPSTREAM_TIMEOUT),
+    ("never-reads", WriteTimeout, TIMEOUT, Outcome.UPSTREAM_TIMEOUT),
+    ("hangs-up", ReadError, FAILED, Outcome.UPSTREAM_INTERRUPTED),
+    ("not-http", RemoteProtocolError, FAILED, Outcome.UPSTREAM_ERROR),
 ], ids=["refused", "tunnel-timeout", "pool", "silent", "never-reads", "hangs-up", "not-http"])
 async def test_real_failures_name_the_host_and_nothing_secret(
         case: str, expected_error: type[UpstreamError], expected: tuple[int, str],
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        outcome: Outcome, monkeypatch: pytest.MonkeyPatch) -> None:
     for name in PROXY_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     handlers: dict[str, Any] = {"pool": holds, "silent": silent, "never-reads": never_reads,
@@ -182,6 +190,7 @@ async def test_real_failures_name_the_host_and_nothing_secret(
     status, raw = error_response(caught.value, upstream.host)
     err = json.loads(raw)["error"]
     assert (status, err["code"]) == expected
+    assert failure_outcome(caught.value) is outcome
     assert host in err["message"]
     for secret in SECRETS:
         assert secret not in err["message"]
