@@ -32,6 +32,7 @@ from proxy.simulator.engine import (
     Ask,
     Engine,
     Job,
+    cache_scope,
     content_text,
     int_param,
     model_name,
@@ -51,7 +52,10 @@ _ERROR_EVENT = (
 
 
 def render_chat_prompt(body: dict[str, Any]) -> str:
-    """The text a server would prefill: tools first, then each message in order.
+    """The text a server would prefill: tools first (and the legacy ``functions``), then
+    each message in order: the order of the proxy's prompt parts
+    (:meth:`proxy.dialects.ChatDialect.prompt_parts`), so the cache breaks where the
+    proxy's prompt-cache doctor says the prefix broke.
 
     The order keeps the property the prefix cache rewards: identical leading messages
     give an identical leading text.
@@ -59,7 +63,7 @@ def render_chat_prompt(body: dict[str, Any]) -> str:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty array", param="messages")
-    pieces = [tools_text(body.get("tools"))]
+    pieces = [tools_text(body.get("tools")), tools_text(body.get("functions"))]
     for message in messages:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise ApiError(400, "each message must be an object with a 'role'", param="messages")
@@ -113,8 +117,9 @@ class _OpenAIStream:
             "prompt_tokens": plan.prompt_tokens,
             "total_tokens": plan.prompt_tokens + completion,
             "completion_tokens": completion,
-            "prompt_tokens_details": {"cached_tokens": plan.cached_tokens},
         }
+        if plan.reported_cached_tokens is not None:
+            usage["prompt_tokens_details"] = {"cached_tokens": plan.reported_cached_tokens}
         if plan.reasoning_tokens:
             usage["completion_tokens_details"] = {
                 "reasoning_tokens": job.reasoning_emitted * job.ask.n
@@ -259,6 +264,7 @@ class ChatCompletions(_OpenAIStream):
             reasoning=asks_for_reasoning(body),
             prompt_param="messages",
             options=options,
+            cache_scope=cache_scope(body, model),
         )
 
 
@@ -284,4 +290,5 @@ class Completions(_OpenAIStream):
             stream=stream,
             prompt_param="prompt",
             options=options,
+            cache_scope=cache_scope(body, model),
         )

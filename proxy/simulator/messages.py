@@ -48,6 +48,7 @@ from proxy.simulator.engine import (
     Ask,
     Engine,
     Job,
+    cache_scope,
     content_text,
     int_param,
     model_name,
@@ -112,6 +113,7 @@ class Messages:
             stream=bool(body.get("stream")),
             reasoning=asks_for_reasoning(body),
             prompt_param="messages",
+            cache_scope=cache_scope(body, model),
         )
 
     # -- objects -----------------------------------------------------------------------
@@ -123,7 +125,10 @@ class Messages:
 
     def usage(self, job: Job, output_tokens: int) -> dict[str, Any]:
         plan = job.plan
-        read, written = plan.cached_tokens, plan.cache_write_tokens
+        read, written = plan.reported_cached_tokens, plan.cache_write_tokens
+        if read is None:  # an upstream that reports no cache: every prompt token is input
+            return {"input_tokens": plan.prompt_tokens, "output_tokens": output_tokens,
+                    "service_tier": "standard"}
         usage: dict[str, Any] = {
             "input_tokens": plan.prompt_tokens - read - written,
             "cache_creation_input_tokens": written,
@@ -216,7 +221,7 @@ class Messages:
             yield _OVERLOADED
             return
         usage = self._final_usage(job)
-        usage.pop("cache_creation")
+        usage.pop("cache_creation", None)
         usage.pop("service_tier")
         yield (
             _event("content_block_stop", index=text_index)
