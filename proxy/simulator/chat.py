@@ -5,7 +5,10 @@ role-only chunk when the request gets its decode slot (so time to first *byte* a
 time to first *token* differ, as they do in production); one chunk per decode step;
 a chunk with an empty delta and ``finish_reason``; the usage-only chunk
 (``"choices": []``) when ``stream_options.include_usage`` is set; then
-``data: [DONE]``. Events end in LF (``data: ...\\n\\n``), like OpenAI's.
+``data: [DONE]``. Events end in LF (``data: ...\\n\\n``), like OpenAI's. Usage has
+``prompt_tokens_details.cached_tokens`` (times ``--cached-tokens-factor``), or no
+``prompt_tokens_details`` at all with ``--no-report-cached-tokens``, as from vLLM
+without ``--enable-prompt-tokens-details``.
 
 A chat request that sets ``reasoning_effort`` (other than ``"none"``) is a reasoning
 request: its reasoning steps come as ``delta.reasoning_content`` (the field of

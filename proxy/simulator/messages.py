@@ -23,7 +23,11 @@ Usage follows Anthropic's accounting: ``input_tokens`` *excludes* cache reads an
 writes, so ``input_tokens = prompt - cache_read_input_tokens -
 cache_creation_input_tokens``, with cache reads the prefix-cache hits and cache writes
 the prompt's full blocks that were not cached yet (the simulator's cache is automatic,
-so every request writes, with no ``cache_control`` needed). ``message_start`` carries
+so every request writes, with no ``cache_control`` needed). With
+``--cached-tokens-factor`` the cache reads are under-reported and ``input_tokens`` takes
+up what they leave out; with ``--no-report-cached-tokens`` the cache fields are absent
+and ``input_tokens`` is the whole prompt, as from a server that keeps no cache
+accounting. ``message_start`` carries
 ``output_tokens: 1`` as Anthropic's does; ``message_delta`` and the non-streamed
 message carry the total, reasoning included (``output_tokens_details.thinking_tokens``
 when the request thought).

@@ -29,7 +29,9 @@ goes out:
   ``max_output_tokens`` ended the answer, as OpenAI does. Its ``response.usage`` has
   ``input_tokens``, ``input_tokens_details.cached_tokens`` (prefix-cache hits) and
   ``cache_write_tokens``, ``output_tokens`` (reasoning and answer),
-  ``output_tokens_details.reasoning_tokens`` and ``total_tokens``.
+  ``output_tokens_details.reasoning_tokens`` and ``total_tokens``
+  (``--cached-tokens-factor`` scales ``cached_tokens``; ``--no-report-cached-tokens``
+  leaves ``input_tokens_details`` out).
 
 A simulated stream error (``--stream-error-rate``) ends the stream with
 ``response.failed`` (status ``failed``, ``error.code`` ``server_error``) in place of
