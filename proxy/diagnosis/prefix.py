@@ -97,8 +97,8 @@ text it remembers: 64 MB remember about 50 MB of it. What 256 bytes give up is
 resolution, and no report needs more: 64 tokens is half the step OpenAI reports cached
 tokens in (128 after the first 1,024), a break placed within 256 bytes points at the
 line that changed, and a part's last block is exact. The routers' 64 bytes (one vLLM
-block of 16 tokens) fit a router, which hashes only the head of a prompt to pick a
-replica; the doctor hashes all of it, twice.
+block of 16 tokens) fit a router, which matches a bounded head of a prompt (a few
+hundred blocks) to pick a replica; the doctor hashes all of it, twice.
 """
 
 from __future__ import annotations
