@@ -77,6 +77,26 @@ Definitions:
   Only events without output carry it in :attr:`EventInfo.response`.
 * A token count only counts when it is an ``int >= 0`` (not a bool).
 
+Prompt parts (:meth:`Dialect.prompt_parts`, for the prompt-cache doctor in
+``proxy/diagnosis/``): the request body's prompt as an ordered tuple of
+:class:`PromptPart`, in the order the provider renders it, so that a prefix of the
+parts is a prefix of what the upstream's prefix cache sees. chat: ``tools`` (and the
+legacy ``functions``), then ``messages``; Responses: ``instructions``, ``tools``, the
+server-side context it names (``previous_response_id``, ``conversation``: the proxy
+cannot see that text, so its id stands in for it), then ``input`` items; Messages:
+``tools``, ``system``, ``messages`` (Anthropic's order); completions: ``prompt``. One
+part per tool, message or input item (``index``: its position in the body's array, so
+a user can find it). Text is its UTF-8 bytes, so a byte offset into a part is an offset
+into the text the app sent; content parts are concatenated in order. Tools, tool calls,
+tool results' headers and other structured pieces are compact JSON in the body's own key
+order (a provider renders keys in the order given, so a reordering is a change);
+``cache_control`` is left out everywhere (it moves between turns and is not prompt
+text). A part the proxy cannot read (image, audio, file, document) enters as a hash of
+its JSON. A chat or Responses message whose role is ``system`` or ``developer`` is of
+kind ``system``. Nothing raises: a malformed body gives the parts that can be read.
+:func:`cache_scope` gives what keeps two prompts from sharing a prefix cache even when
+their text is the same (the model; ``prompt_cache_key``, ``cache_salt``).
+
 Speed: most events of a stream are one token. Each dialect recognises its common token
 event from the bytes, without decoding JSON (``benchmarks/profile.md`` has the cost of
 a decode per event), and decodes everything else in full. The byte checks only return
@@ -87,6 +107,7 @@ tests check them against :meth:`Dialect.classify_payload` on generated events.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -351,6 +372,220 @@ class Dialect(Protocol):
         """Normalise a raw usage mapping (merged across events by :func:`merge_usage`)."""
         ...
 
+    def prompt_parts(self, payload: Mapping[str, Any]) -> tuple[PromptPart, ...]:
+        """The prompt of a parsed request body as the provider renders it, in order
+        (see "Prompt parts" above); never raises."""
+        ...
+
+
+# ---------------------------------------------------------------------------
+# Prompt parts
+
+PART_KINDS: tuple[str, ...] = (
+    "tools", "system", "instructions", "context", "message", "input", "prompt")
+
+
+@dataclass(frozen=True, slots=True)
+class PromptPart:
+    """One piece of a request's prompt, in render order (see "Prompt parts").
+
+    ``kind`` is one of :data:`PART_KINDS`; ``index`` the piece's position in its array
+    in the body (tool *i*, message *i*, input item *i*; 0 for a single ``system`` or
+    ``instructions``); ``role`` the message's role or the input item's type (bounded,
+    ``""`` where there is none); ``data`` the canonical bytes. Held only while the
+    doctor hashes it: never stored, logged or exported.
+    """
+
+    kind: str
+    index: int
+    role: str
+    data: bytes
+
+
+_ROLE_MAX = 32
+_NESTING_MAX = 8
+_SYSTEM_ROLES = frozenset(("system", "developer"))
+_TEXT_PARTS = frozenset(("text", "input_text", "output_text"))
+# Content the proxy cannot read as text: each enters as a hash of its JSON.
+_OPAQUE_PARTS = frozenset((
+    "image", "image_url", "input_image", "audio", "input_audio", "file", "input_file",
+    "document", "video", "video_url"))
+_NOT_PROMPT = "cache_control"  # Anthropic's breakpoint marker: not text the model sees
+
+
+def _utf8(text: str) -> bytes:
+    return text.encode("utf-8", "surrogatepass")  # json.loads lets lone surrogates through
+
+
+def _json_bytes(value: Any) -> bytes:
+    try:
+        return _utf8(json.dumps(value, ensure_ascii=False, separators=(",", ":")))
+    except (ValueError, TypeError, RecursionError):
+        return b""
+
+
+def _without_marker(value: Any) -> Any:
+    if isinstance(value, dict) and _NOT_PROMPT in value:
+        return {k: v for k, v in value.items() if k != _NOT_PROMPT}
+    return value
+
+
+def _role(value: Any) -> str:
+    return value[:_ROLE_MAX] if isinstance(value, str) else ""
+
+
+def _opaque(kind: str, value: Any) -> bytes:
+    digest = hashlib.blake2b(_json_bytes(value), digest_size=16).hexdigest()
+    return b"\x00" + _utf8(kind[:_ROLE_MAX]) + b":" + digest.encode() + b"\x00"
+
+
+def _content(value: Any, out: list[bytes], depth: int = 0) -> None:
+    """Append the bytes of a message's ``content`` (a string, a list of parts, a part)."""
+    if isinstance(value, str):
+        out.append(_utf8(value))
+    elif isinstance(value, list):
+        if depth >= _NESTING_MAX:
+            out.append(_json_bytes(value))
+            return
+        for item in value:
+            _content_part(item, out, depth + 1)
+    elif value is not None:
+        _content_part(value, out, depth + 1)
+
+
+def _content_part(part: Any, out: list[bytes], depth: int) -> None:
+    if isinstance(part, str):
+        out.append(_utf8(part))
+        return
+    if not isinstance(part, dict):
+        out.append(_json_bytes(part))
+        return
+    kind = part.get("type")
+    text = part.get("text")
+    if isinstance(text, str) and (kind is None or kind in _TEXT_PARTS):
+        out.append(_utf8(text))
+    elif isinstance(kind, str) and kind in _OPAQUE_PARTS:
+        out.append(_opaque(kind, _without_marker(part)))
+    elif kind == "tool_result" and depth < _NESTING_MAX:
+        # The header (id, is_error) as JSON, then the result's content read like any
+        # content: text stays text, an image in it is hashed.
+        out.append(_json_bytes({k: v for k, v in part.items()
+                                if k not in ("content", _NOT_PROMPT)}))
+        _content(part.get("content"), out, depth)
+    else:
+        out.append(_json_bytes(_without_marker(part)))
+
+
+def _message(message: Any, index: int, kind: str, skip: frozenset[str]) -> PromptPart:
+    """A chat message, Messages message or Responses input item as one part: its content,
+    then any other field (tool calls, name, tool_call_id, ...) as JSON."""
+    if not isinstance(message, dict):
+        if isinstance(message, str):  # not valid in any API, but readable
+            return PromptPart(kind, index, "", _utf8(message))
+        return PromptPart(kind, index, "", _json_bytes(message))
+    role = message.get("role")
+    if not isinstance(role, str):  # a Responses item such as function_call: its JSON
+        return PromptPart(kind, index, _role(message.get("type")),
+                          _json_bytes(_without_marker(message)))
+    out: list[bytes] = []
+    _content(message.get("content"), out)
+    extras = {k: v for k, v in message.items() if k not in skip}
+    if extras:
+        out.append(b"\x00" + _json_bytes(extras))
+    if role in _SYSTEM_ROLES and kind != "instructions":
+        kind = "system"
+    return PromptPart(kind, index, _role(role), b"".join(out))
+
+
+_CHAT_SKIP = frozenset(("role", "content", _NOT_PROMPT))
+_ITEM_SKIP = frozenset(("role", "content", "type", _NOT_PROMPT))
+
+
+def _tool_parts(payload: Mapping[str, Any], *names: str) -> list[PromptPart]:
+    parts: list[PromptPart] = []
+    for name in names:
+        tools = payload.get(name)
+        if isinstance(tools, list):
+            for tool in tools:
+                parts.append(PromptPart("tools", len(parts), "", _json_bytes(_without_marker(tool))))
+    return parts
+
+
+def _chat_parts(payload: Mapping[str, Any]) -> tuple[PromptPart, ...]:
+    parts = _tool_parts(payload, "tools", "functions")
+    messages = payload.get("messages")
+    if isinstance(messages, list):
+        parts.extend(_message(m, i, "message", _CHAT_SKIP) for i, m in enumerate(messages))
+    return tuple(parts)
+
+
+def _completions_parts(payload: Mapping[str, Any]) -> tuple[PromptPart, ...]:
+    prompt = payload.get("prompt")
+    if isinstance(prompt, str):
+        return (PromptPart("prompt", 0, "", _utf8(prompt)),)
+    if not isinstance(prompt, list):
+        return ()
+    if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        prompt = [prompt]  # one prompt sent as token ids
+    parts = []
+    for i, item in enumerate(prompt):  # batched prompts: one part each
+        if isinstance(item, str):
+            parts.append(PromptPart("prompt", i, "", _utf8(item)))
+        elif isinstance(item, list) and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in item):
+            parts.append(PromptPart("prompt", i, "", " ".join(map(str, item)).encode()))
+        else:
+            parts.append(PromptPart("prompt", i, "", _json_bytes(item)))
+    return tuple(parts)
+
+
+def _responses_parts(payload: Mapping[str, Any]) -> tuple[PromptPart, ...]:
+    parts: list[PromptPart] = []
+    instructions = payload.get("instructions")
+    if isinstance(instructions, str):
+        parts.append(PromptPart("instructions", 0, "", _utf8(instructions)))
+    elif isinstance(instructions, list):
+        parts.extend(_message(m, i, "instructions", _ITEM_SKIP)
+                     for i, m in enumerate(instructions))
+    parts.extend(_tool_parts(payload, "tools"))
+    previous = payload.get("previous_response_id")
+    if isinstance(previous, str) and previous:
+        parts.append(PromptPart("context", 0, "previous_response", _utf8(previous)))
+    conversation = payload.get("conversation")
+    if isinstance(conversation, dict):
+        conversation = conversation.get("id")
+    if isinstance(conversation, str) and conversation:
+        parts.append(PromptPart("context", 0, "conversation", _utf8(conversation)))
+    items = payload.get("input")
+    if isinstance(items, str):
+        parts.append(PromptPart("input", 0, "user", _utf8(items)))
+    elif isinstance(items, list):
+        parts.extend(_message(m, i, "input", _ITEM_SKIP) for i, m in enumerate(items))
+    return tuple(parts)
+
+
+def _messages_parts(payload: Mapping[str, Any]) -> tuple[PromptPart, ...]:
+    parts = _tool_parts(payload, "tools")
+    system = payload.get("system")
+    if system is not None:
+        out: list[bytes] = []
+        _content(system, out)
+        parts.append(PromptPart("system", 0, "system", b"".join(out)))
+    messages = payload.get("messages")
+    if isinstance(messages, list):
+        parts.extend(_message(m, i, "message", _CHAT_SKIP) for i, m in enumerate(messages))
+    return tuple(parts)
+
+
+def cache_scope(payload: Mapping[str, Any]) -> tuple[str, str]:
+    """(model, cache key) of a parsed request body: prompts that differ in either never
+    share a prefix cache. The key is OpenAI's ``prompt_cache_key`` and vLLM's
+    ``cache_salt``, joined when both are given; ``""`` when neither."""
+    model = payload.get("model")
+    keys = [value for value in (payload.get("prompt_cache_key"), payload.get("cache_salt"))
+            if isinstance(value, str) and value]
+    return (model if isinstance(model, str) else ""), "\x00".join(keys)
+
 
 # ---------------------------------------------------------------------------
 # chat completions and completions
@@ -537,6 +772,9 @@ class ChatDialect:
             _count(prompt.get("cache_write_tokens")),
         )
 
+    def prompt_parts(self, payload: Mapping[str, Any]) -> tuple[PromptPart, ...]:
+        return _chat_parts(payload)
+
 
 @dataclass(frozen=True, slots=True)
 class CompletionsDialect(ChatDialect):
@@ -562,6 +800,9 @@ class CompletionsDialect(ChatDialect):
             if isinstance(text, str) and text:
                 return _ANSWER
         return _NONE
+
+    def prompt_parts(self, payload: Mapping[str, Any]) -> tuple[PromptPart, ...]:
+        return _completions_parts(payload)
 
 
 # ---------------------------------------------------------------------------
@@ -679,6 +920,9 @@ class ResponsesDialect:
             _count(outputs.get("reasoning_tokens")),
             _count(inputs.get("cache_write_tokens")),
         )
+
+    def prompt_parts(self, payload: Mapping[str, Any]) -> tuple[PromptPart, ...]:
+        return _responses_parts(payload)
 
 
 # ---------------------------------------------------------------------------
@@ -808,6 +1052,9 @@ class MessagesDialect:
             _count(details.get("thinking_tokens")),
             write,
         )
+
+    def prompt_parts(self, payload: Mapping[str, Any]) -> tuple[PromptPart, ...]:
+        return _messages_parts(payload)
 
 
 CHAT = ChatDialect()

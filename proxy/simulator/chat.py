@@ -5,7 +5,10 @@ role-only chunk when the request gets its decode slot (so time to first *byte* a
 time to first *token* differ, as they do in production); one chunk per decode step;
 a chunk with an empty delta and ``finish_reason``; the usage-only chunk
 (``"choices": []``) when ``stream_options.include_usage`` is set; then
-``data: [DONE]``. Events end in LF (``data: ...\\n\\n``), like OpenAI's.
+``data: [DONE]``. Events end in LF (``data: ...\\n\\n``), like OpenAI's. Usage has
+``prompt_tokens_details.cached_tokens`` (times ``--cached-tokens-factor``), or no
+``prompt_tokens_details`` at all with ``--no-report-cached-tokens``, as from vLLM
+without ``--enable-prompt-tokens-details``.
 
 A chat request that sets ``reasoning_effort`` (other than ``"none"``) is a reasoning
 request: its reasoning steps come as ``delta.reasoning_content`` (the field of
@@ -32,6 +35,7 @@ from proxy.simulator.engine import (
     Ask,
     Engine,
     Job,
+    cache_scope,
     content_text,
     int_param,
     model_name,
@@ -51,7 +55,10 @@ _ERROR_EVENT = (
 
 
 def render_chat_prompt(body: dict[str, Any]) -> str:
-    """The text a server would prefill: tools first, then each message in order.
+    """The text a server would prefill: tools first (and the legacy ``functions``), then
+    each message in order: the order of the proxy's prompt parts
+    (:meth:`proxy.dialects.ChatDialect.prompt_parts`), so the cache breaks where the
+    proxy's prompt-cache doctor says the prefix broke.
 
     The order keeps the property the prefix cache rewards: identical leading messages
     give an identical leading text.
@@ -59,7 +66,7 @@ def render_chat_prompt(body: dict[str, Any]) -> str:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty array", param="messages")
-    pieces = [tools_text(body.get("tools"))]
+    pieces = [tools_text(body.get("tools")), tools_text(body.get("functions"))]
     for message in messages:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise ApiError(400, "each message must be an object with a 'role'", param="messages")
@@ -113,8 +120,9 @@ class _OpenAIStream:
             "prompt_tokens": plan.prompt_tokens,
             "total_tokens": plan.prompt_tokens + completion,
             "completion_tokens": completion,
-            "prompt_tokens_details": {"cached_tokens": plan.cached_tokens},
         }
+        if plan.reported_cached_tokens is not None:
+            usage["prompt_tokens_details"] = {"cached_tokens": plan.reported_cached_tokens}
         if plan.reasoning_tokens:
             usage["completion_tokens_details"] = {
                 "reasoning_tokens": job.reasoning_emitted * job.ask.n
@@ -259,6 +267,7 @@ class ChatCompletions(_OpenAIStream):
             reasoning=asks_for_reasoning(body),
             prompt_param="messages",
             options=options,
+            cache_scope=cache_scope(body, model),
         )
 
 
@@ -284,4 +293,5 @@ class Completions(_OpenAIStream):
             stream=stream,
             prompt_param="prompt",
             options=options,
+            cache_scope=cache_scope(body, model),
         )

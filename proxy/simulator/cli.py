@@ -176,6 +176,20 @@ _FLAGS: dict[str, tuple[Callable[[str], Any] | None, str, str]] = {
         "Prefix-cache capacity in blocks (least recently used evicted first); "
         "0 turns the prefix cache off.",
     ),
+    "cached_tokens_factor": (
+        _float_range(0, 1),
+        "F",
+        "Report F times the prefix-cache hits as cached tokens (rounded down): an upstream "
+        "that under-reports its cache. The hits still cost no prefill.",
+    ),
+    "report_cached_tokens": (
+        None,
+        "",
+        "Report cached tokens in usage. Off: the field is absent, as from an upstream that "
+        "does not report its cache (chat and completions without prompt_tokens_details, "
+        "Responses without input_tokens_details, Messages without the cache fields and "
+        "the whole prompt as input_tokens).",
+    ),
     "output_tokens": (
         _int_at_least(1),
         "N",

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 import anyio
 from starlette.requests import Request
 
+from proxy import dialects
 from proxy.simulator.model import ContextTooLong, LatencyModel, RequestPlan, SimConfig, Ticket
 
 # Short English words, so that about four characters make a token, as estimated.
@@ -121,6 +122,14 @@ def int_param(
     return value
 
 
+def _without_cache_control(value: Any) -> Any:
+    """Anthropic's ``cache_control`` marks a breakpoint; it is not prompt text, and an app
+    moves it between turns without changing the prompt."""
+    if isinstance(value, dict) and "cache_control" in value:
+        return {k: v for k, v in value.items() if k != "cache_control"}
+    return value
+
+
 def content_text(content: Any) -> str:
     """The text of a message's content: a string, or the text of each part in order."""
     if isinstance(content, str):
@@ -131,7 +140,7 @@ def content_text(content: Any) -> str:
             if isinstance(part, dict) and isinstance(part.get("text"), str):
                 parts.append(part["text"])
             else:  # images, audio, tool results, ...: count their JSON as prompt text
-                parts.append(json.dumps(part, separators=(",", ":")))
+                parts.append(json.dumps(_without_cache_control(part), separators=(",", ":")))
         return "".join(parts)
     if content is None:
         return ""
@@ -140,7 +149,18 @@ def content_text(content: Any) -> str:
 
 def tools_text(tools: Any) -> str:
     """Tool definitions come first in the prompt (so a fixed tool set is a cached prefix)."""
-    return "<|tools|>\n" + json.dumps(tools, separators=(",", ":")) + "\n" if tools else ""
+    if not tools:
+        return ""
+    if isinstance(tools, list):
+        tools = [_without_cache_control(tool) for tool in tools]
+    return "<|tools|>\n" + json.dumps(tools, separators=(",", ":")) + "\n"
+
+
+def cache_scope(body: Mapping[str, Any], model: str) -> str:
+    """What keeps two prompts apart in the prefix cache: the model, and the request's
+    ``prompt_cache_key`` (OpenAI) or ``cache_salt`` (vLLM), read as the proxy's
+    prompt-cache doctor reads them (:func:`proxy.dialects.cache_scope`)."""
+    return model + "\x00" + dialects.cache_scope(body)[1]
 
 
 def model_name(body: Mapping[str, Any], config: SimConfig) -> str:
@@ -174,6 +194,7 @@ class Ask:
     stream: bool = False
     reasoning: bool = False
     prompt_param: str = "messages"  # named by a context-length error
+    cache_scope: str = ""  # model and cache key: prompts under another never share a block
     options: Mapping[str, Any] = field(default_factory=dict)  # the dialect's own fields
 
 
@@ -231,6 +252,7 @@ class Engine:
                 max_tokens=ask.max_tokens,
                 prompt_tokens=ask.prompt_tokens,
                 reasoning=ask.reasoning,
+                cache_scope=ask.cache_scope,
             )
         except ContextTooLong as exc:
             raise ApiError(

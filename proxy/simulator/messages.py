@@ -23,7 +23,11 @@ Usage follows Anthropic's accounting: ``input_tokens`` *excludes* cache reads an
 writes, so ``input_tokens = prompt - cache_read_input_tokens -
 cache_creation_input_tokens``, with cache reads the prefix-cache hits and cache writes
 the prompt's full blocks that were not cached yet (the simulator's cache is automatic,
-so every request writes, with no ``cache_control`` needed). ``message_start`` carries
+so every request writes, with no ``cache_control`` needed). With
+``--cached-tokens-factor`` the cache reads are under-reported and ``input_tokens`` takes
+up what they leave out; with ``--no-report-cached-tokens`` the cache fields are absent
+and ``input_tokens`` is the whole prompt, as from a server that keeps no cache
+accounting. ``message_start`` carries
 ``output_tokens: 1`` as Anthropic's does; ``message_delta`` and the non-streamed
 message carry the total, reasoning included (``output_tokens_details.thinking_tokens``
 when the request thought).
@@ -48,6 +52,7 @@ from proxy.simulator.engine import (
     Ask,
     Engine,
     Job,
+    cache_scope,
     content_text,
     int_param,
     model_name,
@@ -112,6 +117,7 @@ class Messages:
             stream=bool(body.get("stream")),
             reasoning=asks_for_reasoning(body),
             prompt_param="messages",
+            cache_scope=cache_scope(body, model),
         )
 
     # -- objects -----------------------------------------------------------------------
@@ -123,7 +129,10 @@ class Messages:
 
     def usage(self, job: Job, output_tokens: int) -> dict[str, Any]:
         plan = job.plan
-        read, written = plan.cached_tokens, plan.cache_write_tokens
+        read, written = plan.reported_cached_tokens, plan.cache_write_tokens
+        if read is None:  # an upstream that reports no cache: every prompt token is input
+            return {"input_tokens": plan.prompt_tokens, "output_tokens": output_tokens,
+                    "service_tier": "standard"}
         usage: dict[str, Any] = {
             "input_tokens": plan.prompt_tokens - read - written,
             "cache_creation_input_tokens": written,
@@ -216,7 +225,7 @@ class Messages:
             yield _OVERLOADED
             return
         usage = self._final_usage(job)
-        usage.pop("cache_creation")
+        usage.pop("cache_creation", None)
         usage.pop("service_tier")
         yield (
             _event("content_block_stop", index=text_index)

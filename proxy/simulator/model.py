@@ -13,9 +13,12 @@ The physics, in the order a request meets them (see docs/simulator.md):
 2. **Prefix cache.** The prompt is cut into blocks of ``cache_block_tokens`` tokens
    (``cache_block_tokens * chars_per_token`` characters). Blocks are chained like
    vLLM's automatic prefix cache: block *i* is a hit only if blocks 0..i are
-   byte-identical to a prompt seen recently (an LRU of ``cache_blocks`` blocks). Hits
-   are reported as ``cached_tokens`` and cost no prefill. A prompt counts as seen from
-   the moment it arrives.
+   byte-identical to a prompt seen recently under the same scope (the model and the
+   request's ``prompt_cache_key``/``cache_salt``: an LRU of ``cache_blocks`` blocks).
+   Hits cost no prefill and are reported as cached tokens, times
+   ``cached_tokens_factor`` (rounded down: an upstream that under-reports), or not at
+   all with ``report_cached_tokens`` off (the usage field is absent). A prompt counts
+   as seen from the moment it arrives.
 3. **Prefill.** Uncached tokens are computed at ``prefill_rate`` tokens/s on one shared
    compute lane (a burst of long prompts queues behind itself even with free slots),
    plus a fixed ``prefill_overhead`` per request. The first token comes out when the
@@ -70,6 +73,8 @@ class SimConfig:
     chars_per_token: float = 4.0
     cache_block_tokens: int = 16
     cache_blocks: int = 65_536
+    cached_tokens_factor: float = 1.0
+    report_cached_tokens: bool = True
     output_tokens: int = 128
     output_dist: str = "uniform"
     stop_early: bool = False
@@ -112,7 +117,8 @@ class SimConfig:
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise bad(name, "must be a number >= 0")
-        for name in ("jitter", "error_rate", "drop_rate", "stream_error_rate", "stall_rate"):
+        for name in ("jitter", "error_rate", "drop_rate", "stream_error_rate", "stall_rate",
+                     "cached_tokens_factor"):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
                 raise bad(name, "must be between 0 and 1")
@@ -132,8 +138,10 @@ class PrefixCache:
     """LRU of chained prompt-block hashes: how much of a prompt was seen before.
 
     Block hashes chain (each covers its own text and its parent's hash), so a block
-    only hits when the whole prefix up to it is identical. Parents are touched after
-    their children, so eviction removes the tails of old prompts first.
+    only hits when the whole prefix up to it is identical; the chain starts from the
+    request's scope (model and cache key), so prompts under different scopes never
+    share a block, as on a server that keeps one cache per model or salt. Parents are
+    touched after their children, so eviction removes the tails of old prompts first.
     """
 
     def __init__(self, block_chars: int, capacity_blocks: int) -> None:
@@ -144,12 +152,13 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._blocks)
 
-    def lookup_and_insert(self, text: str) -> int:
+    def lookup_and_insert(self, text: str, scope: str = "") -> int:
         """Return how many leading full blocks were cached, then remember all of them."""
-        return self.lookup_and_insert_blocks(text)[0]
+        return self.lookup_and_insert_blocks(text, scope)[0]
 
-    def lookup_and_insert_blocks(self, text: str) -> tuple[int, int]:
-        """(leading full blocks that were cached, full blocks now stored).
+    def lookup_and_insert_blocks(self, text: str, scope: str = "") -> tuple[int, int]:
+        """(leading full blocks that were cached, full blocks now stored), for ``text``
+        under ``scope``.
 
         The difference is what this prompt wrote to the cache (Anthropic's
         ``cache_creation_input_tokens``).
@@ -158,7 +167,7 @@ class PrefixCache:
             return 0, 0
         size = self.block_chars
         hashes: list[int] = []
-        parent = 0
+        parent = hash(("scope", scope)) if scope else 0
         for start in range(0, len(text) - size + 1, size):
             parent = hash((parent, text[start : start + size]))
             hashes.append(parent)
@@ -189,6 +198,8 @@ class RequestPlan:
     prefill_compute_s: float
     reasoning_tokens: int = 0  # the first output tokens of each choice are reasoning
     cache_write_tokens: int = 0  # uncached full blocks this prompt stored in the cache
+    # cached tokens as the usage reports them (cached_tokens_factor); None: not reported
+    reported_cached_tokens: int | None = 0
     error: bool = False
     drop_after_tokens: int | None = None  # the connection dies after this many tokens
     error_after_tokens: int | None = None  # a stream error event after this many tokens
@@ -261,12 +272,14 @@ class LatencyModel:
         max_tokens: int | None = None,
         prompt_tokens: int | None = None,
         reasoning: bool = False,
+        cache_scope: str = "",
     ) -> RequestPlan:
         """Decide everything about a request that does not depend on other requests.
 
         ``text`` is the prompt as the server would tokenize it (chat messages already
         rendered); ``prompt_tokens`` overrides the estimate (a prompt sent as token ids);
-        ``reasoning``: the request asked for reasoning (see the module docstring).
+        ``reasoning``: the request asked for reasoning (see the module docstring);
+        ``cache_scope``: what keeps prompts apart in the prefix cache (model, cache key).
         Raises :class:`ContextTooLong` before touching the cache.
         """
         cfg = self.config
@@ -280,13 +293,15 @@ class LatencyModel:
         index = self.requests
         self.requests += 1
         rng = self._rng_factory(index)
-        hit_blocks, stored_blocks = self.cache.lookup_and_insert_blocks(text)
+        hit_blocks, stored_blocks = self.cache.lookup_and_insert_blocks(text, cache_scope)
         # Like vLLM, the last prompt token is always computed: cap below the prompt size.
         cached = min(
             hit_blocks * cfg.cache_block_tokens,
             ((tokens - 1) // cfg.cache_block_tokens) * cfg.cache_block_tokens,
         )
         written = min((stored_blocks - hit_blocks) * cfg.cache_block_tokens, tokens - cached)
+        reported = (math.floor(cached * cfg.cached_tokens_factor)
+                    if cfg.report_cached_tokens else None)
         self.prompt_tokens_total += tokens
         self.cached_tokens_total += cached
 
@@ -318,6 +333,7 @@ class LatencyModel:
             prefill_compute_s=(tokens - cached) / cfg.prefill_rate,
             reasoning_tokens=thinking,
             cache_write_tokens=written,
+            reported_cached_tokens=reported,
             error=error,
             drop_after_tokens=drop,
             error_after_tokens=stream_error,

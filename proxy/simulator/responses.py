@@ -29,7 +29,9 @@ goes out:
   ``max_output_tokens`` ended the answer, as OpenAI does. Its ``response.usage`` has
   ``input_tokens``, ``input_tokens_details.cached_tokens`` (prefix-cache hits) and
   ``cache_write_tokens``, ``output_tokens`` (reasoning and answer),
-  ``output_tokens_details.reasoning_tokens`` and ``total_tokens``.
+  ``output_tokens_details.reasoning_tokens`` and ``total_tokens``
+  (``--cached-tokens-factor`` scales ``cached_tokens``; ``--no-report-cached-tokens``
+  leaves ``input_tokens_details`` out).
 
 A simulated stream error (``--stream-error-rate``) ends the stream with
 ``response.failed`` (status ``failed``, ``error.code`` ``server_error``) in place of
@@ -48,6 +50,7 @@ from proxy.simulator.engine import (
     Ask,
     Engine,
     Job,
+    cache_scope,
     content_text,
     int_param,
     model_name,
@@ -79,7 +82,11 @@ def _dumps(obj: Any) -> bytes:
 
 
 def render_responses_prompt(body: dict[str, Any]) -> str:
-    """Tools, then ``instructions`` as a system message, then the ``input`` items."""
+    """``instructions`` as a system message, then tools, then the server-side context the
+    request names (``previous_response_id``, ``conversation``: stood in for by its id,
+    as the simulator keeps no conversations), then the ``input`` items: the order of
+    the proxy's prompt parts (:meth:`proxy.dialects.ResponsesDialect.prompt_parts`), so
+    the cache breaks where the proxy's prompt-cache doctor says the prefix broke."""
     items = body.get("input")
     if isinstance(items, str):
         if not items:
@@ -87,10 +94,17 @@ def render_responses_prompt(body: dict[str, Any]) -> str:
         items = [{"role": "user", "content": items}]
     if not isinstance(items, list) or not items:
         raise ApiError(400, "'input' must be a string or a non-empty array", param="input")
-    pieces = [tools_text(body.get("tools"))]
+    pieces = []
     instructions = body.get("instructions")
     if isinstance(instructions, str) and instructions:
         pieces.append(f"<|system|>\n{instructions}\n")
+    pieces.append(tools_text(body.get("tools")))
+    conversation = body.get("conversation")
+    if isinstance(conversation, dict):
+        conversation = conversation.get("id")
+    for context in (body.get("previous_response_id"), conversation):
+        if isinstance(context, str) and context:
+            pieces.append(f"<|context|>\n{context}\n")
     for item in items:
         if not isinstance(item, dict):
             raise ApiError(400, "each input item must be an object", param="input")
@@ -146,6 +160,7 @@ class Responses:
             reasoning=asks_for_reasoning(body),
             prompt_param="input",
             options=echoed,
+            cache_scope=cache_scope(body, model),
         )
 
     # -- objects -----------------------------------------------------------------------
@@ -173,16 +188,16 @@ class Responses:
 
     def usage(self, job: Job) -> dict[str, Any]:
         plan = job.plan
-        return {
-            "input_tokens": plan.prompt_tokens,
-            "input_tokens_details": {
-                "cached_tokens": plan.cached_tokens,
+        usage: dict[str, Any] = {"input_tokens": plan.prompt_tokens}
+        if plan.reported_cached_tokens is not None:
+            usage["input_tokens_details"] = {
+                "cached_tokens": plan.reported_cached_tokens,
                 "cache_write_tokens": plan.cache_write_tokens,
-            },
-            "output_tokens": job.emitted,
-            "output_tokens_details": {"reasoning_tokens": job.reasoning_emitted},
-            "total_tokens": plan.prompt_tokens + job.emitted,
-        }
+            }
+        usage["output_tokens"] = job.emitted
+        usage["output_tokens_details"] = {"reasoning_tokens": job.reasoning_emitted}
+        usage["total_tokens"] = plan.prompt_tokens + job.emitted
+        return usage
 
     def _reasoning_item(self, job: Job, status: str, text: str | None) -> dict[str, Any]:
         content = [] if text is None else [{"type": "reasoning_text", "text": text}]

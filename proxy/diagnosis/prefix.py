@@ -1,0 +1,530 @@
+"""The prompt-cache doctor: how much of a prompt repeated a recent request's prefix,
+how much of it the upstream reported as cached, and where and why the prefix broke.
+
+A prefix cache reuses the work of a prompt's leading tokens when they are
+byte-identical to a recent request's. The proxy sees every prompt, so it can tell what
+a cache *could* have served, compare it with what the upstream *reports* it served,
+and name the first place where a prompt stopped repeating. Everything here is a pure
+function of its inputs (parts, keys, sightings, an injected time in milliseconds); the
+one piece of state, the index of recent sightings, sits behind
+:class:`~proxy.diagnosis.prefix_index.PrefixIndex`.
+
+The steps, for one request:
+
+1. :class:`PromptHasher` cuts the prompt's parts (:meth:`proxy.dialects.Dialect.prompt_parts`)
+   into blocks of :data:`DEFAULT_BLOCK_BYTES` bytes and hashes them into a
+   :class:`HashedPrompt`. No text is kept, only 8-byte digests.
+
+   * The **chain**: block *i*'s key covers block *i* and block *i - 1*'s key, so it
+     names the whole prefix up to it, seeded by the request's scope (upstream, model,
+     ``prompt_cache_key``/``cache_salt``: two models never share a prefix). Blocks are
+     cut from the start of each part, and a part's first block also covers its kind
+     and role; a part's last block may be short. Cutting per part rather than across
+     the joined text costs a short block per part but makes every part boundary exact:
+     a conversation that grows by a message repeats its previous request whole, and a
+     break is placed in the part where it happened.
+   * The **suffixes**: per part, keys chained from the part's *end* backwards (blocks
+     cut from the end), so key *k* names the part's tail from its block *k* on,
+     whatever came before it. They answer "was the text after the break seen before?"
+     even when the changed run before it has another length this time (a user name, a
+     timestamp written differently).
+   * Two **anchors**: the first block under the upstream and model only, and under the
+     upstream only: they tell a changed ``prompt_cache_key`` and a changed model from a
+     prompt never seen.
+
+   The digests are ``blake2b(key=secret, digest_size=8)``, with the secret random per
+   process (:class:`PromptHasher` takes a shared one for several replicas), so a dump of
+   the index cannot be matched against a dictionary of candidate prompts. xxhash's
+   XXH3 was about 4x cheaper per block here (0.15 to 0.2 us against 0.6 to 0.8), but it
+   takes only a 64-bit seed and is not built to keep it secret; and since every chain
+   key is also an input of the next block's digest, a chain that is not keyed at every
+   step would let a dump confirm guessed text block by block. The keyed standard-library
+   hash is about 60 % of the doctor's CPU and adds no dependency
+   (``benchmarks/prefix_micro.py`` prices both).
+
+2. The index (:class:`~proxy.diagnosis.prefix_index.LruPrefixIndex` in process) answers
+   when each key was last held, and by a request that went on past it or ended there,
+   and records this request (:meth:`HashedPrompt.probe` orders the keys so that an LRU
+   forgets a prompt's tail before its head).
+
+3. :func:`diagnose` reads the answer into a :class:`PrefixReport`:
+
+   * **repeated**: the longest run of leading chain blocks some request held within the
+     cache window (``PrefixPolicy.window_ms``, 5 minutes by default, what providers
+     keep). With no eviction it equals the longest common block prefix with any
+     request of the window (a property test checks that against brute force).
+   * **where and why it broke**, when it stopped short of the whole prompt: ``expired``
+     when the next block was held, but longer ago than the window. Otherwise, when the
+     last repeated block is where a recent request *ended* (the previous turn of a
+     conversation that grew), there is no break; when no recent request ever went
+     past it, neither. When one did, the prompt broke from the most similar recent
+     request (the one sharing the longest prefix) at the next block, in part *p*:
+     ``variable_before_stable`` when part *p* has a short changed run (at most
+     ``short_run_bytes``, two blocks and 256 bytes by default) followed by a tail seen
+     before, with ``stable_bytes`` (that tail plus the following parts seen whole) at
+     least ``min_stable_bytes`` (a block): the app put variable material ahead of
+     stable material. Else, when *p* is the prompt's last part, no break: its newest
+     message is new by nature (a new question after the same system prompt). Else a
+     break named for *p*'s kind: ``tools_changed``, ``system_changed``,
+     ``instructions_changed``, ``context_changed``, ``message_changed`` (messages and
+     input items), ``prompt_changed``. When not even the first block repeated and
+     nothing under this scope was held recently: ``cache_key_changed`` or
+     ``model_changed`` when the first block was held under the same upstream and
+     model with another key, or under the same upstream with another model, else
+     ``first_seen``.
+   * Positions (part kind, index, role, byte offset of the block in that part, the
+     changed run and stable tail) are multiples of the block size (the last block of a
+     part is exact). They belong in the request log and on the live page; only the
+     reason and the part kind are bounded enough for a label.
+
+4. :func:`cache_tokens` converts bytes to tokens with the request's own ratio
+   (``prompt_tokens / prompt bytes``) once usage is known, and derives **missed** =
+   repeated - reported (floored at 0; None when the upstream did not report cached
+   tokens; 0 when the repeated prefix is shorter than the provider's minimum
+   cacheable length, :func:`minimum_cacheable_tokens`).
+
+Block size: 256 bytes, about 64 tokens at four bytes a token, chosen from
+``benchmarks/prefix_micro.py`` (CPU per request of the whole doctor, parts to report,
+and bytes per index entry with ``tracemalloc``). Measured on this project's 2-core
+machine while other work ran, so upper bounds (the record's figures come from a quiet
+run), for 64-, 128- and 256-byte blocks: a 2 KB chat prompt 150, 90 and 80 us; 32 KB
+1.9, 1.3 and 0.8 ms; 400 KB 22, 12 and 8 ms. The cost is per block, not per byte (a
+keyed blake2b call costs about 0.6 us whether it hashes 64 bytes or 256, and a prompt
+has two keys per block), so halving the block doubles CPU and memory. An entry costs
+150 to 180 bytes (:data:`~proxy.diagnosis.prefix_index.BYTES_PER_ENTRY` is 200), so at
+two entries per 256 bytes the index needs about 1.3 bytes per byte of distinct prompt
+text it remembers: 64 MB remember about 50 MB of it. What 256 bytes give up is
+resolution, and no report needs more: 64 tokens is half the step OpenAI reports cached
+tokens in (128 after the first 1,024), a break placed within 256 bytes points at the
+line that changed, and a part's last block is exact. The routers' 64 bytes (one vLLM
+block of 16 tokens) fit a router, which matches a bounded head of a prompt (a few
+hundred blocks) to pick a replica; the doctor hashes all of it, twice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from bisect import bisect_right
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from proxy.diagnosis.prefix_index import (
+    CONTINUED,
+    ENDED,
+    NEVER,
+    SEEN,
+    PrefixIndex,
+    Probe,
+    Sightings,
+)
+from proxy.dialects import PromptPart
+
+DEFAULT_BLOCK_BYTES = 256
+DEFAULT_WINDOW_MS = 5 * 60 * 1000
+
+# Why a prefix stopped repeating: bounded, fit for a metric label.
+REASONS: tuple[str, ...] = (
+    "tools_changed",
+    "system_changed",
+    "instructions_changed",
+    "context_changed",
+    "message_changed",
+    "prompt_changed",
+    "variable_before_stable",
+    "expired",
+    "model_changed",
+    "cache_key_changed",
+    "first_seen",
+)
+_KIND_REASON = {
+    "tools": "tools_changed",
+    "system": "system_changed",
+    "instructions": "instructions_changed",
+    "context": "context_changed",
+    "message": "message_changed",
+    "input": "message_changed",
+    "prompt": "prompt_changed",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class PartShape:
+    """A part without its bytes: what a report may say about it."""
+
+    kind: str
+    index: int
+    role: str
+    size: int  # bytes
+
+
+@dataclass(frozen=True, slots=True)
+class HashedPrompt:
+    """A prompt as keys: what the index is asked about and the report is built from."""
+
+    block_bytes: int
+    parts: tuple[PartShape, ...]
+    root: bytes  # the scope: held by every request under it
+    chain: tuple[bytes, ...]  # one key per block, each covering the prefix up to it
+    first_block: tuple[int, ...]  # per part, the chain index of its first block
+    suffixes: tuple[tuple[bytes, ...], ...]  # per part, key k: the tail from block k on
+    anchors: tuple[bytes, bytes]  # first block under (upstream, model), under (upstream)
+
+    @property
+    def prompt_bytes(self) -> int:
+        return sum(part.size for part in self.parts)
+
+    def probe(self) -> Probe:
+        """The keys in touch order: suffixes, then the chain from its last block to its
+        first, then the root and the anchors (so an LRU forgets tails before heads)."""
+        keys: list[bytes] = [key for tail in self.suffixes for key in tail]
+        marks = bytearray([SEEN]) * len(keys)
+        keys.extend(reversed(self.chain))
+        marks.append(ENDED)
+        marks.extend(bytes([CONTINUED]) * (len(self.chain) - 1))
+        keys.append(self.root)
+        keys.extend(self.anchors)
+        marks.extend((CONTINUED, SEEN, SEEN))
+        return Probe(tuple(keys), bytes(marks))
+
+
+def _field(text: str) -> bytes:
+    data = text.encode("utf-8", "surrogatepass")
+    return len(data).to_bytes(4, "little") + data
+
+
+class PromptHasher:
+    """Keyed, chained block digests of a prompt (see the module docstring).
+
+    ``secret`` keys every digest (random per process by default; replicas that share an
+    index share it); ``block_bytes`` is the block size.
+    """
+
+    def __init__(self, secret: bytes | None = None, block_bytes: int = DEFAULT_BLOCK_BYTES) -> None:
+        if block_bytes < 1:
+            raise ValueError("block_bytes must be >= 1")
+        key = secrets.token_bytes(32) if secret is None else secret
+        if not 16 <= len(key) <= 64:
+            raise ValueError("the secret must be 16 to 64 bytes")
+        self.block_bytes = block_bytes
+
+        def keyed(person: bytes) -> hashlib.blake2b:  # one domain per use of a digest
+            return hashlib.blake2b(key=key, digest_size=8, person=person)
+
+        self._root = keyed(b"prefix.root")
+        self._anchor = keyed(b"prefix.anchor")
+        self._part = keyed(b"prefix.part")
+        self._chain = keyed(b"prefix.chain")
+        self._suffix = keyed(b"prefix.suffix")
+
+    def _digest(self, base: hashlib.blake2b, *pieces: bytes) -> bytes:
+        h = base.copy()
+        for piece in pieces:
+            h.update(piece)
+        return h.digest()
+
+    def hash(
+        self, parts: Sequence[PromptPart], *, upstream: str, model: str, cache_key: str = ""
+    ) -> HashedPrompt | None:
+        """The keys of ``parts`` under the scope (upstream, model, cache key); None for a
+        prompt without parts (nothing to compare)."""
+        if not parts:
+            return None
+        size = self.block_bytes
+        chain_base, suffix_base = self._chain, self._suffix
+        heads: dict[tuple[str, str], bytes] = {}
+        prev = root = self._digest(self._root, _field(upstream), _field(model), _field(cache_key))
+        chain: list[bytes] = []
+        first_block: list[int] = []
+        suffixes: list[tuple[bytes, ...]] = []
+        shapes: list[PartShape] = []
+        for part in parts:
+            head = heads.get((part.kind, part.role))
+            if head is None:
+                head = self._digest(self._part, _field(part.kind), _field(part.role))
+                heads[part.kind, part.role] = head
+            data = part.data
+            length = len(data)
+            view = memoryview(data)
+            shapes.append(PartShape(part.kind, part.index, part.role, length))
+            first_block.append(len(chain))
+            marker = b"\x01" + head  # a part's first block also covers its kind and role
+            start = 0
+            while True:
+                h = chain_base.copy()
+                h.update(prev)
+                h.update(marker)
+                h.update(view[start : start + size])
+                prev = h.digest()
+                chain.append(prev)
+                start += size
+                if start >= length:
+                    break
+                marker = b"\x00"
+            tail: list[bytes] = []
+            after = head
+            end = length
+            while True:
+                h = suffix_base.copy()
+                h.update(after)
+                h.update(view[max(0, end - size) : end])
+                after = h.digest()
+                tail.append(after)
+                end -= size
+                if end <= 0:
+                    break
+            tail.reverse()
+            suffixes.append(tuple(tail))
+        first = parts[0]
+        block = b"\x01" + heads[first.kind, first.role] + first.data[:size]
+        anchors = (
+            self._digest(self._anchor, _field(upstream), _field(model), block),
+            self._digest(self._anchor, _field(upstream), b"\xff\xff\xff\xff", block),
+        )
+        return HashedPrompt(
+            size, tuple(shapes), root, tuple(chain), tuple(first_block), tuple(suffixes), anchors
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixPolicy:
+    """How sightings are judged. ``window_ms``: how long a provider keeps a prefix (5
+    minutes by default); ``short_run_bytes`` (default two blocks and 256 bytes: the
+    block rounding on either side of the change plus a timestamp, a name, an id) and
+    ``min_stable_bytes`` (default one block): the bounds of ``variable_before_stable``."""
+
+    window_ms: int = DEFAULT_WINDOW_MS
+    short_run_bytes: int | None = None
+    min_stable_bytes: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixReport:
+    """What the doctor says about one request's prompt (bytes; :func:`cache_tokens`
+    gives tokens once usage is known). No text, only sizes and positions."""
+
+    prompt_bytes: int  # the parts' bytes
+    blocks: int  # chain blocks in the prompt
+    repeated_blocks: int  # leading blocks some request held within the window
+    repeated_bytes: int
+    stale_bytes: int  # right after those: bytes held, but longer ago than the window
+    reason: str | None  # one of REASONS; None: no break (a full repeat, a grown one, new tail)
+    part: str | None = None  # where it broke: the part's kind, its index and role
+    index: int | None = None
+    role: str | None = None
+    offset: int | None = None  # byte offset in that part of the block where it broke
+    changed_bytes: int | None = None  # variable_before_stable: the changed run, block-rounded
+    stable_bytes: int | None = None  # variable_before_stable: bytes after it seen before
+
+    @property
+    def repeated_share(self) -> float:
+        """Repeated bytes over prompt bytes (0 for an empty prompt)."""
+        return self.repeated_bytes / self.prompt_bytes if self.prompt_bytes else 0.0
+
+
+def _suffix_start(size: int, blocks: int, k: int, block_bytes: int) -> int:
+    """Where the tail named by suffix key ``k`` starts, in a part of ``size`` bytes cut
+    into ``blocks`` blocks from its end."""
+    return 0 if k == 0 else size - (blocks - k) * block_bytes
+
+
+def diagnose(
+    hashed: HashedPrompt,
+    seen: Sightings,
+    now_ms: int,
+    policy: PrefixPolicy = PrefixPolicy(),
+) -> PrefixReport:
+    """Read an index's answer to ``hashed.probe()`` at ``now_ms`` into a report (see the
+    module docstring)."""
+    size = hashed.block_bytes
+    short_run = policy.short_run_bytes if policy.short_run_bytes is not None else 2 * size + 256
+    min_stable = policy.min_stable_bytes if policy.min_stable_bytes is not None else size
+    cutoff = now_ms - policy.window_ms
+    parts, first_block, suffixes = hashed.parts, hashed.first_block, hashed.suffixes
+    blocks = len(hashed.chain)
+    last = seen.last
+    # The probe's order: suffixes, the chain from its last block, the root, the anchors.
+    n_suffix = sum(len(tail) for tail in suffixes)
+    top = n_suffix + blocks - 1  # the probe index of chain block 0; block i is at top - i
+    root, model_anchor, upstream_anchor = top + 1, top + 2, top + 3
+
+    part_start = [0] * len(parts)  # byte offset of each part in the prompt
+    for p in range(1, len(parts)):
+        part_start[p] = part_start[p - 1] + parts[p - 1].size
+    total = part_start[-1] + parts[-1].size
+
+    def position(block: int) -> tuple[int, int]:
+        """(part, byte offset in it) of a chain block."""
+        p = bisect_right(first_block, block) - 1
+        return p, (block - first_block[p]) * size
+
+    def bytes_before(block: int) -> int:
+        if block >= blocks:
+            return total
+        p, offset = position(block)
+        return part_start[p] + offset
+
+    repeated = 0
+    while repeated < blocks and last(top - repeated) >= cutoff:
+        repeated += 1
+    held = repeated
+    while held < blocks and last(top - held) > NEVER:
+        held += 1
+    base = PrefixReport(
+        prompt_bytes=total,
+        blocks=blocks,
+        repeated_blocks=repeated,
+        repeated_bytes=bytes_before(repeated),
+        stale_bytes=bytes_before(held) - bytes_before(repeated),
+        reason=None,
+    )
+    if repeated == blocks:
+        return base
+
+    p, offset = position(repeated)
+    shape = parts[p]
+    at = replace(base, part=shape.kind, index=shape.index, role=shape.role, offset=offset)
+    if held > repeated:
+        return replace(at, reason="expired")
+    if repeated == 0 and last(root) < cutoff:
+        if last(model_anchor) >= cutoff:
+            return replace(base, reason="cache_key_changed")
+        if last(upstream_anchor) >= cutoff:
+            return replace(base, reason="model_changed")
+        return replace(base, reason="first_seen")
+    parent = root if repeated == 0 else top - repeated + 1
+    if seen.ended[parent] >= cutoff:
+        return base  # grown from a recent request that ended right here
+    if seen.continued[parent] < cutoff:
+        return base  # no recent request went on past here
+
+    # A recent request went on past the last repeated block; this one differs there.
+    # Its tail: the longest run of suffix keys of part p, from the end, seen recently.
+    first_suffix = sum(len(tail) for tail in suffixes[:p])
+    tail = suffixes[p]
+    k = len(tail)
+    while k > 0 and last(first_suffix + k - 1) >= cutoff:
+        k -= 1
+    if 0 < k < len(tail):  # k == 0: the whole part was seen elsewhere (moved, not varied)
+        stable_start = _suffix_start(shape.size, len(tail), k, size)
+        changed = stable_start - offset
+        stable = shape.size - stable_start
+        q, key = p + 1, first_suffix + len(tail)
+        while q < len(parts) and last(key) >= cutoff:  # following parts seen whole
+            stable += parts[q].size
+            key += len(suffixes[q])
+            q += 1
+        if 0 < changed <= short_run and stable >= min_stable:
+            return replace(
+                at, reason="variable_before_stable", changed_bytes=changed, stable_bytes=stable
+            )
+    if p == len(parts) - 1:
+        return base  # the newest part is new by nature: a new question, not a break
+    return replace(at, reason=_KIND_REASON.get(shape.kind, "message_changed"))
+
+
+class PrefixDoctor:
+    """Hash, exchange with the index, diagnose: the three steps for one request.
+
+    Hashing and the exchange cost a few us per block (see the module docstring):
+    run :meth:`examine` after the request is on its way upstream, and in a worker
+    thread for large prompts (the in-process index is thread-safe).
+    """
+
+    def __init__(
+        self,
+        index: PrefixIndex,
+        hasher: PromptHasher | None = None,
+        policy: PrefixPolicy = PrefixPolicy(),
+    ) -> None:
+        self.index = index
+        self.hasher = hasher if hasher is not None else PromptHasher()
+        self.policy = policy
+
+    def examine(
+        self,
+        parts: Sequence[PromptPart],
+        *,
+        upstream: str,
+        model: str,
+        cache_key: str = "",
+        now_ms: int,
+    ) -> PrefixReport | None:
+        """The report for one request (None: no prompt parts), recorded in the index."""
+        hashed = self.hasher.hash(parts, upstream=upstream, model=model, cache_key=cache_key)
+        if hashed is None:
+            return None
+        seen = self.index.exchange(hashed.probe(), now_ms)
+        return diagnose(hashed, seen, now_ms, self.policy)
+
+
+# ---------------------------------------------------------------------------
+# Tokens
+
+
+@dataclass(frozen=True, slots=True)
+class CacheTokens:
+    """A report in tokens (None: not known)."""
+
+    repeated: int | None  # estimated tokens of the repeated prefix
+    reported: int | None  # cached tokens the upstream reported
+    missed: int | None  # repeated (cacheable part) - reported, floored at 0
+
+
+def cache_tokens(
+    report: PrefixReport,
+    prompt_tokens: int | None,
+    cached_tokens: int | None,
+    *,
+    minimum_tokens: int = 0,
+    granularity_tokens: int = 1,
+) -> CacheTokens:
+    """Tokens of the repeated prefix and the cache the upstream missed.
+
+    Bytes become tokens at the request's own ratio (``prompt_tokens`` over the prompt's
+    bytes); without usage nothing is known. Missed is None when the upstream did not
+    report cached tokens (an absent field is unknown, never 0), and 0 when the repeated
+    prefix is shorter than ``minimum_tokens`` (the provider would not cache it). The
+    cacheable part leaves out the last prompt token (a server computes it to produce the
+    first output token) and is rounded down to ``granularity_tokens`` (the steps an
+    upstream caches in: 16 for vLLM's blocks, 128 for OpenAI's increments), so that a
+    cache working as designed is not reported as missing a block's remainder.
+    """
+    if prompt_tokens is None or prompt_tokens <= 0 or report.prompt_bytes <= 0:
+        return CacheTokens(None, cached_tokens, None)
+    repeated = min(prompt_tokens, round(report.repeated_bytes * prompt_tokens / report.prompt_bytes))
+    if cached_tokens is None:
+        return CacheTokens(repeated, None, None)
+    if repeated < minimum_tokens:
+        return CacheTokens(repeated, cached_tokens, 0)
+    cacheable = min(repeated, prompt_tokens - 1)
+    step = max(1, granularity_tokens)
+    cacheable -= cacheable % step
+    return CacheTokens(repeated, cached_tokens, max(0, cacheable - cached_tokens))
+
+
+# Anthropic's minimum cacheable prompt per model family (its prompt-caching guide):
+# matched in order against the model name, the first hit wins.
+_ANTHROPIC_MINIMUM: tuple[tuple[str, int], ...] = (
+    ("haiku-4", 4096),
+    ("opus-4-5", 4096),
+    ("opus-4-6", 4096),
+    ("sonnet-4-6", 2048),
+    ("haiku", 2048),  # Claude 3 and 3.5 Haiku
+)
+OPENAI_MINIMUM_TOKENS = 1024
+ANTHROPIC_DEFAULT_MINIMUM_TOKENS = 1024
+
+
+def minimum_cacheable_tokens(api: str, model: str) -> int:
+    """The default minimum cacheable prompt for a dialect (``"messages"`` is Anthropic's
+    API, the others OpenAI's) and a model name: 1,024 tokens for OpenAI, per model
+    family for Anthropic. A self-hosted server caches from its first block (vLLM: 16
+    tokens), so an upstream of that kind should configure its own."""
+    if api != "messages":
+        return OPENAI_MINIMUM_TOKENS
+    name = model.lower()
+    for family, tokens in _ANTHROPIC_MINIMUM:
+        if family in name:
+            return tokens
+    return ANTHROPIC_DEFAULT_MINIMUM_TOKENS

@@ -1,0 +1,571 @@
+"""The prompt-cache doctor (``proxy.diagnosis``): block keys, the index, every break
+reason from a request pair built for it, tokens and missed tokens, and the repeated
+prefix against a brute-force longest common block prefix over the window.
+
+Requests are real bodies read by the dialects' ``prompt_parts``, as the proxy will read
+them; time is an injected integer clock in milliseconds.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from proxy.diagnosis.prefix import (
+    DEFAULT_BLOCK_BYTES,
+    DEFAULT_WINDOW_MS,
+    REASONS,
+    CacheTokens,
+    PrefixDoctor,
+    PrefixPolicy,
+    PrefixReport,
+    PromptHasher,
+    cache_tokens,
+    diagnose,
+    minimum_cacheable_tokens,
+)
+from proxy.diagnosis.prefix_index import (
+    BYTES_PER_ENTRY,
+    CONTINUED,
+    ENDED,
+    NEVER,
+    SEEN,
+    LruPrefixIndex,
+    Probe,
+)
+from proxy.dialects import CHAT, COMPLETIONS, MESSAGES, RESPONSES, Dialect, PromptPart, cache_scope
+
+ROOT = Path(__file__).resolve().parent.parent
+WINDOW = DEFAULT_WINDOW_MS
+BLOCK = DEFAULT_BLOCK_BYTES
+
+STABLE = " ".join(f"Rule {i}: answer as a patient teacher would, in plain words." for i in range(60))
+TOOLS = [
+    {"type": "function", "function": {
+        "name": f"tool_{i}", "description": f"Tool number {i} does one careful thing. " * 6,
+        "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}
+    for i in range(3)
+]
+
+
+def words(n: int, seed: str) -> str:
+    """``n`` bytes of text unique to ``seed``."""
+    out = " ".join(f"{seed}-{i}" for i in range(n))
+    return out[:n]
+
+
+class Doctor:
+    """A doctor with a fresh index, fed whole request bodies."""
+
+    def __init__(self, **policy: Any) -> None:
+        self.index = LruPrefixIndex()
+        self.doctor = PrefixDoctor(self.index, PromptHasher(), PrefixPolicy(**policy))
+
+    def send(self, dialect: Dialect, body: dict[str, Any], now_ms: int,
+             upstream: str = "up") -> PrefixReport:
+        model, key = cache_scope(body)
+        report = self.doctor.examine(dialect.prompt_parts(body), upstream=upstream, model=model,
+                                     cache_key=key, now_ms=now_ms)
+        assert report is not None
+        assert report.reason is None or report.reason in REASONS
+        return report
+
+
+def sizes(dialect: Dialect, body: dict[str, Any]) -> list[int]:
+    return [len(part.data) for part in dialect.prompt_parts(body)]
+
+
+def chat(*messages: tuple[str, Any], model: str = "gpt-4o", tools: Any = None,
+         **extra: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": model, "messages": [
+        {"role": role, "content": content} for role, content in messages], **extra}
+    if tools is not None:
+        body["tools"] = tools
+    return body
+
+
+# ---------------------------------------------------------------------------
+# Blocks and keys
+
+
+def test_blocks_are_cut_per_part_from_its_start_and_suffixes_from_its_end() -> None:
+    hasher = PromptHasher(block_bytes=256)
+    parts = [PromptPart("system", 0, "system", b"s" * 600), PromptPart("message", 1, "user", b""),
+             PromptPart("message", 2, "assistant", b"a" * 256)]
+    hashed = hasher.hash(parts, upstream="u", model="m")
+    assert hashed is not None
+    assert len(hashed.chain) == 3 + 1 + 1  # 256 + 256 + 88; an empty part is one block
+    assert hashed.first_block == (0, 3, 4)
+    assert [len(tail) for tail in hashed.suffixes] == [3, 1, 1]  # 88 + 256 + 256 from the end
+    assert [p.size for p in hashed.parts] == [600, 0, 256]
+    assert hashed.prompt_bytes == 856
+    keys = (hashed.root, *hashed.chain, *hashed.anchors,
+            *(k for tail in hashed.suffixes for k in tail))
+    assert all(len(k) == 8 for k in keys) and len(set(keys)) == len(keys)
+    probe = hashed.probe()
+    # suffixes, the chain from its last block (ended) to its first, root, anchors
+    assert probe.keys == (*(k for tail in hashed.suffixes for k in tail),
+                          *reversed(hashed.chain), hashed.root, *hashed.anchors)
+    assert probe.marks == bytes([SEEN] * 5 + [ENDED] + [CONTINUED] * 4 + [CONTINUED, SEEN, SEEN])
+    assert hasher.hash([], upstream="u", model="m") is None
+
+
+def test_keys_depend_on_the_secret_and_the_scope() -> None:
+    parts = [PromptPart("system", 0, "system", STABLE.encode())]
+    secret = os.urandom(32)
+    one = PromptHasher(secret).hash(parts, upstream="u", model="m")
+    same = PromptHasher(secret).hash(parts, upstream="u", model="m")
+    other = PromptHasher().hash(parts, upstream="u", model="m")
+    assert one is not None and same is not None and other is not None
+    assert one == same  # a shared secret: replicas agree on every key
+    assert not set(one.chain) & set(other.chain)  # a process's own secret: nothing in common
+    hasher = PromptHasher(secret)
+    model_b = hasher.hash(parts, upstream="u", model="b")
+    keyed = hasher.hash(parts, upstream="u", model="m", cache_key="k")
+    upstream_b = hasher.hash(parts, upstream="v", model="m")
+    assert model_b is not None and keyed is not None and upstream_b is not None
+    assert not set(one.chain) & (set(model_b.chain) | set(keyed.chain) | set(upstream_b.chain))
+    assert keyed.anchors == one.anchors  # the key is not in the anchors
+    assert model_b.anchors[0] != one.anchors[0] and model_b.anchors[1] == one.anchors[1]
+    assert upstream_b.anchors[1] != one.anchors[1]
+    # The part's kind and role are in its first block's key, not in its suffixes' data.
+    user = hasher.hash([PromptPart("message", 0, "user", STABLE.encode())], upstream="u", model="m")
+    assert user is not None and user.chain[0] != one.chain[0]
+
+
+@pytest.mark.parametrize("kwargs", [{"secret": b"short"}, {"secret": b"x" * 65},
+                                    {"block_bytes": 0}])
+def test_hasher_rejects_bad_settings(kwargs: dict[str, Any]) -> None:
+    with pytest.raises(ValueError):
+        PromptHasher(**kwargs)
+
+
+# ---------------------------------------------------------------------------
+# The index
+
+
+def test_index_answers_reads_before_writes_with_both_times() -> None:
+    index = LruPrefixIndex()
+    probe = Probe((b"a" * 8, b"b" * 8, b"a" * 8), bytes([CONTINUED, ENDED, CONTINUED]))
+    first = index.exchange(probe, 1000)
+    assert list(first.continued) == [NEVER] * 3 and list(first.ended) == [NEVER] * 3
+    second = index.exchange(Probe((b"a" * 8, b"b" * 8), bytes([ENDED, SEEN])), 2500)
+    assert (second.continued[0], second.ended[0]) == (1000, NEVER)
+    assert (second.continued[1], second.ended[1]) == (NEVER, 1000)
+    third = index.exchange(Probe((b"a" * 8,), bytes([SEEN])), 4000)
+    assert (third.continued[0], third.ended[0], third.last(0)) == (1000, 2500, 2500)
+    assert len(index) == 2
+    with pytest.raises(ValueError):
+        Probe((b"a" * 8,), b"")
+
+
+def test_index_forgets_entries_older_than_its_horizon_before_answering() -> None:
+    index = LruPrefixIndex(horizon_ms=10_000)
+    old, recent = Probe((b"o" * 8,), bytes([SEEN])), Probe((b"r" * 8,), bytes([SEEN]))
+    index.exchange(old, 0)
+    index.exchange(recent, 5_000)
+    assert index.exchange(old, 10_000).ended[0] == 0  # exactly the horizon: kept
+    index.exchange(recent, 15_000)
+    assert index.exchange(Probe((b"x" * 8,), bytes([SEEN])), 20_001).ended[0] == NEVER
+    assert index.exchange(old, 20_001).ended[0] == NEVER  # 10,001 ms untouched: forgotten
+    assert index.exchange(recent, 20_001).ended[0] == 15_000
+
+
+def test_index_rejects_bad_bounds() -> None:
+    with pytest.raises(ValueError):
+        LruPrefixIndex(BYTES_PER_ENTRY - 1)
+    with pytest.raises(ValueError):
+        LruPrefixIndex(horizon_ms=-1)
+
+
+@pytest.mark.slow  # 100,000 requests through the doctor: seconds
+def test_lru_bound_holds_under_100000_distinct_prompts_and_memory_is_measured() -> None:
+    max_bytes = 4 * 1024 * 1024
+    index = LruPrefixIndex(max_bytes)
+    doctor = PrefixDoctor(index, PromptHasher())
+    system = PromptPart("system", 0, "system", b"Be brief.")
+    largest = 0
+    for now in range(1, 100_001):
+        question = PromptPart("message", 1, "user", b"question %d " % now + b"x" * (now % 300))
+        doctor.examine((system, question), upstream="u", model="m", now_ms=now)
+        largest = max(largest, len(index))
+    assert largest == index.capacity == max_bytes // BYTES_PER_ENTRY  # full, never over
+    # The most recent prompts are the ones kept; the first one's tail is gone.
+    last = doctor.examine((system, question), upstream="u", model="m", now_ms=100_001)
+    assert last is not None and last.repeated_bytes == last.prompt_bytes
+    first = doctor.examine((system, PromptPart("message", 1, "user", b"question 1 x")),
+                           upstream="u", model="m", now_ms=100_002)
+    assert first is not None and first.repeated_bytes == len(system.data)
+    # Memory: the same entries, taken by a fresh index through exchange (fresh keys, the
+    # values the exchange computes), all allocations traced.
+    entries = list(index._entries)
+    gc.collect()
+    tracemalloc.start()
+    start = tracemalloc.get_traced_memory()[0]
+    copy = LruPrefixIndex(max_bytes)
+    for at in range(0, len(entries), 1000):
+        batch = tuple(bytes(bytearray(key)) for key in entries[at : at + 1000])
+        copy.exchange(Probe(batch, bytes([CONTINUED]) * len(batch)), at)
+    del batch
+    gc.collect()
+    used = tracemalloc.get_traced_memory()[0] - start
+    tracemalloc.stop()
+    assert len(copy) == len(index)
+    assert used <= max_bytes  # the bound is a memory bound
+    assert used / len(copy) <= BYTES_PER_ENTRY
+
+
+def test_eviction_forgets_a_prompt_from_its_tail() -> None:
+    long = chat(("system", STABLE), ("user", words(3000, "doc")))
+    hashed = PromptHasher().hash(CHAT.prompt_parts(long), upstream="u", model="m")
+    assert hashed is not None
+    keys = len(hashed.probe().keys)
+    doctor = PrefixDoctor(LruPrefixIndex((keys + 20) * BYTES_PER_ENTRY))
+    doctor.examine(CHAT.prompt_parts(long), upstream="u", model="m", now_ms=1)
+    for i in range(4):  # 4 small prompts of 5 keys each: 20 entries, then 20 more
+        doctor.examine([PromptPart("prompt", 0, "", b"other %d" % i)], upstream="u", model="m",
+                       now_ms=2 + i)
+    for i in range(4, 12):
+        doctor.examine([PromptPart("prompt", 0, "", b"other %d" % i)], upstream="u", model="m",
+                       now_ms=2 + i)
+    again = doctor.examine(CHAT.prompt_parts(long), upstream="u", model="m", now_ms=100)
+    assert again is not None
+    assert 0 < again.repeated_bytes < again.prompt_bytes  # the head survived, the tail did not
+
+
+# ---------------------------------------------------------------------------
+# Break reasons, one request pair each
+
+
+def test_first_seen_then_a_full_repeat() -> None:
+    doctor = Doctor()
+    body = chat(("system", STABLE), ("user", "What is a prefix?"), tools=TOOLS)
+    first = doctor.send(CHAT, body, 0)
+    assert (first.reason, first.repeated_bytes, first.part) == ("first_seen", 0, None)
+    assert first.prompt_bytes == sum(sizes(CHAT, body))
+    again = doctor.send(CHAT, body, 1_000)
+    assert again.reason is None
+    assert again.repeated_bytes == again.prompt_bytes and again.repeated_share == 1.0
+    assert again.repeated_blocks == again.blocks
+
+
+def test_tools_reordered_is_tools_changed() -> None:
+    doctor = Doctor()
+    doctor.send(CHAT, chat(("system", STABLE), ("user", "hi"), tools=TOOLS), 0)
+    report = doctor.send(CHAT, chat(("system", STABLE), ("user", "hi"),
+                                    tools=[TOOLS[1], TOOLS[0], TOOLS[2]]), 1_000)
+    assert (report.reason, report.part, report.index, report.offset) == (
+        "tools_changed", "tools", 0, 0)
+    assert report.repeated_bytes == 0
+
+
+def test_timestamp_at_the_head_of_the_system_prompt_is_variable_before_stable() -> None:
+    doctor = Doctor()
+    tools = [{"name": "search", "description": "Search the docs. " * 20,
+              "input_schema": {"type": "object"}}]
+
+    def body(now: str, question: str) -> dict[str, Any]:
+        return {"model": "claude-sonnet-4-5", "max_tokens": 100, "tools": tools,
+                "system": f"Current time is {now}.\n" + STABLE,
+                "messages": [{"role": "user", "content": question}]}
+
+    doctor.send(MESSAGES, body("15:09:20", "What changed?"), 0)
+    report = doctor.send(MESSAGES, body("15:09:21", "What changed?"), 1_000)
+    tool_bytes, system_bytes, question_bytes = sizes(MESSAGES, body("15:09:21", "What changed?"))
+    assert (report.reason, report.part, report.index, report.role, report.offset) == (
+        "variable_before_stable", "system", 0, "system", 0)
+    assert report.repeated_bytes == tool_bytes  # the tools came first and still repeat
+    assert report.changed_bytes is not None and 0 < report.changed_bytes <= 2 * BLOCK
+    assert report.stable_bytes is not None
+    assert report.stable_bytes == system_bytes - report.changed_bytes + question_bytes
+    # A new question and a timestamp of another length: the same diagnosis.
+    other = doctor.send(MESSAGES, body("9:05", "And now?"), 2_000)
+    assert (other.reason, other.part, other.offset) == ("variable_before_stable", "system", 0)
+    assert other.stable_bytes is not None and other.stable_bytes >= system_bytes - 2 * BLOCK
+
+
+def test_a_message_edited_in_the_middle_is_message_changed() -> None:
+    doctor = Doctor()
+    history = [("system", STABLE), ("user", words(500, "q1")), ("assistant", words(700, "a1")),
+               ("user", words(300, "q2")), ("assistant", words(400, "a2")), ("user", "q3?")]
+    doctor.send(CHAT, chat(*history), 0)
+    edited = list(history)
+    edited[2] = ("assistant", words(650, "rewritten"))
+    report = doctor.send(CHAT, chat(*edited), 1_000)
+    assert (report.reason, report.part, report.index, report.role, report.offset) == (
+        "message_changed", "message", 2, "assistant", 0)
+    assert report.repeated_bytes == len(STABLE) + 500
+
+
+def test_a_short_edit_ahead_of_a_long_unchanged_message_is_variable_before_stable() -> None:
+    doctor = Doctor()
+    document = words(3000, "doc")
+    doctor.send(CHAT, chat(("system", STABLE), ("user", "Ticket 4711: " + document),
+                           ("assistant", "ok"), ("user", "summarise")), 0)
+    report = doctor.send(CHAT, chat(("system", STABLE), ("user", "Ticket 4712: " + document),
+                                    ("assistant", "ok"), ("user", "summarise")), 1_000)
+    assert (report.reason, report.part, report.index, report.role, report.offset) == (
+        "variable_before_stable", "message", 1, "user", 0)
+    assert report.stable_bytes is not None and report.stable_bytes >= len(document) - BLOCK
+
+
+def test_an_image_part_changed_is_message_changed_at_its_block() -> None:
+    doctor = Doctor()
+
+    def body(image: str) -> dict[str, Any]:
+        content = [{"type": "text", "text": words(600, "caption")},
+                   {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{image}"}}]
+        return chat(("system", STABLE), ("user", content), ("assistant", "A cat."),
+                    ("user", "What colour?"))
+
+    doctor.send(CHAT, body("iVBORw0KGgo" * 50), 0)
+    report = doctor.send(CHAT, body("R0lGODlhAQ" * 50), 1_000)
+    assert (report.reason, report.part, report.index, report.role, report.offset) == (
+        "message_changed", "message", 1, "user", 512)  # the block after 600 bytes of text
+    assert report.repeated_bytes == len(STABLE) + 512
+
+
+def test_an_expired_prefix_is_expired_and_the_window_is_inclusive() -> None:
+    doctor = Doctor()
+    body = chat(("system", STABLE), ("user", "hi"))
+    doctor.send(CHAT, body, 0)
+    assert doctor.send(CHAT, body, WINDOW).reason is None  # exactly the window: still held
+    late = doctor.send(CHAT, body, 2 * WINDOW + 1)
+    assert (late.reason, late.part, late.index, late.offset) == ("expired", "system", 0, 0)
+    assert (late.repeated_bytes, late.stale_bytes) == (0, late.prompt_bytes)
+
+
+def test_expiry_after_a_recent_head() -> None:
+    doctor = Doctor()
+    doctor.send(CHAT, chat(("system", STABLE), ("user", words(900, "first"))), 0)
+    doctor.send(CHAT, chat(("system", STABLE), ("user", "another")), 200_000)
+    report = doctor.send(CHAT, chat(("system", STABLE), ("user", words(900, "first")),
+                                    ("assistant", "ok"), ("user", "more")), 400_000)
+    assert (report.reason, report.part, report.index) == ("expired", "message", 1)
+    assert (report.repeated_bytes, report.stale_bytes) == (len(STABLE), 900)
+
+
+def test_another_model_is_model_changed_and_another_cache_key_is_cache_key_changed() -> None:
+    doctor = Doctor()
+    doctor.send(CHAT, chat(("system", STABLE), ("user", "hi"), prompt_cache_key="a"), 0)
+    key = doctor.send(CHAT, chat(("system", STABLE), ("user", "hi"), prompt_cache_key="b"), 1)
+    assert (key.reason, key.repeated_bytes, key.part) == ("cache_key_changed", 0, None)
+    model = doctor.send(CHAT, chat(("system", STABLE), ("user", "hi"), model="gpt-4.1"), 2)
+    assert (model.reason, model.repeated_bytes) == ("model_changed", 0)
+    # Another upstream has its own cache: nothing like it there.
+    assert doctor.send(CHAT, chat(("system", STABLE), ("user", "hi")), 3,
+                       upstream="other").reason == "first_seen"
+
+
+def test_instructions_context_and_prompt_changes_are_named_for_their_part() -> None:
+    doctor = Doctor()
+    doctor.send(RESPONSES, {"model": "m", "instructions": "Be terse.", "input": "hi"}, 0)
+    report = doctor.send(RESPONSES, {"model": "m", "instructions": "Be verbose.", "input": "hi"}, 1)
+    assert (report.reason, report.part) == ("instructions_changed", "instructions")
+
+    doctor.send(RESPONSES, {"model": "m", "instructions": STABLE, "previous_response_id": "resp_1",
+                            "input": "hi"}, 2)
+    report = doctor.send(RESPONSES, {"model": "m", "instructions": STABLE,
+                                     "previous_response_id": "resp_2", "input": "hi"}, 3)
+    assert (report.reason, report.part, report.role) == (
+        "context_changed", "context", "previous_response")
+    assert report.repeated_bytes == len(STABLE)
+
+    doctor.send(COMPLETIONS, {"model": "m", "prompt": ["alpha " * 10, "beta " * 10]}, 4)
+    report = doctor.send(COMPLETIONS, {"model": "m", "prompt": ["gamma " * 10, "beta " * 10]}, 5)
+    assert (report.reason, report.part, report.index) == ("prompt_changed", "prompt", 0)
+
+
+# ---------------------------------------------------------------------------
+# What is not a break
+
+
+def test_a_conversation_growing_by_a_turn_is_not_a_break() -> None:
+    doctor = Doctor()
+    turn1 = chat(("system", STABLE), ("user", words(700, "q1")))
+    doctor.send(CHAT, turn1, 0)
+    turn2 = doctor.send(CHAT, chat(("system", STABLE), ("user", words(700, "q1")),
+                                   ("assistant", words(500, "a1")), ("user", "next?")), 1_000)
+    assert turn2.reason is None
+    assert turn2.repeated_bytes == sum(sizes(CHAT, turn1))  # the whole previous request
+
+
+def test_a_new_question_after_the_same_system_prompt_is_not_a_break() -> None:
+    doctor = Doctor()
+    doctor.send(CHAT, chat(("system", STABLE), ("user", "What is a prefix?")), 0)
+    report = doctor.send(CHAT, chat(("system", STABLE), ("user", "What is a suffix?")), 1_000)
+    assert report.reason is None and report.repeated_bytes == len(STABLE)
+
+
+def test_a_branch_from_a_request_that_went_on_is_a_break() -> None:
+    doctor = Doctor()
+    doctor.send(CHAT, chat(("system", STABLE), ("user", "q1"), ("assistant", words(400, "a")),
+                           ("user", "q2")), 0)
+    report = doctor.send(CHAT, chat(("system", STABLE), ("user", "q1"),
+                                    ("assistant", words(400, "b")), ("user", "q2")), 1_000)
+    assert (report.reason, report.index, report.role) == ("message_changed", 2, "assistant")
+
+
+def test_a_request_that_ended_where_this_one_goes_on_makes_it_growth() -> None:
+    doctor = Doctor()
+    doctor.send(CHAT, chat(("system", STABLE), ("user", "q1")), 0)  # ended after q1
+    doctor.send(CHAT, chat(("system", STABLE), ("user", "q1"), ("assistant", words(400, "a")),
+                           ("user", "q2")), 1_000)  # went on past q1
+    report = doctor.send(CHAT, chat(("system", STABLE), ("user", "q1"),
+                                    ("assistant", words(400, "b")), ("user", "q3")), 2_000)
+    assert report.reason is None  # it extends the first: the previous turn, regenerated
+
+
+def test_a_request_without_parts_gets_no_report() -> None:
+    doctor = PrefixDoctor(LruPrefixIndex())
+    assert doctor.examine((), upstream="u", model="m", now_ms=0) is None
+
+
+def test_reasons_are_bounded_labels() -> None:
+    assert len(REASONS) == len(set(REASONS)) == 11
+    assert all(reason.replace("_", "").isalpha() for reason in REASONS)
+
+
+# ---------------------------------------------------------------------------
+# Tokens
+
+
+def report_of(prompt_bytes: int, repeated_bytes: int) -> PrefixReport:
+    return PrefixReport(prompt_bytes=prompt_bytes, blocks=1, repeated_blocks=0,
+                        repeated_bytes=repeated_bytes, stale_bytes=0, reason=None)
+
+
+def test_tokens_use_the_requests_own_ratio_and_missed_is_floored() -> None:
+    report = report_of(4000, 3000)
+    assert cache_tokens(report, 1000, 500) == CacheTokens(750, 500, 250)
+    assert cache_tokens(report, 1000, 800) == CacheTokens(750, 800, 0)  # floored at 0
+    assert cache_tokens(report, 1000, 0) == CacheTokens(750, 0, 750)  # reported 0 is a real 0
+    assert cache_tokens(report_of(4000, 4000), 1000, 0).missed == 999  # the last token is computed
+
+
+def test_missed_is_unknown_when_nothing_says_it() -> None:
+    report = report_of(4000, 3000)
+    assert cache_tokens(report, 1000, None) == CacheTokens(750, None, None)  # absent: unknown
+    assert cache_tokens(report, None, 500) == CacheTokens(None, 500, None)  # no usage, no ratio
+    assert cache_tokens(report_of(0, 0), 10, 0) == CacheTokens(None, 0, None)
+
+
+def test_a_prefix_shorter_than_the_minimum_is_not_missed() -> None:
+    report = report_of(8000, 4000)  # 1,000 of 2,000 tokens
+    assert cache_tokens(report, 2000, 0, minimum_tokens=1024) == CacheTokens(1000, 0, 0)
+    assert cache_tokens(report, 2000, 0, minimum_tokens=1000) == CacheTokens(1000, 0, 1000)
+    # Rounded down to the steps the upstream caches in: no phantom block remainders.
+    assert cache_tokens(report, 2000, 896, granularity_tokens=128).missed == 0
+    assert cache_tokens(report, 2000, 768, granularity_tokens=128).missed == 128
+
+
+def test_default_minimum_cacheable_lengths() -> None:
+    assert minimum_cacheable_tokens("chat", "gpt-4o") == 1024
+    assert minimum_cacheable_tokens("responses", "anything") == 1024
+    assert minimum_cacheable_tokens("messages", "claude-sonnet-4-5") == 1024
+    assert minimum_cacheable_tokens("messages", "claude-3-5-haiku-latest") == 2048
+    assert minimum_cacheable_tokens("messages", "claude-haiku-4-5") == 4096
+    assert minimum_cacheable_tokens("messages", "claude-opus-4-5") == 4096
+
+
+def test_the_doctor_with_usage_end_to_end() -> None:
+    doctor = Doctor()
+    tools = [{"name": "search", "description": "Search the docs. " * 300,
+              "input_schema": {"type": "object"}}]
+    body = {"model": "claude-sonnet-4-5", "max_tokens": 10, "tools": tools,
+            "system": "Today is Monday.\n" + STABLE, "messages": [{"role": "user", "content": "hi"}]}
+    doctor.send(MESSAGES, body, 0)
+    report = doctor.send(MESSAGES, {**body, "system": "Today is Tuesday.\n" + STABLE}, 1_000)
+    assert report.reason == "variable_before_stable"
+    prompt_tokens = report.prompt_bytes // 4
+    tokens = cache_tokens(report, prompt_tokens, 0,
+                          minimum_tokens=minimum_cacheable_tokens("messages", body["model"]))
+    assert tokens.repeated == round(report.repeated_bytes / 4)
+    assert tokens.missed == tokens.repeated > 1024  # the tools repeated, nothing was read
+    short = cache_tokens(report, prompt_tokens * 2, 0, minimum_tokens=4096)
+    assert short.missed == 0 and short.repeated is not None and short.repeated < 4096
+
+
+# ---------------------------------------------------------------------------
+# The repeated prefix is the longest common block prefix over the window
+
+
+TEXTS = st.sampled_from([b"", b"a", b"ab", b"abcd", b"abcde", b"abcdefgh", b"abcdefghij",
+                         b"xbcdefghij", b"abcdefghiX", b"\x00\xff"])
+PART = st.tuples(st.sampled_from(["system", "message", "tools"]),
+                 st.sampled_from(["", "user", "assistant"]), TEXTS)
+REQUEST = st.tuples(st.lists(PART, min_size=1, max_size=5), st.sampled_from(["m1", "m2"]),
+                    st.sampled_from([0, 1, 1_000, WINDOW - 1, WINDOW, WINDOW + 1, 2 * WINDOW]))
+
+
+def blocks_of(parts: list[tuple[str, str, bytes]], size: int) -> list[tuple[Any, ...]]:
+    """What a chain block stands for: a part's first block with its kind and role."""
+    out: list[tuple[Any, ...]] = []
+    for kind, role, data in parts:
+        out.append(("first", kind, role, data[:size]))
+        out.extend(("next", data[at : at + size]) for at in range(size, len(data), size))
+    return out
+
+
+def common(a: list[tuple[Any, ...]], b: list[tuple[Any, ...]]) -> int:
+    n = 0
+    while n < len(a) and n < len(b) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(REQUEST, min_size=1, max_size=12))
+def test_repeated_prefix_is_the_longest_common_block_prefix_over_the_window(
+        requests: list[tuple[list[tuple[str, str, bytes]], str, int]]) -> None:
+    size = 4
+    hasher = PromptHasher(block_bytes=size)
+    index = LruPrefixIndex()
+    history: list[tuple[int, str, list[tuple[Any, ...]], list[int]]] = []
+    now = 0
+    for parts, model, step in requests:
+        now += step
+        prompt = [PromptPart(kind, i, role, data) for i, (kind, role, data) in enumerate(parts)]
+        hashed = hasher.hash(prompt, upstream="u", model=model)
+        assert hashed is not None
+        report = diagnose(hashed, index.exchange(hashed.probe(), now), now)
+        mine = blocks_of(parts, size)
+        lengths = [len(b[-1]) for b in mine]
+        in_window = [common(mine, theirs) for t, m, theirs, _ in history
+                     if m == model and t >= now - WINDOW]
+        ever = [common(mine, theirs) for t, m, theirs, _ in history if m == model]
+        expected = max(in_window, default=0)
+        held = max(ever, default=0)
+        assert report.repeated_blocks == expected
+        assert report.repeated_bytes == sum(lengths[:expected])
+        assert report.stale_bytes == sum(lengths[expected:held])
+        assert report.blocks == len(mine)
+        if expected == len(mine):
+            assert report.reason is None
+        history.append((now, model, mine, lengths))
+
+
+# ---------------------------------------------------------------------------
+# The micro-benchmark runs
+
+
+@pytest.mark.slow
+def test_prefix_micro_benchmark_smoke_run() -> None:
+    result = subprocess.run(
+        [sys.executable, "benchmarks/prefix_micro.py", "--quick", "--sizes", "2048",
+         "--blocks", "256"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert result.returncode == 0, result.stderr
+    assert "| 2,048 B | 256 |" in result.stdout
+    assert "index bytes/entry" in result.stdout
