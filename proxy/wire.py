@@ -549,13 +549,16 @@ class WireTransport:
         last: OSError | None = None
         for family, kind, proto, _, address in infos:
             sock = socket.socket(family, kind, proto)
-            sock.setblocking(False)
             try:
+                sock.setblocking(False)
                 await loop.sock_connect(sock, address)
                 break
             except OSError as exc:
                 sock.close()
                 last = exc
+            except BaseException:  # cancelled or timed out while connecting: close it now,
+                sock.close()  # not whenever the last reference to the error goes
+                raise
         else:
             raise last or OSError(f"no address for {via.host}")
         try:
