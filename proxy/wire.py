@@ -50,6 +50,12 @@ What the client does, and does not do:
   ``write_timeout`` -> :class:`WriteTimeout`; connecting -> :class:`ConnectTimeout`.
 * A connection that breaks mid-body raises :class:`ReadError` after every byte received
   before the break was handed on; invalid HTTP raises :class:`RemoteProtocolError`.
+* A response head (status line and header fields, with any 1xx heads before it) may
+  take :data:`MAX_HEAD_BYTES` (64 KiB, as an HTTP proxy's answer to ``CONNECT``); past
+  that, :class:`ResponseHeadTooLarge` as soon as the bytes are read, so a header flood
+  neither grows the parser's memory nor waits for the read timeout. The count is kept
+  on the head's reads only (``_head_received``); a head that arrives whole in one read
+  with body bytes after it is measured by its header fields.
 * ``https://`` upstreams use ``ssl.create_default_context()`` (system CAs, SNI,
   hostname checks). Through an HTTP proxy (:class:`Endpoint` ``via``), an ``https``
   upstream is reached with ``CONNECT`` and TLS inside the tunnel; a plain ``http``
@@ -79,11 +85,16 @@ GO, PAUSE, STOP = 0, 1, 2
 IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE", "TRACE"})
 # Bytes held for a response whose body nobody reads yet, before upstream reading pauses.
 HOLD_BUFFER = 256 * 1024
+# The most a response head (status line, header fields, any 1xx heads before it) may take;
+# the same bound as for an HTTP proxy's answer to CONNECT.
+MAX_HEAD_BYTES = 64 * 1024
 # A learned idle limit is used at this fraction, and never below MIN_LEARNED_EXPIRY.
 LEARNED_MARGIN = 0.75
 MIN_LEARNED_EXPIRY = 0.25
 
 Sink = Callable[[bytes], int]
+
+_TOO_LARGE = f"response headers larger than {MAX_HEAD_BYTES // 1024} KiB"
 
 
 class UpstreamError(Exception):
@@ -120,6 +131,10 @@ class ReadError(UpstreamError):
 
 class RemoteProtocolError(UpstreamError):
     """The upstream sent something that is not HTTP/1.1."""
+
+
+class ResponseHeadTooLarge(RemoteProtocolError):
+    """The upstream's response head passed :data:`MAX_HEAD_BYTES` (a header flood)."""
 
 
 class ClientGone(Exception):
@@ -166,7 +181,7 @@ class _Exchange:
     """One request/response on one connection; owned by the connection while active."""
 
     __slots__ = (
-        "error", "finished", "has_length", "head", "headers_done", "informational",
+        "error", "finished", "has_length", "head", "head_bytes", "headers_done", "informational",
         "keep_alive", "last_read", "message_done", "parts", "raw_headers", "received", "sink",
         "status", "waiter", "write_started",
     )  # fmt: skip
@@ -188,6 +203,7 @@ class _Exchange:
         self.last_read = now
         self.write_started = now
         self.received = False  # any byte of the response yet
+        self.head_bytes = 0  # bytes read before the headers were complete
 
     def wake(self) -> None:
         waiter = self.waiter
@@ -233,16 +249,41 @@ class _Connection(asyncio.Protocol):
             self._abort()  # bytes nobody asked for: this connection is not reusable
             return
         ex.last_read = self.time()
-        ex.received = True
+        if not ex.headers_done:
+            self._head_received(ex, data)
+            return
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            self._flush(ex)
-            self._fail(ex, RemoteProtocolError(f"invalid HTTP from the upstream: {exc}"))
+            self._parse_failed(ex, exc)
             return
         self._flush(ex)
         if ex.message_done and not ex.finished:
             self._finish(ex)
+
+    def _head_received(self, ex: _Exchange, data: bytes) -> None:
+        """``data_received`` before the response headers are complete: the same, plus
+        the bound on the head's size (kept off the per-read path of the body)."""
+        ex.received = True
+        ex.head_bytes += len(data)
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._parse_failed(ex, exc)
+            return
+        if not ex.headers_done and ex.head_bytes > MAX_HEAD_BYTES:
+            self._fail(ex, ResponseHeadTooLarge(_TOO_LARGE))
+            return
+        self._flush(ex)
+        if ex.message_done and not ex.finished:
+            self._finish(ex)
+
+    def _parse_failed(self, ex: _Exchange, exc: httptools.HttpParserError) -> None:
+        """The parser stopped: at invalid HTTP, or at an error a callback raised."""
+        self._flush(ex)
+        cause = exc.__context__  # what a callback raised, e.g. ResponseHeadTooLarge
+        self._fail(ex, cause if isinstance(cause, UpstreamError)
+                   else RemoteProtocolError(f"invalid HTTP from the upstream: {exc}"))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
@@ -274,6 +315,9 @@ class _Connection(asyncio.Protocol):
             ex.informational = True  # 100 Continue, 103 Early Hints: skip, wait for the answer
             ex.raw_headers = []
             return
+        if ex.head_bytes > MAX_HEAD_BYTES and sum(
+                len(k) + len(v) + 4 for k, v in ex.raw_headers) > MAX_HEAD_BYTES:
+            raise ResponseHeadTooLarge(_TOO_LARGE)  # the reads held more than the head: count it
         ex.status = status
         ex.keep_alive = self.parser.should_keep_alive() and not ex.head
         ex.has_length = ex.head or status in (204, 304) or any(
@@ -570,7 +614,7 @@ class WireTransport:
             head = b""
             while b"\r\n\r\n" not in head:
                 part = await loop.sock_recv(sock, 4096)
-                if not part or len(head) > 64 * 1024:
+                if not part or len(head) > MAX_HEAD_BYTES:
                     raise OSError("the proxy closed the connection during CONNECT")
                 head += part
             status_line = head.split(b"\r\n", 1)[0]

@@ -22,6 +22,7 @@ import random
 import re
 import signal
 import ssl
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
@@ -325,6 +326,47 @@ async def test_hostile_stream_forwarded_unchanged(kind: str) -> None:
         parser.feed(data[i:i + 65536])
         peak = max(peak, parser.buffered_bytes)
     assert peak <= DEFAULT_MAX_EVENT_BYTES + 64
+
+
+# ---------------------------------------------------------------------------
+# Upstream framing faults: what the upstream's client (proxy/wire.py) must not take as sent
+
+
+FLOOD_LINE = b"x-flood: " + b"v" * 1013 + b"\r\n"  # 1 KiB of header field
+
+
+@pytest.mark.parametrize("how", ["complete", "endless"])
+async def test_upstream_header_flood_gets_502_and_its_connection_closed(how: str) -> None:
+    """100 KiB of response headers (then a stream), or headers that never end."""
+    closed = threading.Event()  # the proxy closed the flooding connection
+
+    async def flood(conn: Conn) -> None:
+        try:
+            await conn.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n")
+            if how == "complete":
+                await conn.write(FLOOD_LINE * 100 + b"transfer-encoding: chunked\r\n\r\n")
+                await conn.chunk(content_event(" flooded"))
+                await conn.end()
+                if await conn.until_closed(10):
+                    closed.set()
+                return
+            while True:  # until the proxy closes: then the write fails
+                await conn.write(FLOOD_LINE * 64)
+        except ConnectionError:  # the proxy closed (with an RST) while this was writing
+            closed.set()
+            raise
+
+    upstream = RawUpstream({"flood": flood})
+    with upstream.running(), run_proxy(upstream.url, read_timeout=5.0) as (proxy, _):
+        t = time.perf_counter()
+        status, _, body, _ = await read_stream(proxy.url, chat("flood"))
+        assert status == 502 and time.perf_counter() - t < 5.0  # not at the read timeout
+        error = openai_error(body)
+        assert error["code"] == "upstream_headers_too_large"
+        assert "larger than 64 KiB" in str(error["message"])
+        assert await anyio.to_thread.run_sync(closed.wait, 5)
+        await outcome_is(proxy.url, "upstream_error", "flood")
+        await still_serves(proxy.url)
 
 
 # ---------------------------------------------------------------------------

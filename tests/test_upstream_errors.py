@@ -28,6 +28,7 @@ from proxy.wire import (
     ReadError,
     ReadTimeout,
     RemoteProtocolError,
+    ResponseHeadTooLarge,
     UpstreamError,
     WireResponse,
     WireTransport,
@@ -58,6 +59,8 @@ FAILED = (502, "upstream_failed")
     (WriteTimeout("request not sent to the upstream within 1 s"), TIMEOUT),
     (ReadError("upstream closed the connection"), FAILED),
     (RemoteProtocolError("invalid HTTP from the upstream"), FAILED),
+    (ResponseHeadTooLarge("response headers larger than 64 KiB"),
+     (502, "upstream_headers_too_large")),
     (UpstreamError(), FAILED),
 ])
 def test_each_error_class_maps_to_its_status_and_code(error: UpstreamError,

@@ -41,6 +41,7 @@ from proxy.uvicorn_writer import DirectWriter
 from proxy.wire import (
     GO,
     HOLD_BUFFER,
+    MAX_HEAD_BYTES,
     PAUSE,
     STOP,
     ClientGone,
@@ -50,6 +51,7 @@ from proxy.wire import (
     ReadError,
     ReadTimeout,
     RemoteProtocolError,
+    ResponseHeadTooLarge,
     UpstreamError,
     WireResponse,
     WireTransport,
@@ -734,6 +736,52 @@ async def test_malformed_head_is_remote_protocol_error(answer: bytes) -> None:
             await w.send("GET", up.endpoint, "/")
         with pytest.raises(RemoteProtocolError):  # the slot came back
             await w.send("GET", up.endpoint, "/")
+
+
+def header_lines(size: int) -> bytes:
+    """``size`` bytes of header fields (rounded down to whole KiB), 1 KiB each."""
+    return b"".join(b"x-flood-%04d: %s\r\n" % (i, b"v" * 1008) for i in range(size // 1024))
+
+
+@pytest.mark.parametrize("how", ["one-write", "endless"])
+async def test_response_head_over_the_cap_is_an_error_and_closes_the_connection(
+        how: str) -> None:
+    """A header flood: in one write with a body after it, or a head that never ends. The
+    client stops at the cap (it does not wait for the end) and drops the connection."""
+    async def handler(up: Scripted, n: int, reader: asyncio.StreamReader,
+                      writer: asyncio.StreamWriter) -> None:
+        if n > 1:
+            await answering()(up, n, reader, writer)
+            return
+        await up.read_request(n, reader)
+        if how == "one-write":
+            writer.write(b"HTTP/1.1 200 OK\r\n" + header_lines(MAX_HEAD_BYTES + 1024)
+                         + b"content-length: 2\r\n\r\nok")
+            await until_eof(reader, asyncio.Event())
+            return
+        writer.write(b"HTTP/1.1 200 OK\r\n")
+        while True:  # until the client closes: then the write fails
+            writer.write(header_lines(8192))
+            await writer.drain()
+
+    async with scripted(handler) as up, wire(read_timeout=30.0) as w:
+        with pytest.raises(ResponseHeadTooLarge, match="larger than 64 KiB"):
+            await w.send("GET", up.endpoint, "/flood")
+        assert await w.fetch("GET", up.endpoint, "/next") == (200, b"/next")
+        assert up.accepted == 2  # the flooded connection was dropped
+
+
+async def test_large_head_under_the_cap_with_a_body_in_the_same_read() -> None:
+    """The cap counts the head, not the body bytes that came in the same read."""
+    body = b"b" * (200 * 1024)
+    head = b"HTTP/1.1 200 OK\r\n" + header_lines(MAX_HEAD_BYTES - 4096)
+    answer = head + b"content-length: %d\r\n\r\n" % len(body) + body
+    async with scripted(answering(lambda raw: answer)) as up, wire() as w:
+        for _ in range(2):
+            response = await w.send("GET", up.endpoint, "/")
+            assert len(response.headers.raw) == (MAX_HEAD_BYTES - 4096) // 1024 + 1
+            assert await consume(response) == (body, None)
+        assert up.accepted == 1
 
 
 async def test_malformed_chunk_is_remote_protocol_error_after_every_byte(mode: str) -> None:
