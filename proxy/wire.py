@@ -23,6 +23,15 @@ What the client does, and does not do:
   ``max_connections`` in total; waiting longer than the connect timeout for a free
   connection is :class:`PoolTimeout`. A connection is reused only after a complete
   response that allowed keep-alive.
+* Bytes after the end of a response, before another request was sent on its
+  connection (an upstream answering one request twice, by bug or malice), belong to no
+  request: RFC 9112 section 6.3 forbids taking them as a response. Whether they come in
+  the same read (the parser's ``on_message_begin`` for a second message, or a parse
+  error after the end) or a later one, the response stands as it ended (complete, if it
+  was), nothing after it is parsed into its headers or body, the connection is closed,
+  never pooled part-way through a message, and a warning names the upstream. Bytes on
+  an idle pooled connection close it without a warning: a server may send a 408 before
+  it closes an idle connection.
 * **Reusing an idle connection safely.** An upstream may close an idle connection at
   the moment the proxy reuses it; a POST then fails with no answer and must not be sent
   twice (it may have started a generation). uvicorn closes idle connections after 5 s,
@@ -70,6 +79,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import logging
 import select
 import socket
 import ssl
@@ -78,6 +88,8 @@ from dataclasses import dataclass
 from typing import cast
 
 import httptools
+
+from proxy.logs import RateLimitedLog
 
 GO, PAUSE, STOP = 0, 1, 2
 # Sent again once on a fresh connection when a pooled one turns out closed before any
@@ -93,6 +105,8 @@ LEARNED_MARGIN = 0.75
 MIN_LEARNED_EXPIRY = 0.25
 
 Sink = Callable[[bytes], int]
+
+log = logging.getLogger("proxy.wire")
 
 _TOO_LARGE = f"response headers larger than {MAX_HEAD_BYTES // 1024} KiB"
 
@@ -139,6 +153,11 @@ class ResponseHeadTooLarge(RemoteProtocolError):
 
 class ClientGone(Exception):
     """The sink said STOP: the client the body was going to is gone."""
+
+
+class _AfterTheEnd(Exception):
+    """Raised in the parser's callback when a second response begins after the current
+    one ended, so the parser stops there (see ``_Connection._after_the_end``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,8 +264,11 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         ex = self.ex
-        if ex is None or ex.finished:
-            self._abort()  # bytes nobody asked for: this connection is not reusable
+        if ex is None or ex.finished:  # bytes nobody asked for: not reusable
+            if ex is not None and ex.error is None:  # after the end, before the release
+                self._after_the_end(ex)
+            else:
+                self._abort()
             return
         ex.last_read = self.time()
         if not ex.headers_done:
@@ -281,6 +303,9 @@ class _Connection(asyncio.Protocol):
     def _parse_failed(self, ex: _Exchange, exc: httptools.HttpParserError) -> None:
         """The parser stopped: at invalid HTTP, or at an error a callback raised."""
         self._flush(ex)
+        if ex.message_done:  # the response had ended: what came after belongs to no request
+            self._after_the_end(ex)
+            return
         cause = exc.__context__  # what a callback raised, e.g. ResponseHeadTooLarge
         self._fail(ex, cause if isinstance(cause, UpstreamError)
                    else RemoteProtocolError(f"invalid HTTP from the upstream: {exc}"))
@@ -302,6 +327,11 @@ class _Connection(asyncio.Protocol):
         self._fail(ex, ReadError(f"upstream closed the connection{detail}"))
 
     # -- httptools callbacks -----------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        ex = self.ex
+        if ex is not None and ex.message_done:
+            raise _AfterTheEnd  # a second response to one request: parse none of it
 
     def on_header(self, name: bytes, value: bytes) -> None:
         assert self.ex is not None
@@ -392,6 +422,20 @@ class _Connection(asyncio.Protocol):
         else:
             self._fail(ex, ClientGone("the client went away"))
         ex.wake()
+
+    def _after_the_end(self, ex: _Exchange) -> None:
+        """Response bytes after the end of the response, before another request was sent
+        on this connection: an upstream that answers one request twice (RFC 9112 section
+        6.3: a client must not take such bytes as a response). The response as it ended
+        stands; nothing of what followed is parsed or passed on, and the connection is
+        closed, never pooled: it is part-way through a message nobody asked for."""
+        self.owner.warnings.warning(
+            "upstream %s sent bytes after the end of a response, before another request: "
+            "the response stands as it ended, the connection is closed", self.endpoint)
+        ex.keep_alive = False
+        if not ex.finished:
+            self._finish(ex)
+        self._abort()
 
     def _finish(self, ex: _Exchange) -> None:
         ex.finished = True
@@ -492,6 +536,7 @@ class WireTransport:
         # Per endpoint: the idle limit learned from the upstream closing idle connections.
         self.learned_expiry: dict[Endpoint, float] = {}
         self._ssl = ssl_context
+        self.warnings = RateLimitedLog(log, per_interval=10, interval_s=10.0)
         self._slots = asyncio.Semaphore(max_connections)
         self.idle: dict[Endpoint, list[_Connection]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import random
 import re
 import signal
@@ -367,6 +368,38 @@ async def test_upstream_header_flood_gets_502_and_its_connection_closed(how: str
         assert await anyio.to_thread.run_sync(closed.wait, 5)
         await outcome_is(proxy.url, "upstream_error", "flood")
         await still_serves(proxy.url)
+
+
+async def test_upstream_answering_twice_first_answer_stands_connection_closed(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A whole stream, then (in the same read) a second response's head and part of its
+    body: the client gets the stream as sent and nothing of the second, the outcome is
+    ``completed``, the connection is closed (not pooled part-way through a message), one
+    warning names the upstream, and the next request goes on a fresh connection."""
+    events = stream_events(2, usage=True)
+    first = b"".join(b"%x\r\n%s\r\n" % (len(ev), ev) for ev in events) + b"0\r\n\r\n"
+    second = b"HTTP/1.1 200 OK\r\nx-second: 1\r\ncontent-length: 50\r\n\r\nnot for anyone"
+    closed = threading.Event()
+
+    async def twice(conn: Conn) -> None:
+        await conn.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                         b"x-first: 1\r\ntransfer-encoding: chunked\r\n\r\n" + first + second)
+        if await conn.until_closed(10):
+            closed.set()
+
+    upstream = RawUpstream({"twice": twice})
+    with caplog.at_level(logging.WARNING, logger="proxy.wire"), upstream.running(), \
+            run_proxy(upstream.url) as (proxy, _):
+        status, headers, got, error = await read_stream(proxy.url, chat("twice"))
+        assert (status, error) == (200, None)
+        assert headers["x-first"] == "1" and "x-second" not in headers
+        assert got == b"".join(events[:-2] + events[-1:])  # the usage event the proxy asked for
+        assert await anyio.to_thread.run_sync(closed.wait, 5)
+        await outcome_is(proxy.url, "completed", "twice")
+        await still_serves(proxy.url)
+        assert upstream.connections == 2
+    warned = [r.getMessage() for r in caplog.records if r.name == "proxy.wire"]
+    assert len(warned) == 1 and f"upstream 127.0.0.1:{upstream.port} sent bytes after" in warned[0]
 
 
 # ---------------------------------------------------------------------------

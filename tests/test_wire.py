@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import re
 import socket
 import struct
@@ -426,6 +427,93 @@ async def test_bodies_arrive_complete(framing: str, mode: str) -> None:
             assert response.status_code == 200
             assert await consume(response, mode) == (body, None)
         assert up.accepted == (2 if framing == "close" else 1)
+
+
+# An upstream that answers one request twice: the second answer's head, and part of
+# its body (the connection would be left part-way through a message).
+SECOND = b"HTTP/1.1 200 OK\r\nx-second: 1\r\ncontent-length: 50\r\n\r\nnot for anyone"
+AFTER_THE_END = "sent bytes after the end of a response, before another request"
+
+
+def after_the_end_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name == "proxy.wire" and AFTER_THE_END in r.getMessage()]
+
+
+@pytest.mark.parametrize("extra", [SECOND, b"garbage\r\n\r\n"], ids=["second-response", "garbage"])
+@pytest.mark.parametrize("framing", ["length", "chunked"])
+async def test_bytes_after_the_end_in_the_same_read(
+        framing: str, extra: bytes, mode: str, caplog: pytest.LogCaptureFixture) -> None:
+    """The response stands as it ended, nothing after it is parsed into it (no second
+    set of headers), and the connection is closed, never pooled."""
+    body = b"data: first\n\n"
+    first = (ok(body, b"x-first: 1") if framing == "length" else
+             b"HTTP/1.1 200 OK\r\nx-first: 1\r\ntransfer-encoding: chunked\r\n\r\n"
+             b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
+    closed = asyncio.Event()
+
+    async def handler(up: Scripted, n: int, reader: asyncio.StreamReader,
+                      writer: asyncio.StreamWriter) -> None:
+        if n > 1:
+            await answering()(up, n, reader, writer)
+            return
+        await up.read_request(n, reader)
+        writer.write(first + extra)  # one write: one read on the client's side
+        await until_eof(reader, closed)
+
+    async with scripted(handler) as up, wire() as w:
+        with caplog.at_level(logging.WARNING, logger="proxy.wire"):
+            response = await w.send("GET", up.endpoint, "/")
+            length = [(b"content-length", b"%d" % len(body))] if framing == "length" else [
+                (b"transfer-encoding", b"chunked")]
+            assert sorted(response.headers.raw) == sorted([(b"x-first", b"1"), *length])
+            assert await consume(response, mode) == (body, None)
+        async with asyncio.timeout(5):
+            await closed.wait()
+        assert await w.fetch("GET", up.endpoint, "/next") == (200, b"/next")
+        assert up.accepted == 2
+    assert after_the_end_warnings(caplog) == [
+        f"upstream 127.0.0.1:{up.port} {AFTER_THE_END}: the response stands as it ended, "
+        "the connection is closed"]
+
+
+@pytest.mark.parametrize("when", ["before-release", "idle"])
+async def test_bytes_after_the_end_in_a_later_read(
+        when: str, caplog: pytest.LogCaptureFixture) -> None:
+    """The second answer comes in a read of its own: after the response ended but before
+    the caller released it, or while the connection is idle in the pool. Either way the
+    connection is closed; only the first is an upstream fault worth a warning (a server
+    may send a 408 on an idle connection before it closes it)."""
+    send_second = asyncio.Event()
+    closed = asyncio.Event()
+
+    async def handler(up: Scripted, n: int, reader: asyncio.StreamReader,
+                      writer: asyncio.StreamWriter) -> None:
+        if n > 1:
+            await answering()(up, n, reader, writer)
+            return
+        await up.read_request(n, reader)
+        writer.write(ok(b"first"))
+        await send_second.wait()
+        writer.write(SECOND)
+        await until_eof(reader, closed)
+
+    async with scripted(handler) as up, wire() as w:
+        with caplog.at_level(logging.WARNING, logger="proxy.wire"):
+            response = await w.send("GET", up.endpoint, "/")
+            assert await response.body.read(LIMIT) == b"first"
+            conn = response.body._conn
+            if when == "idle":
+                await response.aclose()
+                assert w.transport.idle[up.endpoint] == [conn]
+            send_second.set()
+            await until(lambda: conn.lost)
+            await response.aclose()
+        async with asyncio.timeout(5):
+            await closed.wait()
+        assert await w.fetch("GET", up.endpoint, "/next") == (200, b"/next")
+        assert up.accepted == 2
+    assert len(after_the_end_warnings(caplog)) == (1 if when == "before-release" else 0)
 
 
 async def test_head_response_finishes_and_the_next_request_works() -> None:
