@@ -19,6 +19,24 @@ What the client does, and does not do:
   decompression, no redirects, no cookies.
 * Bodies are de-chunked (``Transfer-Encoding: chunked``), sized by ``Content-Length``,
   or read until the upstream closes; 1xx responses are skipped.
+* Other transfer codings follow RFC 9112 section 6.3: with ``chunked`` the final coding
+  the body is de-chunked, else it is read until the upstream closes; the one coding left
+  (``gzip``, ``x-gzip``, ``deflate``) is then undone here (:class:`_Decoding`), not
+  passed on. A transfer coding is hop-by-hop (RFC 9112 section 6.1): it belongs to the
+  upstream's connection, which ends here, and the proxy frames the body anew for its
+  own client without forwarding ``Transfer-Encoding``. Passing ``gzip`` on would need
+  ``Transfer-Encoding: gzip, chunked`` towards the client, which uvicorn cannot write
+  and h11 (httpx, the openai SDK) refuses; nginx 1.22 (tried here) drops the coding's
+  name and hands its client gzip bytes that look like content. Relabelling it
+  ``Content-Encoding`` would change the representation (RFC 9110 section 8.4.1).
+  Undoing it changes no content byte, as de-chunking does not. So on measured routes
+  (``Accept-Encoding: identity``, and no ``TE`` is sent, so a gzip transfer coding is
+  the upstream's own idea) the events are decoded before the relay and measured as any
+  stream, each when its decoded bytes are handed on. Anything else (``compress``,
+  ``br``, two codings, ``chunked`` not last, parameters) is a
+  :class:`RemoteProtocolError` before any byte is sent; coded data that stops early is
+  a :class:`ReadError`, invalid coded data a :class:`RemoteProtocolError`. Responses
+  without such a coding pay nothing for this: the decoder exists only when needed.
 * A pool of keep-alive connections per endpoint, LIFO (warm connections stay warm),
   ``max_connections`` in total; waiting longer than the connect timeout for a free
   connection is :class:`PoolTimeout`. A connection is reused only after a complete
@@ -83,6 +101,7 @@ import logging
 import select
 import socket
 import ssl
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
@@ -100,6 +119,9 @@ HOLD_BUFFER = 256 * 1024
 # The most a response head (status line, header fields, any 1xx heads before it) may take;
 # the same bound as for an HTTP proxy's answer to CONNECT.
 MAX_HEAD_BYTES = 64 * 1024
+# Decoded bytes handed to the sink per call, at most, when a transfer coding is undone: a
+# few KiB of gzip can decode to gigabytes, and the sink's PAUSE must stop it in between.
+DECODE_PIECE = 256 * 1024
 # A learned idle limit is used at this fraction, and never below MIN_LEARNED_EXPIRY.
 LEARNED_MARGIN = 0.75
 MIN_LEARNED_EXPIRY = 0.25
@@ -200,7 +222,8 @@ class _Exchange:
     """One request/response on one connection; owned by the connection while active."""
 
     __slots__ = (
-        "error", "finished", "has_length", "head", "head_bytes", "headers_done", "informational",
+        "decoding", "error", "finished", "has_length", "head", "head_bytes", "headers_done",
+        "informational",
         "keep_alive", "last_read", "message_done", "parts", "raw_headers", "received", "sink",
         "status", "waiter", "write_started",
     )  # fmt: skip
@@ -223,6 +246,7 @@ class _Exchange:
         self.write_started = now
         self.received = False  # any byte of the response yet
         self.head_bytes = 0  # bytes read before the headers were complete
+        self.decoding: _Decoding | None = None  # a transfer coding other than chunked
 
     def wake(self) -> None:
         waiter = self.waiter
@@ -350,8 +374,22 @@ class _Connection(asyncio.Protocol):
             raise ResponseHeadTooLarge(_TOO_LARGE)  # the reads held more than the head: count it
         ex.status = status
         ex.keep_alive = self.parser.should_keep_alive() and not ex.head
-        ex.has_length = ex.head or status in (204, 304) or any(
-            k.lower() in (b"content-length", b"transfer-encoding") for k, _ in ex.raw_headers)
+        if ex.head or status in (204, 304):
+            ex.has_length = True  # no body
+        else:
+            codings = None
+            for k, v in ex.raw_headers:
+                name = k.lower()
+                if name == b"content-length":
+                    ex.has_length = True
+                elif name == b"transfer-encoding":
+                    codings = v if codings is None else codings + b"," + v
+            if codings == b"chunked":
+                ex.has_length = True
+            elif codings is not None:
+                ex.has_length, coding = _transfer_codings(codings)
+                if coding is not None:
+                    ex.decoding = _Decoding(coding, self, ex)
         ex.headers_done = True
         if ex.head:
             ex.message_done = True  # the parser does not know the request was HEAD
@@ -521,6 +559,117 @@ class _Connection(asyncio.Protocol):
             self.owner.idle.setdefault(self.endpoint, []).append(self)
         else:
             self._abort()
+
+
+_DECODABLE = {b"gzip": 16 + zlib.MAX_WBITS, b"x-gzip": 16 + zlib.MAX_WBITS,
+              b"deflate": zlib.MAX_WBITS}
+
+
+def _transfer_codings(value: bytes) -> tuple[bool, bytes | None]:
+    """A ``Transfer-Encoding`` other than plain ``chunked`` (RFC 9112 section 6.3): is
+    ``chunked`` the final coding (else the body ends when the connection does), and
+    which one coding is left to undo (``gzip``, ``x-gzip`` or ``deflate``)? Anything
+    else (``compress``, ``br``, two codings, ``chunked`` not last, parameters) is a
+    :class:`RemoteProtocolError` before any byte goes to the client."""
+    codings = [c.strip().lower() for c in value.split(b",")]
+    codings = [c for c in codings if c and c != b"identity"]  # identity: no coding at all
+    chunked = bool(codings) and codings[-1] == b"chunked"
+    rest = codings[:-1] if chunked else codings
+    if len(rest) > 1 or (rest and rest[0] not in _DECODABLE):
+        shown = value.decode("latin-1")[:100]
+        raise RemoteProtocolError(f"unsupported transfer coding from the upstream: {shown!r}")
+    return chunked, rest[0] if rest else None
+
+
+class _Decoding:
+    """The transfer coding left on a body once it is de-chunked (``gzip``, ``deflate``),
+    undone between the connection and the caller's sink. Only a response with such a
+    coding has one: :meth:`WireBody.pipe` puts :meth:`feed` in front of the sink, so
+    the per-read path of every other response is untouched.
+
+    Output goes to the sink in pieces of at most :data:`DECODE_PIECE` bytes; when the
+    sink pauses, the coded bytes not yet decoded go back to the exchange's ``parts``
+    (the pipe returns and resumes them first), so a decompression bomb is held back by
+    the client's pace like any other body."""
+
+    __slots__ = ("coding", "conn", "ex", "fed", "sink", "wbits", "z")
+
+    def __init__(self, coding: bytes, conn: _Connection, ex: _Exchange) -> None:
+        self.coding = coding.decode("latin-1")
+        self.wbits = _DECODABLE[coding]
+        self.z = zlib.decompressobj(self.wbits)
+        self.conn = conn
+        self.ex = ex
+        self.fed = False  # any coded byte taken yet
+        self.sink: Sink | None = None
+
+    def feed(self, chunk: bytes) -> int:
+        """The sink the connection calls: ``chunk`` is coded bytes (or, empty, the call
+        to hand on output that a paused sink left inside the decompressor)."""
+        sink = self.sink
+        assert sink is not None
+        data = chunk
+        while True:
+            z = self.z
+            try:
+                out = z.decompress(data, DECODE_PIECE)
+            except zlib.error as exc:
+                if not self.fed and self.wbits == zlib.MAX_WBITS:
+                    # "deflate" sent as raw DEFLATE, without the zlib wrapper: some
+                    # servers do; decoders (browsers, httpx) accept it, so does this one.
+                    self.wbits = -zlib.MAX_WBITS
+                    self.z = zlib.decompressobj(self.wbits)
+                    continue
+                return self._fail(RemoteProtocolError(
+                    f"invalid {self.coding} transfer coding from the upstream: {exc}"))
+            self.fed = True
+            data = z.unconsumed_tail
+            after: UpstreamError | None = None
+            if z.eof and z.unused_data:
+                if self.wbits == _DECODABLE[b"gzip"]:  # another gzip member follows
+                    data = z.unused_data + data
+                    self.z = zlib.decompressobj(self.wbits)
+                else:
+                    after = RemoteProtocolError(
+                        f"bytes after the end of the {self.coding} data from the upstream")
+            more = bool(data) or len(out) == DECODE_PIECE  # input left, or output pending
+            if out:
+                verdict = sink(out)
+                if after is not None:
+                    return self._fail(after)
+                if verdict != GO:
+                    if more and verdict == PAUSE:
+                        self.ex.parts.append(data)  # resumed by the next pipe (b"": output)
+                    return verdict
+            if after is not None:
+                return self._fail(after)
+            if not more:
+                return GO
+
+    def _fail(self, error: UpstreamError) -> int:
+        """The coded data is invalid: the body fails, also if it had all arrived."""
+        ex = self.ex
+        if ex.finished:
+            if ex.error is None:
+                ex.error = error
+                ex.keep_alive = False
+        else:
+            self.conn._fail(ex, error)
+        return STOP
+
+    def end(self) -> None:
+        """The body ended: so must the coded data, or the upstream cut it short."""
+        sink = self.sink
+        tail = self.z.flush()
+        if tail and sink is not None and sink(tail) == STOP:
+            self.ex.error = ClientGone("the client went away")
+            self.ex.keep_alive = False
+            raise self.ex.error
+        if self.fed and not self.z.eof:
+            error = ReadError(f"the upstream's body ended inside its {self.coding} coding")
+            self.ex.error = error
+            self.ex.keep_alive = False
+            raise error
 
 
 class WireTransport:
@@ -696,13 +845,22 @@ class WireBody:
         more). Raises the :class:`UpstreamError` that ended the body early (after handing
         on every byte received before it), or :class:`ClientGone` on STOP."""
         ex, conn = self._ex, self._conn
-        ex.sink = sink
+        decoding = ex.decoding
+        if decoding is None:
+            ex.sink = sink
+        else:
+            decoding.sink = sink
+            ex.sink = decoding.feed
         conn.resume_reading()
         conn._flush(ex)  # bytes that came with the headers or while paused
         while True:
+            if ex.parts:  # held back by the decoding when the sink paused
+                return False
             if ex.finished:
                 if ex.error is not None:
                     raise ex.error
+                if decoding is not None:
+                    decoding.end()
                 return True
             if conn.read_paused:
                 return False

@@ -25,6 +25,7 @@ import signal
 import ssl
 import threading
 import time
+import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 import anyio
@@ -400,6 +401,41 @@ async def test_upstream_answering_twice_first_answer_stands_connection_closed(
         assert upstream.connections == 2
     warned = [r.getMessage() for r in caplog.records if r.name == "proxy.wire"]
     assert len(warned) == 1 and f"upstream 127.0.0.1:{upstream.port} sent bytes after" in warned[0]
+
+
+@pytest.mark.parametrize("fields", ["gzip, chunked", "gzip"])
+async def test_upstream_transfer_coding_is_undone_and_the_stream_measured(fields: str) -> None:
+    """A stream gzipped as a transfer coding, flushed per event: chunked last (RFC 9112
+    section 6.3: de-chunked, then the gzip undone) or not (the body ends at the close).
+    Transfer codings are hop-by-hop, so the client gets the events decoded in the
+    proxy's own framing, exactly, and they are measured as any stream."""
+    events = stream_events(3, usage=True)
+    chunked = fields.endswith("chunked")
+
+    async def coded(conn: Conn) -> None:
+        z = zlib.compressobj(wbits=31)  # gzip
+        await conn.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                         b"transfer-encoding: %s\r\n\r\n" % fields.encode())
+        pieces = [z.compress(ev) + z.flush(zlib.Z_SYNC_FLUSH) for ev in events] + [z.flush()]
+        for piece in pieces:
+            await (conn.chunk(piece) if chunked else conn.write(piece))
+        if chunked:
+            await conn.end()
+        else:
+            conn.close()
+
+    upstream = RawUpstream({"coded": coded})
+    with upstream.running(), run_proxy(upstream.url) as (proxy, _):
+        status, headers, got, error = await read_stream(proxy.url, chat("coded"))
+        assert (status, error) == (200, None)
+        assert headers["transfer-encoding"] == "chunked" and "content-encoding" not in headers
+        assert got == b"".join(events[:-2] + events[-1:])  # less the usage the proxy asked for
+        await outcome_is(proxy.url, "completed", "coded")
+        assert await wait_metric(proxy.url, "llm_proxy_time_to_first_token_seconds_count", 1,
+                                 model="coded") == 1
+        assert await wait_metric(proxy.url, "llm_proxy_completion_tokens_sum", 3,
+                                 model="coded") == 3  # from the upstream's usage
+        await still_serves(proxy.url)
 
 
 # ---------------------------------------------------------------------------
