@@ -60,8 +60,13 @@ What the client does, and does not do:
      ``keepalive_expiry`` (default 4 s, below uvicorn's 5 s) is closed, not reused.
   2. *Learning the upstream's limit*: when the upstream closes an idle connection
      after ``t`` seconds, connections to that endpoint are retired after ``0.75 t``
-     from then on (never below 0.25 s, so one restart of the upstream, which closes
-     every idle connection at once, cannot end reuse altogether).
+     from then on (never below 0.25 s). A restart of the upstream closes every idle
+     connection at once and teaches that floor, so the limit also recovers: a
+     connection the pool retires at the learned limit while the upstream still has
+     it open (its socket quiet) outlived it, and after three such retirements with no
+     idle close in between the limit doubles, up to ``keepalive_expiry``, where the
+     learned limit is forgotten. A doubling past the upstream's real limit is undone
+     by its next idle close.
   3. *A liveness check before reuse*: ``poll()`` on the socket, one system call. An
      idle connection has nothing to read; if it is readable, the upstream's FIN (or
      stray bytes) arrived but the event loop has not processed it yet, and the
@@ -125,6 +130,9 @@ DECODE_PIECE = 256 * 1024
 # A learned idle limit is used at this fraction, and never below MIN_LEARNED_EXPIRY.
 LEARNED_MARGIN = 0.75
 MIN_LEARNED_EXPIRY = 0.25
+# A learned idle limit doubles (back toward keepalive_expiry) after this many idle
+# connections in a row outlived it.
+RECOVERY_RUN = 3
 
 Sink = Callable[[bytes], int]
 
@@ -426,13 +434,25 @@ class _Connection(asyncio.Protocol):
         if (self.lost or transport is None or transport.is_closing()
                 or now - self.idle_since > expiry):
             return False
-        if self.fileno >= 0:
-            poller = select.poll()
-            poller.register(self.fileno, select.POLLIN)
-            if poller.poll(0):  # EOF, a reset or stray bytes: the upstream is done with it
-                self.owner.learn_idle_limit(self.endpoint, now - self.idle_since)
-                return False
+        if self.readable():  # EOF, a reset or stray bytes: the upstream is done with it
+            self.owner.learn_idle_limit(self.endpoint, now - self.idle_since)
+            return False
         return True
+
+    def still_open(self) -> bool:
+        """Had the upstream kept this idle connection open, as far as the socket says?"""
+        transport = self.transport
+        return not (self.lost or transport is None or transport.is_closing()
+                    or self.readable())
+
+    def readable(self) -> bool:
+        """Something to read on the socket (one ``poll()``, no wait): a FIN, an RST or
+        bytes that the event loop has not processed yet."""
+        if self.fileno < 0:
+            return False
+        poller = select.poll()
+        poller.register(self.fileno, select.POLLIN)
+        return bool(poller.poll(0))
 
     def _flush(self, ex: _Exchange) -> None:
         parts = ex.parts
@@ -682,8 +702,10 @@ class WireTransport:
         self.read_timeout = read_timeout
         self.write_timeout = write_timeout
         self.keepalive_expiry = keepalive_expiry
-        # Per endpoint: the idle limit learned from the upstream closing idle connections.
+        # Per endpoint: the idle limit learned from the upstream closing idle connections,
+        # and how many idle connections in a row have outlived it since.
         self.learned_expiry: dict[Endpoint, float] = {}
+        self.outlived: dict[Endpoint, int] = {}
         self._ssl = ssl_context
         self.warnings = RateLimitedLog(log, per_interval=10, interval_s=10.0)
         self._slots = asyncio.Semaphore(max_connections)
@@ -700,10 +722,35 @@ class WireTransport:
         return self.learned_expiry.get(endpoint, self.keepalive_expiry)
 
     def learn_idle_limit(self, endpoint: Endpoint, idle_s: float) -> None:
-        """The upstream closed a connection that had been idle ``idle_s`` seconds."""
+        """The upstream closed a connection that had been idle ``idle_s`` seconds: the
+        limit goes down if this one is lower, and a run of connections that outlived
+        the limit (:meth:`outlived_limit`) starts over either way."""
+        self.outlived.pop(endpoint, None)
         limit = max(MIN_LEARNED_EXPIRY, idle_s * LEARNED_MARGIN)
         if limit < self.expiry(endpoint):
             self.learned_expiry[endpoint] = limit
+
+    def outlived_limit(self, endpoint: Endpoint) -> None:
+        """An idle connection to ``endpoint`` outlived the learned limit: the pool
+        retired it at that age and the upstream still had it open. After
+        :data:`RECOVERY_RUN` such retirements with no idle close in between, the limit
+        doubles, up to ``keepalive_expiry`` (where the learned limit is forgotten), so
+        one restart of the upstream, which closes every idle connection at once, does
+        not end reuse for good. Should a doubling overshoot the upstream's own limit,
+        its next idle close lowers it again (the liveness check covers the connections
+        in between, as before anything was learned)."""
+        limit = self.learned_expiry.get(endpoint)
+        if limit is None:
+            return
+        run = self.outlived.get(endpoint, 0) + 1
+        if run < RECOVERY_RUN:
+            self.outlived[endpoint] = run
+            return
+        del self.outlived[endpoint]
+        if 2 * limit >= self.keepalive_expiry:
+            del self.learned_expiry[endpoint]
+        else:
+            self.learned_expiry[endpoint] = 2 * limit
 
     async def exchange(self, method: str, endpoint: Endpoint, payload: bytes) -> WireResponse:
         """Send ``payload`` (a whole serialized request, :func:`serialize`) to
@@ -746,8 +793,13 @@ class WireTransport:
         if idle:
             now = self.loop.time()
             expiry = self.expiry(endpoint)
+            outlived = False
             while idle and now - idle[0].idle_since > expiry:
-                idle.pop(0)._abort()  # the longest idle (LIFO: at the bottom) expired: close it
+                conn = idle.pop(0)  # the longest idle (LIFO: at the bottom) expired: close it
+                outlived = outlived or (endpoint in self.learned_expiry and conn.still_open())
+                conn._abort()
+            if outlived:  # one per pass: a burst's connections expire together
+                self.outlived_limit(endpoint)
             while idle:
                 conn = idle.pop()
                 if conn.idle_and_alive(now, expiry):
