@@ -66,7 +66,7 @@ What the client does, and does not do:
      it open (its socket quiet) outlived it, and after three such retirements with no
      idle close in between the limit doubles, up to ``keepalive_expiry``, where the
      learned limit is forgotten. A doubling past the upstream's real limit is undone
-     by its next idle close.
+     by its next idle close, and the next attempt then needs twice the run (up to 48).
   3. *A liveness check before reuse*: ``poll()`` on the socket, one system call. An
      idle connection has nothing to read; if it is readable, the upstream's FIN (or
      stray bytes) arrived but the event loop has not processed it yet, and the
@@ -131,8 +131,10 @@ DECODE_PIECE = 256 * 1024
 LEARNED_MARGIN = 0.75
 MIN_LEARNED_EXPIRY = 0.25
 # A learned idle limit doubles (back toward keepalive_expiry) after this many idle
-# connections in a row outlived it.
+# connections in a row outlived it; each doubling the upstream undoes doubles the run
+# the next one needs, up to MAX_RECOVERY_RUN.
 RECOVERY_RUN = 3
+MAX_RECOVERY_RUN = 48
 
 Sink = Callable[[bytes], int]
 
@@ -692,6 +694,15 @@ class _Decoding:
             raise error
 
 
+@dataclass(slots=True)
+class _Recovery:
+    """How one endpoint's learned idle limit climbs back (``outlived_limit``)."""
+
+    run: int = 0  # idle connections in a row that outlived the limit
+    needed: int = RECOVERY_RUN  # the run that doubles it
+    raised: bool = False  # the limit in use is a doubling no idle close has undone
+
+
 class WireTransport:
     """The pool and the exchange: ``await exchange(method, endpoint, payload)``."""
 
@@ -703,9 +714,9 @@ class WireTransport:
         self.write_timeout = write_timeout
         self.keepalive_expiry = keepalive_expiry
         # Per endpoint: the idle limit learned from the upstream closing idle connections,
-        # and how many idle connections in a row have outlived it since.
+        # and how it climbs back (outlived_limit).
         self.learned_expiry: dict[Endpoint, float] = {}
-        self.outlived: dict[Endpoint, int] = {}
+        self.recovery: dict[Endpoint, _Recovery] = {}
         self._ssl = ssl_context
         self.warnings = RateLimitedLog(log, per_interval=10, interval_s=10.0)
         self._slots = asyncio.Semaphore(max_connections)
@@ -725,10 +736,18 @@ class WireTransport:
         """The upstream closed a connection that had been idle ``idle_s`` seconds: the
         limit goes down if this one is lower, and a run of connections that outlived
         the limit (:meth:`outlived_limit`) starts over either way."""
-        self.outlived.pop(endpoint, None)
+        recovery = self.recovery.get(endpoint)
+        if recovery is not None:
+            recovery.run = 0
         limit = max(MIN_LEARNED_EXPIRY, idle_s * LEARNED_MARGIN)
-        if limit < self.expiry(endpoint):
-            self.learned_expiry[endpoint] = limit
+        if limit >= self.expiry(endpoint):
+            return
+        self.learned_expiry[endpoint] = limit
+        if recovery is None:
+            self.recovery[endpoint] = _Recovery()
+        elif recovery.raised:  # the last doubling went past the upstream's own limit
+            recovery.needed = min(2 * recovery.needed, MAX_RECOVERY_RUN)
+            recovery.raised = False
 
     def outlived_limit(self, endpoint: Endpoint) -> None:
         """An idle connection to ``endpoint`` outlived the learned limit: the pool
@@ -738,19 +757,22 @@ class WireTransport:
         one restart of the upstream, which closes every idle connection at once, does
         not end reuse for good. Should a doubling overshoot the upstream's own limit,
         its next idle close lowers it again (the liveness check covers the connections
-        in between, as before anything was learned)."""
+        in between, as before anything was learned), and the next doubling needs twice
+        the run: against an upstream whose limit is real, the attempts thin out."""
         limit = self.learned_expiry.get(endpoint)
-        if limit is None:
+        recovery = self.recovery.get(endpoint)
+        if limit is None or recovery is None:
             return
-        run = self.outlived.get(endpoint, 0) + 1
-        if run < RECOVERY_RUN:
-            self.outlived[endpoint] = run
+        recovery.run += 1
+        if recovery.run < recovery.needed:
             return
-        del self.outlived[endpoint]
+        recovery.run = 0
         if 2 * limit >= self.keepalive_expiry:
             del self.learned_expiry[endpoint]
+            del self.recovery[endpoint]
         else:
             self.learned_expiry[endpoint] = 2 * limit
+            recovery.raised = True
 
     async def exchange(self, method: str, endpoint: Endpoint, payload: bytes) -> WireResponse:
         """Send ``payload`` (a whole serialized request, :func:`serialize`) to

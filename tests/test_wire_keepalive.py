@@ -197,8 +197,27 @@ def test_learned_limit_doubles_after_a_run_of_connections_that_outlived_it() -> 
     assert seen == pytest.approx([0.25, 0.25, 0.5,  # a run of three: doubled
                                   0.5, 0.5,  # one, then a close: the run starts over
                                   0.5, 0.5, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 4.0])
-    assert transport.learned_expiry == {} and transport.outlived == {}
+    assert transport.learned_expiry == {} and transport.recovery == {}
     assert transport.expiry(elsewhere) == 4.0
+
+
+def test_a_doubling_the_upstream_undoes_makes_the_next_one_need_twice_the_run() -> None:
+    """An upstream whose idle limit really is 2 s: each doubling past it is undone by
+    its next idle close, and the attempts thin out (3, 6, 12, ... up to 48)."""
+    transport = WireTransport(max_connections=1, connect_timeout=1.0, read_timeout=1.0,
+                              keepalive_expiry=4.0)
+    here = Endpoint("http", "a", 80)
+    transport.learn_idle_limit(here, 2.0)  # 1.5 s
+    needed = []
+    for _ in range(6):
+        runs = 0
+        while transport.expiry(here) == pytest.approx(1.5):
+            transport.outlived_limit(here)
+            runs += 1
+        assert transport.expiry(here) == pytest.approx(3.0)  # past the upstream's 2 s
+        transport.learn_idle_limit(here, 2.0)  # which it undoes at once
+        needed.append(runs)
+    assert needed == [3, 6, 12, 24, 48, 48]
 
 
 @pytest.mark.parametrize("closed_first", [False, True], ids=["still-open", "fin-waiting"])
@@ -232,7 +251,7 @@ async def test_only_a_connection_the_upstream_still_had_open_outlived_the_limit(
             finally:
                 second.cancel()
             assert conn.lost and len(socks) == 2
-            assert w.transport.outlived.get(up.endpoint, 0) == (0 if closed_first else 1)
+            assert w.transport.recovery[up.endpoint].run == (0 if closed_first else 1)
             assert w.transport.expiry(up.endpoint) == MIN_LEARNED_EXPIRY
     finally:
         for sock in socks:
