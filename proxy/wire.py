@@ -594,6 +594,8 @@ def _transfer_codings(value: bytes) -> tuple[bool, bytes | None]:
     :class:`RemoteProtocolError` before any byte goes to the client."""
     codings = [c.strip().lower() for c in value.split(b",")]
     codings = [c for c in codings if c and c != b"identity"]  # identity: no coding at all
+    while codings[-2:] == [b"chunked", b"chunked"]:  # the header repeated, the body chunked
+        codings.pop()  # once: the parser reads it so, and so does every client
     chunked = bool(codings) and codings[-1] == b"chunked"
     rest = codings[:-1] if chunked else codings
     if len(rest) > 1 or (rest and rest[0] not in _DECODABLE):

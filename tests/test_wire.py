@@ -453,6 +453,7 @@ def coded(parts: Sequence[bytes], coding: str) -> list[bytes]:
 
 CODINGS = [  # (Transfer-Encoding fields, how the body is coded, chunked last)
     ([b"gzip, chunked"], "gzip", True),
+    ([b"gzip, chunked", b"chunked"], "gzip", True),  # chunked named twice, applied once
     ([b"x-gzip, chunked"], "gzip", True),
     ([b"Gzip ,CHUNKED"], "gzip", True),
     ([b"gzip", b"chunked"], "gzip", True),  # two fields: one list
@@ -548,6 +549,16 @@ async def test_a_broken_transfer_coding_fails_the_body_after_what_decoded(
         assert type(error) is expected
         assert await w.fetch("GET", up.endpoint, "/next") == (200, b"/next")
         assert up.accepted == 2
+
+
+async def test_chunked_named_twice_is_read_as_chunked() -> None:
+    """``Transfer-Encoding: chunked`` repeated (frameworks do it), the body chunked once."""
+    answer = (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ntransfer-encoding: chunked"
+              b"\r\n\r\n5\r\nhello\r\n0\r\n\r\n")
+    async with scripted(answering(lambda raw: answer)) as up, wire() as w:
+        for _ in range(2):
+            assert await w.fetch("GET", up.endpoint, "/") == (200, b"hello")
+        assert up.accepted == 1
 
 
 @pytest.mark.parametrize("fields", [b"br, chunked", b"compress", b"zstd", b"chunked, gzip",
