@@ -287,7 +287,9 @@ OPTIONS: tuple[Option, ...] = (
            "wait in the pool and still be reused; older ones are closed instead. Below uvicorn's "
            "5 s keep-alive, which vLLM, SGLang and llama-cpp-python serve with, so that a pooled "
            "connection is not reused just as the upstream closes it. The client also learns a "
-           "shorter limit from an upstream that closes idle connections sooner.", "S"),
+           "shorter limit from an upstream that closes idle connections sooner, and raises it "
+           "again, step by step up to this value, when connections outlive it (as after an "
+           "upstream restart).", "S"),
     Option("connect_timeout", _positive_float, "Seconds to connect to the upstream before answering 502.", "S"),
     Option("read_timeout", _positive_float, "Seconds to wait for the upstream's headers or for its next "
            "bytes; before headers: 504; mid-stream: the stream ends with outcome 'upstream_timeout'.", "S"),
