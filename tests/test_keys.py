@@ -1,0 +1,151 @@
+"""Keys, labels and what the proxy exposes, on the production path (the real ``serve``
+command or the app under uvicorn with httptools, the default upstream client, the
+suite's scripted upstream on loopback):
+
+* a request refused for its key takes no ``client`` label value, so wrong keys cannot
+  fill ``--max-clients`` and push real clients into ``other``; with keys passed through,
+  a key the upstream refuses (401/403) takes none either;
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import openai
+import pytest
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+
+from proxy.app import ProxyApp, create_app
+from proxy.clients import fingerprint
+from proxy.config import Settings
+from tests.fake_upstream import Conn, RawUpstream, ScriptedUpstream, normal
+from tests.servers import RunningServer, closed_port, proxy_process, serve_in_thread
+from tests.test_faults import chat, client
+
+pytestmark = pytest.mark.anyio
+
+SECRET = "fp-secret-for-tests"
+WRONG_KEYS = 60  # more than --max-clients (50)
+
+
+def digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def requests_by_client(text: str) -> dict[tuple[str, str], float]:
+    """``llm_proxy_requests_total`` summed per (client, code)."""
+    out: dict[tuple[str, str], float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "llm_proxy_requests_total":
+                key = (s.labels["client"], s.labels["code"])
+                out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
+async def wait_counted(url: str, total: float, c: httpx.AsyncClient,
+                       headers: dict[str, str] | None = None) -> dict[tuple[str, str], float]:
+    """The counts once ``total`` requests are recorded (each is recorded just after its
+    client saw the end), polled with a deadline."""
+    for _ in range(500):
+        counts = requests_by_client((await c.get(url, headers=headers)).text)
+        if sum(counts.values()) >= total:
+            return counts
+        await anyio.sleep(0.01)
+    raise AssertionError(f"never counted {total}: {counts}")
+
+
+@contextlib.contextmanager
+def served(upstream_url: str, **settings: Any) -> Iterator[tuple[RunningServer, ProxyApp]]:
+    """The proxy (fresh registry) under uvicorn with httptools, as ``serve`` runs it."""
+    app = create_app(Settings(upstream=upstream_url + "/v1", **settings),
+                     registry=CollectorRegistry())
+    with serve_in_thread(app, http="httptools", timeout_graceful_shutdown=2) as server:
+        yield server, app
+
+
+def wrong_key_headers(i: int) -> dict[str, str]:
+    key = "sk-" + secrets.token_hex(12)
+    return [{"authorization": f"Bearer {key}"}, {"x-api-key": key}, {"api-key": key}][i % 3]
+
+
+# ---------------------------------------------------------------------------
+# Refused requests take no client label
+
+
+@pytest.mark.e2e
+async def test_wrong_keys_do_not_fill_the_client_labels(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    valid = "cli-" + secrets.token_hex(12)
+    keys = tmp_path / "keys"
+    keys.write_text(digest(valid) + "\n")
+    monkeypatch.setenv("TEST_KEYS_UPSTREAM_KEY", "srv-" + secrets.token_hex(8))
+    monkeypatch.setenv("LLM_PROXY_FINGERPRINT_SECRET", SECRET)
+    metrics_port = closed_port()
+    upstream = RawUpstream()
+    with upstream.running():
+        async with proxy_process(
+                upstream.url, "--upstream-api-key-env", "TEST_KEYS_UPSTREAM_KEY",
+                "--client-keys-file", str(keys), "--client-label-from", "key",
+                "--max-clients", "50", "--metrics-port", str(metrics_port)) as (_, port, _out):
+            base = f"http://127.0.0.1:{port}"
+            async with client() as c:
+                for i in range(WRONG_KEYS):
+                    r = await c.post(base + "/v1/chat/completions", content=chat("ok"),
+                                     headers=wrong_key_headers(i))
+                    assert r.status_code == 401
+            async with openai.AsyncOpenAI(base_url=base + "/v1", api_key=valid,
+                                          max_retries=0) as sdk:
+                for _ in range(3):
+                    stream = await sdk.chat.completions.create(
+                        model="ok", messages=[{"role": "user", "content": "hi"}], stream=True)
+                    assert "".join([ch.choices[0].delta.content or "" async for ch in stream
+                                    if ch.choices]) == " tok0 tok1 tok2"
+            async with client() as c:
+                counts = await wait_counted(f"http://127.0.0.1:{metrics_port}/metrics",
+                                            WRONG_KEYS + 3, c)
+    assert len(upstream.requests) == 3
+    label = fingerprint(SECRET.encode(), valid.encode())
+    assert counts.get((label, "200")) == 3, "the valid key lost its own label"
+    # the refused requests are counted, without a client label value (empty = absent)
+    assert counts == {("", "401"): WRONG_KEYS, (label, "200"): 3}, counts
+
+
+async def test_keys_the_upstream_refuses_take_no_client_label(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keys passed through (no server-held key): the upstream decides, and a request it
+    answers 401 or 403 takes no label value; a header label is kept whatever the status."""
+    valid = "sk-good-" + secrets.token_hex(8)
+
+    async def check_key(conn: Conn) -> None:
+        if conn.request.header("authorization") == f"Bearer {valid}":
+            await normal(conn)
+            return
+        body = b'{"error":{"message":"Incorrect API key provided","type":"invalid_request_error"}}'
+        await conn.head(401, content_type="application/json", length=len(body))
+        await conn.write(body)
+
+    monkeypatch.setenv("LLM_PROXY_FINGERPRINT_SECRET", SECRET)
+    upstream = ScriptedUpstream(behaviour=check_key)
+    with upstream.running(), served(upstream.url, client_label_from="key") as (proxy, _):
+        async with client() as c:
+            for i in range(WRONG_KEYS):
+                r = await c.post(proxy.url + "/v1/chat/completions", content=chat("ok"),
+                                 headers=wrong_key_headers(i))
+                assert r.status_code == 401
+            for _ in range(2):
+                r = await c.post(proxy.url + "/v1/chat/completions", content=chat("ok"),
+                                 headers={"authorization": f"Bearer {valid}"})
+                assert r.status_code == 200
+            counts = await wait_counted(proxy.url + "/metrics", WRONG_KEYS + 2, c)
+    label = fingerprint(SECRET.encode(), valid.encode())
+    assert counts.get((label, "200")) == 2, "the valid key lost its own label"
+    assert counts == {("", "401"): WRONG_KEYS, (label, "200"): 2}, counts
