@@ -174,8 +174,9 @@ def upstream_warning(upstream: str) -> str | None:
 
 
 def redact(url: str) -> str:
-    """``url`` with its credentials masked: they are never printed."""
-    return re.sub(r"//[^/@]*@", "//***@", url)
+    """``url`` with its credentials masked: they are never printed (an upstream URL
+    cannot hold any, :func:`proxy.config.parse_upstream_url`; an OTLP endpoint may)."""
+    return config.redact(url)
 
 
 def _log_config() -> dict[str, Any]:

@@ -5,13 +5,19 @@ suite's scripted upstream on loopback):
 * a request refused for its key takes no ``client`` label value, so wrong keys cannot
   fill ``--max-clients`` and push real clients into ``other``; with keys passed through,
   a key the upstream refuses (401/403) takes none either;
+* credentials in an upstream URL (``--upstream``, ``LLM_PROXY_UPSTREAM``, an
+  ``[[upstream]]`` table's ``url``) stop start-up with a line that says to use
+  ``api_key_env`` and does not print them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 import secrets
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,7 +33,7 @@ from proxy.app import ProxyApp, create_app
 from proxy.clients import fingerprint
 from proxy.config import Settings
 from tests.fake_upstream import Conn, RawUpstream, ScriptedUpstream, normal
-from tests.servers import RunningServer, closed_port, proxy_process, serve_in_thread
+from tests.servers import ROOT, RunningServer, closed_port, proxy_process, serve_in_thread
 from tests.test_faults import chat, client
 
 pytestmark = pytest.mark.anyio
@@ -149,3 +155,36 @@ async def test_keys_the_upstream_refuses_take_no_client_label(
     label = fingerprint(SECRET.encode(), valid.encode())
     assert counts.get((label, "200")) == 2, "the valid key lost its own label"
     assert counts == {("", "401"): WRONG_KEYS, (label, "200"): 2}, counts
+
+
+# ---------------------------------------------------------------------------
+# Credentials in an upstream URL
+
+
+@pytest.mark.parametrize("given", ["flag", "env", "config"])
+def test_credentials_in_an_upstream_url_stop_start_up(given: str, tmp_path: Path) -> None:
+    password = "pw-" + secrets.token_hex(8)
+    url = f"https://ops:{password}@api.example.com/v1"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLM_PROXY_")}
+    argv = [sys.executable, "-m", "proxy", "serve", "--port", "0"]
+    if given == "flag":
+        argv += ["--upstream", url]
+        named = "invalid setting --upstream='https://***@api.example.com/v1':"
+    elif given == "env":
+        env["LLM_PROXY_UPSTREAM"] = url
+        named = "invalid setting LLM_PROXY_UPSTREAM='https://***@api.example.com/v1' (--upstream):"
+    else:
+        config = tmp_path / "proxy.toml"
+        config.write_text(f'[[upstream]]\nname = "openai"\nurl = "{url}"\ndefault = true\n')
+        argv += ["--config", str(config)]
+        named = f"config {config}: upstream 'openai': url:"
+    try:  # a proxy that starts instead never exits by itself: the timeout fails the test
+        done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=30, check=False)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the proxy started with credentials in its upstream URL")
+    assert done.returncode == 2, done.stderr
+    (line,) = done.stderr.splitlines()
+    assert "must not carry credentials" in line and "api_key_env" in line, line
+    assert "--upstream-api-key-env" in line and named in line, line
+    assert password not in done.stderr + done.stdout
