@@ -21,7 +21,8 @@ None of these headers is ever written anywhere: the per-request log holds no hea
 (:mod:`proxy.reqlog`), uvicorn's access log holds method, path and status, and error
 bodies name exception classes, not requests.
 
-Create a digest with ``printf %s "$KEY" | sha256sum``.
+Create a digest with ``printf %s "$KEY" | sha256sum``. ``SIGHUP`` re-reads the file, so
+a key is revoked without a restart (:meth:`proxy.app.ProxyApp.reload`).
 """
 
 from __future__ import annotations
@@ -77,6 +78,14 @@ class KeyCheck:
 
     def __init__(self, digests: list[bytes]) -> None:
         self._digests = digests
+
+    def __len__(self) -> int:
+        return len(self._digests)
+
+    def use(self, other: KeyCheck) -> None:
+        """Accept ``other``'s keys from now on (SIGHUP re-read the keys file). One
+        assignment: a check in progress on the event loop sees the old list or the new."""
+        self._digests = other._digests
 
     def accepts(self, presented: bytes | None) -> bool:
         if not presented:

@@ -347,7 +347,8 @@ OPTIONS: tuple[Option, ...] = (
            "Clients may present their own key in any of the three headers whatever this says.",
            "MODE"),
     Option("client_keys_file", _str, "File of client keys (one SHA-256 hex digest per line, "
-           "or 'sha256:<hex>') accepted when --upstream-api-key-env is set.", "FILE",
+           "or 'sha256:<hex>') accepted when --upstream-api-key-env is set. SIGHUP re-reads "
+           "it.", "FILE",
            unset="none; required with --upstream-api-key-env"),
     Option("secret_headers", _names, "Comma-separated request header names removed from the "
            "upstream request when --upstream-api-key-env is set, like the client's key headers "

@@ -5,6 +5,10 @@ suite's scripted upstream on loopback):
 * a request refused for its key takes no ``client`` label value, so wrong keys cannot
   fill ``--max-clients`` and push real clients into ``other``; with keys passed through,
   a key the upstream refuses (401/403) takes none either;
+* ``SIGHUP`` re-reads ``--client-keys-file`` (with one process and with ``--workers 2``:
+  the supervisor reads it once and tells every worker only if it loads): a revoked key
+  is refused from then on, a file that does not load keeps the running keys and says
+  so in one line;
 * credentials in an upstream URL (``--upstream``, ``LLM_PROXY_UPSTREAM``, an
   ``[[upstream]]`` table's ``url``) stop start-up with a line that says to use
   ``api_key_env`` and does not print them.
@@ -15,7 +19,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
 import secrets
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -35,6 +41,7 @@ from proxy.config import Settings
 from tests.fake_upstream import Conn, RawUpstream, ScriptedUpstream, normal
 from tests.servers import ROOT, RunningServer, closed_port, proxy_process, serve_in_thread
 from tests.test_faults import chat, client
+from tests.test_startup import BANNER, serving
 
 pytestmark = pytest.mark.anyio
 
@@ -188,3 +195,52 @@ def test_credentials_in_an_upstream_url_stop_start_up(given: str, tmp_path: Path
     assert "must not carry credentials" in line and "api_key_env" in line, line
     assert "--upstream-api-key-env" in line and named in line, line
     assert password not in done.stderr + done.stdout
+
+
+# ---------------------------------------------------------------------------
+# SIGHUP re-reads the client keys
+
+
+def status_with(port: int, key: str) -> int:
+    """A chat completion on a connection of its own (so, with workers, any of them may
+    take it) with ``key``; its status."""
+    return httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", content=chat("ok", stream=False),
+                      headers={"authorization": f"Bearer {key}"}, timeout=10).status_code
+
+
+KEYS_RELOADED = re.compile(r"client keys reloaded from .*: 2 keys$")
+KEYS_REFUSED = re.compile(r"client keys reload refused, the running client keys stay: "
+                          r"invalid setting --client-keys-file: line 2 is not a SHA-256 hex digest")
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("workers", [1, 2])
+def test_sighup_rereads_the_client_keys(
+        workers: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b, c = ("cli-" + secrets.token_hex(12) for _ in range(3))
+    keys = tmp_path / "keys"
+    keys.write_text(f"{digest(a)}\n{digest(b)}\n")
+    monkeypatch.setenv("TEST_KEYS_UPSTREAM_KEY", "srv-" + secrets.token_hex(8))
+    upstream = RawUpstream()
+    with upstream.running(), serving(
+            "--upstream", upstream.url + "/v1", "--upstream-api-key-env", "TEST_KEYS_UPSTREAM_KEY",
+            "--client-keys-file", str(keys), "--port", "0", "--workers", str(workers)) as proc:
+        port = int(proc.wait_for(BANNER)[1])
+        assert (status_with(port, a), status_with(port, b), status_with(port, c)) == (200, 200, 401)
+        keys.write_text(f"{digest(b)}\n{digest(c)}\n")  # a revoked, c added
+        proc.popen.send_signal(signal.SIGHUP)
+        for _ in range(workers):  # one line from each process that relays
+            proc.wait_for(KEYS_RELOADED)
+        for _ in range(2 * workers):
+            assert status_with(port, a) == 401
+            assert status_with(port, b) == 200
+            assert status_with(port, c) == 200
+        keys.write_text(f"{digest(b)}\nnot-a-digest\n{digest(a)}\n")
+        proc.popen.send_signal(signal.SIGHUP)
+        proc.wait_for(KEYS_REFUSED)
+        for _ in range(2 * workers):  # the running keys stay
+            assert status_with(port, a) == 401
+            assert status_with(port, c) == 200
+        assert proc.stop() == 0
+    assert sum(bool(KEYS_REFUSED.search(line)) for line in proc.lines) == 1, proc.lines
+    assert sum(bool(KEYS_RELOADED.search(line)) for line in proc.lines) == workers, proc.lines
