@@ -2,7 +2,8 @@
 
 The application is a small ASGI callable rather than a FastAPI app: a few fixed
 paths (``/v1/*``, ``/healthz``, ``/metrics``, and the live page ``/ui``, ``/ui/data``
-wherever ``/metrics`` is, see :mod:`proxy.ui`) need no routing table, and the proxied
+wherever ``/metrics`` is, see :mod:`proxy.ui`; when the proxy checks client keys, those
+three take a client key too, see :mod:`proxy.auth`) need no routing table, and the proxied
 path is the hot path (see :mod:`proxy.routes`). Everything is built here, once:
 settings are already validated, the one upstream client (:class:`proxy.upstream.Upstream`)
 is created here and closed by the lifespan (or :meth:`ProxyApp.aclose` in tests that
@@ -25,7 +26,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from proxy.admission import Admission
-from proxy.auth import KeyCheck, load_key_check
+from proxy.auth import OBSERVER_CHALLENGE, KeyCheck, load_key_check, observer_key
 from proxy.clients import identify_from
 from proxy.config import Settings, SettingsError
 from proxy.metrics import Metrics
@@ -114,10 +115,19 @@ class ProxyApp:
                 await self.v1(scope, receive, send)
             elif path == "/healthz":
                 await _plain(send, 200, b"ok\n", b"text/plain; charset=utf-8")
-            elif path == "/metrics" and self.serve_metrics:
-                await self._metrics(scope, send)
-            elif path in UI_PATHS and self.serve_metrics and self.ui is not None:
-                await self.ui.asgi(scope, send)
+            elif self.serve_metrics and (path == "/metrics"
+                                         or (path in UI_PATHS and self.ui is not None)):
+                if self.keys is not None and not self.keys.accepts(observer_key(scope["headers"])):
+                    await _plain(send, 401, error_body(
+                        "this proxy checks client keys: present one to read /metrics and /ui "
+                        "(Authorization: Bearer, x-api-key, api-key, or as the password of "
+                        "HTTP Basic auth)", "invalid_request_error", "invalid_api_key"),
+                        b"application/json", OBSERVER_CHALLENGE)
+                elif path == "/metrics":
+                    await self._metrics(scope, send)
+                else:
+                    assert self.ui is not None
+                    await self.ui.asgi(scope, send)
             else:
                 await _plain(send, 404, error_body(f"no route {path[:200]}; this proxy serves "
                                                    f"/v1/*{self.elsewhere}",
@@ -207,10 +217,11 @@ def _freeze_startup_objects() -> None:
     gc.freeze()
 
 
-async def _plain(send: Send, status: int, body: bytes, content_type: bytes) -> None:
+async def _plain(send: Send, status: int, body: bytes, content_type: bytes,
+                 *extra: tuple[bytes, bytes]) -> None:
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", content_type),
-                            (b"content-length", str(len(body)).encode())]})
+                            (b"content-length", str(len(body)).encode()), *extra]})
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 

@@ -295,7 +295,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("port", _int(0, 65535), "Port to listen on (0: a free port chosen by the system, "
            "printed in the start-up line).", "PORT"),
     Option("metrics_port", _int(0, 65535), "Serve /metrics on this separate port instead of the main one "
-           "(0: serve it on the main port). Use it in production so app clients cannot read metrics.", "PORT"),
+           "(0: serve it on the main port). Use it in production so app clients cannot read metrics. "
+           "It takes no client key; the main port's /metrics and /ui take one when client keys "
+           "are checked.", "PORT"),
     Option("metrics_host", _str, "Interface for --metrics-port.", "HOST", unset="same as --host"),
     Option("max_concurrency", _int(0), "In-flight upstream requests allowed at once; more wait in a queue "
            "and the wait is measured as queue time (0: unlimited).", "N"),

@@ -5,6 +5,11 @@ suite's scripted upstream on loopback):
 * a request refused for its key takes no ``client`` label value, so wrong keys cannot
   fill ``--max-clients`` and push real clients into ``other``; with keys passed through,
   a key the upstream refuses (401/403) takes none either;
+* with client keys on, ``/metrics``, ``/ui`` and ``/ui/data`` on the main port take a
+  client key (Bearer, ``x-api-key``, ``api-key`` or the password of HTTP Basic auth)
+  and answer 401 with a Basic challenge without one; ``--metrics-port`` takes none
+  (a real Prometheus scraping with ``authorization`` credentials: tests marked slow;
+  the page in a real browser: ``tests/test_ui_browser.py``);
 * ``SIGHUP`` re-reads ``--client-keys-file`` (with one process and with ``--workers 2``:
   the supervisor reads it once and tells every worker only if it loads): a revoked key
   is refused from then on, a file that does not load keeps the running keys and says
@@ -16,6 +21,7 @@ suite's scripted upstream on loopback):
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import hashlib
 import os
@@ -32,6 +38,7 @@ import anyio
 import httpx
 import openai
 import pytest
+import yaml
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -41,6 +48,7 @@ from proxy.config import Settings
 from tests.fake_upstream import Conn, RawUpstream, ScriptedUpstream, normal
 from tests.servers import ROOT, RunningServer, closed_port, proxy_process, serve_in_thread
 from tests.test_faults import chat, client
+from tests.test_observability import require_tool
 from tests.test_startup import BANNER, serving
 
 pytestmark = pytest.mark.anyio
@@ -244,3 +252,128 @@ def test_sighup_rereads_the_client_keys(
         assert proc.stop() == 0
     assert sum(bool(KEYS_REFUSED.search(line)) for line in proc.lines) == 1, proc.lines
     assert sum(bool(KEYS_RELOADED.search(line)) for line in proc.lines) == workers, proc.lines
+
+
+# ---------------------------------------------------------------------------
+# /metrics and /ui when the proxy checks client keys
+
+EXPOSED = ("/metrics", "/ui", "/ui/", "/ui/data")
+
+
+def basic(user: str, password: str) -> str:
+    return "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+
+
+@pytest.mark.e2e
+async def test_metrics_and_ui_on_the_main_port_take_a_client_key(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    valid = "cli-" + secrets.token_hex(12)
+    keys = tmp_path / "keys"
+    keys.write_text(digest(valid) + "\n")
+    monkeypatch.setenv("TEST_KEYS_UPSTREAM_KEY", "srv-" + secrets.token_hex(8))
+    upstream = RawUpstream()
+    with upstream.running():
+        async with proxy_process(
+                upstream.url, "--upstream-api-key-env", "TEST_KEYS_UPSTREAM_KEY",
+                "--client-keys-file", str(keys), "--client-label-from", "header:X-Team"
+                ) as (_, port, _out), client() as c:
+            base = f"http://127.0.0.1:{port}"
+            r = await c.post(base + "/v1/chat/completions", content=chat("ok", stream=False),
+                             headers={"authorization": f"Bearer {valid}", "x-team": "search"})
+            assert r.status_code == 200
+            for path in EXPOSED:
+                for headers in ({}, {"authorization": "Bearer wrong"}, {"x-api-key": "wrong"},
+                                {"authorization": basic("ops", "wrong")},
+                                {"authorization": basic(valid, "")},
+                                {"authorization": "Basic !!not-base64"}):
+                    r = await c.get(base + path, headers=headers)
+                    assert r.status_code == 401, (path, headers)
+                    assert r.headers["www-authenticate"].startswith('Basic realm="llm-latency-proxy"')
+                    assert r.json()["error"]["code"] == "invalid_api_key"
+                    assert "search" not in r.text and "llm_proxy_" not in r.text
+            for headers in ({"authorization": f"Bearer {valid}"}, {"x-api-key": valid},
+                            {"api-key": valid}, {"authorization": basic("prometheus", valid)}):
+                r = await c.get(base + "/metrics", headers=headers)
+                assert r.status_code == 200 and 'client="search"' in r.text, headers
+            page = await c.get(base + "/ui", headers={"authorization": basic("ops", valid)})
+            assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+            data = await c.get(base + "/ui/data", headers={"authorization": basic("", valid)})
+            assert data.status_code == 200 and data.json()["selection"] is not None
+            assert (await c.get(base + "/healthz")).status_code == 200  # probes need no key
+
+
+@pytest.mark.e2e
+async def test_with_a_metrics_port_the_main_port_never_serves_them_and_the_port_takes_no_key(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    valid = "cli-" + secrets.token_hex(12)
+    keys = tmp_path / "keys"
+    keys.write_text(digest(valid) + "\n")
+    monkeypatch.setenv("TEST_KEYS_UPSTREAM_KEY", "srv-" + secrets.token_hex(8))
+    metrics_port = closed_port()
+    upstream = RawUpstream()
+    with upstream.running():
+        async with proxy_process(
+                upstream.url, "--upstream-api-key-env", "TEST_KEYS_UPSTREAM_KEY",
+                "--client-keys-file", str(keys), "--metrics-port", str(metrics_port)
+                ) as (_, port, _out), client() as c:
+            for path in EXPOSED:
+                r = await c.get(f"http://127.0.0.1:{port}{path}",
+                                headers={"authorization": f"Bearer {valid}"})
+                assert r.status_code == 404, path
+                r = await c.get(f"http://127.0.0.1:{metrics_port}{path}")
+                assert r.status_code == 200, path
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+async def test_prometheus_scrapes_the_main_port_with_a_key_and_not_without(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real Prometheus, two jobs on the same proxy: the one with ``authorization``
+    credentials (a key file, as a Secret would be mounted) scrapes, the other gets 401."""
+    from tests.test_prometheus_integration import background, free_port, poll
+
+    prometheus = require_tool("prometheus")
+    valid = "prom-" + secrets.token_hex(12)
+    keys = tmp_path / "keys"
+    keys.write_text(digest(valid) + "\n")
+    key_file = tmp_path / "scrape-key"
+    key_file.write_text(valid + "\n")
+    monkeypatch.setenv("TEST_KEYS_UPSTREAM_KEY", "srv-" + secrets.token_hex(8))
+    upstream = RawUpstream()
+    with upstream.running():
+        async with proxy_process(
+                upstream.url, "--upstream-api-key-env", "TEST_KEYS_UPSTREAM_KEY",
+                "--client-keys-file", str(keys)) as (_, port, _out):
+            target = {"static_configs": [{"targets": [f"127.0.0.1:{port}"]}],
+                      "scrape_interval": "1s", "scrape_timeout": "1s"}
+            config = tmp_path / "prometheus.yml"
+            config.write_text(yaml.safe_dump({"scrape_configs": [
+                {"job_name": "with-key", **target,
+                 "authorization": {"type": "Bearer", "credentials_file": str(key_file)}},
+                {"job_name": "without-key", **target}]}))
+            prom_port = free_port()
+            log = tmp_path / "prometheus.log"
+            argv = [prometheus, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                    f"--web.listen-address=127.0.0.1:{prom_port}", "--log.level=warn"]
+            with background(argv, log):
+                async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{prom_port}",
+                                             timeout=10) as pc:
+                    health: dict[str, tuple[str, str]] = {}
+
+                    async def both_scraped() -> bool:
+                        try:
+                            r = await pc.get("/api/v1/targets")
+                        except httpx.TransportError:
+                            return False
+                        if r.status_code != 200:  # not ready yet
+                            return False
+                        for t in r.json()["data"]["activeTargets"]:
+                            health[t["labels"]["job"]] = (t["health"], t["lastError"])
+                        return len(health) == 2 and "unknown" not in {h for h, _ in health.values()}
+
+                    await poll("both jobs to be scraped", both_scraped, log)
+                    r = await pc.get("/api/v1/query", params={
+                        "query": 'count by (job) ({__name__=~"llm_proxy_.+"})'})
+    assert health["with-key"] == ("up", ""), health
+    assert health["without-key"][0] == "down" and "401" in health["without-key"][1], health
+    assert [s["metric"]["job"] for s in r.json()["data"]["result"]] == ["with-key"]
