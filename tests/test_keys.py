@@ -9,7 +9,8 @@ suite's scripted upstream on loopback):
   client key (Bearer, ``x-api-key``, ``api-key`` or the password of HTTP Basic auth)
   and answer 401 with a Basic challenge without one; ``--metrics-port`` takes none
   (a real Prometheus scraping with ``authorization`` credentials: tests marked slow;
-  the page in a real browser: ``tests/test_ui_browser.py``);
+  the page in a real browser: ``tests/test_ui_browser.py``); the bench sends its key
+  with its scrape of the proxy's view, to the proxy's own origin only;
 * ``SIGHUP`` re-reads ``--client-keys-file`` (with one process and with ``--workers 2``:
   the supervisor reads it once and tells every worker only if it loads): a revoked key
   is refused from then on, a file that does not load keeps the running keys and says
@@ -377,3 +378,31 @@ async def test_prometheus_scrapes_the_main_port_with_a_key_and_not_without(
     assert health["with-key"] == ("up", ""), health
     assert health["without-key"][0] == "down" and "401" in health["without-key"][1], health
     assert [s["metric"]["job"] for s in r.json()["data"]["result"]] == ["with-key"]
+
+
+@pytest.mark.e2e
+def test_the_bench_shows_the_proxys_view_of_a_proxy_that_checks_keys(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from proxy.cli import main
+    from proxy.simulator.app import create_simulator_app
+    from proxy.simulator.model import SimConfig
+
+    valid = "cli-" + secrets.token_hex(12)
+    keys = tmp_path / "keys"
+    keys.write_text(digest(valid) + "\n")
+    monkeypatch.setenv("TEST_KEYS_UPSTREAM_KEY", "srv-" + secrets.token_hex(8))
+    sim_app = create_simulator_app(SimConfig(slots=4, itl=0.002, seed=1))
+    with serve_in_thread(sim_app) as sim, served(
+            sim.url, upstream_api_key_env="TEST_KEYS_UPSTREAM_KEY",
+            client_keys_file=str(keys)) as (proxy, _):
+        argv = ["bench", "--base-url", proxy.url + "/v1", "--model", "sim-llm", "--requests", "4",
+                "--concurrency", "2", "--max-tokens", "3", "--no-progress", "--api-key", valid]
+        assert main(argv) == 0
+        out = capsys.readouterr()
+        # the same key pointed at another origin's /metrics is not sent there
+        elsewhere = f"http://localhost:{proxy.port}/metrics"
+        assert main([*argv, "--compare-metrics", elsewhere]) == 2
+        refused = capsys.readouterr()
+    assert "proxy's view" in out.out and "cannot scrape" not in out.err, out.err
+    assert re.search(r"^requests\s+4\s+4\s+\+0$", out.out, re.MULTILINE), out.out
+    assert "cannot scrape" in refused.err and "401" in refused.err
