@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import math
 import random
+import re
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
+import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -26,6 +29,7 @@ from proxy.diagnosis.fit import (
 )
 
 Point = tuple[float, float]
+PROMTOOL_CASE = Path(__file__).resolve().parent.parent / "prometheus" / "tests" / "prefill_fit_test.yml"
 
 
 def exact_line(points: list[Point]) -> tuple[Fraction, Fraction, Fraction]:
@@ -161,3 +165,29 @@ def test_from_samples_reads_the_exported_counter_names() -> None:
     twice = FitSums.from_samples(samples + samples)
     assert twice == sums.plus(sums)
     assert KTOKENS == 1000
+
+
+def test_the_recording_rules_case_fits_the_same_in_python() -> None:
+    """prometheus/tests/prefill_fit_test.yml feeds the recording rules two replicas'
+    counters; the Python fit over the same per-minute sums (one replica's plus the
+    other's) finds the line the rules are tested to record, and each replica alone
+    finds its own, different one."""
+    doc = yaml.safe_load(PROMTOOL_CASE.read_text())
+    by_replica: dict[str, dict[str, float]] = {}
+    for entry in doc["tests"][0]["input_series"]:
+        name, labels = entry["series"].split("{", 1)
+        if 'model="m"' not in labels:
+            continue
+        replica = re.search(r'instance="(\w+)"', labels)
+        step = re.fullmatch(r"0\+([\d.]+)x\d+", entry["values"])
+        assert replica and step, entry
+        by_replica.setdefault(replica[1], {})[SAMPLES[name]] = float(step[1])
+    a, b = (FitSums(**by_replica[r]) for r in ("a", "b"))
+    union = fit(a.plus(b))
+    assert (union.ms_per_1k_tokens, union.fixed_ms) == (62.5, 312.5)
+    assert (fit(a).ms_per_1k_tokens, fit(a).fixed_ms) == (187.5, 187.5)
+    assert (fit(b).ms_per_1k_tokens, fit(b).fixed_ms) == (31.25, 250.0)
+    recorded = {case["expr"].split(":")[1]: case["exp_samples"][0]["value"]
+                for case in doc["tests"][0]["promql_expr_test"] if ":fit5m" in case["expr"]}
+    assert recorded == {"llm_proxy_prefill_seconds_per_ktoken": 0.0625,
+                        "llm_proxy_first_token_fixed_seconds": 0.3125}
