@@ -75,6 +75,25 @@ TPOT_HELP = (
 )
 
 
+# The finish_reason label of llm_proxy_finish_reasons_total: each API's words for why an
+# answer ended (chat and completions finish_reason, Responses incomplete_details.reason
+# or status, Messages stop_reason, TGI's), in a fixed set of values.
+FINISH_CLASSES: dict[str, tuple[str, ...]] = {
+    "length": ("length", "max_tokens", "max_output_tokens", "model_context_window_exceeded"),
+    "stop": ("stop", "end_turn", "stop_sequence", "completed", "eos_token"),
+    "tool_calls": ("tool_calls", "function_call", "tool_use"),
+    "content_filter": ("content_filter", "refusal"),
+}
+_FINISH_CLASS = {word: name for name, words in FINISH_CLASSES.items() for word in words}
+
+
+def finish_class(reasons: Sequence[str]) -> str:
+    """The label value for a response's finish reasons (in choice order)."""
+    if any(_FINISH_CLASS.get(r) == "length" for r in reasons):
+        return "length"
+    return _FINISH_CLASS.get(reasons[0], "other") if reasons else "other"
+
+
 def observe_many(child: Histogram, values: Sequence[float]) -> None:
     """Observe many values at once: one increment per bucket touched, one for the sum.
 
@@ -320,7 +339,7 @@ class Metrics:
     # -- what the records say about causes (proxy.diagnosis reads these) ---------------
 
     def _init_causes(self, reg: CollectorRegistry, base: tuple[str, ...]) -> None:
-        """The prefill fit's sums (see proxy/diagnosis/fit.py)."""
+        """The prefill fit's sums (see proxy/diagnosis/fit.py) and why answers ended."""
         about = (" Per streamed request with a first token and the upstream's usage; x = "
                  "uncached prompt tokens / 1000 (usage prompt tokens minus cached prompt "
                  "tokens, cached counted 0 when the usage does not report it), y = time to "
@@ -347,8 +366,23 @@ class Metrics:
             "of the prefill fit (llm_proxy_prefill_fit_*) because the upstream's usage did "
             "not say the prompt tokens.", base, registry=reg)
         self._fit_children: dict[tuple[str, str, str], tuple[Counter, ...]] = {}
+        self.finish_reasons = Counter(
+            "llm_proxy_finish_reasons", "Why answers ended, one count per measured response "
+            "whose finish reason was read (streamed or not), as one of: " + ", ".join(
+                f"{name} ({' / '.join(words)})" for name, words in FINISH_CLASSES.items())
+            + ", other (anything else). With several choices: length when any choice "
+            "stopped at its length limit, else the first choice's.",
+            (*base, "finish_reason"), registry=reg)
+        self._finish_children: dict[tuple[str, str, str, str], Counter] = {}
 
     def _observe_causes(self, record: RequestRecord) -> None:
+        if record.finish_reasons:
+            key4 = (record.route, record.model, record.upstream,
+                    finish_class(record.finish_reasons))
+            child = self._finish_children.get(key4)
+            if child is None:
+                child = self._finish_children[key4] = self.finish_reasons.labels(*key4)
+            child.inc()
         if not record.stream or record.ttft_s is None:
             return
         key = (record.route, record.model, record.upstream)
