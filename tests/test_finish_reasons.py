@@ -85,3 +85,14 @@ async def test_streamed_and_whole_answers_count_once_each(tmp_path: Path) -> Non
         await client.post(CHAT, json={"model": "m", "messages": []})
     assert count(registry, "stop") == 1
     assert count(registry, "length") == 0
+
+
+@pytest.mark.anyio
+async def test_counted_without_a_trace_or_request_log() -> None:
+    """Finish reasons are read for the metrics alone: a chat stream in OpenAI's layout
+    (the reason in a chunk without output) is counted with nothing else reading it."""
+    clock = ScriptedClock()
+    app, registry = make_app(sse_upstream(clock, chat_stream("length")), clock)
+    async with app, client_for(BodyClock(app, clock)) as client:
+        await client.post(CHAT, json=stream_request())
+    assert count(registry, "length") == 1
