@@ -156,7 +156,7 @@ def fit(sums: FitSums) -> PrefillFit:
                           mean_uncached_tokens=mean_tokens, mean_first_token_ms=mean_ms)
     covariance = n * sums.sxy - sums.sx * sums.sy
     slope = covariance / spread  # seconds per 1,000 tokens
-    fixed = (sums.sy - slope * sums.sx) / n  # seconds
+    fixed = (sums.sy * sums.sxx - sums.sx * sums.sxy) / spread  # seconds: (Sy - slope*Sx) / n
     stderr = None
     if n > 2:
         # residual sum of squares times n; rounding can take an exact line below zero
