@@ -203,9 +203,10 @@ class V1Handler:
         # the key was wrong, and a wrong key must not take a label (see _finish).
         self._upstream_checks_key = keys is None and settings.client_label_from == "key"
         self._secret_headers = frozenset(h.lower().encode() for h in settings.secret_headers)
-        # Response id, model and finish reasons are read only for whoever reads them.
+        # Response id, model and finish reasons are read only for whoever reads them:
+        # the trace, OTLP metrics, the request log, and the metrics' finish reasons.
         self.response_info = (tracing is not None or request_log is not None
-                              or otel_metrics is not None)
+                              or otel_metrics is not None or metrics is not None)
         self.routes = (MEASURED_ROUTES if self.response_info
                        else MEASURED_ROUTES_WITHOUT_RESPONSE_INFO)
         self._warnings = RateLimitedLog(log, per_interval=10, interval_s=10.0)

@@ -167,6 +167,11 @@ def proxy_exposition() -> str:
         app.metrics.requests.labels("/v1/chat/completions", "m", "sim", "true", "200")
         app.metrics.duration.labels("/v1/chat/completions", "m", "sim", "true")
         app.metrics.outcomes.labels("/v1/chat/completions", "m", "sim", "completed")
+        for counter in (app.metrics.fit_n, app.metrics.fit_x, app.metrics.fit_y,
+                        app.metrics.fit_xy, app.metrics.fit_xx, app.metrics.fit_yy,
+                        app.metrics.fit_skipped):
+            counter.labels("/v1/chat/completions", "m", "sim")
+        app.metrics.finish_reasons.labels("/v1/chat/completions", "m", "sim", "stop")
         try:
             transport = httpx.ASGITransport(app=app)
             async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as client:
