@@ -397,6 +397,11 @@ def _shown_default(opt: Option, default: Any) -> str:
     return opt.unset
 
 
+def shown_default(opt: Option) -> str:
+    """``opt``'s default as ``--help`` shows it (the settings reference shows the same)."""
+    return _shown_default(opt, getattr(Settings(), opt.name))
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register every option as a flag; the default stays None so env can fill in."""
     defaults = Settings()
@@ -427,6 +432,12 @@ def given_as(name: str, args: argparse.Namespace | None = None,
 
 SINGLE_UPSTREAM_OPTIONS = ("upstream", "upstream_name", "upstream_api_key_env", "upstream_auth")
 FINGERPRINT_SECRET_ENV = "LLM_PROXY_FINGERPRINT_SECRET"
+
+
+def file_key(opt: Option) -> str:
+    """``opt``'s top-level key in a config file, or "" where a file cannot set it: the
+    file itself, and the single-upstream options its ``[[upstream]]`` tables replace."""
+    return "" if opt.name == "config" or opt.name in SINGLE_UPSTREAM_OPTIONS else opt.name
 
 
 def from_sources(args: argparse.Namespace | None = None,
@@ -463,7 +474,7 @@ def from_sources(args: argparse.Namespace | None = None,
             if key == "upstream":
                 continue
             found = _BY_NAME.get(key)
-            if found is None or key == "config" or key in SINGLE_UPSTREAM_OPTIONS:
+            if found is None or not file_key(found):
                 hint = (" (declare upstreams as [[upstream]] tables)"
                         if key in SINGLE_UPSTREAM_OPTIONS else _closest_key(key))
                 raise SettingsError(f"config {path}: {key}: unknown setting{hint}")
