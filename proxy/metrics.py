@@ -314,6 +314,11 @@ class Metrics:
             if record.tpot_s is not None:
                 c.tpot.observe(record.tpot_s)
 
+    @staticmethod
+    def exposition_type(accept: str | None) -> str:
+        """The content type :meth:`exposition` answers ``accept`` with: the format."""
+        return choose_encoder(accept or "")[1]
+
     def exposition(self, accept: str | None) -> tuple[bytes, str]:
         """Render the registry (or, with workers, every worker's files) for a scrape."""
         encoder, content_type = choose_encoder(accept or "")
