@@ -58,7 +58,10 @@ class ProxyApp:
                         if self.metrics is not None else None)
         self.upstreams = Upstreams(
             settings.upstream_specs, self.metrics.in_flight if self.metrics else None, transport)
-        self.request_log = RequestLog(settings.log_requests) if settings.log_requests else None
+        self.request_log = (
+            RequestLog(settings.log_requests, buffer=settings.log_requests_buffer,
+                       dropped=self.metrics.request_log_dropped.inc if self.metrics else None)
+            if settings.log_requests else None)
         self.tracing = tracing_from_settings(settings, clock)
         self.otel_metrics = otel_metrics_from_settings(settings)
         self.serve_metrics = (not settings.metrics_port) if serve_metrics is None else serve_metrics
@@ -144,8 +147,8 @@ class ProxyApp:
 
     async def aclose(self) -> None:
         await self.upstreams.aclose()
-        if self.request_log is not None:
-            self.request_log.close()
+        if self.request_log is not None:  # every buffered line written: off the loop
+            await asyncio.to_thread(self.request_log.close)
         if self.tracing is not None:  # exports what is queued: off the event loop
             await asyncio.to_thread(self.tracing.shutdown)
         if self.otel_metrics is not None:  # the last export, off the event loop too

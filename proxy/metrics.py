@@ -239,6 +239,11 @@ class Metrics:
             "llm_proxy_in_flight_requests", "Requests the proxy is handling right now "
             "(queued or relaying), per upstream.", ("upstream",), registry=reg,
             multiprocess_mode="livesum")
+        self.request_log_dropped = Counter(
+            "llm_proxy_request_log_dropped_lines", "Per-request log lines (--log-requests) "
+            "dropped because --log-requests-buffer lines were already waiting for a file "
+            "slower than the requests (or writing failed); those requests were served and "
+            "measured as usual.", registry=reg)
         self._children: dict[tuple[str, str, str, str], _Children] = {}
         self.watchers: list[Callable[[RequestRecord], None]] = []  # each finished request
 
