@@ -172,7 +172,8 @@ class V1Handler:
     """The ASGI endpoint for every ``/v1/*`` request.
 
     One request path, as small steps that return or raise: :meth:`_check` (path, sizes,
-    key), :meth:`_read` (the body), :meth:`_parse` (what the body asks for),
+    key), :meth:`_read` (the body), :meth:`_decode` and :meth:`_parse` (what the body
+    asks for),
     :meth:`_admit` (queue time), :meth:`_forward` (the upstream exchange) and
     :meth:`_relay`. A step that refuses raises :class:`Refused`; whatever happened,
     :meth:`_finish` runs once and builds the record, observes the metrics and writes the
@@ -223,6 +224,12 @@ class V1Handler:
             await _send_error(send, refusal, x.request_id)
         except ClientGone:
             x.status, x.outcome, x.t_end = 499, Outcome.CLIENT_DISCONNECTED, self.clock()
+        except asyncio.CancelledError:
+            # The server cancelled the request (shutdown past --graceful-timeout) before
+            # or during its exchange, e.g. while a large body was decoded: cut short.
+            x.status, x.outcome = x.status or 503, Outcome.CANCELLED
+            x.t_end = x.t_end or self.clock()
+            raise
         finally:
             self._finish(x)
         # Recorded first, so a client that saw the end can already scrape the request.

@@ -371,7 +371,8 @@ async def test_streams_flow_while_a_large_body_is_decoded() -> None:
         f"A waited {longest * 1000:.1f} ms of the {(end - start) * 1000:.1f} ms B took")
 
 
-async def _post_noting_body_taken(app: Any, body: bytes, taken: list[float]) -> None:
+async def _post_noting_body_taken(app: Any, body: bytes, taken: list[float],
+                                  taken_event: asyncio.Event | None = None) -> None:
     delivered = False
 
     async def receive() -> MutableMapping[str, Any]:
@@ -379,6 +380,8 @@ async def _post_noting_body_taken(app: Any, body: bytes, taken: list[float]) -> 
         if not delivered:
             delivered = True
             taken.append(time.perf_counter())
+            if taken_event is not None:
+                taken_event.set()
             return {"type": "http.request", "body": body, "more_body": False}
         await asyncio.Event().wait()  # the client stays
         raise AssertionError("unreachable")
@@ -395,3 +398,28 @@ async def _post_noting_body_taken(app: Any, body: bytes, taken: list[float]) -> 
              "headers": [(b"content-type", b"application/json")]}
     await app(scope, receive, send)
     assert RawResult(sent).status == 200
+
+
+async def test_a_request_cancelled_while_its_large_body_is_decoded_is_finished_as_cancelled(
+        tmp_path: Any) -> None:
+    """The server cancels requests still running when its shutdown grace period ends;
+    one whose large body is being decoded (an await the inline path did not have) is
+    still finished once, as ``cancelled`` with 503, never sent upstream."""
+    log_file = tmp_path / "requests.jsonl"
+    app, registry = make_app(None, ScriptedClock(), behaviour=normal,
+                             log_requests=str(log_file))
+    taken = asyncio.Event()
+    async with app:
+        task = asyncio.ensure_future(
+            _post_noting_body_taken(app, large_body(stream=True), [], taken))
+        await asyncio.wait_for(taken.wait(), WAIT_S)  # the proxy took the body
+        task.cancel()  # what uvicorn does after --graceful-timeout
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    [line] = [json.loads(text) for text in log_file.read_text().splitlines()]
+    assert (line["status"], line["outcome"]) == (503, "cancelled")
+    assert line["duration_s"] >= 0
+    assert app.scripted.requests == []
+    assert registry.get_sample_value("llm_proxy_requests_total", {
+        "route": CHAT, "model": "unknown", "upstream": "upstream.test:8000",
+        "stream": "false", "code": "503"}) == 1
