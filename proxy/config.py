@@ -84,6 +84,7 @@ class Settings:
     inject_usage: bool = True
     measure: bool = True
     log_requests: str = ""
+    log_requests_buffer: int = 10_000
     max_models: int = 100
     model_allowlist: tuple[str, ...] = ()
     ttft_buckets: tuple[float, ...] = TTFT_BUCKETS
@@ -330,6 +331,11 @@ OPTIONS: tuple[Option, ...] = (
            "measurement in benchmarks).", flag_only_true=True),
     Option("log_requests", _str, "Write one JSON line per finished request to this file ('-' for stdout).",
            "FILE", unset="none, no per-request log"),
+    Option("log_requests_buffer", _int(1), "Lines of the per-request log held in memory while "
+           "the file is slower than the requests (a writer thread writes them, never the "
+           "event loop); when it is full, new lines are dropped and counted in "
+           "llm_proxy_request_log_dropped_lines_total instead of slowing the streams down.",
+           "LINES"),
     Option("max_models", _int(1), "Distinct 'model' label values kept; later names are counted as 'other'.", "N"),
     Option("model_allowlist", _names, "Comma-separated model names allowed as label values; any other "
            "becomes 'other'.", "NAMES", unset="none, the first --max-models names are kept"),
