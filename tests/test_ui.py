@@ -642,6 +642,16 @@ def test_the_page_reaches_nothing_off_the_machine() -> None:
     assert "{{" not in html
 
 
+def test_the_page_stays_small() -> None:
+    """One document, its script and style inlined: the README gives its size. A new
+    panel that takes it past this budget should say what it gave up for it."""
+    import gzip
+
+    page, _ = page_with_counter()
+    html = page.respond("GET", "/ui", b"")[2]
+    assert len(html) < 32_000 and len(gzip.compress(html, 9)) < 11_000
+
+
 def _urls(text: str) -> list[str]:
     import re
 
