@@ -65,12 +65,13 @@
     b.textContent = value;
     b.dataset.k = key;
     span.textContent = label;
-    if (since) {
-      const i = make("i");
-      [i.textContent, i.dataset.k] = since;
-      span.append(" · since start ", i);
-    }
     div.append(b, span);
+    if (since) {
+      const more = make("span"), i = make("i");
+      [i.textContent, i.dataset.k] = since;
+      more.append("since start ", i);
+      div.append(more);
+    }
     return div;
   }
 
