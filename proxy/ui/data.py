@@ -111,6 +111,7 @@ WINDOW_S = 60.0
 # leaves gaps of up to two FINE_S.
 FULL_WINDOW_S = WINDOW_S - 2 * FINE_S
 _MEMO_MAX = 8  # aggregates and points remembered per collection: a few selections
+TABLE_MAX_ROWS = 60  # of the table by upstream and model; the rest are counted
 
 _OUTCOME_NAMES = tuple(str(o) for o in Outcome if o is not Outcome.REJECTED)
 _CLIENT_LEFT = (str(Outcome.CLIENT_DISCONNECTED), str(Outcome.CLIENT_STALLED))
@@ -478,8 +479,9 @@ def over_time(view: View) -> dict[str, Any]:
     """Points every ``COARSE_S`` over the ring, each a whole interval between two of its
     collections (the one still running is left out); ``None`` where the ring has a gap
     (no page polled), so the lines break there."""
-    points: list[Collection] = list(view.data.coarse)
     now_t, selection = view.now.t, view.selection
+    # (a copy, without what another thread's answer collected since this one's)
+    points = [c for c in list(view.data.coarse) if c.t <= now_t]
     out: dict[str, list[Any]] = {"t": []}
     keys = [f"{h}.p{round(q * 100)}" for h in ("ttft", "ttfa", "itl") for q in QUANTILES]
     for k in (*keys, "requests_per_s", "output_tokens_per_s"):
@@ -497,9 +499,6 @@ def over_time(view: View) -> dict[str, Any]:
         for k, v in point.items():
             out[k].append(v)
     return out
-
-
-TABLE_MAX_ROWS = 60
 
 
 def by_upstream(view: View) -> dict[str, Any]:
