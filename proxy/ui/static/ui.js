@@ -84,7 +84,7 @@
       ["streams below reading pace (5 tok/s)", (x) => pct(x.tpot && x.tpot.below_reading_pace), "tpot.below_reading_pace"],
       ["requests", (x) => num(x.requests), "requests"],
     ].map(([name, fmt, key]) => tile(fmt(f), `${k}.${key}`, `${name} · ${span}`, k === "total" ? null : [fmt(t), `total.${key}`]));
-    items.splice(2, 0, tile(num(d.in_flight), "in_flight", "in flight · now"));
+    items.splice(2, 0, tile(num(d.in_flight), "in_flight", "in flight · now, every route and model"));
     $("#tiles").replaceChildren(...items);
   }
 
