@@ -198,7 +198,7 @@ def wait_for(driver: Any, script: str, timeout: float = 20.0) -> Any:
 
 def full_screenshot(driver: Any, path: Path, scale: float = 1.0) -> None:
     """The whole page, not just the window (DevTools ``Page.captureScreenshot``), at
-    ``scale`` (the README's is smaller, to stay under 200 KB)."""
+    ``scale`` (the README's is smaller, to stay near 200 KB)."""
     metrics = driver.execute_cdp_cmd("Page.getLayoutMetrics", {})
     size = metrics["cssContentSize"]
     shot = driver.execute_cdp_cmd(
@@ -392,7 +392,7 @@ def demo() -> Iterator[str]:
             process.wait(10)
 
 
-def screenshot(path: Path, seconds: float, scale: float = 0.72) -> None:
+def screenshot(path: Path, seconds: float, scale: float = 0.66) -> None:
     """The README's picture: the demo's page after ``seconds`` of its traffic."""
     with demo() as url, chrome(1360, 1000) as driver:
         driver.get(url)
@@ -409,7 +409,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="Take the README's screenshot of /ui.")
     parser.add_argument("--screenshot", type=Path, default=Path("docs/ui.png"))
     parser.add_argument("--seconds", type=float, default=75.0)
-    parser.add_argument("--scale", type=float, default=0.72)
+    parser.add_argument("--scale", type=float, default=0.66)
     args = parser.parse_args()
     screenshot(args.screenshot, args.seconds, args.scale)
     print(f"{args.screenshot}: {args.screenshot.stat().st_size} bytes")
