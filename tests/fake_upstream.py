@@ -591,6 +591,9 @@ class Scheduled:
     answers after the whole generation time. Time here is the subject of the test, so
     it is the real clock. ``closed`` is set (and ``closed_at`` appended) when the proxy
     closes the request before the end; ``finished`` when a stream was sent whole.
+    ``streams`` keeps, per streamed request, when it arrived and when each content token
+    was handed on: a loaded machine wakes this handler late, so a test holds the proxy's
+    figures against what was sent, the schedule being only when it was due.
     """
 
     ttft: float = 0.1
@@ -602,6 +605,7 @@ class Scheduled:
     closed: threading.Event = field(default_factory=threading.Event)
     closed_at: list[float] = field(default_factory=list)
     finished: threading.Event = field(default_factory=threading.Event)
+    streams: list[tuple[float, list[float]]] = field(default_factory=list)
 
     def text(self, i: int) -> str:
         return f"t{i} "
@@ -627,12 +631,15 @@ class Scheduled:
                               content=self._body(t0, events))
 
     async def _body(self, t0: float, events: list[bytes]) -> AsyncIterator[bytes]:
+        sent: list[float] = []
+        self.streams.append((t0, sent))
         try:
             yield events[0]
             for i, event in enumerate(events[1 : 1 + self.tokens]):
                 delay = t0 + self.ttft + i * self.itl - time.perf_counter()
                 if delay > 0:
                     await asyncio.sleep(delay)  # the schedule under test, not a wait
+                sent.append(time.perf_counter())
                 yield event
             yield b"".join(events[1 + self.tokens :])
             self.finished.set()
