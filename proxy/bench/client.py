@@ -34,7 +34,8 @@ Bodies are sent with ``Accept-Encoding: identity`` and read with ``aiter_raw`` s
 what is parsed is exactly what came off the socket.
 
 Two ways to pace a run: a fixed number of workers in a closed loop (``concurrency``),
-or an open loop of Poisson arrivals (``rate``, optionally capped by ``concurrency``).
+or an open loop of Poisson arrivals (``rate``) or of given arrival times (``scheduled``:
+a trace), optionally capped by ``concurrency``.
 """
 
 from __future__ import annotations
@@ -462,12 +463,32 @@ class RunPlan:
     concurrency: int | None = 8  # closed loop workers, or the cap with ``rate``
     rate: float | None = None  # open loop: Poisson arrivals per second
     headers: tuple[tuple[str, str], ...] = ()
+    scheduled: bool = False  # open loop at given arrival times (a trace), no rate
+    # (api, url, headers) for requests of other APIs than ``url``'s (a trace mixes them)
+    routes: tuple[tuple[str, str, tuple[tuple[str, str], ...]], ...] = ()
 
     def __post_init__(self) -> None:
         if self.requests is None and self.duration is None:
             raise ValueError("give a number of requests or a duration (or both)")
-        if self.rate is None and not self.concurrency:
-            raise ValueError("give a concurrency or a rate")
+        if self.rate is None and not self.concurrency and not self.scheduled:
+            raise ValueError("give a concurrency, a rate or a schedule")
+
+    @property
+    def open_loop(self) -> bool:
+        return self.rate is not None or self.scheduled
+
+
+async def _until(when: float, clock: Clock) -> None:
+    """Return at ``when`` on ``clock`` (pacing the workload, not waiting on a result).
+
+    A plain timer: yielding to the loop for the last millisecond or two instead
+    (measured on a loaded 2-core machine) moved the median send from 0.3 ms late to
+    0 but the 99th percentile from 4 ms to 7: a process that spins loses the
+    scheduler's favour for waking sleepers, and the tail is what a trace's bursts meet.
+    """
+    delay = when - clock()
+    if delay > 0:
+        await asyncio.sleep(delay)
 
 
 @dataclass(frozen=True, slots=True)
@@ -496,12 +517,15 @@ async def run(
 ) -> RunResult:
     """Send ``planned`` requests paced by ``plan``; return every result in send order.
 
-    ``arrivals`` (send offsets in seconds) is required when ``plan.rate`` is set.
+    ``arrivals`` (send offsets in seconds) is required in an open loop (``plan.rate``
+    or ``plan.scheduled``). Each request's body is taken from ``planned`` before the
+    wait for its send time, so building it (a long prompt) does not delay the send.
     Requests already sent when the duration runs out are awaited, not cancelled.
     """
     own_client = client is None
     http = client if client is not None else make_client(plan.concurrency)
     headers = dict(plan.headers)
+    per_api = {api: (url, dict(hdrs)) for api, url, hdrs in plan.routes}
     source: Iterator[PlannedRequest] = iter(planned)
     results: list[RequestResult] = []
     sent = 0
@@ -515,14 +539,15 @@ async def run(
 
     async def one(item: PlannedRequest) -> None:
         nonlocal last_end
-        result = await send(http, plan.url, item, headers=headers, origin=origin, clock=clock)
+        url, hdrs = per_api.get(item.api, (plan.url, headers))
+        result = await send(http, url, item, headers=hdrs, origin=origin, clock=clock)
         last_end = max(last_end, clock())
         results.append(result)
         if on_result is not None:
             on_result(result)
 
     try:
-        if plan.rate is None:
+        if not plan.open_loop:
 
             async def worker() -> None:
                 nonlocal sent
@@ -551,11 +576,12 @@ async def run(
                     break
                 if not more():
                     break
-                delay = origin + offset - clock()
-                if delay > 0:
-                    await asyncio.sleep(delay)  # pacing the workload, not waiting on a result
+                item = next(source, None)
+                if item is None:
+                    break
+                await _until(origin + offset, clock)
                 sent += 1
-                tasks.append(asyncio.create_task(capped(next(source))))
+                tasks.append(asyncio.create_task(capped(item)))
             try:
                 await asyncio.gather(*tasks)
             finally:
