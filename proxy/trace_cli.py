@@ -232,8 +232,8 @@ def info(trace: Trace) -> list[str]:
     per_minute = Counter(int(r.timestamp // 60000) for r in recs)
     rate = len(recs) / span_s if span_s > 0 else float("nan")
     lines.append(
-        f"span       {span_s:.1f} s; {rate:.2f} requests/s on average, "
-        f"{max(per_minute.values()) / 60:.2f}/s in the busiest minute"
+        f"span       {span_s:.1f} s ({timedelta(seconds=round(span_s))}); {rate:.2f} requests/s "
+        f"on average, {max(per_minute.values())} requests in the busiest minute"
     )
     said = "" if trace.block_size else " (not stated by the trace: the default)"
     lines.append(f"block size {size} tokens{said}")
