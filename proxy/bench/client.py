@@ -478,6 +478,9 @@ class RunPlan:
         return self.rate is not None or self.scheduled
 
 
+LEAD_S = 0.05  # a request's task is started this long before its send time
+
+
 async def _until(when: float, clock: Clock) -> None:
     """Return at ``when`` on ``clock`` (pacing the workload, not waiting on a result).
 
@@ -563,11 +566,13 @@ async def run(
                 raise ValueError("a rate needs arrival times")
             cap = asyncio.Semaphore(plan.concurrency) if plan.concurrency else None
 
-            async def capped(item: PlannedRequest) -> None:
+            async def capped(item: PlannedRequest, due: float) -> None:
                 if cap is None:
+                    await _until(due, clock)
                     await one(item)
                     return
                 async with cap:
+                    await _until(due, clock)
                     await one(item)
 
             tasks: list[asyncio.Task[None]] = []
@@ -579,9 +584,11 @@ async def run(
                 item = next(source, None)
                 if item is None:
                     break
-                await _until(origin + offset, clock)
+                # The task starts a little early and waits for its own send time: it
+                # then sends in the callback its timer wakes, not one loop turn later.
+                await _until(origin + offset - LEAD_S, clock)
                 sent += 1
-                tasks.append(asyncio.create_task(capped(item)))
+                tasks.append(asyncio.create_task(capped(item, origin + offset)))
             try:
                 await asyncio.gather(*tasks)
             finally:

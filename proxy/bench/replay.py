@@ -401,8 +401,12 @@ def format_comparison(cmp: dict[str, Any]) -> str:
     """The replay beside the trace, as printed after a ``bench --trace`` run."""
     from .stats import align_columns
 
-    lines = [cmp["headline"], ""]
-    lines += align_columns(comparison_rows(cmp))
+    return "\n".join([cmp["headline"], "", *align_columns(comparison_rows(cmp)), *notes(cmp)])
+
+
+def notes(cmp: dict[str, Any]) -> list[str]:
+    """The lines under the table: the schedule kept, the lengths, what to know."""
+    lines = []
     sched = cmp["schedule"]
     if sched["count"]:
         lines.append(
@@ -425,4 +429,4 @@ def format_comparison(cmp: dict[str, Any]) -> str:
             "upstream stopped at end of sequence (vLLM and SGLang: add --ignore-eos)"
         )
     lines += cmp["notes"]
-    return "\n".join(lines)
+    return lines
