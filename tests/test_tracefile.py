@@ -264,16 +264,19 @@ def test_write_trace_renumbers_ids_per_namespace() -> None:
 
 
 def test_block_text_equal_ids_are_byte_identical_and_a_partial_block_is_a_prefix() -> None:
-    text = BlockText(16, seed=3, capacity=2)
+    text = BlockText(16, seed=3)
     a = text.block(0, 7)
     assert len(a) == 16 * 4 and a.startswith(" ")
-    assert [w for w in a.split(" ") if w] and all(w in WORDS for w in a.split())
+    assert a.split() and all(w in WORDS for w in a.split()) and len(a.split()) == 16
     assert text.block(0, 8) != a and text.block(1, 7) != a  # namespaces apart
-    text.block(0, 9), text.block(0, 10)  # evict 7 from the LRU: drawn again, the same
-    assert text.block(0, 7) == a
+    assert text.block(0, 7) == a == BlockText(16, seed=3).block(0, 7)
     assert text.block(0, 7, 5) == a[:20]
     assert BlockText(16, seed=4).block(0, 7) != a
     assert BlockText(32, seed=3).block(0, 7)[:64] != a  # the block size is in the key
+    blocks = {text.block(0, i) for i in range(5000)}
+    assert len(blocks) == 5000
+    odd = BlockText(3)  # fewer words than slices
+    assert len(odd.block(0, 1)) == 12 and len(odd.unique(0, 7)) == 28
 
 
 def test_prompts_have_the_recorded_length_and_share_what_the_ids_share() -> None:

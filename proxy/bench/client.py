@@ -478,7 +478,7 @@ class RunPlan:
         return self.rate is not None or self.scheduled
 
 
-LEAD_S = 0.05  # a request's task is started this long before its send time
+LEAD_S = 0.2  # a request's task is started (its body built) this long before its send time
 
 
 async def _until(when: float, clock: Clock) -> None:
@@ -584,8 +584,9 @@ async def run(
                 item = next(source, None)
                 if item is None:
                     break
-                # The task starts a little early and waits for its own send time: it
-                # then sends in the callback its timer wakes, not one loop turn later.
+                # The task starts early and waits for its own send time: it then sends
+                # in the callback its timer wakes, not one loop turn later, and a burst's
+                # bodies are built before the burst is due.
                 await _until(origin + offset - LEAD_S, clock)
                 sent += 1
                 tasks.append(asyncio.create_task(capped(item, origin + offset)))
