@@ -613,7 +613,8 @@ async def _run(args: argparse.Namespace, replay: Replay | None) -> int:
         from .replay import compare
         from .replay import format_comparison as format_replay
 
-        compared = compare(work.replay, outcome.results, base)
+        where = base if args.simulate is None else f"the simulator ({args.simulate or 'defaults'})"
+        compared = compare(work.replay, outcome.results, where)
         print("\nthe replay beside the trace:", file=out)
         print(format_replay(compared), file=out)
     if args.json or args.report:
