@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import re
 import statistics
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -334,3 +335,55 @@ def test_the_report_shows_the_replay_beside_the_trace(
         assert headline == cmp["headline"]
         assert console_errors(driver) == []
         assert set(requested_urls(driver)) == {page.as_uri()}
+
+
+def test_a_trace_of_every_api_through_the_proxy(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each line on its recorded route's API, through the proxy in front of the
+    simulator: every request completes with the recorded output length; a trace of one
+    route is compared with the proxy's own histograms as any bench run is, one that
+    mixes routes says why it is not."""
+    from prometheus_client import CollectorRegistry
+
+    from proxy.app import create_app
+    from proxy.config import Settings
+    from proxy.simulator.app import create_simulator_app
+    from proxy.simulator.model import SimConfig
+    from tests.servers import serve_in_thread
+
+    routes = ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"]
+    mixed, chat = tmp_path / "mixed.jsonl", tmp_path / "chat.jsonl"
+    for path, pick in ((mixed, routes), (chat, routes[:1])):
+        w = TraceWriter(path, block_size=16, start=(0.0, START_WALL))
+        for i in range(12):
+            w.write(w.record(started=i * 0.02, input_length=40 + i, output_length=5 + i % 3,
+                             block_keys=[b"system", (b"own", i)], model="m",
+                             route=pick[i % len(pick)]))  # fmt: skip
+        w.close()
+    config = SimConfig(slots=8, itl=0.002, jitter=0.0, seed=3)
+    with serve_in_thread(create_simulator_app(config)) as sim:
+        app = create_app(Settings(upstream=sim.url + "/v1"), registry=CollectorRegistry())
+        with serve_in_thread(app) as proxy:
+            for path in (mixed, chat):
+                out = tmp_path / (path.stem + ".json")
+                argv = ["bench", "--trace", str(path), "--base-url", proxy.url + "/v1"]
+                assert main([*argv, "--json", str(out), "--no-progress"]) == 0
+                data = json.loads(out.read_text())
+                records = load([str(path)]).records
+                requests = sorted(data["requests"], key=lambda r: r["index"])
+                assert [r["outcome"] for r in requests] == ["completed"] * 12
+                assert [r["api"] for r in requests] == [
+                    (rec.route or "").split("/v1/")[1].replace("chat/completions", "chat")
+                    for rec in records
+                ]
+                assert [r["completion_tokens"] for r in requests] == [
+                    rec.output_length for rec in records
+                ]
+                printed = capsys.readouterr().out
+                if path == mixed:
+                    assert len(data["replay"]["groups"]) == 4
+                    assert "not compared (the trace mixes APIs" in printed
+                else:
+                    view = printed.split("proxy's view")[1]
+                    assert re.search(r"^requests\s+12\s+12\s+\+0$", view, re.MULTILINE), view

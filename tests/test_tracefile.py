@@ -327,3 +327,56 @@ def test_trace_start_round_trips_in_utc(tmp_path: Path) -> None:
     line = format_line(TraceRecord(0, 1, 1), meta)
     assert json.loads(line)["trace_start"] == "2026-12-01T09:30:00.005Z"
     assert load([write(tmp_path / "t", line + "\n")]).start == start
+
+
+def test_the_comparison_by_hand(tmp_path: Path) -> None:
+    from proxy.bench.client import COMPLETED, HTTP_ERROR, RequestResult
+    from proxy.bench.replay import compare, comparison_rows, format_comparison
+
+    lines = [
+        {"timestamp": 0, "input_length": 100, "output_length": 4, "route": "/v1/chat/completions",
+         "model": "a", "ttft_ms": 100.0, "itl_ms_mean": 20.0, "cached_tokens": 0, "outcome": "completed"},
+        {"timestamp": 1000, "input_length": 100, "output_length": 4, "route": "/v1/chat/completions",
+         "model": "a", "ttft_ms": 300.0, "itl_ms_mean": 40.0, "cached_tokens": 50, "outcome": "completed"},
+        {"timestamp": 2000, "input_length": 200, "output_length": 9, "route": "/v1/messages",
+         "model": "b", "ttft_ms": 900.0, "outcome": "upstream_error"},
+    ]  # fmt: skip
+    trace = load([write(tmp_path / "t", "".join(json.dumps(x) + "\n" for x in lines))])
+    replay = plan(trace, ReplayOptions(speedup=2, block_size=64))
+    assert replay.offsets == (0.0, 0.5, 1.0)
+
+    def result(i: int, start: float, ttft: float, gaps: tuple[float, ...], **kw: object) -> RequestResult:
+        return RequestResult(i, "trace", start, COMPLETED, 200, 1.0, ttft_s=ttft, itl_s=gaps, **kw)  # type: ignore[arg-type]
+
+    results = [
+        result(0, 0.001, 0.05, (0.01, 0.01, 0.01), prompt_tokens=106, cached_prompt_tokens=0,
+               completion_tokens=4),
+        result(1, 0.503, 0.07, (0.03, 0.03), prompt_tokens=106, cached_prompt_tokens=96,
+               completion_tokens=3),
+        RequestResult(2, "trace", 1.010, HTTP_ERROR, 529, 0.1, api="messages"),
+    ]  # fmt: skip
+    cmp = compare(replay, results, "http://b/v1")
+    rec, rep = cmp["all"]["recorded"], cmp["all"]["replayed"]
+    assert rec["ttft"]["count"] == 2 and rec["ttft"]["p50"] == pytest.approx(0.2)  # not the failed one
+    assert rec["itl_mean"]["p50"] == pytest.approx(0.03)
+    assert rec["cache_share"] == pytest.approx(50 / 200)
+    assert (rep["requests"], rep["completed"]) == (3, 2)
+    assert rep["ttft"]["p50"] == pytest.approx(0.06) and rep["itl_mean"]["p90"] == pytest.approx(0.028)
+    assert rep["cache_share"] == pytest.approx(96 / 212)
+    assert [(g["model"], g["route"]) for g in cmp["groups"]] == [
+        ("a", "/v1/chat/completions"),
+        ("b", "/v1/messages"),
+    ]
+    sched = cmp["schedule"]
+    assert sched["lag_max_s"] == pytest.approx(0.01) and sched["lag_p50_s"] == pytest.approx(0.003)
+    assert cmp["lengths"]["prompt_blocks_off_max"] == pytest.approx(6 / 64)
+    assert (cmp["lengths"]["outputs_exact"], cmp["lengths"]["outputs_short"]) == (1, 1)
+    assert cmp["headline"] == (
+        "your traffic on http://b/v1: TTFT p95 69 ms instead of 290 ms, ITL p50 20 ms "
+        "instead of 30 ms, prefix cache 45% instead of 25%"
+    )
+    text = format_comparison(cmp)
+    assert "1 answers ended before the recorded output length" in text and "--ignore-eos" in text
+    rows = comparison_rows(cmp)
+    assert rows[0] == ("", "recorded", "replayed") and ("a /v1/chat/completions", "", "") in rows
+    assert ("  requests", "3", "2 of 3") in rows
