@@ -307,8 +307,8 @@ def add_parser(subparsers: Any) -> None:
         const="",
         default=None,
         help="Replay against the built-in simulator started with these simulate flags "
-        '(quoted, e.g. "--slots 16 --prefill-rate 20000"), not against --base-url: what-if '
-        "without an upstream",
+        '(quoted, e.g. "--slots 16 --prefill-rate 20000"; one flag alone as '
+        "--simulate=--slots=16), not against --base-url: what-if without an upstream",
     )
     parser.set_defaults(func=run_command)
 
