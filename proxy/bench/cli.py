@@ -613,8 +613,10 @@ async def _run(args: argparse.Namespace, replay: Replay | None) -> int:
         from .replay import compare
         from .replay import format_comparison as format_replay
 
-        where = base if args.simulate is None else f"the simulator ({args.simulate or 'defaults'})"
-        compared = compare(work.replay, outcome.results, where)
+        upstream = (
+            base if args.simulate is None else f"the simulator ({args.simulate or 'defaults'})"
+        )
+        compared = compare(work.replay, outcome.results, upstream)
         print("\nthe replay beside the trace:", file=out)
         print(format_replay(compared), file=out)
     if args.json or args.report:

@@ -78,6 +78,7 @@ async def simulator(argv: list[str]) -> AsyncIterator[str]:
         stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.PIPE,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        preexec_fn=_die_with_parent if sys.platform == "linux" else None,
     )
     assert proc.stderr is not None
     said: list[str] = []
@@ -112,6 +113,16 @@ async def simulator(argv: list[str]) -> AsyncIterator[str]:
         drainer.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await drainer
+
+
+def _die_with_parent() -> None:
+    """In the child, before it runs: a SIGTERM when bench dies, however it dies (a
+    SIGKILL runs no ``finally``), so no simulator is left listening."""
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 async def _stop(proc: asyncio.subprocess.Process) -> None:
