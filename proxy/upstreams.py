@@ -69,6 +69,8 @@ _UPSTREAM_KEYS = {
     "write_timeout": "a number of seconds > 0",
     "keepalive_expiry": "a number of seconds > 0",
     "headers": "a table of header names to values, e.g. { anthropic-version = \"2023-06-01\" }",
+    "min_cacheable_tokens": "an integer >= 0 (tokens: the shortest prefix it caches)",
+    "cache_granularity_tokens": "an integer >= 1 (tokens: the steps it caches in)",
 }
 # Headers the proxy owns: set through other settings, or meaningless to set per upstream.
 _RESERVED_HEADERS = frozenset({
@@ -103,6 +105,9 @@ class UpstreamSpec:
     keepalive_expiry: float = 4.0
     headers: tuple[tuple[str, str], ...] = ()
     provider: str = ""  # gen_ai.provider.name; empty: from the host, else from the API
+    # The prompt-cache doctor (proxy.prefix_check); None: the provider's default per API
+    min_cacheable_tokens: int | None = None
+    cache_granularity_tokens: int | None = None
 
     def serves(self, route: str) -> bool:
         return not self.routes or any(route == r or route.startswith(r + "/") for r in self.routes)
@@ -212,7 +217,8 @@ def _spec(path: str, index: int, table: Mapping[str, Any], settings: Settings,
     elif "auth" in table:
         raise fail("auth", "only used with api_key_env (without it the client's key headers "
                    "pass through unchanged)")
-    for key, minimum in (("max_concurrency", 0), ("max_queue", 0), ("max_connections", 1)):
+    for key, minimum in (("max_concurrency", 0), ("max_queue", 0), ("max_connections", 1),
+                         ("min_cacheable_tokens", 0), ("cache_granularity_tokens", 1)):
         if key in table:
             values[key] = get(key, int, _at_least(minimum))
     for key in ("connect_timeout", "read_timeout", "write_timeout", "keepalive_expiry"):
