@@ -834,3 +834,16 @@ def wait_recorded_labels(registry: CollectorRegistry, labels: dict[str, str]) ->
             return
         flag.wait(0.005)  # polling the registry, not timing anything
     raise AssertionError("the proxy never recorded both requests")
+
+
+def test_the_offload_benchmark_runs() -> None:
+    """benchmarks/prefix_offload.py, smoke run: one size on each side of the threshold."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run(
+        [sys.executable, "benchmarks/prefix_offload.py", "--quick", "--sizes", "2048,20000"],
+        cwd=root, capture_output=True, text=True, timeout=120, check=True).stdout
+    rows = [line for line in out.splitlines() if line.startswith("| 2")]
+    assert len(rows) == 2 and all(line.count(" us ") == 4 for line in rows), out
