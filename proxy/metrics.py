@@ -95,7 +95,7 @@ PREFIX_HELP = {name: text.strip() for name, text in {
     "cache_granularity_tokens per upstream) minus the cached tokens the upstream reported "
     "(cached_tokens, cache_read_input_tokens), floored at 0. Only where the usage reports "
     "cached tokens at all (an absent field is unknown, never 0); 0 when the repeated "
-    "prefix is shorter than the upstream's minimum cacheable length (1024 tokens on "
+    "prefix is shorter than the upstream's minimum cacheable prefix (1024 tokens on "
     "OpenAI's APIs, per model on Anthropic's, min_cacheable_tokens per upstream). "
     + _REPEATED + _TOKENS,
     "breaks": "Requests whose prompt stopped repeating a recent request's prefix, by why "
