@@ -2,7 +2,8 @@
 
 The application is a small ASGI callable rather than a FastAPI app: a few fixed
 paths (``/v1/*``, ``/healthz``, ``/metrics``, and the live page ``/ui``, ``/ui/data``
-wherever ``/metrics`` is, see :mod:`proxy.ui`) need no routing table, and the proxied
+wherever ``/metrics`` is, see :mod:`proxy.ui`; when the proxy checks client keys, those
+three take a client key too, see :mod:`proxy.auth`) need no routing table, and the proxied
 path is the hot path (see :mod:`proxy.routes`). Everything is built here, once:
 settings are already validated, the one upstream client (:class:`proxy.upstream.Upstream`)
 is created here and closed by the lifespan (or :meth:`ProxyApp.aclose` in tests that
@@ -16,14 +17,16 @@ import asyncio
 import gc
 import logging
 import signal
+import threading
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 
 from proxy.admission import Admission
-from proxy.auth import load_key_check
+from proxy.auth import OBSERVER_CHALLENGE, KeyCheck, load_key_check, observer_key
 from proxy.clients import identify_from
 from proxy.config import Settings, SettingsError
 from proxy.metrics import Metrics
@@ -33,7 +36,7 @@ from proxy.routes import V1Handler
 from proxy.tracing import from_settings as tracing_from_settings
 from proxy.ui import UI_PATHS, live_page
 from proxy.upstream import Upstream, Upstreams, error_body
-from proxy.upstreams import reload_specs
+from proxy.upstreams import UpstreamSpec, reload_specs
 from proxy.wire import WireTransport
 
 log = logging.getLogger("proxy")
@@ -80,22 +83,28 @@ class ProxyApp:
         return self.upstreams.targets[0].admission
 
     def reload(self) -> bool:
-        """Re-read the config file's ``[[upstream]]`` tables and switch to them; streams
-        in flight finish on the upstream they started on. A file that does not load is
-        refused with one log line and the running table stays. Top-level settings are
-        read at start only: a change to them is named in a warning and not applied."""
-        path = self.settings.config
-        if not path:
-            log.warning("SIGHUP ignored: no --config file to reload")
+        """What ``SIGHUP`` does: re-read the config file's ``[[upstream]]`` tables and the
+        client keys file (:func:`read_reload`), and switch to them; streams in flight
+        finish on the upstream they started on, and a revoked key is refused from the
+        next request on. Both files are read first, and if either does not load nothing
+        changes (one log line says why). Top-level settings are read at start only: a
+        change to them is named in a warning and not applied."""
+        if not reloads(self.settings):
+            log.warning("SIGHUP ignored: %s", NOTHING_TO_RELOAD)
             return False
         try:
-            specs = reload_specs(self.settings)
+            fresh = read_reload(self.settings)
         except SettingsError as exc:
-            log.error("config reload refused, the running upstreams stay: %s", exc)
+            log.error("%s", reload_refused(self.settings, exc))
             return False
-        self.upstreams.replace(specs)
-        log.info("config reloaded from %s: upstreams %s", path,
-                 ", ".join(f"{s.name} {s.url}" for s in specs))
+        if fresh.specs is not None:
+            self.upstreams.replace(fresh.specs)
+            log.info("config reloaded from %s: upstreams %s", self.settings.config,
+                     ", ".join(f"{s.name} {s.url}" for s in fresh.specs))
+        if fresh.keys is not None and self.keys is not None:
+            self.keys.use(fresh.keys)
+            log.info("client keys reloaded from %s: %d keys", self.settings.client_keys_file,
+                     len(fresh.keys))
         return True
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -106,10 +115,19 @@ class ProxyApp:
                 await self.v1(scope, receive, send)
             elif path == "/healthz":
                 await _plain(send, 200, b"ok\n", b"text/plain; charset=utf-8")
-            elif path == "/metrics" and self.serve_metrics:
-                await self._metrics(scope, send)
-            elif path in UI_PATHS and self.serve_metrics and self.ui is not None:
-                await self.ui.asgi(scope, send)
+            elif self.serve_metrics and (path == "/metrics"
+                                         or (path in UI_PATHS and self.ui is not None)):
+                if self.keys is not None and not self.keys.accepts(observer_key(scope["headers"])):
+                    await _plain(send, 401, error_body(
+                        "this proxy checks client keys: present one to read /metrics and /ui "
+                        "(Authorization: Bearer, x-api-key, api-key, or as the password of "
+                        "HTTP Basic auth)", "invalid_request_error", "invalid_api_key"),
+                        b"application/json", OBSERVER_CHALLENGE)
+                elif path == "/metrics":
+                    await self._metrics(scope, send)
+                else:
+                    assert self.ui is not None
+                    await self.ui.asgi(scope, send)
             else:
                 await _plain(send, 404, error_body(f"no route {path[:200]}; this proxy serves "
                                                    f"/v1/*{self.elsewhere}",
@@ -133,7 +151,9 @@ class ProxyApp:
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
-                if self.settings.config:
+                # Signal handlers live in the main thread: a server run in another thread
+                # (embedded, or a test's) has none and is reloaded by calling reload().
+                if reloads(self.settings) and threading.current_thread() is threading.main_thread():
                     asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.reload)
                 _freeze_startup_objects()
                 await send({"type": "lifespan.startup.complete"})
@@ -155,6 +175,39 @@ class ProxyApp:
                                if exporting is not None))
 
 
+NOTHING_TO_RELOAD = "nothing to reload (no --config file, no --client-keys-file in use)"
+
+
+@dataclass(frozen=True, slots=True)
+class Reload:
+    """What ``SIGHUP`` re-reads, read and validated as a whole."""
+
+    specs: tuple[UpstreamSpec, ...] | None  # the config file's tables, with --config
+    keys: KeyCheck | None  # the client keys, when the proxy checks them
+
+
+def reloads(settings: Settings) -> bool:
+    """Whether ``SIGHUP`` has anything to re-read: a config file, or client keys."""
+    return bool(settings.config) or settings.holds_upstream_key
+
+
+def read_reload(settings: Settings) -> Reload:
+    """The config file's ``[[upstream]]`` tables and the client keys file as they are
+    now, or :class:`SettingsError` naming the file and the problem. Nothing is applied
+    here: with ``--workers`` the supervisor calls this once to decide whether to pass
+    the signal on at all (:mod:`proxy.serve`), then each worker reads and applies."""
+    specs = reload_specs(settings) if settings.config else None
+    return Reload(specs, load_key_check(settings))
+
+
+def reload_refused(settings: Settings, exc: SettingsError) -> str:
+    """The one line for a reload that did not load: what stays, and why."""
+    kept = [name for name, on in (("upstreams", bool(settings.config)),
+                                  ("client keys", settings.holds_upstream_key)) if on]
+    what = "config" if settings.config else "client keys"
+    return f"{what} reload refused, the running {' and '.join(kept)} stay: {exc}"
+
+
 def _freeze_startup_objects() -> None:
     """Move everything alive at startup (modules, classes, settings: ~100k objects) out of
     the garbage collector's reach, so the periodic full collections that per-event
@@ -166,10 +219,11 @@ def _freeze_startup_objects() -> None:
     gc.freeze()
 
 
-async def _plain(send: Send, status: int, body: bytes, content_type: bytes) -> None:
+async def _plain(send: Send, status: int, body: bytes, content_type: bytes,
+                 *extra: tuple[bytes, bytes]) -> None:
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", content_type),
-                            (b"content-length", str(len(body)).encode())]})
+                            (b"content-length", str(len(body)).encode()), *extra]})
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 

@@ -17,15 +17,26 @@ client key next to the proxy's own. The proxy's key goes upstream in the one hea
 upstream holds a key, and then the client's key headers go to none of them: an upstream
 without ``api_key_env`` (a local vLLM) gets no key at all.
 
+When the proxy checks client keys, what it exposes about its traffic on the main port
+(``/metrics``, the live page ``/ui`` and its data ``/ui/data``: model, upstream and team
+names) takes one of the same keys (:func:`observer_key`): Prometheus sends it with its
+``authorization`` setting, and a browser as the password of HTTP Basic auth, which it
+asks the user for once (the 401 carries ``WWW-Authenticate: Basic``) and then sends with
+the page's own requests for its data. ``--metrics-port`` asks for none: it is protected
+by where it listens.
+
 None of these headers is ever written anywhere: the per-request log holds no headers
 (:mod:`proxy.reqlog`), uvicorn's access log holds method, path and status, and error
 bodies name exception classes, not requests.
 
-Create a digest with ``printf %s "$KEY" | sha256sum``.
+Create a digest with ``printf %s "$KEY" | sha256sum``. ``SIGHUP`` re-reads the file, so
+a key is revoked without a restart (:meth:`proxy.app.ProxyApp.reload`).
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import hmac
 import os
@@ -77,6 +88,14 @@ class KeyCheck:
 
     def __init__(self, digests: list[bytes]) -> None:
         self._digests = digests
+
+    def __len__(self) -> int:
+        return len(self._digests)
+
+    def use(self, other: KeyCheck) -> None:
+        """Accept ``other``'s keys from now on (SIGHUP re-read the keys file). One
+        assignment: a check in progress on the event loop sees the old list or the new."""
+        self._digests = other._digests
 
     def accepts(self, presented: bytes | None) -> bool:
         if not presented:
@@ -164,3 +183,30 @@ def presented_key(headers: list[tuple[bytes, bytes]]) -> bytes | None:
         if key:
             best_rank, best = rank, key
     return best
+
+
+OBSERVER_CHALLENGE = (b"www-authenticate", b'Basic realm="llm-latency-proxy", charset="UTF-8"')
+"""What a 401 for ``/metrics`` or ``/ui`` says: a browser then asks its user for a user
+name (any) and password (a client key), and sends them with every request to the
+page's origin, the page's own ``/ui/data`` requests included."""
+
+
+def observer_key(headers: list[tuple[bytes, bytes]]) -> bytes | None:
+    """The key on a request for ``/metrics`` or ``/ui``: as :func:`presented_key` reads it,
+    else the password of ``Authorization: Basic`` (the user name is not looked at)."""
+    key = presented_key(headers)
+    if key:
+        return key
+    for name, value in headers:
+        if name != b"authorization":
+            continue
+        scheme, _, token = value.partition(b" ")
+        if scheme.lower() != b"basic":
+            return None
+        try:
+            decoded = base64.b64decode(token.strip(), validate=True)
+        except (ValueError, binascii.Error):
+            return None
+        _, colon, password = decoded.partition(b":")
+        return password if colon and password else None
+    return None

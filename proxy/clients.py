@@ -12,6 +12,12 @@ kept, logged or exported.
 A request without the header or key is ``unknown``; a value that is not short visible
 ASCII is ``other``. The value is then bounded like ``model`` (first ``--max-clients``
 values, optional allow-list) by :class:`proxy.metrics.BoundedLabels`.
+
+Only a request that passed the proxy's checks, its key check included, is named
+(:meth:`proxy.routes.V1Handler._check`), and with keys passed through, a key the
+upstream refuses (401, 403) is not named either: otherwise anyone could fill the
+``--max-clients`` values with random wrong keys and every real client would be
+``other`` until a restart. A refused request is still counted, with an empty ``client``.
 """
 
 from __future__ import annotations

@@ -161,6 +161,25 @@ def parse_url(raw: str) -> str:
 
 _url = parse_url
 
+
+def parse_upstream_url(raw: str) -> str:
+    """An upstream's base URL (``--upstream``, an ``[[upstream]]`` table's ``url``):
+    :func:`parse_url`, and no user info. The upstream client never sends URL credentials
+    (a key goes in a header), and in a URL they would sit in process listings and
+    configuration files; the key belongs in an environment variable named by
+    ``--upstream-api-key-env`` (``api_key_env`` in a config file)."""
+    url = parse_url(raw)
+    if "@" in urlsplit(url).netloc:
+        raise ValueError("must not carry credentials (user:password@host): put the key in an "
+                         "environment variable and name it with --upstream-api-key-env "
+                         "(api_key_env in a config file's [[upstream]] table)")
+    return url
+
+
+def redact(text: str) -> str:
+    """``text`` with the user info of any URL in it masked as ``***@``: never printed."""
+    return re.sub(r"//[^/\s]*@", "//***@", text)
+
 HEADER_NAME = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")  # an RFC 9110 token
 
 
@@ -262,10 +281,12 @@ class Option:
 
 
 OPTIONS: tuple[Option, ...] = (
-    Option("upstream", _url, "OpenAI-style base URL of the upstream, including its version "
+    Option("upstream", parse_upstream_url, "OpenAI-style base URL of the upstream, including its version "
            "segment such as /v1 (what the app would have used as its base URL): the proxy's "
            "/v1/<rest> goes to <URL>/<rest>. A URL whose path does not end in a version segment "
-           "is accepted with a start-up warning that shows what will be requested.", "URL"),
+           "is accepted with a start-up warning that shows what will be requested. Credentials in it "
+           "(user:password@) stop start-up: name the key's variable with --upstream-api-key-env.",
+           "URL"),
     Option("upstream_name", _str, "Value of the 'upstream' metric label.", "NAME",
            unset="the upstream's host:port"),
     Option("config", _str, "TOML file declaring several upstreams ([[upstream]] tables: name, "
@@ -286,7 +307,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("port", _int(0, 65535), "Port to listen on (0: a free port chosen by the system, "
            "printed in the start-up line).", "PORT"),
     Option("metrics_port", _int(0, 65535), "Serve /metrics on this separate port instead of the main one "
-           "(0: serve it on the main port). Use it in production so app clients cannot read metrics.", "PORT"),
+           "(0: serve it on the main port). Use it in production so app clients cannot read metrics. "
+           "It takes no client key; the main port's /metrics and /ui take one when client keys "
+           "are checked.", "PORT"),
     Option("metrics_host", _str, "Interface for --metrics-port.", "HOST", unset="same as --host"),
     Option("max_concurrency", _int(0), "In-flight upstream requests allowed at once; more wait in a queue "
            "and the wait is measured as queue time (0: unlimited).", "N"),
@@ -299,7 +322,9 @@ OPTIONS: tuple[Option, ...] = (
            "wait in the pool and still be reused; older ones are closed instead. Below uvicorn's "
            "5 s keep-alive, which vLLM, SGLang and llama-cpp-python serve with, so that a pooled "
            "connection is not reused just as the upstream closes it. The client also learns a "
-           "shorter limit from an upstream that closes idle connections sooner.", "S"),
+           "shorter limit from an upstream that closes idle connections sooner, and raises it "
+           "again, step by step up to this value, when connections outlive it (as after an "
+           "upstream restart).", "S"),
     Option("connect_timeout", _positive_float, "Seconds to connect to the upstream before answering 502.", "S"),
     Option("read_timeout", _positive_float, "Seconds to wait for the upstream's headers or for its next "
            "bytes; before headers: 504; mid-stream: the stream ends with outcome 'upstream_timeout'.", "S"),
@@ -336,7 +361,8 @@ OPTIONS: tuple[Option, ...] = (
            "Clients may present their own key in any of the three headers whatever this says.",
            "MODE"),
     Option("client_keys_file", _str, "File of client keys (one SHA-256 hex digest per line, "
-           "or 'sha256:<hex>') accepted when --upstream-api-key-env is set.", "FILE",
+           "or 'sha256:<hex>') accepted when --upstream-api-key-env is set. SIGHUP re-reads "
+           "it.", "FILE",
            unset="none; required with --upstream-api-key-env"),
     Option("secret_headers", _names, "Comma-separated request header names removed from the "
            "upstream request when --upstream-api-key-env is set, like the client's key headers "
@@ -514,10 +540,11 @@ def _parse_option(opt: Option, raw: Any, where: str, *, file: bool = False) -> A
         detail = str(exc) or "invalid value"
         if detail.startswith(("invalid literal", "could not convert")):
             detail = "not a number"
+        shown = redact(repr(str(raw)))
         if file:
-            raise SettingsError(f"{where}: {detail} (got {raw!r})") from None
+            raise SettingsError(f"{where}: {detail} (got {shown})") from None
         also = f" ({opt.flag})" if where != opt.flag else ""
-        raise SettingsError(f"invalid setting {where}={str(raw)!r}{also}: {detail}") from None
+        raise SettingsError(f"invalid setting {where}={shown}{also}: {detail}") from None
 
 
 def _check_combinations(s: Settings, name: Callable[[str], str],

@@ -35,6 +35,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from proxy.config import OVERHEAD_BUCKETS, QUEUE_BUCKETS, Settings
+from proxy.diagnosis.fit import KTOKENS
 from proxy.measure import Outcome, PrefixRecord, RequestRecord
 
 OTHER_MODEL = "other"
@@ -115,6 +116,25 @@ PREFIX_HELP = {name: text.strip() for name, text in {
 }.items()}
 SHARE_BUCKETS: tuple[float, ...] = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95,
                                     0.99, 1.0)
+
+
+# The finish_reason label of llm_proxy_finish_reasons_total: each API's words for why an
+# answer ended (chat and completions finish_reason, Responses incomplete_details.reason
+# or status, Messages stop_reason, TGI's), in a fixed set of values.
+FINISH_CLASSES: dict[str, tuple[str, ...]] = {
+    "length": ("length", "max_tokens", "max_output_tokens", "model_context_window_exceeded"),
+    "stop": ("stop", "end_turn", "stop_sequence", "completed", "eos_token"),
+    "tool_calls": ("tool_calls", "function_call", "tool_use"),
+    "content_filter": ("content_filter", "refusal"),
+}
+_FINISH_CLASS = {word: name for name, words in FINISH_CLASSES.items() for word in words}
+
+
+def finish_class(reasons: Sequence[str]) -> str:
+    """The label value for a response's finish reasons (in choice order)."""
+    if any(_FINISH_CLASS.get(r) == "length" for r in reasons):
+        return "length"
+    return _FINISH_CLASS.get(reasons[0], "other") if reasons else "other"
 
 
 def observe_many(child: Histogram, values: Sequence[float]) -> None:
@@ -289,6 +309,7 @@ class Metrics:
             "llm_proxy_in_flight_requests", "Requests the proxy is handling right now "
             "(queued or relaying), per upstream.", ("upstream",), registry=reg,
             multiprocess_mode="livesum")
+        self._init_causes(reg, base)
         self._children: dict[tuple[str, str, str, str], _Children] = {}
         self.watchers: list[Callable[[RequestRecord], None]] = []  # each finished request
 
@@ -365,6 +386,75 @@ class Metrics:
             observe_many(c.itl, record.itl_s)
             if record.tpot_s is not None:
                 c.tpot.observe(record.tpot_s)
+        self._observe_causes(record)
+
+    # -- what the records say about causes (proxy.diagnosis reads these) ---------------
+
+    def _init_causes(self, reg: CollectorRegistry, base: tuple[str, ...]) -> None:
+        """The prefill fit's sums (see proxy/diagnosis/fit.py) and why answers ended."""
+        about = (" Per streamed request with a first token and the upstream's usage; x = "
+                 "uncached prompt tokens / 1000 (usage prompt tokens minus cached prompt "
+                 "tokens, cached counted 0 when the usage does not report it), y = time to "
+                 "first token minus the proxy's queue time, in seconds. With the other "
+                 "llm_proxy_prefill_fit_* sums: slope = (n*Sxy - Sx*Sy) / (n*Sxx - Sx^2) "
+                 "seconds per 1000 uncached prompt tokens, fixed part = (Sy - slope*Sx) / n "
+                 "seconds.")
+        self.fit_n = Counter("llm_proxy_prefill_fit_requests", "Prefill fit: n, the "
+                             "requests in the fit." + about, base, registry=reg)
+        self.fit_x = Counter("llm_proxy_prefill_fit_uncached_ktokens", "Prefill fit: Sx, the "
+                             "sum of x, in thousands of uncached prompt tokens." + about, base,
+                             registry=reg)
+        self.fit_y = Counter("llm_proxy_prefill_fit_first_token_seconds", "Prefill fit: Sy, "
+                             "the sum of y, in seconds." + about, base, registry=reg)
+        self.fit_xy = Counter("llm_proxy_prefill_fit_xy", "Prefill fit: Sxy, the sum of x*y "
+                              "(thousands of tokens times seconds)." + about, base, registry=reg)
+        self.fit_xx = Counter("llm_proxy_prefill_fit_xx", "Prefill fit: Sxx, the sum of x*x "
+                              "(thousands of tokens squared)." + about, base, registry=reg)
+        self.fit_yy = Counter("llm_proxy_prefill_fit_yy", "Prefill fit: Syy, the sum of y*y "
+                              "(seconds squared), for the slope's standard error." + about,
+                              base, registry=reg)
+        self.fit_skipped = Counter(
+            "llm_proxy_prefill_fit_skipped", "Streamed requests with a first token left out "
+            "of the prefill fit (llm_proxy_prefill_fit_*) because the upstream's usage did "
+            "not say the prompt tokens.", base, registry=reg)
+        self._fit_children: dict[tuple[str, str, str], tuple[Counter, ...]] = {}
+        self.finish_reasons = Counter(
+            "llm_proxy_finish_reasons", "Why answers ended, one count per measured response "
+            "whose finish reason was read (streamed or not), as one of: " + ", ".join(
+                f"{name} ({' / '.join(words)})" for name, words in FINISH_CLASSES.items())
+            + ", other (anything else). With several choices: length when any choice "
+            "stopped at its length limit, else the first choice's.",
+            (*base, "finish_reason"), registry=reg)
+        self._finish_children: dict[tuple[str, str, str, str], Counter] = {}
+
+    def _observe_causes(self, record: RequestRecord) -> None:
+        if record.finish_reasons:
+            key4 = (record.route, record.model, record.upstream,
+                    finish_class(record.finish_reasons))
+            child = self._finish_children.get(key4)
+            if child is None:
+                child = self._finish_children[key4] = self.finish_reasons.labels(*key4)
+            child.inc()
+        if not record.stream or record.ttft_s is None:
+            return
+        key = (record.route, record.model, record.upstream)
+        c = self._fit_children.get(key)
+        if c is None:
+            c = self._fit_children[key] = tuple(
+                m.labels(*key) for m in (self.fit_n, self.fit_x, self.fit_y, self.fit_xy,
+                                         self.fit_xx, self.fit_yy, self.fit_skipped))
+        prompt = record.prompt_tokens
+        if prompt is None or record.tokens_estimated:
+            c[6].inc()
+            return
+        x = max(0, prompt - (record.cached_prompt_tokens or 0)) / KTOKENS
+        y = max(0.0, record.ttft_s - (record.queue_s or 0.0))
+        c[0].inc()
+        c[1].inc(x)
+        c[2].inc(y)
+        c[3].inc(x * y)
+        c[4].inc(x * x)
+        c[5].inc(y * y)
 
     # -- the prompt-cache doctor (proxy.prefix_check) -----------------------------------
 

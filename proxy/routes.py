@@ -167,6 +167,7 @@ class _Request:
     trace: Trace | None = None  # the request's span, when tracing is on
     target: Target | None = None  # the upstream the request was routed to
     client: str = ""  # the bounded client label value, when that label is on
+    identity: str = ""  # who the request says it is, once past the key check (unbounded)
     upstream: str = ""  # the upstream label when no single target took it (model list)
     prefix: PrefixJob | None = None  # the prompt-cache doctor's look at this prompt
 
@@ -200,10 +201,14 @@ class V1Handler:
         self.client_label: Callable[[str], str] = (
             metrics.client_label if metrics is not None and metrics.client_label is not None
             else _unbounded)
+        # A key the proxy does not check is checked by the upstream: its 401 or 403 says
+        # the key was wrong, and a wrong key must not take a label (see _finish).
+        self._upstream_checks_key = keys is None and settings.client_label_from == "key"
         self._secret_headers = frozenset(h.lower().encode() for h in settings.secret_headers)
-        # Response id, model and finish reasons are read only for whoever reads them.
+        # Response id, model and finish reasons are read only for whoever reads them:
+        # the trace, OTLP metrics, the request log, and the metrics' finish reasons.
         self.response_info = (tracing is not None or request_log is not None
-                              or otel_metrics is not None)
+                              or otel_metrics is not None or metrics is not None)
         self.routes = (MEASURED_ROUTES if self.response_info
                        else MEASURED_ROUTES_WITHOUT_RESPONSE_INFO)
         self._warnings = RateLimitedLog(log, per_interval=10, interval_s=10.0)
@@ -252,8 +257,6 @@ class V1Handler:
         x.route = x.measured.route if x.measured is not None else route_template(subpath)
         x.subpath = subpath
         headers: list[tuple[bytes, bytes]] = scope["headers"]
-        if self.identify is not None:
-            x.client = self.client_label(self.identify(headers))
         if self.tracing is not None and x.measured is not None:
             x.trace = self.tracing.start(headers, x.t0, x.measured.name)
         if sum(len(k) + len(v) for k, v in headers) > s.max_header_bytes:
@@ -273,6 +276,8 @@ class V1Handler:
         if self.keys is not None and not self.keys.accepts(presented_key(headers)):
             raise Refused(401, "invalid or missing API key for this proxy",
                           "invalid_request_error", "invalid_api_key")
+        if self.identify is not None:  # only now: a refused request takes no label value
+            x.identity = self.identify(headers)
         return headers
 
     def _too_large(self) -> Refused:
@@ -530,6 +535,8 @@ class V1Handler:
         """Record, metrics, log line and warning: once per request, whatever happened."""
         if not x.request_id:  # the client left before any answer: the log still needs an id
             x.request_id = uuid.uuid4().hex
+        if x.identity and not (self._upstream_checks_key and x.status in (401, 403)):
+            x.client = self.client_label(x.identity)
         if x.reason:
             self._warnings.warning(
                 "upstream failure: request_id=%s route=%s model=%s upstream=%s status=%s: %s",

@@ -174,8 +174,9 @@ def upstream_warning(upstream: str) -> str | None:
 
 
 def redact(url: str) -> str:
-    """``url`` with its credentials masked: they are never printed."""
-    return re.sub(r"//[^/@]*@", "//***@", url)
+    """``url`` with its credentials masked: they are never printed (an upstream URL
+    cannot hold any, :func:`proxy.config.parse_upstream_url`; an OTLP endpoint may)."""
+    return config.redact(url)
 
 
 def _log_config() -> dict[str, Any]:
@@ -334,9 +335,11 @@ def _run_workers(settings: Settings) -> int:
 
 def _reloading_supervisor(base: Any, settings: Settings) -> Any:
     """uvicorn's supervisor, except on SIGHUP: uvicorn restarts every worker, which
-    would start workers on a config that may not load; here the supervisor checks the
-    file first, then passes SIGHUP to each worker, which switches its upstreams in place
-    (:meth:`proxy.app.ProxyApp.reload`) without dropping a stream."""
+    would start workers on files that may not load; here the supervisor reads the
+    config file and the client keys file first, once (one line if either does not
+    load, and no worker is told), then passes SIGHUP to each worker, which switches its
+    upstreams and keys in place (:meth:`proxy.app.ProxyApp.reload`) without dropping a
+    stream."""
 
     class Supervisor(base):  # type: ignore[misc]
         def init_processes(self) -> None:
@@ -352,17 +355,17 @@ def _reloading_supervisor(base: Any, settings: Settings) -> Any:
                 super().handle_ttin()
 
         def handle_hup(self) -> None:
-            if not settings.config:
-                print("llm-latency-proxy: SIGHUP ignored: no --config file to reload",
+            from proxy.app import NOTHING_TO_RELOAD, read_reload, reload_refused, reloads
+
+            if not reloads(settings):
+                print(f"llm-latency-proxy: SIGHUP ignored: {NOTHING_TO_RELOAD}",
                       file=sys.stderr, flush=True)
                 return
-            from proxy.upstreams import reload_specs
-
             try:
-                reload_specs(settings)
+                read_reload(settings)
             except SettingsError as exc:
-                print(f"llm-latency-proxy: error: config reload refused, the running "
-                      f"upstreams stay: {exc}", file=sys.stderr, flush=True)
+                print(f"llm-latency-proxy: error: {reload_refused(settings, exc)}",
+                      file=sys.stderr, flush=True)
                 return
             for process in self.processes:
                 pid = process.pid

@@ -13,8 +13,9 @@ sent (:func:`safe_subpath`).
 
 The client is :mod:`proxy.wire`, and its exceptions are mapped to OpenAI-shaped errors
 here and only here (:func:`error_response`): cannot connect -> 502, no free connection
-or the upstream timed out -> 504, anything else -> 502; the message names the
-upstream's host, never a key or a path.
+or the upstream timed out -> 504, anything else -> 502 (``upstream_headers_too_large``
+for a response head over ``proxy.wire.MAX_HEAD_BYTES``, else ``upstream_failed``); the
+message names the upstream's host, never a key or a path.
 
 ``HTTP(S)_PROXY`` / ``NO_PROXY`` are honoured as users set them, decided once at
 start-up and logged in one line: an ``https`` upstream is reached through a ``CONNECT``
@@ -41,6 +42,7 @@ from proxy.wire import (
     Endpoint,
     PoolTimeout,
     ProxyEndpoint,
+    ResponseHeadTooLarge,
     UpstreamError,
     UpstreamTimeout,
     WireResponse,
@@ -285,5 +287,8 @@ def error_response(exc: UpstreamError, host: str) -> tuple[int, bytes]:
     if isinstance(exc, UpstreamTimeout):
         return 504, error_body(f"upstream {host} timed out: {detail}", "upstream_error",
                                "upstream_timeout")
+    if isinstance(exc, ResponseHeadTooLarge):
+        return 502, error_body(f"upstream {host} sent {detail}", "upstream_error",
+                               "upstream_headers_too_large")
     return 502, error_body(f"upstream {host} failed: {detail}", "upstream_error",
                            "upstream_failed")

@@ -47,7 +47,7 @@ from proxy.config import (
     UPSTREAM_AUTH_MODES,
     Settings,
     SettingsError,
-    parse_url,
+    parse_upstream_url,
     toml_value,
 )
 
@@ -189,7 +189,7 @@ def _spec(path: str, index: int, table: Mapping[str, Any], settings: Settings,
     if "url" not in table:
         raise fail("url", f"missing: must be {_UPSTREAM_KEYS['url']}")
     try:
-        url = parse_url(get("url", str))
+        url = parse_upstream_url(get("url", str))
     except ValueError as exc:
         raise fail("url", str(exc)) from None
     values: dict[str, Any] = {"name": name, "url": url, **_limits(settings)}

@@ -19,10 +19,37 @@ What the client does, and does not do:
   decompression, no redirects, no cookies.
 * Bodies are de-chunked (``Transfer-Encoding: chunked``), sized by ``Content-Length``,
   or read until the upstream closes; 1xx responses are skipped.
+* Other transfer codings follow RFC 9112 section 6.3: with ``chunked`` the final coding
+  the body is de-chunked, else it is read until the upstream closes; the one coding left
+  (``gzip``, ``x-gzip``, ``deflate``) is then undone here (:class:`_Decoding`), not
+  passed on. A transfer coding is hop-by-hop (RFC 9112 section 6.1): it belongs to the
+  upstream's connection, which ends here, and the proxy frames the body anew for its
+  own client without forwarding ``Transfer-Encoding``. Passing ``gzip`` on would need
+  ``Transfer-Encoding: gzip, chunked`` towards the client, which uvicorn cannot write
+  and h11 (httpx, the openai SDK) refuses; nginx 1.22 (tried here) drops the coding's
+  name and hands its client gzip bytes that look like content. Relabelling it
+  ``Content-Encoding`` would change the representation (RFC 9110 section 8.4.1).
+  Undoing it changes no content byte, as de-chunking does not. So on measured routes
+  (``Accept-Encoding: identity``, and no ``TE`` is sent, so a gzip transfer coding is
+  the upstream's own idea) the events are decoded before the relay and measured as any
+  stream, each when its decoded bytes are handed on. Anything else (``compress``,
+  ``br``, two codings, ``chunked`` not last, parameters) is a
+  :class:`RemoteProtocolError` before any byte is sent; coded data that stops early is
+  a :class:`ReadError`, invalid coded data a :class:`RemoteProtocolError`. Responses
+  without such a coding pay nothing for this: the decoder exists only when needed.
 * A pool of keep-alive connections per endpoint, LIFO (warm connections stay warm),
   ``max_connections`` in total; waiting longer than the connect timeout for a free
   connection is :class:`PoolTimeout`. A connection is reused only after a complete
   response that allowed keep-alive.
+* Bytes after the end of a response, before another request was sent on its
+  connection (an upstream answering one request twice, by bug or malice), belong to no
+  request: RFC 9112 section 6.3 forbids taking them as a response. Whether they come in
+  the same read (the parser's ``on_message_begin`` for a second message, or a parse
+  error after the end) or a later one, the response stands as it ended (complete, if it
+  was), nothing after it is parsed into its headers or body, the connection is closed,
+  never pooled part-way through a message, and a warning names the upstream. Bytes on
+  an idle pooled connection close it without a warning: a server may send a 408 before
+  it closes an idle connection.
 * **Reusing an idle connection safely.** An upstream may close an idle connection at
   the moment the proxy reuses it; a POST then fails with no answer and must not be sent
   twice (it may have started a generation). uvicorn closes idle connections after 5 s,
@@ -33,8 +60,13 @@ What the client does, and does not do:
      ``keepalive_expiry`` (default 4 s, below uvicorn's 5 s) is closed, not reused.
   2. *Learning the upstream's limit*: when the upstream closes an idle connection
      after ``t`` seconds, connections to that endpoint are retired after ``0.75 t``
-     from then on (never below 0.25 s, so one restart of the upstream, which closes
-     every idle connection at once, cannot end reuse altogether).
+     from then on (never below 0.25 s). A restart of the upstream closes every idle
+     connection at once and teaches that floor, so the limit also recovers: a
+     connection the pool retires at the learned limit while the upstream still has
+     it open (its socket quiet) outlived it, and after three such retirements with no
+     idle close in between the limit doubles, up to ``keepalive_expiry``, where the
+     learned limit is forgotten. A doubling past the upstream's real limit is undone
+     by its next idle close, and the next attempt then needs twice the run (up to 48).
   3. *A liveness check before reuse*: ``poll()`` on the socket, one system call. An
      idle connection has nothing to read; if it is readable, the upstream's FIN (or
      stray bytes) arrived but the event loop has not processed it yet, and the
@@ -54,6 +86,12 @@ What the client does, and does not do:
   that stops reading altogether is the relay's business (``--client-write-timeout``).
 * A connection that breaks mid-body raises :class:`ReadError` after every byte received
   before the break was handed on; invalid HTTP raises :class:`RemoteProtocolError`.
+* A response head (status line and header fields, with any 1xx heads before it) may
+  take :data:`MAX_HEAD_BYTES` (64 KiB, as an HTTP proxy's answer to ``CONNECT``); past
+  that, :class:`ResponseHeadTooLarge` as soon as the bytes are read, so a header flood
+  neither grows the parser's memory nor waits for the read timeout. The count is kept
+  on the head's reads only (``_head_received``); a head that arrives whole in one read
+  with body bytes after it is measured by its header fields.
 * ``https://`` upstreams use ``ssl.create_default_context()`` (system CAs, SNI,
   hostname checks). Through an HTTP proxy (:class:`Endpoint` ``via``), an ``https``
   upstream is reached with ``CONNECT`` and TLS inside the tunnel; a plain ``http``
@@ -68,14 +106,18 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import logging
 import select
 import socket
 import ssl
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 
 import httptools
+
+from proxy.logs import RateLimitedLog
 
 GO, PAUSE, STOP = 0, 1, 2
 # Sent again once on a fresh connection when a pooled one turns out closed before any
@@ -83,11 +125,26 @@ GO, PAUSE, STOP = 0, 1, 2
 IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE", "TRACE"})
 # Bytes held for a response whose body nobody reads yet, before upstream reading pauses.
 HOLD_BUFFER = 256 * 1024
+# The most a response head (status line, header fields, any 1xx heads before it) may take;
+# the same bound as for an HTTP proxy's answer to CONNECT.
+MAX_HEAD_BYTES = 64 * 1024
+# Decoded bytes handed to the sink per call, at most, when a transfer coding is undone: a
+# few KiB of gzip can decode to gigabytes, and the sink's PAUSE must stop it in between.
+DECODE_PIECE = 256 * 1024
 # A learned idle limit is used at this fraction, and never below MIN_LEARNED_EXPIRY.
 LEARNED_MARGIN = 0.75
 MIN_LEARNED_EXPIRY = 0.25
+# A learned idle limit doubles (back toward keepalive_expiry) after this many idle
+# connections in a row outlived it; each doubling the upstream undoes doubles the run
+# the next one needs, up to MAX_RECOVERY_RUN.
+RECOVERY_RUN = 3
+MAX_RECOVERY_RUN = 48
 
 Sink = Callable[[bytes], int]
+
+log = logging.getLogger("proxy.wire")
+
+_TOO_LARGE = f"response headers larger than {MAX_HEAD_BYTES // 1024} KiB"
 
 
 class UpstreamError(Exception):
@@ -126,8 +183,17 @@ class RemoteProtocolError(UpstreamError):
     """The upstream sent something that is not HTTP/1.1."""
 
 
+class ResponseHeadTooLarge(RemoteProtocolError):
+    """The upstream's response head passed :data:`MAX_HEAD_BYTES` (a header flood)."""
+
+
 class ClientGone(Exception):
     """The sink said STOP: the client the body was going to is gone."""
+
+
+class _AfterTheEnd(Exception):
+    """Raised in the parser's callback when a second response begins after the current
+    one ended, so the parser stops there (see ``_Connection._after_the_end``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,9 +236,9 @@ class _Exchange:
     """One request/response on one connection; owned by the connection while active."""
 
     __slots__ = (
-        "error", "finished", "has_length", "head", "headers_done", "informational",
-        "keep_alive", "last_read", "message_done", "parts", "raw_headers", "received", "sink",
-        "status", "waiter", "write_started",
+        "decoding", "error", "finished", "has_length", "head", "head_bytes", "headers_done",
+        "informational", "keep_alive", "last_read", "message_done", "parts", "raw_headers",
+        "received", "sink", "status", "waiter", "write_started",
     )  # fmt: skip
 
     def __init__(self, head: bool, now: float) -> None:
@@ -192,6 +258,8 @@ class _Exchange:
         self.last_read = now
         self.write_started = now
         self.received = False  # any byte of the response yet
+        self.head_bytes = 0  # bytes read before the headers were complete
+        self.decoding: _Decoding | None = None  # a transfer coding other than chunked
 
     def wake(self) -> None:
         waiter = self.waiter
@@ -234,20 +302,51 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         ex = self.ex
-        if ex is None or ex.finished:
-            self._abort()  # bytes nobody asked for: this connection is not reusable
+        if ex is None or ex.finished:  # bytes nobody asked for: not reusable
+            if ex is not None and ex.error is None:  # after the end, before the release
+                self._after_the_end(ex)
+            else:
+                self._abort()
             return
         ex.last_read = self.time()
-        ex.received = True
+        if not ex.headers_done:
+            self._head_received(ex, data)
+            return
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            self._flush(ex)
-            self._fail(ex, RemoteProtocolError(f"invalid HTTP from the upstream: {exc}"))
+            self._parse_failed(ex, exc)
             return
         self._flush(ex)
         if ex.message_done and not ex.finished:
             self._finish(ex)
+
+    def _head_received(self, ex: _Exchange, data: bytes) -> None:
+        """``data_received`` before the response headers are complete: the same, plus
+        the bound on the head's size (kept off the per-read path of the body)."""
+        ex.received = True
+        ex.head_bytes += len(data)
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._parse_failed(ex, exc)
+            return
+        if not ex.headers_done and ex.head_bytes > MAX_HEAD_BYTES:
+            self._fail(ex, ResponseHeadTooLarge(_TOO_LARGE))
+            return
+        self._flush(ex)
+        if ex.message_done and not ex.finished:
+            self._finish(ex)
+
+    def _parse_failed(self, ex: _Exchange, exc: httptools.HttpParserError) -> None:
+        """The parser stopped: at invalid HTTP, or at an error a callback raised."""
+        self._flush(ex)
+        if ex.message_done:  # the response had ended: what came after belongs to no request
+            self._after_the_end(ex)
+            return
+        cause = exc.__context__  # what a callback raised, e.g. ResponseHeadTooLarge
+        self._fail(ex, cause if isinstance(cause, UpstreamError)
+                   else RemoteProtocolError(f"invalid HTTP from the upstream: {exc}"))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
@@ -267,6 +366,11 @@ class _Connection(asyncio.Protocol):
 
     # -- httptools callbacks -----------------------------------------------------------
 
+    def on_message_begin(self) -> None:
+        ex = self.ex
+        if ex is not None and ex.message_done:
+            raise _AfterTheEnd  # a second response to one request: parse none of it
+
     def on_header(self, name: bytes, value: bytes) -> None:
         assert self.ex is not None
         self.ex.raw_headers.append((name, value))
@@ -279,10 +383,27 @@ class _Connection(asyncio.Protocol):
             ex.informational = True  # 100 Continue, 103 Early Hints: skip, wait for the answer
             ex.raw_headers = []
             return
+        if ex.head_bytes > MAX_HEAD_BYTES and sum(
+                len(k) + len(v) + 4 for k, v in ex.raw_headers) > MAX_HEAD_BYTES:
+            raise ResponseHeadTooLarge(_TOO_LARGE)  # the reads held more than the head: count it
         ex.status = status
         ex.keep_alive = self.parser.should_keep_alive() and not ex.head
-        ex.has_length = ex.head or status in (204, 304) or any(
-            k.lower() in (b"content-length", b"transfer-encoding") for k, _ in ex.raw_headers)
+        if ex.head or status in (204, 304):
+            ex.has_length = True  # no body
+        else:
+            codings = None
+            for k, v in ex.raw_headers:
+                name = k.lower()
+                if name == b"content-length":
+                    ex.has_length = True
+                elif name == b"transfer-encoding":
+                    codings = v if codings is None else codings + b"," + v
+            if codings == b"chunked":
+                ex.has_length = True
+            elif codings is not None:
+                ex.has_length, coding = _transfer_codings(codings)
+                if coding is not None:
+                    ex.decoding = _Decoding(coding, self, ex)
         ex.headers_done = True
         if ex.head:
             ex.message_done = True  # the parser does not know the request was HEAD
@@ -319,13 +440,25 @@ class _Connection(asyncio.Protocol):
         if (self.lost or transport is None or transport.is_closing()
                 or now - self.idle_since > expiry):
             return False
-        if self.fileno >= 0:
-            poller = select.poll()
-            poller.register(self.fileno, select.POLLIN)
-            if poller.poll(0):  # EOF, a reset or stray bytes: the upstream is done with it
-                self.owner.learn_idle_limit(self.endpoint, now - self.idle_since)
-                return False
+        if self.readable():  # EOF, a reset or stray bytes: the upstream is done with it
+            self.owner.learn_idle_limit(self.endpoint, now - self.idle_since)
+            return False
         return True
+
+    def still_open(self) -> bool:
+        """Had the upstream kept this idle connection open, as far as the socket says?"""
+        transport = self.transport
+        return not (self.lost or transport is None or transport.is_closing()
+                    or self.readable())
+
+    def readable(self) -> bool:
+        """Something to read on the socket (one ``poll()``, no wait): a FIN, an RST or
+        bytes that the event loop has not processed yet."""
+        if self.fileno < 0:
+            return False
+        poller = select.poll()
+        poller.register(self.fileno, select.POLLIN)
+        return bool(poller.poll(0))
 
     def _flush(self, ex: _Exchange) -> None:
         parts = ex.parts
@@ -353,6 +486,20 @@ class _Connection(asyncio.Protocol):
         else:
             self._fail(ex, ClientGone("the client went away"))
         ex.wake()
+
+    def _after_the_end(self, ex: _Exchange) -> None:
+        """Response bytes after the end of the response, before another request was sent
+        on this connection: an upstream that answers one request twice (RFC 9112 section
+        6.3: a client must not take such bytes as a response). The response as it ended
+        stands; nothing of what followed is parsed or passed on, and the connection is
+        closed, never pooled: it is part-way through a message nobody asked for."""
+        self.owner.warnings.warning(
+            "upstream %s sent bytes after the end of a response, before another request: "
+            "the response stands as it ended, the connection is closed", self.endpoint)
+        ex.keep_alive = False
+        if not ex.finished:
+            self._finish(ex)
+        self._abort()
 
     def _finish(self, ex: _Exchange) -> None:
         ex.finished = True
@@ -448,6 +595,128 @@ class _Connection(asyncio.Protocol):
             self._abort()
 
 
+_DECODABLE = {b"gzip": 16 + zlib.MAX_WBITS, b"x-gzip": 16 + zlib.MAX_WBITS,
+              b"deflate": zlib.MAX_WBITS}
+
+
+def _transfer_codings(value: bytes) -> tuple[bool, bytes | None]:
+    """A ``Transfer-Encoding`` other than plain ``chunked`` (RFC 9112 section 6.3): is
+    ``chunked`` the final coding (else the body ends when the connection does), and
+    which one coding is left to undo (``gzip``, ``x-gzip`` or ``deflate``)? Anything
+    else (``compress``, ``br``, two codings, ``chunked`` not last, parameters) is a
+    :class:`RemoteProtocolError` before any byte goes to the client."""
+    codings = [c.strip().lower() for c in value.split(b",")]
+    codings = [c for c in codings if c and c != b"identity"]  # identity: no coding at all
+    while codings[-2:] == [b"chunked", b"chunked"]:  # the header repeated, the body chunked
+        codings.pop()  # once: the parser reads it so, and so does every client
+    chunked = bool(codings) and codings[-1] == b"chunked"
+    rest = codings[:-1] if chunked else codings
+    if len(rest) > 1 or (rest and rest[0] not in _DECODABLE):
+        shown = value.decode("latin-1")[:100]
+        raise RemoteProtocolError(f"unsupported transfer coding from the upstream: {shown!r}")
+    return chunked, rest[0] if rest else None
+
+
+class _Decoding:
+    """The transfer coding left on a body once it is de-chunked (``gzip``, ``deflate``),
+    undone between the connection and the caller's sink. Only a response with such a
+    coding has one: :meth:`WireBody.pipe` puts :meth:`feed` in front of the sink, so
+    the per-read path of every other response is untouched.
+
+    Output goes to the sink in pieces of at most :data:`DECODE_PIECE` bytes; when the
+    sink pauses, the coded bytes not yet decoded go back to the exchange's ``parts``
+    (the pipe returns and resumes them first), so a decompression bomb is held back by
+    the client's pace like any other body."""
+
+    __slots__ = ("coding", "conn", "ex", "fed", "sink", "wbits", "z")
+
+    def __init__(self, coding: bytes, conn: _Connection, ex: _Exchange) -> None:
+        self.coding = coding.decode("latin-1")
+        self.wbits = _DECODABLE[coding]
+        self.z = zlib.decompressobj(self.wbits)
+        self.conn = conn
+        self.ex = ex
+        self.fed = False  # any coded byte taken yet
+        self.sink: Sink | None = None
+
+    def feed(self, chunk: bytes) -> int:
+        """The sink the connection calls: ``chunk`` is coded bytes (or, empty, the call
+        to hand on output that a paused sink left inside the decompressor)."""
+        sink = self.sink
+        assert sink is not None
+        data = chunk
+        while True:
+            z = self.z
+            try:
+                out = z.decompress(data, DECODE_PIECE)
+            except zlib.error as exc:
+                if not self.fed and self.wbits == zlib.MAX_WBITS:
+                    # "deflate" sent as raw DEFLATE, without the zlib wrapper: some
+                    # servers do; decoders (browsers, httpx) accept it, so does this one.
+                    self.wbits = -zlib.MAX_WBITS
+                    self.z = zlib.decompressobj(self.wbits)
+                    continue
+                return self._fail(RemoteProtocolError(
+                    f"invalid {self.coding} transfer coding from the upstream: {exc}"))
+            self.fed = True
+            data = z.unconsumed_tail
+            after: UpstreamError | None = None
+            if z.eof and z.unused_data:
+                if self.wbits == _DECODABLE[b"gzip"]:  # another gzip member follows
+                    data = z.unused_data + data
+                    self.z = zlib.decompressobj(self.wbits)
+                else:
+                    after = RemoteProtocolError(
+                        f"bytes after the end of the {self.coding} data from the upstream")
+            more = bool(data) or len(out) == DECODE_PIECE  # input left, or output pending
+            if out:
+                verdict = sink(out)
+                if after is not None:
+                    return self._fail(after)
+                if verdict != GO:
+                    if more and verdict == PAUSE:
+                        self.ex.parts.append(data)  # resumed by the next pipe (b"": output)
+                    return verdict
+            if after is not None:
+                return self._fail(after)
+            if not more:
+                return GO
+
+    def _fail(self, error: UpstreamError) -> int:
+        """The coded data is invalid: the body fails, also if it had all arrived."""
+        ex = self.ex
+        if ex.finished:
+            if ex.error is None:
+                ex.error = error
+                ex.keep_alive = False
+        else:
+            self.conn._fail(ex, error)
+        return STOP
+
+    def end(self) -> None:
+        """The body ended: so must the coded data, or the upstream cut it short."""
+        sink = self.sink
+        tail = self.z.flush()
+        if tail and sink is not None and sink(tail) == STOP:
+            self.ex.error = ClientGone("the client went away")
+            self.ex.keep_alive = False
+            raise self.ex.error
+        if self.fed and not self.z.eof:
+            error = ReadError(f"the upstream's body ended inside its {self.coding} coding")
+            self.ex.error = error
+            self.ex.keep_alive = False
+            raise error
+
+
+@dataclass(slots=True)
+class _Recovery:
+    """How one endpoint's learned idle limit climbs back (``outlived_limit``)."""
+
+    run: int = 0  # idle connections in a row that outlived the limit
+    needed: int = RECOVERY_RUN  # the run that doubles it
+    raised: bool = False  # the limit in use is a doubling no idle close has undone
+
+
 class WireTransport:
     """The pool and the exchange: ``await exchange(method, endpoint, payload)``."""
 
@@ -458,9 +727,12 @@ class WireTransport:
         self.read_timeout = read_timeout
         self.write_timeout = write_timeout
         self.keepalive_expiry = keepalive_expiry
-        # Per endpoint: the idle limit learned from the upstream closing idle connections.
+        # Per endpoint: the idle limit learned from the upstream closing idle connections,
+        # and how it climbs back (outlived_limit).
         self.learned_expiry: dict[Endpoint, float] = {}
+        self.recovery: dict[Endpoint, _Recovery] = {}
         self._ssl = ssl_context
+        self.warnings = RateLimitedLog(log, per_interval=10, interval_s=10.0)
         self._slots = asyncio.Semaphore(max_connections)
         self.idle: dict[Endpoint, list[_Connection]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -475,10 +747,46 @@ class WireTransport:
         return self.learned_expiry.get(endpoint, self.keepalive_expiry)
 
     def learn_idle_limit(self, endpoint: Endpoint, idle_s: float) -> None:
-        """The upstream closed a connection that had been idle ``idle_s`` seconds."""
+        """The upstream closed a connection that had been idle ``idle_s`` seconds: the
+        limit goes down if this one is lower, and a run of connections that outlived
+        the limit (:meth:`outlived_limit`) starts over either way."""
+        recovery = self.recovery.get(endpoint)
+        if recovery is not None:
+            recovery.run = 0
         limit = max(MIN_LEARNED_EXPIRY, idle_s * LEARNED_MARGIN)
-        if limit < self.expiry(endpoint):
-            self.learned_expiry[endpoint] = limit
+        if limit >= self.expiry(endpoint):
+            return
+        self.learned_expiry[endpoint] = limit
+        if recovery is None:
+            self.recovery[endpoint] = _Recovery()
+        elif recovery.raised:  # the last doubling went past the upstream's own limit
+            recovery.needed = min(2 * recovery.needed, MAX_RECOVERY_RUN)
+            recovery.raised = False
+
+    def outlived_limit(self, endpoint: Endpoint) -> None:
+        """An idle connection to ``endpoint`` outlived the learned limit: the pool
+        retired it at that age and the upstream still had it open. After
+        :data:`RECOVERY_RUN` such retirements with no idle close in between, the limit
+        doubles, up to ``keepalive_expiry`` (where the learned limit is forgotten), so
+        one restart of the upstream, which closes every idle connection at once, does
+        not end reuse for good. Should a doubling overshoot the upstream's own limit,
+        its next idle close lowers it again (the liveness check covers the connections
+        in between, as before anything was learned), and the next doubling needs twice
+        the run: against an upstream whose limit is real, the attempts thin out."""
+        limit = self.learned_expiry.get(endpoint)
+        recovery = self.recovery.get(endpoint)
+        if limit is None or recovery is None:
+            return
+        recovery.run += 1
+        if recovery.run < recovery.needed:
+            return
+        recovery.run = 0
+        if 2 * limit >= self.keepalive_expiry:
+            del self.learned_expiry[endpoint]
+            del self.recovery[endpoint]
+        else:
+            self.learned_expiry[endpoint] = 2 * limit
+            recovery.raised = True
 
     async def exchange(self, method: str, endpoint: Endpoint, payload: bytes) -> WireResponse:
         """Send ``payload`` (a whole serialized request, :func:`serialize`) to
@@ -521,8 +829,13 @@ class WireTransport:
         if idle:
             now = self.loop.time()
             expiry = self.expiry(endpoint)
+            outlived = False
             while idle and now - idle[0].idle_since > expiry:
-                idle.pop(0)._abort()  # the longest idle (LIFO: at the bottom) expired: close it
+                conn = idle.pop(0)  # the longest idle (LIFO: at the bottom) expired: close it
+                outlived = outlived or (endpoint in self.learned_expiry and conn.still_open())
+                conn._abort()
+            if outlived:  # one per pass: a burst's connections expire together
+                self.outlived_limit(endpoint)
             while idle:
                 conn = idle.pop()
                 if conn.idle_and_alive(now, expiry):
@@ -562,13 +875,16 @@ class WireTransport:
         last: OSError | None = None
         for family, kind, proto, _, address in infos:
             sock = socket.socket(family, kind, proto)
-            sock.setblocking(False)
             try:
+                sock.setblocking(False)
                 await loop.sock_connect(sock, address)
                 break
             except OSError as exc:
                 sock.close()
                 last = exc
+            except BaseException:  # cancelled or timed out while connecting: close it now,
+                sock.close()  # not whenever the last reference to the error goes
+                raise
         else:
             raise last or OSError(f"no address for {via.host}")
         try:
@@ -580,7 +896,7 @@ class WireTransport:
             head = b""
             while b"\r\n\r\n" not in head:
                 part = await loop.sock_recv(sock, 4096)
-                if not part or len(head) > 64 * 1024:
+                if not part or len(head) > MAX_HEAD_BYTES:
                     raise OSError("the proxy closed the connection during CONNECT")
                 head += part
             status_line = head.split(b"\r\n", 1)[0]
@@ -617,13 +933,22 @@ class WireBody:
         more). Raises the :class:`UpstreamError` that ended the body early (after handing
         on every byte received before it), or :class:`ClientGone` on STOP."""
         ex, conn = self._ex, self._conn
-        ex.sink = sink
+        decoding = ex.decoding
+        if decoding is None:
+            ex.sink = sink
+        else:
+            decoding.sink = sink
+            ex.sink = decoding.feed
         conn.resume_reading()
         conn._flush(ex)  # bytes that came with the headers or while paused
         while True:
+            if ex.parts:  # held back by the decoding when the sink paused
+                return False
             if ex.finished:
                 if ex.error is not None:
                     raise ex.error
+                if decoding is not None:
+                    decoding.end()
                 return True
             if conn.read_paused:
                 return False

@@ -108,6 +108,59 @@ def chrome(width: int = 1360, height: int = 1000) -> Iterator[Any]:
         driver.quit()
 
 
+class LoginPrompt:
+    """Answers the browser's HTTP authentication prompt as its user would: with
+    ``credentials`` (user name, password), or by cancelling it (None). Through DevTools'
+    ``Fetch`` domain on a connection of its own (headless chromium shows no dialog, and
+    Selenium's BiDi auth handler times out here); ``asked`` counts the prompts, so a
+    test sees that the user is asked once and the page's own requests then carry what
+    was typed."""
+
+    def __init__(self, driver: Any, credentials: tuple[str, str] | None) -> None:
+        import websocket  # websocket-client, a dependency of selenium
+
+        address = driver.capabilities["goog:chromeOptions"]["debuggerAddress"]
+        targets = httpx.get(f"http://{address}/json", timeout=10).json()
+        page = next(t for t in targets if t["type"] == "page")
+        self._ws = websocket.create_connection(page["webSocketDebuggerUrl"], suppress_origin=True)
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self.credentials = credentials
+        self.asked = 0
+        self._send("Fetch.enable", handleAuthRequests=True, patterns=[{"urlPattern": "*"}])
+        self._thread = threading.Thread(target=self._answer, name="login-prompt", daemon=True)
+        self._thread.start()
+
+    def _send(self, method: str, **params: Any) -> None:
+        with self._lock:
+            self._ws.send(json.dumps({"id": next(self._ids), "method": method, "params": params}))
+
+    def _answer(self) -> None:
+        while True:
+            try:
+                message = json.loads(self._ws.recv())
+            except Exception:  # closed: the test is over
+                return
+            method, params = message.get("method"), message.get("params", {})
+            if method == "Fetch.requestPaused":
+                self._send("Fetch.continueRequest", requestId=params["requestId"])
+            elif method == "Fetch.authRequired":
+                self.asked += 1
+                answer: dict[str, str] = {"response": "CancelAuth"}
+                if self.credentials is not None:
+                    user, password = self.credentials
+                    answer = {"response": "ProvideCredentials", "username": user,
+                              "password": password}
+                self._send("Fetch.continueWithAuth", requestId=params["requestId"],
+                           authChallengeResponse=answer)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._send("Fetch.disable")
+        self._ws.close()
+        self._thread.join(5)
+
+
 def requested_urls(driver: Any) -> list[str]:
     """Every URL the browser asked for since the last call (performance log)."""
     urls = []

@@ -24,7 +24,9 @@ import re
 import signal
 import socket
 import ssl
+import threading
 import time
+import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 
@@ -354,6 +356,114 @@ async def test_hostile_stream_forwarded_unchanged(kind: str) -> None:
         parser.feed(data[i:i + 65536])
         peak = max(peak, parser.buffered_bytes)
     assert peak <= DEFAULT_MAX_EVENT_BYTES + 64
+
+
+# ---------------------------------------------------------------------------
+# Upstream framing faults: what the upstream's client (proxy/wire.py) must not take as sent
+
+
+FLOOD_LINE = b"x-flood: " + b"v" * 1013 + b"\r\n"  # 1 KiB of header field
+
+
+@pytest.mark.parametrize("how", ["complete", "endless"])
+async def test_upstream_header_flood_gets_502_and_its_connection_closed(how: str) -> None:
+    """100 KiB of response headers (then a stream), or headers that never end."""
+    closed = threading.Event()  # the proxy closed the flooding connection
+
+    async def flood(conn: Conn) -> None:
+        try:
+            await conn.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n")
+            if how == "complete":
+                await conn.write(FLOOD_LINE * 100 + b"transfer-encoding: chunked\r\n\r\n")
+                await conn.chunk(content_event(" flooded"))
+                await conn.end()
+                if await conn.until_closed(10):
+                    closed.set()
+                return
+            while True:  # until the proxy closes: then the write fails
+                await conn.write(FLOOD_LINE * 64)
+        except ConnectionError:  # the proxy closed (with an RST) while this was writing
+            closed.set()
+            raise
+
+    upstream = RawUpstream({"flood": flood})
+    with upstream.running(), run_proxy(upstream.url, read_timeout=5.0) as (proxy, _):
+        t = time.perf_counter()
+        status, _, body, _ = await read_stream(proxy.url, chat("flood"))
+        assert status == 502 and time.perf_counter() - t < 5.0  # not at the read timeout
+        error = openai_error(body)
+        assert error["code"] == "upstream_headers_too_large"
+        assert "larger than 64 KiB" in str(error["message"])
+        assert await anyio.to_thread.run_sync(closed.wait, 5)
+        await outcome_is(proxy.url, "upstream_error", "flood")
+        await still_serves(proxy.url)
+
+
+async def test_upstream_answering_twice_first_answer_stands_connection_closed(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A whole stream, then (in the same read) a second response's head and part of its
+    body: the client gets the stream as sent and nothing of the second, the outcome is
+    ``completed``, the connection is closed (not pooled part-way through a message), one
+    warning names the upstream, and the next request goes on a fresh connection."""
+    events = stream_events(2, usage=True)
+    first = b"".join(b"%x\r\n%s\r\n" % (len(ev), ev) for ev in events) + b"0\r\n\r\n"
+    second = b"HTTP/1.1 200 OK\r\nx-second: 1\r\ncontent-length: 50\r\n\r\nnot for anyone"
+    closed = threading.Event()
+
+    async def twice(conn: Conn) -> None:
+        await conn.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                         b"x-first: 1\r\ntransfer-encoding: chunked\r\n\r\n" + first + second)
+        if await conn.until_closed(10):
+            closed.set()
+
+    upstream = RawUpstream({"twice": twice})
+    with caplog.at_level(logging.WARNING, logger="proxy.wire"), upstream.running(), \
+            run_proxy(upstream.url) as (proxy, _):
+        status, headers, got, error = await read_stream(proxy.url, chat("twice"))
+        assert (status, error) == (200, None)
+        assert headers["x-first"] == "1" and "x-second" not in headers
+        assert got == b"".join(events[:-2] + events[-1:])  # the usage event the proxy asked for
+        assert await anyio.to_thread.run_sync(closed.wait, 5)
+        await outcome_is(proxy.url, "completed", "twice")
+        await still_serves(proxy.url)
+        assert upstream.connections == 2
+    warned = [r.getMessage() for r in caplog.records if r.name == "proxy.wire"]
+    assert len(warned) == 1 and f"upstream 127.0.0.1:{upstream.port} sent bytes after" in warned[0]
+
+
+@pytest.mark.parametrize("fields", ["gzip, chunked", "gzip"])
+async def test_upstream_transfer_coding_is_undone_and_the_stream_measured(fields: str) -> None:
+    """A stream gzipped as a transfer coding, flushed per event: chunked last (RFC 9112
+    section 6.3: de-chunked, then the gzip undone) or not (the body ends at the close).
+    Transfer codings are hop-by-hop, so the client gets the events decoded in the
+    proxy's own framing, exactly, and they are measured as any stream."""
+    events = stream_events(3, usage=True)
+    chunked = fields.endswith("chunked")
+
+    async def coded(conn: Conn) -> None:
+        z = zlib.compressobj(wbits=31)  # gzip
+        await conn.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                         b"transfer-encoding: %s\r\n\r\n" % fields.encode())
+        pieces = [z.compress(ev) + z.flush(zlib.Z_SYNC_FLUSH) for ev in events] + [z.flush()]
+        for piece in pieces:
+            await (conn.chunk(piece) if chunked else conn.write(piece))
+        if chunked:
+            await conn.end()
+        else:
+            conn.close()
+
+    upstream = RawUpstream({"coded": coded})
+    with upstream.running(), run_proxy(upstream.url) as (proxy, _):
+        status, headers, got, error = await read_stream(proxy.url, chat("coded"))
+        assert (status, error) == (200, None)
+        assert headers["transfer-encoding"] == "chunked" and "content-encoding" not in headers
+        assert got == b"".join(events[:-2] + events[-1:])  # less the usage the proxy asked for
+        await outcome_is(proxy.url, "completed", "coded")
+        assert await wait_metric(proxy.url, "llm_proxy_time_to_first_token_seconds_count", 1,
+                                 model="coded") == 1
+        assert await wait_metric(proxy.url, "llm_proxy_completion_tokens_sum", 3,
+                                 model="coded") == 3  # from the upstream's usage
+        await still_serves(proxy.url)
 
 
 # ---------------------------------------------------------------------------

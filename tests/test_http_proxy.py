@@ -15,13 +15,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import logging
+import os
 import re
 import shutil
+import socket
 import ssl
 import subprocess
 import threading
+import warnings
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +45,7 @@ from tests.servers import serve_in_thread
 from tests.test_wire import (
     PROXY_VARIABLES,
     anyio_backend,  # noqa: F401 (the fixture: every async test on asyncio and on uvloop)
+    until,
 )
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
@@ -395,6 +400,122 @@ async def test_connect_failures_name_the_proxy(behaviour: str, error: type[Conne
     assert fake.connects == [b"CONNECT upstream.example:443 HTTP/1.1\r\n"
                              b"Host: upstream.example:443\r\n"
                              b"Proxy-Authorization: Basic dXNlcjpzM2NyZXQ=\r\n\r\n"]
+
+
+# ---------------------------------------------------------------------------
+# A CONNECT that never gets through closes its socket
+
+
+@dataclass
+class StuckProxy:
+    """A forward proxy whose accept queue is full: the kernel drops every new SYN, so a
+    connect to it stays pending until the proxy's client gives up (the connect timeout)
+    or the request is cancelled (its own client went away)."""
+
+    port: int
+    fillers: list[socket.socket]
+
+    def open_sockets(self) -> int:
+        """This process's descriptors for sockets to the stuck proxy, fillers excepted:
+        a socket's inode in ``/proc/net/tcp`` (remote port = the proxy's) matched against
+        ``/proc/self/fd``."""
+        skip = {s.getsockname()[1] for s in self.fillers}
+        inodes = set()
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            with open(table) as f:
+                for line in f.read().splitlines()[1:]:
+                    fields = line.split()
+                    local, remote = (int(a.rsplit(":", 1)[1], 16) for a in fields[1:3])
+                    if remote == self.port and local not in skip:
+                        inodes.add(f"socket:[{fields[9]}]")
+        count = 0
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                count += os.readlink(f"/proc/self/fd/{fd}") in inodes
+        return count
+
+
+@contextlib.contextmanager
+def stuck_proxy() -> Iterator[StuckProxy]:
+    listener = socket.create_server(("127.0.0.1", 0), backlog=0)  # room for one, never accepted
+    port = listener.getsockname()[1]
+    fillers: list[socket.socket] = []
+    try:
+        for _ in range(2):  # the one the queue takes, and one more for good measure
+            filler = socket.socket()
+            filler.setblocking(False)
+            filler.connect_ex(("127.0.0.1", port))
+            fillers.append(filler)
+        yield StuckProxy(port, fillers)
+    finally:
+        for filler in fillers:
+            filler.close()
+        listener.close()
+
+
+@pytest.mark.parametrize("how", ["timeout", "cancel"])
+async def test_a_connect_stuck_while_connecting_closes_its_socket(how: str) -> None:
+    """The socket is closed when the attempt ends, not whenever the garbage collector
+    gets to it: here the errors are kept, as a log record or a trace span may keep them."""
+    kept: list[BaseException] = []
+    with stuck_proxy() as stuck:
+        transport = WireTransport(max_connections=4, read_timeout=1.0,
+                                  connect_timeout=0.2 if how == "timeout" else 30.0)
+        endpoint = Endpoint("https", "upstream.example", 443,
+                            ProxyEndpoint("127.0.0.1", stuck.port))
+        try:
+            for _ in range(5):
+                attempt = asyncio.ensure_future(
+                    transport.exchange("GET", endpoint, b"GET / HTTP/1.1\r\n\r\n"))
+                if how == "cancel":
+                    await until(lambda: stuck.open_sockets() == 1)  # connecting
+                    attempt.cancel()
+                try:
+                    await attempt
+                except (ConnectTimeout, asyncio.CancelledError) as exc:
+                    kept.append(exc)
+                assert stuck.open_sockets() == 0
+        finally:
+            await transport.aclose()
+    expected = ConnectTimeout if how == "timeout" else asyncio.CancelledError
+    assert [type(e) for e in kept] == [expected] * 5
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the proxy's loop is its own thread's
+async def test_proxy_closes_the_socket_of_a_connect_that_never_got_through(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the whole proxy: three requests time out connecting to the HTTPS proxy
+    (502), three clients go away while it connects. Every socket is closed by the proxy
+    itself: none is left open, and none is left to the garbage collector (which says so
+    with a ResourceWarning)."""
+    with stuck_proxy() as stuck:
+        proxy_environment(monkeypatch, HTTPS_PROXY=f"http://127.0.0.1:{stuck.port}")
+        app = create_app(Settings(upstream="https://localhost:8443/v1", connect_timeout=1.0),
+                         registry=CollectorRegistry())
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", ResourceWarning)
+            with serve_in_thread(app, http="httptools") as server:
+                async with httpx.AsyncClient(base_url=server.url, timeout=10,
+                                             trust_env=False) as client:
+                    for _ in range(3):
+                        r = await client.post("/v1/chat/completions", json=CHAT)
+                        assert r.status_code == 502
+                        assert r.json()["error"]["code"] == "upstream_unreachable"
+                        assert stuck.open_sockets() == 0
+                    for _ in range(3):
+                        request = asyncio.ensure_future(
+                            client.post("/v1/chat/completions", json=CHAT))
+                        await until(lambda: stuck.open_sockets() == 1)  # the proxy connects
+                        request.cancel()  # and its client goes away
+                        with contextlib.suppress(asyncio.CancelledError):
+                            await request
+                        await until(lambda: stuck.open_sockets() == 0)
+            gc.collect()  # anything left to the collector would warn now at the latest
+        unclosed = [str(w.message) for w in caught
+                    if issubclass(w.category, ResourceWarning) and "socket" in str(w.message)]
+        assert unclosed == []
+        assert stuck.open_sockets() == 0
 
 
 # ---------------------------------------------------------------------------

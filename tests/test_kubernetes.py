@@ -254,10 +254,15 @@ def test_service_pdb_and_hpa_select_the_pods(rendered: list[dict[str, Any]]) -> 
     assert matches(deployment["spec"]["selector"]["matchLabels"], pods)
     service = named(rendered, "Service", "llm-latency-proxy")
     assert matches(service["spec"]["selector"], pods)
-    assert {p["name"]: p["targetPort"] for p in service["spec"]["ports"]} == {
-        "http": "http",
-        "metrics": "metrics",
+    # Apps get the http port only: the metrics port (/metrics and /ui, no key asked) is
+    # reached through the headless metrics Service, which no app is pointed at.
+    assert {p["name"]: p["targetPort"] for p in service["spec"]["ports"]} == {"http": "http"}
+    carrying_metrics = {
+        o["metadata"]["name"]
+        for o in rendered
+        if o["kind"] == "Service" and "metrics" in {p["name"] for p in o["spec"]["ports"]}
     }
+    assert carrying_metrics == {"llm-latency-proxy-metrics"}
     assert matches(one(rendered, "PodDisruptionBudget")["spec"]["selector"]["matchLabels"], pods)
     hpa = one(rendered, "HorizontalPodAutoscaler")["spec"]
     assert hpa["scaleTargetRef"] == {

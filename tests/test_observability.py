@@ -167,6 +167,11 @@ def proxy_exposition() -> str:
         app.metrics.requests.labels("/v1/chat/completions", "m", "sim", "true", "200")
         app.metrics.duration.labels("/v1/chat/completions", "m", "sim", "true")
         app.metrics.outcomes.labels("/v1/chat/completions", "m", "sim", "completed")
+        for counter in (app.metrics.fit_n, app.metrics.fit_x, app.metrics.fit_y,
+                        app.metrics.fit_xy, app.metrics.fit_xx, app.metrics.fit_yy,
+                        app.metrics.fit_skipped):
+            counter.labels("/v1/chat/completions", "m", "sim")
+        app.metrics.finish_reasons.labels("/v1/chat/completions", "m", "sim", "stop")
         try:
             transport = httpx.ASGITransport(app=app)
             async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as client:
@@ -574,10 +579,13 @@ def test_compose_has_the_whole_stack() -> None:
     assert "http://proxy:8080/v1" in services["loadgen"]["command"][0]
     prometheus_mounts = services["prometheus"]["volumes"]
     assert "./prometheus:/etc/prometheus:ro" in prometheus_mounts
-    # The proxy job scrapes the compose service by name.
+    # The proxy job scrapes the compose service by name, on its metrics port (which takes
+    # no client key, so a keys override leaves the scrape working).
     config = yaml.safe_load(PROMETHEUS_YML.read_text())
     job = next(j for j in config["scrape_configs"] if j["job_name"] == "llm-latency-proxy")
-    assert job["static_configs"][0]["targets"] == ["proxy:8080"]
+    proxy_env = services["proxy"]["environment"]
+    assert job["static_configs"][0]["targets"] == [f"proxy:{proxy_env['LLM_PROXY_METRICS_PORT']}"]
+    assert proxy_env["LLM_PROXY_METRICS_HOST"] == "0.0.0.0"
     assert config["alerting"]["alertmanagers"][0]["static_configs"][0]["targets"] == ["alertmanager:9093"]
     # Longer than the proxy's drain time, so docker stop does not cut streams short.
     grace = services["proxy"]["stop_grace_period"]

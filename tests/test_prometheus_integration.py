@@ -209,7 +209,9 @@ class Tally:
 
 
 def request_body(route: str, model: str, stream: bool, i: int, max_tokens: int) -> dict[str, Any]:
-    question = f"Question number {i}: how long is a piece of string?"
+    # Questions of four lengths after the shared system prompt: the uncached part of the
+    # prompt varies, so the prefill fit's rules have a spread of lengths to fit.
+    question = f"Question number {i}: " + "how long is a piece of string? " * (1 + i % 4)
     body: dict[str, Any] = {"model": model, "stream": stream}
     if route == "/responses":
         body.update(instructions=SYSTEM_PROMPT, input=question, max_output_tokens=max_tokens)

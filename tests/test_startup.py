@@ -102,8 +102,14 @@ def serving(*args: str) -> Iterator[Proc]:
         yield proc
     finally:
         if proc.popen.poll() is None:
-            proc.popen.kill()
-            proc.popen.wait(10)
+            # SIGTERM first: with --workers, a killed supervisor would leave its workers
+            # running, holding stderr open, and closing it below would never return.
+            proc.popen.terminate()
+            try:
+                proc.popen.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.popen.kill()
+                proc.popen.wait(10)
         if proc.popen.stderr is not None:
             proc.popen.stderr.close()
 

@@ -922,8 +922,14 @@ async def test_response_attributes_are_never_metric_labels(receiver: Receiver) -
     async with app:
         await post(app, CHAT, request_for(CHAT, True))
         text, _ = app.metrics.exposition("application/openmetrics-text; version=1.0.0")
-        for said in (CHAT_ID, CHAT_MODEL, "length"):
+        for said in (CHAT_ID, CHAT_MODEL):
             assert said not in text.decode()
+        # the finish reason only as one of a fixed set of values, in its one counter
+        for line in text.decode().splitlines():
+            if "length" in line:
+                assert line.startswith(("# HELP llm_proxy_finish_reasons ",
+                                        "llm_proxy_finish_reasons_total{",
+                                        "llm_proxy_finish_reasons_created{")), line
 
 
 # ---------------------------------------------------------------------------

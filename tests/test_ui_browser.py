@@ -10,19 +10,29 @@ for nothing but its own origin (the browser's network log) and logged no error; 
 screenshot of it is saved in the test's temporary directory, taken by the same function
 that takes the README's. A link naming a model the proxy does not know falls back to
 every model.
+
+With client keys on, the page on the main port takes one: the browser asks its user
+once (HTTP Basic, the key as the password), then the page's own data requests carry it;
+a user who cancels the prompt gets the refusal, never the page.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
+import secrets
 from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry
 
+from proxy.app import create_app
 from proxy.bench import promscrape
+from proxy.config import Settings
 from tests.browser import (
     CHARTS,
+    LoginPrompt,
     browser_missing,
     chrome,
     console_errors,
@@ -31,6 +41,7 @@ from tests.browser import (
     requested_urls,
     wait_for,
 )
+from tests.servers import serve_in_thread
 
 pytestmark = [
     pytest.mark.e2e,
@@ -148,3 +159,33 @@ def test_live_page_draws_the_proxys_figures_in_a_real_browser(tmp_path: Path) ->
         shot = tmp_path / "ui.png"
         full_screenshot(driver, shot)
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
+
+
+def test_with_client_keys_the_browser_asks_once_and_the_page_draws(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    key = "cli-" + secrets.token_hex(12)
+    keys = tmp_path / "keys"
+    keys.write_text(hashlib.sha256(key.encode()).hexdigest() + "\n")
+    monkeypatch.setenv("TEST_UI_UPSTREAM_KEY", "srv-" + secrets.token_hex(8))
+    settings = Settings(upstream="http://127.0.0.1:9/v1", upstream_api_key_env="TEST_UI_UPSTREAM_KEY",
+                        client_keys_file=str(keys))
+    app = create_app(settings, registry=CollectorRegistry())
+    with serve_in_thread(app, http="httptools") as server, chrome() as driver:
+        prompt = LoginPrompt(driver, None)  # the user cancels the prompt
+        try:
+            driver.get(server.url + "/ui")
+            wait_for(driver, "document.body.innerText.includes('invalid_api_key')")
+            assert prompt.asked == 1
+            assert driver.execute_script("return document.body.dataset.refreshes") is None
+        finally:
+            prompt.close()
+        prompt = LoginPrompt(driver, ("ops", key))  # the user types any name and a key
+        try:
+            driver.get(server.url + "/ui")
+            wait_for(driver, "+document.body.dataset.refreshes >= 3")  # /ui/data, three times
+            assert prompt.asked == 1
+        finally:
+            prompt.close()
+        # (the refused /ui of the first visit is logged, and the browser's own favicon
+        # request is a 404; the page's data requests never failed)
+        assert not [e for e in console_errors(driver) if "/ui/data" in e["message"]]

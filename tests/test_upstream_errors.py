@@ -33,6 +33,7 @@ from proxy.wire import (
     ReadError,
     ReadTimeout,
     RemoteProtocolError,
+    ResponseHeadTooLarge,
     UpstreamError,
     WireResponse,
     WireTransport,
@@ -65,6 +66,8 @@ FAILED = (502, "upstream_failed")
      Outcome.UPSTREAM_TIMEOUT),
     (ReadError("upstream closed the connection"), FAILED, Outcome.UPSTREAM_INTERRUPTED),
     (RemoteProtocolError("invalid HTTP from the upstream"), FAILED, Outcome.UPSTREAM_ERROR),
+    (ResponseHeadTooLarge("response headers larger than 64 KiB"),
+     (502, "upstream_headers_too_large"), Outcome.UPSTREAM_ERROR),
     (UpstreamError(), FAILED, Outcome.UPSTREAM_ERROR),
 ])
 def test_each_error_class_maps_to_its_status_code_and_outcome(

@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gzip
+import logging
 import re
 import socket
 import struct
+import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,8 +42,10 @@ from proxy.upstream import Upstream
 from proxy.upstreams import single_spec
 from proxy.uvicorn_writer import DirectWriter
 from proxy.wire import (
+    DECODE_PIECE,
     GO,
     HOLD_BUFFER,
+    MAX_HEAD_BYTES,
     PAUSE,
     STOP,
     ClientGone,
@@ -50,6 +55,7 @@ from proxy.wire import (
     ReadError,
     ReadTimeout,
     RemoteProtocolError,
+    ResponseHeadTooLarge,
     UpstreamError,
     WireResponse,
     WireTransport,
@@ -426,6 +432,260 @@ async def test_bodies_arrive_complete(framing: str, mode: str) -> None:
         assert up.accepted == (2 if framing == "close" else 1)
 
 
+# ---------------------------------------------------------------------------
+# Transfer codings other than plain chunked (RFC 9112 section 6.3)
+
+
+EVENTS = [b"data: {\"n\": %d, \"text\": \"%s\"}\n\n" % (i, b"tok" * i) for i in range(40)]
+
+
+def coded(parts: Sequence[bytes], coding: str) -> list[bytes]:
+    """``parts`` under a transfer coding, flushed after each part (as a streaming server
+    flushes its compressor per event), so each coded piece decodes to exactly its part."""
+    if coding == "gzip-members":  # one gzip member per part, concatenated
+        return [gzip.compress(part) for part in parts]
+    wbits = {"gzip": 31, "deflate": 15, "raw-deflate": -15}[coding]
+    z = zlib.compressobj(wbits=wbits)
+    pieces = [z.compress(part) + z.flush(zlib.Z_SYNC_FLUSH) for part in parts]
+    pieces[-1] += z.flush()
+    return pieces
+
+
+CODINGS = [  # (Transfer-Encoding fields, how the body is coded, chunked last)
+    ([b"gzip, chunked"], "gzip", True),
+    ([b"gzip, chunked", b"chunked"], "gzip", True),  # chunked named twice, applied once
+    ([b"x-gzip, chunked"], "gzip", True),
+    ([b"Gzip ,CHUNKED"], "gzip", True),
+    ([b"gzip", b"chunked"], "gzip", True),  # two fields: one list
+    ([b"gzip, chunked"], "gzip-members", True),
+    ([b"deflate, chunked"], "deflate", True),
+    ([b"deflate, chunked"], "raw-deflate", True),
+    ([b"gzip"], "gzip", False),  # not chunked last: the body ends with the connection
+    ([b"deflate"], "deflate", False),
+    ([b"identity, gzip"], "gzip", False),
+]
+
+
+@pytest.mark.parametrize(("fields", "coding", "chunked"), CODINGS,
+                         ids=[f"{b'+'.join(f).decode()}-{c}" for f, c, _ in CODINGS])
+async def test_transfer_codings_are_undone_as_the_body_arrives(
+        fields: list[bytes], coding: str, chunked: bool) -> None:
+    """Each coded piece is decoded and handed on when it arrives (the upstream sends the
+    next one only once the client has the last), not when the body ends; a chunked body
+    leaves its connection reusable, a close-delimited one ends with it."""
+    pieces = coded(EVENTS, coding)
+    have: asyncio.Queue[int] = asyncio.Queue()
+
+    async def handler(up: Scripted, n: int, reader: asyncio.StreamReader,
+                      writer: asyncio.StreamWriter) -> None:
+        while await up.read_request(n, reader) is not None:
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                         + b"".join(b"transfer-encoding: %s\r\n" % f for f in fields) + b"\r\n")
+            for i, piece in enumerate(pieces):
+                writer.write(b"%x\r\n%s\r\n" % (len(piece), piece) if chunked else piece)
+                await writer.drain()
+                async with asyncio.timeout(5):
+                    while await have.get() < i:  # the client decoded event i
+                        pass
+            if not chunked:
+                return
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+
+    def seen(got: bytes) -> None:
+        have.put_nowait(sum(got.startswith(b"".join(EVENTS[:k + 1])) for k in range(len(EVENTS))) - 1)
+
+    async with scripted(handler) as up, wire() as w:
+        for _ in range(2):
+            response = await w.send("GET", up.endpoint, "/")
+            assert response.status_code == 200
+            assert await consume(response, "pipe", seen) == (b"".join(EVENTS), None)
+        assert up.accepted == (1 if chunked else 2)
+
+
+@pytest.mark.parametrize("fault", ["cut-at-close", "cut-in-chunked", "corrupt", "after-deflate"])
+async def test_a_broken_transfer_coding_fails_the_body_after_what_decoded(
+        fault: str, mode: str) -> None:
+    """What decoded before the fault is handed on (pipe; the fault comes in a read of its
+    own, as the output of a read whose coded data is invalid is lost with it); the body
+    fails (a cut coding is a ReadError: the upstream stopped early; invalid data a
+    RemoteProtocolError), and the connection is not pooled."""
+    pieces = coded(EVENTS[:3], "deflate" if fault == "after-deflate" else "gzip")
+    if fault == "corrupt":
+        pieces[2] = b"\xff" * len(pieces[2])
+    elif fault == "after-deflate":
+        pieces.append(b"more")
+    else:
+        pieces.pop()  # the end of the coded data never comes
+    good = b"".join(EVENTS[:2 if fault != "after-deflate" else 3])
+    chunked = fault != "cut-at-close"
+    fields = b"%s%s" % (b"deflate" if fault == "after-deflate" else b"gzip",
+                        b", chunked" if chunked else b"")
+    decoded = asyncio.Event()
+
+    async def handler(up: Scripted, n: int, reader: asyncio.StreamReader,
+                      writer: asyncio.StreamWriter) -> None:
+        if n > 1:
+            await answering()(up, n, reader, writer)
+            return
+        await up.read_request(n, reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: %s\r\n\r\n" % fields)
+        for i, piece in enumerate(pieces):
+            if i == 2 and fault in ("corrupt", "after-deflate") and mode == "pipe":
+                await decoded.wait()  # the client has what came before the fault
+            writer.write(b"%x\r\n%s\r\n" % (len(piece), piece) if chunked else piece)
+            await writer.drain()
+        if chunked:
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+            await until_eof(reader, asyncio.Event())
+
+    async with scripted(handler) as up, wire() as w:
+        response = await w.send("GET", up.endpoint, "/")
+        got, error = await consume(response, mode, lambda got: decoded.set()
+                                   if got == b"".join(EVENTS[:2]) else None)
+        assert got == before_failure(mode, good)
+        expected = RemoteProtocolError if fault in ("corrupt", "after-deflate") else ReadError
+        assert type(error) is expected
+        assert await w.fetch("GET", up.endpoint, "/next") == (200, b"/next")
+        assert up.accepted == 2
+
+
+async def test_chunked_named_twice_is_read_as_chunked() -> None:
+    """``Transfer-Encoding: chunked`` repeated (frameworks do it), the body chunked once."""
+    answer = (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ntransfer-encoding: chunked"
+              b"\r\n\r\n5\r\nhello\r\n0\r\n\r\n")
+    async with scripted(answering(lambda raw: answer)) as up, wire() as w:
+        for _ in range(2):
+            assert await w.fetch("GET", up.endpoint, "/") == (200, b"hello")
+        assert up.accepted == 1
+
+
+@pytest.mark.parametrize("fields", [b"br, chunked", b"compress", b"zstd", b"chunked, gzip",
+                                    b"gzip, gzip, chunked", b"chunked;ext=1",
+                                    b"gzip;level=9, chunked"])
+async def test_an_unsupported_transfer_coding_is_refused_before_the_body(fields: bytes) -> None:
+    answer = b"HTTP/1.1 200 OK\r\ntransfer-encoding: %s\r\n\r\n3\r\nabc\r\n0\r\n\r\n" % fields
+    async with scripted(answering(lambda raw: answer)) as up, wire() as w:
+        for _ in range(2):  # and the slot came back
+            with pytest.raises(RemoteProtocolError, match="unsupported transfer coding"):
+                await w.send("GET", up.endpoint, "/")
+
+
+async def test_a_decompression_bomb_is_held_back_by_a_paused_sink() -> None:
+    """16 MiB of zeros in a 16 KiB gzip body: the sink gets it in pieces of at most
+    DECODE_PIECE, one per pipe while it pauses, and the connection stays reusable."""
+    size = 16 * 1024 * 1024
+    bomb = gzip.compress(b"\0" * size)
+    answer = (b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip, chunked\r\n\r\n"
+              b"%x\r\n%s\r\n0\r\n\r\n" % (len(bomb), bomb))
+    async with scripted(answering(lambda raw: answer if raw.startswith(b"GET /bomb")
+                                  else ok(b"after"))) as up, wire() as w:
+        response = await w.send("GET", up.endpoint, "/bomb")
+        calls: list[int] = []
+
+        def sink(chunk: bytes) -> int:
+            assert chunk == b"\0" * len(chunk)
+            calls.append(len(chunk))
+            return PAUSE
+
+        pipes = 1
+        while not await response.body.pipe(sink):
+            assert len(calls) == pipes  # one piece per pipe: the pause holds the rest
+            pipes += 1
+        await response.aclose()
+        assert sum(calls) == size and max(calls) <= DECODE_PIECE
+        assert await w.fetch("GET", up.endpoint, "/after") == (200, b"after")
+        assert up.accepted == 1
+
+
+# An upstream that answers one request twice: the second answer's head, and part of
+# its body (the connection would be left part-way through a message).
+SECOND = b"HTTP/1.1 200 OK\r\nx-second: 1\r\ncontent-length: 50\r\n\r\nnot for anyone"
+AFTER_THE_END = "sent bytes after the end of a response, before another request"
+
+
+def after_the_end_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name == "proxy.wire" and AFTER_THE_END in r.getMessage()]
+
+
+@pytest.mark.parametrize("extra", [SECOND, b"garbage\r\n\r\n"], ids=["second-response", "garbage"])
+@pytest.mark.parametrize("framing", ["length", "chunked"])
+async def test_bytes_after_the_end_in_the_same_read(
+        framing: str, extra: bytes, mode: str, caplog: pytest.LogCaptureFixture) -> None:
+    """The response stands as it ended, nothing after it is parsed into it (no second
+    set of headers), and the connection is closed, never pooled."""
+    body = b"data: first\n\n"
+    first = (ok(body, b"x-first: 1") if framing == "length" else
+             b"HTTP/1.1 200 OK\r\nx-first: 1\r\ntransfer-encoding: chunked\r\n\r\n"
+             b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
+    closed = asyncio.Event()
+
+    async def handler(up: Scripted, n: int, reader: asyncio.StreamReader,
+                      writer: asyncio.StreamWriter) -> None:
+        if n > 1:
+            await answering()(up, n, reader, writer)
+            return
+        await up.read_request(n, reader)
+        writer.write(first + extra)  # one write: one read on the client's side
+        await until_eof(reader, closed)
+
+    async with scripted(handler) as up, wire() as w:
+        with caplog.at_level(logging.WARNING, logger="proxy.wire"):
+            response = await w.send("GET", up.endpoint, "/")
+            length = [(b"content-length", b"%d" % len(body))] if framing == "length" else [
+                (b"transfer-encoding", b"chunked")]
+            assert sorted(response.headers.raw) == sorted([(b"x-first", b"1"), *length])
+            assert await consume(response, mode) == (body, None)
+        async with asyncio.timeout(5):
+            await closed.wait()
+        assert await w.fetch("GET", up.endpoint, "/next") == (200, b"/next")
+        assert up.accepted == 2
+    assert after_the_end_warnings(caplog) == [
+        f"upstream 127.0.0.1:{up.port} {AFTER_THE_END}: the response stands as it ended, "
+        "the connection is closed"]
+
+
+@pytest.mark.parametrize("when", ["before-release", "idle"])
+async def test_bytes_after_the_end_in_a_later_read(
+        when: str, caplog: pytest.LogCaptureFixture) -> None:
+    """The second answer comes in a read of its own: after the response ended but before
+    the caller released it, or while the connection is idle in the pool. Either way the
+    connection is closed; only the first is an upstream fault worth a warning (a server
+    may send a 408 on an idle connection before it closes it)."""
+    send_second = asyncio.Event()
+    closed = asyncio.Event()
+
+    async def handler(up: Scripted, n: int, reader: asyncio.StreamReader,
+                      writer: asyncio.StreamWriter) -> None:
+        if n > 1:
+            await answering()(up, n, reader, writer)
+            return
+        await up.read_request(n, reader)
+        writer.write(ok(b"first"))
+        await send_second.wait()
+        writer.write(SECOND)
+        await until_eof(reader, closed)
+
+    async with scripted(handler) as up, wire() as w:
+        with caplog.at_level(logging.WARNING, logger="proxy.wire"):
+            response = await w.send("GET", up.endpoint, "/")
+            assert await response.body.read(LIMIT) == b"first"
+            conn = response.body._conn
+            if when == "idle":
+                await response.aclose()
+                assert w.transport.idle[up.endpoint] == [conn]
+            send_second.set()
+            await until(lambda: conn.lost)
+            await response.aclose()
+        async with asyncio.timeout(5):
+            await closed.wait()
+        assert await w.fetch("GET", up.endpoint, "/next") == (200, b"/next")
+        assert up.accepted == 2
+    assert len(after_the_end_warnings(caplog)) == (1 if when == "before-release" else 0)
+
+
 async def test_head_response_finishes_and_the_next_request_works() -> None:
     async with scripted(answering(lambda raw: b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n"
                                   if raw.startswith(b"HEAD") else ok(b"after head"))) as up, \
@@ -758,6 +1018,52 @@ async def test_malformed_head_is_remote_protocol_error(answer: bytes) -> None:
             await w.send("GET", up.endpoint, "/")
         with pytest.raises(RemoteProtocolError):  # the slot came back
             await w.send("GET", up.endpoint, "/")
+
+
+def header_lines(size: int) -> bytes:
+    """``size`` bytes of header fields (rounded down to whole KiB), 1 KiB each."""
+    return b"".join(b"x-flood-%04d: %s\r\n" % (i, b"v" * 1008) for i in range(size // 1024))
+
+
+@pytest.mark.parametrize("how", ["one-write", "endless"])
+async def test_response_head_over_the_cap_is_an_error_and_closes_the_connection(
+        how: str) -> None:
+    """A header flood: in one write with a body after it, or a head that never ends. The
+    client stops at the cap (it does not wait for the end) and drops the connection."""
+    async def handler(up: Scripted, n: int, reader: asyncio.StreamReader,
+                      writer: asyncio.StreamWriter) -> None:
+        if n > 1:
+            await answering()(up, n, reader, writer)
+            return
+        await up.read_request(n, reader)
+        if how == "one-write":
+            writer.write(b"HTTP/1.1 200 OK\r\n" + header_lines(MAX_HEAD_BYTES + 1024)
+                         + b"content-length: 2\r\n\r\nok")
+            await until_eof(reader, asyncio.Event())
+            return
+        writer.write(b"HTTP/1.1 200 OK\r\n")
+        while True:  # until the client closes: then the write fails
+            writer.write(header_lines(8192))
+            await writer.drain()
+
+    async with scripted(handler) as up, wire(read_timeout=30.0) as w:
+        with pytest.raises(ResponseHeadTooLarge, match="larger than 64 KiB"):
+            await w.send("GET", up.endpoint, "/flood")
+        assert await w.fetch("GET", up.endpoint, "/next") == (200, b"/next")
+        assert up.accepted == 2  # the flooded connection was dropped
+
+
+async def test_large_head_under_the_cap_with_a_body_in_the_same_read() -> None:
+    """The cap counts the head, not the body bytes that came in the same read."""
+    body = b"b" * (200 * 1024)
+    head = b"HTTP/1.1 200 OK\r\n" + header_lines(MAX_HEAD_BYTES - 4096)
+    answer = head + b"content-length: %d\r\n\r\n" % len(body) + body
+    async with scripted(answering(lambda raw: answer)) as up, wire() as w:
+        for _ in range(2):
+            response = await w.send("GET", up.endpoint, "/")
+            assert len(response.headers.raw) == (MAX_HEAD_BYTES - 4096) // 1024 + 1
+            assert await consume(response) == (body, None)
+        assert up.accepted == 1
 
 
 async def test_malformed_chunk_is_remote_protocol_error_after_every_byte(mode: str) -> None:

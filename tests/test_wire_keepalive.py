@@ -32,7 +32,14 @@ from prometheus_client import CollectorRegistry
 
 from proxy.app import create_app
 from proxy.config import Settings
-from proxy.wire import LEARNED_MARGIN, MIN_LEARNED_EXPIRY, Endpoint, WireTransport
+from proxy.wire import (
+    LEARNED_MARGIN,
+    MIN_LEARNED_EXPIRY,
+    RECOVERY_RUN,
+    Endpoint,
+    WireTransport,
+)
+from tests.fake_upstream import Conn, Gate, RawUpstream, normal
 from tests.test_wire import (
     PROXY_VARIABLES,
     Scripted,
@@ -41,6 +48,7 @@ from tests.test_wire import (
     ok,
     scripted,
     settled,
+    until,
     until_eof,
     wire,
 )
@@ -160,7 +168,7 @@ def test_learn_idle_limit_sets_three_quarters_of_the_observed_lifetime(
     assert transport.expiry(elsewhere) == 4.0  # per endpoint
 
 
-def test_learned_idle_limit_only_ever_goes_down() -> None:
+def test_idle_closes_only_ever_lower_the_learned_limit() -> None:
     transport = WireTransport(max_connections=1, connect_timeout=1.0, read_timeout=1.0)
     here = Endpoint("http", "a", 80)
     seen = []
@@ -168,6 +176,87 @@ def test_learned_idle_limit_only_ever_goes_down() -> None:
         transport.learn_idle_limit(here, observed)
         seen.append(transport.expiry(here))
     assert seen == pytest.approx([1.5, 1.5, 0.75, 0.75, 0.25, 0.25])
+
+
+def test_learned_limit_doubles_after_a_run_of_connections_that_outlived_it() -> None:
+    """Back up to keepalive_expiry, where the learned limit is forgotten; an idle close
+    in the middle of a run starts the run over."""
+    transport = WireTransport(max_connections=1, connect_timeout=1.0, read_timeout=1.0,
+                              keepalive_expiry=4.0)
+    here, elsewhere = Endpoint("http", "a", 80), Endpoint("http", "b", 80)
+    transport.learn_idle_limit(here, 0.0)  # a restart: every idle connection closed at once
+    seen = []
+    for step in ["outlived"] * RECOVERY_RUN + ["outlived", "close at 5 s"] + [
+            "outlived"] * (3 * RECOVERY_RUN):
+        if step == "outlived":
+            transport.outlived_limit(here)
+            transport.outlived_limit(elsewhere)  # nothing learned there: nothing to recover
+        else:
+            transport.learn_idle_limit(here, 5.0)  # 3.75 s: not lower, but the run restarts
+        seen.append(transport.expiry(here))
+    assert seen == pytest.approx([0.25, 0.25, 0.5,  # a run of three: doubled
+                                  0.5, 0.5,  # one, then a close: the run starts over
+                                  0.5, 0.5, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 4.0])
+    assert transport.learned_expiry == {} and transport.recovery == {}
+    assert transport.expiry(elsewhere) == 4.0
+
+
+def test_a_doubling_the_upstream_undoes_makes_the_next_one_need_twice_the_run() -> None:
+    """An upstream whose idle limit really is 2 s: each doubling past it is undone by
+    its next idle close, and the attempts thin out (3, 6, 12, ... up to 48)."""
+    transport = WireTransport(max_connections=1, connect_timeout=1.0, read_timeout=1.0,
+                              keepalive_expiry=4.0)
+    here = Endpoint("http", "a", 80)
+    transport.learn_idle_limit(here, 2.0)  # 1.5 s
+    needed = []
+    for _ in range(6):
+        runs = 0
+        while transport.expiry(here) == pytest.approx(1.5):
+            transport.outlived_limit(here)
+            runs += 1
+        assert transport.expiry(here) == pytest.approx(3.0)  # past the upstream's 2 s
+        transport.learn_idle_limit(here, 2.0)  # which it undoes at once
+        needed.append(runs)
+    assert needed == [3, 6, 12, 24, 48, 48]
+
+
+@pytest.mark.parametrize("closed_first", [False, True], ids=["still-open", "fin-waiting"])
+async def test_only_a_connection_the_upstream_still_had_open_outlived_the_limit(
+        closed_first: bool) -> None:
+    """Retired past the learned limit, a connection counts towards recovery if its socket
+    is quiet, not if the upstream's close is already in it (unprocessed by the loop)."""
+    up = HandDriven()
+    socks: list[socket.socket] = []
+
+    async def serve_one() -> None:
+        socks.append(await up.accept())
+        await up.answer_one(socks[-1])
+
+    try:
+        async with wire(max_connections=1) as w:
+            first = asyncio.create_task(serve_one())
+            assert await w.fetch("GET", up.endpoint, "/1") == (200, b"/1")
+            await first
+            [conn] = w.transport.idle[up.endpoint]
+            w.transport.learn_idle_limit(up.endpoint, 0.0)  # 0.25 s
+            conn.idle_since -= 1.0  # idle for 1 s (without waiting for it): past the limit
+            if closed_first:  # from here until the request the test does not yield
+                socks[0].close()
+                assert select.select([conn.fileno], [], [], 5)[0], "the FIN never arrived"
+                assert not conn.lost
+            second = asyncio.create_task(serve_one())
+            try:
+                assert await w.fetch("GET", up.endpoint, "/2") == (200, b"/2")
+                await second
+            finally:
+                second.cancel()
+            assert conn.lost and len(socks) == 2
+            assert w.transport.recovery[up.endpoint].run == (0 if closed_first else 1)
+            assert w.transport.expiry(up.endpoint) == MIN_LEARNED_EXPIRY
+    finally:
+        for sock in socks:
+            sock.close()
+        up.close()
 
 
 @pytest.mark.parametrize(("idle_for", "reused"), [(0.7, True), (0.8, False)])
@@ -239,6 +328,60 @@ async def test_upstream_closing_an_idle_connection_teaches_its_limit() -> None:
         assert 2.0 * LEARNED_MARGIN <= learned < 2.0 * LEARNED_MARGIN + 0.2
         assert await w.fetch("POST", up.endpoint, "/2", b"{}") == (200, b"once")
         assert up.accepted == 2
+
+
+# ---------------------------------------------------------------------------
+# Recovering from an upstream restart, through the whole proxy
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the servers run on their own loops
+async def test_reuse_resumes_after_an_upstream_restart(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The upstream restarts, closing every idle connection at once: the proxy learns the
+    0.25 s floor. It then keeps connections open again, and requests come 0.6 s apart
+    (each pooled connection is aged by hand: the test does not wait). Each connection the
+    pool retires past the learned limit outlived it; three in a row double the limit, so
+    after 0.5 s and 1 s the proxy reuses its connection again (before: a new connection
+    per request, for good)."""
+    for name in PROXY_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    restart = Gate()
+
+    async def restarts(conn: Conn) -> None:
+        await normal(conn)
+        await restart.wait()
+        conn.close()  # the restart: the idle connection closed
+
+    upstream = RawUpstream({"restarts": restarts})
+    with upstream.running():
+        app = create_app(Settings(upstream=upstream.url + "/v1"), registry=CollectorRegistry())
+        transport = app.upstream.transport
+        endpoint = Endpoint("http", "127.0.0.1", upstream.port)
+
+        def idle() -> list[Any]:
+            return [c for c in transport.idle.get(endpoint, []) if not c.lost]
+
+        with uvicorn_server(app) as proxy_url:
+            async with httpx.AsyncClient(base_url=proxy_url, timeout=10) as client:
+                r = await client.post("/v1/chat/completions", json={**BODY, "model": "restarts"})
+                assert r.status_code == 200
+                await until(lambda: len(idle()) == 1)  # pooled
+                restart.open()
+                await until(lambda: transport.expiry(endpoint) == MIN_LEARNED_EXPIRY)
+                connections = []
+                for _ in range(12):
+                    stale = -1.0
+                    for conn in idle():  # (the proxy is idle: nothing else touches them)
+                        conn.idle_since -= 0.6
+                        stale = max(stale, conn.idle_since)
+                    r = await client.post("/v1/chat/completions", json=BODY)
+                    assert r.status_code == 200, r.text
+                    # Back in the pool (released after the last byte went out).
+                    await until(lambda s=stale: any(c.idle_since > s for c in idle()))
+                    connections.append(upstream.connections)
+    assert transport.expiry(endpoint) == 1.0  # 0.25 s, then 0.5 s, then 1 s
+    assert connections[-5:] == [connections[-5]] * 5, connections  # reused again
+    assert connections[-5] == 8  # the restarted one, then seven retired past the limit
 
 
 # ---------------------------------------------------------------------------

@@ -27,6 +27,7 @@ import os
 import sys
 import time
 from typing import TYPE_CHECKING, Any, TextIO
+from urllib.parse import urlsplit
 
 if TYPE_CHECKING:
     from . import promscrape
@@ -284,6 +285,11 @@ def _validate(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _origin(url: str) -> tuple[str, str, int | None]:
+    parts = urlsplit(url)
+    return parts.scheme, parts.hostname or "", parts.port
+
+
 def _key_headers(api: str, key: str | None) -> tuple[tuple[str, str], ...]:
     if api == "messages":
         version = (("anthropic-version", ANTHROPIC_VERSION),)
@@ -351,11 +357,20 @@ async def _main(args: argparse.Namespace) -> int:
     metrics_url = (
         None if args.no_compare else (args.compare_metrics or promscrape.metrics_url_for(base))
     )
+    # A proxy that checks client keys wants one for its main port's /metrics too: the
+    # run's key goes with the scrape, to the run's own origin only.
+    scrape_key = tuple(
+        (name, value)
+        for name, value in plan.headers
+        if name.lower() in ("authorization", "x-api-key")
+        and metrics_url is not None
+        and _origin(metrics_url) == _origin(base)
+    )
     before: Snapshot | None = None
     async with make_client(concurrency, args.timeout) as http:
         if metrics_url:
             try:
-                before = await promscrape.scrape(http, metrics_url)
+                before = await promscrape.scrape(http, metrics_url, scrape_key)
             except httpx.HTTPError as exc:
                 if args.compare_metrics:
                     print(f"bench: cannot scrape {metrics_url}: {exc}", file=sys.stderr)
@@ -385,7 +400,7 @@ async def _main(args: argparse.Namespace) -> int:
         after = None
         if before is not None and metrics_url:
             try:
-                after = await promscrape.scrape(http, metrics_url)
+                after = await promscrape.scrape(http, metrics_url, scrape_key)
             except httpx.HTTPError as exc:
                 print(f"bench: cannot scrape {metrics_url} after the run: {exc}", file=sys.stderr)
 

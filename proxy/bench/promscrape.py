@@ -167,9 +167,13 @@ def histogram(snapshot: Snapshot, name: str, where: LabelFilter = _any) -> Histo
     )
 
 
-async def scrape(client: httpx.AsyncClient, url: str) -> Snapshot:
-    """GET ``url`` and parse it; raises ``httpx.HTTPError`` on transport or HTTP errors."""
-    response = await client.get(url, headers={"Accept": "text/plain"})
+async def scrape(
+    client: httpx.AsyncClient, url: str, headers: tuple[tuple[str, str], ...] = ()
+) -> Snapshot:
+    """GET ``url`` and parse it; raises ``httpx.HTTPError`` on transport or HTTP errors.
+    ``headers``: a client key, for a proxy that checks them (its main port's ``/metrics``
+    then takes one)."""
+    response = await client.get(url, headers=[("Accept", "text/plain"), *headers])
     response.raise_for_status()
     return parse(response.text)
 

@@ -1,0 +1,167 @@
+"""The prefill fit: first-token time against uncached prompt tokens, from sums that add.
+
+Per (route, model, upstream), the time to first token less the proxy's own queue time
+is modelled as ``y = fixed + slope * x``, x the uncached prompt tokens (prompt minus
+cached, from the upstream's usage). The slope is the upstream's prefill cost per token;
+the fixed part is everything that does not grow with the prompt: the network, the
+upstream's queue and scheduling, its first decode step, the proxy itself.
+
+Why sums: an ordinary least-squares line needs only n, Sx, Sy, Sxy and Sxx (Syy adds
+its uncertainty). Sums add, so two replicas' counters summed, every worker's files, or a
+window taken as the difference of two cumulative readings give exactly the fit over the
+union of their requests, and nothing per request is kept. The proxy exports the sums as
+counters (``llm_proxy_prefill_fit_*``, :mod:`proxy.metrics`); the recording rules
+(prometheus/rules/recording.yml) compute the same fit in PromQL, with the same formulas
+and the same guard, so Grafana, the live page and a command reading either agree.
+
+Units: x in thousands of tokens, y in seconds; the slope comes out in seconds per 1,000
+tokens (which is numerically milliseconds per token). :class:`PrefillFit` reports
+milliseconds per 1,000 tokens and milliseconds. The thousands keep the exported values
+in a readable range (Sxx grows by about 1-10,000 per request rather than 10^6-10^10);
+float64 keeps the same relative precision at any scale, so precision is the guard's job:
+
+The guard: ``n*Sxx - Sx^2`` is ``n^2`` times the variance of x, found as the difference
+of two numbers that are nearly equal when the prompts vary little around a large mean
+(catastrophic cancellation): with the relative spread ``g = (n*Sxx - Sx^2) / (n*Sxx)``
+(the variance over the mean square, about the squared coefficient of variation for
+small spreads), the rounding in sums of n terms (at most about ``n * 2^-53`` relative
+each) becomes an error of about ``3 * n * 2^-53 / g`` in the denominator. Below
+``MIN_RELATIVE_SPREAD`` = 1e-4 (prompt lengths varying by less than about 1 % around
+their mean) there is no slope, said as such (status ``one_length``): that keeps the
+rounding error under 0.1 % up to 3 * 10^8 requests in one window, and a slope from a
+spread that small would mostly be noise anyway (its standard error says how much,
+above the guard).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+KTOKENS = 1000.0  # x is uncached prompt tokens / KTOKENS
+MIN_RELATIVE_SPREAD = 1e-4  # (n*Sxx - Sx^2) / (n*Sxx) below this: no slope
+
+# The exported counters (proxy.metrics) as their samples are named, by field.
+SAMPLES: Mapping[str, str] = {
+    "llm_proxy_prefill_fit_requests_total": "n",
+    "llm_proxy_prefill_fit_uncached_ktokens_total": "sx",
+    "llm_proxy_prefill_fit_first_token_seconds_total": "sy",
+    "llm_proxy_prefill_fit_xy_total": "sxy",
+    "llm_proxy_prefill_fit_xx_total": "sxx",
+    "llm_proxy_prefill_fit_yy_total": "syy",
+}
+SKIPPED_SAMPLE = "llm_proxy_prefill_fit_skipped_total"
+
+Status = Literal["fitted", "no_requests", "one_length"]
+
+
+@dataclass(frozen=True, slots=True)
+class FitSums:
+    """The sufficient statistics: x in thousands of uncached prompt tokens, y in seconds."""
+
+    n: float = 0.0
+    sx: float = 0.0
+    sy: float = 0.0
+    sxy: float = 0.0
+    sxx: float = 0.0
+    syy: float = 0.0
+
+    @classmethod
+    def of(cls, points: Iterable[tuple[float, float]]) -> FitSums:
+        """The sums of ``(uncached prompt tokens, first-token seconds)`` pairs."""
+        out = cls()
+        for tokens, seconds in points:
+            out = out.add(tokens, seconds)
+        return out
+
+    def add(self, uncached_tokens: float, first_token_s: float) -> FitSums:
+        x = uncached_tokens / KTOKENS
+        y = first_token_s
+        return FitSums(self.n + 1, self.sx + x, self.sy + y, self.sxy + x * y,
+                       self.sxx + x * x, self.syy + y * y)
+
+    def plus(self, other: FitSums) -> FitSums:
+        return FitSums(self.n + other.n, self.sx + other.sx, self.sy + other.sy,
+                       self.sxy + other.sxy, self.sxx + other.sxx, self.syy + other.syy)
+
+    def minus(self, before: FitSums) -> FitSums:
+        """A window: these cumulative sums less earlier ones. Fewer requests now than
+        before means the counters were reset (a restarted process or worker): the
+        window is then everything since the reset, as PromQL's ``increase`` takes it."""
+        if self.n < before.n:
+            return self
+        return FitSums(self.n - before.n, self.sx - before.sx, self.sy - before.sy,
+                       self.sxy - before.sxy, self.sxx - before.sxx, self.syy - before.syy)
+
+    @classmethod
+    def from_samples(cls, samples: Iterable[tuple[str, float]]) -> FitSums:
+        """Sum ``(sample name, value)`` pairs of the exported counters (every label set
+        given is added in: pass only the series of one selection)."""
+        totals = dict.fromkeys(SAMPLES.values(), 0.0)
+        for name, value in samples:
+            field = SAMPLES.get(name)
+            if field is not None:
+                totals[field] += value
+        return cls(**totals)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillFit:
+    """The fitted line, in milliseconds; None where the sums cannot say.
+
+    ``ms_per_1k_tokens``: prefill milliseconds per 1,000 uncached prompt tokens;
+    ``fixed_ms``: the first-token time of a prompt with nothing to compute;
+    ``stderr_ms_per_1k_tokens``: the slope's standard error (three requests or more);
+    the means are of the fitted requests.
+    """
+
+    requests: int
+    status: Status
+    ms_per_1k_tokens: float | None = None
+    fixed_ms: float | None = None
+    stderr_ms_per_1k_tokens: float | None = None
+    mean_uncached_tokens: float | None = None
+    mean_first_token_ms: float | None = None
+
+    def prefill_ms(self, uncached_tokens: float) -> float | None:
+        """What computing ``uncached_tokens`` costs by the slope."""
+        if self.ms_per_1k_tokens is None:
+            return None
+        return self.ms_per_1k_tokens * uncached_tokens / KTOKENS
+
+    @property
+    def relative_stderr(self) -> float | None:
+        """Standard error over the slope (inf for a zero slope); None when unknown."""
+        if self.stderr_ms_per_1k_tokens is None or self.ms_per_1k_tokens is None:
+            return None
+        if self.ms_per_1k_tokens == 0:
+            return math.inf
+        return self.stderr_ms_per_1k_tokens / abs(self.ms_per_1k_tokens)
+
+
+def fit(sums: FitSums) -> PrefillFit:
+    """Least squares of y on x from the sums, with the spread guard of the module
+    docstring: the same formulas as the recording rules."""
+    n = sums.n
+    if n <= 0 or not math.isfinite(n):
+        return PrefillFit(requests=0, status="no_requests")
+    requests = round(n)
+    mean_tokens = sums.sx / n * KTOKENS
+    mean_ms = sums.sy / n * 1000.0
+    spread = n * sums.sxx - sums.sx * sums.sx
+    if not spread > MIN_RELATIVE_SPREAD * n * sums.sxx:
+        return PrefillFit(requests=requests, status="one_length",
+                          mean_uncached_tokens=mean_tokens, mean_first_token_ms=mean_ms)
+    covariance = n * sums.sxy - sums.sx * sums.sy
+    slope = covariance / spread  # seconds per 1,000 tokens
+    fixed = (sums.sy * sums.sxx - sums.sx * sums.sxy) / spread  # seconds: (Sy - slope*Sx) / n
+    stderr = None
+    if n > 2:
+        # residual sum of squares times n; rounding can take an exact line below zero
+        residual = max(0.0, n * sums.syy - sums.sy * sums.sy - slope * covariance)
+        stderr = math.sqrt(residual / ((n - 2) * spread)) * 1000.0
+    return PrefillFit(requests=requests, status="fitted", ms_per_1k_tokens=slope * 1000.0,
+                      fixed_ms=fixed * 1000.0, stderr_ms_per_1k_tokens=stderr,
+                      mean_uncached_tokens=mean_tokens, mean_first_token_ms=mean_ms)

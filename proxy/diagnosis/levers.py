@@ -1,0 +1,587 @@
+"""What to fix: the first token split into its causes, decode and output against reading
+pace, and the levers ranked by the time they would save, each with one plain sentence.
+
+Pure: the caller gathers the figures of one selection (route, model, upstream) from
+wherever they live (the proxy's own registry for the live page, a proxy's ``/metrics``
+or a Prometheus server for the ``diagnose`` command) into an :class:`Evidence`, and
+:func:`diagnose` turns it into a :class:`Diagnosis`; :func:`as_json` is the documented
+shape scripts read. Every threshold and every sentence is here, so the card, the command
+and the JSON say the same thing.
+
+How the first token is split (means, because they add up):
+
+* queue in the proxy (waiting for a ``--max-concurrency`` slot);
+* queue the upstream reported (vLLM's usage metrics, an ``x-queue-time`` header), or
+  unknown when it reports none: it is then inside the rest;
+* prefill of the uncached prompt: the fitted slope (:mod:`proxy.diagnosis.fit`) times
+  the mean uncached prompt tokens, less the part below;
+* prefill the missed cache would have saved: the slope times the prompt tokens a cache
+  should have served and did not (``missed_cache_tokens``, when a prompt-cache check
+  supplies it; unknown otherwise);
+* the rest: the mean first token less the known parts, which the fit puts in its fixed
+  part: network, the upstream's own scheduling and first decode step, the proxy.
+
+A part that cannot be known is None (shown as unknown), never 0. The parts add up to the
+mean exactly; the rest can come out a little below zero when the streams with usage (the
+fit's) and all streams (the mean) differ, and is then no lever.
+
+How levers are ranked: by the milliseconds they would take off the mean request's total
+time (a first-token millisecond is one of the total's, so first-token and total levers
+are on one scale). Levers worth acting on (:data:`WORTH_MS` and :data:`WORTH_SHARE`)
+come first, most valuable first; then the ones measured and not worth it; then the ones
+with too little data; then the ones that cannot be measured here. No lever gives advice
+without the numbers behind it, and a lever with too little data says so.
+
+Decode rate and reading pace: 1 / TPOT per request; a reader keeps up with about 5
+tokens/s and does not notice anything above about 20 (the bench report's bands). What a
+faster decoder would save is only the time spent below 20 tokens/s: per request,
+``max(0, TPOT - 1/20) * (completion tokens - 1)``, from the TPOT histogram's mean of
+that excess times the mean completion length (treating the two as independent).
+
+"Asking for less output": each answer capped at the median length would take
+``per-token time * (mean length - mean of min(length, median))`` off the mean total;
+both means come from the completion-token histogram (uniform within a bucket).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from proxy.buckets import fraction_at_most, histogram_quantile
+from proxy.diagnosis.fit import PrefillFit
+
+# -- thresholds --------------------------------------------------------------------
+
+MIN_REQUESTS = 20  # fewer measured requests in a selection: too little data to advise
+# The slope's standard error over the slope: above this, the prefill cost is not
+# known well enough to be a number worth printing (no spread of prompt lengths, or
+# first-token times that vary for other reasons: queueing, a shared machine).
+MAX_SLOPE_RELATIVE_STDERR = 0.25
+# A lever is worth acting on when it saves at least WORTH_MS and at least WORTH_SHARE
+# of what it acts on (the mean first token, or the mean total time).
+WORTH_MS = 50.0
+WORTH_SHARE = 0.10
+READING_PACE_TOK_S = 5.0  # a reader keeps pace with about this
+FAST_TOK_S = 20.0  # above this a faster decoder is invisible to a reader
+
+Status = Literal["lever", "not_a_lever", "too_little_data", "unknown"]
+ActsOn = Literal["first_token", "total"]
+_ORDER: dict[str, int] = {"lever": 0, "not_a_lever": 1, "too_little_data": 2, "unknown": 3}
+
+
+# -- inputs ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Dist:
+    """One histogram of a selection: cumulative ``(le, count)`` pairs ending with
+    ``+Inf``, and the sum of the observations."""
+
+    buckets: tuple[tuple[float, float], ...]
+    total: float
+
+    @property
+    def count(self) -> float:
+        return self.buckets[-1][1] if self.buckets else 0.0
+
+    def mean(self) -> float | None:
+        return self.total / self.count if self.count > 0 else None
+
+    def quantile(self, q: float) -> float | None:
+        return _finite(histogram_quantile(q, self.buckets)) if self.count > 0 else None
+
+    def share_at_most(self, x: float) -> float | None:
+        return _finite(fraction_at_most(x, self.buckets)) if self.count > 0 else None
+
+    def mean_excess(self, cap: float) -> float | None:
+        """The mean of ``max(0, value - cap)``: the exact sum, less the observations up
+        to ``cap`` (uniform within their bucket) and ``cap`` for each one above it."""
+        n = self.count
+        if n <= 0:
+            return None
+        capped, lower, below = 0.0, 0.0, 0.0
+        for upper, cumulative in sorted(self.buckets):
+            k = cumulative - below
+            if k > 0:
+                if upper <= cap:
+                    capped += k * (lower + upper) / 2
+                elif lower >= cap or math.isinf(upper):
+                    capped += k * cap
+                else:  # the bucket holding cap: uniform over (lower, upper]
+                    inside = (cap - lower) / (upper - lower)
+                    capped += k * (inside * (lower + cap) / 2 + (1 - inside) * cap)
+            lower, below = upper, cumulative
+        return max(0.0, (self.total - capped) / n)
+
+
+@dataclass(frozen=True, slots=True)
+class Evidence:
+    """Everything :func:`diagnose` reads about one selection, over one window.
+
+    Means in seconds; None where the source does not have the figure. ``requests``:
+    the measured requests of the selection (the card's "requests"); ``streams``: those
+    streamed with a first token (the mean first token is theirs).
+    """
+
+    route: str
+    model: str
+    upstream: str
+    requests: int
+    fit: PrefillFit
+    streams: int = 0
+    ttft_mean_s: float | None = None
+    queue_mean_s: float | None = None  # in the proxy
+    upstream_queue_mean_s: float | None = None  # None: the upstream reports none
+    missed_cache_tokens: float | None = None  # mean per request, from a prompt-cache check
+    duration_mean_s: float | None = None  # mean total time of the streams
+    tpot: Dist | None = None  # seconds per output token, one per stream
+    completion: Dist | None = None  # completion tokens per response
+    finish: Mapping[str, float] = field(default_factory=dict)  # by llm_proxy_finish_reasons label
+
+
+# -- what the figures say ---------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class FirstTokenSplit:
+    """The mean first token and its parts, in milliseconds (None: unknown)."""
+
+    mean_ms: float | None
+    proxy_queue_ms: float | None
+    upstream_queue_ms: float | None
+    prefill_ms: float | None
+    missed_cache_ms: float | None
+    rest_ms: float | None
+
+    def as_json(self) -> dict[str, float | None]:
+        return {name: _round(getattr(self, name)) for name in self.__slots__}
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeFigures:
+    streams: int  # with a TPOT (two or more output tokens)
+    median_tokens_per_s: float | None
+    below_reading_pace_share: float | None  # decode rate < 5 tokens/s
+    above_fast_share: float | None  # decode rate > 20 tokens/s
+    slow_ms: float | None  # per request, what decoding at 20 tokens/s or more would save
+
+
+@dataclass(frozen=True, slots=True)
+class OutputFigures:
+    responses: int
+    mean_tokens: float | None
+    p50_tokens: float | None
+    p95_tokens: float | None
+    ms_per_token: float | None
+    decode_ms: float | None  # the mean answer at that per-token time
+    capped_saving_ms: float | None  # capped at the median length
+    mean_total_ms: float | None
+    length_limited_share: float | None  # stopped at their length limit
+
+
+@dataclass(frozen=True, slots=True)
+class Lever:
+    """One thing to change, what it would save, and the numbers that say so."""
+
+    name: str
+    status: Status
+    acts_on: ActsOn
+    saves_ms: float | None
+    sentence: str
+    numbers: Mapping[str, float | int | None] = field(default_factory=dict)
+
+    def as_json(self) -> dict[str, Any]:
+        return {"name": self.name, "status": self.status, "acts_on": self.acts_on,
+                "saves_ms": _round(self.saves_ms), "sentence": self.sentence,
+                "numbers": {k: _round(v) for k, v in self.numbers.items()}}
+
+
+@dataclass(frozen=True, slots=True)
+class Diagnosis:
+    route: str
+    model: str
+    upstream: str
+    requests: int
+    prefill_ms_per_1k_tokens: float | None  # None: too little data or no spread
+    fixed_ms: float | None
+    first_token: FirstTokenSplit
+    decode: DecodeFigures
+    output: OutputFigures
+    levers: tuple[Lever, ...]  # most valuable first
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "route": self.route, "model": self.model, "upstream": self.upstream,
+            "requests": self.requests,
+            "prefill_ms_per_1k_tokens": _round(self.prefill_ms_per_1k_tokens),
+            "fixed_ms": _round(self.fixed_ms),
+            "first_token": self.first_token.as_json(),
+            "decode": {k: _round(getattr(self.decode, k)) for k in self.decode.__slots__},
+            "output": {k: _round(getattr(self.output, k)) for k in self.output.__slots__},
+            "levers": [lever.as_json() for lever in self.levers],
+        }
+
+
+def as_json(diagnoses: Sequence[Diagnosis]) -> dict[str, Any]:
+    """The ``--json`` contract: ``{"selections": [...]}``, one entry per selection."""
+    return {"selections": [d.as_json() for d in diagnoses]}
+
+
+# -- the figures ---------------------------------------------------------------------
+
+
+def usable_fit(fit: PrefillFit) -> bool:
+    """Enough requests and a slope known to within MAX_SLOPE_RELATIVE_STDERR."""
+    rel = fit.relative_stderr
+    return (fit.status == "fitted" and fit.requests >= MIN_REQUESTS and rel is not None
+            and rel <= MAX_SLOPE_RELATIVE_STDERR)
+
+
+def first_token_split(ev: Evidence) -> FirstTokenSplit:
+    fit = ev.fit
+    mean = _ms(ev.ttft_mean_s)
+    proxy_q = _ms(ev.queue_mean_s)
+    upstream_q = _ms(ev.upstream_queue_mean_s)
+    prefill = missed = rest = None
+    if usable_fit(fit) and fit.mean_uncached_tokens is not None:
+        uncached = fit.mean_uncached_tokens
+        if ev.missed_cache_tokens is not None:
+            missed_tokens = min(max(0.0, ev.missed_cache_tokens), uncached)
+            missed = fit.prefill_ms(missed_tokens)
+            uncached -= missed_tokens
+        prefill = fit.prefill_ms(uncached)
+        if mean is not None and prefill is not None:
+            rest = mean - (proxy_q or 0.0) - (upstream_q or 0.0) - prefill - (missed or 0.0)
+    return FirstTokenSplit(mean, proxy_q, upstream_q, prefill, missed, rest)
+
+
+def decode_figures(ev: Evidence) -> DecodeFigures:
+    tpot = ev.tpot
+    if tpot is None or tpot.count <= 0:
+        return DecodeFigures(0, None, None, None, None)
+    median = tpot.quantile(0.5)
+    below = tpot.share_at_most(1.0 / READING_PACE_TOK_S)
+    excess = tpot.mean_excess(1.0 / FAST_TOK_S)
+    tokens = ev.completion.mean() if ev.completion is not None else None
+    slow = (excess * max(0.0, tokens - 1) * 1000.0
+            if excess is not None and tokens is not None else None)
+    return DecodeFigures(
+        streams=round(tpot.count),
+        median_tokens_per_s=(1.0 / median) if median else None,
+        below_reading_pace_share=None if below is None else 1.0 - below,
+        above_fast_share=tpot.share_at_most(1.0 / FAST_TOK_S),
+        slow_ms=slow)
+
+
+def output_figures(ev: Evidence) -> OutputFigures:
+    done = sum(ev.finish.values())
+    limited = ev.finish.get("length", 0.0) / done if done > 0 else None
+    completion = ev.completion
+    per_token = _ms(ev.tpot.mean() if ev.tpot is not None else None)
+    total = _ms(ev.duration_mean_s)
+    if completion is None or completion.count <= 0:
+        return OutputFigures(0, None, None, None, per_token, None, None, total, limited)
+    mean = completion.mean()
+    p50 = completion.quantile(0.5)
+    excess = completion.mean_excess(p50) if p50 is not None else None
+    return OutputFigures(
+        responses=round(completion.count), mean_tokens=mean, p50_tokens=p50,
+        p95_tokens=completion.quantile(0.95), ms_per_token=per_token,
+        decode_ms=(per_token * mean) if per_token is not None and mean is not None else None,
+        capped_saving_ms=(per_token * excess) if per_token is not None and excess is not None
+        else None,
+        mean_total_ms=total, length_limited_share=limited)
+
+
+# -- the levers ----------------------------------------------------------------------
+
+
+def diagnose(ev: Evidence) -> Diagnosis:
+    """The split, the figures and the ranked levers of one selection."""
+    split = first_token_split(ev)
+    decode = decode_figures(ev)
+    output = output_figures(ev)
+    total = output.mean_total_ms
+    levers = [
+        _prefill(ev, split),
+        *([_missed_cache(ev, split)] if ev.missed_cache_tokens is not None else []),
+        _proxy_queue(ev, split),
+        _upstream_queue(ev, split),
+        _rest(ev, split),
+        _decode(ev, decode, total),
+        _output(ev, output),
+    ]
+    levers.sort(key=lambda lv: (_ORDER[lv.status], -(lv.saves_ms or 0.0)))
+    good = usable_fit(ev.fit)
+    return Diagnosis(
+        route=ev.route, model=ev.model, upstream=ev.upstream, requests=ev.requests,
+        prefill_ms_per_1k_tokens=ev.fit.ms_per_1k_tokens if good else None,
+        fixed_ms=ev.fit.fixed_ms if good else None,
+        first_token=split, decode=decode, output=output, levers=tuple(levers))
+
+
+def _worth(saves_ms: float, of_ms: float | None) -> Status:
+    if saves_ms >= WORTH_MS and (of_ms is None or saves_ms >= WORTH_SHARE * of_ms):
+        return "lever"
+    return "not_a_lever"
+
+
+def _too_few(name: str, acts_on: ActsOn, what: str, have: int) -> Lever:
+    return Lever(name, "too_little_data", acts_on, None,
+                 f"{what}: too little data yet ({have:,} {_plural(have, 'stream')}, "
+                 f"{MIN_REQUESTS} needed).", {"streams": have})
+
+
+def _prefill(ev: Evidence, split: FirstTokenSplit) -> Lever:
+    fit = ev.fit
+    if fit.requests < MIN_REQUESTS:
+        return Lever("prefill", "too_little_data", "first_token", None,
+                     f"Prefill: too little data yet ({fit.requests:,} streamed "
+                     f"{_plural(fit.requests, 'request')} with the upstream's token usage, "
+                     f"{MIN_REQUESTS} needed).", {"requests": fit.requests})
+    numbers: dict[str, float | int | None] = {
+        "requests": fit.requests, "mean_uncached_tokens": fit.mean_uncached_tokens,
+        "ms_per_1k_tokens": fit.ms_per_1k_tokens,
+        "stderr_ms_per_1k_tokens": fit.stderr_ms_per_1k_tokens,
+        "first_token_ms": split.mean_ms}
+    if fit.status == "one_length":
+        return Lever("prefill", "too_little_data", "first_token", None,
+                     f"Prefill: the prompts all have about one length "
+                     f"({_tokens(fit.mean_uncached_tokens)} uncached tokens), so the time they "
+                     "take cannot be told apart from the fixed part.", numbers)
+    if not usable_fit(fit):
+        return Lever("prefill", "too_little_data", "first_token", None,
+                     f"Prefill: not clear yet ({_sig(fit.ms_per_1k_tokens)} ± "
+                     f"{_sig(fit.stderr_ms_per_1k_tokens)} ms per 1,000 uncached prompt "
+                     f"tokens over {fit.requests:,} requests): first-token times vary more "
+                     "than prompt lengths explain.", numbers)
+    assert fit.ms_per_1k_tokens is not None and split.prefill_ms is not None
+    if fit.ms_per_1k_tokens <= 0:
+        return Lever("prefill", "not_a_lever", "first_token", 0.0,
+                     "Prefill: first-token time does not grow with the uncached prompt here "
+                     f"({fit.requests:,} requests); a shorter prompt would not be faster.",
+                     numbers)
+    saves = split.prefill_ms
+    tokens = saves / fit.ms_per_1k_tokens * 1000  # the missed cache hits left out
+    head = (f"Prefill: {_tokens(tokens)} uncached prompt tokens at "
+            f"{_sig(fit.ms_per_1k_tokens / 1000)} ms per token are "
+            f"{_dur(saves)}{_of_first(split.mean_ms)}.")
+    status = _worth(saves, split.mean_ms)
+    advice = (" Shorten the prompt, or put what does not change first so the upstream can "
+              "cache it." if status == "lever" else " Not worth shortening for speed.")
+    return Lever("prefill", status, "first_token", saves, head + advice, numbers)
+
+
+def _missed_cache(ev: Evidence, split: FirstTokenSplit) -> Lever:
+    saves = split.missed_cache_ms
+    numbers = {"missed_cache_tokens": ev.missed_cache_tokens,
+               "ms_per_1k_tokens": ev.fit.ms_per_1k_tokens, "first_token_ms": split.mean_ms}
+    if saves is None:
+        return Lever("prompt_cache", "too_little_data", "first_token", None,
+                     "Prompt cache: the prefill cost is not known yet, so neither is what "
+                     "the missed cache hits cost.", numbers)
+    status = _worth(saves, split.mean_ms)
+    sentence = (f"Prompt cache: {_tokens(ev.missed_cache_tokens)} prompt tokens a request "
+                f"could have read from the cache were computed again: "
+                f"{_dur(saves)}{_of_first(split.mean_ms)}.")
+    if status == "lever":
+        sentence += " Keep the shared part of the prompt first and identical."
+    return Lever("prompt_cache", status, "first_token", saves, sentence, numbers)
+
+
+def _proxy_queue(ev: Evidence, split: FirstTokenSplit) -> Lever:
+    if ev.streams < MIN_REQUESTS:
+        return _too_few("proxy_queue", "first_token", "Queueing in the proxy", ev.streams)
+    wait = split.proxy_queue_ms
+    numbers = {"queue_ms": wait, "first_token_ms": split.mean_ms}
+    if wait is None:
+        return Lever("proxy_queue", "unknown", "first_token", None,
+                     "Queueing in the proxy: not measured.", numbers)
+    status = _worth(wait, split.mean_ms)
+    if wait <= 0:
+        sentence = "Queueing in the proxy: none; requests never waited for a slot."
+    else:
+        sentence = (f"Queueing in the proxy: {_dur(wait)}{_of_first(split.mean_ms)} is "
+                    "waiting for one of the proxy's --max-concurrency slots.")
+        if status == "lever":
+            sentence += (" Raise the limit if the upstream has room, or add capacity behind "
+                         "it.")
+    return Lever("proxy_queue", status, "first_token", wait, sentence, numbers)
+
+
+def _upstream_queue(ev: Evidence, split: FirstTokenSplit) -> Lever:
+    if ev.streams < MIN_REQUESTS:
+        return _too_few("upstream_queue", "first_token", "Queueing at the upstream",
+                        ev.streams)
+    wait = split.upstream_queue_ms
+    numbers = {"upstream_queue_ms": wait, "first_token_ms": split.mean_ms}
+    if wait is None:
+        return Lever("upstream_queue", "unknown", "first_token", None,
+                     "Queueing at the upstream: it does not report its queue time (vLLM's "
+                     "usage metrics or an x-queue-time header), so any wait there is in the "
+                     "rest of the first token.", numbers)
+    status = _worth(wait, split.mean_ms)
+    if wait <= 0:
+        sentence = "Queueing at the upstream: none reported."
+    else:
+        sentence = (f"Queueing: {_dur(wait)}{_of_first(split.mean_ms)} is waiting for a "
+                    "slot at the upstream.")
+        if status == "lever":
+            sentence += " This is capacity, not the model."
+    return Lever("upstream_queue", status, "first_token", wait, sentence, numbers)
+
+
+def _rest(ev: Evidence, split: FirstTokenSplit) -> Lever:
+    rest = split.rest_ms
+    numbers = {"rest_ms": rest, "fixed_ms": ev.fit.fixed_ms, "first_token_ms": split.mean_ms}
+    if rest is None:
+        if ev.fit.requests < MIN_REQUESTS or split.mean_ms is None:
+            return _too_few("fixed", "first_token", "Fixed part of the first token",
+                            ev.fit.requests)
+        return Lever("fixed", "too_little_data", "first_token", None,
+                     "Fixed part of the first token: not known until the prefill cost is.",
+                     numbers)
+    saves = max(0.0, rest)
+    status = _worth(saves, split.mean_ms)
+    what = ("network, the upstream's own scheduling and first decode step, and the proxy"
+            if split.upstream_queue_ms is not None else
+            "network, the upstream's queue and scheduling and first decode step, and the proxy")
+    sentence = (f"Fixed part: {_dur(saves)}{_of_first(split.mean_ms)} does not grow with "
+                f"the prompt ({what}).")
+    if status == "lever":
+        sentence += " Run closer to the upstream, or use one with less overhead per request."
+    return Lever("fixed", status, "first_token", saves, sentence, numbers)
+
+
+def _decode(ev: Evidence, decode: DecodeFigures, total_ms: float | None) -> Lever:
+    if decode.streams < MIN_REQUESTS:
+        return _too_few("decode", "total", "Decoding", decode.streams)
+    rate = decode.median_tokens_per_s
+    below, fast, slow = (decode.below_reading_pace_share, decode.above_fast_share,
+                         decode.slow_ms)
+    numbers = {"streams": decode.streams, "median_tokens_per_s": rate,
+               "below_reading_pace_share": below, "above_fast_share": fast, "slow_ms": slow}
+    if rate is None:
+        return Lever("decode", "unknown", "total", None, "Decoding: rate not measured.",
+                     numbers)
+    saves = slow
+    status: Status = _worth(saves, total_ms) if saves is not None else "unknown"
+    if rate >= FAST_TOK_S and status != "lever":
+        sentence = (f"Decoding at {_rate(rate)} tokens/s: above reading pace; a faster model "
+                    "would not be noticed by a reader.")
+    elif (below or 0.0) >= 0.5:
+        sentence = (f"Decoding at {_rate(rate)} tokens/s: {_pct(below)} of streams are "
+                    f"slower than reading pace ({READING_PACE_TOK_S:g} tokens/s), so users "
+                    "wait on the model.")
+    else:
+        sentence = (f"Decoding at {_rate(rate)} tokens/s: readers keep up, but "
+                    f"{_pct(1.0 - (fast or 0.0))} of streams are under {FAST_TOK_S:g} "
+                    "tokens/s.")
+    if saves is not None and status == "lever":
+        sentence += (f" Decoding at {FAST_TOK_S:g} tokens/s or more would save {_dur(saves)} "
+                     "a request: a smaller or quantised model, or less batching at the "
+                     "upstream.")
+    return Lever("decode", status, "total", saves, sentence, numbers)
+
+
+def _output(ev: Evidence, out: OutputFigures) -> Lever:
+    if out.responses < MIN_REQUESTS:
+        return _too_few("output_length", "total", "Output length", out.responses)
+    numbers = {"responses": out.responses, "mean_tokens": out.mean_tokens,
+               "p50_tokens": out.p50_tokens, "p95_tokens": out.p95_tokens,
+               "ms_per_token": out.ms_per_token, "decode_ms": out.decode_ms,
+               "mean_total_ms": out.mean_total_ms, "capped_saving_ms": out.capped_saving_ms,
+               "length_limited_share": out.length_limited_share}
+    if out.ms_per_token is None or out.capped_saving_ms is None or out.decode_ms is None:
+        return Lever("output_length", "unknown", "total", None,
+                     f"Output length: answers average {_tokens(out.mean_tokens)} tokens (p50 "
+                     f"{_tokens(out.p50_tokens)}, p95 {_tokens(out.p95_tokens)}); the time per "
+                     "token is not measured, so neither is what shorter answers would save.",
+                     numbers)
+    saves = out.capped_saving_ms
+    sentence = (f"Answers average {_tokens(out.mean_tokens)} tokens (p95 "
+                f"{_tokens(out.p95_tokens)}), {_dur(out.decode_ms)} at "
+                f"{_sig(out.ms_per_token)} ms per token")
+    if out.mean_total_ms is not None:
+        sentence += (f"; capped at the median ({_tokens(out.p50_tokens)}) the mean total "
+                     f"would be {_dur(out.mean_total_ms - saves)} instead of "
+                     f"{_dur(out.mean_total_ms)}.")
+    else:
+        sentence += (f"; capped at the median ({_tokens(out.p50_tokens)}) each would take "
+                     f"{_dur(saves)} less on average.")
+    if out.length_limited_share is not None and out.length_limited_share > 0:
+        sentence += (f" {_pct(out.length_limited_share)} of answers already stop at their "
+                     "length limit (cut off).")
+    status = _worth(saves, out.mean_total_ms)
+    if status == "lever":
+        sentence += " Ask for less output (max_tokens, or a prompt asking for brevity)."
+    return Lever("output_length", status, "total", saves, sentence, numbers)
+
+
+# -- wording ---------------------------------------------------------------------------
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000.0
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+def _round(value: float | int | None) -> float | int | None:
+    if value is None or isinstance(value, int):
+        return value
+    if not math.isfinite(value):
+        return None
+    return float(f"{value:.4g}")
+
+
+def _sig(value: float | None) -> str:
+    """Two significant figures: 0.13, 1.2, 24, 130."""
+    if value is None:
+        return "unknown"
+    if value == 0:
+        return "0"
+    digits = max(0, 1 - math.floor(math.log10(abs(value))))
+    return f"{value:,.{digits}f}"
+
+
+def _dur(ms: float | None) -> str:
+    """340 ms, 1.2 s, 18.7 s, 0.4 ms."""
+    if ms is None:
+        return "unknown"
+    if abs(ms) >= 1000:
+        return f"{ms / 1000:,.1f} s"
+    if abs(ms) >= 10:
+        return f"{ms:.0f} ms"
+    return f"{ms:.1f} ms"
+
+
+def _of_first(mean_ms: float | None) -> str:
+    return f" of the {_dur(mean_ms)} first token" if mean_ms is not None else " of the first token"
+
+
+def _tokens(value: float | None) -> str:
+    if value is None:
+        return "unknown"
+    value = round(value)
+    if value >= 1000:  # 9,137 -> 9,100: bucket estimates are no finer than that
+        scale = 10 ** (len(str(value)) - 2)
+        value = round(value / scale) * scale
+    return f"{value:,}"
+
+
+def _rate(value: float) -> str:
+    return f"{value:.0f}" if value >= 10 else f"{value:.1f}"
+
+
+def _pct(share: float | None) -> str:
+    return "unknown" if share is None else f"{share * 100:.0f} %"
+
+
+def _plural(n: int, word: str) -> str:
+    return word if n == 1 else word + "s"

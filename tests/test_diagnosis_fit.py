@@ -1,0 +1,193 @@
+"""The prefill fit from sums (proxy/diagnosis/fit.py), against exact arithmetic.
+
+The reference is the least-squares line computed in rational numbers
+(:class:`fractions.Fraction`) from the points themselves, so a formula slip, a unit
+slip (thousands of tokens, milliseconds) or a window taken the wrong way shows as a
+difference, not as two float errors agreeing.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import given
+from hypothesis import strategies as st
+
+from proxy.diagnosis.fit import (
+    KTOKENS,
+    MIN_RELATIVE_SPREAD,
+    SAMPLES,
+    FitSums,
+    PrefillFit,
+    fit,
+)
+
+Point = tuple[float, float]
+PROMTOOL_CASE = Path(__file__).resolve().parent.parent / "prometheus" / "tests" / "prefill_fit_test.yml"
+
+
+def exact_line(points: list[Point]) -> tuple[Fraction, Fraction, Fraction]:
+    """(slope in ms per 1,000 tokens, fixed ms, slope standard error squared), exactly."""
+    xs = [Fraction(t) / 1000 for t, _ in points]
+    ys = [Fraction(y) for _, y in points]
+    n = len(points)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
+    fixed = my - slope * mx
+    sse = sum((y - fixed - slope * x) ** 2 for x, y in zip(xs, ys, strict=True))
+    var = sse / (n - 2) / sxx * 10**6
+    return slope * 1000, fixed * 1000, var
+
+
+def noisy_points(rng: random.Random, n: int, *, rate_ms: float = 0.05,
+                 fixed_s: float = 0.03) -> list[Point]:
+    out = []
+    for _ in range(n):
+        tokens = rng.randrange(10, 20_000)
+        out.append((float(tokens), fixed_s + rate_ms / 1000 * tokens + rng.gauss(0, 0.01)))
+    return out
+
+
+def test_fit_matches_exact_least_squares() -> None:
+    points = noisy_points(random.Random(5), 500)
+    got = fit(FitSums.of(points))
+    slope, fixed, var = exact_line(points)
+    assert got.status == "fitted" and got.requests == 500
+    assert got.ms_per_1k_tokens == pytest.approx(float(slope), rel=1e-12)
+    assert got.fixed_ms == pytest.approx(float(fixed), rel=1e-10)
+    assert got.stderr_ms_per_1k_tokens == pytest.approx(math.sqrt(float(var)), rel=1e-8)
+    assert got.mean_uncached_tokens == pytest.approx(sum(t for t, _ in points) / 500)
+    assert got.mean_first_token_ms == pytest.approx(sum(y for _, y in points) / 500 * 1000)
+    # the data's own line: 50 ms per 1,000 tokens, 30 ms fixed
+    assert got.ms_per_1k_tokens == pytest.approx(50, rel=0.01)
+    assert got.fixed_ms == pytest.approx(30, abs=2)
+    assert got.prefill_ms(2000) == pytest.approx(2 * got.ms_per_1k_tokens)
+
+
+@given(st.lists(st.tuples(st.integers(0, 200_000), st.floats(0.0, 120.0)),
+                min_size=3, max_size=40))
+def test_any_points_fit_as_exact_arithmetic_says(points: list[tuple[int, float]]) -> None:
+    pts = [(float(t), y) for t, y in points]
+    got = fit(FitSums.of(pts))
+    if got.status != "fitted":
+        assert got.status == "one_length"
+        # the guard refuses only what it says: a relative spread at or below 1e-4
+        xs = [Fraction(t) for t, _ in points]
+        n = len(xs)
+        sxx = sum(x * x for x in xs)
+        assert sxx == 0 or (n * sxx - sum(xs) ** 2) / (n * sxx) <= MIN_RELATIVE_SPREAD * 1.001
+        return
+    slope, fixed, _ = exact_line(pts)
+    scale = max(1.0, max(y for _, y in pts) * 1000)  # ms: the y the fit works in
+    assert got.ms_per_1k_tokens is not None and got.fixed_ms is not None
+    assert abs(got.ms_per_1k_tokens - float(slope)) <= 1e-6 * scale
+    assert abs(got.fixed_ms - float(fixed)) <= 1e-6 * scale
+
+
+def test_sums_add_across_replicas_and_subtract_to_a_window() -> None:
+    rng = random.Random(7)
+    a, b, c = noisy_points(rng, 200), noisy_points(rng, 300), noisy_points(rng, 100)
+    union = fit(FitSums.of(a + b))
+    summed = fit(FitSums.of(a).plus(FitSums.of(b)))
+    assert summed.requests == 500
+    assert summed.ms_per_1k_tokens == pytest.approx(union.ms_per_1k_tokens, rel=1e-12)
+    assert summed.fixed_ms == pytest.approx(union.fixed_ms, rel=1e-10)
+    # cumulative readings before and after c: the window is c alone
+    before = FitSums.of(a)
+    after = before.plus(FitSums.of(c))
+    window = fit(after.minus(before))
+    alone = fit(FitSums.of(c))
+    assert window.requests == 100
+    assert window.ms_per_1k_tokens == pytest.approx(alone.ms_per_1k_tokens, rel=1e-6)
+    assert window.fixed_ms == pytest.approx(alone.fixed_ms, rel=1e-6)
+
+
+def test_a_reset_counts_everything_since_it() -> None:
+    before = FitSums.of(noisy_points(random.Random(1), 50))
+    restarted = FitSums.of(noisy_points(random.Random(2), 10))
+    assert restarted.minus(before) == restarted
+
+
+def test_no_requests_and_too_few() -> None:
+    assert fit(FitSums()) == PrefillFit(requests=0, status="no_requests")
+    one = fit(FitSums.of([(1000.0, 0.1)]))
+    assert one.status == "one_length" and one.ms_per_1k_tokens is None
+    assert one.mean_uncached_tokens == 1000 and one.mean_first_token_ms == pytest.approx(100)
+    two = fit(FitSums.of([(1000.0, 0.1), (3000.0, 0.3)]))
+    assert two.status == "fitted"
+    assert two.ms_per_1k_tokens == pytest.approx(100) and two.fixed_ms == pytest.approx(0, abs=1e-9)
+    assert two.stderr_ms_per_1k_tokens is None  # two points: no residual to judge by
+    assert two.relative_stderr is None
+
+
+def test_prompts_of_one_length_give_no_slope() -> None:
+    """All one length: n*Sxx - Sx^2 is zero in exact arithmetic, but in floats it is
+    rounding noise of either sign; the guard says "one length" instead of a slope."""
+    rng = random.Random(3)
+    points = [(123_457.0, 0.5 + rng.gauss(0, 0.05)) for _ in range(10_000)]
+    sums = FitSums.of(points)
+    assert sums.n * sums.sxx - sums.sx**2 != 0  # the noise the guard is for
+    got = fit(sums)
+    assert got.status == "one_length"
+    assert got.ms_per_1k_tokens is None and got.fixed_ms is None
+    assert got.mean_uncached_tokens == pytest.approx(123_457)
+
+
+@pytest.mark.parametrize(("spread", "fitted"), [(0.005, False), (0.02, True)])
+def test_the_guard_sits_at_a_relative_spread_of_1e_4(spread: float, fitted: bool) -> None:
+    """Prompts of 100,000 tokens varying by +-0.5 % (g ~ 0.8e-5) get no slope; by +-2 %
+    (g ~ 1.3e-4) they do, and on an exact line the slope is right to 1e-6."""
+    mean = 100_000.0
+    xs = [mean * (1 + spread * (2 * i / 999 - 1)) for i in range(1000)]
+    points = [(x, 0.02 + 0.0001 * x) for x in xs]  # 100 ms per 1,000 tokens, 20 ms fixed
+    sums = FitSums.of(points)
+    g = (sums.n * sums.sxx - sums.sx**2) / (sums.n * sums.sxx)
+    assert (g > MIN_RELATIVE_SPREAD) == fitted
+    got = fit(sums)
+    assert (got.status == "fitted") == fitted
+    if fitted:
+        assert got.ms_per_1k_tokens == pytest.approx(100, rel=1e-6)
+        assert got.fixed_ms == pytest.approx(20, abs=0.01)
+
+
+def test_from_samples_reads_the_exported_counter_names() -> None:
+    sums = FitSums.of([(1000.0, 0.2), (3000.0, 0.4), (2000.0, 0.35)])
+    samples = [(name, getattr(sums, field)) for name, field in SAMPLES.items()]
+    samples.append(("llm_proxy_requests_total", 99.0))  # others are ignored
+    assert FitSums.from_samples(samples) == sums
+    twice = FitSums.from_samples(samples + samples)
+    assert twice == sums.plus(sums)
+    assert KTOKENS == 1000
+
+
+def test_the_recording_rules_case_fits_the_same_in_python() -> None:
+    """prometheus/tests/prefill_fit_test.yml feeds the recording rules two replicas'
+    counters; the Python fit over the same per-minute sums (one replica's plus the
+    other's) finds the line the rules are tested to record, and each replica alone
+    finds its own, different one."""
+    doc = yaml.safe_load(PROMTOOL_CASE.read_text())
+    by_replica: dict[str, dict[str, float]] = {}
+    for entry in doc["tests"][0]["input_series"]:
+        name, labels = entry["series"].split("{", 1)
+        if 'model="m"' not in labels:
+            continue
+        replica = re.search(r'instance="(\w+)"', labels)
+        step = re.fullmatch(r"0\+([\d.]+)x\d+", entry["values"])
+        assert replica and step, entry
+        by_replica.setdefault(replica[1], {})[SAMPLES[name]] = float(step[1])
+    a, b = (FitSums(**by_replica[r]) for r in ("a", "b"))
+    union = fit(a.plus(b))
+    assert (union.ms_per_1k_tokens, union.fixed_ms) == (62.5, 312.5)
+    assert (fit(a).ms_per_1k_tokens, fit(a).fixed_ms) == (187.5, 187.5)
+    assert (fit(b).ms_per_1k_tokens, fit(b).fixed_ms) == (31.25, 250.0)
+    recorded = {case["expr"].split(":")[1]: case["exp_samples"][0]["value"]
+                for case in doc["tests"][0]["promql_expr_test"] if ":fit5m" in case["expr"]}
+    assert recorded == {"llm_proxy_prefill_seconds_per_ktoken": 0.0625,
+                        "llm_proxy_first_token_fixed_seconds": 0.3125}
