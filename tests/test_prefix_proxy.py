@@ -847,3 +847,24 @@ def test_the_offload_benchmark_runs() -> None:
         cwd=root, capture_output=True, text=True, timeout=120, check=True).stdout
     rows = [line for line in out.splitlines() if line.startswith("| 2")]
     assert len(rows) == 2 and all(line.count(" us ") == 4 for line in rows), out
+
+
+@pytest.mark.parametrize("api", ["chat", "responses", "messages"])
+def test_the_streaming_benchmark_sends_prompts_of_a_given_size(api: str) -> None:
+    """benchmarks/run.py --prompt-bytes N: loadgen's user message is N bytes, every API."""
+    import importlib.util
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("bench_loadgen", root / "benchmarks" / "loadgen.py")
+    assert spec is not None and spec.loader is not None
+    loadgen = importlib.util.module_from_spec(spec)
+    sys.modules["bench_loadgen"] = loadgen  # its dataclasses look their module up
+    spec.loader.exec_module(loadgen)
+    config = loadgen.LoadConfig(url="http://127.0.0.1:1/v1", api=api, prompt_bytes=32768)
+    _, _, raw = loadgen._request_bytes(config)
+    body = json.loads(raw.split(b"\r\n\r\n", 1)[1])
+    prompt = body["input"] if api == "responses" else body["messages"][0]["content"]
+    assert len(prompt.encode()) == 32768
+    plain = loadgen._request_bytes(loadgen.LoadConfig(url="http://127.0.0.1:1/v1", api=api))[2]
+    assert b'"benchmark"' in plain
