@@ -741,7 +741,8 @@ async def test_no_prompt_text_in_metrics_log_spans_or_the_live_page(tmp_path: Pa
                   tools=tools, stream=True)
     with receiving() as receiver:
         clock, answers = ScriptedClock(T0), Answers()
-        app, _, log_file = doctor_app(answers, clock, tmp_path, otlp_endpoint=receiver.url)
+        app, registry, log_file = doctor_app(answers, clock, tmp_path,
+                                             otlp_endpoint=receiver.url)
         for prompt, cached in ((2000, 0), (2400, 1024), (2400, 1500), (700, 0), (900, 0)):
             answers.queue(prompt, cached)
         async with app:
@@ -764,6 +765,14 @@ async def test_no_prompt_text_in_metrics_log_spans_or_the_live_page(tmp_path: Pa
             otlp = b"".join(receiver.bodies)
     log = log_file.read_bytes()
     assert b"llm_proxy_prompt_prefix_breaks_total" in metrics
+    # The live page reads the doctor's counter: the chat row's missed tokens are its value.
+    table = json.loads(page)["table"]
+    chat_rows = [row for row in table["rows"] if row["model"] == "m" and row["upstream"] == UP
+                 and row.get("route", CHAT) == CHAT]
+    missed_total = registry.get_sample_value(MISSED, {"route": CHAT, "model": "m",
+                                                      "upstream": UP})
+    assert table["missed_measured"] is True and missed_total
+    assert [row["missed_tokens"] for row in chat_rows] == [missed_total]
     assert b'"prefix_break":"message_changed"' in log
     span_prefix = [attrs(span.attributes) for span in spans]
     assert len(spans) == 5
