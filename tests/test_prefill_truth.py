@@ -166,7 +166,7 @@ def simulator_process(*flags: str) -> Iterator[str]:
         assert proc.stderr is not None
         for line in proc.stderr:
             lines.append(line)
-            found = re.search(r"Uvicorn running on (http://[\d.]+:\d+)", line)
+            found = re.search(r"simulate: .* at (http://[\d.]+:\d+)/v1 ", line)
             if found:
                 listening.append(found[1])
                 started.set()
