@@ -37,7 +37,7 @@ from proxy.scrape import Scrapes
 from proxy.tracing import from_settings as tracing_from_settings
 from proxy.ui import UI_PATHS, live_page
 from proxy.upstream import Upstream, Upstreams, error_body
-from proxy.upstreams import UpstreamSpec, reload_specs
+from proxy.upstream_spec import UpstreamSpec, reload_specs
 from proxy.wire import WireTransport
 
 log = logging.getLogger("proxy")

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING
 from proxy.config import Settings, SettingsError
 
 if TYPE_CHECKING:
-    from proxy.upstreams import UpstreamSpec
+    from proxy.upstream_spec import UpstreamSpec
 
 _HEX = re.compile(r"^[0-9a-f]{64}$")
 
@@ -135,7 +135,7 @@ def load_key_check(settings: Settings, *, given_as: tuple[str, str] | None = Non
     Raises :class:`SettingsError` for an unusable key or keys file. ``given_as`` names
     the two settings (key variable, keys file) as the operator gave them, flag or
     environment variable, for the message; the flags by default. (A config file's
-    upstream keys were checked when the file was read, :mod:`proxy.upstreams`.)
+    upstream keys were checked when the file was read, :mod:`proxy.upstream_spec`.)
     """
     if not settings.holds_upstream_key:
         return None

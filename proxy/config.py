@@ -6,7 +6,7 @@ can never drift apart. Precedence: flag, then environment, then default.
 
 A config file (``--config FILE``, TOML) adds a layer below the environment: its
 top-level keys are these options by name (``max_concurrency = 64``), and its
-``[[upstream]]`` tables declare several upstreams (:mod:`proxy.upstreams`). Precedence:
+``[[upstream]]`` tables declare several upstreams (:mod:`proxy.upstream_spec`). Precedence:
 flag, then environment, then file, then default. The single-upstream options
 (``--upstream``, ``--upstream-name``, ``--upstream-api-key-env``, ``--upstream-auth``)
 cannot be combined with a file: the file's tables say the same, per upstream.
@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 from proxy.diagnosis.prefix_index import BYTES_PER_ENTRY, DEFAULT_MAX_BYTES
 
 if TYPE_CHECKING:
-    from proxy.upstreams import UpstreamSpec
+    from proxy.upstream_spec import UpstreamSpec
 
 ENV_PREFIX = "LLM_PROXY_"
 
@@ -141,7 +141,7 @@ class Settings:
         """Every upstream: the config file's, else the one the single-upstream flags give."""
         if self.upstreams:
             return self.upstreams
-        from proxy.upstreams import single_spec
+        from proxy.upstream_spec import single_spec
 
         return (single_spec(self),)
 
@@ -495,7 +495,7 @@ def from_sources(args: argparse.Namespace | None = None,
     path = values.get("config", "")
     doc: dict[str, Any] = {}
     if path:
-        from proxy.upstreams import read_file
+        from proxy.upstream_spec import read_file
 
         given = [raw_values[n][1] for n in SINGLE_UPSTREAM_OPTIONS if n in raw_values]
         if given:
@@ -515,7 +515,7 @@ def from_sources(args: argparse.Namespace | None = None,
                 values[key] = toml_value(found, raw, f"config {path}: {key}")
     settings = Settings(**values)
     if path:
-        from proxy.upstreams import upstream_specs
+        from proxy.upstream_spec import upstream_specs
 
         settings = replace(settings, upstreams=upstream_specs(path, doc, settings, env))
     _check_combinations(settings, lambda name: given_as(name, args, env), env)

@@ -73,7 +73,7 @@ from proxy.diagnosis.prefix import (
 from proxy.diagnosis.prefix_index import DEFAULT_HORIZON_MS, LruPrefixIndex
 from proxy.dialects import Dialect, cache_scope
 from proxy.measure import PrefixRecord
-from proxy.upstreams import UpstreamSpec
+from proxy.upstream_spec import UpstreamSpec
 
 log = logging.getLogger("proxy")
 

@@ -36,7 +36,7 @@ from urllib.parse import unquote_to_bytes, urlsplit
 from proxy.admission import Admission
 from proxy.auth import key_header
 from proxy.tracing import upstream_attributes
-from proxy.upstreams import NO_UPSTREAM, RoutingTable, UpstreamSpec
+from proxy.upstream_spec import NO_UPSTREAM, RoutingTable, UpstreamSpec
 from proxy.wire import (
     ConnectError,
     Endpoint,

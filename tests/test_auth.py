@@ -17,7 +17,7 @@ from proxy.auth import (
     upstream_header,
 )
 from proxy.config import UPSTREAM_AUTH_MODES, Settings, SettingsError
-from proxy.upstreams import single_spec
+from proxy.upstream_spec import single_spec
 
 KEY = b"cli-0123456789abcdef"
 

@@ -37,11 +37,11 @@ from typing import Any
 import pytest
 from prometheus_client import Counter, Histogram
 
-from proxy import upstreams
+from proxy import upstream_spec
 from proxy.config import OPTIONS, Settings, SettingsError, file_key, from_sources
 from proxy.measure import OUTCOME_MEANINGS, Outcome
 from proxy.metrics import Metrics
-from proxy.upstreams import (
+from proxy.upstream_spec import (
     _UPSTREAM_KEYS,
     UPSTREAM_KEY_DEFAULTS,
     UPSTREAM_LIMIT_SETTINGS,
@@ -133,7 +133,7 @@ def test_a_source_without_what_a_page_needs_is_named(monkeypatch: pytest.MonkeyP
     with pytest.raises(generate.SourceError,
                        match=r"\['cancelled'\]: add them to OUTCOME_MEANINGS in proxy/measure.py"):
         generate.outcomes_page()
-    monkeypatch.setattr(upstreams, "_UPSTREAM_KEYS", {**_UPSTREAM_KEYS, "weight": "a number"})
+    monkeypatch.setattr(upstream_spec, "_UPSTREAM_KEYS", {**_UPSTREAM_KEYS, "weight": "a number"})
     with pytest.raises(generate.SourceError, match=r"'weight' has no default: .*UPSTREAM_KEY_DEFAULTS"):
         generate.settings_page()
     assert generate.main([]) == 2

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from proxy.config import Settings, SettingsError, from_sources
-from proxy.upstreams import RoutingTable
+from proxy.upstream_spec import RoutingTable
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.toml"))

@@ -27,7 +27,7 @@ import pytest
 import yaml
 
 from proxy.config import ENV_PREFIX, SettingsError, from_sources
-from proxy.upstreams import RoutingTable
+from proxy.upstream_spec import RoutingTable
 from tests.test_observability import (
     DASHBOARD,
     DOCKERFILE,

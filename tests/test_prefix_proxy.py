@@ -39,7 +39,7 @@ from proxy.diagnosis.prefix_index import BYTES_PER_ENTRY
 from proxy.dialects import DIALECTS
 from proxy.prefix_check import INLINE_MAX_BYTES, MAX_PENDING, PrefixCheck, PrefixJob
 from proxy.simulator.model import LatencyModel, SimConfig
-from proxy.upstreams import UpstreamSpec, upstream_specs
+from proxy.upstream_spec import UpstreamSpec, upstream_specs
 from tests.fake_upstream import ScriptedClock, ScriptedUpstream, Seen, sse
 from tests.upstream_fakes import InProcess
 

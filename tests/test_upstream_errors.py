@@ -25,7 +25,7 @@ from proxy.config import Settings
 from proxy.measure import Outcome
 from proxy.routes import failure_outcome
 from proxy.upstream import Upstream, error_response
-from proxy.upstreams import single_spec
+from proxy.upstream_spec import single_spec
 from proxy.wire import (
     ConnectError,
     ConnectTimeout,

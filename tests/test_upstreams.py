@@ -15,7 +15,7 @@ import pytest
 
 from proxy import config
 from proxy.config import Settings, SettingsError, from_sources
-from proxy.upstreams import RoutingTable, UpstreamSpec, _shadowed, reload_specs
+from proxy.upstream_spec import RoutingTable, UpstreamSpec, _shadowed, reload_specs
 
 TWO = """
 client_label_from = "header:X-Team"

@@ -39,7 +39,7 @@ import proxy.relay
 from proxy.app import create_app
 from proxy.config import Settings
 from proxy.upstream import Upstream
-from proxy.upstreams import single_spec
+from proxy.upstream_spec import single_spec
 from proxy.uvicorn_writer import DirectWriter
 from proxy.wire import (
     DECODE_PIECE,
