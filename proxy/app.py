@@ -28,7 +28,8 @@ from prometheus_client import CollectorRegistry
 from proxy.admission import Admission
 from proxy.auth import OBSERVER_CHALLENGE, KeyCheck, load_key_check, observer_key
 from proxy.clients import identify_from
-from proxy.config import Settings, SettingsError
+from proxy.config import Settings, reload_specs
+from proxy.config_values import SettingsError
 from proxy.metrics import Metrics
 from proxy.otel_metrics import from_settings as otel_metrics_from_settings
 from proxy.reqlog import RequestLog
@@ -37,7 +38,7 @@ from proxy.scrape import Scrapes
 from proxy.tracing import from_settings as tracing_from_settings
 from proxy.ui import UI_PATHS, live_page
 from proxy.upstream import Upstream, Upstreams, error_body
-from proxy.upstream_spec import UpstreamSpec, reload_specs
+from proxy.upstream_spec import UpstreamSpec
 from proxy.wire import WireTransport
 
 log = logging.getLogger("proxy")

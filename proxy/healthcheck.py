@@ -56,7 +56,7 @@ def our_arguments(cmdline: Sequence[str]) -> list[str] | None:
 def target_for(cmdline: Sequence[str] | None, environ: Mapping[str, str]) -> Target:
     """Where the command in ``cmdline`` listens, with ``environ`` as its environment.
 
-    Raises :class:`proxy.config.SettingsError` when ``serve``'s settings are invalid
+    Raises :class:`proxy.config_values.SettingsError` when ``serve``'s settings are invalid
     (then it is not serving either).
     """
     from proxy import config
@@ -123,7 +123,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from proxy.config import SettingsError
+    from proxy.config_values import SettingsError
 
     try:
         target = target_for(read_cmdline(args.pid), os.environ)

@@ -53,7 +53,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from proxy import config
-from proxy.config import OPTIONS, Settings, SettingsError
+from proxy.config import OPTIONS, Settings
+from proxy.config_values import SettingsError
 
 
 def add_parser(sub: Any) -> None:
@@ -175,7 +176,7 @@ def upstream_warning(upstream: str) -> str | None:
 
 def redact(url: str) -> str:
     """``url`` with its credentials masked: they are never printed (an upstream URL
-    cannot hold any, :func:`proxy.config.parse_upstream_url`; an OTLP endpoint may)."""
+    cannot hold any, :func:`proxy.config_values.parse_upstream_url`; an OTLP endpoint may)."""
     return config.redact(url)
 
 

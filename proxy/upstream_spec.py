@@ -17,7 +17,7 @@ model renaming, no retry, no fallback to another upstream after a failure (a ret
 would hide the very latency the proxy exists to show).
 
 Everything is checked before the proxy listens, and every problem is one line that
-names the file, the upstream and the setting (:class:`proxy.config.SettingsError`):
+names the file, the upstream and the setting (:class:`proxy.config_values.SettingsError`):
 a file that does not parse, an unknown key, a wrong type, a key variable that is unset,
 two upstreams with one name, two defaults, and a pattern that can never match because
 an earlier upstream's pattern catches everything it would (:func:`_shadowed`: ``*``, a
@@ -32,24 +32,15 @@ Per-upstream limits and timeouts default to those settings.
 from __future__ import annotations
 
 import fnmatch
-import logging
 import os
 import re
-import tomllib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from proxy.auth import key_problem
-from proxy.config import (
-    HEADER_NAME,
-    OPTIONS,
-    UPSTREAM_AUTH_MODES,
-    Settings,
-    SettingsError,
-    parse_upstream_url,
-    toml_value,
-)
+from proxy.config_values import HEADER_NAME, SettingsError, parse_upstream_url
+
+UPSTREAM_AUTH_MODES = ("bearer", "x-api-key", "api-key")
 
 # Keys of an [[upstream]] table: name -> (kind, what the message says it must be).
 _UPSTREAM_KEYS = {
@@ -110,8 +101,10 @@ _RESERVED_HEADERS = frozenset({
 _HEADER_VALUE = re.compile(r"^[\x20-\x7e]*$")
 _LABEL = re.compile(r"^[\x21-\x7e]{1,64}$")
 _PATTERN_CHARS = frozenset("*?[")
+# A key the proxy writes into a header itself: visible ASCII only, so a stray newline in
+# the environment variable can never start a second header line.
+_KEY_VALUE = re.compile(r"^[\x21-\x7e]+$")
 NO_UPSTREAM = "none"  # the upstream label of a request no upstream takes
-log = logging.getLogger("proxy")
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,37 +135,27 @@ class UpstreamSpec:
         return not self.routes or any(route == r or route.startswith(r + "/") for r in self.routes)
 
 
-def single_spec(settings: Settings) -> UpstreamSpec:
-    """The one upstream the single-upstream flags describe: every model, the default."""
-    return UpstreamSpec(
-        name=settings.upstream_label, url=settings.upstream, models=("*",), default=True,
-        api_key_env=settings.upstream_api_key_env, auth=settings.upstream_auth,
-        **_limits(settings))
-
-
-def _limits(settings: Settings) -> dict[str, Any]:
-    return {key: getattr(settings, name) for key, name in UPSTREAM_LIMIT_SETTINGS.items()}
+def key_problem(var: str, environ: Mapping[str, str] | None = None) -> str:
+    """Why the key in environment variable ``var`` cannot be sent upstream, or ``""``."""
+    env = os.environ if environ is None else environ
+    key = env.get(var, "").strip()
+    if not key:
+        return f"environment variable {var} is empty or unset"
+    if not _KEY_VALUE.match(key):
+        return (f"environment variable {var} holds a space, control or non-ASCII character, "
+                "which a header value cannot carry")
+    return ""
 
 
 # ---------------------------------------------------------------------------
-# The file.
+# The tables.
 
 
-def read_file(path: str) -> dict[str, Any]:
-    """The parsed TOML document; a file that cannot be read or parsed is one line."""
-    try:
-        with open(path, "rb") as fh:
-            return tomllib.load(fh)
-    except OSError as exc:
-        raise SettingsError(f"config {path}: cannot read it ({exc.strerror or exc})") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise SettingsError(f"config {path}: not valid TOML: {exc}") from None
-
-
-def upstream_specs(path: str, doc: Mapping[str, Any], settings: Settings,
+def upstream_specs(path: str, doc: Mapping[str, Any], limits: Mapping[str, Any],
                    environ: Mapping[str, str] | None = None) -> tuple[UpstreamSpec, ...]:
-    """Every ``[[upstream]]`` of ``doc``, validated; per-upstream limits default to
-    ``settings`` (the flags, variables and top-level keys already applied)."""
+    """Every ``[[upstream]]`` of ``doc`` (the config file ``path``), validated; an absent
+    limit or timeout is ``limits``' value for its key (the top-level settings, with the
+    flags and variables applied: :func:`proxy.config.upstream_limits`)."""
     env = os.environ if environ is None else environ
     tables = doc.get("upstream")
     if tables is None:
@@ -181,12 +164,12 @@ def upstream_specs(path: str, doc: Mapping[str, Any], settings: Settings,
         raise SettingsError(f"config {path}: 'upstream' must be [[upstream]] tables")
     specs: list[UpstreamSpec] = []
     for index, table in enumerate(tables, 1):
-        specs.append(_spec(path, index, table, settings, env))
+        specs.append(_spec(path, index, table, limits, env))
     _check_table(path, specs)
     return tuple(specs)
 
 
-def _spec(path: str, index: int, table: Mapping[str, Any], settings: Settings,
+def _spec(path: str, index: int, table: Mapping[str, Any], limits: Mapping[str, Any],
           env: Mapping[str, str]) -> UpstreamSpec:
     raw_name = table.get("name")
     who = (f"upstream {raw_name!r}" if isinstance(raw_name, str) and raw_name
@@ -217,7 +200,7 @@ def _spec(path: str, index: int, table: Mapping[str, Any], settings: Settings,
         url = parse_upstream_url(get("url", str))
     except ValueError as exc:
         raise fail("url", str(exc)) from None
-    values: dict[str, Any] = {"name": name, "url": url, **_limits(settings)}
+    values: dict[str, Any] = {"name": name, "url": url, **limits}
     if "models" in table:
         models = get("models", list, lambda v: all(isinstance(m, str) and m for m in v))
         values["models"] = tuple(models)
@@ -382,39 +365,3 @@ class RoutingTable:
         if d is None or not self.specs[d].serves(route):
             return None
         return d
-
-
-def reload_specs(settings: Settings) -> tuple[UpstreamSpec, ...]:
-    """The ``[[upstream]]`` tables of ``settings.config`` as the file says now (SIGHUP),
-    or :class:`SettingsError` when they cannot replace the running ones.
-
-    Per-upstream defaults come from the running settings; top-level keys are read at
-    start only, and one that changed is named in a warning rather than half-applied.
-    Client keys are set up at start too: a file that gives an upstream a key when the
-    running proxy checks none is refused.
-    """
-    path = settings.config
-    doc = read_file(path)
-    specs = upstream_specs(path, doc, settings)
-    if any(s.api_key_env for s in specs) and not settings.holds_upstream_key:
-        raise SettingsError(f"config {path}: an upstream now holds a key (api_key_env) but "
-                            "client keys were not set up at start (--client-keys-file): "
-                            "restart to add one")
-    by_name = {o.name: o for o in OPTIONS}
-    changed = []
-    for key, raw in doc.items():
-        opt = by_name.get(key)
-        if key == "upstream" or opt is None:
-            continue
-        try:
-            value = toml_value(opt, raw, key)
-        except SettingsError:
-            value = None
-        if value != getattr(settings, key):
-            changed.append(key)
-    if changed:
-        log.warning(
-            "config %s: top-level settings %s differ from the running ones (or a flag or "
-            "variable overrides them); they are read at start only: restart to apply",
-            path, ", ".join(changed))
-    return specs

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from proxy.config import Settings, SettingsError, from_sources
+from proxy.config import Settings, from_sources
+from proxy.config_values import SettingsError
 from proxy.upstream_spec import RoutingTable
 
 ROOT = Path(__file__).resolve().parent.parent

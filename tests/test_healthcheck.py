@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.config import SettingsError
+from proxy.config_values import SettingsError
 from proxy.healthcheck import Target, our_arguments, target_for
 
 ROOT = Path(__file__).resolve().parent.parent

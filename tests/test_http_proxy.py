@@ -36,9 +36,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from proxy.app import create_app
-from proxy.config import Settings
+from proxy.config import Settings, single_spec
 from proxy.upstream import Upstream, error_response
-from proxy.upstream_spec import single_spec
 from proxy.wire import ConnectError, ConnectTimeout, Endpoint, ProxyEndpoint, WireTransport
 from tests.raw_upstream import RawUpstream, closed_port
 from tests.servers import serve_in_thread

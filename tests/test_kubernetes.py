@@ -26,7 +26,8 @@ from typing import Any
 import pytest
 import yaml
 
-from proxy.config import ENV_PREFIX, SettingsError, from_sources
+from proxy.config import ENV_PREFIX, from_sources
+from proxy.config_values import SettingsError
 from proxy.upstream_spec import RoutingTable
 from tests.test_observability import (
     DASHBOARD,

@@ -21,11 +21,10 @@ from typing import Any
 
 import pytest
 
-from proxy.config import Settings
+from proxy.config import Settings, single_spec
 from proxy.measure import Outcome
 from proxy.routes import failure_outcome
 from proxy.upstream import Upstream, error_response
-from proxy.upstream_spec import single_spec
 from proxy.wire import (
     ConnectError,
     ConnectTimeout,

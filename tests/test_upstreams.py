@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from proxy import config
-from proxy.config import Settings, SettingsError, from_sources
-from proxy.upstream_spec import RoutingTable, UpstreamSpec, _shadowed, reload_specs
+from proxy.config import Settings, from_sources, reload_specs
+from proxy.config_values import SettingsError
+from proxy.upstream_spec import RoutingTable, UpstreamSpec, _shadowed
 
 TWO = """
 client_label_from = "header:X-Team"

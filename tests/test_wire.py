@@ -37,9 +37,8 @@ from prometheus_client import CollectorRegistry
 
 import proxy.relay
 from proxy.app import create_app
-from proxy.config import Settings
+from proxy.config import Settings, single_spec
 from proxy.upstream import Upstream
-from proxy.upstream_spec import single_spec
 from proxy.uvicorn_writer import DirectWriter
 from proxy.wire import (
     DECODE_PIECE,
