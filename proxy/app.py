@@ -34,10 +34,11 @@ from proxy.metrics import Metrics
 from proxy.otel_metrics import from_settings as otel_metrics_from_settings
 from proxy.reqlog import RequestLog
 from proxy.routes import V1Handler
+from proxy.routing import LiveUpstreams
 from proxy.scrape import Scrapes
 from proxy.tracing import from_settings as tracing_from_settings
 from proxy.ui import UI_PATHS, live_page
-from proxy.upstream import Upstream, Upstreams, error_body
+from proxy.upstream import UpstreamClient, error_body
 from proxy.upstream_spec import UpstreamSpec
 from proxy.wire import WireTransport
 
@@ -60,7 +61,7 @@ class ProxyApp:
         self.metrics = Metrics(settings, registry) if settings.measure else None
         self.scrapes = (Scrapes(self.metrics.exposition, self.metrics.exposition_type)
                         if self.metrics is not None else None)
-        self.upstreams = Upstreams(
+        self.upstreams = LiveUpstreams(
             settings.upstream_specs, self.metrics.in_flight if self.metrics else None, transport)
         self.request_log = (
             RequestLog(settings.log_requests, buffer=settings.log_requests_buffer,
@@ -80,7 +81,7 @@ class ProxyApp:
                             self.otel_metrics)
 
     @property
-    def upstream(self) -> Upstream:
+    def upstream(self) -> UpstreamClient:
         """The first upstream's client (the only one without a config file)."""
         return self.upstreams.targets[0].client
 

@@ -52,12 +52,12 @@ from proxy.otel_metrics import OtelMetrics
 from proxy.prefix_check import PrefixJob, prefix_check_from
 from proxy.relay import RelayResult, relay
 from proxy.reqlog import RequestLog
+from proxy.routing import LiveUpstreams
 from proxy.sse import SSEParser
 from proxy.tracing import Trace, Tracing
 from proxy.upstream import (
-    Target,
+    LiveUpstream,
     UnsafePath,
-    Upstreams,
     error_body,
     error_response,
     forward_headers,
@@ -171,7 +171,7 @@ class _Request:
     reason: str = ""  # why the upstream failed, for the warning line
     request_model: str = ""  # the body's "model" as sent: routing and the trace
     trace: Trace | None = None  # the request's span, when tracing is on
-    target: Target | None = None  # the upstream the request was routed to
+    target: LiveUpstream | None = None  # the upstream the request was routed to
     client: str = ""  # the bounded client label value, when that label is on
     identity: str = ""  # who the request says it is, once past the key check (unbounded)
     upstream: str = ""  # the upstream label when no single target took it (model list)
@@ -190,7 +190,7 @@ class V1Handler:
     log line, refused requests included.
     """
 
-    def __init__(self, settings: Settings, upstreams: Upstreams, metrics: Metrics | None,
+    def __init__(self, settings: Settings, upstreams: LiveUpstreams, metrics: Metrics | None,
                  clock: Clock, keys: KeyCheck | None, request_log: RequestLog | None,
                  tracing: Tracing | None = None, identify: Identify | None = None,
                  otel_metrics: OtelMetrics | None = None) -> None:
@@ -396,7 +396,7 @@ class V1Handler:
             (b"x-request-id", x.request_id.encode())]})
         await send({"type": "http.response.body", "body": body, "more_body": False})
 
-    async def _model_list(self, target: Target, headers: list[tuple[bytes, bytes]],
+    async def _model_list(self, target: LiveUpstream, headers: list[tuple[bytes, bytes]],
                           query: bytes) -> list[Any] | None:
         out = self._upstream_headers(target, headers, identity=False)
         try:
@@ -466,7 +466,7 @@ class V1Handler:
                 target.admission.release()
             target.leave()
 
-    async def _admit(self, x: _Request, target: Target) -> bool:
+    async def _admit(self, x: _Request, target: LiveUpstream) -> bool:
         t_q = self.clock()
         admission = target.admission
         try:
@@ -478,7 +478,7 @@ class V1Handler:
         x.queue_s = self.clock() - t_q if admission.limited else 0.0
         return True
 
-    def _upstream_headers(self, target: Target, headers: list[tuple[bytes, bytes]], *,
+    def _upstream_headers(self, target: LiveUpstream, headers: list[tuple[bytes, bytes]], *,
                           identity: bool) -> list[tuple[bytes, bytes]]:
         """The client's headers as the upstream gets them: keys replaced by the
         upstream's own when client keys are checked, the upstream's configured headers

@@ -1,20 +1,15 @@
-"""Several upstreams: the config file, its validation, and routing by model.
+"""One upstream as configured (:class:`UpstreamSpec`), and the config file's
+``[[upstream]]`` tables that declare them.
 
 One proxy may front several upstreams (OpenAI for ``gpt-*``, a vLLM cluster for
 ``meta-llama/*``, Anthropic for ``claude-*``). They are declared in a TOML file
-(``--config FILE``, read with the standard library's ``tomllib``) as ``[[upstream]]``
-tables; without a file the single-upstream flags (``--upstream``, ``--upstream-name``,
-``--upstream-api-key-env``, ``--upstream-auth``) describe one upstream that takes every
-model, and both cases run the same code: a list of :class:`UpstreamSpec` and a
-:class:`RoutingTable` over it.
-
-Routing: the request's ``model`` picks the first upstream, in file order, whose patterns
-match it (exact names or shell-style patterns, ``fnmatch`` case-sensitive) and, if the
-upstream names ``routes``, that serves the request's route; a request with no model,
-or a model nobody matches, goes to the upstream marked ``default = true``; with no
-default it is answered 404 (``model_not_found``). The body is forwarded unchanged: no
-model renaming, no retry, no fallback to another upstream after a failure (a retry
-would hide the very latency the proxy exists to show).
+(``--config FILE``, read with the standard library's ``tomllib`` by
+:func:`proxy.config.read_file`) as ``[[upstream]]`` tables; without a file the
+single-upstream flags (``--upstream``, ``--upstream-name``, ``--upstream-api-key-env``,
+``--upstream-auth``) describe one upstream that takes every model
+(:func:`proxy.config.single_spec`), and both cases give the same thing: a list of
+:class:`UpstreamSpec`. Which of them takes a request is :mod:`proxy.routing`'s; the
+live client, queue and headers of each are :mod:`proxy.upstream`'s.
 
 Everything is checked before the proxy listens, and every problem is one line that
 names the file, the upstream and the setting (:class:`proxy.config_values.SettingsError`):
@@ -27,6 +22,10 @@ Top-level keys of the file are the proxy's own settings by their option names
 (``max_concurrency = 64``, ``read_timeout = 600``, ``client_label_from = "header:X-Team"``);
 a flag or ``LLM_PROXY_*`` variable overrides the file (:func:`proxy.config.from_sources`).
 Per-upstream limits and timeouts default to those settings.
+
+This module is below :mod:`proxy.config`, which reads the file and holds the specs in
+its settings: it imports nothing of the proxy but the value checks of
+:mod:`proxy.config_values`.
 """
 
 from __future__ import annotations
@@ -104,12 +103,12 @@ _PATTERN_CHARS = frozenset("*?[")
 # A key the proxy writes into a header itself: visible ASCII only, so a stray newline in
 # the environment variable can never start a second header line.
 _KEY_VALUE = re.compile(r"^[\x21-\x7e]+$")
-NO_UPSTREAM = "none"  # the upstream label of a request no upstream takes
 
 
 @dataclass(frozen=True, slots=True)
 class UpstreamSpec:
-    """One upstream as configured (no live objects: those are :class:`proxy.app`'s)."""
+    """One upstream as configured (no live objects: those are
+    :class:`proxy.upstream.LiveUpstream`)."""
 
     name: str
     url: str
@@ -291,7 +290,8 @@ def _covers_routes(earlier: UpstreamSpec, later: UpstreamSpec) -> bool:
     return all(earlier.serves(r) for r in later.routes)
 
 
-def _is_pattern(model: str) -> bool:
+def is_pattern(model: str) -> bool:
+    """Whether ``model`` is a shell-style pattern rather than an exact name."""
     return any(c in _PATTERN_CHARS for c in model)
 
 
@@ -310,58 +310,8 @@ def _shadowed(earlier: str, later: str) -> bool:
     with ``prefix``; an exact name is caught by any pattern that matches it. Other
     pairs (two patterns with inner wildcards) are not decided and never refused.
     """
-    if not _is_pattern(later):
+    if not is_pattern(later):
         return fnmatch.fnmatchcase(later, earlier)
-    if earlier.endswith("*") and not _is_pattern(earlier[:-1]):
+    if earlier.endswith("*") and not is_pattern(earlier[:-1]):
         return _literal_prefix(later).startswith(earlier[:-1])
     return False
-
-
-# ---------------------------------------------------------------------------
-# Routing.
-
-
-class RoutingTable:
-    """Which upstream takes a request: built once per configuration, read per request.
-
-    ``pick`` costs one dict lookup for a model seen before: the decision per
-    (model, route) is cached, bounded (a client sending random model names cannot grow
-    it past ``cache_size``; past it, decisions are made by the patterns each time).
-    """
-
-    def __init__(self, specs: Sequence[UpstreamSpec], cache_size: int = 4096) -> None:
-        self.specs = tuple(specs)
-        self.default = next((i for i, s in enumerate(self.specs) if s.default), None)
-        self._cache: dict[tuple[str, str], int | None] = {}
-        self._cache_size = cache_size
-        # One matcher per upstream: exact names in a set, patterns compiled once.
-        self._exact = [frozenset(m for m in s.models if not _is_pattern(m)) for s in self.specs]
-        self._patterns = [[re.compile(fnmatch.translate(m)).match for m in s.models
-                           if _is_pattern(m)] for s in self.specs]
-
-    def pick(self, model: str | None, route: str) -> int | None:
-        """The index of the upstream for ``model`` on ``route``, or None (answer 404)."""
-        if model is None:
-            return self._default_for(route)
-        key = (model, route)
-        found = self._cache.get(key, -1)
-        if found != -1:
-            return found
-        chosen = self._match(model, route)
-        if len(self._cache) < self._cache_size:
-            self._cache[key] = chosen
-        return chosen
-
-    def _match(self, model: str, route: str) -> int | None:
-        for i, spec in enumerate(self.specs):
-            if not spec.serves(route):
-                continue
-            if model in self._exact[i] or any(m(model) for m in self._patterns[i]):
-                return i
-        return self._default_for(route)
-
-    def _default_for(self, route: str) -> int | None:
-        d = self.default
-        if d is None or not self.specs[d].serves(route):
-            return None
-        return d

@@ -21,7 +21,7 @@ import pytest
 
 from proxy.config import Settings, from_sources
 from proxy.config_values import SettingsError
-from proxy.upstream_spec import RoutingTable
+from proxy.routing import RoutingTable
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.toml"))

@@ -28,7 +28,7 @@ import yaml
 
 from proxy.config import ENV_PREFIX, from_sources
 from proxy.config_values import SettingsError
-from proxy.upstream_spec import RoutingTable
+from proxy.routing import RoutingTable
 from tests.test_observability import (
     DASHBOARD,
     DOCKERFILE,

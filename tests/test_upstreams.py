@@ -16,7 +16,8 @@ import pytest
 from proxy import config
 from proxy.config import Settings, from_sources, reload_specs
 from proxy.config_values import SettingsError
-from proxy.upstream_spec import RoutingTable, UpstreamSpec, _shadowed
+from proxy.routing import RoutingTable
+from proxy.upstream_spec import UpstreamSpec, _shadowed
 
 TWO = """
 client_label_from = "header:X-Team"
