@@ -48,6 +48,7 @@ from proxy.measure import (
     tpot,
 )
 from proxy.metrics import UNKNOWN_MODEL, Metrics
+from proxy.model_list import ALL_UPSTREAMS, list_body, merged_models
 from proxy.otel_metrics import OtelMetrics
 from proxy.prefix_check import PrefixJob, prefix_check_from
 from proxy.relay import RelayResult, relay
@@ -99,7 +100,6 @@ NON_STREAM_USAGE_LIMIT = 8 * 1024 * 1024
 # GIL while a thread works, so a thread would not shorten the stall
 # (benchmarks/loop_micro.py body; benchmarks/RESULTS.md).
 LARGE_BODY = 1 << 20
-ALL_UPSTREAMS = "all"  # the upstream label of the merged GET /v1/models
 JSON_HEADERS = [(b"content-type", b"application/json")]
 
 
@@ -366,57 +366,26 @@ class V1Handler:
 
     async def _models_union(self, x: _Request, scope: Scope,
                             headers: list[tuple[bytes, bytes]], send: Send) -> None:
-        """``GET /v1/models`` with several upstreams: every upstream's list, asked at
-        once, merged in config order (the first upstream wins a duplicate id). An
-        upstream that fails to answer is left out and logged, not a 502 for the list."""
-        targets = self.upstreams.targets
-        query = scope.get("query_string", b"")
-        lists = await asyncio.gather(*(self._model_list(t, headers, query) for t in targets))
-        seen: set[Any] = set()
-        data: list[Any] = []
-        for items in lists:
-            for item in items or ():
-                key = item.get("id") if isinstance(item, dict) else None
-                if key is None or key in seen:
-                    continue
-                seen.add(key)
-                data.append(item)
+        """``GET /v1/models`` with several upstreams: every upstream's list, merged
+        (:mod:`proxy.model_list`); a 502 only when no upstream answered."""
+        data = await merged_models(
+            self.upstreams.targets,
+            lambda target: self._upstream_headers(target, headers, identity=False),
+            scope.get("query_string", b""), self._warnings)
         x.request_id = uuid.uuid4().hex
         x.t_end = self.clock()
         x.upstream = ALL_UPSTREAMS
-        if all(items is None for items in lists):
+        if data is None:
             x.status, x.outcome = 502, Outcome.UPSTREAM_ERROR
             await _send_error(send, Refused(502, "no upstream answered the model list",
                                             "upstream_error", "upstream_failed"), x.request_id)
             return
-        body = json.dumps({"object": "list", "data": data}).encode()
+        body = list_body(data)
         x.status, x.outcome = 200, Outcome.COMPLETED
         await send({"type": "http.response.start", "status": 200, "headers": [
             *JSON_HEADERS, (b"content-length", str(len(body)).encode()),
             (b"x-request-id", x.request_id.encode())]})
         await send({"type": "http.response.body", "body": body, "more_body": False})
-
-    async def _model_list(self, target: LiveUpstream, headers: list[tuple[bytes, bytes]],
-                          query: bytes) -> list[Any] | None:
-        out = self._upstream_headers(target, headers, identity=False)
-        try:
-            response = await target.client.open("GET", b"/models", query, out, b"")
-            try:
-                body = await response.body.read(NON_STREAM_USAGE_LIMIT)
-            finally:
-                await response.aclose()
-        except UpstreamError as exc:
-            self._warnings.warning("model list: upstream %s left out: %s: %s", target.name,
-                                   type(exc).__name__, exc)
-            return None
-        parsed = _json_object(body) if 200 <= response.status_code < 300 else None
-        items = parsed.get("data") if parsed is not None else None
-        if not isinstance(items, list):
-            self._warnings.warning("model list: upstream %s left out: HTTP %s%s", target.name,
-                                   response.status_code,
-                                   "" if parsed is None else " without a data list")
-            return None
-        return items
 
     async def _exchange(self, x: _Request, scope: Scope, headers: list[tuple[bytes, bytes]],
                         body: bytes, strip: bool, receive: Receive, send: Send) -> None:
