@@ -114,27 +114,45 @@ def route_template(subpath: bytes) -> str:
 
 
 class Refused(Exception):
-    """The proxy answers the request itself, in the OpenAI error shape."""
+    """The proxy refuses the request and answers it itself, in the OpenAI error shape
+    (outcome ``rejected``)."""
+
+    outcome = Outcome.REJECTED
 
     def __init__(self, status: int, message: str, type_: str, code: str, *,
-                 outcome: Outcome = Outcome.REJECTED,
-                 extra: list[tuple[bytes, bytes]] | None = None, body: bytes = b"") -> None:
+                 extra: list[tuple[bytes, bytes]] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type_
         self.code = code
-        self.outcome = outcome
         self.extra = extra or []
-        self.body = body  # a prepared error body (upstream failures), else built from the rest
+
+    @property
+    def body(self) -> bytes:
+        return error_body(self.message, self.type, self.code)
+
+
+class UpstreamFailed(Exception):
+    """The upstream exchange failed before the response headers: the client gets the
+    status and body :func:`proxy.upstream.error_response` made of the failure, and the
+    request the outcome :func:`failure_outcome` names."""
+
+    extra: tuple[tuple[bytes, bytes], ...] = ()
+
+    def __init__(self, status: int, body: bytes, outcome: Outcome) -> None:
+        super().__init__(status)
+        self.status = status
+        self.body = body
+        self.outcome = outcome
 
 
 class BodyTooLarge(Exception):
     pass
 
 
-class ClientGone(Exception):
-    pass
+class ClientDisconnected(Exception):
+    """The client disconnected before its request body was read whole."""
 
 
 @dataclass(slots=True)
@@ -185,7 +203,8 @@ class V1Handler:
     key), :meth:`_read` (the body), :meth:`_decode` and :meth:`_parse` (what the body
     asks for),
     :meth:`_admit` (queue time), :meth:`_forward` (the upstream exchange) and
-    :meth:`_relay`. A step that refuses raises :class:`Refused`; whatever happened,
+    :meth:`_relay`. A step that refuses raises :class:`Refused`, an upstream exchange
+    that fails before its headers :class:`UpstreamFailed`; whatever happened,
     :meth:`_finish` runs once and builds the record, observes the metrics and writes the
     log line, refused requests included.
     """
@@ -235,12 +254,12 @@ class V1Handler:
             await self._exchange(x, scope, headers, body_out, strip, receive, send)
             if x.prefix is not None:
                 await x.prefix.settle()
-        except Refused as refusal:
-            x.status, x.outcome = refusal.status, refusal.outcome
+        except (Refused, UpstreamFailed) as answer:
+            x.status, x.outcome = answer.status, answer.outcome
             x.request_id = uuid.uuid4().hex
             x.t_end = self.clock()
-            await _send_error(send, refusal, x.request_id)
-        except ClientGone:
+            await _send_error(send, answer, x.request_id)
+        except ClientDisconnected:
             x.status, x.outcome, x.t_end = 499, Outcome.CLIENT_DISCONNECTED, self.clock()
         except asyncio.CancelledError:
             # The server cancelled the request (shutdown past --graceful-timeout) before
@@ -377,8 +396,10 @@ class V1Handler:
         x.upstream = ALL_UPSTREAMS
         if data is None:
             x.status, x.outcome = 502, Outcome.UPSTREAM_ERROR
-            await _send_error(send, Refused(502, "no upstream answered the model list",
-                                            "upstream_error", "upstream_failed"), x.request_id)
+            failed = UpstreamFailed(502, error_body("no upstream answered the model list",
+                                                    "upstream_error", "upstream_failed"),
+                                    Outcome.UPSTREAM_ERROR)
+            await _send_error(send, failed, x.request_id)
             return
         body = list_body(data)
         x.status, x.outcome = 200, Outcome.COMPLETED
@@ -481,7 +502,7 @@ class V1Handler:
         except UpstreamError as exc:
             status, err = error_response(exc, target.client.host)
             x.reason = f"{type(exc).__name__}: {exc}"
-            raise Refused(status, "", "", "", outcome=failure_outcome(exc), body=err) from None
+            raise UpstreamFailed(status, err, failure_outcome(exc)) from None
         if self.prefix is not None:  # runs at the next wait: after the request was sent
             x.prefix = self.prefix.begin(x.measured, x.payload, target.spec, x.t0,
                                          x.response.status_code, len(body))
@@ -648,10 +669,10 @@ def _unbounded(model: str) -> str:
     return model
 
 
-async def _send_error(send: Send, refusal: Refused, request_id: str) -> None:
-    headers = [*JSON_HEADERS, (b"x-request-id", request_id.encode()), *refusal.extra]
-    body = refusal.body or error_body(refusal.message, refusal.type, refusal.code)
-    await send({"type": "http.response.start", "status": refusal.status, "headers": headers})
+async def _send_error(send: Send, answer: Refused | UpstreamFailed, request_id: str) -> None:
+    headers = [*JSON_HEADERS, (b"x-request-id", request_id.encode()), *answer.extra]
+    body = answer.body
+    await send({"type": "http.response.start", "status": answer.status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
@@ -661,7 +682,7 @@ async def _read_body(receive: Receive, limit: int) -> bytes:
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            raise ClientGone
+            raise ClientDisconnected
         part = message.get("body", b"")
         if part:
             size += len(part)

@@ -47,7 +47,6 @@ from proxy.wire import (
     MAX_HEAD_BYTES,
     PAUSE,
     STOP,
-    ClientGone,
     ConnectError,
     Endpoint,
     PoolTimeout,
@@ -55,6 +54,7 @@ from proxy.wire import (
     ReadTimeout,
     RemoteProtocolError,
     ResponseHeadTooLarge,
+    SinkStopped,
     UpstreamError,
     WireResponse,
     WireTransport,
@@ -1205,7 +1205,7 @@ async def test_sink_stop_raises_client_gone_and_closes_the_connection(complete: 
             got.append(chunk)
             return STOP
 
-        with pytest.raises(ClientGone):
+        with pytest.raises(SinkStopped):
             await response.body.pipe(sink)
         assert got == [b"data: one\n\n"]
         async with asyncio.timeout(5):
