@@ -36,7 +36,7 @@ from proxy.dialects import (
     NO_RESPONSE,
     Dialect,
     Usage,
-    upstream_queue_seconds,
+    read_answer,
 )
 from proxy.logs import RateLimitedLog
 from proxy.measure import (
@@ -590,11 +590,9 @@ class V1Handler:
             if self.response_info:
                 reply = timer.response()
         elif result is not None and result.body and dialect is not None:
-            body = _json_object(result.body)
-            if body is not None:
-                raw = dialect.body_usage(body)
-                upstream_q = upstream_queue_seconds(body)
-                reply = dialect.body_response(body)
+            whole = read_answer(dialect, result.body)  # a non-stream answer
+            if whole is not None:
+                raw, upstream_q, reply = whole
         if upstream_q is None and response is not None:
             upstream_q = _queue_header(response.headers.get("x-queue-time"))
         usage = dialect.usage(raw) if dialect is not None else Usage()

@@ -54,11 +54,13 @@ from proxy.dialects.base import (
     NO_RESPONSE,
     NOT_COUNTED,
     REASONING,
+    AnswerInfo,
     Dialect,
     EventInfo,
     ResponseInfo,
     Usage,
     merge_usage,
+    read_answer,
     upstream_queue_seconds,
 )
 from proxy.dialects.chat import CHAT, ChatDialect
@@ -82,6 +84,7 @@ __all__ = [
     "PART_KINDS",
     "REASONING",
     "RESPONSES",
+    "AnswerInfo",
     "ChatDialect",
     "CompletionsDialect",
     "Dialect",
@@ -94,6 +97,7 @@ __all__ = [
     "Usage",
     "cache_scope",
     "merge_usage",
+    "read_answer",
     "upstream_queue_seconds",
 ]
 

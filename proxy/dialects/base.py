@@ -1,7 +1,8 @@
 """What every dialect shares: the readings (:class:`EventInfo`, :class:`ResponseInfo`,
-:class:`Usage`), the :class:`Dialect` protocol each API's module implements, and the
-helpers their readings are made of: usage merged across events (:func:`merge_usage`),
-vLLM's per-request queue time (:func:`upstream_queue_seconds`), and bounded text.
+:class:`Usage`), the :class:`Dialect` protocol each API's module implements, a
+non-stream answer read whole (:func:`read_answer`), and the helpers the readings are
+made of: usage merged across events (:func:`merge_usage`), vLLM's per-request queue
+time (:func:`upstream_queue_seconds`), and bounded text.
 
 Pure functions of their input, like every dialect (see :mod:`proxy.dialects`).
 """
@@ -234,6 +235,24 @@ class Dialect(Protocol):
         """The prompt of a parsed request body as the provider renders it, in order
         (see "Prompt parts" above); never raises."""
         ...
+
+
+class AnswerInfo(NamedTuple):
+    """What a non-stream answer's JSON body says, as far as measurement cares."""
+
+    usage: Mapping[str, Any] | None  # the raw usage mapping, for Dialect.usage
+    upstream_queue_s: float | None  # vLLM ``metrics.queue_time_ms``, in seconds
+    response: ResponseInfo  # id, model, finish reasons
+
+
+def read_answer(dialect: Dialect, body: bytes) -> AnswerInfo | None:
+    """A non-stream answer's body as ``dialect`` reads it: its usage, queue time and
+    response info; None when the body is not a JSON object."""
+    payload = _loads(body)
+    if not isinstance(payload, dict):
+        return None
+    return AnswerInfo(dialect.body_usage(payload), upstream_queue_seconds(payload),
+                      dialect.body_response(payload))
 
 
 _TYPE_PREFIX = b'{"type":"'
