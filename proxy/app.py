@@ -1,14 +1,17 @@
-"""Wiring: ``create_app(settings, *, upstream=None, registry=None, clock=...)``.
+"""Wiring: ``create_app(settings, *, transport=None, registry=None, clock=time.perf_counter)``.
 
 The application is a small ASGI callable rather than a FastAPI app: a few fixed
 paths (``/v1/*``, ``/healthz``, ``/metrics``, and the live page ``/ui``, ``/ui/data``
 wherever ``/metrics`` is, see :mod:`proxy.ui`; when the proxy checks client keys, those
-three take a client key too, see :mod:`proxy.auth`) need no routing table, and the proxied
+three take a client key too, see :mod:`proxy.auth`) need no path table, and the proxied
 path is the hot path (see :mod:`proxy.routes`). Everything is built here, once:
-settings are already validated, the one upstream client (:class:`proxy.upstream.Upstream`)
-is created here and closed by the lifespan (or :meth:`ProxyApp.aclose` in tests that
-drive the app without a server), metrics go to the registry passed in (a fresh one per
-test).
+settings are already validated; every configured upstream is made live here
+(:class:`proxy.routing.LiveUpstreams`: per upstream its own client and connection pool,
+admission and headers, :class:`proxy.upstream.LiveUpstream`), swapped on ``SIGHUP`` and
+closed by the lifespan (or :meth:`ProxyApp.aclose` in tests that drive the app without
+a server); ``transport``, when given, is the one HTTP client (:class:`proxy.wire.WireTransport`)
+every upstream uses instead of a pool of its own; metrics go to the registry passed in
+(a fresh one per test).
 """
 
 from __future__ import annotations

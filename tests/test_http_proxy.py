@@ -287,7 +287,7 @@ async def test_https_upstream_through_a_connect_tunnel(
                               HTTPS_PROXY=tp.url("relay:s3cret-pw" if auth else ""))
             transport = wire_transport(certificate)
             up = UpstreamClient(single_spec(Settings(upstream=f"https://localhost:{tls.port}/v1")),
-                          transport=transport)
+                                transport=transport)
             assert up.endpoint.via is not None
             assert (up.endpoint.via.host, up.endpoint.via.port) == ("127.0.0.1", tp.port)
             try:
@@ -323,7 +323,7 @@ async def test_proxy_refusing_connect_is_a_connect_error_naming_the_proxy(
         async with tls_upstream(certificate) as tls:
             proxy_environment(monkeypatch, HTTPS_PROXY=tp.url("relay:s3cret-pw"))
             up = UpstreamClient(single_spec(Settings(upstream=f"https://localhost:{tls.port}/v1")),
-                          transport=wire_transport(certificate))
+                                transport=wire_transport(certificate))
             try:
                 with pytest.raises(ConnectError) as caught:
                     await up.open("POST", b"/chat/completions", b"", [], b"{}")

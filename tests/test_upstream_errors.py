@@ -179,7 +179,7 @@ async def test_real_failures_name_the_host_and_nothing_secret(
         transport = WireTransport(**{"max_connections": 1, "connect_timeout": 0.3,
                                      "read_timeout": 0.3, **options})
         upstream = UpstreamClient(single_spec(Settings(upstream=f"{scheme}://{host}/{TENANT}/v1")),
-                            transport=transport)
+                                    transport=transport)
         stack.push_async_callback(upstream.aclose)
         body = b"x" * (64 * 1024 * 1024) if case == "never-reads" else b'{"model":"m"}'
         if case == "pool":

@@ -233,7 +233,7 @@ class Dialect(Protocol):
 
     def prompt_parts(self, payload: Mapping[str, Any]) -> tuple[PromptPart, ...]:
         """The prompt of a parsed request body as the provider renders it, in order
-        (see "Prompt parts" above); never raises."""
+        (see :mod:`proxy.dialects.prompt`); never raises."""
         ...
 
 

@@ -77,9 +77,8 @@ class ChatDialect:
 
     The byte scan for the common event (one choice, one token, no usage, no metrics)
     runs only on payloads that look like one JSON object with exactly one ``"delta"``
-    key (so at most one choice can carry output; ``measure.inspect_event`` counted
-    ``"index"`` keys instead, which misreads servers that omit them) and no usage
-    object or vLLM metrics. Then, cheapest first: the first ``"content"`` key followed
+    key (so at most one choice can carry output; counting ``"index"`` keys instead would
+    misread servers that omit them) and no usage object or vLLM metrics. Then, cheapest first: the first ``"content"`` key followed
     by a non-empty string is an answer; a delta whose only key is ``reasoning_content``
     or ``reasoning`` with a non-empty string (``"delta":{"reasoning":"x"}``: its value
     ends at the first unescaped quote, right before the delta's ``}``) is reasoning;
