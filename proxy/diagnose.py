@@ -43,6 +43,7 @@ KEY_ENV = "LLM_PROXY_API_KEY"
 DEFAULT_RANGE = "1h"
 JSON_VERSION = 1
 WIDTH = 88
+NBSP = "\u00a0"
 
 
 class SourceError(Exception):
@@ -300,7 +301,8 @@ def render(diagnoses: Sequence[Diagnosis], source: dict[str, Any]) -> str:
     """The card: one block per selection, levers ranked, each with its sentence and
     the numbers behind it. Plain text, no colour."""
     where = f"Prometheus {source['url']}" if source["kind"] == "prometheus" else source["url"]
-    lines = [f"What to fix: {where}", f"  window: {_window_text(source)}"]
+    lines = [f"What to fix: {where}",
+             *_wrap(f"window: {_window_text(source)}", 2, 4)]
     if not diagnoses:
         lines += ["", "No measured requests in this window: nothing to diagnose yet."]
     for d in diagnoses:
@@ -328,14 +330,17 @@ def _block(d: Diagnosis) -> list[str]:
         if split.missed_cache_ms is not None:
             parts.append(("missed cache", split.missed_cache_ms))
         parts.append(("rest", split.rest_ms))
-        lines.append(f"  first token {_dur(split.mean_ms)} = "
-                     + " + ".join(f"{name} {_dur(ms)}" for name, ms in parts))
+        # each part kept on one line (no-break spaces inside it while wrapping)
+        text = (f"first token {_dur(split.mean_ms)} = "
+                + " + ".join(f"{name} {_dur(ms)}".replace(" ", NBSP) for name, ms in parts))
+        lines += [line.replace(NBSP, " ") for line in _wrap(text, 2, 4)]
     if d.prefill_ms_per_1k_tokens is not None:
-        lines.append(f"  prefill {_num(d.prefill_ms_per_1k_tokens)} ms per 1,000 uncached prompt "
-                     f"tokens, fixed part {_dur(d.fixed_ms)}")
+        lines += _wrap(f"prefill {_num(d.prefill_ms_per_1k_tokens)} ms per 1,000 uncached "
+                       f"prompt tokens, fixed part {_dur(d.fixed_ms)}", 2, 4)
     else:
-        lines.append("  prefill cost not known (too few streams with usage, or no spread of "
-                     "prompt lengths)")
+        lines += _wrap("prefill cost not known (too few streams with usage, no spread of "
+                       "prompt lengths, or first-token times prompt lengths do not explain)",
+                       2, 4)
     status = ""
     for rank, lever in enumerate(d.levers, 1):
         if lever.status != status:
@@ -350,14 +355,16 @@ def _lever(rank: int, lever: Lever) -> list[str]:
     if lever.saves_ms is not None and lever.status in ("lever", "not_a_lever"):
         of = "the first token" if lever.acts_on == "first_token" else "the total time"
         head += f": would save {_dur(lever.saves_ms)} of {of}"
-    out = [head]
-    out += textwrap.wrap(lever.sentence, WIDTH, initial_indent=" " * 6,
-                         subsequent_indent=" " * 6)
+    out = [head, *_wrap(lever.sentence, 6, 6)]
     numbers = " ".join(f"{k}={_num(v)}" for k, v in lever.numbers.items())
     if numbers:
-        out += textwrap.wrap(f"[{numbers}]", WIDTH, initial_indent=" " * 6,
-                             subsequent_indent=" " * 7, break_on_hyphens=False)
+        out += _wrap(f"[{numbers}]", 6, 7)
     return out
+
+
+def _wrap(text: str, indent: int, then: int) -> list[str]:
+    return textwrap.wrap(text, WIDTH, initial_indent=" " * indent,
+                         subsequent_indent=" " * then, break_on_hyphens=False)
 
 
 def _dur(ms: float | None) -> str:
