@@ -1,0 +1,399 @@
+"""``diagnose`` end to end: the lever a workload was built to have comes out on top, with
+the numbers the proxy's ``/metrics`` holds, read from the proxy itself and from a real
+Prometheus that scrapes it with the shipped recording rules.
+
+Everything runs as users run it, each in its own process: the simulator (``python -m
+proxy simulate``), the proxy (``python -m proxy serve``: uvloop, httptools, the production
+upstream client), Prometheus (Debian's, the shipped ``prometheus.yml`` and rules at 1 s
+intervals), and ``python -m proxy diagnose``; the official ``openai`` SDK sends the
+requests.
+
+* Prefill on top: prompts of 500 to 8,000 uncached tokens (each starts with its own salt,
+  so nothing is cached) at the simulator's 20,000 tokens/s, one at a time, four output
+  tokens at 4 ms: the first token is mostly prefill (25-400 ms against a 20 ms fixed
+  cost), nothing queues, decoding is far above reading pace and every answer has the
+  same length. The prefill lever must be first and the only one worth acting on, and
+  the numbers behind its sentence must be the fit and means computed here from the
+  proxy's own ``/metrics``.
+* Queueing at the upstream on top: one decode slot at the simulator (``--slots 1``) and
+  four clients at once, prompts all of one length: the first token is mostly waiting for
+  that slot, which the simulator reports (``--vllm-metrics``); the fit has no spread of
+  lengths and says so.
+* The same from Prometheus (``diagnose --prometheus``): the same ranking, and the same
+  numbers within what ``increase()``'s extrapolation to the window's edges and the two
+  requests sent before Prometheus's first sample of the series can move them.
+
+Without a ``prometheus`` binary the Prometheus test is skipped on a developer machine and
+fails in CI (``CI=true``). Waiting is on the servers' own state (bounded polls), never on
+a fixed sleep.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+from openai import OpenAI
+from prometheus_client.parser import text_string_to_metric_families
+
+from proxy.diagnosis.fit import SAMPLES, FitSums, fit
+from tests.servers import ROOT
+from tests.test_diagnose import check_contract
+from tests.test_observability import require_tool
+from tests.test_prefill_truth import simulator_process
+from tests.test_prometheus_integration import background, free_port, prometheus_config
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
+
+MODEL = "sim-llm"
+CHAT = "/v1/chat/completions"
+WAIT_S = 30.0
+PREFILL = ["--prefill-rate", "20000", "--prefill-overhead", "0.02", "--itl", "0.004",
+           "--itl-growth", "0", "--jitter", "0", "--slots", "4", "--output-tokens", "4",
+           "--output-dist", "fixed", "--vllm-metrics", "--seed", "3"]
+QUEUEING = ["--prefill-rate", "50000", "--prefill-overhead", "0.02", "--itl", "0.01",
+            "--itl-growth", "0", "--jitter", "0", "--slots", "1", "--output-tokens", "4",
+            "--output-dist", "fixed", "--vllm-metrics", "--seed", "3"]
+PRE = 2  # requests before Prometheus starts: its first sample of the selection's series
+MAIN = 34
+
+
+def wait_for(what: str, check: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not check():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.05)  # polling a server's state, not timing anything
+
+
+def text_of(tokens: int, salt: str) -> str:
+    """About ``tokens`` tokens at the simulator's 4 characters a token, ``salt`` first so
+    no prefix is shared with another request."""
+    words = ("alpha", "bravo", "charlie", "delta", "echo")
+    body = salt + " " + " ".join(words[i % 5] for i in range(tokens))
+    return body[: tokens * 4]
+
+
+def ask(client: OpenAI, tokens: int, rng: random.Random, model: str = MODEL) -> None:
+    stream = client.chat.completions.create(
+        model=model, max_tokens=4, stream=True, stream_options={"include_usage": True},
+        messages=[{"role": "user", "content": text_of(tokens, f"{rng.getrandbits(64):016x}")}])
+    for _ in stream:
+        pass
+
+
+def samples(proxy: str) -> dict[str, float]:
+    """The proxy's /metrics summed over the series of the one selection."""
+    text = httpx.get(proxy + "/metrics", timeout=10).text
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.labels.get("model") == MODEL and s.labels.get("route") == CHAT:
+                if s.name.startswith("llm_proxy_request_duration") and s.labels["stream"] != "true":
+                    continue
+                out[s.name] = out.get(s.name, 0.0) + s.value
+    return out
+
+
+def counted(proxy: str, n: int) -> None:
+    """The proxy records a request just after the client saw its end."""
+    wait_for(f"the proxy to count {n} requests",
+             lambda: samples(proxy).get("llm_proxy_requests_total", 0) >= n)
+
+
+def run_diagnose(*args: str) -> tuple[int, str, str]:
+    done = subprocess.run([sys.executable, "-m", "proxy", "diagnose", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60, check=False)
+    return done.returncode, done.stdout, done.stderr
+
+
+def selection(doc: dict[str, Any]) -> dict[str, Any]:
+    check_contract(doc)
+    (found,) = [s for s in doc["selections"] if s["model"] == MODEL]
+    assert (found["route"], found["upstream"]) == (CHAT, "sim")
+    out: dict[str, Any] = found
+    return out
+
+
+def levers(s: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {lv["name"]: lv for lv in s["levers"]}
+
+
+@dataclass
+class Stack:
+    """The proxy's URL and, when asked for, Prometheus's."""
+
+    proxy: str
+    prometheus: str | None
+
+
+@contextlib.contextmanager
+def proxy_in_front_of(simulator: str, tmp: Path) -> Iterator[str]:
+    port = free_port()
+    argv = [sys.executable, "-m", "proxy", "serve", "--upstream", simulator + "/v1",
+            "--upstream-name", "sim", "--host", "127.0.0.1", "--port", str(port)]
+    with background(argv, tmp / "proxy.log") as proc:
+        url = f"http://127.0.0.1:{port}"
+
+        def healthy() -> bool:
+            assert proc.poll() is None, (tmp / "proxy.log").read_text()
+            try:
+                return httpx.get(url + "/healthz", timeout=2).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_for("the proxy's /healthz", healthy)
+        yield url
+
+
+@contextlib.contextmanager
+def prometheus_scraping(proxy: str, tmp: Path) -> Iterator[str]:
+    binary = shutil.which("prometheus")
+    assert binary is not None
+    config = tmp / "prometheus.yml"
+    config.write_text(yaml.safe_dump(prometheus_config(int(proxy.rsplit(":", 1)[1]))))
+    port = free_port()
+    argv = [binary, f"--config.file={config}", f"--storage.tsdb.path={tmp / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"]
+    with background(argv, tmp / "prometheus.log") as proc:
+        url = f"http://127.0.0.1:{port}"
+
+        def ready() -> bool:
+            assert proc.poll() is None, (tmp / "prometheus.log").read_text()
+            try:
+                return httpx.get(url + "/-/ready", timeout=2).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_for("Prometheus to be ready", ready)
+        wait_for("Prometheus to scrape the proxy",
+                 lambda: prom_value(url, 'up{job="llm-latency-proxy"}') == 1)
+        yield url
+
+
+def prom_value(url: str, expr: str) -> float | None:
+    body = httpx.get(url + "/api/v1/query", params={"query": expr}, timeout=5).json()
+    result = body["data"]["result"]
+    return float(result[0]["value"][1]) if result else None
+
+
+@contextlib.contextmanager
+def prefill_workload(tmp: Path, *, with_prometheus: bool) -> Iterator[Stack]:
+    """The prefill workload through the proxy, all of it counted; with Prometheus
+    scraping the proxy from before the workload, every request scraped and the rules
+    evaluated after the last scrape."""
+    rng = random.Random(5)
+    sizes = [round(500 + 7500 * i / (MAIN - 1)) for i in range(MAIN)]
+    rng.shuffle(sizes)  # a drift of the machine's speed does not line up with length
+    with contextlib.ExitStack() as stack:
+        simulator = stack.enter_context(simulator_process(*PREFILL))
+        proxy = stack.enter_context(proxy_in_front_of(simulator, tmp))
+        client = OpenAI(base_url=proxy + "/v1", api_key="sk-sim", max_retries=0, timeout=30)
+        # the first request of a process pays for lazy imports: another model's selection
+        ask(client, 100, rng, model="warm-up")
+        for i in range(PRE):
+            ask(client, sizes[i], rng)
+        counted(proxy, PRE)
+        # Prometheus starts once the series exist and nothing is being recorded, so its
+        # first sample of each is whole (a scrape while a request is being recorded can
+        # hold its sum and not yet its count, and increase() extrapolates each series
+        # from its first sample)
+        prom = None
+        if with_prometheus:
+            prom = stack.enter_context(prometheus_scraping(proxy, tmp))
+            fit_n = f'sum(llm_proxy_prefill_fit_requests_total{{model="{MODEL}"}})'
+            wait_for("Prometheus's first sample of the series",
+                     lambda: prom_value(prom, fit_n) == PRE)
+        for size in sizes:
+            ask(client, size, rng)
+        counted(proxy, PRE + MAIN)
+        if prom is not None:
+            final = float(PRE + MAIN)
+            rule = f'upstream_model_route:llm_proxy_prefill_fit_requests:increase1h{{model="{MODEL}"}}'
+            raw = f'llm_proxy_prefill_fit_requests_total{{model="{MODEL}"}}'
+
+            def rules_caught_up() -> bool:
+                # the last scrape holds every request, and the rules were evaluated after it
+                scraped = prom_value(prom, f"timestamp({raw})")
+                evaluated = prom_value(prom, f"timestamp({rule})")
+                return (prom_value(prom, raw) == final and scraped is not None
+                        and evaluated is not None and evaluated > scraped)
+
+            wait_for("Prometheus to scrape every request and evaluate the rules after it",
+                     rules_caught_up)
+        yield Stack(proxy, prom)
+
+
+def test_prefill_on_top_with_the_numbers_of_the_proxys_metrics(tmp_path: Path) -> None:
+    with prefill_workload(tmp_path, with_prometheus=False) as stack:
+        proxy = stack.proxy
+        code, out, err = run_diagnose("--url", proxy, "--json")
+        assert code == 0, err
+        m = samples(proxy)
+        code, card, err = run_diagnose("--url", proxy, "--model", MODEL)
+        assert code == 0, err
+    s = selection(json.loads(out))
+    got = s["levers"]
+    assert got[0]["name"] == "prefill" and got[0]["status"] == "lever", got
+    named = levers(s)
+    for name in ("proxy_queue", "upstream_queue", "decode", "output_length"):
+        assert named[name]["status"] == "not_a_lever", named[name]
+    # the fixed part (a 20 ms configured cost, timers and loopback) is far below prefill
+    assert named["fixed"]["saves_ms"] < got[0]["saves_ms"] / 3
+
+    # the numbers behind the sentence, worked out here from the proxy's /metrics
+    line = fit(FitSums.from_samples((name, m.get(name, 0.0)) for name in SAMPLES))
+    assert line.ms_per_1k_tokens is not None and line.mean_uncached_tokens is not None
+    ttft_ms = 1000 * m["llm_proxy_time_to_first_token_seconds_sum"] / m[
+        "llm_proxy_time_to_first_token_seconds_count"]
+    prefill_ms = line.ms_per_1k_tokens * line.mean_uncached_tokens / 1000
+    top = got[0]
+    numbers = top["numbers"]
+    assert numbers["requests"] == line.requests == PRE + MAIN == s["requests"]
+    assert numbers["mean_uncached_tokens"] == pytest.approx(line.mean_uncached_tokens, rel=1e-3)
+    assert numbers["ms_per_1k_tokens"] == pytest.approx(line.ms_per_1k_tokens, rel=1e-3)
+    assert numbers["first_token_ms"] == pytest.approx(ttft_ms, rel=1e-3)
+    assert top["saves_ms"] == pytest.approx(prefill_ms, rel=1e-3)
+    assert s["prefill_ms_per_1k_tokens"] == pytest.approx(line.ms_per_1k_tokens, rel=1e-3)
+    assert s["fixed_ms"] == pytest.approx(line.fixed_ms, rel=1e-3)
+    assert s["first_token"]["prefill_ms"] == pytest.approx(prefill_ms, rel=1e-3)
+    # the simulator's 20,000 tokens/s is 50 ms per 1,000 tokens (tests/test_prefill_truth.py
+    # holds the fit to 10 % of that)
+    assert 40 < line.ms_per_1k_tokens < 60
+    # ... and the sentence says them
+    assert top["sentence"].startswith(
+        f"Prefill: {fmt_tokens(line.mean_uncached_tokens)} uncached prompt tokens at "
+        f"{line.ms_per_1k_tokens / 1000:.3f} ms per token are {prefill_ms:.0f} ms of the "
+        f"{ttft_ms:.0f} ms first token. Shorten the prompt"), top["sentence"]
+
+    # the card says the same, prefill first
+    lines = card.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.strip().startswith("1. "))
+    assert lines[first - 1] == "  Worth acting on, most valuable first:"
+    assert lines[first].startswith(f"   1. prefill: would save {prefill_ms:.0f} ms of the first")
+    assert lines[first + 1].strip().startswith("Prefill: ")
+
+
+def fmt_tokens(value: float) -> str:
+    value = round(value)
+    if value >= 1000:
+        scale = 10 ** (len(str(value)) - 2)
+        value = round(value / scale) * scale
+    return f"{value:,}"
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_prometheus_gives_the_same_ranking_and_numbers(tmp_path: Path) -> None:
+    require_tool("prometheus")
+    with prefill_workload(tmp_path, with_prometheus=True) as stack:
+        assert stack.prometheus is not None
+        code, out, err = run_diagnose("--url", stack.proxy, "--json")
+        assert code == 0, err
+        url = selection(json.loads(out))
+        code, out, err = run_diagnose("--prometheus", stack.prometheus, "--json")
+        assert code == 0, err
+        # a range without recording rules reads increase() of the counters
+        code30, out30, err30 = run_diagnose("--prometheus", stack.prometheus, "--range", "30m",
+                                            "--json", "--model", MODEL)
+        prometheus = stack.prometheus
+    doc = json.loads(out)
+    assert doc["source"] == {"kind": "prometheus", "url": prometheus,
+                             "window": "range", "range": "1h", "window_s": 3600,
+                             "fit_from": "recording_rules"}
+    prom = selection(doc)
+    print("\nurl:       ", compact(url), "\nprometheus:", compact(prom))
+
+    assert [(lv["name"], lv["status"]) for lv in prom["levers"]] == [
+        (lv["name"], lv["status"]) for lv in url["levers"]]
+    # increase() over the range: the requests after the first sample of the series, plus
+    # its extrapolation to the range's edges (at most half a scrape interval at the start
+    # and 1.1 at the end, over the seconds the series was sampled)
+    assert MAIN * 0.95 <= prom["requests"] <= (PRE + MAIN) * 1.15, prom["requests"]
+    for part, name, rel in (
+        ("", "prefill_ms_per_1k_tokens", 0.05),
+        ("first_token", "mean_ms", 0.05),
+        ("first_token", "prefill_ms", 0.05),
+        ("output", "mean_tokens", 0.01),
+        ("output", "mean_total_ms", 0.05),
+        ("decode", "median_tokens_per_s", 0.05),
+    ):
+        a = url[part][name] if part else url[name]
+        b = prom[part][name] if part else prom[name]
+        assert b == pytest.approx(a, rel=rel), (part, name, a, b)
+    assert prom["fixed_ms"] == pytest.approx(url["fixed_ms"], abs=8.0)
+    top_url, top_prom = url["levers"][0], prom["levers"][0]
+    assert top_prom["saves_ms"] == pytest.approx(top_url["saves_ms"], rel=0.05)
+
+    assert code30 == 0, err30
+    raw = json.loads(out30)
+    assert raw["source"]["fit_from"] == "increase"
+    assert selection(raw)["prefill_ms_per_1k_tokens"] == pytest.approx(
+        prom["prefill_ms_per_1k_tokens"], rel=0.02)
+
+
+def compact(s: dict[str, Any]) -> str:
+    top = s["levers"][0]
+    return (f"requests {s['requests']}, slope {s['prefill_ms_per_1k_tokens']} ms/1k, fixed "
+            f"{s['fixed_ms']} ms, first token {s['first_token']['mean_ms']} ms, top "
+            f"{top['name']} {top['saves_ms']} ms")
+
+
+def test_queueing_at_the_upstream_on_top_when_its_one_slot_is_busy(tmp_path: Path) -> None:
+    clients, each = 4, 6
+    with simulator_process(*QUEUEING) as simulator, \
+            proxy_in_front_of(simulator, tmp_path) as proxy:
+        client = OpenAI(base_url=proxy + "/v1", api_key="sk-sim", max_retries=0, timeout=30)
+        ask(client, 100, random.Random(0), model="warm-up")
+        failures: list[BaseException] = []
+
+        def one_client(seed: int) -> None:
+            rng = random.Random(seed)
+            try:
+                for _ in range(each):
+                    ask(client, 400, rng)  # one length: 400 tokens, its own salt first
+            except BaseException as exc:  # surfaced below
+                failures.append(exc)
+
+        threads = [threading.Thread(target=one_client, args=(i,)) for i in range(clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(WAIT_S)
+        assert not failures, failures
+        counted(proxy, clients * each)
+        code, out, err = run_diagnose("--url", proxy, "--json", "--model", MODEL)
+        assert code == 0, err
+        m = samples(proxy)
+    s = selection(json.loads(out))
+    top = s["levers"][0]
+    assert (top["name"], top["status"]) == ("upstream_queue", "lever"), s["levers"]
+    queue_ms = 1000 * m["llm_proxy_upstream_queue_time_seconds_sum"] / m[
+        "llm_proxy_upstream_queue_time_seconds_count"]
+    ttft_ms = 1000 * m["llm_proxy_time_to_first_token_seconds_sum"] / m[
+        "llm_proxy_time_to_first_token_seconds_count"]
+    assert top["saves_ms"] == pytest.approx(queue_ms, rel=1e-3)
+    assert top["numbers"]["first_token_ms"] == pytest.approx(ttft_ms, rel=1e-3)
+    assert s["first_token"]["upstream_queue_ms"] == pytest.approx(queue_ms, rel=1e-3)
+    assert queue_ms > 0.5 * ttft_ms  # the workload was built for it
+    assert top["sentence"] == (f"Queueing: {queue_ms:.0f} ms of the {ttft_ms:.0f} ms first "
+                               "token is waiting for a slot at the upstream. This is "
+                               "capacity, not the model.")
+    # prompts of one length: the prefill cost cannot be told from the fixed part
+    prefill = levers(s)["prefill"]
+    assert prefill["status"] == "too_little_data"
+    assert prefill["sentence"].startswith("Prefill: the prompts all have about one length")
+    assert s["prefill_ms_per_1k_tokens"] is None and s["fixed_ms"] is None
