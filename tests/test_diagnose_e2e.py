@@ -52,7 +52,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from proxy.diagnosis.fit import SAMPLES, FitSums, fit
 from tests.servers import ROOT
 from tests.test_diagnose import check_contract
-from tests.test_observability import require_tool
+from tests.test_observability import ALL, load_dashboard, require_tool, substitute_macros
 from tests.test_prefill_truth import simulator_process
 from tests.test_prometheus_integration import background, free_port, prometheus_config
 
@@ -310,6 +310,8 @@ def test_prometheus_gives_the_same_ranking_and_numbers(tmp_path: Path) -> None:
         code30, out30, err30 = run_diagnose("--prometheus", stack.prometheus, "--range", "30m",
                                             "--json", "--model", MODEL)
         prometheus = stack.prometheus
+        panels = {key: prom_value(prometheus, expr) for key, expr in row_queries(
+            "What to fix", {**ALL, "model": f"({MODEL})"}).items()}
     doc = json.loads(out)
     assert doc["source"] == {"kind": "prometheus", "url": prometheus,
                              "window": "range", "range": "1h", "window_s": 3600,
@@ -338,11 +340,48 @@ def test_prometheus_gives_the_same_ranking_and_numbers(tmp_path: Path) -> None:
     top_url, top_prom = url["levers"][0], prom["levers"][0]
     assert top_prom["saves_ms"] == pytest.approx(top_url["saves_ms"], rel=0.05)
 
+    # The dashboard's "What to fix" row, on the same Prometheus, says what the card says
+    # (the first-token split's parts are means over 5 minutes, the rest over the
+    # dashboard's rate interval: the whole workload or the latest of it).
+    print("panels:", {f"{title[:24]} [{ref}]": v for (title, ref), v in panels.items()})
+    ft = prom["first_token"]
+    expected = {
+        ("Prefill cost per 1,000", "A"): (prom["prefill_ms_per_1k_tokens"], 0.01, 0),
+        ("Prefill cost per 1,000", "B"): (prom["prefill_ms_per_1k_tokens"], 0.01, 0),
+        ("Fixed part of the first token", "A"): (prom["fixed_ms"] / 1000, 0.01, 0),
+        ("Fixed part of the first token", "B"): (prom["fixed_ms"] / 1000, 0.01, 0),
+        ("First token split", "A"): (ft["proxy_queue_ms"] / 1000, 0, 1e-4),
+        ("First token split", "B"): (ft["upstream_queue_ms"] / 1000, 0, 1e-3),
+        ("First token split", "C"): (ft["prefill_ms"] / 1000, 0.02, 0),
+        ("First token split", "D"): (ft["rest_ms"] / 1000, 0, 0.002),
+        ("Decode rate", "A"): (prom["decode"]["median_tokens_per_s"], 0.05, 0),
+        ("Output length", "A"): (prom["output"]["mean_tokens"], 0.01, 0),
+        ("Output length", "C"): (prom["output"]["decode_ms"] / 1000, 0.05, 0),
+        ("Answers cut off", "A"): (prom["output"]["length_limited_share"], 0.01, 0),
+    }
+    for (start, ref), (want, rel, tol) in expected.items():
+        (got,) = [v for (title, r), v in panels.items() if title.startswith(start) and r == ref]
+        assert got == pytest.approx(want, rel=rel, abs=tol), (start, ref, got, want)
     assert code30 == 0, err30
     raw = json.loads(out30)
     assert raw["source"]["fit_from"] == "increase"
     assert selection(raw)["prefill_ms_per_1k_tokens"] == pytest.approx(
         prom["prefill_ms_per_1k_tokens"], rel=0.02)
+
+
+def row_queries(row: str, variables: dict[str, str]) -> dict[tuple[str, str], str]:
+    """(panel title, refId) -> query (macros substituted) of the panels under ``row``."""
+    out: dict[tuple[str, str], str] = {}
+    under = False
+    for panel in load_dashboard()["panels"]:
+        if panel["type"] == "row":
+            under = panel["title"] == row
+        elif under:
+            for target in panel["targets"]:
+                out[(panel["title"], target["refId"])] = substitute_macros(target["expr"],
+                                                                           variables)
+    assert out, row
+    return out
 
 
 def compact(s: dict[str, Any]) -> str:
