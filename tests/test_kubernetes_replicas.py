@@ -111,7 +111,7 @@ MUST_HAVE_DATA = (
     "Stream outcomes",
     "Prefill cost per 1,000",  # the prefill fit's rules, summed across the replicas
     "Fixed part of the first token",
-    "First token split",
+    "First token split: queue in the proxy, queue at the upstream, prefill, rest [C]",
 )
 
 
@@ -634,7 +634,13 @@ async def compare_everything(
     was scraped) lets two equal histories differ by up to 1.6 intervals over the
     ``sampled`` seconds the series have existed. Percentiles as written are left to the
     client comparison (a percentile near a bucket with many observations moves a whole
-    bucket for a 1 % change in one bucket's rate).
+    bucket for a 1 % change in one bucket's rate). So is the prefill fit as written: its
+    slope and fixed part are differences of products of increases, which each target's
+    own extrapolation factor does not scale alike once summed (the rules' comment in
+    prometheus/rules/recording.yml: series younger than the window, as all of this
+    test's are), so a slope near zero can differ by far more than the rate tolerance;
+    over the counters it must be exact, and prometheus/tests/prefill_fit_test.yml proves
+    the rules' sum over two replicas at fixed sample times.
     """
     tolerance = 1.6 * SCRAPE_INTERVAL_S / sampled
     exprs = [(f"panel {title} [{ref}]", inline_rules(expr))
@@ -645,7 +651,7 @@ async def compare_everything(
         if "scalar(" in expr and ":" in expr:
             continue  # reads recorded series, whose evaluation times differ: see its rule
         variants = [("counters", without_rate(expr), 0.0)]
-        if not is_quantile(expr):
+        if not is_quantile(expr) and "llm_proxy_prefill_fit_" not in expr:
             variants.append(("as written", expr, tolerance))
         for variant, query, tol in variants:
             a, b = await many.at(query, when), await one.at(query, when)
