@@ -168,6 +168,15 @@ def collect(args: argparse.Namespace) -> tuple[list[Diagnosis], dict[str, Any]]:
     return [diagnose(ev) for ev in found], source
 
 
+def shown(url: str) -> str:
+    """``url`` as printed: credentials in it (``https://user:pass@host``, which httpx
+    sends as Basic auth) are masked, on the card, in the JSON and in errors."""
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    return parts._replace(netloc="***@" + parts.netloc.rsplit("@", 1)[1]).geturl()
+
+
 def metrics_url(url: str) -> str:
     """The proxy's ``/metrics`` from the URL given (base, base/v1 or the metrics URL)."""
     from proxy.bench.promscrape import metrics_url_for
@@ -186,12 +195,12 @@ def _from_proxy(client: httpx.Client, args: argparse.Namespace
     before = None
     if args.window is not None:
         before = _scrape(client, url, headers)
-        print(f"diagnose: scraped {url}; the second scrape in {args.window:g} s",
+        print(f"diagnose: scraped {shown(url)}; the second scrape in {args.window:g} s",
               file=sys.stderr, flush=True)
         time.sleep(args.window)  # the window the user asked for
     now = _scrape(client, url, headers)
     window = ("between_scrapes", args.window) if args.window is not None else ("since_start", None)
-    return now, before, {"kind": "proxy", "url": url, "window": window[0],
+    return now, before, {"kind": "proxy", "url": shown(url), "window": window[0],
                          "window_s": window[1], "fit_from": "counters"}
 
 
@@ -201,19 +210,20 @@ def _scrape(client: httpx.Client, url: str, headers: dict[str, str]) -> Reading:
     from proxy.bench.promscrape import has_proxy_metrics, parse
     from proxy.evidence import read_snapshot
 
+    where = shown(url)
     try:
         response = client.get(url, headers=headers)
     except httpx.HTTPError as exc:
-        raise SourceError(f"cannot read {url}: {_why(exc)}") from None
+        raise SourceError(f"cannot read {where}: {_why(exc)}") from None
     if response.status_code == 401:
         given = "the key given was refused" if "Authorization" in headers else "none was given"
-        raise SourceError(f"{url} answered 401: the proxy checks client keys and {given}; "
+        raise SourceError(f"{where} answered 401: the proxy checks client keys and {given}; "
                           f"pass one with --api-key or {KEY_ENV}")
     if response.status_code != 200:
-        raise SourceError(f"{url} answered HTTP {response.status_code}")
+        raise SourceError(f"{where} answered HTTP {response.status_code}")
     snapshot = parse(response.text)
     if not has_proxy_metrics(snapshot):
-        raise SourceError(f"{url} has no llm_proxy_ metrics: is it the proxy's /metrics?")
+        raise SourceError(f"{where} has no llm_proxy_ metrics: is it the proxy's /metrics?")
     return read_snapshot(snapshot)
 
 
@@ -248,7 +258,7 @@ def _from_prometheus(client: httpx.Client, args: argparse.Namespace
             answers = [a for a in answers if not a[0].rule] + raw
             fit_from = "increase"
     return reading_from_prometheus(answers), None, {
-        "kind": "prometheus", "url": base, "window": "range", "range": range_,
+        "kind": "prometheus", "url": shown(base), "window": "range", "range": range_,
         "window_s": duration_seconds(range_), "fit_from": fit_from}
 
 
@@ -256,22 +266,23 @@ def _query(client: httpx.Client, base: str, expr: str, at: float) -> list[dict[s
     import httpx
 
     url = base + "/api/v1/query"
+    where = shown(url)
     try:
         response = client.get(url, params={"query": expr, "time": f"{at:.3f}"})
     except httpx.HTTPError as exc:
-        raise SourceError(f"cannot read {url}: {_why(exc)}") from None
+        raise SourceError(f"cannot read {where}: {_why(exc)}") from None
     try:
         body = response.json()
     except ValueError:
-        raise SourceError(f"{url} answered HTTP {response.status_code} without the "
+        raise SourceError(f"{where} answered HTTP {response.status_code} without the "
                           "Prometheus API's JSON: is it a Prometheus server?") from None
     if not isinstance(body, dict) or body.get("status") != "success":
         error = body.get("error") if isinstance(body, dict) else None
-        raise SourceError(f"{url} refused the query ({response.status_code}): "
+        raise SourceError(f"{where} refused the query ({response.status_code}): "
                           f"{error or 'no error given'}")
     data = body.get("data") or {}
     if data.get("resultType") != "vector":
-        raise SourceError(f"{url}: expected an instant vector, got {data.get('resultType')}")
+        raise SourceError(f"{where}: expected an instant vector, got {data.get('resultType')}")
     result: list[dict[str, Any]] = data.get("result") or []
     return result
 

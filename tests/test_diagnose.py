@@ -253,6 +253,23 @@ def test_nothing_listening_exits_1_with_one_line(
     assert re.fullmatch(rf"diagnose: cannot read {re.escape(url)}/\S+: ConnectError: .*\n", err), err
 
 
+@pytest.mark.parametrize("flag", ["--url", "--prometheus"])
+def test_credentials_in_a_url_are_never_printed(
+        flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    port = closed_port()
+    assert main(["diagnose", flag, f"http://ops:s3cret@127.0.0.1:{port}", "--timeout", "5"]) == 1
+    err = capsys.readouterr().err
+    assert "s3cret" not in err and "ops" not in err
+    assert f"cannot read http://***@127.0.0.1:{port}/" in err
+
+
+def test_shown_masks_only_credentials() -> None:
+    from proxy.diagnose import shown
+
+    assert shown("https://u:p@prom.example:9090/x") == "https://***@prom.example:9090/x"
+    assert shown("http://127.0.0.1:8080/metrics") == "http://127.0.0.1:8080/metrics"
+
+
 # ---------------------------------------------------------------------------
 # A live proxy
 
