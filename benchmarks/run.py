@@ -34,6 +34,14 @@ What it does, and why:
   every load (:class:`PagePoller`: ``GET /ui`` once, then ``/ui/data`` every second, as
   the page's script does), so ``proxy`` beside ``proxy-ui`` prices an open page in CPU
   per event, e.g. ``--targets direct,proxy,proxy-ui --loads 64``.
+* Scraped by a real Prometheus: a ``-scraped`` target (e.g. ``proxy-scraped``,
+  ``proxy-before-scraped``) runs with ``--client-label-from header:x-client``, its
+  registry is filled before the loads with the realistic label sets of
+  ``loop_micro.py`` (``--scrape-fill``: 50 clients x 3 models, one streamed request
+  each), and during each of its loads a ``prometheus`` server (:class:`Scraper`, on the
+  client's CPU) scrapes its ``/metrics`` every ``--scrape-interval`` (1 s): the streams'
+  ITL while the proxy renders a registry of real size, e.g. ``--targets
+  direct,proxy,proxy-before,proxy-scraped,proxy-before-scraped --before DIR --loads 64``.
 * A rate sweep raises the number of 50 tokens/s streams until a target's added p99 TTFT
   passes the threshold (10 ms) or it breaks streams.
 * Bounded: every loadgen run has a duration and a stream timeout, every child process a
@@ -60,6 +68,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -214,6 +223,7 @@ class Target:
     idle_rss_kib: int = 0
     close: bool = False  # in front of the close-per-response upstream
     poll_ui: bool = False  # its live page is open (polled) during every load
+    scraped: bool = False  # a Prometheus scrapes its /metrics during every load
 
     def pids(self) -> list[int]:
         return proc_tree(self.proc.pid) if self.proc is not None else []
@@ -256,6 +266,141 @@ class PagePoller:
         self._get("/ui")
         while not self.stop.wait(self.every):
             self._get("/ui/data")
+
+
+class Scraper:
+    """A real Prometheus server scraping one target's ``/metrics`` every ``interval``
+    seconds (scrape timeout: the interval, the most Prometheus allows), started before a
+    load and stopped after it; pinned like the load client. :attr:`stats` afterwards:
+    scrapes attempted and answered, and their durations as Prometheus measured them."""
+
+    def __init__(self, bench: Bench, root: str, interval: float) -> None:
+        exe = shutil.which("prometheus")
+        if exe is None:
+            raise SystemExit("-scraped targets need a prometheus server on PATH "
+                             "(Debian: apt-get install prometheus)")
+        self.bench, self.exe, self.interval = bench, exe, interval
+        self.target = root.removeprefix("http://")
+        self.port = free_port()
+        self.dir = Path(tempfile.mkdtemp(prefix="prometheus-", dir=bench.tmp))
+        self.proc: subprocess.Popen[Any] | None = None
+        self.started = 0.0
+        self.stats: dict[str, float | None] = {}
+
+    def pids(self) -> list[int]:
+        return [self.proc.pid] if self.proc is not None else []
+
+    def __enter__(self) -> Scraper:
+        every = f"{self.interval:g}s"
+        (self.dir / "prometheus.yml").write_text(
+            f"global:\n  scrape_interval: {every}\n  scrape_timeout: {every}\n"
+            f"scrape_configs:\n  - job_name: proxy\n    static_configs:\n"
+            f"      - targets: ['{self.target}']\n"
+        )
+        log = (self.dir / "prometheus.log").open("wb")  # closed with the bench's logs
+        self.bench.logs.append(log)
+        self.proc = subprocess.Popen(
+            [
+                *self.bench.pin(self.bench.args.client_cpu),
+                self.exe, f"--config.file={self.dir / 'prometheus.yml'}",
+                f"--storage.tsdb.path={self.dir / 'data'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+            ],
+            stdout=log, stderr=log, start_new_session=True,
+        )
+        self.bench.procs.append(self.proc)
+        # Prometheus hands new targets to its scrapers every 5 s: the load starts once
+        # the first scrape is done, so that it is scraped from its first second.
+        deadline = time.monotonic() + 60
+        while not self._scraped_once():  # polling for an event, not timing anything
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"prometheus exited with {self.proc.returncode}")
+            if time.monotonic() > deadline:
+                raise TimeoutError("prometheus did not scrape the target within 60 s")
+            time.sleep(0.1)
+        self.started = time.monotonic()
+        return self
+
+    def _scraped_once(self) -> bool:
+        url = f"http://127.0.0.1:{self.port}/api/v1/targets?state=active"
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                targets = json.loads(r.read())["data"]["activeTargets"]
+        except (OSError, ValueError, KeyError):
+            return False
+        return any(t.get("health") in ("up", "down") for t in targets)
+
+    def query(self, expr: str) -> float | None:
+        url = f"http://127.0.0.1:{self.port}/api/v1/query?" + urllib.parse.urlencode(
+            {"query": expr})
+        try:
+            with urllib.request.urlopen(url, timeout=10) as r:
+                result = json.loads(r.read())["data"]["result"]
+        except (OSError, ValueError, KeyError):
+            return None
+        return float(result[0]["value"][1]) if result else None
+
+    def __exit__(self, *exc: object) -> None:
+        window = f"{int(time.monotonic() - self.started) + 2}s"
+        self.stats = {
+            "scrapes": self.query(f"count_over_time(up[{window}])"),
+            "scrapes_ok": self.query(f"sum_over_time(up[{window}])"),
+            "scrape_s_avg": self.query(f"avg_over_time(scrape_duration_seconds[{window}])"),
+            "scrape_s_max": self.query(f"max_over_time(scrape_duration_seconds[{window}])"),
+        }
+        proc = self.proc
+        if proc is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(5)
+            self.bench.procs.remove(proc)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def fill_registry(url: str, pairs: list[tuple[str, str]], tokens: int = 2) -> None:
+    """One short streamed chat request per (model, client) through the proxy at ``url``
+    (its ``/v1``), the client named in ``x-client``: every per-request histogram of each
+    label set gets samples, as in production. Sixteen at a time."""
+    import http.client
+    from concurrent.futures import ThreadPoolExecutor
+
+    where = urllib.parse.urlsplit(url)
+
+    def one(pair: tuple[str, str]) -> None:
+        model, client = pair
+        body = json.dumps({"model": model, "stream": True, "max_tokens": tokens,
+                           "messages": [{"role": "user", "content": "fill"}]})
+        conn = http.client.HTTPConnection(where.hostname or "127.0.0.1", where.port, timeout=30)
+        try:
+            conn.request("POST", where.path + "/chat/completions", body,
+                         {"content-type": "application/json", "x-client": client})
+            response = conn.getresponse()
+            data = response.read()
+        finally:
+            conn.close()
+        if response.status != 200 or b"[DONE]" not in data:
+            raise RuntimeError(f"filling the registry: HTTP {response.status} for {pair}")
+
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(one, pairs))
+
+
+def scrape_fill(spec: str) -> list[tuple[str, str]]:
+    """``--scrape-fill CLIENTS,MODELS_PER_CLIENT``: the (model, client) pairs of
+    ``loop_micro.py``'s realistic registry, all on the run's one upstream."""
+    from loop_micro import realistic_sets
+
+    try:
+        clients, per_client = (int(x) for x in spec.split(","))
+    except ValueError:
+        raise SystemExit(f"bad --scrape-fill {spec!r}: CLIENTS,MODELS_PER_CLIENT") from None
+    return sorted({(model, client) for _, model, _, client in
+                   realistic_sets(clients, per_client, routes=1)})
 
 
 def peak_key(name: str, close: bool) -> str:
@@ -563,7 +708,28 @@ class Bench:
         streams: int = 0,
         api: str = "chat",
     ) -> dict[str, Any]:
-        """One loadgen run against ``target`` with CPU and memory read around it."""
+        """One loadgen run against ``target`` with CPU and memory read around it; a
+        ``-scraped`` target is scraped by a Prometheus server meanwhile."""
+        if not target.scraped:
+            return self._load(target, c, keepalive, duration, warmup, tokens, streams, api)
+        with Scraper(self, target.url.removesuffix("/v1"), self.args.scrape_interval) as prom:
+            res = self._load(target, c, keepalive, duration, warmup, tokens, streams, api,
+                             prom.pids())
+        res.update(prom.stats)
+        return res
+
+    def _load(
+        self,
+        target: Target,
+        c: int,
+        keepalive: bool,
+        duration: float,
+        warmup: float,
+        tokens: int,
+        streams: int = 0,
+        api: str = "chat",
+        other_pids: list[int] | None = None,
+    ) -> dict[str, Any]:
         a = self.args
         cmd = [
             PY,
@@ -595,6 +761,7 @@ class Bench:
         up_pids = [upstream.pid] if upstream is not None else []
         idle = mem_kib(pids, "VmRSS")
         cpu0, up0 = cpu_seconds(pids), cpu_seconds(up_pids)
+        other0 = cpu_seconds(other_pids or [])  # the scraping Prometheus: instrument too
         t0 = time.monotonic()
         busy0 = busy_seconds()
         rq0, uprq0 = runqueue_wait_seconds(pids), runqueue_wait_seconds(up_pids)
@@ -633,7 +800,8 @@ class Bench:
         wall = time.monotonic() - t0
         # CPU used by anything outside the benchmark meanwhile (other users of the
         # machine), in cores: a noise gauge for reading the figures.
-        other = busy_seconds() - busy0 - res["target_cpu_s"] - up_cpu - res["client_cpu_s"]
+        instrument = up_cpu + res["client_cpu_s"] + cpu_seconds(other_pids or []) - other0
+        other = busy_seconds() - busy0 - res["target_cpu_s"] - instrument
         res["other_load_cores"] = max(other, 0.0) / wall
         res["target_runqueue_wait_frac"] = (
             (runqueue_wait_seconds(pids) - rq0) / wall if pids else None
@@ -654,6 +822,11 @@ class Bench:
 def _med(values: list[float | None]) -> float | None:
     vals = [v for v in values if v is not None and v == v]
     return statistics.median(vals) if vals else None
+
+
+def _total(values: list[float | None]) -> float | None:
+    vals = [v for v in values if v is not None]
+    return sum(vals) if vals else None
 
 
 def _fmt(v: float | None, nd: int = 1) -> str:
@@ -740,6 +913,13 @@ def summarize_loads(runs: list[dict[str, Any]], targets: list[str]) -> list[dict
                         [r["target_cpu_s"] / r["wall_s"] if r["wall_s"] else None for r in mine]
                     ),
                     "counted_warmup": any(r.get("counted_warmup") for r in mine),
+                    "scrapes": _total([r.get("scrapes") for r in mine]),
+                    "scrapes_ok": _total([r.get("scrapes_ok") for r in mine]),
+                    "scrape_s_max": max(
+                        (r["scrape_s_max"] for r in mine if r.get("scrape_s_max") is not None),
+                        default=None,
+                    ),
+                    "scrape_s_avg": _med([r.get("scrape_s_avg") for r in mine]),
                     "overloaded": len(mine) < rounds_of(runs),
                 }
             )
@@ -821,6 +1001,37 @@ def verdicts(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def side_by_side(rows: list[dict[str, Any]]) -> list[str]:
+    """Every ``-before`` row beside its twin of this tree, same load (CPU per event, ITL,
+    TTFT: the hot path no slower?), and every ``-scraped`` row with its scrapes."""
+    out = []
+    by_key = {(r["target"], Load.of(r)): r for r in rows}
+    for r in rows:
+        load = Load.of(r)
+        twin = by_key.get((r["target"].replace("-before", ""), load))
+        if "-before" in r["target"] and twin is not None:
+            cpu, cpu0 = twin["cpu_us_per_event"], r["cpu_us_per_event"]
+            diff = f", {(cpu / cpu0 - 1) * 100:+.1f} %" if cpu and cpu0 else ""
+            out.append(
+                f"- {load.label}: `{twin['target']}` vs `{r['target']}`: CPU/event "
+                f"{_fmt(cpu)} vs {_fmt(cpu0)} us{diff}; ITL p99 {_fmt(twin['itl_p99'], 2)} vs "
+                f"{_fmt(r['itl_p99'], 2)} ms (added {_fmt(twin['added_itl_p99'], 2)} vs "
+                f"{_fmt(r['added_itl_p99'], 2)}); added TTFT p99 "
+                f"{_fmt(twin['added_ttft_p99'], 2)} vs {_fmt(r['added_ttft_p99'], 2)} ms"
+            )
+    for r in rows:
+        if r.get("scrapes") is None:
+            continue
+        avg, top = r.get("scrape_s_avg"), r.get("scrape_s_max")
+        out.append(
+            f"- {Load.of(r).label}: `{r['target']}` scraped by Prometheus: "
+            f"{r['scrapes_ok']:.0f} of {r['scrapes']:.0f} scrapes answered in time; scrape "
+            f"duration median {_fmt(None if avg is None else avg * 1000, 0)} ms, max "
+            f"{_fmt(None if top is None else top * 1000, 0)} ms"
+        )
+    return ["", *out] if out else []
+
+
 def render(
     rows: list[dict[str, Any]], sweep: dict[str, Any], peaks: dict[str, int], meta: dict[str, Any]
 ) -> str:
@@ -891,6 +1102,7 @@ def render(
         )
     )
     out += verdicts(rows)
+    out += side_by_side(rows)
     if sweep:
         out += [
             "",
@@ -975,7 +1187,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="comma list from direct,nginx,proxy,proxy-nomeasure,litellm; proxy targets take "
         "suffixes: -nomeasure (--no-measure), -noinject (--no-inject-usage), -wN (--workers N), "
         "-Nup (--config with N upstreams, the benchmark's last, e.g. proxy-20up), "
-        "-before (the proxy/ of --before DIR), -ui (its live page polled every second)",
+        "-before (the proxy/ of --before DIR), -ui (its live page polled every second), "
+        "-scraped (a filled registry, scraped by Prometheus every --scrape-interval)",
     )
     p.add_argument("--with-litellm", action="store_true", help="add the litellm target")
     p.add_argument("--litellm-venv", default=os.environ.get("LITELLM_VENV", DEFAULT_LITELLM_VENV))
@@ -1027,6 +1240,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="append",
         default=[],
         help="extra argument for both proxy targets (repeat), e.g. --proxy-arg=--workers=2",
+    )
+    p.add_argument(
+        "--scrape-interval",
+        type=float,
+        default=1.0,
+        help="seconds between Prometheus scrapes of -scraped targets (also the timeout)",
+    )
+    p.add_argument(
+        "--scrape-fill",
+        default="50,3",
+        metavar="CLIENTS,MODELS",
+        help="label sets in a -scraped target's registry before its loads: CLIENTS "
+        "clients using MODELS models each (loop_micro.py's realistic registry)",
     )
     p.add_argument("--no-pin", action="store_true", help="do not pin processes to CPUs")
     p.add_argument(
@@ -1086,7 +1312,7 @@ def start_targets(bench: Bench, names: list[str], close: bool) -> list[Target]:
             # usage injection, N workers, a --config file of N upstreams, the code of the
             # --before checkout, the live page open
             extra = []
-            before = poll_ui = False
+            before = poll_ui = scraped = False
             upstreams = 0
             for part in name.split("-")[1:]:
                 if part == "before":
@@ -1103,6 +1329,9 @@ def start_targets(bench: Bench, names: list[str], close: bool) -> list[Target]:
                     upstreams = int(part[:-2])
                 elif part == "ui":
                     poll_ui = True
+                elif part == "scraped":
+                    scraped = True
+                    extra += ["--client-label-from", "header:x-client"]
                 else:
                     raise SystemExit(f"unknown target {name!r}")
             if upstreams and before:
@@ -1112,6 +1341,9 @@ def start_targets(bench: Bench, names: list[str], close: bool) -> list[Target]:
                 )
             target = bench.start_proxy(upstream, name, extra, close, before, upstreams)
             target.poll_ui = poll_ui
+            if scraped:
+                target.scraped = True
+                fill_registry(target.url, scrape_fill(bench.args.scrape_fill))
             targets.append(target)
         elif name == "litellm":
             t = bench.start_litellm(upstream, close)

@@ -33,6 +33,7 @@ from proxy.metrics import Metrics
 from proxy.otel_metrics import from_settings as otel_metrics_from_settings
 from proxy.reqlog import RequestLog
 from proxy.routes import V1Handler
+from proxy.scrape import Scrapes
 from proxy.tracing import from_settings as tracing_from_settings
 from proxy.ui import UI_PATHS, live_page
 from proxy.upstream import Upstream, Upstreams, error_body
@@ -56,9 +57,14 @@ class ProxyApp:
                  serve_metrics: bool | None = None) -> None:
         self.settings = settings
         self.metrics = Metrics(settings, registry) if settings.measure else None
+        self.scrapes = (Scrapes(self.metrics.exposition, self.metrics.exposition_type)
+                        if self.metrics is not None else None)
         self.upstreams = Upstreams(
             settings.upstream_specs, self.metrics.in_flight if self.metrics else None, transport)
-        self.request_log = RequestLog(settings.log_requests) if settings.log_requests else None
+        self.request_log = (
+            RequestLog(settings.log_requests, buffer=settings.log_requests_buffer,
+                       dropped=self.metrics.request_log_dropped.inc if self.metrics else None)
+            if settings.log_requests else None)
         self.tracing = tracing_from_settings(settings, clock)
         self.otel_metrics = otel_metrics_from_settings(settings)
         self.serve_metrics = (not settings.metrics_port) if serve_metrics is None else serve_metrics
@@ -137,14 +143,16 @@ class ProxyApp:
             await self._lifespan(receive, send)
 
     async def _metrics(self, scope: Scope, send: Send) -> None:
-        if self.metrics is None:
+        """Rendered in a worker thread, one render shared by concurrent scrapes
+        (:mod:`proxy.scrape`): never a stall of the streams on this loop."""
+        if self.scrapes is None:
             await _plain(send, 404, b"measurement is off (--no-measure)\n", b"text/plain")
             return
         accept = None
         for name, value in scope["headers"]:
             if name == b"accept":
                 accept = value.decode("latin-1")
-        body, content_type = self.metrics.exposition(accept)
+        body, content_type = await self.scrapes(accept)
         await _plain(send, 200, body, content_type.encode())
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
@@ -164,8 +172,8 @@ class ProxyApp:
 
     async def aclose(self) -> None:
         await self.upstreams.aclose()
-        if self.request_log is not None:
-            self.request_log.close()
+        if self.request_log is not None:  # every buffered line written: off the loop
+            await asyncio.to_thread(self.request_log.close)
         # The last exports of spans and OTLP metrics: off the event loop, side by side, so
         # their bounded waits (a collector that is down) do not add up.
         await asyncio.gather(*(asyncio.to_thread(exporting.shutdown)

@@ -84,6 +84,7 @@ class Settings:
     inject_usage: bool = True
     measure: bool = True
     log_requests: str = ""
+    log_requests_buffer: int = 10_000
     max_models: int = 100
     model_allowlist: tuple[str, ...] = ()
     ttft_buckets: tuple[float, ...] = TTFT_BUCKETS
@@ -330,6 +331,11 @@ OPTIONS: tuple[Option, ...] = (
            "measurement in benchmarks).", flag_only_true=True),
     Option("log_requests", _str, "Write one JSON line per finished request to this file ('-' for stdout).",
            "FILE", unset="none, no per-request log"),
+    Option("log_requests_buffer", _int(1), "Lines of the per-request log held in memory while "
+           "the file is slower than the requests (a writer thread writes them, never the "
+           "event loop); when it is full, new lines are dropped and counted in "
+           "llm_proxy_request_log_dropped_lines_total instead of slowing the streams down.",
+           "LINES"),
     Option("max_models", _int(1), "Distinct 'model' label values kept; later names are counted as 'other'.", "N"),
     Option("model_allowlist", _names, "Comma-separated model names allowed as label values; any other "
            "becomes 'other'.", "NAMES", unset="none, the first --max-models names are kept"),
@@ -397,6 +403,11 @@ def _shown_default(opt: Option, default: Any) -> str:
     return opt.unset
 
 
+def shown_default(opt: Option) -> str:
+    """``opt``'s default as ``--help`` shows it (the settings reference shows the same)."""
+    return _shown_default(opt, getattr(Settings(), opt.name))
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register every option as a flag; the default stays None so env can fill in."""
     defaults = Settings()
@@ -427,6 +438,12 @@ def given_as(name: str, args: argparse.Namespace | None = None,
 
 SINGLE_UPSTREAM_OPTIONS = ("upstream", "upstream_name", "upstream_api_key_env", "upstream_auth")
 FINGERPRINT_SECRET_ENV = "LLM_PROXY_FINGERPRINT_SECRET"
+
+
+def file_key(opt: Option) -> str:
+    """``opt``'s top-level key in a config file, or "" where a file cannot set it: the
+    file itself, and the single-upstream options its ``[[upstream]]`` tables replace."""
+    return "" if opt.name == "config" or opt.name in SINGLE_UPSTREAM_OPTIONS else opt.name
 
 
 def from_sources(args: argparse.Namespace | None = None,
@@ -463,7 +480,7 @@ def from_sources(args: argparse.Namespace | None = None,
             if key == "upstream":
                 continue
             found = _BY_NAME.get(key)
-            if found is None or key == "config" or key in SINGLE_UPSTREAM_OPTIONS:
+            if found is None or not file_key(found):
                 hint = (" (declare upstreams as [[upstream]] tables)"
                         if key in SINGLE_UPSTREAM_OPTIONS else _closest_key(key))
                 raise SettingsError(f"config {path}: {key}: unknown setting{hint}")

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from proxy.dialects import (
     ANSWER,
@@ -45,8 +45,8 @@ if TYPE_CHECKING:
 class Outcome(StrEnum):
     """How a request ended, named for what happened and whose side it happened on.
 
-    The README's outcome table says what the client saw for each. Earlier versions
-    counted ``upstream_timeout`` and ``pool_timeout`` as one value, ``timeout``, and
+    :data:`OUTCOME_MEANINGS` says what happened and what the client saw for each. Earlier
+    versions counted ``upstream_timeout`` and ``pool_timeout`` as one value, ``timeout``, and
     ``upstream_unreachable``, ``upstream_4xx`` and ``upstream_5xx`` as
     ``upstream_error``; the shipped rules select the old names too, so that a fleet
     running both versions during a rollout is still counted whole.
@@ -72,6 +72,64 @@ class Outcome(StrEnum):
     # still running after --graceful-timeout (the server cancels it)
     CANCELLED = "cancelled"
     REJECTED = "rejected"  # answered by the proxy itself (413, 429, 404, ...)
+
+
+class OutcomeMeaning(NamedTuple):
+    """What an outcome says, for people: read by the documentation, never per request."""
+
+    what_happened: str
+    client_saw: str  # the HTTP status and body the client received
+
+
+# What each outcome means, written once: the documentation's outcome table is generated
+# from it (docs/generate.py), and tests/test_docs.py fails when an outcome has no entry.
+# Plain text: flags and 'quoted' error codes are set as code by the generator.
+OUTCOME_MEANINGS: dict[Outcome, OutcomeMeaning] = {
+    Outcome.COMPLETED: OutcomeMeaning(
+        "the stream's last event (or the whole body) reached the client",
+        "the upstream's 2xx"),
+    Outcome.CLIENT_DISCONNECTED: OutcomeMeaning(
+        "the client closed before the last event",
+        "the upstream's status if it was sent, else none (logged 499)"),
+    Outcome.CLIENT_STALLED: OutcomeMeaning(
+        "the client stopped reading: nothing could be written to it for "
+        "--client-write-timeout; the proxy closed the client and the upstream connection",
+        "the upstream's status, then the stream breaks"),
+    Outcome.UPSTREAM_INTERRUPTED: OutcomeMeaning(
+        "the upstream connection closed or reset before the answer was complete (mid-body, "
+        "or before any header)",
+        "mid-body: the upstream's status, then the stream breaks; before headers: 502 "
+        "'upstream_failed'"),
+    Outcome.UPSTREAM_TIMEOUT: OutcomeMeaning(
+        "no headers, or no more body bytes, within --read-timeout; or the request not taken "
+        "within --write-timeout",
+        "before headers: 504 'upstream_timeout'; mid-body: the upstream's status, then the "
+        "stream breaks"),
+    Outcome.POOL_TIMEOUT: OutcomeMeaning(
+        "no upstream connection became free within --connect-timeout "
+        "(--max-upstream-connections); nothing was sent",
+        "504 'upstream_pool_timeout'"),
+    Outcome.UPSTREAM_UNREACHABLE: OutcomeMeaning(
+        "connecting failed: refused, DNS, TLS, an HTTP proxy that refused CONNECT, or "
+        "--connect-timeout",
+        "502 'upstream_unreachable'"),
+    Outcome.UPSTREAM_4XX: OutcomeMeaning(
+        "the upstream answered 4xx", "the upstream's 4xx, body unchanged"),
+    Outcome.UPSTREAM_5XX: OutcomeMeaning(
+        "the upstream answered 5xx", "the upstream's 5xx, body unchanged"),
+    Outcome.UPSTREAM_ERROR: OutcomeMeaning(
+        "an error event inside a 200 stream (Responses 'error' / 'response.failed', Messages "
+        "'event: error'); invalid HTTP from the upstream; a status that is neither 2xx, 4xx "
+        "nor 5xx; no upstream answered the merged 'GET /v1/models'",
+        "200 with the error event; 502 'upstream_failed'"),
+    Outcome.CANCELLED: OutcomeMeaning(
+        "the proxy was shutting down and the request still ran after --graceful-timeout",
+        "503 if nothing was sent yet, else the stream breaks"),
+    Outcome.REJECTED: OutcomeMeaning(
+        "the proxy answered itself (400, 401, 404, 408, 413, 429, 431); never in "
+        "'llm_proxy_stream_outcomes_total'",
+        "that status"),
+}
 
 
 @dataclass(frozen=True, slots=True)

@@ -265,6 +265,11 @@ class Metrics:
             "llm_proxy_in_flight_requests", "Requests the proxy is handling right now "
             "(queued or relaying), per upstream.", ("upstream",), registry=reg,
             multiprocess_mode="livesum")
+        self.request_log_dropped = Counter(
+            "llm_proxy_request_log_dropped_lines", "Per-request log lines (--log-requests) "
+            "dropped because --log-requests-buffer lines were already waiting for a file "
+            "slower than the requests (or writing failed); those requests were served and "
+            "measured as usual.", registry=reg)
         self._init_causes(reg, base)
         self._children: dict[tuple[str, str, str, str], _Children] = {}
         self.watchers: list[Callable[[RequestRecord], None]] = []  # each finished request
@@ -409,6 +414,11 @@ class Metrics:
         c[3].inc(x * y)
         c[4].inc(x * x)
         c[5].inc(y * y)
+
+    @staticmethod
+    def exposition_type(accept: str | None) -> str:
+        """The content type :meth:`exposition` answers ``accept`` with: the format."""
+        return choose_encoder(accept or "")[1]
 
     def exposition(self, accept: str | None) -> tuple[bytes, str]:
         """Render the registry (or, with workers, every worker's files) for a scrape."""

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
 
+from proxy import bodies
 from proxy.admission import QueueFull
 from proxy.auth import CLIENT_KEY_HEADERS, KeyCheck, presented_key
 from proxy.clients import Identify
@@ -92,6 +93,11 @@ KNOWN_RESOURCES = frozenset({
     "tokenize", "detokenize", "chat", "completions", "realtime", "containers", "conversations",
 })  # fmt: skip
 NON_STREAM_USAGE_LIMIT = 8 * 1024 * 1024
+# Bodies larger than this are decoded (and re-encoded) in a worker thread: below it the
+# inline work (a few ms per MiB here) is shorter than the 5 ms the loop may wait for the
+# GIL while a thread works, so a thread would not shorten the stall
+# (benchmarks/loop_micro.py body; benchmarks/RESULTS.md).
+LARGE_BODY = 1 << 20
 ALL_UPSTREAMS = "all"  # the upstream label of the merged GET /v1/models
 JSON_HEADERS = [(b"content-type", b"application/json")]
 
@@ -174,7 +180,8 @@ class V1Handler:
     """The ASGI endpoint for every ``/v1/*`` request.
 
     One request path, as small steps that return or raise: :meth:`_check` (path, sizes,
-    key), :meth:`_read` (the body), :meth:`_parse` (what the body asks for),
+    key), :meth:`_read` (the body), :meth:`_decode` and :meth:`_parse` (what the body
+    asks for),
     :meth:`_admit` (queue time), :meth:`_forward` (the upstream exchange) and
     :meth:`_relay`. A step that refuses raises :class:`Refused`; whatever happened,
     :meth:`_finish` runs once and builds the record, observes the metrics and writes the
@@ -216,7 +223,7 @@ class V1Handler:
         try:
             headers = self._check(x, scope)
             body = await self._read(x, receive)
-            body_out, strip = self._parse(x, body)
+            body_out, strip = self._parse(x, body, await self._decode(x, body))
             if self._union(x, scope):
                 await self._models_union(x, scope, headers, send)
                 return
@@ -229,6 +236,12 @@ class V1Handler:
             await _send_error(send, refusal, x.request_id)
         except ClientGone:
             x.status, x.outcome, x.t_end = 499, Outcome.CLIENT_DISCONNECTED, self.clock()
+        except asyncio.CancelledError:
+            # The server cancelled the request (shutdown past --graceful-timeout) before
+            # or during its exchange, e.g. while a large body was decoded: cut short.
+            x.status, x.outcome = x.status or 503, Outcome.CANCELLED
+            x.t_end = x.t_end or self.clock()
+            raise
         finally:
             self._finish(x)
         # Recorded first, so a client that saw the end can already scrape the request.
@@ -288,26 +301,37 @@ class V1Handler:
             raise Refused(408, "request body not received in time", "invalid_request_error",
                           "body_timeout") from None
 
-    def _parse(self, x: _Request, body: bytes) -> tuple[bytes, bool]:
+    async def _decode(self, x: _Request, body: bytes) -> tuple[dict[str, Any] | None,
+                                                              bytes | None]:
+        """The body as a JSON object (None: not one, or not read) and, for a stream whose
+        usage the proxy asks for, the body to send instead. A body larger than
+        ``LARGE_BODY`` is decoded in a worker thread, in pieces (:mod:`proxy.bodies`),
+        with the same result: never a stall of the streams on this loop."""
+        looks_like_object = body[:1] == b"{" or body.lstrip()[:1] == b"{"
+        if not looks_like_object or (not x.measured and len(body) > 1 << 20):
+            return None, None
+        inject = (x.measured is not None and x.measured.injects_usage
+                  and self.settings.inject_usage and self.metrics is not None)
+        if len(body) <= LARGE_BODY:
+            return decode_body(body, inject)
+        return await asyncio.to_thread(decode_body, body, inject, large=True)
+
+    def _parse(self, x: _Request, body: bytes,
+               decoded: tuple[dict[str, Any] | None, bytes | None]) -> tuple[bytes, bool]:
         """What the request asks for: model, stream; the body to send and whether the
         proxy added the usage request. Never raises: a body that is not a JSON object is
         forwarded unchanged and measured under model "unknown"."""
         x.parsed = True
         model = UNKNOWN_MODEL
         body_out, strip = body, False
-        looks_like_object = body[:1] == b"{" or body.lstrip()[:1] == b"{"
-        if looks_like_object and (x.measured or len(body) <= 1 << 20):
-            x.payload = _json_object(body)
+        x.payload, injected = decoded
         if x.payload is not None:
             m = x.payload.get("model")
             if isinstance(m, str) and m:
                 model = x.request_model = m
             x.stream = x.measured is not None and x.payload.get("stream") is True
-            if (x.stream and x.measured is not None and x.measured.injects_usage
-                    and self.settings.inject_usage and self.metrics is not None):
-                injected = _with_usage(x.payload)
-                if injected is not None:
-                    body_out, strip = injected, True
+            if injected is not None:
+                body_out, strip = injected, True
         x.model = self.model_label(model)
         return body_out, strip
 
@@ -712,7 +736,28 @@ def _json_object(body: bytes) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
-def _with_usage(payload: dict[str, Any]) -> bytes | None:
+def decode_body(body: bytes, inject: bool, *, large: bool = False
+                ) -> tuple[dict[str, Any] | None, bytes | None]:
+    """The body as a JSON object, or None; and when ``inject`` and it asks for a stream,
+    the body with the usage request (None: unchanged). ``large``: in pieces, for a
+    worker thread (:mod:`proxy.bodies`): the same object and the same bytes."""
+    encode: Callable[[Any], bytes] = bodies.compact
+    if large:
+        decoded = bodies.loads(body)
+        payload = decoded.value if decoded is not None else None
+        if decoded is not None:
+            encode = decoded.dumps
+    else:
+        payload = _json_object(body)
+    if not isinstance(payload, dict):
+        return None, None
+    if not inject or payload.get("stream") is not True:
+        return payload, None
+    return payload, _with_usage(payload, encode)
+
+
+def _with_usage(payload: dict[str, Any], encode: Callable[[Any], bytes] = bodies.compact
+                ) -> bytes | None:
     """The request body with ``stream_options.include_usage`` set, or None if it already is."""
     options = payload.get("stream_options")
     if options is not None and not isinstance(options, dict):
@@ -722,6 +767,6 @@ def _with_usage(payload: dict[str, Any]) -> bytes | None:
     changed = dict(payload)
     changed["stream_options"] = {**(options or {}), "include_usage": True}
     try:
-        return json.dumps(changed, ensure_ascii=False, separators=(",", ":")).encode()
+        return encode(changed)
     except (ValueError, UnicodeEncodeError):  # e.g. a lone surrogate escaped in the JSON
         return None  # forward the body as it came; tokens fall back to counting

@@ -70,6 +70,32 @@ _UPSTREAM_KEYS = {
     "keepalive_expiry": "a number of seconds > 0",
     "headers": "a table of header names to values, e.g. { anthropic-version = \"2023-06-01\" }",
 }
+# Keys whose absence means the top-level setting of the same purpose: key -> Settings field.
+UPSTREAM_LIMIT_SETTINGS = {
+    "max_concurrency": "max_concurrency",
+    "max_queue": "max_queue",
+    "max_connections": "max_upstream_connections",
+    "connect_timeout": "connect_timeout",
+    "read_timeout": "read_timeout",
+    "write_timeout": "write_timeout",
+    "keepalive_expiry": "upstream_keepalive_expiry",
+}
+# What the absence of each other key means; the settings reference shows it beside
+# _UPSTREAM_KEYS' wording (docs/generate.py refuses a key that has neither).
+UPSTREAM_KEY_DEFAULTS = {
+    "name": "required",
+    "url": "required",
+    "models": "required, except on the default upstream, which then takes only the "
+              "requests no other upstream's patterns match",
+    "routes": "every route",
+    "api_key_env": "none: the proxy sends this upstream no key of its own; the client's key "
+                   "headers pass through to it unless some upstream has api_key_env, and then "
+                   "they go to no upstream",
+    "auth": "bearer (used only with api_key_env)",
+    "default": "false",
+    "provider": "from the URL's host for a known provider, else from the API",
+    "headers": "none",
+}
 # Headers the proxy owns: set through other settings, or meaningless to set per upstream.
 _RESERVED_HEADERS = frozenset({
     "host", "content-length", "transfer-encoding", "connection", "keep-alive", "upgrade",
@@ -117,11 +143,7 @@ def single_spec(settings: Settings) -> UpstreamSpec:
 
 
 def _limits(settings: Settings) -> dict[str, Any]:
-    return {"max_concurrency": settings.max_concurrency, "max_queue": settings.max_queue,
-            "max_connections": settings.max_upstream_connections,
-            "connect_timeout": settings.connect_timeout, "read_timeout": settings.read_timeout,
-            "write_timeout": settings.write_timeout,
-            "keepalive_expiry": settings.upstream_keepalive_expiry}
+    return {key: getattr(settings, name) for key, name in UPSTREAM_LIMIT_SETTINGS.items()}
 
 
 # ---------------------------------------------------------------------------

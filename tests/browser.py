@@ -9,12 +9,18 @@ request the page makes, which is how a test proves that it made none off the mac
 The workload is the official ``openai`` SDK in a few threads, two models (short and long
 prompts, so their TTFTs differ) over chat completions (some reasoning first) and legacy
 completions, with no retries so that every attempt is one request the proxy counts.
+With ``cloud`` given, the large model has an upstream of its own, ``cloud``, slower to
+its first token than ``local``, which serves the small one: two upstreams behind one
+proxy, routed by model as a config file with two ``[[upstream]]`` tables does.
 :meth:`Workload.pause` stops it and waits until the proxy has recorded every request
 sent, so a test can compare the page with ``/metrics`` at one moment.
 
-The README screenshot (``docs/ui.png``) comes from the same code:
+The README screenshot (``docs/ui.png``) is the page of ``llm-latency-proxy demo`` (two
+upstreams, four APIs, bursts), taken by the same browser code:
 
-    python -m tests.browser --screenshot docs/ui.png --seconds 45
+    python -m tests.browser --screenshot docs/ui.png --seconds 75
+
+75 s, so that the page shows a whole last minute beside since start.
 """
 
 from __future__ import annotations
@@ -24,12 +30,16 @@ import base64
 import contextlib
 import itertools
 import json
+import os
 import random
 import shutil
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +51,7 @@ from proxy.bench import promscrape
 from proxy.config import Settings
 from proxy.simulator.app import create_simulator_app
 from proxy.simulator.model import SimConfig
+from proxy.upstreams import UpstreamSpec
 from tests.servers import RunningServer, serve_in_thread
 
 CHROMIUM = "/usr/bin/chromium"
@@ -63,6 +74,7 @@ SIM = SimConfig(
     vllm_metrics=True,
     seed=7,
 )
+CLOUD = replace(SIM, prefill_overhead=0.35, itl=0.03, seed=8)  # the slower upstream
 
 
 def browser_missing() -> str | None:
@@ -186,7 +198,7 @@ def wait_for(driver: Any, script: str, timeout: float = 20.0) -> Any:
 
 def full_screenshot(driver: Any, path: Path, scale: float = 1.0) -> None:
     """The whole page, not just the window (DevTools ``Page.captureScreenshot``), at
-    ``scale`` (the README's is smaller, to stay under 200 KB)."""
+    ``scale`` (the README's is smaller, to stay near 200 KB)."""
     metrics = driver.execute_cdp_cmd("Page.getLayoutMetrics", {})
     size = metrics["cssContentSize"]
     shot = driver.execute_cdp_cmd(
@@ -312,6 +324,7 @@ class Stack:
     sim: RunningServer
     proxy: RunningServer
     workload: Workload
+    cloud: RunningServer | None = None
 
     @property
     def page_url(self) -> str:
@@ -323,26 +336,67 @@ class Stack:
 
 
 @contextlib.contextmanager
-def live_stack(threads: int = 4, sim: SimConfig = SIM) -> Iterator[Stack]:
+def live_stack(
+    threads: int = 4, sim: SimConfig = SIM, cloud: SimConfig | None = None
+) -> Iterator[Stack]:
     """Simulator and proxy in real uvicorn servers on loopback, and a workload (not
-    started: the caller decides when traffic begins)."""
-    with serve_in_thread(create_simulator_app(sim)) as upstream:
-        settings = Settings(upstream=upstream.url + "/v1", upstream_name="simulator")
+    started: the caller decides when traffic begins). With ``cloud``, a second
+    simulator serves ``sim-large`` as upstream ``cloud``; ``local`` serves the rest."""
+    with contextlib.ExitStack() as stack:
+        upstream = stack.enter_context(serve_in_thread(create_simulator_app(sim)))
+        if cloud is None:
+            second = None
+            settings = Settings(upstream=upstream.url + "/v1", upstream_name="simulator")
+        else:
+            second = stack.enter_context(serve_in_thread(create_simulator_app(cloud)))
+            settings = Settings(
+                upstreams=(
+                    UpstreamSpec("local", upstream.url + "/v1", models=(MODELS[0],), default=True),
+                    UpstreamSpec("cloud", second.url + "/v1", models=(MODELS[1],)),
+                )
+            )
         app = create_app(settings, registry=CollectorRegistry())
-        with serve_in_thread(app) as proxy:
-            workload = Workload(proxy.url, threads)
-            try:
-                yield Stack(upstream, proxy, workload)
-            finally:
-                workload.close()
+        proxy = stack.enter_context(serve_in_thread(app))
+        workload = Workload(proxy.url, threads)
+        try:
+            yield Stack(upstream, proxy, workload, second)
+        finally:
+            workload.close()
 
 
-def screenshot(path: Path, seconds: float, scale: float = 0.72) -> None:
-    """The README's picture: the page after ``seconds`` of traffic."""
-    with live_stack(threads=5) as stack, chrome(1360, 1000) as driver:
-        driver.get(stack.page_url)
-        stack.workload.start()
-        stack.workload.stop.wait(seconds)  # let traffic build history for the charts
+@contextlib.contextmanager
+def demo() -> Iterator[str]:
+    """``llm-latency-proxy demo`` in a process of its own; the URL of its live page."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "proxy", "demo", "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert process.stdout is not None
+    try:
+        first = process.stdout.readline()  # "demo: live page at http://...:PORT/ui"
+        url = first.rpartition(" ")[2].strip()
+        if not url.startswith("http://"):
+            raise RuntimeError(f"the demo did not start: {first!r}")
+        # Its one line per refresh, read so that the pipe never fills.
+        threading.Thread(target=process.stdout.read, daemon=True).start()
+        yield url
+    finally:
+        process.send_signal(signal.SIGINT)  # the demo's own clean stop
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)
+
+
+def screenshot(path: Path, seconds: float, scale: float = 0.66) -> None:
+    """The README's picture: the demo's page after ``seconds`` of its traffic."""
+    with demo() as url, chrome(1360, 1000) as driver:
+        driver.get(url)
+        time.sleep(seconds)  # not a test: the picture needs that much history
         wait_for(driver, f"document.querySelectorAll('[data-drawn=chart]').length == {CHARTS}")
         refreshed = int(driver.execute_script("return document.body.dataset.refreshes"))
         wait_for(driver, f"+document.body.dataset.refreshes > {refreshed}")
@@ -354,8 +408,8 @@ def screenshot(path: Path, seconds: float, scale: float = 0.72) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description="Take the README's screenshot of /ui.")
     parser.add_argument("--screenshot", type=Path, default=Path("docs/ui.png"))
-    parser.add_argument("--seconds", type=float, default=45.0)
-    parser.add_argument("--scale", type=float, default=0.72)
+    parser.add_argument("--seconds", type=float, default=75.0)
+    parser.add_argument("--scale", type=float, default=0.66)
     args = parser.parse_args()
     screenshot(args.screenshot, args.seconds, args.scale)
     print(f"{args.screenshot}: {args.screenshot.stat().st_size} bytes")

@@ -305,12 +305,16 @@ async def normal(conn: Conn) -> None:
 class _Requests:
     """httptools request parser callbacks, collecting whole requests."""
 
-    def __init__(self) -> None:
+    def __init__(self, heads: list[tuple[str, float]] | None = None) -> None:
         self.parser = httptools.HttpRequestParser(self)
         self.headers: list[tuple[bytes, bytes]] = []
         self.body: list[bytes] = []
         self.url = b""
         self.done: list[Seen] = []
+        self.heads = heads if heads is not None else []
+
+    def on_headers_complete(self) -> None:
+        self.heads.append((self.url.decode("latin-1"), time.perf_counter()))
 
     def on_url(self, url: bytes) -> None:
         self.url += url
@@ -334,7 +338,8 @@ class ScriptedUpstream:
     ``async with ScriptedUpstream(handler, clock) as up:`` serves on this loop;
     ``with ScriptedUpstream(behaviour=b).running() as up:`` on a thread of its own.
     ``up.url`` is the origin (``http://127.0.0.1:PORT``, no path); ``up.requests`` every
-    request received, ``up.connections`` the connections accepted. The port is bound at
+    request received, ``up.heads`` the target of every request whose head arrived and
+    when (its body may still be arriving), ``up.connections`` the connections accepted. The port is bound at
     once (``port=0``: a free one), so the URL can go into settings before it serves.
     """
 
@@ -346,6 +351,9 @@ class ScriptedUpstream:
         self.behaviour: Behaviour = behaviour if behaviour is not None else self._scripted
         self.clock = clock
         self.requests: list[Seen] = []
+        # The target of every request whose head arrived and when (perf_counter), as it
+        # arrives: a large body may still be on its way (``requests`` has whole ones).
+        self.heads: list[tuple[str, float]] = []
         self.connections = 0
         self.sock = socket.create_server(("127.0.0.1", port))
         self.port: int = self.sock.getsockname()[1]
@@ -438,7 +446,7 @@ class ScriptedUpstream:
         sock = writer.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        parsed = _Requests()
+        parsed = _Requests(self.heads)
         link = _Link(writer)
         arrived = asyncio.Event()
 
@@ -583,6 +591,9 @@ class Scheduled:
     answers after the whole generation time. Time here is the subject of the test, so
     it is the real clock. ``closed`` is set (and ``closed_at`` appended) when the proxy
     closes the request before the end; ``finished`` when a stream was sent whole.
+    ``streams`` keeps, per streamed request, when it arrived and when each content token
+    was handed on: a loaded machine wakes this handler late, so a test holds the proxy's
+    figures against what was sent, the schedule being only when it was due.
     """
 
     ttft: float = 0.1
@@ -594,6 +605,7 @@ class Scheduled:
     closed: threading.Event = field(default_factory=threading.Event)
     closed_at: list[float] = field(default_factory=list)
     finished: threading.Event = field(default_factory=threading.Event)
+    streams: list[tuple[float, list[float]]] = field(default_factory=list)
 
     def text(self, i: int) -> str:
         return f"t{i} "
@@ -619,12 +631,15 @@ class Scheduled:
                               content=self._body(t0, events))
 
     async def _body(self, t0: float, events: list[bytes]) -> AsyncIterator[bytes]:
+        sent: list[float] = []
+        self.streams.append((t0, sent))
         try:
             yield events[0]
             for i, event in enumerate(events[1 : 1 + self.tokens]):
                 delay = t0 + self.ttft + i * self.itl - time.perf_counter()
                 if delay > 0:
                     await asyncio.sleep(delay)  # the schedule under test, not a wait
+                sent.append(time.perf_counter())
                 yield event
             yield b"".join(events[1 + self.tokens :])
             self.finished.set()

@@ -472,16 +472,19 @@ async def test_run_open_loop_follows_arrivals() -> None:
         plan = RunPlan(
             url="http://x/v1/chat/completions",
             requests=None,
-            duration=0.05,
-            rate=1000.0,
+            duration=0.5,
+            rate=10.0,
             concurrency=None,
         )
-        # arrivals at 0, 0.01, ... : those at or after the 0.05 s duration are not sent
+        # arrivals at 0, 0.1, ... : those at or after the 0.5 s duration are not sent. The
+        # run also stops when its own clock passes the duration, so the last arrival
+        # before it (0.4 s) leaves 0.1 s for a loaded machine's late wake-ups (0.01 s
+        # did not suffice: a loaded 2-core machine sent 2 of 5).
         out = await run(
             plan,
             iter_requests([Profile()], model="m"),
             client=client,
-            arrivals=iter([0.0, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06]),
+            arrivals=iter([0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6]),
         )
     assert len(out.results) == 5
     with pytest.raises(ValueError):
@@ -555,6 +558,9 @@ def bucketed(values: list[float], edges: tuple[float, ...], q: float) -> float:
 # +49 ms, mean difference 4.6 to 11.6 ms; with 16 clients instead of 3 the lowest was
 # -20 ms. Hence a 20 ms slack below and a loose limit above (all of it scheduling
 # delay). Counting the role-only chunk as a token would show up as about -40 ms here.
+# The upper limit holds for the median request: on a loaded 2-core machine one request
+# was 236 ms late (a CPU burner on both cores), while timing to the wrong event (the last
+# token: 23 steps of 10 ms) moves every request.
 # ITL gaps shift both ways and cancel in the mean (measured |diff| < 0.15 ms).
 TTFT_SLACK_S = 0.020
 TTFT_DIFF_LIMIT_S = 0.150
@@ -584,6 +590,7 @@ async def test_bench_agrees_with_the_proxy(tmp_path: Path) -> None:
     assert view.itl.count == s.itl.count == 24 * 23
     assert view.tpot.count == s.tpot.count == 24
     assert {r.request_id for r in results} == set(records)
+    diffs = []
     for r in results:
         rec = records[r.request_id]
         assert len(r.itl_s) == rec["itl_count"] == rec["output_events"] - 1
@@ -593,7 +600,9 @@ async def test_bench_agrees_with_the_proxy(tmp_path: Path) -> None:
         )
         assert r.ttft_s is not None
         diff = r.ttft_s - rec["ttft_s"]
-        assert -TTFT_SLACK_S <= diff < TTFT_DIFF_LIMIT_S, (r.index, diff)
+        assert diff >= -TTFT_SLACK_S, (r.index, diff)
+        diffs.append(diff)
+    assert sorted(diffs)[len(diffs) // 2] < TTFT_DIFF_LIMIT_S, sorted(diffs)
     cached = promscrape.histogram(after, promscrape.CACHED_TOKENS) - promscrape.histogram(
         before, promscrape.CACHED_TOKENS
     )
@@ -1043,9 +1052,13 @@ def test_bench_command_for_each_api_against_the_simulator_and_through_the_proxy(
                 else:
                     # The opening events come with the slot, before the prefill; then 8
                     # reasoning steps of 5 ms between the first token and the first answer.
-                    assert r["ttfb_s"] < r["ttft_s"]
+                    assert r["ttfb_s"] < r["ttft_s"] < r["first_answer_s"]
                     assert r["reasoning_tokens"] == 8
-                    assert 0.03 < r["first_answer_s"] - r["ttft_s"] < 0.2, r
+            if api != "completions":
+                # The median request: one may be late by far more than the 40 ms on a
+                # loaded 2-core machine (a CPU burner on both cores: 304 ms).
+                gaps = sorted(r["first_answer_s"] - r["ttft_s"] for r in data["requests"])
+                assert 0.03 < gaps[len(gaps) // 2] < 0.2, (api, gaps)
         capsys.readouterr()
         for api in ("responses", "messages"):
             argv = ["bench", "--base-url", url + "/v1", "--api", api, "--requests", "3"]

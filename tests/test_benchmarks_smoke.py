@@ -11,7 +11,10 @@ proxy, the proxy with ``--no-measure`` and a proxy from ``--before``; keep-alive
 close upstreams; Responses and Messages streams relayed) producing a report with no
 broken streams. The ``proxy-20up`` target's generated config loads with the proxy's own
 loader and routes the benchmark's model past every decoy, and the proxy started on it
-relays every stream to the fake upstream.
+relays every stream to the fake upstream. A ``-scraped`` target's registry is filled
+with every (model, client) label set asked for, a real Prometheus scrapes it during its
+loads (and the report says how often), beside its ``-before`` twin; ``loop_micro.py``
+runs both its measurements.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ sys.path.insert(0, str(BENCH))
 
 import fake_upstream  # noqa: E402
 import loadgen  # noqa: E402
+import loop_micro  # noqa: E402
 import run  # noqa: E402
 
 from proxy.config import from_sources  # noqa: E402
@@ -45,6 +49,7 @@ pytestmark = [pytest.mark.anyio, pytest.mark.integration, pytest.mark.slow]
 
 HAS_PROXY = (BENCH.parent / "proxy" / "serve.py").exists()
 HAS_NGINX = shutil.which("nginx") is not None
+HAS_PROMETHEUS = shutil.which("prometheus") is not None
 
 # SSE events per streamed response besides the tokens. Chat: role chunk, finish chunk,
 # [DONE] (+ the usage chunk when asked for). Responses: created, in_progress,
@@ -537,3 +542,70 @@ def test_old_reports_still_render() -> None:
     assert "| 2.0 |" in report  # peak RSS of the keep-alive proxy instance, in MiB
     assert "Upstream close" not in report
     assert "Performance targets for `proxy`" in report
+
+
+async def test_scrape_fill_puts_every_label_set_in_the_registry() -> None:
+    """``fill_registry`` sends one stream per (model, client) of ``--scrape-fill``
+    through a proxy with the client label on: each set is in its histograms."""
+    if not HAS_PROXY:
+        pytest.skip("no proxy in this tree")
+    pairs = run.scrape_fill("6,2")
+    assert len(pairs) == 12 and len({client for _, client in pairs}) == 6
+    bench = _bench()
+    try:
+        async with upstream(FAST) as (url, stats):
+            target = await asyncio.to_thread(
+                bench.start_proxy, url, "proxy-scraped", ["--client-label-from", "header:x-client"]
+            )
+            await asyncio.to_thread(run.fill_registry, target.url, pairs)
+            metrics = await asyncio.to_thread(_scrape, target.url)
+    finally:
+        await asyncio.to_thread(bench.close)
+    assert stats["requests"] == stats["completed"] == 12
+    found = re.findall(  # labels in alphabetical order: client before model
+        r'^llm_proxy_inter_token_latency_seconds_count\{client="([^"]+)",model="([^"]+)",'
+        r'[^}]*\} 1\.0$', metrics, re.M)
+    assert {(model, client) for client, model in found} == set(pairs)
+
+
+@pytest.mark.timeout(240)
+def test_run_py_scraped_targets_side_by_side(tmp_path: Path) -> None:
+    """``proxy-scraped`` and ``proxy-before-scraped`` run beside their unscraped twins;
+    a Prometheus scraped each scraped target during its load, and the report puts each
+    twin beside its ``-before`` and says how the scrapes went."""
+    if not (HAS_PROXY and HAS_PROMETHEUS):
+        pytest.skip("needs the proxy and a prometheus server")
+    targets = ["direct", "proxy", "proxy-before", "proxy-scraped", "proxy-before-scraped"]
+    result = _run_harness(tmp_path, targets, "4", "--before", str(BENCH.parent),
+                          "--scrape-fill", "4,2", "--duration", "2.5")
+    _check_runs(result, targets, [run.Load(4)])
+    for r in result["runs"]:
+        if r["target"].endswith("-scraped"):
+            assert r["scrapes"] >= 1 and r["scrapes_ok"] >= 1, r
+        else:
+            assert r.get("scrapes") is None
+    report = run.render(result["rows"], result["sweep"], result["peaks"], result["meta"])
+    assert "- 4: `proxy` vs `proxy-before`: CPU/event" in report
+    assert "- 4: `proxy-scraped` vs `proxy-before-scraped`: CPU/event" in report
+    assert "- 4: `proxy-scraped` scraped by Prometheus: " in report
+
+
+def test_loop_micro_measures_scrapes_and_bodies(tmp_path: Path) -> None:
+    """Both measurements run and report what they claim: renders and stalls for a small
+    registry, decode costs and stalls per body size and shape."""
+    out = tmp_path / "scrape.json"
+    assert loop_micro.main(["scrape", "--clients", "3", "--models-per-client", "2",
+                            "--repeat", "1", "--scrapes", "1", "--json", str(out)]) == 0
+    figures = json.loads(out.read_text())
+    assert figures["label_sets"] == 6 and figures["lines"] > 100
+    assert figures["renders_for_two_concurrent_scrapes"] == 1
+    assert figures["inline"]["max_ms"] >= 0 and figures["thread"]["ticks"] >= 0
+    assert len(loop_micro.worst_sets()) == 30_000
+    out = tmp_path / "body.json"
+    assert loop_micro.main(["body", "--max-size", "100000", "--repeat", "1",
+                            "--shapes", "turns,image", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["shape"], r["bytes"] > 0) for r in rows] == [
+        ("turns", True), ("turns", True), ("image", True), ("image", True)]
+    for r in rows:
+        assert r["inline_ms"] > 0 and r["pieces_ms"] > 0 and r["stall_pieces_thread_ms"] >= 0

@@ -101,7 +101,7 @@ def test_demo_serves_metrics_and_exits_cleanly_on_sigint() -> None:
 
             proc.send_signal(signal.SIGINT)
             t0 = time.monotonic()
-            code = proc.wait(timeout=15)
+            code = proc.wait(timeout=30)
             elapsed = time.monotonic() - t0
             out.wait_for(r"^demo: stopped after \d+ completed requests", timeout=5)
             out.thread.join(5)
@@ -110,7 +110,7 @@ def test_demo_serves_metrics_and_exits_cleanly_on_sigint() -> None:
             if proc.poll() is None:
                 proc.kill()
     assert code == 0, stderr
-    assert elapsed < 5.0, elapsed
+    assert elapsed < 10.0, elapsed  # promptly, on a loaded 2-core machine too (no --duration)
     assert "Traceback" not in stderr, stderr
     with pytest.raises(httpx.ConnectError):  # and nothing is left listening
         httpx.get(metrics_url, timeout=2)

@@ -1,10 +1,11 @@
 """End to end: official openai SDK -> proxy (uvicorn) -> scheduled upstream (its own thread).
 
 The upstream's schedule is known (first token ``ttft`` after it got the request, then
-one every ``itl``), so the proxy's TTFT must sit just above ``ttft`` (plus loopback
-and the proxy's own cost) and its mean ITL on ``itl``. Tolerances were set from
-measured runs on a 2-core machine (see the issue note); they are loose enough for a
-noisy CI machine and tight enough to catch a proxy that buffers.
+one every ``itl``) and it records when it sent each token, so the proxy's TTFT must sit
+just above what the upstream did (plus loopback and the proxy's own cost) and its ITL
+gaps must add up to the upstream's. The upstream is never early, but on a loaded
+machine its wake-ups come late (a first token due at 150 ms sent at about 200 ms under
+a CPU burner on both cores), so the bounds are on what it did, not on the schedule.
 """
 
 from __future__ import annotations
@@ -25,9 +26,18 @@ from tests.servers import RunningServer, serve_in_thread
 
 pytestmark = pytest.mark.e2e
 
-TTFT = 0.15
-ITL = 0.02
+TTFT = 0.5
+ITL = 0.1
 TOKENS = 12
+# The proxy's own delay on top of the upstream's: typically a few ms, but the proxy, the
+# upstream and the client share this process and, on a loaded 2-core machine, its cores.
+# Taking the role-only chunk for a token would make the proxy early (caught exactly);
+# holding tokens back would make it late by whole ITLs (the stream lasts 1.1 s).
+SLACK = 0.3
+# The client may stamp the first token before the proxy does: the proxy reads its clock
+# just after its send() returns, and its thread may wait for the GIL or a core meanwhile
+# (tests/test_bench.py measured up to 20 ms). Timing the second token would be ITL late.
+CLIENT_FIRST_S = 0.05
 LABELS = {"route": "/v1/chat/completions", "model": "sched-model", "upstream": "sched"}
 
 
@@ -58,7 +68,7 @@ def wait_recorded(registry: CollectorRegistry, name: str, expected: float, **ext
     """The SDK stops at ``[DONE]``; the proxy records when the upstream body ends, a moment
     later. Wait (bounded) for the record rather than race it."""
     flag = threading.Event()
-    deadline = time.monotonic() + 5.0
+    deadline = time.monotonic() + 10.0
     while registry.get_sample_value(name, {**LABELS, **extra}) != expected:
         assert time.monotonic() < deadline, f"{name} never reached {expected}"
         flag.wait(0.005)  # polling the registry, not timing anything
@@ -66,7 +76,7 @@ def wait_recorded(registry: CollectorRegistry, name: str, expected: float, **ext
 
 def test_streaming_through_proxy_matches_schedule(
         proxied: tuple[Scheduled, RunningServer, CollectorRegistry, ScriptedUpstream]) -> None:
-    _fake, server, registry, up = proxied
+    fake, server, registry, up = proxied
     client = OpenAI(base_url=server.url + "/v1", api_key="sk-test-not-a-key", max_retries=0)
     started = time.perf_counter()
     stream = client.chat.completions.create(
@@ -90,14 +100,17 @@ def test_streaming_through_proxy_matches_schedule(
     count = sample(registry, "llm_proxy_time_to_first_token_seconds_count")
     ttft = sample(registry, "llm_proxy_time_to_first_token_seconds_sum")
     assert count == 1
-    # TTFT: the upstream's first token is due TTFT after *it* received the request.
-    assert TTFT <= ttft < TTFT + 0.03, ttft
-    assert ttft <= first_seen + 0.005  # the proxy handed it on before the client saw it
+    # TTFT: the upstream's first token is due TTFT after *it* received the request, and
+    # the proxy received the request before the upstream did.
+    [(arrived, sent)] = fake.streams
+    upstream_ttft = sent[0] - arrived
+    assert TTFT <= upstream_ttft <= ttft < upstream_ttft + SLACK, (upstream_ttft, ttft)
+    assert ttft <= first_seen + CLIENT_FIRST_S  # handed on before the client saw it
 
     gaps = sample(registry, "llm_proxy_inter_token_latency_seconds_count")
     gap_sum = sample(registry, "llm_proxy_inter_token_latency_seconds_sum")
     assert gaps == TOKENS - 1
-    assert abs(gap_sum / gaps - ITL) < 0.005, gap_sum / gaps
+    assert abs(gap_sum - (sent[-1] - sent[0])) < SLACK, (gap_sum, sent[-1] - sent[0])
     tpot = sample(registry, "llm_proxy_time_per_output_token_seconds_sum")
     assert abs(tpot - gap_sum / (TOKENS - 1)) < 1e-9  # one token per event here
     assert sample(registry, "llm_proxy_prompt_tokens_sum") == 9
@@ -133,7 +146,7 @@ def test_client_disconnect_closes_upstream_request(
                 break
         gone = time.perf_counter()
     # Leaving the block closed the client's connection mid-stream.
-    assert fake.closed.wait(2.0), "the upstream request was not closed"
+    assert fake.closed.wait(10.0), "the upstream request was not closed"
     assert fake.closed_at[0] - gone < 0.1
     assert not fake.finished.is_set()
     wait_recorded(registry, "llm_proxy_stream_outcomes_total", 1, outcome="client_disconnected")

@@ -8,9 +8,12 @@ mocked exceptions. After each fault the test checks three things: what the clien
 the outcome label the proxy recorded in ``/metrics``, and that a normal request through
 the official ``openai`` SDK still succeeds.
 
-Timing is asserted only where the issue states a bound (connect timeout, read timeout,
+Timing is asserted only where the proxy promises a bound (connect timeout, read timeout,
 100 ms to close the upstream request) and always by waiting on an event with a bounded
-wait, never by sleeping.
+wait, never by sleeping. A test that shows a timeout is *not* waited out (a refused
+connect answered at once) sets that timeout well above :data:`AT_ONCE_S`; one that shows
+a timeout ends a wait allows :data:`AT_ONCE_S` beyond it. Both still fail when the wait
+is never ended, and hold on a loaded 2-core machine.
 """
 
 from __future__ import annotations
@@ -46,6 +49,10 @@ from tests.servers import RunningServer, closed_port, proxy_process, refuses, se
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
 
 CHAT = "/v1/chat/completions"
+# What "at once" may take on a loaded 2-core machine (a request through the proxy, a
+# process reacting to a signal), and a timeout that must never be what ends a wait.
+AT_ONCE_S = 10.0
+NEVER_S = 30.0
 # Loading the CA bundle costs 60-300 ms per client on a busy runner; build it once.
 _SSL = ssl.create_default_context()
 
@@ -91,7 +98,7 @@ def metric(samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: s
     return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)
 
 
-async def wait_metric(base: str, name: str, expected: float, within: float = 5.0,
+async def wait_metric(base: str, name: str, expected: float, within: float = AT_ONCE_S,
                       **labels: str) -> float:
     """Poll ``/metrics`` until the sample reaches ``expected`` (the record is made in the
     request's ``finally``, just after the client saw the end), bounded by ``within`` s."""
@@ -162,13 +169,13 @@ def openai_error(body: bytes) -> dict[str, object]:
 
 async def test_upstream_refuses_connection_502_within_connect_timeout() -> None:
     port = closed_port()
-    with run_proxy(f"http://127.0.0.1:{port}", connect_timeout=2.0) as (proxy, _):
+    with run_proxy(f"http://127.0.0.1:{port}", connect_timeout=NEVER_S) as (proxy, _):
         t = time.perf_counter()
         status, _, body, _ = await read_stream(proxy.url, chat("refused"))
         elapsed = time.perf_counter() - t
         assert status == 502
         assert openai_error(body)["code"] == "upstream_unreachable"
-        assert elapsed < 2.0
+        assert elapsed < AT_ONCE_S  # not after the connect timeout
         await outcome_is(proxy.url, "upstream_unreachable", "refused")
         # The upstream comes up on that port: the proxy serves it (no poisoned pool).
         with RawUpstream(port=port).running():
@@ -176,11 +183,11 @@ async def test_upstream_refuses_connection_502_within_connect_timeout() -> None:
 
 
 async def test_upstream_dns_failure_502_within_connect_timeout() -> None:
-    with run_proxy("http://upstream.invalid", connect_timeout=2.0) as (proxy, _):
+    with run_proxy("http://upstream.invalid", connect_timeout=NEVER_S) as (proxy, _):
         for _ in range(2):  # and again: the proxy keeps answering promptly
             t = time.perf_counter()
             status, _, body, _ = await read_stream(proxy.url, chat("dns"))
-            assert status == 502 and time.perf_counter() - t < 2.0
+            assert status == 502 and time.perf_counter() - t < AT_ONCE_S
             assert openai_error(body)["code"] == "upstream_unreachable"
         await wait_metric(proxy.url, "llm_proxy_stream_outcomes_total", 2,
                           outcome="upstream_unreachable")
@@ -190,7 +197,7 @@ async def test_upstream_dns_failure_502_within_connect_timeout() -> None:
 
 async def test_upstream_never_sends_headers_504_after_read_timeout() -> None:
     async def silent(conn: Conn) -> None:
-        await conn.until_closed(30)
+        await conn.until_closed(NEVER_S)
 
     upstream = RawUpstream({"silent": silent})
     with upstream.running(), run_proxy(upstream.url, read_timeout=0.5) as (proxy, _):
@@ -199,10 +206,10 @@ async def test_upstream_never_sends_headers_504_after_read_timeout() -> None:
         elapsed = time.perf_counter() - t
         assert status == 504
         assert openai_error(body)["code"] == "upstream_timeout"
-        assert 0.5 <= elapsed < 3.0
+        assert 0.5 <= elapsed < 0.5 + AT_ONCE_S
         # The proxy gave up on the upstream request: the upstream sees its connection close.
         seen = upstream.seen("silent")[0]
-        assert await anyio.to_thread.run_sync(seen.closed.wait, 5)
+        assert await anyio.to_thread.run_sync(seen.closed.wait, AT_ONCE_S)
         await outcome_is(proxy.url, "upstream_timeout", "silent")
         await still_serves(proxy.url)
 
@@ -241,7 +248,7 @@ async def test_upstream_stalls_mid_stream_client_keeps_bytes_outcome_upstream_ti
         await conn.head(200)
         for ev in sent:
             await conn.chunk(ev)
-        await conn.until_closed(30)
+        await conn.until_closed(NEVER_S)
 
     upstream = RawUpstream({"stall": stall})
     with upstream.running(), run_proxy(upstream.url, read_timeout=0.5) as (proxy, _):
@@ -249,7 +256,7 @@ async def test_upstream_stalls_mid_stream_client_keeps_bytes_outcome_upstream_ti
         assert status == 200 and headers["content-type"].startswith("text/event-stream")
         assert got == b"".join(sent)
         assert error is not None, "the stream must end broken, not as if complete"
-        assert await anyio.to_thread.run_sync(upstream.seen("stall")[0].closed.wait, 5)
+        assert await anyio.to_thread.run_sync(upstream.seen("stall")[0].closed.wait, AT_ONCE_S)
         await outcome_is(proxy.url, "upstream_timeout", "stall")
         await still_serves(proxy.url)
 
@@ -484,7 +491,7 @@ async def test_client_disconnect_closes_upstream_within_100ms() -> None:
             t_disconnect = time.perf_counter()
             # leaving the block closes the unfinished response's connection
         seen = upstream.seen("endless")[0]
-        assert await anyio.to_thread.run_sync(seen.closed.wait, 5), "upstream request left open"
+        assert await anyio.to_thread.run_sync(seen.closed.wait, AT_ONCE_S), "upstream left open"
         assert seen.closed_at is not None
         assert seen.closed_at - t_disconnect < 0.100
         await outcome_is(proxy.url, "client_disconnected", "endless")
@@ -843,7 +850,7 @@ async def test_upstream_connection_limit_holds() -> None:
             await read_until(parts, got, lambda b: b" held" in b)
             t = time.perf_counter()
             status, _, body, _ = await read_stream(proxy.url, chat("waits"))
-            assert time.perf_counter() - t < 3.0
+            assert time.perf_counter() - t < 0.5 + AT_ONCE_S  # not until a connection frees
             # A wait for a free connection is told apart from a failed connect.
             assert (status, openai_error(body)["code"]) == (504, "upstream_pool_timeout")
             await outcome_is(proxy.url, "pool_timeout", "waits")
@@ -881,7 +888,7 @@ async def test_sigterm_stops_accepting_lets_streams_finish_exits_0() -> None:
                 parts, got = r.aiter_raw(), bytearray()
                 await read_until(parts, got, lambda b: b == events[0] + events[1])
                 proc.send_signal(signal.SIGTERM)
-                deadline = time.monotonic() + 5
+                deadline = time.monotonic() + AT_ONCE_S
                 while not refuses(port):  # waiting for the signal to take effect
                     assert time.monotonic() < deadline, "still accepting after SIGTERM"
                     await anyio.sleep(0.01)
@@ -892,7 +899,7 @@ async def test_sigterm_stops_accepting_lets_streams_finish_exits_0() -> None:
             # The client never asked for usage, so the proxy removed the usage event.
             usage_event = events[-2]
             assert bytes(got) == b"".join(e for e in events if e != usage_event)
-            code = await anyio.to_thread.run_sync(proc.wait, 10)
+            code = await anyio.to_thread.run_sync(proc.wait, AT_ONCE_S)
             assert code == 0
         records = [json.loads(line) for line in out if line.startswith("{")]
         assert [(r["model"], r["outcome"], r["status"]) for r in records] == [("hold", "completed", 200)]
@@ -902,7 +909,7 @@ async def test_sigterm_grace_period_ends_stuck_streams_exits_0() -> None:
     async def stuck(conn: Conn) -> None:
         await conn.head(200)
         await conn.chunk(content_event(" stuck"))
-        await conn.until_closed(30)
+        await conn.until_closed(NEVER_S)
 
     upstream = RawUpstream({"stuck": stuck})
     with upstream.running():
@@ -913,8 +920,10 @@ async def test_sigterm_grace_period_ends_stuck_streams_exits_0() -> None:
                 await read_until(parts, bytearray(), lambda b: b" stuck" in b)
                 t = time.perf_counter()
                 proc.send_signal(signal.SIGTERM)
-                code = await anyio.to_thread.run_sync(proc.wait, 10)
+                # well short of the upstream's NEVER_S: only the grace period ends it
+                code = await anyio.to_thread.run_sync(proc.wait, 2 * AT_ONCE_S)
                 elapsed = time.perf_counter() - t
             assert code == 0
-            assert 1.0 <= elapsed < 5.0
-            assert await anyio.to_thread.run_sync(upstream.seen("stuck")[0].closed.wait, 5)
+            assert 1.0 <= elapsed < 1.0 + AT_ONCE_S
+            stuck_conn = upstream.seen("stuck")[0]
+            assert await anyio.to_thread.run_sync(stuck_conn.closed.wait, AT_ONCE_S)

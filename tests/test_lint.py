@@ -1,4 +1,5 @@
-"""Lint and type checks as tests, so CI enforces them: ruff over the tree, mypy strict over proxy/."""
+"""Lint and type checks as tests, so CI enforces them: ruff over the tree, mypy strict over
+proxy/ and the documentation's generator (pyproject.toml's [tool.mypy] files)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize("command", [
-    [sys.executable, "-m", "ruff", "check", "proxy", "tests", "benchmarks"],
+    [sys.executable, "-m", "ruff", "check", "proxy", "tests", "benchmarks", "docs"],
     [sys.executable, "-m", "mypy"],
 ], ids=["ruff", "mypy"])
 def test_static_checks(command: list[str]) -> None:

@@ -4,7 +4,11 @@
   ``/metrics`` text and prometheus_client's parser (:mod:`proxy.bench.promscrape`) gives
   the same counts, means and bucket percentiles.
 * "Last minute" and "over time" with a scripted clock: which collection the window starts
-  from, the ring's bounds, the breaks where no page polled.
+  from, since start (and saying so) until the ring holds a minute, the ring's bounds, the
+  breaks where no page polled, only whole intervals drawn.
+* The table by upstream and model from real requests through the proxy to two scripted
+  upstreams: every figure follows from the upstreams' schedules; what counts as an error;
+  the prompt-cache doctor's missed tokens read when the registry has them.
 * Labels the page does not select on are summed generically (a ``client`` label, two
   upstreams), whatever they are.
 * Bad input: 400 in the OpenAI error shape, refused before the registry is read.
@@ -19,7 +23,10 @@ import io
 import json
 import math
 import signal
-from collections.abc import Iterable, Iterator
+import textwrap
+from collections.abc import AsyncIterator, Iterable, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -37,7 +44,18 @@ from proxy.ui import LivePage
 from proxy.ui import data as ui_data
 from proxy.ui.page import MAX_QUERY
 from proxy.ui.slow import KEEP, SlowRequests
+from tests.fake_upstream import (
+    DONE,
+    Handler,
+    ScriptedClock,
+    ScriptedUpstream,
+    chunk_json,
+    sse,
+    text_json,
+    usage_json,
+)
 from tests.servers import closed_port, proxy_process, serve_in_thread
+from tests.upstream_fakes import SSE_HEADERS, lazy, timed_body
 
 pytestmark = pytest.mark.anyio
 
@@ -240,6 +258,90 @@ def test_over_time_points_every_five_seconds_with_breaks_where_no_page_polled() 
     assert p50[0] < p50[1] < p50[2] < p50[3] < p50[5]
 
 
+def test_over_time_draws_only_whole_intervals() -> None:
+    """The interval still running is not a point: its first second has none of the
+    requests a whole interval has, so the right-most point would drop toward zero."""
+    clock = Clock()
+    metrics = Metrics(Settings(upstream_name="up"), CollectorRegistry())
+    data = ui_data.LiveData(metrics.registry, clock=clock)
+    for second in range(17):  # one request every 5 s, at 2, 7, 12, 17 s
+        if second % 5 == 2:
+            metrics.observe(record(second, completion_tokens=10), measured=True)
+        series = data.answer(("", "", ""))["series"]
+        clock.now += 1.0
+    # at 16 s: collections every 5 s at 0, 5, 10 and 15; the last whole interval ends at 15
+    assert series["t"] == [-11.0, -6.0, -1.0]
+    assert series["requests_per_s"] == [0.2, 0.2, 0.2]
+    assert series["output_tokens_per_s"] == [2.0, 2.0, 2.0]
+    assert series["ttft.p50"] == [pytest.approx(0.175)] * 3  # one 0.2 in (0.15, 0.2]
+
+
+def test_since_start_until_the_ring_holds_a_minute_and_it_says_so() -> None:
+    """A page opened during traffic shows since-start figures at once, labelled so,
+    rather than nothing, or a few seconds labelled as the last minute."""
+    clock = Clock()
+    metrics = Metrics(Settings(upstream_name="up"), CollectorRegistry())
+    for i in range(5):
+        metrics.observe(record(i, ttft_s=2.0), measured=True)
+    clock.now += 300.0  # the proxy has run for 5 minutes when the first page opens
+    data = ui_data.LiveData(metrics.registry, clock=clock)
+    data.started = clock.now - 300.0
+    first = data.answer(("", "", ""))
+    assert first["span"] == {
+        "kind": "start",
+        "label": "since start",
+        "seconds": 300.0,
+        "minute_in_s": ui_data.FULL_WINDOW_S,
+    }
+    assert first["figures"]["window"] is None
+    assert first["figures"]["total"]["requests"] == 5
+    assert first["table"]["rows"][0]["requests"] == 5
+    for _ in range(30):  # half a minute of polling, with traffic
+        clock.now += 1.0
+        metrics.observe(record(9, ttft_s=0.1), measured=True)
+        half = data.answer(("", "", ""))
+    # 30 s is not the last minute: since start, until the ring holds one
+    assert half["span"]["kind"] == "start" and half["span"]["label"] == "since start"
+    assert half["span"]["minute_in_s"] == pytest.approx(ui_data.FULL_WINDOW_S - 30.0)
+    assert half["figures"]["window"] is None and half["hist"][TTFT]["window"] is None
+    assert half["table"]["rows"][0]["requests"] == 35
+    for _ in range(30):
+        clock.now += 1.0
+        minute = data.answer(("", "", ""))
+    assert minute["span"] == {"kind": "minute", "label": "last minute", "seconds": 60.0}
+    assert minute["figures"]["window"]["requests"] == 30  # those of the last 60 s
+    assert minute["figures"]["total"]["requests"] == 35
+    assert minute["table"]["rows"][0]["requests"] == 30  # the table covers the same span
+
+
+def test_errors_are_the_upstreams_and_the_proxys_failures_not_the_client_leaving() -> None:
+    metrics = Metrics(Settings(upstream_name="up"), CollectorRegistry())
+    for i, outcome in enumerate(o for o in Outcome if o is not Outcome.REJECTED):
+        metrics.observe(record(i, outcome=outcome, status=200), measured=True)
+    # Not streamed: a 5xx counts (no outcome is recorded for these); a 4xx cannot be
+    # told from the proxy refusing the request, and a refusal is not the upstream's.
+    metrics.observe(record(20, stream=False, status=502), measured=True)
+    metrics.observe(record(21, stream=False, status=404), measured=True)
+    metrics.observe(record(22, outcome=Outcome.REJECTED, status=429), measured=True)
+    row = ui_data.LiveData(metrics.registry, clock=Clock()).answer(("", "", ""))["table"]["rows"]
+    assert len(row) == 1
+    failed = {
+        "upstream_interrupted",
+        "upstream_timeout",
+        "pool_timeout",
+        "upstream_unreachable",
+        "upstream_4xx",
+        "upstream_5xx",
+        "upstream_error",
+        "cancelled",
+    }
+    assert set(ui_data.FAILED) == failed
+    assert row[0]["errors_by"] == {**dict.fromkeys(failed, 1.0), "5xx, not streamed": 1.0}
+    assert row[0]["errors"] == len(failed) + 1
+    assert row[0]["requests"] == len(Outcome) - 1 + 3
+    assert row[0]["error_share"] == pytest.approx(row[0]["errors"] / row[0]["requests"])
+
+
 def test_the_ring_is_bounded_and_idle_series_are_shared() -> None:
     clock = Clock()
     metrics = Metrics(Settings(upstream_name="up"), CollectorRegistry())
@@ -304,6 +406,167 @@ def test_the_registry_is_read_at_most_twice_a_second() -> None:
     clock.now += ui_data.MIN_COLLECT_S
     data.answer(("", "m-a", ""))
     assert counting.reads == 2
+
+
+# ---------------------------------------------------------------------------
+# By upstream and model, from real requests through the proxy
+
+T0 = 64.0
+
+
+def scheduled(clock: ScriptedClock, first: float, gap: float, n: int = 5) -> Handler:
+    """Streams with the first token ``first`` s after the request and ``n`` tokens ``gap``
+    apart (100 prompt tokens); a model named ``*-bad`` gets a 502, a request not
+    streamed a 503."""
+
+    async def respond(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        if body["model"].endswith("-bad") or not body.get("stream"):
+            error = json.dumps({"error": {"message": "down", "type": "server_error"}}).encode()
+            status = 502 if body.get("stream") else 503
+            headers = {"content-type": "application/json", "content-length": str(len(error))}
+            return httpx.Response(status, headers=headers, content=lazy(error))
+        legacy = request.url.path.endswith("/v1/completions")
+        events = [
+            text_json(f"t{i}") if legacy else chunk_json({"content": f"t{i}"}) for i in range(n)
+        ]
+        script = [(T0 + first + i * gap, sse(event)) for i, event in enumerate(events)]
+        last = T0 + first + (n - 1) * gap
+        script += [(last, sse(usage_json(100, n))), (last, DONE)]
+        clock.now = T0
+        return httpx.Response(200, headers=SSE_HEADERS, content=timed_body(clock, script, last))
+
+    return respond
+
+
+@asynccontextmanager
+async def two_upstreams(
+    tmp_path: Path,
+) -> AsyncIterator[tuple[httpx.AsyncClient, Any, ScriptedClock]]:
+    """The proxy (from a config file with two ``[[upstream]]`` tables) in front of
+    ``fast`` (gpt-* models: first token after 125 ms, then 12.5 ms apart) and ``slow``
+    (claude-*: 1.25 s, then 62.5 ms apart); its registry's page view."""
+    clock = ScriptedClock(T0)
+    fast = ScriptedUpstream(scheduled(clock, 0.125, 0.0125), clock)
+    slow = ScriptedUpstream(scheduled(clock, 1.25, 0.0625), clock)
+    path = tmp_path / "proxy.toml"
+    path.write_text(
+        textwrap.dedent(f"""
+        [[upstream]]
+        name = "fast"
+        url = "{fast.url}/v1"
+        models = ["gpt-*"]
+
+        [[upstream]]
+        name = "slow"
+        url = "{slow.url}/v1"
+        models = ["claude-*"]
+        """)
+    )
+    from proxy.app import create_app
+
+    settings = from_sources(None, {"LLM_PROXY_CONFIG": str(path)})
+    app = create_app(settings, registry=CollectorRegistry(), clock=clock)
+    assert app.ui is not None
+    transport = httpx.ASGITransport(app=app)
+    try:
+        await fast.start()
+        await slow.start()
+        async with httpx.AsyncClient(transport=transport, base_url="http://proxy.test") as http:
+            yield http, app, clock
+    finally:
+        await app.aclose()
+        await fast.aclose()
+        await slow.aclose()
+
+
+async def send(
+    http: httpx.AsyncClient, clock: ScriptedClock, model: str, *, stream: bool = True,
+    route: str = CHAT,
+) -> int:
+    clock.now = T0
+    body: dict[str, Any] = {"model": model, "stream": stream}
+    if route == CHAT:
+        body["messages"] = [{"role": "user", "content": "hi"}]
+    else:
+        body["prompt"] = "hi"
+    response = await http.post(route, json=body)
+    return response.status_code
+
+
+async def test_by_upstream_and_model_from_real_requests(tmp_path: Path) -> None:
+    async with two_upstreams(tmp_path) as (http, app, clock):
+        for _ in range(4):
+            assert await send(http, clock, "gpt-4o") == 200
+        for _ in range(2):
+            assert await send(http, clock, "claude-3") == 200
+        assert await send(http, clock, "claude-3", stream=False) == 503
+        assert await send(http, clock, "claude-bad") == 502
+        page = Clock()
+        # The page's own reading of the app's registry (restricted to the samples it
+        # uses, as served), with a clock of its own.
+        data = ui_data.LiveData(app.ui.data.registry, clock=page)
+        table = data.answer(("", "", ""))["table"]
+        assert table["by_route"] is False and table["missed_measured"] is False
+        rows = table["rows"]
+        assert [(r["upstream"], r["model"], r["requests"]) for r in rows] == [
+            ("fast", "gpt-4o", 4),
+            ("slow", "claude-3", 3),
+            ("slow", "claude-bad", 1),
+        ]
+        fast, slow, bad = rows
+        # Every TTFT 125 ms (bucket 100-150 ms), every gap 12.5 ms (10-15 ms); 1.25 s
+        # (1-1.5 s) and 62.5 ms (50-75 ms): mid-bucket, so the estimates are exact.
+        assert fast["ttft_p50"] == fast["ttfa_p50"] == pytest.approx(0.125)
+        assert fast["ttft_p95"] == pytest.approx(0.1 + 0.05 * 0.95)
+        assert fast["itl_p50"] == pytest.approx(0.0125)
+        assert fast["decode_tok_s"] == pytest.approx(80.0)  # 1 / 12.5 ms
+        assert (fast["errors"], fast["error_share"], fast["errors_by"]) == (0, 0, {})
+        assert slow["ttft_p50"] == pytest.approx(1.25) and slow["ttft_p95"] == pytest.approx(1.475)
+        assert slow["itl_p50"] == pytest.approx(0.0625)
+        assert slow["decode_tok_s"] == pytest.approx(16.0)  # 1 / 62.5 ms
+        assert slow["errors_by"] == {"5xx, not streamed": 1}
+        assert slow["error_share"] == pytest.approx(1 / 3)
+        assert bad["errors_by"] == {"upstream_5xx": 1} and bad["ttft_p50"] is None
+        assert bad["decode_tok_s"] is None
+        assert all(r["missed_cache"] is None and r["route"] == "" for r in rows)
+        assert (fast["prompt_tokens"], slow["prompt_tokens"]) == (400, 200)
+        # The same figures as /metrics gives for each row's labels.
+        snap = scraped(app.metrics.registry)
+        for row in rows[:2]:
+            where = promscrape.label_filter(upstream=row["upstream"], model=row["model"])
+            assert row["requests"] == promscrape.total(snap, promscrape.REQUESTS, where)
+            ttft = promscrape.histogram(snap, TTFT, where)
+            assert row["ttft_p95"] == pytest.approx(ttft.quantile(0.95))
+            tpot = promscrape.histogram(snap, promscrape.TPOT, where)
+            assert row["decode_tok_s"] == pytest.approx(1 / tpot.quantile(0.5))
+
+        # A second route with traffic: rows per route too.
+        assert await send(http, clock, "gpt-4o", route=COMPLETIONS) == 200
+        # The prompt-cache doctor's counters, once the registry has them.
+        from prometheus_client import Counter as PromCounter
+
+        missed = PromCounter(
+            "llm_proxy_prompt_cache_missed_tokens",
+            "m",
+            ("route", "model", "upstream"),
+            registry=app.metrics.registry,
+        )
+        missed.labels(CHAT, "gpt-4o", "fast").inc(30)
+        page.now += 1.0
+        table = data.answer(("", "", ""))["table"]
+        assert table["by_route"] is True and table["missed_measured"] is True
+        assert [(r["upstream"], r["model"], r["route"], r["requests"]) for r in table["rows"]] == [
+            ("fast", "gpt-4o", CHAT, 4),
+            ("slow", "claude-3", CHAT, 3),
+            ("fast", "gpt-4o", COMPLETIONS, 1),
+            ("slow", "claude-bad", CHAT, 1),
+        ]
+        chat_fast, chat_slow, legacy = table["rows"][:3]
+        assert chat_fast["missed_cache"] == pytest.approx(30 / 400)
+        assert chat_slow["missed_cache"] == 0.0  # measured, nothing missed
+        assert legacy["ttft_p50"] == pytest.approx(0.125)
+        assert legacy["decode_tok_s"] == pytest.approx(80.0)
 
 
 # ---------------------------------------------------------------------------
@@ -377,6 +640,16 @@ def test_the_page_reaches_nothing_off_the_machine() -> None:
     assert html.count("href=") == 1 and 'href="data:,"' in html
     assert set(_urls(html)) == {"http://www.w3.org/2000/svg"}
     assert "{{" not in html
+
+
+def test_the_page_stays_small() -> None:
+    """One document, its script and style inlined: the README gives its size. A new
+    panel that takes it past this budget should say what it gave up for it."""
+    import gzip
+
+    page, _ = page_with_counter()
+    html = page.respond("GET", "/ui", b"")[2]
+    assert len(html) < 32_000 and len(gzip.compress(html, 9)) < 11_000
 
 
 def _urls(text: str) -> list[str]:

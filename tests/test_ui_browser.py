@@ -1,15 +1,21 @@
-"""The live page in a real browser: headless chromium against the proxy in front of the
-simulator, under a running workload (:mod:`tests.browser`).
+"""The live page in a real browser: headless chromium against the proxy in front of two
+simulated upstreams of different speed, under a running workload (:mod:`tests.browser`).
 
 One test, one browser, to stay within a few seconds of traffic: the charts draw; with
-the workload paused and every request recorded, the figures the page shows equal the
-ones computed from ``/metrics`` at that moment (the page opened before any traffic and
-the test lasts less than a minute, so "last minute" is everything too); choosing a
-model, then a route, changes them to that model's and route's figures; the page asked
-for nothing but its own origin (the browser's network log) and logged no error; and a
-screenshot of it is saved in the test's temporary directory, taken by the same function
-that takes the README's. A link naming a model the proxy does not know falls back to
-every model.
+the workload paused and every request recorded, the figures the page shows since start
+equal the ones computed from ``/metrics`` at that moment, and so does each row of the
+table by upstream and model; choosing a model, then a route, changes them to that
+model's and route's figures, and clicking a row of the table selects its upstream,
+model and route (in the selectors and the URL) and shows that selection's figures; the
+page asked for nothing but its own origin (the browser's network log) and logged no
+error; and a screenshot of it is saved in the test's temporary directory, taken by the
+same code that takes the README's. A link naming a model the proxy does not know falls
+back to every model.
+
+Which span the page shows, with the page's clock scripted (the proxy's own page, given
+a clock): opened on a proxy that has served requests for minutes, it shows the
+since-start figures at once and says so everywhere; once its ring holds a minute, every
+title, column and tile says "last minute", and the requests tile counts that minute.
 
 With client keys on, the page on the main port takes one: the browser asks its user
 once (HTTP Basic, the key as the password), then the page's own data requests carry it;
@@ -19,6 +25,7 @@ a user who cancels the prompt gets the refusal, never the page.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import secrets
 from pathlib import Path
@@ -30,8 +37,10 @@ from prometheus_client import CollectorRegistry
 from proxy.app import create_app
 from proxy.bench import promscrape
 from proxy.config import Settings
+from proxy.ui import LivePage
 from tests.browser import (
     CHARTS,
+    CLOUD,
     LoginPrompt,
     browser_missing,
     chrome,
@@ -42,6 +51,7 @@ from tests.browser import (
     wait_for,
 )
 from tests.servers import serve_in_thread
+from tests.test_ui import Clock, record
 
 pytestmark = [
     pytest.mark.e2e,
@@ -76,10 +86,17 @@ def assert_ms(text: str, seconds: float) -> None:
 def assert_page_equals_metrics(
     figures: dict[str, str], snap: promscrape.Snapshot, **labels: str
 ) -> None:
+    """The since-start figures (the page opened before any traffic) equal ``/metrics``'s
+    for ``labels``; and so do the last minute's while the whole run is within it."""
     where = promscrape.label_filter(**labels)
     requests = promscrape.total(snap, promscrape.REQUESTS, where)
     assert requests > 0
-    for span in ("window", "total"):  # the whole run is within the last minute
+    spans = ["total"]
+    if "window.ttft.n" in figures and float(figures["window.ttft.n"]) == float(
+        figures["total.ttft.n"]
+    ):
+        spans.append("window")
+    for span in spans:
         for key, name in (
             ("ttft", promscrape.TTFT),
             ("ttfa", FIRST_ANSWER),
@@ -100,6 +117,63 @@ def assert_page_equals_metrics(
     assert float(figures["total.requests"]) == requests
 
 
+def text(driver: Any, element_id: str) -> str:
+    """An element's text as written (``.text`` is as drawn: the titles are upper case)."""
+    found: str = driver.execute_script(f"return document.getElementById({element_id!r}).textContent")
+    return found
+
+
+def assert_spans_named_alike(driver: Any) -> None:
+    """The percentiles' title names the spans its columns show, and the tiles and the
+    table say the span they lead with."""
+    title = text(driver, "window-label")
+    columns = driver.execute_script(
+        "return [...document.querySelectorAll('#pct tr:first-child th[colspan]')]"
+        ".map(e => e.textContent)"
+    )
+    assert columns and all(c in title for c in columns), (title, columns)
+    lead = columns[0]
+    labels = driver.execute_script(
+        "return [...document.querySelectorAll('.tile span:nth-child(2)')].map(e => e.textContent)"
+    )
+    assert len(labels) == 6
+    in_flight = "in flight · now, every route and model"  # the gauge has only the upstream
+    assert all(text.endswith(f" · {lead}") or text == in_flight for text in labels), labels
+    assert text(driver, "by-span") == f"({lead})"
+
+
+def table(driver: Any) -> list[dict[str, str]]:
+    """The rows of the table by upstream and model, by column name, as displayed."""
+    rows: list[dict[str, str]] = driver.execute_script(
+        "const t = document.querySelector('#by');"
+        "const head = [...t.rows[0].cells].map(c => c.textContent);"
+        "return [...t.querySelectorAll('tr.pick')]"
+        ".map(tr => Object.fromEntries([...tr.cells].map((c, i) => [head[i], c.textContent])))"
+    )
+    return rows
+
+
+def assert_row_equals_metrics(row: dict[str, str], snap: promscrape.Snapshot) -> None:
+    labels = {"upstream": row["upstream"], "model": row["model"]}
+    if "route" in row:
+        labels["route"] = row["route"]
+    where = promscrape.label_filter(**labels)
+    assert float(row["requests"]) == promscrape.total(snap, promscrape.REQUESTS, where) > 0
+    ttft = promscrape.histogram(snap, promscrape.TTFT, where)
+    assert_ms(row["TTFT p50 ms"], ttft.quantile(0.5))
+    assert_ms(row["TTFT p95 ms"], ttft.quantile(0.95))
+    first_answer = promscrape.histogram(snap, FIRST_ANSWER, where)
+    assert_ms(row["first answer p50 ms"], first_answer.quantile(0.5))
+    assert_ms(row["ITL p50 ms"], promscrape.histogram(snap, promscrape.ITL, where).quantile(0.5))
+    decode = 1 / promscrape.histogram(snap, promscrape.TPOT, where).quantile(0.5)
+    assert abs(float(row["decode tok/s"]) - decode) <= 0.5, (row, decode)
+    outcomes = promscrape.by_label(snap, promscrape.OUTCOMES, "outcome", where)
+    left = ("completed", "client_disconnected", "client_stalled")
+    errors = sum(v for k, v in outcomes.items() if k not in left)
+    assert float(row["errors"].partition(" ")[0]) == errors
+    assert row["missed cache"] == "\u2013"  # the registry has no prompt-cache doctor here
+
+
 def choose(driver: Any, name: str, value: str) -> None:
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select
@@ -110,7 +184,7 @@ def choose(driver: Any, name: str, value: str) -> None:
 
 
 def test_live_page_draws_the_proxys_figures_in_a_real_browser(tmp_path: Path) -> None:
-    with live_stack() as stack, chrome() as driver:
+    with live_stack(cloud=CLOUD) as stack, chrome() as driver:
         origin = stack.proxy.url
         driver.get(stack.page_url)
         wait_for(driver, "+document.body.dataset.refreshes >= 1")  # before any traffic
@@ -128,18 +202,53 @@ def test_live_page_draws_the_proxys_figures_in_a_real_browser(tmp_path: Path) ->
         next_refresh(driver)
         everything = shown(driver)
         assert_page_equals_metrics(everything, snap)
+        assert_spans_named_alike(driver)
+        rows = table(driver)
+        # Two upstreams, one model each, two routes: a row per upstream, model and route.
+        assert {(r["upstream"], r["model"], r["route"]) for r in rows} == {
+            (upstream, model, route)
+            for upstream, model in (("local", "sim-small"), ("cloud", "sim-large"))
+            for route in ("/v1/chat/completions", "/v1/completions")
+        }
+        requests = [float(r["requests"]) for r in rows]
+        assert requests == sorted(requests, reverse=True)
+        for row in rows:
+            assert_row_equals_metrics(row, snap)
+        by_upstream = {r["upstream"]: r for r in rows if r["route"] == "/v1/chat/completions"}
+        ttft = {k: float(r["TTFT p50 ms"]) for k, r in by_upstream.items()}
+        assert ttft["cloud"] > ttft["local"]
 
         choose(driver, "model", "sim-large")
         large = shown(driver)
         assert_page_equals_metrics(large, snap, model="sim-large")
         assert float(large["total.requests"]) < float(everything["total.requests"])
         assert large["total.ttft.mean"] != everything["total.ttft.mean"]
-        rows = driver.find_elements("css selector", "#slow td:nth-child(3)")
-        assert rows and {row.text for row in rows} == {"sim-large"}
+        slowest = driver.find_elements("css selector", "#slow td:nth-child(3)")
+        assert slowest and {row.text for row in slowest} == {"sim-large"}
 
         choose(driver, "route", "/v1/completions")
         assert_page_equals_metrics(shown(driver), snap, model="sim-large", route="/v1/completions")
         assert "route=%2Fv1%2Fcompletions" in driver.current_url
+
+        # A row of the table: its upstream, model and route become the selection.
+        pick = {"route": "/v1/chat/completions", "model": "sim-small", "upstream": "local"}
+        row = next(
+            tr
+            for tr in driver.find_elements("css selector", "#by tr.pick")
+            if [td.text for td in tr.find_elements("css selector", "td")][:3]
+            == [pick["upstream"], pick["model"], pick["route"]]
+        )
+        row.click()
+        wanted = json.dumps(json.dumps(pick, separators=(",", ":")))
+        wait_for(driver, f"document.body.dataset.selection === {wanted}")
+        next_refresh(driver)
+        assert {s: driver.find_element("id", s).get_attribute("value") for s in pick} == pick
+        assert driver.current_url.endswith(
+            "/ui?route=%2Fv1%2Fchat%2Fcompletions&model=sim-small&upstream=local"
+        )
+        assert_page_equals_metrics(shown(driver), snap, **pick)
+        chosen = driver.find_elements("css selector", "#by tr.on td")
+        assert [td.text for td in chosen][:3] == ["local", "sim-small", "/v1/chat/completions"]
 
         urls = requested_urls(driver)
         assert any(url.startswith(origin + "/ui/data") for url in urls)
@@ -159,6 +268,50 @@ def test_live_page_draws_the_proxys_figures_in_a_real_browser(tmp_path: Path) ->
         shot = tmp_path / "ui.png"
         full_screenshot(driver, shot)
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
+
+
+def test_the_page_says_which_span_it_shows(tmp_path: Path) -> None:
+    """Since start at once on a busy proxy, then the last minute once there is one,
+    every label agreeing with the figures under it."""
+    clock = Clock(700.0)
+    app = create_app(Settings(upstream_name="up"), registry=CollectorRegistry())
+    assert app.metrics is not None and app.ui is not None
+    app.ui = LivePage(app.ui.data.registry, clock=clock)  # the proxy's page, its clock scripted
+    for i in range(5):  # served before the page was first opened
+        app.metrics.observe(record(i), measured=True)
+    clock.now = 1000.0  # five minutes later
+    with serve_in_thread(app, http="httptools") as server, chrome() as driver:
+        driver.get(server.url + "/ui")
+        wait_for(driver, "+document.body.dataset.refreshes >= 1")
+        first = shown(driver)
+        # The first answer already has figures: since start, and says so.
+        assert first["total.requests"] == "5" and first["total.requests_per_s"] == "0.02"
+        assert first["total.cache_hit_ratio"] == "25%"
+        assert not [k for k in first if k.startswith("window.")]
+        assert text(driver, "window-label") == "(since start; the last minute in 58 s)"
+        assert_spans_named_alike(driver)
+
+        clock.now += 1.0  # a second later the page polls again: the ring's second reading
+        next_refresh(driver)
+        for i in range(3):
+            app.metrics.observe(record(10 + i), measured=True)
+        clock.now += 60.0
+        next_refresh(driver)
+        minute = shown(driver)
+        assert text(driver, "window-label") == "(last minute and since start)"
+        assert_spans_named_alike(driver)
+        # The requests tile, labelled with the last minute, counts the last minute.
+        tile = driver.find_element("css selector", "[data-k='window.requests']")
+        labels = [e.text for e in tile.find_elements("xpath", "following-sibling::span")]
+        assert (tile.text, labels) == ("3", ["requests · last minute", "since start 8"])
+        assert (minute["window.ttft.n"], minute["total.ttft.n"]) == ("3", "8")
+        assert table(driver)[0]["requests"] == "3"
+        legends = driver.execute_script(
+            "return [...document.querySelectorAll('[data-chart=ttft-hist] text.legend')]"
+            ".map(e => e.textContent)"
+        )
+        assert legends == ["last minute", "since start"]
+        assert console_errors(driver) == []
 
 
 def test_with_client_keys_the_browser_asks_once_and_the_page_draws(

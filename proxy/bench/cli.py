@@ -26,16 +26,23 @@ import math
 import os
 import sys
 import time
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TextIO
 from urllib.parse import urlsplit
 
 if TYPE_CHECKING:
     from . import promscrape
-    from .client import RequestResult
+    from .client import RequestResult, RunPlan
     from .promscrape import Histogram, ProxyView, Snapshot
+    from .replay import Replay
     from .stats import Summary
+    from .workload import PlannedRequest
 
 API_CHOICES = ("chat", "completions", "responses", "messages")
+DEFAULT_BASE_URL = "http://127.0.0.1:8080/v1"
+DEFAULT_MODEL = "sim-llm"
+DEFAULT_BLOCK_SIZE = 512  # proxy.tracefile.DEFAULT_BLOCK_SIZE, without importing it here
 ANTHROPIC_VERSION = "2023-06-01"
 # Histograms the proxy may export beyond promscrape's view (compared when present).
 FIRST_BYTE = "llm_proxy_time_to_first_byte_seconds"
@@ -128,8 +135,8 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument(
         "--base-url",
         metavar="URL",
-        default=os.environ.get("OPENAI_BASE_URL", "http://127.0.0.1:8080/v1"),
-        help="OpenAI base URL including /v1 [env OPENAI_BASE_URL; default %(default)s]",
+        default=None,
+        help=f"OpenAI base URL including /v1 [env OPENAI_BASE_URL; default {DEFAULT_BASE_URL}]",
     )
     parser.add_argument(
         "--api",
@@ -147,8 +154,9 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument(
         "--model",
         metavar="NAME",
-        default="sim-llm",
-        help="Model name sent in each request [default %(default)s]",
+        default=None,
+        help=f"Model name sent in each request [default {DEFAULT_MODEL}; with --trace the "
+        "recorded model]",
     )
     parser.add_argument(
         "--api-key",
@@ -258,10 +266,82 @@ def add_parser(subparsers: Any) -> None:
         default=None,
         help="With --report: draw another run (its --json file) beside this one",
     )
+    replay = parser.add_argument_group(
+        "replaying a trace",
+        "Send a Mooncake-format trace's requests (--trace) at their recorded times, with "
+        "prompts of the recorded lengths whose shared blocks are byte-identical, and set "
+        "the replay beside what the trace recorded (docs/trace.md).",
+    )
+    replay.add_argument(
+        "--trace",
+        metavar="FILE",
+        nargs="+",
+        action="extend",
+        default=None,
+        help="Trace file(s) or quoted glob(s), e.g. one per proxy worker; read as one trace",
+    )
+    replay.add_argument(
+        "--speedup",
+        metavar="F",
+        type=float,
+        default=1.0,
+        help="Send the trace F times faster (arrival gaps divided by F) [default %(default)s]",
+    )
+    replay.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="Add ignore_eos to chat and completions bodies so the answer has the recorded "
+        "length (vLLM, SGLang; OpenAI refuses unknown fields)",
+    )
+    replay.add_argument(
+        "--block-size",
+        metavar="TOKENS",
+        type=int,
+        default=None,
+        help="Tokens per hash id when the trace does not say [default "
+        f"{DEFAULT_BLOCK_SIZE}, the Mooncake traces' and AIPerf's]",
+    )
+    replay.add_argument(
+        "--simulate",
+        metavar="KNOBS",
+        nargs="?",
+        const="",
+        default=None,
+        help="Replay against the built-in simulator started with these simulate flags "
+        '(quoted, e.g. "--slots 16 --prefill-rate 20000"; one flag alone as '
+        "--simulate=--slots=16), not against --base-url: what-if without an upstream",
+    )
     parser.set_defaults(func=run_command)
 
 
+def _validate_trace(args: argparse.Namespace) -> str | None:
+    if not args.trace:
+        if args.simulate is not None:
+            return "--simulate replays a trace against the simulator: give --trace"
+        if args.speedup != 1.0 or args.ignore_eos or args.block_size is not None:
+            return "--speedup, --ignore-eos and --block-size go with --trace"
+        return None
+    if args.rate is not None:
+        return "--rate: a trace brings its own arrival times (use --speedup)"
+    if args.reasoning:
+        return "--reasoning: not with --trace (recorded output lengths include any reasoning)"
+    if args.shared_prefix_tokens or args.prompt_tokens_max is not None:
+        return "--shared-prefix-tokens and --prompt-tokens-max: a trace brings its own prompts"
+    if not (args.speedup > 0 and math.isfinite(args.speedup)):
+        return "--speedup must be a number > 0"
+    if args.block_size is not None and args.block_size < 1:
+        return "--block-size must be >= 1"
+    if args.simulate is not None and args.base_url is not None:
+        return "--simulate replays against the simulator: leave out --base-url"
+    return None
+
+
 def _validate(args: argparse.Namespace) -> str | None:
+    trace_problem = _validate_trace(args)
+    if trace_problem:
+        return trace_problem
+    if args.base_url is None and args.simulate is None:
+        args.base_url = os.environ.get("OPENAI_BASE_URL") or DEFAULT_BASE_URL
     if args.requests is not None and args.requests < 1:
         return "--requests must be >= 1"
     if args.duration is not None and args.duration <= 0:
@@ -274,7 +354,7 @@ def _validate(args: argparse.Namespace) -> str | None:
         return "--prompt-tokens and --max-tokens must be >= 1"
     if not 0 <= args.shared_prefix_tokens <= args.prompt_tokens:
         return "--shared-prefix-tokens must be between 0 and --prompt-tokens"
-    if not args.base_url.startswith(("http://", "https://")):
+    if args.base_url is not None and not args.base_url.startswith(("http://", "https://")):
         return "--base-url must be an http(s) URL"
     if args.reasoning and args.api == "completions":
         return "--reasoning: the completions API has no way to ask for reasoning"
@@ -321,26 +401,38 @@ def run_command(args: argparse.Namespace) -> int:
         return 130
 
 
-async def _main(args: argparse.Namespace) -> int:
-    import httpx
+@dataclass
+class _Workload:
+    """What a run sends: the plan, the bodies, their send times, and how to say it."""
 
-    from . import promscrape
-    from .client import RunPlan, make_client, run
-    from .stats import format_table, summarize
+    plan: RunPlan
+    planned: Iterable[PlannedRequest]
+    arrivals: Iterable[float] | None
+    describe: str
+    route: str | None  # the one route of every request, for the proxy's view
+    model: str | None  # the one model of every request, for the proxy's view
+    replay: Replay | None = None
+
+
+def _api_key(args: argparse.Namespace, api: str) -> str | None:
+    key_env = "ANTHROPIC_API_KEY" if api == "messages" else "OPENAI_API_KEY"
+    return args.api_key or os.environ.get(key_env)
+
+
+def _synthetic_workload(args: argparse.Namespace, base: str) -> _Workload:
+    from .client import RunPlan
     from .workload import API_PATHS, Profile, iter_requests, poisson_arrivals, route_of
 
-    base = args.base_url.rstrip("/")
     requests = args.requests if args.requests is not None else (None if args.duration else 100)
     concurrency = args.concurrency if args.concurrency is not None else (None if args.rate else 8)
-    key_env = "ANTHROPIC_API_KEY" if args.api == "messages" else "OPENAI_API_KEY"
-    key = args.api_key or os.environ.get(key_env)
+    model = args.model or DEFAULT_MODEL
     plan = RunPlan(
         url=base + API_PATHS[args.api],
         requests=requests,
         duration=args.duration,
         concurrency=concurrency,
         rate=args.rate,
-        headers=_key_headers(args.api, key),
+        headers=_key_headers(args.api, _api_key(args, args.api)),
     )
     profile = Profile(
         "bench",
@@ -351,9 +443,124 @@ async def _main(args: argparse.Namespace) -> int:
         reasoning=args.reasoning,
         prompt_tokens_max=args.prompt_tokens_max or 0,
     )
-    planned = iter_requests([profile], model=args.model, seed=args.seed)
-    arrivals = poisson_arrivals(args.rate, seed=args.seed) if args.rate else None
+    target = f"rate {args.rate}/s" if args.rate else f"concurrency {concurrency}"
+    limit = " and ".join(
+        x
+        for x in (
+            f"{requests} requests" if requests else "",
+            f"{args.duration:g} s" if args.duration else "",
+        )
+        if x
+    )
+    return _Workload(
+        plan=plan,
+        planned=iter_requests([profile], model=model, seed=args.seed),
+        arrivals=poisson_arrivals(args.rate, seed=args.seed) if args.rate else None,
+        describe=f"bench: {plan.url}, model {model}, {target}, up to {limit}",
+        route=route_of(args.api),
+        model=model,
+    )
 
+
+def _replay_workload(args: argparse.Namespace, base: str, replay: Replay) -> _Workload:
+    from .client import RunPlan
+    from .workload import API_PATHS, route_of
+
+    apis = sorted(set(replay.apis))
+    routes = tuple(
+        (api, base + API_PATHS[api], _key_headers(api, _api_key(args, api))) for api in apis
+    )
+    plan = RunPlan(
+        url=routes[0][1] if routes else base + API_PATHS[args.api],
+        requests=len(replay.records),
+        concurrency=args.concurrency,
+        headers=routes[0][2] if routes else (),
+        scheduled=True,
+        routes=routes,
+    )
+    models = {args.model} if args.model else {r.model or DEFAULT_MODEL for r in replay.records}
+    start = (
+        f", recorded from {replay.trace.start:%Y-%m-%d %H:%M:%S %Z}" if replay.trace.start else ""
+    )
+    cap = f", at most {args.concurrency} in flight" if args.concurrency else ""
+    describe = (
+        f"bench: replaying {len(replay.records)} requests of {', '.join(replay.trace.paths)}"
+        f"{start} over {replay.span_s:.1f} s (speedup {args.speedup:g}{cap}) to {base} "
+        f"({', '.join(f'{api} {n}' for api, n in sorted(replay.api_counts().items()))}; "
+        f"blocks of {replay.block_size} tokens)"
+    )
+    return _Workload(
+        plan=plan,
+        planned=replay.requests(),
+        arrivals=replay.offsets,
+        describe=describe,
+        route=route_of(apis[0]) if len(apis) == 1 else None,
+        model=next(iter(models)) if len(models) == 1 else None,
+        replay=replay,
+    )
+
+
+def _load_replay(args: argparse.Namespace) -> tuple[Replay | None, str | None]:
+    from proxy.tracefile import TraceError, load
+
+    from .replay import ReplayOptions, plan
+
+    try:
+        trace = load(args.trace, block_size=args.block_size)
+        options = ReplayOptions(
+            speedup=args.speedup,
+            model=args.model,
+            default_model=DEFAULT_MODEL,
+            default_api=args.api,
+            default_max_tokens=args.max_tokens,
+            ignore_eos=args.ignore_eos,
+            seed=args.seed,
+            block_size=args.block_size,
+            requests=args.requests,
+            duration=args.duration,
+        )
+        replay = plan(trace, options)
+    except (TraceError, ValueError) as exc:
+        return None, f"--trace: {exc}"
+    if not replay.records:
+        return None, "--trace: no request to replay (check --requests and --duration)"
+    return replay, None
+
+
+async def _main(args: argparse.Namespace) -> int:
+    replay = None
+    if args.trace:
+        replay, problem = _load_replay(args)
+        if problem:
+            print(f"bench: {problem}", file=sys.stderr)
+            return 2
+    if args.simulate is not None:
+        from .whatif import KnobError, check_knobs, simulator
+
+        try:
+            knobs = check_knobs(args.simulate)
+        except KnobError as exc:
+            print(f"bench: {exc}", file=sys.stderr)
+            return 2
+        async with simulator(knobs) as url:
+            args.base_url = url
+            print(
+                f"bench: simulator at {url} ({args.simulate or 'default knobs'})", file=sys.stderr
+            )
+            return await _run(args, replay)
+    return await _run(args, replay)
+
+
+async def _run(args: argparse.Namespace, replay: Replay | None) -> int:
+    import httpx
+
+    from . import promscrape
+    from .client import make_client, run
+    from .stats import format_table, summarize
+
+    base = args.base_url.rstrip("/")
+    work = _replay_workload(args, base, replay) if replay else _synthetic_workload(args, base)
+    plan = work.plan
     metrics_url = (
         None if args.no_compare else (args.compare_metrics or promscrape.metrics_url_for(base))
     )
@@ -367,7 +574,7 @@ async def _main(args: argparse.Namespace) -> int:
         and _origin(metrics_url) == _origin(base)
     )
     before: Snapshot | None = None
-    async with make_client(concurrency, args.timeout) as http:
+    async with make_client(plan.concurrency, args.timeout) as http:
         if metrics_url:
             try:
                 before = await promscrape.scrape(http, metrics_url, scrape_key)
@@ -380,20 +587,11 @@ async def _main(args: argparse.Namespace) -> int:
                     print(f"bench: {metrics_url} has no llm_proxy_ metrics", file=sys.stderr)
                     return 2
                 before = None
-        target = f"rate {args.rate}/s" if args.rate else f"concurrency {concurrency}"
-        limit = " and ".join(
-            x
-            for x in (
-                f"{requests} requests" if requests else "",
-                f"{args.duration:g} s" if args.duration else "",
-            )
-            if x
-        )
-        print(f"bench: {plan.url}, model {args.model}, {target}, up to {limit}", file=sys.stderr)
-        progress = Progress(sys.stderr, requests, args.duration, enabled=not args.no_progress)
+        print(work.describe, file=sys.stderr)
+        progress = Progress(sys.stderr, plan.requests, plan.duration, enabled=not args.no_progress)
         try:
             outcome = await run(
-                plan, planned, arrivals=arrivals, client=http, on_result=progress.update
+                plan, work.planned, arrivals=work.arrivals, client=http, on_result=progress.update
             )
         finally:
             progress.close()
@@ -413,15 +611,33 @@ async def _main(args: argparse.Namespace) -> int:
         print(f"bench: first error: {failed.outcome}{status}: {failed.error}", file=sys.stderr)
     view = None
     extra: dict[str, Histogram] = {}
-    route = route_of(args.api)
     if before is not None and after is not None:
-        where = _proxy_filter(after, args.model, route)
-        view = promscrape.ProxyView.between(before, after, where)
-        extra = proxy_extra(before, after, where)
-        print(f"\nproxy's view ({metrics_url}) beside the client's:", file=out)
-        print(format_comparison(summary, outcome.results, view, extra, route), file=out)
+        if work.route is None:
+            print(
+                "\nproxy's view: not compared (the trace mixes APIs; the comparison is per route)",
+                file=out,
+            )
+        else:
+            where = _proxy_filter(after, work.model, work.route)
+            view = promscrape.ProxyView.between(before, after, where)
+            extra = proxy_extra(before, after, where)
+            print(f"\nproxy's view ({metrics_url}) beside the client's:", file=out)
+            print(format_comparison(summary, outcome.results, view, extra, work.route), file=out)
+    compared = None
+    if work.replay is not None:
+        from .replay import compare
+        from .replay import format_comparison as format_replay
+
+        upstream = (
+            base if args.simulate is None else f"the simulator ({args.simulate or 'defaults'})"
+        )
+        compared = compare(work.replay, outcome.results, upstream)
+        print("\nthe replay beside the trace:", file=out)
+        print(format_replay(compared), file=out)
     if args.json or args.report:
         payload = _payload(args, outcome.results, summary, view, extra)
+        if compared is not None and work.replay is not None:
+            payload["replay"] = {**compared, "scheduled_s": list(work.replay.offsets)}
         if args.json:
             _write_json(args.json, payload)
         if args.report:
@@ -442,11 +658,11 @@ def _read_run(path: str) -> tuple[dict[str, Any] | None, str | None]:
     return run, None
 
 
-def _proxy_filter(snapshot: Snapshot, model: str, route: str) -> promscrape.LabelFilter:
+def _proxy_filter(snapshot: Snapshot, model: str | None, route: str) -> promscrape.LabelFilter:
     """The route's series; only the bench's model's when the proxy labels it."""
     from . import promscrape
 
-    if any(
+    if model is not None and any(
         dict(labels).get("model") == model
         for name, labels in snapshot
         if name.startswith(promscrape.PREFIX)

@@ -34,12 +34,14 @@ Bodies are sent with ``Accept-Encoding: identity`` and read with ``aiter_raw`` s
 what is parsed is exactly what came off the socket.
 
 Two ways to pace a run: a fixed number of workers in a closed loop (``concurrency``),
-or an open loop of Poisson arrivals (``rate``, optionally capped by ``concurrency``).
+or an open loop of Poisson arrivals (``rate``) or of given arrival times (``scheduled``:
+a trace), optionally capped by ``concurrency``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import re
 import time
@@ -462,12 +464,36 @@ class RunPlan:
     concurrency: int | None = 8  # closed loop workers, or the cap with ``rate``
     rate: float | None = None  # open loop: Poisson arrivals per second
     headers: tuple[tuple[str, str], ...] = ()
+    scheduled: bool = False  # open loop at given arrival times (a trace), no rate
+    # (api, url, headers) for requests of other APIs than ``url``'s (a trace mixes them)
+    routes: tuple[tuple[str, str, tuple[tuple[str, str], ...]], ...] = ()
 
     def __post_init__(self) -> None:
         if self.requests is None and self.duration is None:
             raise ValueError("give a number of requests or a duration (or both)")
-        if self.rate is None and not self.concurrency:
-            raise ValueError("give a concurrency or a rate")
+        if self.rate is None and not self.concurrency and not self.scheduled:
+            raise ValueError("give a concurrency, a rate or a schedule")
+
+    @property
+    def open_loop(self) -> bool:
+        return self.rate is not None or self.scheduled
+
+
+LEAD_S = 0.2  # a request's task is started (its body built) this long before its send time
+
+
+async def _until(when: float, clock: Clock) -> None:
+    """Return at ``when`` on ``clock`` (pacing the workload, not waiting on a result).
+
+    A plain timer: yielding to the loop for the last millisecond or two instead
+    (measured on a loaded 2-core machine) moved the median send from 0.3 ms late to
+    0 but the 99th percentile from 4 ms to 7: a process that spins loses the
+    scheduler's favour for waking sleepers, and the tail is what a trace's bursts meet.
+    """
+    # Waiting on the clock itself, which no event can stand for; again when a timer
+    # fired early (uvloop's round to the millisecond).
+    while (delay := when - clock()) > 0:  # noqa: ASYNC110
+        await asyncio.sleep(delay)
 
 
 @dataclass(frozen=True, slots=True)
@@ -496,13 +522,18 @@ async def run(
 ) -> RunResult:
     """Send ``planned`` requests paced by ``plan``; return every result in send order.
 
-    ``arrivals`` (send offsets in seconds) is required when ``plan.rate`` is set.
+    ``arrivals`` (send offsets in seconds) is required in an open loop (``plan.rate``
+    or ``plan.scheduled``). Each request's body is taken from ``planned`` before the
+    wait for its send time, so building it (a long prompt) does not delay the send.
     Requests already sent when the duration runs out are awaited, not cancelled.
     """
     own_client = client is None
     http = client if client is not None else make_client(plan.concurrency)
     headers = dict(plan.headers)
+    per_api = {api: (url, dict(hdrs)) for api, url, hdrs in plan.routes}
     source: Iterator[PlannedRequest] = iter(planned)
+    if plan.open_loop:  # the first body is built before the clock starts: it is due at 0
+        source = itertools.chain(list(itertools.islice(source, 1)), source)
     results: list[RequestResult] = []
     sent = 0
     origin = clock()
@@ -515,14 +546,15 @@ async def run(
 
     async def one(item: PlannedRequest) -> None:
         nonlocal last_end
-        result = await send(http, plan.url, item, headers=headers, origin=origin, clock=clock)
+        url, hdrs = per_api.get(item.api, (plan.url, headers))
+        result = await send(http, url, item, headers=hdrs, origin=origin, clock=clock)
         last_end = max(last_end, clock())
         results.append(result)
         if on_result is not None:
             on_result(result)
 
     try:
-        if plan.rate is None:
+        if not plan.open_loop:
 
             async def worker() -> None:
                 nonlocal sent
@@ -538,11 +570,13 @@ async def run(
                 raise ValueError("a rate needs arrival times")
             cap = asyncio.Semaphore(plan.concurrency) if plan.concurrency else None
 
-            async def capped(item: PlannedRequest) -> None:
+            async def capped(item: PlannedRequest, due: float) -> None:
                 if cap is None:
+                    await _until(due, clock)
                     await one(item)
                     return
                 async with cap:
+                    await _until(due, clock)
                     await one(item)
 
             tasks: list[asyncio.Task[None]] = []
@@ -551,11 +585,15 @@ async def run(
                     break
                 if not more():
                     break
-                delay = origin + offset - clock()
-                if delay > 0:
-                    await asyncio.sleep(delay)  # pacing the workload, not waiting on a result
+                item = next(source, None)
+                if item is None:
+                    break
+                # The task starts early and waits for its own send time: it then sends
+                # in the callback its timer wakes, not one loop turn later, and a burst's
+                # bodies are built before the burst is due.
+                await _until(origin + offset - LEAD_S, clock)
                 sent += 1
-                tasks.append(asyncio.create_task(capped(next(source))))
+                tasks.append(asyncio.create_task(capped(item, origin + offset)))
             try:
                 await asyncio.gather(*tasks)
             finally:

@@ -21,7 +21,10 @@ What it shows, and how it is computed here (the page only draws):
 * decode rate per request (1 / TPOT) against reading pace (5 and 20 tokens/s);
 * errors by kind (client side), out of the requests sent, and the proxy's stream
   outcomes;
-* the run's settings.
+* the run's settings;
+* for a trace replay (``bench --trace``), the replay beside what the trace recorded:
+  the same table ``bench`` prints (:func:`proxy.bench.replay.comparison_rows`), its
+  headline and the notes on schedule and lengths.
 
 ``--compare`` draws the other run beside this one in every chart and table.
 """
@@ -59,6 +62,11 @@ _SETTINGS = (
     "reasoning",
     "seed",
     "timeout",
+    "trace",
+    "speedup",
+    "ignore_eos",
+    "block_size",
+    "simulate",
 )
 
 
@@ -190,7 +198,17 @@ def run_view(payload: dict[str, Any], name: str) -> dict[str, Any]:
         "errors": summary.error_kinds,
         "outcomes": proxy.get("outcomes") or {},
         "requests": summary.requests,
+        "replay": replay_view(payload.get("replay")),
     }
+
+
+def replay_view(cmp: dict[str, Any] | None) -> dict[str, Any] | None:
+    """What the page shows of a trace replay, or None for a run of another workload."""
+    if not cmp:
+        return None
+    from proxy.bench.replay import comparison_rows, notes
+
+    return {"headline": cmp["headline"], "rows": comparison_rows(cmp), "notes": notes(cmp)}
 
 
 def build(

@@ -23,6 +23,14 @@ fills only while a page polls: after the page was closed, the first points cover
 that changed: a collection reuses the previous one's arrays for every histogram that
 did not move, so an idle series costs a pointer per collection.
 
+The span the page leads with (its tiles, its table by upstream and model) is the last
+minute once the ring holds one (``span.kind == "minute"``), and since start until then
+(``"start"``, with ``figures.window`` None): a page opened during traffic shows figures
+at once, and says which they are, rather than a partial window labelled as a minute.
+Each point over time is a whole interval between two 5 s collections; the interval still
+running is not drawn (a rate or a percentile of its first second is noise, and its
+counts are short: the right-most point would drop toward zero).
+
 Percentiles are bucket estimates, by the same interpolation as PromQL's
 ``histogram_quantile`` (:mod:`proxy.buckets`), so the page, the demo, the bench and
 Grafana agree on what p99 means.
@@ -32,6 +40,25 @@ duration: queue time, proxy overhead (both counted from the proxy receiving the 
 the rest of the time to first token (the upstream's prefill and whatever precedes it),
 and decoding (duration minus time to first token). Means, because they add up; they are
 exact (``_sum / _count``), no bucket estimate involved.
+
+By upstream and model (``table``): one row per (upstream, model), per route too when more
+than one route has traffic, over the span, by requests. Decode rate is the median of
+1 / TPOT, tokens per second per stream as the bench reports it; since 1 / x is
+decreasing, that is 1 / (median TPOT), read from the TPOT histogram. Errors are the
+requests the upstream or the proxy failed: streams that ended in any outcome but
+``completed`` and the client's own (``client_disconnected``, ``client_stalled``), and
+requests not streamed that were answered 5xx (no outcome is recorded for those, and a
+4xx there cannot be told from the proxy refusing the request itself). Requests the
+proxy refused (``rejected``: bad key, too large, queue full) are not errors of the
+upstream and have no outcome. Missed cache is the prompt-cache doctor's
+``llm_proxy_prompt_cache_missed_tokens_total`` (prompt tokens an earlier prompt had
+sent that the provider's cache did not serve) over the prompt tokens; None, "not
+measured", while the registry has no sample of the doctor's counters.
+
+Panels: the answer is a few fixed fields and one entry per panel in :data:`PANELS`,
+each a function of a :class:`View` (one answer's collections, selection and span). A
+panel is added as a function and a line there, its section in ``static/ui.html`` and
+its drawing function in ``static/ui.js``'s ``PANELS``.
 """
 
 from __future__ import annotations
@@ -42,7 +69,7 @@ import threading
 import time
 from array import array
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import partial
 from operator import add, sub
@@ -66,19 +93,30 @@ SUMMED = (DURATION, QUEUE, OVERHEAD, PROMPT, CACHED, COMPLETION)  # only _sum an
 REQUESTS = "llm_proxy_requests_total"
 OUTCOMES = "llm_proxy_stream_outcomes_total"
 IN_FLIGHT = "llm_proxy_in_flight_requests"
+MISSED = "llm_proxy_prompt_cache_missed_tokens_total"  # the prompt-cache doctor's
+REPEATED = "llm_proxy_prompt_repeated_tokens_total"
 SELECTORS = ("route", "model", "upstream")
 
 READING_PACE_S = 0.2  # one token per 0.2 s: 5 tok/s, about reading pace
 FAST_S = 0.05  # 20 tok/s
 QUANTILES = (0.5, 0.9, 0.99)
+MINUTE, START = "minute", "start"  # the span the page leads with
 
 MIN_COLLECT_S = 0.5
 FINE_S, FINE_KEEP_S = 1.0, 61.0
 COARSE_S, COARSE_KEEP = 5.0, 60
 WINDOW_S = 60.0
+# The ring holds a minute once its oldest collection within WINDOW_S is at least this
+# old: collections are kept at most every FINE_S, so a page polling once a second
+# leaves gaps of up to two FINE_S.
+FULL_WINDOW_S = WINDOW_S - 2 * FINE_S
 _MEMO_MAX = 8  # aggregates and points remembered per collection: a few selections
+TABLE_MAX_ROWS = 60  # of the table by upstream and model; the rest are counted
 
 _OUTCOME_NAMES = tuple(str(o) for o in Outcome if o is not Outcome.REJECTED)
+_CLIENT_LEFT = (str(Outcome.CLIENT_DISCONNECTED), str(Outcome.CLIENT_STALLED))
+FAILED = tuple(o for o in _OUTCOME_NAMES if o != Outcome.COMPLETED and o not in _CLIENT_LEFT)
+NOT_STREAMED_5XX = "5xx, not streamed"  # the errors' other part, as the row names it
 _CODES = ("2xx", "3xx", "4xx", "5xx")
 # Scalars of one series, in this order in its array.
 _SCALARS: tuple[str, ...] = (
@@ -86,10 +124,13 @@ _SCALARS: tuple[str, ...] = (
     *(f"{name}_{part}" for name in SUMMED for part in ("sum", "count")),
     *(f"code_{c}" for c in (*_CODES, "other")),
     *(f"outcome_{o}" for o in (*_OUTCOME_NAMES, "other")),
+    "nonstream_5xx",
+    "missed_tokens",
+    "repeated_tokens",
 )
 _AT = {name: i for i, name in enumerate(_SCALARS)}
 SAMPLE_NAMES = frozenset(
-    [REQUESTS, OUTCOMES, IN_FLIGHT]
+    [REQUESTS, OUTCOMES, IN_FLIGHT, MISSED, REPEATED]
     + [f"{h}_{s}" for h in HISTOGRAMS for s in ("bucket", "sum", "count")]
     + [f"{h}_{s}" for h in SUMMED for s in ("sum", "count")]
 )
@@ -153,6 +194,7 @@ class Collection:
     t: float
     series: dict[Key, Series]
     in_flight: dict[str, float]  # by upstream
+    missed_measured: bool = False  # the registry has samples of the doctor's counters
     memo: dict[tuple[Any, ...], Any] = field(default_factory=dict)
 
     def remember(self, key: tuple[Any, ...], compute: Callable[[], Any]) -> Any:
@@ -187,6 +229,7 @@ class _Reader:
         self.hsums: dict[tuple[Key, str, str], float] = {}
         self.scalars: dict[Key, list[float]] = {}
         self.in_flight: dict[str, float] = {}
+        self.missed_measured = False
 
     def scalar(self, key: Key, name: str, value: float) -> None:
         row = self.scalars.get(key)
@@ -215,12 +258,17 @@ class _Reader:
             code = labels.get("code", "")
             klass = f"{code[0]}xx" if len(code) == 3 and code[0] in "2345" else "other"
             self.scalar(key, f"code_{klass}", value)
+            if klass == "5xx" and labels.get("stream") == "false":
+                self.scalar(key, "nonstream_5xx", value)
         elif name == OUTCOMES:
             outcome = labels.get("outcome", "")
             self.scalar(key, f"outcome_{outcome if outcome in _OUTCOME_NAMES else 'other'}", value)
         elif name == IN_FLIGHT:
             upstream = key[2]
             self.in_flight[upstream] = self.in_flight.get(upstream, 0.0) + value
+        elif name in (MISSED, REPEATED):
+            self.missed_measured = True
+            self.scalar(key, "missed_tokens" if name == MISSED else "repeated_tokens", value)
 
     def series(
         self, edges: dict[str, tuple[float, ...]], previous: dict[Key, Series]
@@ -289,7 +337,9 @@ class LiveData:
                     if sample.name in SAMPLE_NAMES:
                         reader.sample(sample.name, sample.labels, float(sample.value))
             previous = last.series if last is not None else {}
-            current = Collection(now, reader.series(self.edges, previous), reader.in_flight)
+            current = Collection(
+                now, reader.series(self.edges, previous), reader.in_flight, reader.missed_measured
+            )
             self.last = current
             if not self.fine or now - self.fine[-1].t >= FINE_S:
                 self.fine.append(current)
@@ -319,30 +369,21 @@ class LiveData:
                 raise BadSelection(
                     f"unknown {name} {want[:200]!r}; known: " + ", ".join(choices[name][:20])
                 )
-        base = self._window_base(now_c)
-        total = now_c.total(selection)
-        window_s = now_c.t - base.t
-        window = total.minus(base.total(selection)) if window_s > 0 else None
-        up = now_c.t - self.started
-        upstream = selection[2]
-        in_flight = sum(v for k, v in now_c.in_flight.items() if not upstream or k == upstream)
-        return {
+        view = View(self, now_c, self._window_base(now_c), selection)
+        answer: dict[str, Any] = {
             "generated_ms": round(self.wall_clock() * 1000),
-            "uptime_s": up,
+            "uptime_s": view.uptime_s,
             "selection": dict(zip(SELECTORS, selection, strict=True)),
             "choices": choices,
-            "window_s": window_s,
+            "window_s": view.window_s,
+            "span": view.span(),
             "refresh_s": FINE_S,
-            "figures": {
-                "window": self._figures(window, window_s) if window is not None else None,
-                "total": self._figures(total, up),
-            },
-            "hist": {name: self._histogram(name, window, total) for name in (TTFT, ITL)},
-            "series": self._over_time(selection, now_c),
-            "in_flight": in_flight,
             "slow": slow or [],
             "bands": {"reading_pace_s": READING_PACE_S, "fast_s": FAST_S},
         }
+        for name, panel in PANELS:
+            answer[name] = panel(view)
+        return answer
 
     def _window_base(self, now_c: Collection) -> Collection:
         for collection in list(self.fine):  # a copy: other threads may append
@@ -350,14 +391,12 @@ class LiveData:
                 return collection
         return now_c
 
-    # -- figures ---------------------------------------------------------------------
-
-    def _dist(self, series: Series, name: str) -> dict[str, Any] | None:
-        values = series.hists.get(name)
-        edges = self.edges.get(name)
-        if values is None or edges is None or values[-1] <= 0:
+    def dist(self, series: Series, name: str) -> dict[str, Any] | None:
+        """Count, mean and bucket percentiles of histogram ``name`` in ``series``."""
+        pairs = self.pairs(series, name)
+        if pairs is None:
             return None
-        pairs = list(zip(edges, values[:-2], strict=True))
+        values = series.hists[name]
         count, total = values[-1], values[-2]
         out: dict[str, Any] = {"n": count, "mean": total / count}
         for q in QUANTILES:
@@ -367,87 +406,230 @@ class LiveData:
             out["above_fast"] = _finite(fraction_at_most(FAST_S, pairs))
         return out
 
-    def _figures(self, s: Series, seconds: float) -> dict[str, Any]:
-        def mean(name: str) -> float | None:
-            count = s.get(f"{name}_count")
-            return s.get(f"{name}_sum") / count if count > 0 else None
+    def pairs(self, series: Series, name: str) -> list[tuple[float, float]] | None:
+        """Histogram ``name``'s cumulative ``(le, count)`` pairs; None without observations."""
+        values = series.hists.get(name)
+        edges = self.edges.get(name)
+        if values is None or edges is None or values[-1] <= 0:
+            return None
+        return list(zip(edges, values[:-2], strict=True))
 
-        ttft = self._dist(s, TTFT)
-        prompt = s.get(f"{PROMPT}_sum")
+    def quantile(self, series: Series, name: str, q: float) -> float | None:
+        pairs = self.pairs(series, name)
+        return None if pairs is None else _finite(histogram_quantile(q, pairs))
+
+
+class View:
+    """One answer as its panels read it: the collection now, the one the last minute
+    starts from, the selection, and the span the page leads with (module docstring)."""
+
+    __slots__ = ("base", "data", "minute", "now", "selection", "total", "window")
+
+    def __init__(self, data: LiveData, now: Collection, base: Collection, selection: Selection):
+        self.data, self.now, self.base, self.selection = data, now, base, selection
+        self.minute = now.t - base.t >= FULL_WINDOW_S
+        self.total = now.total(selection)
+        self.window = self.total.minus(base.total(selection)) if self.minute else None
+
+    @property
+    def uptime_s(self) -> float:
+        return self.now.t - self.data.started
+
+    @property
+    def window_s(self) -> float:
+        return self.now.t - self.base.t
+
+    def span(self) -> dict[str, Any]:
+        if self.minute:
+            return {"kind": MINUTE, "label": "last minute", "seconds": self.window_s}
         return {
-            "seconds": seconds,
-            "requests": s.get("requests"),
-            "requests_per_s": s.get("requests") / seconds if seconds > 0 else None,
-            "output_tokens": s.get(f"{COMPLETION}_sum"),
-            "output_tokens_per_s": s.get(f"{COMPLETION}_sum") / seconds if seconds > 0 else None,
-            "cache_hit_ratio": s.get(f"{CACHED}_sum") / prompt if prompt > 0 else None,
-            "ttft": ttft,
-            "ttfa": self._dist(s, TTFA),
-            "itl": self._dist(s, ITL),
-            "tpot": self._dist(s, TPOT),
-            "outcomes": {o: v for o in (*_OUTCOME_NAMES, "other") if (v := s.get(f"outcome_{o}"))},
-            "codes": {c: v for c in (*_CODES, "other") if (v := s.get(f"code_{c}"))},
-            "time": _time_split(
-                mean(DURATION), mean(QUEUE), mean(OVERHEAD), ttft["mean"] if ttft else None
-            ),
+            "kind": START,
+            "label": "since start",
+            "seconds": self.uptime_s,
+            "minute_in_s": max(FULL_WINDOW_S - self.window_s, 0.0),
         }
 
-    def _histogram(self, name: str, window: Series | None, total: Series) -> dict[str, Any]:
-        edges = self.edges.get(name, ())
 
-        def per_bucket(series: Series | None) -> list[float] | None:
-            values = series.hists.get(name) if series is not None else None
-            if values is None:
-                return None
-            counts = values[:-2]
-            return [c - (counts[i - 1] if i else 0.0) for i, c in enumerate(counts)]
-
-        return {
-            "edges": [e for e in edges if math.isfinite(e)],
-            "window": per_bucket(window),
-            "total": per_bucket(total),
-        }
-
-    def _over_time(self, selection: Selection, now_c: Collection) -> dict[str, Any]:
-        """Points every ``COARSE_S`` over the ring, the last one up to now; ``None``
-        where the ring has a gap (no page polled), so the lines break there."""
-        points: list[Collection] = list(self.coarse)
-        if points and points[-1] is not now_c and now_c.t - points[-1].t >= FINE_S:
-            points.append(now_c)
-        out: dict[str, list[Any]] = {"t": []}
-        keys = [f"{h}.p{round(q * 100)}" for h in ("ttft", "ttfa", "itl") for q in QUANTILES]
-        for k in (*keys, "requests_per_s", "output_tokens_per_s"):
-            out[k] = []
-        for before, after in _pairs(points):
-            point = after.remember(
-                ("point", selection, before.t), partial(self._point, selection, before, after)
-            )
-            if after.t - before.t > 2.5 * COARSE_S:  # a gap: break the lines
-                out["t"].append(before.t - now_c.t + COARSE_S)
-                for k in out:
-                    if k != "t":
-                        out[k].append(None)
-            out["t"].append(after.t - now_c.t)
-            for k, v in point.items():
-                out[k].append(v)
-        return out
-
-    def _point(self, selection: Selection, before: Collection, after: Collection) -> dict[str, Any]:
-        d = after.total(selection).minus(before.total(selection))
-        seconds = after.t - before.t
-        point: dict[str, Any] = {}
-        for short, name in (("ttft", TTFT), ("ttfa", TTFA), ("itl", ITL)):
-            dist = self._dist(d, name)
-            for q in QUANTILES:
-                p = f"p{round(q * 100)}"
-                point[f"{short}.{p}"] = dist[p] if dist else None
-        point["requests_per_s"] = d.get("requests") / seconds
-        point["output_tokens_per_s"] = d.get(f"{COMPLETION}_sum") / seconds
-        return point
+# ---------------------------------------------------------------------------------------
+# Panels: one function of a View each, listed in PANELS (module docstring).
 
 
-def _pairs(items: list[Collection]) -> Iterator[tuple[Collection, Collection]]:
-    return itertools.pairwise(items)
+def figures(view: View) -> dict[str, Any]:
+    """Tiles, percentiles, outcomes, where the time goes: the last minute (None until the
+    ring holds one) and since start."""
+    window = view.window
+    return {
+        "window": _figures(view.data, window, view.window_s) if window is not None else None,
+        "total": _figures(view.data, view.total, view.uptime_s),
+    }
+
+
+def histograms(view: View) -> dict[str, Any]:
+    """TTFT and ITL counts per bucket."""
+    return {name: _histogram(view.data, name, view.window, view.total) for name in (TTFT, ITL)}
+
+
+def in_flight(view: View) -> float:
+    """Requests in flight now, of the selected upstream (the gauge has no other label)."""
+    upstream = view.selection[2]
+    return sum(v for k, v in view.now.in_flight.items() if not upstream or k == upstream)
+
+
+def over_time(view: View) -> dict[str, Any]:
+    """Points every ``COARSE_S`` over the ring, each a whole interval between two of its
+    collections (the one still running is left out); ``None`` where the ring has a gap
+    (no page polled), so the lines break there."""
+    now_t, selection = view.now.t, view.selection
+    # (a copy, without what another thread's answer collected since this one's)
+    points = [c for c in list(view.data.coarse) if c.t <= now_t]
+    out: dict[str, list[Any]] = {"t": []}
+    keys = [f"{h}.p{round(q * 100)}" for h in ("ttft", "ttfa", "itl") for q in QUANTILES]
+    for k in (*keys, "requests_per_s", "output_tokens_per_s"):
+        out[k] = []
+    for before, after in itertools.pairwise(points):
+        point = after.remember(
+            ("point", selection, before.t), partial(_point, view.data, selection, before, after)
+        )
+        if after.t - before.t > 2.5 * COARSE_S:  # a gap: break the lines
+            out["t"].append(before.t - now_t + COARSE_S)
+            for k in out:
+                if k != "t":
+                    out[k].append(None)
+        out["t"].append(after.t - now_t)
+        for k, v in point.items():
+            out[k].append(v)
+    return out
+
+
+def by_upstream(view: View) -> dict[str, Any]:
+    """One row per (upstream, model), and route when more than one has traffic, over the
+    span, whatever is selected (it is how one selects); the most requests first."""
+    key = ("table", view.base.t if view.minute else None)
+    found: dict[str, Any] = view.now.remember(key, partial(_table, view))
+    return found
+
+
+PANELS: tuple[tuple[str, Callable[[View], Any]], ...] = (
+    ("figures", figures),
+    ("hist", histograms),
+    ("series", over_time),
+    ("in_flight", in_flight),
+    ("table", by_upstream),
+)
+
+
+def _figures(data: LiveData, s: Series, seconds: float) -> dict[str, Any]:
+    def mean(name: str) -> float | None:
+        count = s.get(f"{name}_count")
+        return s.get(f"{name}_sum") / count if count > 0 else None
+
+    ttft = data.dist(s, TTFT)
+    prompt = s.get(f"{PROMPT}_sum")
+    return {
+        "seconds": seconds,
+        "requests": s.get("requests"),
+        "requests_per_s": s.get("requests") / seconds if seconds > 0 else None,
+        "output_tokens": s.get(f"{COMPLETION}_sum"),
+        "output_tokens_per_s": s.get(f"{COMPLETION}_sum") / seconds if seconds > 0 else None,
+        "cache_hit_ratio": s.get(f"{CACHED}_sum") / prompt if prompt > 0 else None,
+        "ttft": ttft,
+        "ttfa": data.dist(s, TTFA),
+        "itl": data.dist(s, ITL),
+        "tpot": data.dist(s, TPOT),
+        "outcomes": {o: v for o in (*_OUTCOME_NAMES, "other") if (v := s.get(f"outcome_{o}"))},
+        "codes": {c: v for c in (*_CODES, "other") if (v := s.get(f"code_{c}"))},
+        "time": _time_split(
+            mean(DURATION), mean(QUEUE), mean(OVERHEAD), ttft["mean"] if ttft else None
+        ),
+    }
+
+
+def _histogram(data: LiveData, name: str, window: Series | None, total: Series) -> dict[str, Any]:
+    edges = data.edges.get(name, ())
+
+    def per_bucket(series: Series | None) -> list[float] | None:
+        values = series.hists.get(name) if series is not None else None
+        if values is None:
+            return None
+        counts = values[:-2]
+        return [c - (counts[i - 1] if i else 0.0) for i, c in enumerate(counts)]
+
+    return {
+        "edges": [e for e in edges if math.isfinite(e)],
+        "window": per_bucket(window),
+        "total": per_bucket(total),
+    }
+
+
+def _point(
+    data: LiveData, selection: Selection, before: Collection, after: Collection
+) -> dict[str, Any]:
+    d = after.total(selection).minus(before.total(selection))
+    seconds = after.t - before.t
+    point: dict[str, Any] = {}
+    for short, name in (("ttft", TTFT), ("ttfa", TTFA), ("itl", ITL)):
+        dist = data.dist(d, name)
+        for q in QUANTILES:
+            p = f"p{round(q * 100)}"
+            point[f"{short}.{p}"] = dist[p] if dist else None
+    point["requests_per_s"] = d.get("requests") / seconds
+    point["output_tokens_per_s"] = d.get(f"{COMPLETION}_sum") / seconds
+    return point
+
+
+def _table(view: View) -> dict[str, Any]:
+    before = view.base.series if view.minute else {}
+    moved: dict[Key, Series] = {}
+    for key, series in view.now.series.items():
+        old = before.get(key)
+        change = series.minus(old) if old is not None else series
+        if change.get("requests") > 0:
+            moved[key] = change
+    by_route = len({key[0] for key in moved}) > 1
+    rows: dict[Key, Series] = {}
+    for (route, model, upstream), change in moved.items():
+        key = (route if by_route else "", model, upstream)
+        found = rows.get(key)
+        rows[key] = change if found is None else found.plus(change)
+    ordered = sorted(
+        rows.items(), key=lambda kv: (-kv[1].get("requests"), kv[0][2], kv[0][1], kv[0][0])
+    )
+    return {
+        "by_route": by_route,
+        "missed_measured": view.now.missed_measured,
+        "rows": [_row(view, key, s) for key, s in ordered[:TABLE_MAX_ROWS]],
+        "more": max(len(ordered) - TABLE_MAX_ROWS, 0),
+    }
+
+
+def _row(view: View, key: Key, s: Series) -> dict[str, Any]:
+    route, model, upstream = key
+    q = partial(view.data.quantile, s)
+    requests = s.get("requests")
+    tpot = q(TPOT, 0.5)
+    errors_by = {o: v for o in FAILED if (v := s.get(f"outcome_{o}"))}
+    if not_streamed := s.get("nonstream_5xx"):
+        errors_by[NOT_STREAMED_5XX] = not_streamed
+    errors = math.fsum(errors_by.values())
+    prompt = s.get(f"{PROMPT}_sum")
+    missed = s.get("missed_tokens") if view.now.missed_measured else None
+    return {
+        "route": route,
+        "model": model,
+        "upstream": upstream,
+        "requests": requests,
+        "ttft_p50": q(TTFT, 0.5),
+        "ttft_p95": q(TTFT, 0.95),
+        "ttfa_p50": q(TTFA, 0.5),
+        "itl_p50": q(ITL, 0.5),
+        "decode_tok_s": 1.0 / tpot if tpot else None,  # median of 1 / TPOT
+        "errors": errors,
+        "error_share": errors / requests,
+        "errors_by": errors_by,
+        "missed_cache": missed / prompt if missed is not None and prompt > 0 else None,
+        "missed_tokens": missed,
+        "prompt_tokens": prompt,
+    }
 
 
 def _finite(value: float) -> float | None:

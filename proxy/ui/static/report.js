@@ -137,6 +137,28 @@
     $("#errors-note").textContent = sent.join(" ");
   }
 
+  function replay() {
+    const shown = runs.filter((run) => run.replay);
+    if (!shown.length) return;
+    const host = $("#replay");
+    shown.forEach((run) => {
+      const title = document.createElement("p");
+      title.className = "headline";
+      title.textContent = named(run, run.replay.headline);
+      const table = document.createElement("table");
+      table.dataset.replay = run.name;
+      run.replay.rows.forEach((cells, r) => {
+        const heading = r === 0 || (cells[1] === "" && cells[2] === "");
+        table.appendChild(row(cells, heading ? "th" : "td"));
+      });
+      const lines = document.createElement("pre");
+      lines.className = "note";
+      lines.textContent = run.replay.notes.join("\n");
+      host.append(title, table, lines);
+    });
+    $("#replay-card").hidden = false;
+  }
+
   function settings() {
     const keys = [...new Set(runs.flatMap((r) => Object.keys(r.settings)))];
     const table = $("#settings");
@@ -146,6 +168,6 @@
 
   const first = runs[0].settings;
   $("#subtitle").textContent = `${first.base_url || ""} · ${first.api || "chat"} · model ${first.model || "?"}` + (runs.length > 1 ? ` · compared with ${runs[1].name}` : "");
-  tables(); cdf("ttft"); cdf("itl"); prefill(); decode(); versus(); errors(); settings();
+  replay(); tables(); cdf("ttft"); cdf("itl"); prefill(); decode(); versus(); errors(); settings();
   document.body.dataset.ready = "1";
 })();

@@ -1,24 +1,45 @@
 // The live page: polls /ui/data (same origin) every refresh_s seconds while visible and
 // draws what the proxy computed. Every figure is the server's; this file only formats.
+// Panels: one function each, taking the data and drawing into its section of ui.html,
+// listed in PANELS (its data comes from the panel of the same name in data.py).
 "use strict";
 (() => {
   const $ = (sel) => document.querySelector(sel);
   const sels = ["route", "model", "upstream"];
   let refreshes = 0, timer = null, inflight = false;
 
-  const ms = (v) => (v === null || v === undefined ? "–" : v * 1000 < 100 ? (v * 1000).toFixed(1) : (v * 1000).toFixed(0));
-  const num = (v, d) => (v === null || v === undefined ? "–" : v.toFixed(d || 0));
-  const pct = (v) => (v === null || v === undefined ? "–" : (100 * v).toFixed(0) + "%");
+  const ms = (v) => (v == null ? "–" : v * 1000 < 100 ? (v * 1000).toFixed(1) : (v * 1000).toFixed(0));
+  const num = (v, d) => (v == null ? "–" : v.toFixed(d || 0));
+  const pct = (v, d) => (v == null ? "–" : (100 * v).toFixed(d || 0) + "%");
+  const part = (v) => pct(v, v > 0 && v < 0.1 ? 1 : 0);
   const axisMs = (v) => (v * 1000 < 10 && v > 0 ? (v * 1000).toFixed(1) : (v * 1000).toFixed(0)) + " ms";
   const edgeLabel = (e) => (e < 1 ? `${+(e * 1000).toFixed(1)}ms` : `${+e.toFixed(2)}s`);
 
+  const make = (tag) => document.createElement(tag);
   function cell(tr, text, key, tag) {
-    const td = document.createElement(tag || "td");
+    const td = make(tag || "td");
     td.textContent = text;
     if (key) td.dataset.k = key;
     tr.appendChild(td);
     return td;
   }
+  // A row of headers; a row of one cell across the table.
+  function header(names) {
+    const tr = make("tr");
+    for (const c of names) cell(tr, c, null, "th");
+    return tr;
+  }
+  function line(text, span) {
+    const tr = make("tr");
+    cell(tr, text).colSpan = span;
+    return tr;
+  }
+
+  // The spans shown, [figures key, label]: the last minute once the proxy has one, and
+  // since start; only since start until then. The first is the one the page leads with.
+  const spans = (d) => (d.figures.window ? [["window", d.span.label], ["total", "since start"]] : [["total", "since start"]]);
+  const spanTitle = (d) => spans(d).map((s) => s[1]).join(" and ") +
+    (d.figures.window ? "" : `; the last minute in ${Math.ceil(d.span.minute_in_s)} s`);
 
   function selection() {
     const q = new URLSearchParams();
@@ -38,52 +59,54 @@
     }
   }
 
+  function tile(value, key, label, since) {
+    const div = make("div"), b = make("b"), span = make("span");
+    div.className = "tile";
+    b.textContent = value;
+    b.dataset.k = key;
+    span.textContent = label;
+    div.append(b, span);
+    if (since) {
+      const more = make("span"), i = make("i");
+      [i.textContent, i.dataset.k] = since;
+      more.append("since start ", i);
+      div.append(more);
+    }
+    return div;
+  }
+
   function tiles(d) {
-    const w = d.figures.window, t = d.figures.total;
+    const [k, span] = spans(d)[0], f = d.figures[k], t = d.figures.total;
     const items = [
-      ["requests/s", num(w && w.requests_per_s, 2), "window.requests_per_s", `since start ${num(t.requests_per_s, 2)}`],
-      ["output tokens/s", num(w && w.output_tokens_per_s, 0), "window.output_tokens_per_s", `since start ${num(t.output_tokens_per_s, 0)}`],
-      ["in flight", num(d.in_flight), "in_flight", "now, every route"],
-      ["cache hit ratio", pct(w && w.cache_hit_ratio), "window.cache_hit_ratio", `since start ${pct(t.cache_hit_ratio)}`],
-      ["below reading pace", pct(w && w.tpot && w.tpot.below_reading_pace), "window.tpot.below_reading_pace", "streams under 5 tok/s"],
-      ["requests", num(t.requests), "total.requests", `last minute ${num(w && w.requests)}`],
-    ];
-    $("#tiles").replaceChildren(...items.map(([name, value, key, sub]) => {
-      const div = document.createElement("div");
-      div.className = "tile";
-      const b = document.createElement("b");
-      b.textContent = value;
-      b.dataset.k = key;
-      const label = document.createElement("span");
-      label.textContent = `${name} · ${sub}`;
-      div.append(b, label);
-      return div;
-    }));
+      ["requests/s", (x) => num(x.requests_per_s, 2), "requests_per_s"],
+      ["output tokens/s", (x) => num(x.output_tokens_per_s, 0), "output_tokens_per_s"],
+      ["cache hit ratio", (x) => pct(x.cache_hit_ratio), "cache_hit_ratio"],
+      ["streams below reading pace (5 tok/s)", (x) => pct(x.tpot && x.tpot.below_reading_pace), "tpot.below_reading_pace"],
+      ["requests", (x) => num(x.requests), "requests"],
+    ].map(([name, fmt, key]) => tile(fmt(f), `${k}.${key}`, `${name} · ${span}`, k === "total" ? null : [fmt(t), `total.${key}`]));
+    items.splice(2, 0, tile(num(d.in_flight), "in_flight", "in flight · now, every route and model"));
+    $("#tiles").replaceChildren(...items);
   }
 
   function percentiles(d) {
-    const table = $("#pct");
-    const head = document.createElement("tr");
-    cell(head, "", null, "th");
-    for (const span of ["last minute", "since start"]) {
-      for (const c of ["n", "p50 ms", "p90 ms", "p99 ms", "mean ms"]) cell(head, `${c}`, null, "th").title = span;
+    $("#window-label").textContent = `(${spanTitle(d)})`;
+    const head = header([""]), top = header([""]);
+    for (const [, label] of spans(d)) {
+      cell(top, label, null, "th").colSpan = 5;
+      for (const c of ["n", "p50 ms", "p90 ms", "p99 ms", "mean ms"]) cell(head, c, null, "th").title = label;
     }
-    const spans = document.createElement("tr");
-    cell(spans, "", null, "th");
-    const a = cell(spans, "last minute", null, "th"); a.colSpan = 5;
-    const b = cell(spans, "since start", null, "th"); b.colSpan = 5;
-    const rows = [spans, head];
+    const rows = [top, head];
     for (const [label, key] of [["TTFT", "ttft"], ["first answer", "ttfa"], ["ITL", "itl"], ["TPOT", "tpot"]]) {
-      const tr = document.createElement("tr");
+      const tr = make("tr");
       cell(tr, label);
-      for (const span of ["window", "total"]) {
-        const f = d.figures[span] && d.figures[span][key];
+      for (const [span] of spans(d)) {
+        const f = d.figures[span][key];
         cell(tr, f ? num(f.n) : "0", `${span}.${key}.n`);
         for (const p of ["p50", "p90", "p99", "mean"]) cell(tr, f ? ms(f[p]) : "–", `${span}.${key}.${p}`);
       }
       rows.push(tr);
     }
-    table.replaceChildren(...rows);
+    $("#pct").replaceChildren(...rows);
   }
 
   function overTime(d) {
@@ -123,17 +146,16 @@
           bands.push({ from: slow + 1, to: labels.length - 1, cls: "slow", label: "< 5 tok/s: slower than reading" });
         }
       }
-      Charts.bars(document.querySelector(`[data-chart=${name}-hist]`), labels, [
-        { name: "last minute", cls: "s0", values: shares(h.window) },
-        { name: "since start", cls: "s4", values: shares(h.total) },
-      ], { yfmt: (v) => `${Math.round(v * 100)}%`, bands });
+      Charts.bars(document.querySelector(`[data-chart=${name}-hist]`), labels,
+        spans(d).map(([k, label]) => ({ name: label, cls: k === "window" ? "s0" : "s4", values: shares(h[k]) })),
+        { yfmt: (v) => `${Math.round(v * 100)}%`, bands });
     }
   }
 
   function timeSplit(d) {
     const rows = [];
-    for (const [label, span] of [["last minute", "window"], ["since start", "total"]]) {
-      const f = d.figures[span], split = f && f.time;
+    for (const [span, label] of spans(d)) {
+      const split = d.figures[span].time;
       if (!split) continue;
       const p = split.parts_s;
       rows.push({ label: `${label} (${ms(split.request_s)} ms)`, parts: [
@@ -147,31 +169,58 @@
   }
 
   function outcomes(d) {
-    const w = (d.figures.window && d.figures.window.outcomes) || {}, t = d.figures.total.outcomes;
-    const names = [...new Set([...Object.keys(t), ...Object.keys(w)])];
-    const head = document.createElement("tr");
-    for (const c of ["stream outcome", "last minute", "since start"]) cell(head, c, null, "th");
-    const rows = [head, ...names.map((n) => {
-      const tr = document.createElement("tr");
+    const sp = spans(d), t = d.figures.total;
+    const names = [...new Set(sp.flatMap(([k]) => Object.keys(d.figures[k].outcomes)))];
+    const rows = [header(["stream outcome", ...sp.map((s) => s[1])]), ...names.map((n) => {
+      const tr = make("tr");
       cell(tr, n).className = n === "completed" ? "" : "bad";
-      cell(tr, num(w[n] || 0), `window.outcomes.${n}`);
-      cell(tr, num(t[n] || 0), `total.outcomes.${n}`);
+      for (const [k] of sp) cell(tr, num(d.figures[k].outcomes[n] || 0), `${k}.outcomes.${n}`);
       return tr;
     })];
-    const codes = d.figures.total.codes;
-    const tr = document.createElement("tr");
+    const tr = make("tr");
     cell(tr, "HTTP status, since start");
-    const td = cell(tr, Object.entries(codes).map(([k, v]) => `${k} ${num(v)}`).join(", ") || "–");
-    td.colSpan = 2;
+    cell(tr, Object.entries(t.codes).map(([k, v]) => `${k} ${num(v)}`).join(", ") || "–").colSpan = sp.length;
     rows.push(tr);
     $("#outcomes").replaceChildren(...rows);
   }
 
+  const TIPS = {
+    "decode tok/s": "Output tokens/s per stream after its first token: median of 1 / TPOT",
+    errors: "Requests the upstream or the proxy failed: streams that ended other than completed or the client leaving (client_disconnected, client_stalled), and requests not streamed answered 5xx; not the proxy's refusals (rejected)",
+    "missed cache": "Prompt tokens sent before that the provider's cache did not serve, as a share of prompt tokens (the prompt-cache doctor's)",
+  };
+
+  function byUpstream(d) {
+    const t = d.table, on = d.selection;
+    $("#by-span").textContent = `(${spans(d)[0][1]})`;
+    const names = ["upstream", "model", ...(t.by_route ? ["route"] : [])];
+    const cols = [...names, "requests", "TTFT p50 ms", "TTFT p95 ms", "first answer p50 ms", "ITL p50 ms", "decode tok/s", "errors", "missed cache"];
+    const head = header(cols);
+    for (const th of head.children) Object.assign(th, { title: TIPS[th.textContent] || "", className: names.includes(th.textContent) ? "l" : "" });
+    const rows = [head, ...t.rows.map((r) => {
+      const tr = make("tr");
+      const pick = { route: t.by_route ? r.route : "", model: r.model, upstream: r.upstream };
+      tr.className = sels.every((s) => on[s] === pick[s]) ? "pick on" : "pick";
+      tr.tabIndex = 0;
+      tr.onclick = () => choose(pick);
+      tr.onkeydown = (e) => { if (e.key === "Enter") choose(pick); };
+      for (const s of names) cell(tr, r[s]).className = "l";
+      for (const v of [num(r.requests), ms(r.ttft_p50), ms(r.ttft_p95), ms(r.ttfa_p50), ms(r.itl_p50), num(r.decode_tok_s, r.decode_tok_s < 10 ? 1 : 0)]) cell(tr, v);
+      const e = cell(tr, r.errors ? `${num(r.errors)} (${part(r.error_share)})` : "0");
+      e.title = Object.entries(r.errors_by).map(([k, v]) => `${k}: ${num(v)}`).join("\n") || TIPS.errors;
+      if (r.errors) e.className = "bad";
+      cell(tr, t.missed_measured ? part(r.missed_cache) : "–").title =
+        t.missed_measured ? `${num(r.missed_tokens)} of ${num(r.prompt_tokens)} prompt tokens` : "not measured";
+      return tr;
+    })];
+    const tail = t.rows.length ? (t.more ? `and ${t.more} more` : "") : "no requests";
+    if (tail) rows.push(line(tail, cols.length));
+    $("#by").replaceChildren(...rows);
+  }
+
   function slow(d) {
-    const head = document.createElement("tr");
-    for (const c of ["request id", "route", "model", "TTFT ms", "first answer ms", "total ms", "prompt tok", "cached", "output tok", "outcome", "ago"]) cell(head, c, null, "th");
-    const rows = [head, ...d.slow.map((r) => {
-      const tr = document.createElement("tr");
+    const rows = [header(["request id", "route", "model", "TTFT ms", "first answer ms", "total ms", "prompt tok", "cached", "output tok", "outcome", "ago"]), ...d.slow.map((r) => {
+      const tr = make("tr");
       cell(tr, r.request_id).className = "id";
       cell(tr, r.route); cell(tr, r.model);
       cell(tr, ms(r.ttft_s)); cell(tr, ms(r.ttfa_s)); cell(tr, ms(r.duration_s));
@@ -180,15 +229,16 @@
       cell(tr, `${Math.round(r.ago_s)} s`);
       return tr;
     })];
-    if (!d.slow.length) { const tr = document.createElement("tr"); cell(tr, "none in the last minute").colSpan = 11; rows.push(tr); }
+    if (!d.slow.length) rows.push(line("none in the last minute", 11));
     $("#slow").replaceChildren(...rows);
   }
+
+  const PANELS = [tiles, byUpstream, percentiles, overTime, histograms, timeSplit, outcomes, slow];
 
   function draw(d) {
     fillSelectors(d.choices, d.selection);
     const up = Math.round(d.uptime_s);
-    $("#window-label").textContent = d.figures.window ? `(last ${Math.round(d.window_s)} s and since start)` : "(since start; the last minute fills while this page is open)";
-    tiles(d); percentiles(d); overTime(d); histograms(d); timeSplit(d); outcomes(d); slow(d);
+    for (const panel of PANELS) panel(d);
     refreshes += 1;
     document.body.dataset.refreshes = String(refreshes);
     document.body.dataset.generated = String(d.generated_ms);
@@ -197,11 +247,27 @@
     $("#status").className = "muted";
   }
 
+  // A new selection: in the URL (a link to this view), then its figures.
+  function changed() {
+    const q = selection().toString();
+    history.replaceState(null, "", location.pathname + (q ? "?" + q : ""));
+    refresh();
+  }
+
+  function choose(pick) {
+    for (const s of sels) {
+      const box = $("#" + s), v = pick[s];
+      if (![...box.options].some((o) => o.value === v)) box.add(new Option(v, v));
+      box.value = v;
+    }
+    changed();
+  }
+
   async function refresh() {
     if (inflight) return;
     inflight = true;
+    const q = selection().toString();
     try {
-      const q = selection().toString();
       const r = await fetch(location.pathname.replace(/\/?$/, "/data") + (q ? "?" + q : ""), { cache: "no-store" });
       const body = await r.json();
       if (!r.ok) {
@@ -213,12 +279,13 @@
         }
         return;
       }
-      draw(body);
+      if (q === selection().toString()) draw(body);  // else chosen meanwhile: asked again below
     } catch (e) {
       $("#status").textContent = `no answer from the proxy (${e.message}); retrying`;
       $("#status").className = "bad";
     } finally {
       inflight = false;
+      if (q !== selection().toString()) refresh();
     }
   }
 
@@ -232,10 +299,7 @@
     const v = start.get(s);
     if (v) $("#" + s).replaceChildren(new Option("all", ""), new Option(v, v));
     $("#" + s).value = v || "";
-    $("#" + s).addEventListener("change", () => {
-      history.replaceState(null, "", "?" + selection().toString());
-      refresh();
-    });
+    $("#" + s).addEventListener("change", changed);
   }
   document.addEventListener("visibilitychange", () => { schedule(1); if (!document.hidden) refresh(); });
   schedule(1);

@@ -1,0 +1,423 @@
+"""``llm-latency-proxy trace``: look at a trace, cut a window, scale its rate, anonymise it,
+merge files into one.
+
+Every sub-command reads one or more files (globs too: ``'trace.jsonl.*'``) as one
+trace (:func:`proxy.tracefile.load`: aligned by their ``trace_start``, ids kept apart
+unless the files share a ``trace_id``) and, except ``info``, writes one standard file
+(``-o FILE``, stdout by default): ids renumbered small in order of first appearance,
+the metadata on the first line, a new ``trace_id`` (the renumbered ids no longer
+match the source's). Requests are written in timestamp order.
+
+``cut`` takes a window in the trace's own time: an ISO 8601 time (with or without an
+offset), a time of day (``10:00``: on the trace's first day), a weekday and a time
+(``Tue 10:00``: the first such day from the trace's start), each in ``--tz`` (the
+machine's time zone by default), or an offset from the trace's start (``+90m``,
+``+1h30m``, ``+45s``). Times of day need the ``trace_start`` that a capture writes;
+offsets work on any trace. The window's start becomes the new trace's timestamp 0.
+A cut starts with a cold cache: requests in it that share a prefix with requests
+before it find it cached in production, not in a replay.
+
+``scale --rate F`` multiplies the request rate by F (timestamps divided by F); the
+start is kept. ``bench --speedup`` does the same when replaying; a scaled file is for
+tools that replay at recorded times only.
+
+``anonymise`` replaces model and upstream names with ``model-1``, ``upstream-1``, ...
+in order of first appearance (or drops them), drops the client label and any field
+this tool does not know; ``--drop-timings`` also drops what the upstream measured
+(TTFT, ITL, cached tokens, outcome), ``--drop-start`` the wall-clock start,
+``--mooncake-only`` everything but the four standard fields and the block size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from datetime import datetime, time, timedelta, tzinfo
+from typing import Any, TextIO
+
+from proxy.tracefile import (
+    DEFAULT_BLOCK_SIZE,
+    Trace,
+    TraceError,
+    TraceMeta,
+    TraceRecord,
+    load,
+    new_trace_id,
+    write_trace,
+)
+
+_WEEKDAYS = {
+    name: i
+    for i, names in enumerate(
+        (
+            ("mon", "monday"),
+            ("tue", "tues", "tuesday"),
+            ("wed", "wednesday"),
+            ("thu", "thur", "thurs", "thursday"),
+            ("fri", "friday"),
+            ("sat", "saturday"),
+            ("sun", "sunday"),
+        )
+    )
+    for name in names
+}
+_OFFSET = re.compile(r"^\+(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s?)?$")
+_TIME_OF_DAY = re.compile(r"^(\d{1,2}):(\d{2})(?::(\d{2}(?:\.\d+)?))?$")
+
+
+class WhenError(ValueError):
+    """A time the user gave cannot be read or placed."""
+
+
+def _zone(name: str | None) -> tzinfo | None:
+    if not name:
+        return None  # the machine's time zone, daylight saving included
+    if name.upper() == "UTC":
+        from datetime import UTC
+
+        return UTC
+    from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+    try:
+        return ZoneInfo(name)
+    except (ZoneInfoNotFoundError, ValueError):
+        raise WhenError(f"unknown time zone {name!r} (e.g. UTC, Europe/Berlin)") from None
+
+
+def _localize(naive: datetime, zone: tzinfo | None) -> datetime:
+    return naive.astimezone() if zone is None else naive.replace(tzinfo=zone)
+
+
+def resolve_when(text: str, start: datetime | None, zone: tzinfo | None) -> float:
+    """Milliseconds from the trace's start to the moment ``text`` names."""
+    text = text.strip()
+    match = _OFFSET.match(text)
+    if match and any(match.groups()):
+        hours, minutes, seconds = (float(g) if g else 0.0 for g in match.groups())
+        return (hours * 3600 + minutes * 60 + seconds) * 1000.0
+    if start is None:
+        raise WhenError(
+            f"{text!r}: this trace has no trace_start (a public trace?): give offsets from "
+            "its start, e.g. +30m"
+        )
+    local_start = start.astimezone(zone) if zone is not None else start.astimezone()
+    words = text.split()
+    day = local_start.date()
+    if len(words) == 2 and words[0].lower() in _WEEKDAYS:
+        ahead = (_WEEKDAYS[words[0].lower()] - day.weekday()) % 7
+        day = day + timedelta(days=ahead)
+        text = words[1]
+    clock = _TIME_OF_DAY.match(text)
+    if clock:
+        hh, mm = int(clock[1]), int(clock[2])
+        ss = float(clock[3]) if clock[3] else 0.0
+        if hh > 23 or mm > 59 or ss >= 60:
+            raise WhenError(f"{text!r} is not a time of day")
+        naive = datetime.combine(day, time(hh, mm)) + timedelta(seconds=ss)
+        when = _localize(naive, zone)
+    else:
+        try:
+            parsed = datetime.fromisoformat(text.replace("Z", "+00:00"))
+        except ValueError:
+            raise WhenError(
+                f"{text!r}: give an ISO time (2026-12-01T10:00), a time of day (10:00), a "
+                "weekday and a time (Tue 10:00) or an offset (+30m)"
+            ) from None
+        when = parsed if parsed.tzinfo is not None else _localize(parsed, zone)
+    return (when - start).total_seconds() * 1000.0
+
+
+# ---------------------------------------------------------------------------
+# The operations (pure: a trace in, records and metadata out)
+
+
+def cut(
+    trace: Trace, begin: str | None, end: str | None, zone: tzinfo | None = None
+) -> tuple[list[TraceRecord], list[int], TraceMeta]:
+    """The records of ``[begin, end)``, re-timed from ``begin``."""
+    lo = resolve_when(begin, trace.start, zone) if begin else 0.0
+    hi = resolve_when(end, trace.start, zone) if end else float("inf")
+    if hi <= lo and end and _TIME_OF_DAY.match(end.strip()) and begin:
+        hi += 24 * 3600 * 1000.0  # "--from 23:00 --to 01:00": across midnight
+    if hi <= lo:
+        raise WhenError(f"the window is empty: {end!r} is not after {begin!r}")
+    rows = [
+        (replace(r, timestamp=round(r.timestamp - lo, 3)), ns)
+        for r, ns in zip(trace.records, trace.namespaces, strict=True)
+        if lo <= r.timestamp < hi
+    ]
+    start = trace.start + timedelta(milliseconds=lo) if trace.start is not None else None
+    meta = TraceMeta(start, trace.block_size, new_trace_id())
+    return [r for r, _ in rows], [ns for _, ns in rows], meta
+
+
+def scale(trace: Trace, rate: float) -> tuple[list[TraceRecord], list[int], TraceMeta]:
+    """Requests ``rate`` times as often: timestamps divided by ``rate``."""
+    if not rate > 0:
+        raise ValueError("--rate must be > 0")
+    records = [replace(r, timestamp=round(r.timestamp / rate, 3)) for r in trace.records]
+    return records, list(trace.namespaces), TraceMeta(trace.start, trace.block_size, new_trace_id())
+
+
+_TIMINGS = ("cached_tokens", "ttft_ms", "itl_ms_mean", "outcome")
+
+
+def anonymise(
+    trace: Trace,
+    *,
+    drop_models: bool = False,
+    drop_timings: bool = False,
+    drop_start: bool = False,
+    mooncake_only: bool = False,
+) -> tuple[list[TraceRecord], list[int], TraceMeta]:
+    """Names replaced by numbered ones (or dropped), client and unknown fields dropped."""
+    names: dict[tuple[str, str], str] = {}
+
+    def pseudonym(kind: str, value: str | None) -> str | None:
+        if value is None or drop_models or mooncake_only:
+            return None
+        key = (kind, value)
+        if key not in names:
+            names[key] = f"{kind}-{sum(1 for k, _ in names if k == kind) + 1}"
+        return names[key]
+
+    out = []
+    for r in trace.records:
+        fields: dict[str, Any] = {
+            "model": pseudonym("model", r.model),
+            "upstream": pseudonym("upstream", r.upstream),
+            "client": None,
+            "other": (),
+        }
+        if mooncake_only:
+            fields["route"] = None
+        if drop_timings or mooncake_only:
+            fields.update(dict.fromkeys(_TIMINGS))
+        out.append(replace(r, **fields))
+    start = None if drop_start or mooncake_only else trace.start
+    trace_id = None if mooncake_only else new_trace_id()
+    return out, list(trace.namespaces), TraceMeta(start, trace.block_size, trace_id)
+
+
+def merge(trace: Trace) -> tuple[list[TraceRecord], list[int], TraceMeta]:
+    """The files as one: aligned, sorted, one id numbering."""
+    return (
+        list(trace.records),
+        list(trace.namespaces),
+        TraceMeta(trace.start, trace.block_size, new_trace_id()),
+    )
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f} ms"
+
+
+def info(trace: Trace) -> list[str]:
+    """What a trace holds, as lines to print."""
+    from proxy.bench.stats import quantile
+
+    recs = trace.records
+    size = trace.block_size or DEFAULT_BLOCK_SIZE
+    span_s = (recs[-1].timestamp - recs[0].timestamp) / 1000.0
+    lines = [f"files      {', '.join(trace.paths)}", f"requests   {len(recs)}"]
+    if trace.start is not None:
+        first = trace.start + timedelta(milliseconds=recs[0].timestamp)
+        last = trace.start + timedelta(milliseconds=recs[-1].timestamp)
+        local = f"{first.astimezone():%a %Y-%m-%d %H:%M:%S %Z} to {last.astimezone():%a %H:%M:%S}"
+        lines.append(f"time       {local} (machine time); trace_start {trace.start.isoformat()}")
+    per_minute = Counter(int(r.timestamp // 60000) for r in recs)
+    rate = len(recs) / span_s if span_s > 0 else float("nan")
+    lines.append(
+        f"span       {span_s:.1f} s ({timedelta(seconds=round(span_s))}); {rate:.2f} requests/s "
+        f"on average, {max(per_minute.values())} requests in the busiest minute"
+    )
+    said = "" if trace.block_size else " (not stated by the trace: the default)"
+    lines.append(f"block size {size} tokens{said}")
+    for label, values in (
+        ("input", sorted(r.input_length for r in recs)),
+        ("output", sorted(r.output_length for r in recs if r.output_length is not None)),
+    ):
+        if values:
+            p = [quantile(values, q) for q in (0.5, 0.9, 0.99)]
+            lines.append(
+                f"{label:<10} tokens p50 {p[0]:.0f}, p90 {p[1]:.0f}, p99 {p[2]:.0f}, "
+                f"max {values[-1]}, total {sum(values)}"
+            )
+    seen: set[tuple[int, int]] = set()
+    reusable = 0
+    for r, ns in zip(recs, trace.namespaces, strict=True):
+        lead = 0
+        for hid in r.hash_ids:
+            if (ns, hid) not in seen:
+                break
+            lead += 1
+        reusable += min(lead * size, r.input_length)
+        seen.update((ns, hid) for hid in r.hash_ids)
+    total_in = sum(r.input_length for r in recs)
+    if total_in:
+        lines.append(
+            f"prefixes   {reusable / total_in * 100:.1f}% of prompt tokens are in leading blocks "
+            "an earlier request of the trace had (what an unbounded prefix cache could serve)"
+        )
+    cached = [r for r in recs if r.cached_tokens is not None]
+    if cached:
+        share = sum(r.cached_tokens or 0 for r in cached) / max(
+            sum(r.input_length for r in cached), 1
+        )
+        lines.append(
+            f"cached     {share * 100:.1f}% of prompt tokens reported cached by the upstream"
+        )
+    ttft = sorted(r.ttft_ms for r in recs if r.ttft_ms is not None)
+    if ttft:
+        lines.append(
+            f"TTFT       p50 {_ms(quantile(ttft, 0.5))}, p95 {_ms(quantile(ttft, 0.95))}, "
+            f"p99 {_ms(quantile(ttft, 0.99))} (recorded)"
+        )
+    itl = sorted(r.itl_ms_mean for r in recs if r.itl_ms_mean is not None)
+    if itl:
+        lines.append(
+            f"ITL        per-request mean p50 {quantile(itl, 0.5):.1f} ms, p95 "
+            f"{quantile(itl, 0.95):.1f} ms (recorded)"
+        )
+    for label, key in (
+        ("models", "model"),
+        ("routes", "route"),
+        ("upstreams", "upstream"),
+        ("outcomes", "outcome"),
+    ):
+        counts = Counter(getattr(r, key) for r in recs if getattr(r, key) is not None)
+        if counts:
+            lines.append(f"{label:<10} " + ", ".join(f"{k} {v}" for k, v in counts.most_common()))
+    lines += list(trace.notes)
+    return lines
+
+
+# ---------------------------------------------------------------------------
+# Command line
+
+
+def _add_common(p: argparse.ArgumentParser, *, output: bool = True) -> None:
+    p.add_argument("files", nargs="+", metavar="FILE", help="trace file(s) or quoted glob(s)")
+    if output:
+        p.add_argument(
+            "-o", "--output", metavar="FILE", default="-", help="where to write [default stdout]"
+        )
+
+
+def add_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "trace",
+        help="look at, cut, scale, anonymise or merge Mooncake-format traces",
+        description=(
+            "Work on request-shape traces in the Mooncake format (JSON Lines with timestamp, "
+            "input_length, output_length, hash_ids): what a proxy capture writes, what "
+            "'bench --trace' and AIPerf replay. See docs/trace.md."
+        ),
+    )
+    sub = parser.add_subparsers(dest="trace_command", metavar="ACTION", required=True)
+    p = sub.add_parser("info", help="what a trace holds: span, rate, lengths, sharing, timings")
+    _add_common(p, output=False)
+    p.set_defaults(func=run_command)
+    p = sub.add_parser(
+        "cut",
+        help="a window of the trace, e.g. --from 'Tue 10:00' --to 'Tue 11:00'",
+        description="Keep the requests in [--from, --to): ISO times, times of day (10:00), "
+        "weekday and time (Tue 10:00) in --tz, or offsets from the start (+30m).",
+    )
+    _add_common(p)
+    p.add_argument("--from", dest="begin", metavar="WHEN", default=None, help="window start")
+    p.add_argument("--to", dest="end", metavar="WHEN", default=None, help="window end (excluded)")
+    p.add_argument(
+        "--tz",
+        metavar="ZONE",
+        default=None,
+        help="time zone of times without an offset, e.g. UTC, Europe/Berlin [default: this machine's]",
+    )
+    p.set_defaults(func=run_command)
+    p = sub.add_parser("scale", help="multiply the request rate (timestamps divided by F)")
+    _add_common(p)
+    p.add_argument(
+        "--rate", metavar="F", type=float, required=True, help="2: twice the rate, half the gaps"
+    )
+    p.set_defaults(func=run_command)
+    p = sub.add_parser(
+        "anonymise",
+        aliases=["anonymize"],
+        help="numbered model and upstream names, no client label or unknown fields",
+    )
+    _add_common(p)
+    p.add_argument("--drop-models", action="store_true", help="drop model and upstream names")
+    p.add_argument(
+        "--drop-timings",
+        action="store_true",
+        help="drop what the upstream measured: ttft_ms, itl_ms_mean, cached_tokens, outcome",
+    )
+    p.add_argument("--drop-start", action="store_true", help="drop the wall-clock trace_start")
+    p.add_argument(
+        "--mooncake-only",
+        action="store_true",
+        help="keep only timestamp, input_length, output_length, hash_ids and block_size",
+    )
+    p.set_defaults(func=run_command)
+    p = sub.add_parser("merge", help="several files (rotated, one per worker) as one file")
+    _add_common(p)
+    p.set_defaults(func=run_command)
+
+
+Operation = Callable[[Trace], tuple[list[TraceRecord], list[int], TraceMeta]]
+
+
+def _operation(args: argparse.Namespace) -> Operation:
+    name = args.trace_command
+    if name == "cut":
+        zone = _zone(args.tz)
+        return lambda t: cut(t, args.begin, args.end, zone)
+    if name == "scale":
+        return lambda t: scale(t, args.rate)
+    if name in ("anonymise", "anonymize"):
+        return lambda t: anonymise(
+            t,
+            drop_models=args.drop_models,
+            drop_timings=args.drop_timings,
+            drop_start=args.drop_start,
+            mooncake_only=args.mooncake_only,
+        )
+    return merge
+
+
+def run_command(args: argparse.Namespace) -> int:
+    prog = f"llm-latency-proxy trace {args.trace_command}"
+    try:
+        trace = load(args.files)
+        if args.trace_command == "info":
+            print("\n".join(info(trace)))
+            return 0
+        records, namespaces, meta = _operation(args)(trace)
+    except (TraceError, WhenError, ValueError) as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    if not records:
+        print(f"{prog}: no request left to write", file=sys.stderr)
+        return 1
+    try:
+        count = _write(args.output, records, namespaces, meta)
+    except OSError as exc:
+        print(f"{prog}: error: cannot write {args.output}: {exc}", file=sys.stderr)
+        return 2
+    if args.output != "-":
+        print(f"{prog}: {count} requests written to {args.output}", file=sys.stderr)
+    return 0
+
+
+def _write(
+    path: str, records: Sequence[TraceRecord], namespaces: Sequence[int], meta: TraceMeta
+) -> int:
+    if path == "-":
+        return write_trace(sys.stdout, records, namespaces, meta)
+    fh: TextIO
+    with open(path, "w", encoding="utf-8") as fh:
+        return write_trace(fh, records, namespaces, meta)
