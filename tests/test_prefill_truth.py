@@ -153,7 +153,7 @@ def scrape(port: int) -> dict[str, float]:
 @contextlib.contextmanager
 def simulator_process(*flags: str) -> Iterator[str]:
     """``python -m proxy simulate`` on a kernel-chosen port, in its own process (its
-    timers then compete with nothing in this one); yields its URL once it says it
+    timers then compete with nothing in this one); yields its URL once uvicorn says it
     listens."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "proxy", "simulate", "--port", "0", "--log-level", "info",
@@ -166,9 +166,7 @@ def simulator_process(*flags: str) -> Iterator[str]:
         assert proc.stderr is not None
         for line in proc.stderr:
             lines.append(line)
-            # simulate binds its port before it prints this line (uvicorn, given the
-            # socket, prints no "running on" line of its own)
-            found = re.search(r"upstream at (http://[\d.]+:\d+)/v1 ", line)
+            found = re.search(r"simulate: .* at (http://[\d.]+:\d+)/v1 ", line)
             if found:
                 listening.append(found[1])
                 started.set()
