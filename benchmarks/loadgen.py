@@ -279,6 +279,15 @@ class LoadConfig:
     headers: tuple[str, ...] = ()
     model: str = "bench"
     api: str = "chat"  # chat | responses | messages
+    prompt_bytes: int = 0  # the user message's size; 0: "benchmark"
+
+
+def prompt_text(size: int) -> str:
+    """``size`` bytes of words, the same for every stream of a run (a repeated prompt:
+    the prompt-cache doctor's common case, every block a hit)."""
+    words = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel")
+    text = " ".join(f"{words[i % len(words)]}{i % 97}" for i in range(size // 6 + 1))
+    return text[:size]
 
 
 def _request_bytes(cfg: LoadConfig) -> tuple[str, int, bytes]:
@@ -288,10 +297,11 @@ def _request_bytes(cfg: LoadConfig) -> tuple[str, int, bytes]:
     path = parts.path.rstrip("/") + APIS[cfg.api].path
     body: dict[str, Any] = {"model": cfg.model, "stream": True}
     headers = list(cfg.headers)
+    prompt = prompt_text(cfg.prompt_bytes) if cfg.prompt_bytes else "benchmark"
     if cfg.api == "responses":
-        body |= {"input": "benchmark", "max_output_tokens": cfg.tokens}
+        body |= {"input": prompt, "max_output_tokens": cfg.tokens}
     else:
-        body |= {"messages": [{"role": "user", "content": "benchmark"}], "max_tokens": cfg.tokens}
+        body |= {"messages": [{"role": "user", "content": prompt}], "max_tokens": cfg.tokens}
     if cfg.api == "messages":
         headers.append("anthropic-version: 2023-06-01")
     elif cfg.api == "chat" and cfg.include_usage:
@@ -433,6 +443,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stream-timeout", type=float, default=30.0)
     p.add_argument("--api", choices=sorted(APIS), default="chat", help="which API to stream")
     p.add_argument("--no-usage", action="store_true", help="do not ask for the usage chunk (chat)")
+    p.add_argument(
+        "--prompt-bytes",
+        type=int,
+        default=0,
+        help="a user message of this many bytes, the same for every stream (0: 'benchmark')",
+    )
     p.add_argument("--header", action="append", default=[], help="extra 'Name: value'")
     p.add_argument(
         "--bearer-env",
@@ -455,6 +471,7 @@ def main(argv: list[str] | None = None) -> int:
         include_usage=not a.no_usage,
         headers=tuple(a.header),
         api=a.api,
+        prompt_bytes=a.prompt_bytes,
     )
     out = run_loop(run_load(cfg))
     json.dump(out, sys.stdout)

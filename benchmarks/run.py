@@ -752,6 +752,8 @@ class Bench:
             api,
             *target.headers,
         ]
+        if a.prompt_bytes:
+            cmd += ["--prompt-bytes", str(a.prompt_bytes)]
         if streams:
             cmd += ["--streams", str(streams)]
         if not keepalive:
@@ -1213,6 +1215,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--itl", type=float, default=0.02, help="fake upstream ITL, seconds")
     p.add_argument("--tokens", type=int, default=50, help="tokens per stream")
     p.add_argument(
+        "--prompt-bytes",
+        type=int,
+        default=0,
+        help="each stream's user message, in bytes (0: the word 'benchmark'); prices the "
+        "prompt-cache doctor per prompt size, e.g. 2048, 32768, 409600",
+    )
+    p.add_argument(
         "--sweep", default="16,32,64,128,192,256,384", help="streams per sweep step ('' to skip)"
     )
     p.add_argument("--sweep-duration", type=float, default=6.0)
@@ -1484,7 +1493,9 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine(),
         "command": "python benchmarks/run.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "schedule": f"fake upstream TTFT {a.ttft * 1000:.0f} ms, ITL {a.itl * 1000:.0f} ms, "
-        f"{a.tokens} tokens/stream; {a.duration:.0f} s per run "
+        f"{a.tokens} tokens/stream"
+        + (f", a {a.prompt_bytes:,}-byte prompt" if a.prompt_bytes else "")
+        + f"; {a.duration:.0f} s per run "
         f"({a.warmup:.1f} s warm-up not counted)",
         "code": f"{code} (snapshots taken at start)" if code else "n/a (no proxy target)",
         "pinning": (

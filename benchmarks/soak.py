@@ -19,6 +19,9 @@ Usage::
 
     python benchmarks/soak.py                      # 60 s (tests/test_soak.py runs 40 s)
     python benchmarks/soak.py --duration 1800      # the 30-minute report run
+    python benchmarks/soak.py --prompt-bytes 65536 --proxy-arg=--prefix-index-bytes=16000000
+                                                   # distinct 64 KB prompts: the doctor's
+                                                   # index fills to its bound, then stays
 
 The helpers here (starting the processes, reading ``/proc``, a minimal streaming
 HTTP/1.1 client) are shared with ``benchmarks/hold_streams.py``. Loopback only; every
@@ -225,13 +228,13 @@ def sample(proxy: Proc, upstream_port: int) -> dict[str, float]:
 # A minimal streaming HTTP/1.1 client (cheap enough for 1,000 streams on a small box)
 
 
-def chat_request(tokens: int, host: str = "127.0.0.1") -> bytes:
+def chat_request(tokens: int, host: str = "127.0.0.1", prompt: str = "hello") -> bytes:
     body = json.dumps(
         {
             "model": "bench",
             "stream": True,
             "max_tokens": tokens,
-            "messages": [{"role": "user", "content": "hello"}],
+            "messages": [{"role": "user", "content": prompt}],
         }
     ).encode()
     return (
@@ -256,13 +259,21 @@ class StreamResult:
 
 
 async def stream_once(
-    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, tokens: int, *, abort_after: int = 0
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    tokens: int,
+    *,
+    abort_after: int = 0,
+    prompt_bytes: int = 0,
 ) -> StreamResult:
     """One streamed chat completion on an open connection. ``abort_after`` > 0: close the
-    connection after that many tokens (a client going away)."""
+    connection after that many tokens (a client going away). ``prompt_bytes`` > 0: a
+    prompt of that many bytes never sent before (random hex), so that every block is new
+    to the prompt-cache doctor's index: its memory grows until its bound, then stays."""
     loop = asyncio.get_running_loop()
     res = StreamResult(t_start=loop.time())
-    writer.write(chat_request(tokens))
+    prompt = os.urandom(prompt_bytes // 2 + 1).hex()[:prompt_bytes] if prompt_bytes else "hello"
+    writer.write(chat_request(tokens, prompt=prompt))
     await writer.drain()
     head = await reader.readuntil(b"\r\n\r\n")
     res.t_headers = loop.time()
@@ -327,7 +338,13 @@ class Counters:
 
 
 async def worker(
-    port: int, tokens: int, abort_every: int, deadline: float, c: Counters, seed: int
+    port: int,
+    tokens: int,
+    abort_every: int,
+    deadline: float,
+    c: Counters,
+    seed: int,
+    prompt_bytes: int = 0,
 ) -> None:
     loop = asyncio.get_running_loop()
     conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
@@ -339,7 +356,13 @@ async def worker(
                 conn = await asyncio.open_connection("127.0.0.1", port)
             abort = abort_every > 0 and i % abort_every == 0
             res = await asyncio.wait_for(
-                stream_once(*conn, tokens, abort_after=max(1, tokens // 3) if abort else 0), 60
+                stream_once(
+                    *conn,
+                    tokens,
+                    abort_after=max(1, tokens // 3) if abort else 0,
+                    prompt_bytes=prompt_bytes,
+                ),
+                60,
             )
             if res.aborted:
                 c.aborted += 1
@@ -407,7 +430,11 @@ async def soak(args: argparse.Namespace) -> dict[str, object]:
         deadline = t0 + args.duration
         abort_every = round(1 / args.abort_fraction) if args.abort_fraction > 0 else 0
         tasks = [
-            asyncio.create_task(worker(proxy.port, args.tokens, abort_every, deadline, c, i * 7))
+            asyncio.create_task(
+                worker(
+                    proxy.port, args.tokens, abort_every, deadline, c, i * 7, args.prompt_bytes
+                )
+            )
             for i in range(args.concurrency)
         ]
         last_done = 0
@@ -429,6 +456,7 @@ async def soak(args: argparse.Namespace) -> dict[str, object]:
         "duration_s": args.duration,
         "concurrency": args.concurrency,
         "schedule": {"ttft_s": args.ttft, "itl_s": args.itl, "tokens": args.tokens},
+        "prompt_bytes": args.prompt_bytes,
         "completed": c.completed,
         "aborted_by_client": c.aborted,
         "errors": c.errors,
@@ -461,6 +489,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ttft", type=float, default=0.05)
     p.add_argument("--itl", type=float, default=0.01)
     p.add_argument("--tokens", type=int, default=30)
+    p.add_argument(
+        "--prompt-bytes",
+        type=int,
+        default=0,
+        help="a distinct prompt of this many bytes per stream (0: 'hello'): with the "
+        "prompt-cache doctor on, its index fills to --prefix-index-bytes and must stay there",
+    )
     p.add_argument(
         "--proxy-arg",
         action="append",

@@ -172,6 +172,8 @@ class ProxyApp:
 
     async def aclose(self) -> None:
         await self.upstreams.aclose()
+        if self.v1.prefix is not None:
+            self.v1.prefix.close()
         if self.request_log is not None:  # every buffered line written: off the loop
             await asyncio.to_thread(self.request_log.close)
         # The last exports of spans and OTLP metrics: off the event loop, side by side, so

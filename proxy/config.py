@@ -27,6 +27,8 @@ from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from proxy.diagnosis.prefix_index import BYTES_PER_ENTRY, DEFAULT_MAX_BYTES
+
 if TYPE_CHECKING:
     from proxy.upstreams import UpstreamSpec
 
@@ -107,6 +109,9 @@ class Settings:
     client_label_from: str = ""
     max_clients: int = 50
     client_allowlist: tuple[str, ...] = ()
+    prefix_doctor: bool = True
+    prefix_window: float = 300.0
+    prefix_index_bytes: int = DEFAULT_MAX_BYTES
     # From the config file's [[upstream]] tables (not an option): empty without a file.
     upstreams: tuple[UpstreamSpec, ...] = ()
 
@@ -204,6 +209,13 @@ def _positive_float(raw: str) -> float:
     value = float(raw)
     if not math.isfinite(value) or value <= 0:
         raise ValueError("must be a number of seconds > 0")
+    return value
+
+
+def _window(raw: str) -> float:
+    value = float(raw)
+    if not math.isfinite(value) or not 0 < value <= 86_400:
+        raise ValueError("must be a number of seconds > 0 and <= 86400 (a day)")
     return value
 
 
@@ -384,6 +396,21 @@ OPTIONS: tuple[Option, ...] = (
            "sees the counts of the last streams (set it above one scrape interval plus "
            "the scrape timeout); a second SIGTERM or SIGINT ends it at once. Only with "
            "--metrics-port: the main port stops listening when the drain begins.", "S"),
+    Option("prefix_doctor", _bool, "The prompt-cache doctor: for each measured request "
+           "answered 2xx, find the longest prefix of its prompt that a recent request sent "
+           "(keyed hashes of 256-byte blocks, never the text), compare it with the cached "
+           "tokens the upstream reports, and say where and why the prefix broke "
+           "(llm_proxy_prompt_repeated_tokens_total, llm_proxy_prompt_cache_missed_tokens_total, "
+           "llm_proxy_prompt_prefix_breaks_total, the request log and the span). Each worker "
+           "process keeps its own index.", flag_only_true=True),
+    Option("prefix_window", _window, "Seconds a prompt prefix counts as repeatable after a "
+           "request sent it, as a provider's prefix cache keeps one (about 5 minutes); a "
+           "prefix last sent longer ago is 'expired'.", "S"),
+    Option("prefix_index_bytes", _int(BYTES_PER_ENTRY), "Memory bound of the prompt-cache "
+           f"doctor's index of recent prompt blocks ({BYTES_PER_ENTRY} bytes per entry at most, "
+           "about 1.3 bytes per byte of distinct prompt text: the default remembers about 50 MB "
+           "of it); the least recently seen blocks are forgotten first. Per worker process.",
+           "BYTES"),
 )
 
 _FIELDS = {f.name for f in fields(Settings)}

@@ -133,6 +133,26 @@ OUTCOME_MEANINGS: dict[Outcome, OutcomeMeaning] = {
 
 
 @dataclass(frozen=True, slots=True)
+class PrefixRecord:
+    """What the prompt-cache doctor found for one request (:mod:`proxy.prefix_check`):
+    sizes, positions and bounded names, never text. Tokens are None where unknown."""
+
+    prompt_bytes: int  # the prompt's parts, as the doctor reads them
+    repeated_bytes: int  # the leading bytes a recent request sent within the window
+    repeated_tokens: int | None  # those, at the request's own tokens-per-byte ratio
+    missed_tokens: int | None  # repeated (cacheable) but not reported cached; None: unknown
+    break_reason: str = ""  # why the prefix stopped repeating; "" where it did not break
+    break_part: str = ""  # the part's kind where it broke ("" for the scope's reasons)
+    break_index: int | None = None  # the part's position in its array in the body
+    break_offset: int | None = None  # byte offset in that part of the block where it broke
+
+    @property
+    def repeated_share(self) -> float:
+        """Repeated bytes over prompt bytes (0 for an empty prompt)."""
+        return self.repeated_bytes / self.prompt_bytes if self.prompt_bytes else 0.0
+
+
+@dataclass(frozen=True, slots=True)
 class RequestRecord:
     """Everything measured about one request, in seconds and tokens."""
 
@@ -167,6 +187,7 @@ class RequestRecord:
     response_id: str = ""
     response_model: str = ""
     finish_reasons: tuple[str, ...] = ()  # in choice order, as the API words them
+    prefix: PrefixRecord | None = None  # the prompt-cache doctor's finding, when it looked
 
     def as_log(self) -> dict[str, Any]:
         """Flat dict for the per-request JSON log (no keys, no prompt text exist here)."""
@@ -204,6 +225,17 @@ class RequestRecord:
             "response_model": self.response_model or None,
             "finish_reasons": list(self.finish_reasons),
         }
+        p = self.prefix
+        out.update({
+            "prompt_bytes": p.prompt_bytes if p else None,
+            "repeated_prefix_bytes": p.repeated_bytes if p else None,
+            "repeated_prefix_tokens": p.repeated_tokens if p else None,
+            "cache_missed_tokens": p.missed_tokens if p else None,
+            "prefix_break": (p.break_reason or None) if p else None,
+            "prefix_break_part": (p.break_part or None) if p else None,
+            "prefix_break_index": p.break_index if p else None,
+            "prefix_break_offset": p.break_offset if p else None,
+        })
         return out
 
 

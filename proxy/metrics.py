@@ -28,6 +28,7 @@ from bisect import bisect_left
 from collections import Counter as _Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import choose_encoder
@@ -35,7 +36,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from proxy.config import OVERHEAD_BUCKETS, QUEUE_BUCKETS, Settings
 from proxy.diagnosis.fit import KTOKENS
-from proxy.measure import Outcome, RequestRecord
+from proxy.measure import Outcome, PrefixRecord, RequestRecord
 
 OTHER_MODEL = "other"
 UNKNOWN_MODEL = "unknown"
@@ -73,6 +74,48 @@ TPOT_HELP = (
     "(completion_tokens - 1), completion_tokens from the upstream's usage; only when "
     "completion_tokens >= 2. Streams only."
 )
+
+# The prompt-cache doctor's metrics (proxy/prefix_check.py): what "repeated" and
+# "missed" mean, in one place.
+_REPEATED = (
+    "The repeated prefix of a prompt is its longest run of leading 256-byte blocks "
+    "(cut per part: tools, system, messages, ... in the order the provider renders them) "
+    "that a recent request to the same upstream, model and prompt_cache_key/cache_salt "
+    "sent within --prefix-window (5 minutes by default), found in this process's index "
+    "of keyed block hashes (each worker and replica keeps its own). ")
+_TOKENS = (
+    "Tokens are estimated from bytes at the request's own ratio, usage prompt tokens over "
+    "the prompt's bytes; requests whose usage does not say the prompt tokens are not "
+    "counted. ")
+PREFIX_HELP = {name: text.strip() for name, text in {
+    "repeated": "Estimated tokens of repeated prompt prefix, summed over measured requests "
+    "answered 2xx. " + _REPEATED + _TOKENS,
+    "missed": "Prompt tokens repeated but not reported cached, summed over measured requests "
+    "answered 2xx: the repeated prefix's tokens (without the prompt's last token, rounded "
+    "down to the upstream's caching step: 128 tokens on OpenAI's APIs, 1 on Anthropic's, "
+    "cache_granularity_tokens per upstream) minus the cached tokens the upstream reported "
+    "(cached_tokens, cache_read_input_tokens), floored at 0. Only where the usage reports "
+    "cached tokens at all (an absent field is unknown, never 0); 0 when the repeated "
+    "prefix is shorter than the upstream's minimum cacheable prefix (1024 tokens on "
+    "OpenAI's APIs, per model on Anthropic's, min_cacheable_tokens per upstream). "
+    + _REPEATED + _TOKENS,
+    "breaks": "Requests whose prompt stopped repeating a recent request's prefix, by why "
+    "(reason: tools_changed, system_changed, instructions_changed, context_changed, "
+    "message_changed, prompt_changed, variable_before_stable: a short changed run ahead "
+    "of text seen before, expired: sent longer ago than --prefix-window, model_changed, "
+    "cache_key_changed, first_seen) and the kind of part where it broke (part: tools, "
+    "system, instructions, context, message, input, prompt; none for the reasons about "
+    "the whole prompt). A conversation that grew by a turn, or a new last message after "
+    "the same history, is not a break. Positions are in the request log and the span. "
+    + _REPEATED,
+    "ratio": "Repeated prompt prefix as a share of the prompt, in bytes, per measured "
+    "request answered 2xx (0: nothing repeated, 1: the whole prompt). " + _REPEATED,
+    "missed_hist": "Prompt tokens repeated but not reported cached, per measured request "
+    "answered 2xx whose usage reports cached tokens; the per-request view of "
+    "llm_proxy_prompt_cache_missed_tokens_total (same definition). " + _TOKENS,
+}.items()}
+SHARE_BUCKETS: tuple[float, ...] = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95,
+                                    0.99, 1.0)
 
 
 # The finish_reason label of llm_proxy_finish_reasons_total: each API's words for why an
@@ -248,6 +291,7 @@ class Metrics:
             "prompt cache per request: prompt_tokens_details.cache_write_tokens (chat), "
             "input_tokens_details.cache_write_tokens (Responses), cache_creation_input_tokens "
             "(Messages); only where the upstream reports them.", who, buckets=tb, registry=reg)
+        self._init_prefix(reg, base, tb)
         self.outcomes = Counter(
             "llm_proxy_stream_outcomes", "How each stream ended: completed (its last event reached the client, even if the "
             "client closed before the upstream's final bytes), client_disconnected (the client "
@@ -332,6 +376,8 @@ class Metrics:
             c.reasoning.observe(record.reasoning_tokens)
         if record.cache_write_tokens is not None:
             c.cache_write.observe(record.cache_write_tokens)
+        if record.prefix is not None:
+            self._observe_prefix(record, record.prefix)
         if record.stream:
             if record.outcome is not Outcome.REJECTED:
                 self.outcomes.labels(record.route, record.model, record.upstream,
@@ -414,6 +460,50 @@ class Metrics:
         c[3].inc(x * y)
         c[4].inc(x * x)
         c[5].inc(y * y)
+
+    # -- the prompt-cache doctor (proxy.prefix_check) -----------------------------------
+
+    def _init_prefix(self, reg: CollectorRegistry, base: tuple[str, ...],
+                     token_buckets: Sequence[float]) -> None:
+        self.prompt_repeated_tokens = Counter(
+            "llm_proxy_prompt_repeated_tokens", PREFIX_HELP["repeated"], base, registry=reg)
+        self.prompt_cache_missed_tokens = Counter(
+            "llm_proxy_prompt_cache_missed_tokens", PREFIX_HELP["missed"], base, registry=reg)
+        self.prompt_prefix_breaks = Counter(
+            "llm_proxy_prompt_prefix_breaks", PREFIX_HELP["breaks"], (*base, "reason", "part"),
+            registry=reg)
+        self.prompt_repeated_ratio = Histogram(
+            "llm_proxy_prompt_repeated_prefix_ratio", PREFIX_HELP["ratio"], base,
+            buckets=SHARE_BUCKETS, registry=reg)
+        self.prompt_cache_missed_per_request = Histogram(
+            "llm_proxy_prompt_cache_missed_tokens_per_request", PREFIX_HELP["missed_hist"], base,
+            buckets=token_buckets, registry=reg)
+        self._prefix_children: dict[tuple[str, str, str], tuple[Any, ...]] = {}
+        self._break_children: dict[tuple[str, ...], Counter] = {}
+
+    def _observe_prefix(self, record: RequestRecord, p: PrefixRecord) -> None:
+        key = (record.route, record.model, record.upstream)
+        c = self._prefix_children.get(key)
+        if c is None:
+            c = self._prefix_children[key] = (
+                self.prompt_repeated_tokens.labels(*key),
+                self.prompt_cache_missed_tokens.labels(*key),
+                self.prompt_repeated_ratio.labels(*key),
+                self.prompt_cache_missed_per_request.labels(*key))
+        repeated, missed, ratio, missed_hist = c
+        if p.prompt_bytes:
+            ratio.observe(p.repeated_share)
+        if p.repeated_tokens is not None:
+            repeated.inc(p.repeated_tokens)
+        if p.missed_tokens is not None:
+            missed.inc(p.missed_tokens)
+            missed_hist.observe(p.missed_tokens)
+        if p.break_reason:
+            labels = (*key, p.break_reason, p.break_part or "none")
+            child = self._break_children.get(labels)
+            if child is None:
+                child = self._break_children[labels] = self.prompt_prefix_breaks.labels(*labels)
+            child.inc()
 
     @staticmethod
     def exposition_type(accept: str | None) -> str:

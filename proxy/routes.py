@@ -49,6 +49,7 @@ from proxy.measure import (
 )
 from proxy.metrics import UNKNOWN_MODEL, Metrics
 from proxy.otel_metrics import OtelMetrics
+from proxy.prefix_check import PrefixJob, prefix_check_from
 from proxy.relay import RelayResult, relay
 from proxy.reqlog import RequestLog
 from proxy.sse import SSEParser
@@ -174,6 +175,7 @@ class _Request:
     client: str = ""  # the bounded client label value, when that label is on
     identity: str = ""  # who the request says it is, once past the key check (unbounded)
     upstream: str = ""  # the upstream label when no single target took it (model list)
+    prefix: PrefixJob | None = None  # the prompt-cache doctor's look at this prompt
 
 
 class V1Handler:
@@ -217,6 +219,8 @@ class V1Handler:
         self.routes = (MEASURED_ROUTES if self.response_info
                        else MEASURED_ROUTES_WITHOUT_RESPONSE_INFO)
         self._warnings = RateLimitedLog(log, per_interval=10, interval_s=10.0)
+        self.prefix = prefix_check_from(settings, wanted=metrics is not None
+                                        or request_log is not None or tracing is not None)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         x = _Request(self.clock())
@@ -229,6 +233,8 @@ class V1Handler:
                 return
             self._route(x, body)
             await self._exchange(x, scope, headers, body_out, strip, receive, send)
+            if x.prefix is not None:
+                await x.prefix.settle()
         except Refused as refusal:
             x.status, x.outcome = refusal.status, refusal.outcome
             x.request_id = uuid.uuid4().hex
@@ -507,6 +513,9 @@ class V1Handler:
             status, err = error_response(exc, target.client.host)
             x.reason = f"{type(exc).__name__}: {exc}"
             raise Refused(status, "", "", "", outcome=failure_outcome(exc), body=err) from None
+        if self.prefix is not None:  # runs at the next wait: after the request was sent
+            x.prefix = self.prefix.begin(x.measured, x.payload, target.spec, x.t0,
+                                         x.response.status_code, len(body))
 
     async def _relay(self, x: _Request, send: Send, strip_usage: bool) -> None:
         response = x.response
@@ -628,7 +637,9 @@ class V1Handler:
             trace_id=x.trace.trace_id if x.trace is not None else "",
             span_id=x.trace.span_id if x.trace is not None else "",
             response_id=reply.id, response_model=reply.model,
-            finish_reasons=reply.finish_reasons)
+            finish_reasons=reply.finish_reasons,
+            prefix=(x.prefix.record(None if estimated else prompt, usage.cached_prompt_tokens)
+                    if x.prefix is not None else None))
 
 
 def failure_outcome(exc: UpstreamError) -> Outcome:

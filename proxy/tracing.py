@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from proxy.config import Settings
-from proxy.measure import Outcome, RequestRecord
+from proxy.measure import Outcome, PrefixRecord, RequestRecord
 
 if TYPE_CHECKING:
     from opentelemetry.propagators.textmap import TextMapPropagator
@@ -81,6 +81,15 @@ ATTR = {
     "outcome": "llm_proxy.outcome",
     "request_id": "llm_proxy.request_id",
     "tokens_estimated": "llm_proxy.tokens_estimated",
+    # The prompt-cache doctor (proxy.prefix_check): sizes, positions, bounded names.
+    "prompt_bytes": "llm_proxy.prefix.prompt_bytes",
+    "repeated_bytes": "llm_proxy.prefix.repeated_bytes",
+    "repeated_tokens": "llm_proxy.prefix.repeated_tokens",
+    "missed_tokens": "llm_proxy.prefix.missed_tokens",
+    "break_reason": "llm_proxy.prefix.break_reason",
+    "break_part": "llm_proxy.prefix.break_part",
+    "break_index": "llm_proxy.prefix.break_index",
+    "break_offset": "llm_proxy.prefix.break_offset",
 }
 EVENT_FIRST_BYTE = "llm_proxy.first_byte"
 EVENT_FIRST_TOKEN = "llm_proxy.first_token"
@@ -207,6 +216,8 @@ class Tracing:
                 a[ATTR[key]] = value
         if record.tokens_estimated:
             a[ATTR["tokens_estimated"]] = True
+        if record.prefix is not None:
+            a.update(prefix_attributes(record.prefix))
         error = error_type(record)
         if error:
             a[ATTR["error_type"]] = error
@@ -233,6 +244,16 @@ class Tracing:
         from proxy.otlp_export import bounded_shutdown
 
         bounded_shutdown(self.provider.shutdown, self.stop_exporter)
+
+
+def prefix_attributes(p: PrefixRecord) -> dict[str, Any]:
+    """The prompt-cache doctor's finding as span attributes (no text: sizes, positions,
+    the reason and the part's kind); unknown values are left out."""
+    values = (("prompt_bytes", p.prompt_bytes), ("repeated_bytes", p.repeated_bytes),
+              ("repeated_tokens", p.repeated_tokens), ("missed_tokens", p.missed_tokens),
+              ("break_reason", p.break_reason or None), ("break_part", p.break_part or None),
+              ("break_index", p.break_index), ("break_offset", p.break_offset))
+    return {ATTR[name]: value for name, value in values if value is not None}
 
 
 def server_attributes(upstream: str) -> dict[str, Any]:

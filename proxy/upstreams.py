@@ -69,6 +69,8 @@ _UPSTREAM_KEYS = {
     "write_timeout": "a number of seconds > 0",
     "keepalive_expiry": "a number of seconds > 0",
     "headers": "a table of header names to values, e.g. { anthropic-version = \"2023-06-01\" }",
+    "min_cacheable_tokens": "an integer >= 0 (tokens: the shortest prefix it caches)",
+    "cache_granularity_tokens": "an integer >= 1 (tokens: the steps it caches in)",
 }
 # Keys whose absence means the top-level setting of the same purpose: key -> Settings field.
 UPSTREAM_LIMIT_SETTINGS = {
@@ -95,6 +97,9 @@ UPSTREAM_KEY_DEFAULTS = {
     "default": "false",
     "provider": "from the URL's host for a known provider, else from the API",
     "headers": "none",
+    "min_cacheable_tokens": "the provider's: 1024 on OpenAI's APIs, per model family on "
+                            "Anthropic's (1024 to 4096)",
+    "cache_granularity_tokens": "the provider's: 128 on OpenAI's APIs, 1 on Anthropic's",
 }
 # Headers the proxy owns: set through other settings, or meaningless to set per upstream.
 _RESERVED_HEADERS = frozenset({
@@ -129,6 +134,9 @@ class UpstreamSpec:
     keepalive_expiry: float = 4.0
     headers: tuple[tuple[str, str], ...] = ()
     provider: str = ""  # gen_ai.provider.name; empty: from the host, else from the API
+    # The prompt-cache doctor (proxy.prefix_check); None: the provider's default per API
+    min_cacheable_tokens: int | None = None
+    cache_granularity_tokens: int | None = None
 
     def serves(self, route: str) -> bool:
         return not self.routes or any(route == r or route.startswith(r + "/") for r in self.routes)
@@ -234,7 +242,8 @@ def _spec(path: str, index: int, table: Mapping[str, Any], settings: Settings,
     elif "auth" in table:
         raise fail("auth", "only used with api_key_env (without it the client's key headers "
                    "pass through unchanged)")
-    for key, minimum in (("max_concurrency", 0), ("max_queue", 0), ("max_connections", 1)):
+    for key, minimum in (("max_concurrency", 0), ("max_queue", 0), ("max_connections", 1),
+                         ("min_cacheable_tokens", 0), ("cache_granularity_tokens", 1)):
         if key in table:
             values[key] = get(key, int, _at_least(minimum))
     for key in ("connect_timeout", "read_timeout", "write_timeout", "keepalive_expiry"):

@@ -521,6 +521,7 @@ class ScriptedUpstream:
         if any(k.lower() == b"connection" and v.lower() == b"close" for k, v in raw):
             conn.keep_open = False
         gone = asyncio.ensure_future(lost.wait())
+        next_chunk: asyncio.Future[bytes] | None = None
         try:
             iterator = response.stream.__aiter__()  # type: ignore[union-attr]
             while True:
@@ -561,6 +562,11 @@ class ScriptedUpstream:
             await writer.drain()
         finally:
             gone.cancel()
+            if next_chunk is not None:
+                # Cancelled (the server closing) while waiting for the script's next chunk:
+                # the script is told, and how it ended is not left unretrieved.
+                next_chunk.cancel()
+                next_chunk.add_done_callback(_retrieved)
             aclose = getattr(response.stream, "aclose", None)
             if aclose is not None:
                 with contextlib.suppress(BaseException):
@@ -647,6 +653,11 @@ class Scheduled:
             if not self.finished.is_set():
                 self.closed_at.append(time.perf_counter())
                 self.closed.set()
+
+
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 async def _first(*waits: Awaitable[object]) -> None:

@@ -125,3 +125,5 @@ def test_proxy_toml_routes_and_settings(tmp_path: Path) -> None:
     assert vllm.provider == "vllm" and not vllm.api_key_env
     assert (vllm.max_concurrency, vllm.max_queue) == (32, 200)
     assert openai.max_concurrency == anthropic.max_concurrency == 0
+    assert (vllm.min_cacheable_tokens, vllm.cache_granularity_tokens) == (16, 16)
+    assert openai.min_cacheable_tokens is None  # the provider's default per API and model

@@ -418,8 +418,13 @@ def test_record_log_has_every_field() -> None:
     assert log["itl_mean_s"] == 0.5
     assert log["itl_max_s"] == 0.75
     assert log["outcome"] == "completed"
-    fields = set(RequestRecord.__dataclass_fields__) - {"itl_s"}
+    fields = set(RequestRecord.__dataclass_fields__) - {"itl_s", "prefix"}
     assert fields <= set(log)
+    # The prompt-cache doctor's finding, flattened; null when it did not look.
+    prefix_keys = {"prompt_bytes", "repeated_prefix_bytes", "repeated_prefix_tokens",
+                   "cache_missed_tokens", "prefix_break", "prefix_break_part",
+                   "prefix_break_index", "prefix_break_offset"}
+    assert {log[key] for key in prefix_keys} == {None}
     assert json.loads(json.dumps(log)) == log
     assert all(not (isinstance(v, float) and math.isnan(v)) for v in log.values())
 

@@ -281,6 +281,12 @@ async def test_stream_span_attributes_parent_events_and_upstream_traceparent(
             "llm_proxy.overhead_s": 0.0,
             "llm_proxy.outcome": "completed",
             "llm_proxy.request_id": "req-stream",
+            # The prompt-cache doctor: a prompt seen first (sizes and reason, never text).
+            "llm_proxy.prefix.prompt_bytes": len(PROMPT),
+            "llm_proxy.prefix.repeated_bytes": 0,
+            "llm_proxy.prefix.repeated_tokens": 0,
+            "llm_proxy.prefix.missed_tokens": 0,
+            "llm_proxy.prefix.break_reason": "first_seen",
         }
         # The TTFT attribute is the measured TTFT: the histogram saw the same value.
         ttft_sum = registry.get_sample_value(
@@ -343,6 +349,11 @@ async def test_non_stream_span(receiver: Receiver) -> None:
             "llm_proxy.overhead_s": 0.0,
             "llm_proxy.outcome": "completed",
             "llm_proxy.request_id": "req-plain",
+            # No cached tokens in the usage: missed is unknown, so not on the span.
+            "llm_proxy.prefix.prompt_bytes": len(PROMPT),
+            "llm_proxy.prefix.repeated_bytes": 0,
+            "llm_proxy.prefix.repeated_tokens": 0,
+            "llm_proxy.prefix.break_reason": "first_seen",
         }
         assert list(span.events) == []
         assert span.end_time_unix_nano - span.start_time_unix_nano == 500_000_000

@@ -171,7 +171,11 @@ def assert_row_equals_metrics(row: dict[str, str], snap: promscrape.Snapshot) ->
     left = ("completed", "client_disconnected", "client_stalled")
     errors = sum(v for k, v in outcomes.items() if k not in left)
     assert float(row["errors"].partition(" ")[0]) == errors
-    assert row["missed cache"] == "\u2013"  # the registry has no prompt-cache doctor here
+    # The prompt-cache doctor's missed tokens over the prompt tokens, as the page rounds.
+    missed = promscrape.total(snap, "llm_proxy_prompt_cache_missed_tokens_total", where)
+    prompt = promscrape.histogram(snap, "llm_proxy_prompt_tokens", where).sum
+    assert prompt > 0 and row["missed cache"].endswith("%"), row
+    assert abs(float(row["missed cache"].rstrip("%")) - 100 * missed / prompt) <= 0.5
 
 
 def choose(driver: Any, name: str, value: str) -> None:

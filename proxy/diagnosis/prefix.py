@@ -528,3 +528,27 @@ def minimum_cacheable_tokens(api: str, model: str) -> int:
         if family in name:
             return tokens
     return ANTHROPIC_DEFAULT_MINIMUM_TOKENS
+
+
+# OpenAI reports cached tokens in steps of 128 above its 1,024-token minimum (its
+# prompt-caching guide); Anthropic reads the cache up to a breakpoint, token exact.
+OPENAI_GRANULARITY_TOKENS = 128
+
+
+def cache_granularity_tokens(api: str) -> int:
+    """The default steps an upstream reports cached tokens in, for a dialect: 128 tokens
+    for OpenAI's APIs, 1 for Anthropic's (``"messages"``). A self-hosted server caches
+    in its blocks (vLLM: 16 tokens), so an upstream of that kind should configure its
+    own; a step larger than the server's understates the missed tokens (by less than a
+    step per request), a smaller one would report a working cache as missing a step's
+    remainder."""
+    return 1 if api == "messages" else OPENAI_GRANULARITY_TOKENS
+
+
+def missed_prefill_ms(missed_tokens: int, seconds_per_ktoken: float) -> float:
+    """What a missed cache cost in first-token time, in milliseconds: the missed tokens
+    at the upstream's prefill cost per uncached token, given as seconds per 1,000
+    uncached prompt tokens (the prefill fit's slope; a simulator's ``1000 /
+    prefill_rate``). Tokens / 1000 * s/ktoken * 1000 ms/s: the product, floored at 0
+    (a noisy fit's negative slope saves nothing)."""
+    return max(0.0, missed_tokens * seconds_per_ktoken)

@@ -1,0 +1,257 @@
+"""The prompt-cache doctor on the request path: when it looks, where it runs, and what
+it hands the one finish.
+
+The doctor itself (:mod:`proxy.diagnosis.prefix`) is pure: prompt parts in, a report
+out, with an index of recent prompts' block keys as its one piece of state. This module
+owns that state for the process (:class:`PrefixCheck`: the index, the hasher's random
+per-process secret, the window) and runs one :class:`PrefixJob` per measured request.
+
+* **Which requests.** Those the upstream accepted (a 2xx answer). A request refused (a
+  429, a 400) or never delivered (connect refused, no free connection) left nothing in
+  the upstream's cache; recording it would make the client's retry look like a missed
+  cache.
+* **When.** The job is scheduled with ``loop.call_soon`` once the response headers are
+  in, so it runs at the request's next wait: bytes that came with the headers are
+  relayed first, and a stream whose headers come before its first token (vLLM, SGLang
+  and llama.cpp send them at once) is hashed during the upstream's prefill. Hashing
+  never runs before the request is on its way, and the first token never waits for it.
+* **Where.** A body of up to :data:`INLINE_MAX_BYTES` is examined on the event loop
+  (tens of microseconds); a larger one in one worker thread, so that a 400 KB prompt
+  (about 10 ms of hashing) does not hold every other stream's next event for the whole
+  time. The hashing is Python around a C hash of 256-byte pieces, too small for hashlib
+  to release the GIL, so the thread still shares the interpreter with the loop: the
+  loop gets it back at least every ``sys.getswitchinterval()`` (5 ms). At most
+  :data:`MAX_PENDING` prompts wait for the thread; a request beyond that is not
+  examined (a rate-limited warning says so), so a burst of huge prompts never queues
+  work or memory without bound. ``benchmarks/prefix_offload.py`` prices both ways per
+  prompt size, which is where the threshold comes from.
+* **The finish.** :meth:`PrefixJob.settle` runs when the answer was relayed, before the
+  record: it examines a prompt whose job never got its turn (an answer relayed without
+  a single wait), and waits, at most :data:`SETTLE_S`, for a thread still hashing (an
+  answer faster than its prompt's hashing: an immediate error, a one-token answer to a
+  huge prompt); past that the record has no prefix fields. Only the stream's final
+  empty chunk can wait for it, never a byte of the answer. :meth:`PrefixJob.record`
+  combines the report with the usage: tokens at the request's own ratio, the cached
+  tokens the upstream reported (None when its usage does not carry the field: unknown,
+  never 0), and the upstream's minimum cacheable length and caching step.
+* **Failures** never reach the request: a doctor that raises gives no report and one
+  warning with its traceback, then at most one line a minute.
+
+One index per process, shared by every upstream: the upstream's name is in the scope of
+every key (two upstreams never share a prefix), so one memory bound
+(``--prefix-index-bytes``) serves them all, the least recently touched blocks go first
+whichever upstream they came from, and a reload that adds or removes an upstream changes
+nothing here. With ``--workers N`` each worker has its own index and sees only the
+requests it serves; behind a load balancer, each replica likewise.
+
+Time: the index takes integer milliseconds of the proxy's monotonic clock, and a
+request's time is when the proxy received it (``t0``, already read), so the doctor never
+reads the clock itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from proxy.config import Settings
+from proxy.diagnosis.prefix import (
+    PrefixDoctor,
+    PrefixPolicy,
+    PrefixReport,
+    cache_granularity_tokens,
+    cache_tokens,
+    minimum_cacheable_tokens,
+)
+from proxy.diagnosis.prefix_index import DEFAULT_HORIZON_MS, LruPrefixIndex
+from proxy.dialects import Dialect, cache_scope
+from proxy.measure import PrefixRecord
+from proxy.upstreams import UpstreamSpec
+
+log = logging.getLogger("proxy")
+
+INLINE_MAX_BYTES = 16 * 1024  # request body bytes examined on the event loop
+MAX_PENDING = 16  # large prompts waiting for, or in, the worker thread
+SETTLE_S = 0.5  # how long the finish waits for a thread still hashing
+WARN_EVERY_S = 60.0
+
+
+class PrefixCheck:
+    """The process's doctor: its index, its policy, its worker thread.
+
+    ``doctor`` replaces the default (an :class:`LruPrefixIndex` bounded by
+    ``--prefix-index-bytes``, forgetting entries untouched for an hour or two windows,
+    whichever is longer, so that an *expired* prefix can still be told from a new one).
+    """
+
+    def __init__(self, settings: Settings, doctor: PrefixDoctor | None = None) -> None:
+        window_ms = round(settings.prefix_window * 1000)
+        if doctor is None:
+            index = LruPrefixIndex(settings.prefix_index_bytes,
+                                   horizon_ms=max(DEFAULT_HORIZON_MS, 2 * window_ms))
+            doctor = PrefixDoctor(index, policy=PrefixPolicy(window_ms=window_ms))
+        self.doctor = doctor
+        self._executor: ThreadPoolExecutor | None = None  # started by the first large prompt
+        self._slots = threading.BoundedSemaphore(MAX_PENDING)
+        self._lock = threading.Lock()
+        self._warned_at = -math.inf
+        self._held_back = 0
+        self._traced = False
+
+    def begin(self, dialect: Dialect | None, payload: Mapping[str, Any] | None,
+              upstream: UpstreamSpec, t0: float, status: int, body_bytes: int
+              ) -> PrefixJob | None:
+        """A job for a request whose response headers just arrived, scheduled to run at
+        its next wait; None when there is nothing to examine (not a measured route, a
+        body that is not a JSON object, an answer that is not 2xx)."""
+        if dialect is None or payload is None or not 200 <= status < 300:
+            return None
+        job = PrefixJob(self, dialect, payload, upstream, round(t0 * 1000),
+                        offload=body_bytes > INLINE_MAX_BYTES)
+        asyncio.get_running_loop().call_soon(job.start)
+        return job
+
+    def examine(self, dialect: Dialect, payload: Mapping[str, Any], upstream: str,
+                model: str, cache_key: str, now_ms: int) -> PrefixReport | None:
+        """The doctor's report (None: no prompt parts, or the doctor failed); never raises."""
+        try:
+            return self.doctor.examine(dialect.prompt_parts(payload), upstream=upstream,
+                                       model=model, cache_key=cache_key, now_ms=now_ms)
+        except Exception:
+            self._warn("prompt-cache doctor failed; the request is not examined", trace=True)
+            return None
+
+    def submit(self, work: Callable[[], PrefixReport | None]
+               ) -> Future[PrefixReport | None] | None:
+        """Run ``work`` in the worker thread; None when :data:`MAX_PENDING` jobs already
+        wait (or the check was closed)."""
+        if not self._slots.acquire(blocking=False):
+            self._warn(f"prompt-cache doctor: {MAX_PENDING} large prompts already wait for "
+                       "its thread; this request is not examined")
+            return None
+        try:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(1, thread_name_prefix="prefix-doctor")
+            future = self._executor.submit(work)
+        except RuntimeError:  # closed: shutting down
+            self._slots.release()
+            return None
+        future.add_done_callback(lambda _: self._slots.release())
+        return future
+
+    def close(self) -> None:
+        """Stop the worker thread; jobs still waiting for it are dropped."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def _warn(self, message: str, *, trace: bool = False) -> None:
+        """One line, the first failure with its traceback, then at most one a minute."""
+        with self._lock:
+            now = time.monotonic()
+            if now - self._warned_at < WARN_EVERY_S:
+                self._held_back += 1
+                return
+            held, self._held_back, self._warned_at = self._held_back, 0, now
+            with_trace = trace and not self._traced
+            self._traced = self._traced or with_trace
+        also = f" ({held} more such lines held back)" if held else ""
+        log.warning("%s%s", message, also, exc_info=with_trace)
+
+
+class PrefixJob:
+    """One request's examination: started once (at the request's next wait, or at the
+    finish), read once by the record."""
+
+    __slots__ = ("_check", "_dialect", "_future", "_key", "_model", "_now_ms", "_offload",
+                 "_payload", "_report", "_started", "_upstream")
+
+    def __init__(self, check: PrefixCheck, dialect: Dialect, payload: Mapping[str, Any],
+                 upstream: UpstreamSpec, now_ms: int, *, offload: bool) -> None:
+        self._check = check
+        self._dialect = dialect
+        self._payload = payload
+        self._upstream = upstream
+        self._model, self._key = cache_scope(payload)
+        self._now_ms = now_ms
+        self._offload = offload
+        self._started = False
+        self._future: Future[PrefixReport | None] | None = None
+        self._report: PrefixReport | None = None
+
+    def start(self) -> None:
+        """Examine now on this thread, or hand the prompt to the worker thread."""
+        if self._started:
+            return
+        self._started = True
+        if self._offload:
+            self._future = self._check.submit(self._examine)
+        else:
+            self._report = self._examine()
+
+    def _examine(self) -> PrefixReport | None:
+        return self._check.examine(self._dialect, self._payload, self._upstream.name,
+                                   self._model, self._key, self._now_ms)
+
+    async def settle(self) -> None:
+        """Before the record: start a job that never got its turn; wait (at most
+        :data:`SETTLE_S`) for one the worker thread is still on."""
+        self.start()
+        future = self._future
+        if future is None or future.done():
+            return
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[None] = loop.create_future()
+
+        def wake(_: object) -> None:  # on the worker thread
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(_resolve, waiter)
+
+        future.add_done_callback(wake)
+        await asyncio.wait({waiter}, timeout=SETTLE_S)
+
+    @property
+    def report(self) -> PrefixReport | None:
+        future = self._future
+        if future is None:
+            return self._report
+        return future.result() if future.done() and not future.cancelled() else None
+
+    def record(self, prompt_tokens: int | None, cached_tokens: int | None
+               ) -> PrefixRecord | None:
+        """The report in the record's terms, with the usage: ``prompt_tokens`` from the
+        upstream (None when it did not say them, or they were estimated) and
+        ``cached_tokens`` as it reported them (None: not reported)."""
+        report = self.report
+        if report is None:
+            return None
+        spec, api = self._upstream, self._dialect.name
+        minimum = spec.min_cacheable_tokens
+        step = spec.cache_granularity_tokens
+        tokens = cache_tokens(
+            report, prompt_tokens, cached_tokens,
+            minimum_tokens=(minimum if minimum is not None
+                            else minimum_cacheable_tokens(api, self._model)),
+            granularity_tokens=step if step is not None else cache_granularity_tokens(api))
+        return PrefixRecord(
+            prompt_bytes=report.prompt_bytes, repeated_bytes=report.repeated_bytes,
+            repeated_tokens=tokens.repeated, missed_tokens=tokens.missed,
+            break_reason=report.reason or "", break_part=report.part or "",
+            break_index=report.index, break_offset=report.offset)
+
+
+def _resolve(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
+def prefix_check_from(settings: Settings, *, wanted: bool) -> PrefixCheck | None:
+    """The doctor when it is on and someone reads what it finds (metrics, the request
+    log or the trace: ``wanted``); else None, and the request path skips it."""
+    return PrefixCheck(settings) if settings.prefix_doctor and wanted else None

@@ -1,0 +1,879 @@
+"""The prompt-cache doctor through the whole proxy (proxy/prefix_check.py).
+
+The proxy runs in process in front of the suite's scripted upstream (tests/fake_upstream.py:
+a real loopback server, so the production upstream client runs); the upstream's usage sets
+the prompt and cached tokens of every answer exactly, so the repeated, reported and missed
+tokens are known from the script: repeated = round(repeated bytes x prompt tokens / prompt
+bytes), missed = that (less the prompt's last token, down to the caching step) - cached.
+Time is the scripted clock: a request's time is when the proxy received it.
+
+Also here: every break reason from a request pair built for it, the minimum-length rule,
+an absent cached field, answers that are not 2xx, the switch, the worker thread for large
+prompts (a concurrent stream flows while it works), a doctor that fails, the settings,
+a scan of everything the proxy exports for prompt text, memory under distinct large
+prompts, and one end-to-end run with the official openai SDK in front of the simulator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import random
+import threading
+import tracemalloc
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client import CollectorRegistry
+
+from proxy import prefix_check
+from proxy.app import ProxyApp, create_app
+from proxy.config import Settings, SettingsError, from_sources
+from proxy.diagnosis.prefix import missed_prefill_ms
+from proxy.diagnosis.prefix_index import BYTES_PER_ENTRY
+from proxy.dialects import DIALECTS
+from proxy.prefix_check import INLINE_MAX_BYTES, MAX_PENDING, PrefixCheck, PrefixJob
+from proxy.simulator.model import LatencyModel, SimConfig
+from proxy.upstreams import UpstreamSpec, upstream_specs
+from tests.fake_upstream import ScriptedClock, ScriptedUpstream, Seen, sse
+from tests.upstream_fakes import InProcess
+
+pytestmark = pytest.mark.anyio
+
+T0 = 64.0
+UP = "up"
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+RESPONSES = "/v1/responses"
+MESSAGES = "/v1/messages"
+SSE = {"content-type": "text/event-stream"}
+REPEATED = "llm_proxy_prompt_repeated_tokens_total"
+MISSED = "llm_proxy_prompt_cache_missed_tokens_total"
+BREAKS = "llm_proxy_prompt_prefix_breaks_total"
+RATIO = "llm_proxy_prompt_repeated_prefix_ratio"
+MISSED_HIST = "llm_proxy_prompt_cache_missed_tokens_per_request"
+
+
+def text(n: int, seed: str) -> str:
+    """``n`` bytes of words unique to ``seed`` (no two seeds share 8 characters by chance)."""
+    rng = random.Random(seed)
+    words: list[str] = []
+    size = 0
+    while size < n:
+        word = "".join(rng.choice("bcdfghjklmnpqrstvwxz") for _ in range(rng.randint(3, 9)))
+        words.append(word)
+        size += len(word) + 1
+    return " ".join(words)[:n]
+
+
+# ---------------------------------------------------------------------------
+# The scripted upstream: each answer carries the usage the test queued for it
+
+
+class Answers:
+    """Answers each measured request in its API's shape, with the next queued usage
+    (prompt tokens, cached tokens or None for a usage without the cached field), as JSON
+    or as a stream, whichever the request asked for. ``status`` answers an error instead."""
+
+    def __init__(self) -> None:
+        self.usages: list[tuple[int, int | None]] = []
+        self.status = 200
+        self.seen: list[Seen] = []
+        self.hold: asyncio.Event | None = None  # a stream waits on it after its first event
+
+    def queue(self, prompt: int, cached: int | None) -> None:
+        self.usages.append((prompt, cached))
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.seen.append(request.extensions["seen"])
+        if self.status != 200:
+            body = json.dumps({"error": {"message": "slow down", "type": "rate_limit_error"}})
+            return httpx.Response(self.status, headers={"content-type": "application/json"},
+                                  content=body.encode())
+        prompt, cached = self.usages.pop(0) if self.usages else (100, 0)
+        payload = json.loads(request.content)
+        route = request.url.path
+        events = _answer(route, prompt, cached)
+        if payload.get("stream") is True:
+            return httpx.Response(200, headers=SSE, content=self._stream(events))
+        return httpx.Response(200, json=_body(route, prompt, cached))
+
+    async def _stream(self, events: list[bytes]) -> AsyncIterator[bytes]:
+        yield events[0]
+        if self.hold is not None:
+            await self.hold.wait()
+        yield b"".join(events[1:])
+
+
+def _usage(route: str, prompt: int, cached: int | None) -> dict[str, Any]:
+    if route == MESSAGES:  # Anthropic's input_tokens excludes the cache reads and writes
+        read = cached or 0
+        usage: dict[str, Any] = {"input_tokens": prompt - read - 7,
+                                 "cache_creation_input_tokens": 7, "output_tokens": 2}
+        if cached is not None:
+            usage["cache_read_input_tokens"] = cached
+        return usage
+    if route == RESPONSES:
+        usage = {"input_tokens": prompt, "output_tokens": 2, "total_tokens": prompt + 2}
+        if cached is not None:
+            usage["input_tokens_details"] = {"cached_tokens": cached}
+        return usage
+    usage = {"prompt_tokens": prompt, "completion_tokens": 2, "total_tokens": prompt + 2}
+    if cached is not None:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    return usage
+
+
+def _body(route: str, prompt: int, cached: int | None) -> dict[str, Any]:
+    usage = _usage(route, prompt, cached)
+    if route == MESSAGES:
+        return {"id": "msg_1", "type": "message", "role": "assistant", "model": "m",
+                "content": [{"type": "text", "text": "ok"}], "stop_reason": "end_turn",
+                "usage": usage}
+    if route == RESPONSES:
+        return {"id": "resp_1", "object": "response", "status": "completed", "model": "m",
+                "output": [], "usage": usage}
+    if route == COMPLETIONS:
+        return {"id": "c1", "object": "text_completion", "model": "m",
+                "choices": [{"index": 0, "text": "ok", "finish_reason": "stop"}], "usage": usage}
+    return {"id": "c1", "object": "chat.completion", "model": "m", "choices": [
+        {"index": 0, "message": {"role": "assistant", "content": "ok"},
+         "finish_reason": "stop"}], "usage": usage}
+
+
+def _answer(route: str, prompt: int, cached: int | None) -> list[bytes]:
+    """The stream of an answer "ok", its usage where each API puts it."""
+    usage = _usage(route, prompt, cached)
+    if route == MESSAGES:
+        start = {"id": "msg_1", "type": "message", "role": "assistant", "model": "m",
+                 "content": [], "usage": usage}
+        named = [("message_start", {"message": start}),
+                 ("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}),
+                 ("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": "ok"}}),
+                 ("content_block_stop", {"index": 0}),
+                 ("message_delta", {"delta": {"stop_reason": "end_turn"}, "usage": {"output_tokens": 2}}),
+                 ("message_stop", {})]
+        return [sse({"type": n, **p}, compact=True, event=n) for n, p in named]
+    if route == RESPONSES:
+        resp = {"id": "resp_1", "object": "response", "status": "in_progress", "model": "m"}
+        named = [("response.created", {"response": resp}),
+                 ("response.output_text.delta", {"item_id": "m1", "output_index": 0,
+                                                 "content_index": 0, "delta": "ok"}),
+                 ("response.completed", {"response": {**resp, "status": "completed",
+                                                      "usage": usage}})]
+        return [sse({"type": n, **p}, compact=True, event=n) for n, p in named]
+    chunk = {"id": "c1", "object": "chat.completion.chunk", "model": "m"}
+    return [sse({**chunk, "choices": [{"index": 0, "delta": {"role": "assistant"}}]}),
+            sse({**chunk, "choices": [{"index": 0, "delta": {"content": "ok"}}]}),
+            sse({**chunk, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}),
+            sse({**chunk, "choices": [], "usage": usage}), b"data: [DONE]\n\n"]
+
+
+def doctor_app(answers: Answers, clock: ScriptedClock, tmp_path: Path, *,
+               spec: dict[str, Any] | None = None, **settings: Any
+               ) -> tuple[InProcess, CollectorRegistry, Path]:
+    """The proxy with one upstream (``spec``: more of its [[upstream]] settings) in front
+    of ``answers``, a fresh registry, and a request log."""
+    upstream = ScriptedUpstream(answers, clock)
+    log_file = tmp_path / "requests.jsonl"
+    specs = (UpstreamSpec(name=UP, url=upstream.url + "/v1", models=("*",), default=True,
+                          **(spec or {})),)
+    registry = CollectorRegistry()
+    app = create_app(Settings(upstreams=specs, log_requests=str(log_file), **settings),
+                     registry=registry, clock=clock)
+    return InProcess(app, upstream), registry, log_file
+
+
+async def post(app: Any, clock: ScriptedClock, path: str, body: dict[str, Any], *,
+               at: float = T0) -> httpx.Response:
+    clock.now = at  # when the proxy receives it
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://proxy.test") as client:
+        return await client.post(path, content=json.dumps(body).encode())
+
+
+def lines(log_file: Path) -> list[dict[str, Any]]:
+    """The request log, read after the app closed (every line is written by then)."""
+    return [json.loads(line) for line in log_file.read_text().splitlines()]
+
+
+def value(registry: CollectorRegistry, name: str, route: str, model: str = "m",
+          **extra: str) -> float | None:
+    return registry.get_sample_value(name, {"route": route, "model": model, "upstream": UP,
+                                            **extra})
+
+
+def sizes(route: str, body: dict[str, Any]) -> list[int]:
+    return [len(part.data) for part in DIALECTS[route].prompt_parts(body)]
+
+
+def expected(route: str, repeated_bytes: int, prompt_bytes: int, prompt: int, cached: int,
+             *, minimum: int = 1024) -> tuple[int, int]:
+    """(repeated, missed) tokens, from the definition: the repeated bytes at the request's
+    own ratio; missed leaves out the prompt's last token and rounds down to the step (128
+    tokens on OpenAI's APIs, 1 on Anthropic's); 0 below the minimum cacheable length."""
+    repeated = min(prompt, round(repeated_bytes * prompt / prompt_bytes))
+    if repeated < minimum:
+        return repeated, 0
+    step = 1 if route == MESSAGES else 128
+    cacheable = min(repeated, prompt - 1)
+    return repeated, max(0, cacheable // step * step - cached)
+
+
+# ---------------------------------------------------------------------------
+# Repeated, reported and missed, exact, for each API
+
+SYSTEM = text(9000, "system")
+Q1, A1, Q2 = text(1000, "q1"), text(700, "a1"), text(300, "q2")
+
+
+def conversation(route: str, turn: int) -> dict[str, Any]:
+    """Turn 1, or turn 2: turn 1 grown by an answer and a question (the whole of turn 1
+    repeats). Completions: one prompt of whole blocks, then the same with more after it."""
+    if route == COMPLETIONS:
+        head = SYSTEM[:8192]
+        return {"model": "m", "prompt": head if turn == 1 else head + Q2}
+    turns: list[tuple[str, str]] = [("user", Q1)]
+    if turn == 2:
+        turns += [("assistant", A1), ("user", Q2)]
+    messages = [{"role": role, "content": content} for role, content in turns]
+    if route == CHAT:
+        return {"model": "m", "messages": [{"role": "system", "content": SYSTEM}, *messages]}
+    if route == RESPONSES:
+        return {"model": "m", "instructions": SYSTEM, "input": messages, "stream": True}
+    return {"model": "claude-sonnet-4-5", "max_tokens": 50, "system": SYSTEM,
+            "messages": messages, "stream": True}
+
+
+@pytest.mark.parametrize("route", [CHAT, COMPLETIONS, RESPONSES, MESSAGES])
+async def test_repeated_reported_and_missed_tokens_are_exact(route: str, tmp_path: Path) -> None:
+    clock, answers = ScriptedClock(T0), Answers()
+    app, registry, log_file = doctor_app(answers, clock, tmp_path)
+    turn1, turn2 = conversation(route, 1), conversation(route, 2)
+    answers.queue(2500, 0)
+    answers.queue(3000, 1024 if route != MESSAGES else 2000)
+    async with app:
+        assert (await post(app, clock, route, turn1)).status_code == 200
+        assert (await post(app, clock, route, turn2, at=T0 + 10)).status_code == 200
+    model = turn2["model"]
+    first, second = lines(log_file)
+    assert first["prompt_bytes"] == sum(sizes(route, turn1))
+    assert (first["repeated_prefix_bytes"], first["repeated_prefix_tokens"]) == (0, 0)
+    assert (first["cache_missed_tokens"], first["prefix_break"]) == (0, "first_seen")
+    repeated_bytes = sum(sizes(route, turn1))  # a grown conversation repeats its last turn
+    prompt_bytes = sum(sizes(route, turn2))
+    cached = 1024 if route != MESSAGES else 2000
+    repeated, missed = expected(route, repeated_bytes, prompt_bytes, 3000, cached)
+    assert missed > 0
+    assert second["prompt_bytes"] == prompt_bytes
+    assert second["repeated_prefix_bytes"] == repeated_bytes
+    assert second["repeated_prefix_tokens"] == repeated
+    assert (second["prompt_tokens"], second["cached_prompt_tokens"]) == (3000, cached)
+    assert second["cache_missed_tokens"] == missed
+    assert second["prefix_break"] is None and second["prefix_break_part"] is None
+    assert value(registry, REPEATED, route, model) == repeated
+    assert value(registry, MISSED, route, model) == missed
+    assert value(registry, MISSED_HIST + "_count", route, model) == 2
+    assert value(registry, MISSED_HIST + "_sum", route, model) == missed
+    assert value(registry, RATIO + "_count", route, model) == 2
+    assert value(registry, RATIO + "_sum", route, model) == pytest.approx(
+        repeated_bytes / prompt_bytes)
+    assert value(registry, RATIO + "_bucket", route, model, le="0.0") == 1
+    assert value(registry, BREAKS, route, model, reason="first_seen", part="none") == 1
+
+
+async def test_a_stream_whose_usage_the_proxy_asked_for_is_counted_too(tmp_path: Path) -> None:
+    clock, answers = ScriptedClock(T0), Answers()
+    app, registry, log_file = doctor_app(answers, clock, tmp_path)
+    turn1 = {**conversation(CHAT, 1), "stream": True}
+    turn2 = {**conversation(CHAT, 2), "stream": True}
+    answers.queue(2500, 0)
+    answers.queue(3000, 1024)
+    async with app:
+        await post(app, clock, CHAT, turn1)
+        response = await post(app, clock, CHAT, turn2, at=T0 + 1)
+        assert b'"usage"' not in response.content  # the injected usage event is still taken out
+        assert answers.seen[-1].json["stream_options"] == {"include_usage": True}
+    repeated, missed = expected(CHAT, sum(sizes(CHAT, turn1)), sum(sizes(CHAT, turn2)), 3000,
+                                1024)
+    assert lines(log_file)[1]["cache_missed_tokens"] == missed
+    assert value(registry, MISSED, CHAT) == missed
+    assert value(registry, REPEATED, CHAT) == repeated
+
+
+# ---------------------------------------------------------------------------
+# Every break reason, from a request pair built for it
+
+STABLE = text(4000, "stable")
+TOOLS = [{"type": "function", "function": {"name": f"tool_{i}", "description": text(600, f"t{i}"),
+                                            "parameters": {"type": "object"}}} for i in range(3)]
+
+
+def chat(*messages: tuple[str, Any], model: str = "m", **extra: Any) -> dict[str, Any]:
+    return {"model": model, "messages": [{"role": r, "content": c} for r, c in messages], **extra}
+
+
+def _image(data: str) -> dict[str, Any]:
+    content = [{"type": "text", "text": text(600, "caption")},
+               {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}}]
+    return chat(("system", STABLE), ("user", content), ("assistant", "A cat."),
+                ("user", "What colour?"))
+
+
+def _timestamped(now: str) -> dict[str, Any]:
+    return {"model": "claude-sonnet-4-5", "max_tokens": 50,
+            "system": f"Current time is {now}.\n" + STABLE,
+            "messages": [{"role": "user", "content": "What changed?"}]}
+
+
+HISTORY = [("system", STABLE), ("user", text(500, "h1")), ("assistant", text(700, "h2")),
+           ("user", text(300, "h3")), ("assistant", text(400, "h4")), ("user", "q?")]
+EDITED = [*HISTORY[:2], ("assistant", text(650, "rewritten")), *HISTORY[3:]]
+
+# (route, first body, second body, seconds between them, reason, part, index, offset)
+PAIRS: dict[str, tuple[str, dict[str, Any], dict[str, Any], float, str, str, int | None,
+                       int | None]] = {
+    "tools reordered": (
+        CHAT, chat(("system", STABLE), ("user", "hi"), tools=TOOLS),
+        chat(("system", STABLE), ("user", "hi"), tools=[TOOLS[1], TOOLS[0], TOOLS[2]]),
+        1, "tools_changed", "tools", 0, 0),
+    "timestamp at the head of system": (
+        MESSAGES, _timestamped("15:09:20"), _timestamped("15:09:21"), 1,
+        "variable_before_stable", "system", 0, 0),
+    "a message edited in the middle": (
+        CHAT, chat(*HISTORY), chat(*EDITED), 1, "message_changed", "message", 2, 0),
+    "an expired window": (
+        CHAT, chat(("system", STABLE), ("user", "hi")), chat(("system", STABLE), ("user", "hi")),
+        301, "expired", "system", 0, 0),
+    "a different model": (
+        CHAT, chat(("system", STABLE), ("user", "hi")),
+        chat(("system", STABLE), ("user", "hi"), model="m2"), 1, "model_changed", "none", None,
+        None),
+    "an image part changed": (
+        CHAT, _image("iVBORw0KGgo" * 50), _image("R0lGODlhAQ" * 50), 1, "message_changed",
+        "message", 1, 512),
+    "another cache key": (
+        CHAT, chat(("system", STABLE), ("user", "hi"), prompt_cache_key="a"),
+        chat(("system", STABLE), ("user", "hi"), prompt_cache_key="b"), 1, "cache_key_changed",
+        "none", None, None),
+    "other instructions": (
+        RESPONSES, {"model": "m", "instructions": "Be terse.", "input": "hi"},
+        {"model": "m", "instructions": "Be verbose.", "input": "hi"}, 1,
+        "instructions_changed", "instructions", 0, 0),
+    "another previous response": (
+        RESPONSES, {"model": "m", "instructions": STABLE, "previous_response_id": "resp_1",
+                    "input": "hi"},
+        {"model": "m", "instructions": STABLE, "previous_response_id": "resp_2", "input": "hi"},
+        1, "context_changed", "context", 0, 0),
+    "the first of two prompts": (
+        COMPLETIONS, {"model": "m", "prompt": ["alpha " * 10, "beta " * 10]},
+        {"model": "m", "prompt": ["gamma " * 10, "beta " * 10]}, 1, "prompt_changed", "prompt",
+        0, 0),
+}
+
+
+@pytest.mark.parametrize("case", list(PAIRS))
+async def test_each_break_reason_from_a_request_pair(case: str, tmp_path: Path) -> None:
+    route, first, second, gap, reason, part, index, offset = PAIRS[case]
+    clock, answers = ScriptedClock(T0), Answers()
+    app, registry, log_file = doctor_app(answers, clock, tmp_path)
+    async with app:
+        assert (await post(app, clock, route, first)).status_code == 200
+        assert (await post(app, clock, route, second, at=T0 + gap)).status_code == 200
+    line = lines(log_file)[1]
+    assert (line["prefix_break"], line["prefix_break_part"] or "none") == (reason, part)
+    assert (line["prefix_break_index"], line["prefix_break_offset"]) == (index, offset)
+    model = second["model"]
+    assert value(registry, BREAKS, route, model, reason=reason, part=part) == 1
+    counted = {(s.labels["reason"], s.labels["part"]): s.value
+               for m in registry.collect() if m.name == BREAKS.removesuffix("_total")
+               for s in m.samples if s.name == BREAKS}
+    assert sum(counted.values()) == 2  # the first request (first_seen) and this one
+    if reason not in ("model_changed", "cache_key_changed"):
+        assert counted[("first_seen", "none")] == 1
+
+
+async def test_the_window_is_a_setting(tmp_path: Path) -> None:
+    clock, answers = ScriptedClock(T0), Answers()
+    app, _, log_file = doctor_app(answers, clock, tmp_path, prefix_window=30.0)
+    body = chat(("system", STABLE), ("user", "hi"))
+    async with app:
+        await post(app, clock, CHAT, body)
+        await post(app, clock, CHAT, body, at=T0 + 30)  # exactly the window: still held
+        await post(app, clock, CHAT, body, at=T0 + 61)
+    assert [line["prefix_break"] for line in lines(log_file)] == ["first_seen", None, "expired"]
+
+
+# ---------------------------------------------------------------------------
+# What counts as missed, and what is unknown
+
+
+async def test_below_the_minimum_cacheable_length_nothing_is_missed(tmp_path: Path) -> None:
+    body1 = chat(("system", STABLE), ("user", "q1"))
+    body2 = chat(("system", STABLE), ("user", "q1"), ("assistant", "a1"), ("user", "q2"))
+    for spec, missed in (({}, 0), ({"min_cacheable_tokens": 500, "cache_granularity_tokens": 1},
+                                   None)):
+        clock, answers = ScriptedClock(T0), Answers()
+        (tmp_path / str(len(spec))).mkdir()
+        app, registry, log_file = doctor_app(answers, clock, tmp_path / str(len(spec)), spec=spec)
+        answers.queue(1000, 0)
+        answers.queue(1020, 0)
+        async with app:
+            await post(app, clock, CHAT, body1)
+            await post(app, clock, CHAT, body2, at=T0 + 1)
+        line = lines(log_file)[1]
+        repeated = round(sum(sizes(CHAT, body1)) * 1020 / sum(sizes(CHAT, body2)))
+        assert 500 < line["repeated_prefix_tokens"] == repeated < 1024
+        if missed == 0:  # OpenAI's 1,024 tokens: a shorter prefix is never cached
+            assert line["cache_missed_tokens"] == 0
+            assert value(registry, MISSED, CHAT) == 0
+            assert value(registry, MISSED_HIST + "_count", CHAT) == 2
+        else:  # an upstream that caches from 500 tokens, token by token
+            assert line["cache_missed_tokens"] == repeated  # nothing reported cached
+            assert value(registry, MISSED, CHAT) == repeated
+
+
+@pytest.mark.parametrize("route", [CHAT, RESPONSES, MESSAGES])
+async def test_an_absent_cached_field_leaves_missed_unknown(route: str, tmp_path: Path) -> None:
+    clock, answers = ScriptedClock(T0), Answers()
+    app, registry, log_file = doctor_app(answers, clock, tmp_path)
+    turn1, turn2 = conversation(route, 1), conversation(route, 2)
+    answers.queue(2500, None)
+    answers.queue(3000, None)
+    async with app:
+        await post(app, clock, route, turn1)
+        await post(app, clock, route, turn2, at=T0 + 1)
+    line = lines(log_file)[1]
+    assert line["cached_prompt_tokens"] is None  # the field was absent: not 0
+    assert line["repeated_prefix_tokens"] > 2000
+    assert line["cache_missed_tokens"] is None
+    model = turn2["model"]
+    assert value(registry, REPEATED, route, model) == line["repeated_prefix_tokens"]
+    assert not value(registry, MISSED, route, model)  # never incremented
+    assert not value(registry, MISSED_HIST + "_count", route, model)
+
+
+async def test_an_answer_that_is_not_2xx_is_not_examined(tmp_path: Path) -> None:
+    clock, answers = ScriptedClock(T0), Answers()
+    app, registry, log_file = doctor_app(answers, clock, tmp_path)
+    body = chat(("system", STABLE), ("user", "hi"))
+    async with app:
+        answers.status = 429
+        assert (await post(app, clock, CHAT, body)).status_code == 429
+        answers.status = 200
+        await post(app, clock, CHAT, body, at=T0 + 1)  # the retry
+    refused, retry = lines(log_file)
+    assert refused["prompt_bytes"] is None and refused["prefix_break"] is None
+    assert retry["prefix_break"] == "first_seen"  # the refused one left nothing behind
+    assert retry["repeated_prefix_bytes"] == 0
+    assert value(registry, RATIO + "_count", CHAT) == 1  # the retry only
+
+
+async def test_off_switch(tmp_path: Path) -> None:
+    clock, answers = ScriptedClock(T0), Answers()
+    app, registry, log_file = doctor_app(answers, clock, tmp_path, prefix_doctor=False)
+    async with app:
+        assert app.v1.prefix is None
+        await post(app, clock, CHAT, chat(("system", STABLE), ("user", "hi")))
+    line = lines(log_file)[0]
+    assert line["prompt_bytes"] is None and line["repeated_prefix_tokens"] is None
+    assert value(registry, RATIO + "_count", CHAT) is None
+
+
+# ---------------------------------------------------------------------------
+# Where it runs, and what a failure does
+
+
+async def test_a_large_prompt_is_examined_in_the_thread_while_another_stream_flows(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    clock, answers = ScriptedClock(T0), Answers()
+    app, _, log_file = doctor_app(answers, clock, tmp_path)
+    check = app.v1.prefix
+    assert check is not None
+    examine = check.doctor.examine
+    threads: list[str] = []
+    entered, release = threading.Event(), threading.Event()
+
+    def slow_examine(*args: Any, **kwargs: Any) -> Any:
+        name = threading.current_thread().name
+        threads.append(name)
+        if name != threading.main_thread().name:  # the worker thread: hold it
+            entered.set()
+            assert release.wait(30)
+        return examine(*args, **kwargs)
+
+    monkeypatch.setattr(check.doctor, "examine", slow_examine)
+    large = {**chat(("system", text(3 * INLINE_MAX_BYTES, "large")), ("user", "sum up")),
+             "stream": True}
+    small = {**chat(("system", STABLE), ("user", "hi"), model="m2"), "stream": True}
+    answers.queue(12_000, 0)
+    answers.queue(1000, 0)
+    answers.hold = held = asyncio.Event()  # the large request's stream waits after one event
+    async with app:
+        first = asyncio.ensure_future(post(app, clock, CHAT, large))
+        assert await asyncio.to_thread(entered.wait, 30)  # its prompt is in the thread
+        answers.hold = None
+        # While the thread works on the large prompt, another stream flows end to end.
+        other = await post(app, clock, CHAT, small, at=T0 + 1)
+        assert other.status_code == 200 and b"data: [DONE]" in other.content
+        assert not first.done()
+        release.set()
+        held.set()
+        assert (await first).status_code == 200
+    assert threads == ["prefix-doctor_0", "MainThread"]
+    big, little = sorted(lines(log_file), key=lambda line: -line["prompt_bytes"])
+    assert big["prompt_bytes"] > INLINE_MAX_BYTES and big["prefix_break"] == "first_seen"
+    assert little["prefix_break"] == "first_seen"
+
+
+@pytest.mark.parametrize("in_time", [True, False])
+async def test_the_finish_waits_for_the_thread_a_bounded_time(
+        in_time: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An answer faster than its prompt's hashing: the record waits for the thread (the
+    thread here finishes only once the finish waits for it), at most SETTLE_S."""
+    clock, answers = ScriptedClock(T0), Answers()
+    app, _, log_file = doctor_app(answers, clock, tmp_path)
+    check = app.v1.prefix
+    assert check is not None
+    examine = check.doctor.examine
+    release, done = threading.Event(), threading.Event()
+
+    def held(*args: Any, **kwargs: Any) -> Any:
+        assert release.wait(30)
+        try:
+            return examine(*args, **kwargs)
+        finally:
+            done.set()
+
+    settle = PrefixJob.settle
+
+    async def settling(job: PrefixJob) -> None:
+        if in_time:
+            release.set()  # the thread goes on only once the finish waits for it
+        await settle(job)
+
+    monkeypatch.setattr(check.doctor, "examine", held)
+    monkeypatch.setattr(PrefixJob, "settle", settling)
+    if not in_time:
+        monkeypatch.setattr(prefix_check, "SETTLE_S", 0.05)
+    large = chat(("system", text(2 * INLINE_MAX_BYTES, "large")), ("user", "sum up"))
+    async with app:
+        response = await post(app, clock, CHAT, large)
+        assert response.status_code == 200
+        release.set()
+        assert await asyncio.to_thread(done.wait, 30)
+    (line,) = lines(log_file)
+    if in_time:
+        assert line["prefix_break"] == "first_seen" and line["prompt_bytes"] > INLINE_MAX_BYTES
+    else:  # too late for the record; the index still has the prompt
+        assert line["prompt_bytes"] is None and line["outcome"] == "completed"
+
+
+async def test_a_job_that_never_got_its_turn_runs_at_the_finish() -> None:
+    check = PrefixCheck(Settings())
+    calls = []
+    examine = check.doctor.examine
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(threading.current_thread().name)
+        return examine(*args, **kwargs)
+
+    check.doctor.examine = counted  # type: ignore[method-assign]
+    spec = UpstreamSpec(name=UP, url="http://u/v1")
+    body = chat(("system", STABLE), ("user", "hi"))
+    assert check.begin(DIALECTS[CHAT], body, spec, T0, 429, 100) is None
+    assert check.begin(None, body, spec, T0, 200, 100) is None
+    job = check.begin(DIALECTS[CHAT], body, spec, T0, 200, len(json.dumps(body)))
+    assert job is not None and job.report is None  # scheduled for the next wait
+    await job.settle()  # the answer was relayed without one
+    assert job.report is not None and job.report.reason == "first_seen"
+    await asyncio.sleep(0)  # the scheduled start comes round: nothing more to do
+    assert calls == ["MainThread"]
+    record = job.record(1000, None)
+    assert record is not None and record.missed_tokens is None and record.repeated_tokens == 0
+    check.close()
+
+
+async def test_a_doctor_that_raises_does_not_break_the_request(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    clock, answers = ScriptedClock(T0), Answers()
+    app, registry, log_file = doctor_app(answers, clock, tmp_path)
+    assert app.v1.prefix is not None
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("the doctor broke")
+
+    monkeypatch.setattr(app.v1.prefix.doctor, "examine", broken)
+    body = {**chat(("system", STABLE), ("user", "hi")), "stream": True}
+    with caplog.at_level(logging.WARNING, logger="proxy"):
+        async with app:
+            for i in range(3):
+                response = await post(app, clock, CHAT, body, at=T0 + i)
+                assert response.status_code == 200
+                assert response.content.endswith(b"data: [DONE]\n\n")
+    assert all(line["outcome"] == "completed" and line["prompt_bytes"] is None
+               for line in lines(log_file))
+    assert registry.get_sample_value("llm_proxy_requests_total", {
+        "route": CHAT, "model": "m", "upstream": UP, "stream": "true", "code": "200"}) == 3
+    warnings = [r for r in caplog.records if "prompt-cache doctor failed" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].exc_info is not None  # once, with its traceback
+
+
+def test_the_threads_backlog_is_bounded(caplog: pytest.LogCaptureFixture) -> None:
+    check = PrefixCheck(Settings())
+    gate = threading.Event()
+    try:
+        futures = [check.submit(lambda: gate.wait(30) and None) for _ in range(MAX_PENDING)]
+        assert all(f is not None for f in futures)
+        with caplog.at_level(logging.WARNING, logger="proxy"):
+            assert check.submit(lambda: None) is None  # one more is not examined
+        assert "large prompts already wait" in caplog.text
+        gate.set()
+        for f in futures:
+            assert f is not None
+            f.result(30)
+        assert check.submit(lambda: None) is not None  # room again
+    finally:
+        gate.set()
+        check.close()
+
+
+# ---------------------------------------------------------------------------
+# Settings
+
+
+def test_settings_and_their_checks(tmp_path: Path) -> None:
+    s = Settings()
+    assert (s.prefix_doctor, s.prefix_window, s.prefix_index_bytes) == (True, 300.0, 64 << 20)
+    env = {"LLM_PROXY_PREFIX_WINDOW": "90", "LLM_PROXY_PREFIX_DOCTOR": "false",
+           "LLM_PROXY_PREFIX_INDEX_BYTES": "1000000"}
+    s = from_sources(None, env)
+    assert (s.prefix_doctor, s.prefix_window, s.prefix_index_bytes) == (False, 90.0, 1_000_000)
+    for name, raw in (("PREFIX_WINDOW", "0"), ("PREFIX_WINDOW", "86401"),
+                      ("PREFIX_INDEX_BYTES", str(BYTES_PER_ENTRY - 1))):
+        with pytest.raises(SettingsError, match=f"LLM_PROXY_{name}"):
+            from_sources(None, {f"LLM_PROXY_{name}": raw})
+    doc = {"upstream": [{"name": "v", "url": "http://v:8000/v1", "default": True,
+                         "min_cacheable_tokens": 16, "cache_granularity_tokens": 16}]}
+    (spec,) = upstream_specs("p.toml", doc, Settings(), {})
+    assert (spec.min_cacheable_tokens, spec.cache_granularity_tokens) == (16, 16)
+    for key, bad in (("min_cacheable_tokens", -1), ("cache_granularity_tokens", 0),
+                     ("min_cacheable_tokens", "16")):
+        table = {"name": "v", "url": "http://v:8000/v1", "default": True, key: bad}
+        with pytest.raises(SettingsError, match=f"upstream 'v': {key}: must be an integer"):
+            upstream_specs("p.toml", {"upstream": [table]}, Settings(), {})
+
+
+# ---------------------------------------------------------------------------
+# What a missed cache cost
+
+
+def test_missed_milliseconds_at_the_simulators_prefill_rate() -> None:
+    config = SimConfig(prefill_rate=8_000.0, prefill_overhead=0.0)
+    model = LatencyModel(config)
+    prompt = text(16_000, "prefill")
+    miss = model.plan(prompt)
+    hit = model.plan(prompt)
+    cached = hit.cached_tokens
+    assert cached > 3000
+    # Had the cache missed those tokens, the first token would have come this much later.
+    seconds_per_ktoken = 1000 / config.prefill_rate
+    assert missed_prefill_ms(cached, seconds_per_ktoken) == pytest.approx(
+        1000 * (miss.prefill_compute_s - hit.prefill_compute_s))
+    assert missed_prefill_ms(1664, 0.1) == pytest.approx(166.4)
+    assert missed_prefill_ms(500, -0.02) == 0.0  # a noisy fit's negative slope saves nothing
+
+
+# ---------------------------------------------------------------------------
+# Memory: distinct large prompts fill the index to its bound, never past it
+
+
+def test_distinct_large_prompts_keep_the_index_under_its_bound() -> None:
+    bound = 2 * 1024 * 1024
+    check = PrefixCheck(Settings(prefix_index_bytes=bound))
+    index = check.doctor.index
+    assert isinstance(index.capacity, int)
+    bodies = [{"model": "m", "messages": [{"role": "user", "content": text(32_768, f"d{i}")}]}
+              for i in range(12)]
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        peaks = []
+        for i in range(160):  # about 40 MB of distinct prompt text through a 2 MB index
+            body = bodies[i % len(bodies)]
+            body["model"] = f"m{i}"  # another scope: every block is new
+            check.examine(DIALECTS[CHAT], body, UP, body["model"], "", i)
+            assert len(index) <= index.capacity  # type: ignore[attr-defined]
+            peaks.append(tracemalloc.get_traced_memory()[0] - base)
+    finally:
+        tracemalloc.stop()
+    assert len(index) == index.capacity  # type: ignore[attr-defined]
+    assert max(peaks[-40:]) <= bound  # the bound is a memory bound
+    assert max(peaks[-40:]) - max(peaks[40:80]) < bound / 8  # flat once full
+
+
+# ---------------------------------------------------------------------------
+# Nothing of the prompt leaves the proxy
+
+
+def windows(data: str | bytes, size: int = 8) -> set[bytes]:
+    raw = data.encode() if isinstance(data, str) else data
+    return {raw[i : i + size] for i in range(len(raw) - size + 1)}
+
+
+async def test_no_prompt_text_in_metrics_log_spans_or_the_live_page(tmp_path: Path) -> None:
+    pytest.importorskip("opentelemetry.sdk")
+    from tests.test_tracing import attrs, exported, receiving
+
+    texts = [text(6000, "private-system"), text(900, "private-q1"), text(700, "private-a1"),
+             text(400, "private-q2"), text(800, "private-tool"), text(300, "private-instr")]
+    system, q1, a1, q2, tool, instructions = texts
+    tools = [{"type": "function", "function": {"name": "lookup", "description": tool}}]
+    turn1 = chat(("system", system), ("user", q1), tools=tools, stream=True)
+    turn2 = chat(("system", system), ("user", q1), ("assistant", a1), ("user", q2),
+                 tools=tools, stream=True)
+    edited = chat(("system", system), ("user", q2), ("assistant", a1), ("user", q1),
+                  tools=tools, stream=True)
+    with receiving() as receiver:
+        clock, answers = ScriptedClock(T0), Answers()
+        app, registry, log_file = doctor_app(answers, clock, tmp_path,
+                                             otlp_endpoint=receiver.url)
+        for prompt, cached in ((2000, 0), (2400, 1024), (2400, 1500), (700, 0), (900, 0)):
+            answers.queue(prompt, cached)
+        async with app:
+            await post(app, clock, CHAT, turn1)
+            await post(app, clock, CHAT, turn2, at=T0 + 1)
+            await post(app, clock, CHAT, edited, at=T0 + 2)
+            await post(app, clock, RESPONSES, {"model": "m", "instructions": instructions,
+                                               "input": q2, "stream": True}, at=T0 + 3)
+            await post(app, clock, MESSAGES, {"model": "m", "max_tokens": 5, "system": system,
+                                              "messages": [{"role": "user", "content": a1}]},
+                       at=T0 + 4)
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://p") as client:
+                metrics = (await client.get("/metrics")).content
+                openmetrics = (await client.get("/metrics", headers={
+                    "accept": "application/openmetrics-text"})).content
+                page = (await client.get("/ui/data")).content
+            spans = await exported(app, receiver)
+        with receiver.lock:
+            otlp = b"".join(receiver.bodies)
+    log = log_file.read_bytes()
+    assert b"llm_proxy_prompt_prefix_breaks_total" in metrics
+    # The live page reads the doctor's counter: the chat row's missed tokens are its value.
+    table = json.loads(page)["table"]
+    chat_rows = [row for row in table["rows"] if row["model"] == "m" and row["upstream"] == UP
+                 and row.get("route", CHAT) == CHAT]
+    missed_total = registry.get_sample_value(MISSED, {"route": CHAT, "model": "m",
+                                                      "upstream": UP})
+    assert table["missed_measured"] is True and missed_total
+    assert [row["missed_tokens"] for row in chat_rows] == [missed_total]
+    assert b'"prefix_break":"message_changed"' in log
+    span_prefix = [attrs(span.attributes) for span in spans]
+    assert len(spans) == 5
+    assert any(a.get("llm_proxy.prefix.break_reason") == "message_changed" for a in span_prefix)
+    assert any(a.get("llm_proxy.prefix.missed_tokens", 0) > 0 for a in span_prefix)
+    secret = set().union(*(windows(t) for t in texts))
+    for name, blob in (("metrics", metrics), ("openmetrics", openmetrics), ("log", log),
+                       ("spans", otlp), ("live page", page)):
+        leaked = secret & windows(blob)
+        assert not leaked, f"{name} carries prompt text: {sorted(leaked)[:3]}"
+
+
+# ---------------------------------------------------------------------------
+# End to end: the official openai SDK, the proxy and the simulator, real servers
+
+
+@pytest.fixture
+def simulated() -> Iterator[tuple[Any, Any, CollectorRegistry, ProxyApp]]:
+    from proxy.simulator.app import create_simulator_app
+    from tests.servers import serve_in_thread
+
+    config = SimConfig(cached_tokens_factor=0.5, prefill_overhead=0.0, itl=0.0, jitter=0.0,
+                       output_tokens=3, output_dist="fixed", prefill_rate=1e6)
+    sim_app = create_simulator_app(config)
+    registry = CollectorRegistry()
+    with serve_in_thread(sim_app) as sim:
+        # vLLM-like: caches from one 16-token block, in blocks of 16 tokens.
+        spec = UpstreamSpec(name="sim", url=sim.url + "/v1", models=("*",), default=True,
+                            min_cacheable_tokens=16, cache_granularity_tokens=16)
+        proxy_app = create_app(Settings(upstreams=(spec,)), registry=registry)
+        with serve_in_thread(proxy_app) as proxy:
+            yield sim_app, proxy, registry, proxy_app
+
+
+@pytest.mark.e2e
+def test_the_sdk_through_the_proxy_counts_what_the_simulator_under_reports(
+        simulated: tuple[Any, Any, CollectorRegistry, ProxyApp]) -> None:
+    from openai import OpenAI
+
+    sim_app, proxy, registry, _ = simulated
+    client = OpenAI(base_url=proxy.url + "/v1", api_key="sk-test-not-a-key", max_retries=0)
+    messages: list[Any] = [{"role": "system", "content": text(7000, "sdk-system")},
+                           {"role": "user", "content": "What is in it?"}]
+    reported = []
+    for _ in range(2):
+        stream = client.chat.completions.create(
+            model="sim-llm", messages=messages, stream=True,
+            stream_options={"include_usage": True})
+        usage = [chunk.usage for chunk in stream if chunk.usage is not None]
+        assert len(usage) == 1 and usage[0].prompt_tokens_details is not None
+        reported.append(usage[0].prompt_tokens_details.cached_tokens or 0)
+    labels = {"route": CHAT, "model": "sim-llm", "upstream": "sim"}
+    wait = dict(labels, stream="true", code="200")
+    wait_recorded_labels(registry, wait)
+    cached = sim_app.state.model.cached_tokens_total  # what the simulator really served
+    assert reported[0] == 0 and cached > 1500
+    assert reported[1] == math.floor(cached * 0.5)  # it under-reports by half
+    assert registry.get_sample_value(MISSED, labels) == cached - reported[1]
+    assert registry.get_sample_value(BREAKS, {**labels, "reason": "first_seen",
+                                              "part": "none"}) == 1
+
+
+def wait_recorded_labels(registry: CollectorRegistry, labels: dict[str, str]) -> None:
+    """The SDK stops at ``[DONE]``; the proxy records a moment later: wait (bounded)."""
+    flag = threading.Event()
+    for _ in range(1000):
+        if registry.get_sample_value("llm_proxy_requests_total", labels) == 2:
+            return
+        flag.wait(0.005)  # polling the registry, not timing anything
+    raise AssertionError("the proxy never recorded both requests")
+
+
+def test_the_offload_benchmark_runs() -> None:
+    """benchmarks/prefix_offload.py, smoke run: one size on each side of the threshold."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run(
+        [sys.executable, "benchmarks/prefix_offload.py", "--quick", "--sizes", "2048,20000"],
+        cwd=root, capture_output=True, text=True, timeout=120, check=True).stdout
+    rows = [line for line in out.splitlines() if line.startswith("| 2")]
+    assert len(rows) == 2 and all(line.count(" us ") == 4 for line in rows), out
+
+
+@pytest.mark.parametrize("api", ["chat", "responses", "messages"])
+def test_the_streaming_benchmark_sends_prompts_of_a_given_size(api: str) -> None:
+    """benchmarks/run.py --prompt-bytes N: loadgen's user message is N bytes, every API."""
+    import importlib.util
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("bench_loadgen", root / "benchmarks" / "loadgen.py")
+    assert spec is not None and spec.loader is not None
+    loadgen = importlib.util.module_from_spec(spec)
+    sys.modules["bench_loadgen"] = loadgen  # its dataclasses look their module up
+    spec.loader.exec_module(loadgen)
+    config = loadgen.LoadConfig(url="http://127.0.0.1:1/v1", api=api, prompt_bytes=32768)
+    _, _, raw = loadgen._request_bytes(config)
+    body = json.loads(raw.split(b"\r\n\r\n", 1)[1])
+    prompt = body["input"] if api == "responses" else body["messages"][0]["content"]
+    assert len(prompt.encode()) == 32768
+    plain = loadgen._request_bytes(loadgen.LoadConfig(url="http://127.0.0.1:1/v1", api=api))[2]
+    assert b'"benchmark"' in plain
