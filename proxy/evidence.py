@@ -24,10 +24,10 @@ What each figure is read from (means are ``_sum / _count``, exact):
 * output length: the completion-token histogram, buckets and sum;
 * why answers ended: ``llm_proxy_finish_reasons_total`` by ``finish_reason``;
 * prompt tokens a cache should have served and did not, per request:
-  ``llm_proxy_prompt_cache_missed_tokens_total`` over the requests the prompt-cache check
+  ``llm_proxy_prompt_cache_missed_tokens_total`` over the requests the prompt-cache doctor
   examined (``llm_proxy_prompt_cache_missed_tokens_per_request_count``; the fit's
   requests when that histogram is absent); None when the proxy exports neither (the
-  check is off, or a version without it).
+  doctor is off, or a version without it).
 
 A selection is listed when the window holds a measured request of it (a first token, an
 output-token count or a fitted stream): a route the proxy only relays, or a selection

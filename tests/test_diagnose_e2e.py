@@ -19,6 +19,12 @@ requests.
   four clients at once, prompts all of one length: the first token is mostly waiting for
   that slot, which the simulator reports (``--vllm-metrics``); the fit has no spread of
   lengths and says so.
+* The prompt cache on top: every prompt starts with the same 4,000-token system message
+  and ends with its own question of 100 to 2,000 tokens, and the simulator caches
+  nothing (``--cache-blocks 0``, reporting 0 cached tokens): the proxy's prompt-cache
+  doctor counts the repeated prefix as missed, and the card must rank what those
+  missed hits cost (the fitted slope times the missed tokens per request, as the
+  doctor's counters say) above the prefill of the rest.
 * The same from Prometheus (``diagnose --prometheus``): the same ranking, and the same
   numbers within what ``increase()``'s extrapolation to the window's edges and the two
   requests sent before Prometheus's first sample of the series can move them.
@@ -67,6 +73,7 @@ PREFILL = ["--prefill-rate", "20000", "--prefill-overhead", "0.02", "--itl", "0.
 QUEUEING = ["--prefill-rate", "50000", "--prefill-overhead", "0.02", "--itl", "0.01",
             "--itl-growth", "0", "--jitter", "0", "--slots", "1", "--output-tokens", "4",
             "--output-dist", "fixed", "--vllm-metrics", "--seed", "3"]
+NO_CACHE = [*PREFILL, "--cache-blocks", "0"]
 PRE = 2  # requests before Prometheus starts: its first sample of the selection's series
 MAIN = 34
 
@@ -436,3 +443,47 @@ def test_queueing_at_the_upstream_on_top_when_its_one_slot_is_busy(tmp_path: Pat
     assert prefill["status"] == "too_little_data"
     assert prefill["sentence"].startswith("Prefill: the prompts all have about one length")
     assert s["prefill_ms_per_1k_tokens"] is None and s["fixed_ms"] is None
+
+
+def test_missed_prompt_cache_on_top_when_the_upstream_caches_nothing(tmp_path: Path) -> None:
+    rng = random.Random(9)
+    system = text_of(4000, "You are the assistant of the diagnose test, version 1.")
+    tails = [round(100 + 1900 * i / 23) for i in range(24)]
+    rng.shuffle(tails)
+    with simulator_process(*NO_CACHE) as simulator, \
+            proxy_in_front_of(simulator, tmp_path) as proxy:
+        client = OpenAI(base_url=proxy + "/v1", api_key="sk-sim", max_retries=0, timeout=30)
+        ask(client, 100, rng, model="warm-up")
+        for tail in tails:
+            stream = client.chat.completions.create(
+                model=MODEL, max_tokens=4, stream=True, stream_options={"include_usage": True},
+                messages=[{"role": "system", "content": system},
+                          {"role": "user", "content": text_of(tail, f"{rng.getrandbits(64):016x}")}])
+            for _ in stream:
+                pass
+        counted(proxy, len(tails))
+        code, out, err = run_diagnose("--url", proxy, "--json", "--model", MODEL)
+        assert code == 0, err
+        m = samples(proxy)
+    s = selection(json.loads(out))
+    top = s["levers"][0]
+    assert (top["name"], top["status"]) == ("prompt_cache", "lever"), s["levers"]
+    # the numbers behind it: the doctor's counters and the fit, from the proxy's /metrics
+    missed = m["llm_proxy_prompt_cache_missed_tokens_total"] / m[
+        "llm_proxy_prompt_cache_missed_tokens_per_request_count"]
+    assert missed > 3000  # every request but the first repeats the 4,000-token system part
+    line = fit(FitSums.from_samples((name, m.get(name, 0.0)) for name in SAMPLES))
+    assert line.ms_per_1k_tokens is not None and line.mean_uncached_tokens is not None
+    assert top["numbers"]["missed_cache_tokens"] == pytest.approx(missed, rel=1e-3)
+    assert top["numbers"]["ms_per_1k_tokens"] == pytest.approx(line.ms_per_1k_tokens, rel=1e-3)
+    saves = line.ms_per_1k_tokens * missed / 1000
+    assert top["saves_ms"] == pytest.approx(saves, rel=1e-3)
+    assert s["first_token"]["missed_cache_ms"] == pytest.approx(saves, rel=1e-3)
+    # the prefill of the rest: the uncached prompt less the missed part
+    rest_tokens = line.mean_uncached_tokens - missed
+    assert s["first_token"]["prefill_ms"] == pytest.approx(
+        line.ms_per_1k_tokens * rest_tokens / 1000, rel=1e-3)
+    assert levers(s)["prefill"]["saves_ms"] < top["saves_ms"]
+    assert top["sentence"].startswith(f"Prompt cache: {fmt_tokens(missed)} prompt tokens a "
+                                      "request could have read from the cache were computed "
+                                      f"again: {saves:.0f} ms of the "), top["sentence"]

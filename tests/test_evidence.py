@@ -28,7 +28,7 @@ from proxy.bench import promscrape
 from proxy.config import Settings
 from proxy.diagnosis.fit import FitSums, fit
 from proxy.diagnosis.levers import Evidence
-from proxy.measure import Outcome, RequestRecord
+from proxy.measure import Outcome, PrefixRecord, RequestRecord
 from proxy.metrics import Metrics
 from tests.test_kubernetes_aggregation import aggregation_problems
 from tests.test_observability import proxy_exposition, recorded_names
@@ -117,7 +117,7 @@ def test_the_registry_gives_what_the_records_say() -> None:
     assert chat.completion.count == len(mine)
     assert chat.completion.total == sum(r.completion_tokens or 0 for r in mine)
     assert chat.finish == {"length": 5.0, "stop": 25.0}
-    assert chat.missed_cache_tokens is None  # no prompt-cache check's counters here
+    assert chat.missed_cache_tokens is None  # the doctor did not look at these records
 
     other = found[1]
     assert other.requests == 10 and other.streams == 10
@@ -272,8 +272,21 @@ def test_one_collect_can_feed_the_live_page_and_the_diagnosis() -> None:
     assert ev.evidence(builder.build()) == ev.evidence(ev.read_registry(registry))
 
 
+def test_missed_cache_tokens_from_the_doctors_findings() -> None:
+    """Through the proxy's own Metrics: the mean of the missed tokens the doctor knew
+    (a request whose usage had no cached field is unknown, not 0)."""
+    metrics, registry = fresh()
+    found = [PrefixRecord(8000, 6000, 1500, missed) for missed in (1200, 0, 900, None)]
+    for i, p in enumerate(found):
+        metrics.observe(record(i, prompt_tokens=2000, prefix=p), measured=True)
+    (chat,) = ev.evidence(ev.read_registry(registry))
+    assert chat.missed_cache_tokens == (1200 + 0 + 900) / 3
+    (same_from_text,) = ev.evidence(ev.read_text(generate_latest(registry).decode()))
+    assert same_from_text.missed_cache_tokens == chat.missed_cache_tokens
+
+
 def missed_exposition(missed: float | None, examined: float | None, fitted: int) -> str:
-    """The prompt-cache check's counters as its branch exports them, beside the fit's."""
+    """The prompt-cache doctor's counters as the proxy exports them, beside the fit's."""
     registry = CollectorRegistry()
     labels = ("route", "model", "upstream")
     key = (CHAT, "m-a", "up")
@@ -287,17 +300,17 @@ def missed_exposition(missed: float | None, examined: float | None, fitted: int)
     if examined is not None:
         hist = Histogram("llm_proxy_prompt_cache_missed_tokens_per_request", "h", labels,
                          registry=registry)
-        child = hist.labels(*key)  # the check makes both children at once
+        child = hist.labels(*key)  # the doctor makes both children at once
         for _ in range(int(examined)):
             child.observe(1)
     return generate_latest(registry).decode()
 
 
 @pytest.mark.parametrize(("missed", "examined", "fitted", "expected"), [
-    (None, None, 20, None),  # no prompt-cache check: unknown
-    (3000.0, 10.0, 20, 300.0),  # per request the check examined
+    (None, None, 20, None),  # no prompt-cache doctor: unknown
+    (3000.0, 10.0, 20, 300.0),  # per request the doctor examined
     (3000.0, None, 20, 150.0),  # without its histogram: per fitted request
-    (0.0, 0.0, 20, None),  # the check examined nothing yet
+    (0.0, 0.0, 20, None),  # the doctor examined nothing yet
 ])
 def test_missed_cache_tokens_per_request(missed: float | None, examined: float | None,
                                          fitted: int, expected: float | None) -> None:
@@ -333,7 +346,7 @@ def exported_types() -> dict[str, str]:
     for family in text_string_to_metric_families(proxy_exposition()):
         for sample in family.samples:
             types[sample.name] = family.type
-    # the prompt-cache check's series (exported by the proxy when it runs)
+    # the prompt-cache doctor's series (exported once it has examined a request)
     types[ev.MISSED] = "counter"
     for part in ("sum", "count"):
         types[f"{ev.MISSED_PER_REQUEST}_{part}"] = "histogram"
