@@ -234,41 +234,40 @@ def _why(exc: Exception) -> str:
 
 def _from_prometheus(client: httpx.Client, args: argparse.Namespace
                      ) -> tuple[Reading, None, dict[str, Any]]:
-    from proxy.diagnosis.fit import SAMPLES as FIT_SAMPLES
     from proxy.evidence import (
+        RULE_RANGES,
         duration_seconds,
+        has_fit,
         matchers,
         prometheus_queries,
+        prometheus_query,
         reading_from_prometheus,
     )
 
     base = args.prometheus.rstrip("/")
     range_ = args.range_ or DEFAULT_RANGE
     where = matchers(args.route, args.model, args.upstream)
-    at = time.time()  # one instant for every query
-    queries = prometheus_queries(range_, where)
-    answers = [(q, _query(client, base, q.expr, at)) for q in queries]
-    rules = [result for q, result in answers if q.rule]
-    fit_from = "recording_rules" if rules else "increase"
-    if rules and not any(rules):  # the rules are not loaded here (or have no data yet)
-        fallback = [q for q in prometheus_queries(range_, where, fit_from_rules=False)
-                    if q.sample in FIT_SAMPLES]
-        raw = [(q, _query(client, base, q.expr, at)) for q in fallback]
-        if any(result for _, result in raw):
-            answers = [a for a in answers if not a[0].rule] + raw
-            fit_from = "increase"
-    return reading_from_prometheus(answers), None, {
+    result = _query(client, base, prometheus_query(prometheus_queries(range_, where)))
+    fit_from = "recording_rules" if range_ in RULE_RANGES else "increase"
+    if fit_from == "recording_rules" and not has_fit(result):
+        # the rules are not loaded here (or hold nothing yet): the counters themselves
+        raw = _query(client, base, prometheus_query(
+            prometheus_queries(range_, where, fit_from_rules=False)))
+        if has_fit(raw):
+            result, fit_from = raw, "increase"
+    return reading_from_prometheus(result), None, {
         "kind": "prometheus", "url": shown(base), "window": "range", "range": range_,
         "window_s": duration_seconds(range_), "fit_from": fit_from}
 
 
-def _query(client: httpx.Client, base: str, expr: str, at: float) -> list[dict[str, Any]]:
+def _query(client: httpx.Client, base: str, expr: str) -> list[dict[str, Any]]:
+    """An instant query, sent as a form (the one query is long for a URL)."""
     import httpx
 
     url = base + "/api/v1/query"
     where = shown(url)
     try:
-        response = client.get(url, params={"query": expr, "time": f"{at:.3f}"})
+        response = client.post(url, data={"query": expr})
     except httpx.HTTPError as exc:
         raise SourceError(f"cannot read {where}: {_why(exc)}") from None
     try:

@@ -43,7 +43,9 @@ twice. Reading the registry runs nothing per request or per event.
 
 Prometheus: :func:`prometheus_queries` lists the queries (sum by route, model and upstream
 of ``increase()`` of each series, so replicas and workers add up and a restart's reset is
-handled as PromQL handles it), and :func:`reading_from_prometheus` takes their answers.
+handled as PromQL handles it), :func:`prometheus_query` joins them into the one query
+sent (one instant, one view of the data), and :func:`reading_from_prometheus` takes its
+answer.
 The fit's six sums come from the recording rules
 (``upstream_model_route:llm_proxy_prefill_fit_*:increase5m`` and ``...:increase1h``)
 when the range is one of theirs, so the command shows the numbers Grafana shows;
@@ -283,16 +285,33 @@ def prometheus_queries(range_: str, where: str = "", *, fit_from_rules: bool = T
     return out
 
 
-def reading_from_prometheus(answers: Iterable[tuple[Query, Sequence[Mapping[str, Any]]]]
-                            ) -> Reading:
-    """A window from Prometheus: each query with the ``result`` list of its instant
-    vector answer (``{"metric": {...}, "value": [t, "v"]}`` items)."""
+SAMPLE_LABEL = "diagnose_sample"  # names the sample each series of the one query stands for
+
+
+def prometheus_query(queries: Sequence[Query]) -> str:
+    """The queries as one: each series tagged with the sample it stands for
+    (:data:`SAMPLE_LABEL`), joined with ``or``. Prometheus evaluates one query over one
+    view of its data at one instant; several queries, even at the same ``time``, can
+    each see a scrape the one before did not, and the fit's slope and fixed part, as
+    differences of products of its sums, magnify the difference."""
+    return " or ".join(
+        f'label_replace({q.expr}, "{SAMPLE_LABEL}", "{q.sample}", "", "")' for q in queries)
+
+
+def reading_from_prometheus(result: Iterable[Mapping[str, Any]]) -> Reading:
+    """A window from Prometheus: the ``result`` list of :func:`prometheus_query`'s
+    instant vector (``{"metric": {...}, "value": [t, "v"]}`` items)."""
     builder = ReadingBuilder()
-    for query, result in answers:
-        for item in result:
-            value = float(item["value"][1])
-            builder.sample(query.sample, item["metric"], value)
+    for item in result:
+        labels = dict(item["metric"])
+        sample = labels.pop(SAMPLE_LABEL, "")
+        builder.sample(sample, labels, float(item["value"][1]))
     return builder.build()
+
+
+def has_fit(result: Iterable[Mapping[str, Any]]) -> bool:
+    """Whether the answer holds any of the fit's sums (the rules may not be loaded)."""
+    return any(item["metric"].get(SAMPLE_LABEL) in FIT_SAMPLES for item in result)
 
 
 _DURATION = re.compile(r"^(?:(\d+)y)?(?:(\d+)w)?(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?"

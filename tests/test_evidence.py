@@ -132,9 +132,10 @@ def test_text_registry_and_prometheus_answers_give_the_same_evidence() -> None:
     direct = ev.evidence(ev.read_registry(registry))
     text = generate_latest(registry).decode()
     assert ev.evidence(ev.read_text(text)) == direct
-    answers = [(q, prometheus_answer(q, promscrape.parse(text)))
-               for q in ev.prometheus_queries("1h", fit_from_rules=False)]
-    assert ev.evidence(ev.reading_from_prometheus(answers)) == direct
+    result = [item for q in ev.prometheus_queries("1h", fit_from_rules=False)
+              for item in prometheus_answer(q, promscrape.parse(text))]
+    assert ev.evidence(ev.reading_from_prometheus(result)) == direct
+    assert ev.has_fit(result)
 
 
 def prometheus_answer(query: ev.Query, snapshot: promscrape.Snapshot) -> list[dict[str, Any]]:
@@ -154,8 +155,8 @@ def prometheus_answer(query: ev.Query, snapshot: promscrape.Snapshot) -> list[di
             continue
         group = tuple(mapping[k] for k in by)
         sums[group] = sums.get(group, 0.0) + value
-    return [{"metric": dict(zip(by, group, strict=True)), "value": [0, repr(v)]}
-            for group, v in sums.items()]
+    return [{"metric": {**dict(zip(by, group, strict=True)), ev.SAMPLE_LABEL: query.sample},
+             "value": [0, repr(v)]} for group, v in sums.items()]
 
 
 def test_labels_the_diagnosis_does_not_select_on_are_summed() -> None:
@@ -329,14 +330,16 @@ def test_prometheus_queries_add_up_across_replicas_and_read_rules_that_exist() -
         rules = [q for q in queries if q.rule]
         assert len(rules) == (6 if range_ in ev.RULE_RANGES else 0)
         for q in queries:
-            parsed = promql_parser.parse(q.expr)  # raises on a query Prometheus would refuse
-            assert parsed is not None
             if q.rule:
                 name = q.expr.split("{", 1)[0]
                 assert name in recorded, name
             else:
-                assert not aggregation_problems(q.expr, types), q.expr
                 assert f"[{range_}]" in q.expr and where in q.expr
+        # the one query sent parses, and every series in it is summed after increase()
+        one = ev.prometheus_query(queries)
+        assert promql_parser.parse(one) is not None  # raises on what Prometheus would refuse
+        assert not aggregation_problems(one, types), one
+        assert one.count(f'"{ev.SAMPLE_LABEL}"') == len(queries)
 
 
 def exported_types() -> dict[str, str]:
