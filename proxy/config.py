@@ -30,6 +30,7 @@ from urllib.parse import urlsplit
 from proxy.diagnosis.prefix_index import BYTES_PER_ENTRY, DEFAULT_MAX_BYTES
 
 if TYPE_CHECKING:
+    from proxy.cache_index import CacheIndexSpec
     from proxy.upstreams import UpstreamSpec
 
 ENV_PREFIX = "LLM_PROXY_"
@@ -114,6 +115,9 @@ class Settings:
     prefix_index_bytes: int = DEFAULT_MAX_BYTES
     # From the config file's [[upstream]] tables (not an option): empty without a file.
     upstreams: tuple[UpstreamSpec, ...] = ()
+    # From the config file's [cache-index] table (proxy.cache_index): None without one,
+    # and the prompt-cache doctor's index is then per process.
+    cache_index: CacheIndexSpec | None = None
 
     @property
     def upstream_label(self) -> str:
@@ -504,7 +508,7 @@ def from_sources(args: argparse.Namespace | None = None,
                                 "declare the upstreams")
         doc = read_file(path)
         for key, raw in doc.items():
-            if key == "upstream":
+            if key in ("upstream", "cache-index"):
                 continue
             found = _BY_NAME.get(key)
             if found is None or not file_key(found):
@@ -515,9 +519,11 @@ def from_sources(args: argparse.Namespace | None = None,
                 values[key] = toml_value(found, raw, f"config {path}: {key}")
     settings = Settings(**values)
     if path:
+        from proxy.cache_index import cache_index_spec
         from proxy.upstreams import upstream_specs
 
-        settings = replace(settings, upstreams=upstream_specs(path, doc, settings, env))
+        settings = replace(settings, upstreams=upstream_specs(path, doc, settings, env),
+                           cache_index=cache_index_spec(path, doc, env))
     _check_combinations(settings, lambda name: given_as(name, args, env), env)
     return settings
 
