@@ -512,3 +512,21 @@ def test_the_secret_keys_the_digests_the_same_everywhere() -> None:
     assert PromptHasher(long).block_bytes == 256
     with pytest.raises(ValueError):
         prefix_secret({})
+
+
+@pytest.mark.anyio
+async def test_the_live_page_data_says_which_index_the_figures_come_from(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import httpx
+
+    monkeypatch.setenv(PREFIX_SECRET_ENV, SECRET)
+    nowhere = CacheIndexSpec(url="redis://127.0.0.1:1/0")  # never asked: nothing is sent
+    for cache_index, kind in ((None, "per-process"), (nowhere, "shared")):
+        clock, answers = ScriptedClock(T0), Answers()
+        app, _, _ = doctor_app(answers, clock, tmp_path, cache_index=cache_index)
+        async with app:
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://p") as client:
+                data = (await client.get("/ui/data")).json()
+        assert data["prefix_index"]["index"] == kind
+        assert data["prefix_index"]["note"]
