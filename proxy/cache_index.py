@@ -57,8 +57,8 @@ CACHE_INDEX_DEFAULTS = {
     "password_env": "none: the store takes no password",
     "key_prefix": f"'{DEFAULT_KEY_PREFIX}'",
     "timeout_ms": f"{DEFAULT_TIMEOUT_MS}: a request whose exchange (connecting included) takes "
-                  "longer is counted as unchecked; a prompt of many blocks is allowed 5 us "
-                  "more per key, the store's own time per key",
+                  "longer is counted as unchecked; a prompt of more than 1024 keys (about "
+                  "128 KiB) is allowed 10 us more per key, for the store's own time per key",
     "retry_ms": f"{DEFAULT_RETRY_MS}: after a failed exchange the store is not asked again for "
                 "this long (requests meanwhile are counted as unchecked), then by one request "
                 "at a time; each failed retry doubles the pause, up to 30 s",

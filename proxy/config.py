@@ -406,14 +406,17 @@ OPTIONS: tuple[Option, ...] = (
            "tokens the upstream reports, and say where and why the prefix broke "
            "(llm_proxy_prompt_repeated_tokens_total, llm_proxy_prompt_cache_missed_tokens_total, "
            "llm_proxy_prompt_prefix_breaks_total, the request log and the span). Each worker "
-           "process keeps its own index.", flag_only_true=True),
+           "process keeps its own index, and finds only the repeats it served itself, unless "
+           "the config file's [cache-index] table shares one on Redis or Valkey among every "
+           "worker and replica.", flag_only_true=True),
     Option("prefix_window", _window, "Seconds a prompt prefix counts as repeatable after a "
            "request sent it, as a provider's prefix cache keeps one (about 5 minutes); a "
            "prefix last sent longer ago is 'expired'.", "S"),
     Option("prefix_index_bytes", _int(BYTES_PER_ENTRY), "Memory bound of the prompt-cache "
            f"doctor's index of recent prompt blocks ({BYTES_PER_ENTRY} bytes per entry at most, "
            "about 1.3 bytes per byte of distinct prompt text: the default remembers about 50 MB "
-           "of it); the least recently seen blocks are forgotten first. Per worker process.",
+           "of it); the least recently seen blocks are forgotten first. Per worker process; "
+           "unused with a [cache-index] table (the store's maxmemory bounds that index).",
            "BYTES"),
 )
 

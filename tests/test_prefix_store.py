@@ -530,3 +530,18 @@ async def test_the_live_page_data_says_which_index_the_figures_come_from(
                 data = (await client.get("/ui/data")).json()
         assert data["prefix_index"]["index"] == kind
         assert data["prefix_index"]["note"]
+
+
+def test_the_store_benchmark_runs(tmp_path: Path) -> None:
+    """benchmarks/prefix_store.py, smoke run against a store of the test's own."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    with redis_server(tmp_path) as server:
+        out = subprocess.run(
+            [sys.executable, "benchmarks/prefix_store.py", "--quick", "--url", server.url,
+             "--sizes", "2048,20000", "--entries", "500"],
+            cwd=root, capture_output=True, text=True, timeout=120, check=True).stdout
+    rows = [line for line in out.splitlines() if line.startswith("| 2")]
+    assert len(rows) == 4 and "exchanges/s" in out and "MEMORY USAGE" in out, out
