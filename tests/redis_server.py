@@ -36,8 +36,9 @@ class RedisServer:
     """One ``redis-server`` process on ``port``; :meth:`start` again after :meth:`kill`
     brings an empty one back on the same port."""
 
-    def __init__(self, workdir: Path, *extra: str) -> None:
+    def __init__(self, workdir: Path, *extra: str, config: Path | None = None) -> None:
         self.binary = require_tool("redis-server")
+        self.config = config  # a config file, read before the options given here
         self.port = free_port()
         self.workdir = workdir
         self.extra = extra
@@ -51,7 +52,7 @@ class RedisServer:
     def start(self, timeout: float = 20.0) -> None:
         assert self.proc is None or self.proc.poll() is not None
         proc = subprocess.Popen(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+            [self.binary, *([str(self.config)] if self.config else []), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "no", "--daemonize", "no", "--dir", str(self.workdir),
              *self.extra],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -91,15 +92,12 @@ class RedisServer:
         assert self.proc is not None
         os.kill(self.proc.pid, signal.SIGCONT)
 
-    def client(self) -> object:
-        import redis
-
-        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=10)
 
 
 @contextlib.contextmanager
-def redis_server(workdir: Path, *extra: str) -> Iterator[RedisServer]:
-    server = RedisServer(workdir, *extra)
+def redis_server(workdir: Path, *extra: str, config: Path | None = None
+                 ) -> Iterator[RedisServer]:
+    server = RedisServer(workdir, *extra, config=config)
     server.start()
     try:
         yield server
