@@ -545,3 +545,34 @@ def test_the_store_benchmark_runs(tmp_path: Path) -> None:
             cwd=root, capture_output=True, text=True, timeout=120, check=True).stdout
     rows = [line for line in out.splitlines() if line.startswith("| 2")]
     assert len(rows) == 4 and "exchanges/s" in out and "MEMORY USAGE" in out, out
+
+
+@pytest.mark.anyio
+async def test_a_full_backlog_for_the_store_is_a_counted_miss(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """With a shared index every prompt waits for a store thread; past
+    MAX_PENDING_SHARED waiting, a request is not examined and its record says busy."""
+    import threading
+
+    from proxy import prefix_check
+    from proxy.prefix_check import PrefixCheck, PrefixJob
+    from proxy.upstreams import UpstreamSpec
+
+    monkeypatch.setenv(PREFIX_SECRET_ENV, SECRET)
+    monkeypatch.setattr(prefix_check, "MAX_PENDING_SHARED", 2)
+    check = PrefixCheck(Settings(cache_index=CacheIndexSpec(url="redis://127.0.0.1:1/0")))
+    gate = threading.Event()
+    try:
+        held = [check.submit(lambda: gate.wait(30) and None, large=False) for _ in range(2)]
+        assert all(f is not None for f in held)
+        spec = UpstreamSpec(name="up", url="http://u/v1")
+        job = PrefixJob(check, DIALECTS[CHAT], chat(("system", STABLE), ("user", "hi")), spec,
+                        0, offload=False)
+        with caplog.at_level(logging.WARNING, logger="proxy"):
+            job.start()
+        assert "prompts already wait for the shared index" in caplog.text
+        record = job.record(100, 0)
+        assert record is not None and record.unchecked == "busy"
+    finally:
+        gate.set()
+        check.close()
