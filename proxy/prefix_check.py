@@ -62,7 +62,8 @@ requests it serves; behind a load balancer, each replica likewise.
 
 Time: the index takes integer milliseconds of the proxy's monotonic clock, and a
 request's time is when the proxy received it (``t0``, already read), so the doctor never
-reads the clock itself.
+reads the clock itself. A shared index answers in that clock too, though it keeps the
+store's (:mod:`proxy.prefix_store` says why).
 """
 
 from __future__ import annotations

@@ -576,3 +576,11 @@ async def test_a_full_backlog_for_the_store_is_a_counted_miss(
     finally:
         gate.set()
         check.close()
+
+
+def test_every_reason_is_in_the_metrics_help() -> None:
+    from proxy.metrics import PREFIX_HELP
+    from proxy.prefix_check import UNCHECKED_REASONS
+
+    for reason in UNCHECKED_REASONS:
+        assert f"{reason}: " in PREFIX_HELP["unchecked"], reason
