@@ -36,10 +36,12 @@ shares, so the doctor's answers are those of one process that saw all the traffi
   not the request's arrival as in one process: the two differ by a request's time to
   headers, against a window of minutes.
 * **Failures cost a counted miss, nothing more.** Every exchange has a timeout (the
-  table's ``timeout_ms``, 50 ms by default, for connecting, sending and the answer; a
-  probe of more than :data:`LARGE_KEYS` keys goes over a second connection allowed
-  :data:`PER_KEY_S` more per key up to :data:`MAX_KEYS`, the store's own time per key);
-  redis-py's retries are off. A failure raises :class:`IndexUnavailable` with its
+  table's ``timeout_ms``, 50 ms by default, bounding the connect, each send and the
+  wait for the answer; a probe of more than :data:`LARGE_KEYS` keys goes over a second
+  connection allowed :data:`PER_KEY_S` more per key up to :data:`MAX_KEYS`, the store's
+  own time per key); redis-py's retries are off. The first exchange on a store that
+  does not know the script yet (a new or restarted store) loads it: two more round
+  trips, once. A failure raises :class:`IndexUnavailable` with its
   reason and opens the breaker (:class:`Breaker`): the store is not asked again for
   ``retry_ms`` (1 s by default), then by one request at a time, each failed try doubling
   the pause up to :data:`MAX_PAUSE_S`; a success closes it. Meanwhile requests are
