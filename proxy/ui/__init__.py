@@ -30,6 +30,7 @@ def live_page(settings: Settings, metrics: Metrics | None) -> LivePage | None:
     slowest-requests table. ``None`` when the page is off or nothing is measured."""
     if not settings.ui or metrics is None:
         return None
+    from proxy.cache_index import index_scope
     from proxy.metrics import multiprocess_dir, multiprocess_registry
     from proxy.ui.data import SAMPLE_NAMES
 
@@ -44,4 +45,4 @@ def live_page(settings: Settings, metrics: Metrics | None) -> LivePage | None:
     )
     slow = SlowRequests()
     metrics.watchers.append(slow.add)
-    return LivePage(registry, slow=slow)
+    return LivePage(registry, slow=slow, prefix_index=index_scope(settings))
