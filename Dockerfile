@@ -16,12 +16,16 @@
 # (README "OpenTelemetry"); both stay off until configured and cost nothing then (the
 # packages are not even imported). Size: 1.8 MB of wheels, about 12 MB installed (from
 # 64 to 76 MB for the whole environment), measured with pip outside Docker (no Docker
-# engine where this was written). For the plain image: --build-arg EXTRAS=
+# engine where this was written). It also includes the `cache-index` extra (redis-py,
+# no dependencies: a 0.6 MB wheel), which the prompt-cache doctor imports only when the
+# config file has a [cache-index] table (its index shared by every replica on Redis or
+# Valkey: deploy/kubernetes/overlays/shared-prefix-index). For the plain image:
+# --build-arg EXTRAS=
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build
-ARG EXTRAS=otel
+ARG EXTRAS=otel,cache-index
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONDONTWRITEBYTECODE=1

@@ -32,6 +32,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 from urllib.parse import urlsplit
 
+from proxy.cache_index import CacheIndexSpec, cache_index_spec
 from proxy.config_values import HEADER_NAME, SettingsError, parse_upstream_url, parse_url
 from proxy.diagnosis.prefix_index import BYTES_PER_ENTRY, DEFAULT_MAX_BYTES
 from proxy.upstream_spec import (
@@ -120,6 +121,9 @@ class Settings:
     prefix_index_bytes: int = DEFAULT_MAX_BYTES
     # From the config file's [[upstream]] tables (not an option): empty without a file.
     upstreams: tuple[UpstreamSpec, ...] = ()
+    # From the config file's [cache-index] table (proxy.cache_index): None without one,
+    # and the prompt-cache doctor's index is then per process.
+    cache_index: CacheIndexSpec | None = None
 
     @property
     def upstream_label(self) -> str:
@@ -377,14 +381,17 @@ OPTIONS: tuple[Option, ...] = (
            "tokens the upstream reports, and say where and why the prefix broke "
            "(llm_proxy_prompt_repeated_tokens_total, llm_proxy_prompt_cache_missed_tokens_total, "
            "llm_proxy_prompt_prefix_breaks_total, the request log and the span). Each worker "
-           "process keeps its own index.", flag_only_true=True),
+           "process keeps its own index, and finds only the repeats it served itself, unless "
+           "the config file's [cache-index] table shares one on Redis or Valkey among every "
+           "worker and replica.", flag_only_true=True),
     Option("prefix_window", _window, "Seconds a prompt prefix counts as repeatable after a "
            "request sent it, as a provider's prefix cache keeps one (about 5 minutes); a "
            "prefix last sent longer ago is 'expired'.", "S"),
     Option("prefix_index_bytes", _int(BYTES_PER_ENTRY), "Memory bound of the prompt-cache "
            f"doctor's index of recent prompt blocks ({BYTES_PER_ENTRY} bytes per entry at most, "
            "about 1.3 bytes per byte of distinct prompt text: the default remembers about 50 MB "
-           "of it); the least recently seen blocks are forgotten first. Per worker process.",
+           "of it); the least recently seen blocks are forgotten first. Per worker process; "
+           "unused with a [cache-index] table (the store's maxmemory bounds that index).",
            "BYTES"),
 )
 
@@ -477,7 +484,7 @@ def from_sources(args: argparse.Namespace | None = None,
                                 "declare the upstreams")
         doc = read_file(path)
         for key, raw in doc.items():
-            if key == "upstream":
+            if key in ("upstream", "cache-index"):
                 continue
             found = _BY_NAME.get(key)
             if found is None or not file_key(found):
@@ -489,7 +496,8 @@ def from_sources(args: argparse.Namespace | None = None,
     settings = Settings(**values)
     if path:
         settings = replace(settings, upstreams=upstream_specs(path, doc, upstream_limits(settings),
-                                                              env))
+                                                              env),
+                           cache_index=cache_index_spec(path, doc, env))
     _check_combinations(settings, lambda name: given_as(name, args, env), env)
     return settings
 

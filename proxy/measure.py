@@ -145,11 +145,22 @@ class PrefixRecord:
     break_part: str = ""  # the part's kind where it broke ("" for the scope's reasons)
     break_index: int | None = None  # the part's position in its array in the body
     break_offset: int | None = None  # byte offset in that part of the block where it broke
+    # Why the request was not examined (proxy.prefix_check.UNCHECKED_REASONS); "" when it
+    # was. When set, the fields above hold nothing (see not_examined).
+    unchecked: str = ""
+    index_s: float | None = None  # the shared index's round trip; None in process
 
     @property
     def repeated_share(self) -> float:
         """Repeated bytes over prompt bytes (0 for an empty prompt)."""
         return self.repeated_bytes / self.prompt_bytes if self.prompt_bytes else 0.0
+
+    @classmethod
+    def not_examined(cls, reason: str, index_s: float | None = None) -> PrefixRecord:
+        """The record of a request the doctor did not examine: only why (and how long a
+        failed exchange with the shared index took); every reader checks ``unchecked``
+        first."""
+        return cls(0, 0, None, None, unchecked=reason, index_s=index_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,6 +237,9 @@ class RequestRecord:
             "finish_reasons": list(self.finish_reasons),
         }
         p = self.prefix
+        out["prefix_unchecked"] = (p.unchecked or None) if p else None
+        if p is not None and p.unchecked:
+            p = None  # not examined: no finding
         out.update({
             "prompt_bytes": p.prompt_bytes if p else None,
             "repeated_prefix_bytes": p.repeated_bytes if p else None,

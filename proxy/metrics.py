@@ -85,8 +85,13 @@ _REPEATED = (
     "The repeated prefix of a prompt is its longest run of leading 256-byte blocks "
     "(cut per part: tools, system, messages, ... in the order the provider renders them) "
     "that a recent request to the same upstream, model and prompt_cache_key/cache_salt "
-    "sent within --prefix-window (5 minutes by default), found in this process's index "
-    "of keyed block hashes (each worker and replica keeps its own). ")
+    "sent within --prefix-window (5 minutes by default), found in the doctor's index of "
+    "keyed block hashes. That index is each process's own unless the config file has a "
+    "[cache-index] table: then every worker and replica shares one on Redis or Valkey. "
+    "A per-process index finds a repeat only when the earlier request was served by the "
+    "same process: behind a load balancer, or with --workers, it misses the others "
+    "(with N replicas taking turns, a conversation's next turn is found about 1 time in "
+    "N), so these numbers are then a lower bound. ")
 _TOKENS = (
     "Tokens are estimated from bytes at the request's own ratio, usage prompt tokens over "
     "the prompt's bytes; requests whose usage does not say the prompt tokens are not "
@@ -117,6 +122,22 @@ PREFIX_HELP = {name: text.strip() for name, text in {
     "missed_hist": "Prompt tokens repeated but not reported cached, per measured request "
     "answered 2xx whose usage reports cached tokens; the per-request view of "
     "llm_proxy_prompt_cache_missed_tokens_total (same definition). " + _TOKENS,
+    "unchecked": "Measured requests answered 2xx that the prompt-cache doctor did not "
+    "examine, so that none of its other metrics counts them, by why (reason): store_down: "
+    "the shared index ([cache-index]) failed recently and is not asked until its pause "
+    "(retry_ms, doubling while it fails, at most 30 s) is over; store_timeout: it did not "
+    "answer within timeout_ms; store_error: it refused the connection or answered an "
+    "error; too_large: a prompt of more than 32768 keys (about 4 MiB), which the shared "
+    "index does not take; busy: the doctor's threads had a full backlog; late: the answer "
+    "was relayed before the examination ended and the finish waited no longer (0.5 s); "
+    "failed: the doctor raised (logged with its traceback). The request itself was "
+    "relayed as always.",
+    "index_seconds": "Round trip of one exchange with the prompt-cache doctor's shared "
+    "index ([cache-index]: Redis or Valkey), from sending a request's block keys to having "
+    "the store's answer, one observation per measured request answered 2xx that was sent "
+    "to it, by result (ok; timeout: no answer within timeout_ms; error: refused or "
+    "answered an error). Taken in the doctor's worker thread after the response headers, "
+    "never on the request's path. No samples with the per-process index.",
 }.items()}
 SHARE_BUCKETS: tuple[float, ...] = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95,
                                     0.99, 1.0)
@@ -482,11 +503,36 @@ class Metrics:
         self.prompt_cache_missed_per_request = Histogram(
             "llm_proxy_prompt_cache_missed_tokens_per_request", PREFIX_HELP["missed_hist"], base,
             buckets=token_buckets, registry=reg)
+        self.prompt_prefix_unchecked = Counter(
+            "llm_proxy_prompt_prefix_unchecked", PREFIX_HELP["unchecked"], (*base, "reason"),
+            registry=reg)
+        self.prompt_prefix_index_seconds = Histogram(
+            "llm_proxy_prompt_prefix_index_seconds", PREFIX_HELP["index_seconds"], ("result",),
+            buckets=OVERHEAD_BUCKETS, registry=reg)
         self._prefix_children: dict[tuple[str, str, str], tuple[Any, ...]] = {}
         self._break_children: dict[tuple[str, ...], Counter] = {}
+        self._unchecked_children: dict[tuple[str, ...], Counter] = {}
+        self._index_children: dict[str, Histogram] = {}  # made on first use: no samples
+                                                         # while nothing is sent to a store
 
     def _observe_prefix(self, record: RequestRecord, p: PrefixRecord) -> None:
         key = (record.route, record.model, record.upstream)
+        if p.index_s is not None:
+            result = ("timeout" if p.unchecked == "store_timeout"
+                      else "error" if p.unchecked else "ok")
+            hist = self._index_children.get(result)
+            if hist is None:
+                hist = self._index_children[result] = self.prompt_prefix_index_seconds.labels(
+                    result)
+            hist.observe(p.index_s)
+        if p.unchecked:
+            why = (*key, p.unchecked)
+            counter = self._unchecked_children.get(why)
+            if counter is None:
+                counter = self._unchecked_children[why] = self.prompt_prefix_unchecked.labels(
+                    *why)
+            counter.inc()
+            return
         c = self._prefix_children.get(key)
         if c is None:
             c = self._prefix_children[key] = (

@@ -44,9 +44,26 @@ whichever upstream they came from, and a reload that adds or removes an upstream
 nothing here. With ``--workers N`` each worker has its own index and sees only the
 requests it serves; behind a load balancer, each replica likewise.
 
+* **A shared index.** With the config file's ``[cache-index]`` table every process
+  exchanges with one Redis or Valkey instead (:class:`~proxy.prefix_store.RedisPrefixIndex`),
+  hashing with the secret every replica shares (:func:`proxy.cache_index.prefix_secret`).
+  An exchange is a network round trip, so every job then runs in a thread: a large
+  prompt in the hashing thread as above, any other in one of :data:`STORE_THREADS`
+  threads (at most :data:`MAX_PENDING_SHARED` waiting), which only wait for the store,
+  so that concurrent requests' round trips overlap and a slow store never holds the
+  hashing of large prompts. The job still starts once the headers are in, so the round
+  trip overlaps the upstream's answer; the finish waits for it at most :data:`SETTLE_S`,
+  and a store that does not answer within its timeout fails the exchange sooner.
+* **Requests not examined** are recorded as such, with the reason
+  (:attr:`proxy.measure.PrefixRecord.unchecked`: the shared index was down, slow or
+  failing, the prompt too large for it, the backlog full, the finish came first, the
+  doctor failed), so that ``llm_proxy_prompt_prefix_unchecked_total`` says how much of
+  the traffic the doctor's numbers leave out.
+
 Time: the index takes integer milliseconds of the proxy's monotonic clock, and a
 request's time is when the proxy received it (``t0``, already read), so the doctor never
-reads the clock itself.
+reads the clock itself. A shared index answers in that clock too, though it keeps the
+store's (:mod:`proxy.prefix_store` says why).
 """
 
 from __future__ import annotations
@@ -59,47 +76,92 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
+from proxy.cache_index import prefix_secret
 from proxy.config import Settings
 from proxy.diagnosis.prefix import (
     PrefixDoctor,
     PrefixPolicy,
     PrefixReport,
+    PromptHasher,
     cache_granularity_tokens,
     cache_tokens,
     minimum_cacheable_tokens,
 )
-from proxy.diagnosis.prefix_index import DEFAULT_HORIZON_MS, LruPrefixIndex
+from proxy.diagnosis.prefix_index import DEFAULT_HORIZON_MS, LruPrefixIndex, PrefixIndex
 from proxy.dialects import Dialect, cache_scope
 from proxy.measure import PrefixRecord
+from proxy.prefix_store import (
+    STORE_DOWN,
+    STORE_ERROR,
+    STORE_TIMEOUT,
+    TOO_LARGE,
+    IndexUnavailable,
+    RedisPrefixIndex,
+)
 from proxy.upstream_spec import UpstreamSpec
 
 log = logging.getLogger("proxy")
 
 INLINE_MAX_BYTES = 16 * 1024  # request body bytes examined on the event loop
 MAX_PENDING = 16  # large prompts waiting for, or in, the worker thread
+STORE_THREADS = 4  # with a shared index: threads that exchange the other prompts
+MAX_PENDING_SHARED = 256  # with a shared index: other prompts waiting for, or in, those
 SETTLE_S = 0.5  # how long the finish waits for a thread still hashing
 WARN_EVERY_S = 60.0
 
+# Why a request answered 2xx was not examined (PrefixRecord.unchecked); the shared
+# index's own reasons are proxy.prefix_store's.
+BUSY = "busy"  # the backlog of the doctor's threads was full
+LATE = "late"  # the finish came before the examination ended, and waited no longer
+FAILED = "failed"  # the doctor raised (logged with its traceback)
+UNCHECKED_REASONS = (STORE_DOWN, STORE_TIMEOUT, STORE_ERROR, TOO_LARGE, BUSY, LATE, FAILED)
+
+
+@dataclass(frozen=True, slots=True)
+class Examination:
+    """One examination's result: the report (None: nothing to examine, or not examined),
+    why it was not examined ("" when it was, or there was nothing to examine), and the
+    shared index's round trip (None: in process, or nothing was sent)."""
+
+    report: PrefixReport | None
+    unchecked: str = ""
+    index_s: float | None = None
+
 
 class PrefixCheck:
-    """The process's doctor: its index, its policy, its worker thread.
+    """The process's doctor: its index, its policy, its worker threads.
 
-    ``doctor`` replaces the default (an :class:`LruPrefixIndex` bounded by
-    ``--prefix-index-bytes``, forgetting entries untouched for an hour or two windows,
-    whichever is longer, so that an *expired* prefix can still be told from a new one).
+    ``doctor`` replaces the default: with ``settings.cache_index``, a
+    :class:`~proxy.prefix_store.RedisPrefixIndex` and the shared secret; else an
+    :class:`LruPrefixIndex` bounded by ``--prefix-index-bytes``. Either forgets entries
+    untouched for an hour or two windows, whichever is longer, so that an *expired*
+    prefix can still be told from a new one.
     """
 
     def __init__(self, settings: Settings, doctor: PrefixDoctor | None = None) -> None:
         window_ms = round(settings.prefix_window * 1000)
+        horizon_ms = max(DEFAULT_HORIZON_MS, 2 * window_ms)
+        self.shared: RedisPrefixIndex | None = None
         if doctor is None:
-            index = LruPrefixIndex(settings.prefix_index_bytes,
-                                   horizon_ms=max(DEFAULT_HORIZON_MS, 2 * window_ms))
-            doctor = PrefixDoctor(index, policy=PrefixPolicy(window_ms=window_ms))
+            index: PrefixIndex
+            hasher = None
+            if settings.cache_index is not None:
+                index = self.shared = RedisPrefixIndex(settings.cache_index,
+                                                       horizon_ms=horizon_ms)
+                hasher = PromptHasher(prefix_secret())
+            else:
+                index = LruPrefixIndex(settings.prefix_index_bytes, horizon_ms=horizon_ms)
+            doctor = PrefixDoctor(index, hasher, policy=PrefixPolicy(window_ms=window_ms))
+        elif isinstance(doctor.index, RedisPrefixIndex):
+            self.shared = doctor.index
         self.doctor = doctor
         self._executor: ThreadPoolExecutor | None = None  # started by the first large prompt
         self._slots = threading.BoundedSemaphore(MAX_PENDING)
+        self._store_executor: ThreadPoolExecutor | None = None  # with a shared index
+        self._store_slots = threading.BoundedSemaphore(MAX_PENDING_SHARED)
         self._lock = threading.Lock()
         self._warned_at = -math.inf
         self._held_back = 0
@@ -120,36 +182,59 @@ class PrefixCheck:
 
     def examine(self, dialect: Dialect, payload: Mapping[str, Any], upstream: str,
                 model: str, cache_key: str, now_ms: int) -> PrefixReport | None:
-        """The doctor's report (None: no prompt parts, or the doctor failed); never raises."""
-        try:
-            return self.doctor.examine(dialect.prompt_parts(payload), upstream=upstream,
-                                       model=model, cache_key=cache_key, now_ms=now_ms)
-        except Exception:
-            self._warn("prompt-cache doctor failed; the request is not examined", trace=True)
-            return None
+        """The doctor's report (None: no prompt parts, or not examined); never raises."""
+        return self.look(dialect, payload, upstream, model, cache_key, now_ms).report
 
-    def submit(self, work: Callable[[], PrefixReport | None]
-               ) -> Future[PrefixReport | None] | None:
-        """Run ``work`` in the worker thread; None when :data:`MAX_PENDING` jobs already
-        wait (or the check was closed)."""
-        if not self._slots.acquire(blocking=False):
+    def look(self, dialect: Dialect, payload: Mapping[str, Any], upstream: str,
+             model: str, cache_key: str, now_ms: int) -> Examination:
+        """The doctor's report, or why there is none; never raises."""
+        shared = self.shared
+        try:
+            report = self.doctor.examine(dialect.prompt_parts(payload), upstream=upstream,
+                                         model=model, cache_key=cache_key, now_ms=now_ms)
+        except Exception as exc:
+            if isinstance(exc, IndexUnavailable):
+                return Examination(None, exc.reason, exc.round_trip_s)
+            self._warn("prompt-cache doctor failed; the request is not examined", trace=True)
+            return Examination(None, FAILED)
+        return Examination(report, "", shared.round_trip_s() if shared is not None else None)
+
+    def submit(self, work: Callable[[], Examination], *, large: bool = True
+               ) -> Future[Examination] | None:
+        """Run ``work`` in a worker thread: the hashing thread for a large prompt, else
+        (with a shared index) one of the store's threads; None when that backlog is full
+        (:data:`MAX_PENDING`, :data:`MAX_PENDING_SHARED`) or the check was closed."""
+        slots = self._slots if large else self._store_slots
+        if not slots.acquire(blocking=False):
             self._warn(f"prompt-cache doctor: {MAX_PENDING} large prompts already wait for "
-                       "its thread; this request is not examined")
+                       "its thread; this request is not examined" if large else
+                       f"prompt-cache doctor: {MAX_PENDING_SHARED} prompts already wait for "
+                       "the shared index; this request is not examined")
             return None
         try:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(1, thread_name_prefix="prefix-doctor")
-            future = self._executor.submit(work)
+            if large:
+                if self._executor is None:
+                    self._executor = ThreadPoolExecutor(1, thread_name_prefix="prefix-doctor")
+                executor = self._executor
+            else:
+                if self._store_executor is None:
+                    self._store_executor = ThreadPoolExecutor(
+                        STORE_THREADS, thread_name_prefix="prefix-store")
+                executor = self._store_executor
+            future = executor.submit(work)
         except RuntimeError:  # closed: shutting down
-            self._slots.release()
+            slots.release()
             return None
-        future.add_done_callback(lambda _: self._slots.release())
+        future.add_done_callback(lambda _: slots.release())
         return future
 
     def close(self) -> None:
-        """Stop the worker thread; jobs still waiting for it are dropped."""
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
+        """Stop the worker threads; jobs still waiting for them are dropped."""
+        for executor in (self._executor, self._store_executor):
+            if executor is not None:
+                executor.shutdown(wait=False, cancel_futures=True)
+        if self.shared is not None:
+            self.shared.close()
 
     def _warn(self, message: str, *, trace: bool = False) -> None:
         """One line, the first failure with its traceback, then at most one a minute."""
@@ -170,7 +255,7 @@ class PrefixJob:
     finish), read once by the record."""
 
     __slots__ = ("_check", "_dialect", "_future", "_key", "_model", "_now_ms", "_offload",
-                 "_payload", "_report", "_started", "_upstream")
+                 "_payload", "_result", "_started", "_unchecked", "_upstream")
 
     def __init__(self, check: PrefixCheck, dialect: Dialect, payload: Mapping[str, Any],
                  upstream: UpstreamSpec, now_ms: int, *, offload: bool) -> None:
@@ -182,26 +267,31 @@ class PrefixJob:
         self._now_ms = now_ms
         self._offload = offload
         self._started = False
-        self._future: Future[PrefixReport | None] | None = None
-        self._report: PrefixReport | None = None
+        self._future: Future[Examination] | None = None
+        self._result: Examination | None = None
+        self._unchecked = LATE  # what the record says when no examination came back
 
     def start(self) -> None:
-        """Examine now on this thread, or hand the prompt to the worker thread."""
+        """Examine now on this thread, or hand the prompt to a worker thread (a large
+        prompt, or any prompt when the index is shared: its exchange waits for the
+        network)."""
         if self._started:
             return
         self._started = True
-        if self._offload:
-            self._future = self._check.submit(self._examine)
+        if self._offload or self._check.shared is not None:
+            self._future = self._check.submit(self._examine, large=self._offload)
+            if self._future is None:
+                self._unchecked = BUSY
         else:
-            self._report = self._examine()
+            self._result = self._examine()
 
-    def _examine(self) -> PrefixReport | None:
-        return self._check.examine(self._dialect, self._payload, self._upstream.name,
-                                   self._model, self._key, self._now_ms)
+    def _examine(self) -> Examination:
+        return self._check.look(self._dialect, self._payload, self._upstream.name,
+                                self._model, self._key, self._now_ms)
 
     async def settle(self) -> None:
         """Before the record: start a job that never got its turn; wait (at most
-        :data:`SETTLE_S`) for one the worker thread is still on."""
+        :data:`SETTLE_S`) for one a worker thread is still on."""
         self.start()
         future = self._future
         if future is None or future.done():
@@ -217,18 +307,30 @@ class PrefixJob:
         await asyncio.wait({waiter}, timeout=SETTLE_S)
 
     @property
-    def report(self) -> PrefixReport | None:
+    def examination(self) -> Examination | None:
+        """What came back (None: nothing yet, or nothing will)."""
         future = self._future
         if future is None:
-            return self._report
+            return self._result
         return future.result() if future.done() and not future.cancelled() else None
+
+    @property
+    def report(self) -> PrefixReport | None:
+        examination = self.examination
+        return examination.report if examination is not None else None
 
     def record(self, prompt_tokens: int | None, cached_tokens: int | None
                ) -> PrefixRecord | None:
         """The report in the record's terms, with the usage: ``prompt_tokens`` from the
         upstream (None when it did not say them, or they were estimated) and
-        ``cached_tokens`` as it reported them (None: not reported)."""
-        report = self.report
+        ``cached_tokens`` as it reported them (None: not reported). A request that was
+        not examined gets a record that says why; one with nothing to examine, None."""
+        examination = self.examination
+        if examination is None:
+            return PrefixRecord.not_examined(self._unchecked)
+        if examination.unchecked:
+            return PrefixRecord.not_examined(examination.unchecked, examination.index_s)
+        report = examination.report
         if report is None:
             return None
         spec, api = self._upstream, self._dialect.name
@@ -243,7 +345,8 @@ class PrefixJob:
             prompt_bytes=report.prompt_bytes, repeated_bytes=report.repeated_bytes,
             repeated_tokens=tokens.repeated, missed_tokens=tokens.missed,
             break_reason=report.reason or "", break_part=report.part or "",
-            break_index=report.index, break_offset=report.offset)
+            break_index=report.index, break_offset=report.offset,
+            index_s=examination.index_s)
 
 
 def _resolve(waiter: asyncio.Future[None]) -> None:

@@ -227,7 +227,9 @@ def _banner(settings: Settings, port: int, tracing: str = "", otlp_metrics: str 
         targets = f"{redact(settings.upstream)} (upstream label {settings.upstream_label!r})"
     print(f"llm-latency-proxy: relaying {where}/v1 -> {targets}; metrics at {metrics}; "
           f"workers {settings.workers}" + (f"; tracing: {redact(tracing)}" if tracing else "")
-          + (f"; OTLP metrics: {redact(otlp_metrics)}" if otlp_metrics else ""),
+          + (f"; OTLP metrics: {redact(otlp_metrics)}" if otlp_metrics else "")
+          + (f"; prompt-cache index shared at {settings.cache_index.url}"
+             if settings.cache_index is not None and settings.prefix_doctor else ""),
           file=sys.stderr, flush=True)
 
 
@@ -456,9 +458,9 @@ def _start_metrics_server(settings: Settings, registry: Any, page: Any = None) -
             raise CannotListen("metrics_port", host, settings.metrics_port, exc) from None
         return
     if page is None:
-        from proxy.ui import LivePage
+        from proxy.ui import LivePage, index_scope
 
-        page = LivePage(registry)
+        page = LivePage(registry, prefix_index=index_scope(settings))
 
     class Quiet(WSGIRequestHandler):
         def log_message(self, format: str, *args: Any) -> None:

@@ -90,6 +90,7 @@ ATTR = {
     "break_part": "llm_proxy.prefix.break_part",
     "break_index": "llm_proxy.prefix.break_index",
     "break_offset": "llm_proxy.prefix.break_offset",
+    "unchecked": "llm_proxy.prefix.unchecked",
 }
 EVENT_FIRST_BYTE = "llm_proxy.first_byte"
 EVENT_FIRST_TOKEN = "llm_proxy.first_token"
@@ -248,7 +249,10 @@ class Tracing:
 
 def prefix_attributes(p: PrefixRecord) -> dict[str, Any]:
     """The prompt-cache doctor's finding as span attributes (no text: sizes, positions,
-    the reason and the part's kind); unknown values are left out."""
+    the reason and the part's kind); unknown values are left out. A request the doctor
+    did not examine carries only why."""
+    if p.unchecked:
+        return {ATTR["unchecked"]: p.unchecked}
     values = (("prompt_bytes", p.prompt_bytes), ("repeated_bytes", p.repeated_bytes),
               ("repeated_tokens", p.repeated_tokens), ("missed_tokens", p.missed_tokens),
               ("break_reason", p.break_reason or None), ("break_part", p.break_part or None),

@@ -8,7 +8,9 @@ deployment relies on. The PrometheusRule and the dashboard ConfigMap must be exa
 current copies of prometheus/rules/ and grafana/dashboards/, and the PrometheusRule's
 groups pass ``promtool check rules`` and the repository's promtool rule tests. The
 several-upstreams overlay's config file, as mounted, loads with the proxy's own loader
-together with the environment the Deployment gives the container.
+together with the environment the Deployment gives the container; so does the
+shared-prefix-index overlay's, whose store's config file, as mounted, starts Debian's
+redis-server, which the proxy's shared index then uses.
 
 Without ``kubectl`` (Debian ``kubernetes-client``) or ``promtool`` the tests that need
 them are skipped on a developer machine and fail in CI (``CI=true``).
@@ -22,6 +24,7 @@ import tomllib
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
@@ -82,8 +85,13 @@ def one(objects: list[dict[str, Any]], kind: str) -> dict[str, Any]:
     return found
 
 
+def proxy_deployment(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    """The proxy's Deployment (an overlay may add another: the shared prefix index's store)."""
+    return named(objects, "Deployment", "llm-latency-proxy")
+
+
 def container(objects: list[dict[str, Any]]) -> dict[str, Any]:
-    (proxy,) = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"]
+    (proxy,) = proxy_deployment(objects)["spec"]["template"]["spec"]["containers"]
     return proxy
 
 
@@ -160,7 +168,7 @@ def test_every_core_object_validates(rendered: list[dict[str, Any]]) -> None:
 def test_validation_rejects_a_wrong_field(base: list[dict[str, Any]]) -> None:
     """The validation above can fail: a misspelt field in the pod spec is refused."""
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
-    deployment = yaml.safe_load(yaml.safe_dump(one(base, "Deployment")))
+    deployment = yaml.safe_load(yaml.safe_dump(proxy_deployment(base)))
     deployment["spec"]["template"]["spec"]["terminationGracePeriod"] = 150
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(deployment, KUBERNETES_VERSION, strict=True)
@@ -176,7 +184,7 @@ def _dockerfile_user() -> str:
 
 
 def test_deployment_security(rendered: list[dict[str, Any]]) -> None:
-    pod = one(rendered, "Deployment")["spec"]["template"]["spec"]
+    pod = proxy_deployment(rendered)["spec"]["template"]["spec"]
     proxy = container(rendered)
     uid, gid = _dockerfile_user().split(":")
     assert pod["securityContext"]["runAsNonRoot"] is True
@@ -200,13 +208,13 @@ def test_multiprocess_directory_is_writable(rendered: list[dict[str, Any]]) -> N
     env = {e["name"]: e.get("value") for e in proxy["env"]}
     mounts = {m["mountPath"]: m["name"] for m in proxy["volumeMounts"]}
     volumes = {
-        v["name"]: v for v in one(rendered, "Deployment")["spec"]["template"]["spec"]["volumes"]
+        v["name"]: v for v in proxy_deployment(rendered)["spec"]["template"]["spec"]["volumes"]
     }
     assert "emptyDir" in volumes[mounts[env["TMPDIR"]]]
 
 
 def test_probes_shutdown_and_resources(rendered: list[dict[str, Any]]) -> None:
-    pod = one(rendered, "Deployment")["spec"]["template"]["spec"]
+    pod = proxy_deployment(rendered)["spec"]["template"]["spec"]
     proxy = container(rendered)
     config = settings(rendered)
     ports = {p["name"]: p["containerPort"] for p in proxy["ports"]}
@@ -232,7 +240,7 @@ def test_probes_shutdown_and_resources(rendered: list[dict[str, Any]]) -> None:
     pod_labels = pod_template_labels(rendered)
     for constraint in pod["topologySpreadConstraints"]:
         assert matches(constraint["labelSelector"]["matchLabels"], pod_labels)
-    assert "replicas" not in one(rendered, "Deployment")["spec"], "the HPA owns the count"
+    assert "replicas" not in proxy_deployment(rendered)["spec"], "the HPA owns the count"
 
 
 def seconds(duration: str) -> float:
@@ -245,13 +253,13 @@ def seconds(duration: str) -> float:
 
 
 def pod_template_labels(objects: list[dict[str, Any]]) -> dict[str, str]:
-    labels: dict[str, str] = one(objects, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    labels: dict[str, str] = proxy_deployment(objects)["spec"]["template"]["metadata"]["labels"]
     return labels
 
 
 def test_service_pdb_and_hpa_select_the_pods(rendered: list[dict[str, Any]]) -> None:
     pods = pod_template_labels(rendered)
-    deployment = one(rendered, "Deployment")
+    deployment = proxy_deployment(rendered)
     assert matches(deployment["spec"]["selector"]["matchLabels"], pods)
     service = named(rendered, "Service", "llm-latency-proxy")
     assert matches(service["spec"]["selector"], pods)
@@ -392,7 +400,7 @@ def test_openai_overlay_holds_the_key_by_reference() -> None:
     keys_file = Path(config["LLM_PROXY_CLIENT_KEYS_FILE"])
     assert mounts["client-keys"] == str(keys_file.parent)
     volumes = {
-        v["name"]: v for v in one(objects, "Deployment")["spec"]["template"]["spec"]["volumes"]
+        v["name"]: v for v in proxy_deployment(objects)["spec"]["template"]["spec"]["volumes"]
     }
     assert volumes["client-keys"]["secret"]["secretName"]
     assert not proxy["image"].startswith("llm-latency-proxy:")
@@ -434,7 +442,7 @@ def mounted_file(objects: list[dict[str, Any]], path: str) -> tuple[dict[str, An
     mounts = {m["mountPath"]: m for m in container(objects)["volumeMounts"]}
     mount = mounts[str(file.parent)]
     assert "subPath" not in mount, "a subPath mount is never updated by the kubelet"
-    volumes = one(objects, "Deployment")["spec"]["template"]["spec"]["volumes"]
+    volumes = proxy_deployment(objects)["spec"]["template"]["spec"]["volumes"]
     (volume,) = [v for v in volumes if v["name"] == mount["name"]]
     config_map = named(objects, "ConfigMap", volume["configMap"]["name"])
     text: str = config_map["data"][file.name]
@@ -543,8 +551,123 @@ def test_several_upstreams_overlay_keeps_keys_out(several: list[dict[str, Any]])
     keys_file = Path(settings(several)["LLM_PROXY_CLIENT_KEYS_FILE"])
     assert mounts["client-keys"] == str(keys_file.parent)
     volumes = {
-        v["name"]: v for v in one(several, "Deployment")["spec"]["template"]["spec"]["volumes"]
+        v["name"]: v for v in proxy_deployment(several)["spec"]["template"]["spec"]["volumes"]
     }
     assert volumes["client-keys"]["secret"]["secretName"]
     for path in SEVERAL.iterdir():
         assert not re.search(r"sk-[A-Za-z0-9_-]{8,}", path.read_text()), path
+
+
+# ---------------------------------------------------------------------------
+# The shared-prefix-index overlay
+
+SHARED = DEPLOY / "overlays" / "shared-prefix-index"
+STORE = "llm-latency-proxy-prefix-index"
+
+
+@pytest.fixture(scope="module")
+def shared_index() -> list[dict[str, Any]]:
+    return render(SHARED)
+
+
+def test_shared_prefix_index_config_loads_and_names_the_store(
+    shared_index: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    """The mounted proxy.toml under the container's environment passes the real loader:
+    one upstream, the base's vLLM Service; a [cache-index] table naming the store's
+    Service and port; the digest secret and the password from the Secret, required."""
+    env = {k: v for k, v in _start_env(shared_index, tmp_path).items()
+           if k != "LLM_PROXY_CLIENT_KEYS_FILE"}
+    refs = {n: v["secretKeyRef"] for n, v in container_env(shared_index).items()
+            if isinstance(v, dict)}
+    assert refs["LLM_PROXY_PREFIX_SECRET"]["name"] == STORE
+    assert refs["LLM_PROXY_PREFIX_SECRET"]["optional"] is False
+    assert not [name for name in env if name.startswith(ENV_PREFIX + "UPSTREAM")]
+    s = from_sources(None, env | {"LLM_PROXY_PREFIX_SECRET": "x" * 64})
+    (upstream,) = s.upstreams
+    assert upstream.url == settings(render(DEPLOY))["LLM_PROXY_UPSTREAM"]
+    index = s.cache_index
+    assert index is not None and index.password_env in refs
+    assert refs[index.password_env] == {"name": STORE, "key": "password", "optional": False}
+    url = urlsplit(index.url)
+    service = named(shared_index, "Service", STORE)
+    assert url.hostname == STORE and url.port == service["spec"]["ports"][0]["port"]
+    with pytest.raises(SettingsError, match="LLM_PROXY_PREFIX_SECRET"):
+        from_sources(None, env | {"LLM_PROXY_PREFIX_SECRET": ""})
+    doc = tomllib.loads((SHARED / "proxy.toml").read_text())
+    assert set(doc) == {"upstream", "cache-index"}  # proxy-wide settings stay in config.env
+
+
+def test_shared_prefix_index_store_is_one_locked_down_cache(
+    shared_index: list[dict[str, Any]],
+) -> None:
+    store = named(shared_index, "Deployment", STORE)
+    spec = store["spec"]
+    assert spec["replicas"] == 1 and spec["strategy"]["type"] == "Recreate"
+    pod = spec["template"]["spec"]
+    (valkey,) = pod["containers"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["automountServiceAccountToken"] is False
+    sc = valkey["securityContext"]
+    assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"] == {"drop": ["ALL"]}
+    assert "$(PREFIX_INDEX_PASSWORD)" in valkey["args"]
+    assert valkey["resources"]["limits"]["memory"]
+    labels = spec["template"]["metadata"]["labels"]
+    service = named(shared_index, "Service", STORE)
+    assert matches(service["spec"]["selector"], labels)
+    assert not matches(service["spec"]["selector"], pod_template_labels(shared_index))
+    for other in ("llm-latency-proxy", "llm-latency-proxy-metrics"):
+        assert not matches(named(shared_index, "Service", other)["spec"]["selector"], labels)
+    assert not matches(one(shared_index, "PodDisruptionBudget")["spec"]["selector"]["matchLabels"],
+                       labels)
+    conf = store_conf(shared_index)
+    assert {"maxmemory-policy allkeys-lru", 'save ""', "appendonly no"} <= set(conf)
+    assert any(line.startswith("maxmemory ") for line in conf)
+
+
+def store_conf(objects: list[dict[str, Any]]) -> list[str]:
+    """The store's config file as mounted (comments and blank lines left out)."""
+    pod = named(objects, "Deployment", STORE)["spec"]["template"]["spec"]
+    (valkey,) = pod["containers"]
+    path = PurePosixPath(valkey["args"][0])
+    mount = {m["mountPath"]: m["name"] for m in valkey["volumeMounts"]}[str(path.parent)]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount]
+    text: str = named(objects, "ConfigMap", volume["configMap"]["name"])["data"][path.name]
+    return [line.strip() for line in text.splitlines()
+            if line.strip() and not line.lstrip().startswith("#")]
+
+
+def test_shared_prefix_index_store_config_runs_and_the_proxy_uses_it(
+    shared_index: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    """The store's config file, as mounted, starts Debian's redis-server (Valkey reads
+    the same directives), and the proxy's [cache-index] table, pointed at it, exchanges
+    with it under the password the Secret would give both."""
+    from proxy.cache_index import cache_index_spec
+    from proxy.diagnosis.prefix_index import NEVER, Probe
+    from proxy.prefix_store import RedisPrefixIndex
+    from tests.redis_server import redis_server
+
+    conf = tmp_path / "valkey.conf"
+    conf.write_text("\n".join(line for line in store_conf(shared_index)
+                              if not line.startswith("dir ")) + "\n")
+    with redis_server(tmp_path, "--requirepass", "from-the-secret", config=conf) as server:
+        import redis
+
+        admin = redis.Redis(port=server.port, password="from-the-secret")
+        assert admin.config_get("maxmemory-policy") == {"maxmemory-policy": "allkeys-lru"}
+        assert int(admin.config_get("maxmemory")["maxmemory"]) == 256 * 1024 * 1024
+        admin.close()
+        doc = tomllib.loads((SHARED / "proxy.toml").read_text())
+        doc["cache-index"]["url"] = server.url
+        env = {"PREFIX_INDEX_PASSWORD": "from-the-secret", "LLM_PROXY_PREFIX_SECRET": "s" * 32}
+        spec = cache_index_spec("proxy.toml", doc, env)
+        assert spec is not None
+        index = RedisPrefixIndex(spec, horizon_ms=60_000, environ=env)
+        try:
+            probe = Probe((b"k" * 8,), b"\x00")
+            index.exchange(probe, 0)
+            assert index.exchange(probe, 5).ended[0] != NEVER  # found: the store works
+        finally:
+            index.close()

@@ -573,6 +573,7 @@ async def test_the_finish_waits_for_the_thread_a_bounded_time(
         assert line["prefix_break"] == "first_seen" and line["prompt_bytes"] > INLINE_MAX_BYTES
     else:  # too late for the record; the index still has the prompt
         assert line["prompt_bytes"] is None and line["outcome"] == "completed"
+        assert line["prefix_unchecked"] == "late"
 
 
 async def test_a_job_that_never_got_its_turn_runs_at_the_finish() -> None:
@@ -618,9 +619,11 @@ async def test_a_doctor_that_raises_does_not_break_the_request(
                 assert response.status_code == 200
                 assert response.content.endswith(b"data: [DONE]\n\n")
     assert all(line["outcome"] == "completed" and line["prompt_bytes"] is None
-               for line in lines(log_file))
+               and line["prefix_unchecked"] == "failed" for line in lines(log_file))
     assert registry.get_sample_value("llm_proxy_requests_total", {
         "route": CHAT, "model": "m", "upstream": UP, "stream": "true", "code": "200"}) == 3
+    assert value(registry, "llm_proxy_prompt_prefix_unchecked_total", CHAT,
+                 reason="failed") == 3
     warnings = [r for r in caplog.records if "prompt-cache doctor failed" in r.getMessage()]
     assert len(warnings) == 1 and warnings[0].exc_info is not None  # once, with its traceback
 

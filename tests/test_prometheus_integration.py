@@ -30,6 +30,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -164,9 +165,17 @@ def dialect_script(path: str, i: int) -> list[tuple[float, bytes]]:
     answer = 4 + i % 8
     if path == RESPONSES:
         script, _, _ = responses_script(REASONING_EVENTS, answer)
+        tokens = b'"input_tokens":40,'
     else:
         script, _, _ = messages_script(REASONING_EVENTS, answer)
-    return [((t - T0) / SCRIPT_SPEED, chunk) for t, chunk in script]
+        tokens = b'"input_tokens":10,'
+    # Prompts of four lengths in the usage, as the simulator's routes have: the prefill
+    # fit's rules and panels have a spread of lengths to fit on these routes too.
+    # (i alone would not do: each route and model sees every second or fourth i)
+    extra = 300 * random.Random(i).randrange(4)
+    longer = b'"input_tokens":%d,' % (int(tokens.split(b":")[1].rstrip(b",")) + extra)
+    assert any(tokens in chunk for _, chunk in script)
+    return [((t - T0) / SCRIPT_SPEED, chunk.replace(tokens, longer)) for t, chunk in script]
 
 
 def with_dialect_routes(simulator: ASGIApp) -> ASGIApp:

@@ -97,7 +97,10 @@ def script_json(value: Any) -> str:
 
 class LivePage:
     """The page and its data for one registry (and, in the process that relays, its
-    slowest requests)."""
+    slowest requests). ``prefix_index``: what the prompt-cache doctor's figures were
+    found in (:func:`proxy.ui.index_scope`: a per-process or a shared index),
+    answered as ``/ui/data``'s ``prefix_index``, so that the page can say when a
+    per-process index sees only part of the traffic; None when the doctor is off."""
 
     def __init__(
         self,
@@ -105,9 +108,11 @@ class LivePage:
         *,
         slow: SlowRequests | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        prefix_index: dict[str, Any] | None = None,
     ) -> None:
         self.data = LiveData(registry, clock=clock)
         self.slow = slow
+        self.prefix_index = prefix_index
         html, policy = inline(
             "ui.html",
             "llm-latency-proxy · live",
@@ -150,6 +155,7 @@ class LivePage:
             answer = self.data.answer(selection, slow)
         except BadSelection as exc:
             return _error(400, str(exc), "unknown_selector")
+        answer["prefix_index"] = self.prefix_index
         body = json.dumps(answer, separators=(",", ":"), allow_nan=False).encode()
         return (
             200,

@@ -1,0 +1,303 @@
+"""The prompt-cache doctor's shared index: one Redis or Valkey for every replica.
+
+Behind a load balancer each replica sees part of the traffic, and with ``--workers``
+each process does: a per-process index (:class:`~proxy.diagnosis.prefix_index.LruPrefixIndex`)
+finds a repeat only when the earlier request landed on the same process (with N replicas
+taking turns, a conversation's next turn finds its previous one about 1 time in N).
+:class:`RedisPrefixIndex` answers the same question, :meth:`PrefixIndex.exchange
+<proxy.diagnosis.prefix_index.PrefixIndex.exchange>`, from one store every process
+shares, so the doctor's answers are those of one process that saw all the traffic.
+
+* **One round trip.** An exchange is one ``EVALSHA`` of :data:`SCRIPT`: the probe's
+  digests (one string), its marks and the TTL. The script reads every key (``MGET``),
+  then writes every key, and a script runs alone on the store: the reads see the state
+  before this request, as the in-process index's do, and two replicas' exchanges never
+  interleave. The keys of one probe fall in many hash slots, so Redis Cluster is not
+  supported: use one primary (its replicas and Sentinel do not matter here: the script
+  writes, so it runs on the primary).
+* **What is stored.** Key: the key prefix and the doctor's 8-byte keyed digest (never
+  text; the secret is :data:`proxy.cache_index.PREFIX_SECRET_ENV`, which the store never
+  sees). Value: 16 bytes, the two times the in-process index keeps (when a request last
+  held the key and went on past it, when one last held it as its last block), as
+  little-endian int64 milliseconds of the store's clock. Every write sets the key's TTL
+  to the in-process index's age bound (an hour, or two windows if longer), so the store
+  forgets by itself what nobody sent for that long, and can still tell an *expired*
+  prefix from a new one. ``MEMORY USAGE`` says 104 bytes per key on Redis 7.0 with the
+  default prefix, and ``used_memory`` grew by 166 to 177 bytes per key with the store's
+  tables (``benchmarks/prefix_store.py``; ``tests/test_prefix_store.py`` bounds the
+  first): about what the in-process index spends. Bound the store with ``maxmemory``
+  and ``maxmemory-policy allkeys-lru``, which forgets the least recently touched first,
+  as the in-process index does.
+* **Whose clock.** The store's. Replicas' monotonic clocks have unrelated origins, and
+  their wall clocks differ by whatever NTP leaves; the script reads ``TIME`` and
+  answers *ages* (store now minus the stored time), which :meth:`RedisPrefixIndex.exchange`
+  turns back into the caller's clock (``now_ms - age``). A sighting's time is therefore
+  when its exchange ran, a response's headers after the proxy received the request,
+  not the request's arrival as in one process: the two differ by a request's time to
+  headers, against a window of minutes.
+* **Failures cost a counted miss, nothing more.** Every exchange has a timeout (the
+  table's ``timeout_ms``, 50 ms by default, bounding the connect, each send and the
+  wait for the answer; a probe of more than :data:`LARGE_KEYS` keys goes over a second
+  connection allowed :data:`PER_KEY_S` more per key up to :data:`MAX_KEYS`, the store's
+  own time per key); redis-py's retries are off. The first exchange on a store that
+  does not know the script yet (a new or restarted store) loads it: two more round
+  trips, once. A failure raises :class:`IndexUnavailable` with its
+  reason and opens the breaker (:class:`Breaker`): the store is not asked again for
+  ``retry_ms`` (1 s by default), then by one request at a time, each failed try doubling
+  the pause up to :data:`MAX_PAUSE_S`; a success closes it. Meanwhile requests are
+  counted as unchecked (``store_down``) at no cost, so a store that is down or slow is
+  not hammered by every request of every replica, and no request waits for it. A probe
+  of more than :data:`MAX_KEYS` keys (a prompt of about 4 MiB) is never sent: it would
+  hold the store, and every replica's exchanges behind it, for over 100 ms.
+
+The exchange blocks its thread for the round trip, so :mod:`proxy.prefix_check` runs it
+in the doctor's worker threads, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import struct
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from proxy.cache_index import CacheIndexSpec
+from proxy.diagnosis.prefix_index import NEVER, Probe, Sightings
+
+log = logging.getLogger("proxy")
+
+LARGE_KEYS = 1024  # a probe with more keys uses the connection with the longer timeout
+MAX_KEYS = 32_768  # about 4 MiB of prompt (two keys per 256-byte block): never sent beyond
+PER_KEY_S = 10e-6  # the store's time per key, with room: 1.5 to 5 us measured on Redis 7.0
+MAX_PAUSE_S = 30.0
+WARN_EVERY_S = 60.0
+
+# Reasons an exchange did not happen (the unchecked counter's label values).
+STORE_DOWN = "store_down"  # the breaker is open: not tried
+STORE_TIMEOUT = "store_timeout"
+STORE_ERROR = "store_error"
+TOO_LARGE = "too_large"
+
+SCRIPT = """
+-- The prompt-cache doctor's exchange (proxy/prefix_store.py): read every key of the
+-- probe, then write every key, in one call that runs alone on the store.
+-- ARGV: 1 the key prefix, 2 the digests (each ARGV[5] bytes, concatenated), 3 one mark
+-- per digest (0 seen, 1 continued past it, 2 ended there), 4 the TTL in ms.
+-- A value: two little-endian int64, the store's ms when a request last held the key and
+-- went on past it, and when one last held it otherwise (0: never).
+-- The answer: per key, the two ages in ms (now - time; -1: never), little-endian int64.
+if redis.replicate_commands then redis.replicate_commands() end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local prefix, digests, marks, ttl = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local size = tonumber(ARGV[5])
+local n = #marks
+local names = {}
+for i = 1, n do names[i] = prefix .. string.sub(digests, (i - 1) * size + 1, i * size) end
+local old = {}
+for i = 1, n, 512 do
+  local got = redis.call('MGET', unpack(names, i, math.min(i + 511, n)))
+  for j = 1, #got do old[i + j - 1] = got[j] end
+end
+local out = {}
+for i = 1, n do
+  local c, e = 0, 0
+  local v = old[i]
+  if v and #v == 16 then c, e = struct.unpack('<i8i8', v) end
+  out[i] = struct.pack('<i8i8', c > 0 and math.max(0, now - c) or -1,
+                       e > 0 and math.max(0, now - e) or -1)
+  if string.byte(marks, i) == 1 then c = now else e = now end
+  redis.call('SET', names[i], struct.pack('<i8i8', c, e), 'PX', ttl)
+end
+return table.concat(out)
+"""
+
+
+class IndexUnavailable(Exception):
+    """The shared index did not answer this exchange: ``reason`` is one of
+    :data:`STORE_DOWN`, :data:`STORE_TIMEOUT`, :data:`STORE_ERROR`, :data:`TOO_LARGE`;
+    ``round_trip_s`` how long the failed attempt took (None: nothing was sent)."""
+
+    def __init__(self, reason: str, round_trip_s: float | None = None, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.round_trip_s = round_trip_s
+
+
+class Breaker:
+    """When to ask the store: always while it answers; after a failure, not for
+    ``first_s``, then one try at a time, each failed try doubling the pause up to
+    ``max_s``. Thread-safe; ``clock`` is monotonic seconds."""
+
+    CLOSED, TRIAL = 1, 2  # what admit() lets through
+
+    def __init__(self, first_s: float, max_s: float = MAX_PAUSE_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.first_s = first_s
+        self.max_s = max(max_s, first_s)
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._until: float | None = None  # None: closed
+        self._pause = first_s
+        self._trying = False
+        self.down_since: float | None = None
+        self.failed_tries = 0
+
+    @property
+    def closed(self) -> bool:
+        return self._until is None
+
+    def admit(self) -> int | None:
+        """:data:`CLOSED` or :data:`TRIAL` when this exchange may try the store, None when
+        it may not."""
+        if self._until is None:
+            return self.CLOSED
+        with self._lock:
+            if self._until is None:
+                return self.CLOSED
+            if self._trying or self._clock() < self._until:
+                return None
+            self._trying = True
+            return self.TRIAL
+
+    def succeeded(self, admitted: int) -> bool:
+        """Close; True when that ends an outage (the caller says so once)."""
+        if self._until is None:
+            return False
+        with self._lock:
+            if self._until is None or (admitted != self.TRIAL and self._trying):
+                return False
+            self._until, self._trying, self._pause = None, False, self.first_s
+            return True
+
+    def failed(self, admitted: int) -> bool:
+        """Open, or stay open longer; True when this failure starts an outage."""
+        with self._lock:
+            now = self._clock()
+            if admitted == self.TRIAL:
+                self._trying = False
+                self._pause = min(self._pause * 2, self.max_s)
+                self.failed_tries += 1
+            elif self._until is not None:
+                return False  # another thread's exchange already opened it
+            else:
+                self._pause = self.first_s
+                self.down_since, self.failed_tries = now, 1
+            self._until = now + self._pause
+            return admitted != self.TRIAL
+
+    @property
+    def pause_s(self) -> float:
+        return self._pause
+
+
+class RedisPrefixIndex:
+    """A :class:`~proxy.diagnosis.prefix_index.PrefixIndex` on Redis or Valkey (see the
+    module docstring). ``horizon_ms`` is every key's TTL; ``environ`` holds the password
+    variable the spec names; ``clock`` (monotonic seconds) times the breaker. Thread-safe:
+    redis-py's connection pool gives each thread its own connection."""
+
+    def __init__(self, spec: CacheIndexSpec, *, horizon_ms: int,
+                 environ: Mapping[str, str] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        from redis import Redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        env = os.environ if environ is None else environ
+        password = env.get(spec.password_env) if spec.password_env else None
+        self.spec = spec
+        self.url = spec.url
+        self.horizon_ms = horizon_ms
+        self._prefix = spec.key_prefix.encode()
+        self._clock = clock
+        self.breaker = Breaker(spec.retry_s, clock=clock)
+        self._local = threading.local()
+        self._warned_at = -math.inf
+        self._held_back = 0
+
+        def client(timeout_s: float) -> Any:
+            return Redis.from_url(
+                spec.url, username=spec.username or None, password=password or None,
+                socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                retry=Retry(NoBackoff(), 0), health_check_interval=0,
+                client_name="llm-latency-proxy")
+
+        self._small = client(spec.timeout_s)
+        self._large = client(spec.timeout_s + MAX_KEYS * PER_KEY_S)
+        self._scripts = (self._small.register_script(SCRIPT),
+                         self._large.register_script(SCRIPT))
+
+    def exchange(self, probe: Probe, now_ms: int) -> Sightings:
+        """What the store knew of each of ``probe.keys`` before now, in ``now_ms``'s clock;
+        then record that a request holds them now. Raises :class:`IndexUnavailable`."""
+        from redis.exceptions import RedisError
+        from redis.exceptions import TimeoutError as RedisTimeout
+
+        self._local.round_trip_s = None
+        keys = probe.keys
+        n = len(keys)
+        if n > MAX_KEYS:
+            raise IndexUnavailable(TOO_LARGE, detail=f"{n} keys")
+        if n == 0:
+            return Sightings([], [])
+        size = len(keys[0])
+        digests = b"".join(keys)
+        if len(digests) != n * size:
+            raise ValueError("a shared index takes keys of one length")
+        admitted = self.breaker.admit()
+        if admitted is None:
+            raise IndexUnavailable(STORE_DOWN)
+        script = self._scripts[n > LARGE_KEYS]
+        start = time.perf_counter()
+        try:
+            reply = script(args=[self._prefix, digests, probe.marks, self.horizon_ms, size])
+            if not isinstance(reply, bytes) or len(reply) != 16 * n:
+                raise RedisError(f"the script answered {type(reply).__name__} "
+                                 f"of {len(reply) if isinstance(reply, bytes) else '?'} bytes, "
+                                 f"not {16 * n}")
+        except (RedisError, OSError) as exc:
+            elapsed = time.perf_counter() - start
+            reason = STORE_TIMEOUT if isinstance(exc, RedisTimeout) else STORE_ERROR
+            if self.breaker.failed(admitted):
+                self._warn_down(reason, exc)
+            raise IndexUnavailable(reason, elapsed, f"{type(exc).__name__}: {exc}") from None
+        elapsed = time.perf_counter() - start
+        self._local.round_trip_s = elapsed
+        if self.breaker.succeeded(admitted):
+            since = self.breaker.down_since
+            log.warning("prompt-cache doctor: the shared index at %s answers again (down %.1f s, "
+                        "%d failed tries); requests are examined again", self.url,
+                        self._clock() - since if since is not None else 0.0,
+                        self.breaker.failed_tries)
+        ages = struct.unpack(f"<{2 * n}q", reply)
+        return Sightings([now_ms - age if age >= 0 else NEVER for age in ages[0::2]],
+                         [now_ms - age if age >= 0 else NEVER for age in ages[1::2]])
+
+    def round_trip_s(self) -> float | None:
+        """The calling thread's last successful exchange's round trip, in seconds (None:
+        it failed, or none yet)."""
+        value: float | None = getattr(self._local, "round_trip_s", None)
+        return value
+
+    def _warn_down(self, reason: str, exc: BaseException) -> None:
+        now = self._clock()
+        if now - self._warned_at < WARN_EVERY_S:
+            self._held_back += 1
+            return
+        held, self._held_back, self._warned_at = self._held_back, 0, now
+        also = f" ({held} more outages since the last such line)" if held else ""
+        log.warning("prompt-cache doctor: the shared index at %s failed (%s, %s: %s); requests "
+                    "are not examined but counted in llm_proxy_prompt_prefix_unchecked_total "
+                    "until it answers: next try in %.3g s, then less often while it fails "
+                    "(at most every %.0f s)%s", self.url, reason, type(exc).__name__, exc,
+                    self.breaker.pause_s, self.breaker.max_s, also)
+
+    def close(self) -> None:
+        """Close the connections (the process is stopping)."""
+        for client in (self._small, self._large):
+            client.close()
