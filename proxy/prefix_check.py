@@ -63,9 +63,11 @@ from typing import Any
 
 from proxy.config import Settings
 from proxy.diagnosis.prefix import (
+    HashedPrompt,
     PrefixDoctor,
     PrefixPolicy,
     PrefixReport,
+    PromptHasher,
     cache_granularity_tokens,
     cache_tokens,
     minimum_cacheable_tokens,
@@ -82,6 +84,8 @@ MAX_PENDING = 16  # large prompts waiting for, or in, the worker thread
 SETTLE_S = 0.5  # how long the finish waits for a thread still hashing
 WARN_EVERY_S = 60.0
 
+Looked = tuple[HashedPrompt, PrefixReport]  # the doctor's look: the prompt's keys, its report
+
 
 class PrefixCheck:
     """The process's doctor: its index, its policy, its worker thread.
@@ -89,14 +93,18 @@ class PrefixCheck:
     ``doctor`` replaces the default (an :class:`LruPrefixIndex` bounded by
     ``--prefix-index-bytes``, forgetting entries untouched for an hour or two windows,
     whichever is longer, so that an *expired* prefix can still be told from a new one).
+    ``secret`` keys the hasher (random per process by default): worker processes that
+    capture one trace share one, so equal prompts get equal keys in every worker.
     """
 
-    def __init__(self, settings: Settings, doctor: PrefixDoctor | None = None) -> None:
+    def __init__(self, settings: Settings, doctor: PrefixDoctor | None = None, *,
+                 secret: bytes | None = None) -> None:
         window_ms = round(settings.prefix_window * 1000)
         if doctor is None:
             index = LruPrefixIndex(settings.prefix_index_bytes,
                                    horizon_ms=max(DEFAULT_HORIZON_MS, 2 * window_ms))
-            doctor = PrefixDoctor(index, policy=PrefixPolicy(window_ms=window_ms))
+            doctor = PrefixDoctor(index, PromptHasher(secret),
+                                  policy=PrefixPolicy(window_ms=window_ms))
         self.doctor = doctor
         self._executor: ThreadPoolExecutor | None = None  # started by the first large prompt
         self._slots = threading.BoundedSemaphore(MAX_PENDING)
@@ -121,15 +129,20 @@ class PrefixCheck:
     def examine(self, dialect: Dialect, payload: Mapping[str, Any], upstream: str,
                 model: str, cache_key: str, now_ms: int) -> PrefixReport | None:
         """The doctor's report (None: no prompt parts, or the doctor failed); never raises."""
+        looked = self.look(dialect, payload, upstream, model, cache_key, now_ms)
+        return looked[1] if looked is not None else None
+
+    def look(self, dialect: Dialect, payload: Mapping[str, Any], upstream: str,
+             model: str, cache_key: str, now_ms: int) -> Looked | None:
+        """:meth:`examine` with the prompt's keys (for the trace); never raises."""
         try:
-            return self.doctor.examine(dialect.prompt_parts(payload), upstream=upstream,
-                                       model=model, cache_key=cache_key, now_ms=now_ms)
+            return self.doctor.look(dialect.prompt_parts(payload), upstream=upstream,
+                                    model=model, cache_key=cache_key, now_ms=now_ms)
         except Exception:
             self._warn("prompt-cache doctor failed; the request is not examined", trace=True)
             return None
 
-    def submit(self, work: Callable[[], PrefixReport | None]
-               ) -> Future[PrefixReport | None] | None:
+    def submit(self, work: Callable[[], Looked | None]) -> Future[Looked | None] | None:
         """Run ``work`` in the worker thread; None when :data:`MAX_PENDING` jobs already
         wait (or the check was closed)."""
         if not self._slots.acquire(blocking=False):
@@ -167,10 +180,10 @@ class PrefixCheck:
 
 class PrefixJob:
     """One request's examination: started once (at the request's next wait, or at the
-    finish), read once by the record."""
+    finish), read once by the record (and by the trace capture: :attr:`hashed`)."""
 
-    __slots__ = ("_check", "_dialect", "_future", "_key", "_model", "_now_ms", "_offload",
-                 "_payload", "_report", "_started", "_upstream")
+    __slots__ = ("_check", "_dialect", "_future", "_key", "_looked", "_model", "_now_ms",
+                 "_offload", "_payload", "_started", "_upstream")
 
     def __init__(self, check: PrefixCheck, dialect: Dialect, payload: Mapping[str, Any],
                  upstream: UpstreamSpec, now_ms: int, *, offload: bool) -> None:
@@ -182,8 +195,8 @@ class PrefixJob:
         self._now_ms = now_ms
         self._offload = offload
         self._started = False
-        self._future: Future[PrefixReport | None] | None = None
-        self._report: PrefixReport | None = None
+        self._future: Future[Looked | None] | None = None
+        self._looked: Looked | None = None
 
     def start(self) -> None:
         """Examine now on this thread, or hand the prompt to the worker thread."""
@@ -193,11 +206,11 @@ class PrefixJob:
         if self._offload:
             self._future = self._check.submit(self._examine)
         else:
-            self._report = self._examine()
+            self._looked = self._examine()
 
-    def _examine(self) -> PrefixReport | None:
-        return self._check.examine(self._dialect, self._payload, self._upstream.name,
-                                   self._model, self._key, self._now_ms)
+    def _examine(self) -> Looked | None:
+        return self._check.look(self._dialect, self._payload, self._upstream.name,
+                                self._model, self._key, self._now_ms)
 
     async def settle(self) -> None:
         """Before the record: start a job that never got its turn; wait (at most
@@ -217,11 +230,23 @@ class PrefixJob:
         await asyncio.wait({waiter}, timeout=SETTLE_S)
 
     @property
-    def report(self) -> PrefixReport | None:
+    def _result(self) -> Looked | None:
         future = self._future
         if future is None:
-            return self._report
+            return self._looked
         return future.result() if future.done() and not future.cancelled() else None
+
+    @property
+    def report(self) -> PrefixReport | None:
+        looked = self._result
+        return looked[1] if looked is not None else None
+
+    @property
+    def hashed(self) -> HashedPrompt | None:
+        """The prompt's keys (digests, no text), once examined; None before, or when it
+        was not."""
+        looked = self._result
+        return looked[0] if looked is not None else None
 
     def record(self, prompt_tokens: int | None, cached_tokens: int | None
                ) -> PrefixRecord | None:
@@ -251,7 +276,8 @@ def _resolve(waiter: asyncio.Future[None]) -> None:
         waiter.set_result(None)
 
 
-def prefix_check_from(settings: Settings, *, wanted: bool) -> PrefixCheck | None:
+def prefix_check_from(settings: Settings, *, wanted: bool,
+                      secret: bytes | None = None) -> PrefixCheck | None:
     """The doctor when it is on and someone reads what it finds (metrics, the request
     log or the trace: ``wanted``); else None, and the request path skips it."""
-    return PrefixCheck(settings) if settings.prefix_doctor and wanted else None
+    return PrefixCheck(settings, secret=secret) if settings.prefix_doctor and wanted else None
