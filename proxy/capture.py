@@ -56,8 +56,9 @@ not deleted.
 secret for the doctor's hasher and hands them to every worker (:data:`SHARED_ENV`), so
 equal prompts get equal keys in every worker, and the ids are the keys' digests
 (:func:`proxy.tracefile.digest_id`: one id namespace across the files, large ids): a
-prefix two workers both saw is one prefix. ``bench --trace 'FILE.*'`` reads the files
-as they are; ``trace merge 'FILE.*' -o trace.jsonl`` writes one standard file with small
+prefix two workers both saw is one prefix (worker processes started some other way,
+with ``LLM_PROXY_WORKERS`` above 1 but no supervisor's values, each keep their own id
+namespace and secret). ``bench --trace 'FILE.*'`` reads the files as they are; ``trace merge 'FILE.*' -o trace.jsonl`` writes one standard file with small
 ids for tools that keep ids as 32-bit integers.
 """
 
@@ -197,7 +198,8 @@ class Capture:
     """The trace capture of one process: :meth:`add` at each request's finish (never
     blocks), a writer thread, :meth:`close` at shutdown.
 
-    ``path``: the trace file (``FILE.<pid>`` with ``shared``, a worker's); ``skipped``:
+    ``path``: the trace file (``FILE.<pid>`` with ``per_process``, in one of several
+    worker processes); ``skipped``:
     called with (reason, count) for requests that got no line (the metric);
     ``clock``: the request clock (``started`` times are read from it); ``shared``: a
     worker's trace start, id and secret (:class:`Shared`), else this process's own.
@@ -205,13 +207,14 @@ class Capture:
 
     def __init__(self, path: str, *, block_size: int = DEFAULT_BLOCK_SIZE,
                  rotate_bytes: int = 0, rotate_seconds: float = 0.0, client: bool = False,
-                 buffer: int = DEFAULT_BUFFER, shared: Shared | None = None,
+                 buffer: int = DEFAULT_BUFFER, per_process: bool = False,
+                 shared: Shared | None = None,
                  skipped: Callable[[str, int], None] | None = None,
                  clock: Callable[[], float] = time.perf_counter,
                  wall_clock: Callable[[], float] = time.time,
                  monotonic: Callable[[], float] = time.monotonic) -> None:
         self.shared = shared
-        self.base = f"{path}.{os.getpid()}" if shared is not None else path
+        self.base = f"{path}.{os.getpid()}" if per_process or shared is not None else path
         if shared is not None:  # the supervisor's start, placed on this process's clock
             start = (clock() - (wall_clock() - shared.start_wall), shared.start_wall)
             self._writer = TraceWriter(self.base, block_size=block_size,
@@ -411,4 +414,5 @@ def capture_from(settings: Settings, *, clock: Callable[[], float] = time.perf_c
     return Capture(settings.trace_file, block_size=settings.trace_block_size,
                    rotate_bytes=settings.trace_rotate_bytes,
                    rotate_seconds=settings.trace_rotate_seconds,
-                   client=settings.trace_client, shared=shared, skipped=skipped, clock=clock)
+                   client=settings.trace_client, per_process=settings.workers > 1,
+                   shared=shared, skipped=skipped, clock=clock)
