@@ -410,9 +410,16 @@ def capture_from(settings: Settings, *, clock: Callable[[], float] = time.perf_c
     """The capture ``settings`` ask for (``--trace-file``), else None."""
     if not settings.trace_file:
         return None
+    from proxy.config import SettingsError
+
     shared = shared_from(settings, os.environ if environ is None else environ)
-    return Capture(settings.trace_file, block_size=settings.trace_block_size,
-                   rotate_bytes=settings.trace_rotate_bytes,
-                   rotate_seconds=settings.trace_rotate_seconds,
-                   client=settings.trace_client, per_process=settings.workers > 1,
-                   shared=shared, skipped=skipped, clock=clock)
+    try:
+        return Capture(settings.trace_file, block_size=settings.trace_block_size,
+                       rotate_bytes=settings.trace_rotate_bytes,
+                       rotate_seconds=settings.trace_rotate_seconds,
+                       client=settings.trace_client, per_process=settings.workers > 1,
+                       shared=shared, skipped=skipped, clock=clock)
+    except OSError as exc:  # before the server listens: one line, not a traceback
+        where = exc.filename or settings.trace_file
+        raise SettingsError(f"invalid setting --trace-file: cannot write {where!r}: "
+                            f"{exc.strerror or exc}") from None
