@@ -60,6 +60,10 @@ class ProxyApp:
         self.metrics = Metrics(settings, registry) if settings.measure else None
         self.scrapes = (Scrapes(self.metrics.exposition, self.metrics.exposition_type)
                         if self.metrics is not None else None)
+        # First of what starts a thread: a trace file that cannot be opened stops here.
+        skipped = self.metrics.trace_skipped if self.metrics is not None else None
+        self.capture = capture_from(settings, clock=clock, skipped=(
+            (lambda reason, n: skipped.labels(reason).inc(n)) if skipped is not None else None))
         self.upstreams = Upstreams(
             settings.upstream_specs, self.metrics.in_flight if self.metrics else None, transport)
         self.request_log = (
@@ -75,9 +79,6 @@ class ProxyApp:
                           "; the live page is at /ui, metrics at /metrics" if self.ui is not None
                           else "; metrics are at /metrics")
         self.keys = load_key_check(settings)
-        skipped = self.metrics.trace_skipped if self.metrics is not None else None
-        self.capture = capture_from(settings, clock=clock, skipped=(
-            (lambda reason, n: skipped.labels(reason).inc(n)) if skipped is not None else None))
         self.v1 = V1Handler(settings, self.upstreams, self.metrics, clock, self.keys,
                             self.request_log, self.tracing, identify_from(settings),
                             self.otel_metrics, self.capture)
