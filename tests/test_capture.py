@@ -368,7 +368,7 @@ def test_settings_that_cannot_capture_are_refused(tmp_path: Path) -> None:
     with pytest.raises(SettingsError, match=">= 0"):
         from_sources(environ={"LLM_PROXY_TRACE_FILE": trace,
                               "LLM_PROXY_TRACE_ROTATE_SECONDS": "-1"})
-    with pytest.raises(SettingsError, match="cannot write .*Is a directory"):
+    with pytest.raises(SettingsError, match=r"cannot write .*Is a directory"):
         create_app(Settings(trace_file=str(tmp_path)), registry=CollectorRegistry())
     ok = from_sources(environ={"LLM_PROXY_TRACE_FILE": trace, "LLM_PROXY_TRACE_BLOCK_SIZE": "64",
                                "LLM_PROXY_TRACE_ROTATE_BYTES": "1000000"})
