@@ -42,6 +42,11 @@ What it does, and why:
   client's CPU) scrapes its ``/metrics`` every ``--scrape-interval`` (1 s): the streams'
   ITL while the proxy renders a registry of real size, e.g. ``--targets
   direct,proxy,proxy-before,proxy-scraped,proxy-before-scraped --before DIR --loads 64``.
+* What a file per request costs: ``proxy-reqlog`` writes the per-request log
+  (``--log-requests``), ``proxy-capture`` the trace (``--trace-file``), each to a file in
+  the run's temporary directory, so ``--targets direct,proxy,proxy-reqlog,proxy-capture
+  --loads 64`` sets their CPU per event side by side (``--prompt-bytes 2048`` for
+  prompts of a realistic size: the capture's work grows with the prompt's blocks).
 * A rate sweep raises the number of 50 tokens/s streams until a target's added p99 TTFT
   passes the threshold (10 ms) or it breaks streams.
 * Bounded: every loadgen run has a duration and a stream timeout, every child process a
@@ -1190,7 +1195,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "suffixes: -nomeasure (--no-measure), -noinject (--no-inject-usage), -wN (--workers N), "
         "-Nup (--config with N upstreams, the benchmark's last, e.g. proxy-20up), "
         "-before (the proxy/ of --before DIR), -ui (its live page polled every second), "
-        "-scraped (a filled registry, scraped by Prometheus every --scrape-interval)",
+        "-scraped (a filled registry, scraped by Prometheus every --scrape-interval), "
+        "-reqlog (--log-requests to a file), -capture (--trace-file to a file)",
     )
     p.add_argument("--with-litellm", action="store_true", help="add the litellm target")
     p.add_argument("--litellm-venv", default=os.environ.get("LITELLM_VENV", DEFAULT_LITELLM_VENV))
@@ -1317,9 +1323,11 @@ def start_targets(bench: Bench, names: list[str], close: bool) -> list[Target]:
         elif name == "nginx":
             targets.append(bench.start_nginx(upstream, close))
         elif name.startswith("proxy"):
-            # proxy[-nomeasure][-noinject][-wN][-Nup][-before][-ui]: measurement off, no
-            # usage injection, N workers, a --config file of N upstreams, the code of the
-            # --before checkout, the live page open
+            # proxy[-nomeasure][-noinject][-wN][-Nup][-before][-ui][-reqlog][-capture]:
+            # measurement off, no usage injection, N workers, a --config file of N
+            # upstreams, the code of the --before checkout, the live page open, the
+            # per-request log on, the trace capture on (each to a file in the run's
+            # temporary directory)
             extra = []
             before = poll_ui = scraped = False
             upstreams = 0
@@ -1341,6 +1349,10 @@ def start_targets(bench: Bench, names: list[str], close: bool) -> list[Target]:
                 elif part == "scraped":
                     scraped = True
                     extra += ["--client-label-from", "header:x-client"]
+                elif part == "reqlog":
+                    extra += ["--log-requests", str(bench.tmp / f"{peak_key(name, close)}.log.jsonl")]
+                elif part == "capture":
+                    extra += ["--trace-file", str(bench.tmp / f"{peak_key(name, close)}.trace.jsonl")]
                 else:
                     raise SystemExit(f"unknown target {name!r}")
             if upstreams and before:

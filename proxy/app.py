@@ -30,6 +30,7 @@ from prometheus_client import CollectorRegistry
 
 from proxy.admission import Admission
 from proxy.auth import OBSERVER_CHALLENGE, KeyCheck, load_key_check, observer_key
+from proxy.capture import capture_from
 from proxy.clients import identify_from
 from proxy.config import Settings, reload_specs
 from proxy.config_values import SettingsError
@@ -64,6 +65,10 @@ class ProxyApp:
         self.metrics = Metrics(settings, registry) if settings.measure else None
         self.scrapes = (Scrapes(self.metrics.exposition, self.metrics.exposition_type)
                         if self.metrics is not None else None)
+        # First of what starts a thread: a trace file that cannot be opened stops here.
+        skipped = self.metrics.trace_skipped if self.metrics is not None else None
+        self.capture = capture_from(settings, clock=clock, skipped=(
+            (lambda reason, n: skipped.labels(reason).inc(n)) if skipped is not None else None))
         self.upstreams = LiveUpstreams(
             settings.upstream_specs, self.metrics.in_flight if self.metrics else None, transport)
         self.request_log = (
@@ -81,7 +86,7 @@ class ProxyApp:
         self.keys = load_key_check(settings)
         self.v1 = V1Handler(settings, self.upstreams, self.metrics, clock, self.keys,
                             self.request_log, self.tracing, identify_from(settings),
-                            self.otel_metrics)
+                            self.otel_metrics, self.capture)
 
     @property
     def upstream(self) -> UpstreamClient:
@@ -181,6 +186,8 @@ class ProxyApp:
             self.v1.prefix.close()
         if self.request_log is not None:  # every buffered line written: off the loop
             await asyncio.to_thread(self.request_log.close)
+        if self.capture is not None:  # likewise every buffered trace line
+            await asyncio.to_thread(self.capture.close)
         # The last exports of spans and OTLP metrics: off the event loop, side by side, so
         # their bounded waits (a collector that is down) do not add up.
         await asyncio.gather(*(asyncio.to_thread(exporting.shutdown)

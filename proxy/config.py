@@ -119,6 +119,11 @@ class Settings:
     prefix_doctor: bool = True
     prefix_window: float = 300.0
     prefix_index_bytes: int = DEFAULT_MAX_BYTES
+    trace_file: str = ""
+    trace_block_size: int = 512
+    trace_rotate_bytes: int = 0
+    trace_rotate_seconds: float = 0.0
+    trace_client: bool = False
     # From the config file's [[upstream]] tables (not an option): empty without a file.
     upstreams: tuple[UpstreamSpec, ...] = ()
     # From the config file's [cache-index] table (proxy.cache_index): None without one,
@@ -198,6 +203,20 @@ def _window(raw: str) -> float:
     value = float(raw)
     if not math.isfinite(value) or not 0 < value <= 86_400:
         raise ValueError("must be a number of seconds > 0 and <= 86400 (a day)")
+    return value
+
+
+def _seconds_or_zero(raw: str) -> float:
+    value = float(raw)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError("must be a number of seconds >= 0 (0: never)")
+    return value
+
+
+def _trace_path(raw: str) -> str:
+    value = raw.strip()
+    if value == "-":
+        raise ValueError("must be a file (a trace is not written to standard output)")
     return value
 
 
@@ -393,6 +412,28 @@ OPTIONS: tuple[Option, ...] = (
            "of it); the least recently seen blocks are forgotten first. Per worker process; "
            "unused with a [cache-index] table (the store's maxmemory bounds that index).",
            "BYTES"),
+    Option("trace_file", _trace_path, "Capture the shape of the traffic as a trace in the "
+           "Mooncake format, which bench --trace, NVIDIA AIPerf and Dynamo replay: one JSON "
+           "line per measured request answered 2xx with the upstream's usage (arrival time, "
+           "prompt and completion tokens, the prompt's block hash ids, model, route, upstream, "
+           "cached tokens, TTFT, mean ITL, outcome), never prompt text or keys. Written by a "
+           "thread of its own; requests without usage are counted in "
+           "llm_proxy_trace_skipped_requests_total, not written. Needs the prompt-cache "
+           "doctor (its block hashes). With --workers, one file per worker, FILE.<pid>.",
+           "FILE", unset="none, no trace"),
+    Option("trace_block_size", _int(1), "Prompt tokens per hash id in the trace (AIPerf's "
+           "--prompt-input-tokens-block-size; the Mooncake traces use 512). Prompts share "
+           "ids as far as their blocks are equal; a smaller block keeps a shared prefix more "
+           "precisely, down to about 64 tokens (the doctor's 256-byte blocks).", "TOKENS"),
+    Option("trace_rotate_bytes", _int(0), "Continue the trace in a new file (FILE.1, FILE.2, "
+           "...: the first free number) once the current one has reached this size; 0: "
+           "never.", "BYTES"),
+    Option("trace_rotate_seconds", _seconds_or_zero, "Continue the trace in a new file once "
+           "the current one has held lines this long (with --trace-rotate-bytes, whichever "
+           "comes first); 0: never.", "S"),
+    Option("trace_client", _bool, "Write the client label (--client-label-from) in the "
+           "trace's lines; off, the trace says nothing of who sent a request.",
+           flag_only_true=True),
 )
 
 _FIELDS = {f.name for f in fields(Settings)}
@@ -633,6 +674,28 @@ def _check_combinations(s: Settings, name: Callable[[str], str],
         raise SettingsError(f"invalid setting {name('upstream_auth')}: only used with "
                             f"{name('upstream_api_key_env')} (without it the client's key "
                             "headers pass through unchanged)")
+    if s.trace_file:
+        if not s.prefix_doctor:
+            raise SettingsError(f"invalid setting {name('trace_file')}: the trace's hash ids are "
+                                "the prompt-cache doctor's block hashes; it cannot be combined "
+                                f"with {name('prefix_doctor')}=false (--no-prefix-doctor)")
+        if not s.measure:
+            raise SettingsError(f"invalid setting {name('trace_file')}: the trace records the "
+                                "measured usage and timings; it cannot be combined with "
+                                f"{name('measure')}=false (--no-measure)")
+        if s.trace_file == s.log_requests:
+            raise SettingsError(f"invalid setting {name('trace_file')}: the same file as "
+                                f"{name('log_requests')}")
+        folder = os.path.dirname(os.path.abspath(s.trace_file))
+        if not os.path.isdir(folder):
+            raise SettingsError(f"invalid setting {name('trace_file')}: no such directory "
+                                f"{folder!r}")
+    elif s.trace_client:
+        raise SettingsError(f"invalid setting {name('trace_client')}: only used with "
+                            f"{name('trace_file')}")
+    if s.trace_client and not s.client_label_from:
+        raise SettingsError(f"invalid setting {name('trace_client')}: there is no client "
+                            f"label to write without {name('client_label_from')}")
     if s.metrics_port and s.metrics_port == s.port:
         raise SettingsError(f"invalid setting {name('metrics_port')}: must differ from {name('port')}")
 

@@ -145,6 +145,20 @@ def add_parser(subparsers: Any) -> None:
         default=0,
         help="Seed for the workload and the simulator [%(default)s]",
     )
+    add(
+        "--trace-file",
+        metavar="FILE",
+        default="",
+        help="Capture the demo's traffic as a trace (serve --trace-file), for bench --trace "
+        "[default: none]",
+    )
+    add(
+        "--trace-block-size",
+        metavar="TOKENS",
+        type=int,
+        default=512,
+        help="Prompt tokens per hash id in the trace (serve --trace-block-size) [%(default)s]",
+    )
     parser.set_defaults(func=run_command)
 
 
@@ -159,6 +173,16 @@ def run_command(args: argparse.Namespace) -> int:
     if args.duration is not None and args.duration <= 0:
         print("demo: --duration must be > 0", file=sys.stderr)
         return 2
+    if args.trace_block_size < 1:
+        print("demo: --trace-block-size must be >= 1", file=sys.stderr)
+        return 2
+    if args.trace_file:
+        import os
+
+        folder = os.path.dirname(os.path.abspath(args.trace_file))
+        if not os.path.isdir(folder):
+            print(f"demo: --trace-file: no such directory {folder!r}", file=sys.stderr)
+            return 2
     import asyncio
 
     return asyncio.run(Demo(args, sys.stdout).main())
@@ -553,7 +577,10 @@ class Demo:
             UpstreamSpec(LOCAL[0], sim_url, models=LOCAL[2], default=True),
             UpstreamSpec(CLOUD[0], cloud_url, models=CLOUD[2]),
         )
-        settings = Settings(upstreams=specs, host=args.host, port=proxy_port)
+        trace_file = getattr(args, "trace_file", "")  # absent when embedded without it
+        settings = Settings(upstreams=specs, host=args.host, port=proxy_port,
+                            trace_file=trace_file,
+                            trace_block_size=getattr(args, "trace_block_size", 512))
         sim_server = _server(create_simulator_app(sim_config))
         cloud_server = _server(create_simulator_app(profile_config("slow", sim_config)))
         proxy_server = _server(create_app(settings))
@@ -589,6 +616,9 @@ class Demo:
             )
             self.say(f"demo: proxy at {proxy_root}/v1{note}")
             self.say(f"demo: metrics at {proxy_root}/metrics")
+            if trace_file:
+                self.say(f"demo: trace to {trace_file} (replay: llm-latency-proxy bench "
+                         f"--trace {trace_file} --simulate \"--slots {args.slots}\")")
             self.say(
                 f"demo: try  curl -s {proxy_root}/metrics | grep llm_proxy_time_to_first_token"
             )

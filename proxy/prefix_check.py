@@ -82,6 +82,7 @@ from typing import Any
 from proxy.cache_index import prefix_secret
 from proxy.config import Settings
 from proxy.diagnosis.prefix import (
+    HashedPrompt,
     PrefixDoctor,
     PrefixPolicy,
     PrefixReport,
@@ -124,11 +125,13 @@ UNCHECKED_REASONS = (STORE_DOWN, STORE_TIMEOUT, STORE_ERROR, TOO_LARGE, BUSY, LA
 class Examination:
     """One examination's result: the report (None: nothing to examine, or not examined),
     why it was not examined ("" when it was, or there was nothing to examine), and the
-    shared index's round trip (None: in process, or nothing was sent)."""
+    shared index's round trip (None: in process, or nothing was sent), and the prompt's keys
+    for the trace capture (:mod:`proxy.capture`)."""
 
     report: PrefixReport | None
     unchecked: str = ""
     index_s: float | None = None
+    hashed: HashedPrompt | None = None  # the prompt's keys (digests, no text), for the trace
 
 
 class PrefixCheck:
@@ -139,21 +142,26 @@ class PrefixCheck:
     :class:`LruPrefixIndex` bounded by ``--prefix-index-bytes``. Either forgets entries
     untouched for an hour or two windows, whichever is longer, so that an *expired*
     prefix can still be told from a new one.
+    ``secret`` keys the hasher when the index is in process (random per process by
+    default): worker processes that capture one trace share one, so equal prompts get
+    equal keys in every worker. The shared index's secret (``LLM_PROXY_PREFIX_SECRET``)
+    takes its place when the index is shared: it is the same on every replica.
     """
 
-    def __init__(self, settings: Settings, doctor: PrefixDoctor | None = None) -> None:
+    def __init__(self, settings: Settings, doctor: PrefixDoctor | None = None, *,
+                 secret: bytes | None = None) -> None:
         window_ms = round(settings.prefix_window * 1000)
         horizon_ms = max(DEFAULT_HORIZON_MS, 2 * window_ms)
         self.shared: RedisPrefixIndex | None = None
         if doctor is None:
             index: PrefixIndex
-            hasher = None
             if settings.cache_index is not None:
                 index = self.shared = RedisPrefixIndex(settings.cache_index,
                                                        horizon_ms=horizon_ms)
                 hasher = PromptHasher(prefix_secret())
             else:
                 index = LruPrefixIndex(settings.prefix_index_bytes, horizon_ms=horizon_ms)
+                hasher = PromptHasher(secret)
             doctor = PrefixDoctor(index, hasher, policy=PrefixPolicy(window_ms=window_ms))
         elif isinstance(doctor.index, RedisPrefixIndex):
             self.shared = doctor.index
@@ -190,14 +198,17 @@ class PrefixCheck:
         """The doctor's report, or why there is none; never raises."""
         shared = self.shared
         try:
-            report = self.doctor.examine(dialect.prompt_parts(payload), upstream=upstream,
-                                         model=model, cache_key=cache_key, now_ms=now_ms)
+            looked = self.doctor.look(dialect.prompt_parts(payload), upstream=upstream,
+                                      model=model, cache_key=cache_key, now_ms=now_ms)
         except Exception as exc:
             if isinstance(exc, IndexUnavailable):
                 return Examination(None, exc.reason, exc.round_trip_s)
             self._warn("prompt-cache doctor failed; the request is not examined", trace=True)
             return Examination(None, FAILED)
-        return Examination(report, "", shared.round_trip_s() if shared is not None else None)
+        index_s = shared.round_trip_s() if shared is not None else None
+        if looked is None:  # no prompt parts: nothing to examine
+            return Examination(None, "", index_s)
+        return Examination(looked[1], "", index_s, looked[0])
 
     def submit(self, work: Callable[[], Examination], *, large: bool = True
                ) -> Future[Examination] | None:
@@ -252,7 +263,7 @@ class PrefixCheck:
 
 class PrefixJob:
     """One request's examination: started once (at the request's next wait, or at the
-    finish), read once by the record."""
+    finish), read once by the record (and by the trace capture: :attr:`hashed`)."""
 
     __slots__ = ("_check", "_dialect", "_future", "_key", "_model", "_now_ms", "_offload",
                  "_payload", "_result", "_started", "_unchecked", "_upstream")
@@ -319,6 +330,13 @@ class PrefixJob:
         examination = self.examination
         return examination.report if examination is not None else None
 
+    @property
+    def hashed(self) -> HashedPrompt | None:
+        """The prompt's keys (digests, no text), once examined; None before, or when it
+        was not."""
+        examination = self.examination
+        return examination.hashed if examination is not None else None
+
     def record(self, prompt_tokens: int | None, cached_tokens: int | None
                ) -> PrefixRecord | None:
         """The report in the record's terms, with the usage: ``prompt_tokens`` from the
@@ -354,7 +372,8 @@ def _resolve(waiter: asyncio.Future[None]) -> None:
         waiter.set_result(None)
 
 
-def prefix_check_from(settings: Settings, *, wanted: bool) -> PrefixCheck | None:
+def prefix_check_from(settings: Settings, *, wanted: bool,
+                      secret: bytes | None = None) -> PrefixCheck | None:
     """The doctor when it is on and someone reads what it finds (metrics, the request
     log or the trace: ``wanted``); else None, and the request path skips it."""
-    return PrefixCheck(settings) if settings.prefix_doctor and wanted else None
+    return PrefixCheck(settings, secret=secret) if settings.prefix_doctor and wanted else None

@@ -28,6 +28,7 @@ from urllib.parse import unquote
 from proxy import bodies
 from proxy.admission import QueueFull
 from proxy.auth import CLIENT_KEY_HEADERS, KeyCheck, presented_key
+from proxy.capture import Capture
 from proxy.clients import Identify
 from proxy.config import Settings
 from proxy.dialects import (
@@ -212,8 +213,10 @@ class V1Handler:
     def __init__(self, settings: Settings, upstreams: LiveUpstreams, metrics: Metrics | None,
                  clock: Clock, keys: KeyCheck | None, request_log: RequestLog | None,
                  tracing: Tracing | None = None, identify: Identify | None = None,
-                 otel_metrics: OtelMetrics | None = None) -> None:
+                 otel_metrics: OtelMetrics | None = None, capture: Capture | None = None
+                 ) -> None:
         self.settings = settings
+        self.capture = capture
         self.tracing = tracing
         self.otel_metrics = otel_metrics
         self.upstreams = upstreams
@@ -239,7 +242,9 @@ class V1Handler:
                        else MEASURED_ROUTES_WITHOUT_RESPONSE_INFO)
         self._warnings = RateLimitedLog(log, per_interval=10, interval_s=10.0)
         self.prefix = prefix_check_from(settings, wanted=metrics is not None
-                                        or request_log is not None or tracing is not None)
+                                        or request_log is not None or tracing is not None
+                                        or capture is not None,
+                                        secret=capture.secret if capture is not None else None)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         x = _Request(self.clock())
@@ -576,6 +581,8 @@ class V1Handler:
                 self.tracing.finish(x.trace, record, x.request_model, upstream)
             if self.otel_metrics is not None and x.measured is not None:
                 self.otel_metrics.record(record, x.measured.name, upstream)
+            if self.capture is not None and x.measured is not None and x.parsed:
+                self.capture.add(record, x.t0, x.request_model, x.prefix)
         except Exception:  # measurement never breaks serving
             log.exception("failed to record a request")
 

@@ -597,17 +597,24 @@ class TraceWriter:
             **fields,
         )
 
-    def write(self, record: TraceRecord, *, flush: bool = True) -> None:
-        """Append one line (one ``write`` call, so a tailing reader never sees half)."""
+    def open(self) -> None:
+        """Open the file now (it is opened at the first line otherwise): a path that
+        cannot be written fails here, before any request."""
         if self._fh is None:
             self._fh = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open
             self._meta_due = True
+
+    def write(self, record: TraceRecord, *, flush: bool = True) -> None:
+        """Append one line (one ``write`` call, so a tailing reader never sees half)."""
+        self.open()
+        fh = self._fh
+        assert fh is not None
         line = format_line(record, self.meta if self._meta_due else None)
-        self._fh.write(line + "\n")
+        fh.write(line + "\n")
         self._meta_due = False
         self.lines += 1
         if flush:
-            self._fh.flush()
+            fh.flush()
 
     def rotate(self, path: str | os.PathLike[str]) -> None:
         """Close the current file; the next line starts ``path`` (with the metadata),

@@ -496,7 +496,7 @@ async def test_a_large_prompt_is_examined_in_the_thread_while_another_stream_flo
     app, _, log_file = doctor_app(answers, clock, tmp_path)
     check = app.v1.prefix
     assert check is not None
-    examine = check.doctor.examine
+    examine = check.doctor.look
     threads: list[str] = []
     entered, release = threading.Event(), threading.Event()
 
@@ -508,7 +508,7 @@ async def test_a_large_prompt_is_examined_in_the_thread_while_another_stream_flo
             assert release.wait(30)
         return examine(*args, **kwargs)
 
-    monkeypatch.setattr(check.doctor, "examine", slow_examine)
+    monkeypatch.setattr(check.doctor, "look", slow_examine)
     large = {**chat(("system", text(3 * INLINE_MAX_BYTES, "large")), ("user", "sum up")),
              "stream": True}
     small = {**chat(("system", STABLE), ("user", "hi"), model="m2"), "stream": True}
@@ -541,7 +541,7 @@ async def test_the_finish_waits_for_the_thread_a_bounded_time(
     app, _, log_file = doctor_app(answers, clock, tmp_path)
     check = app.v1.prefix
     assert check is not None
-    examine = check.doctor.examine
+    examine = check.doctor.look
     release, done = threading.Event(), threading.Event()
 
     def held(*args: Any, **kwargs: Any) -> Any:
@@ -558,7 +558,7 @@ async def test_the_finish_waits_for_the_thread_a_bounded_time(
             release.set()  # the thread goes on only once the finish waits for it
         await settle(job)
 
-    monkeypatch.setattr(check.doctor, "examine", held)
+    monkeypatch.setattr(check.doctor, "look", held)
     monkeypatch.setattr(PrefixJob, "settle", settling)
     if not in_time:
         monkeypatch.setattr(prefix_check, "SETTLE_S", 0.05)
@@ -579,13 +579,13 @@ async def test_the_finish_waits_for_the_thread_a_bounded_time(
 async def test_a_job_that_never_got_its_turn_runs_at_the_finish() -> None:
     check = PrefixCheck(Settings())
     calls = []
-    examine = check.doctor.examine
+    examine = check.doctor.look
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         calls.append(threading.current_thread().name)
         return examine(*args, **kwargs)
 
-    check.doctor.examine = counted  # type: ignore[method-assign]
+    check.doctor.look = counted  # type: ignore[method-assign]
     spec = UpstreamSpec(name=UP, url="http://u/v1")
     body = chat(("system", STABLE), ("user", "hi"))
     assert check.begin(DIALECTS[CHAT], body, spec, T0, 429, 100) is None
@@ -610,7 +610,7 @@ async def test_a_doctor_that_raises_does_not_break_the_request(
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("the doctor broke")
 
-    monkeypatch.setattr(app.v1.prefix.doctor, "examine", broken)
+    monkeypatch.setattr(app.v1.prefix.doctor, "look", broken)
     body = {**chat(("system", STABLE), ("user", "hi")), "stream": True}
     with caplog.at_level(logging.WARNING, logger="proxy"):
         async with app:

@@ -174,6 +174,21 @@ class HashedPrompt:
     def prompt_bytes(self) -> int:
         return sum(part.size for part in self.parts)
 
+    def block_ends(self) -> list[int]:
+        """Where each chain block ends, in bytes from the prompt's start (ascending):
+        blocks are cut per part, so a part's last block ends where the part does."""
+        ends: list[int] = []
+        start = 0
+        for shape in self.parts:
+            end = start + shape.size
+            at = start + self.block_bytes
+            while at < end:
+                ends.append(at)
+                at += self.block_bytes
+            ends.append(end)
+            start = end
+        return ends
+
     def probe(self) -> Probe:
         """The keys in touch order: suffixes, then the chain from its last block to its
         first, then the root and the anchors (so an LRU forgets tails before heads)."""
@@ -451,11 +466,26 @@ class PrefixDoctor:
         now_ms: int,
     ) -> PrefixReport | None:
         """The report for one request (None: no prompt parts), recorded in the index."""
+        looked = self.look(parts, upstream=upstream, model=model, cache_key=cache_key,
+                           now_ms=now_ms)
+        return looked[1] if looked is not None else None
+
+    def look(
+        self,
+        parts: Sequence[PromptPart],
+        *,
+        upstream: str,
+        model: str,
+        cache_key: str = "",
+        now_ms: int,
+    ) -> tuple[HashedPrompt, PrefixReport] | None:
+        """:meth:`examine`, with the prompt's keys (a capture turns them into a trace's
+        block ids, :mod:`proxy.capture`)."""
         hashed = self.hasher.hash(parts, upstream=upstream, model=model, cache_key=cache_key)
         if hashed is None:
             return None
         seen = self.index.exchange(hashed.probe(), now_ms)
-        return diagnose(hashed, seen, now_ms, self.policy)
+        return hashed, diagnose(hashed, seen, now_ms, self.policy)
 
 
 # ---------------------------------------------------------------------------

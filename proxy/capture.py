@@ -1,0 +1,425 @@
+"""The trace capture (``--trace-file``): the shape of the traffic as a Mooncake trace.
+
+One line per measured request that the upstream answered 2xx with its usage, in the
+format :mod:`proxy.tracefile` reads and writes (its docstring is the format's contract;
+``docs/trace.md`` is the user's page): ``timestamp`` (when the proxy received the request,
+in milliseconds since the trace began, on the proxy's monotonic clock), ``input_length``
+and ``output_length`` (the upstream's usage), ``hash_ids`` (below), and our own fields
+``model`` (the body's model as sent, so that a replay asks for the same), ``route``,
+``upstream``, ``cached_tokens``, ``ttft_ms``, ``itl_ms_mean``, ``outcome``, and ``client``
+only with ``--trace-client``. No prompt text, no key, no header.
+
+**Which requests.** A line needs the upstream's usage: a request whose prompt tokens
+were not reported (``--no-inject-usage`` with a client that does not ask, a server that
+ignores the request for it) gets none, and is counted in
+``llm_proxy_trace_skipped_requests_total{reason="no_usage"}``; an estimate would have
+put lengths in the file that no server counted. Answers that are not 2xx are not
+traffic a replay should send (a refusal left nothing in the upstream), so they are not
+written and not counted. Lines come in the order requests *end*; readers sort by
+timestamp (``bench --trace``, AIPerf), and ``trace merge`` writes a sorted file.
+
+**hash_ids** come from the prompt-cache doctor's keys (:mod:`proxy.prefix_check`, which
+keeps each request's :class:`~proxy.diagnosis.prefix.HashedPrompt` for the finish), so
+the capture hashes nothing itself; hence ``--trace-file`` needs the doctor on. Token
+block *i* first gets :func:`proxy.tracefile.token_block_keys`' key: the chain key of
+the byte block that holds the token block's end at the request's own bytes-per-token
+ratio. That ratio is the whole prompt's, so two requests that share a prefix (a
+conversation's turn and the next) place a token block's end a little differently (a
+chat template's tokens per message, text and code mixed), and near a 256-byte boundary
+they would pick different byte blocks: a hole in the shared ids, and a replay's prefix
+cache stops at the hole. :class:`PrefixKeys` removes that: a request that shares a
+prefix with an earlier one (the longest prefix whose key an earlier request left,
+at its token blocks' ends and its parts' ends) takes the earlier request's keys for
+every token block that ends within the shared prefix at both requests' ratios. With
+exact ratios the ids are shared exactly as far as the token blocks are equal
+(``tests/test_capture.py`` checks it against a brute-force comparison of token blocks);
+with a template's tokens they may lose the last shared block, never a hole.
+
+**The writer** is a thread of its own, as the request log's (:mod:`proxy.reqlog`): the
+finish only checks the record and hands it over (no formatting, no hashing on the
+loop); the thread turns keys into ids, formats and writes, in batches. The buffer holds
+:data:`DEFAULT_BUFFER` requests and at most :data:`MAX_PENDING_KEYS` prompt keys (a few
+huge prompts must not hold hundreds of MB while a disk is slow); beyond either, a line
+is dropped and counted (``reason="dropped"``), never waited for. At shutdown
+:meth:`Capture.close` writes every buffered line (SIGTERM included, through the
+lifespan shutdown), as the request log does.
+
+**Rotation** (``--trace-rotate-bytes``, ``--trace-rotate-seconds``; off by default):
+when the file being written reaches that size, or has held lines for that long, the
+next line starts a new file, ``FILE.1``, ``FILE.2``, ... (the first free number; a
+file is never renamed), with the metadata again, the same ``trace_start``, the same
+``trace_id`` and ids: ``bench --trace 'FILE*'`` reads them as one trace. Old files are
+not deleted.
+
+**Workers** (``--workers N``): one file per worker process, ``FILE.<pid>`` (rotated as
+``FILE.<pid>.1``, ...). The supervisor draws one trace start, one ``trace_id`` and one
+secret for the doctor's hasher and hands them to every worker (:data:`SHARED_ENV`), so
+equal prompts get equal keys in every worker, and the ids are the keys' digests
+(:func:`proxy.tracefile.digest_id`: one id namespace across the files, large ids): a
+prefix two workers both saw is one prefix (worker processes started some other way,
+with ``LLM_PROXY_WORKERS`` above 1 but no supervisor's values, each keep their own id
+namespace and secret). ``bench --trace 'FILE.*'`` reads the files as they are; ``trace merge 'FILE.*' -o trace.jsonl`` writes one standard file with small
+ids for tools that keep ids as 32-bit integers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import queue
+import secrets
+import threading
+import time
+from bisect import bisect_left, bisect_right
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from proxy.tracefile import DEFAULT_BLOCK_SIZE, TraceWriter, digest_id, token_block_keys
+
+if TYPE_CHECKING:
+    from proxy.config import Settings
+    from proxy.diagnosis.prefix import HashedPrompt
+    from proxy.measure import RequestRecord
+    from proxy.prefix_check import PrefixJob
+
+log = logging.getLogger("proxy")
+
+DEFAULT_BUFFER = 10_000  # requests waiting for the writer thread
+MAX_PENDING_KEYS = 1 << 19  # prompt keys waiting with them: about 25 MB
+MAX_BATCH = 512  # lines per flush
+CLOSE_TIMEOUT_S = 30.0
+DROP_WARNING_S = 10.0
+PREFIX_CAPACITY = 65_536  # prefixes PrefixKeys remembers: about 15 MB
+MODEL_MAX = 256  # characters of a model name written
+SHARED_ENV = "LLM_PROXY_WORKER_TRACE"  # set by serve's supervisor for its workers
+SKIP_REASONS = ("no_usage", "dropped")
+_EPS = 1e-6  # bytes: a token block's end computed at the ratio, against an integer end
+
+_STOP = None
+
+
+@dataclass(frozen=True, slots=True)
+class Shared:
+    """What every worker of one ``serve --workers`` capture shares: the trace's start
+    (wall clock, seconds), its id and the doctor's secret."""
+
+    trace_id: str
+    start_wall: float
+    secret: bytes
+
+    def encode(self) -> str:
+        return json.dumps({"trace_id": self.trace_id, "start": self.start_wall,
+                           "secret": self.secret.hex()})
+
+    @classmethod
+    def decode(cls, text: str) -> Shared:
+        data = json.loads(text)
+        return cls(str(data["trace_id"]), float(data["start"]), bytes.fromhex(data["secret"]))
+
+    @classmethod
+    def new(cls, wall_clock: Callable[[], float] = time.time) -> Shared:
+        return cls(secrets.token_hex(8), wall_clock(), secrets.token_bytes(32))
+
+
+def shared_from(settings: Settings, environ: Mapping[str, str]) -> Shared | None:
+    """The supervisor's :class:`Shared` for a worker of ``serve --workers``; None in a
+    single process."""
+    text = environ.get(SHARED_ENV, "")
+    if settings.workers <= 1 or not text:
+        return None
+    return Shared.decode(text)
+
+
+class PrefixKeys:
+    """Token-block keys that stay shared as far as two prompts are equal (see the module
+    docstring). Remembers the keys of the last :data:`PREFIX_CAPACITY` prefixes (least
+    recently used first out); one thread owns it."""
+
+    def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE,
+                 capacity: int = PREFIX_CAPACITY) -> None:
+        if block_size < 1 or capacity < 1:
+            raise ValueError("block_size and capacity must be >= 1")
+        self.block_size = block_size
+        self.capacity = capacity
+        # chain key -> (the keys of the request that left it, how many of its token
+        # blocks end within that prefix, its input length)
+        self._held: OrderedDict[bytes, tuple[tuple[Hashable, ...], int, int]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def __call__(self, hashed: HashedPrompt, input_tokens: int) -> tuple[Hashable, ...]:
+        chain = hashed.chain
+        ends = hashed.block_ends()
+        prompt_bytes = ends[-1] if ends else 0
+        size = self.block_size
+        keys = token_block_keys(chain, ends, prompt_bytes, input_tokens, size)
+        if not keys:
+            return ()
+        count = len(keys)
+        ratio = prompt_bytes / input_tokens
+        token_ends = [(i + 1) * size * ratio for i in range(count - 1)]
+        token_ends.append(float(prompt_bytes))  # the last block ends with the prompt
+        held = self._held
+        for j in range(len(chain) - 1, -1, -1):  # the longest prefix some request left
+            found = held.get(chain[j])
+            if found is None:
+                continue
+            held.move_to_end(chain[j])
+            theirs, their_count, their_length = found
+            shared = min(bisect_right(token_ends, ends[j] + _EPS), their_count)
+            if shared and input_tokens != their_length and shared * size > min(
+                    input_tokens, their_length):
+                shared -= 1  # a partial last block equals only the same partial block
+            keys[:shared] = theirs[:shared]
+            break
+        result = tuple(keys)
+        last = len(chain) - 1
+        marks = {min(bisect_left(ends, end - 1e-9), last) for end in token_ends}
+        marks.update(first - 1 for first in hashed.first_block[1:])  # where parts end
+        marks.add(last)
+        for j in marks:
+            held[chain[j]] = (result, bisect_right(token_ends, ends[j] + _EPS), input_tokens)
+            held.move_to_end(chain[j])
+        while len(held) > self.capacity:
+            held.popitem(last=False)
+        return result
+
+
+# What the finish hands the writer: the record, its arrival, the model as sent, the keys.
+_Item = tuple["RequestRecord", float, str, "HashedPrompt | None"]
+
+
+class Capture:
+    """The trace capture of one process: :meth:`add` at each request's finish (never
+    blocks), a writer thread, :meth:`close` at shutdown.
+
+    ``path``: the trace file (``FILE.<pid>`` with ``per_process``, in one of several
+    worker processes); ``skipped``:
+    called with (reason, count) for requests that got no line (the metric);
+    ``clock``: the request clock (``started`` times are read from it); ``shared``: a
+    worker's trace start, id and secret (:class:`Shared`), else this process's own.
+    """
+
+    def __init__(self, path: str, *, block_size: int = DEFAULT_BLOCK_SIZE,
+                 rotate_bytes: int = 0, rotate_seconds: float = 0.0, client: bool = False,
+                 buffer: int = DEFAULT_BUFFER, per_process: bool = False,
+                 shared: Shared | None = None,
+                 skipped: Callable[[str, int], None] | None = None,
+                 clock: Callable[[], float] = time.perf_counter,
+                 wall_clock: Callable[[], float] = time.time,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
+        self.shared = shared
+        self.base = f"{path}.{os.getpid()}" if per_process or shared is not None else path
+        if shared is not None:  # the supervisor's start, placed on this process's clock
+            start = (clock() - (wall_clock() - shared.start_wall), shared.start_wall)
+            self._writer = TraceWriter(self.base, block_size=block_size,
+                                       trace_id=shared.trace_id, start=start, ids=digest_id)
+        else:
+            self._writer = TraceWriter(self.base, block_size=block_size,
+                                       start=(clock(), wall_clock()))
+        # Opened here, before the server listens: a path that cannot be written fails
+        # start-up rather than the first request.
+        self._writer.open()
+        self._keys = PrefixKeys(block_size)
+        self.block_size = block_size
+        self.rotate_bytes = rotate_bytes
+        self.rotate_seconds = rotate_seconds
+        self.client = client
+        self._monotonic = monotonic
+        self._opened_at: float | None = None  # when the current file got its first line
+        self._number = 0  # the last rotated file's number
+        self._queue: queue.Queue[_Item | None] = queue.Queue(buffer)
+        self._on_skip = skipped
+        self._lock = threading.Lock()  # pending keys, drop count and warning
+        self._pending_keys = 0
+        self.dropped = 0
+        self.lines = 0
+        self._dropped_said = 0
+        self._said_at = -DROP_WARNING_S
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="trace-capture", daemon=True)
+        self._thread.start()
+
+    @property
+    def secret(self) -> bytes | None:
+        """The doctor's secret when the workers share one, else None (its own)."""
+        return self.shared.secret if self.shared is not None else None
+
+    @property
+    def path(self) -> str:
+        """The file being written."""
+        return self._writer.path
+
+    # -- on the event loop ----------------------------------------------------------------
+
+    def add(self, record: RequestRecord, started: float, model: str,
+            prefix: PrefixJob | None) -> None:
+        """A measured request's finish: hand its line to the writer, or count why not."""
+        if not 200 <= record.status < 300:
+            return
+        if record.prompt_tokens is None or record.tokens_estimated:
+            self._skip("no_usage", 1)
+            return
+        hashed = prefix.hashed if prefix is not None else None
+        keys = len(hashed.chain) * 2 if hashed is not None else 0  # chain and suffixes
+        if self._closed:
+            self._drop(1, "the capture was already closed")
+            return
+        with self._lock:
+            if self._pending_keys + keys > MAX_PENDING_KEYS:
+                full = True
+            else:
+                full = False
+                self._pending_keys += keys
+        if not full:
+            try:
+                self._queue.put_nowait((record, started, model, hashed))
+                return
+            except queue.Full:
+                with self._lock:
+                    self._pending_keys -= keys
+        self._drop(1, "the disk is slower than the requests")
+
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        """Write every buffered line, then close the file. Blocks until done or
+        ``timeout`` seconds: call it off the event loop."""
+        if self._closed:
+            return
+        self._closed = True
+        deadline = self._monotonic() + timeout
+        try:
+            self._queue.put(_STOP, timeout=timeout)
+            self._thread.join(max(0.0, deadline - self._monotonic()))
+        except queue.Full:
+            pass
+        if self._thread.is_alive():
+            log.warning("trace capture: gave up after %g s at shutdown: at least %d lines "
+                        "not written (the file took nothing)", timeout, self._queue.qsize())
+
+    # -- the writer thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                batch: list[_Item] = []
+                item = self._queue.get()
+                while item is not _STOP:
+                    batch.append(item)
+                    if len(batch) >= MAX_BATCH:
+                        break
+                    try:
+                        item = self._queue.get_nowait()
+                    except queue.Empty:
+                        break
+                if batch:
+                    self._emit(batch)
+                if item is _STOP:
+                    return
+        finally:
+            try:
+                self._writer.close()
+            except OSError as exc:
+                self._drop(0, f"closing failed: {exc}")
+
+    def _emit(self, batch: list[_Item]) -> None:
+        released = sum(len(hashed.chain) * 2 for _, _, _, hashed in batch if hashed is not None)
+        with self._lock:
+            self._pending_keys -= released
+        written = 0
+        try:
+            if self._rotation_due():
+                self._rotate()
+            for item in batch:
+                self._writer.write(self._line(*item), flush=False)
+                written += 1
+            self._writer.flush()
+            if self._opened_at is None:
+                self._opened_at = self._monotonic()
+            self.lines += written
+        except Exception as exc:  # a full disk, a file removed: say so, go on
+            self._drop(len(batch) - written, f"writing failed: {type(exc).__name__}: {exc}")
+            with contextlib.suppress(OSError):
+                self._writer.close()  # reopened at the next line
+
+    def _line(self, record: RequestRecord, started: float, model: str,
+              hashed: HashedPrompt | None) -> Any:
+        input_length = record.prompt_tokens or 0
+        keys = self._keys(hashed, input_length) if hashed is not None else ()
+        itl = record.itl_s
+        return self._writer.record(
+            started=started,
+            input_length=input_length,
+            output_length=record.completion_tokens,
+            block_keys=keys,
+            model=(model or record.model)[:MODEL_MAX],
+            route=record.route,
+            upstream=record.upstream,
+            client=(record.client or None) if self.client else None,
+            cached_tokens=record.cached_prompt_tokens,
+            ttft_ms=record.ttft_s * 1000.0 if record.ttft_s is not None else None,
+            itl_ms_mean=sum(itl) / len(itl) * 1000.0 if itl else None,
+            outcome=record.outcome.value,
+        )
+
+    def _rotation_due(self) -> bool:
+        if self.rotate_seconds and self._opened_at is not None and (
+                self._monotonic() - self._opened_at >= self.rotate_seconds):
+            return True
+        if self.rotate_bytes:
+            try:
+                return os.stat(self._writer.path).st_size >= self.rotate_bytes
+            except OSError:
+                return False
+        return False
+
+    def _rotate(self) -> None:
+        number = self._number + 1
+        while os.path.exists(f"{self.base}.{number}"):
+            number += 1
+        self._number = number
+        self._writer.rotate(f"{self.base}.{number}")
+        self._opened_at = None
+
+    # -- counts ---------------------------------------------------------------------------
+
+    def _skip(self, reason: str, count: int) -> None:
+        if self._on_skip is not None and count:
+            self._on_skip(reason, count)
+
+    def _drop(self, count: int, why: str) -> None:
+        self._skip("dropped", count)
+        with self._lock:
+            self.dropped += count
+            now = self._monotonic()
+            if self._dropped_said and now - self._said_at < DROP_WARNING_S:
+                return
+            self._said_at, self._dropped_said = now, self.dropped
+            total = self.dropped
+        log.warning("trace capture: %d lines dropped so far (%s); see "
+                    "llm_proxy_trace_skipped_requests_total{reason=\"dropped\"}", total, why)
+
+
+def capture_from(settings: Settings, *, clock: Callable[[], float] = time.perf_counter,
+                 skipped: Callable[[str, int], None] | None = None,
+                 environ: Mapping[str, str] | None = None) -> Capture | None:
+    """The capture ``settings`` ask for (``--trace-file``), else None."""
+    if not settings.trace_file:
+        return None
+    from proxy.config_values import SettingsError
+
+    shared = shared_from(settings, os.environ if environ is None else environ)
+    try:
+        return Capture(settings.trace_file, block_size=settings.trace_block_size,
+                       rotate_bytes=settings.trace_rotate_bytes,
+                       rotate_seconds=settings.trace_rotate_seconds,
+                       client=settings.trace_client, per_process=settings.workers > 1,
+                       shared=shared, skipped=skipped, clock=clock)
+    except OSError as exc:  # before the server listens: one line, not a traceback
+        where = exc.filename or settings.trace_file
+        raise SettingsError(f"invalid setting --trace-file: cannot write {where!r}: "
+                            f"{exc.strerror or exc}") from None
