@@ -40,7 +40,7 @@ from typing import Any
 from proxy.config import Settings
 from proxy.dialects import CHAT
 from proxy.prefix_check import INLINE_MAX_BYTES, PrefixCheck, PrefixJob
-from proxy.upstreams import UpstreamSpec
+from proxy.upstream_spec import UpstreamSpec
 
 WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india",
          "juliet", "kilo", "lima", "mike", "november", "oscar", "papa", "quebec", "romeo")

@@ -3,7 +3,7 @@
 * ``reference/settings.md``: every option of ``OPTIONS`` in ``proxy/config.py`` (flag,
   ``LLM_PROXY_*`` variable, config-file key, the default as ``serve --help`` shows it,
   help text), every key of a config file's ``[[upstream]]`` tables
-  (``proxy/upstreams.py``) and of its ``[cache-index]`` table (``proxy/cache_index.py``).
+  (``proxy/upstream_spec.py``) and of its ``[cache-index]`` table (``proxy/cache_index.py``).
 * ``reference/metrics.md``: every metric ``proxy.metrics.Metrics`` registers, read back
   from a fresh registry: name, type, labels, buckets and HELP text. A label that exists
   only with ``--client-label-from`` set is marked as such, and a histogram's buckets name
@@ -39,7 +39,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere: import this chec
 
 from prometheus_client import CollectorRegistry  # noqa: E402
 
-from proxy import cache_index, config, upstreams  # noqa: E402
+from proxy import cache_index, config, upstream_spec  # noqa: E402
 from proxy.measure import OUTCOME_MEANINGS, Outcome  # noqa: E402
 from proxy.metrics import Metrics  # noqa: E402
 
@@ -154,16 +154,16 @@ def _default(text: str) -> str:
 
 
 def _upstream_default(key: str) -> str:
-    setting = upstreams.UPSTREAM_LIMIT_SETTINGS.get(key)
+    setting = upstream_spec.UPSTREAM_LIMIT_SETTINGS.get(key)
     if setting is not None:
         opt = next(o for o in config.OPTIONS if o.name == setting)
         return (f"the top-level `{setting}` (`{opt.flag}`), default "
                 f"{_default(config.shown_default(opt))}")
-    meaning = upstreams.UPSTREAM_KEY_DEFAULTS.get(key)
+    meaning = upstream_spec.UPSTREAM_KEY_DEFAULTS.get(key)
     if meaning is None:
         raise SourceError(f"[[upstream]] key {key!r} has no default: add what its absence means "
                          "to UPSTREAM_KEY_DEFAULTS (or UPSTREAM_LIMIT_SETTINGS) in "
-                         "proxy/upstreams.py, then run " + COMMAND)
+                         "proxy/upstream_spec.py, then run " + COMMAND)
     return inline(meaning)
 
 
@@ -184,11 +184,11 @@ def settings_page() -> str:
             + f"; default {_default(shown)}.\n\n{inline(opt.help)}\n")
     no_key = [o for o in config.OPTIONS if not config.file_key(o)]
     upstream_rows = [(f"`{key}`", inline(must_be), _upstream_default(key))
-                     for key, must_be in upstreams._UPSTREAM_KEYS.items()]
-    stale_keys = (set(upstreams.UPSTREAM_KEY_DEFAULTS) | set(upstreams.UPSTREAM_LIMIT_SETTINGS)) - set(
-        upstreams._UPSTREAM_KEYS)
+                     for key, must_be in upstream_spec._UPSTREAM_KEYS.items()]
+    stale_keys = (set(upstream_spec.UPSTREAM_KEY_DEFAULTS) | set(upstream_spec.UPSTREAM_LIMIT_SETTINGS)) - set(
+        upstream_spec._UPSTREAM_KEYS)
     if stale_keys:
-        raise SourceError(f"UPSTREAM_KEY_DEFAULTS in proxy/upstreams.py names keys an [[upstream]] "
+        raise SourceError(f"UPSTREAM_KEY_DEFAULTS in proxy/upstream_spec.py names keys an [[upstream]] "
                          f"table does not have: {sorted(stale_keys)}")
     missing = set(cache_index.CACHE_INDEX_KEYS) ^ set(cache_index.CACHE_INDEX_DEFAULTS)
     if missing:
@@ -198,7 +198,7 @@ def settings_page() -> str:
     index_rows = [(f"`{key}`", inline(must_be), inline(cache_index.CACHE_INDEX_DEFAULTS[key]))
                   for key, must_be in cache_index.CACHE_INDEX_KEYS.items()]
     return (
-        HEADER.format(source="OPTIONS in proxy/config.py, proxy/upstreams.py and "
+        HEADER.format(source="OPTIONS in proxy/config.py, proxy/upstream_spec.py and "
                       "proxy/cache_index.py", command=COMMAND)
         + "\n# Settings reference\n\n"
         "Every setting is a flag of `llm-latency-proxy serve`, an environment variable and, for\n"

@@ -1,14 +1,17 @@
-"""Wiring: ``create_app(settings, *, upstream=None, registry=None, clock=...)``.
+"""Wiring: ``create_app(settings, *, transport=None, registry=None, clock=time.perf_counter)``.
 
 The application is a small ASGI callable rather than a FastAPI app: a few fixed
 paths (``/v1/*``, ``/healthz``, ``/metrics``, and the live page ``/ui``, ``/ui/data``
 wherever ``/metrics`` is, see :mod:`proxy.ui`; when the proxy checks client keys, those
-three take a client key too, see :mod:`proxy.auth`) need no routing table, and the proxied
+three take a client key too, see :mod:`proxy.auth`) need no path table, and the proxied
 path is the hot path (see :mod:`proxy.routes`). Everything is built here, once:
-settings are already validated, the one upstream client (:class:`proxy.upstream.Upstream`)
-is created here and closed by the lifespan (or :meth:`ProxyApp.aclose` in tests that
-drive the app without a server), metrics go to the registry passed in (a fresh one per
-test).
+settings are already validated; every configured upstream is made live here
+(:class:`proxy.routing.LiveUpstreams`: per upstream its own client and connection pool,
+admission and headers, :class:`proxy.upstream.LiveUpstream`), swapped on ``SIGHUP`` and
+closed by the lifespan (or :meth:`ProxyApp.aclose` in tests that drive the app without
+a server); ``transport``, when given, is the one HTTP client (:class:`proxy.wire.WireTransport`)
+every upstream uses instead of a pool of its own; metrics go to the registry passed in
+(a fresh one per test).
 """
 
 from __future__ import annotations
@@ -29,16 +32,18 @@ from proxy.admission import Admission
 from proxy.auth import OBSERVER_CHALLENGE, KeyCheck, load_key_check, observer_key
 from proxy.capture import capture_from
 from proxy.clients import identify_from
-from proxy.config import Settings, SettingsError
+from proxy.config import Settings, reload_specs
+from proxy.config_values import SettingsError
 from proxy.metrics import Metrics
 from proxy.otel_metrics import from_settings as otel_metrics_from_settings
 from proxy.reqlog import RequestLog
 from proxy.routes import V1Handler
+from proxy.routing import LiveUpstreams
 from proxy.scrape import Scrapes
 from proxy.tracing import from_settings as tracing_from_settings
 from proxy.ui import UI_PATHS, live_page
-from proxy.upstream import Upstream, Upstreams, error_body
-from proxy.upstreams import UpstreamSpec, reload_specs
+from proxy.upstream import UpstreamClient, error_body
+from proxy.upstream_spec import UpstreamSpec
 from proxy.wire import WireTransport
 
 log = logging.getLogger("proxy")
@@ -64,7 +69,7 @@ class ProxyApp:
         skipped = self.metrics.trace_skipped if self.metrics is not None else None
         self.capture = capture_from(settings, clock=clock, skipped=(
             (lambda reason, n: skipped.labels(reason).inc(n)) if skipped is not None else None))
-        self.upstreams = Upstreams(
+        self.upstreams = LiveUpstreams(
             settings.upstream_specs, self.metrics.in_flight if self.metrics else None, transport)
         self.request_log = (
             RequestLog(settings.log_requests, buffer=settings.log_requests_buffer,
@@ -84,7 +89,7 @@ class ProxyApp:
                             self.otel_metrics, self.capture)
 
     @property
-    def upstream(self) -> Upstream:
+    def upstream(self) -> UpstreamClient:
         """The first upstream's client (the only one without a config file)."""
         return self.upstreams.targets[0].client
 

@@ -42,12 +42,10 @@ import hmac
 import os
 import re
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
-from proxy.config import Settings, SettingsError
-
-if TYPE_CHECKING:
-    from proxy.upstreams import UpstreamSpec
+from proxy.config import Settings
+from proxy.config_values import SettingsError
+from proxy.upstream_spec import UpstreamSpec, key_problem
 
 _HEX = re.compile(r"^[0-9a-f]{64}$")
 
@@ -58,10 +56,6 @@ goes upstream in server-held key mode."""
 # When a client sends more than one, the key checked is the first of these that holds
 # one, whatever the order of the headers on the wire.
 _PRECEDENCE = {b"authorization": 0, b"x-api-key": 1, b"api-key": 2}
-
-# A header value the proxy writes itself: visible ASCII only, so a stray newline in the
-# environment variable can never start a second header line.
-_HEADER_VALUE = re.compile(r"^[\x21-\x7e]+$")
 
 
 def upstream_header(mode: str, key: str) -> tuple[bytes, bytes]:
@@ -117,25 +111,13 @@ def key_header(spec: UpstreamSpec, environ: Mapping[str, str] | None = None
     return upstream_header(spec.auth, env.get(spec.api_key_env, "").strip())
 
 
-def key_problem(var: str, environ: Mapping[str, str] | None = None) -> str:
-    """Why the key in environment variable ``var`` cannot be sent upstream, or ``""``."""
-    env = os.environ if environ is None else environ
-    key = env.get(var, "").strip()
-    if not key:
-        return f"environment variable {var} is empty or unset"
-    if not _HEADER_VALUE.match(key):
-        return (f"environment variable {var} holds a space, control or non-ASCII character, "
-                "which a header value cannot carry")
-    return ""
-
-
 def load_key_check(settings: Settings, *, given_as: tuple[str, str] | None = None) -> KeyCheck | None:
     """The client key check, or None when no upstream holds a server-side key.
 
     Raises :class:`SettingsError` for an unusable key or keys file. ``given_as`` names
     the two settings (key variable, keys file) as the operator gave them, flag or
     environment variable, for the message; the flags by default. (A config file's
-    upstream keys were checked when the file was read, :mod:`proxy.upstreams`.)
+    upstream keys were checked when the file was read, :mod:`proxy.upstream_spec`.)
     """
     if not settings.holds_upstream_key:
         return None

@@ -24,13 +24,10 @@ import importlib.util
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import urlsplit
 
-from proxy.config import SettingsError
-
-if TYPE_CHECKING:
-    from proxy.config import Settings
+from proxy.config_values import SettingsError
 
 CACHE_INDEX_TABLE = "cache-index"
 PREFIX_SECRET_ENV = "LLM_PROXY_PREFIX_SECRET"
@@ -171,25 +168,3 @@ def prefix_secret(environ: Mapping[str, str] | None = None) -> bytes:
     if len(raw) < MIN_SECRET_BYTES:  # cache_index_spec refuses this at start-up
         raise ValueError(f"{PREFIX_SECRET_ENV} must hold at least {MIN_SECRET_BYTES} bytes")
     return hashlib.blake2b(raw, digest_size=32, person=b"prefix.secret").digest()
-
-
-def index_scope(settings: Settings) -> dict[str, Any] | None:
-    """What the live page says about the doctor's index (None: the doctor is off):
-    ``index`` is ``shared`` or ``per-process``, ``workers`` the worker processes, and
-    ``note`` one sentence on what a per-process index cannot see."""
-    if not settings.prefix_doctor:
-        return None
-    if settings.cache_index is not None:
-        return {"index": "shared", "workers": settings.workers,
-                "note": "Repeats are found whichever replica or worker served the earlier "
-                        "request: every process shares one index ([cache-index])."}
-    if settings.workers > 1:
-        note = (f"Each of the {settings.workers} worker processes keeps its own index and "
-                "finds only the repeats it served itself (about 1 in "
-                f"{settings.workers} of a conversation's turns), and none served by another "
-                "replica: a shared index ([cache-index]) finds them all.")
-    else:
-        note = ("This process keeps its own index: behind a load balancer it finds only the "
-                "repeats it served itself (with N replicas, about 1 in N of a conversation's "
-                "turns): a shared index ([cache-index]) finds them all.")
-    return {"index": "per-process", "workers": settings.workers, "note": note}

@@ -410,7 +410,7 @@ def capture_from(settings: Settings, *, clock: Callable[[], float] = time.perf_c
     """The capture ``settings`` ask for (``--trace-file``), else None."""
     if not settings.trace_file:
         return None
-    from proxy.config import SettingsError
+    from proxy.config_values import SettingsError
 
     shared = shared_from(settings, os.environ if environ is None else environ)
     try:

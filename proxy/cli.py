@@ -1,7 +1,9 @@
 """Command line: ``llm-latency-proxy {serve,simulate,bench,demo,healthcheck,trace,diagnose}``.
 
 Each sub-command lives in its own module, which exposes ``add_parser(subparsers)``;
-that function registers the sub-command and sets ``func`` (``args -> exit code``).
+that function registers the sub-command and sets ``func`` (``args -> exit code``). The
+sub-command modules are below this one and never import it: ``healthcheck``, which
+parses a command line as the program would, gets :func:`build_parser` as ``args.program``.
 The modules keep their heavy imports (web stack, HTTP clients) inside ``func`` so
 that ``--help`` stays fast.
 """
@@ -33,6 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     for module in (serve, simulator_cli, bench_cli, demo, healthcheck, trace_cli, diagnose):
         module.add_parser(sub)
+
+    # healthcheck reads PID 1's command line as this program would: handed down, so that
+    # no sub-command imports this module.
+    sub.choices["healthcheck"].set_defaults(program=build_parser)
     return parser
 
 

@@ -6,34 +6,44 @@ can never drift apart. Precedence: flag, then environment, then default.
 
 A config file (``--config FILE``, TOML) adds a layer below the environment: its
 top-level keys are these options by name (``max_concurrency = 64``), and its
-``[[upstream]]`` tables declare several upstreams (:mod:`proxy.upstreams`). Precedence:
+``[[upstream]]`` tables declare several upstreams (checked by :mod:`proxy.upstream_spec`,
+which is below this module and knows nothing of it). Precedence:
 flag, then environment, then file, then default. The single-upstream options
 (``--upstream``, ``--upstream-name``, ``--upstream-api-key-env``, ``--upstream-auth``)
 cannot be combined with a file: the file's tables say the same, per upstream.
 
 A bad value raises :class:`SettingsError` before any socket is opened, with a one-line
 message that names the setting as the operator gave it: the flag, the environment
-variable (and its flag), or the file and key. No web framework is imported here.
+variable (and its flag), or the file and key (:class:`SettingsError`, from
+:mod:`proxy.config_values` like the checks shared with the file's tables). No web framework
+is imported here.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import os
 import re
+import tomllib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import urlsplit
 
+from proxy.cache_index import CacheIndexSpec, cache_index_spec
+from proxy.config_values import HEADER_NAME, SettingsError, parse_upstream_url, parse_url
 from proxy.diagnosis.prefix_index import BYTES_PER_ENTRY, DEFAULT_MAX_BYTES
-
-if TYPE_CHECKING:
-    from proxy.cache_index import CacheIndexSpec
-    from proxy.upstreams import UpstreamSpec
+from proxy.upstream_spec import (
+    UPSTREAM_AUTH_MODES,
+    UPSTREAM_LIMIT_SETTINGS,
+    UpstreamSpec,
+    upstream_specs,
+)
 
 ENV_PREFIX = "LLM_PROXY_"
+log = logging.getLogger("proxy")
 
 # Bucket edges where users set targets (see README "Metrics").
 TTFT_BUCKETS: tuple[float, ...] = (
@@ -57,10 +67,6 @@ OVERHEAD_BUCKETS: tuple[float, ...] = (
     0.1, 0.25, 1.0,
 )  # fmt: skip
 TOKEN_BUCKETS: tuple[float, ...] = tuple(float(2**i) for i in range(19))  # 1 .. 262144
-
-
-class SettingsError(ValueError):
-    """A setting has a bad value; the message names it and is one line."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,8 +156,6 @@ class Settings:
         """Every upstream: the config file's, else the one the single-upstream flags give."""
         if self.upstreams:
             return self.upstreams
-        from proxy.upstreams import single_spec
-
         return (single_spec(self),)
 
 
@@ -159,38 +163,12 @@ class Settings:
 # Parsers and validators. Each takes the raw string and returns the typed value.
 
 
-def parse_url(raw: str) -> str:
-    parts = urlsplit(raw.strip())
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError("must be an http(s) URL with a host, e.g. https://api.openai.com/v1")
-    if parts.query or parts.fragment:
-        raise ValueError("must not carry a query string or fragment")
-    _ = parts.port  # raises ValueError for a bad port ("host:99999", "host:abc")
-    return raw.strip().rstrip("/")
-
-
 _url = parse_url
-
-
-def parse_upstream_url(raw: str) -> str:
-    """An upstream's base URL (``--upstream``, an ``[[upstream]]`` table's ``url``):
-    :func:`parse_url`, and no user info. The upstream client never sends URL credentials
-    (a key goes in a header), and in a URL they would sit in process listings and
-    configuration files; the key belongs in an environment variable named by
-    ``--upstream-api-key-env`` (``api_key_env`` in a config file)."""
-    url = parse_url(raw)
-    if "@" in urlsplit(url).netloc:
-        raise ValueError("must not carry credentials (user:password@host): put the key in an "
-                         "environment variable and name it with --upstream-api-key-env "
-                         "(api_key_env in a config file's [[upstream]] table)")
-    return url
 
 
 def redact(text: str) -> str:
     """``text`` with the user info of any URL in it masked as ``***@``: never printed."""
     return re.sub(r"//[^/\s]*@", "//***@", text)
-
-HEADER_NAME = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")  # an RFC 9110 token
 
 
 def _client_label_from(raw: str) -> str:
@@ -281,9 +259,6 @@ def _buckets(raw: str) -> tuple[float, ...]:
 def _optional_url(raw: str) -> str:
     """A URL, or empty for none (what ``serve`` writes back for its workers when unset)."""
     return _url(raw) if raw.strip() else ""
-
-
-UPSTREAM_AUTH_MODES = ("bearer", "x-api-key", "api-key")
 
 
 @dataclass(frozen=True, slots=True)
@@ -543,8 +518,6 @@ def from_sources(args: argparse.Namespace | None = None,
     path = values.get("config", "")
     doc: dict[str, Any] = {}
     if path:
-        from proxy.upstreams import read_file
-
         given = [raw_values[n][1] for n in SINGLE_UPSTREAM_OPTIONS if n in raw_values]
         if given:
             raise SettingsError(f"invalid setting {given[0]}: cannot be combined with "
@@ -563,10 +536,8 @@ def from_sources(args: argparse.Namespace | None = None,
                 values[key] = toml_value(found, raw, f"config {path}: {key}")
     settings = Settings(**values)
     if path:
-        from proxy.cache_index import cache_index_spec
-        from proxy.upstreams import upstream_specs
-
-        settings = replace(settings, upstreams=upstream_specs(path, doc, settings, env),
+        settings = replace(settings, upstreams=upstream_specs(path, doc, upstream_limits(settings),
+                                                              env),
                            cache_index=cache_index_spec(path, doc, env))
     _check_combinations(settings, lambda name: given_as(name, args, env), env)
     return settings
@@ -612,6 +583,70 @@ def _parse_option(opt: Option, raw: Any, where: str, *, file: bool = False) -> A
             raise SettingsError(f"{where}: {detail} (got {shown})") from None
         also = f" ({opt.flag})" if where != opt.flag else ""
         raise SettingsError(f"invalid setting {where}={shown}{also}: {detail}") from None
+
+
+# ---------------------------------------------------------------------------
+# The config file and its upstreams.
+
+
+def read_file(path: str) -> dict[str, Any]:
+    """The parsed TOML document; a file that cannot be read or parsed is one line."""
+    try:
+        with open(path, "rb") as fh:
+            return tomllib.load(fh)
+    except OSError as exc:
+        raise SettingsError(f"config {path}: cannot read it ({exc.strerror or exc})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise SettingsError(f"config {path}: not valid TOML: {exc}") from None
+
+
+def upstream_limits(settings: Settings) -> dict[str, Any]:
+    """What an ``[[upstream]]`` table's absent limits and timeouts default to: the
+    top-level settings of the same purpose, by table key."""
+    return {key: getattr(settings, name) for key, name in UPSTREAM_LIMIT_SETTINGS.items()}
+
+
+def single_spec(settings: Settings) -> UpstreamSpec:
+    """The one upstream the single-upstream flags describe: every model, the default."""
+    return UpstreamSpec(
+        name=settings.upstream_label, url=settings.upstream, models=("*",), default=True,
+        api_key_env=settings.upstream_api_key_env, auth=settings.upstream_auth,
+        **upstream_limits(settings))
+
+
+def reload_specs(settings: Settings) -> tuple[UpstreamSpec, ...]:
+    """The ``[[upstream]]`` tables of ``settings.config`` as the file says now (SIGHUP),
+    or :class:`SettingsError` when they cannot replace the running ones.
+
+    Per-upstream defaults come from the running settings; top-level keys are read at
+    start only, and one that changed is named in a warning rather than half-applied.
+    Client keys are set up at start too: a file that gives an upstream a key when the
+    running proxy checks none is refused.
+    """
+    path = settings.config
+    doc = read_file(path)
+    specs = upstream_specs(path, doc, upstream_limits(settings))
+    if any(s.api_key_env for s in specs) and not settings.holds_upstream_key:
+        raise SettingsError(f"config {path}: an upstream now holds a key (api_key_env) but "
+                            "client keys were not set up at start (--client-keys-file): "
+                            "restart to add one")
+    changed = []
+    for key, raw in doc.items():
+        opt = _BY_NAME.get(key)
+        if key == "upstream" or opt is None:
+            continue
+        try:
+            value = toml_value(opt, raw, key)
+        except SettingsError:
+            value = None
+        if value != getattr(settings, key):
+            changed.append(key)
+    if changed:
+        log.warning(
+            "config %s: top-level settings %s differ from the running ones (or a flag or "
+            "variable overrides them); they are read at start only: restart to apply",
+            path, ", ".join(changed))
+    return specs
 
 
 def _check_combinations(s: Settings, name: Callable[[str], str],

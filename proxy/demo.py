@@ -544,7 +544,7 @@ class Demo:
         from proxy.simulator.app import create_simulator_app
         from proxy.simulator.model import SimConfig
         from proxy.simulator.profiles import profile_config
-        from proxy.upstreams import UpstreamSpec
+        from proxy.upstream_spec import UpstreamSpec
 
         args = self.args
 

@@ -24,7 +24,7 @@ import argparse
 import http.client
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,20 +53,26 @@ def our_arguments(cmdline: Sequence[str]) -> list[str] | None:
     return None
 
 
-def target_for(cmdline: Sequence[str] | None, environ: Mapping[str, str]) -> Target:
-    """Where the command in ``cmdline`` listens, with ``environ`` as its environment.
+Program = Callable[[], argparse.ArgumentParser]
+"""The program's own command-line parser (:func:`proxy.cli.build_parser`, which the
+command line hands down as ``args.program``): a command line is read as it would."""
 
-    Raises :class:`proxy.config.SettingsError` when ``serve``'s settings are invalid
+
+def target_for(cmdline: Sequence[str] | None, environ: Mapping[str, str],
+               program: Program) -> Target:
+    """Where the command in ``cmdline`` listens, with ``environ`` as its environment,
+    reading ``cmdline`` with the parser ``program`` builds.
+
+    Raises :class:`proxy.config_values.SettingsError` when ``serve``'s settings are invalid
     (then it is not serving either).
     """
     from proxy import config
-    from proxy.cli import build_parser
 
     arguments = our_arguments(cmdline or []) or ["serve"]
     try:
-        args, _ = build_parser().parse_known_args(arguments)
+        args, _ = program().parse_known_args(arguments)
     except SystemExit:  # argparse's exit: the command line is not one of ours
-        args, _ = build_parser().parse_known_args(["serve"])
+        args, _ = program().parse_known_args(["serve"])
     command: str = args.command
     if command == "serve":
         settings = config.from_sources(args, environ)
@@ -123,10 +129,10 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from proxy.config import SettingsError
+    from proxy.config_values import SettingsError
 
     try:
-        target = target_for(read_cmdline(args.pid), os.environ)
+        target = target_for(read_cmdline(args.pid), os.environ, args.program)
     except SettingsError as exc:
         print(f"{PROGRAM} healthcheck: unhealthy: {exc}", file=sys.stderr)
         return 1

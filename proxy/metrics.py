@@ -1,6 +1,10 @@
-"""Prometheus metrics: the only module that imports prometheus_client.
+"""Prometheus metrics: every metric the proxy exports is defined and registered here.
 
-Names, HELP texts, bucket edges and label sets live here and nowhere else. Label
+Names, HELP texts, bucket edges and label sets live here and nowhere else. Other modules
+import prometheus_client only for what is not a metric of their own: the registry type
+that :mod:`proxy.app` takes (tests pass a fresh one), the metrics port's server and
+switches in :mod:`proxy.serve`, and the exposition parser of the bench
+(:mod:`proxy.bench.promscrape`). Label
 children are resolved once per request (``children()``), never per chunk; per-token
 observations (ITL) are made in one batch when the request ends, which the definition
 allows since each gap is still observed individually.

@@ -102,7 +102,7 @@ from proxy.prefix_store import (
     IndexUnavailable,
     RedisPrefixIndex,
 )
-from proxy.upstreams import UpstreamSpec
+from proxy.upstream_spec import UpstreamSpec
 
 log = logging.getLogger("proxy")
 

@@ -45,7 +45,7 @@ from typing import Any
 from proxy.measure import Meter, Outcome
 from proxy.strip import UsageStripper
 from proxy.uvicorn_writer import client_connection, direct_writer
-from proxy.wire import GO, PAUSE, STOP, ClientGone, UpstreamError, UpstreamTimeout, WireBody
+from proxy.wire import GO, PAUSE, STOP, SinkStopped, UpstreamError, UpstreamTimeout, WireBody
 
 log = logging.getLogger("proxy.relay")
 
@@ -209,7 +209,7 @@ async def relay(body: WireBody, send: Send, clock: Clock, *, meter: Meter | None
             complete = False
             await drain()  # what arrived before the failure still reaches the client
         await flush(fwd.tail())
-    except ClientGone:
+    except SinkStopped:
         return RelayResult(Outcome.CLIENT_DISCONNECTED, False, clock(), fwd.t_first)
     except _Stalled:
         if client is not None:

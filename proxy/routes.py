@@ -37,7 +37,7 @@ from proxy.dialects import (
     NO_RESPONSE,
     Dialect,
     Usage,
-    upstream_queue_seconds,
+    read_answer,
 )
 from proxy.logs import RateLimitedLog
 from proxy.measure import (
@@ -49,16 +49,17 @@ from proxy.measure import (
     tpot,
 )
 from proxy.metrics import UNKNOWN_MODEL, Metrics
+from proxy.model_list import ALL_UPSTREAMS, list_body, merged_models
 from proxy.otel_metrics import OtelMetrics
 from proxy.prefix_check import PrefixJob, prefix_check_from
 from proxy.relay import RelayResult, relay
 from proxy.reqlog import RequestLog
+from proxy.routing import LiveUpstreams
 from proxy.sse import SSEParser
 from proxy.tracing import Trace, Tracing
 from proxy.upstream import (
-    Target,
+    LiveUpstream,
     UnsafePath,
-    Upstreams,
     error_body,
     error_response,
     forward_headers,
@@ -100,7 +101,6 @@ NON_STREAM_USAGE_LIMIT = 8 * 1024 * 1024
 # GIL while a thread works, so a thread would not shorten the stall
 # (benchmarks/loop_micro.py body; benchmarks/RESULTS.md).
 LARGE_BODY = 1 << 20
-ALL_UPSTREAMS = "all"  # the upstream label of the merged GET /v1/models
 JSON_HEADERS = [(b"content-type", b"application/json")]
 
 
@@ -115,27 +115,45 @@ def route_template(subpath: bytes) -> str:
 
 
 class Refused(Exception):
-    """The proxy answers the request itself, in the OpenAI error shape."""
+    """The proxy refuses the request and answers it itself, in the OpenAI error shape
+    (outcome ``rejected``)."""
+
+    outcome = Outcome.REJECTED
 
     def __init__(self, status: int, message: str, type_: str, code: str, *,
-                 outcome: Outcome = Outcome.REJECTED,
-                 extra: list[tuple[bytes, bytes]] | None = None, body: bytes = b"") -> None:
+                 extra: list[tuple[bytes, bytes]] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type_
         self.code = code
-        self.outcome = outcome
         self.extra = extra or []
-        self.body = body  # a prepared error body (upstream failures), else built from the rest
+
+    @property
+    def body(self) -> bytes:
+        return error_body(self.message, self.type, self.code)
+
+
+class UpstreamFailed(Exception):
+    """The upstream exchange failed before the response headers: the client gets the
+    status and body :func:`proxy.upstream.error_response` made of the failure, and the
+    request the outcome :func:`failure_outcome` names."""
+
+    extra: tuple[tuple[bytes, bytes], ...] = ()
+
+    def __init__(self, status: int, body: bytes, outcome: Outcome) -> None:
+        super().__init__(status)
+        self.status = status
+        self.body = body
+        self.outcome = outcome
 
 
 class BodyTooLarge(Exception):
     pass
 
 
-class ClientGone(Exception):
-    pass
+class ClientDisconnected(Exception):
+    """The client disconnected before its request body was read whole."""
 
 
 @dataclass(slots=True)
@@ -172,7 +190,7 @@ class _Request:
     reason: str = ""  # why the upstream failed, for the warning line
     request_model: str = ""  # the body's "model" as sent: routing and the trace
     trace: Trace | None = None  # the request's span, when tracing is on
-    target: Target | None = None  # the upstream the request was routed to
+    target: LiveUpstream | None = None  # the upstream the request was routed to
     client: str = ""  # the bounded client label value, when that label is on
     identity: str = ""  # who the request says it is, once past the key check (unbounded)
     upstream: str = ""  # the upstream label when no single target took it (model list)
@@ -186,12 +204,13 @@ class V1Handler:
     key), :meth:`_read` (the body), :meth:`_decode` and :meth:`_parse` (what the body
     asks for),
     :meth:`_admit` (queue time), :meth:`_forward` (the upstream exchange) and
-    :meth:`_relay`. A step that refuses raises :class:`Refused`; whatever happened,
+    :meth:`_relay`. A step that refuses raises :class:`Refused`, an upstream exchange
+    that fails before its headers :class:`UpstreamFailed`; whatever happened,
     :meth:`_finish` runs once and builds the record, observes the metrics and writes the
     log line, refused requests included.
     """
 
-    def __init__(self, settings: Settings, upstreams: Upstreams, metrics: Metrics | None,
+    def __init__(self, settings: Settings, upstreams: LiveUpstreams, metrics: Metrics | None,
                  clock: Clock, keys: KeyCheck | None, request_log: RequestLog | None,
                  tracing: Tracing | None = None, identify: Identify | None = None,
                  otel_metrics: OtelMetrics | None = None, capture: Capture | None = None
@@ -240,12 +259,12 @@ class V1Handler:
             await self._exchange(x, scope, headers, body_out, strip, receive, send)
             if x.prefix is not None:
                 await x.prefix.settle()
-        except Refused as refusal:
-            x.status, x.outcome = refusal.status, refusal.outcome
+        except (Refused, UpstreamFailed) as answer:
+            x.status, x.outcome = answer.status, answer.outcome
             x.request_id = uuid.uuid4().hex
             x.t_end = self.clock()
-            await _send_error(send, refusal, x.request_id)
-        except ClientGone:
+            await _send_error(send, answer, x.request_id)
+        except ClientDisconnected:
             x.status, x.outcome, x.t_end = 499, Outcome.CLIENT_DISCONNECTED, self.clock()
         except asyncio.CancelledError:
             # The server cancelled the request (shutdown past --graceful-timeout) before
@@ -371,57 +390,28 @@ class V1Handler:
 
     async def _models_union(self, x: _Request, scope: Scope,
                             headers: list[tuple[bytes, bytes]], send: Send) -> None:
-        """``GET /v1/models`` with several upstreams: every upstream's list, asked at
-        once, merged in config order (the first upstream wins a duplicate id). An
-        upstream that fails to answer is left out and logged, not a 502 for the list."""
-        targets = self.upstreams.targets
-        query = scope.get("query_string", b"")
-        lists = await asyncio.gather(*(self._model_list(t, headers, query) for t in targets))
-        seen: set[Any] = set()
-        data: list[Any] = []
-        for items in lists:
-            for item in items or ():
-                key = item.get("id") if isinstance(item, dict) else None
-                if key is None or key in seen:
-                    continue
-                seen.add(key)
-                data.append(item)
+        """``GET /v1/models`` with several upstreams: every upstream's list, merged
+        (:mod:`proxy.model_list`); a 502 only when no upstream answered."""
+        data = await merged_models(
+            self.upstreams.targets,
+            lambda target: self._upstream_headers(target, headers, identity=False),
+            scope.get("query_string", b""), self._warnings)
         x.request_id = uuid.uuid4().hex
         x.t_end = self.clock()
         x.upstream = ALL_UPSTREAMS
-        if all(items is None for items in lists):
+        if data is None:
             x.status, x.outcome = 502, Outcome.UPSTREAM_ERROR
-            await _send_error(send, Refused(502, "no upstream answered the model list",
-                                            "upstream_error", "upstream_failed"), x.request_id)
+            failed = UpstreamFailed(502, error_body("no upstream answered the model list",
+                                                    "upstream_error", "upstream_failed"),
+                                    Outcome.UPSTREAM_ERROR)
+            await _send_error(send, failed, x.request_id)
             return
-        body = json.dumps({"object": "list", "data": data}).encode()
+        body = list_body(data)
         x.status, x.outcome = 200, Outcome.COMPLETED
         await send({"type": "http.response.start", "status": 200, "headers": [
             *JSON_HEADERS, (b"content-length", str(len(body)).encode()),
             (b"x-request-id", x.request_id.encode())]})
         await send({"type": "http.response.body", "body": body, "more_body": False})
-
-    async def _model_list(self, target: Target, headers: list[tuple[bytes, bytes]],
-                          query: bytes) -> list[Any] | None:
-        out = self._upstream_headers(target, headers, identity=False)
-        try:
-            response = await target.client.open("GET", b"/models", query, out, b"")
-            try:
-                body = await response.body.read(NON_STREAM_USAGE_LIMIT)
-            finally:
-                await response.aclose()
-        except UpstreamError as exc:
-            self._warnings.warning("model list: upstream %s left out: %s: %s", target.name,
-                                   type(exc).__name__, exc)
-            return None
-        parsed = _json_object(body) if 200 <= response.status_code < 300 else None
-        items = parsed.get("data") if parsed is not None else None
-        if not isinstance(items, list):
-            self._warnings.warning("model list: upstream %s left out: HTTP %s%s", target.name,
-                                   response.status_code,
-                                   "" if parsed is None else " without a data list")
-            return None
-        return items
 
     async def _exchange(self, x: _Request, scope: Scope, headers: list[tuple[bytes, bytes]],
                         body: bytes, strip: bool, receive: Receive, send: Send) -> None:
@@ -471,7 +461,7 @@ class V1Handler:
                 target.admission.release()
             target.leave()
 
-    async def _admit(self, x: _Request, target: Target) -> bool:
+    async def _admit(self, x: _Request, target: LiveUpstream) -> bool:
         t_q = self.clock()
         admission = target.admission
         try:
@@ -483,7 +473,7 @@ class V1Handler:
         x.queue_s = self.clock() - t_q if admission.limited else 0.0
         return True
 
-    def _upstream_headers(self, target: Target, headers: list[tuple[bytes, bytes]], *,
+    def _upstream_headers(self, target: LiveUpstream, headers: list[tuple[bytes, bytes]], *,
                           identity: bool) -> list[tuple[bytes, bytes]]:
         """The client's headers as the upstream gets them: keys replaced by the
         upstream's own when client keys are checked, the upstream's configured headers
@@ -517,7 +507,7 @@ class V1Handler:
         except UpstreamError as exc:
             status, err = error_response(exc, target.client.host)
             x.reason = f"{type(exc).__name__}: {exc}"
-            raise Refused(status, "", "", "", outcome=failure_outcome(exc), body=err) from None
+            raise UpstreamFailed(status, err, failure_outcome(exc)) from None
         if self.prefix is not None:  # runs at the next wait: after the request was sent
             x.prefix = self.prefix.begin(x.measured, x.payload, target.spec, x.t0,
                                          x.response.status_code, len(body))
@@ -607,11 +597,9 @@ class V1Handler:
             if self.response_info:
                 reply = timer.response()
         elif result is not None and result.body and dialect is not None:
-            body = _json_object(result.body)
-            if body is not None:
-                raw = dialect.body_usage(body)
-                upstream_q = upstream_queue_seconds(body)
-                reply = dialect.body_response(body)
+            whole = read_answer(dialect, result.body)  # a non-stream answer
+            if whole is not None:
+                raw, upstream_q, reply = whole
         if upstream_q is None and response is not None:
             upstream_q = _queue_header(response.headers.get("x-queue-time"))
         usage = dialect.usage(raw) if dialect is not None else Usage()
@@ -686,10 +674,10 @@ def _unbounded(model: str) -> str:
     return model
 
 
-async def _send_error(send: Send, refusal: Refused, request_id: str) -> None:
-    headers = [*JSON_HEADERS, (b"x-request-id", request_id.encode()), *refusal.extra]
-    body = refusal.body or error_body(refusal.message, refusal.type, refusal.code)
-    await send({"type": "http.response.start", "status": refusal.status, "headers": headers})
+async def _send_error(send: Send, answer: Refused | UpstreamFailed, request_id: str) -> None:
+    headers = [*JSON_HEADERS, (b"x-request-id", request_id.encode()), *answer.extra]
+    body = answer.body
+    await send({"type": "http.response.start", "status": answer.status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
@@ -699,7 +687,7 @@ async def _read_body(receive: Receive, limit: int) -> bytes:
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            raise ClientGone
+            raise ClientDisconnected
         part = message.get("body", b"")
         if part:
             size += len(part)

@@ -53,7 +53,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from proxy import config
-from proxy.config import OPTIONS, Settings, SettingsError
+from proxy.config import OPTIONS, Settings
+from proxy.config_values import SettingsError
 
 
 def add_parser(sub: Any) -> None:
@@ -175,7 +176,7 @@ def upstream_warning(upstream: str) -> str | None:
 
 def redact(url: str) -> str:
     """``url`` with its credentials masked: they are never printed (an upstream URL
-    cannot hold any, :func:`proxy.config.parse_upstream_url`; an OTLP endpoint may)."""
+    cannot hold any, :func:`proxy.config_values.parse_upstream_url`; an OTLP endpoint may)."""
     return config.redact(url)
 
 
@@ -463,8 +464,7 @@ def _start_metrics_server(settings: Settings, registry: Any, page: Any = None) -
             raise CannotListen("metrics_port", host, settings.metrics_port, exc) from None
         return
     if page is None:
-        from proxy.cache_index import index_scope
-        from proxy.ui import LivePage
+        from proxy.ui import LivePage, index_scope
 
         page = LivePage(registry, prefix_index=index_scope(settings))
 

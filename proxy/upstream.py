@@ -1,4 +1,8 @@
-"""The upstream side: the one client, request building, error mapping.
+"""One live upstream: its client, request building, header filtering, error mapping.
+
+:class:`LiveUpstream` is one configured upstream (:class:`proxy.upstream_spec.UpstreamSpec`)
+made live: its client (:class:`UpstreamClient`), its admission, the headers it adds and
+its in-flight gauge. Which one takes a request is :mod:`proxy.routing`'s.
 
 Faithfulness rules (see README "What unchanged means"): method, path below the base
 URL, query string, body bytes and headers are forwarded as received, except the
@@ -29,14 +33,14 @@ import asyncio
 import json
 import logging
 import urllib.request
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable
 from typing import Protocol
 from urllib.parse import unquote_to_bytes, urlsplit
 
 from proxy.admission import Admission
 from proxy.auth import key_header
 from proxy.tracing import upstream_attributes
-from proxy.upstreams import NO_UPSTREAM, RoutingTable, UpstreamSpec
+from proxy.upstream_spec import UpstreamSpec
 from proxy.wire import (
     ConnectError,
     Endpoint,
@@ -60,7 +64,7 @@ _REQUEST_DROP = HOP_BY_HOP | {b"host", b"content-length", b"expect"}
 _RESPONSE_DROP = HOP_BY_HOP | {b"content-length"}
 
 
-class Upstream:
+class UpstreamClient:
     """One upstream's client: :meth:`open` sends a request, returns at the headers.
 
     Everything that does not change per request is computed here once: the endpoint
@@ -132,7 +136,7 @@ class _NoGauge:
 _CLOSING: set[asyncio.Task[None]] = set()  # pools of retired upstreams being closed
 
 
-class Target:
+class LiveUpstream:
     """One upstream, live: its client, its admission (``max_concurrency``/``max_queue``
     per upstream), the headers it adds, and its in-flight gauge. Everything is decided
     here once; a request only reads it."""
@@ -144,7 +148,7 @@ class Target:
                  transport: WireTransport | None = None) -> None:
         self.spec = spec
         self.name = spec.name
-        self.client = Upstream(spec, transport)
+        self.client = UpstreamClient(spec, transport)
         self.admission = Admission(spec.max_concurrency, spec.max_queue)
         self.key = key_header(spec)
         self.headers = tuple((k.encode(), v.encode()) for k, v in spec.headers)
@@ -168,48 +172,6 @@ class Target:
         task = asyncio.get_running_loop().create_task(self.client.aclose())
         _CLOSING.add(task)
         task.add_done_callback(_CLOSING.discard)
-
-
-class Upstreams:
-    """Every upstream and the routing table over them; :meth:`replace` swaps both at
-    once (config reload), keeping the live :class:`Target` of every upstream whose
-    settings did not change, so its pool, queue and in-flight requests carry on."""
-
-    def __init__(self, specs: Sequence[UpstreamSpec],
-                 gauge: Callable[[str], Gauge] | None = None,
-                 transport: WireTransport | None = None) -> None:
-        self._gauge = gauge
-        self._transport = transport  # tests inject one client for a single upstream
-        self.targets: tuple[Target, ...] = ()
-        self.table = RoutingTable(())
-        self.replace(specs)
-
-    def replace(self, specs: Sequence[UpstreamSpec]) -> None:
-        old = {t.spec: t for t in self.targets}
-        targets = tuple(old.pop(spec) if spec in old else self._target(spec) for spec in specs)
-        self.targets, self.table = targets, RoutingTable(specs)
-        for retired in old.values():
-            retired.closing = True
-            if not retired.active:
-                retired.close_soon()
-
-    def _target(self, spec: UpstreamSpec) -> Target:
-        gauge = self._gauge(spec.name) if self._gauge is not None else None
-        return Target(spec, gauge, self._transport)
-
-    def pick(self, model: str | None, route: str) -> Target | None:
-        index = self.table.pick(model, route)
-        return self.targets[index] if index is not None else None
-
-    @property
-    def fallback_name(self) -> str:
-        """The upstream label of a request refused before it was routed."""
-        d = self.table.default
-        return self.targets[d].name if d is not None else NO_UPSTREAM
-
-    async def aclose(self) -> None:
-        for target in self.targets:
-            await target.client.aclose()
 
 
 def env_proxy(scheme: str, host: str) -> str | None:

@@ -187,8 +187,9 @@ class ResponseHeadTooLarge(RemoteProtocolError):
     """The upstream's response head passed :data:`MAX_HEAD_BYTES` (a header flood)."""
 
 
-class ClientGone(Exception):
-    """The sink said STOP: the client the body was going to is gone."""
+class SinkStopped(Exception):
+    """The sink said STOP: whoever the body was going to takes no more of it (the
+    client is gone, or :meth:`WireBody.read` has its limit)."""
 
 
 class _AfterTheEnd(Exception):
@@ -251,7 +252,7 @@ class _Exchange:
         self.keep_alive = False
         self.message_done = False  # the parser saw the end of the response
         self.finished = False  # done, by completion or failure; the connection is released
-        self.error: UpstreamError | ClientGone | None = None
+        self.error: UpstreamError | SinkStopped | None = None
         self.parts: list[bytes] = []  # body bytes not yet handed to a sink
         self.sink: Sink | None = None
         self.waiter: asyncio.Future[None] | None = None
@@ -482,9 +483,9 @@ class _Connection(asyncio.Protocol):
             self.pause_reading()
         elif ex.finished:  # the whole body had arrived, but the sink did not take it
             if ex.error is None:
-                ex.error = ClientGone("the client went away")
+                ex.error = SinkStopped("the client went away")
         else:
-            self._fail(ex, ClientGone("the client went away"))
+            self._fail(ex, SinkStopped("the client went away"))
         ex.wake()
 
     def _after_the_end(self, ex: _Exchange) -> None:
@@ -506,7 +507,7 @@ class _Connection(asyncio.Protocol):
         self._cancel_timer()
         ex.wake()
 
-    def _fail(self, ex: _Exchange, error: UpstreamError | ClientGone) -> None:
+    def _fail(self, ex: _Exchange, error: UpstreamError | SinkStopped) -> None:
         if ex.finished:
             return
         ex.error = error
@@ -698,7 +699,7 @@ class _Decoding:
         sink = self.sink
         tail = self.z.flush()
         if tail and sink is not None and sink(tail) == STOP:
-            self.ex.error = ClientGone("the client went away")
+            self.ex.error = SinkStopped("the client went away")
             self.ex.keep_alive = False
             raise self.ex.error
         if self.fed and not self.z.eof:
@@ -931,7 +932,7 @@ class WireBody:
         """Hand every body read to ``sink`` as it arrives. Returns True when the body
         ended, False when ``sink`` returned PAUSE (call again when the client can take
         more). Raises the :class:`UpstreamError` that ended the body early (after handing
-        on every byte received before it), or :class:`ClientGone` on STOP."""
+        on every byte received before it), or :class:`SinkStopped` on STOP."""
         ex, conn = self._ex, self._conn
         decoding = ex.decoding
         if decoding is None:
@@ -970,7 +971,7 @@ class WireBody:
 
         try:
             await self.pipe(collect)
-        except ClientGone:
+        except SinkStopped:
             raise ReadError(f"upstream body larger than {limit} bytes") from None
         return b"".join(parts)
 

@@ -51,7 +51,7 @@ from proxy.bench import promscrape
 from proxy.config import Settings
 from proxy.simulator.app import create_simulator_app
 from proxy.simulator.model import SimConfig
-from proxy.upstreams import UpstreamSpec
+from proxy.upstream_spec import UpstreamSpec
 from tests.servers import RunningServer, serve_in_thread
 
 CHROMIUM = "/usr/bin/chromium"

@@ -16,8 +16,9 @@ from proxy.auth import (
     presented_key,
     upstream_header,
 )
-from proxy.config import UPSTREAM_AUTH_MODES, Settings, SettingsError
-from proxy.upstreams import single_spec
+from proxy.config import Settings, single_spec
+from proxy.config_values import SettingsError
+from proxy.upstream_spec import UPSTREAM_AUTH_MODES
 
 KEY = b"cli-0123456789abcdef"
 

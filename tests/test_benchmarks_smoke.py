@@ -43,7 +43,7 @@ import loop_micro  # noqa: E402
 import run  # noqa: E402
 
 from proxy.config import from_sources  # noqa: E402
-from proxy.upstreams import RoutingTable  # noqa: E402
+from proxy.routing import RoutingTable  # noqa: E402
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration, pytest.mark.slow]
 

@@ -50,7 +50,8 @@ from prometheus_client import CollectorRegistry
 
 from proxy.app import create_app
 from proxy.capture import Capture, PrefixKeys, Shared
-from proxy.config import Settings, SettingsError, from_sources
+from proxy.config import Settings, from_sources
+from proxy.config_values import SettingsError
 from proxy.measure import Outcome, RequestRecord
 from proxy.tracefile import TraceRecord, load, read_segments
 from tests.fake_upstream import (

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from proxy import config
-from proxy.config import OPTIONS, Settings, SettingsError, from_sources
+from proxy.config import OPTIONS, Settings, from_sources
+from proxy.config_values import SettingsError
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -29,12 +29,14 @@ from proxy.dialects import (
     NOT_COUNTED,
     REASONING,
     RESPONSES,
+    AnswerInfo,
     Dialect,
     EventInfo,
     ResponseInfo,
     TokenTemplate,
     Usage,
     merge_usage,
+    read_answer,
     upstream_queue_seconds,
 )
 from proxy.sse import SSEParser
@@ -753,6 +755,23 @@ def test_response_info_is_bounded() -> None:
 def test_non_stream_body_response(dialect: Dialect, body: dict[str, Any],
                                   expected: ResponseInfo) -> None:
     assert dialect.body_response(body) == expected
+
+
+def test_a_non_stream_answer_read_whole() -> None:
+    """What the finish reads of a non-stream answer's bytes: usage, vLLM's queue time
+    and response info as the dialect reads them; nothing from a body that is not a
+    JSON object."""
+    usage = {"prompt_tokens": 9, "completion_tokens": 12}
+    body = {"id": "c1", "model": "m", "usage": usage, "metrics": {"queue_time_ms": 250},
+            "choices": [{"index": 0, "message": {"content": "x"}, "finish_reason": "stop"}]}
+    assert read_answer(CHAT, json.dumps(body).encode()) == AnswerInfo(
+        usage, 0.25, ResponseInfo("c1", "m", ((0, "stop"),)))
+    message = {"id": "msg_1", "model": "claude", "stop_reason": "end_turn",
+               "usage": {"input_tokens": 1, "output_tokens": 2}}
+    assert read_answer(MESSAGES, json.dumps(message).encode()) == AnswerInfo(
+        message["usage"], None, ResponseInfo("msg_1", "claude", ((0, "end_turn"),)))
+    for not_an_object in (b"[1]", b'"x"', b"{", b"\xff", b"[" * 100_000):
+        assert read_answer(CHAT, not_an_object) is None
 
 
 # ---------------------------------------------------------------------------

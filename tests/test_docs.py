@@ -37,15 +37,22 @@ from typing import Any
 import pytest
 from prometheus_client import Counter, Histogram
 
-from proxy import upstreams
-from proxy.config import OPTIONS, Settings, SettingsError, file_key, from_sources
+from proxy import upstream_spec
+from proxy.config import (
+    OPTIONS,
+    Settings,
+    file_key,
+    from_sources,
+    read_file,
+    upstream_limits,
+)
+from proxy.config_values import SettingsError
 from proxy.measure import OUTCOME_MEANINGS, Outcome
 from proxy.metrics import Metrics
-from proxy.upstreams import (
+from proxy.upstream_spec import (
     _UPSTREAM_KEYS,
     UPSTREAM_KEY_DEFAULTS,
     UPSTREAM_LIMIT_SETTINGS,
-    read_file,
     upstream_specs,
 )
 
@@ -133,7 +140,7 @@ def test_a_source_without_what_a_page_needs_is_named(monkeypatch: pytest.MonkeyP
     with pytest.raises(generate.SourceError,
                        match=r"\['cancelled'\]: add them to OUTCOME_MEANINGS in proxy/measure.py"):
         generate.outcomes_page()
-    monkeypatch.setattr(upstreams, "_UPSTREAM_KEYS", {**_UPSTREAM_KEYS, "weight": "a number"})
+    monkeypatch.setattr(upstream_spec, "_UPSTREAM_KEYS", {**_UPSTREAM_KEYS, "weight": "a number"})
     with pytest.raises(generate.SourceError, match=r"'weight' has no default: .*UPSTREAM_KEY_DEFAULTS"):
         generate.settings_page()
     assert generate.main([]) == 2
@@ -156,7 +163,7 @@ def test_an_absent_upstream_limit_is_the_top_level_setting(tmp_path: Path) -> No
     path.write_text("".join(f"{k} = {v}\n" for k, v in top.items())
                     + '[[upstream]]\nname = "a"\nurl = "http://127.0.0.1:9/v1"\ndefault = true\n')
     settings = from_sources(None, {"LLM_PROXY_CONFIG": str(path)})
-    (spec,) = upstream_specs(str(path), read_file(str(path)), settings, {})
+    (spec,) = upstream_specs(str(path), read_file(str(path)), upstream_limits(settings), {})
     for key, setting in UPSTREAM_LIMIT_SETTINGS.items():
         assert getattr(spec, key) == top[setting], key
 

@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from proxy.config import Settings, SettingsError, from_sources
-from proxy.upstreams import RoutingTable
+from proxy.config import Settings, from_sources
+from proxy.config_values import SettingsError
+from proxy.routing import RoutingTable
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.toml"))

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from proxy.config import SettingsError
+from proxy.cli import build_parser
+from proxy.config_values import SettingsError
 from proxy.healthcheck import Target, our_arguments, target_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,7 +64,7 @@ def test_our_arguments(cmdline: list[str], expected: list[str] | None) -> None:
 ])
 def test_target_for_servers(cmdline: list[str] | None, environ: dict[str, str],
                             expected: Target) -> None:
-    assert target_for(cmdline, environ) == expected
+    assert target_for(cmdline, environ, build_parser) == expected
 
 
 @pytest.mark.parametrize("cmdline", [
@@ -72,14 +73,14 @@ def test_target_for_servers(cmdline: list[str] | None, environ: dict[str, str],
     ["llm-latency-proxy", "serve", "--port", "0"],
 ])
 def test_target_for_commands_without_a_known_port(cmdline: list[str]) -> None:
-    target = target_for(cmdline, {})
+    target = target_for(cmdline, {}, build_parser)
     assert target.host is None and target.port is None and target.reason
     assert target.command == cmdline[1]
 
 
 def test_invalid_serve_settings_are_unhealthy() -> None:
     with pytest.raises(SettingsError, match="LLM_PROXY_PORT"):
-        target_for(["llm-latency-proxy", "serve"], {"LLM_PROXY_PORT": "http"})
+        target_for(["llm-latency-proxy", "serve"], {"LLM_PROXY_PORT": "http"}, build_parser)
 
 
 # ---------------------------------------------------------------------------

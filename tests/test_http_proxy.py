@@ -1,7 +1,7 @@
 """``HTTP_PROXY`` / ``HTTPS_PROXY`` with a real forward proxy (tinyproxy).
 
 A plain ``http`` upstream is asked through the proxy in absolute form by
-:class:`proxy.upstream.Upstream`; an ``https`` one is reached through a ``CONNECT``
+:class:`proxy.upstream.UpstreamClient`; an ``https`` one is reached through a ``CONNECT``
 tunnel by :class:`proxy.wire.WireTransport`, TLS inside. Both are proved against
 tinyproxy, a forward proxy users actually run, which logs every request line: the
 absolute-form POST and the CONNECT are read from its log, and the upstream sees what
@@ -36,9 +36,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from proxy.app import create_app
-from proxy.config import Settings
-from proxy.upstream import Upstream, error_response
-from proxy.upstreams import single_spec
+from proxy.config import Settings, single_spec
+from proxy.upstream import UpstreamClient, error_response
 from proxy.wire import ConnectError, ConnectTimeout, Endpoint, ProxyEndpoint, WireTransport
 from tests.raw_upstream import RawUpstream, closed_port
 from tests.servers import serve_in_thread
@@ -261,7 +260,7 @@ async def test_http_proxy_that_wants_credentials_is_a_407_not_a_relay(
     with tinyproxy(tmp_path, "BasicAuth relay s3cret-pw") as tp, \
             RawUpstream().running() as upstream:
         proxy_environment(monkeypatch, HTTP_PROXY=tp.url())
-        up = Upstream(single_spec(Settings(upstream=f"http://localhost:{upstream.port}/v1")))
+        up = UpstreamClient(single_spec(Settings(upstream=f"http://localhost:{upstream.port}/v1")))
         try:
             response = await up.open("POST", b"/chat/completions", b"", [],
                                      json.dumps(CHAT).encode())
@@ -287,8 +286,8 @@ async def test_https_upstream_through_a_connect_tunnel(
             proxy_environment(monkeypatch,
                               HTTPS_PROXY=tp.url("relay:s3cret-pw" if auth else ""))
             transport = wire_transport(certificate)
-            up = Upstream(single_spec(Settings(upstream=f"https://localhost:{tls.port}/v1")),
-                          transport=transport)
+            up = UpstreamClient(single_spec(Settings(upstream=f"https://localhost:{tls.port}/v1")),
+                                transport=transport)
             assert up.endpoint.via is not None
             assert (up.endpoint.via.host, up.endpoint.via.port) == ("127.0.0.1", tp.port)
             try:
@@ -323,8 +322,8 @@ async def test_proxy_refusing_connect_is_a_connect_error_naming_the_proxy(
     with tinyproxy(tmp_path, "ConnectPort 443") as tp:  # CONNECT only to port 443
         async with tls_upstream(certificate) as tls:
             proxy_environment(monkeypatch, HTTPS_PROXY=tp.url("relay:s3cret-pw"))
-            up = Upstream(single_spec(Settings(upstream=f"https://localhost:{tls.port}/v1")),
-                          transport=wire_transport(certificate))
+            up = UpstreamClient(single_spec(Settings(upstream=f"https://localhost:{tls.port}/v1")),
+                                transport=wire_transport(certificate))
             try:
                 with pytest.raises(ConnectError) as caught:
                     await up.open("POST", b"/chat/completions", b"", [], b"{}")
@@ -539,7 +538,7 @@ def test_upstream_logs_one_line_when_a_proxy_applies(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     proxy_environment(monkeypatch, **env)
     with caplog.at_level(logging.DEBUG, logger="proxy"):
-        up = Upstream(single_spec(Settings(upstream=upstream)))
+        up = UpstreamClient(single_spec(Settings(upstream=upstream)))
     lines = [record.getMessage() for record in caplog.records]
     assert lines == ([expected] if expected else [])
     assert all(record.levelno == logging.INFO for record in caplog.records)
@@ -564,6 +563,6 @@ def test_an_unsupported_proxy_url_fails_at_start_up_without_its_credentials(
     """The error reaches the terminal at start-up: it must not print the password."""
     proxy_environment(monkeypatch, **{variable: "socks5h://relay:hunter2@proxy.internal:1080"})
     with pytest.raises(ValueError, match="only http:// proxies") as caught:
-        Upstream(single_spec(Settings(upstream="https://api.example.com/v1")))
+        UpstreamClient(single_spec(Settings(upstream="https://api.example.com/v1")))
     assert "proxy.internal:1080" in str(caught.value)
     assert "hunter2" not in str(caught.value)

@@ -29,8 +29,9 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from proxy.config import ENV_PREFIX, SettingsError, from_sources
-from proxy.upstreams import RoutingTable
+from proxy.config import ENV_PREFIX, from_sources
+from proxy.config_values import SettingsError
+from proxy.routing import RoutingTable
 from tests.test_observability import (
     DASHBOARD,
     DOCKERFILE,

@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 
-from proxy import dialects as dialects_module
 from proxy.dialects import (
     CHAT,
     COMPLETIONS,
@@ -26,6 +25,7 @@ from proxy.dialects import (
     Usage,
     upstream_queue_seconds,
 )
+from proxy.dialects import base as dialect_base
 from proxy.measure import (
     Outcome,
     RequestRecord,
@@ -303,7 +303,7 @@ def test_event_returns_its_classification() -> None:
 
 
 class CountingJson:
-    """``json`` for proxy.dialects, counting decodes."""
+    """``json`` for the dialects' decodes (proxy.dialects.base), counting them."""
 
     def __init__(self) -> None:
         self.loads_calls = 0
@@ -324,7 +324,7 @@ def compact_chunk(delta: dict[str, Any] | None, finish: str | None = None,
 def metered(chunks: Sequence[bytes], monkeypatch: pytest.MonkeyPatch) -> tuple[StreamTimer, int]:
     """The stream through the production Meter; the decodes it took."""
     counting = CountingJson()
-    monkeypatch.setattr(dialects_module, "json", counting)
+    monkeypatch.setattr(dialect_base, "json", counting)
     timer = StreamTimer(CHAT)
     meter = Meter(timer, SSEParser())
     for t, chunk in enumerate(chunks):

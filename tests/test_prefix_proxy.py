@@ -33,13 +33,14 @@ from prometheus_client import CollectorRegistry
 
 from proxy import prefix_check
 from proxy.app import ProxyApp, create_app
-from proxy.config import Settings, SettingsError, from_sources
+from proxy.config import Settings, from_sources, upstream_limits
+from proxy.config_values import SettingsError
 from proxy.diagnosis.prefix import missed_prefill_ms
 from proxy.diagnosis.prefix_index import BYTES_PER_ENTRY
 from proxy.dialects import DIALECTS
 from proxy.prefix_check import INLINE_MAX_BYTES, MAX_PENDING, PrefixCheck, PrefixJob
 from proxy.simulator.model import LatencyModel, SimConfig
-from proxy.upstreams import UpstreamSpec, upstream_specs
+from proxy.upstream_spec import UpstreamSpec, upstream_specs
 from tests.fake_upstream import ScriptedClock, ScriptedUpstream, Seen, sse
 from tests.upstream_fakes import InProcess
 
@@ -663,13 +664,13 @@ def test_settings_and_their_checks(tmp_path: Path) -> None:
             from_sources(None, {f"LLM_PROXY_{name}": raw})
     doc = {"upstream": [{"name": "v", "url": "http://v:8000/v1", "default": True,
                          "min_cacheable_tokens": 16, "cache_granularity_tokens": 16}]}
-    (spec,) = upstream_specs("p.toml", doc, Settings(), {})
+    (spec,) = upstream_specs("p.toml", doc, upstream_limits(Settings()), {})
     assert (spec.min_cacheable_tokens, spec.cache_granularity_tokens) == (16, 16)
     for key, bad in (("min_cacheable_tokens", -1), ("cache_granularity_tokens", 0),
                      ("min_cacheable_tokens", "16")):
         table = {"name": "v", "url": "http://v:8000/v1", "default": True, key: bad}
         with pytest.raises(SettingsError, match=f"upstream 'v': {key}: must be an integer"):
-            upstream_specs("p.toml", {"upstream": [table]}, Settings(), {})
+            upstream_specs("p.toml", {"upstream": [table]}, upstream_limits(Settings()), {})
 
 
 # ---------------------------------------------------------------------------

@@ -30,10 +30,10 @@ from proxy.cache_index import (
     PREFIX_SECRET_ENV,
     CacheIndexSpec,
     cache_index_spec,
-    index_scope,
     prefix_secret,
 )
-from proxy.config import Settings, SettingsError, from_sources
+from proxy.config import Settings, from_sources
+from proxy.config_values import SettingsError
 from proxy.diagnosis.prefix import PrefixDoctor, PrefixPolicy, PromptHasher
 from proxy.diagnosis.prefix_index import CONTINUED, ENDED, NEVER, SEEN, LruPrefixIndex, Probe
 from proxy.dialects import DIALECTS, cache_scope
@@ -48,6 +48,7 @@ from proxy.prefix_store import (
     IndexUnavailable,
     RedisPrefixIndex,
 )
+from proxy.ui import index_scope
 from tests.fake_upstream import ScriptedClock
 from tests.redis_server import RedisServer, redis_server
 from tests.test_prefix_proxy import (
@@ -556,7 +557,7 @@ async def test_a_full_backlog_for_the_store_is_a_counted_miss(
 
     from proxy import prefix_check
     from proxy.prefix_check import PrefixCheck, PrefixJob
-    from proxy.upstreams import UpstreamSpec
+    from proxy.upstream_spec import UpstreamSpec
 
     monkeypatch.setenv(PREFIX_SECRET_ENV, SECRET)
     monkeypatch.setattr(prefix_check, "MAX_PENDING_SHARED", 2)

@@ -42,7 +42,8 @@ from opentelemetry.proto.metrics.v1.metrics_pb2 import Metric
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from proxy import otel_metrics, otlp_export
-from proxy.config import Settings, SettingsError, from_sources
+from proxy.config import Settings, from_sources
+from proxy.config_values import SettingsError
 from proxy.serve import export_settings
 from proxy.simulator.app import create_simulator_app
 from proxy.simulator.model import SimConfig

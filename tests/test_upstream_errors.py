@@ -6,7 +6,7 @@ else -> 502 ``upstream_failed``. The outcome recorded for each
 (:func:`proxy.routes.failure_outcome`) names the same cause: ``upstream_unreachable``,
 ``pool_timeout``, ``upstream_timeout``, ``upstream_interrupted`` (closed or reset before
 an answer) or ``upstream_error`` (not HTTP). The message names the upstream's host and never a key
-or a path: the failures here are real ones, produced by :class:`proxy.upstream.Upstream`
+or a path: the failures here are real ones, produced by :class:`proxy.upstream.UpstreamClient`
 for a request carrying a key in its header and query and a tenant in its base path, and
 none of them may appear in what the client is told.
 """
@@ -21,11 +21,10 @@ from typing import Any
 
 import pytest
 
-from proxy.config import Settings
+from proxy.config import Settings, single_spec
 from proxy.measure import Outcome
 from proxy.routes import failure_outcome
-from proxy.upstream import Upstream, error_response
-from proxy.upstreams import single_spec
+from proxy.upstream import UpstreamClient, error_response
 from proxy.wire import (
     ConnectError,
     ConnectTimeout,
@@ -138,7 +137,7 @@ async def silent_proxy() -> AsyncIterator[int]:
             await server.wait_closed()
 
 
-async def request(upstream: Upstream, body: bytes = b'{"model":"m"}') -> WireResponse:
+async def request(upstream: UpstreamClient, body: bytes = b'{"model":"m"}') -> WireResponse:
     return await upstream.open("POST", b"/chat/completions", b"api-key=" + KEY.encode(),
                                [(b"authorization", b"Bearer " + KEY.encode()),
                                 (b"content-type", b"application/json")], body)
@@ -179,8 +178,8 @@ async def test_real_failures_name_the_host_and_nothing_secret(
         scheme = "https" if case == "tunnel-timeout" else "http"
         transport = WireTransport(**{"max_connections": 1, "connect_timeout": 0.3,
                                      "read_timeout": 0.3, **options})
-        upstream = Upstream(single_spec(Settings(upstream=f"{scheme}://{host}/{TENANT}/v1")),
-                            transport=transport)
+        upstream = UpstreamClient(single_spec(Settings(upstream=f"{scheme}://{host}/{TENANT}/v1")),
+                                    transport=transport)
         stack.push_async_callback(upstream.aclose)
         body = b"x" * (64 * 1024 * 1024) if case == "never-reads" else b'{"model":"m"}'
         if case == "pool":

@@ -14,8 +14,10 @@ from pathlib import Path
 import pytest
 
 from proxy import config
-from proxy.config import Settings, SettingsError, from_sources
-from proxy.upstreams import RoutingTable, UpstreamSpec, _shadowed, reload_specs
+from proxy.config import Settings, from_sources, reload_specs
+from proxy.config_values import SettingsError
+from proxy.routing import RoutingTable
+from proxy.upstream_spec import UpstreamSpec, _shadowed
 
 TWO = """
 client_label_from = "header:X-Team"

@@ -8,7 +8,7 @@ the client on the loop's next turn, and "the client has seen these bytes" is an
 ``asyncio.Event`` set from the client's own callback, never a sleep.
 
 Requests are built with :func:`proxy.wire.serialize` and sent with
-:meth:`WireTransport.exchange`, as :class:`proxy.upstream.Upstream` does; bodies are read
+:meth:`WireTransport.exchange`, as :class:`proxy.upstream.UpstreamClient` does; bodies are read
 with :meth:`WireBody.pipe` (a sink per read) or :meth:`WireBody.read` (all at once).
 
 The last test runs the proxy under real uvicorn and proves the relay's direct path
@@ -37,9 +37,8 @@ from prometheus_client import CollectorRegistry
 
 import proxy.relay
 from proxy.app import create_app
-from proxy.config import Settings
-from proxy.upstream import Upstream
-from proxy.upstreams import single_spec
+from proxy.config import Settings, single_spec
+from proxy.upstream import UpstreamClient
 from proxy.uvicorn_writer import DirectWriter
 from proxy.wire import (
     DECODE_PIECE,
@@ -48,7 +47,6 @@ from proxy.wire import (
     MAX_HEAD_BYTES,
     PAUSE,
     STOP,
-    ClientGone,
     ConnectError,
     Endpoint,
     PoolTimeout,
@@ -56,6 +54,7 @@ from proxy.wire import (
     ReadTimeout,
     RemoteProtocolError,
     ResponseHeadTooLarge,
+    SinkStopped,
     UpstreamError,
     WireResponse,
     WireTransport,
@@ -232,7 +231,7 @@ class Raised:
 
 def request(method: str, endpoint: Endpoint, target: str, body: bytes = b"",
             headers: Sequence[tuple[bytes, bytes]] = ()) -> bytes:
-    """A request as ``Upstream.open`` builds it: ``serialize``, Host from the endpoint."""
+    """A request as ``UpstreamClient.open`` builds it: ``serialize``, Host from the endpoint."""
     return serialize(method, target.encode(), str(endpoint).encode(), list(headers), body)
 
 
@@ -1206,7 +1205,7 @@ async def test_sink_stop_raises_client_gone_and_closes_the_connection(complete: 
             got.append(chunk)
             return STOP
 
-        with pytest.raises(ClientGone):
+        with pytest.raises(SinkStopped):
             await response.body.pipe(sink)
         assert got == [b"data: one\n\n"]
         async with asyncio.timeout(5):
@@ -1302,11 +1301,11 @@ async def test_request_bytes_are_exactly_as_serialized() -> None:
 
 
 async def test_upstream_open_writes_the_request_as_given(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The production seam: ``Upstream`` builds the target, Host and framing itself."""
+    """The production seam: ``UpstreamClient`` builds the target, Host and framing itself."""
     no_environment_proxy(monkeypatch)
     body = b'{"model":"m","messages":[]}'
     async with scripted(answering()) as up:
-        upstream = Upstream(single_spec(Settings(upstream=up.url + "/base/v1")))
+        upstream = UpstreamClient(single_spec(Settings(upstream=up.url + "/base/v1")))
         try:
             assert upstream.endpoint == up.endpoint
             for method, subpath, query, content in [

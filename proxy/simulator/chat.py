@@ -57,7 +57,7 @@ _ERROR_EVENT = (
 def render_chat_prompt(body: dict[str, Any]) -> str:
     """The text a server would prefill: tools first (and the legacy ``functions``), then
     each message in order: the order of the proxy's prompt parts
-    (:meth:`proxy.dialects.ChatDialect.prompt_parts`), so the cache breaks where the
+    (:meth:`proxy.dialects.chat.ChatDialect.prompt_parts`), so the cache breaks where the
     proxy's prompt-cache doctor says the prefix broke.
 
     The order keeps the property the prefix cache rewards: identical leading messages

@@ -85,7 +85,7 @@ def render_responses_prompt(body: dict[str, Any]) -> str:
     """``instructions`` as a system message, then tools, then the server-side context the
     request names (``previous_response_id``, ``conversation``: stood in for by its id,
     as the simulator keeps no conversations), then the ``input`` items: the order of
-    the proxy's prompt parts (:meth:`proxy.dialects.ResponsesDialect.prompt_parts`), so
+    the proxy's prompt parts (:meth:`proxy.dialects.responses.ResponsesDialect.prompt_parts`), so
     the cache breaks where the proxy's prompt-cache doctor says the prefix broke."""
     items = body.get("input")
     if isinstance(items, str):

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from proxy.config import Settings
     from proxy.metrics import Metrics
 
-__all__ = ["UI_PATHS", "LivePage", "live_page"]
+__all__ = ["UI_PATHS", "LivePage", "index_scope", "live_page"]
 
 
 def live_page(settings: Settings, metrics: Metrics | None) -> LivePage | None:
@@ -30,7 +30,6 @@ def live_page(settings: Settings, metrics: Metrics | None) -> LivePage | None:
     slowest-requests table. ``None`` when the page is off or nothing is measured."""
     if not settings.ui or metrics is None:
         return None
-    from proxy.cache_index import index_scope
     from proxy.metrics import multiprocess_dir, multiprocess_registry
     from proxy.ui.data import SAMPLE_NAMES
 
@@ -46,3 +45,25 @@ def live_page(settings: Settings, metrics: Metrics | None) -> LivePage | None:
     slow = SlowRequests()
     metrics.watchers.append(slow.add)
     return LivePage(registry, slow=slow, prefix_index=index_scope(settings))
+
+
+def index_scope(settings: Settings) -> dict[str, Any] | None:
+    """What the live page says about the doctor's index (None: the doctor is off):
+    ``index`` is ``shared`` or ``per-process``, ``workers`` the worker processes, and
+    ``note`` one sentence on what a per-process index cannot see."""
+    if not settings.prefix_doctor:
+        return None
+    if settings.cache_index is not None:
+        return {"index": "shared", "workers": settings.workers,
+                "note": "Repeats are found whichever replica or worker served the earlier "
+                        "request: every process shares one index ([cache-index])."}
+    if settings.workers > 1:
+        note = (f"Each of the {settings.workers} worker processes keeps its own index and "
+                "finds only the repeats it served itself (about 1 in "
+                f"{settings.workers} of a conversation's turns), and none served by another "
+                "replica: a shared index ([cache-index]) finds them all.")
+    else:
+        note = ("This process keeps its own index: behind a load balancer it finds only the "
+                "repeats it served itself (with N replicas, about 1 in N of a conversation's "
+                "turns): a shared index ([cache-index]) finds them all.")
+    return {"index": "per-process", "workers": settings.workers, "note": note}

@@ -98,7 +98,7 @@ def script_json(value: Any) -> str:
 class LivePage:
     """The page and its data for one registry (and, in the process that relays, its
     slowest requests). ``prefix_index``: what the prompt-cache doctor's figures were
-    found in (:func:`proxy.cache_index.index_scope`: a per-process or a shared index),
+    found in (:func:`proxy.ui.index_scope`: a per-process or a shared index),
     answered as ``/ui/data``'s ``prefix_index``, so that the page can say when a
     per-process index sees only part of the traffic; None when the doctor is off."""
 

@@ -1,23 +1,18 @@
-"""Several upstreams: the config file, its validation, and routing by model.
+"""One upstream as configured (:class:`UpstreamSpec`), and the config file's
+``[[upstream]]`` tables that declare them.
 
 One proxy may front several upstreams (OpenAI for ``gpt-*``, a vLLM cluster for
 ``meta-llama/*``, Anthropic for ``claude-*``). They are declared in a TOML file
-(``--config FILE``, read with the standard library's ``tomllib``) as ``[[upstream]]``
-tables; without a file the single-upstream flags (``--upstream``, ``--upstream-name``,
-``--upstream-api-key-env``, ``--upstream-auth``) describe one upstream that takes every
-model, and both cases run the same code: a list of :class:`UpstreamSpec` and a
-:class:`RoutingTable` over it.
-
-Routing: the request's ``model`` picks the first upstream, in file order, whose patterns
-match it (exact names or shell-style patterns, ``fnmatch`` case-sensitive) and, if the
-upstream names ``routes``, that serves the request's route; a request with no model,
-or a model nobody matches, goes to the upstream marked ``default = true``; with no
-default it is answered 404 (``model_not_found``). The body is forwarded unchanged: no
-model renaming, no retry, no fallback to another upstream after a failure (a retry
-would hide the very latency the proxy exists to show).
+(``--config FILE``, read with the standard library's ``tomllib`` by
+:func:`proxy.config.read_file`) as ``[[upstream]]`` tables; without a file the
+single-upstream flags (``--upstream``, ``--upstream-name``, ``--upstream-api-key-env``,
+``--upstream-auth``) describe one upstream that takes every model
+(:func:`proxy.config.single_spec`), and both cases give the same thing: a list of
+:class:`UpstreamSpec`. Which of them takes a request is :mod:`proxy.routing`'s; the
+live client, queue and headers of each are :mod:`proxy.upstream`'s.
 
 Everything is checked before the proxy listens, and every problem is one line that
-names the file, the upstream and the setting (:class:`proxy.config.SettingsError`):
+names the file, the upstream and the setting (:class:`proxy.config_values.SettingsError`):
 a file that does not parse, an unknown key, a wrong type, a key variable that is unset,
 two upstreams with one name, two defaults, and a pattern that can never match because
 an earlier upstream's pattern catches everything it would (:func:`_shadowed`: ``*``, a
@@ -27,29 +22,24 @@ Top-level keys of the file are the proxy's own settings by their option names
 (``max_concurrency = 64``, ``read_timeout = 600``, ``client_label_from = "header:X-Team"``);
 a flag or ``LLM_PROXY_*`` variable overrides the file (:func:`proxy.config.from_sources`).
 Per-upstream limits and timeouts default to those settings.
+
+This module is below :mod:`proxy.config`, which reads the file and holds the specs in
+its settings: it imports nothing of the proxy but the value checks of
+:mod:`proxy.config_values`.
 """
 
 from __future__ import annotations
 
 import fnmatch
-import logging
 import os
 import re
-import tomllib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from proxy.auth import key_problem
-from proxy.config import (
-    HEADER_NAME,
-    OPTIONS,
-    UPSTREAM_AUTH_MODES,
-    Settings,
-    SettingsError,
-    parse_upstream_url,
-    toml_value,
-)
+from proxy.config_values import HEADER_NAME, SettingsError, parse_upstream_url
+
+UPSTREAM_AUTH_MODES = ("bearer", "x-api-key", "api-key")
 
 # Keys of an [[upstream]] table: name -> (kind, what the message says it must be).
 _UPSTREAM_KEYS = {
@@ -110,13 +100,15 @@ _RESERVED_HEADERS = frozenset({
 _HEADER_VALUE = re.compile(r"^[\x20-\x7e]*$")
 _LABEL = re.compile(r"^[\x21-\x7e]{1,64}$")
 _PATTERN_CHARS = frozenset("*?[")
-NO_UPSTREAM = "none"  # the upstream label of a request no upstream takes
-log = logging.getLogger("proxy")
+# A key the proxy writes into a header itself: visible ASCII only, so a stray newline in
+# the environment variable can never start a second header line.
+_KEY_VALUE = re.compile(r"^[\x21-\x7e]+$")
 
 
 @dataclass(frozen=True, slots=True)
 class UpstreamSpec:
-    """One upstream as configured (no live objects: those are :class:`proxy.app`'s)."""
+    """One upstream as configured (no live objects: those are
+    :class:`proxy.upstream.LiveUpstream`)."""
 
     name: str
     url: str
@@ -142,37 +134,27 @@ class UpstreamSpec:
         return not self.routes or any(route == r or route.startswith(r + "/") for r in self.routes)
 
 
-def single_spec(settings: Settings) -> UpstreamSpec:
-    """The one upstream the single-upstream flags describe: every model, the default."""
-    return UpstreamSpec(
-        name=settings.upstream_label, url=settings.upstream, models=("*",), default=True,
-        api_key_env=settings.upstream_api_key_env, auth=settings.upstream_auth,
-        **_limits(settings))
-
-
-def _limits(settings: Settings) -> dict[str, Any]:
-    return {key: getattr(settings, name) for key, name in UPSTREAM_LIMIT_SETTINGS.items()}
+def key_problem(var: str, environ: Mapping[str, str] | None = None) -> str:
+    """Why the key in environment variable ``var`` cannot be sent upstream, or ``""``."""
+    env = os.environ if environ is None else environ
+    key = env.get(var, "").strip()
+    if not key:
+        return f"environment variable {var} is empty or unset"
+    if not _KEY_VALUE.match(key):
+        return (f"environment variable {var} holds a space, control or non-ASCII character, "
+                "which a header value cannot carry")
+    return ""
 
 
 # ---------------------------------------------------------------------------
-# The file.
+# The tables.
 
 
-def read_file(path: str) -> dict[str, Any]:
-    """The parsed TOML document; a file that cannot be read or parsed is one line."""
-    try:
-        with open(path, "rb") as fh:
-            return tomllib.load(fh)
-    except OSError as exc:
-        raise SettingsError(f"config {path}: cannot read it ({exc.strerror or exc})") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise SettingsError(f"config {path}: not valid TOML: {exc}") from None
-
-
-def upstream_specs(path: str, doc: Mapping[str, Any], settings: Settings,
+def upstream_specs(path: str, doc: Mapping[str, Any], limits: Mapping[str, Any],
                    environ: Mapping[str, str] | None = None) -> tuple[UpstreamSpec, ...]:
-    """Every ``[[upstream]]`` of ``doc``, validated; per-upstream limits default to
-    ``settings`` (the flags, variables and top-level keys already applied)."""
+    """Every ``[[upstream]]`` of ``doc`` (the config file ``path``), validated; an absent
+    limit or timeout is ``limits``' value for its key (the top-level settings, with the
+    flags and variables applied: :func:`proxy.config.upstream_limits`)."""
     env = os.environ if environ is None else environ
     tables = doc.get("upstream")
     if tables is None:
@@ -181,12 +163,12 @@ def upstream_specs(path: str, doc: Mapping[str, Any], settings: Settings,
         raise SettingsError(f"config {path}: 'upstream' must be [[upstream]] tables")
     specs: list[UpstreamSpec] = []
     for index, table in enumerate(tables, 1):
-        specs.append(_spec(path, index, table, settings, env))
+        specs.append(_spec(path, index, table, limits, env))
     _check_table(path, specs)
     return tuple(specs)
 
 
-def _spec(path: str, index: int, table: Mapping[str, Any], settings: Settings,
+def _spec(path: str, index: int, table: Mapping[str, Any], limits: Mapping[str, Any],
           env: Mapping[str, str]) -> UpstreamSpec:
     raw_name = table.get("name")
     who = (f"upstream {raw_name!r}" if isinstance(raw_name, str) and raw_name
@@ -217,7 +199,7 @@ def _spec(path: str, index: int, table: Mapping[str, Any], settings: Settings,
         url = parse_upstream_url(get("url", str))
     except ValueError as exc:
         raise fail("url", str(exc)) from None
-    values: dict[str, Any] = {"name": name, "url": url, **_limits(settings)}
+    values: dict[str, Any] = {"name": name, "url": url, **limits}
     if "models" in table:
         models = get("models", list, lambda v: all(isinstance(m, str) and m for m in v))
         values["models"] = tuple(models)
@@ -308,7 +290,8 @@ def _covers_routes(earlier: UpstreamSpec, later: UpstreamSpec) -> bool:
     return all(earlier.serves(r) for r in later.routes)
 
 
-def _is_pattern(model: str) -> bool:
+def is_pattern(model: str) -> bool:
+    """Whether ``model`` is a shell-style pattern rather than an exact name."""
     return any(c in _PATTERN_CHARS for c in model)
 
 
@@ -327,94 +310,8 @@ def _shadowed(earlier: str, later: str) -> bool:
     with ``prefix``; an exact name is caught by any pattern that matches it. Other
     pairs (two patterns with inner wildcards) are not decided and never refused.
     """
-    if not _is_pattern(later):
+    if not is_pattern(later):
         return fnmatch.fnmatchcase(later, earlier)
-    if earlier.endswith("*") and not _is_pattern(earlier[:-1]):
+    if earlier.endswith("*") and not is_pattern(earlier[:-1]):
         return _literal_prefix(later).startswith(earlier[:-1])
     return False
-
-
-# ---------------------------------------------------------------------------
-# Routing.
-
-
-class RoutingTable:
-    """Which upstream takes a request: built once per configuration, read per request.
-
-    ``pick`` costs one dict lookup for a model seen before: the decision per
-    (model, route) is cached, bounded (a client sending random model names cannot grow
-    it past ``cache_size``; past it, decisions are made by the patterns each time).
-    """
-
-    def __init__(self, specs: Sequence[UpstreamSpec], cache_size: int = 4096) -> None:
-        self.specs = tuple(specs)
-        self.default = next((i for i, s in enumerate(self.specs) if s.default), None)
-        self._cache: dict[tuple[str, str], int | None] = {}
-        self._cache_size = cache_size
-        # One matcher per upstream: exact names in a set, patterns compiled once.
-        self._exact = [frozenset(m for m in s.models if not _is_pattern(m)) for s in self.specs]
-        self._patterns = [[re.compile(fnmatch.translate(m)).match for m in s.models
-                           if _is_pattern(m)] for s in self.specs]
-
-    def pick(self, model: str | None, route: str) -> int | None:
-        """The index of the upstream for ``model`` on ``route``, or None (answer 404)."""
-        if model is None:
-            return self._default_for(route)
-        key = (model, route)
-        found = self._cache.get(key, -1)
-        if found != -1:
-            return found
-        chosen = self._match(model, route)
-        if len(self._cache) < self._cache_size:
-            self._cache[key] = chosen
-        return chosen
-
-    def _match(self, model: str, route: str) -> int | None:
-        for i, spec in enumerate(self.specs):
-            if not spec.serves(route):
-                continue
-            if model in self._exact[i] or any(m(model) for m in self._patterns[i]):
-                return i
-        return self._default_for(route)
-
-    def _default_for(self, route: str) -> int | None:
-        d = self.default
-        if d is None or not self.specs[d].serves(route):
-            return None
-        return d
-
-
-def reload_specs(settings: Settings) -> tuple[UpstreamSpec, ...]:
-    """The ``[[upstream]]`` tables of ``settings.config`` as the file says now (SIGHUP),
-    or :class:`SettingsError` when they cannot replace the running ones.
-
-    Per-upstream defaults come from the running settings; top-level keys are read at
-    start only, and one that changed is named in a warning rather than half-applied.
-    Client keys are set up at start too: a file that gives an upstream a key when the
-    running proxy checks none is refused.
-    """
-    path = settings.config
-    doc = read_file(path)
-    specs = upstream_specs(path, doc, settings)
-    if any(s.api_key_env for s in specs) and not settings.holds_upstream_key:
-        raise SettingsError(f"config {path}: an upstream now holds a key (api_key_env) but "
-                            "client keys were not set up at start (--client-keys-file): "
-                            "restart to add one")
-    by_name = {o.name: o for o in OPTIONS}
-    changed = []
-    for key, raw in doc.items():
-        opt = by_name.get(key)
-        if key == "upstream" or opt is None:
-            continue
-        try:
-            value = toml_value(opt, raw, key)
-        except SettingsError:
-            value = None
-        if value != getattr(settings, key):
-            changed.append(key)
-    if changed:
-        log.warning(
-            "config %s: top-level settings %s differ from the running ones (or a flag or "
-            "variable overrides them); they are read at start only: restart to apply",
-            path, ", ".join(changed))
-    return specs

@@ -1,0 +1,194 @@
+"""``/v1/messages``: what an Anthropic Messages API event, and a message, mean.
+
+* Output is a ``content_block_delta`` whose delta is a ``text_delta`` with a non-empty
+  ``text``, an ``input_json_delta`` with a non-empty ``partial_json`` (answer), or a
+  ``thinking_delta`` with a non-empty ``thinking`` (reasoning). Never output:
+  ``message_start``, ``content_block_start``, ``ping``, ``signature_delta``,
+  ``citations_delta``, ``message_delta``, ``message_stop``.
+* Usage is ``message_start.message.usage`` and every ``message_delta.usage``; the API's
+  counts are cumulative, so the last value of each field wins
+  (:func:`proxy.dialects.base.merge_usage`), never a sum. Prompt is ``input_tokens +
+  cache_read_input_tokens + cache_creation_input_tokens`` (the API's own definition of
+  total input; an absent cache field counts 0, an absent ``input_tokens`` makes prompt
+  unknown), cached is ``cache_read_input_tokens``, cache write
+  ``cache_creation_input_tokens``, completion ``output_tokens``, reasoning
+  ``output_tokens_details.thinking_tokens`` when the API reports it.
+* An ``error`` event (``{"type":"error","error":{...}}``) is an error. An event with no
+  name at all whose data has a truthy ``"error"`` is an error too (a server that reports
+  failures the chat way).
+* Response info: ``message.id`` and ``.model`` of ``message_start``,
+  ``delta.stop_reason`` of ``message_delta``. Non-stream answers: the same fields of
+  the body (``stop_reason`` for the reason).
+* Prompt parts: ``tools``, ``system``, ``messages`` (Anthropic's order).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from proxy.dialects.base import (
+    _NO_USAGE,
+    _TYPE_PREFIX,
+    ANSWER,
+    END,
+    ERROR,
+    NO_RESPONSE,
+    NOT_COUNTED,
+    REASONING,
+    EventInfo,
+    ResponseInfo,
+    Usage,
+    _count,
+    _event_name,
+    _loads,
+    _mapping,
+    _single_response,
+    _usage_of,
+)
+from proxy.dialects.prompt import _CHAT_SKIP, PromptPart, _content, _message, _tool_parts
+
+_MESSAGES_OUTPUT: dict[str, tuple[str, EventInfo]] = {
+    "text_delta": ("text", ANSWER),
+    "input_json_delta": ("partial_json", ANSWER),
+    "thinking_delta": ("thinking", REASONING),
+}
+# What follows ``"delta":{"type":"`` in the compact form, the value's key, the reading.
+_MESSAGES_FAST: tuple[tuple[bytes, bytes, EventInfo], ...] = tuple(
+    (f'{kind}","{key}":"'.encode(), f'"{key}"'.encode(), info)
+    for kind, (key, info) in _MESSAGES_OUTPUT.items()
+)
+_MESSAGES_DELTA = b'"delta":{"type":"'
+_MESSAGES_USAGE_B = frozenset((b"message_start", b"message_delta"))
+
+
+@dataclass(frozen=True, slots=True)
+class MessagesDialect:
+    """``/v1/messages``.
+
+    Byte check for ``content_block_delta``, in the layout the API writes
+    (``{"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"Hi"}}``):
+    the data starts with ``{"type":"``, has exactly two ``"type"`` keys (the event's and
+    the delta's, which ``"delta":{"type":"`` pins as the delta's first key), one
+    ``"delta"`` key, the delta kind followed at once by its value key, that key once,
+    and its value a non-empty string. ``message_start`` and ``message_delta`` (usage)
+    and anything unsure are decoded; other names are settled by the name alone.
+    """
+
+    name: str = "messages"
+    route: str = "/v1/messages"
+    injects_usage: bool = False
+    token_keys: tuple[bytes, ...] = (b'"text":"', b'"thinking":"', b'"partial_json":"')
+
+    def classify(self, event: bytes, data: bytes) -> EventInfo:
+        name = event
+        if not name:
+            if data[:9] != _TYPE_PREFIX:
+                return self.classify_payload(event, _loads(data))
+            end = data.find(b'"', 9)
+            name = data[9:end]
+            if end < 0 or not name or b"\\" in name:
+                return self.classify_payload(event, _loads(data))
+        if name == b"content_block_delta":
+            at = data.find(_MESSAGES_DELTA) + len(_MESSAGES_DELTA)
+            if (
+                at >= len(_MESSAGES_DELTA)
+                and data[:9] == _TYPE_PREFIX
+                and data[-1:] == b"}"
+                and data.count(b'"type"') == 2
+                and data.count(b'"delta"') == 1
+            ):
+                for head, key, info in _MESSAGES_FAST:
+                    if data.startswith(head, at):
+                        value = at + len(head)
+                        if data[value : value + 1] != b'"' and data.count(key) == 1:
+                            return info
+                        break
+            return self.classify_payload(event, _loads(data))
+        if name == b"error":
+            return ERROR
+        if name == b"message_stop":
+            return END
+        if name not in _MESSAGES_USAGE_B and (event or data.count(b'"type"') == 1):
+            return NOT_COUNTED  # ping, content_block_start/stop, unknown
+        return self.classify_payload(event, _loads(data))
+
+    def classify_payload(self, event: bytes, payload: Any) -> EventInfo:
+        name = _event_name(event, payload)
+        if name == "error":
+            return ERROR
+        if name == "message_stop":
+            return END
+        if not isinstance(payload, dict):
+            return NOT_COUNTED
+        if name == "content_block_delta":
+            delta = payload.get("delta")
+            if isinstance(delta, dict):
+                kind = delta.get("type")
+                known = _MESSAGES_OUTPUT.get(kind) if isinstance(kind, str) else None
+                if known is not None:
+                    value = delta.get(known[0])
+                    if isinstance(value, str) and value:
+                        return known[1]
+            return NOT_COUNTED
+        if name == "message_start":
+            message = payload.get("message")
+            usage = _usage_of(message)
+            response = _single_response(message, None)  # stop_reason is null here
+        elif name == "message_delta":
+            usage = _usage_of(payload)
+            delta = payload.get("delta")
+            response = _single_response(
+                delta, delta.get("stop_reason") if isinstance(delta, Mapping) else None)
+        else:
+            usage = response = None
+        if usage is not None or response is not None:
+            return EventInfo(usage=usage, response=response)
+        if not name and payload.get("error"):
+            return ERROR
+        return NOT_COUNTED
+
+    def body_usage(self, payload: Mapping[str, Any]) -> Mapping[str, Any] | None:
+        return _usage_of(payload)
+
+    def body_response(self, payload: Mapping[str, Any]) -> ResponseInfo:
+        return _single_response(payload, payload.get("stop_reason")) or NO_RESPONSE
+
+    def output_response(self, data: bytes) -> ResponseInfo | None:
+        return None  # message_start and message_delta (always decoded) say it all
+
+    def usage(self, raw: Mapping[str, Any] | None) -> Usage:
+        if not isinstance(raw, Mapping):
+            return _NO_USAGE
+        fresh = _count(raw.get("input_tokens"))
+        read = _count(raw.get("cache_read_input_tokens"))
+        write = _count(raw.get("cache_creation_input_tokens"))
+        prompt = None if fresh is None else fresh + (read or 0) + (write or 0)
+        details = _mapping(raw, "output_tokens_details")
+        return Usage(
+            prompt,
+            read,
+            _count(raw.get("output_tokens")),
+            _count(details.get("thinking_tokens")),
+            write,
+        )
+
+    def prompt_parts(self, payload: Mapping[str, Any]) -> tuple[PromptPart, ...]:
+        return _messages_parts(payload)
+
+
+def _messages_parts(payload: Mapping[str, Any]) -> tuple[PromptPart, ...]:
+    parts = _tool_parts(payload, "tools")
+    system = payload.get("system")
+    if system is not None:
+        out: list[bytes] = []
+        _content(system, out)
+        parts.append(PromptPart("system", 0, "system", b"".join(out)))
+    messages = payload.get("messages")
+    if isinstance(messages, list):
+        parts.extend(_message(m, i, "message", _CHAT_SKIP) for i, m in enumerate(messages))
+    return tuple(parts)
+
+
+MESSAGES = MessagesDialect()

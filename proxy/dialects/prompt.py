@@ -1,0 +1,165 @@
+"""Prompt parts (:meth:`proxy.dialects.base.Dialect.prompt_parts`, for the prompt-cache
+doctor in ``proxy/diagnosis/``): the request body's prompt as an ordered tuple of
+:class:`PromptPart`, in the order the provider renders it, so that a prefix of the
+parts is a prefix of what the upstream's prefix cache sees. Each API's module says its
+order and builds its parts from the pieces here.
+
+One part per tool, message or input item (``index``: its position in the body's array, so
+a user can find it). Text is its UTF-8 bytes, so a byte offset into a part is an offset
+into the text the app sent; content parts are concatenated in order. Tools, tool calls,
+tool results' headers and other structured pieces are compact JSON in the body's own key
+order (a provider renders keys in the order given, so a reordering is a change);
+``cache_control`` is left out everywhere (it moves between turns and is not prompt
+text). A part the proxy cannot read (image, audio, file, document) enters as a hash of
+its JSON. A chat or Responses message whose role is ``system`` or ``developer`` is of
+kind ``system``. Nothing raises: a malformed body gives the parts that can be read.
+:func:`cache_scope` gives what keeps two prompts from sharing a prefix cache even when
+their text is the same (the model; ``prompt_cache_key``, ``cache_salt``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+PART_KINDS: tuple[str, ...] = (
+    "tools", "system", "instructions", "context", "message", "input", "prompt")
+
+
+@dataclass(frozen=True, slots=True)
+class PromptPart:
+    """One piece of a request's prompt, in render order (see "Prompt parts").
+
+    ``kind`` is one of :data:`PART_KINDS`; ``index`` the piece's position in its array
+    in the body (tool *i*, message *i*, input item *i*; 0 for a single ``system`` or
+    ``instructions``); ``role`` the message's role or the input item's type (bounded,
+    ``""`` where there is none); ``data`` the canonical bytes. Held only while the
+    doctor hashes it: never stored, logged or exported.
+    """
+
+    kind: str
+    index: int
+    role: str
+    data: bytes
+
+
+_ROLE_MAX = 32
+_NESTING_MAX = 8
+_SYSTEM_ROLES = frozenset(("system", "developer"))
+_TEXT_PARTS = frozenset(("text", "input_text", "output_text"))
+# Content the proxy cannot read as text: each enters as a hash of its JSON.
+_OPAQUE_PARTS = frozenset((
+    "image", "image_url", "input_image", "audio", "input_audio", "file", "input_file",
+    "document", "video", "video_url"))
+_NOT_PROMPT = "cache_control"  # Anthropic's breakpoint marker: not text the model sees
+
+
+def _utf8(text: str) -> bytes:
+    return text.encode("utf-8", "surrogatepass")  # json.loads lets lone surrogates through
+
+
+def _json_bytes(value: Any) -> bytes:
+    try:
+        return _utf8(json.dumps(value, ensure_ascii=False, separators=(",", ":")))
+    except (ValueError, TypeError, RecursionError):
+        return b""
+
+
+def _without_marker(value: Any) -> Any:
+    if isinstance(value, dict) and _NOT_PROMPT in value:
+        return {k: v for k, v in value.items() if k != _NOT_PROMPT}
+    return value
+
+
+def _role(value: Any) -> str:
+    return value[:_ROLE_MAX] if isinstance(value, str) else ""
+
+
+def _opaque(kind: str, value: Any) -> bytes:
+    digest = hashlib.blake2b(_json_bytes(value), digest_size=16).hexdigest()
+    return b"\x00" + _utf8(kind[:_ROLE_MAX]) + b":" + digest.encode() + b"\x00"
+
+
+def _content(value: Any, out: list[bytes], depth: int = 0) -> None:
+    """Append the bytes of a message's ``content`` (a string, a list of parts, a part)."""
+    if isinstance(value, str):
+        out.append(_utf8(value))
+    elif isinstance(value, list):
+        if depth >= _NESTING_MAX:
+            out.append(_json_bytes(value))
+            return
+        for item in value:
+            _content_part(item, out, depth + 1)
+    elif value is not None:
+        _content_part(value, out, depth + 1)
+
+
+def _content_part(part: Any, out: list[bytes], depth: int) -> None:
+    if isinstance(part, str):
+        out.append(_utf8(part))
+        return
+    if not isinstance(part, dict):
+        out.append(_json_bytes(part))
+        return
+    kind = part.get("type")
+    text = part.get("text")
+    if isinstance(text, str) and (kind is None or kind in _TEXT_PARTS):
+        out.append(_utf8(text))
+    elif isinstance(kind, str) and kind in _OPAQUE_PARTS:
+        out.append(_opaque(kind, _without_marker(part)))
+    elif kind == "tool_result" and depth < _NESTING_MAX:
+        # The header (id, is_error) as JSON, then the result's content read like any
+        # content: text stays text, an image in it is hashed.
+        out.append(_json_bytes({k: v for k, v in part.items()
+                                if k not in ("content", _NOT_PROMPT)}))
+        _content(part.get("content"), out, depth)
+    else:
+        out.append(_json_bytes(_without_marker(part)))
+
+
+def _message(message: Any, index: int, kind: str, skip: frozenset[str]) -> PromptPart:
+    """A chat message, Messages message or Responses input item as one part: its content,
+    then any other field (tool calls, name, tool_call_id, ...) as JSON."""
+    if not isinstance(message, dict):
+        if isinstance(message, str):  # not valid in any API, but readable
+            return PromptPart(kind, index, "", _utf8(message))
+        return PromptPart(kind, index, "", _json_bytes(message))
+    role = message.get("role")
+    if not isinstance(role, str):  # a Responses item such as function_call: its JSON
+        return PromptPart(kind, index, _role(message.get("type")),
+                          _json_bytes(_without_marker(message)))
+    out: list[bytes] = []
+    _content(message.get("content"), out)
+    extras = {k: v for k, v in message.items() if k not in skip}
+    if extras:
+        out.append(b"\x00" + _json_bytes(extras))
+    if role in _SYSTEM_ROLES and kind != "instructions":
+        kind = "system"
+    return PromptPart(kind, index, _role(role), b"".join(out))
+
+
+_CHAT_SKIP = frozenset(("role", "content", _NOT_PROMPT))
+_ITEM_SKIP = frozenset(("role", "content", "type", _NOT_PROMPT))
+
+
+def _tool_parts(payload: Mapping[str, Any], *names: str) -> list[PromptPart]:
+    parts: list[PromptPart] = []
+    for name in names:
+        tools = payload.get(name)
+        if isinstance(tools, list):
+            for tool in tools:
+                parts.append(PromptPart("tools", len(parts), "", _json_bytes(_without_marker(tool))))
+    return parts
+
+
+def cache_scope(payload: Mapping[str, Any]) -> tuple[str, str]:
+    """(model, cache key) of a parsed request body: prompts that differ in either never
+    share a prefix cache. The key is OpenAI's ``prompt_cache_key`` and vLLM's
+    ``cache_salt``, joined when both are given; ``""`` when neither."""
+    model = payload.get("model")
+    keys = [value for value in (payload.get("prompt_cache_key"), payload.get("cache_salt"))
+            if isinstance(value, str) and value]
+    return (model if isinstance(model, str) else ""), "\x00".join(keys)

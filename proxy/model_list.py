@@ -1,0 +1,81 @@
+"""``GET /v1/models`` with several upstreams: one list, merged from every upstream's.
+
+An app that lists the models through the proxy sees those of every upstream behind it,
+as it would see one upstream's list without the proxy. Every upstream is asked at once,
+with the request's headers as that upstream gets them, and the lists are merged in
+config order: the first upstream wins a duplicate id. An upstream that fails to answer
+is left out and logged, not a 502 for the list; only when none answers does the request
+fail. The request itself (its answer, its record) is :mod:`proxy.routes`'s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from proxy.logs import RateLimitedLog
+from proxy.upstream import LiveUpstream
+from proxy.wire import UpstreamError
+
+ALL_UPSTREAMS = "all"  # the upstream label of the merged list
+LIST_LIMIT = 8 * 1024 * 1024  # bytes of one upstream's list read at most
+
+Headers = list[tuple[bytes, bytes]]
+
+
+async def merged_models(targets: Sequence[LiveUpstream],
+                        headers_for: Callable[[LiveUpstream], Headers], query: bytes,
+                        warnings: RateLimitedLog) -> list[Any] | None:
+    """The merged list's items, or None when no upstream answered with a list.
+    ``headers_for`` gives the headers a request to an upstream carries."""
+    lists = await asyncio.gather(*(_model_list(t, headers_for, query, warnings)
+                                   for t in targets))
+    if all(items is None for items in lists):
+        return None
+    seen: set[Any] = set()
+    data: list[Any] = []
+    for items in lists:
+        for item in items or ():
+            key = item.get("id") if isinstance(item, dict) else None
+            if key is None or key in seen:
+                continue
+            seen.add(key)
+            data.append(item)
+    return data
+
+
+def list_body(data: list[Any]) -> bytes:
+    """The answer's body: the list object OpenAI's API returns, with the merged items."""
+    return json.dumps({"object": "list", "data": data}).encode()
+
+
+async def _model_list(target: LiveUpstream, headers_for: Callable[[LiveUpstream], Headers],
+                      query: bytes, warnings: RateLimitedLog) -> list[Any] | None:
+    out = headers_for(target)
+    try:
+        response = await target.client.open("GET", b"/models", query, out, b"")
+        try:
+            body = await response.body.read(LIST_LIMIT)
+        finally:
+            await response.aclose()
+    except UpstreamError as exc:
+        warnings.warning("model list: upstream %s left out: %s: %s", target.name,
+                         type(exc).__name__, exc)
+        return None
+    parsed = _json_object(body) if 200 <= response.status_code < 300 else None
+    items = parsed.get("data") if parsed is not None else None
+    if not isinstance(items, list):
+        warnings.warning("model list: upstream %s left out: HTTP %s%s", target.name,
+                         response.status_code, "" if parsed is None else " without a data list")
+        return None
+    return items
+
+
+def _json_object(body: bytes) -> dict[str, Any] | None:
+    try:
+        value = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
