@@ -1192,7 +1192,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--targets",
         default="direct,nginx,proxy,proxy-nomeasure",
         help="comma list from direct,nginx,proxy,proxy-nomeasure,litellm; proxy targets take "
-        "suffixes: -nomeasure (--no-measure), -noinject (--no-inject-usage), -wN (--workers N), "
+        "suffixes: -nomeasure (--no-measure), -noinject (--no-inject-usage), -nodoctor "
+        "(--no-prefix-doctor), -wN (--workers N), "
         "-Nup (--config with N upstreams, the benchmark's last, e.g. proxy-20up), "
         "-before (the proxy/ of --before DIR), -ui (its live page polled every second), "
         "-scraped (a filled registry, scraped by Prometheus every --scrape-interval), "
@@ -1323,11 +1324,11 @@ def start_targets(bench: Bench, names: list[str], close: bool) -> list[Target]:
         elif name == "nginx":
             targets.append(bench.start_nginx(upstream, close))
         elif name.startswith("proxy"):
-            # proxy[-nomeasure][-noinject][-wN][-Nup][-before][-ui][-reqlog][-capture]:
-            # measurement off, no usage injection, N workers, a --config file of N
-            # upstreams, the code of the --before checkout, the live page open, the
-            # per-request log on, the trace capture on (each to a file in the run's
-            # temporary directory)
+            # proxy[-nomeasure][-noinject][-nodoctor][-wN][-Nup][-before][-ui][-reqlog]
+            # [-capture]: measurement off, no usage injection, the prompt-cache doctor
+            # off, N workers, a --config file of N upstreams, the code of the --before
+            # checkout, the live page open, the per-request log on, the trace capture on
+            # (each to a file in the run's temporary directory)
             extra = []
             before = poll_ui = scraped = False
             upstreams = 0
@@ -1340,6 +1341,8 @@ def start_targets(bench: Bench, names: list[str], close: bool) -> list[Target]:
                     extra.append("--no-measure")
                 elif part == "noinject":
                     extra.append("--no-inject-usage")
+                elif part == "nodoctor":
+                    extra.append("--no-prefix-doctor")
                 elif part.startswith("w") and part[1:].isdigit():
                     extra += ["--workers", part[1:]]
                 elif part.endswith("up") and part[:-2].isdigit() and int(part[:-2]) >= 1:
