@@ -33,6 +33,7 @@ from importlib import resources
 from typing import Any
 from urllib.parse import parse_qsl
 
+from proxy.ui.breaks import RecentBreaks
 from proxy.ui.data import SELECTORS, BadSelection, LiveData, Registry, Selection
 from proxy.ui.slow import SlowRequests
 from proxy.upstream import error_body
@@ -97,16 +98,17 @@ def script_json(value: Any) -> str:
 
 class LivePage:
     """The page and its data for one registry (and, in the process that relays, its
-    slowest requests)."""
+    slowest requests and where its recent prompts broke)."""
 
     def __init__(
         self,
         registry: Registry,
         *,
         slow: SlowRequests | None = None,
+        breaks: RecentBreaks | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        self.data = LiveData(registry, clock=clock)
+        self.data = LiveData(registry, clock=clock, breaks=breaks)
         self.slow = slow
         html, policy = inline(
             "ui.html",
