@@ -661,7 +661,7 @@ async def test_prompt_caching_and_what_to_fix_from_real_requests(tmp_path: Path)
     assert (top["reason"], top["count"], second["reason"], second["count"]) == (
         "variable_before_stable", n - 1, "first_seen", 2)
     example = top["example"]
-    tokens = 3072 * sent["gpt-clock"][-1] / ((3096 + len(questions[-1])))  # its own ratio
+    tokens = 3072 * sent["gpt-clock"][-1] / (3096 + len(questions[-1]))  # its own ratio
     assert tokens == 768
     assert {k: example[k] for k in ("route", "model", "upstream", "part", "index", "role",
                                     "offset", "part_bytes", "changed_bytes", "stable_bytes",
