@@ -290,7 +290,9 @@ SYSTEM = "You answer questions about the proxy's documentation. " * 40  # shared
 
 def one(client: Any, rng: random.Random, index: int, n: int) -> None:
     """One streamed request: the large model gets long unique prompts (slower TTFT), the
-    small one short questions behind a shared system prompt (the prefix cache serves it)."""
+    small one short questions behind a shared system prompt (the prefix cache serves it
+    to the completions route); its chat requests put a time first in that system prompt,
+    so the prompt-cache doctor finds the break (``variable_before_stable``)."""
     model = MODELS[(index + n) % 2]
     words = 6000 if model == "sim-large" else 60
     unique = f"[{index}:{n}] " + " ".join(
@@ -307,9 +309,14 @@ def one(client: Any, rng: random.Random, index: int, n: int) -> None:
         )
     else:
         extra = {"reasoning_effort": "low"} if n % 3 == 0 else {}
+        messages = [{"role": "user", "content": prompt}]
+        if model == "sim-small":
+            stamp = f"Current time is 12:00:{n % 60:02d}.\n\n"
+            messages = [{"role": "system", "content": stamp + SYSTEM},
+                        {"role": "user", "content": unique}]
         stream = client.chat.completions.create(
             model=model,
-            messages=[{"role": "user", "content": prompt}],
+            messages=messages,
             stream=True,
             max_tokens=rng.choice((12, 24, 48)),
             stream_options={"include_usage": True},
