@@ -55,6 +55,17 @@ upstream and have no outcome. Missed cache is the prompt-cache doctor's
 sent that the provider's cache did not serve) over the prompt tokens; None, "not
 measured", while the registry has no sample of the doctor's counters.
 
+What to fix (``fix``): the levers of ``llm-latency-proxy diagnose``
+(:mod:`proxy.diagnosis.levers`) per (route, model, upstream) in the selection, from the
+same evidence (:mod:`proxy.evidence`), gathered in the same walk over the registry and
+kept in each collection of the ring as a cumulative reading, so the last minute is the
+difference of two readings, as for every other figure. Prompt caching (``prompt_cache``):
+the doctor's counters per span, priced by each selection's prefill fit, and the break
+reasons by count, each with the latest example this process kept
+(:mod:`proxy.ui.breaks`). The doctor's index is per process today; the page says so
+unless the answer carries ``prefix_index`` with ``"shared": true`` (a shared index,
+when one is configured, says so there).
+
 Panels: the answer is a few fixed fields and one entry per panel in :data:`PANELS`,
 each a function of a :class:`View` (one answer's collections, selection and span). A
 panel is added as a function and a line there, its section in ``static/ui.html`` and
