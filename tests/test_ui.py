@@ -710,6 +710,56 @@ async def test_prompt_caching_and_what_to_fix_from_real_requests(tmp_path: Path)
     assert [(b["reason"], b["count"]) for b in only["breaks"]] == [("first_seen", 1)]
 
 
+def test_the_card_and_the_prompt_panel_over_the_last_minute() -> None:
+    """Once the ring holds a minute, the card's prefill fit for the last minute is the
+    line of that minute's requests alone, beside the fit since start (the levers stay
+    since start), and the Prompt caching panel's last minute counts that minute's
+    tokens and breaks."""
+    from proxy.measure import PrefixRecord
+
+    clock = Clock()
+    metrics = Metrics(Settings(upstream_name="up"), CollectorRegistry())
+    data = ui_data.LiveData(metrics.registry, clock=clock)
+
+    def stream(i: int, per_1k_s: float, missed: int) -> RequestRecord:
+        tokens = 1000 + 100 * (i % 10)
+        p = PrefixRecord(4 * tokens, 2000, 500, missed, "system_changed", "system", 0, 0)
+        return record(i, prompt_tokens=tokens, cached_prompt_tokens=0, queue_s=0.0,
+                      ttft_s=0.05 + per_1k_s * tokens / 1000, prefix=p)
+
+    for i in range(30):  # before the page's minute: 200 ms per 1,000 tokens
+        metrics.observe(stream(i, 0.2, 100), measured=True)
+    data.answer(("", "", ""))
+    for second in range(61):
+        clock.now += 1.0
+        if 1 <= second <= 25:  # within it (it starts at the second reading): 100 ms
+            metrics.observe(stream(100 + second, 0.1, 300), measured=True)
+        answer = data.answer(("", "", ""))
+    assert answer["span"]["kind"] == "minute"
+    (card,) = answer["fix"]["selections"]
+    window, total = card["fit"]["window"], card["fit"]["total"]
+    assert window["requests"] == 25 and total["requests"] == 55
+    assert window["ms_per_1k_tokens"] == pytest.approx(100.0)
+    assert window["fixed_ms"] == pytest.approx(50.0)
+    assert 100.0 < total["ms_per_1k_tokens"] < 200.0  # the two lines together
+    assert card["requests"] == 55  # the levers: since start
+    pc = answer["prompt_cache"]
+    minute = pc["window"]
+    assert minute["seconds"] == pytest.approx(60.0)
+    assert minute["missed"]["tokens"] == 25 * 300 and minute["examined"] == 25
+    assert minute["repeated"]["per_s"] == pytest.approx(25 * 500 / 60.0)
+    assert [(b["reason"], b["count"]) for b in minute["breaks"]] == [("system_changed", 25)]
+    assert pc["total"]["breaks"][0]["count"] == 55
+    # Priced by the fit since start, in both spans (no examples: a bare registry).
+    slope = total["ms_per_1k_tokens"] / 1000
+    assert minute["missed_ms"] == pytest.approx(slope * 300)
+    assert pc["total"]["missed_ms"] == pytest.approx(slope * (30 * 100 + 25 * 300) / 55)
+    assert minute["breaks"][0]["example"] is None
+    assert minute["breaks"][0]["sentence"] == (
+        "The prompt differs from the most similar recent prompt, so everything after it "
+        "is computed again: keep it identical across requests.")
+
+
 def test_recent_breaks_keep_the_latest_of_each_and_stay_bounded() -> None:
     from proxy.measure import PrefixRecord
     from proxy.ui.breaks import RecentBreaks

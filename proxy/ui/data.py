@@ -60,7 +60,7 @@ What to fix (``fix``): the levers of ``llm-latency-proxy diagnose``
 same evidence (:mod:`proxy.evidence`), gathered in the same walk over the registry and
 kept in each collection of the ring as a cumulative reading, so the last minute is the
 difference of two readings, as for every other figure. Prompt caching (``prompt_cache``):
-the doctor's counters per span, priced by each selection's prefill fit, and the break
+the doctor's counters per span, priced by each selection's prefill fit since start, and the break
 reasons by count, each with the latest example this process kept
 (:mod:`proxy.ui.breaks`). The doctor's index is per process today; the page says so
 unless the answer carries ``prefix_index`` with ``"shared": true`` (a shared index,
@@ -616,7 +616,8 @@ def prompt_cache(view: View) -> dict[str, Any]:
     """Prompt caching, per span: prompt tokens, the repeated prefix the prompt-cache
     doctor found, the cached tokens the upstream reported and the missed ones (repeated,
     not reported cached), per second and as shares of the prompt tokens; what the missed
-    ones cost in first-token time by the prefill fit; and the top break reasons, each
+    ones cost in first-token time by the prefill fit (since start, in both spans: the
+    most data); and the top break reasons, each
     with the latest example this process kept (:mod:`proxy.ui.breaks`) and one sentence.
     ``measured`` is False while the registry has no sample of the doctor's counters."""
 
