@@ -2,19 +2,26 @@
 
 One command starts three things in one process and one event loop:
 
-1. two simulated upstreams (:mod:`proxy.simulator`) on free loopback ports: ``local``,
+1. three simulated upstreams (:mod:`proxy.simulator`) on free loopback ports: ``local``,
    with a few decode slots, a prefix cache, upstream queue times reported vLLM-style
-   and rare faults, serving model ``sim-llm``; and ``cloud``, the same server at the
+   and rare faults, serving model ``sim-llm``; ``cloud``, the same server at the
    ``slow`` speed profile (:mod:`proxy.simulator.profiles`: half a second more to the
-   first token, 20 tokens/s), serving the ``cloud-*`` models;
-2. the proxy in front of both on ``--port`` (8080, or a free port if that is taken),
-   routing by model as a config file with two ``[[upstream]]`` tables would, and
+   first token, 20 tokens/s), serving the ``cloud-*`` models; and ``support``, a quiet
+   server of its own (10,000 prompt tokens/s, 100 tokens/s, no faults) for one app's
+   model, ``sim-support``;
+2. the proxy in front of them on ``--port`` (8080, or a free port if that is taken),
+   routing by model as a config file with three ``[[upstream]]`` tables would, and
    serving ``/metrics`` like in production;
 3. a steady mixed workload through the proxy over all four APIs the simulator speaks
    (chat completions, completions, Responses, Messages; short and long prompts,
    shared system prompts, short and long answers, some with reasoning, Poisson
    arrivals) with periodic bursts that overflow the simulator's slots, so queue time
-   and TTFT visibly jump.
+   and TTFT visibly jump; and the support app (:func:`support_request`), built to have
+   one thing to fix: its system prompt starts with the time, then 9.6 KB of
+   instructions that never change. The prompt-cache doctor reports the break live
+   (``variable_before_stable`` at message 0, the bytes after it repeating), and the live
+   page's "What to fix" card for ``sim-support`` has prefill as its top lever: each
+   request computes the whole prompt again, most of its first token.
 
 The first line printed is the URL of the proxy's live page (``/ui``: charts in a
 browser, see :mod:`proxy.ui`); the terminal view's header repeats it, since its first
@@ -30,7 +37,7 @@ upstreams" row. On a TTY
 it redraws in place with plain ANSI codes; otherwise it prints one line per refresh.
 
 Why in-process uvicorn servers rather than subprocesses: start-up is a fraction of a
-second, there is a single Ctrl-C to handle, and nothing can be left running. The two
+second, there is a single Ctrl-C to handle, and nothing can be left running. The
 servers do not install uvicorn's signal handlers; this module owns SIGINT/SIGTERM and
 shuts down in order: stop sending, cancel in-flight client requests (the proxy records
 them as ``client_disconnected``), stop the proxy, stop the simulator. Exit code 0.
@@ -40,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import math
 import random
 import socket
@@ -47,7 +55,7 @@ import sys
 import time
 from collections import Counter, deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
@@ -60,11 +68,17 @@ if TYPE_CHECKING:
 
 READY_LINE = "demo: traffic is flowing"
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
-# The two simulated upstreams: (upstream label, model the demo sends, model patterns).
+# The simulated upstreams: (upstream label, model the demo sends, model patterns).
 LOCAL = ("local", "sim-llm", ("sim-llm",))
 CLOUD = ("cloud", "cloud-llm", ("cloud-*",))
-UPSTREAMS = (LOCAL[0], CLOUD[0])
+# The support app's own server (see support_request): a quiet self-hosted one.
+SUPPORT = ("support", "sim-support", ("sim-support",))
+UPSTREAMS = (LOCAL[0], CLOUD[0], SUPPORT[0])
 CLOUD_SHARE = 0.25  # of the steady traffic
+SUPPORT_RATE_SHARE = 0.3  # the support app's requests per second, as a share of --rate
+SUPPORT_INSTRUCTION_TOKENS = 2400  # the stable block after the timestamp: about 9.6 KB
+SUPPORT_QUESTION_TOKENS = (20, 3000)  # a ticket pasted in: from a line to a long log
+SUPPORT_MAX_TOKENS = 24  # short answers: what it costs is the first token
 FIRST_ANSWER = "llm_proxy_time_to_first_answer_token_seconds"
 
 
@@ -73,9 +87,11 @@ def add_parser(subparsers: Any) -> None:
         "demo",
         help="run the simulator, the proxy and a live workload; watch what the proxy measures",
         description=(
-            "Start a simulated OpenAI/Anthropic-compatible upstream, the proxy in front of it "
+            "Start simulated OpenAI/Anthropic-compatible upstreams, the proxy in front of them "
             "and a steady mixed workload over chat completions, completions, Responses and "
-            "Messages with periodic bursts, and show the proxy's live TTFT, ITL, queue time, "
+            "Messages with periodic bursts, and an app that puts the time first in its system "
+            "prompt (the live page's Prompt caching panel and What to fix card find it), and "
+            "show the proxy's live TTFT, ITL, queue time, "
             "tokens, cache hit ratio, outcomes and figures per route, refreshed every second, "
             "until Ctrl-C. No API key, GPU or network needed."
         ),
@@ -242,6 +258,39 @@ def demo_profiles() -> list[Any]:
             api="completions",
         ),
     ]
+
+
+def support_instructions(seed: int) -> str:
+    """The support app's long, stable system prompt (after the timestamp)."""
+    from proxy.bench.workload import words
+
+    rng = random.Random(f"support:{seed}")
+    return "You are the support assistant. Instructions: " + words(
+        rng, SUPPORT_INSTRUCTION_TOKENS)
+
+
+def support_request(index: int, instructions: str, rng: random.Random, clock: str) -> Any:
+    """One request of the support app: an app that puts the time first in its system
+    prompt (``Current time is HH:MM:SS.``), then a long block of instructions that never
+    changes, then the ticket. Every second the head changes, so no prefix cache can
+    reuse the 9.6 KB after it: the prompt-cache doctor reports ``variable_before_stable``
+    at message 0 (system), and the "What to fix" card's top lever for this model is
+    prefill (each request computes the whole prompt again; moving the time after the
+    instructions would let a cache serve them)."""
+    from proxy.bench.workload import PlannedRequest, words
+
+    question = f"Ticket {index}: " + words(rng, rng.randint(*SUPPORT_QUESTION_TOKENS))
+    body = {
+        "model": SUPPORT[1],
+        "messages": [
+            {"role": "system", "content": f"Current time is {clock}.\n\n{instructions}"},
+            {"role": "user", "content": question},
+        ],
+        "max_tokens": SUPPORT_MAX_TOKENS,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    return PlannedRequest(index, "support", body, "chat")
 
 
 # ---------------------------------------------------------------------------
@@ -568,14 +617,17 @@ class Demo:
         sim_url = f"http://127.0.0.1:{sim_port}/v1"
         cloud_sock = _bind("127.0.0.1", 0)
         cloud_url = f"http://127.0.0.1:{cloud_sock.getsockname()[1]}/v1"
+        support_sock = _bind("127.0.0.1", 0)
+        support_url = f"http://127.0.0.1:{support_sock.getsockname()[1]}/v1"
         proxy_sock = _bind(args.host, args.port)
         proxy_port = proxy_sock.getsockname()[1]
         host = f"[{args.host}]" if ":" in args.host else args.host
         proxy_root = f"http://{host}:{proxy_port}"
-        # What a config file with two [[upstream]] tables gives: model -> upstream.
+        # What a config file with three [[upstream]] tables gives: model -> upstream.
         specs = (
             UpstreamSpec(LOCAL[0], sim_url, models=LOCAL[2], default=True),
             UpstreamSpec(CLOUD[0], cloud_url, models=CLOUD[2]),
+            UpstreamSpec(SUPPORT[0], support_url, models=SUPPORT[2]),
         )
         trace_file = getattr(args, "trace_file", "")  # absent when embedded without it
         settings = Settings(upstreams=specs, host=args.host, port=proxy_port,
@@ -583,9 +635,15 @@ class Demo:
                             trace_block_size=getattr(args, "trace_block_size", 512))
         sim_server = _server(create_simulator_app(sim_config))
         cloud_server = _server(create_simulator_app(profile_config("slow", sim_config)))
+        # Its own slots and prefill lane, no faults: its first token is its prompt's prefill.
+        support_config = replace(
+            sim_config, prefill_rate=10_000.0, prefill_overhead=0.03, itl=0.01, itl_growth=0.005,
+            error_rate=0.0, drop_rate=0.0, stream_error_rate=0.0, stall_rate=0.0)
+        support_server = _server(create_simulator_app(support_config))
         proxy_server = _server(create_app(settings))
         sim_task = asyncio.create_task(sim_server.serve(sockets=[sim_sock]))
         cloud_task = asyncio.create_task(cloud_server.serve(sockets=[cloud_sock]))
+        support_task = asyncio.create_task(support_server.serve(sockets=[support_sock]))
         proxy_task = asyncio.create_task(proxy_server.serve(sockets=[proxy_sock]))
         tasks: list[asyncio.Task[Any]] = []
         http = httpx.AsyncClient(
@@ -597,6 +655,7 @@ class Demo:
             for server, task in (
                 (sim_server, sim_task),
                 (cloud_server, cloud_task),
+                (support_server, support_task),
                 (proxy_server, proxy_task),
             ):
                 while not server.started:  # uvicorn's own flag; no event to wait on
@@ -614,6 +673,10 @@ class Demo:
                 f"demo: simulator at {cloud_url} (slow profile), upstream {CLOUD[0]!r} for "
                 f"models {', '.join(CLOUD[2])} ({CLOUD_SHARE:.0%} of the traffic)"
             )
+            self.say(
+                f"demo: simulator at {support_url} (10,000 prompt tokens/s), upstream {SUPPORT[0]!r} for "
+                f"model {SUPPORT[1]}: an app that puts the time first in its system prompt"
+            )
             self.say(f"demo: proxy at {proxy_root}/v1{note}")
             self.say(f"demo: metrics at {proxy_root}/metrics")
             if trace_file:
@@ -623,6 +686,7 @@ class Demo:
                 f"demo: try  curl -s {proxy_root}/metrics | grep llm_proxy_time_to_first_token"
             )
             tasks.append(asyncio.create_task(self.steady(http, proxy_root + "/v1")))
+            tasks.append(asyncio.create_task(self.support(http, proxy_root + "/v1")))
             if args.burst_every and args.burst_size:
                 tasks.append(asyncio.create_task(self.bursts(http, proxy_root + "/v1")))
             view = asyncio.create_task(self.view(http, proxy_root + "/metrics", proxy_root))
@@ -639,7 +703,8 @@ class Demo:
                     loop.remove_signal_handler(sig)
             await self.shutdown(
                 tasks, http, proxy_server, proxy_task, [(sim_server, sim_task),
-                                                        (cloud_server, cloud_task)])
+                                                        (cloud_server, cloud_task),
+                                                        (support_server, support_task)])
         self.say(f"demo: stopped after {self.completed} completed requests")
         return 0
 
@@ -680,7 +745,8 @@ class Demo:
         from proxy.bench.workload import API_PATHS, route_of
 
         self.sent[route_of(planned.api)] += 1
-        self.sent[CLOUD[0] if planned.body.get("model") == CLOUD[1] else LOCAL[0]] += 1
+        model = planned.body.get("model")
+        self.sent[next((u[0] for u in (CLOUD, SUPPORT) if u[1] == model), LOCAL[0])] += 1
 
         async def one() -> None:
             result = await send(http, base + API_PATHS[planned.api], planned)
@@ -710,6 +776,25 @@ class Demo:
             if delay > 0:
                 await asyncio.sleep(delay)  # pacing the workload
             self._launch(http, base, next(cloud if pick.random() < CLOUD_SHARE else local))
+
+    async def support(self, http: httpx.AsyncClient, base: str) -> None:
+        """The support app's requests, stamped with the wall-clock time as they are sent:
+        a worker that takes a ticket every ``1 / (rate * SUPPORT_RATE_SHARE)`` seconds
+        (give or take a fifth), so its prompts never wait for each other's prefill and
+        its first-token times follow its prompt lengths."""
+        import asyncio
+
+        instructions = support_instructions(self.args.seed)
+        rng = random.Random(f"support-questions:{self.args.seed}")
+        period = 1.0 / (self.args.rate * SUPPORT_RATE_SHARE)
+        start = time.perf_counter()
+        for index in itertools.count():
+            offset = period * (index + rng.uniform(-0.2, 0.2))
+            delay = start + offset - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)  # pacing the workload
+            stamp = time.strftime("%H:%M:%S")  # the app's own wall clock, as apps do
+            self._launch(http, base, support_request(index, instructions, rng, stamp))
 
     async def bursts(self, http: httpx.AsyncClient, base: str) -> None:
         import asyncio

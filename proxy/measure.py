@@ -145,6 +145,10 @@ class PrefixRecord:
     break_part: str = ""  # the part's kind where it broke ("" for the scope's reasons)
     break_index: int | None = None  # the part's position in its array in the body
     break_offset: int | None = None  # byte offset in that part of the block where it broke
+    break_role: str = ""  # that part's role ("system", "user"; "" where it has none)
+    break_part_bytes: int | None = None  # that part's size
+    changed_bytes: int | None = None  # variable_before_stable: the changed run, block-rounded
+    stable_bytes: int | None = None  # variable_before_stable: the bytes after it seen before
     # Why the request was not examined (proxy.prefix_check.UNCHECKED_REASONS); "" when it
     # was. When set, the fields above hold nothing (see not_examined).
     unchecked: str = ""

@@ -364,6 +364,8 @@ class PrefixJob:
             repeated_tokens=tokens.repeated, missed_tokens=tokens.missed,
             break_reason=report.reason or "", break_part=report.part or "",
             break_index=report.index, break_offset=report.offset,
+            break_role=report.role or "", break_part_bytes=report.part_bytes,
+            changed_bytes=report.changed_bytes, stable_bytes=report.stable_bytes,
             index_s=examination.index_s)
 
 

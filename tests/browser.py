@@ -18,9 +18,11 @@ sent, so a test can compare the page with ``/metrics`` at one moment.
 The README screenshot (``docs/ui.png``) is the page of ``llm-latency-proxy demo`` (two
 upstreams, four APIs, bursts), taken by the same browser code:
 
-    python -m tests.browser --screenshot docs/ui.png --seconds 75
+    python -m tests.browser --screenshot docs/ui.png --seconds 75 --panels docs/ui-fix.png
 
-75 s, so that the page shows a whole last minute beside since start.
+75 s, so that the page shows a whole last minute beside since start; ``--panels`` also
+takes the "What to fix" card and the "Prompt caching" panel with the demo's support app
+selected (``--model sim-support``), whose finding the demo was built to have.
 """
 
 from __future__ import annotations
@@ -196,24 +198,27 @@ def wait_for(driver: Any, script: str, timeout: float = 20.0) -> Any:
     )
 
 
-def full_screenshot(driver: Any, path: Path, scale: float = 1.0) -> None:
+def full_screenshot(
+    driver: Any, path: Path, scale: float = 1.0, only: tuple[str, ...] = ()
+) -> None:
     """The whole page, not just the window (DevTools ``Page.captureScreenshot``), at
-    ``scale`` (the README's is smaller, to stay near 200 KB)."""
+    ``scale`` (the README's whole page is smaller, to stay near 300 KB); with ``only`` (CSS
+    selectors), the box around those elements."""
     metrics = driver.execute_cdp_cmd("Page.getLayoutMetrics", {})
     size = metrics["cssContentSize"]
+    clip = {"x": 0, "y": 0, "width": size["width"], "height": size["height"]}
+    if only:
+        boxes = driver.execute_script(
+            "return arguments[0].map(s => document.querySelector(s).getBoundingClientRect())"
+            ".map(r => [r.left + scrollX, r.top + scrollY, r.right + scrollX, r.bottom + scrollY])",
+            list(only),
+        )
+        left, top = min(b[0] for b in boxes) - 8, min(b[1] for b in boxes) - 8
+        right, bottom = max(b[2] for b in boxes) + 8, max(b[3] for b in boxes) + 8
+        clip = {"x": left, "y": top, "width": right - left, "height": bottom - top}
     shot = driver.execute_cdp_cmd(
         "Page.captureScreenshot",
-        {
-            "format": "png",
-            "captureBeyondViewport": True,
-            "clip": {
-                "x": 0,
-                "y": 0,
-                "width": size["width"],
-                "height": size["height"],
-                "scale": scale,
-            },
-        },
+        {"format": "png", "captureBeyondViewport": True, "clip": {**clip, "scale": scale}},
     )
     path.write_bytes(base64.b64decode(shot["data"]))
 
@@ -290,7 +295,9 @@ SYSTEM = "You answer questions about the proxy's documentation. " * 40  # shared
 
 def one(client: Any, rng: random.Random, index: int, n: int) -> None:
     """One streamed request: the large model gets long unique prompts (slower TTFT), the
-    small one short questions behind a shared system prompt (the prefix cache serves it)."""
+    small one short questions behind a shared system prompt (the prefix cache serves it
+    to the completions route); its chat requests put a time first in that system prompt,
+    so the prompt-cache doctor finds the break (``variable_before_stable``)."""
     model = MODELS[(index + n) % 2]
     words = 6000 if model == "sim-large" else 60
     unique = f"[{index}:{n}] " + " ".join(
@@ -307,9 +314,14 @@ def one(client: Any, rng: random.Random, index: int, n: int) -> None:
         )
     else:
         extra = {"reasoning_effort": "low"} if n % 3 == 0 else {}
+        messages = [{"role": "user", "content": prompt}]
+        if model == "sim-small":
+            stamp = f"Current time is 12:00:{n % 60:02d}.\n\n"
+            messages = [{"role": "system", "content": stamp + SYSTEM},
+                        {"role": "user", "content": unique}]
         stream = client.chat.completions.create(
             model=model,
-            messages=[{"role": "user", "content": prompt}],
+            messages=messages,
             stream=True,
             max_tokens=rng.choice((12, 24, 48)),
             stream_options={"include_usage": True},
@@ -392,8 +404,12 @@ def demo() -> Iterator[str]:
             process.wait(10)
 
 
-def screenshot(path: Path, seconds: float, scale: float = 0.66) -> None:
-    """The README's picture: the demo's page after ``seconds`` of its traffic."""
+def screenshot(
+    path: Path, seconds: float, scale: float = 0.66, shots: tuple[tuple[Path, str], ...] = ()
+) -> None:
+    """The README's picture: the demo's page after ``seconds`` of its traffic; then each
+    of ``shots``, (path, model), the "What to fix" card and the "Prompt caching" panel
+    with that model selected."""
     with demo() as url, chrome(1360, 1000) as driver:
         driver.get(url)
         time.sleep(seconds)  # not a test: the picture needs that much history
@@ -402,7 +418,13 @@ def screenshot(path: Path, seconds: float, scale: float = 0.66) -> None:
         wait_for(driver, f"+document.body.dataset.refreshes > {refreshed}")
         tmp = path.with_suffix(".tmp.png")
         full_screenshot(driver, tmp, scale)
-    shutil.move(tmp, path)
+        shutil.move(tmp, path)
+        for shot, model in shots:
+            driver.get(f"{url}?model={model}")
+            wait_for(driver, "+document.body.dataset.refreshes >= 2")
+            tmp = shot.with_suffix(".tmp.png")
+            full_screenshot(driver, tmp, max(scale, 0.8), only=("#fix-card", "#pc-card"))
+            shutil.move(tmp, shot)
 
 
 def main() -> None:
@@ -410,9 +432,15 @@ def main() -> None:
     parser.add_argument("--screenshot", type=Path, default=Path("docs/ui.png"))
     parser.add_argument("--seconds", type=float, default=75.0)
     parser.add_argument("--scale", type=float, default=0.66)
+    parser.add_argument(
+        "--panels", type=Path, default=None, metavar="PNG",
+        help="also the What to fix card and the Prompt caching panel, for --model")
+    parser.add_argument("--model", default="sim-support")
     args = parser.parse_args()
-    screenshot(args.screenshot, args.seconds, args.scale)
-    print(f"{args.screenshot}: {args.screenshot.stat().st_size} bytes")
+    shots = ((args.panels, args.model),) if args.panels else ()
+    screenshot(args.screenshot, args.seconds, args.scale, shots)
+    for path in (args.screenshot, *(p for p, _ in shots)):
+        print(f"{path}: {path.stat().st_size} bytes")
 
 
 if __name__ == "__main__":

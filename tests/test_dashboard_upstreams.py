@@ -20,6 +20,11 @@ recording rules must carry the client label (absent for ``legacy``), and the TTF
 alerts, pending in Prometheus itself, must name the slow upstream and each of its
 clients, never the fast one, with the client in their text only when labelled.
 
+The "Prompt caching" row likewise: the doctor's counters (no client label) and the
+prompt and cached tokens (with one) of each upstream and model, and prefill-fit sums of
+a known line, give each panel's values; LLMProxyPromptCacheMissed, pending, names the
+one upstream and model above its threshold.
+
 Skipped without a ``prometheus`` binary, except in CI (``CI=true``). Waiting is on
 Prometheus's own API (bounded polls), never on a fixed sleep.
 """
@@ -62,7 +67,7 @@ ITL = "llm_proxy_inter_token_latency_seconds"
 QUEUE = "llm_proxy_queue_time_seconds"
 REQUESTS = "llm_proxy_requests_total"
 EDGES = {TTFT: TTFT_BUCKETS, TTFA: TTFT_BUCKETS, ITL: ITL_BUCKETS, QUEUE: QUEUE_BUCKETS}
-COMPARE_ROW, CLIENTS_ROW = "Compare upstreams", "Clients"
+COMPARE_ROW, CLIENTS_ROW, PROMPT_ROW = "Compare upstreams", "Clients", "Prompt caching"
 
 Labels = dict[str, str]
 
@@ -147,6 +152,51 @@ COUNTERS = [
 ]
 
 
+# The prompt-cache doctor's counters and the series beside them, per second. Prompt and
+# cached tokens carry the client label as the proxy exports them; the doctor's counters
+# (repeated, missed, examined requests, breaks) have none.
+@dataclass(frozen=True)
+class Doctor:
+    prompt: dict[str | None, float]  # by client
+    cached: dict[str | None, float]  # by client
+    repeated: float
+    missed: float
+    examined: float  # requests
+
+
+PROMPT_CACHE = {
+    ("fast", "m"): Doctor({"alice": 600.0, "bob": 400.0}, {"alice": 300.0, "bob": 200.0},
+                          700.0, 150.0, 2.0),  # missed share 15 %: under the alert's 20 %
+    ("slow", "m"): Doctor({"alice": 1000.0, "bob": 500.0, "carol": 500.0},
+                          {"alice": 100.0, "bob": 100.0, "carol": 0.0},
+                          1400.0, 1000.0, 4.0),  # 50 %: the alert is pending
+    ("fast", "n"): Doctor({"alice": 500.0}, {"alice": 0.0}, 0.0, 0.0, 1.0),
+    ("legacy", "m"): Doctor({None: 100.0}, {None: 50.0}, 60.0, 10.0, 0.5),  # 10 %
+}
+BREAKS = {  # (upstream, model, reason, part): breaks per second
+    ("fast", "m", "variable_before_stable", "system"): 0.5,
+    ("fast", "m", "first_seen", "none"): 0.125,
+    ("slow", "m", "system_changed", "system"): 1.0,
+    ("fast", "n", "first_seen", "none"): 0.25,
+}
+# The prefill fit's sums per second: two requests, x = 1 and 3 thousand uncached tokens,
+# y = fixed + slope * x; slope 0.1 s per 1,000 tokens on fast, 0.4 on slow (legacy has
+# no fit: the cost panel has no line for it).
+FIT_LINES = {("fast", "m"): (0.02, 0.1), ("slow", "m"): (0.5, 0.4), ("fast", "n"): (0.02, 0.1)}
+
+
+def fit_sums(fixed: float, slope: float) -> dict[str, float]:
+    points = [(x, fixed + slope * x) for x in (1.0, 3.0)]
+    return {
+        "requests": len(points),
+        "uncached_ktokens": sum(x for x, _ in points),
+        "first_token_seconds": sum(y for _, y in points),
+        "xy": sum(x * y for x, y in points),
+        "xx": sum(x * x for x, _ in points),
+        "yy": sum(y * y for _, y in points),
+    }
+
+
 class Known:
     """A collector whose every counter is its rate times the seconds since start."""
 
@@ -173,6 +223,47 @@ class Known:
         for labels, per_second in COUNTERS:
             requests.add_sample(REQUESTS, labels, per_second * elapsed)
         yield requests
+        yield from self.prompt_cache(elapsed)
+
+    @staticmethod
+    def prompt_cache(elapsed: float) -> Iterator[Metric]:
+        def labels(upstream: str, model: str, client: str | None = None) -> dict[str, str]:
+            return dict(L(upstream, model, client))
+
+        for name, field in (("llm_proxy_prompt_tokens", "prompt"),
+                            ("llm_proxy_cached_prompt_tokens", "cached")):
+            family = Metric(name, "known series", "histogram")
+            for (upstream, model), figures in PROMPT_CACHE.items():
+                by_client: dict[str | None, float] = getattr(figures, field)
+                for client, per_second in by_client.items():
+                    family.add_sample(f"{name}_sum", labels(upstream, model, client),
+                                      per_second * elapsed)
+                    family.add_sample(f"{name}_count", labels(upstream, model, client), elapsed)
+            yield family
+        for name, field in (("llm_proxy_prompt_repeated_tokens", "repeated"),
+                            ("llm_proxy_prompt_cache_missed_tokens", "missed")):
+            family = Metric(name, "known series", "counter")
+            for (upstream, model), figures in PROMPT_CACHE.items():
+                family.add_sample(f"{name}_total", labels(upstream, model),
+                                  getattr(figures, field) * elapsed)
+            yield family
+        name = "llm_proxy_prompt_cache_missed_tokens_per_request"
+        family = Metric(name, "known series", "histogram")
+        for (upstream, model), figures in PROMPT_CACHE.items():
+            family.add_sample(f"{name}_count", labels(upstream, model), figures.examined * elapsed)
+        yield family
+        family = Metric("llm_proxy_prompt_prefix_breaks", "known series", "counter")
+        for (upstream, model, reason, part), per_second in BREAKS.items():
+            family.add_sample("llm_proxy_prompt_prefix_breaks_total",
+                              {**labels(upstream, model), "reason": reason, "part": part},
+                              per_second * elapsed)
+        yield family
+        for field in ("requests", "uncached_ktokens", "first_token_seconds", "xy", "xx", "yy"):
+            family = Metric(f"llm_proxy_prefill_fit_{field}", "known series", "counter")
+            for (upstream, model), line in FIT_LINES.items():
+                family.add_sample(f"llm_proxy_prefill_fit_{field}_total", labels(upstream, model),
+                                  fit_sums(*line)[field] * elapsed)
+            yield family
 
 
 def metrics_app(registry: CollectorRegistry) -> Any:
@@ -589,3 +680,71 @@ async def test_ttft_rules_and_pending_alerts_name_the_slow_upstream_and_its_clie
         (a["labels"]["upstream"], a["labels"]["route"], a["labels"].get("client")) for a in errors
     ] == [("slow", CHAT, None)]
     assert not [a for a in alerts if a["labels"].get("upstream") == "fast"]
+
+
+async def test_prompt_caching_row_gives_each_upstreams_own_figures(prom: Prom) -> None:
+    """Per upstream and model: repeated, reported cached and missed tokens per second in
+    the proportions of the known rates, the missed share, the breaks by reason and part,
+    and the missed cache's first-token cost (missed per examined request x the fitted
+    slope); a client picked does not narrow the row (the doctor's counters carry no
+    client label; the rules sum the prompt and cached tokens over clients); and the
+    alert is pending for the upstream and model above 20 % only."""
+    um = ("upstream", "model")
+    prompt = {k: sum(v.prompt.values()) for k, v in PROMPT_CACHE.items()}
+    lines = {
+        "repeated": {k: v.repeated for k, v in PROMPT_CACHE.items()},
+        "reported cached": {k: sum(v.cached.values()) for k, v in PROMPT_CACHE.items()},
+        "missed": {k: v.missed for k, v in PROMPT_CACHE.items()},
+    }
+    assert lines["missed"][("slow", "m")] / prompt[("slow", "m")] == 0.5  # by hand
+    panels = {p["title"]: p for p in panels_of(PROMPT_ROW)}
+    assert len(panels) == 4
+    for variables in (ALL, {**ALL, "client": "(alice)"}):
+        tokens = panels["Prompt tokens per second: repeated, reported cached and missed, "
+                        "per upstream and model"]
+        got: dict[str, dict[tuple[str, ...], float]] = {}
+        for _, legend, expr in queries(tokens, variables):
+            got[legend.split(" {{")[0]] = by_keys(await prom.series(expr), um)
+        base = got["repeated"][("fast", "m")] / lines["repeated"][("fast", "m")]
+        for line, values in lines.items():  # a rate's size depends on the window: in proportion
+            assert {k: v / base for k, v in got[line].items()} == approx(values), line
+        ((_, _, expr),) = queries(panels["Missed share of prompt tokens per upstream and model"],
+                                  variables)
+        assert by_keys(await prom.series(expr), um) == approx(
+            {k: lines["missed"][k] / prompt[k] for k in prompt})
+        ((_, _, expr),) = queries(panels["Prompt prefix breaks per second by reason and part"],
+                                  variables)
+        breaks = by_keys(await prom.series(expr), ("reason", "part"))
+        want: dict[tuple[str, ...], float] = {}
+        for (_, _, reason, part), per_second in BREAKS.items():
+            want[(reason, part)] = want.get((reason, part), 0.0) + per_second
+        scale = breaks[("system_changed", "system")] / want[("system_changed", "system")]
+        assert {k: v / scale for k, v in breaks.items()} == approx(want)
+        cost = panels["What the missed cache costs in first-token time, per request (missed "
+                      "tokens x fitted prefill cost)"]
+        ((_, _, expr),) = queries(cost, variables)
+        assert by_keys(await prom.series(expr), ("upstream", "model", "route")) == approx({
+            (upstream, model, CHAT): PROMPT_CACHE[(upstream, model)].missed
+            / PROMPT_CACHE[(upstream, model)].examined / 1000 * slope
+            for (upstream, model), (_, slope) in FIT_LINES.items()
+        })
+    # By hand: slow misses 1,000 tokens/s over 4 requests/s, 250 tokens at 0.4 s per 1,000.
+    ((_, _, expr),) = queries(cost, ALL)
+    assert by_keys(await prom.series(expr), ("upstream", "model", "route"))[
+        ("slow", "m", CHAT)] == pytest.approx(0.1)
+
+    async def alerts() -> list[dict[str, Any]]:
+        body = (await prom.client.get("/api/v1/alerts")).json()
+        found: list[dict[str, Any]] = body["data"]["alerts"]
+        return [a for a in found if a["labels"]["alertname"] == "LLMProxyPromptCacheMissed"]
+
+    async def missed_pending() -> bool:
+        return bool(await alerts())
+
+    await poll("LLMProxyPromptCacheMissed to be pending", missed_pending)
+    (alert,) = await alerts()
+    assert alert["state"] == "pending"
+    assert {k: alert["labels"][k] for k in ("upstream", "model", "route")} == {
+        "upstream": "slow", "model": "m", "route": CHAT}
+    assert alert["annotations"]["summary"] == (
+        f"50% of prompt tokens for m on {CHAT} via slow missed the prompt cache")

@@ -116,6 +116,74 @@ def test_demo_serves_metrics_and_exits_cleanly_on_sigint() -> None:
         httpx.get(metrics_url, timeout=2)
 
 
+def support_break(size: int, block: int = 256) -> tuple[int, int]:
+    """(changed, stable) bytes the doctor reports for the support app's system prompt of
+    ``size`` bytes whose first 24 (``Current time is HH:MM:SS``) change: its tail is cut
+    into blocks from the end, so the stable run starts at the first cut at or after
+    byte 24."""
+    stable_start = size - block * ((size - 24) // block)
+    return stable_start, size - stable_start
+
+
+@pytest.mark.e2e
+def test_demo_shows_the_support_apps_break_and_its_top_lever() -> None:
+    """The demo's support app puts the time first in its system prompt: the live page
+    (``/ui/data``, as the page reads it) shows the doctor's break at message 0 (system),
+    bytes 0 to the first stable cut, the rest of the 9.6 KB repeating, and the "What to
+    fix" card for its model has prefill as its top lever, worth acting on; ``/metrics``
+    counts the same break with its bounded labels."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "proxy", "demo", "--port", "0", "--rate", "3",
+           "--burst-every", "0"]
+    size = len(f"Current time is 00:00:00.\n\n{demo.support_instructions(0)}")
+    changed, stable = support_break(size)
+    with subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as proc:
+        try:
+            out = Lines(proc.stdout)  # type: ignore[arg-type]
+            page = out.wait_for(r"demo: live page at (\S+)").group(1)
+            data_url = page + f"/data?model={demo.SUPPORT[1]}"
+            deadline = time.monotonic() + 180
+            while True:  # polling the page's data as the page does, once a second
+                answer = httpx.get(data_url, timeout=10)
+                if answer.status_code == 400:  # the model has not been seen yet
+                    assert answer.json()["error"]["code"] == "unknown_selector"
+                    card, breaks = [], []
+                else:
+                    card = answer.json()["fix"]["selections"]
+                    breaks = answer.json()["prompt_cache"]["total"]["breaks"]
+                if card and card[0]["fit"]["total"]["usable"] and breaks:
+                    break
+                assert time.monotonic() < deadline, (card, breaks)
+                time.sleep(1.0)  # the page polls once a second; this is that poll
+            metrics = promscrape.parse(httpx.get(page.removesuffix("/ui") + "/metrics").text)
+        finally:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    (selection,) = card
+    assert (selection["route"], selection["model"], selection["upstream"]) == (
+        "/v1/chat/completions", demo.SUPPORT[1], demo.SUPPORT[0])
+    top = selection["levers"][0]
+    assert (top["name"], top["status"]) == ("prefill", "lever"), selection["levers"]
+    first = breaks[0]
+    assert first["reason"] == "variable_before_stable", breaks
+    example = first["example"]
+    assert {k: example[k] for k in ("part", "index", "role", "offset", "part_bytes",
+                                    "changed_bytes", "stable_bytes")} == {
+        "part": "system", "index": 0, "role": "system", "offset": 0, "part_bytes": size,
+        "changed_bytes": changed, "stable_bytes": stable}
+    assert first["sentence"].startswith(
+        f"Message 0 (system) changes in bytes 0-{changed} of {size:,}; the {stable:,} bytes "
+        "after them repeat: move the changing part after them (about ")
+    where = promscrape.label_filter(model=demo.SUPPORT[1], reason="variable_before_stable",
+                                    part="system")
+    assert promscrape.total(metrics, "llm_proxy_prompt_prefix_breaks_total", where) >= 1
+
+
 async def test_demo_live_view_on_a_tty_until_duration() -> None:
     args = argparse.Namespace(
         host="127.0.0.1",
@@ -152,13 +220,14 @@ async def test_demo_live_view_on_a_tty_until_duration() -> None:
     assert set(rows) == set(demo.ROUTES)
     assert rows["/v1/chat/completions"][0] > 0 and rows["/v1/chat/completions"][1] > 0
     assert sum(sent for sent, _ in rows.values()) > rows["/v1/chat/completions"][0]
-    # Per upstream: both simulated upstreams got traffic, and the slow one is slower.
+    # Per upstream: every simulated upstream got traffic, and the slow one is slower.
     ups = {
         m.group(1): (int(m.group(2)), int(m.group(3)), m.group(4))
-        for m in re.finditer(r"^(local|cloud)\s+(\d+)\s+(\d+)\s+(\S+)", frames[-1], re.MULTILINE)
+        for m in re.finditer(r"^(local|cloud|support)\s+(\d+)\s+(\d+)\s+(\S+)", frames[-1],
+                             re.MULTILINE)
     }
-    assert set(ups) == {"local", "cloud"}
-    assert ups["local"][0] > ups["cloud"][0] > 0
+    assert set(ups) == set(demo.UPSTREAMS) == {"local", "cloud", "support"}
+    assert ups["local"][0] > ups["cloud"][0] > 0 and ups["support"][0] > 0
     if ups["cloud"][1] and ups["local"][1]:  # TTFT p50 in ms, once each has finished one
         assert int(ups["cloud"][2]) > int(ups["local"][2]) + 300
     assert "demo: stopped after" in text

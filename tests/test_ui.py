@@ -566,6 +566,232 @@ async def test_by_upstream_and_model_from_real_requests(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------
+# Prompt caching and What to fix, from real requests through the proxy
+
+STAMPED = "Current time is 12:00:{:02d}" + ".\n\n" + "x" * 3069  # 24 + 3,072 bytes
+SHARED = "s" * 4096  # sixteen whole blocks
+PER_1K_S, FIXED_S = 0.1, 0.02  # the upstream's prefill: 100 ms per 1,000 uncached tokens
+
+
+def prefilled(clock: ScriptedClock, cached: dict[str, int]) -> Handler:
+    """Chat streams whose usage says one prompt token per four bytes of the messages'
+    content, cached tokens ``cached[model]`` (0 for a model's first request), and whose
+    first token comes ``FIXED_S + PER_1K_S`` per 1,000 uncached tokens after the
+    request: a prefill cost the fit finds exactly."""
+    first: set[str] = set()
+
+    async def respond(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        model = body["model"]
+        size = sum(len(m["content"].encode()) for m in body["messages"])
+        assert size % 4 == 0
+        prompt = size // 4
+        hit = cached.get(model, 0) if model in first else 0
+        first.add(model)
+        ttft = FIXED_S + PER_1K_S * (prompt - hit) / 1000
+        script = [(T0 + ttft + i * 0.0125, sse(chunk_json({"content": f"t{i}"}))) for i in range(5)]
+        last = script[-1][0]
+        script += [(last, sse(usage_json(prompt, 5, hit))), (last, DONE)]
+        clock.now = T0
+        return httpx.Response(200, headers=SSE_HEADERS, content=timed_body(clock, script, last))
+
+    return respond
+
+
+async def test_prompt_caching_and_what_to_fix_from_real_requests(tmp_path: Path) -> None:
+    """Two apps on one upstream: ``gpt-clock`` puts the time first in a 3,096-byte system
+    prompt (the doctor finds ``variable_before_stable`` at message 0, bytes 0-24, and the
+    3,072 bytes after it repeat), ``gpt-cached`` repeats a 4,096-byte system prompt that
+    the upstream reports half cached (512 of its 1,024 tokens missed a request). Every
+    figure of both panels follows from the script."""
+    from proxy.app import create_app
+    from proxy.upstream_spec import UpstreamSpec
+
+    clock = ScriptedClock(T0)
+    upstream = ScriptedUpstream(prefilled(clock, {"gpt-cached": 512}), clock)
+    # Every repeated token is cacheable here: no minimum length, no caching step.
+    spec = UpstreamSpec("up", upstream.url + "/v1", models=("*",), default=True,
+                        min_cacheable_tokens=0, cache_granularity_tokens=1)
+    app = create_app(Settings(upstreams=(spec,)), registry=CollectorRegistry(), clock=clock)
+    assert app.ui is not None
+    questions = [f"question {i}: " + "w" * (4 * (10 + 37 * i) - len(f"question {i}: "))
+                 for i in range(24)]
+    sent: dict[str, list[int]] = {"gpt-clock": [], "gpt-cached": []}
+    try:
+        await upstream.start()
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://proxy.test") as http:
+            for i, question in enumerate(questions):
+                for model, system in (("gpt-clock", STAMPED.format(i)), ("gpt-cached", SHARED)):
+                    clock.now = T0
+                    body = {"model": model, "stream": True,
+                            "stream_options": {"include_usage": True},
+                            "messages": [{"role": "system", "content": system},
+                                         {"role": "user", "content": question}]}
+                    assert (await http.post(CHAT, json=body)).status_code == 200
+                    sent[model].append((len(system) + len(question)) // 4)
+        page = Clock()
+        data = ui_data.LiveData(app.ui.data.registry, clock=page, breaks=app.ui.data.breaks)
+        data.started = page.now - 100.0  # since start: 100 s
+        everything = data.answer(("", "", ""))
+    finally:
+        await app.aclose()
+        await upstream.aclose()
+
+    n = len(questions)
+    clock_tokens, cached_tokens = sum(sent["gpt-clock"]), sum(sent["gpt-cached"])
+    pc = everything["prompt_cache"]
+    assert pc["measured"] is True and pc["window"] is None  # no minute yet: since start
+    total = pc["total"]
+    prompt = clock_tokens + cached_tokens
+    assert total["prompt"] == {"tokens": prompt, "per_s": prompt / 100, "share": 1.0}
+    repeated, missed = 1024 * (n - 1), 512 * (n - 1)  # gpt-cached's from its second on
+    assert total["repeated"] == {"tokens": repeated, "per_s": repeated / 100,
+                                 "share": pytest.approx(repeated / prompt)}
+    assert total["cached"]["tokens"] == 512 * (n - 1)
+    assert total["missed"] == {"tokens": missed, "per_s": missed / 100,
+                               "share": pytest.approx(missed / prompt)}
+    assert total["examined"] == 2 * n  # every usage says its cached tokens
+    # 512 tokens missed by each of gpt-cached's requests but the first, at 0.1 ms a token,
+    # per request examined; both selections have a prefill fit.
+    assert total["missed_ms"] == pytest.approx(PER_1K_S * missed / (2 * n))
+    assert total["missed_ms_covers"] == pytest.approx(1.0)
+    assert total["breaks_total"] == n - 1 + 2
+    top, second = total["breaks"]
+    assert (top["reason"], top["count"], second["reason"], second["count"]) == (
+        "variable_before_stable", n - 1, "first_seen", 2)
+    example = top["example"]
+    tokens = 3072 * sent["gpt-clock"][-1] / (3096 + len(questions[-1]))  # its own ratio
+    assert tokens == 768
+    assert {k: example[k] for k in ("route", "model", "upstream", "part", "index", "role",
+                                    "offset", "part_bytes", "changed_bytes", "stable_bytes",
+                                    "stable_tokens")} == {
+        "route": CHAT, "model": "gpt-clock", "upstream": "up", "part": "system", "index": 0,
+        "role": "system", "offset": 0, "part_bytes": 3096, "changed_bytes": 24,
+        "stable_bytes": 3072, "stable_tokens": 768}
+    assert top["saves_ms"] == pytest.approx(76.8)  # 768 tokens at 0.1 ms
+    assert top["sentence"] == (
+        "Message 0 (system) changes in bytes 0-24 of 3,096; the 3,072 bytes after them "
+        "repeat: move the changing part after them (about 768 tokens a request could be "
+        "cached, 77 ms of first token by the prefill fit).")
+    assert second["sentence"].startswith("Nothing like this prompt went to this upstream")
+
+    # What to fix: both selections, the busiest first (equal: by route, model, upstream).
+    card = everything["fix"]
+    assert [(s["model"], s["requests"]) for s in card["selections"]] == [
+        ("gpt-cached", n), ("gpt-clock", n)]
+    assert card["more"] == 0
+    by_model = {s["model"]: s for s in card["selections"]}
+    stamped = by_model["gpt-clock"]
+    fit = stamped["fit"]["total"]
+    assert stamped["fit"]["window"] is None
+    assert fit["usable"] and fit["requests"] == n
+    assert fit["ms_per_1k_tokens"] == pytest.approx(1000 * PER_1K_S)
+    assert fit["fixed_ms"] == pytest.approx(1000 * FIXED_S)
+    lever = stamped["levers"][0]
+    mean_tokens = clock_tokens / n
+    assert (lever["name"], lever["status"]) == ("prefill", "lever")
+    assert lever["saves_ms"] == pytest.approx(PER_1K_S * mean_tokens, rel=1e-3)
+    assert stamped["first_token"]["mean_ms"] == pytest.approx(
+        1000 * FIXED_S + PER_1K_S * mean_tokens, rel=1e-3)
+    # gpt-cached: its missed cache, at the fitted cost, is a lever of its own.
+    levers = {lv["name"]: lv for lv in by_model["gpt-cached"]["levers"]}
+    assert levers["prompt_cache"]["saves_ms"] == pytest.approx(
+        PER_1K_S * missed / n, rel=1e-3)
+    assert levers["prompt_cache"]["numbers"]["missed_cache_tokens"] == pytest.approx(
+        missed / n, rel=1e-3)
+
+    # One selection: its own figures, its own example; the other's break is not there.
+    cached_only = data.answer(("", "gpt-cached", ""))
+    assert [s["model"] for s in cached_only["fix"]["selections"]] == ["gpt-cached"]
+    only = cached_only["prompt_cache"]["total"]
+    assert only["prompt"]["tokens"] == cached_tokens and only["missed"]["tokens"] == missed
+    assert only["missed_ms"] == pytest.approx(PER_1K_S * missed / n)
+    assert [(b["reason"], b["count"]) for b in only["breaks"]] == [("first_seen", 1)]
+
+
+def test_the_card_and_the_prompt_panel_over_the_last_minute() -> None:
+    """Once the ring holds a minute, the card's prefill fit for the last minute is the
+    line of that minute's requests alone, beside the fit since start (the levers stay
+    since start), and the Prompt caching panel's last minute counts that minute's
+    tokens and breaks."""
+    from proxy.measure import PrefixRecord
+
+    clock = Clock()
+    metrics = Metrics(Settings(upstream_name="up"), CollectorRegistry())
+    data = ui_data.LiveData(metrics.registry, clock=clock)
+
+    def stream(i: int, per_1k_s: float, missed: int) -> RequestRecord:
+        tokens = 1000 + 100 * (i % 10)
+        p = PrefixRecord(4 * tokens, 2000, 500, missed, "system_changed", "system", 0, 0)
+        return record(i, prompt_tokens=tokens, cached_prompt_tokens=0, queue_s=0.0,
+                      ttft_s=0.05 + per_1k_s * tokens / 1000, prefix=p)
+
+    for i in range(30):  # before the page's minute: 200 ms per 1,000 tokens
+        metrics.observe(stream(i, 0.2, 100), measured=True)
+    data.answer(("", "", ""))
+    for second in range(61):
+        clock.now += 1.0
+        if 1 <= second <= 25:  # within it (it starts at the second reading): 100 ms
+            metrics.observe(stream(100 + second, 0.1, 300), measured=True)
+        answer = data.answer(("", "", ""))
+    assert answer["span"]["kind"] == "minute"
+    (card,) = answer["fix"]["selections"]
+    window, total = card["fit"]["window"], card["fit"]["total"]
+    assert window["requests"] == 25 and total["requests"] == 55
+    assert window["ms_per_1k_tokens"] == pytest.approx(100.0)
+    assert window["fixed_ms"] == pytest.approx(50.0)
+    assert 100.0 < total["ms_per_1k_tokens"] < 200.0  # the two lines together
+    assert card["requests"] == 55  # the levers: since start
+    pc = answer["prompt_cache"]
+    minute = pc["window"]
+    assert minute["seconds"] == pytest.approx(60.0)
+    assert minute["missed"]["tokens"] == 25 * 300 and minute["examined"] == 25
+    assert minute["repeated"]["per_s"] == pytest.approx(25 * 500 / 60.0)
+    assert [(b["reason"], b["count"]) for b in minute["breaks"]] == [("system_changed", 25)]
+    assert pc["total"]["breaks"][0]["count"] == 55
+    # Priced by the fit since start, in both spans (no examples: a bare registry).
+    slope = total["ms_per_1k_tokens"] / 1000
+    assert minute["missed_ms"] == pytest.approx(slope * 300)
+    assert pc["total"]["missed_ms"] == pytest.approx(slope * (30 * 100 + 25 * 300) / 55)
+    assert minute["breaks"][0]["example"] is None
+    assert minute["breaks"][0]["sentence"] == (
+        "The prompt differs from the most similar recent prompt, so everything after it "
+        "is computed again: keep it identical across requests.")
+
+
+def test_recent_breaks_keep_the_latest_of_each_and_stay_bounded() -> None:
+    from proxy.measure import PrefixRecord
+    from proxy.ui.breaks import RecentBreaks
+
+    clock = Clock()
+    breaks = RecentBreaks(clock, max_keys=3)
+
+    def broken(i: int, model: str, reason: str, tokens: int | None = 1000) -> RequestRecord:
+        p = PrefixRecord(4000, 0, 0, 0, reason, "message", i, 0, "user", 900, 256, 2000)
+        return record(i, model=model, prompt_tokens=tokens, prefix=p)
+
+    breaks.add(record(0))  # no doctor's finding: nothing kept
+    breaks.add(broken(1, "a", "message_changed"))
+    clock.now += 1
+    breaks.add(broken(2, "b", "message_changed"))
+    breaks.add(broken(3, "a", "variable_before_stable"))
+    latest = breaks.latest(lambda key: True)
+    assert {r: (k[1], e.index) for r, (k, e) in latest.items()} == {
+        "message_changed": ("b", 2), "variable_before_stable": ("a", 3)}
+    only_a = breaks.latest(lambda key: key[1] == "a")
+    assert only_a["message_changed"][1].index == 1
+    assert only_a["variable_before_stable"][1].stable_tokens == 500  # 2,000 bytes at 1/4
+    # A request whose usage said no prompt tokens keeps the key's last ratio.
+    breaks.add(broken(4, "a", "variable_before_stable", tokens=None))
+    assert breaks.latest(lambda key: True)["variable_before_stable"][1].stable_tokens == 500
+    breaks.add(broken(5, "c", "expired"))  # a fourth key: the least recently updated goes
+    assert set(breaks.latest(lambda key: True)) == {"variable_before_stable", "expired",
+                                                    "message_changed"}
+    assert breaks.latest(lambda key: key[1] == "a").keys() == {"variable_before_stable"}
+
+
+# ---------------------------------------------------------------------------
 # Bad input
 
 
@@ -640,12 +866,14 @@ def test_the_page_reaches_nothing_off_the_machine() -> None:
 
 def test_the_page_stays_small() -> None:
     """One document, its script and style inlined: the README gives its size. A new
-    panel that takes it past this budget should say what it gave up for it."""
+    panel that takes it past this budget should say what it gave up for it. (Raised by
+    3.5 KB, 0.7 KB gzipped, for the "What to fix" card and the "Prompt caching" panel:
+    their drawing code and the notes that say what they count.)"""
     import gzip
 
     page, _ = page_with_counter()
     html = page.respond("GET", "/ui", b"")[2]
-    assert len(html) < 32_000 and len(gzip.compress(html, 9)) < 11_000
+    assert len(html) < 35_500 and len(gzip.compress(html, 9)) < 11_700
 
 
 def _urls(text: str) -> list[str]:

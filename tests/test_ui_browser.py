@@ -31,6 +31,7 @@ import secrets
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -178,6 +179,65 @@ def assert_row_equals_metrics(row: dict[str, str], snap: promscrape.Snapshot) ->
     assert abs(float(row["missed cache"].rstrip("%")) - 100 * missed / prompt) <= 0.5
 
 
+BREAKS = "llm_proxy_prompt_prefix_breaks_total"
+
+
+def assert_prompt_cache_equals_metrics(
+    figures: dict[str, str], snap: promscrape.Snapshot, **labels: str
+) -> None:
+    """The "Prompt caching" panel since start (the page opened before any traffic, and
+    shows no minute yet) equals ``/metrics`` for ``labels``: each kind of token as a
+    share of the prompt tokens, as the page rounds it, and each break reason listed with
+    the count of ``llm_proxy_prompt_prefix_breaks_total``, the most frequent first (the
+    reasons are of the span the page leads with: checked while that holds the whole run)."""
+    where = promscrape.label_filter(**labels)
+    prompt = promscrape.histogram(snap, "llm_proxy_prompt_tokens", where).sum
+    assert prompt > 0
+    for key, value in (
+        ("repeated", promscrape.total(snap, "llm_proxy_prompt_repeated_tokens_total", where)),
+        ("cached", promscrape.histogram(snap, "llm_proxy_cached_prompt_tokens", where).sum),
+        ("missed", promscrape.total(snap, "llm_proxy_prompt_cache_missed_tokens_total", where)),
+    ):
+        shown_share = figures[f"pc.total.{key}.share"]
+        assert abs(float(shown_share.rstrip("%")) - 100 * value / prompt) <= 0.5, (key, shown_share)
+    if "pc.window.prompt.share" in figures and figures["window.ttft.n"] != figures["total.ttft.n"]:
+        return
+    counts = promscrape.by_label(snap, BREAKS, "reason", where)
+    listed = [(figures[f"pc.break.{i}"], float(figures[f"pc.break.{i}.count"]))
+              for i in range(4) if f"pc.break.{i}" in figures]
+    assert listed and [c for _, c in listed] == sorted((c for _, c in listed), reverse=True)
+    assert all(counts[reason] == count for reason, count in listed), (listed, counts)
+    assert len(listed) == min(4, sum(1 for v in counts.values() if v > 0))
+
+
+def assert_card_equals_diagnose(figures: dict[str, str], text: str, **labels: str) -> None:
+    """The "What to fix" card: for each selection it lists, the levers worth acting on,
+    in order, with the milliseconds each saves, are ``diagnose``'s from ``/metrics``
+    (its text, read as the command reads it) for the same labels."""
+    from proxy import evidence
+    from proxy.diagnosis import levers
+
+    found = {
+        (d.route, d.model, d.upstream): d
+        for d in map(levers.diagnose, evidence.evidence(evidence.read_text(text), **labels))
+    }
+    shown_keys = [figures[k] for k in sorted(figures) if k.startswith("fix.") and k.endswith(".key")]
+    decided = 0
+    assert shown_keys and len(shown_keys) == min(4, len(found))
+    for n, key in enumerate(figures[f"fix.{i}.key"] for i in range(len(shown_keys))):
+        route, model, upstream = key.split(" (")[0].strip().split(" · ")
+        expected = [lv for lv in found[(route, model, upstream)].levers if lv.status == "lever"]
+        listed = [figures[f"fix.{n}.lever.{i}"] for i in range(len(expected) + 1)
+                  if f"fix.{n}.lever.{i}" in figures]
+        assert listed == [lv.name for lv in expected], (key, listed)
+        decided += len(found[(route, model, upstream)].levers) - sum(
+            lv.status == "too_little_data" for lv in found[(route, model, upstream)].levers)
+        for i, lever in enumerate(expected):
+            saved = figures[f"fix.{n}.lever.{i}.saves_ms"].split()[1]
+            assert abs(float(saved) - (lever.saves_ms or 0.0)) <= 0.5, (key, lever.name, saved)
+    assert decided > 0  # some lever had the data to be judged
+
+
 def choose(driver: Any, name: str, value: str) -> None:
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select
@@ -201,6 +261,9 @@ def test_live_page_draws_the_proxys_figures_in_a_real_browser(tmp_path: Path) ->
         )
         assert driver.find_elements("css selector", "[data-chart=itl-hist] rect.band")
         wait_for(driver, "document.querySelector('#route option[value=\"/v1/completions\"]')")
+        # The card's busiest selection with the streams a lever needs (levers.MIN_REQUESTS).
+        wait_for(driver, "+((document.querySelector('[data-k=\"fix.0.key\"]') || {}).textContent"
+                 " || '(0 requests)').match(/\\((\\d+) requests/)[1] >= 25", timeout=90)
 
         snap = stack.workload.pause(stack.metrics_url)
         next_refresh(driver)
@@ -218,6 +281,9 @@ def test_live_page_draws_the_proxys_figures_in_a_real_browser(tmp_path: Path) ->
         assert requests == sorted(requests, reverse=True)
         for row in rows:
             assert_row_equals_metrics(row, snap)
+        assert_prompt_cache_equals_metrics(everything, snap)
+        metrics_text = httpx.get(stack.metrics_url).text
+        assert_card_equals_diagnose(everything, metrics_text)
         by_upstream = {r["upstream"]: r for r in rows if r["route"] == "/v1/chat/completions"}
         ttft = {k: float(r["TTFT p50 ms"]) for k, r in by_upstream.items()}
         assert ttft["cloud"] > ttft["local"]
@@ -250,7 +316,15 @@ def test_live_page_draws_the_proxys_figures_in_a_real_browser(tmp_path: Path) ->
         assert driver.current_url.endswith(
             "/ui?route=%2Fv1%2Fchat%2Fcompletions&model=sim-small&upstream=local"
         )
-        assert_page_equals_metrics(shown(driver), snap, **pick)
+        picked = shown(driver)
+        assert_page_equals_metrics(picked, snap, **pick)
+        assert_prompt_cache_equals_metrics(picked, snap, **pick)
+        assert_card_equals_diagnose(picked, metrics_text, **pick)
+        # Its chat requests put a time first in the system prompt: the doctor's break,
+        # with its position, as the latest example of this process says it.
+        reasons = [picked[f"pc.break.{i}"] for i in range(4) if f"pc.break.{i}" in picked]
+        i = reasons.index("variable_before_stable")
+        assert picked[f"pc.break.{i}.sentence"].startswith("Message 0 (system) changes in bytes 0-")
         chosen = driver.find_elements("css selector", "#by tr.on td")
         assert [td.text for td in chosen][:3] == ["local", "sim-small", "/v1/chat/completions"]
 

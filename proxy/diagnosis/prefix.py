@@ -328,6 +328,7 @@ class PrefixReport:
     index: int | None = None
     role: str | None = None
     offset: int | None = None  # byte offset in that part of the block where it broke
+    part_bytes: int | None = None  # that part's size
     changed_bytes: int | None = None  # variable_before_stable: the changed run, block-rounded
     stable_bytes: int | None = None  # variable_before_stable: bytes after it seen before
 
@@ -398,7 +399,8 @@ def diagnose(
 
     p, offset = position(repeated)
     shape = parts[p]
-    at = replace(base, part=shape.kind, index=shape.index, role=shape.role, offset=offset)
+    at = replace(base, part=shape.kind, index=shape.index, role=shape.role, offset=offset,
+                 part_bytes=shape.size)
     if held > repeated:
         return replace(at, reason="expired")
     if repeated == 0 and last(root) < cutoff:
@@ -486,6 +488,88 @@ class PrefixDoctor:
             return None
         seen = self.index.exchange(hashed.probe(), now_ms)
         return hashed, diagnose(hashed, seen, now_ms, self.policy)
+
+
+# ---------------------------------------------------------------------------
+# In words: one sentence per break, for the live page
+
+
+def part_name(kind: str, index: int | None, role: str, route: str = "") -> str:
+    """A part as a reader of the request body names it: ``message 0 (system)``, ``tool
+    3``, ``the system prompt`` (Messages' ``system`` field), ``the instructions``,
+    ``input item 2 (user)``. A system or developer message is of kind ``system`` in any
+    API; ``route`` (the route label) says which array it sits in."""
+    if kind == "system":
+        if route.endswith("/messages"):
+            return "the system prompt"
+        kind = "input" if route.endswith("/responses") else "message"
+    if kind == "instructions":
+        return "the instructions"
+    if kind == "context":
+        return f"the context ({role})" if role else "the context"
+    name = {"tools": "tool", "message": "message", "input": "input item"}.get(kind, kind)
+    where = name if index is None else f"{name} {index}"
+    return f"{where} ({role})" if role else where
+
+
+_KEEP = "keep it identical across requests"
+
+
+def explain_break(
+    reason: str,
+    *,
+    part: str = "",
+    index: int | None = None,
+    role: str = "",
+    route: str = "",
+    offset: int | None = None,
+    part_bytes: int | None = None,
+    changed_bytes: int | None = None,
+    stable_bytes: int | None = None,
+    stable_tokens: float | None = None,
+    saves_ms: float | None = None,
+) -> str:
+    """One sentence on a break of ``reason`` at the position given (a
+    :class:`PrefixReport`'s fields), and for ``variable_before_stable`` what moving the
+    changing part would save: ``stable_tokens`` a request and, with the prefill fit,
+    ``saves_ms`` of first-token time. Positions are block-rounded, as the report's are."""
+    where = part_name(part, index, role, route) if part else "the prompt"
+    at = ""
+    if offset is not None:
+        at = f" at byte {offset:,}" + (f" of {part_bytes:,}" if part_bytes else "")
+    if reason == "variable_before_stable" and offset is not None and changed_bytes is not None:
+        size = f" of {part_bytes:,}" if part_bytes else ""
+        sentence = (f"{where[0].upper()}{where[1:]} changes in bytes {offset:,}-"
+                    f"{offset + changed_bytes:,}{size}; the {stable_bytes or 0:,} bytes after "
+                    "them repeat: move the changing part after them")
+        if stable_tokens is not None:
+            sentence += f" (about {round(stable_tokens):,} tokens a request could be cached"
+            if saves_ms is not None:
+                sentence += f", {saves_ms:,.0f} ms of first token by the prefill fit"
+            sentence += ")"
+        return sentence + "."
+    if reason == "message_changed":
+        return (f"{where[0].upper()}{where[1:]} differs{at} from the most similar recent prompt, "
+                "before the newest message: an earlier turn was edited, reordered or dropped; "
+                "append to the history instead of rewriting it.")
+    if reason in ("tools_changed", "system_changed", "instructions_changed",
+                  "context_changed", "prompt_changed"):
+        return (f"{where[0].upper()}{where[1:]} differs{at} from the most similar recent "
+                f"prompt, so everything after it is computed again: {_KEEP}.")
+    if reason == "expired":
+        return (f"The prefix up to {where}{at} was last sent longer ago than the prefix "
+                "window (--prefix-window), so a provider no longer holds it: only steadier "
+                "traffic keeps it.")
+    if reason == "model_changed":
+        return ("The same prompt went recently to another model of this upstream: a cache "
+                "is per model.")
+    if reason == "cache_key_changed":
+        return ("The same prompt came recently with another prompt_cache_key or cache_salt: "
+                "a cache is per key.")
+    if reason == "first_seen":
+        return ("Nothing like this prompt went to this upstream and model within the window: "
+                "a new prompt, nothing to fix.")
+    return f"The prompt stopped repeating ({reason})."
 
 
 # ---------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """The live page (``GET /ui``, ``GET /ui/data``) and the assets the bench report shares.
 
 :mod:`proxy.ui.data` computes the figures from the registry when asked,
-:mod:`proxy.ui.slow` keeps the slowest recent requests, :mod:`proxy.ui.page` serves
+:mod:`proxy.ui.slow` keeps the slowest recent requests and
+:mod:`proxy.ui.breaks` where recent prompts broke, :mod:`proxy.ui.page` serves
 both over ASGI (main port) or WSGI (metrics port), and ``static/`` holds the HTML, CSS
 and JavaScript, drawn with plain SVG: no library, no request off the machine.
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from proxy.ui.breaks import RecentBreaks
 from proxy.ui.page import PATHS as UI_PATHS
 from proxy.ui.page import LivePage
 from proxy.ui.slow import SlowRequests
@@ -27,7 +29,7 @@ __all__ = ["UI_PATHS", "LivePage", "index_scope", "live_page"]
 def live_page(settings: Settings, metrics: Metrics | None) -> LivePage | None:
     """The page of a relaying process: it reads the registry that ``/metrics`` reads (with
     ``--workers``, every worker's files) and is told of each finished request for its
-    slowest-requests table. ``None`` when the page is off or nothing is measured."""
+    slowest-requests table and its examples of where prompts broke. ``None`` when the page is off or nothing is measured."""
     if not settings.ui or metrics is None:
         return None
     from proxy.metrics import multiprocess_dir, multiprocess_registry
@@ -43,8 +45,9 @@ def live_page(settings: Settings, metrics: Metrics | None) -> LivePage | None:
         else metrics.registry.restricted_registry(SAMPLE_NAMES)
     )
     slow = SlowRequests()
-    metrics.watchers.append(slow.add)
-    return LivePage(registry, slow=slow, prefix_index=index_scope(settings))
+    breaks = RecentBreaks()
+    metrics.watchers.extend((slow.add, breaks.add))
+    return LivePage(registry, slow=slow, breaks=breaks, prefix_index=index_scope(settings))
 
 
 def index_scope(settings: Settings) -> dict[str, Any] | None:

@@ -55,6 +55,16 @@ upstream and have no outcome. Missed cache is the prompt-cache doctor's
 sent that the provider's cache did not serve) over the prompt tokens; None, "not
 measured", while the registry has no sample of the doctor's counters.
 
+What to fix (``fix``): the levers of ``llm-latency-proxy diagnose``
+(:mod:`proxy.diagnosis.levers`) per (route, model, upstream) in the selection, from the
+same evidence (:mod:`proxy.evidence`), gathered in the same walk over the registry and
+kept in each collection of the ring as a cumulative reading, so the last minute is the
+difference of two readings, as for every other figure. Prompt caching (``prompt_cache``):
+the doctor's counters per span, priced by each selection's prefill fit since start, and the break
+reasons by count, each with the latest example this process kept
+(:mod:`proxy.ui.breaks`). The page says what a per-process index cannot see (the
+answer's ``prefix_index``, :func:`proxy.ui.index_scope`) unless the index is shared.
+
 Panels: the answer is a few fixed fields and one entry per panel in :data:`PANELS`,
 each a function of a :class:`View` (one answer's collections, selection and span). A
 panel is added as a function and a line there, its section in ``static/ui.html`` and
@@ -75,8 +85,12 @@ from functools import partial
 from operator import add, sub
 from typing import Any, Protocol
 
+from proxy import evidence as ev
 from proxy.buckets import fraction_at_most, histogram_quantile
+from proxy.diagnosis import levers
+from proxy.diagnosis.prefix import REASONS, explain_break
 from proxy.measure import Outcome
+from proxy.ui.breaks import BreakExample, RecentBreaks
 
 TTFT = "llm_proxy_time_to_first_token_seconds"
 TTFA = "llm_proxy_time_to_first_answer_token_seconds"
@@ -95,6 +109,8 @@ OUTCOMES = "llm_proxy_stream_outcomes_total"
 IN_FLIGHT = "llm_proxy_in_flight_requests"
 MISSED = "llm_proxy_prompt_cache_missed_tokens_total"  # the prompt-cache doctor's
 REPEATED = "llm_proxy_prompt_repeated_tokens_total"
+BREAKS = "llm_proxy_prompt_prefix_breaks_total"
+EXAMINED = "llm_proxy_prompt_cache_missed_tokens_per_request_count"  # with the cached field
 SELECTORS = ("route", "model", "upstream")
 
 READING_PACE_S = 0.2  # one token per 0.2 s: 5 tok/s, about reading pace
@@ -110,8 +126,10 @@ WINDOW_S = 60.0
 # old: collections are kept at most every FINE_S, so a page polling once a second
 # leaves gaps of up to two FINE_S.
 FULL_WINDOW_S = WINDOW_S - 2 * FINE_S
-_MEMO_MAX = 8  # aggregates and points remembered per collection: a few selections
+_MEMO_MAX = 16  # aggregates, points and diagnoses remembered per collection
 TABLE_MAX_ROWS = 60  # of the table by upstream and model; the rest are counted
+CARD_MAX = 4  # selections on the "What to fix" card; the rest are counted
+BREAKS_MAX = 4  # break reasons on the "Prompt caching" panel, the most frequent first
 
 _OUTCOME_NAMES = tuple(str(o) for o in Outcome if o is not Outcome.REJECTED)
 _CLIENT_LEFT = (str(Outcome.CLIENT_DISCONNECTED), str(Outcome.CLIENT_STALLED))
@@ -127,13 +145,18 @@ _SCALARS: tuple[str, ...] = (
     "nonstream_5xx",
     "missed_tokens",
     "repeated_tokens",
+    "examined",
+    *(f"break_{r}" for r in (*REASONS, "other")),
 )
 _AT = {name: i for i, name in enumerate(_SCALARS)}
+_REASONS = frozenset(REASONS)
+# What the page reads: its own figures, and the evidence the "What to fix" card's levers
+# read (proxy.evidence), gathered in the same walk over the registry.
 SAMPLE_NAMES = frozenset(
-    [REQUESTS, OUTCOMES, IN_FLIGHT, MISSED, REPEATED]
+    [REQUESTS, OUTCOMES, IN_FLIGHT, MISSED, REPEATED, BREAKS, EXAMINED]
     + [f"{h}_{s}" for h in HISTOGRAMS for s in ("bucket", "sum", "count")]
     + [f"{h}_{s}" for h in SUMMED for s in ("sum", "count")]
-)
+) | ev.SAMPLE_NAMES
 
 Key = tuple[str, str, str]  # route, model, upstream
 Selection = tuple[str, str, str]  # "" selects every value
@@ -195,6 +218,7 @@ class Collection:
     series: dict[Key, Series]
     in_flight: dict[str, float]  # by upstream
     missed_measured: bool = False  # the registry has samples of the doctor's counters
+    reading: ev.Reading | None = None  # the levers' evidence, cumulative
     memo: dict[tuple[Any, ...], Any] = field(default_factory=dict)
 
     def remember(self, key: tuple[Any, ...], compute: Callable[[], Any]) -> Any:
@@ -269,6 +293,11 @@ class _Reader:
         elif name in (MISSED, REPEATED):
             self.missed_measured = True
             self.scalar(key, "missed_tokens" if name == MISSED else "repeated_tokens", value)
+        elif name == EXAMINED:
+            self.scalar(key, "examined", value)
+        elif name == BREAKS:
+            reason = labels.get("reason", "")
+            self.scalar(key, f"break_{reason if reason in _REASONS else 'other'}", value)
 
     def series(
         self, edges: dict[str, tuple[float, ...]], previous: dict[Key, Series]
@@ -313,8 +342,10 @@ class LiveData:
         *,
         clock: Callable[[], float] = time.perf_counter,
         wall_clock: Callable[[], float] = time.time,
+        breaks: RecentBreaks | None = None,
     ) -> None:
         self.registry = registry
+        self.breaks = breaks  # where recent prompts broke, in this process (proxy.ui.breaks)
         self.clock = clock
         self.wall_clock = wall_clock
         self.started = clock()
@@ -332,13 +363,20 @@ class LiveData:
             if last is not None and now - last.t < MIN_COLLECT_S:
                 return last
             reader = _Reader()
+            builder = ev.ReadingBuilder()
+            wants = ev.SAMPLE_NAMES
             for family in self.registry.collect():
                 for sample in family.samples:
-                    if sample.name in SAMPLE_NAMES:
-                        reader.sample(sample.name, sample.labels, float(sample.value))
+                    name = sample.name
+                    if name in SAMPLE_NAMES:
+                        value = float(sample.value)
+                        reader.sample(name, sample.labels, value)
+                        if name in wants:
+                            builder.sample(name, sample.labels, value)
             previous = last.series if last is not None else {}
             current = Collection(
-                now, reader.series(self.edges, previous), reader.in_flight, reader.missed_measured
+                now, reader.series(self.edges, previous), reader.in_flight, reader.missed_measured,
+                builder.build(last.reading if last is not None else None),
             )
             self.last = current
             if not self.fine or now - self.fine[-1].t >= FINE_S:
@@ -509,12 +547,174 @@ def by_upstream(view: View) -> dict[str, Any]:
     return found
 
 
+def _evidence(view: View, span: str) -> list[levers.Evidence]:
+    """The levers' evidence of each (route, model, upstream) in the selection, over the
+    span (``"window"``: the last minute, once the ring holds one; ``"total"``: since
+    start), busiest first; computed once per reading."""
+    now, base = view.now, view.base
+    if now.reading is None or (span == "window" and (not view.minute or base.reading is None)):
+        return []
+    before = base.reading if span == "window" else None
+    route, model, upstream = (value or None for value in view.selection)
+
+    def compute() -> list[levers.Evidence]:
+        return ev.evidence(now.reading or ev.Reading({}), before, route=route, model=model,
+                           upstream=upstream)
+
+    found: list[levers.Evidence] = now.remember(
+        ("evidence", view.selection, span, base.t if span == "window" else None), compute)
+    return found
+
+
+def _fit(fit: Any) -> dict[str, Any]:
+    return {
+        "requests": fit.requests,
+        "status": fit.status,
+        "usable": levers.usable_fit(fit),
+        "ms_per_1k_tokens": fit.ms_per_1k_tokens,
+        "stderr_ms_per_1k_tokens": fit.stderr_ms_per_1k_tokens,
+        "fixed_ms": fit.fixed_ms,
+        "mean_uncached_tokens": fit.mean_uncached_tokens,
+    }
+
+
+def what_to_fix(view: View) -> dict[str, Any]:
+    """The "What to fix" card: the levers of ``llm-latency-proxy diagnose``
+    (:mod:`proxy.diagnosis.levers`) for each (route, model, upstream) in the selection,
+    busiest first, at most ``CARD_MAX``. The levers are ranked over since start, as the
+    command ranks them by default: a minute of one selection rarely holds the
+    ``levers.MIN_REQUESTS`` streams a lever needs. The prefill fit is given for both
+    spans, so a change in the last minute shows beside the whole run."""
+
+    def compute() -> dict[str, Any]:
+        total = _evidence(view, "total")
+        window = {(e.route, e.model, e.upstream): e for e in _evidence(view, "window")}
+        out = []
+        for evidence in total[:CARD_MAX]:
+            key = (evidence.route, evidence.model, evidence.upstream)
+            found = levers.diagnose(evidence)
+            recent = window.get(key)
+            out.append({
+                "route": found.route,
+                "model": found.model,
+                "upstream": found.upstream,
+                "requests": found.requests,
+                "fit": {"total": _fit(evidence.fit),
+                        "window": _fit(recent.fit) if recent is not None else None},
+                "first_token": found.first_token.as_json(),
+                "levers": [lever.as_json() for lever in found.levers],
+            })
+        return {"selections": out, "more": max(len(total) - CARD_MAX, 0)}
+
+    found: dict[str, Any] = view.now.remember(
+        ("fix", view.selection, view.base.t if view.minute else None), compute)
+    return found
+
+
+def prompt_cache(view: View) -> dict[str, Any]:
+    """Prompt caching, per span: prompt tokens, the repeated prefix the prompt-cache
+    doctor found, the cached tokens the upstream reported and the missed ones (repeated,
+    not reported cached), per second and as shares of the prompt tokens; what the missed
+    ones cost in first-token time by the prefill fit (since start, in both spans: the
+    most data); and the top break reasons, each
+    with the latest example this process kept (:mod:`proxy.ui.breaks`) and one sentence.
+    ``measured`` is False while the registry has no sample of the doctor's counters."""
+
+    def compute() -> dict[str, Any]:
+        fits = {(e.route, e.model, e.upstream): e.fit for e in _evidence(view, "total")}
+        breaks = view.data.breaks
+        examples = (breaks.latest(partial(_matches, view.selection))
+                    if breaks is not None else {})
+        clock = breaks.clock() if breaks is not None else 0.0
+        out: dict[str, Any] = {
+            "measured": view.now.missed_measured,
+            "total": _prompt_span(view, "total", fits, examples, clock),
+            "window": _prompt_span(view, "window", fits, examples, clock) if view.minute
+            else None,
+            "examples": breaks is not None,
+        }
+        return out
+
+    found: dict[str, Any] = view.now.remember(
+        ("prompt", view.selection, view.base.t if view.minute else None), compute)
+    return found
+
+
+def _prompt_span(view: View, span: str, fits: dict[Key, Any],
+                 examples: dict[str, tuple[Key, BreakExample]], clock: float) -> dict[str, Any]:
+    before = view.base.series if span == "window" else {}
+    seconds = view.window_s if span == "window" else view.uptime_s
+    s = Series.empty()
+    missed_ms_sum = missed_fitted = examined_fitted = 0.0
+    for key, series in view.now.series.items():
+        if not _matches(view.selection, key):
+            continue
+        old = before.get(key)
+        change = series.minus(old) if old is not None else series
+        s = s.plus(change)
+        fit = fits.get(key)
+        if fit is not None and levers.usable_fit(fit) and change.get("examined") > 0:
+            missed = change.get("missed_tokens")
+            missed_ms_sum += fit.prefill_ms(missed) or 0.0
+            missed_fitted += missed
+            examined_fitted += change.get("examined")
+    prompt = s.get(f"{PROMPT}_sum")
+    missed_all = s.get("missed_tokens")
+
+    def per_s(value: float) -> float | None:
+        return value / seconds if seconds > 0 else None
+
+    figures: dict[str, Any] = {"seconds": seconds}
+    for name, value in (("prompt", prompt), ("repeated", s.get("repeated_tokens")),
+                        ("cached", s.get(f"{CACHED}_sum")), ("missed", missed_all)):
+        figures[name] = {"tokens": value, "per_s": per_s(value),
+                         "share": value / prompt if prompt > 0 else None}
+    figures["examined"] = s.get("examined")
+    # Missed tokens per examined request at each selection's fitted prefill cost; the
+    # share of missed tokens whose selection has a usable fit says what it covers.
+    figures["missed_ms"] = missed_ms_sum / examined_fitted if examined_fitted > 0 else None
+    figures["missed_ms_covers"] = missed_fitted / missed_all if missed_all > 0 else None
+    counts = sorted(((s.get(f"break_{r}"), r) for r in (*REASONS, "other")), reverse=True)
+    figures["breaks"] = [
+        _break(reason, count, per_s(count), examples.get(reason), fits, clock)
+        for count, reason in counts[:BREAKS_MAX] if count > 0
+    ]
+    figures["breaks_total"] = math.fsum(count for count, _ in counts)
+    return figures
+
+
+def _break(reason: str, count: float, per_s: float | None,
+           found: tuple[Key, BreakExample] | None, fits: dict[Key, Any], clock: float
+           ) -> dict[str, Any]:
+    out: dict[str, Any] = {"reason": reason, "count": count, "per_s": per_s, "example": None,
+                           "saves_ms": None}
+    if found is None:
+        out["sentence"] = explain_break(reason)
+        return out
+    key, example = found
+    fit = fits.get(key)
+    tokens = example.stable_tokens if reason == "variable_before_stable" else None
+    saves = (fit.prefill_ms(tokens) if tokens is not None and fit is not None
+             and levers.usable_fit(fit) else None)
+    out["example"] = {"route": key[0], "model": key[1], "upstream": key[2],
+                      **example.as_json(clock), "stable_tokens": tokens}
+    out["saves_ms"] = saves
+    out["sentence"] = explain_break(
+        reason, part=example.part, index=example.index, role=example.role, route=key[0],
+        offset=example.offset, part_bytes=example.part_bytes,
+        changed_bytes=example.changed_bytes, stable_bytes=example.stable_bytes,
+        stable_tokens=tokens, saves_ms=saves)
+    return out
+
+
 PANELS: tuple[tuple[str, Callable[[View], Any]], ...] = (
     ("figures", figures),
     ("hist", histograms),
     ("series", over_time),
     ("in_flight", in_flight),
     ("table", by_upstream),
+    ("fix", what_to_fix),
+    ("prompt_cache", prompt_cache),
 )
 
 

@@ -33,6 +33,7 @@ from importlib import resources
 from typing import Any
 from urllib.parse import parse_qsl
 
+from proxy.ui.breaks import RecentBreaks
 from proxy.ui.data import SELECTORS, BadSelection, LiveData, Registry, Selection
 from proxy.ui.slow import SlowRequests
 from proxy.upstream import error_body
@@ -97,20 +98,22 @@ def script_json(value: Any) -> str:
 
 class LivePage:
     """The page and its data for one registry (and, in the process that relays, its
-    slowest requests). ``prefix_index``: what the prompt-cache doctor's figures were
-    found in (:func:`proxy.ui.index_scope`: a per-process or a shared index),
-    answered as ``/ui/data``'s ``prefix_index``, so that the page can say when a
-    per-process index sees only part of the traffic; None when the doctor is off."""
+    slowest requests and where its recent prompts broke). ``prefix_index``: what the
+    prompt-cache doctor's figures were found in (:func:`proxy.ui.index_scope`: a
+    per-process or a shared index), answered as ``/ui/data``'s ``prefix_index``, so that
+    the page can say when a per-process index sees only part of the traffic; None when
+    the doctor is off."""
 
     def __init__(
         self,
         registry: Registry,
         *,
         slow: SlowRequests | None = None,
+        breaks: RecentBreaks | None = None,
         clock: Callable[[], float] = time.perf_counter,
         prefix_index: dict[str, Any] | None = None,
     ) -> None:
-        self.data = LiveData(registry, clock=clock)
+        self.data = LiveData(registry, clock=clock, breaks=breaks)
         self.slow = slow
         self.prefix_index = prefix_index
         html, policy = inline(

@@ -233,7 +233,77 @@
     $("#slow").replaceChildren(...rows);
   }
 
-  const PANELS = [tiles, byUpstream, percentiles, overTime, histograms, timeSplit, outcomes, slow];
+  const para = (cls, ...kids) => { const p = make("p"); p.className = cls; p.append(...kids); return p; };
+  const fitText = (f, label) => !f ? `${label}: not yet` : f.usable
+    ? `${label} ${num(f.ms_per_1k_tokens, 1)} ± ${num(f.stderr_ms_per_1k_tokens, 1)} ms per 1,000 uncached tokens, fixed ${num(f.fixed_ms)} ms (${f.requests} streams)`
+    : `${label}: ${f.status === "one_length" ? "prompts of one length" : f.requests < 20 ? `${f.requests} streams, 20 needed` : "not clear yet"}`;
+  const ORDER = { lever: "", not_a_lever: "not worth it", too_little_data: "too little data", unknown: "not measured" };
+
+  function whatToFix(d) {
+    const f = d.fix;
+    $("#fix-span").textContent = "(since start)";
+    const out = f.selections.map((s, n) => {
+      const div = make("div"), h = make("h3"), ol = make("ol");
+      div.className = "fix";
+      h.textContent = `${s.route} · ${s.model} · ${s.upstream} `;
+      h.dataset.k = `fix.${n}.key`;
+      h.append(Object.assign(make("span"), { className: "muted", textContent: `(${s.requests} requests)` }));
+      const worth = s.levers.filter((l) => l.status === "lever");
+      worth.forEach((l, i) => {
+        const li = make("li"), b = make("b"), v = make("span");
+        [b.textContent, b.dataset.k] = [l.name, `fix.${n}.lever.${i}`];
+        [v.textContent, v.dataset.k] = [` saves ${num(l.saves_ms)} ms: `, `fix.${n}.lever.${i}.saves_ms`];
+        li.title = Object.entries(l.numbers).map(([k, x]) => `${k}: ${x}`).join("\n");
+        li.append(b, v, l.sentence);
+        ol.append(li);
+      });
+      const rest = Object.entries(ORDER).slice(1).map(([st, label]) => {
+        const ls = s.levers.filter((l) => l.status === st);
+        return ls.length ? `${label}: ${ls.map((l) => l.name + (l.saves_ms == null ? "" : ` ${num(l.saves_ms)} ms`)).join(", ")}` : "";
+      }).filter(Boolean).join(" · ");
+      div.append(h, worth.length ? ol : para("", "Nothing worth acting on."),
+        para("note", "Prefill fit: " + [fitText(s.fit.window, "last minute"), fitText(s.fit.total, "since start")].join("; ")),
+        para("note", rest));
+      return div;
+    });
+    if (f.more) out.push(para("note", `and ${f.more} more: pick a route, model or upstream`));
+    $("#fix").replaceChildren(...(out.length ? out : [para("muted", "no requests measured yet")]));
+  }
+
+  function promptCache(d) {
+    const c = d.prompt_cache, sp = spans(d).filter(([k]) => c[k]), lead = c[sp[0][0]];
+    $("#pc-span").textContent = `(${sp.map((s) => s[1]).join(" and ")})`;
+    const rows = [header(["prompt tokens", ...sp.flatMap(([, l]) => [`${l}: tokens/s`, "share"])])];
+    for (const [k, label] of [["prompt", "all"], ["repeated", "repeated: a cache could serve them"], ["cached", "reported cached by the upstream"], ["missed", "missed: repeated, not cached"]]) {
+      const tr = make("tr"), known = c.measured || k === "prompt" || k === "cached";
+      cell(tr, label);
+      for (const [s] of sp) {
+        cell(tr, known ? num(c[s][k].per_s, 1) : "–", `pc.${s}.${k}.per_s`);
+        cell(tr, known ? part(c[s][k].share) : "–", `pc.${s}.${k}.share`);
+      }
+      rows.push(tr);
+    }
+    $("#pc").replaceChildren(...rows);
+    const cost = make("b"), covers = lead.missed_ms_covers;
+    [cost.textContent, cost.dataset.k] = [lead.missed_ms == null ? "unknown (no prefill fit yet)" : `${num(lead.missed_ms, 1)} ms`, "pc.missed_ms"];
+    const br = lead.breaks.map((b, i) => {
+      const r = make("b"), n = make("span"), s = make("span"), e = b.example;
+      [r.textContent, r.dataset.k] = [b.reason, `pc.break.${i}`];
+      [n.textContent, n.dataset.k] = [` ${num(b.count)}`, `pc.break.${i}.count`];
+      [s.textContent, s.dataset.k] = [b.sentence, `pc.break.${i}.sentence`];
+      return para("", r, n, e ? ` · latest: ${e.route} ${e.model} ${e.upstream}, ${Math.round(e.ago_s)} s ago: ` : ": ", s);
+    });
+    $("#pc-breaks").replaceChildren(
+      c.measured ? para("", `Missed cache, per request, in first-token time (${sp[0][1]}, by the prefill fit): `, cost,
+        covers != null && covers < 1 ? ` (covers ${part(covers)} of the missed tokens)` : "") : para("muted", "not measured: the prompt-cache doctor is off"),
+      para("note", `Where prompts stopped repeating, by reason (${sp[0][1]}, ${num(lead.breaks_total)} breaks):`),
+      ...(br.length ? br : [para("muted", "none")]));
+    const idx = d.prefix_index;
+    $("#pc-note").textContent = "Repeated: the leading prompt bytes a recent request to the same upstream and model sent (the prompt-cache doctor). Break positions are block-rounded (256 bytes), from this process only (with --workers, the worker that answered); counts sum every worker. " +
+      (idx && idx.index === "shared" ? "" : (idx && idx.note) || "Per-process index: with N replicas it finds about 1/N of the repeats.");
+  }
+
+  const PANELS = [tiles, byUpstream, whatToFix, promptCache, percentiles, overTime, histograms, timeSplit, outcomes, slow];
 
   function draw(d) {
     fillSelectors(d.choices, d.selection);
