@@ -48,6 +48,7 @@ import signal
 import socket
 import sys
 import tempfile
+import textwrap
 from collections.abc import Callable, Iterator
 from typing import Any
 from urllib.parse import urlsplit
@@ -83,12 +84,17 @@ examples:
 class _HelpFormatter(argparse.HelpFormatter):
     """argparse's, except that a text of several lines (:data:`EXAMPLES`) keeps its
     layout: a command stays one per line, as it is typed. A one-line text (the
-    description) is filled to the terminal's width as usual."""
+    description, a flag's help) is filled to the terminal's width, and never broken at a
+    hyphen: a flag named in a help text (--upstream-api-key-env) stays whole."""
 
     def _fill_text(self, text: str, width: int, indent: str) -> str:
         if "\n" in text:
             return "".join(indent + line for line in text.splitlines(keepends=True))
-        return super()._fill_text(text, width, indent)
+        return textwrap.fill(" ".join(text.split()), width, initial_indent=indent,
+                             subsequent_indent=indent, break_on_hyphens=False)
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
 
 
 def add_parser(sub: Any) -> None:

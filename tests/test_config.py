@@ -302,6 +302,8 @@ def test_every_option_must_name_its_group() -> None:
 def test_serve_help_fits_the_terminal(serve_help: str) -> None:
     wide = [line for line in serve_help.splitlines() if len(line) > 100]
     assert not wide, wide
+    broken = [line for line in serve_help.splitlines() if line.endswith("-")]
+    assert not broken, broken  # a flag named in a help text is never cut at a hyphen
     examples = serve_help.split("\nexamples:\n", 1)[1]
     assert max(len(line) for line in examples.splitlines()) <= 80  # as typed, not wrapped
 
