@@ -2,7 +2,7 @@
 
 * ``reference/settings.md``: every option of ``OPTIONS`` in ``proxy/config.py`` (flag,
   ``LLM_PROXY_*`` variable, config-file key, the default as ``serve --help`` shows it,
-  help text), every key of a config file's ``[[upstream]]`` tables
+  help text) under its group's heading, in ``serve --help``'s order, every key of a config file's ``[[upstream]]`` tables
   (``proxy/upstream_spec.py``) and of its ``[cache-index]`` table (``proxy/cache_index.py``).
 * ``reference/metrics.md``: every metric ``proxy.metrics.Metrics`` registers, read back
   from a fresh registry: name, type, labels, buckets and HELP text. A label that exists
@@ -167,21 +167,34 @@ def _upstream_default(key: str) -> str:
     return inline(meaning)
 
 
+def _heading(group: config.Group) -> str:
+    """The group's section heading: its ``--help`` title, capitalised."""
+    return group.value[:1].upper() + group.value[1:]
+
+
+def _group_anchor(group: config.Group) -> str:
+    """The anchor of the group's heading, slugged as :func:`_anchor` says."""
+    return "#" + re.sub(r"[^\w\- ]", "", _heading(group).lower()).replace(" ", "-")
+
+
 def settings_page() -> str:
     rows = []
     sections = []
-    for opt in config.OPTIONS:
-        key = config.file_key(opt)
-        shown = config.shown_default(opt)
-        rows.append((f"[`{opt.flag}`]({_anchor(opt)})", f"`{opt.env}`",
-                     f"[edges]({_anchor(opt)})" if _is_edges(shown) else _default(shown)))
-        given = (f"`{opt.flag}` / `--no-{opt.flag[2:]}`" if opt.flag_only_true
-                 else f"`{opt.flag} {opt.metavar}`")
-        sections.append(
-            f"### `{opt.flag}`\n\n"
-            f"Flag {given}, variable `{opt.env}`, "
-            + (f"config key `{key}`" if key else "no config key")
-            + f"; default {_default(shown)}.\n\n{inline(opt.help)}\n")
+    for group, options in config.grouped():
+        sections.append(f"## {_heading(group)}\n")
+        for index, opt in enumerate(options):
+            key = config.file_key(opt)
+            shown = config.shown_default(opt)
+            rows.append((f"[{_heading(group)}]({_group_anchor(group)})" if index == 0 else "",
+                         f"[`{opt.flag}`]({_anchor(opt)})", f"`{opt.env}`",
+                         f"[edges]({_anchor(opt)})" if _is_edges(shown) else _default(shown)))
+            given = (f"`{opt.flag}` / `--no-{opt.flag[2:]}`" if opt.flag_only_true
+                     else f"`{opt.flag} {opt.metavar}`")
+            sections.append(
+                f"### `{opt.flag}`\n\n"
+                f"Flag {given}, variable `{opt.env}`, "
+                + (f"config key `{key}`" if key else "no config key")
+                + f"; default {_default(shown)}.\n\n{inline(opt.help)}\n")
     no_key = [o for o in config.OPTIONS if not config.file_key(o)]
     upstream_rows = [(f"`{key}`", inline(must_be), _upstream_default(key))
                      for key, must_be in upstream_spec._UPSTREAM_KEYS.items()]
@@ -205,13 +218,14 @@ def settings_page() -> str:
         "most, a top-level key of the config file (`--config`, TOML). The flag wins over the\n"
         "variable, the variable over the file, the file over the default. A bad value stops\n"
         "start-up with one line naming the setting as it was given, before the proxy listens\n"
-        "(exit code 2). `llm-latency-proxy serve --help` prints the same list.\n\n"
+        "(exit code 2). `llm-latency-proxy serve --help` prints the same list, in the same\n"
+        "groups.\n\n"
         "A setting's config key is its flag without `--` and with `_` for `-`\n"
         "(`max_concurrency = 64`), except for " + ", ".join(f"`{o.flag}`" for o in no_key)
         + ": `--config` is the file itself, and the single-upstream settings are replaced by\n"
         "the file's `[[upstream]]` tables.\n\n"
-        + _table(("flag", "variable", "default"), rows)
-        + "\n## Every setting\n\n" + "\n".join(sections)
+        + _table(("group", "flag", "variable", "default"), rows)
+        + "\n" + "\n".join(sections)
         + "\n## `[[upstream]]` tables\n\n"
         "Each `[[upstream]]` table of the config file declares one upstream. A key that is not\n"
         "listed here stops start-up, as does a value of the wrong kind.\n\n"

@@ -2,7 +2,9 @@
 
 Every option is declared once in ``OPTIONS``; from that table come the ``serve`` flags,
 their ``LLM_PROXY_*`` environment variables and their ``--help`` text, so the three
-can never drift apart. Precedence: flag, then environment, then default.
+can never drift apart. Each option names its :class:`Group`, the section of ``--help``
+and of the settings reference it is listed in. Precedence: flag, then environment, then
+default.
 
 A config file (``--config FILE``, TOML) adds a layer below the environment: its
 top-level keys are these options by name (``max_concurrency = 64``), and its
@@ -28,7 +30,8 @@ import os
 import re
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
+from enum import Enum
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -261,6 +264,23 @@ def _optional_url(raw: str) -> str:
     return _url(raw) if raw.strip() else ""
 
 
+class Group(Enum):
+    """The groups of ``serve --help`` and of the settings reference (docs/generate.py), in
+    the order a new user reads them: where requests go, where the proxy listens, who may
+    use it, how much it takes, what it exports, then the diagnostics and exports that are
+    optional. The value is the group's title in ``--help``."""
+
+    UPSTREAM = "upstream"
+    LISTENING = "listening and workers"
+    KEYS = "keys"
+    LIMITS = "limits and timeouts"
+    METRICS = "metrics and live page"
+    LABELS = "client and model labels"
+    DOCTOR = "prompt-cache doctor"
+    LOGS = "request log and trace capture"
+    OTEL = "OpenTelemetry"
+
+
 @dataclass(frozen=True, slots=True)
 class Option:
     name: str  # Settings field
@@ -269,6 +289,7 @@ class Option:
     metavar: str = ""
     flag_only_true: bool = False  # boolean switch: --flag / --no-flag
     unset: str = ""  # what an empty default means, shown as the default in --help
+    group: Group = field(kw_only=True)  # required: where --help and the reference list it
 
     @property
     def flag(self) -> str:
@@ -285,115 +306,138 @@ OPTIONS: tuple[Option, ...] = (
            "/v1/<rest> goes to <URL>/<rest>. A URL whose path does not end in a version segment "
            "is accepted with a start-up warning that shows what will be requested. Credentials in it "
            "(user:password@) stop start-up: name the key's variable with --upstream-api-key-env.",
-           "URL"),
+           "URL", group=Group.UPSTREAM),
     Option("upstream_name", _str, "Value of the 'upstream' metric label.", "NAME",
-           unset="the upstream's host:port"),
+           unset="the upstream's host:port", group=Group.UPSTREAM),
     Option("config", _str, "TOML file declaring several upstreams ([[upstream]] tables: name, "
            "url, models, routes, api_key_env, auth, default, limits, headers) and, at its top "
            "level, any of these settings by name; flags and LLM_PROXY_* variables override it. "
            "Cannot be combined with --upstream, --upstream-name, --upstream-api-key-env or "
            "--upstream-auth. SIGHUP re-reads its [[upstream]] tables.", "FILE",
-           unset="none, one upstream from --upstream"),
+           unset="none, one upstream from --upstream", group=Group.UPSTREAM),
     Option("client_label_from", _client_label_from, "Add a 'client' label to the request, "
            "latency and token metrics, taken from a request header ('header:X-Team') or from "
            "the client's API key ('key': a keyed fingerprint, never the key; needs "
-           "LLM_PROXY_FINGERPRINT_SECRET).", "SOURCE", unset="none, no client label"),
+           "LLM_PROXY_FINGERPRINT_SECRET).", "SOURCE", unset="none, no client label",
+           group=Group.LABELS),
     Option("max_clients", _int(1), "Distinct 'client' label values kept; later ones are "
-           "counted as 'other'.", "N"),
+           "counted as 'other'.", "N", group=Group.LABELS),
     Option("client_allowlist", _names, "Comma-separated client label values allowed; any other "
-           "becomes 'other'.", "NAMES", unset="none, the first --max-clients values are kept"),
-    Option("host", _str, "Interface to listen on.", "HOST"),
+           "becomes 'other'.", "NAMES", unset="none, the first --max-clients values are kept",
+           group=Group.LABELS),
+    Option("host", _str, "Interface to listen on.", "HOST", group=Group.LISTENING),
     Option("port", _int(0, 65535), "Port to listen on (0: a free port chosen by the system, "
-           "printed in the start-up line).", "PORT"),
+           "printed in the start-up line).", "PORT", group=Group.LISTENING),
     Option("metrics_port", _int(0, 65535), "Serve /metrics on this separate port instead of the main one "
            "(0: serve it on the main port). Use it in production so app clients cannot read metrics. "
            "It takes no client key; the main port's /metrics and /ui take one when client keys "
-           "are checked.", "PORT"),
-    Option("metrics_host", _str, "Interface for --metrics-port.", "HOST", unset="same as --host"),
+           "are checked.", "PORT", group=Group.METRICS),
+    Option("metrics_host", _str, "Interface for --metrics-port.", "HOST", unset="same as --host",
+           group=Group.METRICS),
     Option("max_concurrency", _int(0), "In-flight upstream requests allowed at once; more wait in a queue "
-           "and the wait is measured as queue time (0: unlimited).", "N"),
+           "and the wait is measured as queue time (0: unlimited).", "N", group=Group.LIMITS),
     Option("max_queue", _int(0), "Requests allowed to wait for a slot when --max-concurrency is set; "
-           "beyond it the proxy answers 429 with Retry-After.", "N"),
-    Option("max_body_bytes", _int(1), "Largest request body accepted; larger gets 413 without being read.", "BYTES"),
-    Option("max_header_bytes", _int(1024), "Largest total size of request headers; larger gets 431.", "BYTES"),
-    Option("max_upstream_connections", _int(1), "Size of the upstream connection pool.", "N"),
+           "beyond it the proxy answers 429 with Retry-After.", "N", group=Group.LIMITS),
+    Option("max_body_bytes", _int(1), "Largest request body accepted; larger gets 413 without being read.", "BYTES",
+           group=Group.LIMITS),
+    Option("max_header_bytes", _int(1024), "Largest total size of request headers; larger gets 431.", "BYTES",
+           group=Group.LIMITS),
+    Option("max_upstream_connections", _int(1), "Size of the upstream connection pool.", "N",
+           group=Group.LIMITS),
     Option("upstream_keepalive_expiry", _positive_float, "Seconds an idle upstream connection may "
            "wait in the pool and still be reused; older ones are closed instead. Below uvicorn's "
            "5 s keep-alive, which vLLM, SGLang and llama-cpp-python serve with, so that a pooled "
            "connection is not reused just as the upstream closes it. The client also learns a "
            "shorter limit from an upstream that closes idle connections sooner, and raises it "
            "again, step by step up to this value, when connections outlive it (as after an "
-           "upstream restart).", "S"),
-    Option("connect_timeout", _positive_float, "Seconds to connect to the upstream before answering 502.", "S"),
+           "upstream restart).", "S", group=Group.LIMITS),
+    Option("connect_timeout", _positive_float, "Seconds to connect to the upstream before answering 502.", "S",
+           group=Group.LIMITS),
     Option("read_timeout", _positive_float, "Seconds to wait for the upstream's headers or for its next "
-           "bytes; before headers: 504; mid-stream: the stream ends with outcome 'upstream_timeout'.", "S"),
-    Option("write_timeout", _positive_float, "Seconds allowed to send the request body upstream.", "S"),
+           "bytes; before headers: 504; mid-stream: the stream ends with outcome 'upstream_timeout'.", "S",
+           group=Group.LIMITS),
+    Option("write_timeout", _positive_float, "Seconds allowed to send the request body upstream.", "S",
+           group=Group.LIMITS),
     Option("body_timeout", _positive_float, "Seconds allowed for the client to send its whole request "
-           "body; slower gets 408.", "S"),
+           "body; slower gets 408.", "S", group=Group.LIMITS),
     Option("client_write_timeout", _positive_float, "Seconds a client may take no byte of its "
            "answer while the proxy has bytes for it; then the proxy closes the client's and the "
            "upstream's connection, frees the slot and ends the request with outcome "
-           "'client_stalled'. A slow client that keeps reading is never cut.", "S"),
+           "'client_stalled'. A slow client that keeps reading is never cut.", "S",
+           group=Group.LIMITS),
     Option("inject_usage", _bool, "Ask the upstream for stream_options.include_usage on streaming chat "
            "completions that do not ask for it, and remove that usage-only event from the client's "
-           "stream (exact token counts).", flag_only_true=True),
+           "stream (exact token counts).", flag_only_true=True, group=Group.UPSTREAM),
     Option("measure", _bool, "Measure and export metrics (off: a plain relay, for pricing the "
-           "measurement in benchmarks).", flag_only_true=True),
+           "measurement in benchmarks).", flag_only_true=True, group=Group.METRICS),
     Option("log_requests", _str, "Write one JSON line per finished request to this file ('-' for stdout).",
-           "FILE", unset="none, no per-request log"),
+           "FILE", unset="none, no per-request log", group=Group.LOGS),
     Option("log_requests_buffer", _int(1), "Lines of the per-request log held in memory while "
            "the file is slower than the requests (a writer thread writes them, never the "
            "event loop); when it is full, new lines are dropped and counted in "
            "llm_proxy_request_log_dropped_lines_total instead of slowing the streams down.",
-           "LINES"),
-    Option("max_models", _int(1), "Distinct 'model' label values kept; later names are counted as 'other'.", "N"),
+           "LINES", group=Group.LOGS),
+    Option("max_models", _int(1), "Distinct 'model' label values kept; later names are counted as 'other'.", "N",
+           group=Group.LABELS),
     Option("model_allowlist", _names, "Comma-separated model names allowed as label values; any other "
-           "becomes 'other'.", "NAMES", unset="none, the first --max-models names are kept"),
-    Option("ttft_buckets", _buckets, "Comma-separated TTFT histogram bucket edges in seconds.", "EDGES"),
-    Option("itl_buckets", _buckets, "Comma-separated ITL and TPOT histogram bucket edges in seconds.", "EDGES"),
-    Option("duration_buckets", _buckets, "Comma-separated request-duration bucket edges in seconds.", "EDGES"),
-    Option("token_buckets", _buckets, "Comma-separated token-count bucket edges.", "EDGES"),
-    Option("workers", _int(1, 64), "Worker processes (metrics summed with prometheus-client multiprocess mode).", "N"),
-    Option("graceful_timeout", _positive_float, "On SIGTERM, seconds to let in-flight streams finish.", "S"),
+           "becomes 'other'.", "NAMES", unset="none, the first --max-models names are kept",
+           group=Group.LABELS),
+    Option("ttft_buckets", _buckets, "Comma-separated TTFT histogram bucket edges in seconds.", "EDGES",
+           group=Group.METRICS),
+    Option("itl_buckets", _buckets, "Comma-separated ITL and TPOT histogram bucket edges in seconds.", "EDGES",
+           group=Group.METRICS),
+    Option("duration_buckets", _buckets, "Comma-separated request-duration bucket edges in seconds.", "EDGES",
+           group=Group.METRICS),
+    Option("token_buckets", _buckets, "Comma-separated token-count bucket edges.", "EDGES",
+           group=Group.METRICS),
+    Option("workers", _int(1, 64), "Worker processes (metrics summed with prometheus-client multiprocess mode).", "N",
+           group=Group.LISTENING),
+    Option("graceful_timeout", _positive_float, "On SIGTERM, seconds to let in-flight streams finish.", "S",
+           group=Group.LISTENING),
     Option("upstream_api_key_env", _str, "Name of an environment variable holding the key the proxy sends "
            "upstream; clients must then present one of --client-keys-file's keys, and their "
            "Authorization, x-api-key and api-key headers are not sent upstream.", "VAR",
-           unset="none, the client's key headers pass through to the upstream"),
+           unset="none, the client's key headers pass through to the upstream", group=Group.KEYS),
     Option("upstream_auth", _choice(*UPSTREAM_AUTH_MODES), "How the key of --upstream-api-key-env "
            "is sent upstream: 'bearer' (Authorization: Bearer KEY; OpenAI, vLLM and most servers), "
            "'x-api-key' (x-api-key: KEY; Anthropic) or 'api-key' (api-key: KEY; Azure OpenAI). "
            "Clients may present their own key in any of the three headers whatever this says.",
-           "MODE"),
+           "MODE", group=Group.KEYS),
     Option("client_keys_file", _str, "File of client keys (one SHA-256 hex digest per line, "
            "or 'sha256:<hex>') accepted when --upstream-api-key-env is set. SIGHUP re-reads "
            "it.", "FILE",
-           unset="none; required with --upstream-api-key-env"),
+           unset="none; required with --upstream-api-key-env", group=Group.KEYS),
     Option("secret_headers", _names, "Comma-separated request header names removed from the "
            "upstream request when --upstream-api-key-env is set, like the client's key headers "
            "(e.g. a header that only this proxy should see); without a server-held key they pass "
            "through unchanged. No request header is ever logged, these or any other.", "NAMES",
-           unset="none"),
-    Option("access_log", _bool, "Let uvicorn write its access log.", flag_only_true=True),
+           unset="none", group=Group.KEYS),
+    Option("access_log", _bool, "Let uvicorn write its access log.", flag_only_true=True,
+           group=Group.LOGS),
     Option("ui", _bool, "Serve the live page (/ui) and its data (/ui/data) wherever /metrics is "
-           "served: on the main port, or on --metrics-port when that is set.", flag_only_true=True),
+           "served: on the main port, or on --metrics-port when that is set.", flag_only_true=True,
+           group=Group.METRICS),
     Option("otlp_endpoint", _optional_url, "Export one OpenTelemetry span per measured request over "
            "OTLP/HTTP to this base URL (spans go to <URL>/v1/traces), like "
            "OTEL_EXPORTER_OTLP_ENDPOINT; needs pip install 'llm-latency-proxy[otel]'. "
            "OTEL_SDK_DISABLED=true turns tracing off.", "URL",
-           unset="none; tracing is on when OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT is set"),
+           unset="none; tracing is on when OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT is set",
+           group=Group.OTEL),
     Option("propagate_trace", _bool, "With tracing on, send the upstream a traceparent whose "
            "parent is the proxy's span (replacing the client's traceparent/tracestate); off: "
-           "the client's trace headers pass through untouched.", flag_only_true=True),
+           "the client's trace headers pass through untouched.", flag_only_true=True,
+           group=Group.OTEL),
     Option("otlp_metrics", _bool, "Also export the OpenTelemetry GenAI metrics "
            "(gen_ai.server.time_to_first_token, ...) over OTLP/HTTP, once per request, to "
            "--otlp-endpoint or OTEL_EXPORTER_OTLP_(METRICS_)ENDPOINT; also on when "
            "OTEL_METRICS_EXPORTER=otlp, off with OTEL_METRICS_EXPORTER=none. Prometheus "
-           "/metrics is unchanged.", flag_only_true=True),
+           "/metrics is unchanged.", flag_only_true=True, group=Group.OTEL),
     Option("metrics_linger", _int(0, 3600), "After SIGTERM and the drain, keep "
            "--metrics-port answering this many seconds before exiting, so that a scrape "
            "sees the counts of the last streams (set it above one scrape interval plus "
            "the scrape timeout); a second SIGTERM or SIGINT ends it at once. Only with "
-           "--metrics-port: the main port stops listening when the drain begins.", "S"),
+           "--metrics-port: the main port stops listening when the drain begins.", "S",
+           group=Group.METRICS),
     Option("prefix_doctor", _bool, "The prompt-cache doctor: for each measured request "
            "answered 2xx, find the longest prefix of its prompt that a recent request sent "
            "(keyed hashes of 256-byte blocks, never the text), compare it with the cached "
@@ -402,16 +446,16 @@ OPTIONS: tuple[Option, ...] = (
            "llm_proxy_prompt_prefix_breaks_total, the request log and the span). Each worker "
            "process keeps its own index, and finds only the repeats it served itself, unless "
            "the config file's [cache-index] table shares one on Redis or Valkey among every "
-           "worker and replica.", flag_only_true=True),
+           "worker and replica.", flag_only_true=True, group=Group.DOCTOR),
     Option("prefix_window", _window, "Seconds a prompt prefix counts as repeatable after a "
            "request sent it, as a provider's prefix cache keeps one (about 5 minutes); a "
-           "prefix last sent longer ago is 'expired'.", "S"),
+           "prefix last sent longer ago is 'expired'.", "S", group=Group.DOCTOR),
     Option("prefix_index_bytes", _int(BYTES_PER_ENTRY), "Memory bound of the prompt-cache "
            f"doctor's index of recent prompt blocks ({BYTES_PER_ENTRY} bytes per entry at most, "
            "about 1.3 bytes per byte of distinct prompt text: the default remembers about 50 MB "
            "of it); the least recently seen blocks are forgotten first. Per worker process; "
            "unused with a [cache-index] table (the store's maxmemory bounds that index).",
-           "BYTES"),
+           "BYTES", group=Group.DOCTOR),
     Option("trace_file", _trace_path, "Capture the shape of the traffic as a trace in the "
            "Mooncake format, which bench --trace, NVIDIA AIPerf and Dynamo replay: one JSON "
            "line per measured request answered 2xx with the upstream's usage (arrival time, "
@@ -420,20 +464,21 @@ OPTIONS: tuple[Option, ...] = (
            "thread of its own; requests without usage are counted in "
            "llm_proxy_trace_skipped_requests_total, not written. Needs the prompt-cache "
            "doctor (its block hashes). With --workers, one file per worker, FILE.<pid>.",
-           "FILE", unset="none, no trace"),
+           "FILE", unset="none, no trace", group=Group.LOGS),
     Option("trace_block_size", _int(1), "Prompt tokens per hash id in the trace (AIPerf's "
            "--prompt-input-tokens-block-size; the Mooncake traces use 512). Prompts share "
            "ids as far as their blocks are equal; a smaller block keeps a shared prefix more "
-           "precisely, down to about 64 tokens (the doctor's 256-byte blocks).", "TOKENS"),
+           "precisely, down to about 64 tokens (the doctor's 256-byte blocks).", "TOKENS",
+           group=Group.LOGS),
     Option("trace_rotate_bytes", _int(0), "Continue the trace in a new file (FILE.1, FILE.2, "
            "...: the first free number) once the current one has reached this size; 0: "
-           "never.", "BYTES"),
+           "never.", "BYTES", group=Group.LOGS),
     Option("trace_rotate_seconds", _seconds_or_zero, "Continue the trace in a new file once "
            "the current one has held lines this long (with --trace-rotate-bytes, whichever "
-           "comes first); 0: never.", "S"),
+           "comes first); 0: never.", "S", group=Group.LOGS),
     Option("trace_client", _bool, "Write the client label (--client-label-from) in the "
            "trace's lines; off, the trace says nothing of who sent a request.",
-           flag_only_true=True),
+           flag_only_true=True, group=Group.LOGS),
 )
 
 _FIELDS = {f.name for f in fields(Settings)}
@@ -458,18 +503,27 @@ def shown_default(opt: Option) -> str:
     return _shown_default(opt, getattr(Settings(), opt.name))
 
 
+def grouped() -> list[tuple[Group, list[Option]]]:
+    """The options by :class:`Group`, in the groups' order, each group's in ``OPTIONS``
+    order: ``serve --help`` and the settings reference list them so."""
+    return [(group, [o for o in OPTIONS if o.group is group]) for group in Group]
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Register every option as a flag; the default stays None so env can fill in."""
+    """Register every option as a flag, in its group; the default stays None so env can
+    fill in."""
     defaults = Settings()
-    for opt in OPTIONS:
-        shown = _shown_default(opt, getattr(defaults, opt.name))
-        help_text = f"{opt.help} [env {opt.env}; default: {shown}]"
-        if opt.flag_only_true:
-            parser.add_argument(opt.flag, dest=opt.name, default=None,
-                                action=argparse.BooleanOptionalAction, help=help_text)
-        else:
-            parser.add_argument(opt.flag, dest=opt.name, default=None, metavar=opt.metavar,
-                                help=help_text)
+    for group, options in grouped():
+        section = parser.add_argument_group(group.value)
+        for opt in options:
+            shown = _shown_default(opt, getattr(defaults, opt.name))
+            help_text = f"{opt.help} [env {opt.env}; default: {shown}]"
+            if opt.flag_only_true:
+                section.add_argument(opt.flag, dest=opt.name, default=None,
+                                     action=argparse.BooleanOptionalAction, help=help_text)
+            else:
+                section.add_argument(opt.flag, dest=opt.name, default=None, metavar=opt.metavar,
+                                     help=help_text)
 
 
 def given_as(name: str, args: argparse.Namespace | None = None,

@@ -48,6 +48,7 @@ import signal
 import socket
 import sys
 import tempfile
+import textwrap
 from collections.abc import Callable, Iterator
 from typing import Any
 from urllib.parse import urlsplit
@@ -56,13 +57,57 @@ from proxy import config
 from proxy.config import OPTIONS, Settings
 from proxy.config_values import SettingsError
 
+# The end of ``serve --help``: the two set-ups most users start from, laid out by hand
+# (see _HelpFormatter) within 80 columns, each command as typed (a backslash continues
+# it). tests/test_config.py runs their shell lines and parses each command with the
+# program's parser into settings that pass the start-up checks.
+EXAMPLES = """\
+examples:
+  In front of OpenAI: apps set their base URL to http://127.0.0.1:8080/v1 and
+  send their own OpenAI key; Prometheus scrapes /metrics on port 9100, apart
+  from them.
+
+    llm-latency-proxy serve --upstream https://api.openai.com/v1 \\
+        --metrics-port 9100
+
+  Several upstreams from a config file (examples/proxy.toml in the repository:
+  OpenAI, Anthropic and a local vLLM, routed by model) whose keys the proxy
+  holds; clients then present keys of the proxy's own, each one's SHA-256 a
+  line of client-keys.sha256 (here one, $CLIENT_KEY).
+
+    export OPENAI_API_KEY=... ANTHROPIC_API_KEY=...
+    printf %s "$CLIENT_KEY" | sha256sum | cut -d' ' -f1 >> client-keys.sha256
+    llm-latency-proxy serve --config examples/proxy.toml \\
+        --client-keys-file client-keys.sha256"""
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """argparse's, except that a text of several lines (:data:`EXAMPLES`) keeps its
+    layout: a command stays one per line, as it is typed. A one-line text (the
+    description, a flag's help) is filled to the terminal's width, and never broken at a
+    hyphen: a flag named in a help text (--upstream-api-key-env) stays whole."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if "\n" in text:
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return textwrap.fill(" ".join(text.split()), width, initial_indent=indent,
+                             subsequent_indent=indent, break_on_hyphens=False)
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
 
 def add_parser(sub: Any) -> None:
     parser = sub.add_parser(
         "serve",
         help="run the proxy",
+        # Every flag is listed below, by group: a usage line of them all would fill a screen.
+        usage="%(prog)s [--upstream URL | --config FILE] [OPTION ...]",
         description="Run the instrumenting proxy in front of an OpenAI-compatible upstream. "
-        "Every flag can also be set with the environment variable named in its help.",
+        "Every flag can also be set with the environment variable named in its help, and "
+        "most as a top-level key of the --config file.",
+        epilog=EXAMPLES,
+        formatter_class=_HelpFormatter,
     )
     config.add_arguments(parser)
     parser.set_defaults(func=run)

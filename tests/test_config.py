@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -202,8 +204,8 @@ def test_secret_headers_help_says_what_the_code_does() -> None:
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     environ = {k: v for k, v in os.environ.items() if not k.startswith("LLM_PROXY_")}
-    environ.update(env or {})
     environ["COLUMNS"] = "200"
+    environ.update(env or {})
     return subprocess.run([sys.executable, "-m", "proxy", *args], capture_output=True, text=True,
                           timeout=60, cwd=ROOT, env=environ, check=False)
 
@@ -256,6 +258,116 @@ def test_serve_help_lists_every_option_with_its_env_var() -> None:
     assert "(default: None)" not in out
     assert "default: ]" not in out and "default ]" not in out
     assert "--http-client" not in out
+
+
+@pytest.fixture(scope="module")
+def serve_help() -> str:
+    """``serve --help`` as a terminal 100 columns wide gets it."""
+    done = run_cli("serve", "--help", env={"COLUMNS": "100"})
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def help_sections(text: str) -> list[tuple[str, list[str]]]:
+    """``--help``'s sections after the description: (title, lines), in order."""
+    sections: list[tuple[str, list[str]]] = []
+    for line in text.splitlines():
+        if re.fullmatch(r"\S.*:", line):
+            sections.append((line[:-1], []))
+        elif sections:
+            sections[-1][1].append(line)
+    return sections
+
+
+def test_serve_help_lists_the_options_by_group_then_the_examples(serve_help: str) -> None:
+    titles = [title for title, _ in help_sections(serve_help)]
+    assert titles == ["options", *(group.value for group in config.Group), "examples"]
+    listed: dict[str, list[str]] = {}
+    for title, lines in help_sections(serve_help):
+        for line in lines:
+            flag = re.match(r"  (?:-[a-z], )?(--[a-z0-9-]+)", line)
+            if flag and not flag[1].startswith("--no-"):
+                listed.setdefault(flag[1], []).append(title)
+    assert listed.pop("--help") == ["options"]
+    assert listed == {o.flag: [o.group.value] for o in OPTIONS}  # each once, in its group
+    for group, options in config.grouped():
+        assert options, f"group {group.value!r} has no option"
+
+
+def test_every_option_must_name_its_group() -> None:
+    with pytest.raises(TypeError, match="group"):
+        config.Option("new_setting", str, "A new setting.", "X")  # type: ignore[call-arg]
+
+
+def test_serve_help_fits_the_terminal(serve_help: str) -> None:
+    wide = [line for line in serve_help.splitlines() if len(line) > 100]
+    assert not wide, wide
+    broken = [line for line in serve_help.splitlines() if line.endswith("-")]
+    assert not broken, broken  # a flag named in a help text is never cut at a hyphen
+    examples = serve_help.split("\nexamples:\n", 1)[1]
+    assert max(len(line) for line in examples.splitlines()) <= 80  # as typed, not wrapped
+
+
+def help_examples(text: str) -> list[list[str]]:
+    """The examples at the end of ``--help``: each a list of shell commands (the lines
+    indented by four, a line ending in a backslash continued on the next)."""
+    examples: list[list[str]] = []
+    block: list[str] = []
+    for line in (text.split("\nexamples:\n", 1)[1] + "\n").splitlines():
+        if line.startswith("    "):
+            if block and block[-1].endswith("\\"):
+                block[-1] = block[-1][:-1] + line.strip()
+            else:
+                block.append(line.strip())
+        elif block:
+            examples.append(block)
+            block = []
+    return examples
+
+
+def serve_settings(command: str, environ: dict[str, str]) -> Settings:
+    """The settings ``command`` (an ``llm-latency-proxy serve`` line) starts with, parsed
+    by the program's own parser."""
+    from proxy import cli, serve
+
+    argv = shlex.split(command)
+    assert argv[:2] == ["llm-latency-proxy", "serve"], command
+    args = cli.build_parser().parse_args(argv[1:])
+    assert args.func is serve.run
+    return from_sources(args, environ)
+
+
+def test_serve_help_examples_start_the_proxy_they_describe(
+        serve_help: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each example's command line gives settings that pass every start-up check; the
+    config-file example runs its own shell lines first (the key variables it exports,
+    the client keys file it writes) and its client key is then accepted."""
+    from proxy.auth import load_key_check
+    from proxy.serve import upstream_warning
+
+    in_front_of_openai, several_upstreams = help_examples(serve_help)
+    assert serve_help.rstrip().endswith(several_upstreams[-1].split()[-1])  # at the very end
+
+    (command,) = in_front_of_openai
+    settings = serve_settings(command, {})
+    assert settings.upstream == "https://api.openai.com/v1" and settings.metrics_port == 9100
+    assert upstream_warning(settings.upstream) is None
+    assert load_key_check(settings) is None  # the apps' own keys go to OpenAI
+
+    *shell, command = several_upstreams
+    exports = [line for line in shell if line.startswith("export ")]
+    keys = {name: f"test-key-{name}" for line in exports
+            for name in re.findall(r"(\w+)=\.\.\.", line)}
+    assert keys, exports
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "examples").symlink_to(ROOT / "examples")
+    subprocess.run(["bash", "-e", "-o", "pipefail", "-c", "\n".join(shell)], cwd=tmp_path,
+                   env={"PATH": os.environ["PATH"], "CLIENT_KEY": "a client's key"},
+                   check=True, timeout=60)
+    settings = serve_settings(command, keys)
+    assert [u.name for u in settings.upstreams] == ["openai", "anthropic", "vllm"]
+    check = load_key_check(settings)
+    assert check is not None and len(check) == 1 and check.accepts(b"a client's key")
 
 
 def test_readme_documents_every_setting() -> None:

@@ -40,6 +40,7 @@ from prometheus_client import Counter, Histogram
 from proxy import upstream_spec
 from proxy.config import (
     OPTIONS,
+    Group,
     Settings,
     file_key,
     from_sources,
@@ -144,6 +145,22 @@ def test_a_source_without_what_a_page_needs_is_named(monkeypatch: pytest.MonkeyP
     with pytest.raises(generate.SourceError, match=r"'weight' has no default: .*UPSTREAM_KEY_DEFAULTS"):
         generate.settings_page()
     assert generate.main([]) == 2
+
+
+def test_settings_page_lists_the_settings_under_the_groups_of_serve_help() -> None:
+    """Each group of ``serve --help`` is a heading, in the same order, with its settings
+    below it and nobody else's; the overview table links each group's first row to it."""
+    headings: list[str] = []
+    under: dict[str, str] = {}
+    for line in generate.settings_page().splitlines():
+        if line.startswith("## ") and "`" not in line:
+            headings.append(line[3:])
+        elif line.startswith("### `--"):
+            under[line[5:-1]] = headings[-1]
+    assert headings == [g.value[0].upper() + g.value[1:] for g in Group]
+    assert under == {o.flag: generate._heading(o.group) for o in OPTIONS}
+    assert "| [Limits and timeouts](#limits-and-timeouts) | [`--max-concurrency`]" in (
+        generate.settings_page())
 
 
 def test_every_upstream_key_says_what_its_absence_means() -> None:
