@@ -73,9 +73,18 @@ def shown(driver: Any) -> dict[str, str]:
 
 
 def next_refresh(driver: Any) -> None:
-    """Wait for a refresh that began after this call (the one in flight may not have)."""
+    """Wait for a refresh whose figures were read from the registry after this call.
+
+    The one in flight may have begun before; the next began after, but the server may
+    answer it from a collection up to ``MIN_COLLECT_S`` older, which can even have been
+    read while the last request was being recorded (a collect is not atomic across
+    metric families). The page refreshes every ``FINE_S``, more than ``MIN_COLLECT_S``,
+    so the one after that was answered from a collection taken after this call."""
+    from proxy.ui.data import FINE_S, MIN_COLLECT_S
+
+    assert FINE_S > MIN_COLLECT_S
     now = int(driver.execute_script("return +document.body.dataset.refreshes"))
-    wait_for(driver, f"+document.body.dataset.refreshes >= {now + 2}")
+    wait_for(driver, f"+document.body.dataset.refreshes >= {now + 3}")
 
 
 def assert_ms(text: str, seconds: float) -> None:
@@ -233,8 +242,9 @@ def assert_card_equals_diagnose(figures: dict[str, str], text: str, **labels: st
         decided += len(found[(route, model, upstream)].levers) - sum(
             lv.status == "too_little_data" for lv in found[(route, model, upstream)].levers)
         for i, lever in enumerate(expected):
+            # The page draws diagnose --json's figure (to 0.1 ms) in whole milliseconds.
             saved = figures[f"fix.{n}.lever.{i}.saves_ms"].split()[1]
-            assert abs(float(saved) - (lever.saves_ms or 0.0)) <= 0.5, (key, lever.name, saved)
+            assert abs(float(saved) - lever.as_json()["saves_ms"]) <= 0.5, (key, lever.name, saved)
     assert decided > 0  # some lever had the data to be judged
 
 
