@@ -13,7 +13,7 @@
 #
 # The image includes the `otel` extra (the OpenTelemetry SDK and its OTLP/HTTP
 # exporter), so tracing and OTLP metrics work by setting OTEL_EXPORTER_OTLP_ENDPOINT
-# (README "OpenTelemetry"); both stay off until configured and cost nothing then (the
+# (docs/opentelemetry.md); both stay off until configured and cost nothing then (the
 # packages are not even imported). Size: 1.8 MB of wheels, about 12 MB installed (from
 # 64 to 76 MB for the whole environment), measured with pip outside Docker (no Docker
 # engine where this was written). It also includes the `cache-index` extra (redis-py,

@@ -2,7 +2,7 @@
 
 Usage::
 
-    python benchmarks/under_load.py                        # the README's: python -m pytest
+    python benchmarks/under_load.py                        # the README's and .ci/run's: python -m pytest
     python benchmarks/under_load.py --rounds 2             # twice, burners running throughout
     python benchmarks/under_load.py -- python -m pytest tests/test_faults.py -q
 

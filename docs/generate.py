@@ -232,8 +232,9 @@ def settings_page() -> str:
         + _table(("key", "value", "when absent"), upstream_rows)
         + "\n## `[cache-index]` table\n\n"
         "With this table the prompt-cache doctor's index is shared by every worker and\n"
-        "replica on one Redis or Valkey, instead of each process keeping its own (README\n"
-        "\"Prompt caching\"). Every replica then needs the same secret in\n"
+        "replica on one Redis or Valkey, instead of each process keeping its own\n"
+        "([Prompt caching](../prompt-caching.md#past-one-replica-a-shared-index)). Every\n"
+        "replica then needs the same secret in\n"
         f"`{cache_index.PREFIX_SECRET_ENV}` (at least {cache_index.MIN_SECRET_BYTES} bytes): "
         "the prompt digests are keyed\n"
         "with it. The store is not contacted at start-up; a key that is not listed here stops\n"

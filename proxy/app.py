@@ -9,9 +9,10 @@ settings are already validated; every configured upstream is made live here
 (:class:`proxy.routing.LiveUpstreams`: per upstream its own client and connection pool,
 admission and headers, :class:`proxy.upstream.LiveUpstream`), swapped on ``SIGHUP`` and
 closed by the lifespan (or :meth:`ProxyApp.aclose` in tests that drive the app without
-a server); ``transport``, when given, is the one HTTP client (:class:`proxy.wire.WireTransport`)
-every upstream uses instead of a pool of its own; metrics go to the registry passed in
-(a fresh one per test).
+a server). ``transport``, when given (tests of one upstream), is an upstream client
+(:class:`proxy.wire.WireTransport`) that every upstream uses instead of building its
+own. Metrics go to the registry passed in (a fresh one per test), else to a registry of
+the app's own.
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ from proxy.upstream_spec import (
 ENV_PREFIX = "LLM_PROXY_"
 log = logging.getLogger("proxy")
 
-# Bucket edges where users set targets (see README "Metrics").
+# Bucket edges where users set targets (docs/definitions.md, "Labels").
 TTFT_BUCKETS: tuple[float, ...] = (
     0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.65, 0.8, 1.0,
     1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0,

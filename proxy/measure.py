@@ -6,7 +6,8 @@ the same way for every API. It knows nothing of HTTP, sockets, Prometheus or any
 JSON keys, and never reads a clock: every time comes from the caller, read once per
 upstream read.
 
-Definitions (kept word for word in the README and the metrics' HELP texts):
+Definitions (written out per API in docs/definitions.md; the metrics' HELP texts say
+the same):
 
 * The request clock starts when the proxy receives the request, before any queueing.
 * TTFT ends when the first event carrying generated output, reasoning included, is

@@ -3,8 +3,9 @@
 Names, HELP texts, bucket edges and label sets live here and nowhere else. Other modules
 import prometheus_client only for what is not a metric of their own: the registry type
 that :mod:`proxy.app` takes (tests pass a fresh one), the metrics port's server and
-switches in :mod:`proxy.serve`, and the exposition parser of the bench
-(:mod:`proxy.bench.promscrape`). Label
+switches in :mod:`proxy.serve`, and the text-format parser in
+:mod:`proxy.bench.promscrape`, with which ``bench``, ``demo`` and ``diagnose`` (through
+:mod:`proxy.evidence`) read a ``/metrics`` page. Label
 children are resolved once per request (``children()``), never per chunk; per-token
 observations (ITL) are made in one batch when the request ends, which the definition
 allows since each gap is still observed individually.

@@ -4,8 +4,8 @@
 made live: its client (:class:`UpstreamClient`), its admission, the headers it adds and
 its in-flight gauge. Which one takes a request is :mod:`proxy.routing`'s.
 
-Faithfulness rules (see README "What unchanged means"): method, path below the base
-URL, query string, body bytes and headers are forwarded as received, except the
+Faithfulness rules (docs/clients.md, "What unchanged means"): method, path below the
+base URL, query string, body bytes and headers are forwarded as received, except the
 hop-by-hop headers (RFC 9110 section 7.6.1, plus any named in ``Connection``), ``Host``
 and ``Content-Length`` (recomputed for the upstream), and ``Accept-Encoding`` on measured
 routes (forced to ``identity`` so events can be parsed as they pass).

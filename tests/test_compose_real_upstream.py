@@ -1,4 +1,4 @@
-"""README's "The stack against a real upstream" holds for docker-compose.yml: the
+"""docs/dashboards.md's "The stack against a real upstream" holds for docker-compose.yml: the
 services it starts exist and need neither the simulator nor the load generator, the
 variables it names are the ones the compose file reads, and its override example
 merges into a valid configuration with the server-held key settings in place."""
@@ -18,10 +18,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def section() -> str:
-    readme = (ROOT / "README.md").read_text()
-    start = readme.index("### The stack against a real upstream")
-    end = readme.index("\n#", start + 4)
-    return readme[start:end]
+    page = (ROOT / "docs" / "dashboards.md").read_text()
+    start = page.index("## The stack against a real upstream")
+    end = page.index("\n## ", start + 4)
+    return page[start:end]
 
 
 def compose() -> dict[str, object]:

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import shutil
+import subprocess
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
@@ -283,6 +285,32 @@ def test_service_pdb_and_hpa_select_the_pods(rendered: list[dict[str, Any]]) -> 
     assert hpa["minReplicas"] >= 2
     assert "cpu" in container(rendered)["resources"]["requests"], "utilization needs a request"
 
+
+
+def test_install_block_deploys_the_image_it_pushes(tmp_path: Path) -> None:
+    """docs/kubernetes.md's install block, run as written but for docker and the cluster:
+    the overlay it writes renders to a Deployment running the image it built and pushed,
+    not the base's placeholder, which no node can pull."""
+    page = (ROOT / "docs" / "kubernetes.md").read_text()
+    found = re.search(r"```sh\n(.*?)```", page, re.S)
+    assert found, "docs/kubernetes.md has no install block"
+    block = found[1]
+    assert 'docker push "$IMAGE:$TAG"' in block, block
+    applied = re.search(r"^kubectl apply -k (\S+)", block, re.M)
+    assert applied, block
+    script = "\n".join(
+        line for line in block.splitlines() if not line.startswith(("docker ", "kubectl "))
+    )
+    shutil.copytree(ROOT / "deploy", tmp_path / "deploy")
+    done = subprocess.run(
+        ["bash", "-e", "-c", script + '\nprintf %s "$IMAGE:$TAG" > pushed'],
+        cwd=tmp_path, capture_output=True, text=True, timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    pushed = (tmp_path / "pushed").read_text()
+    assert pushed.startswith("registry.example.com/"), pushed
+    assert container(render(tmp_path / applied[1]))["image"] == pushed
+    assert container(render(DEPLOY))["image"] != pushed
 
 # ---------------------------------------------------------------------------
 # Prometheus Operator objects: the fields this deployment relies on

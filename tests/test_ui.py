@@ -865,7 +865,7 @@ def test_the_page_reaches_nothing_off_the_machine() -> None:
 
 
 def test_the_page_stays_small() -> None:
-    """One document, its script and style inlined: the README gives its size. A new
+    """One document, its script and style inlined: docs/live-page.md gives its size. A new
     panel that takes it past this budget should say what it gave up for it. (Raised by
     3.5 KB, 0.7 KB gzipped, for the "What to fix" card and the "Prompt caching" panel:
     their drawing code and the notes that say what they count.)"""

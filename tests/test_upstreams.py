@@ -1,6 +1,6 @@
 """The config file and routing by model, unit level: every start-up error is one line
-naming the file, the upstream and the setting; the routing table picks exactly as the
-README says (first match in file order, routes, default, none)."""
+naming the file, the upstream and the setting; the routing table picks exactly as
+docs/upstreams.md says (first match in file order, routes, default, none)."""
 
 from __future__ import annotations
 

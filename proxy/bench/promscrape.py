@@ -18,8 +18,9 @@ read exactly as exposed.
 
 Importing prometheus_client here is a deliberate exception to "only
 :mod:`proxy.metrics` imports it": this module defines no metric, it reads the format,
-and the library's parser is the reference reader of it. Only the bench CLI and the demo
-import this module, lazily; the serving path never does (there the multiprocess
+and the library's parser is the reference reader of it. Only the bench CLI, the demo
+and ``diagnose`` (through :mod:`proxy.evidence`, when it reads text) import this
+module, lazily; the serving path never does (there the multiprocess
 directory must exist before prometheus_client is first imported).
 """
 

@@ -22,8 +22,8 @@ whatever the base configuration says.
 A profile is applied on top of a base :class:`SimConfig` (the defaults, the
 demo's, or the command line's): :func:`profile_config` replaces the four fields,
 and on the command line a speed flag given explicitly (``--itl 0.03``) wins over
-the profile. The figures live here only; docs/simulator.md and the README quote
-them, and tests/test_simulator_profiles.py checks the schedule against them.
+the profile. The figures live here only; docs/simulator.md and docs/getting-started.md
+quote them, and tests/test_simulator_profiles.py checks the schedule against them.
 """
 
 from __future__ import annotations
