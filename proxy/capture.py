@@ -35,8 +35,9 @@ exact ratios the ids are shared exactly as far as the token blocks are equal
 (``tests/test_capture.py`` checks it against a brute-force comparison of token blocks);
 with a template's tokens they may lose the last shared block, never a hole.
 
-**The writer** is a thread of its own, as the request log's (:mod:`proxy.reqlog`): the
-finish only checks the record and hands it over (no formatting, no hashing on the
+**The writer** is a thread of its own, the same as the request log's
+(:class:`proxy.line_writer.LineWriter`: the buffer, the batches, the drops, the close):
+the finish only checks the record and hands it over (no formatting, no hashing on the
 loop); the thread turns keys into ids, formats and writes, in batches. The buffer holds
 :data:`DEFAULT_BUFFER` requests and at most :data:`MAX_PENDING_KEYS` prompt keys (a few
 huge prompts must not hold hundreds of MB while a disk is slow); beyond either, a line
@@ -65,10 +66,9 @@ ids for tools that keep ids as 32-bit integers.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
-import logging
 import os
-import queue
 import secrets
 import threading
 import time
@@ -78,6 +78,7 @@ from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from proxy.line_writer import CLOSE_TIMEOUT_S, LineWriter
 from proxy.tracefile import DEFAULT_BLOCK_SIZE, TraceWriter, digest_id, token_block_keys
 
 if TYPE_CHECKING:
@@ -86,20 +87,14 @@ if TYPE_CHECKING:
     from proxy.measure import RequestRecord
     from proxy.prefix_check import PrefixJob
 
-log = logging.getLogger("proxy")
-
 DEFAULT_BUFFER = 10_000  # requests waiting for the writer thread
 MAX_PENDING_KEYS = 1 << 19  # prompt keys waiting with them: about 25 MB
-MAX_BATCH = 512  # lines per flush
-CLOSE_TIMEOUT_S = 30.0
-DROP_WARNING_S = 10.0
 PREFIX_CAPACITY = 65_536  # prefixes PrefixKeys remembers: about 15 MB
 MODEL_MAX = 256  # characters of a model name written
 SHARED_ENV = "LLM_PROXY_WORKER_TRACE"  # set by serve's supervisor for its workers
 SKIP_REASONS = ("no_usage", "dropped")
 _EPS = 1e-6  # bytes: a token block's end computed at the ratio, against an integer end
 
-_STOP = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,17 +228,15 @@ class Capture:
         self._monotonic = monotonic
         self._opened_at: float | None = None  # when the current file got its first line
         self._number = 0  # the last rotated file's number
-        self._queue: queue.Queue[_Item | None] = queue.Queue(buffer)
         self._on_skip = skipped
-        self._lock = threading.Lock()  # pending keys, drop count and warning
+        self._lock = threading.Lock()  # pending keys: loop and writer thread
         self._pending_keys = 0
-        self.dropped = 0
         self.lines = 0
-        self._dropped_said = 0
-        self._said_at = -DROP_WARNING_S
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name="trace-capture", daemon=True)
-        self._thread.start()
+        self._out = LineWriter[_Item](
+            self._emit, label="trace capture", buffer=buffer, clock=monotonic,
+            dropped=functools.partial(skipped, "dropped") if skipped is not None else None,
+            closed="the capture was already closed", finish=self._finish,
+            see='llm_proxy_trace_skipped_requests_total{reason="dropped"}')
 
     @property
     def secret(self) -> bytes | None:
@@ -255,6 +248,11 @@ class Capture:
         """The file being written."""
         return self._writer.path
 
+    @property
+    def dropped(self) -> int:
+        """Lines dropped so far (full buffer, closed, a write that failed)."""
+        return self._out.dropped
+
     # -- on the event loop ----------------------------------------------------------------
 
     def add(self, record: RequestRecord, started: float, model: str,
@@ -263,68 +261,30 @@ class Capture:
         if not 200 <= record.status < 300:
             return
         if record.prompt_tokens is None or record.tokens_estimated:
-            self._skip("no_usage", 1)
+            if self._on_skip is not None:
+                self._on_skip("no_usage", 1)
             return
         hashed = prefix.hashed if prefix is not None else None
         keys = len(hashed.chain) * 2 if hashed is not None else 0  # chain and suffixes
-        if self._closed:
-            self._drop(1, "the capture was already closed")
-            return
-        with self._lock:
-            if self._pending_keys + keys > MAX_PENDING_KEYS:
-                full = True
-            else:
-                full = False
+        with self._lock:  # once closed, offer() counts it as that, whatever the keys
+            full = not self._out.closed and self._pending_keys + keys > MAX_PENDING_KEYS
+            if not full:
                 self._pending_keys += keys
-        if not full:
-            try:
-                self._queue.put_nowait((record, started, model, hashed))
-                return
-            except queue.Full:
-                with self._lock:
-                    self._pending_keys -= keys
-        self._drop(1, "the disk is slower than the requests")
+        if full:
+            self._out.drop(1, "the disk is slower than the requests")
+        elif not self._out.offer((record, started, model, hashed)):
+            with self._lock:
+                self._pending_keys -= keys
 
     def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
         """Write every buffered line, then close the file. Blocks until done or
         ``timeout`` seconds: call it off the event loop."""
-        if self._closed:
-            return
-        self._closed = True
-        deadline = self._monotonic() + timeout
-        try:
-            self._queue.put(_STOP, timeout=timeout)
-            self._thread.join(max(0.0, deadline - self._monotonic()))
-        except queue.Full:
-            pass
-        if self._thread.is_alive():
-            log.warning("trace capture: gave up after %g s at shutdown: at least %d lines "
-                        "not written (the file took nothing)", timeout, self._queue.qsize())
+        self._out.close(timeout)
 
     # -- the writer thread ------------------------------------------------------------------
 
-    def _run(self) -> None:
-        try:
-            while True:
-                batch: list[_Item] = []
-                item = self._queue.get()
-                while item is not _STOP:
-                    batch.append(item)
-                    if len(batch) >= MAX_BATCH:
-                        break
-                    try:
-                        item = self._queue.get_nowait()
-                    except queue.Empty:
-                        break
-                if batch:
-                    self._emit(batch)
-                if item is _STOP:
-                    return
-        finally:
-            try:
-                self._writer.close()
-            except OSError as exc:
-                self._drop(0, f"closing failed: {exc}")
+    def _finish(self) -> None:
+        self._writer.close()
 
     def _emit(self, batch: list[_Item]) -> None:
         released = sum(len(hashed.chain) * 2 for _, _, _, hashed in batch if hashed is not None)
@@ -342,7 +302,8 @@ class Capture:
                 self._opened_at = self._monotonic()
             self.lines += written
         except Exception as exc:  # a full disk, a file removed: say so, go on
-            self._drop(len(batch) - written, f"writing failed: {type(exc).__name__}: {exc}")
+            self._out.drop(len(batch) - written,
+                           f"writing failed: {type(exc).__name__}: {exc}")
             with contextlib.suppress(OSError):
                 self._writer.close()  # reopened at the next line
 
@@ -384,24 +345,6 @@ class Capture:
         self._number = number
         self._writer.rotate(f"{self.base}.{number}")
         self._opened_at = None
-
-    # -- counts ---------------------------------------------------------------------------
-
-    def _skip(self, reason: str, count: int) -> None:
-        if self._on_skip is not None and count:
-            self._on_skip(reason, count)
-
-    def _drop(self, count: int, why: str) -> None:
-        self._skip("dropped", count)
-        with self._lock:
-            self.dropped += count
-            now = self._monotonic()
-            if self._dropped_said and now - self._said_at < DROP_WARNING_S:
-                return
-            self._said_at, self._dropped_said = now, self.dropped
-            total = self.dropped
-        log.warning("trace capture: %d lines dropped so far (%s); see "
-                    "llm_proxy_trace_skipped_requests_total{reason=\"dropped\"}", total, why)
 
 
 def capture_from(settings: Settings, *, clock: Callable[[], float] = time.perf_counter,

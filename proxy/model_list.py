@@ -64,7 +64,7 @@ async def _model_list(target: LiveUpstream, headers_for: Callable[[LiveUpstream]
         warnings.warning("model list: upstream %s left out: %s: %s", target.name,
                          type(exc).__name__, exc)
         return None
-    parsed = _json_object(body) if 200 <= response.status_code < 300 else None
+    parsed = json_object(body) if 200 <= response.status_code < 300 else None
     items = parsed.get("data") if parsed is not None else None
     if not isinstance(items, list):
         warnings.warning("model list: upstream %s left out: HTTP %s%s", target.name,
@@ -73,7 +73,8 @@ async def _model_list(target: LiveUpstream, headers_for: Callable[[LiveUpstream]
     return items
 
 
-def _json_object(body: bytes) -> dict[str, Any] | None:
+def json_object(body: bytes) -> dict[str, Any] | None:
+    """``body`` as a JSON object; None when it is not JSON or not an object."""
     try:
         value = json.loads(body)
     except (ValueError, RecursionError):

@@ -49,7 +49,7 @@ from proxy.measure import (
     tpot,
 )
 from proxy.metrics import UNKNOWN_MODEL, Metrics
-from proxy.model_list import ALL_UPSTREAMS, list_body, merged_models
+from proxy.model_list import ALL_UPSTREAMS, json_object, list_body, merged_models
 from proxy.otel_metrics import OtelMetrics
 from proxy.prefix_check import PrefixJob, prefix_check_from
 from proxy.relay import RelayResult, relay
@@ -734,14 +734,6 @@ def _not_an_object(body: bytes) -> str:
     return f"the request body is JSON ({kind}) but not an object"
 
 
-def _json_object(body: bytes) -> dict[str, Any] | None:
-    try:
-        value = json.loads(body)
-    except (ValueError, RecursionError):
-        return None
-    return value if isinstance(value, dict) else None
-
-
 def decode_body(body: bytes, inject: bool, *, large: bool = False
                 ) -> tuple[dict[str, Any] | None, bytes | None]:
     """The body as a JSON object, or None; and when ``inject`` and it asks for a stream,
@@ -754,7 +746,7 @@ def decode_body(body: bytes, inject: bool, *, large: bool = False
         if decoded is not None:
             encode = decoded.dumps
     else:
-        payload = _json_object(body)
+        payload = json_object(body)
     if not isinstance(payload, dict):
         return None, None
     if not inject or payload.get("stream") is not True:
