@@ -76,11 +76,3 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
             fcntl.flock(lock, fcntl.LOCK_UN)
             if serial:
                 fcntl.flock(gate, fcntl.LOCK_UN)
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        return
-    slow = {item.path for item in items if item.get_closest_marker("slow")}
-    e2e = {item.path for item in items if item.get_closest_marker("e2e")}
-    items.sort(key=lambda item: 0 if item.path in slow else 1 if item.path in e2e else 2)
