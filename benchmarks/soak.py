@@ -17,7 +17,7 @@ seen in the first post-warm-up sample (they move with the requests in flight).
 
 Usage::
 
-    python benchmarks/soak.py                      # 60 s (tests/test_soak.py runs 40 s)
+    python benchmarks/soak.py                      # 60 s (tests/test_soak.py runs 24 s)
     python benchmarks/soak.py --duration 1800      # the 30-minute report run
     python benchmarks/soak.py --prompt-bytes 65536 --proxy-arg=--prefix-index-bytes=16000000
                                                    # distinct 64 KB prompts: the doctor's

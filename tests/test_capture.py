@@ -647,7 +647,7 @@ def check_conversations(records: Sequence[TraceRecord],
 @pytest.mark.e2e
 def test_the_demo_writes_a_trace_that_bench_replays(tmp_path: Path) -> None:
     trace = tmp_path / "demo.jsonl"
-    done = _run("demo", "--port", "0", "--duration", "8", "--rate", "4", "--burst-every", "3",
+    done = _run("demo", "--port", "0", "--duration", "4", "--rate", "6", "--burst-every", "2",
                 "--burst-size", "4", "--trace-file", str(trace), "--trace-block-size", "64")
     assert done.returncode == 0, done.stderr
     assert f"demo: trace to {trace}" in done.stdout

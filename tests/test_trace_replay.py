@@ -43,7 +43,8 @@ from proxy.tracefile import TraceWriter, load, token_block_keys
 from tests.arrival_upstream import arrival_upstream, arrivals, pacing_control
 from tests.browser import browser_missing, chrome, console_errors, requested_urls, wait_for
 
-pytestmark = pytest.mark.e2e
+# serial: the replay's punctuality is asserted only when the machine has room
+pytestmark = [pytest.mark.e2e, pytest.mark.serial]
 
 BLOCK = 64  # trace block size in tokens; the simulator's cache blocks are 16
 SIM = ("--slots", "16", "--prefill-rate", "50000", "--itl", "0.01", "--tokens-per-chunk", "4",

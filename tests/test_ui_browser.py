@@ -34,6 +34,7 @@ from typing import Any
 import httpx
 import pytest
 from prometheus_client import CollectorRegistry
+from selenium.common.exceptions import StaleElementReferenceException
 
 from proxy.app import create_app
 from proxy.bench import promscrape
@@ -125,6 +126,15 @@ def assert_page_equals_metrics(
             if count:
                 assert float(figures[f"{span}.outcomes.{outcome}"]) == count
     assert float(figures["total.requests"]) == requests
+
+
+def drawn_texts(driver: Any, selector: str) -> list[str]:
+    """The texts as drawn (``innerText``, as Selenium's ``.text``) of the elements
+    ``selector`` finds, read in one script: the page redraws its tables each refresh, so
+    elements found in one call can be gone by the next."""
+    found: list[str] = driver.execute_script(
+        f"return [...document.querySelectorAll({selector!r})].map(e => e.innerText.trim())")
+    return found
 
 
 def text(driver: Any, element_id: str) -> str:
@@ -303,8 +313,8 @@ def test_live_page_draws_the_proxys_figures_in_a_real_browser(tmp_path: Path) ->
         assert_page_equals_metrics(large, snap, model="sim-large")
         assert float(large["total.requests"]) < float(everything["total.requests"])
         assert large["total.ttft.mean"] != everything["total.ttft.mean"]
-        slowest = driver.find_elements("css selector", "#slow td:nth-child(3)")
-        assert slowest and {row.text for row in slowest} == {"sim-large"}
+        slowest = drawn_texts(driver, "#slow td:nth-child(3)")
+        assert slowest and set(slowest) == {"sim-large"}
 
         choose(driver, "route", "/v1/completions")
         assert_page_equals_metrics(shown(driver), snap, model="sim-large", route="/v1/completions")
@@ -312,13 +322,20 @@ def test_live_page_draws_the_proxys_figures_in_a_real_browser(tmp_path: Path) ->
 
         # A row of the table: its upstream, model and route become the selection.
         pick = {"route": "/v1/chat/completions", "model": "sim-small", "upstream": "local"}
-        row = next(
-            tr
-            for tr in driver.find_elements("css selector", "#by tr.pick")
-            if [td.text for td in tr.find_elements("css selector", "td")][:3]
-            == [pick["upstream"], pick["model"], pick["route"]]
-        )
-        row.click()
+        for _ in range(10):  # the page redraws its table each refresh: find the row again
+            try:
+                row = next(
+                    tr
+                    for tr in driver.find_elements("css selector", "#by tr.pick")
+                    if [td.text for td in tr.find_elements("css selector", "td")][:3]
+                    == [pick["upstream"], pick["model"], pick["route"]]
+                )
+                row.click()
+                break
+            except StaleElementReferenceException:
+                continue
+        else:
+            pytest.fail("the table's row went stale ten times in a row")
         wanted = json.dumps(json.dumps(pick, separators=(",", ":")))
         wait_for(driver, f"document.body.dataset.selection === {wanted}")
         next_refresh(driver)
@@ -335,8 +352,8 @@ def test_live_page_draws_the_proxys_figures_in_a_real_browser(tmp_path: Path) ->
         reasons = [picked[f"pc.break.{i}"] for i in range(4) if f"pc.break.{i}" in picked]
         i = reasons.index("variable_before_stable")
         assert picked[f"pc.break.{i}.sentence"].startswith("Message 0 (system) changes in bytes 0-")
-        chosen = driver.find_elements("css selector", "#by tr.on td")
-        assert [td.text for td in chosen][:3] == ["local", "sim-small", "/v1/chat/completions"]
+        chosen = drawn_texts(driver, "#by tr.on td")
+        assert chosen[:3] == ["local", "sim-small", "/v1/chat/completions"]
 
         urls = requested_urls(driver)
         assert any(url.startswith(origin + "/ui/data") for url in urls)
