@@ -85,6 +85,10 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.anyio,
     pytest.mark.timeout(300),
+    # Three proxies, a summed target and two Prometheus servers on two cores: beside
+    # another xdist worker's test it failed once (a breaks panel's rate over 1m, about
+    # three events, 48 % apart), which it has not done alone; not yet explained.
+    pytest.mark.serial,
 ]
 
 CONFIG_ENV = ROOT / "deploy" / "kubernetes" / "base" / "config.env"
