@@ -12,7 +12,7 @@ import json
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from proxy.dialects import (
@@ -248,6 +248,7 @@ JSON = st.recursive(
     st.sampled_from(["tools", "functions", "messages", "system", "instructions", "input",
                      "prompt", "conversation", "previous_response_id", "model",
                      "prompt_cache_key", "cache_salt"]), JSON, max_size=6))
+@example({"system": {"type": [], "text": ""}})  # a content part whose type is a list
 def test_prompt_parts_never_raise(body: dict[str, Any]) -> None:
     for dialect in DIALECTS.values():
         for part in dialect.prompt_parts(body):

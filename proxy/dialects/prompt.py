@@ -106,7 +106,7 @@ def _content_part(part: Any, out: list[bytes], depth: int) -> None:
         return
     kind = part.get("type")
     text = part.get("text")
-    if isinstance(text, str) and (kind is None or kind in _TEXT_PARTS):
+    if isinstance(text, str) and (kind is None or (isinstance(kind, str) and kind in _TEXT_PARTS)):
         out.append(_utf8(text))
     elif isinstance(kind, str) and kind in _OPAQUE_PARTS:
         out.append(_opaque(kind, _without_marker(part)))
