@@ -1192,8 +1192,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--targets",
         default="direct,nginx,proxy,proxy-nomeasure",
         help="comma list from direct,nginx,proxy,proxy-nomeasure,litellm; proxy targets take "
-        "suffixes: -nomeasure (--no-measure), -noinject (--no-inject-usage), -nodoctor "
-        "(--no-prefix-doctor), -wN (--workers N), "
+        "suffixes: -nomeasure (--no-measure), -noinject (--no-inject-usage), -doctor "
+        "(--prefix-doctor), -nodoctor (--no-prefix-doctor), -wN (--workers N), "
         "-Nup (--config with N upstreams, the benchmark's last, e.g. proxy-20up), "
         "-before (the proxy/ of --before DIR), -ui (its live page polled every second), "
         "-scraped (a filled registry, scraped by Prometheus every --scrape-interval), "
@@ -1324,7 +1324,7 @@ def start_targets(bench: Bench, names: list[str], close: bool) -> list[Target]:
         elif name == "nginx":
             targets.append(bench.start_nginx(upstream, close))
         elif name.startswith("proxy"):
-            # proxy[-nomeasure][-noinject][-nodoctor][-wN][-Nup][-before][-ui][-reqlog]
+            # proxy[-nomeasure][-noinject][-doctor|-nodoctor][-wN][-Nup][-before][-ui][-reqlog]
             # [-capture]: measurement off, no usage injection, the prompt-cache doctor
             # off, N workers, a --config file of N upstreams, the code of the --before
             # checkout, the live page open, the per-request log on, the trace capture on
@@ -1341,6 +1341,8 @@ def start_targets(bench: Bench, names: list[str], close: bool) -> list[Target]:
                     extra.append("--no-measure")
                 elif part == "noinject":
                     extra.append("--no-inject-usage")
+                elif part == "doctor":
+                    extra.append("--prefix-doctor")
                 elif part == "nodoctor":
                     extra.append("--no-prefix-doctor")
                 elif part.startswith("w") and part[1:].isdigit():
@@ -1354,8 +1356,8 @@ def start_targets(bench: Bench, names: list[str], close: bool) -> list[Target]:
                     extra += ["--client-label-from", "header:x-client"]
                 elif part == "reqlog":
                     extra += ["--log-requests", str(bench.tmp / f"{peak_key(name, close)}.log.jsonl")]
-                elif part == "capture":
-                    extra += ["--trace-file", str(bench.tmp / f"{peak_key(name, close)}.trace.jsonl")]
+                elif part == "capture":  # its hash ids are the doctor's
+                    extra += ["--prefix-doctor", "--trace-file", str(bench.tmp / f"{peak_key(name, close)}.trace.jsonl")]
                 else:
                     raise SystemExit(f"unknown target {name!r}")
             if upstreams and before:

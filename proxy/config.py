@@ -119,7 +119,7 @@ class Settings:
     client_label_from: str = ""
     max_clients: int = 50
     client_allowlist: tuple[str, ...] = ()
-    prefix_doctor: bool = True
+    prefix_doctor: bool = False
     prefix_window: float = 300.0
     prefix_index_bytes: int = DEFAULT_MAX_BYTES
     trace_file: str = ""
@@ -446,7 +446,12 @@ OPTIONS: tuple[Option, ...] = (
            "llm_proxy_prompt_prefix_breaks_total, the request log and the span). Each worker "
            "process keeps its own index, and finds only the repeats it served itself, unless "
            "the config file's [cache-index] table shares one on Redis or Valkey among every "
-           "worker and replica.", flag_only_true=True, group=Group.DOCTOR),
+           "worker and replica. Off by default: it costs CPU per request that grows with the "
+           "prompt's bytes (about 150 us with short prompts, 1 ms at 32 KB, 9 ms at 400 KB, "
+           "the large ones in a worker thread; docs/prompt-caching.md#cost), more than the "
+           "3 percent of the proxy's CPU per relayed event it is held to at 64 streams of "
+           "50-token answers. --trace-file and a [cache-index] table need it.",
+           flag_only_true=True, group=Group.DOCTOR),
     Option("prefix_window", _window, "Seconds a prompt prefix counts as repeatable after a "
            "request sent it, as a provider's prefix cache keeps one (about 5 minutes); a "
            "prefix last sent longer ago is 'expired'.", "S", group=Group.DOCTOR),
@@ -728,11 +733,15 @@ def _check_combinations(s: Settings, name: Callable[[str], str],
         raise SettingsError(f"invalid setting {name('upstream_auth')}: only used with "
                             f"{name('upstream_api_key_env')} (without it the client's key "
                             "headers pass through unchanged)")
+    if s.cache_index is not None and not s.prefix_doctor:
+        raise SettingsError("the config file's [cache-index] table is the prompt-cache "
+                            "doctor's shared index: turn the doctor on with "
+                            f"{name('prefix_doctor')}, or remove the table")
     if s.trace_file:
         if not s.prefix_doctor:
             raise SettingsError(f"invalid setting {name('trace_file')}: the trace's hash ids are "
-                                "the prompt-cache doctor's block hashes; it cannot be combined "
-                                f"with {name('prefix_doctor')}=false (--no-prefix-doctor)")
+                                "the prompt-cache doctor's block hashes: turn it on with "
+                                f"{name('prefix_doctor')}")
         if not s.measure:
             raise SettingsError(f"invalid setting {name('trace_file')}: the trace records the "
                                 "measured usage and timings; it cannot be combined with "

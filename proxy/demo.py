@@ -630,8 +630,10 @@ class Demo:
             UpstreamSpec(SUPPORT[0], support_url, models=SUPPORT[2]),
         )
         trace_file = getattr(args, "trace_file", "")  # absent when embedded without it
+        # The doctor is off by default (its cost: docs/prompt-caching.md#cost); the demo
+        # shows what it finds.
         settings = Settings(upstreams=specs, host=args.host, port=proxy_port,
-                            trace_file=trace_file,
+                            prefix_doctor=True, trace_file=trace_file,
                             trace_block_size=getattr(args, "trace_block_size", 512))
         sim_server = _server(create_simulator_app(sim_config))
         cloud_server = _server(create_simulator_app(profile_config("slow", sim_config)))

@@ -358,14 +358,16 @@ def live_stack(
         upstream = stack.enter_context(serve_in_thread(create_simulator_app(sim)))
         if cloud is None:
             second = None
-            settings = Settings(upstream=upstream.url + "/v1", upstream_name="simulator")
+            settings = Settings(upstream=upstream.url + "/v1", upstream_name="simulator",
+                                prefix_doctor=True)
         else:
             second = stack.enter_context(serve_in_thread(create_simulator_app(cloud)))
             settings = Settings(
                 upstreams=(
                     UpstreamSpec("local", upstream.url + "/v1", models=(MODELS[0],), default=True),
                     UpstreamSpec("cloud", second.url + "/v1", models=(MODELS[1],)),
-                )
+                ),
+                prefix_doctor=True,
             )
         app = create_app(settings, registry=CollectorRegistry())
         proxy = stack.enter_context(serve_in_thread(app))

@@ -119,7 +119,8 @@ def proxy_app(handler: Any, trace: Path, **overrides: Any
     upstream = ScriptedUpstream(handler)
     registry = CollectorRegistry()
     app = create_app(Settings(upstream=upstream.url + "/v1", upstream_name="up",
-                              trace_file=str(trace), **overrides), registry=registry)
+                              prefix_doctor=True, trace_file=str(trace), **overrides),
+                     registry=registry)
     return InProcess(app, upstream), registry
 
 
@@ -350,28 +351,34 @@ async def test_the_client_label_only_when_asked_for(asked: bool, tmp_path: Path)
     assert line["ttft_ms"] >= 0  # a stream: its time to first token
 
 
+DOCTOR = {"LLM_PROXY_PREFIX_DOCTOR": "true"}  # off by default; capture needs it
+
+
 def test_settings_that_cannot_capture_are_refused(tmp_path: Path) -> None:
     trace = str(tmp_path / "t.jsonl")
     for flags, message in [
-        ({"LLM_PROXY_PREFIX_DOCTOR": "false"}, "prompt-cache doctor"),
+        ({"LLM_PROXY_PREFIX_DOCTOR": "false"}, "prompt-cache doctor"),  # off: the default
         ({"LLM_PROXY_MEASURE": "false"}, "--no-measure"),
         ({"LLM_PROXY_TRACE_CLIENT": "true"}, "no client label"),
         ({"LLM_PROXY_LOG_REQUESTS": trace}, "same file"),
     ]:
         with pytest.raises(SettingsError, match=message):
-            from_sources(environ={"LLM_PROXY_TRACE_FILE": trace, **flags})
+            from_sources(environ={"LLM_PROXY_TRACE_FILE": trace, **DOCTOR, **flags})
     with pytest.raises(SettingsError, match="no such directory"):
-        from_sources(environ={"LLM_PROXY_TRACE_FILE": str(tmp_path / "nope" / "t.jsonl")})
+        from_sources(environ={"LLM_PROXY_TRACE_FILE": str(tmp_path / "nope" / "t.jsonl"),
+                              **DOCTOR})
     with pytest.raises(SettingsError, match="only used with"):
         from_sources(environ={"LLM_PROXY_TRACE_CLIENT": "true"})
     with pytest.raises(SettingsError, match="standard output"):
-        from_sources(environ={"LLM_PROXY_TRACE_FILE": "-"})
+        from_sources(environ={"LLM_PROXY_TRACE_FILE": "-", **DOCTOR})
     with pytest.raises(SettingsError, match=">= 0"):
-        from_sources(environ={"LLM_PROXY_TRACE_FILE": trace,
+        from_sources(environ={"LLM_PROXY_TRACE_FILE": trace, **DOCTOR,
                               "LLM_PROXY_TRACE_ROTATE_SECONDS": "-1"})
     with pytest.raises(SettingsError, match=r"cannot write .*Is a directory"):
-        create_app(Settings(trace_file=str(tmp_path)), registry=CollectorRegistry())
-    ok = from_sources(environ={"LLM_PROXY_TRACE_FILE": trace, "LLM_PROXY_TRACE_BLOCK_SIZE": "64",
+        create_app(Settings(prefix_doctor=True, trace_file=str(tmp_path)),
+                   registry=CollectorRegistry())
+    ok = from_sources(environ={"LLM_PROXY_TRACE_FILE": trace, **DOCTOR,
+                               "LLM_PROXY_TRACE_BLOCK_SIZE": "64",
                                "LLM_PROXY_TRACE_ROTATE_BYTES": "1000000"})
     assert (ok.trace_block_size, ok.trace_rotate_bytes) == (64, 1_000_000)
 
@@ -490,7 +497,7 @@ async def test_sigterm_writes_every_buffered_line_before_exit(tmp_path: Path) ->
     body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
     try:
         with upstream.running():
-            async with proxy_process(upstream.url, "--trace-file", str(disk.path),
+            async with proxy_process(upstream.url, "--prefix-doctor", "--trace-file", str(disk.path),
                                      "--graceful-timeout", "20") as (proc, port, out):
                 base = f"http://127.0.0.1:{port}"
                 async with httpx.AsyncClient(timeout=WAIT_S) as client:
@@ -565,7 +572,7 @@ def test_workers_write_one_file_each_in_one_id_namespace(tmp_path: Path) -> None
         env.pop("PROMETHEUS_MULTIPROC_DIR", None)
         proc = subprocess.Popen(
             [sys.executable, "-m", "proxy", "serve", "--upstream", upstream.url + "/v1",
-             "--port", "0", "--workers", "2", "--trace-file", str(trace),
+             "--port", "0", "--workers", "2", "--prefix-doctor", "--trace-file", str(trace),
              "--trace-block-size", "64"],
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         output: list[str] = []

@@ -164,7 +164,8 @@ class Stack:
 def proxy_in_front_of(simulator: str, tmp: Path) -> Iterator[str]:
     port = free_port()
     argv = [sys.executable, "-m", "proxy", "serve", "--upstream", simulator + "/v1",
-            "--upstream-name", "sim", "--host", "127.0.0.1", "--port", str(port)]
+            "--upstream-name", "sim", "--host", "127.0.0.1", "--port", str(port),
+            "--prefix-doctor"]
     with background(argv, tmp / "proxy.log") as proc:
         url = f"http://127.0.0.1:{port}"
 

@@ -623,7 +623,8 @@ def test_shared_prefix_index_config_loads_and_names_the_store(
     with pytest.raises(SettingsError, match="LLM_PROXY_PREFIX_SECRET"):
         from_sources(None, env | {"LLM_PROXY_PREFIX_SECRET": ""})
     doc = tomllib.loads((SHARED / "proxy.toml").read_text())
-    assert set(doc) == {"upstream", "cache-index"}  # proxy-wide settings stay in config.env
+    # proxy-wide settings stay in config.env; this overlay is for the doctor, off by default
+    assert set(doc) == {"upstream", "cache-index", "prefix_doctor"} and doc["prefix_doctor"]
 
 
 def test_shared_prefix_index_store_is_one_locked_down_cache(

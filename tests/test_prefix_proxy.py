@@ -185,7 +185,8 @@ def doctor_app(answers: Answers, clock: ScriptedClock, tmp_path: Path, *,
     specs = (UpstreamSpec(name=UP, url=upstream.url + "/v1", models=("*",), default=True,
                           **(spec or {})),)
     registry = CollectorRegistry()
-    app = create_app(Settings(upstreams=specs, log_requests=str(log_file), **settings),
+    app = create_app(Settings(upstreams=specs, log_requests=str(log_file),
+                              **{"prefix_doctor": True, **settings}),
                      registry=registry, clock=clock)
     return InProcess(app, upstream), registry, log_file
 
@@ -652,12 +653,12 @@ def test_the_threads_backlog_is_bounded(caplog: pytest.LogCaptureFixture) -> Non
 
 
 def test_settings_and_their_checks(tmp_path: Path) -> None:
-    s = Settings()
-    assert (s.prefix_doctor, s.prefix_window, s.prefix_index_bytes) == (True, 300.0, 64 << 20)
-    env = {"LLM_PROXY_PREFIX_WINDOW": "90", "LLM_PROXY_PREFIX_DOCTOR": "false",
+    s = Settings()  # off by default: its cost, docs/prompt-caching.md#cost
+    assert (s.prefix_doctor, s.prefix_window, s.prefix_index_bytes) == (False, 300.0, 64 << 20)
+    env = {"LLM_PROXY_PREFIX_WINDOW": "90", "LLM_PROXY_PREFIX_DOCTOR": "true",
            "LLM_PROXY_PREFIX_INDEX_BYTES": "1000000"}
     s = from_sources(None, env)
-    assert (s.prefix_doctor, s.prefix_window, s.prefix_index_bytes) == (False, 90.0, 1_000_000)
+    assert (s.prefix_doctor, s.prefix_window, s.prefix_index_bytes) == (True, 90.0, 1_000_000)
     for name, raw in (("PREFIX_WINDOW", "0"), ("PREFIX_WINDOW", "86401"),
                       ("PREFIX_INDEX_BYTES", str(BYTES_PER_ENTRY - 1))):
         with pytest.raises(SettingsError, match=f"LLM_PROXY_{name}"):
@@ -806,7 +807,7 @@ def simulated() -> Iterator[tuple[Any, Any, CollectorRegistry, ProxyApp]]:
         # vLLM-like: caches from one 16-token block, in blocks of 16 tokens.
         spec = UpstreamSpec(name="sim", url=sim.url + "/v1", models=("*",), default=True,
                             min_cacheable_tokens=16, cache_granularity_tokens=16)
-        proxy_app = create_app(Settings(upstreams=(spec,)), registry=registry)
+        proxy_app = create_app(Settings(upstreams=(spec,), prefix_doctor=True), registry=registry)
         with serve_in_thread(proxy_app) as proxy:
             yield sim_app, proxy, registry, proxy_app
 

@@ -182,6 +182,7 @@ def replicas(config: Path, count: int, tmp_path: Path, name: str,
         log = tmp_path / f"{name}-{n}.jsonl"
         proc = subprocess.Popen(
             [sys.executable, "-m", "proxy", "serve", "--config", str(config), "--port", "0",
+             "--prefix-doctor",
              "--log-requests", str(log), "--graceful-timeout", "5"],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})

@@ -442,9 +442,10 @@ async def test_a_store_hung_down_or_back_costs_the_proxy_a_counted_miss(
 # The config table
 
 
-def write(tmp_path: Path, table: str, name: str = "proxy.toml") -> str:
+def write(tmp_path: Path, table: str, name: str = "proxy.toml", doctor: bool = True) -> str:
     path = tmp_path / name
-    path.write_text('[[upstream]]\nname = "up"\nurl = "http://u:8000/v1"\ndefault = true\n\n'
+    path.write_text(("prefix_doctor = true\n\n" if doctor else "")
+                    + '[[upstream]]\nname = "up"\nurl = "http://u:8000/v1"\ndefault = true\n\n'
                     + table)
     return str(path)
 
@@ -457,6 +458,9 @@ def test_the_table_is_read_with_its_defaults_and_needs_the_secret(tmp_path: Path
     spec = settings.cache_index
     assert (spec.timeout_s, spec.retry_s, spec.key_prefix) == (0.05, 1.0, "llm-proxy:prefix:")
     assert from_sources(None, {"LLM_PROXY_CONFIG": write(tmp_path, "", "plain.toml")}).cache_index is None
+    off = write(tmp_path, '[cache-index]\nurl = "redis://redis:6379/0"\n', "off.toml", doctor=False)
+    with pytest.raises(SettingsError, match=r"\[cache-index\] table is the prompt-cache doctor's"):
+        from_sources(None, {"LLM_PROXY_CONFIG": off, PREFIX_SECRET_ENV: SECRET})
     for secret, problem in (("", "empty or unset"), ("short", "shorter")):
         with pytest.raises(SettingsError, match=f"LLM_PROXY_PREFIX_SECRET .*{problem}"):
             from_sources(None, {"LLM_PROXY_CONFIG": path, PREFIX_SECRET_ENV: secret})
@@ -496,11 +500,11 @@ def test_a_bad_table_stops_start_up_naming_the_key(tmp_path: Path, table: str,
 
 def test_the_live_page_is_told_which_index_it_reads() -> None:
     assert index_scope(Settings(prefix_doctor=False)) is None
-    alone = index_scope(Settings())
+    alone = index_scope(Settings(prefix_doctor=True))
     assert alone is not None and alone["index"] == "per-process" and "replica" in alone["note"]
-    workers = index_scope(Settings(workers=3))
+    workers = index_scope(Settings(prefix_doctor=True, workers=3))
     assert workers is not None and "3 worker processes" in workers["note"]
-    shared = index_scope(Settings(cache_index=CacheIndexSpec(url="redis://r")))
+    shared = index_scope(Settings(prefix_doctor=True, cache_index=CacheIndexSpec(url="redis://r")))
     assert shared is not None and shared["index"] == "shared"
 
 

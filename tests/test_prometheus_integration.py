@@ -365,6 +365,7 @@ def proxy_environment(upstream: str, port: int, config: Path) -> dict[str, str]:
         LLM_PROXY_CONFIG=str(config),
         LLM_PROXY_MAX_CONCURRENCY=str(PROXY_MAX_CONCURRENCY),
         LLM_PROXY_GRACEFUL_TIMEOUT="5",
+        LLM_PROXY_PREFIX_DOCTOR="true",  # as docker-compose.yml: the Prompt caching row
     )
     return env
 

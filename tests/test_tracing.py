@@ -247,7 +247,8 @@ async def test_stream_span_attributes_parent_events_and_upstream_traceparent(
     clock = ScriptedClock(T0)
     up = chat_stream(clock)
     log_file = tmp_path / "requests.jsonl"
-    app, registry = make_app(up, clock, otlp_endpoint=receiver.url, log_requests=str(log_file))
+    app, registry = make_app(up, clock, otlp_endpoint=receiver.url, log_requests=str(log_file),
+                             prefix_doctor=True)  # its span attributes too
     async with app:
         response = await post(app, CHAT, chat_request(), CLIENT_HEADERS)
         assert response.status_code == 200
@@ -326,7 +327,7 @@ async def test_stream_span_attributes_parent_events_and_upstream_traceparent(
 async def test_non_stream_span(receiver: Receiver) -> None:
     clock = ScriptedClock(T0)
     up = completions_json(clock)
-    app, _ = make_app(up, clock, otlp_endpoint=receiver.url)
+    app, _ = make_app(up, clock, otlp_endpoint=receiver.url, prefix_doctor=True)
     async with app:
         response = await post(app, COMPLETIONS, {"model": "m", "prompt": PROMPT},
                               {"authorization": f"Bearer {SECRET_KEY}"})

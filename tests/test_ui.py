@@ -612,7 +612,8 @@ async def test_prompt_caching_and_what_to_fix_from_real_requests(tmp_path: Path)
     # Every repeated token is cacheable here: no minimum length, no caching step.
     spec = UpstreamSpec("up", upstream.url + "/v1", models=("*",), default=True,
                         min_cacheable_tokens=0, cache_granularity_tokens=1)
-    app = create_app(Settings(upstreams=(spec,)), registry=CollectorRegistry(), clock=clock)
+    app = create_app(Settings(upstreams=(spec,), prefix_doctor=True), registry=CollectorRegistry(),
+                     clock=clock)
     assert app.ui is not None
     questions = [f"question {i}: " + "w" * (4 * (10 + 37 * i) - len(f"question {i}: "))
                  for i in range(24)]
