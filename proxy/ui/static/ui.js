@@ -295,7 +295,7 @@
     });
     $("#pc-breaks").replaceChildren(
       c.measured ? para("", `Missed cache, per request, in first-token time (${sp[0][1]}, by the prefill fit): `, cost,
-        covers != null && covers < 1 ? ` (covers ${part(covers)} of the missed tokens)` : "") : para("muted", "not measured: the prompt-cache doctor is off"),
+        covers != null && covers < 1 ? ` (covers ${part(covers)} of the missed tokens)` : "") : para("muted", "not measured: the prompt-cache doctor is off (serve --prefix-doctor turns it on)"),
       para("note", `Where prompts stopped repeating, by reason (${sp[0][1]}, ${num(lead.breaks_total)} breaks):`),
       ...(br.length ? br : [para("muted", "none")]));
     const idx = d.prefix_index;
