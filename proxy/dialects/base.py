@@ -85,6 +85,24 @@ def _mapping(holder: Mapping[str, Any], key: str) -> Mapping[str, Any]:
     return value if isinstance(value, Mapping) else _EMPTY
 
 
+def _openai_usage(raw: Mapping[str, Any] | None, inputs: str, outputs: str) -> Usage:
+    """A usage block as OpenAI's APIs shape it: ``{inputs}_tokens`` with its
+    ``{inputs}_tokens_details`` (cached and cache-write tokens), ``{outputs}_tokens`` with
+    its ``{outputs}_tokens_details`` (reasoning tokens). Chat and completions name them
+    prompt / completion, Responses input / output."""
+    if not isinstance(raw, Mapping):
+        return _NO_USAGE
+    prompt = _mapping(raw, f"{inputs}_tokens_details")
+    completion = _mapping(raw, f"{outputs}_tokens_details")
+    return Usage(
+        _count(raw.get(f"{inputs}_tokens")),
+        _count(prompt.get("cached_tokens")),
+        _count(raw.get(f"{outputs}_tokens")),
+        _count(completion.get("reasoning_tokens")),
+        _count(prompt.get("cache_write_tokens")),
+    )
+
+
 def _loads(data: bytes) -> Any:
     try:
         return json.loads(data)

@@ -35,7 +35,6 @@ from typing import Any, ClassVar
 
 from proxy.dialects.base import (
     _CHOICES_MAX,
-    _NO_USAGE,
     _REASON_MAX,
     ANSWER,
     END,
@@ -48,7 +47,7 @@ from proxy.dialects.base import (
     Usage,
     _count,
     _loads,
-    _mapping,
+    _openai_usage,
     _text,
     _usage_of,
     upstream_queue_seconds,
@@ -224,17 +223,7 @@ class ChatDialect:
         return _chat_response(payload, always=True) if isinstance(payload, dict) else None
 
     def usage(self, raw: Mapping[str, Any] | None) -> Usage:
-        if not isinstance(raw, Mapping):
-            return _NO_USAGE
-        prompt = _mapping(raw, "prompt_tokens_details")
-        completion = _mapping(raw, "completion_tokens_details")
-        return Usage(
-            _count(raw.get("prompt_tokens")),
-            _count(prompt.get("cached_tokens")),
-            _count(raw.get("completion_tokens")),
-            _count(completion.get("reasoning_tokens")),
-            _count(prompt.get("cache_write_tokens")),
-        )
+        return _openai_usage(raw, "prompt", "completion")
 
     def prompt_parts(self, payload: Mapping[str, Any]) -> tuple[PromptPart, ...]:
         return _chat_parts(payload)

@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy.dialects.base import (
-    _NO_USAGE,
     _TYPE_PREFIX,
     ANSWER,
     END,
@@ -44,10 +43,9 @@ from proxy.dialects.base import (
     EventInfo,
     ResponseInfo,
     Usage,
-    _count,
     _event_name,
     _loads,
-    _mapping,
+    _openai_usage,
     _single_response,
     _usage_of,
 )
@@ -153,17 +151,7 @@ class ResponsesDialect:
         return None  # the final event (always decoded) says it all
 
     def usage(self, raw: Mapping[str, Any] | None) -> Usage:
-        if not isinstance(raw, Mapping):
-            return _NO_USAGE
-        inputs = _mapping(raw, "input_tokens_details")
-        outputs = _mapping(raw, "output_tokens_details")
-        return Usage(
-            _count(raw.get("input_tokens")),
-            _count(inputs.get("cached_tokens")),
-            _count(raw.get("output_tokens")),
-            _count(outputs.get("reasoning_tokens")),
-            _count(inputs.get("cache_write_tokens")),
-        )
+        return _openai_usage(raw, "input", "output")
 
     def prompt_parts(self, payload: Mapping[str, Any]) -> tuple[PromptPart, ...]:
         return _responses_parts(payload)
