@@ -20,17 +20,17 @@ import argparse
 import contextlib
 import json
 import os
-import re
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+
+from tests.servers import announcing_process
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -74,52 +74,19 @@ def serve(argv: list[str]) -> None:
 @contextlib.contextmanager
 def arrival_upstream(*knobs: str, timeout: float = 60.0) -> Iterator[str]:
     """Start it with ``knobs`` (simulate flags); yield its base URL (``.../v1``)."""
-    proc = subprocess.Popen(
+    with announcing_process(
         [sys.executable, "-m", "tests.arrival_upstream", *knobs],
-        cwd=ROOT,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
+        r" at (http://127\.0\.0\.1:\d+/v1)", what="the arrival upstream", timeout=timeout,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    said: list[str] = []
-    url: list[str] = []
-    ready = threading.Event()
-
-    def pump() -> None:
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            said.append(line)
-            match = re.search(r" at (http://127\.0\.0\.1:\d+/v1)", line)
-            if match and not url:
-                url.append(match[1])
-                ready.set()
-        ready.set()
-
-    thread = threading.Thread(target=pump, daemon=True)
-    thread.start()
-    try:
-        ready.wait(timeout)
-        assert url, "the arrival upstream did not start:\n" + "".join(said)
+    ) as url:
         # Warm it (its first requests take code paths never run before): a real
         # upstream has served requests before a replay starts. Not stamped.
         body = {"model": "sim-llm", "max_tokens": 2, "stream": True,
                 "messages": [{"role": "user", "content": "warm up"}]}  # fmt: skip
         for _ in range(3):
-            httpx.post(url[0] + "/chat/completions", json=body, headers={"x-warm-up": "1"},
+            httpx.post(url + "/chat/completions", json=body, headers={"x-warm-up": "1"},
                        timeout=30).raise_for_status()  # fmt: skip
-        yield url[0]
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-        thread.join(5)
-        if proc.stderr is not None:
-            proc.stderr.close()
+        yield url
 
 
 def arrivals(base_url: str) -> list[float]:

@@ -76,6 +76,48 @@ def serve_in_thread(app: Any, *, host: str = "127.0.0.1", timeout: float = 10.0,
         thread.join(timeout)
 
 
+@contextlib.contextmanager
+def announcing_process(argv: list[str], announces: str, *, what: str, timeout: float,
+                       env: dict[str, str] | None = None) -> Iterator[str]:
+    """``argv`` in a process of its own, from the repository's root; yields the first
+    group of ``announces`` (a regular expression) in the first stderr line it matches,
+    its URL, once it is said; terminated (killed if it lingers) on the way out. Its
+    stderr is read throughout, so the pipe never fills, and shown if it never says it."""
+    proc = subprocess.Popen(argv, cwd=ROOT, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    said: list[str] = []
+    url: list[str] = []
+    ready = threading.Event()
+
+    def pump() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            said.append(line)
+            match = re.search(announces, line)
+            if match and not url:
+                url.append(match[1])
+                ready.set()
+        ready.set()
+
+    thread = threading.Thread(target=pump, daemon=True)
+    thread.start()
+    try:
+        ready.wait(timeout)
+        assert url, f"{what} did not start:\n" + "".join(said)
+        yield url[0]
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+        thread.join(5)
+        if proc.stderr is not None:
+            proc.stderr.close()
+
+
 def closed_port() -> int:
     """A loopback port that nothing listens on (bound, then released)."""
     with socket.socket() as s:

@@ -48,10 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import random
-import re
-import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -64,7 +61,7 @@ from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.diagnosis.fit import FitSums, fit
-from tests.servers import ROOT, proxy_process
+from tests.servers import announcing_process, proxy_process
 
 pytestmark = [pytest.mark.e2e, pytest.mark.anyio]
 
@@ -155,39 +152,12 @@ def simulator_process(*flags: str) -> Iterator[str]:
     """``python -m proxy simulate`` on a kernel-chosen port, in its own process (its
     timers then compete with nothing in this one); yields its URL once uvicorn says it
     listens."""
-    proc = subprocess.Popen(
+    with announcing_process(
         [sys.executable, "-m", "proxy", "simulate", "--port", "0", "--log-level", "info",
-         *flags], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    lines: list[str] = []
-    listening: list[str] = []
-    started = threading.Event()
-
-    def pump() -> None:
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            lines.append(line)
-            found = re.search(r"simulate: .* at (http://[\d.]+:\d+)/v1 ", line)
-            if found:
-                listening.append(found[1])
-                started.set()
-        started.set()
-
-    thread = threading.Thread(target=pump, daemon=True)
-    thread.start()
-    try:
-        started.wait(20)
-        assert listening, "the simulator did not start:\n" + "".join(lines)
-        yield listening[0]
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-        thread.join(5)
-        if proc.stderr is not None:
-            proc.stderr.close()
+         *flags], r"simulate: .* at (http://[\d.]+:\d+)/v1 ", what="the simulator",
+        timeout=20,
+    ) as url:
+        yield url
 
 
 @pytest.fixture
