@@ -76,6 +76,21 @@ class SlowDisk:
         self._thread.join(WAIT_S)
         os.close(self.fd)
 
+    async def exit_waits_for_it(self, proc: subprocess.Popen[str], out: list[str]) -> None:
+        """``proc`` (SIGTERMed, its output lines in ``out``) began its app's shutdown
+        while lines are still buffered for this disk: it must wait for the disk, not exit
+        and lose them; then, once the disk reads, exit 0."""
+        assert not self.read_early, "requests waited for the file"
+        deadline = time.monotonic() + WAIT_S
+        while not any("Waiting for application shutdown" in line for line in out):
+            assert time.monotonic() < deadline, "".join(out)
+            await anyio.sleep(0.01)  # polling the output for an event, not timing
+        with pytest.raises(subprocess.TimeoutExpired):
+            await anyio.to_thread.run_sync(proc.wait, 2.0)
+        self.start_reading()
+        code = await anyio.to_thread.run_sync(proc.wait, WAIT_S)
+        assert code == 0, "".join(out)
+
 
 @pytest.fixture
 def slow_disk(tmp_path: Path) -> Iterator[SlowDisk]:
@@ -184,18 +199,7 @@ async def test_sigterm_writes_every_buffered_line_before_exit(slow_disk: SlowDis
                     gate.open()
                     async for _ in chunks:
                         pass
-            assert not slow_disk.read_early, "requests waited for the file"
-            # The app's shutdown has begun and the lines are still buffered: the
-            # process must wait for the file, not exit and lose them.
-            deadline = time.monotonic() + WAIT_S
-            while not any("Waiting for application shutdown" in line for line in out):
-                assert time.monotonic() < deadline, "".join(out)
-                await anyio.sleep(0.01)  # polling the output for an event, not timing
-            with pytest.raises(subprocess.TimeoutExpired):
-                await anyio.to_thread.run_sync(proc.wait, 2.0)
-            slow_disk.start_reading()
-            code = await anyio.to_thread.run_sync(proc.wait, WAIT_S)
-            assert code == 0, "".join(out)
+            await slow_disk.exit_waits_for_it(proc, out)
     logged = await anyio.to_thread.run_sync(slow_disk.lines)
     assert [line["request_id"] for line in logged] == ids
     assert logged[-1]["outcome"] == "completed" and logged[-1]["stream"] is True
