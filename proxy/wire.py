@@ -73,10 +73,28 @@ What the client does, and does not do:
      connection is dropped. This is what closes the window that the first two leave
      when the loop is busy.
 
-  What remains is a close and a request crossing on the wire within one network
-  round trip, before the proxy has learned the limit. Requests are not re-sent in that
-  case except for idempotent methods (GET, HEAD, ...): the proxy cannot prove that the
-  upstream did not read a POST, and a retry would hide the latency this proxy measures.
+  What remains is a close and a request crossing, before the proxy has learned the
+  limit: within one network round trip, or, on a busy upstream whose event loop runs
+  its idle timer late, while the request waits unread in its socket. That request is
+  sent again, once, on a new connection, whatever its method, in one case only: the
+  connection came from the pool, not one byte of the answer arrived, and the upstream
+  *reset* it (``ECONNRESET``, or ``EPIPE`` while writing: :class:`ResetBeforeAnswer`)
+  within :data:`RESET_UNREAD_S` (1 s) of the request.
+  A reset is what a kernel sends when a socket is closed with bytes unread (RFC 2525,
+  section 2.17), so the upstream closed it with the request in its buffer: no
+  generation started (an HTTP server needs the whole body before it dispatches, and
+  one that read the whole request and then closed would send a FIN, not a reset).
+  This is RFC 9110 section 9.2.2's "some means to detect that the original request
+  was never applied", and what browsers do on a reused connection. The reset also
+  teaches the idle limit (the connection was idle as long as the upstream keeps one).
+  A plain close (EOF) before any byte of the answer is not proof: the upstream may
+  have read the request and died, so only idempotent methods (GET, HEAD, ...) are
+  sent again then, and a POST fails with a 502; so does a POST reset later than 1 s
+  (a middlebox, a crash in mid-prefill: the request may have been read). What is left
+  is an upstream that reads a whole request and then resets within that second without
+  a byte of answer, which servers do not do: that POST would be sent twice. The client's clock runs throughout:
+  the second connection's set-up is in the TTFT this proxy measures, as it is in the
+  wait the client sees.
 * Timeouts, checked lazily (one timer per request, re-armed only when it fires): no
   bytes for ``read_timeout`` -> :class:`ReadTimeout`; the request not written within
   ``write_timeout`` -> :class:`WriteTimeout`; connecting -> :class:`ConnectTimeout`.
@@ -121,8 +139,14 @@ from proxy.logs import RateLimitedLog
 
 GO, PAUSE, STOP = 0, 1, 2
 # Sent again once on a fresh connection when a pooled one turns out closed before any
-# byte of the answer came back. Never POST: it may have started a generation.
+# byte of the answer came back. Any other method only when the upstream reset it
+# (ResetBeforeAnswer): a closed one may have read the request and started a generation.
 IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE", "TRACE"})
+# A reset of a pooled connection this soon after the request was written, before any
+# byte of the answer, is an idle close that met the request (ResetBeforeAnswer): an
+# idle timer runs late by milliseconds. A later reset is something else (a crash, a
+# middlebox) that may come after the request started a generation.
+RESET_UNREAD_S = 1.0
 # Bytes held for a response whose body nobody reads yet, before upstream reading pauses.
 HOLD_BUFFER = 256 * 1024
 # The most a response head (status line, header fields, any 1xx heads before it) may take;
@@ -177,6 +201,11 @@ class WriteTimeout(UpstreamTimeout):
 
 class ReadError(UpstreamError):
     """The connection closed or was reset before the response was complete."""
+
+
+class ResetBeforeAnswer(ReadError):
+    """The upstream reset a connection it had taken from the pool before any byte of its
+    answer: it closed the socket with the request unread (see the module docstring)."""
 
 
 class RemoteProtocolError(UpstreamError):
@@ -239,11 +268,12 @@ class _Exchange:
     __slots__ = (
         "decoding", "error", "finished", "has_length", "head", "head_bytes", "headers_done",
         "informational", "keep_alive", "last_read", "message_done", "parts", "raw_headers",
-        "received", "sink", "status", "waiter", "write_started",
+        "idle_s", "received", "sink", "status", "waiter", "write_started",
     )  # fmt: skip
 
-    def __init__(self, head: bool, now: float) -> None:
+    def __init__(self, head: bool, now: float, idle_s: float = -1.0) -> None:
         self.head = head
+        self.idle_s = idle_s  # how long the connection was idle before it (-1: a new one)
         self.status = 0
         self.raw_headers: list[tuple[bytes, bytes]] = []
         self.headers_done = False
@@ -363,6 +393,14 @@ class _Connection(asyncio.Protocol):
             self._finish(ex)  # a body delimited by the connection's end is complete
             return
         detail = f": {exc}" if exc is not None else ""
+        if (ex.idle_s >= 0 and not ex.received
+                and isinstance(exc, (ConnectionResetError, BrokenPipeError))
+                and self.owner.loop.time() - ex.write_started < RESET_UNREAD_S):
+            # the upstream closed the idle connection with our request unread: it was
+            # idle about as long as the upstream keeps one
+            self.owner.learn_idle_limit(self.endpoint, ex.idle_s)
+            self._fail(ex, ResetBeforeAnswer(f"upstream reset the connection{detail}"))
+            return
         self._fail(ex, ReadError(f"upstream closed the connection{detail}"))
 
     # -- httptools callbacks -----------------------------------------------------------
@@ -428,9 +466,10 @@ class _Connection(asyncio.Protocol):
 
     def start(self, payload: bytes, head: bool) -> _Exchange:
         assert self.transport is not None and self.ex is None
-        self.idle_since = -1.0
         now = self.owner.loop.time()
-        ex = self.ex = _Exchange(head, now)
+        ex = self.ex = _Exchange(head, now,
+                                 now - self.idle_since if self.idle_since >= 0 else -1.0)
+        self.idle_since = -1.0
         self.transport.write(payload)
         self._arm(now)
         return ex
@@ -809,7 +848,8 @@ class WireTransport:
                 while not ex.headers_done and not ex.finished:
                     await ex.wait(self.loop)
                 if (ex.error is not None and reused and not ex.received and attempt == 0
-                        and method in IDEMPOTENT and not isinstance(ex.error, UpstreamTimeout)):
+                        and not isinstance(ex.error, UpstreamTimeout)
+                        and (method in IDEMPOTENT or isinstance(ex.error, ResetBeforeAnswer))):
                     conn.release(ex)  # the upstream closed the idle connection as we used it
                     conn = None
                     continue

@@ -761,7 +761,8 @@ async def test_idempotent_request_retried_once_on_a_new_connection(method: str) 
         assert up.paths(2) == [b"/again"]  # sent once more
 
 
-async def test_post_is_never_sent_twice() -> None:
+async def test_a_post_the_upstream_read_and_closed_on_is_never_sent_twice() -> None:
+    """A close (FIN) after reading it: the generation may have started."""
     async with scripted(close_on_second_request()) as up, wire() as w:
         assert await w.fetch("GET", up.endpoint, "/first") == (200, b"first")
         with pytest.raises(ReadError):

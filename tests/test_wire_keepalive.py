@@ -2,11 +2,11 @@
 connection safely" in its docstring).
 
 The race: a uvicorn upstream closes a keep-alive connection after ``timeout_keep_alive``
-of silence; a POST written onto that connection as it closes gets no answer and cannot
-be re-sent (it may have started a generation), so the proxy answered 502. The unit
-tests take each defence alone and make its moment deterministic; the last test is the
-race itself, with real uvicorn servers on both sides and idle gaps straddling the
-upstream's limit.
+of silence; a POST written onto that connection as it closes gets no answer. It may be
+sent again only when the upstream provably never read it (a reset before any answer on
+a pooled connection); otherwise the proxy answers 502. The unit tests take each defence
+alone and make its moment deterministic; the last test is the race itself, with real
+uvicorn servers on both sides and idle gaps straddling the upstream's limit.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from proxy.wire import (
     MIN_LEARNED_EXPIRY,
     RECOVERY_RUN,
     Endpoint,
+    ReadError,
     WireTransport,
 )
 from tests.fake_upstream import Conn, Gate, RawUpstream, normal
@@ -140,6 +141,85 @@ async def test_liveness_check_drops_a_connection_whose_close_the_loop_has_not_se
                 b"GET /1 HTTP/1.1", b"POST /2 HTTP/1.1"]  # the POST once, on connection 2
             # And the check taught the pool this upstream's idle limit.
             assert w.transport.expiry(up.endpoint) == MIN_LEARNED_EXPIRY
+    finally:
+        for sock in socks:
+            sock.close()
+        up.close()
+
+
+# ---------------------------------------------------------------------------
+# A reset with the request unread: sent again, whatever the method
+
+
+async def test_a_post_the_upstream_reset_unread_is_sent_again_on_a_new_connection() -> None:
+    """A busy upstream's idle timer fires late, with the POST already in its socket:
+    it closes the socket unread, the kernel answers with a reset. The request never
+    reached the server's code, so it goes out once more, on a new connection, and the
+    reset teaches the idle limit."""
+    up = HandDriven()
+    socks: list[socket.socket] = []
+
+    async def serve_one() -> None:
+        socks.append(await up.accept())
+        await up.answer_one(socks[-1])
+
+    async def close_with_the_request_unread(sock: socket.socket) -> None:
+        readable = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        loop.add_reader(sock.fileno(), readable.set)
+        try:
+            await readable.wait()  # the POST is in the socket; nothing reads it
+        finally:
+            loop.remove_reader(sock.fileno())
+        sock.close()  # unread bytes: the kernel sends a reset, not a FIN
+
+    try:
+        async with wire(max_connections=1) as w:
+            first = asyncio.create_task(serve_one())
+            assert await w.fetch("GET", up.endpoint, "/1") == (200, b"/1")
+            await first
+            assert w.transport.expiry(up.endpoint) == 4.0  # nothing learned yet
+            reset = asyncio.create_task(close_with_the_request_unread(socks[0]))
+            second = asyncio.create_task(serve_one())
+            response = await w.send("POST", up.endpoint, "/2", b'{"model":"m"}')
+            assert (response.status_code, await response.body.read(1000)) == (200, b"/2")
+            await response.aclose()
+            await reset
+            await second
+            assert len(socks) == 2
+            assert [r.split(b"\r\n", 1)[0] for r in up.requests] == [
+                b"GET /1 HTTP/1.1", b"POST /2 HTTP/1.1"]  # read once: on connection 2
+            assert w.transport.expiry(up.endpoint) == MIN_LEARNED_EXPIRY  # idle ~0 s
+    finally:
+        for sock in socks:
+            sock.close()
+        up.close()
+
+
+async def test_a_reset_on_a_new_connection_is_not_sent_again() -> None:
+    """Only a connection from the pool: a new one that is reset before any answer says
+    nothing about an idle close (the upstream refused or crashed on this request)."""
+    up = HandDriven()
+    socks: list[socket.socket] = []
+
+    async def reset_unread() -> None:
+        socks.append(await up.accept())
+        readable = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        loop.add_reader(socks[-1].fileno(), readable.set)
+        try:
+            await readable.wait()
+        finally:
+            loop.remove_reader(socks[-1].fileno())
+        socks[-1].close()
+
+    try:
+        async with wire(max_connections=1) as w:
+            task = asyncio.create_task(reset_unread())
+            with pytest.raises(ReadError):
+                await w.send("POST", up.endpoint, "/1", b"{}")
+            await task
+            assert len(socks) == 1
     finally:
         for sock in socks:
             sock.close()
