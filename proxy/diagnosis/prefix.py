@@ -108,6 +108,7 @@ import secrets
 from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from proxy.diagnosis.prefix_index import (
     CONTINUED,
@@ -208,11 +209,26 @@ def _field(text: str) -> bytes:
     return len(data).to_bytes(4, "little") + data
 
 
+# Part heads (kind and role) whose digests a hasher keeps between requests (a few in
+# practice); past this many, the oldest is dropped.
+_HEADS_MAX = 64
+
+
 class PromptHasher:
     """Keyed, chained block digests of a prompt (see the module docstring).
 
     ``secret`` keys every digest (random per process by default; replicas that share an
     index share it); ``block_bytes`` is the block size.
+
+    Each chain is one running keyed hash: a block's key is the digest of everything fed
+    so far (``copy().digest()`` of the running state), so a block costs one ``update``,
+    one ``copy`` and one ``digest``, and its key still names the whole prefix up to it
+    under the key. What is fed is unambiguous: each part starts with a marker byte and
+    its head (a keyed digest of its kind and role, which no prompt text can forge without
+    the secret), and keys are taken only at block ends, which are fixed by the parts'
+    sizes. The part heads are kept between requests (:data:`_HEADS_MAX`), and so are the
+    last scope's digests and running states: one entry, so that the index's memory bound
+    (``--prefix-index-bytes``) stays the doctor's bound whatever the number of models.
     """
 
     def __init__(self, secret: bytes | None = None, block_bytes: int = DEFAULT_BLOCK_BYTES) -> None:
@@ -231,12 +247,44 @@ class PromptHasher:
         self._part = keyed(b"prefix.part")
         self._chain = keyed(b"prefix.chain")
         self._suffix = keyed(b"prefix.suffix")
+        # the last (upstream, model, cache key) and its (root, chain state after the
+        # root, anchor states after (upstream, model) and after (upstream))
+        # (one attribute, replaced whole: the hashing thread and the loop share it)
+        self._last_scope: tuple[tuple[str, str, str], tuple[bytes, Any, Any, Any]] | None = None
+        self._heads: dict[tuple[str, str], bytes] = {}  # (kind, role) -> head
 
     def _digest(self, base: hashlib.blake2b, *pieces: bytes) -> bytes:
         h = base.copy()
         for piece in pieces:
             h.update(piece)
         return h.digest()
+
+    def _scope(self, upstream: str, model: str, cache_key: str
+               ) -> tuple[bytes, Any, Any, Any]:
+        key = (upstream, model, cache_key)
+        last = self._last_scope
+        if last is not None and last[0] == key:
+            return last[1]
+        root = self._digest(self._root, _field(upstream), _field(model), _field(cache_key))
+        chain = self._chain.copy()
+        chain.update(root)
+        by_model = self._anchor.copy()
+        by_model.update(_field(upstream) + _field(model))
+        by_upstream = self._anchor.copy()
+        by_upstream.update(_field(upstream) + b"\xff\xff\xff\xff")
+        scope = (root, chain, by_model, by_upstream)
+        self._last_scope = (key, scope)
+        return scope
+
+    def _head(self, kind: str, role: str) -> bytes:
+        head = self._heads.get((kind, role))
+        if head is None:
+            head = self._digest(self._part, _field(kind), _field(role))
+            heads = self._heads
+            if len(heads) >= _HEADS_MAX:
+                heads.clear()
+            heads[kind, role] = head
+        return head
 
     def hash(
         self, parts: Sequence[PromptPart], *, upstream: str, model: str, cache_key: str = ""
@@ -246,56 +294,45 @@ class PromptHasher:
         if not parts:
             return None
         size = self.block_bytes
-        chain_base, suffix_base = self._chain, self._suffix
-        heads: dict[tuple[str, str], bytes] = {}
-        prev = root = self._digest(self._root, _field(upstream), _field(model), _field(cache_key))
+        root, chain_start, by_model, by_upstream = self._scope(upstream, model, cache_key)
+        running = chain_start.copy()
+        update, suffix_base = running.update, self._suffix
         chain: list[bytes] = []
         first_block: list[int] = []
         suffixes: list[tuple[bytes, ...]] = []
         shapes: list[PartShape] = []
+        first_head = b""
         for part in parts:
-            head = heads.get((part.kind, part.role))
-            if head is None:
-                head = self._digest(self._part, _field(part.kind), _field(part.role))
-                heads[part.kind, part.role] = head
+            head = self._head(part.kind, part.role)
             data = part.data
             length = len(data)
             view = memoryview(data)
             shapes.append(PartShape(part.kind, part.index, part.role, length))
             first_block.append(len(chain))
-            marker = b"\x01" + head  # a part's first block also covers its kind and role
+            if not first_head:
+                first_head = head
+            update(b"\x01" + head)  # a part's first block also covers its kind and role
             start = 0
             while True:
-                h = chain_base.copy()
-                h.update(prev)
-                h.update(marker)
-                h.update(view[start : start + size])
-                prev = h.digest()
-                chain.append(prev)
+                update(view[start : start + size])
+                chain.append(running.copy().digest())
                 start += size
                 if start >= length:
                     break
-                marker = b"\x00"
             tail: list[bytes] = []
-            after = head
+            back = suffix_base.copy()
+            back.update(head)
             end = length
             while True:
-                h = suffix_base.copy()
-                h.update(after)
-                h.update(view[max(0, end - size) : end])
-                after = h.digest()
-                tail.append(after)
+                back.update(view[max(0, end - size) : end])
+                tail.append(back.copy().digest())
                 end -= size
                 if end <= 0:
                     break
             tail.reverse()
             suffixes.append(tuple(tail))
-        first = parts[0]
-        block = b"\x01" + heads[first.kind, first.role] + first.data[:size]
-        anchors = (
-            self._digest(self._anchor, _field(upstream), _field(model), block),
-            self._digest(self._anchor, _field(upstream), b"\xff\xff\xff\xff", block),
-        )
+        block = b"\x01" + first_head + parts[0].data[:size]
+        anchors = (self._digest(by_model, block), self._digest(by_upstream, block))
         return HashedPrompt(
             size, tuple(shapes), root, tuple(chain), tuple(first_block), tuple(suffixes), anchors
         )
