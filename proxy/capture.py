@@ -292,9 +292,9 @@ class Capture:
             self._pending_keys -= released
         written = 0
         try:
-            if self._rotation_due():
-                self._rotate()
-            for item in batch:
+            for item in batch:  # rotation is checked per line: a batch may be large
+                if self._rotation_due():
+                    self._rotate()
                 self._writer.write(self._line(*item), flush=False)
                 written += 1
             self._writer.flush()
@@ -331,12 +331,7 @@ class Capture:
         if self.rotate_seconds and self._opened_at is not None and (
                 self._monotonic() - self._opened_at >= self.rotate_seconds):
             return True
-        if self.rotate_bytes:
-            try:
-                return os.stat(self._writer.path).st_size >= self.rotate_bytes
-            except OSError:
-                return False
-        return False
+        return bool(self.rotate_bytes) and self._writer.size >= self.rotate_bytes
 
     def _rotate(self) -> None:
         number = self._number + 1

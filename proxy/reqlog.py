@@ -7,7 +7,8 @@ reach the file.
 The file is written by one thread of its own, never by the event loop: a write to a
 slow disk (a full page cache, network storage, a pipe nobody reads fast enough) blocks
 the writer, and on the loop it would have stalled every stream the proxy relays. The
-loop only formats the line (a few microseconds) and hands it over. The buffer, the
+loop only hands the record over (the thread formats it, in batches about 0.1 s apart).
+The buffer, the
 thread, the drops and the close are :class:`proxy.line_writer.LineWriter`'s (the trace
 capture's writer too); what a line holds and where it goes are this module's.
 
@@ -56,7 +57,7 @@ class RequestLog:
         # start-up rather than the first request.
         self._fd = (os.open(target, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
                     if self._own else -1)
-        self._lines = LineWriter[str](
+        self._lines = LineWriter[tuple[RequestRecord, float]](
             self._emit, label="request log", buffer=buffer, dropped=dropped, clock=clock,
             closed="the log was already closed", finish=self._finish,
             see="llm_proxy_request_log_dropped_lines_total and --log-requests-buffer")
@@ -69,9 +70,7 @@ class RequestLog:
     def write(self, record: RequestRecord) -> None:
         """Hand one request's line to the writer; drop it (and count it) if the buffer
         is full or the log already closed."""
-        line = record.as_log()
-        line["time"] = time.time()  # wall-clock timestamp of the line, not a duration
-        self._lines.offer(json.dumps(line, separators=(",", ":")) + "\n")
+        self._lines.offer((record, time.time()))  # formatted in the writer thread
 
     def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
         """Write every buffered line, then close the file (not standard output). Blocks
@@ -80,7 +79,12 @@ class RequestLog:
 
     # -- the writer thread --------------------------------------------------------------
 
-    def _emit(self, lines: list[str]) -> None:
+    def _emit(self, items: list[tuple[RequestRecord, float]]) -> None:
+        lines = []
+        for record, wall in items:
+            line = record.as_log()
+            line["time"] = wall  # wall-clock timestamp of the request's end, not a duration
+            lines.append(json.dumps(line, separators=(",", ":")) + "\n")
         if not self._own:
             out = sys.stdout
             for line in lines:

@@ -553,6 +553,7 @@ class TraceWriter:
         self._fh: TextIO | None = None
         self._meta_due = True
         self.lines = 0
+        self.size = 0  # the open file's size, about (characters written counted as bytes)
 
     @property
     def meta(self) -> TraceMeta:
@@ -603,6 +604,7 @@ class TraceWriter:
         if self._fh is None:
             self._fh = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open
             self._meta_due = True
+            self.size = os.fstat(self._fh.fileno()).st_size
 
     def write(self, record: TraceRecord, *, flush: bool = True) -> None:
         """Append one line (one ``write`` call, so a tailing reader never sees half)."""
@@ -613,6 +615,7 @@ class TraceWriter:
         fh.write(line + "\n")
         self._meta_due = False
         self.lines += 1
+        self.size += len(line) + 1  # characters: bytes for the ASCII JSON lines are
         if flush:
             fh.flush()
 

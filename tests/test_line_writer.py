@@ -16,6 +16,7 @@ import threading
 
 import pytest
 
+from proxy import line_writer
 from proxy.line_writer import DROP_WARNING_S, LineWriter
 
 WAIT_S = 30.0  # bound on every wait for an event (a loaded 2-core machine)
@@ -140,3 +141,35 @@ def test_a_close_that_fails_is_said_and_counts_no_line(
     assert counted == [] and lines.dropped == 0
     assert messages(caplog) == [f"{LABEL}: 0 lines dropped so far (closing failed: [Errno 5] "
                                 "Input/output error); see the_dropped_metric"]
+
+
+def test_lines_offered_together_reach_the_disk_in_one_batch() -> None:
+    """The thread is signalled by the first line after a batch and then gathers for
+    BATCH_S: a burst of lines is one write, not one wake-up (and one hand-over of the
+    interpreter lock) per line."""
+    disk = Disk()
+    counted: list[int] = []
+    lines = writer(disk, counted, buffer=1000)
+    for i in range(200):
+        assert lines.offer(f"{i}\n")
+    assert disk.entered.wait(WAIT_S)
+    lines.close()
+    assert [line for batch in disk.batches for line in batch] == [f"{i}\n" for i in range(200)]
+    # 200 offers take well under BATCH_S; a second batch only if this thread was held off
+    # the CPU for longer than that in the middle of them
+    assert len(disk.batches) <= 2, [len(batch) for batch in disk.batches]
+
+
+def test_a_half_full_buffer_is_taken_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Half the buffer waiting cuts the gathering short, so that a burst fills the
+    buffer only when the disk is slower than the requests."""
+    monkeypatch.setattr(line_writer, "BATCH_S", 2 * WAIT_S)  # only the hurry can end it
+    disk = Disk()
+    counted: list[int] = []
+    lines = writer(disk, counted, buffer=10)
+    for i in range(5):
+        assert lines.offer(f"{i}\n")
+    assert disk.entered.wait(WAIT_S)  # the fifth offer hurried the thread
+    lines.close()
+    assert counted == [] and [line for b in disk.batches for line in b] == [
+        f"{i}\n" for i in range(5)]

@@ -315,13 +315,14 @@ async def test_stream_span_attributes_parent_events_and_upstream_traceparent(
         assert {line.split("{", 1)[0] for line in ttft_lines} == {
             "llm_proxy_time_to_first_token_seconds_bucket",
             "llm_proxy_request_duration_seconds_bucket"}
-        # The per-request log line names the same trace and span.
-        (line,) = log_file.read_text().splitlines()
-        assert (json.loads(line)["trace_id"], json.loads(line)["span_id"]) == (CLIENT_TRACE, span_id)
         # No prompt, completion or key anywhere in what was exported.
         exported_bytes = b"".join(receiver.bodies)
         for secret in (b"PROMPT-TEXT", ANSWER.encode(), SECRET_KEY.encode(), b"tenant"):
             assert secret not in exported_bytes
+    # The per-request log line (written by the time the app has shut down) names the same
+    # trace and span.
+    (line,) = log_file.read_text().splitlines()
+    assert (json.loads(line)["trace_id"], json.loads(line)["span_id"]) == (CLIENT_TRACE, span_id)
 
 
 async def test_non_stream_span(receiver: Receiver) -> None:
