@@ -80,15 +80,15 @@ class RequestLog:
     # -- the writer thread --------------------------------------------------------------
 
     def _emit(self, items: list[tuple[RequestRecord, float]]) -> None:
-        lines = []
+        lines: list[str] = []
         for record, wall in items:
-            line = record.as_log()
-            line["time"] = wall  # wall-clock timestamp of the request's end, not a duration
-            lines.append(json.dumps(line, separators=(",", ":")) + "\n")
+            fields = record.as_log()
+            fields["time"] = wall  # wall-clock timestamp of the request's end, not a duration
+            lines.append(json.dumps(fields, separators=(",", ":")) + "\n")
         if not self._own:
             out = sys.stdout
-            for line in lines:
-                out.write(line)
+            for text in lines:
+                out.write(text)
                 out.flush()
             return
         data = memoryview("".join(lines).encode())

@@ -267,8 +267,8 @@ class _Exchange:
 
     __slots__ = (
         "decoding", "error", "finished", "has_length", "head", "head_bytes", "headers_done",
-        "informational", "keep_alive", "last_read", "message_done", "parts", "raw_headers",
-        "idle_s", "received", "sink", "status", "waiter", "write_started",
+        "idle_s", "informational", "keep_alive", "last_read", "message_done", "parts",
+        "raw_headers", "received", "sink", "status", "waiter", "write_started",
     )  # fmt: skip
 
     def __init__(self, head: bool, now: float, idle_s: float = -1.0) -> None:

@@ -35,8 +35,8 @@ from proxy.diagnosis.prefix import (
 )
 from proxy.diagnosis.prefix_index import (
     BYTES_PER_ENTRY,
-    DEFAULT_HORIZON_MS,
     CONTINUED,
+    DEFAULT_HORIZON_MS,
     ENDED,
     NEVER,
     SEEN,
