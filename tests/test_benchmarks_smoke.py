@@ -611,3 +611,21 @@ def test_loop_micro_measures_scrapes_and_bodies(tmp_path: Path) -> None:
         ("turns", True), ("turns", True), ("image", True), ("image", True)]
     for r in rows:
         assert r["inline_ms"] > 0 and r["pieces_ms"] > 0 and r["stall_pieces_thread_ms"] >= 0
+
+
+def test_paired_reads_run_py_rounds(tmp_path: Path) -> None:
+    """benchmarks/paired.py: per-round ratios from run.py's round lines, load 64 only."""
+    log = tmp_path / "run.log"
+    log.write_text("\n".join([
+        "# round 1 64 proxy: ttft p50 50.7 p99 52.2 ms, itl p99 21.3 ms, broken 0/404, cpu/ev 60.0 us",
+        "# round 1 64 proxy-doctor: ttft p50 50.7 p99 52.2 ms, itl p99 21.3 ms, broken 0/404, cpu/ev 66.0 us",
+        "# round 1 1 proxy-doctor: ttft p50 50.7 p99 52.2 ms, itl p99 21.3 ms, broken 0/4, cpu/ev 999.0 us",
+        "# round 2 64 proxy-doctor: ttft p50 50.7 p99 52.2 ms, itl p99 21.3 ms, broken 0/404, cpu/ev 72.0 us",
+        "# round 2 64 proxy: ttft p50 50.7 p99 52.2 ms, itl p99 21.3 ms, broken 0/404, cpu/ev 80.0 us",
+        "# round 3 64 proxy: ttft p50 50.7 p99 52.2 ms, itl p99 21.3 ms, broken 0/404, cpu/ev 50.0 us",
+    ]) + "\n")
+    out = subprocess.run([sys.executable, str(BENCH / "paired.py"), str(log),
+                          "proxy-doctor/proxy"], capture_output=True, text=True, check=True)
+    # rounds 1 and 2 have both (1.1 and 0.9); round 3 has one; load 1 is not read
+    assert out.stdout.strip() == ("proxy-doctor / proxy: median of 2 per-round ratios 1.000 "
+                                  "(interquartile 0.900-1.100, all 0.900-1.100)")
