@@ -414,8 +414,13 @@ async def stack(
             ]
             with background(prom_argv, prom_log) as prom:
                 proxy_url = f"http://127.0.0.1:{proxy_port}"
+                # The client's idle connections expire well before uvicorn's 5 s
+                # keep-alive: httpx's default is 5 s too, and a POST reused as the proxy
+                # closed the connection (the wait for Prometheus can be that long on a
+                # busy machine) failed once under CPU burners with a ReadError
                 async with (
-                    httpx.AsyncClient(base_url=proxy_url + "/v1", timeout=30) as client,
+                    httpx.AsyncClient(base_url=proxy_url + "/v1", timeout=30,
+                                      limits=httpx.Limits(keepalive_expiry=1.0)) as client,
                     httpx.AsyncClient(base_url=f"http://127.0.0.1:{prom_port}", timeout=10) as pc,
                 ):
 
