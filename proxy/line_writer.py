@@ -9,13 +9,12 @@ loop it would stall every stream the proxy relays.
 **Batches, not a wake-up per line.** An item goes onto a deque (an append, no lock); only
 the first item after a batch was taken signals the thread, which then waits
 :data:`BATCH_S` (0.1 s) for more before it takes them all (sooner when the buffer is
-half full, or at close). A thread woken for every line would ask for the interpreter
-lock once per request, and the loop would hand it over in the middle of relaying other
-streams: measured at 64 streams, that hand-off (not the formatting) made a trace
-capture cost 9 % more CPU per event than the request log and added 2 ms to the ITL p99
-(``benchmarks/RESULTS.md``, 2026-12-02). With batches the thread wakes at most ten times
-a second however busy the proxy is, and not at all when it is idle; a line reaches the
-file within about 0.1 s of its request's end.
+half full, or at close). A thread woken for every line asks for the interpreter lock
+once per request, in the middle of the loop's relaying of other streams. With batches
+it wakes at most ten times a second however busy the proxy is, and not at all when it
+is idle; a line reaches the file within about 0.1 s of its request's end. Measured at
+64 streams (``benchmarks/RESULTS.md``, "2026-12-02 (later)"): the capture writer's wait
+for a CPU fell from 24 to 10 ms per second; CPU per event did not move measurably.
 
 A full buffer means the disk has been slower than the requests for a while: the line is
 **dropped, not waited for**, counted (``dropped``, the owner's metric) and said in a

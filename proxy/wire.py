@@ -92,9 +92,9 @@ What the client does, and does not do:
   sent again then, and a POST fails with a 502; so does a POST reset later than 1 s
   (a middlebox, a crash in mid-prefill: the request may have been read). What is left
   is an upstream that reads a whole request and then resets within that second without
-  a byte of answer, which servers do not do: that POST would be sent twice. The client's clock runs throughout:
-  the second connection's set-up is in the TTFT this proxy measures, as it is in the
-  wait the client sees.
+  a byte of answer, which servers do not do: that POST would be sent twice. The
+  client's clock runs throughout: the second connection's set-up is in the TTFT this
+  proxy measures, as it is in the wait the client sees.
 * Timeouts, checked lazily (one timer per request, re-armed only when it fires): no
   bytes for ``read_timeout`` -> :class:`ReadTimeout`; the request not written within
   ``write_timeout`` -> :class:`WriteTimeout`; connecting -> :class:`ConnectTimeout`.
