@@ -76,6 +76,19 @@ def serve_in_thread(app: Any, *, host: str = "127.0.0.1", timeout: float = 10.0,
         thread.join(timeout)
 
 
+def end_process(proc: subprocess.Popen[Any], grace: float = 10.0) -> None:
+    """End ``proc`` if it still runs: SIGTERM, then SIGKILL if it is still there after
+    ``grace`` seconds."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
 @contextlib.contextmanager
 def announcing_process(argv: list[str], announces: str, *, what: str, timeout: float,
                        env: dict[str, str] | None = None) -> Iterator[str]:
@@ -107,12 +120,7 @@ def announcing_process(argv: list[str], announces: str, *, what: str, timeout: f
         assert url, f"{what} did not start:\n" + "".join(said)
         yield url[0]
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        end_process(proc)
         thread.join(5)
         if proc.stderr is not None:
             proc.stderr.close()

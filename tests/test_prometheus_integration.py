@@ -50,7 +50,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.simulator.app import create_simulator_app
 from proxy.simulator.model import SimConfig
-from tests.servers import serve_in_thread
+from tests.servers import end_process, serve_in_thread
 from tests.test_dialect_routes import T0, messages_script, responses_script
 from tests.test_observability import (
     ALERT_RULES,
@@ -122,13 +122,7 @@ def background(
         try:
             yield proc
         finally:
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(10)
+            end_process(proc)
 
 
 async def poll(what: str, check: Callable[[], Awaitable[bool]], log: Path | None = None) -> None:

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from proxy.serve import upstream_warning
+from tests.servers import end_process
 
 ROOT = Path(__file__).resolve().parent.parent
 BANNER = re.compile(r"^llm-latency-proxy: relaying http://127\.0\.0\.1:(\d+)/v1 -> ")
@@ -101,15 +102,9 @@ def serving(*args: str) -> Iterator[Proc]:
     try:
         yield proc
     finally:
-        if proc.popen.poll() is None:
-            # SIGTERM first: with --workers, a killed supervisor would leave its workers
-            # running, holding stderr open, and closing it below would never return.
-            proc.popen.terminate()
-            try:
-                proc.popen.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.popen.kill()
-                proc.popen.wait(10)
+        # SIGTERM first: with --workers, a killed supervisor would leave its workers
+        # running, holding stderr open, and closing it below would never return.
+        end_process(proc.popen, grace=30)
         if proc.popen.stderr is not None:
             proc.popen.stderr.close()
 
