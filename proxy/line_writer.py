@@ -76,7 +76,6 @@ class LineWriter(Generic[T]):
         self._signalled = False  # the thread was told since it last took the items
         self._in_hand = 0  # items the thread took and is writing
         self._wake = threading.Event()  # items are waiting
-        self._stop = threading.Event()  # closing: take what is left, then finish
         self._hurry = threading.Event()  # take the items now (half full, or closing)
         self._lock = threading.Lock()  # the drop count and warning: loop and thread
         self.dropped = 0
@@ -111,8 +110,7 @@ class LineWriter(Generic[T]):
         done or ``timeout`` seconds: call it off the event loop."""
         if self.closed:
             return
-        self.closed = True
-        self._stop.set()
+        self.closed = True  # the thread takes what is left, then finishes
         self._hurry.set()
         self._wake.set()
         self._thread.join(max(0.0, timeout))
@@ -144,7 +142,7 @@ class LineWriter(Generic[T]):
                 self._hurry.clear()
                 self._signalled = False  # an item appended from here on signals again
                 self._take()
-                if self._stop.is_set():  # closed: offers are refused from now on
+                if self.closed:  # offers are refused from now on
                     self._take()  # what came in while taking
                     return
         finally:

@@ -301,7 +301,6 @@ class PromptHasher:
         first_block: list[int] = []
         suffixes: list[tuple[bytes, ...]] = []
         shapes: list[PartShape] = []
-        first_head = b""
         for part in parts:
             head = self._head(part.kind, part.role)
             data = part.data
@@ -309,8 +308,6 @@ class PromptHasher:
             view = memoryview(data)
             shapes.append(PartShape(part.kind, part.index, part.role, length))
             first_block.append(len(chain))
-            if not first_head:
-                first_head = head
             update(b"\x01" + head)  # a part's first block also covers its kind and role
             start = 0
             while True:
@@ -331,7 +328,8 @@ class PromptHasher:
                     break
             tail.reverse()
             suffixes.append(tuple(tail))
-        block = b"\x01" + first_head + parts[0].data[:size]
+        first = parts[0]
+        block = b"\x01" + self._head(first.kind, first.role) + first.data[:size]
         anchors = (self._digest(by_model, block), self._digest(by_upstream, block))
         return HashedPrompt(
             size, tuple(shapes), root, tuple(chain), tuple(first_block), tuple(suffixes), anchors
