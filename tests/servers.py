@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import httpx
 import uvicorn
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -74,6 +75,13 @@ def serve_in_thread(app: Any, *, host: str = "127.0.0.1", timeout: float = 10.0,
     finally:
         server.should_exit = True
         thread.join(timeout)
+
+
+# For a test client that idles between bursts (waiting for Prometheus, say) in front of
+# a uvicorn server: httpx keeps an idle connection 5 s, as long as uvicorn's keep-alive,
+# so a POST could go out on a connection the server was closing and fail with a
+# ReadError (seen under CPU burners, and once in CI). Expire them well before.
+CLIENT_LIMITS = httpx.Limits(keepalive_expiry=1.0)
 
 
 def end_process(proc: subprocess.Popen[Any], grace: float = 10.0) -> None:

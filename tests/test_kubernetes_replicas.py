@@ -67,7 +67,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.config import TTFT_BUCKETS
-from tests.servers import serve_in_thread
+from tests.servers import CLIENT_LIMITS, serve_in_thread
 from tests.test_observability import (
     ALL,
     PROMETHEUS_DIR,
@@ -593,7 +593,7 @@ async def replicas(tmp_path: Path) -> AsyncIterator[list[Replica]]:
 
 async def test_three_replicas_add_up_to_one(replicas: list[Replica], tmp_path: Path) -> None:
     sent = Sent()
-    async with httpx.AsyncClient(timeout=30) as client:
+    async with httpx.AsyncClient(timeout=30, limits=CLIENT_LIMITS) as client:
         # Warm-up: every series the workload touches exists on every replica before
         # either Prometheus first scrapes.
         counter = itertools.count()

@@ -50,7 +50,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.simulator.app import create_simulator_app
 from proxy.simulator.model import SimConfig
-from tests.servers import end_process, serve_in_thread
+from tests.servers import CLIENT_LIMITS, end_process, serve_in_thread
 from tests.test_dialect_routes import T0, messages_script, responses_script
 from tests.test_observability import (
     ALERT_RULES,
@@ -408,13 +408,9 @@ async def stack(
             ]
             with background(prom_argv, prom_log) as prom:
                 proxy_url = f"http://127.0.0.1:{proxy_port}"
-                # The client's idle connections expire well before uvicorn's 5 s
-                # keep-alive: httpx's default is 5 s too, and a POST reused as the proxy
-                # closed the connection (the wait for Prometheus can be that long on a
-                # busy machine) failed once under CPU burners with a ReadError
                 async with (
                     httpx.AsyncClient(base_url=proxy_url + "/v1", timeout=30,
-                                      limits=httpx.Limits(keepalive_expiry=1.0)) as client,
+                                      limits=CLIENT_LIMITS) as client,
                     httpx.AsyncClient(base_url=f"http://127.0.0.1:{prom_port}", timeout=10) as pc,
                 ):
 
