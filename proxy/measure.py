@@ -133,8 +133,7 @@ OUTCOME_MEANINGS: dict[Outcome, OutcomeMeaning] = {
 }
 
 
-@dataclass(frozen=True, slots=True)
-class PrefixRecord:
+class PrefixRecord(NamedTuple):
     """What the prompt-cache doctor found for one request (:mod:`proxy.prefix_check`):
     sizes, positions and bounded names, never text. Tokens are None where unknown."""
 

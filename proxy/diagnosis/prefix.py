@@ -107,8 +107,8 @@ import hashlib
 import secrets
 from bisect import bisect_right
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 from proxy.diagnosis.prefix_index import (
     CONTINUED,
@@ -149,19 +149,21 @@ _KIND_REASON = {
 }
 
 
-@dataclass(frozen=True, slots=True)
-class PartShape:
+class PartShape(NamedTuple):
     """A part without its bytes: what a report may say about it."""
 
     kind: str
-    index: int
+    index: int  # type: ignore[assignment]  # a field: shadows tuple.index
     role: str
     size: int  # bytes
 
 
-@dataclass(frozen=True, slots=True)
-class HashedPrompt:
-    """A prompt as keys: what the index is asked about and the report is built from."""
+class HashedPrompt(NamedTuple):
+    """A prompt as keys: what the index is asked about and the report is built from.
+
+    ``keys`` and ``marks`` are the probe (:meth:`probe`), laid out while hashing: the
+    suffixes, then the chain from its last block to its first, then the root and the
+    anchors (so an LRU, touching them in that order, forgets tails before heads)."""
 
     block_bytes: int
     parts: tuple[PartShape, ...]
@@ -170,6 +172,8 @@ class HashedPrompt:
     first_block: tuple[int, ...]  # per part, the chain index of its first block
     suffixes: tuple[tuple[bytes, ...], ...]  # per part, key k: the tail from block k on
     anchors: tuple[bytes, bytes]  # first block under (upstream, model), under (upstream)
+    keys: tuple[bytes, ...]  # the probe's keys, in touch order
+    marks: bytes  # the probe's marks, one per key
 
     @property
     def prompt_bytes(self) -> int:
@@ -191,17 +195,14 @@ class HashedPrompt:
         return ends
 
     def probe(self) -> Probe:
-        """The keys in touch order: suffixes, then the chain from its last block to its
-        first, then the root and the anchors (so an LRU forgets tails before heads)."""
-        keys: list[bytes] = [key for tail in self.suffixes for key in tail]
-        marks = bytearray([SEEN]) * len(keys)
-        keys.extend(reversed(self.chain))
-        marks.append(ENDED)
-        marks.extend(bytes([CONTINUED]) * (len(self.chain) - 1))
-        keys.append(self.root)
-        keys.extend(self.anchors)
-        marks.extend((CONTINUED, SEEN, SEEN))
-        return Probe(tuple(keys), bytes(marks))
+        """The question for the index: the keys in touch order, each with its mark."""
+        return Probe(self.keys, self.marks)
+
+
+_SEEN = bytes([SEEN])
+_ENDED_CHAIN = bytes([ENDED])
+_CONTINUED = bytes([CONTINUED])
+_SCOPE_MARKS = bytes([CONTINUED, SEEN, SEEN])  # the root, the two anchors
 
 
 def _field(text: str) -> bytes:
@@ -209,8 +210,8 @@ def _field(text: str) -> bytes:
     return len(data).to_bytes(4, "little") + data
 
 
-# Part heads (kind and role) whose digests a hasher keeps between requests (a few in
-# practice); past this many, the oldest is dropped.
+# Part heads (kind and role), and first blocks' anchors, whose digests a hasher keeps
+# between requests (a few in practice); past this many, all are dropped.
 _HEADS_MAX = 64
 
 
@@ -228,7 +229,9 @@ class PromptHasher:
     the secret), and keys are taken only at block ends, which are fixed by the parts'
     sizes. The part heads are kept between requests (:data:`_HEADS_MAX`), and so are the
     last scope's digests and running states: one entry, so that the index's memory bound
-    (``--prefix-index-bytes``) stays the doctor's bound whatever the number of models.
+    (``--prefix-index-bytes``) stays the doctor's bound whatever the number of models. So
+    are the anchors of up to :data:`_HEADS_MAX` recent first blocks (about 13 KB of
+    digests at most): most requests of an app open with the same system prompt.
     """
 
     def __init__(self, secret: bytes | None = None, block_bytes: int = DEFAULT_BLOCK_BYTES) -> None:
@@ -252,6 +255,9 @@ class PromptHasher:
         # (one attribute, replaced whole: the hashing thread and the loop share it)
         self._last_scope: tuple[tuple[str, str, str], tuple[bytes, Any, Any, Any]] | None = None
         self._heads: dict[tuple[str, str], bytes] = {}  # (kind, role) -> head
+        # the anchors of recent first blocks (most prompts of an app open alike), by the
+        # chain key of the first block, which names its scope and its bytes
+        self._anchors: dict[bytes, tuple[bytes, bytes]] = {}
 
     def _digest(self, base: hashlib.blake2b, *pieces: bytes) -> bytes:
         h = base.copy()
@@ -296,23 +302,24 @@ class PromptHasher:
         size = self.block_bytes
         root, chain_start, by_model, by_upstream = self._scope(upstream, model, cache_key)
         running = chain_start.copy()
-        update, suffix_base = running.update, self._suffix
+        update, state, suffix_base = running.update, running.copy, self._suffix
+        heads, head_of = self._heads, self._head
         chain: list[bytes] = []
+        keys: list[bytes] = []  # the probe: the suffixes first
         first_block: list[int] = []
         suffixes: list[tuple[bytes, ...]] = []
         shapes: list[PartShape] = []
-        for part in parts:
-            head = self._head(part.kind, part.role)
-            data = part.data
+        for kind, index, role, data in parts:
+            head = heads.get((kind, role)) or head_of(kind, role)
             length = len(data)
             view = memoryview(data)
-            shapes.append(PartShape(part.kind, part.index, part.role, length))
+            shapes.append(PartShape(kind, index, role, length))
             first_block.append(len(chain))
             update(b"\x01" + head)  # a part's first block also covers its kind and role
             start = 0
             while True:
                 update(view[start : start + size])
-                chain.append(running.copy().digest())
+                chain.append(state().digest())
                 start += size
                 if start >= length:
                     break
@@ -327,13 +334,23 @@ class PromptHasher:
                 if end <= 0:
                     break
             tail.reverse()
+            keys.extend(tail)
             suffixes.append(tuple(tail))
-        first = parts[0]
-        block = b"\x01" + self._head(first.kind, first.role) + first.data[:size]
-        anchors = (self._digest(by_model, block), self._digest(by_upstream, block))
-        return HashedPrompt(
-            size, tuple(shapes), root, tuple(chain), tuple(first_block), tuple(suffixes), anchors
-        )
+        anchors = self._anchors.get(chain[0])  # chain[0] names the scope and first block
+        if anchors is None:
+            first = parts[0]
+            block = b"\x01" + head_of(first.kind, first.role) + first.data[:size]
+            anchors = (self._digest(by_model, block), self._digest(by_upstream, block))
+            if len(self._anchors) >= _HEADS_MAX:
+                self._anchors.clear()
+            self._anchors[chain[0]] = anchors
+        marks = (_SEEN * len(keys) + _ENDED_CHAIN + _CONTINUED * (len(chain) - 1)
+                 + _SCOPE_MARKS)
+        keys.extend(reversed(chain))
+        keys.append(root)
+        keys.extend(anchors)
+        return HashedPrompt(size, tuple(shapes), root, tuple(chain), tuple(first_block),
+                            tuple(suffixes), anchors, tuple(keys), marks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -348,8 +365,7 @@ class PrefixPolicy:
     min_stable_bytes: int | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class PrefixReport:
+class PrefixReport(NamedTuple):
     """What the doctor says about one request's prompt (bytes; :func:`cache_tokens`
     gives tokens once usage is known). No text, only sizes and positions."""
 
@@ -360,7 +376,7 @@ class PrefixReport:
     stale_bytes: int  # right after those: bytes held, but longer ago than the window
     reason: str | None  # one of REASONS; None: no break (a full repeat, a grown one, new tail)
     part: str | None = None  # where it broke: the part's kind, its index and role
-    index: int | None = None
+    index: int | None = None  # type: ignore[assignment]  # a field: shadows tuple.index
     role: str | None = None
     offset: int | None = None  # byte offset in that part of the block where it broke
     part_bytes: int | None = None  # that part's size
@@ -387,16 +403,22 @@ def diagnose(
 ) -> PrefixReport:
     """Read an index's answer to ``hashed.probe()`` at ``now_ms`` into a report (see the
     module docstring)."""
+    blocks = len(hashed.chain)
+    last = seen.last
+    cutoff = now_ms - policy.window_ms
+    # The probe's order: suffixes, the chain from its last block, the root, the anchors.
+    top = len(hashed.keys) - 4  # the probe index of chain block 0; block i is at top - i
+    repeated = 0
+    while repeated < blocks and last(top - repeated) >= cutoff:
+        repeated += 1
+    parts = hashed.parts
+    if repeated == blocks:  # the whole prompt repeated: the common case, said at once
+        total = sum(part.size for part in parts)
+        return PrefixReport(total, blocks, blocks, total, 0, None)
     size = hashed.block_bytes
     short_run = policy.short_run_bytes if policy.short_run_bytes is not None else 2 * size + 256
     min_stable = policy.min_stable_bytes if policy.min_stable_bytes is not None else size
-    cutoff = now_ms - policy.window_ms
-    parts, first_block, suffixes = hashed.parts, hashed.first_block, hashed.suffixes
-    blocks = len(hashed.chain)
-    last = seen.last
-    # The probe's order: suffixes, the chain from its last block, the root, the anchors.
-    n_suffix = sum(len(tail) for tail in suffixes)
-    top = n_suffix + blocks - 1  # the probe index of chain block 0; block i is at top - i
+    first_block, suffixes = hashed.first_block, hashed.suffixes
     root, model_anchor, upstream_anchor = top + 1, top + 2, top + 3
 
     part_start = [0] * len(parts)  # byte offset of each part in the prompt
@@ -415,9 +437,6 @@ def diagnose(
         p, offset = position(block)
         return part_start[p] + offset
 
-    repeated = 0
-    while repeated < blocks and last(top - repeated) >= cutoff:
-        repeated += 1
     held = repeated
     while held < blocks and last(top - held) > NEVER:
         held += 1
@@ -429,21 +448,19 @@ def diagnose(
         stale_bytes=bytes_before(held) - bytes_before(repeated),
         reason=None,
     )
-    if repeated == blocks:
-        return base
 
     p, offset = position(repeated)
     shape = parts[p]
-    at = replace(base, part=shape.kind, index=shape.index, role=shape.role, offset=offset,
-                 part_bytes=shape.size)
+    at = base._replace(part=shape.kind, index=shape.index, role=shape.role, offset=offset,
+                       part_bytes=shape.size)
     if held > repeated:
-        return replace(at, reason="expired")
+        return at._replace(reason="expired")
     if repeated == 0 and last(root) < cutoff:
         if last(model_anchor) >= cutoff:
-            return replace(base, reason="cache_key_changed")
+            return base._replace(reason="cache_key_changed")
         if last(upstream_anchor) >= cutoff:
-            return replace(base, reason="model_changed")
-        return replace(base, reason="first_seen")
+            return base._replace(reason="model_changed")
+        return base._replace(reason="first_seen")
     parent = root if repeated == 0 else top - repeated + 1
     if seen.ended[parent] >= cutoff:
         return base  # grown from a recent request that ended right here
@@ -452,7 +469,7 @@ def diagnose(
 
     # A recent request went on past the last repeated block; this one differs there.
     # Its tail: the longest run of suffix keys of part p, from the end, seen recently.
-    first_suffix = sum(len(tail) for tail in suffixes[:p])
+    first_suffix = sum(map(len, suffixes[:p]))
     tail = suffixes[p]
     k = len(tail)
     while k > 0 and last(first_suffix + k - 1) >= cutoff:
@@ -467,12 +484,11 @@ def diagnose(
             key += len(suffixes[q])
             q += 1
         if 0 < changed <= short_run and stable >= min_stable:
-            return replace(
-                at, reason="variable_before_stable", changed_bytes=changed, stable_bytes=stable
-            )
+            return at._replace(
+                reason="variable_before_stable", changed_bytes=changed, stable_bytes=stable)
     if p == len(parts) - 1:
         return base  # the newest part is new by nature: a new question, not a break
-    return replace(at, reason=_KIND_REASON.get(shape.kind, "message_changed"))
+    return at._replace(reason=_KIND_REASON.get(shape.kind, "message_changed"))
 
 
 class PrefixDoctor:
@@ -611,8 +627,7 @@ def explain_break(
 # Tokens
 
 
-@dataclass(frozen=True, slots=True)
-class CacheTokens:
+class CacheTokens(NamedTuple):
     """A report in tokens (None: not known)."""
 
     repeated: int | None  # estimated tokens of the repeated prefix

@@ -32,7 +32,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 SEEN = 0  # a plain sighting: recorded as ``ended``
 CONTINUED = 1  # the request went on past this key
@@ -54,8 +54,7 @@ _HIGH = _TICK_MAX << _TICK_BITS
 NEVER = -(1 << 62)  # the time of a sighting that never happened (or was forgotten)
 
 
-@dataclass(frozen=True, slots=True)
-class Sightings:
+class Sightings(NamedTuple):
     """What an index knew before this request, per probe key, in the probe's order: the
     last time (ms) a request held the key and went on past it, and the last time one
     held it as its last block (or merely saw it); :data:`NEVER` where none did. Two flat

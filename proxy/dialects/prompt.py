@@ -22,15 +22,13 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 PART_KINDS: tuple[str, ...] = (
     "tools", "system", "instructions", "context", "message", "input", "prompt")
 
 
-@dataclass(frozen=True, slots=True)
-class PromptPart:
+class PromptPart(NamedTuple):
     """One piece of a request's prompt, in render order (see "Prompt parts").
 
     ``kind`` is one of :data:`PART_KINDS`; ``index`` the piece's position in its array
@@ -41,7 +39,7 @@ class PromptPart:
     """
 
     kind: str
-    index: int
+    index: int  # type: ignore[assignment]  # a field: shadows tuple.index
     role: str
     data: bytes
 
