@@ -10,11 +10,19 @@ per-process secret, the window) and runs one :class:`PrefixJob` per measured req
   429, a 400) or never delivered (connect refused, no free connection) left nothing in
   the upstream's cache; recording it would make the client's retry look like a missed
   cache.
-* **When.** The job is scheduled with ``loop.call_soon`` once the response headers are
-  in, so it runs at the request's next wait: bytes that came with the headers are
-  relayed first, and a stream whose headers come before its first token (vLLM, SGLang
-  and llama.cpp send them at once) is hashed during the upstream's prefill. Hashing
-  never runs before the request is on its way, and the first token never waits for it.
+* **When.** The job is created once the response headers are in, so hashing never runs
+  before the request is on its way, and the first token never waits for it. Jobs run
+  in **batches**, in the order they were created: the first job of a batch schedules
+  the batch :data:`BATCH_S` (50 ms) later, or at the loop's next turn once the
+  batch's request bodies reach :data:`BATCH_BYTES`. The reason is the CPU's caches.
+  At the 64-stream benchmark the proxy is busy about a fifth of the time, and code
+  that runs once between waits runs cold: timed inside the running proxy
+  (``thread_time``), one small prompt's examination took about 160 us, against about
+  25 us in a tight loop, and in batches of a few about 90 us (``benchmarks/RESULTS.md``,
+  "the doctor in batches"). A batch holds the loop for at most about
+  :data:`BATCH_BYTES` of hashing plus one prompt, like one inline prompt of that size.
+  A request that finishes before its batch ran runs the batch at its finish
+  (:meth:`PrefixJob.settle`), so the order stays the order of creation.
 * **Where.** A body of up to :data:`INLINE_MAX_BYTES` is examined on the event loop
   (tens of microseconds); a larger one in one worker thread, so that a 400 KB prompt
   (about 10 ms of hashing) does not hold every other stream's next event for the whole
@@ -76,8 +84,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from proxy.cache_index import prefix_secret
 from proxy.config import Settings
@@ -111,6 +118,8 @@ MAX_PENDING = 16  # large prompts waiting for, or in, the worker thread
 STORE_THREADS = 4  # with a shared index: threads that exchange the other prompts
 MAX_PENDING_SHARED = 256  # with a shared index: other prompts waiting for, or in, those
 SETTLE_S = 0.5  # how long the finish waits for a thread still hashing
+BATCH_S = 0.05  # how long the first job of a batch waits for others
+BATCH_BYTES = INLINE_MAX_BYTES  # request body bytes that run a batch at the next turn
 WARN_EVERY_S = 60.0
 
 # Why a request answered 2xx was not examined (PrefixRecord.unchecked); the shared
@@ -121,8 +130,7 @@ FAILED = "failed"  # the doctor raised (logged with its traceback)
 UNCHECKED_REASONS = (STORE_DOWN, STORE_TIMEOUT, STORE_ERROR, TOO_LARGE, BUSY, LATE, FAILED)
 
 
-@dataclass(frozen=True, slots=True)
-class Examination:
+class Examination(NamedTuple):
     """One examination's result: the report (None: nothing to examine, or not examined),
     why it was not examined ("" when it was, or there was nothing to examine), and the
     shared index's round trip (None: in process, or nothing was sent), and the prompt's keys
@@ -170,6 +178,9 @@ class PrefixCheck:
         self._slots = threading.BoundedSemaphore(MAX_PENDING)
         self._store_executor: ThreadPoolExecutor | None = None  # with a shared index
         self._store_slots = threading.BoundedSemaphore(MAX_PENDING_SHARED)
+        self._batch: list[PrefixJob] = []  # jobs created and not started, in order
+        self._batch_bytes = 0
+        self._batch_timer: asyncio.Handle | None = None
         self._lock = threading.Lock()
         self._warned_at = -math.inf
         self._held_back = 0
@@ -178,15 +189,34 @@ class PrefixCheck:
     def begin(self, dialect: Dialect | None, payload: Mapping[str, Any] | None,
               upstream: UpstreamSpec, t0: float, status: int, body_bytes: int
               ) -> PrefixJob | None:
-        """A job for a request whose response headers just arrived, scheduled to run at
-        its next wait; None when there is nothing to examine (not a measured route, a
-        body that is not a JSON object, an answer that is not 2xx)."""
+        """A job for a request whose response headers just arrived, added to the batch
+        (see "When" above); None when there is nothing to examine (not a measured
+        route, a body that is not a JSON object, an answer that is not 2xx)."""
         if dialect is None or payload is None or not 200 <= status < 300:
             return None
-        job = PrefixJob(self, dialect, payload, upstream, round(t0 * 1000),
-                        offload=body_bytes > INLINE_MAX_BYTES)
-        asyncio.get_running_loop().call_soon(job.start)
+        offload = body_bytes > INLINE_MAX_BYTES
+        job = PrefixJob(self, dialect, payload, upstream, round(t0 * 1000), offload=offload)
+        batch = self._batch
+        batch.append(job)
+        if not offload:
+            self._batch_bytes += body_bytes
+        if self._batch_bytes >= BATCH_BYTES:
+            if self._batch_timer is not None:
+                self._batch_timer.cancel()
+            self._batch_timer = asyncio.get_running_loop().call_soon(self.run_batch)
+        elif self._batch_timer is None:
+            self._batch_timer = asyncio.get_running_loop().call_later(BATCH_S, self.run_batch)
         return job
+
+    def run_batch(self) -> None:
+        """Start every job of the batch, in order (a large prompt's job hands it to the
+        hashing thread)."""
+        if self._batch_timer is not None:
+            self._batch_timer.cancel()
+            self._batch_timer = None
+        batch, self._batch, self._batch_bytes = self._batch, [], 0
+        for job in batch:
+            job.start()
 
     def examine(self, dialect: Dialect, payload: Mapping[str, Any], upstream: str,
                 model: str, cache_key: str, now_ms: int) -> PrefixReport | None:
@@ -240,7 +270,12 @@ class PrefixCheck:
         return future
 
     def close(self) -> None:
-        """Stop the worker threads; jobs still waiting for them are dropped."""
+        """Stop the worker threads; jobs still waiting for them, or for their batch,
+        are dropped."""
+        if self._batch_timer is not None:
+            self._batch_timer.cancel()
+            self._batch_timer = None
+        self._batch, self._batch_bytes = [], 0
         for executor in (self._executor, self._store_executor):
             if executor is not None:
                 executor.shutdown(wait=False, cancel_futures=True)
@@ -262,10 +297,10 @@ class PrefixCheck:
 
 
 class PrefixJob:
-    """One request's examination: started once (at the request's next wait, or at the
-    finish), read once by the record (and by the trace capture: :attr:`hashed`)."""
+    """One request's examination: started once (with its batch, or at the finish), read
+    once by the record (and by the trace capture: :attr:`hashed`)."""
 
-    __slots__ = ("_check", "_dialect", "_future", "_key", "_model", "_now_ms", "_offload",
+    __slots__ = ("_check", "_dialect", "_future", "_model", "_now_ms", "_offload",
                  "_payload", "_result", "_started", "_unchecked", "_upstream")
 
     def __init__(self, check: PrefixCheck, dialect: Dialect, payload: Mapping[str, Any],
@@ -274,7 +309,7 @@ class PrefixJob:
         self._dialect = dialect
         self._payload = payload
         self._upstream = upstream
-        self._model, self._key = cache_scope(payload)
+        self._model = ""  # with the cache key, read from the payload by the examination
         self._now_ms = now_ms
         self._offload = offload
         self._started = False
@@ -297,13 +332,17 @@ class PrefixJob:
             self._result = self._examine()
 
     def _examine(self) -> Examination:
+        self._model, key = cache_scope(self._payload)
         return self._check.look(self._dialect, self._payload, self._upstream.name,
-                                self._model, self._key, self._now_ms)
+                                self._model, key, self._now_ms)
 
     async def settle(self) -> None:
-        """Before the record: start a job that never got its turn; wait (at most
-        :data:`SETTLE_S`) for one a worker thread is still on."""
-        self.start()
+        """Before the record: run the batch of a job that never got its turn (the jobs
+        before it first); wait (at most :data:`SETTLE_S`) for one a worker thread is
+        still on."""
+        if not self._started:
+            self._check.run_batch()
+            self.start()  # not in the batch: the check was closed
         future = self._future
         if future is None or future.done():
             return

@@ -592,13 +592,56 @@ async def test_a_job_that_never_got_its_turn_runs_at_the_finish() -> None:
     assert check.begin(DIALECTS[CHAT], body, spec, T0, 429, 100) is None
     assert check.begin(None, body, spec, T0, 200, 100) is None
     job = check.begin(DIALECTS[CHAT], body, spec, T0, 200, len(json.dumps(body)))
-    assert job is not None and job.report is None  # scheduled for the next wait
-    await job.settle()  # the answer was relayed without one
+    assert job is not None and job.report is None  # in a batch, not started yet
+    await job.settle()  # the answer was relayed before the batch ran
     assert job.report is not None and job.report.reason == "first_seen"
-    await asyncio.sleep(0)  # the scheduled start comes round: nothing more to do
+    check.run_batch()  # what the batch's timer would run: nothing is left
     assert calls == ["MainThread"]
     record = job.record(1000, None)
     assert record is not None and record.missed_tokens is None and record.repeated_tokens == 0
+    check.close()
+
+
+async def test_jobs_run_in_batches_in_the_order_they_were_created() -> None:
+    """A batch runs BATCH_S after its first job, or at the loop's next turn once its
+    bodies reach BATCH_BYTES; a finish that comes first runs the jobs before its own."""
+    check = PrefixCheck(Settings())
+    order: list[int] = []
+    ran = asyncio.Event()
+    examine = check.doctor.look
+
+    def counted(*args: Any, now_ms: int, **kwargs: Any) -> Any:
+        order.append(now_ms)
+        ran.set()
+        return examine(*args, now_ms=now_ms, **kwargs)
+
+    check.doctor.look = counted  # type: ignore[method-assign]
+    spec = UpstreamSpec(name=UP, url="http://u/v1")
+    body = chat(("system", STABLE), ("user", "hi"))
+
+    def begin(i: int, size: int = 100) -> PrefixJob:
+        job = check.begin(DIALECTS[CHAT], body, spec, T0 + i, 200, size)
+        assert job is not None
+        return job
+
+    # The timer: three jobs, none started until the batch runs, then all in order.
+    jobs = [begin(i) for i in range(3)]
+    await asyncio.sleep(0)
+    assert order == [] and all(job.report is None for job in jobs)
+    await asyncio.wait_for(ran.wait(), 30)
+    assert order == [round((T0 + i) * 1000) for i in range(3)]
+    assert all(job.report is not None for job in jobs)
+    # Bodies that reach BATCH_BYTES: the batch runs at the next turn.
+    order.clear()
+    jobs = [begin(10), begin(11, prefix_check.BATCH_BYTES - 100)]
+    await asyncio.sleep(0)
+    assert order == [round((T0 + i) * 1000) for i in (10, 11)]
+    # A finish before the batch ran: the jobs created before it run first.
+    order.clear()
+    jobs = [begin(20), begin(21), begin(22)]
+    await jobs[1].settle()
+    assert order == [round((T0 + i) * 1000) for i in (20, 21, 22)]
+    assert jobs[1].report is not None and jobs[1].report.reason is None  # a repeat
     check.close()
 
 
