@@ -13,16 +13,18 @@ per-process secret, the window) and runs one :class:`PrefixJob` per measured req
 * **When.** The job is created once the response headers are in, so hashing never runs
   before the request is on its way, and the first token never waits for it. Jobs run
   in **batches**, in the order they were created: the first job of a batch schedules
-  the batch :data:`BATCH_S` (50 ms) later, or at the loop's next turn once the
-  batch's request bodies reach :data:`BATCH_BYTES`. The reason is the CPU's caches.
-  At the 64-stream benchmark the proxy is busy about a fifth of the time, and code
-  that runs once between waits runs cold: timed inside the running proxy
-  (``thread_time``), one small prompt's examination took about 160 us, against about
-  25 us in a tight loop, and in batches of a few about 90 us (``benchmarks/RESULTS.md``,
-  "the doctor in batches"). A batch holds the loop for at most about
+  the batch :data:`BATCH_S` (200 ms) later, or at the loop's next turn once
+  :data:`BATCH_JOBS` jobs, or :data:`BATCH_BYTES` of their request bodies, wait. The
+  reason is the CPU's caches. At the 64-stream benchmark the proxy is busy about a
+  fifth of the time, and code that runs once between waits runs cold: timed inside the
+  running proxy (``benchmarks/timing_shim``), one small prompt's look took about 160
+  us alone, against about 13 us in a tight loop, and about 50 us in batches of a dozen
+  (``benchmarks/RESULTS.md``, "the doctor in batches"). A batch holds the loop for at
+  most :data:`BATCH_JOBS` small prompts (a fraction of a millisecond) or about
   :data:`BATCH_BYTES` of hashing plus one prompt, like one inline prompt of that size.
-  A request that finishes before its batch ran runs the batch at its finish
-  (:meth:`PrefixJob.settle`), so the order stays the order of creation.
+  Nothing waits for a batch but the record: a request that finishes before its batch
+  ran runs the batch at its finish (:meth:`PrefixJob.settle`), so the order stays the
+  order of creation.
 * **Where.** A body of up to :data:`INLINE_MAX_BYTES` is examined on the event loop
   (tens of microseconds); a larger one in one worker thread, so that a 400 KB prompt
   (about 10 ms of hashing) does not hold every other stream's next event for the whole
@@ -118,8 +120,9 @@ MAX_PENDING = 16  # large prompts waiting for, or in, the worker thread
 STORE_THREADS = 4  # with a shared index: threads that exchange the other prompts
 MAX_PENDING_SHARED = 256  # with a shared index: other prompts waiting for, or in, those
 SETTLE_S = 0.5  # how long the finish waits for a thread still hashing
-BATCH_S = 0.05  # how long the first job of a batch waits for others
-BATCH_BYTES = INLINE_MAX_BYTES  # request body bytes that run a batch at the next turn
+BATCH_S = 0.2  # how long the first job of a batch waits for others
+BATCH_JOBS = 16  # jobs that run a batch at the loop's next turn
+BATCH_BYTES = INLINE_MAX_BYTES  # ... or request body bytes
 WARN_EVERY_S = 60.0
 
 # Why a request answered 2xx was not examined (PrefixRecord.unchecked); the shared
@@ -200,7 +203,7 @@ class PrefixCheck:
         batch.append(job)
         if not offload:
             self._batch_bytes += body_bytes
-        if self._batch_bytes >= BATCH_BYTES:
+        if self._batch_bytes >= BATCH_BYTES or len(batch) >= BATCH_JOBS:
             if self._batch_timer is not None:
                 self._batch_timer.cancel()
             self._batch_timer = asyncio.get_running_loop().call_soon(self.run_batch)
@@ -300,8 +303,8 @@ class PrefixJob:
     """One request's examination: started once (with its batch, or at the finish), read
     once by the record (and by the trace capture: :attr:`hashed`)."""
 
-    __slots__ = ("_check", "_dialect", "_future", "_model", "_now_ms", "_offload",
-                 "_payload", "_result", "_started", "_unchecked", "_upstream")
+    __slots__ = ("_check", "_dialect", "_future", "_minimum", "_now_ms", "_offload",
+                 "_payload", "_result", "_started", "_step", "_unchecked", "_upstream")
 
     def __init__(self, check: PrefixCheck, dialect: Dialect, payload: Mapping[str, Any],
                  upstream: UpstreamSpec, now_ms: int, *, offload: bool) -> None:
@@ -309,7 +312,8 @@ class PrefixJob:
         self._dialect = dialect
         self._payload = payload
         self._upstream = upstream
-        self._model = ""  # with the cache key, read from the payload by the examination
+        self._minimum = 0  # the upstream's minimum cacheable tokens and caching step,
+        self._step = 1  # for this model (set by the examination)
         self._now_ms = now_ms
         self._offload = offload
         self._started = False
@@ -332,9 +336,14 @@ class PrefixJob:
             self._result = self._examine()
 
     def _examine(self) -> Examination:
-        self._model, key = cache_scope(self._payload)
-        return self._check.look(self._dialect, self._payload, self._upstream.name,
-                                self._model, key, self._now_ms)
+        model, key = cache_scope(self._payload)
+        spec, api = self._upstream, self._dialect.name
+        # the upstream's caching rules, for the record (worked out here, in the batch)
+        minimum, step = spec.min_cacheable_tokens, spec.cache_granularity_tokens
+        self._minimum = minimum if minimum is not None else minimum_cacheable_tokens(api, model)
+        self._step = step if step is not None else cache_granularity_tokens(api)
+        return self._check.look(self._dialect, self._payload, spec.name, model, key,
+                                self._now_ms)
 
     async def settle(self) -> None:
         """Before the record: run the batch of a job that never got its turn (the jobs
@@ -390,14 +399,8 @@ class PrefixJob:
         report = examination.report
         if report is None:
             return None
-        spec, api = self._upstream, self._dialect.name
-        minimum = spec.min_cacheable_tokens
-        step = spec.cache_granularity_tokens
-        tokens = cache_tokens(
-            report, prompt_tokens, cached_tokens,
-            minimum_tokens=(minimum if minimum is not None
-                            else minimum_cacheable_tokens(api, self._model)),
-            granularity_tokens=step if step is not None else cache_granularity_tokens(api))
+        tokens = cache_tokens(report, prompt_tokens, cached_tokens,
+                              minimum_tokens=self._minimum, granularity_tokens=self._step)
         return PrefixRecord(
             prompt_bytes=report.prompt_bytes, repeated_bytes=report.repeated_bytes,
             repeated_tokens=tokens.repeated, missed_tokens=tokens.missed,

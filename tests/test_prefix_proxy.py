@@ -603,8 +603,9 @@ async def test_a_job_that_never_got_its_turn_runs_at_the_finish() -> None:
 
 
 async def test_jobs_run_in_batches_in_the_order_they_were_created() -> None:
-    """A batch runs BATCH_S after its first job, or at the loop's next turn once its
-    bodies reach BATCH_BYTES; a finish that comes first runs the jobs before its own."""
+    """A batch runs BATCH_S after its first job, or at the loop's next turn once it holds
+    BATCH_JOBS jobs or BATCH_BYTES of bodies; a finish that comes first runs the jobs
+    before its own."""
     check = PrefixCheck(Settings())
     order: list[int] = []
     ran = asyncio.Event()
@@ -631,11 +632,15 @@ async def test_jobs_run_in_batches_in_the_order_they_were_created() -> None:
     await asyncio.wait_for(ran.wait(), 30)
     assert order == [round((T0 + i) * 1000) for i in range(3)]
     assert all(job.report is not None for job in jobs)
-    # Bodies that reach BATCH_BYTES: the batch runs at the next turn.
+    # Bodies that reach BATCH_BYTES, or BATCH_JOBS jobs: the batch runs at the next turn.
     order.clear()
     jobs = [begin(10), begin(11, prefix_check.BATCH_BYTES - 100)]
     await asyncio.sleep(0)
     assert order == [round((T0 + i) * 1000) for i in (10, 11)]
+    order.clear()
+    jobs = [begin(100 + i) for i in range(prefix_check.BATCH_JOBS)]
+    await asyncio.sleep(0)
+    assert order == [round((T0 + 100 + i) * 1000) for i in range(prefix_check.BATCH_JOBS)]
     # A finish before the batch ran: the jobs created before it run first.
     order.clear()
     jobs = [begin(20), begin(21), begin(22)]

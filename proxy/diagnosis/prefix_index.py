@@ -135,17 +135,18 @@ class LruPrefixIndex:
             before = [get(key, 0) for key in keys]
             went_on = tick << _TICK_BITS
             touch = entries.move_to_end
+            epoch = self._epoch if self._epoch is not None else 0
+            continued: list[int] = []
+            ended: list[int] = []
             for key, mark, old in zip(keys, probe.marks, before, strict=True):
                 entries[key] = ((old & _LOW) | went_on if mark == CONTINUED
                                 else (old & _HIGH) | tick)
                 touch(key)
+                continued.append((old >> _TICK_BITS) + epoch if old > _LOW else NEVER)
+                ended.append((old & _LOW) + epoch if old & _LOW else NEVER)
             for _ in range(len(entries) - self.capacity):
                 entries.popitem(last=False)
-            epoch = self._epoch if self._epoch is not None else 0
-        return Sightings(
-            [(packed >> _TICK_BITS) + epoch if packed > _LOW else NEVER for packed in before],
-            [(packed & _LOW) + epoch if packed & _LOW else NEVER for packed in before],
-        )
+        return Sightings(continued, ended)
 
     def _forget_before(self, oldest: int) -> None:
         """Drop the entries nobody touched since tick ``oldest`` (they are the first)."""

@@ -129,14 +129,19 @@ def _message(message: Any, index: int, kind: str, skip: frozenset[str]) -> Promp
     if not isinstance(role, str):  # a Responses item such as function_call: its JSON
         return PromptPart(kind, index, _role(message.get("type")),
                           _json_bytes(_without_marker(message)))
-    out: list[bytes] = []
-    _content(message.get("content"), out)
-    extras = {k: v for k, v in message.items() if k not in skip}
-    if extras:
-        out.append(b"\x00" + _json_bytes(extras))
+    content = message.get("content")
+    if len(message) == 2 and isinstance(content, str):  # role and text: most messages
+        data = _utf8(content)
+    else:
+        out: list[bytes] = []
+        _content(content, out)
+        extras = {k: v for k, v in message.items() if k not in skip}
+        if extras:
+            out.append(b"\x00" + _json_bytes(extras))
+        data = b"".join(out)
     if role in _SYSTEM_ROLES and kind != "instructions":
         kind = "system"
-    return PromptPart(kind, index, _role(role), b"".join(out))
+    return PromptPart(kind, index, role[:_ROLE_MAX], data)
 
 
 _CHAT_SKIP = frozenset(("role", "content", _NOT_PROMPT))
