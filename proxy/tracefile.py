@@ -101,6 +101,7 @@ OWN_FIELDS = (
 META_FIELDS = ("trace_start", "block_size", "trace_id")
 _INT_FIELDS = {"cached_tokens"}
 _FLOAT_FIELDS = {"ttft_ms", "itl_ms_mean"}
+_OWN_SET = frozenset(OWN_FIELDS)
 _TEXT_FIELDS = {"model", "route", "upstream", "client", "outcome"}
 
 
@@ -584,8 +585,8 @@ class TraceWriter:
         """The record of a request that arrived at monotonic ``started``; ``fields``
         are our own (``model``, ``route``, ``upstream``, ``client``, ``cached_tokens``,
         ``ttft_ms``, ``itl_ms_mean``, ``outcome``), ``None`` ones left out."""
-        unknown = set(fields) - set(OWN_FIELDS)
-        if unknown:
+        if not fields.keys() <= _OWN_SET:
+            unknown = fields.keys() - _OWN_SET
             raise TypeError(f"unknown trace fields: {', '.join(sorted(unknown))}")
         for name in _FLOAT_FIELDS:
             if fields.get(name) is not None:

@@ -1,0 +1,129 @@
+"""CPU time of the prompt-cache doctor's steps inside a running proxy (a diagnostic).
+
+    LLM_PROXY_DOCTOR_TIMING=/tmp/doctor-timing PYTHONPATH=$PWD/benchmarks/timing_shim \\
+        python benchmarks/run.py --sweep '' --targets proxy-doctor --loads 64 --rounds 1
+    cat /tmp/doctor-timing-*.txt
+
+Why: the doctor's cost per request in the proxy is several times its cost in a tight
+loop (``benchmarks/prefix_micro.py``), because code that runs once between waits runs
+with cold CPU caches, and the 64-stream benchmark's CPU per event is too noisy to see a
+few microseconds per request. Python imports this file at start-up when its directory is
+on ``PYTHONPATH`` (every process of the run; only the proxy imports the doctor; an
+absolute path, since ``run.py`` starts the proxy in another directory). When
+``LLM_PROXY_DOCTOR_TIMING`` is set it wraps the doctor's steps in ``time.thread_time_ns``
+(the thread's own CPU time, so waits for the GIL or the CPU do not count) and every 100
+finished requests writes ``<prefix>-<pid>.txt``: calls and mean microseconds per step,
+each inclusive of the steps inside it, and the garbage collector's passes. Each wrapper
+adds two clock reads (about 0.8 us each on this machine, a system call), so nested
+figures run high by a few microseconds; the outer ones (``begin``, ``start``,
+``record``, ``observe``) are what one request pays; to time only those (fewer clock
+reads inside them), set ``LLM_PROXY_DOCTOR_TIMING_STEPS=begin,start,record,observe``.
+The ``gc`` line counts every collection in the process, whoever's objects it visits.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from typing import Any
+
+_PREFIX = os.environ.get("LLM_PROXY_DOCTOR_TIMING", "")
+
+
+def _install(prefix: str) -> None:
+    import gc
+    import time
+
+    import proxy.diagnosis.prefix as doctor
+    import proxy.diagnosis.prefix_index as index
+    import proxy.dialects.chat as chat
+    import proxy.metrics as metrics
+    import proxy.prefix_check as check
+
+    clock = time.thread_time_ns
+    stats: dict[str, list[int]] = {}
+
+    def wrap(owner: Any, name: str, label: str) -> None:
+        inner = getattr(owner, name)
+        totals = stats.setdefault(label, [0, 0])
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = clock()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                totals[0] += 1
+                totals[1] += clock() - start
+
+        setattr(owner, name, timed)
+
+    def dump() -> None:
+        with open(f"{prefix}-{os.getpid()}.txt", "w") as out:
+            for label, (calls, ns) in stats.items():
+                out.write(f"{label:10s} calls={calls:8d} mean={ns / max(calls, 1) / 1000:8.2f} us\n")
+
+    wanted = os.environ.get("LLM_PROXY_DOCTOR_TIMING_STEPS", "")
+    for owner, name, label in (
+        (check.PrefixCheck, "begin", "begin"),
+        (check.PrefixJob, "start", "start"),
+        (check.PrefixCheck, "look", "look"),
+        (chat.ChatDialect, "prompt_parts", "parts"),
+        (doctor.PromptHasher, "hash", "hash"),
+        (index.LruPrefixIndex, "exchange", "exchange"),
+        (doctor, "diagnose", "diagnose"),
+        (check.PrefixJob, "record", "record"),
+        (metrics.Metrics, "_observe_prefix", "observe"),
+    ):
+        if not wanted or label in wanted.split(","):
+            wrap(owner, name, label)
+    collections = stats.setdefault("gc", [0, 0])
+    started = [0]
+
+    def on_gc(phase: str, _info: dict[str, int]) -> None:
+        if phase == "start":
+            started[0] = clock()
+        else:
+            collections[0] += 1
+            collections[1] += clock() - started[0]
+
+    gc.callbacks.append(on_gc)
+    observed = metrics.Metrics._observe_prefix
+    finished = [0]
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return observed(*args, **kwargs)
+        finally:
+            finished[0] += 1
+            if finished[0] % 100 == 0:
+                dump()
+
+    metrics.Metrics._observe_prefix = counted  # type: ignore[method-assign]
+
+
+class _AfterRoutes:
+    """Installs the wrappers once ``proxy.routes`` (which imports the rest) is loaded,
+    from wherever the process imports it: ``run.py`` starts its proxies from snapshots of
+    ``proxy/``, which are on ``sys.path`` only after start-up."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name != "proxy.routes":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        loader = spec.loader
+        execute = loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            execute(module)
+            _install(_PREFIX)
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+if _PREFIX:
+    sys.meta_path.insert(0, _AfterRoutes())
