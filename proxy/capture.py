@@ -38,7 +38,11 @@ with a template's tokens they may lose the last shared block, never a hole.
 **The writer** is a thread of its own, the same as the request log's
 (:class:`proxy.line_writer.LineWriter`: the buffer, the batches, the drops, the close):
 the finish only checks the record and hands it over (no formatting, no hashing on the
-loop); the thread turns keys into ids, formats and writes, in batches. The buffer holds
+loop); the thread turns keys into ids, formats and writes, in batches that gather for
+:data:`GATHER_S` (1 s, against the request log's 0.1 s: nobody tails a trace, and the
+thread's code runs warm for more lines in a row; at 64 streams a line cost the capture
+about 56 us of thread CPU in batches of 0.1 s, ``benchmarks/RESULTS.md``, "trace
+capture against the request log"). The buffer holds
 :data:`DEFAULT_BUFFER` requests and at most :data:`MAX_PENDING_KEYS` prompt keys (a few
 huge prompts must not hold hundreds of MB while a disk is slow); beyond either, a line
 is dropped and counted (``reason="dropped"``), never waited for. At shutdown
@@ -70,7 +74,6 @@ import functools
 import json
 import os
 import secrets
-import threading
 import time
 from bisect import bisect_left, bisect_right
 from collections import OrderedDict
@@ -88,6 +91,7 @@ if TYPE_CHECKING:
     from proxy.prefix_check import PrefixJob
 
 DEFAULT_BUFFER = 10_000  # requests waiting for the writer thread
+GATHER_S = 1.0  # how long the writer thread gathers a batch
 MAX_PENDING_KEYS = 1 << 19  # prompt keys waiting with them: about 25 MB
 PREFIX_CAPACITY = 65_536  # prefixes PrefixKeys remembers: about 15 MB
 MODEL_MAX = 256  # characters of a model name written
@@ -229,14 +233,16 @@ class Capture:
         self._opened_at: float | None = None  # when the current file got its first line
         self._number = 0  # the last rotated file's number
         self._on_skip = skipped
-        self._lock = threading.Lock()  # pending keys: loop and writer thread
-        self._pending_keys = 0
+        # Prompt keys handed to the thread and written by it: each counter has one writer
+        # (the loop, the thread), so neither needs a lock; their difference is what waits.
+        self._keys_in = 0
+        self._keys_out = 0
         self.lines = 0
         self._out = LineWriter[_Item](
             self._emit, label="trace capture", buffer=buffer, clock=monotonic,
             dropped=functools.partial(skipped, "dropped") if skipped is not None else None,
             closed="the capture was already closed", finish=self._finish,
-            see='llm_proxy_trace_skipped_requests_total{reason="dropped"}')
+            see='llm_proxy_trace_skipped_requests_total{reason="dropped"}', gather_s=GATHER_S)
 
     @property
     def secret(self) -> bytes | None:
@@ -266,15 +272,14 @@ class Capture:
             return
         hashed = prefix.hashed if prefix is not None else None
         keys = len(hashed.chain) * 2 if hashed is not None else 0  # chain and suffixes
-        with self._lock:  # once closed, offer() counts it as that, whatever the keys
-            full = not self._out.closed and self._pending_keys + keys > MAX_PENDING_KEYS
-            if not full:
-                self._pending_keys += keys
-        if full:
+        # (once closed, offer() counts it as that, whatever the keys)
+        if keys and self._keys_in - self._keys_out + keys > MAX_PENDING_KEYS \
+                and not self._out.closed:
             self._out.drop(1, "the disk is slower than the requests")
-        elif not self._out.offer((record, started, model, hashed)):
-            with self._lock:
-                self._pending_keys -= keys
+        else:
+            self._keys_in += keys  # before the thread can count them out
+            if not self._out.offer((record, started, model, hashed)):
+                self._keys_in -= keys
 
     def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
         """Write every buffered line, then close the file. Blocks until done or
@@ -287,9 +292,8 @@ class Capture:
         self._writer.close()
 
     def _emit(self, batch: list[_Item]) -> None:
-        released = sum(len(hashed.chain) * 2 for _, _, _, hashed in batch if hashed is not None)
-        with self._lock:
-            self._pending_keys -= released
+        self._keys_out += sum(len(hashed.chain) * 2 for _, _, _, hashed in batch
+                              if hashed is not None)
         written = 0
         try:
             for item in batch:  # rotation is checked per line: a batch may be large

@@ -459,6 +459,43 @@ def test_a_full_buffer_drops_and_counts(tmp_path: Path) -> None:
     assert dropped > 0 and written + dropped == 200 and capture.dropped == dropped
 
 
+def test_prompt_keys_waiting_for_the_disk_are_bounded(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Beyond MAX_PENDING_KEYS prompt keys waiting for the writer, a line is dropped and
+    counted, whatever room the buffer has; once the disk takes lines, the keys written
+    make room again."""
+    from types import SimpleNamespace
+
+    from proxy import capture as capture_module
+    from proxy.diagnosis.prefix import PromptHasher
+    from proxy.dialects import PromptPart
+
+    hashed = PromptHasher().hash([PromptPart("prompt", 0, "", b"x" * 2560)],
+                                 upstream="u", model="m")
+    assert hashed is not None and len(hashed.chain) == 10  # 20 keys with the suffixes
+    job: Any = SimpleNamespace(hashed=hashed)
+    monkeypatch.setattr(capture_module, "MAX_PENDING_KEYS", 100)
+    disk = SlowDisk(tmp_path / "trace.fifo")
+    counted: list[tuple[str, int]] = []
+    try:
+        capture = Capture(str(disk.path), skipped=lambda reason, n: counted.append((reason, n)))
+        for _ in range(50):
+            capture.add(record(), 1.0, "m", job)
+        dropped = sum(n for reason, n in counted if reason == "dropped")
+        assert 0 < dropped <= 45  # five fit (more if the thread took some meanwhile)
+        disk.start_reading()
+        deadline = time.monotonic() + WAIT_S
+        while capture.lines < 50 - dropped:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)  # waiting for the writer thread's count, not timing it
+        capture.add(record(), 1.0, "m", job)  # room again
+        capture.close()
+        written = len(disk.lines())
+    finally:
+        disk.close()
+    assert written == 51 - dropped and capture.dropped == dropped
+
+
 def test_prefix_keys_are_bounded() -> None:
     from proxy.diagnosis.prefix import PromptHasher
     from proxy.dialects import PromptPart

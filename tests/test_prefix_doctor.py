@@ -143,6 +143,24 @@ def test_keys_depend_on_the_secret_and_the_scope() -> None:
     assert user is not None and user.chain[0] != one.chain[0]
 
 
+def test_a_hasher_that_keeps_state_between_prompts_gives_what_a_fresh_one_gives() -> None:
+    """The last scope's digests, the part heads and the anchors of recent first blocks
+    are kept between requests: every prompt's keys are still those of a new hasher."""
+    secret = os.urandom(32)
+    kept = PromptHasher(secret)
+    prompts = [
+        ([PromptPart("system", 0, "system", STABLE.encode()),
+          PromptPart("message", 1, "user", f"question {i}".encode())], scope)
+        for i in range(3)
+        for scope in ({"upstream": "u", "model": "m"}, {"upstream": "u", "model": "b"},
+                      {"upstream": "v", "model": "m", "cache_key": "k"})
+    ]
+    prompts.append(([PromptPart("message", 0, "user", STABLE.encode())],
+                    {"upstream": "u", "model": "m"}))  # the same bytes, another role
+    for parts, scope in prompts * 2:
+        assert kept.hash(parts, **scope) == PromptHasher(secret).hash(parts, **scope)
+
+
 @pytest.mark.parametrize("kwargs", [{"secret": b"short"}, {"secret": b"x" * 65},
                                     {"block_bytes": 0}])
 def test_hasher_rejects_bad_settings(kwargs: dict[str, Any]) -> None:
