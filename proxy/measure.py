@@ -135,7 +135,12 @@ OUTCOME_MEANINGS: dict[Outcome, OutcomeMeaning] = {
 
 class PrefixRecord(NamedTuple):
     """What the prompt-cache doctor found for one request (:mod:`proxy.prefix_check`):
-    sizes, positions and bounded names, never text. Tokens are None where unknown."""
+    sizes, positions and bounded names, never text. Tokens are None where unknown.
+
+    Immutable like the other records, but a NamedTuple rather than a frozen dataclass:
+    one is made per request at its finish, and a frozen dataclass sets each of its 14
+    fields through ``object.__setattr__`` (2.3 us against 0.8 in a tight loop, several
+    times that in the running proxy, where the finish's code runs cold)."""
 
     prompt_bytes: int  # the prompt's parts, as the doctor reads them
     repeated_bytes: int  # the leading bytes a recent request sent within the window

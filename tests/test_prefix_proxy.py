@@ -602,7 +602,8 @@ async def test_a_job_that_never_got_its_turn_runs_at_the_finish() -> None:
     check.close()
 
 
-async def test_jobs_run_in_batches_in_the_order_they_were_created() -> None:
+async def test_jobs_run_in_batches_in_the_order_they_were_created(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """A batch runs BATCH_S after its first job, or at the loop's next turn once it holds
     BATCH_JOBS jobs or BATCH_BYTES of bodies; a finish that comes first runs the jobs
     before its own."""
@@ -611,9 +612,14 @@ async def test_jobs_run_in_batches_in_the_order_they_were_created() -> None:
     ran = asyncio.Event()
     examine = check.doctor.look
 
+    in_thread = threading.Event()
+
     def counted(*args: Any, now_ms: int, **kwargs: Any) -> Any:
         order.append(now_ms)
-        ran.set()
+        if threading.current_thread() is threading.main_thread():
+            ran.set()
+        else:
+            in_thread.set()
         return examine(*args, now_ms=now_ms, **kwargs)
 
     check.doctor.look = counted  # type: ignore[method-assign]
@@ -647,6 +653,14 @@ async def test_jobs_run_in_batches_in_the_order_they_were_created() -> None:
     await jobs[1].settle()
     assert order == [round((T0 + i) * 1000) for i in (20, 21, 22)]
     assert jobs[1].report is not None and jobs[1].report.reason is None  # a repeat
+    # A job for the hashing thread (a large body) is handed over at once, not batched.
+    monkeypatch.setattr(prefix_check, "BATCH_S", 60.0)  # the small one must wait
+    order.clear()
+    small, large = begin(30), begin(31, INLINE_MAX_BYTES + 1)
+    assert await asyncio.to_thread(in_thread.wait, 30)
+    assert order == [round((T0 + 31) * 1000)] and small.report is None
+    await large.settle()
+    assert large.report is not None
     check.close()
 
 
