@@ -220,8 +220,7 @@ class PrefixCheck:
         return job
 
     def run_batch(self) -> None:
-        """Start every job of the batch, in order (a large prompt's job hands it to the
-        hashing thread)."""
+        """Examine every job of the batch, in order."""
         if self._batch_timer is not None:
             self._batch_timer.cancel()
             self._batch_timer = None
@@ -359,7 +358,7 @@ class PrefixJob:
         still on."""
         if not self._started:
             self._check.run_batch()
-            self.start()  # not in the batch: the check was closed
+            self.start()  # not in the batch: a job for a thread, or the check was closed
         future = self._future
         if future is None or future.done():
             return
