@@ -189,6 +189,11 @@ class PrefixKeys:
         return result
 
 
+def _keys_held(hashed: HashedPrompt | None) -> int:
+    """The prompt keys a waiting line holds (chain and suffixes), for MAX_PENDING_KEYS."""
+    return len(hashed.chain) * 2 if hashed is not None else 0
+
+
 # What the finish hands the writer: the record, its arrival, the model as sent, the keys.
 _Item = tuple["RequestRecord", float, str, "HashedPrompt | None"]
 
@@ -271,7 +276,7 @@ class Capture:
                 self._on_skip("no_usage", 1)
             return
         hashed = prefix.hashed if prefix is not None else None
-        keys = len(hashed.chain) * 2 if hashed is not None else 0  # chain and suffixes
+        keys = _keys_held(hashed)
         # (once closed, offer() counts it as that, whatever the keys)
         if keys and self._keys_in - self._keys_out + keys > MAX_PENDING_KEYS \
                 and not self._out.closed:
@@ -292,8 +297,7 @@ class Capture:
         self._writer.close()
 
     def _emit(self, batch: list[_Item]) -> None:
-        self._keys_out += sum(len(hashed.chain) * 2 for _, _, _, hashed in batch
-                              if hashed is not None)
+        self._keys_out += sum(_keys_held(hashed) for _, _, _, hashed in batch)
         written = 0
         try:
             for item in batch:  # rotation is checked per line: a batch may be large

@@ -447,10 +447,11 @@ OPTIONS: tuple[Option, ...] = (
            "process keeps its own index, and finds only the repeats it served itself, unless "
            "the config file's [cache-index] table shares one on Redis or Valkey among every "
            "worker and replica. Off by default: it costs CPU per request that grows with the "
-           "prompt's bytes (about 170 us with short prompts in a busy proxy, 3 to 7 percent "
-           "of its CPU per relayed event at 64 streams of 50-token answers, more than the 3 "
-           "percent it is held to; in a tight loop 48 us at 2 KB, 0.5 ms at 32 KB, 5.6 ms at "
-           "400 KB, the large ones in a worker thread; docs/prompt-caching.md#cost). "
+           "prompt's bytes (at 64 streams of 50-token answers about 3 percent of the proxy's "
+           "CPU per relayed event with short or 2 KB prompts, the 3 percent it is held to, "
+           "and 22 percent with 32 KB prompts; in a tight loop 36 us at 2 KB, 0.44 ms at 32 "
+           "KB, 5.5 ms at 400 KB, the large ones in a worker thread; "
+           "docs/prompt-caching.md#cost). "
            "--trace-file and a [cache-index] table need it.",
            flag_only_true=True, group=Group.DOCTOR),
     Option("prefix_window", _window, "Seconds a prompt prefix counts as repeatable after a "

@@ -8,9 +8,9 @@ The file is written by one thread of its own, never by the event loop: a write t
 slow disk (a full page cache, network storage, a pipe nobody reads fast enough) blocks
 the writer, and on the loop it would have stalled every stream the proxy relays. The
 loop only hands the record over (the thread formats it, in batches about 0.1 s apart).
-The buffer, the
-thread, the drops and the close are :class:`proxy.line_writer.LineWriter`'s (the trace
-capture's writer too); what a line holds and where it goes are this module's.
+The buffer, the thread, the drops and the close are
+:class:`proxy.line_writer.LineWriter`'s (the trace capture's writer too); what a line
+holds and where it goes are this module's.
 
 Between them is a bounded buffer of ``--log-requests-buffer`` lines (10,000 by default,
 a few MB: a line is a few hundred bytes). A disk that is slower than the requests for

@@ -508,7 +508,7 @@ class V1Handler:
             status, err = error_response(exc, target.client.host)
             x.reason = f"{type(exc).__name__}: {exc}"
             raise UpstreamFailed(status, err, failure_outcome(exc)) from None
-        if self.prefix is not None:  # runs with its batch: after the request was sent
+        if self.prefix is not None:  # runs later (batched, or in a thread): after the request was sent
             x.prefix = self.prefix.begin(x.measured, x.payload, target.spec, x.t0,
                                          x.response.status_code, len(body))
 

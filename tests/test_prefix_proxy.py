@@ -611,7 +611,6 @@ async def test_jobs_run_in_batches_in_the_order_they_were_created(
     order: list[int] = []
     ran = asyncio.Event()
     examine = check.doctor.look
-
     in_thread = threading.Event()
 
     def counted(*args: Any, now_ms: int, **kwargs: Any) -> Any:
@@ -647,7 +646,7 @@ async def test_jobs_run_in_batches_in_the_order_they_were_created(
     jobs = [begin(100 + i) for i in range(prefix_check.BATCH_JOBS)]
     await asyncio.sleep(0)
     assert order == [round((T0 + 100 + i) * 1000) for i in range(prefix_check.BATCH_JOBS)]
-    # A finish before the batch ran: the jobs created before it run first.
+    # A finish before the batch ran runs the whole batch, in order: the jobs before it first.
     order.clear()
     jobs = [begin(20), begin(21), begin(22)]
     await jobs[1].settle()
