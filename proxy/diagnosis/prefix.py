@@ -223,6 +223,14 @@ def _field(text: str) -> bytes:
 _HEADS_MAX = 64
 
 
+def _keep(cache: dict[Any, Any], key: Any, value: Any) -> None:
+    """Remember ``value`` in one of a hasher's small caches, emptied when full (what they
+    hold costs a few digests to make again)."""
+    if len(cache) >= _HEADS_MAX:
+        cache.clear()
+    cache[key] = value
+
+
 class PromptHasher:
     """Keyed, chained block digests of a prompt (see the module docstring).
 
@@ -294,10 +302,7 @@ class PromptHasher:
         head = self._heads.get((kind, role))
         if head is None:
             head = self._digest(self._part, _field(kind), _field(role))
-            heads = self._heads
-            if len(heads) >= _HEADS_MAX:
-                heads.clear()
-            heads[kind, role] = head
+            _keep(self._heads, (kind, role), head)
         return head
 
     def hash(
@@ -349,9 +354,7 @@ class PromptHasher:
             first = parts[0]
             block = b"\x01" + head_of(first.kind, first.role) + first.data[:size]
             anchors = (self._digest(by_model, block), self._digest(by_upstream, block))
-            if len(self._anchors) >= _HEADS_MAX:
-                self._anchors.clear()
-            self._anchors[chain[0]] = anchors
+            _keep(self._anchors, chain[0], anchors)
         marks = (_SEEN * len(keys) + _ENDED_CHAIN + _CONTINUED * (len(chain) - 1)
                  + _SCOPE_MARKS)
         keys.extend(reversed(chain))
