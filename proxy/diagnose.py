@@ -344,13 +344,21 @@ def _block(d: Diagnosis) -> list[str]:
         text = (f"first token {_dur(split.mean_ms)} = "
                 + " + ".join(f"{name} {_dur(ms)}".replace(" ", NBSP) for name, ms in parts))
         lines += [line.replace(NBSP, " ") for line in _wrap(text, 2, 4)]
+    if split.capped:
+        lines += _wrap("(prefill and missed cache scaled down to what the queues leave of the "
+                       "mean first token: the streams with token counts and all streams differ)",
+                       4, 4)
+    if split.prefill_from == "engine":
+        lines += _wrap("prefill as the upstream engine timed it (its own timings)", 2, 4)
     if d.prefill_ms_per_1k_tokens is not None:
+        which = (", line held at a zero fixed part" if d.fit_model == "through_zero"
+                 else "")
         lines += _wrap(f"prefill {_num(d.prefill_ms_per_1k_tokens)} ms per 1,000 uncached "
-                       f"prompt tokens, fixed part {_dur(d.fixed_ms)}", 2, 4)
+                       f"prompt tokens, fixed part {_dur(d.fixed_ms)}{which}", 2, 4)
+        if d.fit_model == "through_zero" or (d.tokens_estimated_share or 0) > 0:
+            lines += _wrap(d.fit_note, 4, 4)
     else:
-        lines += _wrap("prefill cost not known (too few streams with usage, no spread of "
-                       "prompt lengths, or first-token times prompt lengths do not explain)",
-                       2, 4)
+        lines += _wrap(d.fit_note or "Prefill cost not known.", 2, 4)
     status = ""
     for rank, lever in enumerate(d.levers, 1):
         if lever.status != status:

@@ -71,7 +71,17 @@ def check_contract(doc: dict[str, Any]) -> None:
         for name in ("prefill_ms_per_1k_tokens", "fixed_ms"):
             assert s[name] is None or isinstance(s[name], float)
         assert set(s["first_token"]) == {"mean_ms", "proxy_queue_ms", "upstream_queue_ms",
-                                         "prefill_ms", "missed_cache_ms", "rest_ms"}
+                                         "prefill_ms", "missed_cache_ms", "rest_ms",
+                                         "prefill_from", "capped"}
+        assert s["first_token"].pop("prefill_from") in ("fit", "engine", None)
+        assert isinstance(s["first_token"].pop("capped"), bool)
+        assert s["fit_model"] in ("line", "through_zero", None)
+        assert isinstance(s["fit_note"], str) and s["fit_note"]
+        share = s["tokens_estimated_share"]
+        assert share is None or 0 <= share <= 1
+        for part in ("prefill_ms", "missed_cache_ms", "rest_ms"):
+            value = s["first_token"][part]
+            assert value is None or 0 <= value <= s["first_token"]["mean_ms"], part
         assert set(s["decode"]) == {"streams", "median_tokens_per_s",
                                     "below_reading_pace_share", "above_fast_share", "slow_ms"}
         assert set(s["output"]) == {"responses", "mean_tokens", "p50_tokens", "p95_tokens",

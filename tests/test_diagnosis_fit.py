@@ -86,9 +86,14 @@ def test_any_points_fit_as_exact_arithmetic_says(points: list[tuple[int, float]]
         return
     slope, fixed, _ = exact_line(pts)
     scale = max(1.0, max(y for _, y in pts) * 1000)  # ms: the y the fit works in
-    assert got.ms_per_1k_tokens is not None and got.fixed_ms is not None
-    assert abs(got.ms_per_1k_tokens - float(slope)) <= 1e-6 * scale
-    assert abs(got.fixed_ms - float(fixed)) <= 1e-6 * scale
+    assert got.line_ms_per_1k_tokens is not None and got.line_fixed_ms is not None
+    assert abs(got.line_ms_per_1k_tokens - float(slope)) <= 1e-6 * scale
+    assert abs(got.line_fixed_ms - float(fixed)) <= 1e-6 * scale
+    if got.model == "line":
+        assert (got.ms_per_1k_tokens, got.fixed_ms) == (got.line_ms_per_1k_tokens,
+                                                       got.line_fixed_ms)
+    else:  # the line's fixed part below zero, its slope known: held at zero
+        assert got.fixed_ms == 0 and got.line_fixed_ms < 0
 
 
 def test_sums_add_across_replicas_and_subtract_to_a_window() -> None:
@@ -191,3 +196,37 @@ def test_the_recording_rules_case_fits_the_same_in_python() -> None:
                 for case in doc["tests"][0]["promql_expr_test"] if ":fit5m" in case["expr"]}
     assert recorded == {"llm_proxy_prefill_seconds_per_ktoken": 0.0625,
                         "llm_proxy_first_token_fixed_seconds": 0.3125}
+
+
+def superlinear_points(n: int = 60) -> list[tuple[float, float]]:
+    """Prefill that grows faster than linearly (attention on a CPU engine): a 50 ms fixed
+    part, then 4 s per 1,000 tokens plus 2 s per (1,000 tokens)^2, prompts of 200 to
+    1,600 tokens."""
+    out = []
+    for i in range(n):
+        k = 0.2 + 1.4 * i / (n - 1)
+        out.append((k * 1000, 0.05 + 4.0 * k + 2.0 * k * k))
+    return out
+
+
+def test_a_line_below_zero_at_no_tokens_is_held_at_zero() -> None:
+    """The straight line through superlinear prefill is right in slope but its fixed part
+    is below zero; the fit says so and holds the fixed part at 0 (least squares with
+    the intercept constrained, Sxy / Sxx), so no part of a first token is negative."""
+    sums = FitSums.of(superlinear_points())
+    got = fit(sums)
+    assert got.model == "through_zero"
+    assert got.line_fixed_ms is not None and got.line_fixed_ms < 0
+    assert got.fixed_ms == 0.0
+    assert got.ms_per_1k_tokens == pytest.approx(sums.sxy / sums.sxx * 1000)
+    assert got.line_ms_per_1k_tokens is not None
+    assert got.stderr_ms_per_1k_tokens is not None and got.relative_stderr is not None
+    assert got.relative_stderr < 0.25
+
+
+def test_a_noisy_line_that_crosses_zero_stays_a_line() -> None:
+    rng = random.Random(3)
+    points = [(1000.0 + 10 * i, 0.2 + rng.gauss(0, 0.3)) for i in range(40)]
+    got = fit(FitSums.of(points))
+    assert got.model == "line"
+    assert got.fixed_ms == got.line_fixed_ms

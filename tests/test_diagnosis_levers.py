@@ -202,11 +202,13 @@ def test_json_contract() -> None:
     assert set(doc) == {"selections"}
     first, second = doc["selections"]
     assert set(first) == {"route", "model", "upstream", "requests",
-                          "prefill_ms_per_1k_tokens", "fixed_ms", "first_token", "decode",
+                          "prefill_ms_per_1k_tokens", "fixed_ms", "fit_model", "line_fixed_ms",
+                          "fit_note", "tokens_estimated_share", "first_token", "decode",
                           "output", "levers"}
     assert (first["route"], first["model"], first["upstream"]) == (ROUTE, MODEL, UPSTREAM)
     assert set(first["first_token"]) == {"mean_ms", "proxy_queue_ms", "upstream_queue_ms",
-                                         "prefill_ms", "missed_cache_ms", "rest_ms"}
+                                         "prefill_ms", "missed_cache_ms", "rest_ms",
+                                         "prefill_from", "capped"}
     assert first["first_token"]["missed_cache_ms"] is None
     for lever in first["levers"]:
         assert set(lever) == {"name", "status", "acts_on", "saves_ms", "sentence", "numbers"}
@@ -266,3 +268,54 @@ def test_no_advice_without_numbers(ev: Evidence) -> None:
             assert "unknown" not in lever.sentence, lever.sentence
         if lever.status in ("too_little_data", "unknown"):
             assert lever.saves_ms is None
+
+
+def test_superlinear_prefill_never_makes_a_part_larger_than_the_whole() -> None:
+    """The card of a llama.cpp-like engine on CPU: the straight line's slope times the
+    mean prompt exceeded the mean first token and its rest was below zero. Every part
+    is now within the whole, the rest is not negative, and the note says which line."""
+    from tests.test_diagnosis_fit import superlinear_points
+
+    points = superlinear_points()
+    sums = FitSums.of(points)
+    mean_s = sums.sy / sums.n
+    d = diagnose(example(fit=fit(sums), ttft_mean_s=mean_s, upstream_queue_mean_s=None,
+                         requests=60, streams=60))
+    split = d.first_token
+    assert split.mean_ms is not None and split.prefill_ms is not None
+    assert split.rest_ms is not None and split.rest_ms >= 0
+    assert 0 <= split.prefill_ms <= split.mean_ms
+    assert d.fixed_ms == 0.0 and d.fit_model == "through_zero"
+    assert d.line_fixed_ms is not None and d.line_fixed_ms < 0
+    assert "faster than linearly" in d.fit_note
+    assert by_name(d)["fixed"].saves_ms is not None and by_name(d)["fixed"].saves_ms >= 0
+
+
+def test_the_split_is_capped_at_the_whole_when_the_fit_predicts_more() -> None:
+    """All streams' mean first token below what the fitted streams predict: prefill and
+    missed cache are scaled down together to what the queues leave, and it says so."""
+    d = diagnose(example(ttft_mean_s=0.9, missed_cache_tokens=2000.0))
+    split = d.first_token
+    assert split.capped
+    assert split.prefill_ms is not None and split.missed_cache_ms is not None
+    assert split.rest_ms == pytest.approx(0, abs=1e-9)
+    assert split.prefill_ms + split.missed_cache_ms == pytest.approx(900 - 400)
+
+
+def test_the_engines_own_prefill_time_is_the_prefill_part() -> None:
+    d = diagnose(example(engine_prefill_mean_s=1.0, engine_prefill_requests=200,
+                         missed_cache_tokens=910.0))
+    split = d.first_token
+    assert split.prefill_from == "engine" and not split.capped
+    assert split.missed_cache_ms == pytest.approx(100.0)  # 910 of 9,100 tokens: a tenth
+    assert split.prefill_ms == pytest.approx(900.0)
+    assert split.rest_ms == pytest.approx(1800 - 400 - 1000)
+
+
+def test_a_missing_fit_says_why() -> None:
+    none = diagnose(example(fit=fit(FitSums()), fit_skipped=40, streams=40))
+    assert none.fit_note.startswith("Prefill cost not known: none of the 40 streams")
+    few = diagnose(example(fit=line_fit(5), fit_estimated=5))
+    assert "5 streamed requests fitted, 20 needed" in few.fit_note
+    assert "the proxy's own estimate" in few.fit_note
+    assert few.tokens_estimated_share == 1.0

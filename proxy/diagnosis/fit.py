@@ -31,6 +31,17 @@ their mean) there is no slope, said as such (status ``one_length``): that keeps 
 rounding error under 0.1 % up to 3 * 10^8 requests in one window, and a slope from a
 spread that small would mostly be noise anyway (its standard error says how much,
 above the guard).
+
+Which line (``PrefillFit.model``): the straight line by default (``"line"``). Where
+prefill grows faster than linearly (attention on a CPU engine), the line through the
+requests is right in slope where the requests are but crosses zero above zero tokens,
+so its fixed part comes out below zero and the prefill it predicts at the mean exceeds
+the whole first token. No part of the first token can be negative, so the fit is then
+the least-squares line with its fixed part held at zero (``"through_zero"``: the
+constrained optimum of the same sums, ``slope = Sxy / Sxx``), and the straight line's
+own figures are kept (``line_*``) so the card can say why. A quadratic term would
+need three more exported sums (x^3, x^4, x^2*y); the levers do not need it, because
+the split bounds every part by the whole (:func:`proxy.diagnosis.levers.first_token_split`).
 """
 
 from __future__ import annotations
@@ -42,6 +53,9 @@ from typing import Literal
 
 KTOKENS = 1000.0  # x is uncached prompt tokens / KTOKENS
 MIN_RELATIVE_SPREAD = 1e-4  # (n*Sxx - Sx^2) / (n*Sxx) below this: no slope
+# The slope's standard error over the slope at most this: the slope is known (the levers
+# print it; a line below zero at no tokens is then held at zero, see the docstring).
+KNOWN_SLOPE_RELATIVE_STDERR = 0.25
 
 # The exported counters (proxy.metrics) as their samples are named, by field.
 SAMPLES: Mapping[str, str] = {
@@ -55,6 +69,7 @@ SAMPLES: Mapping[str, str] = {
 SKIPPED_SAMPLE = "llm_proxy_prefill_fit_skipped_total"
 
 Status = Literal["fitted", "no_requests", "one_length"]
+Model = Literal["line", "through_zero"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +129,9 @@ class PrefillFit:
     ``ms_per_1k_tokens``: prefill milliseconds per 1,000 uncached prompt tokens;
     ``fixed_ms``: the first-token time of a prompt with nothing to compute;
     ``stderr_ms_per_1k_tokens``: the slope's standard error (three requests or more);
-    the means are of the fitted requests.
+    the means are of the fitted requests. ``model``: which line (module docstring);
+    ``line_ms_per_1k_tokens`` and ``line_fixed_ms``: the straight line's own figures,
+    equal to the two above for ``"line"``.
     """
 
     requests: int
@@ -124,6 +141,9 @@ class PrefillFit:
     stderr_ms_per_1k_tokens: float | None = None
     mean_uncached_tokens: float | None = None
     mean_first_token_ms: float | None = None
+    model: Model = "line"
+    line_ms_per_1k_tokens: float | None = None
+    line_fixed_ms: float | None = None
 
     def prefill_ms(self, uncached_tokens: float) -> float | None:
         """What computing ``uncached_tokens`` costs by the slope."""
@@ -162,6 +182,29 @@ def fit(sums: FitSums) -> PrefillFit:
         # residual sum of squares times n; rounding can take an exact line below zero
         residual = max(0.0, n * sums.syy - sums.sy * sums.sy - slope * covariance)
         stderr = math.sqrt(residual / ((n - 2) * spread)) * 1000.0
+    if (fixed < 0 and slope > 0 and stderr is not None
+            and stderr <= KNOWN_SLOPE_RELATIVE_STDERR * slope * 1000.0):
+        # a slope known well and a fixed part below zero: prefill grows faster than
+        # linearly (a noisy line that merely crosses zero stays a line, and unclear)
+        return _through_zero(sums, requests, mean_tokens, mean_ms, slope, fixed, stderr)
     return PrefillFit(requests=requests, status="fitted", ms_per_1k_tokens=slope * 1000.0,
                       fixed_ms=fixed * 1000.0, stderr_ms_per_1k_tokens=stderr,
-                      mean_uncached_tokens=mean_tokens, mean_first_token_ms=mean_ms)
+                      mean_uncached_tokens=mean_tokens, mean_first_token_ms=mean_ms,
+                      line_ms_per_1k_tokens=slope * 1000.0, line_fixed_ms=fixed * 1000.0)
+
+
+def _through_zero(sums: FitSums, requests: int, mean_tokens: float, mean_ms: float,
+                  line_slope: float, line_fixed: float, line_stderr: float) -> PrefillFit:
+    """The least-squares line with no fixed part: ``slope = Sxy / Sxx``. Its standard
+    error is the larger of the straight line's and its own (residuals about it, n - 1
+    degrees of freedom): holding the fixed part makes the slope look surer than the
+    data say."""
+    n = sums.n
+    slope = sums.sxy / sums.sxx
+    residual = max(0.0, sums.syy - slope * sums.sxy)
+    stderr = max(line_stderr, math.sqrt(residual / ((n - 1) * sums.sxx)) * 1000.0)
+    return PrefillFit(requests=requests, status="fitted", ms_per_1k_tokens=slope * 1000.0,
+                      fixed_ms=0.0, stderr_ms_per_1k_tokens=stderr,
+                      mean_uncached_tokens=mean_tokens, mean_first_token_ms=mean_ms,
+                      model="through_zero", line_ms_per_1k_tokens=line_slope * 1000.0,
+                      line_fixed_ms=line_fixed * 1000.0)

@@ -21,9 +21,13 @@ How the first token is split (means, because they add up):
 * the rest: the mean first token less the known parts, which the fit puts in its fixed
   part: network, the upstream's own scheduling and first decode step, the proxy.
 
-A part that cannot be known is None (shown as unknown), never 0. The parts add up to the
-mean exactly; the rest can come out a little below zero when the streams with usage (the
-fit's) and all streams (the mean) differ, and is then no lever.
+A part that cannot be known is None (shown as unknown), never 0. No part exceeds the
+whole or goes below zero: the fit's requests (streams with token counts) and all streams
+(the mean) can differ, so where prefill and missed cache together exceed what the queues
+leave of the mean, both are scaled down to it (``FirstTokenSplit.capped``) and the rest
+is 0. Where the engine reports its own prefill time (llama.cpp's ``timings.prompt_ms``),
+that mean is the prefill part (``prefill_from = "engine"``) and the fit only divides it
+between the missed cache and the rest of the prompt.
 
 How levers are ranked: by the milliseconds they would take off the mean request's total
 time (a first-token millisecond is one of the total's, so first-token and total levers
@@ -51,7 +55,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from proxy.buckets import fraction_at_most, histogram_quantile
-from proxy.diagnosis.fit import PrefillFit
+from proxy.diagnosis.fit import KNOWN_SLOPE_RELATIVE_STDERR, PrefillFit
 
 # -- thresholds --------------------------------------------------------------------
 
@@ -59,7 +63,7 @@ MIN_REQUESTS = 20  # fewer measured requests in a selection: too little data to 
 # The slope's standard error over the slope: above this, the prefill cost is not
 # known well enough to be a number worth printing (no spread of prompt lengths, or
 # first-token times that vary for other reasons: queueing, a shared machine).
-MAX_SLOPE_RELATIVE_STDERR = 0.25
+MAX_SLOPE_RELATIVE_STDERR = KNOWN_SLOPE_RELATIVE_STDERR
 # A lever is worth acting on when it saves at least WORTH_MS and at least WORTH_SHARE
 # of what it acts on (the mean first token, or the mean total time).
 WORTH_MS = 50.0
@@ -136,6 +140,10 @@ class Evidence:
     queue_mean_s: float | None = None  # in the proxy
     upstream_queue_mean_s: float | None = None  # None: the upstream reports none
     missed_cache_tokens: float | None = None  # mean per request, from a prompt-cache check
+    fit_skipped: int = 0  # streams left out of the fit: no prompt token count at all
+    fit_estimated: int = 0  # of the fit's requests, those with the proxy's own token estimate
+    engine_prefill_mean_s: float | None = None  # the engine's own prefill time, mean
+    engine_prefill_requests: int = 0  # the requests that reported it
     duration_mean_s: float | None = None  # mean total time of the streams
     tpot: Dist | None = None  # seconds per output token, one per stream
     completion: Dist | None = None  # completion tokens per response
@@ -155,9 +163,19 @@ class FirstTokenSplit:
     prefill_ms: float | None
     missed_cache_ms: float | None
     rest_ms: float | None
+    # where the prefill part comes from: "fit", "engine" (its own timings), None: unknown
+    prefill_from: str | None = None
+    capped: bool = False  # prefill and missed cache scaled down to what the mean leaves
 
-    def as_json(self) -> dict[str, float | None]:
-        return {name: _round(getattr(self, name)) for name in self.__slots__}
+    def as_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {name: _round(getattr(self, name)) for name in _SPLIT_PARTS}
+        out["prefill_from"] = self.prefill_from
+        out["capped"] = self.capped
+        return out
+
+
+_SPLIT_PARTS = ("mean_ms", "proxy_queue_ms", "upstream_queue_ms", "prefill_ms",
+                "missed_cache_ms", "rest_ms")
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,6 +229,10 @@ class Diagnosis:
     decode: DecodeFigures
     output: OutputFigures
     levers: tuple[Lever, ...]  # most valuable first
+    fit_model: str | None = None  # "line" or "through_zero" (proxy.diagnosis.fit)
+    line_fixed_ms: float | None = None  # the straight line's own fixed part
+    fit_note: str = ""  # why the prefill cost is not known, or which line was fitted
+    tokens_estimated_share: float | None = None  # of the fit's requests; None: no fit
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -218,6 +240,10 @@ class Diagnosis:
             "requests": self.requests,
             "prefill_ms_per_1k_tokens": _round(self.prefill_ms_per_1k_tokens),
             "fixed_ms": _round(self.fixed_ms),
+            "fit_model": self.fit_model,
+            "line_fixed_ms": _round(self.line_fixed_ms),
+            "fit_note": self.fit_note,
+            "tokens_estimated_share": _round(self.tokens_estimated_share),
             "first_token": self.first_token.as_json(),
             "decode": {k: _round(getattr(self.decode, k)) for k in self.decode.__slots__},
             "output": {k: _round(getattr(self.output, k)) for k in self.output.__slots__},
@@ -246,16 +272,39 @@ def first_token_split(ev: Evidence) -> FirstTokenSplit:
     proxy_q = _ms(ev.queue_mean_s)
     upstream_q = _ms(ev.upstream_queue_mean_s)
     prefill = missed = rest = None
-    if usable_fit(fit) and fit.mean_uncached_tokens is not None:
-        uncached = fit.mean_uncached_tokens
-        if ev.missed_cache_tokens is not None:
-            missed_tokens = min(max(0.0, ev.missed_cache_tokens), uncached)
+    source: str | None = None
+    missed_tokens = None
+    uncached = fit.mean_uncached_tokens if fit.status != "no_requests" else None
+    if ev.missed_cache_tokens is not None and uncached is not None:
+        missed_tokens = min(max(0.0, ev.missed_cache_tokens), uncached)
+    engine = _ms(ev.engine_prefill_mean_s) if ev.engine_prefill_requests > 0 else None
+    if engine is not None:
+        source = "engine"
+        prefill = engine
+        if missed_tokens is not None and uncached:
+            # the engine's own prefill, divided by token counts: its rate where it ran
+            missed = engine * missed_tokens / uncached
+            prefill = engine - missed
+    elif usable_fit(fit) and uncached is not None:
+        source = "fit"
+        if missed_tokens is not None:
             missed = fit.prefill_ms(missed_tokens)
             uncached -= missed_tokens
         prefill = fit.prefill_ms(uncached)
-        if mean is not None and prefill is not None:
-            rest = mean - (proxy_q or 0.0) - (upstream_q or 0.0) - prefill - (missed or 0.0)
-    return FirstTokenSplit(mean, proxy_q, upstream_q, prefill, missed, rest)
+    capped = False
+    if mean is not None and prefill is not None:
+        room = max(0.0, mean - (proxy_q or 0.0) - (upstream_q or 0.0))
+        prefill = max(0.0, prefill)
+        computed = prefill + (missed or 0.0)
+        if computed > room:
+            # the fit's streams and all streams differ, or the line over-predicts where
+            # prefill grows faster than linearly: no part may exceed the whole
+            scale = room / computed if computed > 0 else 0.0
+            prefill *= scale
+            missed = missed * scale if missed is not None else None
+            capped = True
+        rest = max(0.0, room - prefill - (missed or 0.0))
+    return FirstTokenSplit(mean, proxy_q, upstream_q, prefill, missed, rest, source, capped)
 
 
 def decode_figures(ev: Evidence) -> DecodeFigures:
@@ -316,11 +365,51 @@ def diagnose(ev: Evidence) -> Diagnosis:
     ]
     levers.sort(key=lambda lv: (_ORDER[lv.status], -(lv.saves_ms or 0.0)))
     good = usable_fit(ev.fit)
+    fit = ev.fit
     return Diagnosis(
         route=ev.route, model=ev.model, upstream=ev.upstream, requests=ev.requests,
-        prefill_ms_per_1k_tokens=ev.fit.ms_per_1k_tokens if good else None,
-        fixed_ms=ev.fit.fixed_ms if good else None,
-        first_token=split, decode=decode, output=output, levers=tuple(levers))
+        prefill_ms_per_1k_tokens=fit.ms_per_1k_tokens if good else None,
+        fixed_ms=fit.fixed_ms if good else None,
+        first_token=split, decode=decode, output=output, levers=tuple(levers),
+        fit_model=fit.model if good else None,
+        line_fixed_ms=fit.line_fixed_ms if good else None,
+        fit_note=fit_note(ev),
+        tokens_estimated_share=(ev.fit_estimated / fit.requests if fit.requests > 0
+                                else None))
+
+
+def fit_note(ev: Evidence) -> str:
+    """One sentence: why the prefill cost is not known, or how it was fitted."""
+    fit = ev.fit
+    estimated = ""
+    if ev.fit_estimated > 0:
+        estimated = (f" Prompt tokens of {ev.fit_estimated:,} of its {fit.requests:,} requests "
+                     "are the proxy's own estimate (the upstream sent no usage).")
+    if fit.status == "no_requests":
+        if ev.fit_skipped > 0:
+            return (f"Prefill cost not known: none of the {ev.fit_skipped:,} streams had a "
+                    "prompt token count to fit.")
+        if ev.streams > 0:
+            return ("Prefill cost not known: no streamed request with a first token was "
+                    "fitted in this window.")
+        return "Prefill cost not known: no streamed request with a first token in this window."
+    if fit.requests < MIN_REQUESTS:
+        return (f"Prefill cost not known yet: {fit.requests:,} streamed "
+                f"{_plural(fit.requests, 'request')} fitted, {MIN_REQUESTS} needed." + estimated)
+    if fit.status == "one_length":
+        return (f"Prefill cost not known: the prompts all have about one length "
+                f"({_tokens(fit.mean_uncached_tokens)} uncached tokens), so prefill cannot be "
+                "told apart from the fixed part." + estimated)
+    if not usable_fit(fit):
+        return (f"Prefill cost not known: {_sig(fit.ms_per_1k_tokens)} ± "
+                f"{_sig(fit.stderr_ms_per_1k_tokens)} ms per 1,000 uncached tokens over "
+                f"{fit.requests:,} requests; first-token times vary more than prompt lengths "
+                "explain." + estimated)
+    if fit.model == "through_zero":
+        return (f"Prefill grows faster than linearly here: the straight line through the "
+                f"requests has a fixed part of {_dur(fit.line_fixed_ms)} (below zero), so the "
+                "fit is the line with its fixed part held at 0." + estimated)
+    return "Prefill fitted as a straight line over the requests' prompt lengths." + estimated
 
 
 def _worth(saves_ms: float, of_ms: float | None) -> Status:
