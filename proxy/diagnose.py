@@ -346,8 +346,8 @@ def _block(d: Diagnosis) -> list[str]:
         lines += [line.replace(NBSP, " ") for line in _wrap(text, 2, 4)]
     if split.capped:
         lines += _wrap("(prefill and missed cache scaled down to what the queues leave of the "
-                       "mean first token: the streams with token counts and all streams differ)",
-                       4, 4)
+                       "mean first token: the fit predicts more there, from the streams it has "
+                       "or from a line held at zero)", 4, 4)
     if split.prefill_from == "engine":
         lines += _wrap("prefill as the upstream engine timed it (its own timings)", 2, 4)
     if d.prefill_ms_per_1k_tokens is not None:

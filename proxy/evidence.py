@@ -27,7 +27,13 @@ What each figure is read from (means are ``_sum / _count``, exact):
   ``llm_proxy_prompt_cache_missed_tokens_total`` over the requests the prompt-cache doctor
   examined (``llm_proxy_prompt_cache_missed_tokens_per_request_count``; the fit's
   requests when that histogram is absent); None when the proxy exports neither (the
-  doctor is off, or a version without it).
+  doctor is off, or a version without it);
+* streams left out of the fit (no prompt token count at all) and the fit's requests whose
+  prompt tokens are the proxy's estimate: ``llm_proxy_prefill_fit_skipped_total`` and
+  ``llm_proxy_prefill_fit_estimated_requests_total``, so the card can say why a fit is
+  missing and that its tokens were estimated;
+* the engine's own prefill time (llama.cpp's timings): the mean of
+  ``llm_proxy_upstream_prefill_seconds``.
 
 A selection is listed when the window holds a measured request of it (a first token, an
 output-token count or a fitted stream): a route the proxy only relays, or a selection
@@ -82,10 +88,13 @@ MISSED_PER_REQUEST = "llm_proxy_prompt_cache_missed_tokens_per_request"
 REQUESTS = "llm_proxy_requests_total"
 FINISH = "llm_proxy_finish_reasons_total"
 MISSED = "llm_proxy_prompt_cache_missed_tokens_total"
+ESTIMATED = "llm_proxy_prefill_fit_estimated_requests_total"
+ENGINE_PREFILL = "llm_proxy_upstream_prefill_seconds"
 
-SUMMED = (TTFT, QUEUE, UPSTREAM_QUEUE, DURATION, TPOT, COMPLETION, MISSED_PER_REQUEST)
+SUMMED = (TTFT, QUEUE, UPSTREAM_QUEUE, DURATION, TPOT, COMPLETION, MISSED_PER_REQUEST,
+          ENGINE_PREFILL)
 BUCKETED = (TPOT, COMPLETION)  # their buckets are read too
-COUNTERS = (REQUESTS, MISSED, SKIPPED_SAMPLE, *FIT_SAMPLES)
+COUNTERS = (REQUESTS, MISSED, SKIPPED_SAMPLE, ESTIMATED, *FIT_SAMPLES)
 SAMPLE_NAMES: frozenset[str] = frozenset(
     [*COUNTERS, FINISH]
     + [f"{h}_{part}" for h in SUMMED for part in ("sum", "count")]
@@ -385,6 +394,10 @@ def _evidence(key: Key, figs: Figures) -> Evidence:
         queue_mean_s=_mean(figs, QUEUE),
         upstream_queue_mean_s=_mean(figs, UPSTREAM_QUEUE),
         missed_cache_tokens=_missed(figs, sums.n),
+        fit_skipped=round(figs.get(SKIPPED_SAMPLE)),
+        fit_estimated=round(figs.get(ESTIMATED)),
+        engine_prefill_mean_s=_mean(figs, ENGINE_PREFILL),
+        engine_prefill_requests=round(figs.get(f"{ENGINE_PREFILL}_count")),
         duration_mean_s=_mean(figs, DURATION),
         tpot=_dist(figs, TPOT),
         completion=_dist(figs, COMPLETION),

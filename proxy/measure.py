@@ -200,6 +200,13 @@ class RequestRecord:
     reasoning_tokens: int | None = None
     cache_write_tokens: int | None = None
     tokens_estimated: bool = False
+    # The upstream's own account (proxy.dialects.UpstreamReport): the engine's cached
+    # prompt tokens and prefill time (llama.cpp's timings), the provider's cache
+    # diagnostics (its reason, bounded, and the tokens it says it missed)
+    engine_cached_tokens: int | None = None
+    engine_prefill_s: float | None = None
+    provider_cache_reason: str = ""
+    provider_missed_tokens: int | None = None
     trace_id: str = ""  # hex, when the request was traced and sampled (proxy.tracing)
     span_id: str = ""
     # What the upstream said about its answer (proxy.dialects.ResponseInfo), for the
@@ -239,6 +246,10 @@ class RequestRecord:
             "reasoning_tokens": self.reasoning_tokens,
             "cache_write_tokens": self.cache_write_tokens,
             "tokens_estimated": self.tokens_estimated,
+            "engine_cached_tokens": self.engine_cached_tokens,
+            "engine_prefill_s": self.engine_prefill_s,
+            "provider_cache_reason": self.provider_cache_reason or None,
+            "provider_missed_tokens": self.provider_missed_tokens,
             "trace_id": self.trace_id or None,
             "span_id": self.span_id or None,
             "response_id": self.response_id or None,
@@ -278,6 +289,7 @@ class StreamTimer:
     output_choices: int = 0
     gaps: list[float] = field(default_factory=list)
     usage: dict[str, Any] | None = None  # the raw usage, merged over events (last value wins)
+    report: dict[str, Any] | None = None  # the upstream's own account (dialects.report_of)
     upstream_queue_s: float | None = None
     error: bool = False  # an error event inside the 200 stream
     ended_t: float | None = None  # when the stream's own last event was handed on
@@ -323,6 +335,8 @@ class StreamTimer:
             self.output_choices += info.outputs
         if info.usage is not None:
             self.usage = merge_usage(self.usage, info.usage)
+        if info.report is not None:
+            self.report = merge_usage(self.report, info.report)
         if info.upstream_queue_s is not None:
             self.upstream_queue_s = info.upstream_queue_s
         if info.error:

@@ -42,6 +42,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from proxy.capture import SKIP_REASONS
 from proxy.config import OVERHEAD_BUCKETS, QUEUE_BUCKETS, Settings
 from proxy.diagnosis.fit import KTOKENS
+from proxy.diagnosis.provider import agreement
 from proxy.measure import Outcome, PrefixRecord, RequestRecord
 
 OTHER_MODEL = "other"
@@ -96,8 +97,8 @@ _REPEATED = (
     "N), so these numbers are then a lower bound. ")
 _TOKENS = (
     "Tokens are estimated from bytes at the request's own ratio, usage prompt tokens over "
-    "the prompt's bytes; requests whose usage does not say the prompt tokens are not "
-    "counted. ")
+    "the prompt's bytes (where the upstream sent no usage, over the proxy's own estimate "
+    "of the prompt tokens, which the request log marks tokens_estimated). ")
 PREFIX_HELP = {name: text.strip() for name, text in {
     "repeated": "Estimated tokens of repeated prompt prefix, summed over measured requests "
     "answered 2xx. " + _REPEATED + _TOKENS,
@@ -302,7 +303,8 @@ class Metrics:
             "llm_proxy_cached_prompt_tokens", "Prompt tokens read from the provider's prompt "
             "cache per request: usage.prompt_tokens_details.cached_tokens (chat, completions), "
             "input_tokens_details.cached_tokens (Responses), cache_read_input_tokens "
-            "(Messages).", who, buckets=tb, registry=reg)
+            "(Messages); where the usage does not say, llama.cpp's timings.cache_n (the "
+            "prompt tokens its server reused).", who, buckets=tb, registry=reg)
         self.completion_tokens = Histogram(
             "llm_proxy_completion_tokens", "Completion tokens per request, reasoning included: "
             "usage.completion_tokens (chat, completions), output_tokens (Responses, Messages; "
@@ -427,14 +429,17 @@ class Metrics:
             if record.tpot_s is not None:
                 c.tpot.observe(record.tpot_s)
         self._observe_causes(record)
+        self._observe_report(record)
 
     # -- what the records say about causes (proxy.diagnosis reads these) ---------------
 
     def _init_causes(self, reg: CollectorRegistry, base: tuple[str, ...]) -> None:
         """The prefill fit's sums (see proxy/diagnosis/fit.py) and why answers ended."""
-        about = (" Per streamed request with a first token and the upstream's usage; x = "
-                 "uncached prompt tokens / 1000 (usage prompt tokens minus cached prompt "
-                 "tokens, cached counted 0 when the usage does not report it), y = time to "
+        about = (" Per streamed request with a first token and a prompt token count (the "
+                 "upstream's usage, llama.cpp's timings, or, where neither came, the proxy's "
+                 "estimate, counted in llm_proxy_prefill_fit_estimated_requests_total); x = "
+                 "uncached prompt tokens / 1000 (prompt tokens minus cached prompt tokens, "
+                 "cached counted 0 when the upstream does not report it), y = time to "
                  "first token minus the proxy's queue time, in seconds. With the other "
                  "llm_proxy_prefill_fit_* sums: slope = (n*Sxy - Sx*Sy) / (n*Sxx - Sx^2) "
                  "seconds per 1000 uncached prompt tokens, fixed part = (Sy - slope*Sx) / n "
@@ -455,9 +460,34 @@ class Metrics:
                               base, registry=reg)
         self.fit_skipped = Counter(
             "llm_proxy_prefill_fit_skipped", "Streamed requests with a first token left out "
-            "of the prefill fit (llm_proxy_prefill_fit_*) because the upstream's usage did "
-            "not say the prompt tokens.", base, registry=reg)
+            "of the prefill fit (llm_proxy_prefill_fit_*) because no prompt token count was "
+            "known: neither the upstream's usage nor an estimate of the proxy's.", base,
+            registry=reg)
+        self.fit_estimated = Counter(
+            "llm_proxy_prefill_fit_estimated_requests", "Of the requests in the prefill fit "
+            "(llm_proxy_prefill_fit_requests_total), those whose prompt tokens are the "
+            "proxy's own estimate (about 4 characters a token) because the upstream sent no "
+            "usage.", base, registry=reg)
+        self.engine_prefill = Histogram(
+            "llm_proxy_upstream_prefill_seconds", "Prefill time the upstream engine reported "
+            "for itself, per request that reported one: llama.cpp's timings.prompt_ms (the "
+            "prompt tokens it computed, timings.prompt_n, the cached ones it reused not "
+            "included). diagnose takes its mean as the prefill part of the first token.",
+            base, buckets=QUEUE_BUCKETS, registry=reg)
+        self._engine_children: dict[tuple[str, str, str], Histogram] = {}
+        self.provider_reasons = Counter(
+            "llm_proxy_prompt_cache_provider_reasons", "Responses carrying the provider's own "
+            "cache diagnostics (Anthropic's diagnostics.cache_miss_reason, OpenAI Responses' "
+            "prompt_cache_diagnostics; only when the app asked for them, the proxy never "
+            "does), by the provider's reason (provider_reason: its own word when documented, "
+            "else other; pending while it was still comparing), the doctor's break reason "
+            "for the same request (doctor_reason, none when it found no break or did not "
+            "look) and whether they agree (agreement: agree, disagree, doctor_silent, "
+            "doctor_blind for a request setting the doctor does not see, not_compared).",
+            (*base, "provider_reason", "doctor_reason", "agreement"), registry=reg)
+        self._provider_children: dict[tuple[str, ...], Counter] = {}
         self._fit_children: dict[tuple[str, str, str], tuple[Counter, ...]] = {}
+        self._estimated_children: dict[tuple[str, str, str], Counter] = {}
         self.finish_reasons = Counter(
             "llm_proxy_finish_reasons", "Why answers ended, one count per measured response "
             "whose finish reason was read (streamed or not), as one of: " + ", ".join(
@@ -484,9 +514,14 @@ class Metrics:
                 m.labels(*key) for m in (self.fit_n, self.fit_x, self.fit_y, self.fit_xy,
                                          self.fit_xx, self.fit_yy, self.fit_skipped))
         prompt = record.prompt_tokens
-        if prompt is None or record.tokens_estimated:
+        if prompt is None:
             c[6].inc()
             return
+        if record.tokens_estimated:
+            estimated = self._estimated_children.get(key)
+            if estimated is None:
+                estimated = self._estimated_children[key] = self.fit_estimated.labels(*key)
+            estimated.inc()
         x = max(0, prompt - (record.cached_prompt_tokens or 0)) / KTOKENS
         y = max(0.0, record.ttft_s - (record.queue_s or 0.0))
         c[0].inc()
@@ -495,6 +530,24 @@ class Metrics:
         c[3].inc(x * y)
         c[4].inc(x * x)
         c[5].inc(y * y)
+
+    def _observe_report(self, record: RequestRecord) -> None:
+        """The upstream's own account: the engine's prefill time, the provider's reason."""
+        key = (record.route, record.model, record.upstream)
+        if record.engine_prefill_s is not None:
+            hist = self._engine_children.get(key)
+            if hist is None:
+                hist = self._engine_children[key] = self.engine_prefill.labels(*key)
+            hist.observe(record.engine_prefill_s)
+        if record.provider_cache_reason:
+            p = record.prefix
+            doctor = p.break_reason if p is not None and not p.unchecked else ""
+            labels = (*key, record.provider_cache_reason, doctor or "none",
+                      agreement(record.provider_cache_reason, doctor))
+            child = self._provider_children.get(labels)
+            if child is None:
+                child = self._provider_children[labels] = self.provider_reasons.labels(*labels)
+            child.inc()
 
     # -- the prompt-cache doctor (proxy.prefix_check) -----------------------------------
 

@@ -38,6 +38,7 @@ from proxy.dialects import (
     Dialect,
     Usage,
     read_answer,
+    read_report,
 )
 from proxy.logs import RateLimitedLog
 from proxy.measure import (
@@ -589,28 +590,39 @@ class V1Handler:
     def _record(self, x: _Request) -> RequestRecord:
         timer, result, response, dialect = x.timer, x.result, x.response, x.measured
         raw: Mapping[str, Any] | None = None
+        said: Mapping[str, Any] | None = None
         upstream_q = None
         reply = NO_RESPONSE
         if timer is not None:
             raw = timer.usage
+            said = timer.report
             upstream_q = timer.upstream_queue_s
             if self.response_info:
                 reply = timer.response()
         elif result is not None and result.body and dialect is not None:
             whole = read_answer(dialect, result.body)  # a non-stream answer
             if whole is not None:
-                raw, upstream_q, reply = whole
+                raw, upstream_q, reply, said = whole
         if upstream_q is None and response is not None:
             upstream_q = _queue_header(response.headers.get("x-queue-time"))
         usage = dialect.usage(raw) if dialect is not None else Usage()
+        report = read_report(said)
         prompt, completion = usage.prompt_tokens, usage.completion_tokens
+        cached = usage.cached_prompt_tokens
+        if cached is None:
+            cached = report.cached_tokens  # llama.cpp: its timings say what it reused
         estimated = False
+        if prompt is None and report.computed_tokens is not None and \
+                report.cached_tokens is not None:
+            prompt = report.computed_tokens + report.cached_tokens  # the engine's own count
         if timer is not None and raw is None and x.outcome is Outcome.COMPLETED:
             # No usage (--no-inject-usage, or a server that ignores the request for it):
-            # count output events, estimate the prompt.
+            # count output events; the prompt is the engine's count where its timings give
+            # one, else the proxy's estimate, said as such.
             completion = timer.output_choices
-            prompt = estimate_prompt_tokens(x.payload) if x.payload is not None else None
-            estimated = True
+            if prompt is None:
+                prompt = estimate_prompt_tokens(x.payload) if x.payload is not None else None
+                estimated = prompt is not None
         first = timer.first_t if timer is not None else None
         answer = timer.first_answer_t if timer is not None else None
         first_byte = result.t_first_byte if result is not None and timer is not None else None
@@ -626,15 +638,19 @@ class V1Handler:
             tpot_s=tpot(first, timer.last_t, completion) if timer is not None else None,
             itl_s=tuple(timer.gaps) if timer is not None else (),
             output_events=timer.output_events if timer is not None else 0,
-            prompt_tokens=prompt, cached_prompt_tokens=usage.cached_prompt_tokens,
+            prompt_tokens=prompt, cached_prompt_tokens=cached,
             completion_tokens=completion, reasoning_tokens=usage.reasoning_tokens,
             cache_write_tokens=usage.cache_write_tokens, tokens_estimated=estimated,
+            engine_cached_tokens=report.cached_tokens, engine_prefill_s=report.prefill_s,
+            provider_cache_reason=report.cache_reason,
+            provider_missed_tokens=report.cache_missed_tokens,
             trace_id=x.trace.trace_id if x.trace is not None else "",
             span_id=x.trace.span_id if x.trace is not None else "",
             response_id=reply.id, response_model=reply.model,
             finish_reasons=reply.finish_reasons,
-            prefix=(x.prefix.record(None if estimated else prompt, usage.cached_prompt_tokens)
-                    if x.prefix is not None else None))
+            # an estimated prompt still turns the doctor's bytes into tokens: the
+            # record's tokens_estimated says so wherever they are shown
+            prefix=(x.prefix.record(prompt, cached) if x.prefix is not None else None))
 
 
 def failure_outcome(exc: UpstreamError) -> Outcome:

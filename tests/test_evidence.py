@@ -353,6 +353,10 @@ def exported_types() -> dict[str, str]:
     types[ev.MISSED] = "counter"
     for part in ("sum", "count"):
         types[f"{ev.MISSED_PER_REQUEST}_{part}"] = "histogram"
+    # exported once a request had its tokens estimated, or an engine timed its prefill
+    types[ev.ESTIMATED] = "counter"
+    for part in ("sum", "count"):
+        types[f"{ev.ENGINE_PREFILL}_{part}"] = "histogram"
     return types
 
 

@@ -120,16 +120,24 @@ async def test_queue_time_in_the_proxy_is_not_first_token_time() -> None:
     assert line.ms_per_1k_tokens == 0 and line.fixed_ms == first_token * 1000
 
 
-async def test_streams_without_usage_are_left_out_and_counted() -> None:
+async def test_streams_without_usage_are_fitted_with_the_estimate_and_counted() -> None:
+    """No usage (an upstream that ignores the request for it): the prompt tokens are the
+    proxy's estimate from the body, fitted and counted as estimated, so the fit of such
+    an upstream is not empty (it was: every request was skipped)."""
     clock = ScriptedClock()
     up = sse_upstream(clock, chat_script(usage=None))
     app, registry = make_app(up, clock, inject_usage=False)
+    body = stream_request()
     async with app, client_for(BodyClock(app, clock)) as client:
-        await client.post(CHAT, json=stream_request())
-    # the prompt tokens were estimated from the body: not a measurement to fit
+        await client.post(CHAT, json=body)
     assert registry.get_sample_value("llm_proxy_prompt_tokens_count", labels()) == 1
-    assert sums(registry) == FitSums()
-    assert skipped(registry) == 1
+    estimate = registry.get_sample_value("llm_proxy_prompt_tokens_sum", labels())
+    assert estimate is not None and estimate > 0
+    x, y = estimate / 1000, OUTPUT_TIMES[0] - T0
+    assert sums(registry) == FitSums(1, x, y, x * y, x * x, y * y)
+    assert skipped(registry) == 0
+    assert registry.get_sample_value(
+        "llm_proxy_prefill_fit_estimated_requests_total", labels()) == 1
 
 
 async def test_non_streamed_answers_have_no_first_token_and_stay_out() -> None:
@@ -156,7 +164,8 @@ async def test_help_texts_state_the_scaling_and_units() -> None:
         helps: dict[str, Any] = {
             f.name: f.documentation for f in registry.collect()
             if f.name.startswith("llm_proxy_prefill_fit")}
-    assert {f"{name}_total" for name in helps} == {*SAMPLES, SKIPPED_SAMPLE}
+    assert {f"{name}_total" for name in helps} == {
+        *SAMPLES, SKIPPED_SAMPLE, "llm_proxy_prefill_fit_estimated_requests_total"}
     for name, text in helps.items():
         if name + "_total" in SAMPLES:
             assert "uncached prompt tokens / 1000" in text, name

@@ -58,9 +58,12 @@ from proxy.dialects.base import (
     Dialect,
     EventInfo,
     ResponseInfo,
+    UpstreamReport,
     Usage,
     merge_usage,
     read_answer,
+    read_report,
+    report_of,
     upstream_queue_seconds,
 )
 from proxy.dialects.chat import CHAT, ChatDialect
@@ -94,10 +97,13 @@ __all__ = [
     "ResponseInfo",
     "ResponsesDialect",
     "TokenTemplate",
+    "UpstreamReport",
     "Usage",
     "cache_scope",
     "merge_usage",
     "read_answer",
+    "read_report",
+    "report_of",
     "upstream_queue_seconds",
 ]
 

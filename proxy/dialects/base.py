@@ -50,6 +50,10 @@ class EventInfo(NamedTuple):
     # the stream's own last event: chat/completions ``[DONE]``, Responses
     # ``response.completed``/``incomplete``/``failed``, Messages ``message_stop``
     end: bool = False
+    # what the upstream says about its own work beside the usage (:func:`read_report`):
+    # llama.cpp's ``timings``, Anthropic's ``diagnostics``, OpenAI Responses'
+    # ``prompt_cache_diagnostics``, each under its own key
+    report: Mapping[str, Any] | None = None
 
 
 NOT_COUNTED = EventInfo()
@@ -72,6 +76,67 @@ class Usage:
 
 _NO_USAGE = Usage()
 _EMPTY: Mapping[str, Any] = {}
+
+# The keys of a response (or of a chunk, or of the message/response object of an event)
+# that carry the upstream's own account, read as they are (:func:`read_report`).
+REPORT_KEYS = ("timings", "diagnostics", "prompt_cache_diagnostics")
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamReport:
+    """What the upstream said about its own work, normalised (None: not said).
+
+    * llama.cpp's server (``timings`` on the last chunk of a chat or completions stream,
+      and in a non-stream body): ``cache_n`` is ``cached_tokens``, ``prompt_n`` the
+      prompt tokens it computed (``computed_tokens``), ``prompt_ms`` its prefill time;
+    * Anthropic's cache diagnostics (``diagnostics.cache_miss_reason`` with ``type`` and
+      ``cache_missed_input_tokens``) and OpenAI Responses' ``prompt_cache_diagnostics``
+      (``type``; a ``cache_miss`` has ``reason`` and ``cache_missed_tokens``): the
+      provider's reason as it words it and the tokens it says it missed. They come only
+      when the app asked for them; the proxy never asks.
+    """
+
+    cached_tokens: int | None = None
+    computed_tokens: int | None = None
+    prefill_s: float | None = None
+    cache_reason: str = ""  # the provider's own word, bounded (proxy.diagnosis.provider)
+    cache_missed_tokens: int | None = None
+
+
+NO_REPORT = UpstreamReport()
+
+
+def _ms_value(value: Any) -> float | None:
+    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) \
+            and value >= 0:
+        return float(value)
+    return None
+
+
+def report_of(holder: Any) -> dict[str, Any] | None:
+    """The :data:`REPORT_KEYS` mappings of ``holder`` (a chunk, a body, a message), or None."""
+    if not isinstance(holder, Mapping):
+        return None
+    out = {key: holder[key] for key in REPORT_KEYS if isinstance(holder.get(key), Mapping)}
+    return out or None
+
+
+def read_report(raw: Mapping[str, Any] | None) -> UpstreamReport:
+    """Normalise what :func:`report_of` found (merged across events, last value wins)."""
+    if not raw:
+        return NO_REPORT
+    from proxy.diagnosis.provider import provider_reason
+
+    timings = _mapping(raw, "timings")
+    prompt_ms = _ms_value(timings.get("prompt_ms"))
+    computed = _count(timings.get("prompt_n"))
+    reason, missed = provider_reason(_mapping(raw, "diagnostics"),
+                                     _mapping(raw, "prompt_cache_diagnostics"))
+    return UpstreamReport(
+        cached_tokens=_count(timings.get("cache_n")),
+        computed_tokens=computed,
+        prefill_s=prompt_ms / 1000.0 if prompt_ms is not None else None,
+        cache_reason=reason, cache_missed_tokens=missed)
 
 
 def _count(value: Any) -> int | None:
@@ -261,6 +326,7 @@ class AnswerInfo(NamedTuple):
     usage: Mapping[str, Any] | None  # the raw usage mapping, for Dialect.usage
     upstream_queue_s: float | None  # vLLM ``metrics.queue_time_ms``, in seconds
     response: ResponseInfo  # id, model, finish reasons
+    report: Mapping[str, Any] | None = None  # the upstream's own account (report_of)
 
 
 def read_answer(dialect: Dialect, body: bytes) -> AnswerInfo | None:
@@ -270,7 +336,7 @@ def read_answer(dialect: Dialect, body: bytes) -> AnswerInfo | None:
     if not isinstance(payload, dict):
         return None
     return AnswerInfo(dialect.body_usage(payload), upstream_queue_seconds(payload),
-                      dialect.body_response(payload))
+                      dialect.body_response(payload), report_of(payload))
 
 
 _TYPE_PREFIX = b'{"type":"'

@@ -50,6 +50,7 @@ from proxy.dialects.base import (
     _openai_usage,
     _text,
     _usage_of,
+    report_of,
     upstream_queue_seconds,
 )
 from proxy.dialects.prompt import _CHAT_SKIP, PromptPart, _message, _tool_parts
@@ -130,7 +131,9 @@ class ChatDialect:
                 if value == b': "' and data[at + 3 : at + 4] != b'"':
                     return ANSWER
             info = self._one_choice(data)
-            if info is not None:
+            # a chunk without output may carry llama.cpp's timings (its last one does):
+            # decoded then, never on a token's event
+            if info is not None and (info is not NOT_COUNTED or b'"timings"' not in data):
                 return info
         return self.classify_payload(event, _loads(data))
 
@@ -204,13 +207,15 @@ class ChatDialect:
         )
         error = not outputs and bool(payload.get("error"))
         response = None if outputs else _chat_response(payload, always=usage is not None)
-        if usage is None and queue is None and response is None:
+        report = report_of(payload) if "timings" in payload else None
+        if usage is None and queue is None and response is None and report is None:
             if outputs == 1:
                 return ANSWER if answer else REASONING
             if not outputs:
                 return ERROR if error else NOT_COUNTED
         usage_only = usage is not None and choices == [] and not error
-        return EventInfo(outputs, answer, usage, usage_only, error, queue, response)
+        return EventInfo(outputs, answer, usage, usage_only, error, queue, response,
+                         report=report)
 
     def body_usage(self, payload: Mapping[str, Any]) -> Mapping[str, Any] | None:
         return _usage_of(payload)

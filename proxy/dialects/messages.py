@@ -46,6 +46,7 @@ from proxy.dialects.base import (
     _mapping,
     _single_response,
     _usage_of,
+    report_of,
 )
 from proxy.dialects.prompt import _CHAT_SKIP, PromptPart, _content, _message, _tool_parts
 
@@ -132,19 +133,22 @@ class MessagesDialect:
                     if isinstance(value, str) and value:
                         return known[1]
             return NOT_COUNTED
+        report = None
         if name == "message_start":
             message = payload.get("message")
             usage = _usage_of(message)
             response = _single_response(message, None)  # stop_reason is null here
+            report = report_of(message)  # cache diagnostics, when the app asked
         elif name == "message_delta":
             usage = _usage_of(payload)
             delta = payload.get("delta")
             response = _single_response(
                 delta, delta.get("stop_reason") if isinstance(delta, Mapping) else None)
+            report = report_of(payload)
         else:
             usage = response = None
-        if usage is not None or response is not None:
-            return EventInfo(usage=usage, response=response)
+        if usage is not None or response is not None or report is not None:
+            return EventInfo(usage=usage, response=response, report=report)
         if not name and payload.get("error"):
             return ERROR
         return NOT_COUNTED

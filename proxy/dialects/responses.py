@@ -48,6 +48,7 @@ from proxy.dialects.base import (
     _openai_usage,
     _single_response,
     _usage_of,
+    report_of,
 )
 from proxy.dialects.prompt import _ITEM_SKIP, PromptPart, _message, _tool_parts, _utf8
 
@@ -132,11 +133,13 @@ class ResponsesDialect:
             final = payload.get("response") if isinstance(payload, dict) else None
             usage = _usage_of(final)
             response = _responses_response(final)
+            report = report_of(final)  # prompt_cache_diagnostics, when the app asked
             if name == "response.failed":
-                return EventInfo(usage=usage, error=True, response=response, end=True)
-            if usage is None and response is None:
+                return EventInfo(usage=usage, error=True, response=response, end=True,
+                                 report=report)
+            if usage is None and response is None and report is None:
                 return END
-            return EventInfo(usage=usage, response=response, end=True)
+            return EventInfo(usage=usage, response=response, end=True, report=report)
         if not name and isinstance(payload, dict) and payload.get("error"):
             return ERROR
         return NOT_COUNTED

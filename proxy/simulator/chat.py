@@ -144,6 +144,30 @@ class _OpenAIStream:
             }
         return usage
 
+    def timings(self, job: Job, engine: Engine, end: float) -> dict[str, Any]:
+        """llama.cpp's server's ``timings`` (tools/server/server-task.cpp,
+        ``result_timings::to_json``): the reused prompt tokens, the computed ones and
+        the time they took, then the output's."""
+        plan = job.plan
+        computed = plan.prompt_tokens - plan.cached_tokens
+        prompt_ms = plan.prefill_compute_s * 1000.0
+        first = job.first_t if job.first_t is not None else end
+        last = job.last_t if job.last_t is not None else end
+        predicted = job.emitted
+        predicted_ms = max(0.0, last - first) * 1000.0
+        return {
+            "cache_n": plan.cached_tokens,
+            "prompt_n": computed,
+            "prompt_ms": round(prompt_ms, 3),
+            "prompt_per_token_ms": round(prompt_ms / computed, 6) if computed else None,
+            "prompt_per_second": round(1000.0 * computed / prompt_ms, 3) if prompt_ms else None,
+            "predicted_n": predicted,
+            "predicted_ms": round(predicted_ms, 3),
+            "predicted_per_token_ms": round(predicted_ms / predicted, 6) if predicted else None,
+            "predicted_per_second": (round(1000.0 * predicted / predicted_ms, 3)
+                                     if predicted_ms else None),
+        }
+
     async def stream(self, job: Job, engine: Engine) -> AsyncGenerator[bytes, None]:
         dumps = json.dumps
         n = job.ask.n
@@ -200,10 +224,19 @@ class _OpenAIStream:
             yield _ERROR_EVENT + DONE
             return
         reason = job.plan.finish_reason.encode()
-        yield b"".join(finish % (i, reason) for i in range(n))
-        if job.ask.options.get("include_usage"):
+        # llama.cpp puts its timings on the last chunk: the usage chunk when asked for
+        timings = b""
+        if engine.config.llamacpp_timings:
+            timings = b',"timings":' + dumps(self.timings(job, engine, engine.clock()),
+                                              separators=(",", ":")).encode()
+        usage_chunk = bool(job.ask.options.get("include_usage"))
+        last = finish % (n - 1, reason)
+        if timings and not usage_chunk:
+            last = last[: -len(b"}\n\n")] + timings + b"}\n\n"
+        yield b"".join(finish % (i, reason) for i in range(n - 1)) + last
+        if usage_chunk:
             usage = dumps(self.usage(job, engine, engine.clock()), separators=(",", ":")).encode()
-            yield head + b'],"usage":' + usage + b"}\n\n"
+            yield head + b'],"usage":' + usage + timings + b"}\n\n"
         yield DONE
 
     def body(self, job: Job, engine: Engine) -> dict[str, Any]:
@@ -226,7 +259,7 @@ class _OpenAIStream:
                 for i, t in enumerate(job.texts)
             ]
             obj = "text_completion"
-        return {
+        out = {
             "id": job.request_id,
             "object": obj,
             "created": job.created,
@@ -234,6 +267,9 @@ class _OpenAIStream:
             "choices": choices,
             "usage": usage,
         }
+        if engine.config.llamacpp_timings:
+            out["timings"] = self.timings(job, engine, engine.clock())
+        return out
 
 
 def _stream_fields(body: dict[str, Any]) -> tuple[bool, dict[str, Any]]:

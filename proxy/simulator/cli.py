@@ -253,6 +253,22 @@ _FLAGS: dict[str, tuple[Callable[[str], Any] | None, str, str]] = {
         "queue_time_ms, prefill_time_ms, time_to_first_token_ms, decode_time_ms, "
         "e2e_time_ms).",
     ),
+    "llamacpp_timings": (
+        None,
+        "",
+        "Add llama.cpp-style timings to the last chunk of a chat or completions stream and "
+        "to a non-stream body (timings: cache_n, prompt_n, prompt_ms, prompt_per_token_ms, "
+        "prompt_per_second, predicted_n, predicted_ms, predicted_per_token_ms, "
+        "predicted_per_second), as llama.cpp's server sends them whether or not usage was "
+        "asked for.",
+    ),
+    "prefill_attention": (
+        _float_range(0),
+        "S",
+        "Extra prefill seconds per (1,000 tokens)^2: each computed token attends to every "
+        "token before it, so prefill grows faster than linearly, as on a CPU engine "
+        "[default 0: linear].",
+    ),
     "models": (
         _models,
         "NAMES",

@@ -22,7 +22,10 @@ The physics, in the order a request meets them (see docs/simulator.md):
 3. **Prefill.** Uncached tokens are computed at ``prefill_rate`` tokens/s on one shared
    compute lane (a burst of long prompts queues behind itself even with free slots),
    plus a fixed ``prefill_overhead`` per request. The first token comes out when the
-   prefill ends.
+   prefill ends. ``prefill_attention`` adds what attention costs on an engine where it
+   shows (a CPU engine): each computed token attends to every token before it, so a
+   prompt of T tokens with C cached costs ``prefill_attention * ((T/1000)^2 -
+   (C/1000)^2)`` seconds more; prefill then grows faster than linearly.
 4. **Decode.** Each further step takes ``itl * (1 + itl_growth * (active - 1))``,
    times a uniform jitter of +-``jitter``: batching more streams raises throughput but
    slows each one. A step yields ``tokens_per_chunk`` tokens.
@@ -87,6 +90,8 @@ class SimConfig:
     stall_rate: float = 0.0
     stall_seconds: float = 2.0
     vllm_metrics: bool = False
+    llamacpp_timings: bool = False
+    prefill_attention: float = 0.0
     models: tuple[str, ...] = ("sim-llm",)
     strict_models: bool = False
     api_key: str = ""
@@ -113,7 +118,8 @@ class SimConfig:
             value = getattr(self, name)
             if not math.isfinite(value) or value <= 0:
                 raise bad(name, "must be a number > 0")
-        for name in ("prefill_overhead", "itl", "itl_growth", "stall_seconds"):
+        for name in ("prefill_overhead", "itl", "itl_growth", "stall_seconds",
+                     "prefill_attention"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise bad(name, "must be a number >= 0")
@@ -330,7 +336,9 @@ class LatencyModel:
             cached_tokens=cached,
             output_tokens=output,
             finish_reason=finish,
-            prefill_compute_s=(tokens - cached) / cfg.prefill_rate,
+            prefill_compute_s=((tokens - cached) / cfg.prefill_rate
+                               + cfg.prefill_attention * ((tokens / 1000) ** 2
+                                                          - (cached / 1000) ** 2)),
             reasoning_tokens=thinking,
             cache_write_tokens=written,
             reported_cached_tokens=reported,

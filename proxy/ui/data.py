@@ -566,7 +566,8 @@ def _evidence(view: View, span: str) -> list[levers.Evidence]:
     return found
 
 
-def _fit(fit: Any) -> dict[str, Any]:
+def _fit(evidence: levers.Evidence) -> dict[str, Any]:
+    fit = evidence.fit
     return {
         "requests": fit.requests,
         "status": fit.status,
@@ -575,6 +576,12 @@ def _fit(fit: Any) -> dict[str, Any]:
         "stderr_ms_per_1k_tokens": fit.stderr_ms_per_1k_tokens,
         "fixed_ms": fit.fixed_ms,
         "mean_uncached_tokens": fit.mean_uncached_tokens,
+        "model": fit.model,  # "line", or "through_zero" (proxy.diagnosis.fit)
+        "line_fixed_ms": fit.line_fixed_ms,
+        "skipped": evidence.fit_skipped,  # streams with no prompt token count at all
+        # of the fit's requests, those with the proxy's own token estimate (no usage)
+        "estimated_requests": evidence.fit_estimated,
+        "note": levers.fit_note(evidence),
     }
 
 
@@ -599,8 +606,8 @@ def what_to_fix(view: View) -> dict[str, Any]:
                 "model": found.model,
                 "upstream": found.upstream,
                 "requests": found.requests,
-                "fit": {"total": _fit(evidence.fit),
-                        "window": _fit(recent.fit) if recent is not None else None},
+                "fit": {"total": _fit(evidence),
+                        "window": _fit(recent) if recent is not None else None},
                 "first_token": found.first_token.as_json(),
                 "levers": [lever.as_json() for lever in found.levers],
             })

@@ -234,9 +234,11 @@
   }
 
   const para = (cls, ...kids) => { const p = make("p"); p.className = cls; p.append(...kids); return p; };
+  const estimated = (f) => f.estimated_requests
+    ? `; prompt tokens of ${f.estimated_requests} estimated by the proxy (no usage)` : "";
   const fitText = (f, label) => !f ? `${label}: not yet` : f.usable
-    ? `${label} ${num(f.ms_per_1k_tokens, 1)} ± ${num(f.stderr_ms_per_1k_tokens, 1)} ms per 1,000 uncached tokens, fixed ${num(f.fixed_ms)} ms (${f.requests} streams)`
-    : `${label}: ${f.status === "one_length" ? "prompts of one length" : f.requests < 20 ? `${f.requests} streams, 20 needed` : "not clear yet"}`;
+    ? `${label} ${num(f.ms_per_1k_tokens, 1)} ± ${num(f.stderr_ms_per_1k_tokens, 1)} ms per 1,000 uncached tokens, fixed ${num(f.fixed_ms)} ms${f.model === "through_zero" ? ` (held at 0: the straight line's was ${num(f.line_fixed_ms)} ms, prefill grows faster than linearly)` : ""} (${f.requests} streams${estimated(f)})`
+    : `${label}: ${f.status === "one_length" ? "prompts of one length" : f.requests < 20 ? (f.requests === 0 && f.skipped ? `no prompt token counts (${f.skipped} streams)` : `${f.requests} streams, 20 needed`) : "not clear yet"}${estimated(f)}`;
   const ORDER = { lever: "", not_a_lever: "not worth it", too_little_data: "too little data", unknown: "not measured" };
 
   function whatToFix(d) {

@@ -1,0 +1,126 @@
+"""The provider's own cache diagnostics, read as bounded words, and whether the doctor agrees.
+
+Anthropic (Messages, ``diagnostics.cache_miss_reason``) and OpenAI (Responses,
+``prompt_cache_diagnostics``) answer why a prompt missed the cache when the app asked
+for it (by naming the earlier response to compare with). The proxy never asks; it reads
+the answer when there is one. Their reasons are kept only when they are among the words
+the APIs document (:data:`ANTHROPIC_REASONS`, :data:`OPENAI_REASONS`); anything else is
+``other``, so the words stay fit for a metric label.
+
+Agreement (:func:`agreement`): the provider compares with the one response the app named,
+the doctor with every prompt it saw in its window, so the two can differ without either
+being wrong. ``agree`` when the doctor's break names the same part (or both say nothing
+broke), ``disagree`` when it names another, ``doctor_silent`` when the provider names a
+miss and the doctor found none, ``doctor_blind`` when the provider names something the
+doctor does not see (a request setting), ``not_compared`` when the provider could not
+compare (its comparison was pending, unavailable, or the earlier response unknown).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+# cache_miss_reason.type (anthropic-sdk-python, src/anthropic/types/cache_miss_reason.py)
+ANTHROPIC_REASONS = (
+    "model_changed",
+    "system_changed",
+    "tools_changed",
+    "messages_changed",
+    "previous_message_not_found",
+    "unavailable",
+)
+# prompt_cache_diagnostics.reason of a cache_miss (OpenAI Responses)
+OPENAI_REASONS = (
+    "model_changed",
+    "prompt_cache_key_changed",
+    "tools_changed",
+    "text_format_changed",
+    "reasoning_effort_changed",
+    "verbosity_changed",
+    "context_compacted",
+    "input_changed",
+    "service_tier_changed",
+)
+# prompt_cache_diagnostics.type other than cache_miss
+OPENAI_OUTCOMES = ("cache_hit", "comparison_response_not_found", "unavailable")
+PENDING = "pending"  # Anthropic: diagnostics present, its reason null (still comparing)
+OTHER = "other"
+PROVIDER_REASONS: tuple[str, ...] = tuple(
+    dict.fromkeys((*ANTHROPIC_REASONS, *OPENAI_REASONS, *OPENAI_OUTCOMES, PENDING, OTHER))
+)
+
+AGREEMENTS = ("agree", "disagree", "doctor_silent", "doctor_blind", "not_compared")
+
+# The doctor's reasons (proxy.diagnosis.prefix.REASONS) each provider reason agrees with.
+_SAME: Mapping[str, frozenset[str]] = {
+    "model_changed": frozenset({"model_changed"}),
+    "system_changed": frozenset({"system_changed", "variable_before_stable"}),
+    "tools_changed": frozenset({"tools_changed"}),
+    "messages_changed": frozenset({"message_changed", "variable_before_stable", "context_changed"}),
+    "input_changed": frozenset(
+        {
+            "message_changed",
+            "instructions_changed",
+            "system_changed",
+            "variable_before_stable",
+            "context_changed",
+            "prompt_changed",
+        }
+    ),
+    "prompt_cache_key_changed": frozenset({"cache_key_changed"}),
+}
+_NOT_COMPARED = frozenset(
+    {"previous_message_not_found", "unavailable", "comparison_response_not_found", PENDING, OTHER}
+)
+
+
+def _word(value: Any, known: tuple[str, ...]) -> str:
+    return value if isinstance(value, str) and value in known else OTHER
+
+
+def _tokens(value: Any) -> int | None:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    return None
+
+
+def provider_reason(
+    anthropic: Mapping[str, Any], openai: Mapping[str, Any]
+) -> tuple[str, int | None]:
+    """The provider's reason (a word of :data:`PROVIDER_REASONS`, "" when it said none)
+    and the tokens it says it missed (None: not said)."""
+    if anthropic:
+        reason = anthropic.get("cache_miss_reason")
+        if reason is None:
+            return PENDING, None
+        if not isinstance(reason, Mapping):
+            return OTHER, None
+        return (
+            _word(reason.get("type"), ANTHROPIC_REASONS),
+            _tokens(reason.get("cache_missed_input_tokens")),
+        )
+    if openai:
+        kind = openai.get("type")
+        if kind == "cache_miss":
+            return (
+                _word(openai.get("reason"), OPENAI_REASONS),
+                _tokens(openai.get("cache_missed_tokens")),
+            )
+        return _word(kind, OPENAI_OUTCOMES), (0 if kind == "cache_hit" else None)
+    return "", None
+
+
+def agreement(provider: str, doctor: str) -> str:
+    """Whether the doctor's break (``doctor``: a reason of the doctor's, "" for none)
+    says what the provider's reason says (module docstring)."""
+    if provider in _NOT_COMPARED:
+        return "not_compared"
+    if provider == "cache_hit":
+        return "agree" if not doctor else "disagree"
+    same = _SAME.get(provider)
+    if same is None:
+        return "doctor_blind"  # a request setting: text format, reasoning effort, tier ...
+    if not doctor:
+        return "doctor_silent"
+    return "agree" if doctor in same else "disagree"
