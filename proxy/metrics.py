@@ -104,12 +104,13 @@ PREFIX_HELP = {name: text.strip() for name, text in {
     "answered 2xx. " + _REPEATED + _TOKENS,
     "missed": "Prompt tokens repeated but not reported cached, summed over measured requests "
     "answered 2xx: the repeated prefix's tokens (without the prompt's last token, rounded "
-    "down to the upstream's caching step: 128 tokens on OpenAI's APIs, 1 on Anthropic's, "
-    "cache_granularity_tokens per upstream) minus the cached tokens the upstream reported "
+    "down to the upstream's caching step: 128 tokens on OpenAI's APIs before the GPT-5.6 "
+    "family, 1 from it on and on Anthropic's, cache_granularity_tokens per upstream) minus the cached tokens the upstream reported "
     "(cached_tokens, cache_read_input_tokens), floored at 0. Only where the usage reports "
     "cached tokens at all (an absent field is unknown, never 0); 0 when the repeated "
     "prefix is shorter than the upstream's minimum cacheable prefix (1024 tokens on "
-    "OpenAI's APIs, per model on Anthropic's, min_cacheable_tokens per upstream). "
+    "OpenAI's APIs, per model on Anthropic's and Gemini's, min_cacheable_tokens per "
+    "upstream). "
     + _REPEATED + _TOKENS,
     "breaks": "Requests whose prompt stopped repeating a recent request's prefix, by why "
     "(reason: tools_changed, system_changed, instructions_changed, context_changed, "

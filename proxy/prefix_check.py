@@ -348,7 +348,7 @@ class PrefixJob:
         # the upstream's caching rules, for the record (worked out here, in the batch)
         minimum, step = spec.min_cacheable_tokens, spec.cache_granularity_tokens
         self._minimum = minimum if minimum is not None else minimum_cacheable_tokens(api, model)
-        self._step = step if step is not None else cache_granularity_tokens(api)
+        self._step = step if step is not None else cache_granularity_tokens(api, model)
         return self._check.look(self._dialect, self._payload, spec.name, model, key,
                                 self._now_ms)
 

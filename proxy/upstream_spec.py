@@ -88,8 +88,10 @@ UPSTREAM_KEY_DEFAULTS = {
     "provider": "from the URL's host for a known provider, else from the API",
     "headers": "none",
     "min_cacheable_tokens": "the provider's: 1024 on OpenAI's APIs, per model family on "
-                            "Anthropic's (1024 to 4096)",
-    "cache_granularity_tokens": "the provider's: 128 on OpenAI's APIs, 1 on Anthropic's",
+                            "Anthropic's (1024 to 4096) and for Gemini models (2048 for "
+                            "gemini-2.5, 4096 for later ones)",
+    "cache_granularity_tokens": "the provider's: 128 on OpenAI's APIs (1 from the GPT-5.6 "
+                                "family on), 1 on Anthropic's",
 }
 # Headers the proxy owns: set through other settings, or meaningless to set per upstream.
 _RESERVED_HEADERS = frozenset({

@@ -429,3 +429,52 @@ def test_the_providers_reason_is_read_and_counted_against_the_doctors(tmp_path: 
     for seen in upstream.requests:  # nothing added to ask for diagnostics
         body = seen.json
         assert "diagnostics" not in body and "prompt_cache_options" not in body
+
+
+# ---------------------------------------------------------------------------
+# Per-provider rules: GPT-5.6 on without 128-token steps, Gemini's minimums
+
+
+def test_provider_rules_by_model_name() -> None:
+    from proxy.diagnosis.prefix import cache_granularity_tokens, minimum_cacheable_tokens
+
+    assert cache_granularity_tokens("chat", "gpt-4o") == 128
+    assert cache_granularity_tokens("responses", "gpt-5.5") == 128
+    for model in ("gpt-5.6", "gpt-5.6-sol", "GPT-5.7-mini", "gpt-6", "openai/gpt-5.6"):
+        assert cache_granularity_tokens("chat", model) == 1, model
+    assert cache_granularity_tokens("messages", "claude-opus-4-5") == 1
+    assert minimum_cacheable_tokens("chat", "gemini-2.5-flash") == 2048
+    assert minimum_cacheable_tokens("chat", "models/gemini-3.1-pro-preview") == 4096
+    assert minimum_cacheable_tokens("chat", "gpt-5.6") == 1024
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("model", "step"), [("gpt-4o", 128), ("gpt-5.6", 1)])
+async def test_gpt_5_6_cached_tokens_are_not_rounded_to_128(
+        tmp_path: Path, model: str, step: int) -> None:
+    """The same conversation grown by a turn: its first turn repeats, and the upstream
+    reports nothing cached. On gpt-4o the cacheable part is rounded down to 128 tokens;
+    on the GPT-5.6 family, which caches without 128-token steps, it is not (before, it
+    was rounded there too, under-counting the missed tokens by up to 127)."""
+    from tests.test_prefix_proxy import CHAT as ROUTE
+    from tests.test_prefix_proxy import SYSTEM as HEAD
+    from tests.test_prefix_proxy import T0, Answers, ScriptedClock, doctor_app, lines, post
+
+    turn1 = {"model": model, "messages": [{"role": "system", "content": HEAD},
+                                          {"role": "user", "content": "q1"}]}
+    turn2 = {"model": model, "messages": [*turn1["messages"],
+                                          {"role": "assistant", "content": "a1"},
+                                          {"role": "user", "content": "q2"}]}
+    clock, answers = ScriptedClock(T0), Answers()
+    app, _, log_file = doctor_app(answers, clock, tmp_path)
+    answers.queue(2300, 0)
+    answers.queue(2310, 0)
+    async with app:
+        await post(app, clock, ROUTE, turn1)
+        await post(app, clock, ROUTE, turn2, at=T0 + 1)
+    line = lines(log_file)[1]
+    repeated = line["repeated_prefix_tokens"]
+    assert 2200 < repeated < 2310
+    cacheable = min(repeated, 2309)  # the prompt's last token is always computed
+    assert cacheable % 128, "a multiple of 128 would not tell the two rules apart"
+    assert line["cache_missed_tokens"] == cacheable // step * step

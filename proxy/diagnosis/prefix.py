@@ -112,6 +112,7 @@ hundred blocks) to pick a replica; the doctor hashes all of it, twice.
 from __future__ import annotations
 
 import hashlib
+import re
 import secrets
 from bisect import bisect_right
 from collections.abc import Sequence
@@ -689,16 +690,27 @@ _ANTHROPIC_MINIMUM: tuple[tuple[str, int], ...] = (
 )
 OPENAI_MINIMUM_TOKENS = 1024
 ANTHROPIC_DEFAULT_MINIMUM_TOKENS = 1024
+# Gemini through its OpenAI-compatible endpoint (its context-caching guide, the table of
+# minimum input tokens for implicit caching): 2,048 for the 2.5 models, 4,096 for the
+# later ones. Matched against the model name; any other name is not Gemini.
+_GEMINI_MINIMUM: tuple[tuple[str, int], ...] = (
+    ("gemini-2.5", 2048),
+    ("gemini-", 4096),
+)
 
 
 def minimum_cacheable_tokens(api: str, model: str) -> int:
     """The default minimum cacheable prompt for a dialect (``"messages"`` is Anthropic's
     API, the others OpenAI's) and a model name: 1,024 tokens for OpenAI, per model
-    family for Anthropic. A self-hosted server caches from its first block (vLLM: 16
-    tokens), so an upstream of that kind should configure its own."""
-    if api != "messages":
-        return OPENAI_MINIMUM_TOKENS
+    family for Anthropic and for Gemini models served through an OpenAI-style API. A
+    self-hosted server caches from its first block (vLLM: 16 tokens), so an upstream of
+    that kind should configure its own."""
     name = model.lower()
+    if api != "messages":
+        for family, tokens in _GEMINI_MINIMUM:
+            if family in name:
+                return tokens
+        return OPENAI_MINIMUM_TOKENS
     for family, tokens in _ANTHROPIC_MINIMUM:
         if family in name:
             return tokens
@@ -706,18 +718,30 @@ def minimum_cacheable_tokens(api: str, model: str) -> int:
 
 
 # OpenAI reports cached tokens in steps of 128 above its 1,024-token minimum (its
-# prompt-caching guide); Anthropic reads the cache up to a breakpoint, token exact.
+# prompt-caching guide), except from the GPT-5.6 family on, whose caching "no longer
+# relies on 128-token rounding" (OpenAI's GPT-5.6 upgrade guide) and which reports the
+# tokens it wrote (cache_write_tokens); Anthropic reads the cache up to a breakpoint,
+# token exact.
 OPENAI_GRANULARITY_TOKENS = 128
+_GPT_VERSION = re.compile(r"gpt-(\d+)(?:\.(\d+))?")
+_UNROUNDED_FROM = (5, 6)
 
 
-def cache_granularity_tokens(api: str) -> int:
-    """The default steps an upstream reports cached tokens in, for a dialect: 128 tokens
-    for OpenAI's APIs, 1 for Anthropic's (``"messages"``). A self-hosted server caches
-    in its blocks (vLLM: 16 tokens), so an upstream of that kind should configure its
-    own; a step larger than the server's understates the missed tokens (by less than a
-    step per request), a smaller one would report a working cache as missing a step's
-    remainder."""
-    return 1 if api == "messages" else OPENAI_GRANULARITY_TOKENS
+def cache_granularity_tokens(api: str, model: str = "") -> int:
+    """The default steps an upstream reports cached tokens in, for a dialect and a model
+    name: 128 tokens for OpenAI's APIs before the GPT-5.6 family, 1 from it on and for
+    Anthropic's (``"messages"``). A self-hosted server caches in its blocks (vLLM: 16
+    tokens), so an upstream of that kind should configure its own; a step larger than
+    the server's understates the missed tokens (by less than a step per request), a
+    smaller one would report a working cache as missing a step's remainder."""
+    if api == "messages":
+        return 1
+    found = _GPT_VERSION.search(model.lower())
+    if found is not None:
+        version = (int(found.group(1)), int(found.group(2) or 0))
+        if version >= _UNROUNDED_FROM:
+            return 1
+    return OPENAI_GRANULARITY_TOKENS
 
 
 def missed_prefill_ms(missed_tokens: int, seconds_per_ktoken: float) -> float:
