@@ -131,8 +131,8 @@ def test_too_little_data_says_so_and_gives_no_numbers() -> None:
     assert {lv.status for lv in d.levers} == {"too_little_data"}
     got = by_name(d)
     assert got["prefill"].sentence == (
-        "Prefill: too little data yet (12 streamed requests with the upstream's token "
-        "usage, 20 needed).")
+        "Prefill: too little data yet (12 streamed requests with a prompt token count, "
+        "20 needed).")
     assert got["decode"].sentence == "Decoding: too little data yet (12 streams, 20 needed)."
     assert all(lv.saves_ms is None for lv in d.levers)
     assert d.first_token.prefill_ms is None and d.first_token.rest_ms is None
@@ -310,6 +310,10 @@ def test_the_engines_own_prefill_time_is_the_prefill_part() -> None:
     assert split.missed_cache_ms == pytest.approx(100.0)  # 910 of 9,100 tokens: a tenth
     assert split.prefill_ms == pytest.approx(900.0)
     assert split.rest_ms == pytest.approx(1800 - 400 - 1000)
+    lever = by_name(d)["prefill"]
+    assert lever.saves_ms == pytest.approx(900.0)
+    assert lever.sentence.startswith("Prefill: the upstream's engine reports 900 ms of "
+                                     "prefill of the 1.8 s first token")
 
 
 def test_a_missing_fit_says_why() -> None:

@@ -181,6 +181,8 @@ def test_diagnose_takes_the_engines_prefill_time(
     assert split["prefill_ms"] == pytest.approx(mean_prefill_ms, rel=0.02)
     assert 0 <= split["rest_ms"] <= split["mean_ms"]
     assert "prefill as the upstream engine timed it" in card
+    prefill = next(lv for lv in s["levers"] if lv["name"] == "prefill")
+    assert prefill["numbers"]["engine_requests"] == 24
 
 
 # ---------------------------------------------------------------------------

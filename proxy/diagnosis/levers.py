@@ -426,10 +426,12 @@ def _too_few(name: str, acts_on: ActsOn, what: str, have: int) -> Lever:
 
 def _prefill(ev: Evidence, split: FirstTokenSplit) -> Lever:
     fit = ev.fit
+    if split.prefill_from == "engine" and split.prefill_ms is not None:
+        return _engine_prefill(ev, split)
     if fit.requests < MIN_REQUESTS:
         return Lever("prefill", "too_little_data", "first_token", None,
                      f"Prefill: too little data yet ({fit.requests:,} streamed "
-                     f"{_plural(fit.requests, 'request')} with the upstream's token usage, "
+                     f"{_plural(fit.requests, 'request')} with a prompt token count, "
                      f"{MIN_REQUESTS} needed).", {"requests": fit.requests})
     numbers: dict[str, float | int | None] = {
         "requests": fit.requests, "mean_uncached_tokens": fit.mean_uncached_tokens,
@@ -462,6 +464,24 @@ def _prefill(ev: Evidence, split: FirstTokenSplit) -> Lever:
     advice = (" Shorten the prompt, or put what does not change first so the upstream can "
               "cache it." if status == "lever" else " Not worth shortening for speed.")
     return Lever("prefill", status, "first_token", saves, head + advice, numbers)
+
+
+def _engine_prefill(ev: Evidence, split: FirstTokenSplit) -> Lever:
+    """Prefill as the engine timed it (llama.cpp's timings): no fit needed to know it."""
+    saves = split.prefill_ms
+    assert saves is not None
+    numbers: dict[str, float | int | None] = {
+        "engine_requests": ev.engine_prefill_requests,
+        "engine_prefill_ms": _ms(ev.engine_prefill_mean_s),
+        "mean_uncached_tokens": ev.fit.mean_uncached_tokens,
+        "first_token_ms": split.mean_ms}
+    status = _worth(saves, split.mean_ms)
+    sentence = (f"Prefill: the upstream's engine reports {_dur(saves)} of prefill"
+                f"{_of_first(split.mean_ms)} (its own timings, "
+                f"{ev.engine_prefill_requests:,} {_plural(ev.engine_prefill_requests, 'request')}).")
+    sentence += (" Shorten the prompt, or put what does not change first so the upstream can "
+                 "cache it." if status == "lever" else " Not worth shortening for speed.")
+    return Lever("prefill", status, "first_token", saves, sentence, numbers)
 
 
 def _missed_cache(ev: Evidence, split: FirstTokenSplit) -> Lever:

@@ -264,7 +264,9 @@
         return ls.length ? `${label}: ${ls.map((l) => l.name + (l.saves_ms == null ? "" : ` ${num(l.saves_ms)} ms`)).join(", ")}` : "";
       }).filter(Boolean).join(" · ");
       div.append(h, worth.length ? ol : para("", "Nothing worth acting on."),
-        para("note", "Prefill fit: " + [fitText(s.fit.window, "last minute"), fitText(s.fit.total, "since start")].join("; ")),
+        para("note", "Prefill fit: " + [fitText(s.fit.window, "last minute"), fitText(s.fit.total, "since start")].join("; ")
+          + (s.first_token.prefill_from === "engine" ? "; the prefill part is the engine's own prefill time (its timings)" : "")
+          + (s.first_token.capped ? "; prefill scaled down to fit within the mean first token" : "")),
         para("note", rest));
       return div;
     });
