@@ -223,6 +223,7 @@ def test_without_usage_the_proxys_estimate_is_used_and_said(
         skipped = metric(base, "llm_proxy_prefill_fit_skipped_total")
         s = diagnose_json(base, capsys)
         card = diagnose_card(base, capsys)
+        page = httpx.get(base + "/ui/data", timeout=10).json()
     later = lines[1:]
     assert all(line["tokens_estimated"] for line in lines)
     assert all(line["repeated_prefix_tokens"] for line in later), "the shared head repeated"
@@ -232,6 +233,10 @@ def test_without_usage_the_proxys_estimate_is_used_and_said(
     assert s["prefill_ms_per_1k_tokens"] is not None
     assert "the proxy's own estimate" in s["fit_note"]
     assert "the proxy's own estimate" in card
+    (selection,) = page["fix"]["selections"]  # the live page's What to fix
+    live = selection["fit"]["total"]
+    assert (live["requests"], live["estimated_requests"], live["skipped"]) == (24, 24, 0)
+    assert "the proxy's own estimate" in live["note"]
 
 
 @pytest.mark.e2e
