@@ -352,7 +352,7 @@ class Metrics:
             "as usual.", ("reason",), registry=reg)
         for reason in SKIP_REASONS:
             self.trace_skipped.labels(reason)
-        self._init_causes(reg, base)
+        self._init_causes(reg, base, settings.ttft_buckets)
         self._children: dict[tuple[str, str, str, str], _Children] = {}
         self.watchers: list[Callable[[RequestRecord], None]] = []  # each finished request
 
@@ -434,7 +434,8 @@ class Metrics:
 
     # -- what the records say about causes (proxy.diagnosis reads these) ---------------
 
-    def _init_causes(self, reg: CollectorRegistry, base: tuple[str, ...]) -> None:
+    def _init_causes(self, reg: CollectorRegistry, base: tuple[str, ...],
+                     ttft_buckets: Sequence[float]) -> None:
         """The prefill fit's sums (see proxy/diagnosis/fit.py) and why answers ended."""
         about = (" Per streamed request with a first token and a prompt token count (the "
                  "upstream's usage, llama.cpp's timings, or, where neither came, the proxy's "
@@ -473,8 +474,9 @@ class Metrics:
             "llm_proxy_upstream_prefill_seconds", "Prefill time the upstream engine reported "
             "for itself, per request that reported one: llama.cpp's timings.prompt_ms (the "
             "prompt tokens it computed, timings.prompt_n, the cached ones it reused not "
-            "included). diagnose takes its mean as the prefill part of the first token.",
-            base, buckets=QUEUE_BUCKETS, registry=reg)
+            "included). diagnose takes its mean as the prefill part of the first token. "
+            "Buckets: the TTFT histogram's (--ttft-buckets).",
+            base, buckets=ttft_buckets, registry=reg)
         self._engine_children: dict[tuple[str, str, str], Histogram] = {}
         self.provider_reasons = Counter(
             "llm_proxy_prompt_cache_provider_reasons", "Responses carrying the provider's own "
