@@ -234,11 +234,10 @@
   }
 
   const para = (cls, ...kids) => { const p = make("p"); p.className = cls; p.append(...kids); return p; };
-  const estimated = (f) => f.estimated_requests
-    ? `; prompt tokens of ${f.estimated_requests} estimated by the proxy (no usage)` : "";
+  const estimated = (f) => f.estimated_requests ? `; ${f.estimated_requests} with tokens estimated (no usage)` : "";
   const fitText = (f, label) => !f ? `${label}: not yet` : f.usable
-    ? `${label} ${num(f.ms_per_1k_tokens, 1)} ± ${num(f.stderr_ms_per_1k_tokens, 1)} ms per 1,000 uncached tokens, fixed ${num(f.fixed_ms)} ms${f.model === "through_zero" ? ` (held at 0: the straight line's was ${num(f.line_fixed_ms)} ms, prefill grows faster than linearly)` : ""} (${f.requests} streams${estimated(f)})`
-    : `${label}: ${f.status === "one_length" ? "prompts of one length" : f.requests < 20 ? (f.requests === 0 && f.skipped ? `no prompt token counts (${f.skipped} streams)` : `${f.requests} streams, 20 needed`) : "not clear yet"}${estimated(f)}`;
+    ? `${label} ${num(f.ms_per_1k_tokens, 1)} ± ${num(f.stderr_ms_per_1k_tokens, 1)} ms per 1,000 uncached tokens, fixed ${num(f.fixed_ms)} ms${f.model === "through_zero" ? ` (held at 0: prefill grows faster than linearly)` : ""} (${f.requests} streams${estimated(f)})`
+    : `${label}: ${f.status === "one_length" ? "prompts of one length" : f.requests < 20 ? (f.skipped && !f.requests ? "no token counts" : `${f.requests} streams, 20 needed`) : "not clear yet"}${estimated(f)}`;
   const ORDER = { lever: "", not_a_lever: "not worth it", too_little_data: "too little data", unknown: "not measured" };
 
   function whatToFix(d) {
@@ -265,8 +264,7 @@
       }).filter(Boolean).join(" · ");
       div.append(h, worth.length ? ol : para("", "Nothing worth acting on."),
         para("note", "Prefill fit: " + [fitText(s.fit.window, "last minute"), fitText(s.fit.total, "since start")].join("; ")
-          + (s.first_token.prefill_from === "engine" ? "; the prefill part is the engine's own prefill time (its timings)" : "")
-          + (s.first_token.capped ? "; prefill scaled down to fit within the mean first token" : "")),
+          + (s.first_token.prefill_from === "engine" ? "; prefill: the engine's timings" : "")),
         para("note", rest));
       return div;
     });
