@@ -107,8 +107,8 @@ PREFIX_HELP = {name: text.strip() for name, text in {
     "down to the upstream's caching step: 128 tokens on OpenAI's APIs before the GPT-5.6 "
     "family, 1 from it on and on Anthropic's, cache_granularity_tokens per upstream) minus the cached tokens the upstream reported "
     "(cached_tokens, cache_read_input_tokens), floored at 0. Only where the usage reports "
-    "cached tokens at all (an absent field is unknown, never 0); 0 when the repeated "
-    "prefix is shorter than the upstream's minimum cacheable prefix (1024 tokens on "
+    "cached tokens at all (an absent field is unknown, never 0); 0 when that cacheable "
+    "part is shorter than the upstream's minimum cacheable prefix (1024 tokens on "
     "OpenAI's APIs, per model on Anthropic's and Gemini's, min_cacheable_tokens per "
     "upstream). "
     + _REPEATED + _TOKENS,

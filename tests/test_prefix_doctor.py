@@ -485,6 +485,13 @@ def test_a_prefix_shorter_than_the_minimum_is_not_missed() -> None:
     # Rounded down to the steps the upstream caches in: no phantom block remainders.
     assert cache_tokens(report, 2000, 896, granularity_tokens=128).missed == 0
     assert cache_tokens(report, 2000, 768, granularity_tokens=128).missed == 128
+    # The minimum applies to what is cacheable after that: a whole prompt of 1,024
+    # tokens leaves 1,023, rounded to 896, below OpenAI's 1,024.
+    whole = report_of(4096, 4096)
+    assert cache_tokens(whole, 1024, 0, minimum_tokens=1024, granularity_tokens=128) == (
+        CacheTokens(1024, 0, 0))
+    assert cache_tokens(whole, 1153, 0, minimum_tokens=1024, granularity_tokens=128) == (
+        CacheTokens(1153, 0, 1152))
 
 
 def test_default_minimum_cacheable_lengths() -> None:

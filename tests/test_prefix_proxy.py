@@ -440,6 +440,25 @@ async def test_below_the_minimum_cacheable_length_nothing_is_missed(tmp_path: Pa
             assert value(registry, MISSED, CHAT) == repeated
 
 
+async def test_the_minimum_applies_after_rounding_to_the_step(tmp_path: Path) -> None:
+    """A prompt of exactly 1,024 tokens repeated whole on OpenAI: without its last token
+    and rounded down to 128-token steps, 896 tokens are cacheable, below the 1,024-token
+    minimum, so nothing was missed (it was counted 896 when the minimum was checked on
+    the repeated tokens before rounding)."""
+    clock, answers = ScriptedClock(T0), Answers()
+    app, registry, log_file = doctor_app(answers, clock, tmp_path)
+    body = chat(("system", STABLE), ("user", "q1"))
+    answers.queue(1024, 0)
+    answers.queue(1024, 0)
+    async with app:
+        await post(app, clock, CHAT, body)
+        await post(app, clock, CHAT, body, at=T0 + 1)
+    line = lines(log_file)[1]
+    assert line["prefix_break"] is None and line["repeated_prefix_tokens"] == 1024
+    assert line["cache_missed_tokens"] == 0
+    assert value(registry, MISSED, CHAT) == 0
+
+
 @pytest.mark.parametrize("route", [CHAT, RESPONSES, MESSAGES])
 async def test_an_absent_cached_field_leaves_missed_unknown(route: str, tmp_path: Path) -> None:
     clock, answers = ScriptedClock(T0), Answers()

@@ -80,8 +80,9 @@ The steps, for one request:
 4. :func:`cache_tokens` converts bytes to tokens with the request's own ratio
    (``prompt_tokens / prompt bytes``) once usage is known, and derives **missed** =
    repeated - reported (floored at 0; None when the upstream did not report cached
-   tokens; 0 when the repeated prefix is shorter than the provider's minimum
-   cacheable length, :func:`minimum_cacheable_tokens`).
+   tokens; 0 when the cacheable part of the repeated prefix, rounded down to the
+   caching step, is shorter than the provider's minimum cacheable length,
+   :func:`minimum_cacheable_tokens`).
 
 The values made per request (:class:`PartShape`, :class:`HashedPrompt`,
 :class:`PrefixReport`, :class:`CacheTokens`, the parts themselves) are NamedTuples, not
@@ -659,23 +660,24 @@ def cache_tokens(
 
     Bytes become tokens at the request's own ratio (``prompt_tokens`` over the prompt's
     bytes); without usage nothing is known. Missed is None when the upstream did not
-    report cached tokens (an absent field is unknown, never 0), and 0 when the repeated
-    prefix is shorter than ``minimum_tokens`` (the provider would not cache it). The
-    cacheable part leaves out the last prompt token (a server computes it to produce the
-    first output token) and is rounded down to ``granularity_tokens`` (the steps an
-    upstream caches in: 16 for vLLM's blocks, 128 for OpenAI's increments), so that a
-    cache working as designed is not reported as missing a block's remainder.
+    report cached tokens (an absent field is unknown, never 0). The cacheable part leaves
+    out the last prompt token (a server computes it to produce the first output token)
+    and is rounded down to ``granularity_tokens`` (the steps an upstream caches in: 16
+    for vLLM's blocks, 128 for OpenAI's increments), so that a cache working as designed
+    is not reported as missing a block's remainder; missed is 0 when that cacheable part
+    is shorter than ``minimum_tokens`` (the provider would not cache it: a prompt of
+    exactly 1,024 tokens has 896 cacheable on OpenAI, below its 1,024).
     """
     if prompt_tokens is None or prompt_tokens <= 0 or report.prompt_bytes <= 0:
         return CacheTokens(None, cached_tokens, None)
     repeated = min(prompt_tokens, round(report.repeated_bytes * prompt_tokens / report.prompt_bytes))
     if cached_tokens is None:
         return CacheTokens(repeated, None, None)
-    if repeated < minimum_tokens:
-        return CacheTokens(repeated, cached_tokens, 0)
     cacheable = min(repeated, prompt_tokens - 1)
     step = max(1, granularity_tokens)
     cacheable -= cacheable % step
+    if cacheable < minimum_tokens:  # after rounding: 1,024 tokens round to 896 on OpenAI
+        return CacheTokens(repeated, cached_tokens, 0)
     return CacheTokens(repeated, cached_tokens, max(0, cacheable - cached_tokens))
 
 
