@@ -24,7 +24,7 @@ Nothing here may raise on any input: a malformed event is simply not counted.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -278,10 +278,13 @@ class StreamTimer:
     """Accumulates event times for one streamed response.
 
     ``observe(info, t)`` is called for every classified event right after its bytes were
-    handed on, with ``t`` read once for the read that carried it.
+    handed on, with ``t`` read once for the read that carried it. ``on_first`` is called
+    once, with ``first_t``, when the first output event is seen (the prompt-cache doctor
+    learns there that the upstream's prefill of this prompt was done); it must not raise.
     """
 
     dialect: Dialect
+    on_first: Callable[[float], None] | None = None
     first_t: float | None = None
     first_answer_t: float | None = None
     last_t: float | None = None
@@ -314,6 +317,8 @@ class StreamTimer:
         last = self.last_t
         if last is None:
             self.first_t = t
+            if self.on_first is not None:
+                self.on_first(t)
         else:
             self.gaps.append(t - last)
         if answer and self.first_answer_t is None:
@@ -326,6 +331,8 @@ class StreamTimer:
         if info.outputs:
             if self.last_t is None:
                 self.first_t = t
+                if self.on_first is not None:
+                    self.on_first(t)
             else:
                 self.gaps.append(t - self.last_t)
             if info.answer and self.first_answer_t is None:

@@ -11,8 +11,18 @@ per-process secret, the window) and runs one :class:`PrefixJob` per measured req
   the upstream's cache; recording it would make the client's retry look like a missed
   cache.
 * **When.** The job is created once the response headers are in, so hashing never runs
-  before the request is on its way, and the first token never waits for it. Jobs run
-  in **batches**, in the order they were created: the first job of a batch schedules
+  before the request is on its way, and it runs once the upstream's **prefill of the
+  prompt was done**: a sighting can serve another request only from then (two
+  identical prompts in flight at once share nothing a cache could serve), so the index
+  stamps this request's blocks at that time and reads others' at its arrival
+  (:mod:`proxy.diagnosis.prefix_index`). That time is the stream's first output event
+  (:attr:`proxy.measure.StreamTimer.first_t`, whose one-shot ``on_first`` hook calls
+  :meth:`PrefixJob.ready`, so the per-event path gains nothing), a non-stream answer's
+  response headers (a server sends them once it has the whole answer), and for a stream
+  that ends without any output, its headers, at the finish; a stream the proxy does not
+  meter (``--no-measure``) stands in its first body bytes, at the finish. The first
+  token never waits for the job: it runs after it. Jobs run in **batches**, in the
+  order they became ready: the first job of a batch schedules
   the batch :data:`BATCH_S` (200 ms) later, or at the loop's next turn once
   :data:`BATCH_JOBS` jobs, or :data:`BATCH_BYTES` of their request bodies, wait. The
   reason is the CPU's caches. At the 64-stream benchmark the proxy is busy about a
@@ -24,7 +34,7 @@ per-process secret, the window) and runs one :class:`PrefixJob` per measured req
   :data:`BATCH_BYTES` of hashing plus one prompt, like one inline prompt of that size.
   Nothing waits for a batch but the record: a request that finishes before its batch
   ran runs the batch at its finish (:meth:`PrefixJob.settle`), so the order stays the
-  order of creation. Only jobs that run on the loop are batched: one for a thread (a
+  order of readiness. Only jobs that run on the loop are batched: one for a thread (a
   large prompt, or a shared index) is handed over at the request's next wait, as it
   comes. A batch of large prompts would keep the hashing thread on the interpreter
   lock for tens of milliseconds in a row, and the loop waits for it up to the switch
@@ -75,10 +85,21 @@ requests it serves; behind a load balancer, each replica likewise.
   doctor failed), so that ``llm_proxy_prompt_prefix_unchecked_total`` says how much of
   the traffic the doctor's numbers leave out.
 
-Time: the index takes integer milliseconds of the proxy's monotonic clock, and a
-request's time is when the proxy received it (``t0``, already read), so the doctor never
-reads the clock itself. A shared index answers in that clock too, though it keeps the
-store's (:mod:`proxy.prefix_store` says why).
+Time: the index takes integer milliseconds of the proxy's monotonic clock; a request's
+arrival is when the proxy received it (``t0``), and its prefill was done at a time the
+relay already read, so the doctor never reads the clock itself. A shared index answers
+in that clock too, though it keeps the store's, and so reads the clock once per
+exchange (:mod:`proxy.prefix_store` says why).
+
+The order of the exchanges does not matter for what counts, the times do; but a
+sighting counts only once it was written. A job becomes ready when its request's prefill
+was done (save the two stand-ins at the finish), and this request's own first output
+comes after its arrival, so its job is queued after every job whose prefill was done
+before it arrived, and the batches keep that order. What can still be missing: a large
+prompt still in the hashing thread (or a shared index's exchange still on its way) when
+a small prompt that arrived after it was done is examined on the loop, which takes at
+least that small request's first token; and a stream with no output, or one not
+metered, which becomes ready only at its finish.
 """
 
 from __future__ import annotations
@@ -162,10 +183,14 @@ class PrefixCheck:
     default): worker processes that capture one trace share one, so equal prompts get
     equal keys in every worker. The shared index's secret (``LLM_PROXY_PREFIX_SECRET``)
     takes its place when the index is shared: it is the same on every replica.
+    ``clock`` is the request path's monotonic clock (seconds), which every time given to
+    :meth:`begin` and :meth:`PrefixJob.ready` reads; a shared index reads it once per
+    exchange to send those times as ages.
     """
 
     def __init__(self, settings: Settings, doctor: PrefixDoctor | None = None, *,
-                 secret: bytes | None = None) -> None:
+                 secret: bytes | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         window_ms = round(settings.prefix_window * 1000)
         horizon_ms = max(DEFAULT_HORIZON_MS, 2 * window_ms)
         self.shared: RedisPrefixIndex | None = None
@@ -173,10 +198,13 @@ class PrefixCheck:
             index: PrefixIndex
             if settings.cache_index is not None:
                 index = self.shared = RedisPrefixIndex(settings.cache_index,
-                                                       horizon_ms=horizon_ms)
+                                                       horizon_ms=horizon_ms,
+                                                       window_ms=window_ms,
+                                                       caller_clock=clock)
                 hasher = PromptHasher(prefix_secret())
             else:
-                index = LruPrefixIndex(settings.prefix_index_bytes, horizon_ms=horizon_ms)
+                index = LruPrefixIndex(settings.prefix_index_bytes, horizon_ms=horizon_ms,
+                                       window_ms=window_ms)
                 hasher = PromptHasher(secret)
             doctor = PrefixDoctor(index, hasher, policy=PrefixPolicy(window_ms=window_ms))
         elif isinstance(doctor.index, RedisPrefixIndex):
@@ -195,19 +223,30 @@ class PrefixCheck:
         self._traced = False
 
     def begin(self, dialect: Dialect | None, payload: Mapping[str, Any] | None,
-              upstream: UpstreamSpec, t0: float, status: int, body_bytes: int
-              ) -> PrefixJob | None:
-        """A job for a request whose response headers just arrived, added to the batch
-        (see "When" above); None when there is nothing to examine (not a measured
-        route, a body that is not a JSON object, an answer that is not 2xx)."""
+              upstream: UpstreamSpec, t0: float, status: int, body_bytes: int, *,
+              t_headers: float | None = None, stream: bool = False) -> PrefixJob | None:
+        """A job for a request that arrived at ``t0`` and whose response headers arrived
+        at ``t_headers`` (``t0`` when not given); None when there is nothing to examine
+        (not a measured route, a body that is not a JSON object, an answer that is not
+        2xx). A non-stream answer's job is ready at once, a ``stream``'s once its first
+        output event calls :meth:`PrefixJob.ready` (see "When" above)."""
         if dialect is None or payload is None or not 200 <= status < 300:
             return None
         offload = body_bytes > INLINE_MAX_BYTES
-        job = PrefixJob(self, dialect, payload, upstream, round(t0 * 1000), offload=offload)
+        headers_ms = round((t0 if t_headers is None else t_headers) * 1000)
+        job = PrefixJob(self, dialect, payload, upstream, round(t0 * 1000), headers_ms,
+                        body_bytes, offload=offload)
+        if not stream:
+            job.ready()
+        return job
+
+    def enqueue(self, job: PrefixJob, body_bytes: int) -> None:
+        """Add a job that became ready to the batch, or hand it to a thread at the loop's
+        next turn (see "When" above)."""
         loop = asyncio.get_running_loop()
-        if offload or self.shared is not None:  # for a thread: handed over at once
+        if job.offload or self.shared is not None:  # for a thread: handed over at once
             loop.call_soon(job.start)
-            return job
+            return
         batch = self._batch
         batch.append(job)
         self._batch_bytes += body_bytes
@@ -217,7 +256,6 @@ class PrefixCheck:
             self._batch_timer = loop.call_soon(self.run_batch)
         elif self._batch_timer is None:
             self._batch_timer = loop.call_later(BATCH_S, self.run_batch)
-        return job
 
     def run_batch(self) -> None:
         """Examine every job of the batch, in order."""
@@ -229,17 +267,22 @@ class PrefixCheck:
             job.start()
 
     def examine(self, dialect: Dialect, payload: Mapping[str, Any], upstream: str,
-                model: str, cache_key: str, now_ms: int) -> PrefixReport | None:
+                model: str, cache_key: str, now_ms: int, held_ms: int | None = None
+                ) -> PrefixReport | None:
         """The doctor's report (None: no prompt parts, or not examined); never raises."""
-        return self.look(dialect, payload, upstream, model, cache_key, now_ms).report
+        return self.look(dialect, payload, upstream, model, cache_key, now_ms, held_ms).report
 
     def look(self, dialect: Dialect, payload: Mapping[str, Any], upstream: str,
-             model: str, cache_key: str, now_ms: int) -> Examination:
-        """The doctor's report, or why there is none; never raises."""
+             model: str, cache_key: str, now_ms: int, held_ms: int | None = None
+             ) -> Examination:
+        """The doctor's report for a request that arrived at ``now_ms`` and whose prefill
+        was done at ``held_ms`` (``now_ms`` when not given), or why there is none; never
+        raises."""
         shared = self.shared
         try:
             looked = self.doctor.look(dialect.prompt_parts(payload), upstream=upstream,
-                                      model=model, cache_key=cache_key, now_ms=now_ms)
+                                      model=model, cache_key=cache_key, now_ms=now_ms,
+                                      held_ms=held_ms)
         except Exception as exc:
             if isinstance(exc, IndexUnavailable):
                 return Examination(None, exc.reason, exc.round_trip_s)
@@ -307,26 +350,46 @@ class PrefixCheck:
 
 
 class PrefixJob:
-    """One request's examination: started once (with its batch, or at the finish), read
-    once by the record (and by the trace capture: :attr:`hashed`)."""
+    """One request's examination: ready once (when its prefill was done), started once
+    (with its batch, or at the finish), read once by the record (and by the trace
+    capture: :attr:`hashed`)."""
 
-    __slots__ = ("_check", "_dialect", "_future", "_minimum", "_now_ms", "_offload",
-                 "_payload", "_result", "_started", "_step", "_unchecked", "_upstream")
+    __slots__ = ("_body_bytes", "_check", "_dialect", "_future", "_headers_ms", "_held_ms",
+                 "_minimum", "_now_ms", "_payload", "_result", "_started", "_step",
+                 "_unchecked", "_upstream", "offload")
 
     def __init__(self, check: PrefixCheck, dialect: Dialect, payload: Mapping[str, Any],
-                 upstream: UpstreamSpec, now_ms: int, *, offload: bool) -> None:
+                 upstream: UpstreamSpec, now_ms: int, headers_ms: int | None = None,
+                 body_bytes: int = 0, *, offload: bool) -> None:
         self._check = check
         self._dialect = dialect
         self._payload = payload
         self._upstream = upstream
         self._minimum = 0  # the upstream's minimum cacheable tokens and caching step,
         self._step = 1  # for this model (set by the examination)
-        self._now_ms = now_ms
-        self._offload = offload
+        self._now_ms = now_ms  # when the request arrived
+        self._headers_ms = now_ms if headers_ms is None else headers_ms  # its headers' time
+        self._held_ms: int | None = None  # when its prefill was done: ready from then
+        self._body_bytes = body_bytes
+        self.offload = offload  # for the hashing thread (a large prompt)
         self._started = False
         self._future: Future[Examination] | None = None
         self._result: Examination | None = None
         self._unchecked = LATE  # what the record says when no examination came back
+
+    def ready(self, t: float | None = None) -> None:
+        """The upstream's prefill of this prompt was done at ``t`` (the request path's
+        clock, seconds; None: at the response headers): from then its blocks count for
+        requests that arrive later, and the job joins the batch (or goes to its thread).
+        Only the first call counts. Called by the stream's timer on its first output
+        event, inside the relay: it never raises."""
+        if self._held_ms is not None:
+            return
+        self._held_ms = self._headers_ms if t is None else round(t * 1000)
+        try:
+            self._check.enqueue(self, self._body_bytes)
+        except Exception:  # no running loop (closing); the finish starts it, if it comes
+            self._check._warn("prompt-cache doctor: a job could not be queued", trace=True)
 
     def start(self) -> None:
         """Examine now on this thread, or hand the prompt to a worker thread (a large
@@ -335,8 +398,8 @@ class PrefixJob:
         if self._started:
             return
         self._started = True
-        if self._offload or self._check.shared is not None:
-            self._future = self._check.submit(self._examine, large=self._offload)
+        if self.offload or self._check.shared is not None:
+            self._future = self._check.submit(self._examine, large=self.offload)
             if self._future is None:
                 self._unchecked = BUSY
         else:
@@ -350,12 +413,15 @@ class PrefixJob:
         self._minimum = minimum if minimum is not None else minimum_cacheable_tokens(api, model)
         self._step = step if step is not None else cache_granularity_tokens(api, model)
         return self._check.look(self._dialect, self._payload, spec.name, model, key,
-                                self._now_ms)
+                                self._now_ms, self._held_ms)
 
     async def settle(self) -> None:
-        """Before the record: run the batch of a job that never got its turn (the jobs
-        before it first); wait (at most :data:`SETTLE_S`) for one a worker thread is
-        still on."""
+        """Before the record: make ready a stream's job that saw no output event (its
+        prefill counted as done at its headers); run the batch of a job that never got
+        its turn (the jobs before it first); wait (at most :data:`SETTLE_S`) for one a
+        worker thread is still on."""
+        if self._held_ms is None and not self._started:
+            self.ready()
         if not self._started:
             self._check.run_batch()
             self.start()  # not in the batch: a job for a thread, or the check was closed
@@ -423,8 +489,10 @@ def _resolve(waiter: asyncio.Future[None]) -> None:
         waiter.set_result(None)
 
 
-def prefix_check_from(settings: Settings, *, wanted: bool,
-                      secret: bytes | None = None) -> PrefixCheck | None:
+def prefix_check_from(settings: Settings, *, wanted: bool, secret: bytes | None = None,
+                      clock: Callable[[], float] = time.perf_counter) -> PrefixCheck | None:
     """The doctor when it is on and someone reads what it finds (metrics, the request
     log or the trace: ``wanted``); else None, and the request path skips it."""
-    return PrefixCheck(settings, secret=secret) if settings.prefix_doctor and wanted else None
+    if not (settings.prefix_doctor and wanted):
+        return None
+    return PrefixCheck(settings, secret=secret, clock=clock)

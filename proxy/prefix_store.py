@@ -17,24 +17,27 @@ shares, so the doctor's answers are those of one process that saw all the traffi
   writes, so it runs on the primary).
 * **What is stored.** Key: the key prefix and the doctor's 8-byte keyed digest (never
   text; the secret is :data:`proxy.cache_index.PREFIX_SECRET_ENV`, which the store never
-  sees). Value: 16 bytes, the two times the in-process index keeps (when a request last
-  held the key and went on past it, when one last held it as its last block), as
-  little-endian int64 milliseconds of the store's clock. Every write sets the key's TTL
+  sees). Value: 32 bytes, the four times the in-process index keeps (the first and last
+  of a run of sightings by requests that went on past the key, and the same for those
+  that held it as their last block), as little-endian int64 milliseconds of the store's
+  clock. Every write sets the key's TTL
   to the in-process index's age bound (an hour, or two windows if longer), so the store
   forgets by itself what nobody sent for that long, and can still tell an *expired*
   prefix from a new one. ``MEMORY USAGE`` says 104 bytes per key on Redis 7.0 with the
-  default prefix, and ``used_memory`` grew by 166 to 177 bytes per key with the store's
-  tables (``benchmarks/prefix_store.py``; ``tests/test_prefix_store.py`` bounds the
+  default prefix (104 with the 16-byte values of one time per kind), and ``used_memory``
+  grew by 166 to 177 bytes per key with the store's tables with those smaller values
+  (``benchmarks/prefix_store.py``; ``tests/test_prefix_store.py`` bounds the
   first): about what the in-process index spends. Bound the store with ``maxmemory``
   and ``maxmemory-policy allkeys-lru``, which forgets the least recently touched first,
-  as the in-process index does.
+  as the in-process index does. A value of 16 bytes (written by an earlier version) is
+  read as runs of one sighting.
 * **Whose clock.** The store's. Replicas' monotonic clocks have unrelated origins, and
-  their wall clocks differ by whatever NTP leaves; the script reads ``TIME`` and
-  answers *ages* (store now minus the stored time), which :meth:`RedisPrefixIndex.exchange`
-  turns back into the caller's clock (``now_ms - age``). A sighting's time is therefore
-  when its exchange ran, a response's headers after the proxy received the request,
-  not the request's arrival as in one process: the two differ by a request's time to
-  headers, against a window of minutes.
+  their wall clocks differ by whatever NTP leaves; :meth:`RedisPrefixIndex.exchange`
+  sends the request's arrival and the time its prefill was done as *ages* (its clock's
+  now less each), the script reads ``TIME`` and stores and compares store times, and it
+  answers ages again, which the exchange turns back into the caller's clock (its now
+  less the age). So a sighting is stamped when its request's prefill was done, as in
+  one process, give or take the time the exchange's message took to reach the store.
 * **Failures cost a counted miss, nothing more.** Every exchange has a timeout (the
   table's ``timeout_ms``, 50 ms by default, bounding the connect, each send and the
   wait for the answer; a probe of more than :data:`LARGE_KEYS` keys goes over a second
@@ -66,7 +69,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from proxy.cache_index import CacheIndexSpec
-from proxy.diagnosis.prefix_index import NEVER, Probe, Sightings
+from proxy.diagnosis.prefix_index import DEFAULT_WINDOW_MS, NEVER, Probe, Sightings
 
 log = logging.getLogger("proxy")
 
@@ -86,15 +89,20 @@ SCRIPT = """
 -- The prompt-cache doctor's exchange (proxy/prefix_store.py): read every key of the
 -- probe, then write every key, in one call that runs alone on the store.
 -- ARGV: 1 the key prefix, 2 the digests (each ARGV[5] bytes, concatenated), 3 one mark
--- per digest (0 seen, 1 continued past it, 2 ended there), 4 the TTL in ms.
--- A value: two little-endian int64, the store's ms when a request last held the key and
--- went on past it, and when one last held it otherwise (0: never).
--- The answer: per key, the two ages in ms (now - time; -1: never), little-endian int64.
+-- per digest (0 seen, 1 continued past it, 2 ended there), 4 the TTL in ms, 6 how long
+-- ago (ms) this request arrived, 7 how long ago its prefill was done, 8 the window.
+-- A value: four little-endian int64, the store's ms: the run of sightings (first, last;
+-- consecutive gaps within the window) of requests that went on past the key, then of
+-- those that held it otherwise (0: never). proxy/diagnosis/prefix_index.py says why.
+-- The answer: per key, three ages in ms (now - time; -1: none), little-endian int64:
+-- the last sighting of each run at or before the arrival, and where neither has one,
+-- the first after it.
 if redis.replicate_commands then redis.replicate_commands() end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local prefix, digests, marks, ttl = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local size = tonumber(ARGV[5])
+local at, held, window = now - tonumber(ARGV[6]), now - tonumber(ARGV[7]), tonumber(ARGV[8])
 local n = #marks
 local names = {}
 for i = 1, n do names[i] = prefix .. string.sub(digests, (i - 1) * size + 1, i * size) end
@@ -103,15 +111,36 @@ for i = 1, n, 512 do
   local got = redis.call('MGET', unpack(names, i, math.min(i + 511, n)))
   for j = 1, #got do old[i + j - 1] = got[j] end
 end
+local function last(s, l)
+  if s == 0 or s > at then return -1 end
+  if l <= at then return math.max(0, now - l) end
+  return math.max(0, now - math.max(s, at - window))
+end
+local function put(s, l)
+  if s == 0 or held > l + window then return held, held end
+  if held > l then return s, held end
+  if held < s and held >= s - window then return held, l end
+  return s, l
+end
 local out = {}
 for i = 1, n do
-  local c, e = 0, 0
+  local cs, cl, es, el = 0, 0, 0, 0
   local v = old[i]
-  if v and #v == 16 then c, e = struct.unpack('<i8i8', v) end
-  out[i] = struct.pack('<i8i8', c > 0 and math.max(0, now - c) or -1,
-                       e > 0 and math.max(0, now - e) or -1)
-  if string.byte(marks, i) == 1 then c = now else e = now end
-  redis.call('SET', names[i], struct.pack('<i8i8', c, e), 'PX', ttl)
+  if v and #v == 32 then
+    cs, cl, es, el = struct.unpack('<i8i8i8i8', v)
+  elseif v and #v == 16 then  -- written by an earlier version: one time per kind
+    cl, el = struct.unpack('<i8i8', v)
+    cs, es = cl, el
+  end
+  local c, e = last(cs, cl), last(es, el)
+  local first = -1
+  if c < 0 and e < 0 then
+    if cs > 0 then first = cs end
+    if es > 0 and (first < 0 or es < first) then first = es end
+  end
+  out[i] = struct.pack('<i8i8i8', c, e, first > 0 and math.max(0, now - first) or -1)
+  if string.byte(marks, i) == 1 then cs, cl = put(cs, cl) else es, el = put(es, el) end
+  redis.call('SET', names[i], struct.pack('<i8i8i8i8', cs, cl, es, el), 'PX', ttl)
 end
 return table.concat(out)
 """
@@ -197,13 +226,18 @@ class Breaker:
 
 class RedisPrefixIndex:
     """A :class:`~proxy.diagnosis.prefix_index.PrefixIndex` on Redis or Valkey (see the
-    module docstring). ``horizon_ms`` is every key's TTL; ``environ`` holds the password
-    variable the spec names; ``clock`` (monotonic seconds) times the breaker. Thread-safe:
-    redis-py's connection pool gives each thread its own connection."""
+    module docstring). ``horizon_ms`` is every key's TTL; ``window_ms`` the cache window
+    that cuts runs of sightings; ``environ`` holds the password variable the spec names;
+    ``clock`` (monotonic seconds) times the breaker; ``caller_clock`` (monotonic seconds,
+    ``clock`` when not given) is the caller's, whose milliseconds :meth:`exchange` takes
+    and answers in. Thread-safe: redis-py's connection pool gives each thread its own
+    connection."""
 
     def __init__(self, spec: CacheIndexSpec, *, horizon_ms: int,
+                 window_ms: int = DEFAULT_WINDOW_MS,
                  environ: Mapping[str, str] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 caller_clock: Callable[[], float] | None = None) -> None:
         from redis import Redis
         from redis.backoff import NoBackoff
         from redis.retry import Retry
@@ -213,8 +247,10 @@ class RedisPrefixIndex:
         self.spec = spec
         self.url = spec.url
         self.horizon_ms = horizon_ms
+        self.window_ms = window_ms
         self._prefix = spec.key_prefix.encode()
         self._clock = clock
+        self._caller_clock = clock if caller_clock is None else caller_clock
         self.breaker = Breaker(spec.retry_s, clock=clock)
         self._local = threading.local()
         self._warned_at = -math.inf
@@ -232,9 +268,12 @@ class RedisPrefixIndex:
         self._scripts = (self._small.register_script(SCRIPT),
                          self._large.register_script(SCRIPT))
 
-    def exchange(self, probe: Probe, now_ms: int) -> Sightings:
-        """What the store knew of each of ``probe.keys`` before now, in ``now_ms``'s clock;
-        then record that a request holds them now. Raises :class:`IndexUnavailable`."""
+    def exchange(self, probe: Probe, now_ms: int, held_ms: int | None = None) -> Sightings:
+        """What the store knew of each of ``probe.keys`` at or before ``now_ms``; then record
+        that a request holds them from ``held_ms`` (``now_ms`` when not given). Both are
+        the caller's clock, sent as ages (the clock's now less each) and answered as
+        ages, so the store's clock never meets the caller's. Raises
+        :class:`IndexUnavailable`."""
         from redis.exceptions import RedisError
         from redis.exceptions import TimeoutError as RedisTimeout
 
@@ -244,7 +283,7 @@ class RedisPrefixIndex:
         if n > MAX_KEYS:
             raise IndexUnavailable(TOO_LARGE, detail=f"{n} keys")
         if n == 0:
-            return Sightings([], [])
+            return Sightings([], [], {})
         size = len(keys[0])
         digests = b"".join(keys)
         if len(digests) != n * size:
@@ -253,13 +292,17 @@ class RedisPrefixIndex:
         if admitted is None:
             raise IndexUnavailable(STORE_DOWN)
         script = self._scripts[n > LARGE_KEYS]
+        current = round(self._caller_clock() * 1000)
+        arrived = max(0, current - now_ms)
+        held = max(0, current - (now_ms if held_ms is None else held_ms))
         start = time.perf_counter()
         try:
-            reply = script(args=[self._prefix, digests, probe.marks, self.horizon_ms, size])
-            if not isinstance(reply, bytes) or len(reply) != 16 * n:
+            reply = script(args=[self._prefix, digests, probe.marks, self.horizon_ms, size,
+                                 arrived, held, self.window_ms])
+            if not isinstance(reply, bytes) or len(reply) != 24 * n:
                 raise RedisError(f"the script answered {type(reply).__name__} "
                                  f"of {len(reply) if isinstance(reply, bytes) else '?'} bytes, "
-                                 f"not {16 * n}")
+                                 f"not {24 * n}")
         except (RedisError, OSError) as exc:
             elapsed = time.perf_counter() - start
             reason = STORE_TIMEOUT if isinstance(exc, RedisTimeout) else STORE_ERROR
@@ -274,9 +317,10 @@ class RedisPrefixIndex:
                         "%d failed tries); requests are examined again", self.url,
                         self._clock() - since if since is not None else 0.0,
                         self.breaker.failed_tries)
-        ages = struct.unpack(f"<{2 * n}q", reply)
-        return Sightings([now_ms - age if age >= 0 else NEVER for age in ages[0::2]],
-                         [now_ms - age if age >= 0 else NEVER for age in ages[1::2]])
+        ages = struct.unpack(f"<{3 * n}q", reply)
+        return Sightings([current - age if age >= 0 else NEVER for age in ages[0::3]],
+                         [current - age if age >= 0 else NEVER for age in ages[1::3]],
+                         {i: current - age for i, age in enumerate(ages[2::3]) if age >= 0})
 
     def round_trip_s(self) -> float | None:
         """The calling thread's last successful exchange's round trip, in seconds (None:

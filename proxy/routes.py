@@ -245,7 +245,8 @@ class V1Handler:
         self.prefix = prefix_check_from(settings, wanted=metrics is not None
                                         or request_log is not None or tracing is not None
                                         or capture is not None,
-                                        secret=capture.secret if capture is not None else None)
+                                        secret=capture.secret if capture is not None else None,
+                                        clock=clock)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         x = _Request(self.clock())
@@ -510,8 +511,10 @@ class V1Handler:
             x.reason = f"{type(exc).__name__}: {exc}"
             raise UpstreamFailed(status, err, failure_outcome(exc)) from None
         if self.prefix is not None:  # runs later (batched, or in a thread): after the request was sent
+            stream = x.response.headers.get("content-type", "").startswith("text/event-stream")
             x.prefix = self.prefix.begin(x.measured, x.payload, target.spec, x.t0,
-                                         x.response.status_code, len(body))
+                                         x.response.status_code, len(body),
+                                         t_headers=self.clock(), stream=stream)
 
     async def _relay(self, x: _Request, send: Send, strip_usage: bool) -> None:
         response = x.response
@@ -533,12 +536,15 @@ class V1Handler:
         await send({"type": "http.response.start", "status": status, "headers": resp_headers})
         meter = None
         if observe and is_sse and x.measured is not None:
-            x.timer = StreamTimer(x.measured)
+            # the doctor's job is ready once the upstream's prefill was done
+            x.timer = StreamTimer(x.measured, x.prefix.ready if x.prefix is not None else None)
             meter = Meter(x.timer, SSEParser())
         x.result = result = await relay(
             response.body, send, self.clock, meter=meter, strip_usage=strip,
             collect_limit=NON_STREAM_USAGE_LIMIT if observe and not is_sse else 0,
             write_timeout=self.settings.client_write_timeout)
+        if x.prefix is not None and meter is None and result.t_first_byte is not None:
+            x.prefix.ready(result.t_first_byte)  # a stream not metered: its first bytes
         x.outcome = (result.outcome if ok or result.outcome is Outcome.CLIENT_STALLED
                      else status_outcome(status))
         if x.outcome is Outcome.COMPLETED and x.timer is not None and x.timer.error:

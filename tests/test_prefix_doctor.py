@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import tracemalloc
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,7 @@ from proxy.diagnosis.prefix_index import (
     SEEN,
     LruPrefixIndex,
     Probe,
+    Sightings,
 )
 from proxy.dialects import CHAT, COMPLETIONS, MESSAGES, RESPONSES, Dialect, PromptPart, cache_scope
 
@@ -185,6 +187,58 @@ def test_index_answers_reads_before_writes_with_both_times() -> None:
     assert len(index) == 2
     with pytest.raises(ValueError):
         Probe((b"a" * 8,), b"")
+
+
+Exchange = Callable[[Probe, int, int], Sightings]
+
+
+def run_scenario(exchange: Exchange, slack: int = 0) -> None:
+    """Sightings count from when their request's prefill was done (``held``), read at
+    the reader's arrival, with a window of 1,000 ms, whatever the order of the exchanges.
+    ``slack``: how far an index's times may be off (a store's clock moves between
+    exchanges)."""
+    key = (b"k" * 8,)
+    went_on, ended = Probe(key, bytes([CONTINUED])), Probe(key, bytes([ENDED]))
+
+    def near(got: int, want: int) -> bool:
+        return got == want if want == NEVER else want - slack <= got <= want + slack
+
+    # A arrives at 0, done at 100. B arrives at 50, before: A's sighting is after it.
+    assert exchange(went_on, 0, 100) == Sightings([NEVER], [NEVER], {})
+    b = exchange(went_on, 50, 150)
+    assert (b.continued[0], b.ended[0]) == (NEVER, NEVER) and near(b.after[0], 100)
+    # C arrives at 200, after both: the last sighting at or before it is B's, at 150.
+    c = exchange(went_on, 200, 250)
+    assert near(c.continued[0], 150) and not c.after
+    # D arrives at 600; E, which arrived at 500, is done at 700 and examined first. Its
+    # later stamp must not hide C's (250): the run [100, 700] still holds a sighting at
+    # or before 600 within the window (a bound of it is answered: the run's first, or
+    # the arrival less the window).
+    exchange(went_on, 500, 700)
+    d = exchange(went_on, 600, 800)
+    assert near(d.continued[0], 100) and d.continued[0] >= 600 - 1000 - slack
+    assert not d.after
+    # A stamp more than a window after the run's last restarts it: the old run counts no
+    # more, and one who arrived before the new stamp sees only that it came after.
+    exchange(went_on, 2500, 3000)
+    e = exchange(went_on, 2000, 3100)
+    assert e.continued[0] == NEVER and near(e.after[0], 3000)
+    # A stamp more than a window before the run's first came too late to count: dropped.
+    exchange(went_on, 1000, 1500)
+    f = exchange(went_on, 2900, 3200)
+    assert f.continued[0] == NEVER and near(f.after[0], 3000)
+    # The two kinds keep their own runs: an ended sighting, then both read.
+    exchange(ended, 3300, 3400)
+    g = exchange(ended, 3500, 3600)
+    assert near(g.continued[0], 3200) and near(g.ended[0], 3400) and not g.after
+    # Expired: the last sighting at or before the arrival, longer ago than the window.
+    h = exchange(ended, 5000, 5100)
+    assert near(h.continued[0], 3200) and near(h.ended[0], 3600)
+
+
+def test_index_counts_a_sighting_from_its_prefill_in_runs_of_sightings() -> None:
+    index = LruPrefixIndex(window_ms=1000)
+    run_scenario(index.exchange)
 
 
 def test_index_forgets_entries_older_than_its_horizon_before_answering() -> None:
@@ -450,7 +504,7 @@ def test_a_request_without_parts_gets_no_report() -> None:
 
 
 def test_reasons_are_bounded_labels() -> None:
-    assert len(REASONS) == len(set(REASONS)) == 11
+    assert len(REASONS) == len(set(REASONS)) == 12
     assert all(reason.replace("_", "").isalpha() for reason in REASONS)
 
 

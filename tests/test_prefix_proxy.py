@@ -85,7 +85,8 @@ class Answers:
         self.usages: list[tuple[int, int | None]] = []
         self.status = 200
         self.seen: list[Seen] = []
-        self.hold: asyncio.Event | None = None  # a stream waits on it after its first event
+        # a stream waits on it after its first output event (its prefill is done)
+        self.hold: asyncio.Event | None = None
 
     def queue(self, prompt: int, cached: int | None) -> None:
         self.usages.append((prompt, cached))
@@ -105,10 +106,11 @@ class Answers:
         return httpx.Response(200, json=_body(route, prompt, cached))
 
     async def _stream(self, events: list[bytes]) -> AsyncIterator[bytes]:
-        yield events[0]
+        first = 3 if events[0].startswith(b"event: message_start") else 2
+        yield b"".join(events[:first])  # up to the first output event
         if self.hold is not None:
             await self.hold.wait()
-        yield b"".join(events[1:])
+        yield b"".join(events[first:])
 
 
 def _usage(route: str, prompt: int, cached: int | None) -> dict[str, Any]:
@@ -534,7 +536,7 @@ async def test_a_large_prompt_is_examined_in_the_thread_while_another_stream_flo
     small = {**chat(("system", STABLE), ("user", "hi"), model="m2"), "stream": True}
     answers.queue(12_000, 0)
     answers.queue(1000, 0)
-    answers.hold = held = asyncio.Event()  # the large request's stream waits after one event
+    answers.hold = held = asyncio.Event()  # the large request's stream waits after a token
     async with app:
         first = asyncio.ensure_future(post(app, clock, CHAT, large))
         assert await asyncio.to_thread(entered.wait, 30)  # its prompt is in the thread

@@ -51,6 +51,7 @@ from proxy.prefix_store import (
 from proxy.ui import index_scope
 from tests.fake_upstream import ScriptedClock
 from tests.redis_server import RedisServer, redis_server
+from tests.test_prefix_doctor import run_scenario
 from tests.test_prefix_proxy import (
     CHAT,
     PAIRS,
@@ -122,12 +123,15 @@ def test_the_shared_index_answers_as_the_in_process_one(
     The times are the store's clock turned into the caller's: a sighting from exchange k
     seen at exchange j lies within what the two exchanges' durations allow."""
     lru = LruPrefixIndex()
-    shared = RedisPrefixIndex(spec_of(shared_store, timeout_s=10.0), horizon_ms=3_600_000)
+    called = [0.0]  # the caller's clock: each exchange's own start (ages of 0)
+    shared = RedisPrefixIndex(spec_of(shared_store, timeout_s=10.0), horizon_ms=3_600_000,
+                              caller_clock=lambda: called[0])
     spans: dict[int, int] = {}  # exchange start ms -> latest end ms among those starts
     try:
         for pairs in probes:
             probe = Probe(tuple(k for k, _ in pairs), bytes(m for _, m in pairs))
             start = now_ms()
+            called[0] = start / 1000
             theirs = shared.exchange(probe, start)
             end = now_ms()
             ours = lru.exchange(probe, start)
@@ -143,6 +147,41 @@ def test_the_shared_index_answers_as_the_in_process_one(
             spans[start] = max(spans.get(start, start), end)
     finally:
         shared.close()
+
+
+def test_the_shared_index_counts_a_sighting_from_its_prefill_in_runs(store: RedisServer) -> None:
+    """The in-process index's scenario (tests/test_prefix_doctor.py), on the store: the
+    same runs of sightings, in the caller's clock (fixed here, so each exchange sends its
+    times as exact ages), within the few milliseconds the store's clock moves between
+    exchanges."""
+    called = [1000.0]
+    index = RedisPrefixIndex(spec_of(store, timeout_s=10.0), horizon_ms=3_600_000,
+                             window_ms=1000, caller_clock=lambda: called[0])
+    try:
+        run_scenario(index.exchange, slack=50)
+    finally:
+        index.close()
+
+
+def test_a_value_of_one_time_per_kind_is_read_as_runs_of_one(store: RedisServer) -> None:
+    """A key written by the earlier script (16 bytes: one time per kind) still counts."""
+    import struct
+
+    import redis
+
+    spec = spec_of(store)
+    index = RedisPrefixIndex(spec, horizon_ms=60_000, caller_clock=lambda: 1000.0)
+    client = redis.Redis(port=store.port)
+    try:
+        key = os.urandom(8)
+        seconds, micros = client.time()
+        store_ms = int(seconds) * 1000 + int(micros) // 1000
+        client.set(spec.key_prefix.encode() + key, struct.pack("<qq", store_ms - 5000, 0))
+        seen = index.exchange(Probe((key,), bytes([SEEN])), 1_000_000)
+        assert 1_000_000 - 5000 - 50 <= seen.continued[0] <= 1_000_000 - 5000
+        assert seen.ended == [NEVER] and not seen.after
+    finally:
+        index.close()
 
 
 def test_one_exchange_is_one_script_call_and_keys_expire_after_the_horizon(
@@ -166,7 +205,7 @@ def test_one_exchange_is_one_script_call_and_keys_expire_after_the_horizon(
         assert calls["cmdstat_evalsha"] == 1  # one round trip per request
         name = spec.key_prefix.encode() + keys[0]
         assert 7_100_000 < client.pttl(name) <= 7_200_000  # the horizon, from the last touch
-        assert client.strlen(name) == 16  # two int64 times, no text
+        assert client.strlen(name) == 32  # four int64 times, no text
         usage = client.memory_usage(name)
         assert usage is not None and usage <= 128  # 104 on Redis 7.0 (the module docstring)
         assert client.dbsize() == 40
@@ -348,8 +387,10 @@ def test_the_same_reports_as_one_process_expiry_included(store: RedisServer) -> 
     the same times (real time: the window is a second), says the same about each."""
     secret = prefix_secret({PREFIX_SECRET_ENV: SECRET})
     policy = PrefixPolicy(window_ms=1000)
-    shared = RedisPrefixIndex(spec_of(store, timeout_s=5.0), horizon_ms=3_600_000)
-    doctors = (PrefixDoctor(LruPrefixIndex(), PromptHasher(secret), policy),
+    called = [0.0]  # the caller's clock at each exchange: its request's own time
+    shared = RedisPrefixIndex(spec_of(store, timeout_s=5.0), horizon_ms=3_600_000,
+                              window_ms=1000, caller_clock=lambda: called[0])
+    doctors = (PrefixDoctor(LruPrefixIndex(window_ms=1000), PromptHasher(secret), policy),
                PrefixDoctor(shared, PromptHasher(secret), policy))
     bodies = [(route, body) for route, first, second, gap, *_ in PAIRS.values()
               if gap < 300 for body in (first, second)]
@@ -357,6 +398,7 @@ def test_the_same_reports_as_one_process_expiry_included(store: RedisServer) -> 
     def examine(route: str, body: dict[str, Any]) -> list[Any]:
         model, key = cache_scope(body)
         now = now_ms()
+        called[0] = now / 1000
         return [d.examine(DIALECTS[route].prompt_parts(body), upstream="up", model=model,
                           cache_key=key, now_ms=now) for d in doctors]
 

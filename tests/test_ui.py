@@ -577,7 +577,7 @@ def prefilled(clock: ScriptedClock, cached: dict[str, int]) -> Handler:
     """Chat streams whose usage says one prompt token per four bytes of the messages'
     content, cached tokens ``cached[model]`` (0 for a model's first request), and whose
     first token comes ``FIXED_S + PER_1K_S`` per 1,000 uncached tokens after the
-    request: a prefill cost the fit finds exactly."""
+    request (sent at the clock's time): a prefill cost the fit finds exactly."""
     first: set[str] = set()
 
     async def respond(request: httpx.Request) -> httpx.Response:
@@ -589,10 +589,12 @@ def prefilled(clock: ScriptedClock, cached: dict[str, int]) -> Handler:
         hit = cached.get(model, 0) if model in first else 0
         first.add(model)
         ttft = FIXED_S + PER_1K_S * (prompt - hit) / 1000
-        script = [(T0 + ttft + i * 0.0125, sse(chunk_json({"content": f"t{i}"}))) for i in range(5)]
+        sent = clock.now
+        script = [(sent + ttft + i * 0.0125, sse(chunk_json({"content": f"t{i}"})))
+                  for i in range(5)]
         last = script[-1][0]
         script += [(last, sse(usage_json(prompt, 5, hit))), (last, DONE)]
-        clock.now = T0
+        clock.now = sent
         return httpx.Response(200, headers=SSE_HEADERS, content=timed_body(clock, script, last))
 
     return respond
@@ -623,8 +625,10 @@ async def test_prompt_caching_and_what_to_fix_from_real_requests(tmp_path: Path)
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://proxy.test") as http:
             for i, question in enumerate(questions):
-                for model, system in (("gpt-clock", STAMPED.format(i)), ("gpt-cached", SHARED)):
-                    clock.now = T0
+                for j, (model, system) in enumerate((("gpt-clock", STAMPED.format(i)),
+                                                     ("gpt-cached", SHARED))):
+                    # one request a second: each after the one before's first token
+                    clock.now = T0 + 2 * i + j
                     body = {"model": model, "stream": True,
                             "stream_options": {"include_usage": True},
                             "messages": [{"role": "system", "content": system},

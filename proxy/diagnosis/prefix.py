@@ -43,8 +43,10 @@ The steps, for one request:
    (``benchmarks/prefix_micro.py`` prices both).
 
 2. The index (:class:`~proxy.diagnosis.prefix_index.LruPrefixIndex` in process) answers
-   when each key was last held, and by a request that went on past it or ended there,
-   and records this request (:meth:`HashedPrompt.probe` orders the keys so that an LRU
+   when each key was last held at or before this request arrived, counting a request's
+   sighting only from when its prefill was done (what a cache can serve), and by a
+   request that went on past it or ended there, and records this request from when its
+   own prefill was done (:meth:`HashedPrompt.probe` orders the keys so that an LRU
    forgets a prompt's tail before its head).
 
 3. :func:`diagnose` reads the answer into a :class:`PrefixReport`:
@@ -54,7 +56,9 @@ The steps, for one request:
      keep). With no eviction it equals the longest common block prefix with any
      request of the window (a property test checks that against brute force).
    * **where and why it broke**, when it stopped short of the whole prompt: ``expired``
-     when the next block was held, but longer ago than the window. Otherwise, when the
+     when the next block was held, but longer ago than the window; ``concurrent`` when
+     it was held only by requests whose prefill was done after this one arrived (the
+     same prompt in flight at once: no cache could have served it). Otherwise, when the
      last repeated block is where a recent request *ended* (the previous turn of a
      conversation that grew), there is no break; when no recent request ever went
      past it, neither. When one did, the prompt broke from the most similar recent
@@ -100,7 +104,7 @@ run), for 64-, 128- and 256-byte blocks: a 2 KB chat prompt 150, 90 and 80 us; 3
 1.9, 1.3 and 0.8 ms; 400 KB 22, 12 and 8 ms. The cost is per block, not per byte (a
 keyed blake2b call costs about 0.6 us whether it hashes 64 bytes or 256, and a prompt
 has two keys per block), so halving the block doubles CPU and memory. An entry costs
-150 to 180 bytes (:data:`~proxy.diagnosis.prefix_index.BYTES_PER_ENTRY` is 200), so at
+150 to 190 bytes (:data:`~proxy.diagnosis.prefix_index.BYTES_PER_ENTRY` is 216), so at
 two entries per 256 bytes the index needs about 1.3 bytes per byte of distinct prompt
 text it remembers: 64 MB remember about 50 MB of it. What 256 bytes give up is
 resolution, and no report needs more: 64 tokens is half the step OpenAI reports cached
@@ -122,6 +126,7 @@ from typing import Any, NamedTuple
 
 from proxy.diagnosis.prefix_index import (
     CONTINUED,
+    DEFAULT_WINDOW_MS,
     ENDED,
     NEVER,
     SEEN,
@@ -132,7 +137,6 @@ from proxy.diagnosis.prefix_index import (
 from proxy.dialects import PromptPart
 
 DEFAULT_BLOCK_BYTES = 256
-DEFAULT_WINDOW_MS = 5 * 60 * 1000
 
 # Why a prefix stopped repeating: bounded, fit for a metric label.
 REASONS: tuple[str, ...] = (
@@ -144,6 +148,7 @@ REASONS: tuple[str, ...] = (
     "prompt_changed",
     "variable_before_stable",
     "expired",
+    "concurrent",
     "model_changed",
     "cache_key_changed",
     "first_seen",
@@ -468,6 +473,10 @@ def diagnose(
                        part_bytes=shape.size)
     if held > repeated:
         return at._replace(reason="expired")
+    if top - repeated in seen.after:
+        # Held only by requests whose prefill was done after this one arrived: the same
+        # prefix in flight at once, which no cache could have served this request yet.
+        return at._replace(reason="concurrent")
     if repeated == 0 and last(root) < cutoff:
         if last(model_anchor) >= cutoff:
             return base._replace(reason="cache_key_changed")
@@ -518,6 +527,10 @@ class PrefixDoctor:
         hasher: PromptHasher | None = None,
         policy: PrefixPolicy = PrefixPolicy(),
     ) -> None:
+        window = getattr(index, "window_ms", policy.window_ms)
+        if window != policy.window_ms:  # the index cuts its runs of sightings by it
+            raise ValueError(f"the index's window_ms ({window}) is not the policy's "
+                             f"({policy.window_ms})")
         self.index = index
         self.hasher = hasher if hasher is not None else PromptHasher()
         self.policy = policy
@@ -530,10 +543,14 @@ class PrefixDoctor:
         model: str,
         cache_key: str = "",
         now_ms: int,
+        held_ms: int | None = None,
     ) -> PrefixReport | None:
-        """The report for one request (None: no prompt parts), recorded in the index."""
+        """The report for one request (None: no prompt parts), recorded in the index.
+        ``now_ms``: when the request arrived; ``held_ms``: when its prefill was done (its
+        first output event; ``now_ms`` when not given), from when its blocks count for
+        others (see :mod:`proxy.diagnosis.prefix_index`)."""
         looked = self.look(parts, upstream=upstream, model=model, cache_key=cache_key,
-                           now_ms=now_ms)
+                           now_ms=now_ms, held_ms=held_ms)
         return looked[1] if looked is not None else None
 
     def look(
@@ -544,13 +561,14 @@ class PrefixDoctor:
         model: str,
         cache_key: str = "",
         now_ms: int,
+        held_ms: int | None = None,
     ) -> tuple[HashedPrompt, PrefixReport] | None:
         """:meth:`examine`, with the prompt's keys (a capture turns them into a trace's
         block ids, :mod:`proxy.capture`)."""
         hashed = self.hasher.hash(parts, upstream=upstream, model=model, cache_key=cache_key)
         if hashed is None:
             return None
-        seen = self.index.exchange(hashed.probe(), now_ms)
+        seen = self.index.exchange(hashed.probe(), now_ms, held_ms)
         return hashed, diagnose(hashed, seen, now_ms, self.policy)
 
 
@@ -624,6 +642,11 @@ def explain_break(
         return (f"The prefix up to {where}{at} was last sent longer ago than the prefix "
                 "window (--prefix-window), so a provider no longer holds it: only steadier "
                 "traffic keeps it.")
+    if reason == "concurrent":
+        return (f"The prefix up to {where}{at} was sent by requests in flight at the same "
+                "time, whose prefill was done only after this one arrived, so no cache could "
+                "serve it yet: nothing in the prompt to fix; to share the work, let one "
+                "request's first token come before sending the others.")
     if reason == "model_changed":
         return ("The same prompt went recently to another model of this upstream: a cache "
                 "is per model.")

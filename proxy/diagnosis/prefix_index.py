@@ -1,24 +1,47 @@
 """Where the prompt-cache doctor remembers which prompt blocks were sent, and when.
 
 The doctor (:mod:`proxy.diagnosis.prefix`) turns a prompt into opaque keys (keyed
-hashes, never text) and asks an index one question per request: *when did a request
-last hold each of these keys, and did it go on past it?*, while telling it that this
-request holds them now. That question and its answer are :class:`Probe` and a sequence
-of :class:`Sightings`, per key in the probe's order; :class:`PrefixIndex` is the
-Protocol every index implements with one call, :meth:`PrefixIndex.exchange`, so that
-an index on another machine (a shared Redis/Valkey for several replicas) answers it
-in one pipelined round trip: read every key, then write every key.
+hashes, never text) and asks an index one question per request: *when, at or before
+this request arrived, did a request last hold each of these keys, and did it go on past
+it?*, while telling it that this request holds them from the time its prefill was done.
+That question and its answer are :class:`Probe` and :class:`Sightings`, per key in the
+probe's order; :class:`PrefixIndex` is the Protocol every index implements with one
+call, :meth:`PrefixIndex.exchange`, so that an index on another machine (a shared
+Redis/Valkey for several replicas) answers it in one pipelined round trip: read every
+key, then write every key.
 
 Times are integer milliseconds of the caller's clock (one clock for the whole index),
-so a window comparison is exact. Every key carries two times: when a request last
+so a window comparison is exact. Every key carries two kinds of sighting: a request
 held it *and went on past it* (``continued``: the key is a block with a next block in
-that request) and when a request last held it *as its last block* (``ended``). A plain
-sighting (a key with no successor to speak of) is recorded as ``ended``. The doctor
-needs both: a request that stops sharing a prefix right where a recent request ended
-is a conversation growing by a turn, while one that stops where a recent request went
-on is a break.
+that request), or held it *as its last block* (``ended``). A plain sighting (a key with
+no successor to speak of) is recorded as ``ended``. The doctor needs both: a request
+that stops sharing a prefix right where a recent request ended is a conversation
+growing by a turn, while one that stops where a recent request went on is a break.
 
-:class:`LruPrefixIndex` is the in-process one: an ``OrderedDict`` from key to the two
+**A sighting counts from when its request's prefill was done.** A cache holds a prefix
+only once a request's prefill computed it, so request A's sighting can serve request B
+only if A's prefill was done at or before B arrived. The caller stamps a request's
+writes at that time (``held_ms``: its first output event, or its response headers where
+no token comes) and reads at its arrival (``now_ms``). Stamps therefore come out of
+order (a request examined now may have been done before one examined earlier), and a
+single time per key would let a late stamp hide an earlier one that still counts. So
+each kind keeps a **run**: ``since`` and ``latest``, the first and last of a run of
+sightings whose consecutive gaps are within the cache window (``window_ms``). "Some
+sighting at or before ``t`` within the window of ``t``" is then ``since <= t`` and
+``latest >= t - window``: when ``latest > t``, the last sighting at or before ``t`` is
+within a window of the next one, which is after ``t``. A stamp ``s`` extends the run
+when ``since - window <= s <= latest + window``, restarts it when ``s > latest +
+window`` (the old run can no longer serve anyone who arrives from now on, save one
+who arrived more than a window before ``s``), and is dropped when ``s < since -
+window`` (a stamp that came more than a window late). Both losses need a request
+examined more than a window after its prefill was done: they do not happen with a
+window of minutes. The answer per key is the last sighting at or before the reader's
+arrival (when the run goes on past the arrival, the later of ``since`` and the arrival
+less a window, a bound of it that is all the comparison needs), and the first sighting
+after it when that is all there is (:attr:`Sightings.after`: a request whose prefill was
+done only after this one arrived, *concurrent* with it).
+
+:class:`LruPrefixIndex` is the in-process one: an ``OrderedDict`` from key to the four
 times packed in one int, least recently touched first, bounded by entries (the memory
 bound divided by the measured cost of one entry, :data:`BYTES_PER_ENTRY`) and by age
 (``horizon_ms``: entries nobody touched for that long are dropped even below the
@@ -30,7 +53,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -38,30 +61,41 @@ SEEN = 0  # a plain sighting: recorded as ``ended``
 CONTINUED = 1  # the request went on past this key
 ENDED = 2  # the request's last block
 
-# Measured with tracemalloc (tests/test_prefix_index.py checks it stays an upper bound):
-# an 8-byte bytes key (48 bytes allocated), the packed int (40), the OrderedDict's
-# table slot and linked-list node (about 105 amortised over growth), rounded up.
-BYTES_PER_ENTRY = 200
-DEFAULT_MAX_BYTES = 64 * 1024 * 1024  # about 335,000 entries
+# Measured with tracemalloc (tests/test_prefix_doctor.py checks it stays an upper bound):
+# an 8-byte bytes key (48 bytes allocated), the packed int (four 40-bit times: 48 to
+# 52), the OrderedDict's table slot and linked-list node (about 105 amortised over
+# growth), rounded up.
+BYTES_PER_ENTRY = 216
+DEFAULT_MAX_BYTES = 64 * 1024 * 1024  # about 310,000 entries
 DEFAULT_HORIZON_MS = 60 * 60 * 1000  # an hour: twelve 5-minute windows, Anthropic's long TTL
+DEFAULT_WINDOW_MS = 5 * 60 * 1000  # how long a provider keeps a prefix
 
-_TICK_BITS = 40  # milliseconds: 34 years
+# An entry: four times in ticks (ms since the index's epoch; 0: none), 40 bits each
+# (34 years): the ended run's latest and since, then the continued run's.
+_TICK_BITS = 40
 _TICK_MAX = (1 << _TICK_BITS) - 1
-_LOW = _TICK_MAX
-_HIGH = _TICK_MAX << _TICK_BITS
+_ES = _TICK_BITS  # the shifts of the ended run's since, the continued run's latest, since
+_CL = 2 * _TICK_BITS
+_CS = 3 * _TICK_BITS
 
 
 NEVER = -(1 << 62)  # the time of a sighting that never happened (or was forgotten)
 
 
 class Sightings(NamedTuple):
-    """What an index knew before this request, per probe key, in the probe's order: the
-    last time (ms) a request held the key and went on past it, and the last time one
-    held it as its last block (or merely saw it); :data:`NEVER` where none did. Two flat
-    lists of ints, so that a prompt of thousands of blocks costs no object per key."""
+    """What an index knew of each probe key, in the probe's order, for a request that
+    arrived at ``t0``: the last time (ms) at or before ``t0`` that a request held the key
+    and went on past it (a lower bound when sightings go on past ``t0``: see the module
+    docstring), and the same for one that held it as its last block (or merely saw it);
+    :data:`NEVER` where none did. ``after``: by probe index, the keys neither kind held
+    at or before ``t0`` but one held after it (a request whose prefill was done after
+    this one arrived), with the first such time; keys not in it had none. Flat lists of
+    ints and a mostly empty dict, so that a prompt of thousands of blocks costs no object
+    per key."""
 
     continued: Sequence[int]
     ended: Sequence[int]
+    after: Mapping[int, int]
 
     def last(self, i: int) -> int:
         """The last time anything held key ``i``."""
@@ -86,9 +120,10 @@ class PrefixIndex(Protocol):
     """A store of key sightings: one exchange per request, all reads before all writes
     (a key the request holds twice is not seen by its own first write)."""
 
-    def exchange(self, probe: Probe, now_ms: int) -> Sightings:
-        """What was known of each of ``probe.keys`` before now; then record that this
-        request holds them at ``now_ms``."""
+    def exchange(self, probe: Probe, now_ms: int, held_ms: int | None = None) -> Sightings:
+        """What was known of each of ``probe.keys`` at or before ``now_ms`` (this request's
+        arrival); then record that this request holds them from ``held_ms`` (its prefill
+        done; ``now_ms`` when not given)."""
         ...
 
 
@@ -96,8 +131,10 @@ class LruPrefixIndex:
     """The in-process :class:`PrefixIndex`: least recently touched forgotten first.
 
     ``max_bytes`` bounds memory through :data:`BYTES_PER_ENTRY`; ``horizon_ms`` forgets
-    entries untouched for that long. Times are stored as milliseconds since the first
-    exchange (40 bits each, both in one int), so an entry costs one small int.
+    entries untouched for that long; ``window_ms`` is the cache window the runs are
+    cut by (see the module docstring). Times are stored as milliseconds since the first
+    exchange (less the horizon, so that a stamp earlier than it still fits), 40 bits
+    each, all four in one int, so an entry costs one small int.
     """
 
     def __init__(
@@ -105,55 +142,115 @@ class LruPrefixIndex:
         max_bytes: int = DEFAULT_MAX_BYTES,
         *,
         horizon_ms: int = DEFAULT_HORIZON_MS,
+        window_ms: int = DEFAULT_WINDOW_MS,
         bytes_per_entry: int = BYTES_PER_ENTRY,
     ) -> None:
         if max_bytes < bytes_per_entry:
             raise ValueError(f"max_bytes must hold at least one entry ({bytes_per_entry} bytes)")
         if horizon_ms < 0:
             raise ValueError("horizon_ms must be >= 0")
+        if window_ms < 0:
+            raise ValueError("window_ms must be >= 0")
         self.capacity = max_bytes // bytes_per_entry
         self.horizon_ms = horizon_ms
+        self.window_ms = window_ms
         self._entries: OrderedDict[bytes, int] = OrderedDict()
-        self._epoch: int | None = None  # the clock's ms at tick 1
+        self._epoch: int | None = None  # the clock's ms at tick 0
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def _tick(self, now_ms: int) -> int:
+    def _tick(self, ms: int) -> int:
         if self._epoch is None:
-            self._epoch = now_ms - 1
-        return min(max(1, now_ms - self._epoch), _TICK_MAX)
+            self._epoch = ms - 1 - self.horizon_ms
+        return min(max(1, ms - self._epoch), _TICK_MAX)
 
-    def exchange(self, probe: Probe, now_ms: int) -> Sightings:
+    def exchange(self, probe: Probe, now_ms: int, held_ms: int | None = None) -> Sightings:
         keys = probe.keys
+        m, w = _TICK_MAX, self.window_ms
         with self._lock:
             entries = self._entries
-            tick = self._tick(now_ms)
-            self._forget_before(tick - self.horizon_ms)
+            t = self._tick(now_ms)
+            h = t if held_ms is None else self._tick(held_ms)
+            self._forget_before(t - self.horizon_ms)
             get = entries.get
             before = [get(key, 0) for key in keys]
-            went_on = tick << _TICK_BITS
             touch = entries.move_to_end
             epoch = self._epoch if self._epoch is not None else 0
             continued: list[int] = []
             ended: list[int] = []
+            after: dict[int, int] = {}
+            went_on, ended_at = continued.append, ended.append
+            never, on, cl_at = NEVER, CONTINUED, _CL  # locals: this loop runs per key
+            fresh_on, fresh_end = (h << _CS) | (h << _CL), (h << _ES) | h
             for key, mark, old in zip(keys, probe.marks, before, strict=True):
-                entries[key] = ((old & _LOW) | went_on if mark == CONTINUED
-                                else (old & _HIGH) | tick)
+                if not old:  # never held (or forgotten)
+                    went_on(never)
+                    ended_at(never)
+                    entries[key] = fresh_on if mark == on else fresh_end
+                    touch(key)
+                    continue
+                el, cl = old & m, (old >> cl_at) & m
+                if cl <= t and el <= t:  # every sighting at or before t: the common case
+                    went_on(cl + epoch if cl else never)
+                    ended_at(el + epoch if el else never)
+                else:
+                    _read_late(old, t, w, epoch, len(continued), continued, ended, after)
+                # write: this request's stamp h into the run of its kind; most stamps are
+                # the run's new latest, within a window of the one before
+                if mark == on:
+                    if cl and cl <= h <= cl + w:
+                        entries[key] = old + ((h - cl) << cl_at)
+                    else:
+                        entries[key] = _stamp(old, _CS, h, w)
+                elif el and el <= h <= el + w:
+                    entries[key] = old + (h - el)
+                else:
+                    entries[key] = _stamp(old, _ES, h, w)
                 touch(key)
-                continued.append((old >> _TICK_BITS) + epoch if old > _LOW else NEVER)
-                ended.append((old & _LOW) + epoch if old & _LOW else NEVER)
             for _ in range(len(entries) - self.capacity):
                 entries.popitem(last=False)
-        return Sightings(continued, ended)
+        return Sightings(continued, ended, after)
 
     def _forget_before(self, oldest: int) -> None:
         """Drop the entries nobody touched since tick ``oldest`` (they are the first)."""
         entries = self._entries
+        m = _TICK_MAX
         while entries:
             key = next(iter(entries))
             packed = entries[key]
-            if max(packed >> _TICK_BITS, packed & _LOW) >= oldest:
+            if max((packed >> _CL) & m, packed & m) >= oldest:
                 break
             del entries[key]
+
+
+def _read_late(old: int, t: int, w: int, epoch: int, i: int, continued: list[int],
+               ended: list[int], after: dict[int, int]) -> None:
+    """Append key ``i``'s reads at tick ``t`` from an entry with a sighting after ``t``
+    (see the module docstring), and its first sighting after ``t`` when that is all."""
+    m = _TICK_MAX
+    el, es, cl, cs = old & m, (old >> _ES) & m, (old >> _CL) & m, old >> _CS
+    c = 0 if not cs or cs > t else cl if cl <= t else max(cs, t - w)
+    e = 0 if not es or es > t else el if el <= t else max(es, t - w)
+    continued.append(c + epoch if c else NEVER)
+    ended.append(e + epoch if e else NEVER)
+    if not c and not e:
+        after[i] = min(cs or m, es or m) + epoch
+
+
+def _stamp(old: int, shift: int, h: int, w: int) -> int:
+    """``old`` with the stamp ``h`` put into the run whose since is at ``shift`` (its
+    latest is the 40 bits below): extended, restarted or left as it was."""
+    m = _TICK_MAX
+    since, latest = (old >> shift) & m, (old >> (shift - _TICK_BITS)) & m
+    if not since or h > latest + w:
+        since = latest = h
+    elif h > latest:
+        latest = h
+    elif since - w <= h < since:
+        since = h
+    else:
+        return old  # within the run already, or too late to count
+    keep = old & ~(((1 << (2 * _TICK_BITS)) - 1) << (shift - _TICK_BITS))
+    return keep | (since << shift) | (latest << (shift - _TICK_BITS))
