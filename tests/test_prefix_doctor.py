@@ -449,9 +449,10 @@ def test_instructions_context_and_prompt_changes_are_named_for_their_part() -> N
                             "input": "hi"}, 2)
     report = doctor.send(RESPONSES, {"model": "m", "instructions": STABLE,
                                      "previous_response_id": "resp_2", "input": "hi"}, 3)
-    assert (report.reason, report.part, report.role) == (
-        "context_changed", "context", "previous_response")
+    # a new stored context each turn is how the API works: no break, tokens unknown
+    assert (report.reason, report.part, report.unseen_context) == (None, None, True)
     assert report.repeated_bytes == len(STABLE)
+    assert cache_tokens(report, 20_000, 19_000) == CacheTokens(None, 19_000, None)
 
     doctor.send(COMPLETIONS, {"model": "m", "prompt": ["alpha " * 10, "beta " * 10]}, 4)
     report = doctor.send(COMPLETIONS, {"model": "m", "prompt": ["gamma " * 10, "beta " * 10]}, 5)

@@ -369,11 +369,6 @@ PAIRS: dict[str, tuple[str, dict[str, Any], dict[str, Any], float, str, str, int
         RESPONSES, {"model": "m", "instructions": "Be terse.", "input": "hi"},
         {"model": "m", "instructions": "Be verbose.", "input": "hi"}, 1,
         "instructions_changed", "instructions", 0, 0),
-    "another previous response": (
-        RESPONSES, {"model": "m", "instructions": STABLE, "previous_response_id": "resp_1",
-                    "input": "hi"},
-        {"model": "m", "instructions": STABLE, "previous_response_id": "resp_2", "input": "hi"},
-        1, "context_changed", "context", 0, 0),
     "the first of two prompts": (
         COMPLETIONS, {"model": "m", "prompt": ["alpha " * 10, "beta " * 10]},
         {"model": "m", "prompt": ["gamma " * 10, "beta " * 10]}, 1, "prompt_changed", "prompt",
@@ -411,6 +406,49 @@ async def test_the_window_is_a_setting(tmp_path: Path) -> None:
         await post(app, clock, CHAT, body, at=T0 + 30)  # exactly the window: still held
         await post(app, clock, CHAT, body, at=T0 + 61)
     assert [line["prefix_break"] for line in lines(log_file)] == ["first_seen", None, "expired"]
+
+
+# ---------------------------------------------------------------------------
+# Responses with stored context: a new previous_response_id is how the API works
+
+
+async def test_stored_context_leaves_tokens_unknown_and_a_new_response_id_is_no_break(
+        tmp_path: Path) -> None:
+    """The usage's input tokens include the stored history the proxy cannot see, so no
+    token figure is derived from bytes (null, not a guess); repeated bytes and breaks of
+    the visible parts are still said. A new previous_response_id each turn is no break;
+    a conversation's stored items grow under the same id, so nothing after it repeats."""
+    clock, answers = ScriptedClock(T0), Answers()
+    app, registry, log_file = doctor_app(answers, clock, tmp_path)
+
+    def turn(**extra: Any) -> dict[str, Any]:
+        return {"model": "m", "instructions": STABLE, "input": "Go on.", **extra}
+
+    bodies = [turn(previous_response_id="resp_1"), turn(previous_response_id="resp_2"),
+              {**turn(previous_response_id="resp_3"), "instructions": text(3000, "other")},
+              turn(conversation="conv_1"), turn(conversation={"id": "conv_1"})]
+    for _ in bodies:
+        answers.queue(19_826, 19_000)  # about 500 visible tokens, the rest stored
+    async with app:
+        for i, body in enumerate(bodies):
+            assert (await post(app, clock, RESPONSES, body, at=T0 + i)).status_code == 200
+    first, second, edited, conversation, again = lines(log_file)
+    instructions = len(STABLE.encode())
+    assert first["prefix_break"] == "first_seen"
+    for line in lines(log_file):
+        assert line["repeated_prefix_tokens"] is None and line["cache_missed_tokens"] is None
+        assert line["prompt_tokens"] == 19_826 and line["cached_prompt_tokens"] == 19_000
+    assert (second["prefix_break"], second["repeated_prefix_bytes"]) == (None, instructions)
+    assert (edited["prefix_break"], edited["prefix_break_part"]) == (
+        "instructions_changed", "instructions")
+    assert conversation["prefix_break"] is None
+    # the same conversation and the same input: repeated up to the conversation's id only
+    whole = again["prompt_bytes"]
+    assert again["prefix_break"] is None
+    assert instructions < again["repeated_prefix_bytes"] < whole
+    assert again["repeated_prefix_bytes"] == whole - len(b"Go on.")
+    assert not value(registry, REPEATED, RESPONSES)
+    assert not value(registry, MISSED, RESPONSES)
 
 
 # ---------------------------------------------------------------------------

@@ -75,7 +75,10 @@ The steps, for one request:
      nothing under this scope was held recently: ``cache_key_changed`` or
      ``model_changed`` when the first block was held under the same upstream and
      model with another key, or under the same upstream with another model, else
-     ``first_seen``.
+     ``first_seen``. A break inside a ``context`` part (Responses' stored context, named by
+     ``previous_response_id`` or ``conversation``) is no break: a new id each turn is
+     how that API works; and the repeat never runs past a ``conversation`` part, whose
+     stored items grow under the same id (:func:`_stored_context`).
    * Positions (part kind, index, role, byte offset of the block in that part, the
      changed run and stable tail) are multiples of the block size (the last block of a
      part is exact). They belong in the request log and on the live page; only the
@@ -84,7 +87,8 @@ The steps, for one request:
 4. :func:`cache_tokens` converts bytes to tokens with the request's own ratio
    (``prompt_tokens / prompt bytes``) once usage is known, and derives **missed** =
    repeated - reported (floored at 0; None when the upstream did not report cached
-   tokens; 0 when the cacheable part of the repeated prefix, rounded down to the
+   tokens; None for a prompt with stored context the proxy cannot see, whose tokens the
+   usage counts; 0 when the cacheable part of the repeated prefix, rounded down to the
    caching step, is shorter than the provider's minimum cacheable length,
    :func:`minimum_cacheable_tokens`).
 
@@ -143,7 +147,7 @@ REASONS: tuple[str, ...] = (
     "tools_changed",
     "system_changed",
     "instructions_changed",
-    "context_changed",
+    "context_changed",  # no longer given (a new stored context is no break); kept in the set
     "message_changed",
     "prompt_changed",
     "variable_before_stable",
@@ -400,11 +404,30 @@ class PrefixReport(NamedTuple):
     part_bytes: int | None = None  # that part's size
     changed_bytes: int | None = None  # variable_before_stable: the changed run, block-rounded
     stable_bytes: int | None = None  # variable_before_stable: bytes after it seen before
+    # the prompt names stored context the proxy cannot see (Responses' previous_response_id,
+    # conversation): its tokens are in the usage, so no token figure can be derived
+    unseen_context: bool = False
 
     @property
     def repeated_share(self) -> float:
         """Repeated bytes over prompt bytes (0 for an empty prompt)."""
         return self.repeated_bytes / self.prompt_bytes if self.prompt_bytes else 0.0
+
+
+def _stored_context(parts: Sequence[PartShape], first_block: Sequence[int], blocks: int
+                    ) -> tuple[bool, int]:
+    """Whether the prompt names stored context the proxy cannot see (a ``context`` part:
+    Responses' ``previous_response_id``, ``conversation``), and the chain block the repeat
+    may not pass: the end of a ``conversation`` part, whose stored items grow under the
+    same id, so that what follows it is at no known position (a previous response is
+    immutable: the same id is the same context)."""
+    unseen = False
+    for p, shape in enumerate(parts):
+        if shape.kind == "context":
+            unseen = True
+            if shape.role == "conversation":
+                return True, first_block[p + 1] if p + 1 < len(parts) else blocks
+    return unseen, blocks
 
 
 def _suffix_start(size: int, blocks: int, k: int, block_bytes: int) -> int:
@@ -426,13 +449,14 @@ def diagnose(
     cutoff = now_ms - policy.window_ms
     # The probe's order: suffixes, the chain from its last block, the root, the anchors.
     top = len(hashed.keys) - 4  # the probe index of chain block 0; block i is at top - i
-    repeated = 0
-    while repeated < blocks and last(top - repeated) >= cutoff:
-        repeated += 1
     parts = hashed.parts
+    unseen, limit = _stored_context(parts, hashed.first_block, blocks)
+    repeated = 0
+    while repeated < limit and last(top - repeated) >= cutoff:
+        repeated += 1
     if repeated == blocks:  # the whole prompt repeated: the common case, said at once
         total = sum(part.size for part in parts)
-        return PrefixReport(total, blocks, blocks, total, 0, None)
+        return PrefixReport(total, blocks, blocks, total, 0, None, unseen_context=unseen)
     size = hashed.block_bytes
     short_run = policy.short_run_bytes if policy.short_run_bytes is not None else 2 * size + 256
     min_stable = policy.min_stable_bytes if policy.min_stable_bytes is not None else size
@@ -465,7 +489,10 @@ def diagnose(
         repeated_bytes=bytes_before(repeated),
         stale_bytes=bytes_before(held) - bytes_before(repeated),
         reason=None,
+        unseen_context=unseen,
     )
+    if repeated == limit:  # after a conversation's stored items: nothing to compare
+        return base._replace(stale_bytes=0)
 
     p, offset = position(repeated)
     shape = parts[p]
@@ -483,6 +510,8 @@ def diagnose(
         if last(upstream_anchor) >= cutoff:
             return base._replace(reason="model_changed")
         return base._replace(reason="first_seen")
+    if shape.kind == "context":
+        return base  # another stored context (a new previous_response_id): how the API works
     parent = root if repeated == 0 else top - repeated + 1
     if seen.ended[parent] >= cutoff:
         return base  # grown from a recent request that ended right here
@@ -682,7 +711,9 @@ def cache_tokens(
     """Tokens of the repeated prefix and the cache the upstream missed.
 
     Bytes become tokens at the request's own ratio (``prompt_tokens`` over the prompt's
-    bytes); without usage nothing is known. Missed is None when the upstream did not
+    bytes); without usage nothing is known, and neither with stored context the proxy
+    cannot see (``report.unseen_context``: the usage counts its tokens, the bytes do
+    not). Missed is None when the upstream did not
     report cached tokens (an absent field is unknown, never 0). The cacheable part leaves
     out the last prompt token (a server computes it to produce the first output token)
     and is rounded down to ``granularity_tokens`` (the steps an upstream caches in: 16
@@ -691,7 +722,8 @@ def cache_tokens(
     is shorter than ``minimum_tokens`` (the provider would not cache it: a prompt of
     exactly 1,024 tokens has 896 cacheable on OpenAI, below its 1,024).
     """
-    if prompt_tokens is None or prompt_tokens <= 0 or report.prompt_bytes <= 0:
+    if (prompt_tokens is None or prompt_tokens <= 0 or report.prompt_bytes <= 0
+            or report.unseen_context):
         return CacheTokens(None, cached_tokens, None)
     repeated = min(prompt_tokens, round(report.repeated_bytes * prompt_tokens / report.prompt_bytes))
     if cached_tokens is None:
