@@ -96,7 +96,7 @@ SCRIPT = """
 -- those that held it otherwise (0: never). proxy/diagnosis/prefix_index.py says why.
 -- The answer: per key, three ages in ms (now - time; -1: none), little-endian int64:
 -- the last sighting of each run at or before the arrival, and where neither has one,
--- the first after it.
+-- the first after it if it is at or before this request's own prefill.
 if redis.replicate_commands then redis.replicate_commands() end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -137,6 +137,7 @@ for i = 1, n do
   if c < 0 and e < 0 then
     if cs > 0 then first = cs end
     if es > 0 and (first < 0 or es < first) then first = es end
+    if first > held then first = -1 end
   end
   out[i] = struct.pack('<i8i8i8', c, e, first > 0 and math.max(0, now - first) or -1)
   if string.byte(marks, i) == 1 then cs, cl = put(cs, cl) else es, el = put(es, el) end

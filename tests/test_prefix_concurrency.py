@@ -26,9 +26,11 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from proxy.app import create_app
+from proxy.cache_index import PREFIX_SECRET_ENV, CacheIndexSpec
 from proxy.config import Settings
 from proxy.upstream_spec import UpstreamSpec
 from tests.fake_upstream import DONE, ScriptedUpstream, chunk_json, sse, usage_json
+from tests.redis_server import redis_server
 from tests.servers import serve_in_thread
 
 pytestmark = pytest.mark.anyio
@@ -76,15 +78,29 @@ class Gated:
         return httpx.Response(200, headers={**SSE, "x-request-id": f"r{i}"}, content=body())
 
 
+@pytest.fixture(params=["in-process", "shared"])
+def index(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+          ) -> Iterator[CacheIndexSpec | None]:
+    """The doctor's index: the process's own, or one on a real redis-server."""
+    if request.param == "in-process":
+        yield None
+        return
+    monkeypatch.setenv(PREFIX_SECRET_ENV, "a secret every replica shares, 32+")
+    with redis_server(tmp_path) as server:
+        yield CacheIndexSpec(url=server.url, timeout_s=5.0)
+
+
 @contextlib.contextmanager
-def proxy_in_front(upstream: Gated, tmp_path: Path) -> Iterator[tuple[str, Path]]:
+def proxy_in_front(upstream: Gated, tmp_path: Path, index: CacheIndexSpec | None
+                   ) -> Iterator[tuple[str, Path]]:
     """The proxy (real uvicorn) in front of ``upstream``; yields its URL and the request
     log, whose lines are all written once the block ends."""
     log_file = tmp_path / "requests.jsonl"
     with ScriptedUpstream(upstream).running() as up:
         spec = UpstreamSpec(name="up", url=up.url + "/v1", models=("*",), default=True)
         app = create_app(Settings(upstreams=(spec,), log_requests=str(log_file),
-                                  prefix_doctor=True), registry=CollectorRegistry())
+                                  prefix_doctor=True, cache_index=index),
+                         registry=CollectorRegistry())
         with serve_in_thread(app) as proxy:
             yield proxy.url, log_file
 
@@ -134,12 +150,12 @@ def doctor(line: dict[str, Any]) -> tuple[Any, ...]:
 
 
 async def test_a_concurrent_identical_prompt_is_neither_repeated_nor_missed(
-        tmp_path: Path) -> None:
+        tmp_path: Path, index: CacheIndexSpec | None) -> None:
     """A arrives; B, the same 12 KB prompt, arrives before A's first token: B is not
     repeated, misses nothing, and says why (concurrent). Then C, after both first
     tokens, repeats the whole prompt."""
     upstream = Gated(3)
-    with proxy_in_front(upstream, tmp_path) as (url, log_file):
+    with proxy_in_front(upstream, tmp_path, index) as (url, log_file):
         async with httpx.AsyncClient(timeout=30) as client:
             a = Stream(client, url)
             await arrived(upstream, 0)
@@ -147,9 +163,8 @@ async def test_a_concurrent_identical_prompt_is_neither_repeated_nor_missed(
             await arrived(upstream, 1)
             upstream.gates[0].set()
             await a.first_token()
+            await a.end()  # A's examination is in its record (a shared index's too)
             upstream.gates[1].set()
-            await b.first_token()
-            await a.end()
             await b.end()
             upstream.gates[2].set()
             c = Stream(client, url)
@@ -163,11 +178,11 @@ async def test_a_concurrent_identical_prompt_is_neither_repeated_nor_missed(
 
 
 async def test_a_later_request_examined_first_is_not_the_source_of_an_earlier_one(
-        tmp_path: Path) -> None:
+        tmp_path: Path, index: CacheIndexSpec | None) -> None:
     """A arrives, then B; B's first token (and headers) come first, so B is examined
     first: A, which arrived before B's prefill was done, repeats nothing of it."""
     upstream = Gated(2)
-    with proxy_in_front(upstream, tmp_path) as (url, log_file):
+    with proxy_in_front(upstream, tmp_path, index) as (url, log_file):
         async with httpx.AsyncClient(timeout=30) as client:
             a = Stream(client, url)
             await arrived(upstream, 0)
@@ -184,12 +199,12 @@ async def test_a_later_request_examined_first_is_not_the_source_of_an_earlier_on
 
 
 async def test_a_later_stamp_does_not_hide_an_earlier_one_that_still_counts(
-        tmp_path: Path) -> None:
+        tmp_path: Path, index: CacheIndexSpec | None) -> None:
     """A is done long before; B arrives; C arrives after B and its prefill is done (and
     examined) before B's. C's sighting came after B arrived, A's before: B repeats the
     whole prompt (one time per key, overwritten by C's, would have hidden A's)."""
     upstream = Gated(3)
-    with proxy_in_front(upstream, tmp_path) as (url, log_file):
+    with proxy_in_front(upstream, tmp_path, index) as (url, log_file):
         async with httpx.AsyncClient(timeout=30) as client:
             upstream.gates[0].set()
             await Stream(client, url).end()

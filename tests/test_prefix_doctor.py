@@ -234,6 +234,12 @@ def run_scenario(exchange: Exchange, slack: int = 0) -> None:
     # Expired: the last sighting at or before the arrival, longer ago than the window.
     h = exchange(ended, 5000, 5100)
     assert near(h.continued[0], 3200) and near(h.ended[0], 3600)
+    # Concurrent only while this request's own prefill ran: a sighting after it is not.
+    other = Probe((b"o" * 8,), bytes([CONTINUED]))
+    exchange(other, 9000, 9100)
+    i = exchange(other, 8900, 9050)
+    assert (i.continued[0], i.ended[0]) == (NEVER, NEVER) and not i.after
+    assert near(exchange(other, 8950, 9200).after[0], 9050)
 
 
 def test_index_counts_a_sighting_from_its_prefill_in_runs_of_sightings() -> None:

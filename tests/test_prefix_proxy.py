@@ -661,6 +661,44 @@ async def test_a_job_that_never_got_its_turn_runs_at_the_finish() -> None:
     check.close()
 
 
+async def test_a_streams_job_waits_for_its_prefill_and_is_stamped_then() -> None:
+    """A stream's job joins no batch until its first output event (ready), and is stamped
+    at that time; a stream that ends without one is stamped at its headers, at the
+    finish; a non-stream answer's job is ready at its headers."""
+    check = PrefixCheck(Settings())
+    held: list[tuple[int, int | None]] = []
+    examine = check.doctor.look
+
+    def recorded(*args: Any, now_ms: int, held_ms: int | None = None, **kwargs: Any) -> Any:
+        held.append((now_ms, held_ms))
+        return examine(*args, now_ms=now_ms, held_ms=held_ms, **kwargs)
+
+    check.doctor.look = recorded  # type: ignore[method-assign]
+    spec = UpstreamSpec(name=UP, url="http://u/v1")
+    body = chat(("system", STABLE), ("user", "hi"))
+
+    def begin(stream: bool) -> PrefixJob:
+        job = check.begin(DIALECTS[CHAT], body, spec, T0, 200, 100, t_headers=T0 + 1,
+                          stream=stream)
+        assert job is not None
+        return job
+
+    streamed = begin(True)
+    assert check._batch == []  # not ready: no first token yet
+    streamed.ready(T0 + 2.5)
+    streamed.ready(T0 + 9)  # once
+    assert check._batch == [streamed]
+    await streamed.settle()
+    silent = begin(True)
+    await silent.settle()  # no output at all: its headers' time
+    plain = begin(False)
+    assert check._batch == [plain]
+    await plain.settle()
+    at = round(T0 * 1000)
+    assert held == [(at, at + 2500), (at, at + 1000), (at, at + 1000)]
+    check.close()
+
+
 async def test_jobs_run_in_batches_in_the_order_they_were_created(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A batch runs BATCH_S after its first job, or at the loop's next turn once it holds

@@ -57,8 +57,9 @@ The steps, for one request:
      request of the window (a property test checks that against brute force).
    * **where and why it broke**, when it stopped short of the whole prompt: ``expired``
      when the next block was held, but longer ago than the window; ``concurrent`` when
-     it was held only by requests whose prefill was done after this one arrived (the
-     same prompt in flight at once: no cache could have served it). Otherwise, when the
+     it was held only by requests whose prefill was done after this one arrived and
+     before its own was (the same prompt in flight at once: no cache could have served
+     it). Otherwise, when the
      last repeated block is where a recent request *ended* (the previous turn of a
      conversation that grew), there is no break; when no recent request ever went
      past it, neither. When one did, the prompt broke from the most similar recent
@@ -501,8 +502,8 @@ def diagnose(
     if held > repeated:
         return at._replace(reason="expired")
     if top - repeated in seen.after:
-        # Held only by requests whose prefill was done after this one arrived: the same
-        # prefix in flight at once, which no cache could have served this request yet.
+        # Held only by requests whose prefill was done after this one arrived and before
+        # its own was: the same prefix in flight at once, which no cache could serve yet.
         return at._replace(reason="concurrent")
     if repeated == 0 and last(root) < cutoff:
         if last(model_anchor) >= cutoff:

@@ -38,8 +38,9 @@ examined more than a window after its prefill was done: they do not happen with 
 window of minutes. The answer per key is the last sighting at or before the reader's
 arrival (when the run goes on past the arrival, the later of ``since`` and the arrival
 less a window, a bound of it that is all the comparison needs), and the first sighting
-after it when that is all there is (:attr:`Sightings.after`: a request whose prefill was
-done only after this one arrived, *concurrent* with it).
+after it, up to this request's own prefill, when that is all there is
+(:attr:`Sightings.after`: a request whose prefill was done while this one's ran,
+*concurrent* with it).
 
 :class:`LruPrefixIndex` is the in-process one: an ``OrderedDict`` from key to the four
 times packed in one int, least recently touched first, bounded by entries (the memory
@@ -88,8 +89,11 @@ class Sightings(NamedTuple):
     and went on past it (a lower bound when sightings go on past ``t0``: see the module
     docstring), and the same for one that held it as its last block (or merely saw it);
     :data:`NEVER` where none did. ``after``: by probe index, the keys neither kind held
-    at or before ``t0`` but one held after it (a request whose prefill was done after
-    this one arrived), with the first such time; keys not in it had none. Flat lists of
+    at or before ``t0`` but one held after it and at or before this request's own
+    ``held_ms`` (a request whose prefill was done while this one's ran: concurrent with
+    it), with the first such time; keys not in it had none. The upper bound makes it
+    independent of the order of exchanges: a sighting stamped before this request's own
+    was made ready before it, so it was written before this exchange. Flat lists of
     ints and a mostly empty dict, so that a prompt of thousands of blocks costs no object
     per key."""
 
@@ -196,7 +200,7 @@ class LruPrefixIndex:
                     went_on(cl + epoch if cl else never)
                     ended_at(el + epoch if el else never)
                 else:
-                    _read_late(old, t, w, epoch, len(continued), continued, ended, after)
+                    _read_late(old, t, h, w, epoch, len(continued), continued, ended, after)
                 # write: this request's stamp h into the run of its kind; most stamps are
                 # the run's new latest, within a window of the one before
                 if mark == on:
@@ -225,10 +229,11 @@ class LruPrefixIndex:
             del entries[key]
 
 
-def _read_late(old: int, t: int, w: int, epoch: int, i: int, continued: list[int],
+def _read_late(old: int, t: int, h: int, w: int, epoch: int, i: int, continued: list[int],
                ended: list[int], after: dict[int, int]) -> None:
     """Append key ``i``'s reads at tick ``t`` from an entry with a sighting after ``t``
-    (see the module docstring), and its first sighting after ``t`` when that is all."""
+    (see the module docstring), and its first sighting after ``t`` when that is all and
+    it is at or before ``h``."""
     m = _TICK_MAX
     el, es, cl, cs = old & m, (old >> _ES) & m, (old >> _CL) & m, old >> _CS
     c = 0 if not cs or cs > t else cl if cl <= t else max(cs, t - w)
@@ -236,7 +241,9 @@ def _read_late(old: int, t: int, w: int, epoch: int, i: int, continued: list[int
     continued.append(c + epoch if c else NEVER)
     ended.append(e + epoch if e else NEVER)
     if not c and not e:
-        after[i] = min(cs or m, es or m) + epoch
+        first = min(cs or m, es or m)
+        if first <= h:
+            after[i] = first + epoch
 
 
 def _stamp(old: int, shift: int, h: int, w: int) -> int:
