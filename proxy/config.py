@@ -88,6 +88,7 @@ class Settings:
     max_header_bytes: int = 64 * 1024
     max_upstream_connections: int = 1000
     upstream_keepalive_expiry: float = 4.0
+    upstream_resend_on_reset: bool = True
     connect_timeout: float = 5.0
     read_timeout: float = 300.0
     write_timeout: float = 30.0
@@ -351,6 +352,14 @@ OPTIONS: tuple[Option, ...] = (
            "shorter limit from an upstream that closes idle connections sooner, and raises it "
            "again, step by step up to this value, when connections outlive it (as after an "
            "upstream restart).", "S", group=Group.LIMITS),
+    Option("upstream_resend_on_reset", _bool, "Send a POST once more, on a new connection, when "
+           "the pooled connection it went out on is reset within 1 s before any byte of the "
+           "answer: an upstream closing an idle connection as the request arrived, with the "
+           "request unread, so no generation started. Safe when the proxy talks to the "
+           "server itself. Turn it off behind a load balancer or another proxy that may have "
+           "forwarded the request before the reset: there the request may be generating, and "
+           "a resend is a second generation; off, that client gets a 502 instead.",
+           flag_only_true=True, group=Group.LIMITS),
     Option("connect_timeout", _positive_float, "Seconds to connect to the upstream before answering 502.", "S",
            group=Group.LIMITS),
     Option("read_timeout", _positive_float, "Seconds to wait for the upstream's headers or for its next "

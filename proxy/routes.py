@@ -231,8 +231,9 @@ class V1Handler:
         self.client_label: Callable[[str], str] = (
             metrics.client_label if metrics is not None and metrics.client_label is not None
             else _unbounded)
-        # A key the proxy does not check is checked by the upstream: its 401 or 403 says
-        # the key was wrong, and a wrong key must not take a label (see _finish).
+        # A key the proxy does not check is checked by the upstream: only its answer,
+        # other than 401 or 403, says the key was right, and a wrong key must not take a
+        # label (see _finish and _key_accepted).
         self._upstream_checks_key = keys is None and settings.client_label_from == "key"
         self._secret_headers = frozenset(h.lower().encode() for h in settings.secret_headers)
         # Response id, model and finish reasons are read only for whoever reads them:
@@ -561,7 +562,7 @@ class V1Handler:
         """Record, metrics, log line and warning: once per request, whatever happened."""
         if not x.request_id:  # the client left before any answer: the log still needs an id
             x.request_id = uuid.uuid4().hex
-        if x.identity and not (self._upstream_checks_key and x.status in (401, 403)):
+        if x.identity and (not self._upstream_checks_key or _key_accepted(x)):
             x.client = self.client_label(x.identity)
         if x.reason:
             self._warnings.warning(
@@ -690,6 +691,16 @@ def _queue_header(value: str) -> float | None:
     except ValueError:
         return None
     return seconds if seconds >= 0 and math.isfinite(seconds) else None
+
+
+def _key_accepted(x: _Request) -> bool:
+    """Did the upstream take the key it was passed? Only an answer of its own says so,
+    with a status other than 401 or 403: a request the proxy refused itself (413, 408,
+    429, 404) or whose exchange failed (502, 504) never reached the upstream's key check,
+    so its key, perhaps a random one, takes no label value."""
+    if x.response is not None:
+        return x.response.status_code not in (401, 403)
+    return x.upstream == ALL_UPSTREAMS and x.status == 200  # the merged model list
 
 
 def _unbounded(model: str) -> str:

@@ -84,7 +84,7 @@ class UpstreamClient:
         self.transport = transport if transport is not None else WireTransport(
             max_connections=spec.max_connections, connect_timeout=spec.connect_timeout,
             read_timeout=spec.read_timeout, write_timeout=spec.write_timeout,
-            keepalive_expiry=spec.keepalive_expiry)
+            keepalive_expiry=spec.keepalive_expiry, resend_on_reset=spec.resend_on_reset)
         host_text = f"[{hostname}]" if ":" in hostname else hostname
         netloc = host_text.encode("idna") + (f":{parts.port}".encode() if parts.port else b"")
         self._host_header = netloc

@@ -58,6 +58,7 @@ _UPSTREAM_KEYS = {
     "read_timeout": "a number of seconds > 0",
     "write_timeout": "a number of seconds > 0",
     "keepalive_expiry": "a number of seconds > 0",
+    "resend_on_reset": "true or false",
     "headers": "a table of header names to values, e.g. { anthropic-version = \"2023-06-01\" }",
     "min_cacheable_tokens": "an integer >= 0 (tokens: the shortest prefix it caches)",
     "cache_granularity_tokens": "an integer >= 1 (tokens: the steps it caches in)",
@@ -71,6 +72,7 @@ UPSTREAM_LIMIT_SETTINGS = {
     "read_timeout": "read_timeout",
     "write_timeout": "write_timeout",
     "keepalive_expiry": "upstream_keepalive_expiry",
+    "resend_on_reset": "upstream_resend_on_reset",
 }
 # What the absence of each other key means; the settings reference shows it beside
 # _UPSTREAM_KEYS' wording (docs/generate.py refuses a key that has neither).
@@ -126,6 +128,7 @@ class UpstreamSpec:
     read_timeout: float = 300.0
     write_timeout: float = 30.0
     keepalive_expiry: float = 4.0
+    resend_on_reset: bool = True  # a POST reset unread is sent again (proxy.wire)
     headers: tuple[tuple[str, str], ...] = ()
     provider: str = ""  # gen_ai.provider.name; empty: from the host, else from the API
     # The prompt-cache doctor (proxy.prefix_check); None: the provider's default per API
@@ -213,6 +216,8 @@ def _spec(path: str, index: int, table: Mapping[str, Any], limits: Mapping[str, 
         values["routes"] = tuple(r.rstrip("/") for r in routes)
     if "default" in table:
         values["default"] = get("default", bool)
+    if "resend_on_reset" in table:
+        values["resend_on_reset"] = get("resend_on_reset", bool)
     if "provider" in table:
         values["provider"] = get("provider", str, lambda v: bool(_LABEL.match(v)))
     if "auth" in table:

@@ -92,8 +92,12 @@ What the client does, and does not do:
   sent again then, and a POST fails with a 502; so does a POST reset later than 1 s
   (a middlebox, a crash in mid-prefill: the request may have been read). What is left
   is an upstream that reads a whole request and then resets within that second without
-  a byte of answer, which servers do not do: that POST would be sent twice. The
-  client's clock runs throughout: the second connection's set-up is in the TTFT this
+  a byte of answer, which servers do not do: that POST would be sent twice. A load
+  balancer or another proxy between here and the server breaks the argument: the reset
+  is then its own, and it may have forwarded the request before it; so the resend of a
+  non-idempotent request is a setting (``resend_on_reset``,
+  ``--upstream-resend-on-reset``), on by default, and off such a POST fails with a 502
+  like a plain close. The client's clock runs throughout: the second connection's set-up is in the TTFT this
   proxy measures, as it is in the wait the client sees.
 * Timeouts, checked lazily (one timer per request, re-armed only when it fires): no
   bytes for ``read_timeout`` -> :class:`ReadTimeout`; the request not written within
@@ -169,6 +173,8 @@ Sink = Callable[[bytes], int]
 log = logging.getLogger("proxy.wire")
 
 _TOO_LARGE = f"response headers larger than {MAX_HEAD_BYTES // 1024} KiB"
+_TRAILERS_TOO_LARGE = (f"more than {MAX_HEAD_BYTES // 1024} KiB of chunk framing or trailers "
+                       "without a body byte")
 
 
 class UpstreamError(Exception):
@@ -268,7 +274,7 @@ class _Exchange:
     __slots__ = (
         "decoding", "error", "finished", "has_length", "head", "head_bytes", "headers_done",
         "idle_s", "informational", "keep_alive", "last_read", "message_done", "parts",
-        "raw_headers", "received", "sink", "status", "waiter", "write_started",
+        "raw_headers", "received", "sink", "status", "unframed", "waiter", "write_started",
     )  # fmt: skip
 
     def __init__(self, head: bool, now: float, idle_s: float = -1.0) -> None:
@@ -290,6 +296,9 @@ class _Exchange:
         self.write_started = now
         self.received = False  # any byte of the response yet
         self.head_bytes = 0  # bytes read before the headers were complete
+        # bytes read after the headers since the last body byte: chunk framing, and a
+        # trailer section after the last chunk (bounded like a head, see data_received)
+        self.unframed = 0
         self.decoding: _Decoding | None = None  # a transfer coding other than chunked
 
     def wake(self) -> None:
@@ -343,10 +352,17 @@ class _Connection(asyncio.Protocol):
         if not ex.headers_done:
             self._head_received(ex, data)
             return
+        ex.unframed += len(data)  # on_body sets it back to 0
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
             self._parse_failed(ex, exc)
+            return
+        if ex.unframed > MAX_HEAD_BYTES and not ex.message_done:
+            # Reads with no body byte: a trailer section (or chunk extensions) that does
+            # not end. httptools gathers a field's pieces until it ends, so its memory
+            # would grow with it: bounded as a head is, the response fails.
+            self._fail(ex, ResponseHeadTooLarge(_TRAILERS_TOO_LARGE))
             return
         self._flush(ex)
         if ex.message_done and not ex.finished:
@@ -411,8 +427,14 @@ class _Connection(asyncio.Protocol):
             raise _AfterTheEnd  # a second response to one request: parse none of it
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        assert self.ex is not None
-        self.ex.raw_headers.append((name, value))
+        ex = self.ex
+        assert ex is not None
+        if ex.headers_done:
+            # A trailer field after a chunked body (RFC 9112 section 7.1.2): httptools
+            # reports it here too. Dropped: the response's headers went to the client
+            # already, and no trailer may change what they said (x-queue-time included).
+            return
+        ex.raw_headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         ex = self.ex
@@ -430,16 +452,16 @@ class _Connection(asyncio.Protocol):
         if ex.head or status in (204, 304):
             ex.has_length = True  # no body
         else:
-            codings = None
+            codings: list[bytes] = []
             for k, v in ex.raw_headers:
                 name = k.lower()
                 if name == b"content-length":
                     ex.has_length = True
                 elif name == b"transfer-encoding":
-                    codings = v if codings is None else codings + b"," + v
-            if codings == b"chunked":
+                    codings.append(v)
+            if codings == [b"chunked"]:
                 ex.has_length = True
-            elif codings is not None:
+            elif codings:
                 ex.has_length, coding = _transfer_codings(codings)
                 if coding is not None:
                     ex.decoding = _Decoding(coding, self, ex)
@@ -451,6 +473,7 @@ class _Connection(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         ex = self.ex
         assert ex is not None
+        ex.unframed = 0
         if not ex.message_done:
             ex.parts.append(body)
 
@@ -639,22 +662,58 @@ _DECODABLE = {b"gzip": 16 + zlib.MAX_WBITS, b"x-gzip": 16 + zlib.MAX_WBITS,
               b"deflate": zlib.MAX_WBITS}
 
 
-def _transfer_codings(value: bytes) -> tuple[bool, bytes | None]:
-    """A ``Transfer-Encoding`` other than plain ``chunked`` (RFC 9112 section 6.3): is
-    ``chunked`` the final coding (else the body ends when the connection does), and
-    which one coding is left to undo (``gzip``, ``x-gzip`` or ``deflate``)? Anything
-    else (``compress``, ``br``, two codings, ``chunked`` not last, parameters) is a
-    :class:`RemoteProtocolError` before any byte goes to the client."""
-    codings = [c.strip().lower() for c in value.split(b",")]
-    codings = [c for c in codings if c and c != b"identity"]  # identity: no coding at all
+def _transfer_codings(lines: list[bytes]) -> tuple[bool, bytes | None]:
+    """A ``Transfer-Encoding`` other than plain ``chunked`` (RFC 9112 section 6.3), its
+    field lines as received: is ``chunked`` the final coding (else the body ends when the
+    connection does), and which one coding is left to undo (``gzip``, ``x-gzip`` or
+    ``deflate``)? Anything else (``compress``, ``br``, two codings, ``chunked`` not last,
+    parameters) is a :class:`RemoteProtocolError` before any byte goes to the client.
+
+    Whether the body is chunked is what the parser decides, not what this module reads
+    into the value: llhttp's rule has corners (``chunked, `` and ``chunked\t`` are not
+    chunked to it, ``, chunked`` is), and a client and its parser that disagree hand the
+    chunk framing on as content. So the parser is asked (:func:`_parser_reads_chunked`),
+    and a value whose list of codings says otherwise is refused."""
+    chunked = _parser_reads_chunked(lines)
+    value = b",".join(lines)
+    codings = [c.strip(b" \t").lower() for c in value.split(b",")]
+    codings = [c for c in codings if c]
+    if chunked != (bool(codings) and codings[-1] == b"chunked"):
+        shown = value.decode("latin-1")[:100]
+        raise RemoteProtocolError(f"ambiguous transfer coding from the upstream: {shown!r}")
     while codings[-2:] == [b"chunked", b"chunked"]:  # the header repeated, the body chunked
         codings.pop()  # once: the parser reads it so, and so does every client
-    chunked = bool(codings) and codings[-1] == b"chunked"
     rest = codings[:-1] if chunked else codings
+    # identity is no coding at all; it is dropped only here, after the decision above, so
+    # that "chunked, identity" (not chunked, to the parser) is the refusal below
+    rest = [c for c in rest if c != b"identity"]
     if len(rest) > 1 or (rest and rest[0] not in _DECODABLE):
         shown = value.decode("latin-1")[:100]
         raise RemoteProtocolError(f"unsupported transfer coding from the upstream: {shown!r}")
     return chunked, rest[0] if rest else None
+
+
+class _Ended:
+    """Callbacks of :func:`_parser_reads_chunked`'s probe."""
+
+    done = False
+
+    def on_message_complete(self) -> None:
+        self.done = True
+
+
+def _parser_reads_chunked(lines: list[bytes]) -> bool:
+    """Does httptools read a body with these ``Transfer-Encoding`` field lines as
+    chunked? Asked of a new parser with a last chunk as the body: it completes the
+    message only if it de-chunks. Paid only by responses with an unusual coding."""
+    probe = _Ended()
+    parser = httptools.HttpResponseParser(probe)
+    head = b"".join(b"Transfer-Encoding: " + v + b"\r\n" for v in lines)
+    try:
+        parser.feed_data(b"HTTP/1.1 200 OK\r\n" + head + b"\r\n0\r\n\r\n")
+    except httptools.HttpParserError:
+        return False  # the real parser refused the same lines already
+    return probe.done
 
 
 class _Decoding:
@@ -762,8 +821,11 @@ class WireTransport:
 
     def __init__(self, *, max_connections: int, connect_timeout: float, read_timeout: float,
                  write_timeout: float = 30.0, keepalive_expiry: float = 4.0,
-                 ssl_context: ssl.SSLContext | None = None) -> None:
+                 ssl_context: ssl.SSLContext | None = None, resend_on_reset: bool = True) -> None:
         self.connect_timeout = connect_timeout
+        # A non-idempotent request is sent again after ResetBeforeAnswer only with this on
+        # (--upstream-resend-on-reset): off when a middlebox may have forwarded it already.
+        self.resend_on_reset = resend_on_reset
         self.read_timeout = read_timeout
         self.write_timeout = write_timeout
         self.keepalive_expiry = keepalive_expiry
@@ -849,7 +911,8 @@ class WireTransport:
                     await ex.wait(self.loop)
                 if (ex.error is not None and reused and not ex.received and attempt == 0
                         and not isinstance(ex.error, UpstreamTimeout)
-                        and (method in IDEMPOTENT or isinstance(ex.error, ResetBeforeAnswer))):
+                        and (method in IDEMPOTENT or (self.resend_on_reset and isinstance(
+                            ex.error, ResetBeforeAnswer)))):
                     conn.release(ex)  # the upstream closed the idle connection as we used it
                     conn = None
                     continue

@@ -174,10 +174,10 @@ def test_an_absent_upstream_limit_is_the_top_level_setting(tmp_path: Path) -> No
     a top-level value reaches an upstream that does not set the key."""
     top = {"max_concurrency": 7, "max_queue": 9, "max_upstream_connections": 11,
            "connect_timeout": 1.5, "read_timeout": 2.5, "write_timeout": 3.5,
-           "upstream_keepalive_expiry": 0.5}
+           "upstream_keepalive_expiry": 0.5, "upstream_resend_on_reset": False}
     assert set(top) == set(UPSTREAM_LIMIT_SETTINGS.values())
     path = tmp_path / "proxy.toml"
-    path.write_text("".join(f"{k} = {v}\n" for k, v in top.items())
+    path.write_text("".join(f"{k} = {_toml(v)}\n" for k, v in top.items())
                     + '[[upstream]]\nname = "a"\nurl = "http://127.0.0.1:9/v1"\ndefault = true\n')
     settings = from_sources(None, {"LLM_PROXY_CONFIG": str(path)})
     (spec,) = upstream_specs(str(path), read_file(str(path)), upstream_limits(settings), {})

@@ -173,6 +173,43 @@ async def test_keys_the_upstream_refuses_take_no_client_label(
     assert counts == {("", "401"): WRONG_KEYS, (label, "200"): 2}, counts
 
 
+async def test_requests_the_proxy_refuses_take_no_client_label_with_keys_passed_through(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keys passed through: a request the proxy answers itself (413 for its size, 502
+    for an upstream that broke before answering) never reached the upstream's key check,
+    so its key, random or not, takes none of ``--max-clients``' values; a key earns one
+    only with an answer of the upstream's other than 401/403."""
+    valid = "sk-good-" + secrets.token_hex(8)
+
+    async def check_key(conn: Conn) -> None:
+        if conn.request.model == "broken":
+            conn.reset()  # before any byte of an answer: a 502
+            return
+        await normal(conn)
+
+    monkeypatch.setenv("LLM_PROXY_FINGERPRINT_SECRET", SECRET)
+    upstream = ScriptedUpstream(behaviour=check_key)
+    with upstream.running(), served(upstream.url, client_label_from="key", max_clients=3,
+                                    max_body_bytes=4096) as (proxy, _):
+        async with client() as c:
+            for i in range(5):
+                r = await c.post(proxy.url + "/v1/chat/completions",
+                                 content=chat("ok", pad="x" * 8192),
+                                 headers=wrong_key_headers(i))
+                assert r.status_code == 413
+            for i in range(2):
+                r = await c.post(proxy.url + "/v1/chat/completions", content=chat("broken"),
+                                 headers=wrong_key_headers(i))
+                assert r.status_code == 502
+            for _ in range(2):
+                r = await c.post(proxy.url + "/v1/chat/completions", content=chat("ok"),
+                                 headers={"authorization": f"Bearer {valid}"})
+                assert r.status_code == 200
+            counts = await wait_counted(proxy.url + "/metrics", 9, c)
+    label = fingerprint(SECRET.encode(), valid.encode())
+    assert counts == {("", "413"): 5, ("", "502"): 2, (label, "200"): 2}, counts
+
+
 # ---------------------------------------------------------------------------
 # Credentials in an upstream URL
 

@@ -571,6 +571,95 @@ async def test_an_unsupported_transfer_coding_is_refused_before_the_body(fields:
                 await w.send("GET", up.endpoint, "/")
 
 
+@pytest.mark.parametrize("lines", [[b"chunked, identity"], [b"chunked", b"identity"],
+                                   [b"chunked, "], [b"chunked\t"], [b"chunked ,"]],
+                         ids=["identity-last", "identity-line", "comma-last", "tab", "space-comma"])
+async def test_chunked_not_last_to_the_parser_is_refused_before_the_body(
+        lines: list[bytes]) -> None:
+    """The parser reads each of these until the close, not as chunked (``chunked,
+    identity`` ends in identity; llhttp's own corners for the others): a client that
+    decided "chunked" from its own reading of the value handed the chunk framing on as
+    content and called a complete answer interrupted. Refused, like any coding with
+    chunked not last, before a byte goes to the client."""
+    fields = b"".join(b"transfer-encoding: %s\r\n" % v for v in lines)
+    answer = b"HTTP/1.1 200 OK\r\n%s\r\n3\r\nabc\r\n0\r\n\r\n" % fields
+    async with scripted(answering(lambda raw: answer if raw.startswith(b"GET /te")
+                                  else ok(b"after"))) as up, wire() as w:
+        with pytest.raises(RemoteProtocolError, match="transfer coding"):
+            await w.send("GET", up.endpoint, "/te")
+        assert await w.fetch("GET", up.endpoint, "/after") == (200, b"after")
+
+
+@pytest.mark.parametrize("fields", [b"identity, chunked", b"Chunked", b", chunked", b"CHUNKED "])
+async def test_chunked_last_to_the_parser_is_read_as_chunked(fields: bytes) -> None:
+    answer = b"HTTP/1.1 200 OK\r\ntransfer-encoding: %s\r\n\r\n3\r\nabc\r\n0\r\n\r\n" % fields
+    async with scripted(answering(lambda raw: answer)) as up, wire() as w:
+        for _ in range(2):
+            assert await w.fetch("GET", up.endpoint, "/") == (200, b"abc")
+        assert up.accepted == 1
+
+
+TRAILERS = b"x-queue-time: 5000\r\nx-trailer: 1\r\n\r\n"
+
+
+@pytest.mark.parametrize("together", [True, False], ids=["same-read", "later-read"])
+async def test_trailers_never_become_response_headers(together: bool) -> None:
+    """Trailer fields after a chunked body are read and dropped: none joins the
+    response's headers (those in the head's read would reach the client as headers), and
+    the connection, its response complete, is reused."""
+    head = b"HTTP/1.1 200 OK\r\nx-head: 1\r\ntransfer-encoding: chunked\r\n\r\n"
+    body = b"5\r\nhello\r\n0\r\n"
+
+    async def handler(up: Scripted, n: int, reader: asyncio.StreamReader,
+                      writer: asyncio.StreamWriter) -> None:
+        while await up.read_request(n, reader) is not None:
+            parts = [head + body + TRAILERS] if together else [head, body, TRAILERS]
+            for part in parts:
+                writer.write(part)
+                await writer.drain()
+                for _ in range(3):
+                    await asyncio.sleep(0)  # let the client read each part on its own
+
+    async with scripted(handler) as up, wire() as w:
+        for _ in range(2):
+            response = await w.send("GET", up.endpoint, "/")
+            assert await consume(response) == (b"hello", None)
+            assert response.headers.raw == [(b"x-head", b"1"), (b"transfer-encoding", b"chunked")]
+            assert response.headers.get("x-queue-time") == ""
+        assert up.accepted == 1
+
+
+@pytest.mark.parametrize("how", ["many-fields", "one-endless-field"])
+async def test_a_trailer_flood_fails_at_the_cap_and_closes_the_connection(how: str) -> None:
+    """Trailers that do not end: the body is handed on whole, then the response fails
+    once 64 KiB came without a body byte, the connection is closed, and nothing of the
+    flood was kept (the parser gathers one field's pieces until it ends, so one endless
+    field is a flood too)."""
+    async def handler(up: Scripted, n: int, reader: asyncio.StreamReader,
+                      writer: asyncio.StreamWriter) -> None:
+        if n > 1:
+            await answering()(up, n, reader, writer)
+            return
+        await up.read_request(n, reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n")
+        if how == "one-endless-field":
+            writer.write(b"x-endless: ")
+        while True:  # until the client closes: then the write fails
+            piece = header_lines(8192) if how == "many-fields" else b"v" * 8192
+            writer.write(piece)
+            await writer.drain()
+
+    async with scripted(handler) as up, wire(read_timeout=30.0) as w:
+        response = await w.send("GET", up.endpoint, "/flood")
+        async with asyncio.timeout(10):  # stopped at the cap, not at the read timeout
+            got, error = await consume(response)
+        assert got == b"hello"
+        assert isinstance(error, ResponseHeadTooLarge)
+        assert response.headers.raw == [(b"transfer-encoding", b"chunked")]
+        assert await w.fetch("GET", up.endpoint, "/next") == (200, b"/next")
+        assert up.accepted == 2
+
+
 async def test_a_decompression_bomb_is_held_back_by_a_paused_sink() -> None:
     """16 MiB of zeros in a 16 KiB gzip body: the sink gets it in pieces of at most
     DECODE_PIECE, one per pipe while it pauses, and the connection stays reusable."""

@@ -11,6 +11,7 @@ uvicorn servers on both sides and idle gaps straddling the upstream's limit.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
@@ -31,7 +32,7 @@ import uvicorn
 from prometheus_client import CollectorRegistry
 
 from proxy.app import create_app
-from proxy.config import Settings
+from proxy.config import Settings, add_arguments, from_sources
 from proxy.wire import (
     LEARNED_MARGIN,
     MIN_LEARNED_EXPIRY,
@@ -151,11 +152,15 @@ async def test_liveness_check_drops_a_connection_whose_close_the_loop_has_not_se
 # A reset with the request unread: sent again, whatever the method
 
 
-async def test_a_post_the_upstream_reset_unread_is_sent_again_on_a_new_connection() -> None:
+@pytest.mark.parametrize("resend", [True, False], ids=["resend-on", "resend-off"])
+async def test_a_post_the_upstream_reset_unread_is_sent_again_on_a_new_connection(
+        resend: bool) -> None:
     """A busy upstream's idle timer fires late, with the POST already in its socket:
     it closes the socket unread, the kernel answers with a reset. The request never
     reached the server's code, so it goes out once more, on a new connection, and the
-    reset teaches the idle limit."""
+    reset teaches the idle limit. With ``resend_on_reset`` off (a load balancer in
+    between may have forwarded it), it is a ReadError instead, sent once; a GET is still
+    sent again (idempotent)."""
     up = HandDriven()
     socks: list[socket.socket] = []
 
@@ -174,12 +179,21 @@ async def test_a_post_the_upstream_reset_unread_is_sent_again_on_a_new_connectio
         sock.close()  # unread bytes: the kernel sends a reset, not a FIN
 
     try:
-        async with wire(max_connections=1) as w:
+        async with wire(max_connections=1, resend_on_reset=resend) as w:
             first = asyncio.create_task(serve_one())
             assert await w.fetch("GET", up.endpoint, "/1") == (200, b"/1")
             await first
             assert w.transport.expiry(up.endpoint) == 4.0  # nothing learned yet
             reset = asyncio.create_task(close_with_the_request_unread(socks[0]))
+            if not resend:
+                with pytest.raises(ReadError):
+                    await w.send("POST", up.endpoint, "/2", b'{"model":"m"}')
+                await reset
+                assert len(socks) == 1 and up.requests == [up.requests[0]]  # never read
+                third = asyncio.create_task(serve_one())
+                assert await w.fetch("GET", up.endpoint, "/3") == (200, b"/3")
+                await third
+                return
             second = asyncio.create_task(serve_one())
             response = await w.send("POST", up.endpoint, "/2", b'{"model":"m"}')
             assert (response.status_code, await response.body.read(1000)) == (200, b"/2")
@@ -194,6 +208,15 @@ async def test_a_post_the_upstream_reset_unread_is_sent_again_on_a_new_connectio
         for sock in socks:
             sock.close()
         up.close()
+
+
+@pytest.mark.parametrize("flag", [[], ["--no-upstream-resend-on-reset"]])
+def test_the_resend_setting_reaches_the_upstream_client(flag: list[str]) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    settings = from_sources(parser.parse_args(["--upstream", "http://127.0.0.1:9/v1", *flag]), {})
+    app = create_app(settings, registry=CollectorRegistry())
+    assert app.upstream.transport.resend_on_reset is (not flag)
 
 
 async def test_a_reset_on_a_new_connection_is_not_sent_again() -> None:
