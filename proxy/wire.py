@@ -173,8 +173,8 @@ Sink = Callable[[bytes], int]
 log = logging.getLogger("proxy.wire")
 
 _TOO_LARGE = f"response headers larger than {MAX_HEAD_BYTES // 1024} KiB"
-_TRAILERS_TOO_LARGE = (f"more than {MAX_HEAD_BYTES // 1024} KiB of chunk framing or trailers "
-                       "without a body byte")
+_TRAILERS_TOO_LARGE = (f"response trailers, or chunk framing without a body byte, larger "
+                       f"than {MAX_HEAD_BYTES // 1024} KiB")
 
 
 class UpstreamError(Exception):
@@ -274,7 +274,8 @@ class _Exchange:
     __slots__ = (
         "decoding", "error", "finished", "has_length", "head", "head_bytes", "headers_done",
         "idle_s", "informational", "keep_alive", "last_read", "message_done", "parts",
-        "raw_headers", "received", "sink", "status", "unframed", "waiter", "write_started",
+        "raw_headers", "received", "sink", "status", "trailer_bytes", "unframed", "waiter",
+        "write_started",
     )  # fmt: skip
 
     def __init__(self, head: bool, now: float, idle_s: float = -1.0) -> None:
@@ -299,6 +300,7 @@ class _Exchange:
         # bytes read after the headers since the last body byte: chunk framing, and a
         # trailer section after the last chunk (bounded like a head, see data_received)
         self.unframed = 0
+        self.trailer_bytes = 0  # trailer fields read, as a head's fields are counted
         self.decoding: _Decoding | None = None  # a transfer coding other than chunked
 
     def wake(self) -> None:
@@ -433,6 +435,10 @@ class _Connection(asyncio.Protocol):
             # A trailer field after a chunked body (RFC 9112 section 7.1.2): httptools
             # reports it here too. Dropped: the response's headers went to the client
             # already, and no trailer may change what they said (x-queue-time included).
+            # Counted as a head's fields are, so a flood fails however the reads fall.
+            ex.trailer_bytes += len(name) + len(value) + 4
+            if ex.trailer_bytes > MAX_HEAD_BYTES:
+                raise ResponseHeadTooLarge(_TRAILERS_TOO_LARGE)
             return
         ex.raw_headers.append((name, value))
 
