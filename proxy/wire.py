@@ -20,7 +20,8 @@ What the client does, and does not do:
 * Bodies are de-chunked (``Transfer-Encoding: chunked``), sized by ``Content-Length``,
   or read until the upstream closes; 1xx responses are skipped.
 * Other transfer codings follow RFC 9112 section 6.3: with ``chunked`` the final coding
-  the body is de-chunked, else it is read until the upstream closes; the one coding left
+  the body is de-chunked, else it is read until the upstream closes (whether ``chunked``
+  is last is asked of the parser itself, :func:`_parser_reads_chunked`); the one coding left
   (``gzip``, ``x-gzip``, ``deflate``) is then undone here (:class:`_Decoding`), not
   passed on. A transfer coding is hop-by-hop (RFC 9112 section 6.1): it belongs to the
   upstream's connection, which ends here, and the proxy frames the body anew for its
@@ -114,6 +115,12 @@ What the client does, and does not do:
   neither grows the parser's memory nor waits for the read timeout. The count is kept
   on the head's reads only (``_head_received``); a head that arrives whole in one read
   with body bytes after it is measured by its header fields.
+* Trailer fields after a chunked body are read and dropped, never added to the
+  response's headers (those went to the client already, and ``x-queue-time`` must not
+  come from a trailer). They are counted as a head's fields are, and reads that bring
+  :data:`MAX_HEAD_BYTES` without a body byte (one endless trailer field, chunk
+  extensions) are a flood too: either is a :class:`ResponseHeadTooLarge` after every
+  body byte was handed on, and the connection is closed.
 * ``https://`` upstreams use ``ssl.create_default_context()`` (system CAs, SNI,
   hostname checks). Through an HTTP proxy (:class:`Endpoint` ``via``), an ``https``
   upstream is reached with ``CONNECT`` and TLS inside the tunnel; a plain ``http``

@@ -26,6 +26,7 @@ import logging
 import re
 import socket
 import struct
+import tracemalloc
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -649,15 +650,21 @@ async def test_a_trailer_flood_fails_at_the_cap_and_closes_the_connection(how: s
             writer.write(piece)
             await writer.drain()
 
-    async with scripted(handler) as up, wire(read_timeout=30.0) as w:
-        response = await w.send("GET", up.endpoint, "/flood")
-        async with asyncio.timeout(10):  # stopped at the cap, not at the read timeout
-            got, error = await consume(response)
-        assert got == b"hello"
-        assert isinstance(error, ResponseHeadTooLarge)
-        assert response.headers.raw == [(b"transfer-encoding", b"chunked")]
-        assert await w.fetch("GET", up.endpoint, "/next") == (200, b"/next")
-        assert up.accepted == 2
+    tracemalloc.start()
+    try:
+        async with scripted(handler) as up, wire(read_timeout=30.0) as w:
+            response = await w.send("GET", up.endpoint, "/flood")
+            async with asyncio.timeout(10):  # stopped at the cap, not at the read timeout
+                got, error = await consume(response)
+            peak = tracemalloc.get_traced_memory()[1]
+            assert got == b"hello"
+            assert isinstance(error, ResponseHeadTooLarge)
+            assert response.headers.raw == [(b"transfer-encoding", b"chunked")]
+            assert await w.fetch("GET", up.endpoint, "/next") == (200, b"/next")
+            assert up.accepted == 2
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * 1024 * 1024  # a flood kept whole passes this within the timeout
 
 
 async def test_a_decompression_bomb_is_held_back_by_a_paused_sink() -> None:
