@@ -5,8 +5,8 @@ the HTTP version, header fields of any count and size with any byte in their val
 client key in each form the proxy accepts (``Authorization: Bearer``, ``x-api-key``,
 ``api-key``) or a wrong, empty or Basic one, a body (valid JSON, invalid JSON, a huge
 array, deep nesting, non-UTF-8 bytes, one over ``--max-body-bytes``), framed by
-``Content-Length`` or chunked, sent in random pieces, and sometimes stalled part-way
-through its body. The proxy runs as ``serve`` runs it (uvicorn with httptools, client
+``Content-Length`` or chunked, sent in random pieces, sometimes slowly, sometimes
+stalled part-way through its body. The proxy runs as ``serve`` runs it (uvicorn with httptools, client
 keys checked, a server-held upstream key) in front of the suite's raw upstream, each on
 a thread of its own; the request goes over a raw socket.
 
@@ -36,12 +36,14 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httptools
 import httpx
 import pytest
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
+from hypothesis.errors import InvalidArgument
 from prometheus_client import CollectorRegistry
 
 from proxy.app import create_app
@@ -87,6 +89,25 @@ class Ask:
     framing: str  # length | chunked | none
     splits: tuple[int, ...]
     stall: bool  # stop half-way through the body and never send the rest
+    pace: float = 0.0  # seconds between two writes: a slow sender (well within the timeout)
+
+    def __repr__(self) -> str:  # a failing example's line: bodies run to megabytes
+        body = (
+            self.body
+            if len(self.body) <= 80
+            else (self.body[:40] + b"...(%d bytes)..." % len(self.body) + self.body[-20:])
+        )
+        fields = tuple(
+            (k, v if len(v) <= 40 else v[:20] + b"...(%d bytes)" % len(v)) for k, v in self.fields
+        )
+        return (
+            f"Ask({self.method!r}, {self.target!r}, {self.version!r}, {fields!r}, "
+            f"key={self.key!r}, body={body!r}, framing={self.framing!r}, "
+            f"splits={self.splits!r}, stall={self.stall!r}, pace={self.pace!r})"
+        )
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:  # hypothesis prints with this
+        p.text(repr(self))
 
     def key_fields(self) -> list[tuple[bytes, bytes]]:
         key = KEY.encode()
@@ -218,7 +239,8 @@ def asks(draw: st.DrawFn) -> Ask:
         body = b""
     stall = draw(st.integers(0, 14)) == 0
     splits = tuple(draw(st.lists(st.integers(1, 4096), max_size=8)))
-    return Ask(method, target, version, tuple(fields), key, body, framing, splits, stall)
+    pace = draw(st.sampled_from([0.0, 0.0, 0.0, 0.002]))
+    return Ask(method, target, version, tuple(fields), key, body, framing, splits, stall, pace)
 
 
 @dataclass(frozen=True)
@@ -251,9 +273,11 @@ def expect(a: Ask) -> Expected:
         return Expected(frozenset({413}), code="request_too_large")
     if a.key not in ("bearer", "bearer-lower", "x-api-key", "api-key"):
         return Expected(frozenset({401}), code="invalid_api_key")
-    if a.framing == "chunked" and len(a.body) > MAX_BODY:  # read up to the limit, then refused
-        return Expected(frozenset({413}), code="request_too_large")
-    if a.pieces()[1]:
+    pieces, stalled = a.pieces()
+    sent_body = sum(map(len, pieces)) - len(a.head)  # chunk framing included: a little over
+    if a.framing == "chunked" and len(a.body) > MAX_BODY and sent_body > MAX_BODY + 16:
+        return Expected(frozenset({413}), code="request_too_large")  # read up to the limit
+    if stalled:
         return Expected(frozenset({408}), code="body_timeout")
     return Expected(frozenset({200}))
 
@@ -346,18 +370,21 @@ def check(rig: Rig, a: Ask) -> None:
     ) as sock:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
-            for piece in pieces:
+            for i, piece in enumerate(pieces):
+                if i and a.pace:
+                    time.sleep(a.pace)  # the sender's pace, the subject here
                 sock.sendall(piece)
         except (BrokenPipeError, ConnectionResetError):
             pass  # refused before the whole request was sent: its answer is waiting
         if stalled:
             rig.others_are_served()  # while this one stalls
         status, answer = read_answer(sock)
-    event(
-        f"answered {status}"
-        + (" by uvicorn" if e.by_uvicorn else "")
-        + (" after a stall" if stalled else "")
-    )  # --hypothesis-show-statistics
+    with contextlib.suppress(InvalidArgument):  # outside a given test: no statistics
+        event(
+            f"answered {status}"
+            + (" by uvicorn" if e.by_uvicorn else "")
+            + (" after a stall" if stalled else "")
+        )  # --hypothesis-show-statistics
     assert status in e.statuses, (status, bytes(answer.body[:300]), e)
     if e.by_uvicorn:
         assert answer.headers.get(b"content-type", b"").startswith(b"text/plain")

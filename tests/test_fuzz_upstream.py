@@ -44,7 +44,6 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
-from prometheus_client import CollectorRegistry
 
 from proxy import dialects
 from proxy.measure import StreamTimer
@@ -380,7 +379,6 @@ def _error_event(body: bytes, a: Answer) -> bool:
 class Rig:
     loop: asyncio.AbstractEventLoop
     proxy: InProcess
-    registry: CollectorRegistry
     answer: list[Answer] = field(default_factory=list)
     written: asyncio.Event | None = None
 
@@ -429,7 +427,7 @@ def rig() -> Iterator[Rig]:
         if a.end == "keep" and a.after:
             await conn.until_closed(5)
 
-    proxy, registry = make_app(
+    proxy, _ = make_app(
         None,
         ScriptedClock(),
         behaviour=behaviour,
@@ -437,7 +435,7 @@ def rig() -> Iterator[Rig]:
         connect_timeout=2.0,
         max_upstream_connections=1,
     )
-    holder.append(Rig(loop, proxy, registry))
+    holder.append(Rig(loop, proxy))
     try:
         loop.run_until_complete(proxy.scripted.start())
         yield holder[0]
