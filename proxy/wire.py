@@ -20,12 +20,12 @@ What the client does, and does not do:
 * Bodies are de-chunked (``Transfer-Encoding: chunked``), sized by ``Content-Length``,
   or read until the upstream closes; 1xx responses are skipped.
 * Other transfer codings follow RFC 9112 section 6.3: with ``chunked`` the final coding
-  the body is de-chunked, else it is read until the upstream closes (whether ``chunked``
-  is last is asked of the parser itself, :func:`_parser_reads_chunked`); the one coding left
-  (``gzip``, ``x-gzip``, ``deflate``) is then undone here (:class:`_Decoding`), not
-  passed on. A transfer coding is hop-by-hop (RFC 9112 section 6.1): it belongs to the
-  upstream's connection, which ends here, and the proxy frames the body anew for its
-  own client without forwarding ``Transfer-Encoding``. Passing ``gzip`` on would need
+  the body is de-chunked, else it is read until the upstream closes (whether
+  ``chunked`` is last is asked of the parser itself, :func:`_parser_reads_chunked`); the
+  one coding left (``gzip``, ``x-gzip``, ``deflate``) is then undone here
+  (:class:`_Decoding`), not passed on. A transfer coding is hop-by-hop (RFC 9112
+  section 6.1): it belongs to the upstream's connection, which ends here, and the proxy
+  frames the body anew for its own client without forwarding ``Transfer-Encoding``. Passing ``gzip`` on would need
   ``Transfer-Encoding: gzip, chunked`` towards the client, which uvicorn cannot write
   and h11 (httpx, the openai SDK) refuses; nginx 1.22 (tried here) drops the coding's
   name and hands its client gzip bytes that look like content. Relabelling it
@@ -98,8 +98,8 @@ What the client does, and does not do:
   is then its own, and it may have forwarded the request before it; so the resend of a
   non-idempotent request is a setting (``resend_on_reset``,
   ``--upstream-resend-on-reset``), on by default, and off such a POST fails with a 502
-  like a plain close. The client's clock runs throughout: the second connection's set-up is in the TTFT this
-  proxy measures, as it is in the wait the client sees.
+  like a plain close. The client's clock runs throughout: the second connection's
+  set-up is in the TTFT this proxy measures, as it is in the wait the client sees.
 * Timeouts, checked lazily (one timer per request, re-armed only when it fires): no
   bytes for ``read_timeout`` -> :class:`ReadTimeout`; the request not written within
   ``write_timeout`` -> :class:`WriteTimeout`; connecting -> :class:`ConnectTimeout`.

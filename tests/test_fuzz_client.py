@@ -6,9 +6,9 @@ client key in each form the proxy accepts (``Authorization: Bearer``, ``x-api-ke
 ``api-key``) or a wrong, empty or Basic one, a body (valid JSON, invalid JSON, a huge
 array, deep nesting, non-UTF-8 bytes, one over ``--max-body-bytes``), framed by
 ``Content-Length`` or chunked, sent in random pieces, sometimes slowly, sometimes
-stalled part-way through its body. The proxy runs as ``serve`` runs it (uvicorn with httptools, client
-keys checked, a server-held upstream key) in front of the suite's raw upstream, each on
-a thread of its own; the request goes over a raw socket.
+stalled part-way through its body. The proxy runs as ``serve`` runs it (uvicorn with
+httptools, client keys checked, a server-held upstream key) in front of the suite's raw
+upstream, each on a thread of its own; the request goes over a raw socket.
 
 For every case:
 
