@@ -3,9 +3,10 @@
     python benchmarks/prefix_offload.py
     python benchmarks/prefix_offload.py --sizes 2048,8192,16384,32768,131072,409600 --requests 40
     python benchmarks/prefix_offload.py --quick         # smoke run, a few seconds
+    python benchmarks/prefix_offload.py --hostile       # bodies built to be costly per byte
 
-Why: :mod:`proxy.prefix_check` examines a prompt on the loop when its request body is
-at most ``INLINE_MAX_BYTES``, else in one worker thread. On the loop the whole cost
+Why: :mod:`proxy.prefix_check` examines a prompt on the loop when its estimated blocks
+(parts and body bytes) are at most ``INLINE_MAX_BLOCKS``, else in one worker thread. On the loop the whole cost
 delays every other stream's next event; in the thread the loop pays a hand-off (a
 submit, a wake-up through the loop's self-pipe), and the hashing still competes for the
 GIL (hashlib keeps it for 256-byte pieces), so the loop waits for the thread at most a
@@ -24,6 +25,13 @@ and forced to the thread, and reports per request, best of ``--repeat`` runs:
   examined (one request every ``--gap-ms``), the delay another stream's events would
   see.
 
+``--hostile`` prices bodies whose cost is in their parts, not their bytes (thousands of
+empty messages, tools or content parts in a few kilobytes, megabytes of tiny messages):
+per body, where :meth:`PrefixCheck.place` puts it, and the event loop's CPU for it the
+way the proxy runs it (``begin``, the batch or the hand-off, the wait), against the
+same body examined on the loop, which is where a decision by body bytes alone put the
+small ones.
+
 Figures from a busy machine are upper bounds; the lead's quiet runs go in
 ``benchmarks/RESULTS.md``.
 """
@@ -33,13 +41,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import json
 import statistics
 import time
 from typing import Any
 
 from proxy.config import Settings
-from proxy.dialects import CHAT
-from proxy.prefix_check import INLINE_MAX_BYTES, PrefixCheck, PrefixJob
+from proxy.dialects import CHAT, COMPLETIONS
+from proxy.prefix_check import INLINE_MAX_BLOCKS, PrefixCheck, PrefixJob
 from proxy.upstream_spec import UpstreamSpec
 
 WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india",
@@ -113,10 +122,77 @@ async def lateness(size: int, offload: bool, requests: int, gap_s: float) -> tup
     return p99 * 1e3, (late[-1] if late else 0.0) * 1e3
 
 
+def hostile_bodies(scale: float = 1.0) -> dict[str, dict[str, Any]]:
+    """Bodies whose cost is in their parts: the first four fit in 16 KiB."""
+    n = max(2, int(5448 * scale))
+    return {
+        "empty messages": {"model": "bench", "messages": [{}] * n},
+        "empty tools": {"model": "bench", "tools": [{}] * n,
+                        "messages": [{"role": "user", "content": "hi"}]},
+        "empty content parts": {"model": "bench", "messages": [
+            {"role": "user", "content": [""] * n}]},
+        "a token id, then strings": {"model": "bench", "prompt": [1] + [""] * n},
+        "tiny messages, MBs": {"model": "bench", "messages": [
+            {"role": "user", "content": "x"}] * int(200_000 * scale)},
+    }
+
+
+async def loop_cost(check: PrefixCheck, body: dict[str, Any], size: int, t: int,
+                    forced_inline: bool) -> tuple[float, float]:
+    """The event loop thread's CPU for one body, us: (its own work, what it spent while
+    a worker thread held the interpreter for it). As the proxy runs it (``begin``, the
+    batch or the hand-off), or examined on the loop whatever its size (``forced_inline``)."""
+    dialect = COMPLETIONS if "prompt" in body else CHAT
+    start = time.thread_time()
+    if forced_inline:
+        job: PrefixJob | None = PrefixJob(check, dialect, body, SPEC, t, offload=False)
+        assert job is not None
+        job.start()
+    else:
+        job = check.begin(dialect, body, SPEC, t / 1000, 200, size)
+        check.run_batch()
+        if job is not None:
+            job.start()  # what the loop's next turn does for a job handed to the thread
+    own = time.thread_time() - start
+    future = job._future if job is not None else None
+    if future is not None:
+        await asyncio.wrap_future(future)  # the loop idles, but shares the interpreter
+    return own * 1e6, (time.thread_time() - start - own) * 1e6
+
+
+async def hostile(args: argparse.Namespace) -> None:
+    scale = 0.05 if args.quick else 1.0
+    print(f"# prompt-cache doctor: hostile bodies (INLINE_MAX_BLOCKS = {INLINE_MAX_BLOCKS}); "
+          f"best of {args.repeat}; the event loop thread's CPU per body\n")
+    print("| body | JSON bytes | estimated blocks | place | loop: decision, hand-off or "
+          "examination | loop: while the thread works | loop if examined on it |")
+    print("| --- | ---: | ---: | --- | ---: | ---: | ---: |")
+    for name, body in hostile_bodies(scale).items():
+        size = len(json.dumps(body, separators=(",", ":")))
+        check = PrefixCheck(Settings())
+        blocks = check.estimate(body, size)
+        place = check.place(blocks)
+        placed: list[tuple[float, float]] = []
+        inline: list[float] = []
+        for r in range(args.repeat):
+            gc.collect()
+            placed.append(await loop_cost(check, body, size, 2 * r, False))
+            if size < 1_000_000 or not r:  # seconds each: once is enough
+                gc.collect()
+                inline.append(sum(await loop_cost(check, body, size, 2 * r + 1, True)))
+        check.close()
+        own, waiting = min(p[0] for p in placed), min(p[1] for p in placed)
+        print(f"| {name} | {size:,} | {blocks:,} | {place.value} | {own:,.0f} us "
+              f"| {waiting:,.0f} us | {min(inline):,.0f} us |", flush=True)
+
+
 async def main_async(args: argparse.Namespace) -> None:
+    if args.hostile:
+        await hostile(args)
+        return
     sizes = [int(s) for s in args.sizes.split(",")]
-    print(f"# prompt-cache doctor: on the loop or in the thread (INLINE_MAX_BYTES = "
-          f"{INLINE_MAX_BYTES}); best of {args.repeat}, {args.requests} new prompts each\n")
+    print(f"# prompt-cache doctor: on the loop or in the thread (INLINE_MAX_BLOCKS = "
+          f"{INLINE_MAX_BLOCKS}); best of {args.repeat}, {args.requests} new prompts each\n")
     print("| body | inline: loop CPU | thread: loop CPU | inline: total CPU "
           "| thread: total CPU | inline: late p99 / max | thread: late p99 / max |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -147,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gap-ms", type=float, default=2.0,
                         help="pause between prompts in the lateness runs")
     parser.add_argument("--quick", action="store_true", help="tiny counts: a smoke run")
+    parser.add_argument("--hostile", action="store_true",
+                        help="bodies costly per byte: where each goes, the loop's CPU")
     args = parser.parse_args(argv)
     if args.quick:
         args.requests, args.repeat = 3, 1

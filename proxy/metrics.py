@@ -133,8 +133,10 @@ PREFIX_HELP = {name: text.strip() for name, text in {
     "the shared index ([cache-index]) failed recently and is not asked until its pause "
     "(retry_ms, doubling while it fails, at most 30 s) is over; store_timeout: it did not "
     "answer within timeout_ms; store_error: it refused the connection or answered an "
-    "error; too_large: a prompt of more than 32768 keys (about 4 MiB), which the shared "
-    "index does not take; busy: the doctor's threads had a full backlog; late: the answer "
+    "error; too_large: a prompt estimated past the per-request key cap (32768 keys, "
+    "about 4 MiB of text or 16,000 parts; in process also an eighth of "
+    "--prefix-index-bytes), not examined so that it neither holds the doctor for seconds nor "
+    "pushes other requests' prompts out of the index; busy: the doctor's threads had a full backlog; late: the answer "
     "was relayed before the examination ended and the finish waited no longer (0.5 s); "
     "failed: the doctor raised (logged with its traceback). The request itself was "
     "relayed as always.",

@@ -24,14 +24,14 @@ per-process secret, the window) and runs one :class:`PrefixJob` per measured req
   token never waits for the job: it runs after it. Jobs run in **batches**, in the
   order they became ready: the first job of a batch schedules
   the batch :data:`BATCH_S` (200 ms) later, or at the loop's next turn once
-  :data:`BATCH_JOBS` jobs, or :data:`BATCH_BYTES` of their request bodies, wait. The
+  :data:`BATCH_JOBS` jobs, or :data:`BATCH_BLOCKS` of their estimated blocks, wait. The
   reason is the CPU's caches. At the 64-stream benchmark the proxy is busy about a
   fifth of the time, and code that runs once between waits runs cold: timed inside the
   running proxy (``benchmarks/timing_shim``), one small prompt's look took about 160
   us alone, against about 13 us in a tight loop, and about 50 us in batches of a dozen
   (``benchmarks/RESULTS.md``, "the doctor in batches"). A batch holds the loop for at
   most :data:`BATCH_JOBS` small prompts (a fraction of a millisecond) or about
-  :data:`BATCH_BYTES` of hashing plus one prompt, like one inline prompt of that size.
+  :data:`BATCH_BLOCKS` of work plus one prompt, like one inline prompt of that size.
   Nothing waits for a batch but the record: a request that finishes before its batch
   ran runs the batch at its finish (:meth:`PrefixJob.settle`), so the order stays the
   order of readiness. Only jobs that run on the loop are batched: one for a thread (a
@@ -40,16 +40,27 @@ per-process secret, the window) and runs one :class:`PrefixJob` per measured req
   lock for tens of milliseconds in a row, and the loop waits for it up to the switch
   interval each time: with 32 KB prompts at 64 streams, added ITL p99 went from 3.3 to
   6.0 ms in the run that found it.
-* **Where.** A body of up to :data:`INLINE_MAX_BYTES` is examined on the event loop
-  (tens of microseconds); a larger one in one worker thread, so that a 400 KB prompt
-  (about 10 ms of hashing) does not hold every other stream's next event for the whole
-  time. The hashing is Python around a C hash of 256-byte pieces, too small for hashlib
+* **Where.** The cost of a look follows the prompt's parts and blocks, not its bytes:
+  each part is built, hashed and looked up on its own (an empty message costs about
+  what a block of text does), and building the parts is itself a loop over the body's
+  items. So the place is decided before any part is built, from an estimate that reads
+  no item (:meth:`PrefixCheck.estimate`: the arrays' lengths, one part each, plus the
+  body's bytes over the block size; never fewer blocks than the prompt will have). A
+  prompt of up to :data:`INLINE_MAX_BLOCKS` is examined on the event loop (tens of
+  microseconds); a larger one in one worker thread, so that a 400 KB prompt, or
+  thousands of empty messages in a few kilobytes, does not hold every other stream's
+  next event for the whole time. A prompt whose keys would pass the per-request cap
+  (:attr:`PrefixCheck.max_keys`: the shared index's :data:`~proxy.prefix_store.MAX_KEYS`,
+  and in process at most an eighth of the index, :data:`INDEX_SHARE`) is not examined
+  at all (``too_large``): it would cost seconds of hashing and push out of the index
+  the prompts every other request repeats. The hashing is Python around a C hash of 256-byte pieces, too small for hashlib
   to release the GIL, so the thread still shares the interpreter with the loop: the
   loop gets it back at least every ``sys.getswitchinterval()`` (5 ms). At most
   :data:`MAX_PENDING` prompts wait for the thread; a request beyond that is not
   examined (a rate-limited warning says so), so a burst of huge prompts never queues
   work or memory without bound. ``benchmarks/prefix_offload.py`` prices both ways per
-  prompt size, which is where the threshold comes from.
+  prompt size, which is where the threshold comes from, and the loop's cost of hostile
+  bodies (many empty messages, tools or content parts).
 * **The finish.** :meth:`PrefixJob.settle` runs when the answer was relayed, before the
   record: it examines a prompt whose job never got its turn (an answer relayed without
   a single wait), and waits, at most :data:`SETTLE_S`, for a thread still hashing (an
@@ -106,6 +117,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import logging
 import math
 import threading
@@ -127,9 +139,10 @@ from proxy.diagnosis.prefix import (
     minimum_cacheable_tokens,
 )
 from proxy.diagnosis.prefix_index import DEFAULT_HORIZON_MS, LruPrefixIndex, PrefixIndex
-from proxy.dialects import Dialect, cache_scope
+from proxy.dialects import Dialect, cache_scope, part_bound
 from proxy.measure import PrefixRecord
 from proxy.prefix_store import (
+    MAX_KEYS,
     STORE_DOWN,
     STORE_ERROR,
     STORE_TIMEOUT,
@@ -141,14 +154,15 @@ from proxy.upstream_spec import UpstreamSpec
 
 log = logging.getLogger("proxy")
 
-INLINE_MAX_BYTES = 16 * 1024  # request body bytes examined on the event loop
+INLINE_MAX_BLOCKS = 80  # estimated blocks (parts + body bytes / block) examined on the loop
 MAX_PENDING = 16  # large prompts waiting for, or in, the worker thread
 STORE_THREADS = 4  # with a shared index: threads that exchange the other prompts
 MAX_PENDING_SHARED = 256  # with a shared index: other prompts waiting for, or in, those
 SETTLE_S = 0.5  # how long the finish waits for a thread still hashing
 BATCH_S = 0.2  # how long the first job of a batch waits for others
 BATCH_JOBS = 16  # jobs that run a batch at the loop's next turn
-BATCH_BYTES = INLINE_MAX_BYTES  # ... or request body bytes
+BATCH_BLOCKS = INLINE_MAX_BLOCKS  # ... or estimated blocks
+INDEX_SHARE = 8  # a prompt may hold at most 1/INDEX_SHARE of the in-process index
 WARN_EVERY_S = 60.0
 
 # Why a request answered 2xx was not examined (PrefixRecord.unchecked); the shared
@@ -157,6 +171,15 @@ BUSY = "busy"  # the backlog of the doctor's threads was full
 LATE = "late"  # the finish came before the examination ended, and waited no longer
 FAILED = "failed"  # the doctor raised (logged with its traceback)
 UNCHECKED_REASONS = (STORE_DOWN, STORE_TIMEOUT, STORE_ERROR, TOO_LARGE, BUSY, LATE, FAILED)
+
+
+class Place(enum.Enum):
+    """Where a prompt is examined, decided from its estimated size before any part is
+    built (:meth:`PrefixCheck.place`)."""
+
+    INLINE = "inline"  # on the event loop, with its batch
+    THREAD = "thread"  # in the hashing thread
+    TOO_LARGE = "too_large"  # not at all: more keys than a request may hold
 
 
 class Examination(NamedTuple):
@@ -179,6 +202,7 @@ class PrefixCheck:
     :class:`LruPrefixIndex` bounded by ``--prefix-index-bytes``. Either forgets entries
     untouched for an hour or two windows, whichever is longer, so that an *expired*
     prefix can still be told from a new one.
+    :attr:`max_keys` caps the keys one request may hold (beyond: ``too_large``).
     ``secret`` keys the hasher when the index is in process (random per process by
     default): worker processes that capture one trace share one, so equal prompts get
     equal keys in every worker. The shared index's secret (``LLM_PROXY_PREFIX_SECRET``)
@@ -210,12 +234,15 @@ class PrefixCheck:
         elif isinstance(doctor.index, RedisPrefixIndex):
             self.shared = doctor.index
         self.doctor = doctor
+        capacity = getattr(doctor.index, "capacity", None)
+        self.max_keys = (min(MAX_KEYS, capacity // INDEX_SHARE)
+                         if isinstance(capacity, int) and self.shared is None else MAX_KEYS)
         self._executor: ThreadPoolExecutor | None = None  # started by the first large prompt
         self._slots = threading.BoundedSemaphore(MAX_PENDING)
         self._store_executor: ThreadPoolExecutor | None = None  # with a shared index
         self._store_slots = threading.BoundedSemaphore(MAX_PENDING_SHARED)
         self._batch: list[PrefixJob] = []  # jobs created and not started, in order
-        self._batch_bytes = 0
+        self._batch_blocks = 0
         self._batch_timer: asyncio.Handle | None = None
         self._lock = threading.Lock()
         self._warned_at = -math.inf
@@ -232,37 +259,60 @@ class PrefixCheck:
         output event calls :meth:`PrefixJob.ready` (see "When" above)."""
         if dialect is None or payload is None or not 200 <= status < 300:
             return None
-        offload = body_bytes > INLINE_MAX_BYTES
+        blocks = self.estimate(payload, body_bytes)
+        place = self.place(blocks)
         headers_ms = round((t0 if t_headers is None else t_headers) * 1000)
         job = PrefixJob(self, dialect, payload, upstream, round(t0 * 1000), headers_ms,
-                        body_bytes, offload=offload)
+                        blocks, offload=place is Place.THREAD)
+        if place is Place.TOO_LARGE:
+            job.skip(TOO_LARGE)
+            return job
         if not stream:
             job.ready()
         return job
 
-    def enqueue(self, job: PrefixJob, body_bytes: int) -> None:
-        """Add a job that became ready to the batch, or hand it to a thread at the loop's
-        next turn (see "When" above)."""
+    def enqueue(self, job: PrefixJob, blocks: int) -> None:
+        """Add a job that became ready (of ``blocks`` estimated blocks) to the batch, or
+        hand it to a thread at the loop's next turn (see "When" above)."""
         loop = asyncio.get_running_loop()
         if job.offload or self.shared is not None:  # for a thread: handed over at once
             loop.call_soon(job.start)
             return
         batch = self._batch
         batch.append(job)
-        self._batch_bytes += body_bytes
-        if self._batch_bytes >= BATCH_BYTES or len(batch) >= BATCH_JOBS:
+        self._batch_blocks += blocks
+        if self._batch_blocks >= BATCH_BLOCKS or len(batch) >= BATCH_JOBS:
             if self._batch_timer is not None:
                 self._batch_timer.cancel()
             self._batch_timer = loop.call_soon(self.run_batch)
         elif self._batch_timer is None:
             self._batch_timer = loop.call_later(BATCH_S, self.run_batch)
 
+    def estimate(self, payload: Mapping[str, Any], body_bytes: int) -> int:
+        """At least the blocks the prompt of ``payload`` (a body of ``body_bytes``) will
+        be cut into, from the arrays' lengths and the body's size: each part is one block
+        and one more per :attr:`PromptHasher.block_bytes` of its text, and a part's text
+        is at most as long as its JSON (opaque parts are shorter). A body of few parts
+        also counts the pieces they are built from one by one (content arrays, token ids:
+        :func:`proxy.dialects.prompt.part_bound`), so that thousands of those in a few
+        kilobytes go to the thread too."""
+        return (part_bound(payload, walk_below=INLINE_MAX_BLOCKS)
+                + body_bytes // self.doctor.hasher.block_bytes)
+
+    def place(self, blocks: int) -> Place:
+        """Where a prompt of ``blocks`` estimated blocks is examined: too large when its
+        keys (two a block, and three for its scope) would pass :attr:`max_keys`, in the
+        thread past :data:`INLINE_MAX_BLOCKS`, else on the loop."""
+        if 2 * blocks + 3 > self.max_keys:
+            return Place.TOO_LARGE
+        return Place.THREAD if blocks > INLINE_MAX_BLOCKS else Place.INLINE
+
     def run_batch(self) -> None:
         """Examine every job of the batch, in order."""
         if self._batch_timer is not None:
             self._batch_timer.cancel()
             self._batch_timer = None
-        batch, self._batch, self._batch_bytes = self._batch, [], 0
+        batch, self._batch, self._batch_blocks = self._batch, [], 0
         for job in batch:
             job.start()
 
@@ -328,7 +378,7 @@ class PrefixCheck:
         if self._batch_timer is not None:
             self._batch_timer.cancel()
             self._batch_timer = None
-        self._batch, self._batch_bytes = [], 0
+        self._batch, self._batch_blocks = [], 0
         for executor in (self._executor, self._store_executor):
             if executor is not None:
                 executor.shutdown(wait=False, cancel_futures=True)
@@ -354,13 +404,13 @@ class PrefixJob:
     (with its batch, or at the finish), read once by the record (and by the trace
     capture: :attr:`hashed`)."""
 
-    __slots__ = ("_body_bytes", "_check", "_dialect", "_future", "_headers_ms", "_held_ms",
+    __slots__ = ("_blocks", "_check", "_dialect", "_future", "_headers_ms", "_held_ms",
                  "_minimum", "_now_ms", "_payload", "_result", "_started", "_step",
                  "_unchecked", "_upstream", "offload")
 
     def __init__(self, check: PrefixCheck, dialect: Dialect, payload: Mapping[str, Any],
                  upstream: UpstreamSpec, now_ms: int, headers_ms: int | None = None,
-                 body_bytes: int = 0, *, offload: bool) -> None:
+                 blocks: int = 0, *, offload: bool) -> None:
         self._check = check
         self._dialect = dialect
         self._payload = payload
@@ -370,7 +420,7 @@ class PrefixJob:
         self._now_ms = now_ms  # when the request arrived
         self._headers_ms = now_ms if headers_ms is None else headers_ms  # its headers' time
         self._held_ms: int | None = None  # when its prefill was done: ready from then
-        self._body_bytes = body_bytes
+        self._blocks = blocks  # estimated (PrefixCheck.estimate): its weight in a batch
         self.offload = offload  # for the hashing thread (a large prompt)
         self._started = False
         self._future: Future[Examination] | None = None
@@ -387,9 +437,15 @@ class PrefixJob:
             return
         self._held_ms = self._headers_ms if t is None else round(t * 1000)
         try:
-            self._check.enqueue(self, self._body_bytes)
+            self._check.enqueue(self, self._blocks)
         except Exception:  # no running loop (closing); the finish starts it, if it comes
             self._check._warn("prompt-cache doctor: a job could not be queued", trace=True)
+
+    def skip(self, reason: str) -> None:
+        """Never examine this prompt; the record says why (``reason``)."""
+        self._started = True
+        self._unchecked = reason
+        self._held_ms = self._headers_ms  # never queued: ready() has nothing to do
 
     def start(self) -> None:
         """Examine now on this thread, or hand the prompt to a worker thread (a large

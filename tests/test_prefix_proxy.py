@@ -38,7 +38,7 @@ from proxy.config_values import SettingsError
 from proxy.diagnosis.prefix import missed_prefill_ms
 from proxy.diagnosis.prefix_index import BYTES_PER_ENTRY
 from proxy.dialects import DIALECTS
-from proxy.prefix_check import INLINE_MAX_BYTES, MAX_PENDING, PrefixCheck, PrefixJob
+from proxy.prefix_check import INLINE_MAX_BLOCKS, MAX_PENDING, Place, PrefixCheck, PrefixJob
 from proxy.simulator.model import LatencyModel, SimConfig
 from proxy.upstream_spec import UpstreamSpec, upstream_specs
 from tests.fake_upstream import ScriptedClock, ScriptedUpstream, Seen, sse
@@ -58,6 +58,7 @@ MISSED = "llm_proxy_prompt_cache_missed_tokens_total"
 BREAKS = "llm_proxy_prompt_prefix_breaks_total"
 RATIO = "llm_proxy_prompt_repeated_prefix_ratio"
 MISSED_HIST = "llm_proxy_prompt_cache_missed_tokens_per_request"
+LARGE = 48 * 1024  # prompt bytes the doctor examines in its thread
 
 
 def text(n: int, seed: str) -> str:
@@ -569,7 +570,7 @@ async def test_a_large_prompt_is_examined_in_the_thread_while_another_stream_flo
         return examine(*args, **kwargs)
 
     monkeypatch.setattr(check.doctor, "look", slow_examine)
-    large = {**chat(("system", text(3 * INLINE_MAX_BYTES, "large")), ("user", "sum up")),
+    large = {**chat(("system", text(LARGE, "large")), ("user", "sum up")),
              "stream": True}
     small = {**chat(("system", STABLE), ("user", "hi"), model="m2"), "stream": True}
     answers.queue(12_000, 0)
@@ -588,7 +589,7 @@ async def test_a_large_prompt_is_examined_in_the_thread_while_another_stream_flo
         assert (await first).status_code == 200
     assert threads == ["prefix-doctor_0", "MainThread"]
     big, little = sorted(lines(log_file), key=lambda line: -line["prompt_bytes"])
-    assert big["prompt_bytes"] > INLINE_MAX_BYTES and big["prefix_break"] == "first_seen"
+    assert big["prompt_bytes"] > LARGE and big["prefix_break"] == "first_seen"
     assert little["prefix_break"] == "first_seen"
 
 
@@ -622,7 +623,7 @@ async def test_the_finish_waits_for_the_thread_a_bounded_time(
     monkeypatch.setattr(PrefixJob, "settle", settling)
     if not in_time:
         monkeypatch.setattr(prefix_check, "SETTLE_S", 0.05)
-    large = chat(("system", text(2 * INLINE_MAX_BYTES, "large")), ("user", "sum up"))
+    large = chat(("system", text(LARGE, "large")), ("user", "sum up"))
     async with app:
         response = await post(app, clock, CHAT, large)
         assert response.status_code == 200
@@ -630,7 +631,7 @@ async def test_the_finish_waits_for_the_thread_a_bounded_time(
         assert await asyncio.to_thread(done.wait, 30)
     (line,) = lines(log_file)
     if in_time:
-        assert line["prefix_break"] == "first_seen" and line["prompt_bytes"] > INLINE_MAX_BYTES
+        assert line["prefix_break"] == "first_seen" and line["prompt_bytes"] > LARGE
     else:  # too late for the record; the index still has the prompt
         assert line["prompt_bytes"] is None and line["outcome"] == "completed"
         assert line["prefix_unchecked"] == "late"
@@ -702,7 +703,7 @@ async def test_a_streams_job_waits_for_its_prefill_and_is_stamped_then() -> None
 async def test_jobs_run_in_batches_in_the_order_they_were_created(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A batch runs BATCH_S after its first job, or at the loop's next turn once it holds
-    BATCH_JOBS jobs or BATCH_BYTES of bodies; a finish that comes first runs the jobs
+    BATCH_JOBS jobs or BATCH_BLOCKS of estimated blocks; a finish that comes first runs the jobs
     before its own."""
     check = PrefixCheck(Settings())
     order: list[int] = []
@@ -734,9 +735,9 @@ async def test_jobs_run_in_batches_in_the_order_they_were_created(
     await asyncio.wait_for(ran.wait(), 30)
     assert order == [round((T0 + i) * 1000) for i in range(3)]
     assert all(job.report is not None for job in jobs)
-    # Bodies that reach BATCH_BYTES, or BATCH_JOBS jobs: the batch runs at the next turn.
+    # Bodies that reach BATCH_BLOCKS, or BATCH_JOBS jobs: the batch runs at the next turn.
     order.clear()
-    jobs = [begin(10), begin(11, prefix_check.BATCH_BYTES - 100)]
+    jobs = [begin(10), begin(11, (prefix_check.BATCH_BLOCKS - 20) * 256)]
     await asyncio.sleep(0)
     assert order == [round((T0 + i) * 1000) for i in (10, 11)]
     order.clear()
@@ -752,7 +753,7 @@ async def test_jobs_run_in_batches_in_the_order_they_were_created(
     # A job for the hashing thread (a large body) is handed over at once, not batched.
     monkeypatch.setattr(prefix_check, "BATCH_S", 60.0)  # the small one must wait
     order.clear()
-    small, large = begin(30), begin(31, INLINE_MAX_BYTES + 1)
+    small, large = begin(30), begin(31, (INLINE_MAX_BLOCKS + 1) * 256)
     assert await asyncio.to_thread(in_thread.wait, 30)
     assert order == [round((T0 + 31) * 1000)] and small.report is None
     await large.settle()
@@ -804,6 +805,101 @@ def test_the_threads_backlog_is_bounded(caplog: pytest.LogCaptureFixture) -> Non
     finally:
         gate.set()
         check.close()
+
+
+# ---------------------------------------------------------------------------
+# Bounded: the place follows the parts and blocks, and a prompt past the cap is not examined
+
+
+def body_bytes(body: dict[str, Any]) -> int:
+    return len(json.dumps(body, separators=(",", ":")))
+
+
+EMPTY_MESSAGES = {"model": "m", "messages": [{}] * 5000 + [{"role": "user", "content": "hi"}]}
+HOSTILE: dict[str, tuple[dict[str, Any], Place]] = {
+    "a short chat": (chat(("system", STABLE), ("user", "hi")), Place.INLINE),
+    "48 KB of text": (chat(("system", text(LARGE, "large")), ("user", "hi")), Place.THREAD),
+    "5,000 empty messages in 16 KB": (EMPTY_MESSAGES, Place.THREAD),
+    "5,000 empty tools": ({"model": "m", "tools": [{}] * 5000, "messages": []}, Place.THREAD),
+    "5,000 content parts in one message": (
+        chat(("user", [""] * 5000)), Place.THREAD),
+    "5,000 content parts in a tool result": (
+        {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "t", "content": [""] * 5000}]}]},
+        Place.THREAD),
+    "8,000 token ids": ({"model": "m", "prompt": [1] * 8000}, Place.THREAD),
+    "a token id, then 5,000 strings": ({"model": "m", "prompt": [1] + [""] * 5000},
+                                       Place.THREAD),
+    "200,000 tiny messages": (
+        {"model": "m", "messages": [{"role": "user", "content": "x"}] * 200_000},
+        Place.TOO_LARGE),
+    "5 MB of text": (chat(("user", "x" * (5 << 20))), Place.TOO_LARGE),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE))
+def test_the_place_follows_parts_and_blocks_not_body_bytes(case: str) -> None:
+    """Decided from the arrays' lengths and the body's bytes, before any part is built;
+    every hostile body but the last two is under 16 KiB, which used to mean the loop."""
+    body, place = HOSTILE[case]
+    check = PrefixCheck(Settings())
+    try:
+        assert check.max_keys == 32_768  # the shared index's cap; an eighth of 64 MiB is more
+        blocks = check.estimate(body, body_bytes(body))
+        assert check.place(blocks) is place
+        # never fewer blocks than the prompt has (the cap and the place rest on that)
+        parts = DIALECTS[COMPLETIONS if "prompt" in body else CHAT].prompt_parts(body)
+        if len(parts) < 10_000:
+            hashed = check.doctor.hasher.hash(parts, upstream=UP, model="m")
+            assert hashed is not None and len(hashed.chain) <= blocks
+    finally:
+        check.close()
+
+
+async def test_a_prompt_past_the_key_cap_is_not_examined_and_evicts_nothing(
+        tmp_path: Path) -> None:
+    """A small index (1,000 entries: a prompt may hold 125 keys): a steady prompt, then a
+    body of 2,000 empty messages (4,000 keys, enough to push every entry out), then the
+    steady prompt again, which still repeats whole."""
+    clock, answers = ScriptedClock(T0), Answers()
+    app, registry, log_file = doctor_app(answers, clock, tmp_path,
+                                         prefix_index_bytes=1000 * BYTES_PER_ENTRY)
+    assert app.v1.prefix is not None and app.v1.prefix.max_keys == 125
+    steady = chat(("system", STABLE), ("user", "hi"))
+    hostile = {"model": "m", "messages": [{}] * 2000 + [{"role": "user", "content": "hi"}]}
+    async with app:
+        await post(app, clock, CHAT, steady)
+        assert (await post(app, clock, CHAT, hostile, at=T0 + 1)).status_code == 200
+        await post(app, clock, CHAT, steady, at=T0 + 1.001)
+    first, big, again = lines(log_file)
+    assert first["prefix_break"] == "first_seen"
+    assert big["prefix_unchecked"] == "too_large" and big["prompt_bytes"] is None
+    assert big["outcome"] == "completed"
+    assert again["prefix_break"] is None
+    assert again["repeated_prefix_bytes"] == again["prompt_bytes"] == sum(sizes(CHAT, steady))
+    assert value(registry, "llm_proxy_prompt_prefix_unchecked_total", CHAT,
+                 reason="too_large") == 1
+
+
+async def test_thousands_of_empty_messages_in_a_small_body_go_to_the_thread(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    clock, answers = ScriptedClock(T0), Answers()
+    app, _, log_file = doctor_app(answers, clock, tmp_path)
+    check = app.v1.prefix
+    assert check is not None
+    examine = check.doctor.look
+    threads: list[str] = []
+
+    def where(*args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return examine(*args, **kwargs)
+
+    monkeypatch.setattr(check.doctor, "look", where)
+    assert body_bytes(EMPTY_MESSAGES) < 16 * 1024
+    async with app:
+        assert (await post(app, clock, CHAT, EMPTY_MESSAGES)).status_code == 200
+    assert threads == ["prefix-doctor_0"]
+    assert lines(log_file)[0]["prefix_break"] == "first_seen"
 
 
 # ---------------------------------------------------------------------------
@@ -1019,6 +1115,11 @@ def test_the_offload_benchmark_runs() -> None:
         cwd=root, capture_output=True, text=True, timeout=120, check=True).stdout
     rows = [line for line in out.splitlines() if line.startswith("| 2")]
     assert len(rows) == 2 and all(line.count(" us ") == 4 for line in rows), out
+    out = subprocess.run(
+        [sys.executable, "benchmarks/prefix_offload.py", "--quick", "--hostile"],
+        cwd=root, capture_output=True, text=True, timeout=120, check=True).stdout
+    rows = [line for line in out.splitlines() if line.count(" us ") == 3]
+    assert len(rows) == 5, out
 
 
 @pytest.mark.parametrize("api", ["chat", "responses", "messages"])

@@ -69,7 +69,7 @@ from proxy.dialects.base import (
 from proxy.dialects.chat import CHAT, ChatDialect
 from proxy.dialects.completions import COMPLETIONS, CompletionsDialect
 from proxy.dialects.messages import MESSAGES, MessagesDialect
-from proxy.dialects.prompt import PART_KINDS, PromptPart, cache_scope
+from proxy.dialects.prompt import PART_KINDS, PromptPart, cache_scope, part_bound
 from proxy.dialects.responses import RESPONSES, ResponsesDialect
 from proxy.dialects.template import TokenTemplate
 
@@ -101,6 +101,7 @@ __all__ = [
     "Usage",
     "cache_scope",
     "merge_usage",
+    "part_bound",
     "read_answer",
     "read_report",
     "report_of",

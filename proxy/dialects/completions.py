@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from proxy.dialects.chat import _ANSWER, _NONE, ChatDialect
-from proxy.dialects.prompt import PromptPart, _json_bytes, _utf8
+from proxy.dialects.prompt import PromptPart, _json_bytes, _token_id, _utf8
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,15 +51,17 @@ def _completions_parts(payload: Mapping[str, Any]) -> tuple[PromptPart, ...]:
         return (PromptPart("prompt", 0, "", _utf8(prompt)),)
     if not isinstance(prompt, list):
         return ()
-    if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        prompt = [prompt]  # one prompt sent as token ids
+    # An array that opens with a token id is one prompt sent as token ids, whatever
+    # follows (the API allows no mix): one part, as part_bound counts it, so that a
+    # malformed array of many items never costs a part each.
+    if prompt and _token_id(prompt[0]):
+        prompt = [prompt]
     parts = []
     for i, item in enumerate(prompt):  # batched prompts: one part each
         if isinstance(item, str):
             parts.append(PromptPart("prompt", i, "", _utf8(item)))
-        elif isinstance(item, list) and all(
-                isinstance(t, int) and not isinstance(t, bool) for t in item):
-            parts.append(PromptPart("prompt", i, "", " ".join(map(str, item)).encode()))
+        elif isinstance(item, list) and (not item or _token_id(item[0])):
+            parts.append(PromptPart("prompt", i, "", _utf8(" ".join(map(str, item)))))
         else:
             parts.append(PromptPart("prompt", i, "", _json_bytes(item)))
     return tuple(parts)

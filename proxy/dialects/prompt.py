@@ -158,6 +158,76 @@ def _tool_parts(payload: Mapping[str, Any], *names: str) -> list[PromptPart]:
     return parts
 
 
+# The body's arrays whose items become one part each, in any API; the other parts are
+# single fields (a system prompt, the instructions, a context id, a prompt string).
+_PART_ARRAYS = ("tools", "functions", "messages", "input", "instructions", "prompt")
+_SINGLE_PARTS = 8  # at most: system, instructions, two context ids, a prompt, and room
+_IDS_PER_PIECE = 16  # token ids written as text cost about a content piece per this many
+
+
+def part_bound(payload: Mapping[str, Any], *, walk_below: int = 0) -> int:
+    """At least as many parts as any dialect's ``prompt_parts`` builds from ``payload``:
+    what the prompt-cache doctor's cost follows, known before any part is built
+    (building parts is itself a loop over the items).
+
+    From the arrays' lengths alone, no item read, so that it costs the same for ten
+    messages as for a hundred thousand. When that count is below ``walk_below``, the
+    few items are read for what is inside them, each piece a part would be built from
+    one by one counted as one more: a content array's items (a tool result's, nested),
+    a sixteenth of a token-id array's ids. The walk stops once past ``walk_below``. A
+    completions ``prompt`` array that opens with a token id is one part, as
+    :mod:`proxy.dialects.completions` reads it."""
+    count = _SINGLE_PARTS
+    for name in _PART_ARRAYS:
+        value = payload.get(name)
+        if isinstance(value, list):
+            count += 1 if name == "prompt" and value and _token_id(value[0]) else len(value)
+    if count >= walk_below:
+        return count
+    system = payload.get("system")
+    count += _pieces(system, walk_below - count) if isinstance(system, list) else 0
+    for name in ("messages", "input", "instructions", "prompt"):
+        items = payload.get(name)
+        if not isinstance(items, list) or count >= walk_below:
+            continue
+        if name == "prompt":
+            if items and _token_id(items[0]):
+                count += len(items) // _IDS_PER_PIECE
+                continue
+            for item in items:
+                if isinstance(item, list):
+                    count += len(item) // _IDS_PER_PIECE
+            continue
+        for item in items:
+            if isinstance(item, dict):
+                content = item.get("content")
+                if isinstance(content, list):
+                    count += _pieces(content, walk_below - count)
+                    if count >= walk_below:
+                        break
+    return count
+
+
+def _pieces(value: list[Any], budget: int, depth: int = 0) -> int:
+    """Pieces of a content array read one by one (its items, and a tool result's content
+    within them), counted until past ``budget``."""
+    n = len(value)
+    if n >= budget or depth >= _NESTING_MAX:
+        return n
+    for item in value:
+        if isinstance(item, dict) and item.get("type") == "tool_result":
+            inner = item.get("content")
+            if isinstance(inner, list):
+                n += _pieces(inner, budget - n, depth + 1)
+                if n >= budget:
+                    break
+    return n
+
+
+def _token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def cache_scope(payload: Mapping[str, Any]) -> tuple[str, str]:
     """(model, cache key) of a parsed request body: prompts that differ in either never
     share a prefix cache. The key is OpenAI's ``prompt_cache_key`` and vLLM's
