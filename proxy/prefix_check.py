@@ -186,7 +186,8 @@ class Examination(NamedTuple):
     """One examination's result: the report (None: nothing to examine, or not examined),
     why it was not examined ("" when it was, or there was nothing to examine), and the
     shared index's round trip (None: in process, or nothing was sent), and the prompt's keys
-    for the trace capture (:mod:`proxy.capture`)."""
+    for the trace capture (:mod:`proxy.capture`), kept when the shared index failed: a
+    trace written while the store is down still shares prefixes."""
 
     report: PrefixReport | None
     unchecked: str = ""
@@ -334,8 +335,9 @@ class PrefixCheck:
                                       model=model, cache_key=cache_key, now_ms=now_ms,
                                       held_ms=held_ms)
         except Exception as exc:
-            if isinstance(exc, IndexUnavailable):
-                return Examination(None, exc.reason, exc.round_trip_s)
+            if isinstance(exc, IndexUnavailable):  # the keys stay, for the trace
+                hashed = exc.hashed if isinstance(exc.hashed, HashedPrompt) else None
+                return Examination(None, exc.reason, exc.round_trip_s, hashed)
             self._warn("prompt-cache doctor failed; the request is not examined", trace=True)
             return Examination(None, FAILED)
         index_s = shared.round_trip_s() if shared is not None else None

@@ -49,7 +49,9 @@ shares, so the doctor's answers are those of one process that saw all the traffi
   ``retry_ms`` (1 s by default), then by one request at a time, each failed try doubling
   the pause up to :data:`MAX_PAUSE_S`; a success closes it. Meanwhile requests are
   counted as unchecked (``store_down``) at no cost, so a store that is down or slow is
-  not hammered by every request of every replica, and no request waits for it. A probe
+  not hammered by every request of every replica, and no request waits for it. The
+  prompt's keys stay with the failure (:class:`~proxy.diagnosis.prefix_index.IndexUnanswered`),
+  so a trace written meanwhile still has its block ids. A probe
   of more than :data:`MAX_KEYS` keys (a prompt of about 4 MiB) is never sent: it would
   hold the store, and every replica's exchanges behind it, for over 100 ms.
 
@@ -69,7 +71,13 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from proxy.cache_index import CacheIndexSpec
-from proxy.diagnosis.prefix_index import DEFAULT_WINDOW_MS, NEVER, Probe, Sightings
+from proxy.diagnosis.prefix_index import (
+    DEFAULT_WINDOW_MS,
+    NEVER,
+    IndexUnanswered,
+    Probe,
+    Sightings,
+)
 
 log = logging.getLogger("proxy")
 
@@ -147,7 +155,7 @@ return table.concat(out)
 """
 
 
-class IndexUnavailable(Exception):
+class IndexUnavailable(IndexUnanswered):
     """The shared index did not answer this exchange: ``reason`` is one of
     :data:`STORE_DOWN`, :data:`STORE_TIMEOUT`, :data:`STORE_ERROR`, :data:`TOO_LARGE`;
     ``round_trip_s`` how long the failed attempt took (None: nothing was sent)."""

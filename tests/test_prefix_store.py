@@ -59,6 +59,7 @@ from tests.test_prefix_proxy import (
     T0,
     Answers,
     chat,
+    conversation,
     doctor_app,
     lines,
     post,
@@ -478,6 +479,31 @@ async def test_a_store_hung_down_or_back_costs_the_proxy_a_counted_miss(
     ratio = registry.get_sample_value("llm_proxy_prompt_repeated_prefix_ratio_count", {
         "route": CHAT, "model": "m", "upstream": "up"})
     assert ratio == 3
+
+
+@pytest.mark.anyio
+async def test_while_the_store_is_down_the_trace_keeps_the_prompts_keys(
+        tmp_path: Path, store: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The store gone (refused, then not asked during the pause): neither request is
+    examined, but both trace lines carry their prompt's block ids, and the second turn of a
+    conversation shares the first turn's ids."""
+    monkeypatch.setenv(PREFIX_SECRET_ENV, SECRET)
+    clock, answers = ScriptedClock(T0), Answers()
+    trace = tmp_path / "trace.jsonl"
+    app, _, log_file = doctor_app(answers, clock, tmp_path, cache_index=spec_of(store),
+                                  trace_file=str(trace), trace_block_size=16)
+    turn1, turn2 = conversation(CHAT, 1), conversation(CHAT, 2)
+    answers.queue(2500, 0)
+    answers.queue(3000, 0)
+    store.kill()
+    async with app:
+        await post(app, clock, CHAT, turn1)
+        await post(app, clock, CHAT, turn2, at=T0 + 1)
+    assert [line["prefix_unchecked"] for line in lines(log_file)] == [STORE_ERROR, STORE_DOWN]
+    first, second = [line for line in lines(trace) if "hash_ids" in line]
+    assert (len(first["hash_ids"]), len(second["hash_ids"])) == (-(-2500 // 16), -(-3000 // 16))
+    shared = len(first["hash_ids"]) - 1  # the first turn's blocks but its partial last one
+    assert second["hash_ids"][:shared] == first["hash_ids"][:shared]
 
 
 # ---------------------------------------------------------------------------

@@ -135,6 +135,7 @@ from proxy.diagnosis.prefix_index import (
     ENDED,
     NEVER,
     SEEN,
+    IndexUnanswered,
     PrefixIndex,
     Probe,
     Sightings,
@@ -598,7 +599,11 @@ class PrefixDoctor:
         hashed = self.hasher.hash(parts, upstream=upstream, model=model, cache_key=cache_key)
         if hashed is None:
             return None
-        seen = self.index.exchange(hashed.probe(), now_ms, held_ms)
+        try:
+            seen = self.index.exchange(hashed.probe(), now_ms, held_ms)
+        except IndexUnanswered as exc:
+            exc.hashed = hashed  # the keys outlive the failed exchange (see the class)
+            raise
         return hashed, diagnose(hashed, seen, now_ms, self.policy)
 
 

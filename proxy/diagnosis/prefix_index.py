@@ -120,6 +120,15 @@ class Probe:
             raise ValueError("a probe needs one mark per key")
 
 
+class IndexUnanswered(Exception):
+    """An index that could not answer an exchange (a shared store down, slow, failing).
+    :meth:`proxy.diagnosis.prefix.PrefixDoctor.look` sets ``hashed`` to the prompt's
+    keys before it goes on: they are of use without the index's answer (a trace's block
+    ids), and hashing them again would double the cost of an outage."""
+
+    hashed: object = None
+
+
 class PrefixIndex(Protocol):
     """A store of key sightings: one exchange per request, all reads before all writes
     (a key the request holds twice is not seen by its own first write)."""
