@@ -268,6 +268,7 @@ class RequestRecord:
             "prefix_break": (p.break_reason or None) if p else None,
             "prefix_break_part": (p.break_part or None) if p else None,
             "prefix_break_index": p.break_index if p else None,
+            "prefix_break_role": (p.break_role or None) if p else None,
             "prefix_break_offset": p.break_offset if p else None,
         })
         return out

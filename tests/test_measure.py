@@ -423,7 +423,8 @@ def test_record_log_has_every_field() -> None:
     # The prompt-cache doctor's finding, flattened; null when it did not look.
     prefix_keys = {"prompt_bytes", "repeated_prefix_bytes", "repeated_prefix_tokens",
                    "cache_missed_tokens", "prefix_break", "prefix_break_part",
-                   "prefix_break_index", "prefix_break_offset", "prefix_unchecked"}
+                   "prefix_break_index", "prefix_break_role", "prefix_break_offset",
+                   "prefix_unchecked"}
     assert {log[key] for key in prefix_keys} == {None}
     assert json.loads(json.dumps(log)) == log
     assert all(not (isinstance(v, float) and math.isnan(v)) for v in log.values())

@@ -370,6 +370,26 @@ PAIRS: dict[str, tuple[str, dict[str, Any], dict[str, Any], float, str, str, int
         RESPONSES, {"model": "m", "instructions": "Be terse.", "input": "hi"},
         {"model": "m", "instructions": "Be verbose.", "input": "hi"}, 1,
         "instructions_changed", "instructions", 0, 0),
+    "another response_format": (
+        CHAT, chat(("system", STABLE), ("user", "hi"), response_format={"type": "json_object"}),
+        chat(("system", STABLE), ("user", "hi"), response_format={"type": "text"}), 1,
+        "settings_changed", "settings", 0, 0),
+    "another reasoning effort": (
+        RESPONSES, {"model": "m", "instructions": STABLE, "input": "hi",
+                    "reasoning": {"effort": "low"}},
+        {"model": "m", "instructions": STABLE, "input": "hi", "reasoning": {"effort": "high"}},
+        1, "settings_changed", "settings", 0, 0),
+    "thinking switched on": (
+        MESSAGES, {"model": "m", "max_tokens": 50, "system": STABLE,
+                   "messages": [{"role": "user", "content": "hi"}]},
+        {"model": "m", "max_tokens": 50, "system": STABLE,
+         "messages": [{"role": "user", "content": "hi"}],
+         "thinking": {"type": "enabled", "budget_tokens": 1024}},
+        1, "settings_changed", "settings", 0, 0),
+    "another model and other settings": (
+        CHAT, chat(("system", STABLE), ("user", "hi"), reasoning_effort="low"),
+        chat(("system", STABLE), ("user", "hi"), model="m2", reasoning_effort="high"), 1,
+        "model_changed", "none", None, None),
     "the first of two prompts": (
         COMPLETIONS, {"model": "m", "prompt": ["alpha " * 10, "beta " * 10]},
         {"model": "m", "prompt": ["gamma " * 10, "beta " * 10]}, 1, "prompt_changed", "prompt",
@@ -396,6 +416,45 @@ async def test_each_break_reason_from_a_request_pair(case: str, tmp_path: Path) 
     assert sum(counted.values()) == 2  # the first request (first_seen) and this one
     if reason not in ("model_changed", "cache_key_changed"):
         assert counted[("first_seen", "none")] == 1
+
+
+@pytest.mark.parametrize("route", [CHAT, RESPONSES, MESSAGES])
+async def test_a_changed_setting_is_named_and_nothing_is_missed(route: str,
+                                                                tmp_path: Path) -> None:
+    """Two requests of the same prompt text, one setting changed (a response schema, a
+    reasoning effort, the tool choice): the provider cannot reuse the cache, so the
+    doctor names the setting (never its value) and counts no token missed, although the
+    upstream reported none cached."""
+    schema = {"type": "json_schema", "json_schema": {"name": "private-schema-a"}}
+    other = {"type": "json_schema", "json_schema": {"name": "private-schema-b"}}
+    if route == CHAT:
+        name = "response_format"
+        first = chat(("system", STABLE), ("user", "hi"), response_format=schema)
+        second = chat(("system", STABLE), ("user", "hi"), response_format=other)
+    elif route == RESPONSES:
+        name = "text.format"
+        body = {"model": "m", "instructions": STABLE, "input": "hi"}
+        first = {**body, "text": {"format": schema, "verbosity": "low"}}
+        second = {**body, "text": {"format": other, "verbosity": "low"}}
+    else:
+        name = "tool_choice"
+        body = {"model": "m", "max_tokens": 50, "system": STABLE, "tools": TOOLS,
+                "messages": [{"role": "user", "content": "hi"}]}
+        first = {**body, "tool_choice": {"type": "auto", "private-schema-a": 1}}
+        second = {**body, "tool_choice": {"type": "any", "private-schema-b": 1}}
+    clock, answers = ScriptedClock(T0), Answers()
+    app, registry, log_file = doctor_app(answers, clock, tmp_path)
+    answers.queue(2000, 0)
+    answers.queue(2000, 0)
+    async with app:
+        await post(app, clock, route, first)
+        await post(app, clock, route, second, at=T0 + 1)
+    line = lines(log_file)[1]
+    assert (line["prefix_break"], line["prefix_break_part"]) == ("settings_changed", "settings")
+    assert line["prefix_break_role"] == name
+    assert line["repeated_prefix_bytes"] == 0 and line["cache_missed_tokens"] == 0
+    assert value(registry, BREAKS, route, reason="settings_changed", part="settings") == 1
+    assert b"private-schema" not in log_file.read_bytes()
 
 
 async def test_the_window_is_a_setting(tmp_path: Path) -> None:

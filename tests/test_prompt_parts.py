@@ -266,3 +266,26 @@ def test_deep_nesting_does_not_raise() -> None:
     for dialect in DIALECTS.values():
         dialect.prompt_parts({"messages": [{"role": "user", "content": deep}], "input": deep,
                               "system": deep, "prompt": deep})
+
+
+# ---------------------------------------------------------------------------
+# settings: ahead of every part, one per setting given, named, absent ones add nothing
+
+
+def test_settings_parts_come_first_named_and_only_when_given() -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+            "service_tier": "flex", "response_format": {"type": "json_object"}}
+    parts = CHAT.prompt_parts(body)
+    assert [(p.kind, p.index, p.role) for p in parts] == [
+        ("settings", 0, "response_format"), ("settings", 1, "service_tier"),
+        ("message", 0, "user")]
+    assert parts[0].data == b'{"type":"json_object"}'
+    assert [p.kind for p in CHAT.prompt_parts({"messages": body["messages"]})] == ["message"]
+    responses = RESPONSES.prompt_parts({"input": "hi", "text": {"verbosity": "low"},
+                                        "reasoning": {"summary": "auto"}})
+    assert [(p.kind, p.role) for p in responses] == [("settings", "text.verbosity"),
+                                                     ("input", "user")]
+    messages = MESSAGES.prompt_parts({"tool_choice": {"type": "any"}, "system": "s",
+                                      "thinking": {"type": "adaptive"}, "messages": []})
+    assert [(p.kind, p.role) for p in messages] == [
+        ("settings", "tool_choice"), ("settings", "thinking"), ("system", "system")]

@@ -28,8 +28,8 @@ The steps, for one request:
      whatever came before it. They answer "was the text after the break seen before?"
      even when the changed run before it has another length this time (a user name, a
      timestamp written differently).
-   * Two **anchors**: the first block under the upstream and model only, and under the
-     upstream only: they tell a changed ``prompt_cache_key`` and a changed model from a
+   * Two **anchors**: the first block of prompt text (after any ``settings`` parts) under
+     the upstream and model only, and under the upstream only: they tell a changed ``prompt_cache_key`` and a changed model from a
      prompt never seen.
 
    The digests are ``blake2b(key=secret, digest_size=8)``, with the secret random per
@@ -64,7 +64,9 @@ The steps, for one request:
      conversation that grew), there is no break; when no recent request ever went
      past it, neither. When one did, the prompt broke from the most similar recent
      request (the one sharing the longest prefix) at the next block, in part *p*:
-     ``variable_before_stable`` when part *p* has a short changed run (at most
+     ``settings_changed`` when *p* is a ``settings`` part (a request setting such as
+     ``response_format``, named by its role; the settings parts come first, and only
+     when the body gives them). Else ``variable_before_stable`` when part *p* has a short changed run (at most
      ``short_run_bytes``, two blocks and 256 bytes by default) followed by a tail seen
      before, with ``stable_bytes`` (that tail plus the following parts seen whole) at
      least ``min_stable_bytes`` (a block): the app put variable material ahead of
@@ -146,6 +148,7 @@ DEFAULT_BLOCK_BYTES = 256
 
 # Why a prefix stopped repeating: bounded, fit for a metric label.
 REASONS: tuple[str, ...] = (
+    "settings_changed",
     "tools_changed",
     "system_changed",
     "instructions_changed",
@@ -160,6 +163,7 @@ REASONS: tuple[str, ...] = (
     "first_seen",
 )
 _KIND_REASON = {
+    "settings": "settings_changed",
     "tools": "tools_changed",
     "system": "system_changed",
     "instructions": "instructions_changed",
@@ -319,10 +323,12 @@ class PromptHasher:
         return head
 
     def hash(
-        self, parts: Sequence[PromptPart], *, upstream: str, model: str, cache_key: str = ""
+        self, parts: Sequence[PromptPart], *, upstream: str, model: str, cache_key: str = "",
+        anchor: int = 0,
     ) -> HashedPrompt | None:
         """The keys of ``parts`` under the scope (upstream, model, cache key); None for a
-        prompt without parts (nothing to compare)."""
+        prompt without parts (nothing to compare). The anchors are taken from part
+        ``anchor``'s first block (the first part of the prompt text, after any settings)."""
         if not parts:
             return None
         size = self.block_bytes
@@ -362,12 +368,13 @@ class PromptHasher:
             tail.reverse()
             keys.extend(tail)
             suffixes.append(tuple(tail))
-        anchors = self._anchors.get(chain[0])  # chain[0] names the scope and first block
+        named = chain[first_block[anchor]]  # names the scope and the blocks up to the anchor's
+        anchors = self._anchors.get(named)
         if anchors is None:
-            first = parts[0]
+            first = parts[anchor]
             block = b"\x01" + head_of(first.kind, first.role) + first.data[:size]
             anchors = (self._digest(by_model, block), self._digest(by_upstream, block))
-            _keep(self._anchors, chain[0], anchors)
+            _keep(self._anchors, named, anchors)
         marks = (_SEEN * len(keys) + _ENDED_CHAIN + _CONTINUED * (len(chain) - 1)
                  + _SCOPE_MARKS)
         keys.extend(reversed(chain))
@@ -519,6 +526,8 @@ def diagnose(
         return base  # grown from a recent request that ended right here
     if seen.continued[parent] < cutoff:
         return base  # no recent request went on past here
+    if shape.kind == "settings":  # a request setting (its name is the role), never new text
+        return at._replace(reason="settings_changed")
 
     # A recent request went on past the last repeated block; this one differs there.
     # Its tail: the longest run of suffix keys of part p, from the end, seen recently.
@@ -596,7 +605,11 @@ class PrefixDoctor:
     ) -> tuple[HashedPrompt, PrefixReport] | None:
         """:meth:`examine`, with the prompt's keys (a capture turns them into a trace's
         block ids, :mod:`proxy.capture`)."""
-        hashed = self.hasher.hash(parts, upstream=upstream, model=model, cache_key=cache_key)
+        anchor = 0  # the first part of prompt text, after the settings parts
+        while anchor < len(parts) - 1 and parts[anchor].kind == "settings":
+            anchor += 1
+        hashed = self.hasher.hash(parts, upstream=upstream, model=model, cache_key=cache_key,
+                                  anchor=anchor)
         if hashed is None:
             return None
         try:
@@ -622,6 +635,8 @@ def part_name(kind: str, index: int | None, role: str, route: str = "") -> str:
         kind = "input" if route.endswith("/responses") else "message"
     if kind == "instructions":
         return "the instructions"
+    if kind == "settings":
+        return f"the request setting {role}" if role else "a request setting"
     if kind == "context":
         return f"the context ({role})" if role else "the context"
     name = {"tools": "tool", "message": "message", "input": "input item"}.get(kind, kind)
@@ -673,6 +688,10 @@ def explain_break(
                   "context_changed", "prompt_changed"):
         return (f"{where[0].upper()}{where[1:]} differs{at} from the most similar recent "
                 f"prompt, so everything after it is computed again: {_KEEP}.")
+    if reason == "settings_changed":
+        return (f"{where[0].upper()}{where[1:]} differs from the most similar recent prompt's: "
+                "a provider reuses a cached prefix only under the same settings, so the whole "
+                f"prompt is computed again: {_KEEP}.")
     if reason == "expired":
         return (f"The prefix up to {where}{at} was last sent longer ago than the prefix "
                 "window (--prefix-window), so a provider no longer holds it: only steadier "

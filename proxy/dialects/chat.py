@@ -21,7 +21,8 @@
   :meth:`proxy.dialects.base.Dialect.output_response` decodes that once, at the end of a
   stream where nothing else said why it ended. Non-stream answers: the same fields of
   the body.
-* Prompt parts: ``tools`` (and the legacy ``functions``), then ``messages``.
+* Prompt parts: the cache-relevant settings (:data:`CHAT_SETTINGS`), ``tools`` (and the
+  legacy ``functions``), then ``messages``.
 
 Completions (:mod:`proxy.dialects.completions`) is this reading with another output key.
 """
@@ -53,7 +54,13 @@ from proxy.dialects.base import (
     report_of,
     upstream_queue_seconds,
 )
-from proxy.dialects.prompt import _CHAT_SKIP, PromptPart, _message, _tool_parts
+from proxy.dialects.prompt import (
+    _CHAT_SKIP,
+    PromptPart,
+    _message,
+    _settings_parts,
+    _tool_parts,
+)
 
 
 def _usage_is_null(data: bytes) -> bool:
@@ -264,8 +271,14 @@ def _finish_given(data: bytes) -> bool:
     return False
 
 
+# Request settings a provider documents as keeping a prompt from reusing another's cache
+# (docs/prompt-caching.md, "Settings", says whose documentation and when).
+CHAT_SETTINGS = ("response_format", "reasoning_effort", "verbosity", "service_tier")
+
+
 def _chat_parts(payload: Mapping[str, Any]) -> tuple[PromptPart, ...]:
-    parts = _tool_parts(payload, "tools", "functions")
+    parts = _settings_parts(payload, CHAT_SETTINGS)
+    parts.extend(_tool_parts(payload, "tools", "functions"))
     messages = payload.get("messages")
     if isinstance(messages, list):
         parts.extend(_message(m, i, "message", _CHAT_SKIP) for i, m in enumerate(messages))

@@ -19,7 +19,8 @@
 * Response info: ``message.id`` and ``.model`` of ``message_start``,
   ``delta.stop_reason`` of ``message_delta``. Non-stream answers: the same fields of
   the body (``stop_reason`` for the reason).
-* Prompt parts: ``tools``, ``system``, ``messages`` (Anthropic's order).
+* Prompt parts: the cache-relevant settings (:data:`MESSAGES_SETTINGS`), then ``tools``,
+  ``system``, ``messages`` (Anthropic's order).
 """
 
 from __future__ import annotations
@@ -48,7 +49,14 @@ from proxy.dialects.base import (
     _usage_of,
     report_of,
 )
-from proxy.dialects.prompt import _CHAT_SKIP, PromptPart, _content, _message, _tool_parts
+from proxy.dialects.prompt import (
+    _CHAT_SKIP,
+    PromptPart,
+    _content,
+    _message,
+    _settings_parts,
+    _tool_parts,
+)
 
 _MESSAGES_OUTPUT: dict[str, tuple[str, EventInfo]] = {
     "text_delta": ("text", ANSWER),
@@ -182,8 +190,14 @@ class MessagesDialect:
         return _messages_parts(payload)
 
 
+# Request settings a provider documents as keeping a prompt from reusing another's cache
+# (docs/prompt-caching.md, "Settings", says whose documentation and when).
+MESSAGES_SETTINGS = ("tool_choice", "thinking", "output_config")
+
+
 def _messages_parts(payload: Mapping[str, Any]) -> tuple[PromptPart, ...]:
-    parts = _tool_parts(payload, "tools")
+    parts = _settings_parts(payload, MESSAGES_SETTINGS)
+    parts.extend(_tool_parts(payload, "tools"))
     system = payload.get("system")
     if system is not None:
         out: list[bytes] = []

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 PART_KINDS: tuple[str, ...] = (
-    "tools", "system", "instructions", "context", "message", "input", "prompt")
+    "settings", "tools", "system", "instructions", "context", "message", "input", "prompt")
 
 
 class PromptPart(NamedTuple):
@@ -161,7 +161,7 @@ def _tool_parts(payload: Mapping[str, Any], *names: str) -> list[PromptPart]:
 # The body's arrays whose items become one part each, in any API; the other parts are
 # single fields (a system prompt, the instructions, a context id, a prompt string).
 _PART_ARRAYS = ("tools", "functions", "messages", "input", "instructions", "prompt")
-_SINGLE_PARTS = 8  # at most: system, instructions, two context ids, a prompt, and room
+_SINGLE_PARTS = 16  # at most: settings, system, instructions, two context ids, a prompt
 _IDS_PER_PIECE = 16  # token ids written as text cost about a content piece per this many
 
 
@@ -226,6 +226,23 @@ def _pieces(value: list[Any], budget: int, depth: int = 0) -> int:
 
 def _token_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _settings_parts(payload: Mapping[str, Any], names: tuple[str, ...]) -> list[PromptPart]:
+    """One ``settings`` part per request setting of ``names`` that the body gives (a
+    dotted name reads a nested field: ``text.format``), in that order, the setting's name
+    as the part's role and its JSON as the bytes: ahead of every other part, so that a
+    changed setting breaks the prefix there and is named. A setting absent adds nothing,
+    so a body without any keeps the parts it always had."""
+    parts: list[PromptPart] = []
+    for name in names:
+        head, _, field = name.partition(".")
+        value = payload.get(head)
+        if field:
+            value = value.get(field) if isinstance(value, dict) else None
+        if value is not None:
+            parts.append(PromptPart("settings", len(parts), name, _json_bytes(value)))
+    return parts
 
 
 def cache_scope(payload: Mapping[str, Any]) -> tuple[str, str]:

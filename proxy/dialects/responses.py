@@ -21,7 +21,8 @@
 * Response info: ``response.id`` and ``.model`` of the final event, and as the reason
   its ``incomplete_details.reason`` when set, else its ``status``. Non-stream answers:
   the same fields of the body.
-* Prompt parts: ``instructions``, ``tools``, the server-side context it names
+* Prompt parts: the cache-relevant settings (:data:`RESPONSES_SETTINGS`),
+  ``instructions``, ``tools``, the server-side context it names
   (``previous_response_id``, ``conversation``: the proxy cannot see that text, so its
   id stands in for it), then ``input`` items.
 """
@@ -50,7 +51,14 @@ from proxy.dialects.base import (
     _usage_of,
     report_of,
 )
-from proxy.dialects.prompt import _ITEM_SKIP, PromptPart, _message, _tool_parts, _utf8
+from proxy.dialects.prompt import (
+    _ITEM_SKIP,
+    PromptPart,
+    _message,
+    _settings_parts,
+    _tool_parts,
+    _utf8,
+)
 
 _RESPONSES_OUTPUT: dict[str, EventInfo] = {
     "response.output_text.delta": ANSWER,
@@ -173,8 +181,13 @@ def _responses_response(response: Any) -> ResponseInfo | None:
     return _single_response(response, reason if isinstance(reason, str) and reason else status)
 
 
+# Request settings a provider documents as keeping a prompt from reusing another's cache
+# (docs/prompt-caching.md, "Settings", says whose documentation and when).
+RESPONSES_SETTINGS = ("text.format", "text.verbosity", "reasoning.effort", "service_tier")
+
+
 def _responses_parts(payload: Mapping[str, Any]) -> tuple[PromptPart, ...]:
-    parts: list[PromptPart] = []
+    parts = _settings_parts(payload, RESPONSES_SETTINGS)
     instructions = payload.get("instructions")
     if isinstance(instructions, str):
         parts.append(PromptPart("instructions", 0, "", _utf8(instructions)))
