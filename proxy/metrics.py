@@ -113,13 +113,14 @@ PREFIX_HELP = {name: text.strip() for name, text in {
     "upstream). "
     + _REPEATED + _TOKENS,
     "breaks": "Requests whose prompt stopped repeating a recent request's prefix, by why "
-    "(reason: tools_changed, system_changed, instructions_changed, context_changed, "
+    "(reason: settings_changed: a request setting such as response_format, tools_changed, "
+    "system_changed, instructions_changed, context_changed, "
     "message_changed, prompt_changed, variable_before_stable: a short changed run ahead "
     "of text seen before, expired: sent longer ago than --prefix-window, concurrent: sent "
     "only by requests whose prefill was done after this one arrived and before its own "
     "was, model_changed, "
-    "cache_key_changed, first_seen) and the kind of part where it broke (part: tools, "
-    "system, instructions, context, message, input, prompt; none for the reasons about "
+    "cache_key_changed, first_seen) and the kind of part where it broke (part: settings, "
+    "tools, system, instructions, context, message, input, prompt; none for the reasons about "
     "the whole prompt). A conversation that grew by a turn, or a new last message after "
     "the same history, is not a break. Positions are in the request log and the span. "
     + _REPEATED,
