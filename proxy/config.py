@@ -120,7 +120,7 @@ class Settings:
     client_label_from: str = ""
     max_clients: int = 50
     client_allowlist: tuple[str, ...] = ()
-    prefix_doctor: bool = False
+    prefix_doctor: bool = True
     prefix_window: float = 300.0
     prefix_index_bytes: int = DEFAULT_MAX_BYTES
     trace_file: str = ""
@@ -455,12 +455,9 @@ OPTIONS: tuple[Option, ...] = (
            "llm_proxy_prompt_prefix_breaks_total, the request log and the span). Each worker "
            "process keeps its own index, and finds only the repeats it served itself, unless "
            "the config file's [cache-index] table shares one on Redis or Valkey among every "
-           "worker and replica. Off by default: it costs CPU per request that grows with the "
-           "prompt's bytes (at 64 streams of 50-token answers about 3 percent of the proxy's "
-           "CPU per relayed event with short or 2 KB prompts, the 3 percent it is held to, "
-           "and 22 percent with 32 KB prompts; in a tight loop 36 us at 2 KB, 0.44 ms at 32 "
-           "KB, 5.5 ms at 400 KB, the large ones in a worker thread; "
-           "docs/prompt-caching.md#cost). "
+           "worker and replica. On by default; --no-prefix-doctor turns it off. It costs CPU "
+           "per request that grows with the prompt's parts and bytes, large prompts in a "
+           "worker thread (docs/prompt-caching.md#cost, benchmarks/RESULTS.md). "
            "--trace-file and a [cache-index] table need it.",
            flag_only_true=True, group=Group.DOCTOR),
     Option("prefix_window", _window, "Seconds a prompt prefix counts as repeatable after a "
@@ -746,13 +743,15 @@ def _check_combinations(s: Settings, name: Callable[[str], str],
                             "headers pass through unchanged)")
     if s.cache_index is not None and not s.prefix_doctor:
         raise SettingsError("the config file's [cache-index] table is the prompt-cache "
-                            "doctor's shared index: turn the doctor on with "
-                            f"{name('prefix_doctor')}, or remove the table")
+                            f"doctor's shared index, and the doctor is turned off "
+                            f"({name('prefix_doctor')}): leave it on (the default), or "
+                            "remove the table")
     if s.trace_file:
         if not s.prefix_doctor:
             raise SettingsError(f"invalid setting {name('trace_file')}: the trace's hash ids are "
-                                "the prompt-cache doctor's block hashes: turn it on with "
-                                f"{name('prefix_doctor')}")
+                                "the prompt-cache doctor's block hashes, and the doctor is "
+                                f"turned off ({name('prefix_doctor')}): leave it on (the "
+                                "default)")
         if not s.measure:
             raise SettingsError(f"invalid setting {name('trace_file')}: the trace records the "
                                 "measured usage and timings; it cannot be combined with "

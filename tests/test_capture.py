@@ -351,13 +351,13 @@ async def test_the_client_label_only_when_asked_for(asked: bool, tmp_path: Path)
     assert line["ttft_ms"] >= 0  # a stream: its time to first token
 
 
-DOCTOR = {"LLM_PROXY_PREFIX_DOCTOR": "true"}  # off by default; capture needs it
+DOCTOR: dict[str, str] = {}  # the doctor, which capture needs, is on by default
 
 
 def test_settings_that_cannot_capture_are_refused(tmp_path: Path) -> None:
     trace = str(tmp_path / "t.jsonl")
     for flags, message in [
-        ({"LLM_PROXY_PREFIX_DOCTOR": "false"}, "prompt-cache doctor"),  # off: the default
+        ({"LLM_PROXY_PREFIX_DOCTOR": "false"}, "prompt-cache doctor"),  # turned off
         ({"LLM_PROXY_MEASURE": "false"}, "--no-measure"),
         ({"LLM_PROXY_TRACE_CLIENT": "true"}, "no client label"),
         ({"LLM_PROXY_LOG_REQUESTS": trace}, "same file"),
@@ -381,6 +381,8 @@ def test_settings_that_cannot_capture_are_refused(tmp_path: Path) -> None:
                                "LLM_PROXY_TRACE_BLOCK_SIZE": "64",
                                "LLM_PROXY_TRACE_ROTATE_BYTES": "1000000"})
     assert (ok.trace_block_size, ok.trace_rotate_bytes) == (64, 1_000_000)
+    alone = from_sources(environ={"LLM_PROXY_TRACE_FILE": trace})  # no other setting needed
+    assert alone.trace_file == trace and alone.prefix_doctor
 
 
 # ---------------------------------------------------------------------------

@@ -16,6 +16,7 @@ prompts, and one end-to-end run with the official openai SDK in front of the sim
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import logging
@@ -33,7 +34,7 @@ from prometheus_client import CollectorRegistry
 
 from proxy import prefix_check
 from proxy.app import ProxyApp, create_app
-from proxy.config import Settings, from_sources, upstream_limits
+from proxy.config import Settings, add_arguments, from_sources, upstream_limits
 from proxy.config_values import SettingsError
 from proxy.diagnosis.prefix import missed_prefill_ms
 from proxy.diagnosis.prefix_index import BYTES_PER_ENTRY
@@ -966,12 +967,20 @@ async def test_thousands_of_empty_messages_in_a_small_body_go_to_the_thread(
 
 
 def test_settings_and_their_checks(tmp_path: Path) -> None:
-    s = Settings()  # off by default: its cost, docs/prompt-caching.md#cost
-    assert (s.prefix_doctor, s.prefix_window, s.prefix_index_bytes) == (False, 300.0, 64 << 20)
-    env = {"LLM_PROXY_PREFIX_WINDOW": "90", "LLM_PROXY_PREFIX_DOCTOR": "true",
+    s = Settings()  # on by default
+    assert (s.prefix_doctor, s.prefix_window, s.prefix_index_bytes) == (True, 300.0, 64 << 20)
+    env = {"LLM_PROXY_PREFIX_WINDOW": "90", "LLM_PROXY_PREFIX_DOCTOR": "false",
            "LLM_PROXY_PREFIX_INDEX_BYTES": "1000000"}
     s = from_sources(None, env)
-    assert (s.prefix_doctor, s.prefix_window, s.prefix_index_bytes) == (True, 90.0, 1_000_000)
+    assert (s.prefix_doctor, s.prefix_window, s.prefix_index_bytes) == (False, 90.0, 1_000_000)
+    config = tmp_path / "proxy.toml"
+    config.write_text('prefix_doctor = false\n[[upstream]]\nname = "u"\n'
+                      'url = "http://u:8000/v1"\ndefault = true\n')
+    assert not from_sources(None, {"LLM_PROXY_CONFIG": str(config)}).prefix_doctor
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert not from_sources(parser.parse_args(["--no-prefix-doctor"]), {}).prefix_doctor
+    assert "--prefix-doctor" in parser.format_help()
     for name, raw in (("PREFIX_WINDOW", "0"), ("PREFIX_WINDOW", "86401"),
                       ("PREFIX_INDEX_BYTES", str(BYTES_PER_ENTRY - 1))):
         with pytest.raises(SettingsError, match=f"LLM_PROXY_{name}"):
