@@ -1,7 +1,10 @@
 """Per-round ratios of two targets' CPU per event, from a ``run.py`` log.
 
-    python benchmarks/run.py --targets direct,proxy,proxy-doctor --loads 64 --rounds 15 > run.log
-    python benchmarks/paired.py run.log proxy-doctor/proxy [a/b ...]
+    python benchmarks/run.py --targets direct,proxy-doctor,proxy-nodoctor --loads 64 --rounds 15 > run.log
+    python benchmarks/paired.py run.log proxy-doctor/proxy-nodoctor [a/b ...]
+
+(The prompt-cache doctor is on by default, so ``proxy`` is ``proxy-doctor`` now; the
+doctor's price is ``proxy-doctor/proxy-nodoctor``.)
 
 Why: on this shared 2-core machine one target's CPU per event moves by 10-15 % from one
 round to the next, and the rounds' medians of two targets inherit that. ``run.py``
