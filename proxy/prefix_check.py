@@ -154,7 +154,9 @@ from proxy.upstream_spec import UpstreamSpec
 
 log = logging.getLogger("proxy")
 
-INLINE_MAX_BLOCKS = 80  # estimated blocks (parts + body bytes / block) examined on the loop
+# Estimated blocks (parts + body bytes / block) examined on the loop: the 16 KiB of text
+# that benchmarks/prefix_offload.py set the threshold at, in a few parts.
+INLINE_MAX_BLOCKS = 80
 MAX_PENDING = 16  # large prompts waiting for, or in, the worker thread
 STORE_THREADS = 4  # with a shared index: threads that exchange the other prompts
 MAX_PENDING_SHARED = 256  # with a shared index: other prompts waiting for, or in, those
