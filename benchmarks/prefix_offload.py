@@ -123,7 +123,8 @@ async def lateness(size: int, offload: bool, requests: int, gap_s: float) -> tup
 
 
 def hostile_bodies(scale: float = 1.0) -> dict[str, dict[str, Any]]:
-    """Bodies whose cost is in their parts: the first four fit in 16 KiB."""
+    """Bodies whose cost is in their parts: the first four fit in 16 KiB; the fifth is
+    about the most a request may hold (``PrefixCheck.max_keys``), the last far more."""
     n = max(2, int(5448 * scale))
     return {
         "empty messages": {"model": "bench", "messages": [{}] * n},
@@ -132,6 +133,8 @@ def hostile_bodies(scale: float = 1.0) -> dict[str, dict[str, Any]]:
         "empty content parts": {"model": "bench", "messages": [
             {"role": "user", "content": [""] * n}]},
         "a token id, then strings": {"model": "bench", "prompt": [1] + [""] * n},
+        "empty messages, up to the key cap": {"model": "bench",
+                                               "messages": [{}] * int(16_000 * scale)},
         "tiny messages, MBs": {"model": "bench", "messages": [
             {"role": "user", "content": "x"}] * int(200_000 * scale)},
     }

@@ -1187,7 +1187,7 @@ def test_the_offload_benchmark_runs() -> None:
         [sys.executable, "benchmarks/prefix_offload.py", "--quick", "--hostile"],
         cwd=root, capture_output=True, text=True, timeout=120, check=True).stdout
     rows = [line for line in out.splitlines() if line.count(" us ") == 3]
-    assert len(rows) == 5, out
+    assert len(rows) == 6, out
 
 
 @pytest.mark.parametrize("api", ["chat", "responses", "messages"])
