@@ -41,8 +41,8 @@ per-process secret, the window) and runs one :class:`PrefixJob` per measured req
   interval each time: with 32 KB prompts at 64 streams, added ITL p99 went from 3.3 to
   6.0 ms in the run that found it.
 * **Where.** The cost of a look follows the prompt's parts and blocks, not its bytes:
-  each part is built, hashed and looked up on its own (an empty message costs about
-  what a block of text does), and building the parts is itself a loop over the body's
+  each part is built, hashed and looked up on its own (an empty message costs more
+  than a block of text), and building the parts is itself a loop over the body's
   items. So the place is decided before any part is built, from an estimate that reads
   no item (:meth:`PrefixCheck.estimate`: the arrays' lengths, one part each, plus the
   body's bytes over the block size; never fewer blocks than the prompt will have). A
@@ -53,9 +53,10 @@ per-process secret, the window) and runs one :class:`PrefixJob` per measured req
   (:attr:`PrefixCheck.max_keys`: the shared index's :data:`~proxy.prefix_store.MAX_KEYS`,
   and in process at most an eighth of the index, :data:`INDEX_SHARE`) is not examined
   at all (``too_large``): it would cost seconds of hashing and push out of the index
-  the prompts every other request repeats. The hashing is Python around a C hash of 256-byte pieces, too small for hashlib
-  to release the GIL, so the thread still shares the interpreter with the loop: the
-  loop gets it back at least every ``sys.getswitchinterval()`` (5 ms). At most
+  the prompts every other request repeats. The hashing is Python around a C hash of
+  256-byte pieces, too small for hashlib to release the GIL, so the thread still
+  shares the interpreter with the loop: the loop gets it back at least every
+  ``sys.getswitchinterval()`` (5 ms). At most
   :data:`MAX_PENDING` prompts wait for the thread; a request beyond that is not
   examined (a rate-limited warning says so), so a burst of huge prompts never queues
   work or memory without bound. ``benchmarks/prefix_offload.py`` prices both ways per

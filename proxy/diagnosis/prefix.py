@@ -29,8 +29,8 @@ The steps, for one request:
      even when the changed run before it has another length this time (a user name, a
      timestamp written differently).
    * Two **anchors**: the first block of prompt text (after any ``settings`` parts) under
-     the upstream and model only, and under the upstream only: they tell a changed ``prompt_cache_key`` and a changed model from a
-     prompt never seen.
+     the upstream and model only, and under the upstream only: they tell a changed
+     ``prompt_cache_key`` and a changed model from a prompt never seen.
 
    The digests are ``blake2b(key=secret, digest_size=8)``, with the secret random per
    process (:class:`PromptHasher` takes a shared one for several replicas), so a dump of
@@ -66,9 +66,9 @@ The steps, for one request:
      request (the one sharing the longest prefix) at the next block, in part *p*:
      ``settings_changed`` when *p* is a ``settings`` part (a request setting such as
      ``response_format``, named by its role; the settings parts come first, and only
-     when the body gives them). Else ``variable_before_stable`` when part *p* has a short changed run (at most
-     ``short_run_bytes``, two blocks and 256 bytes by default) followed by a tail seen
-     before, with ``stable_bytes`` (that tail plus the following parts seen whole) at
+     when the body gives them). Else ``variable_before_stable`` when part *p* has a
+     short changed run (at most ``short_run_bytes``, two blocks and 256 bytes by
+     default) followed by a tail seen before, with ``stable_bytes`` (that tail plus the following parts seen whole) at
      least ``min_stable_bytes`` (a block): the app put variable material ahead of
      stable material. Else, when *p* is the prompt's last part, no break: its newest
      message is new by nature (a new question after the same system prompt). Else a
