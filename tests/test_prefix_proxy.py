@@ -458,6 +458,27 @@ async def test_a_changed_setting_is_named_and_nothing_is_missed(route: str,
     assert b"private-schema" not in log_file.read_bytes()
 
 
+async def test_a_conversation_with_steady_settings_grows_without_a_break(
+        tmp_path: Path) -> None:
+    """Settings that stay the same are a prefix like any other: the next turn repeats
+    the whole previous one, and a new prompt is still first seen under another model."""
+    settings = {"response_format": {"type": "json_object"}, "reasoning_effort": "low"}
+    turn1 = {**conversation(CHAT, 1), **settings}
+    turn2 = {**conversation(CHAT, 2), **settings}
+    clock, answers = ScriptedClock(T0), Answers()
+    app, _, log_file = doctor_app(answers, clock, tmp_path)
+    async with app:
+        await post(app, clock, CHAT, turn1)
+        await post(app, clock, CHAT, turn2, at=T0 + 1)
+        await post(app, clock, CHAT, {**chat(("user", text(900, "new"))), **settings,
+                                      "model": "m3"}, at=T0 + 2)
+    first, second, third = lines(log_file)
+    assert first["prefix_break"] == "first_seen"
+    assert second["prefix_break"] is None
+    assert second["repeated_prefix_bytes"] == first["prompt_bytes"] == sum(sizes(CHAT, turn1))
+    assert third["prefix_break"] == "first_seen"
+
+
 async def test_the_window_is_a_setting(tmp_path: Path) -> None:
     clock, answers = ScriptedClock(T0), Answers()
     app, _, log_file = doctor_app(answers, clock, tmp_path, prefix_window=30.0)
