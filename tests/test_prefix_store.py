@@ -512,7 +512,7 @@ async def test_while_the_store_is_down_the_trace_keeps_the_prompts_keys(
 
 def write(tmp_path: Path, table: str, name: str = "proxy.toml", doctor: bool = True) -> str:
     path = tmp_path / name
-    path.write_text(("prefix_doctor = true\n\n" if doctor else "")
+    path.write_text(("" if doctor else "prefix_doctor = false\n\n")  # on by default
                     + '[[upstream]]\nname = "up"\nurl = "http://u:8000/v1"\ndefault = true\n\n'
                     + table)
     return str(path)
