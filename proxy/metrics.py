@@ -491,7 +491,7 @@ class Metrics:
             "else other; pending while it was still comparing), the doctor's break reason "
             "for the same request (doctor_reason, none when it found no break or did not "
             "look) and whether they agree (agreement: agree, disagree, doctor_silent, "
-            "doctor_blind for a request setting the doctor does not see, not_compared).",
+            "doctor_blind for what the doctor cannot see, a compacted context; not_compared).",
             (*base, "provider_reason", "doctor_reason", "agreement"), registry=reg)
         self._provider_children: dict[tuple[str, ...], Counter] = {}
         self._fit_children: dict[tuple[str, str, str], tuple[Counter, ...]] = {}

@@ -325,7 +325,7 @@ def _messages_stream(diagnostics: dict[str, Any] | None) -> list[bytes]:
     return [sse({"type": n, **p}, compact=True, event=n) for n, p in named]
 
 
-def _responses_stream(diagnostics: dict[str, Any]) -> list[bytes]:
+def _responses_stream(diagnostics: dict[str, Any] | None) -> list[bytes]:
     resp = {"id": "resp_2", "object": "response", "status": "in_progress", "model": "m"}
     done = {
         **resp,
@@ -352,13 +352,14 @@ def _responses_stream(diagnostics: dict[str, Any]) -> list[bytes]:
 def test_the_providers_reason_is_read_and_counted_against_the_doctors(tmp_path: Path) -> None:
     """Anthropic's diagnostics on message_start name system_changed, as the doctor does
     for a changed system prompt: agree. OpenAI's text_format_changed is a request
-    setting the doctor does not see: doctor_blind. Each reason and its missed tokens
-    are in the request log; the proxy added nothing to the requests."""
+    setting, which the doctor names settings_changed: agree. Each reason and its missed
+    tokens are in the request log; the proxy added nothing to the requests."""
     answers = [
         _messages_stream(None),
         _messages_stream(
             {"cache_miss_reason": {"type": "system_changed", "cache_missed_input_tokens": 812}}
         ),
+        _responses_stream(None),
         _responses_stream(
             {
                 "type": "cache_miss",
@@ -402,12 +403,15 @@ def test_the_providers_reason_is_read_and_counted_against_the_doctors(tmp_path: 
                 )
                 assert r.status_code == 200
                 wait_logged(log, 1 if system == SYSTEM else 2)
-            r = c.post(
-                base + "/v1/responses",
-                json={"model": "gpt-x", "stream": True, "instructions": SYSTEM, "input": "Hi"},
-            )
-            assert r.status_code == 200
-        lines = wait_logged(log, 3)
+            for kind in ("text", "json_object"):
+                r = c.post(
+                    base + "/v1/responses",
+                    json={"model": "gpt-x", "stream": True, "instructions": SYSTEM,
+                          "input": "Hi", "text": {"format": {"type": kind}}},
+                )
+                assert r.status_code == 200
+                wait_logged(log, 3 if kind == "text" else 4)
+        lines = wait_logged(log, 4)
         agree = metric(
             base,
             "llm_proxy_prompt_cache_provider_reasons_total",
@@ -415,24 +419,27 @@ def test_the_providers_reason_is_read_and_counted_against_the_doctors(tmp_path: 
             doctor_reason="system_changed",
             agreement="agree",
         )
-        blind = metric(
+        setting = metric(
             base,
             "llm_proxy_prompt_cache_provider_reasons_total",
             provider_reason="text_format_changed",
-            agreement="doctor_blind",
+            doctor_reason="settings_changed",
+            agreement="agree",
         )
-    first, second, third = lines
+    first, second, _, fourth = lines
     assert first["provider_cache_reason"] is None
     assert (second["provider_cache_reason"], second["provider_missed_tokens"]) == (
         "system_changed",
         812,
     )
     assert second["prefix_break"] == "system_changed"
-    assert (third["provider_cache_reason"], third["provider_missed_tokens"]) == (
+    assert (fourth["provider_cache_reason"], fourth["provider_missed_tokens"]) == (
         "text_format_changed",
         640,
     )
-    assert (agree, blind) == (1, 1)
+    assert (fourth["prefix_break"], fourth["prefix_break_role"]) == ("settings_changed",
+                                                                    "text.format")
+    assert (agree, setting) == (1, 1)
     for seen in upstream.requests:  # nothing added to ask for diagnostics
         body = seen.json
         assert "diagnostics" not in body and "prompt_cache_options" not in body

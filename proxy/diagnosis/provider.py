@@ -12,7 +12,7 @@ the doctor with every prompt it saw in its window, so the two can differ without
 being wrong. ``agree`` when the doctor's break names the same part (or both say nothing
 broke), ``disagree`` when it names another, ``doctor_silent`` when the provider names a
 miss and the doctor found none, ``doctor_blind`` when the provider names something the
-doctor does not see (a request setting), ``not_compared`` when the provider could not
+doctor does not see (a compacted context), ``not_compared`` when the provider could not
 compare (its comparison was pending, unavailable, or the earlier response unknown).
 """
 
@@ -69,6 +69,11 @@ _SAME: Mapping[str, frozenset[str]] = {
         }
     ),
     "prompt_cache_key_changed": frozenset({"cache_key_changed"}),
+    # request settings: the doctor's settings parts (docs/prompt-caching.md, "Settings")
+    "text_format_changed": frozenset({"settings_changed"}),
+    "reasoning_effort_changed": frozenset({"settings_changed"}),
+    "verbosity_changed": frozenset({"settings_changed"}),
+    "service_tier_changed": frozenset({"settings_changed"}),
 }
 _NOT_COMPARED = frozenset(
     {"previous_message_not_found", "unavailable", "comparison_response_not_found", PENDING, OTHER}
@@ -120,7 +125,7 @@ def agreement(provider: str, doctor: str) -> str:
         return "agree" if not doctor else "disagree"
     same = _SAME.get(provider)
     if same is None:
-        return "doctor_blind"  # a request setting: text format, reasoning effort, tier ...
+        return "doctor_blind"  # what the doctor cannot see: a compacted context
     if not doctor:
         return "doctor_silent"
     return "agree" if doctor in same else "disagree"
