@@ -630,8 +630,7 @@ class Demo:
             UpstreamSpec(SUPPORT[0], support_url, models=SUPPORT[2]),
         )
         trace_file = getattr(args, "trace_file", "")  # absent when embedded without it
-        # The doctor is off by default (its cost: docs/prompt-caching.md#cost); the demo
-        # shows what it finds.
+        # The doctor (on by default, said here too: the demo shows what it finds).
         settings = Settings(upstreams=specs, host=args.host, port=proxy_port,
                             prefix_doctor=True, trace_file=trace_file,
                             trace_block_size=getattr(args, "trace_block_size", 512))
