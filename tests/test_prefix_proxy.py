@@ -818,7 +818,7 @@ async def test_jobs_run_in_batches_in_the_order_they_were_created(
     assert all(job.report is not None for job in jobs)
     # Bodies that reach BATCH_BLOCKS, or BATCH_JOBS jobs: the batch runs at the next turn.
     order.clear()
-    jobs = [begin(10), begin(11, (prefix_check.BATCH_BLOCKS - 20) * 256)]
+    jobs = [begin(10), begin(11, (prefix_check.BATCH_BLOCKS - 3) * 256)]  # 2 + 77 blocks
     await asyncio.sleep(0)
     assert order == [round((T0 + i) * 1000) for i in (10, 11)]
     order.clear()
@@ -899,6 +899,13 @@ def body_bytes(body: dict[str, Any]) -> int:
 EMPTY_MESSAGES = {"model": "m", "messages": [{}] * 5000 + [{"role": "user", "content": "hi"}]}
 HOSTILE: dict[str, tuple[dict[str, Any], Place]] = {
     "a short chat": (chat(("system", STABLE), ("user", "hi")), Place.INLINE),
+    "a short chat with every setting": (
+        chat(("user", "hi"), response_format={"type": "json_object"}, reasoning_effort="low",
+             verbosity="low", service_tier="flex"), Place.INLINE),
+    "Responses with its settings": (
+        {"model": "m", "instructions": "x", "input": "hi", "previous_response_id": "r",
+         "text": {"format": {"type": "text"}, "verbosity": "low"},
+         "reasoning": {"effort": "low"}, "service_tier": "flex"}, Place.INLINE),
     "48 KB of text": (chat(("system", text(LARGE, "large")), ("user", "hi")), Place.THREAD),
     "5,000 empty messages in 16 KB": (EMPTY_MESSAGES, Place.THREAD),
     "5,000 empty tools": ({"model": "m", "tools": [{}] * 5000, "messages": []}, Place.THREAD),

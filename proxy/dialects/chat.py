@@ -56,6 +56,7 @@ from proxy.dialects.base import (
 )
 from proxy.dialects.prompt import (
     _CHAT_SKIP,
+    CHAT_SETTINGS,
     PromptPart,
     _message,
     _settings_parts,
@@ -269,11 +270,6 @@ def _finish_given(data: bytes) -> bool:
             return True
         at = data.find(b'"finish_reason"', at + 15)
     return False
-
-
-# Request settings a provider documents as keeping a prompt from reusing another's cache
-# (docs/prompt-caching.md, "Settings", says whose documentation and when).
-CHAT_SETTINGS = ("response_format", "reasoning_effort", "verbosity", "service_tier")
 
 
 def _chat_parts(payload: Mapping[str, Any]) -> tuple[PromptPart, ...]:

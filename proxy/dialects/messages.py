@@ -51,6 +51,7 @@ from proxy.dialects.base import (
 )
 from proxy.dialects.prompt import (
     _CHAT_SKIP,
+    MESSAGES_SETTINGS,
     PromptPart,
     _content,
     _message,
@@ -188,11 +189,6 @@ class MessagesDialect:
 
     def prompt_parts(self, payload: Mapping[str, Any]) -> tuple[PromptPart, ...]:
         return _messages_parts(payload)
-
-
-# Request settings a provider documents as keeping a prompt from reusing another's cache
-# (docs/prompt-caching.md, "Settings", says whose documentation and when).
-MESSAGES_SETTINGS = ("tool_choice", "thinking", "output_config")
 
 
 def _messages_parts(payload: Mapping[str, Any]) -> tuple[PromptPart, ...]:

@@ -158,10 +158,22 @@ def _tool_parts(payload: Mapping[str, Any], *names: str) -> list[PromptPart]:
     return parts
 
 
+# Request settings a provider documents as keeping a prompt from reusing another's cache,
+# per API, each a part of its own ahead of the prompt when the body gives it (a dotted
+# name reads a nested field); docs/prompt-caching.md, "Settings", says whose
+# documentation and when.
+CHAT_SETTINGS = ("response_format", "reasoning_effort", "verbosity", "service_tier")
+RESPONSES_SETTINGS = ("text.format", "text.verbosity", "reasoning.effort", "service_tier")
+MESSAGES_SETTINGS = ("tool_choice", "thinking", "output_config")
+
 # The body's arrays whose items become one part each, in any API; the other parts are
-# single fields (a system prompt, the instructions, a context id, a prompt string).
+# single fields: a setting, a system prompt, the instructions, a context id, a prompt or
+# input string. Each top-level field counts once per part it can make.
 _PART_ARRAYS = ("tools", "functions", "messages", "input", "instructions", "prompt")
-_SINGLE_PARTS = 16  # at most: settings, system, instructions, two context ids, a prompt
+_SINGLE_FIELDS: tuple[str, ...] = (
+    "system", "instructions", "previous_response_id", "conversation", "input", "prompt",
+    *(name.partition(".")[0]
+      for name in dict.fromkeys((*CHAT_SETTINGS, *RESPONSES_SETTINGS, *MESSAGES_SETTINGS))))
 _IDS_PER_PIECE = 16  # token ids written as text cost about a content piece per this many
 
 
@@ -177,7 +189,7 @@ def part_bound(payload: Mapping[str, Any], *, walk_below: int = 0) -> int:
     a sixteenth of a token-id array's ids. The walk stops once past ``walk_below``. A
     completions ``prompt`` array that opens with a token id is one part, as
     :mod:`proxy.dialects.completions` reads it."""
-    count = _SINGLE_PARTS
+    count = sum(name in payload for name in _SINGLE_FIELDS)
     for name in _PART_ARRAYS:
         value = payload.get(name)
         if isinstance(value, list):

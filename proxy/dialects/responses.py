@@ -53,6 +53,7 @@ from proxy.dialects.base import (
 )
 from proxy.dialects.prompt import (
     _ITEM_SKIP,
+    RESPONSES_SETTINGS,
     PromptPart,
     _message,
     _settings_parts,
@@ -179,11 +180,6 @@ def _responses_response(response: Any) -> ResponseInfo | None:
     details = response.get("incomplete_details")
     reason = details.get("reason") if isinstance(details, Mapping) else None
     return _single_response(response, reason if isinstance(reason, str) and reason else status)
-
-
-# Request settings a provider documents as keeping a prompt from reusing another's cache
-# (docs/prompt-caching.md, "Settings", says whose documentation and when).
-RESPONSES_SETTINGS = ("text.format", "text.verbosity", "reasoning.effort", "service_tier")
 
 
 def _responses_parts(payload: Mapping[str, Any]) -> tuple[PromptPart, ...]:
