@@ -511,7 +511,7 @@ def test_a_request_without_parts_gets_no_report() -> None:
 
 
 def test_reasons_are_bounded_labels() -> None:
-    assert len(REASONS) == len(set(REASONS)) == 12
+    assert len(REASONS) == len(set(REASONS)) == 13
     assert all(reason.replace("_", "").isalpha() for reason in REASONS)
 
 

@@ -12,7 +12,7 @@ request, never per event.
 What an example holds: sizes and positions (the part's kind, index and role, the byte
 offset of the block where it broke, the part's size, the changed run and the stable
 bytes after it, the prompt's bytes and tokens), never text. Memory is bounded: at most
-:data:`MAX_KEYS` examples, the least recently updated dropped first (reasons are 12,
+:data:`MAX_KEYS` examples, the least recently updated dropped first (reasons are 13,
 routes 4, and models and upstreams are bounded label values already).
 
 This is one process's memory: with ``--workers N`` the examples are those of the worker
