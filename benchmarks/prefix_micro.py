@@ -1,205 +1,335 @@
 """The prompt-cache doctor's CPU per request and memory per index entry, in process.
 
     python benchmarks/prefix_micro.py
-    python benchmarks/prefix_micro.py --sizes 2048,32768,409600 --blocks 64,128,256 --repeat 7
+    python benchmarks/prefix_micro.py --sizes 2048,32768,409600 --blocks 256 --repeat 7
+    python benchmarks/prefix_micro.py --baseline main --sizes 2048,32768 --blocks 256
+    python benchmarks/prefix_micro.py --profile 32768   # where one prompt's time goes
     python benchmarks/prefix_micro.py --quick          # smoke run, a second or two
 
 Why: the doctor hashes every measured prompt (:mod:`proxy.diagnosis.prefix`), so its
 cost grows with the prompt, not with the stream; a 400 KB prompt is about 100,000
 tokens. This runs exactly what the proxy runs per request, on chat prompts of the
-given sizes (a system prompt, then alternating user and assistant messages):
-``Dialect.prompt_parts`` on the parsed body, :meth:`PromptHasher.hash`, the exchange
-with a warm :class:`LruPrefixIndex` and :func:`diagnose`, for two cases: a prompt
-seen before (the common case: another turn of a conversation, every block a hit) and
-a new one (every block a miss and an insert). It reports, best of ``--repeat`` runs,
-the process CPU per request of each step and in total, per block size.
+given sizes (a system prompt, then alternating user and assistant messages of about
+1 KB): ``Dialect.prompt_parts`` on the parsed body, :meth:`PromptHasher.hash`, the
+exchange with a warm :class:`LruPrefixIndex` and :func:`diagnose`, for two cases: a
+prompt seen before (the common case: another turn of a conversation, every block a
+hit) and a new one (every block a miss and an insert). It reports, best of
+``--repeat`` runs, the process CPU per request of each step and in total, per block
+size. ``--text`` picks the prompts' text: ``prose`` (sentences and paragraphs, what
+content-defined chunking cuts at; the default) or ``words`` (words without a mark).
 
-It also prices the hash alone: the keyed ``blake2b`` the doctor uses against xxhash's
-XXH3 with a seed (when ``xxhash`` is installed), per block; and memory: the bytes one
+``--baseline REF`` also loads ``proxy/diagnosis/prefix.py`` as it is at the git
+revision REF (``git show``; the index and the dialects are this tree's) and times it
+on the same prompts, each run of a step alternating between the two in one process,
+so that a loaded machine slows both alike: compare the two columns as a ratio, not
+as absolute figures.
+
+It also prices the hash alone, per 256-byte block: the keyed ``blake2b`` chain the
+doctor used before (one ``update``, ``copy`` and ``digest`` a block), the keyed digest
+of a short input it uses now, and XXH3-128 of the block; and memory: the bytes one
 index entry costs (``tracemalloc``, the whole index over the entries it holds after
-``--entries`` distinct blocks), against ``BYTES_PER_ENTRY``.
+``--entries`` distinct blocks), against ``BYTES_PER_ENTRY``, and the keys per
+kilobyte of prompt.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
 import hashlib
+import importlib.util
 import json
 import os
+import pstats
+import random
+import subprocess
+import sys
+import tempfile
 import time
 import tracemalloc
 from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
-from proxy.diagnosis.prefix import PromptHasher, diagnose
+from proxy.diagnosis import prefix as current
 from proxy.diagnosis.prefix_index import BYTES_PER_ENTRY, LruPrefixIndex
 from proxy.dialects import CHAT
 
+ROOT = Path(__file__).resolve().parent.parent
 WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india",
          "juliet", "kilo", "lima", "mike", "november", "oscar", "papa", "quebec", "romeo")
 
 
-def chat_body(size: int, salt: int) -> dict[str, Any]:
+def words_text(n: int, seed: int) -> str:
+    """``n`` bytes of words, no sentence ends or newlines."""
+    words = [WORDS[(seed + i * 31) % len(WORDS)] for i in range(n // 6 + 1)]
+    return " ".join(words)[:n]
+
+
+def prose_text(n: int, seed: int) -> str:
+    """``n`` bytes of prose: sentences of 4 to 24 words, paragraphs of a few sentences."""
+    rng = random.Random(seed)
+    out: list[str] = []
+    size = 0
+    while size < n:
+        sentence = " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 24)))
+        piece = sentence.capitalize() + "." + ("\n\n" if rng.random() < 0.2 else " ")
+        out.append(piece)
+        size += len(piece)
+    return "".join(out)[:n]
+
+
+def chat_body(size: int, salt: int, text: str = "prose") -> dict[str, Any]:
     """A chat body of about ``size`` prompt bytes: a system prompt of a fifth of it, then
     messages of about 1 KB; ``salt`` makes the messages (not the system prompt) unique."""
     rng = (salt * 7919 + 17) % 1_000_003
-
-    def text(n: int, seed: int) -> str:
-        words = [WORDS[(seed + i * 31) % len(WORDS)] for i in range(n // 6 + 1)]
-        return " ".join(words)[:n]
-
-    messages = [{"role": "system", "content": text(size // 5, 1)}]
+    make = prose_text if text == "prose" else words_text
+    messages = [{"role": "system", "content": make(size // 5, 1)}]
     left = size - size // 5
     turn = 0
     while left > 0:
         chunk = min(1024, left)
         role = "user" if turn % 2 == 0 else "assistant"
-        messages.append({"role": role, "content": f"{rng}:{turn} " + text(chunk, rng + turn)})
+        messages.append({"role": role, "content": f"{rng}:{turn} " + make(chunk, rng + turn)})
         left -= chunk
         turn += 1
     return {"model": "bench", "messages": messages}
 
 
-def per_request(step: Callable[[int], None], requests: int, repeat: int) -> float:
-    """Best process CPU seconds per call of ``step(i)`` over ``requests`` calls."""
-    best = float("inf")
-    for _ in range(repeat):
-        gc.collect()
-        start = time.process_time()
-        for i in range(requests):
-            step(i)
-        best = min(best, (time.process_time() - start) / requests)
+def load_baseline(ref: str) -> ModuleType:
+    """``proxy/diagnosis/prefix.py`` at git revision ``ref``, as a module of its own."""
+    source = subprocess.run(["git", "show", f"{ref}:proxy/diagnosis/prefix.py"], cwd=ROOT,
+                            check=True, capture_output=True).stdout
+    path = Path(tempfile.mkdtemp()) / "prefix_baseline.py"
+    path.write_bytes(source)
+    spec = importlib.util.spec_from_file_location("prefix_baseline", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while it runs
+    spec.loader.exec_module(module)
+    return module
+
+
+def paired(steps: dict[str, Callable[[int], None]], requests: int, repeat: int
+           ) -> dict[str, float]:
+    """Best process CPU seconds per call of each ``step(i)`` over ``requests`` calls,
+    the steps' runs interleaved (their order alternating from run to run)."""
+    best = dict.fromkeys(steps, float("inf"))
+    names = list(steps)
+    for run in range(repeat):
+        for name in names if run % 2 == 0 else reversed(names):
+            step = steps[name]
+            gc.collect()
+            start = time.process_time()
+            for i in range(requests):
+                step(i)
+            best[name] = min(best[name], (time.process_time() - start) / requests)
     return best
 
 
-def doctor_costs(size: int, block: int, requests: int, repeat: int) -> dict[str, float]:
-    """CPU per request (us) of each step, for a repeated and for a new prompt."""
-    hasher = PromptHasher(block_bytes=block)
-    index = LruPrefixIndex(256 * 1024 * 1024)
-    bodies = [json.loads(json.dumps(chat_body(size, i))) for i in range(requests)]
-    seen_body = bodies[0]
-    parts = CHAT.prompt_parts(seen_body)
-    hashed = hasher.hash(parts, upstream="u", model="bench")
-    assert hashed is not None
-    clock = iter(range(1, 1 << 40))
-    index.exchange(hashed.probe(), next(clock))
-    probe = hashed.probe()
-    out: dict[str, float] = {"blocks": float(len(hashed.chain))}
-    out["parts_us"] = per_request(lambda i: CHAT.prompt_parts(seen_body), requests, repeat) * 1e6
-    out["hash_us"] = per_request(
-        lambda i: hasher.hash(parts, upstream="u", model="bench"), requests, repeat) * 1e6
-    out["exchange_hit_us"] = per_request(
-        lambda i: index.exchange(probe, next(clock)), requests, repeat) * 1e6
-    seen = index.exchange(probe, next(clock))
-    out["diagnose_us"] = per_request(
-        lambda i: diagnose(hashed, seen, 10), requests, repeat) * 1e6
+class Case:
+    """One doctor (a module's hasher and diagnose, this tree's index) and its prompts."""
 
-    def new_prompt(i: int) -> None:  # a prompt the index has not seen, whole path
-        body = bodies[i]
-        fresh = hasher.hash(CHAT.prompt_parts(body), upstream="u", model=f"m{i}-{time.time_ns()}")
-        assert fresh is not None
-        now = next(clock)
-        diagnose(fresh, index.exchange(fresh.probe(), now), now)
+    def __init__(self, module: ModuleType, size: int, block: int, requests: int,
+                 text: str) -> None:
+        self.module = module
+        self.hasher = module.PromptHasher(block_bytes=block)
+        self.index = LruPrefixIndex(256 * 1024 * 1024)
+        self.bodies = [json.loads(json.dumps(chat_body(size, i, text))) for i in range(requests)]
+        self.seen_body = self.bodies[0]
+        self.parts = CHAT.prompt_parts(self.seen_body)
+        hashed = self.hasher.hash(self.parts, upstream="u", model="bench")
+        assert hashed is not None
+        self.hashed = hashed
+        self.clock = iter(range(1, 1 << 40))
+        self.index.exchange(hashed.probe(), next(self.clock))
+        self.probe = hashed.probe()
+        self.seen = self.index.exchange(self.probe, next(self.clock))
 
-    out["new_total_us"] = per_request(new_prompt, requests, repeat) * 1e6
-    out["repeat_total_us"] = (out["parts_us"] + out["hash_us"] + out["exchange_hit_us"]
-                              + out["diagnose_us"])
+    def steps(self) -> dict[str, Callable[[int], None]]:
+        hasher, parts, index, probe, module = (self.hasher, self.parts, self.index, self.probe,
+                                               self.module)
+
+        def new_prompt(i: int) -> None:  # a prompt the index has not seen, whole path
+            fresh = hasher.hash(CHAT.prompt_parts(self.bodies[i]), upstream="u",
+                                model=f"m{i}-{time.time_ns()}")
+            assert fresh is not None
+            now = next(self.clock)
+            module.diagnose(fresh, index.exchange(fresh.probe(), now), now)
+
+        return {
+            "parts": lambda i: CHAT.prompt_parts(self.seen_body),
+            "hash": lambda i: hasher.hash(parts, upstream="u", model="bench"),
+            "exchange": lambda i: index.exchange(probe, next(self.clock)),
+            "diagnose": lambda i: module.diagnose(self.hashed, self.seen, 10),
+            "new": new_prompt,
+        }
+
+
+def doctor_costs(modules: dict[str, ModuleType], size: int, block: int, requests: int,
+                 repeat: int, text: str) -> dict[str, dict[str, float]]:
+    """CPU per request (us) of each step of each module's doctor, interleaved."""
+    cases = {name: Case(module, size, block, requests, text) for name, module in modules.items()}
+    out: dict[str, dict[str, float]] = {
+        name: {"blocks": float(len(case.hashed.chain)), "keys": float(len(case.hashed.keys))}
+        for name, case in cases.items()}
+    for step in ("parts", "hash", "exchange", "diagnose", "new"):
+        timed = paired({name: case.steps()[step] for name, case in cases.items()}, requests,
+                       repeat)
+        for name, seconds in timed.items():
+            out[name][step] = seconds * 1e6
+    for costs in out.values():
+        costs["repeat"] = costs["parts"] + costs["hash"] + costs["exchange"] + costs["diagnose"]
     return out
 
 
 def hash_costs(block: int, blocks: int, repeat: int) -> dict[str, float]:
-    """ns per block of a keyed chain: the doctor's blake2b, and XXH3 with a seed."""
+    """ns per block: the keyed blake2b chain over the block's bytes, the keyed digest of a
+    short input (a key and a condensed block), and XXH3-128 of the block."""
     data = os.urandom(block * blocks)
     view = memoryview(data)
     key = os.urandom(32)
     base = hashlib.blake2b(key=key, digest_size=8, person=b"prefix.chain")
+    short = os.urandom(24)
 
-    def blake(_: int) -> None:
-        prev = b"\0" * 8
+    def chain(_: int) -> None:
+        running = base.copy()
         for start in range(0, len(data), block):
+            running.update(view[start : start + block])
+            running.copy().digest()
+
+    def keyed_short(_: int) -> None:
+        for _start in range(0, len(data), block):
             h = base.copy()
-            h.update(prev)
-            h.update(view[start : start + block])
-            prev = h.digest()
+            h.update(short)
+            h.digest()
 
-    out = {"blake2b_ns": per_request(blake, 1, repeat) / blocks * 1e9}
+    steps = {"blake2b_chain_ns": chain, "keyed_short_ns": keyed_short}
     try:
-        import xxhash  # type: ignore[import-not-found, unused-ignore]
+        from xxhash import xxh3_128_digest
     except ImportError:
-        return out
-    digest = xxhash.xxh3_64_intdigest
-    seed = int.from_bytes(key[:8], "little")
+        pass
+    else:
+        def xxh3(_: int) -> None:
+            for start in range(0, len(data), block):
+                xxh3_128_digest(view[start : start + block], 7)
 
-    def xxh3(_: int) -> None:
-        prev = seed
-        for start in range(0, len(data), block):
-            prev = digest(view[start : start + block], prev ^ seed)
-
-    out["xxh3_ns"] = per_request(xxh3, 1, repeat) / blocks * 1e9
-    return out
+        steps["xxh3_ns"] = xxh3
+    return {name: seconds / blocks * 1e9 for name, seconds in paired(steps, 1, repeat).items()}
 
 
-def entry_bytes(block: int, entries: int) -> float:
-    """Bytes per index entry: what tracemalloc sees allocated and kept while an index
-    takes distinct prompts until it holds ``entries`` keys (keys, values and the
-    table; the prompts and their digests are dropped as in the proxy)."""
-    hasher = PromptHasher(block_bytes=block)
+def entry_bytes(module: ModuleType, block: int, entries: int, text: str) -> tuple[float, float]:
+    """Bytes per index entry, and index entries per KB of prompt: what tracemalloc sees
+    allocated and kept while an index takes distinct prompts until it holds ``entries``
+    keys (keys, values and the table; the prompts and their digests are dropped as in
+    the proxy)."""
+    hasher = module.PromptHasher(block_bytes=block)
     bodies = []
-    for i in range(entries // (2 * 8) + 1):  # about 2 keys per block, 8 blocks a prompt
-        body = chat_body(8 * block, i)
+    for i in range(entries // (2 * 8) + 1):  # at most 2 keys a block, 8 blocks a prompt
+        body = chat_body(8 * block, i, text)
         body["messages"][0]["content"] = f"{i} " + body["messages"][0]["content"]
         bodies.append(CHAT.prompt_parts(body))
     gc.collect()
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
     index = LruPrefixIndex(1 << 40)
+    prompt_bytes = keys = 0
     for now, parts in enumerate(bodies, 1):
         if len(index) >= entries:
             break
         hashed = hasher.hash(parts, upstream="u", model="bench")
         assert hashed is not None
+        prompt_bytes += hashed.prompt_bytes
+        keys += len(hashed.keys)
         index.exchange(hashed.probe(), now)
         del hashed
     gc.collect()
     used = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
-    return used / len(index)
+    return used / len(index), keys / (prompt_bytes / 1024)
+
+
+def profile(size: int, text: str) -> None:
+    """cProfile of the repeated-prompt path, the whole look, for one prompt size."""
+    case = Case(current, size, current.DEFAULT_BLOCK_BYTES, 1, text)
+    hasher, index = case.hasher, case.index
+
+    def look() -> None:
+        hashed = hasher.hash(CHAT.prompt_parts(case.seen_body), upstream="u", model="bench")
+        now = next(case.clock)
+        current.diagnose(hashed, index.exchange(hashed.probe(), now), now)
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(max(20, 2_000_000 // size)):
+        look()
+    profiler.disable()
+    pstats.Stats(profiler, stream=sys.stdout).sort_stats("tottime").print_stats(14)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="2048,32768,409600", help="prompt bytes, comma-separated")
-    parser.add_argument("--blocks", default="64,128,256", help="block sizes, comma-separated")
+    parser.add_argument("--blocks", default="256", help="block sizes, comma-separated")
     parser.add_argument("--requests", type=int, default=50, help="requests per timed run")
     parser.add_argument("--repeat", type=int, default=5, help="runs per figure (best is kept)")
     parser.add_argument("--entries", type=int, default=100_000, help="entries for the memory figure")
+    parser.add_argument("--text", choices=("prose", "words"), default="prose",
+                        help="the prompts' text")
+    parser.add_argument("--baseline", metavar="REF",
+                        help="also time proxy/diagnosis/prefix.py at this git revision")
+    parser.add_argument("--profile", type=int, metavar="BYTES",
+                        help="only profile the whole look for prompts of this size")
     parser.add_argument("--quick", action="store_true", help="tiny counts: a smoke run")
     args = parser.parse_args(argv)
+    if args.profile:
+        profile(args.profile, args.text)
+        return 0
     if args.quick:
         args.requests, args.repeat, args.entries = 2, 1, 2000
     sizes = [int(s) for s in args.sizes.split(",")]
     blocks = [int(b) for b in args.blocks.split(",")]
+    modules = {"now": current}
+    if args.baseline:
+        modules[args.baseline] = load_baseline(args.baseline)
     print(f"# prompt-cache doctor, CPU per request (best of {args.repeat} runs of "
-          f"{args.requests} requests; process CPU, us)\n")
-    print("| prompt | block | blocks | parts | hash | exchange (hit) | diagnose "
+          f"{args.requests} requests; process CPU, us; {args.text} prompts"
+          + (f"; runs of this tree and of {args.baseline} interleaved" if args.baseline else "")
+          + ")\n")
+    print("| prompt | block | doctor | blocks | keys | parts | hash | exchange (hit) | diagnose "
           "| total, repeated prompt | total, new prompt |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for size in sizes:
         for block in blocks:
             requests = max(1, args.requests if size < 100_000 else args.requests // 5)
-            c = doctor_costs(size, block, requests, args.repeat)
-            print(f"| {size:,} B | {block} | {c['blocks']:.0f} | {c['parts_us']:.0f} "
-                  f"| {c['hash_us']:.0f} | {c['exchange_hit_us']:.0f} | {c['diagnose_us']:.0f} "
-                  f"| {c['repeat_total_us']:.0f} | {c['new_total_us']:.0f} |", flush=True)
-    print("\n| block | keyed blake2b, ns/block | XXH3 with seed, ns/block | index bytes/entry |")
+            costs = doctor_costs(modules, size, block, requests, args.repeat, args.text)
+            for name, c in costs.items():
+                print(f"| {size:,} B | {block} | {name} | {c['blocks']:.0f} | {c['keys']:.0f} "
+                      f"| {c['parts']:.0f} | {c['hash']:.0f} | {c['exchange']:.0f} "
+                      f"| {c['diagnose']:.0f} | {c['repeat']:.0f} | {c['new']:.0f} |", flush=True)
+            if args.baseline:
+                now, then = costs["now"], costs[args.baseline]
+                print(f"| {size:,} B | {block} | now / {args.baseline} | | | "
+                      + " | ".join(f"{now[k] / then[k]:.2f}" for k in
+                                   ("parts", "hash", "exchange", "diagnose", "repeat", "new"))
+                      + " |", flush=True)
+    print("\n| block | keyed blake2b chain, ns/block | keyed digest of 24 bytes, ns "
+          "| XXH3-128, ns/block |")
     print("| ---: | ---: | ---: | ---: |")
     for block in blocks:
         h = hash_costs(block, max(64, 4096 // max(1, block // 64) if not args.quick else 64),
                        args.repeat)
         xxh3 = f"{h['xxh3_ns']:.0f}" if "xxh3_ns" in h else "(xxhash not installed)"
-        print(f"| {block} | {h['blake2b_ns']:.0f} | {xxh3} | {entry_bytes(block, args.entries):.0f} |",
+        print(f"| {block} | {h['blake2b_chain_ns']:.0f} | {h['keyed_short_ns']:.0f} | {xxh3} |",
               flush=True)
+    print("\n| block | doctor | index bytes/entry | index entries per KB of prompt |")
+    print("| ---: | --- | ---: | ---: |")
+    for block in blocks:
+        for name, module in modules.items():
+            per_entry, per_kb = entry_bytes(module, block, args.entries, args.text)
+            print(f"| {block} | {name} | {per_entry:.0f} | {per_kb:.2f} |", flush=True)
     print(f"\nBYTES_PER_ENTRY = {BYTES_PER_ENTRY}")
     return 0
 

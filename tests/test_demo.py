@@ -118,10 +118,9 @@ def test_demo_serves_metrics_and_exits_cleanly_on_sigint() -> None:
 
 def support_break(size: int, block: int = 256) -> tuple[int, int]:
     """(changed, stable) bytes the doctor reports for the support app's system prompt of
-    ``size`` bytes whose first 24 (``Current time is HH:MM:SS``) change: its tail is cut
-    into blocks from the end, so the stable run starts at the first cut at or after
-    byte 24."""
-    stable_start = size - block * ((size - 24) // block)
+    ``size`` bytes whose first line (``Current time is HH:MM:SS.``) changes: that line is
+    the prompt's first chunk, and the stable run starts after it, rounded up to a block."""
+    stable_start = block
     return stable_start, size - stable_start
 
 

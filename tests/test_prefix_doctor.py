@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import os
+import random
 import subprocess
 import sys
 import tracemalloc
@@ -23,6 +24,7 @@ from hypothesis import strategies as st
 
 from proxy.diagnosis.prefix import (
     DEFAULT_BLOCK_BYTES,
+    DEFAULT_CHUNK_BYTES,
     DEFAULT_WINDOW_MS,
     REASONS,
     CacheTokens,
@@ -31,6 +33,7 @@ from proxy.diagnosis.prefix import (
     PrefixReport,
     PromptHasher,
     cache_tokens,
+    chunk_ends,
     diagnose,
     minimum_cacheable_tokens,
 )
@@ -64,6 +67,22 @@ def words(n: int, seed: str) -> str:
     """``n`` bytes of text unique to ``seed``."""
     out = " ".join(f"{seed}-{i}" for i in range(n))
     return out[:n]
+
+
+def prose(n_words: int, seed: str) -> str:
+    """A document of ``n_words`` words in sentences of 4 to 24 words, paragraphs of a
+    few sentences: the marks content-defined chunking cuts at."""
+    rng = random.Random(seed)
+    vocabulary = ["".join(rng.choice("abcdefghijklmnoprstuvwy") for _ in range(rng.randint(2, 10)))
+                  for _ in range(400)]
+    out: list[str] = []
+    left = n_words
+    while left > 0:
+        sentence = [rng.choice(vocabulary) for _ in range(min(left, rng.randint(4, 24)))]
+        left -= len(sentence)
+        out.append(" ".join(sentence).capitalize() + ".")
+        out.append("\n\n" if rng.random() < 0.2 else " ")
+    return "".join(out).rstrip()
 
 
 class Doctor:
@@ -100,26 +119,49 @@ def chat(*messages: tuple[str, Any], model: str = "gpt-4o", tools: Any = None,
 # Blocks and keys
 
 
-def test_blocks_are_cut_per_part_from_its_start_and_suffixes_from_its_end() -> None:
-    hasher = PromptHasher(block_bytes=256)
-    parts = [PromptPart("system", 0, "system", b"s" * 600), PromptPart("message", 1, "user", b""),
-             PromptPart("message", 2, "assistant", b"a" * 256)]
+def test_blocks_are_cut_per_part_from_its_start_and_chunks_by_content() -> None:
+    hasher = PromptHasher(block_bytes=256, chunk_bytes=256)
+    prose = b"".join(b"Sentence %02d of the prose: forty bytes. " % i for i in range(15))
+    parts = [PromptPart("system", 0, "system", prose), PromptPart("message", 1, "user", b""),
+             PromptPart("message", 2, "assistant", b"a" * 1100)]
     hashed = hasher.hash(parts, upstream="u", model="m")
     assert hashed is not None
-    assert len(hashed.chain) == 3 + 1 + 1  # 256 + 256 + 88; an empty part is one block
+    assert len(hashed.chain) == 3 + 1 + 5  # 256 + 256 + 73; an empty part is one block
     assert hashed.first_block == (0, 3, 4)
-    assert [len(tail) for tail in hashed.suffixes] == [3, 1, 1]  # 88 + 256 + 256 from the end
-    assert [p.size for p in hashed.parts] == [600, 0, 256]
-    assert hashed.prompt_bytes == 856
-    keys = (hashed.root, *hashed.chain, *hashed.anchors,
-            *(k for tail in hashed.suffixes for k in tail))
+    # Chunks: a part's first at its first sentence end past 16 bytes, the others at the
+    # first past 256 bytes, the last what remains; an empty part is one empty chunk;
+    # text without marks is cut at four times 256.
+    assert hashed.chunk_ends == (39, 312, 585, 0, 1024, 1100)
+    assert hashed.first_chunk == (0, 3, 4)
+    assert len(hashed.chunks) == 6 and hashed.chunk_bytes == 256
+    assert [p.size for p in hashed.parts] == [585, 0, 1100]
+    assert hashed.prompt_bytes == 1685
+    keys = (hashed.root, *hashed.chain, *hashed.anchors, *hashed.chunks)
     assert all(len(k) == 8 for k in keys) and len(set(keys)) == len(keys)
     probe = hashed.probe()
-    # suffixes, the chain from its last block (ended) to its first, root, anchors
-    assert probe.keys == (*(k for tail in hashed.suffixes for k in tail),
-                          *reversed(hashed.chain), hashed.root, *hashed.anchors)
-    assert probe.marks == bytes([SEEN] * 5 + [ENDED] + [CONTINUED] * 4 + [CONTINUED, SEEN, SEEN])
+    # chunks, the chain from its last block (ended) to its first, root, anchors
+    assert probe.keys == (*hashed.chunks, *reversed(hashed.chain), hashed.root, *hashed.anchors)
+    assert probe.marks == bytes([SEEN] * 6 + [ENDED] + [CONTINUED] * 8 + [CONTINUED, SEEN, SEEN])
     assert hasher.hash([], upstream="u", model="m") is None
+
+
+def test_a_chunk_key_names_its_bytes_its_part_kind_and_role_and_the_scope() -> None:
+    """Offset-independent: the same sentence opens a chunk of the same key wherever it
+    sits in a part of the same kind and role, under the same scope."""
+    hasher = PromptHasher(chunk_bytes=16)
+    sentence = b"The same sentence, twice over. "
+
+    def chunks(data: bytes, kind: str = "message", role: str = "user",
+               model: str = "m") -> set[bytes]:
+        hashed = hasher.hash([PromptPart(kind, 0, role, data)], upstream="u", model=model)
+        assert hashed is not None
+        return set(hashed.chunks)
+
+    here = chunks(sentence + b"tail")
+    assert here & chunks(b"Another head. " + sentence + b"tail")
+    assert not here & chunks(sentence + b"tail", role="assistant")
+    assert not here & chunks(sentence + b"tail", kind="system", role="system")
+    assert not here & chunks(sentence + b"tail", model="other")
 
 
 def test_keys_depend_on_the_secret_and_the_scope() -> None:
@@ -140,7 +182,7 @@ def test_keys_depend_on_the_secret_and_the_scope() -> None:
     assert keyed.anchors == one.anchors  # the key is not in the anchors
     assert model_b.anchors[0] != one.anchors[0] and model_b.anchors[1] == one.anchors[1]
     assert upstream_b.anchors[1] != one.anchors[1]
-    # The part's kind and role are in its first block's key, not in its suffixes' data.
+    # The part's kind and role are in its first block's key.
     user = hasher.hash([PromptPart("message", 0, "user", STABLE.encode())], upstream="u", model="m")
     assert user is not None and user.chain[0] != one.chain[0]
 
@@ -395,6 +437,115 @@ def test_a_short_edit_ahead_of_a_long_unchanged_message_is_variable_before_stabl
     assert (report.reason, report.part, report.index, report.role, report.offset) == (
         "variable_before_stable", "message", 1, "user", 0)
     assert report.stable_bytes is not None and report.stable_bytes >= len(document) - BLOCK
+
+
+DOCUMENT = prose(500, "document")  # about 3 KB, as a retrieval app's context
+
+
+def timed_question(clock: str, n: int, document: str = DOCUMENT) -> str:
+    return f"Current time is {clock}. {document} Question {n}?"
+
+
+def test_chunking_resynchronises_after_a_head_whose_length_changed() -> None:
+    """Cuts depend on the bytes after the previous cut only: after heads of different
+    lengths, the chunks of the same document line up from a cut both make on, the first
+    after a head without marks of its own, at the latest the first paragraph break."""
+
+    def cuts(head: str, document: str) -> list[int]:  # in the document's coordinates
+        return [end - len(head) for end in chunk_ends((head + document).encode(), 512, 2048)]
+
+    single = DOCUMENT.replace("\n\n", " ")  # one paragraph
+    first_paragraph = DOCUMENT.index("\n\n") + 2
+    first_sentence = DOCUMENT.index(". ") + 2
+    for a, b, document, by in [
+            ("Current time is 15:09:21. ", "Current time is 9:05. ", DOCUMENT, first_sentence),
+            ("Current time is 15:09:21. ", "Current time is 9:05. ", single, first_sentence),
+            ("Ticket 7: ", "Ticket 12345 (escalated twice, see the thread): ", single,
+             first_sentence),
+            ("", "A whole new opening sentence of some length.\n", DOCUMENT, first_paragraph),
+            ("Hi. ", "Dear customer, thank you. We read your note.\n", DOCUMENT,
+             first_paragraph)]:
+        cut_a, cut_b = cuts(a, document), cuts(b, document)
+        shared = set(cut_a) & set(cut_b)
+        assert len(cut_a) > 4 and shared
+        first = min(shared)
+        assert first <= by, (a, b)
+        assert [e for e in cut_a if e >= first] == [e for e in cut_b if e >= first]
+    # Without the paragraph breaks, a head with a mark of its own may keep the cuts out
+    # of step: why the break's stable run is then not found (the index still knows the
+    # chunks of every recent head, so one of the same length finds it).
+    apart = cuts("", single)[:-1], cuts("A whole new opening sentence, longer.\n", single)[:-1]
+    assert not set(apart[0]) & set(apart[1])  # only the text's end in common
+
+
+def test_a_time_ahead_of_a_document_in_the_last_message_is_variable_before_stable() -> None:
+    """One user message, ``Current time is <t>. <document> Question <n>?``, every turn:
+    the time changes ahead of a document seen before, in the newest part. The changed
+    run is the time's block, the stable run the document up to the question's block."""
+    doctor = Doctor()
+    doctor.send(CHAT, chat(("system", "Be brief."), ("user", timed_question("15:09:20", 1))), 0)
+    for turn, clock in enumerate(["15:09:21", "15:10:02", "9:05:00"], 2):
+        body = chat(("system", "Be brief."), ("user", timed_question(clock, turn)))
+        report = doctor.send(CHAT, body, turn * 1_000)
+        size = sizes(CHAT, body)[1]
+        assert (report.reason, report.part, report.index, report.role, report.offset,
+                report.part_bytes) == ("variable_before_stable", "message", 1, "user", 0, size)
+        assert report.repeated_bytes == len("Be brief.")
+        assert report.changed_bytes == BLOCK  # "Current time is ...": one block, rounded
+        assert report.stable_bytes is not None
+        # the document, from the time's block to the question's, block-rounded
+        assert size - 3 * BLOCK <= report.stable_bytes <= size - BLOCK - len(" Question 4?")
+        assert report.stable_bytes % BLOCK == 0
+
+
+def test_a_new_question_after_the_same_document_in_one_message_is_not_a_break() -> None:
+    doctor = Doctor()
+    doctor.send(CHAT, chat(("system", "Be brief."), ("user", f"{DOCUMENT} Question 1?")), 0)
+    for turn in range(2, 5):
+        report = doctor.send(CHAT, chat(("system", "Be brief."),
+                                        ("user", f"{DOCUMENT} Question {turn}?")), turn * 1_000)
+        assert report.reason is None
+        assert report.repeated_bytes >= len("Be brief.") + len(DOCUMENT) - BLOCK
+    # A longer question that still ends the message: the same.
+    long = doctor.send(CHAT, chat(("system", "Be brief."), ("user", f"{DOCUMENT} " + prose(
+        60, "a long question"))), 9_000)
+    assert long.reason is None
+
+
+@pytest.mark.parametrize("request_id", [False, True])
+def test_a_changed_run_in_the_middle_of_a_part_is_found_where_it_is(request_id: bool) -> None:
+    """Anywhere in a part: a date in the middle of a system prompt, the rest unchanged
+    (its tail seen before), or the rest unchanged up to a request id at its end."""
+    doctor = Doctor()
+    head, tail = prose(150, "rules"), prose(400, "more rules")
+
+    def body(day: str, question: str, n: int) -> dict[str, Any]:
+        end = f"\nRequest {n}." if request_id else ""
+        return chat(("system", f"{head}\nToday is {day}.\n{tail}{end}"), ("user", question))
+
+    doctor.send(CHAT, body("Monday", "What now?", 1), 0)
+    report = doctor.send(CHAT, body("Tuesday", "And then?", 2), 1_000)
+    at = len(head.encode()) // BLOCK * BLOCK  # the block where the date is
+    assert (report.reason, report.part, report.index, report.offset) == (
+        "variable_before_stable", "system", 0, at)
+    assert report.repeated_bytes == at
+    assert report.changed_bytes is not None
+    assert 0 < report.changed_bytes <= 2 * BLOCK + DEFAULT_CHUNK_BYTES
+    assert report.stable_bytes is not None
+    # lost to the resolution: at most a chunk and a block on either side of the run
+    assert report.stable_bytes >= len(tail.encode()) - (1 + request_id) * (
+        DEFAULT_CHUNK_BYTES + BLOCK)
+
+
+def test_a_part_moved_whole_is_not_a_variable_run() -> None:
+    """The whole of the part where it broke was seen recently (two messages swapped):
+    nothing changed in it, so the break is named for its kind."""
+    doctor = Doctor()
+    one, two = prose(200, "first"), prose(200, "second")
+    doctor.send(CHAT, chat(("system", STABLE), ("user", one), ("user", two), ("user", "q?")), 0)
+    report = doctor.send(CHAT, chat(("system", STABLE), ("user", two), ("user", one),
+                                    ("user", "q?")), 1_000)
+    assert (report.reason, report.index) == ("message_changed", 1)
 
 
 def test_an_image_part_changed_is_message_changed_at_its_block() -> None:

@@ -602,8 +602,8 @@ def prefilled(clock: ScriptedClock, cached: dict[str, int]) -> Handler:
 
 async def test_prompt_caching_and_what_to_fix_from_real_requests(tmp_path: Path) -> None:
     """Two apps on one upstream: ``gpt-clock`` puts the time first in a 3,096-byte system
-    prompt (the doctor finds ``variable_before_stable`` at message 0, bytes 0-24, and the
-    3,072 bytes after it repeat), ``gpt-cached`` repeats a 4,096-byte system prompt that
+    prompt (the doctor finds ``variable_before_stable`` at message 0, bytes 0-256: the
+    time's line, block-rounded, and the 2,840 bytes after it repeat), ``gpt-cached`` repeats a 4,096-byte system prompt that
     the upstream reports half cached (512 of its 1,024 tokens missed a request). Every
     figure of both panels follows from the script."""
     from proxy.app import create_app
@@ -666,19 +666,19 @@ async def test_prompt_caching_and_what_to_fix_from_real_requests(tmp_path: Path)
     assert (top["reason"], top["count"], second["reason"], second["count"]) == (
         "variable_before_stable", n - 1, "first_seen", 2)
     example = top["example"]
-    tokens = 3072 * sent["gpt-clock"][-1] / (3096 + len(questions[-1]))  # its own ratio
-    assert tokens == 768
+    tokens = 2840 * sent["gpt-clock"][-1] / (3096 + len(questions[-1]))  # its own ratio
+    assert tokens == 710
     assert {k: example[k] for k in ("route", "model", "upstream", "part", "index", "role",
                                     "offset", "part_bytes", "changed_bytes", "stable_bytes",
                                     "stable_tokens")} == {
         "route": CHAT, "model": "gpt-clock", "upstream": "up", "part": "system", "index": 0,
-        "role": "system", "offset": 0, "part_bytes": 3096, "changed_bytes": 24,
-        "stable_bytes": 3072, "stable_tokens": 768}
-    assert top["saves_ms"] == pytest.approx(76.8)  # 768 tokens at 0.1 ms
+        "role": "system", "offset": 0, "part_bytes": 3096, "changed_bytes": 256,
+        "stable_bytes": 2840, "stable_tokens": 710}
+    assert top["saves_ms"] == pytest.approx(71.0)  # 710 tokens at 0.1 ms
     assert top["sentence"] == (
-        "Message 0 (system) changes in bytes 0-24 of 3,096; the 3,072 bytes after them "
-        "repeat: move the changing part after them (about 768 tokens a request could be "
-        "cached, 77 ms of first token by the prefill fit).")
+        "Message 0 (system) changes in bytes 0-256 of 3,096; the 2,840 bytes after them "
+        "repeat: move the changing part after them (about 710 tokens a request could be "
+        "cached, 71 ms of first token by the prefill fit).")
     assert second["sentence"].startswith("Nothing like this prompt went to this upstream")
 
     # What to fix: both selections, the busiest first (equal: by route, model, upstream).

@@ -126,10 +126,14 @@ from __future__ import annotations
 import hashlib
 import re
 import secrets
+import struct
 from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import starmap
 from typing import Any, NamedTuple
+
+from xxhash import xxh3_128_digest
 
 from proxy.diagnosis.prefix_index import (
     CONTINUED,
@@ -145,6 +149,8 @@ from proxy.diagnosis.prefix_index import (
 from proxy.dialects import PromptPart
 
 DEFAULT_BLOCK_BYTES = 256
+DEFAULT_CHUNK_BYTES = 512  # a content chunk's least length (its most: four times that)
+FIRST_CHUNK_BYTES = 16  # the least length of a part's first chunk
 
 # Why a prefix stopped repeating: bounded, fit for a metric label.
 REASONS: tuple[str, ...] = (
@@ -187,15 +193,20 @@ class HashedPrompt(NamedTuple):
     """A prompt as keys: what the index is asked about and the report is built from.
 
     ``keys`` and ``marks`` are the probe (:meth:`probe`), laid out while hashing: the
-    suffixes, then the chain from its last block to its first, then the root and the
-    anchors (so an LRU, touching them in that order, forgets tails before heads)."""
+    chunks, then the chain from its last block to its first, then the root and the
+    anchors (so an LRU, touching them in that order, forgets chunks before the chain and
+    a chain's tail before its head). Chunk positions are kept for :func:`diagnose` only:
+    sizes, never text."""
 
     block_bytes: int
     parts: tuple[PartShape, ...]
     root: bytes  # the scope: held by every request under it
     chain: tuple[bytes, ...]  # one key per block, each covering the prefix up to it
     first_block: tuple[int, ...]  # per part, the chain index of its first block
-    suffixes: tuple[tuple[bytes, ...], ...]  # per part, key k: the tail from block k on
+    chunks: tuple[bytes, ...]  # content keys, every part's in order: a chunk's bytes only
+    chunk_ends: tuple[int, ...]  # where each chunk ends, in bytes from its part's start
+    first_chunk: tuple[int, ...]  # per part, the index of its first chunk
+    chunk_bytes: int  # a chunk's least length past a part's first (the resolution)
     anchors: tuple[bytes, bytes]  # first block under (upstream, model), under (upstream)
     keys: tuple[bytes, ...]  # the probe's keys, in touch order
     marks: bytes  # the probe's marks, one per key
@@ -248,32 +259,93 @@ def _keep(cache: dict[Any, Any], key: Any, value: Any) -> None:
     cache[key] = value
 
 
+def chunk_ends(data: bytes, least: int, most: int, first: int = FIRST_CHUNK_BYTES) -> list[int]:
+    """Where the content-defined chunks of ``data`` end. A text of at most ``least``
+    bytes is one chunk (an empty one too). Else each chunk ends just after the first
+    paragraph break (a blank line) that leaves it longer than ``least // 4`` bytes, or
+    the first newline or sentence end (``". "``) that leaves it longer than ``least``,
+    whichever comes first; a part's first chunk after the first of any of them past
+    ``first`` bytes, so that a short changing head such as a timestamp gets a chunk of
+    its own. With none, a chunk ends after the first space past ``least``, else at
+    ``most`` bytes. The last chunk is what remains.
+
+    A cut depends only on the bytes after the previous one, so two texts that differ
+    in a head cut their common rest alike from the first cut they share on: the first
+    after the head when the head is one sentence or line, or kept its length; else, in
+    text with paragraphs, mostly the first paragraph break past it, which is a cut
+    wherever the chunk before it began unless that was less than ``least // 4`` before.
+    (A cut at every sentence would keep in step at once, but make several chunks a
+    block; ``tests/test_prefix_doctor.py`` shows how soon they line up.) Text without
+    such marks is cut by length, which only heads of unchanged length leave in step.
+    One to three ``bytes.find`` calls per chunk: C speed, no per-byte Python."""
+    n = len(data)
+    if n <= least:
+        return [n]
+    ends: list[int] = []
+    find = data.find
+    start, weak, strong = 0, first, first
+    while n - start > weak:
+        high = start + most
+        low = start + weak
+        # a paragraph break first: where there are many, one search is the only one
+        para = find(b"\n\n", start + strong, low + least // 2)
+        if 0 <= para < low:
+            start = para + 2
+        else:
+            bound = para + 1 if para >= 0 else high  # or at it: see below
+            stop = find(b". ", low, bound)
+            line = find(b"\n", low, stop if stop >= 0 else bound)
+            if line >= 0:  # a cut at a paragraph's first newline would split the break,
+                # and a text whose chunk began elsewhere cuts after it: so do the same
+                start = line + 2 if line + 1 < n and data[line + 1] == 10 else line + 1
+            elif stop >= 0:
+                start = stop + 2
+            elif para >= 0:
+                start = para + 2
+            else:
+                space = find(b" ", low, high)
+                start = space + 1 if space >= 0 else min(high, n)
+        ends.append(start)
+        weak, strong = least, least // 4
+    if start < n:
+        ends.append(n)
+    return ends
+
+
 class PromptHasher:
-    """Keyed, chained block digests of a prompt (see the module docstring).
+    """Keyed block and chunk digests of a prompt (see the module docstring).
 
     ``secret`` keys every digest (random per process by default; replicas that share an
-    index share it); ``block_bytes`` is the block size.
+    index share it); ``block_bytes`` is the block size; ``chunk_bytes`` the least length
+    of a content chunk (at most four times that).
 
-    Each chain is one running keyed hash: a block's key is the digest of everything fed
-    so far (``copy().digest()`` of the running state), so a block costs one ``update``,
-    one ``copy`` and one ``digest``, and its key still names the whole prefix up to it
-    under the key. What is fed is unambiguous: each part starts with a marker byte and
-    its head (a keyed digest of its kind and role, which no prompt text can forge without
-    the secret), and keys are taken only at block ends, which are fixed by the parts'
-    sizes. The part heads are kept between requests (:data:`_HEADS_MAX`), and so are the
-    last scope's digests and running states: one entry, so that the index's memory bound
-    (``--prefix-index-bytes``) stays the doctor's bound whatever the number of models. So
-    are the anchors of up to :data:`_HEADS_MAX` recent first blocks (about 13 KB of
-    digests at most): most requests of an app open with the same system prompt.
+    Each stored key is one keyed ``blake2b`` (a PRF) of a short input: a chain key of
+    the previous chain key and the block's XXH3-128 digest (and, for a part's first
+    block, the part's head: a keyed digest of its kind and role), a chunk key of the
+    root, the part's head and the chunk's XXH3-128 digest. XXH3 (seeded from the secret)
+    only condenses bytes for the keyed digest, which costs the same for any short input;
+    see the module docstring for why that keeps a dump unreadable. What is hashed is
+    unambiguous: a first block's input is longer than a next block's, and keys are taken
+    only at block ends, fixed by the parts' sizes. The part heads are kept between
+    requests (:data:`_HEADS_MAX`), and so are the last scope's digests: one entry, so
+    that the index's memory bound (``--prefix-index-bytes``) stays the doctor's bound
+    whatever the number of models. So are the anchors of up to :data:`_HEADS_MAX`
+    recent first blocks (about 13 KB of digests at most): most requests of an app open
+    with the same system prompt.
     """
 
-    def __init__(self, secret: bytes | None = None, block_bytes: int = DEFAULT_BLOCK_BYTES) -> None:
+    def __init__(self, secret: bytes | None = None, block_bytes: int = DEFAULT_BLOCK_BYTES,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
         if block_bytes < 1:
             raise ValueError("block_bytes must be >= 1")
+        if chunk_bytes < 1:
+            raise ValueError("chunk_bytes must be >= 1")
         key = secrets.token_bytes(32) if secret is None else secret
         if not 16 <= len(key) <= 64:
             raise ValueError("the secret must be 16 to 64 bytes")
         self.block_bytes = block_bytes
+        self.chunk_bytes = chunk_bytes
+        self.chunk_max = 4 * chunk_bytes
 
         def keyed(person: bytes) -> hashlib.blake2b:  # one domain per use of a digest
             return hashlib.blake2b(key=key, digest_size=8, person=person)
@@ -282,10 +354,11 @@ class PromptHasher:
         self._anchor = keyed(b"prefix.anchor")
         self._part = keyed(b"prefix.part")
         self._chain = keyed(b"prefix.chain")
-        self._suffix = keyed(b"prefix.suffix")
+        self._chunk = keyed(b"prefix.chunk")
+        self._blocks = struct.Struct(f"{block_bytes}s").iter_unpack  # a view's whole blocks
         # the last (upstream, model, cache key) and its (root, chain state after the
-        # root, anchor states after (upstream, model) and after (upstream))
-        # (one attribute, replaced whole: the hashing thread and the loop share it)
+        # root, anchor states after (upstream, model) and after (upstream)) (one
+        # attribute, replaced whole: the hashing thread and the loop share it)
         self._last_scope: tuple[tuple[str, str, str], tuple[bytes, Any, Any, Any]] | None = None
         self._heads: dict[tuple[str, str], bytes] = {}  # (kind, role) -> head
         # the anchors of recent first blocks (most prompts of an app open alike), by the
@@ -331,15 +404,17 @@ class PromptHasher:
         ``anchor``'s first block (the first part of the prompt text, after any settings)."""
         if not parts:
             return None
-        size = self.block_bytes
+        size, least, most = self.block_bytes, self.chunk_bytes, self.chunk_max
         root, chain_start, by_model, by_upstream = self._scope(upstream, model, cache_key)
+        condense, blocks_of, new_chunk = xxh3_128_digest, self._blocks, self._chunk.copy
         running = chain_start.copy()
-        update, state, suffix_base = running.update, running.copy, self._suffix
+        update, snapshot = running.update, running.copy
         heads, head_of = self._heads, self._head
         chain: list[bytes] = []
-        keys: list[bytes] = []  # the probe: the suffixes first
         first_block: list[int] = []
-        suffixes: list[tuple[bytes, ...]] = []
+        chunks: list[bytes] = []  # the probe: the chunks first
+        ends: list[int] = []
+        first_chunk: list[int] = []
         shapes: list[PartShape] = []
         for kind, index, role, data in parts:
             head = heads.get((kind, role)) or head_of(kind, role)
@@ -347,27 +422,33 @@ class PromptHasher:
             view = memoryview(data)
             shapes.append(PartShape(kind, index, role, length))
             first_block.append(len(chain))
-            update(b"\x01" + head)  # a part's first block also covers its kind and role
-            start = 0
-            while True:
-                update(view[start : start + size])
-                chain.append(state().digest())
-                start += size
-                if start >= length:
-                    break
-            tail: list[bytes] = []
-            back = suffix_base.copy()
-            back.update(head)
-            end = length
-            while True:
-                back.update(view[max(0, end - size) : end])
-                tail.append(back.copy().digest())
-                end -= size
-                if end <= 0:
-                    break
-            tail.reverse()
-            keys.extend(tail)
-            suffixes.append(tuple(tail))
+            update(head)  # a part's first block also covers its kind and role
+            whole = length - length % size  # bytes in whole blocks
+            leaf = b""
+            if whole:  # whole blocks: condensed at C speed, one key after each
+                for leaf in starmap(condense, blocks_of(view[:whole])):
+                    update(leaf)
+                    chain.append(snapshot().digest())
+            if whole < length or not length:  # a short last block, or an empty part
+                leaf = condense(view[whole:])
+                update(leaf)
+                chain.append(snapshot().digest())
+            first_chunk.append(len(chunks))
+            under = new_chunk()
+            under.update(root + head)
+            cut = chunk_ends(data, least, most)
+            if length <= size and len(cut) == 1:  # one block, one chunk: one leaf
+                link = under.copy()
+                link.update(leaf)
+                chunks.append(link.digest())
+            else:
+                start = 0
+                for end in cut:
+                    link = under.copy()
+                    link.update(condense(view[start:end]))
+                    chunks.append(link.digest())
+                    start = end
+            ends.extend(cut)
         named = chain[first_block[anchor]]  # names the scope and the blocks up to the anchor's
         anchors = self._anchors.get(named)
         if anchors is None:
@@ -375,21 +456,24 @@ class PromptHasher:
             block = b"\x01" + head_of(first.kind, first.role) + first.data[:size]
             anchors = (self._digest(by_model, block), self._digest(by_upstream, block))
             _keep(self._anchors, named, anchors)
-        marks = (_SEEN * len(keys) + _ENDED_CHAIN + _CONTINUED * (len(chain) - 1)
+        marks = (_SEEN * len(chunks) + _ENDED_CHAIN + _CONTINUED * (len(chain) - 1)
                  + _SCOPE_MARKS)
+        keys = chunks.copy()
         keys.extend(reversed(chain))
         keys.append(root)
         keys.extend(anchors)
         return HashedPrompt(size, tuple(shapes), root, tuple(chain), tuple(first_block),
-                            tuple(suffixes), anchors, tuple(keys), marks)
+                            tuple(chunks), tuple(ends), tuple(first_chunk), least, anchors,
+                            tuple(keys), marks)
 
 
 @dataclass(frozen=True, slots=True)
 class PrefixPolicy:
     """How sightings are judged. ``window_ms``: how long a provider keeps a prefix (5
-    minutes by default); ``short_run_bytes`` (default two blocks and 256 bytes: the
-    block rounding on either side of the change plus a timestamp, a name, an id) and
-    ``min_stable_bytes`` (default one block): the bounds of ``variable_before_stable``."""
+    minutes by default); ``short_run_bytes`` (default two blocks, one chunk's least
+    length and 256 bytes: the block rounding on either side of the change, the chunk it
+    falls in, plus a timestamp, a name, an id) and ``min_stable_bytes`` (default one
+    block): the bounds of ``variable_before_stable``."""
 
     window_ms: int = DEFAULT_WINDOW_MS
     short_run_bytes: int | None = None
@@ -439,12 +523,6 @@ def _stored_context(parts: Sequence[PartShape], first_block: Sequence[int], bloc
     return unseen, blocks
 
 
-def _suffix_start(size: int, blocks: int, k: int, block_bytes: int) -> int:
-    """Where the tail named by suffix key ``k`` starts, in a part of ``size`` bytes cut
-    into ``blocks`` blocks from its end."""
-    return 0 if k == 0 else size - (blocks - k) * block_bytes
-
-
 def diagnose(
     hashed: HashedPrompt,
     seen: Sightings,
@@ -456,7 +534,7 @@ def diagnose(
     blocks = len(hashed.chain)
     last = seen.last
     cutoff = now_ms - policy.window_ms
-    # The probe's order: suffixes, the chain from its last block, the root, the anchors.
+    # The probe's order: chunks, the chain from its last block, the root, the anchors.
     top = len(hashed.keys) - 4  # the probe index of chain block 0; block i is at top - i
     parts = hashed.parts
     unseen, limit = _stored_context(parts, hashed.first_block, blocks)
@@ -467,9 +545,10 @@ def diagnose(
         total = sum(part.size for part in parts)
         return PrefixReport(total, blocks, blocks, total, 0, None, unseen_context=unseen)
     size = hashed.block_bytes
-    short_run = policy.short_run_bytes if policy.short_run_bytes is not None else 2 * size + 256
+    short_run = (policy.short_run_bytes if policy.short_run_bytes is not None
+                 else 2 * size + hashed.chunk_bytes + 256)
     min_stable = policy.min_stable_bytes if policy.min_stable_bytes is not None else size
-    first_block, suffixes = hashed.first_block, hashed.suffixes
+    first_block = hashed.first_block
     root, model_anchor, upstream_anchor = top + 1, top + 2, top + 3
 
     part_start = [0] * len(parts)  # byte offset of each part in the prompt
@@ -530,21 +609,30 @@ def diagnose(
         return at._replace(reason="settings_changed")
 
     # A recent request went on past the last repeated block; this one differs there.
-    # Its tail: the longest run of suffix keys of part p, from the end, seen recently.
-    first_suffix = sum(map(len, suffixes[:p]))
-    tail = suffixes[p]
-    k = len(tail)
-    while k > 0 and last(first_suffix + k - 1) >= cutoff:
-        k -= 1
-    if 0 < k < len(tail):  # k == 0: the whole part was seen elsewhere (moved, not varied)
-        stable_start = _suffix_start(shape.size, len(tail), k, size)
+    # After the change: part p's chunks from the block where it broke, seen recently.
+    first_chunk, ends = hashed.first_chunk, hashed.chunk_ends
+    stop = first_chunk[p + 1] if p + 1 < len(parts) else len(ends)
+    j = bisect_right(ends, offset, first_chunk[p], stop)  # the chunk holding the offset
+    while j < stop and last(j) >= cutoff:  # the broken block's head, or a moved part
+        j += 1
+    changed_from = j
+    while j < stop and last(j) < cutoff:  # the changed run
+        j += 1
+    if changed_from < j < stop:  # then a run seen before: where does it start and end?
+        stable_start = min(shape.size, -(-ends[j - 1] // size) * size)  # block-rounded up
+        while j < stop and last(j) >= cutoff:
+            j += 1
+        if j < stop:  # it ends inside the part: rounded down to a block
+            stable = max(0, ends[j - 1] // size * size - stable_start)
+        else:  # it runs to the part's end, and on over the following parts seen whole
+            stable = shape.size - stable_start
+            for q in range(p + 1, len(parts)):
+                following = range(first_chunk[q], first_chunk[q + 1] if q + 1 < len(parts)
+                                  else len(ends))
+                if not all(last(c) >= cutoff for c in following):
+                    break
+                stable += parts[q].size
         changed = stable_start - offset
-        stable = shape.size - stable_start
-        q, key = p + 1, first_suffix + len(tail)
-        while q < len(parts) and last(key) >= cutoff:  # following parts seen whole
-            stable += parts[q].size
-            key += len(suffixes[q])
-            q += 1
         if 0 < changed <= short_run and stable >= min_stable:
             return at._replace(
                 reason="variable_before_stable", changed_bytes=changed, stable_bytes=stable)
