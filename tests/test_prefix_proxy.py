@@ -479,6 +479,73 @@ async def test_a_conversation_with_steady_settings_grows_without_a_break(
     assert third["prefix_break"] == "first_seen"
 
 
+def document(n_words: int, seed: str) -> str:
+    """A retrieval app's context: sentences of 4 to 24 words, a blank line between
+    paragraphs of a few sentences."""
+    rng = random.Random(seed)
+    out: list[str] = []
+    left = n_words
+    while left > 0:
+        sentence = text(rng.randint(20, 140), f"{seed}-{left}").split()[: min(left, 24)]
+        left -= len(sentence)
+        out.append(" ".join(sentence).capitalize() + ("." if rng.random() < 0.85 else "?"))
+        out.append("\n\n" if rng.random() < 0.15 else " ")
+    return "".join(out).rstrip()
+
+
+DOC = document(500, "doc")  # about 3 KB
+
+
+async def test_a_time_ahead_of_a_document_in_the_newest_message_is_named(tmp_path: Path) -> None:
+    """Every turn one user message, ``Current time is <t>. <document> Question <n>?``:
+    the time changes ahead of a document the previous turns sent, in the newest (and
+    only) message. The request log names it ``variable_before_stable`` in that message,
+    the changed run the time's sentence (one block, rounded) and the stable run the
+    document up to the question's block; the metric counts it with its bounded labels."""
+    clock, answers = ScriptedClock(T0), Answers()
+    app, registry, log_file = doctor_app(answers, clock, tmp_path)
+    turns = [("15:09:20", 1), ("15:09:21", 2), ("15:09:37", 3), ("9:05:00", 4)]
+    async with app:
+        for i, (now, n) in enumerate(turns):
+            body = chat(("user", f"Current time is {now}. {DOC} Question {n}?"), stream=True)
+            assert (await post(app, clock, CHAT, body, at=T0 + i)).status_code == 200
+    first, *rest = lines(log_file)
+    assert first["prefix_break"] == "first_seen"
+    for line in rest:
+        assert (line["prefix_break"], line["prefix_break_part"], line["prefix_break_index"],
+                line["prefix_break_offset"], line["repeated_prefix_bytes"]) == (
+            "variable_before_stable", "message", 0, 0, 0)
+    assert value(registry, BREAKS, CHAT, reason="variable_before_stable", part="message") == 3
+    # The sizes of the last one, as the live page shows them (they are not labels).
+    assert app.ui is not None and app.ui.data.breaks is not None
+    _, example = app.ui.data.breaks.latest(lambda key: True)["variable_before_stable"]
+    size = len(f"Current time is 9:05:00. {DOC} Question 4?".encode())
+    assert (example.part, example.index, example.role, example.offset, example.part_bytes) == (
+        "message", 0, "user", 0, size)
+    assert example.changed_bytes == 256  # "Current time is ...": its block
+    stable = example.stable_bytes
+    assert stable is not None and stable % 256 == 0  # the document, block-rounded
+    assert size - 3 * 256 <= stable <= size - 256 - len(" Question 4?")
+
+
+async def test_a_new_question_after_the_same_document_is_not_a_break(tmp_path: Path) -> None:
+    """``<document> Question <n>?``: the same document, a new question at the end of the
+    message each turn. Everything up to the question repeats; nothing is named."""
+    clock, answers = ScriptedClock(T0), Answers()
+    app, registry, log_file = doctor_app(answers, clock, tmp_path)
+    async with app:
+        for n in range(1, 5):
+            body = chat(("user", f"{DOC} Question {n}?"))
+            assert (await post(app, clock, CHAT, body, at=T0 + n)).status_code == 200
+    first, *rest = lines(log_file)
+    assert first["prefix_break"] == "first_seen"
+    for line in rest:
+        assert line["prefix_break"] is None and line["prefix_break_part"] is None
+        assert line["repeated_prefix_bytes"] >= len(DOC) - 256
+    assert value(registry, BREAKS, CHAT, reason="first_seen", part="none") == 1
+    assert value(registry, BREAKS, CHAT, reason="variable_before_stable", part="message") is None
+
+
 async def test_the_window_is_a_setting(tmp_path: Path) -> None:
     clock, answers = ScriptedClock(T0), Answers()
     app, _, log_file = doctor_app(answers, clock, tmp_path, prefix_window=30.0)
