@@ -4,6 +4,7 @@
     python benchmarks/prefix_micro.py --sizes 2048,32768,409600 --blocks 256 --repeat 7
     python benchmarks/prefix_micro.py --baseline main --sizes 2048,32768 --blocks 256
     python benchmarks/prefix_micro.py --profile 32768   # where one prompt's time goes
+    python benchmarks/prefix_micro.py --instructions --baseline main --sizes 2048,32768
     python benchmarks/prefix_micro.py --quick          # smoke run, a second or two
 
 Why: the doctor hashes every measured prompt (:mod:`proxy.diagnosis.prefix`), so its
@@ -23,6 +24,13 @@ revision REF (``git show``; the index and the dialects are this tree's) and time
 on the same prompts, each run of a step alternating between the two in one process,
 so that a loaded machine slows both alike: compare the two columns as a ratio, not
 as absolute figures.
+
+``--instructions`` counts instead of timing: each step runs in a child process under
+``valgrind --tool=cachegrind`` (Debian's ``valgrind``), once with the calls and once
+without, and the difference over the calls is the instructions a call executes. The
+count does not move with the machine's load (a loaded machine moves CPU times by
+tens of percent from one run to the next), though an instruction is not a fixed
+time: compare counts, and time on a quiet machine.
 
 It also prices the hash alone, per 256-byte block: the keyed ``blake2b`` chain the
 doctor used before (one ``update``, ``copy`` and ``digest`` a block), the keyed digest
@@ -251,6 +259,31 @@ def entry_bytes(module: ModuleType, block: int, entries: int, text: str) -> tupl
     return used / len(index), keys / (prompt_bytes / 1024)
 
 
+def count_one(doctor: str, step: str, size: int, calls: int, text: str) -> None:
+    """Run one step ``calls`` times (the child of :func:`instructions`)."""
+    module = current if doctor == "now" else load_baseline(doctor)
+    case = Case(module, size, module.DEFAULT_BLOCK_BYTES, 4, text)
+    run = case.steps()[step]
+    for i in range(calls):
+        run(i % 4)
+
+
+def instructions(doctor: str, step: str, size: int, calls: int, text: str) -> int:
+    """Instructions one call of ``step`` executes, by cachegrind: a run with ``calls``
+    calls less one with none, over ``calls``."""
+    counted = []
+    for n in (0, calls):
+        command = ["valgrind", "--tool=cachegrind", "--cache-sim=no",
+                   "--cachegrind-out-file=/dev/null", sys.executable, __file__, "--count-one",
+                   f"{doctor},{step},{size},{n}", "--text", text]
+        env = {**os.environ, "PYTHONHASHSEED": "0"}
+        done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
+                              check=True)
+        line = next(x for x in done.stderr.splitlines() if "I   refs:" in x or "I refs:" in x)
+        counted.append(int(line.rsplit(":", 1)[1].replace(",", "")))
+    return (counted[1] - counted[0]) // calls
+
+
 def profile(size: int, text: str) -> None:
     """cProfile of the repeated-prompt path, the whole look, for one prompt size."""
     case = Case(current, size, current.DEFAULT_BLOCK_BYTES, 1, text)
@@ -282,10 +315,43 @@ def main(argv: list[str] | None = None) -> int:
                         help="also time proxy/diagnosis/prefix.py at this git revision")
     parser.add_argument("--profile", type=int, metavar="BYTES",
                         help="only profile the whole look for prompts of this size")
+    parser.add_argument("--instructions", action="store_true",
+                        help="count instructions per call with cachegrind instead of timing")
+    parser.add_argument("--count-one", help=argparse.SUPPRESS)  # DOCTOR,STEP,SIZE,CALLS
     parser.add_argument("--quick", action="store_true", help="tiny counts: a smoke run")
     args = parser.parse_args(argv)
+    if args.count_one:
+        doctor, step, size, calls = args.count_one.split(",")
+        count_one(doctor, step, int(size), int(calls), args.text)
+        return 0
     if args.profile:
         profile(args.profile, args.text)
+        return 0
+    if args.instructions:
+        doctors = ["now"] + ([args.baseline] if args.baseline else [])
+        print(f"# prompt-cache doctor, instructions per request (cachegrind; {args.text} "
+              "prompts; 256-byte blocks)\n")
+        print("| prompt | doctor | parts | hash | exchange (hit) | diagnose | total, repeated "
+              "prompt | total, new prompt |")
+        print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for size in [int(s) for s in args.sizes.split(",")]:
+            calls = 4 if size > 100_000 else 20
+            counts = {}
+            for doctor in doctors:
+                c = {step: instructions(doctor, step, size, calls, args.text)
+                     for step in ("parts", "hash", "exchange", "diagnose", "new")}
+                c["repeat"] = c["parts"] + c["hash"] + c["exchange"] + c["diagnose"]
+                counts[doctor] = c
+                print(f"| {size:,} B | {doctor} | "
+                      + " | ".join(f"{c[k]:,}" for k in ("parts", "hash", "exchange",
+                                                          "diagnose", "repeat", "new"))
+                      + " |", flush=True)
+            if args.baseline:
+                now, then = counts["now"], counts[args.baseline]
+                print(f"| {size:,} B | now / {args.baseline} | "
+                      + " | ".join(f"{now[k] / then[k]:.2f}" for k in
+                                   ("parts", "hash", "exchange", "diagnose", "repeat", "new"))
+                      + " |", flush=True)
         return 0
     if args.quick:
         args.requests, args.repeat, args.entries = 2, 1, 2000

@@ -23,31 +23,36 @@ The steps, for one request:
      the joined text costs a short block per part but makes every part boundary exact:
      a conversation that grows by a message repeats its previous request whole, and a
      break is placed in the part where it happened.
-   * The **suffixes**: per part, keys chained from the part's *end* backwards (blocks
-     cut from the end), so key *k* names the part's tail from its block *k* on,
-     whatever came before it. They answer "was the text after the break seen before?"
-     even when the changed run before it has another length this time (a user name, a
-     timestamp written differently).
+   * The **chunks**: per part, content-defined chunks (:func:`chunk_ends`: cut at
+     paragraph breaks, newlines and sentence ends, from a least to a most length), each
+     keyed by its bytes, the part's kind and role and the scope, never its offset. So
+     the same text has the same chunk keys wherever it sits in a part, and cuts line
+     up again soon after a changed run of another length (a user name, a timestamp
+     written differently). They answer "was the text after the break seen before?"
+     anywhere in a part. A chunk is at least :data:`DEFAULT_CHUNK_BYTES` long past a
+     part's first, so a prompt has fewer chunk keys than blocks.
    * Two **anchors**: the first block of prompt text (after any ``settings`` parts) under
      the upstream and model only, and under the upstream only: they tell a changed
      ``prompt_cache_key`` and a changed model from a prompt never seen.
 
-   The digests are ``blake2b(key=secret, digest_size=8)``, with the secret random per
-   process (:class:`PromptHasher` takes a shared one for several replicas), so a dump of
-   the index cannot be matched against a dictionary of candidate prompts. xxhash's
-   XXH3 was about 4x cheaper per block here (0.15 to 0.2 us against 0.6 to 0.8), but it
-   takes only a 64-bit seed and is not built to keep it secret; and since every chain
-   key is also an input of the next block's digest, a chain that is not keyed at every
-   step would let a dump confirm guessed text block by block. The keyed standard-library
-   hash is about 60 % of the doctor's CPU and adds no dependency
-   (``benchmarks/prefix_micro.py`` prices both).
+   Every key is a keyed ``blake2b`` digest (8 bytes), with the secret random per process
+   (:class:`PromptHasher` takes a shared one for several replicas), so a dump of the
+   index cannot be matched against a dictionary of candidate prompts: each is one keyed
+   digest of a short input, the bytes condensed first by XXH3-128 (xxhash), which costs
+   a fraction of a keyed digest per block. A chain key is a snapshot of one running
+   keyed state fed the part heads and block digests; a chunk key a keyed digest of the
+   scope, the part head and the chunk's digest. Nothing unkeyed is stored: XXH3 is no
+   pseudorandom function (its seed could be recovered or worked around from known text,
+   and a chain built on it alone would let a dump confirm guessed text block by block),
+   so it only condenses, and a secret keys every stored value (``docs/prompt-caching.md``,
+   "Privacy", has the analysis; ``benchmarks/prefix_micro.py`` prices both hashes).
 
 2. The index (:class:`~proxy.diagnosis.prefix_index.LruPrefixIndex` in process) answers
    when each key was last held at or before this request arrived, counting a request's
    sighting only from when its prefill was done (what a cache can serve), and by a
    request that went on past it or ended there, and records this request from when its
    own prefill was done (:meth:`HashedPrompt.probe` orders the keys so that an LRU
-   forgets a prompt's tail before its head).
+   forgets a prompt's chunks first, then its chain from the tail).
 
 3. :func:`diagnose` reads the answer into a :class:`PrefixReport`:
 
@@ -66,12 +71,16 @@ The steps, for one request:
      request (the one sharing the longest prefix) at the next block, in part *p*:
      ``settings_changed`` when *p* is a ``settings`` part (a request setting such as
      ``response_format``, named by its role; the settings parts come first, and only
-     when the body gives them). Else ``variable_before_stable`` when part *p* has a
-     short changed run (at most ``short_run_bytes``, two blocks and 256 bytes by
-     default) followed by a tail seen before, with ``stable_bytes`` (that tail plus the following parts seen whole) at
-     least ``min_stable_bytes`` (a block): the app put variable material ahead of
-     stable material. Else, when *p* is the prompt's last part, no break: its newest
-     message is new by nature (a new question after the same system prompt). Else a
+     when the body gives them). Else ``variable_before_stable`` when, from that block
+     on, part *p* has a short changed run (chunks not seen recently; at most ``short_run_bytes``, two blocks, a chunk's
+     least length and 256 bytes by default) followed by a run of chunks seen recently,
+     with ``stable_bytes`` (that run, plus the following parts seen whole when it
+     reaches the part's end) at least ``min_stable_bytes`` (a block): the app put
+     variable material ahead of stable material, anywhere in a part, the last one
+     included (a timestamp ahead of a document in the newest message). When the whole
+     rest of *p* was seen (a part moved, not varied), that is no changed run. Else, when
+     *p* is the prompt's last part, no break: its newest message is new by nature (a
+     new question after the same system prompt or the same document). Else a
      break named for *p*'s kind: ``tools_changed``, ``system_changed``,
      ``instructions_changed``, ``context_changed``, ``message_changed`` (messages and
      input items), ``prompt_changed``. When not even the first block repeated and
@@ -83,8 +92,10 @@ The steps, for one request:
      how that API works; and the repeat never runs past a ``conversation`` part, whose
      stored items grow under the same id (:func:`_stored_context`).
    * Positions (part kind, index, role, byte offset of the block in that part, the
-     changed run and stable tail) are multiples of the block size (the last block of a
-     part is exact). They belong in the request log and on the live page; only the
+     changed run and stable run) are multiples of the block size from the part's start
+     (a stable run's start rounded up, its end down, unless it is the part's end, which
+     is exact), so no chunk boundary, which follows the text, is reported. They belong
+     in the request log and on the live page; only the
      reason and the part kind are bounded enough for a label.
 
 4. :func:`cache_tokens` converts bytes to tokens with the request's own ratio
@@ -105,20 +116,19 @@ times it inside a running proxy).
 
 Block size: 256 bytes, about 64 tokens at four bytes a token, chosen from
 ``benchmarks/prefix_micro.py`` (CPU per request of the whole doctor, parts to report,
-and bytes per index entry with ``tracemalloc``). Measured on this project's 2-core
-machine while other work ran, so upper bounds (the record's figures come from a quiet
-run), for 64-, 128- and 256-byte blocks: a 2 KB chat prompt 150, 90 and 80 us; 32 KB
-1.9, 1.3 and 0.8 ms; 400 KB 22, 12 and 8 ms. The cost is per block, not per byte (a
-keyed blake2b call costs about 0.6 us whether it hashes 64 bytes or 256, and a prompt
-has two keys per block), so halving the block doubles CPU and memory. An entry costs
-150 to 190 bytes (:data:`~proxy.diagnosis.prefix_index.BYTES_PER_ENTRY` is 216), so at
-two entries per 256 bytes the index needs about 1.3 bytes per byte of distinct prompt
-text it remembers: 64 MB remember about 50 MB of it. What 256 bytes give up is
-resolution, and no report needs more: 64 tokens is half the step OpenAI reports cached
-tokens in (128 after the first 1,024), a break placed within 256 bytes points at the
-line that changed, and a part's last block is exact. The routers' 64 bytes (one vLLM
-block of 16 tokens) fit a router, which matches a bounded head of a prompt (a few
-hundred blocks) to pick a replica; the doctor hashes all of it, twice.
+and bytes per index entry with ``tracemalloc``; its figures are in
+``benchmarks/RESULTS.md``). The cost is per key, not per byte: a keyed digest and an
+index entry cost the same for any short input, so halving the block doubles CPU and
+memory. A prompt has one chain key a block and fewer chunk keys than blocks (a chunk
+is longer than a block past a part's first), so at most two index entries a block;
+:data:`~proxy.diagnosis.prefix_index.BYTES_PER_ENTRY` bounds an entry, and
+``docs/prompt-caching.md`` says how much distinct prompt text the default bound
+remembers. What 256 bytes give up is resolution, and no report needs more: 64 tokens
+is half the step OpenAI reports cached tokens in (128 after the first 1,024), a break
+placed within 256 bytes points at the line that changed, and a part's last block is
+exact. The routers' 64 bytes (one vLLM block of 16 tokens) fit a router, which matches
+a bounded head of a prompt (a few hundred blocks) to pick a replica; the doctor hashes
+all of it.
 """
 
 from __future__ import annotations
@@ -319,19 +329,24 @@ class PromptHasher:
     index share it); ``block_bytes`` is the block size; ``chunk_bytes`` the least length
     of a content chunk (at most four times that).
 
-    Each stored key is one keyed ``blake2b`` (a PRF) of a short input: a chain key of
-    the previous chain key and the block's XXH3-128 digest (and, for a part's first
-    block, the part's head: a keyed digest of its kind and role), a chunk key of the
-    root, the part's head and the chunk's XXH3-128 digest. XXH3 (seeded from the secret)
-    only condenses bytes for the keyed digest, which costs the same for any short input;
-    see the module docstring for why that keeps a dump unreadable. What is hashed is
-    unambiguous: a first block's input is longer than a next block's, and keys are taken
-    only at block ends, fixed by the parts' sizes. The part heads are kept between
-    requests (:data:`_HEADS_MAX`), and so are the last scope's digests: one entry, so
-    that the index's memory bound (``--prefix-index-bytes``) stays the doctor's bound
-    whatever the number of models. So are the anchors of up to :data:`_HEADS_MAX`
-    recent first blocks (about 13 KB of digests at most): most requests of an app open
-    with the same system prompt.
+    Each stored key is a keyed ``blake2b`` digest over short inputs. The chain is one
+    running keyed state: fed the root, then per part its head (a keyed digest of its
+    kind and role, which no prompt text can forge without the secret) and the XXH3-128
+    digest of each of its blocks, its key after each block is the digest of a copy of
+    the state (one ``update``, ``copy`` and ``digest`` a block, of 16 bytes rather than
+    the block's 256: one compression of the keyed hash where there were three). Whole
+    blocks are cut and condensed at C speed (``struct.iter_unpack`` into
+    ``xxh3_128_digest``). A chunk key is a keyed digest of
+    the root, the part's head and the chunk's XXH3-128 digest. XXH3 (unseeded) only
+    condenses: nothing it outputs leaves this object. What is fed is unambiguous: keys
+    are taken only after a block's digest, and a head is as long as half a digest and
+    keyed, so two prompts feed the same bytes up to a key only if their parts, heads
+    and blocks agree. The part heads are kept between requests (:data:`_HEADS_MAX`),
+    and so are the last scope's digests and running states: one entry, so that the
+    index's memory bound (``--prefix-index-bytes``) stays the doctor's bound whatever
+    the number of models. So are the anchors of up to :data:`_HEADS_MAX` recent first
+    blocks (about 13 KB of digests at most): most requests of an app open with the
+    same system prompt.
     """
 
     def __init__(self, secret: bytes | None = None, block_bytes: int = DEFAULT_BLOCK_BYTES,
