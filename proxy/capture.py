@@ -190,7 +190,8 @@ class PrefixKeys:
 
 
 def _keys_held(hashed: HashedPrompt | None) -> int:
-    """The prompt keys a waiting line holds (chain and suffixes), for MAX_PENDING_KEYS."""
+    """The prompt keys a waiting line holds, at most (a chain key a block, and fewer
+    chunk keys than blocks), for MAX_PENDING_KEYS."""
     return len(hashed.chain) * 2 if hashed is not None else 0
 
 

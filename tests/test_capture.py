@@ -474,7 +474,7 @@ def test_prompt_keys_waiting_for_the_disk_are_bounded(
 
     hashed = PromptHasher().hash([PromptPart("prompt", 0, "", b"x" * 2560)],
                                  upstream="u", model="m")
-    assert hashed is not None and len(hashed.chain) == 10  # 20 keys with the suffixes
+    assert hashed is not None and len(hashed.chain) == 10  # counted as 20: chain and chunks
     job: Any = SimpleNamespace(hashed=hashed)
     monkeypatch.setattr(capture_module, "MAX_PENDING_KEYS", 100)
     disk = SlowDisk(tmp_path / "trace.fifo")

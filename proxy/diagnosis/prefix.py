@@ -159,7 +159,7 @@ from proxy.diagnosis.prefix_index import (
 from proxy.dialects import PromptPart
 
 DEFAULT_BLOCK_BYTES = 256
-DEFAULT_CHUNK_BYTES = 512  # a content chunk's least length (its most: four times that)
+DEFAULT_CHUNK_BYTES = 1024  # a content chunk's least length (its most: four times that)
 FIRST_CHUNK_BYTES = 16  # the least length of a part's first chunk
 
 # Why a prefix stopped repeating: bounded, fit for a metric label.
@@ -277,7 +277,9 @@ def chunk_ends(data: bytes, least: int, most: int, first: int = FIRST_CHUNK_BYTE
     whichever comes first; a part's first chunk after the first of any of them past
     ``first`` bytes, so that a short changing head such as a timestamp gets a chunk of
     its own. With none, a chunk ends after the first space past ``least``, else at
-    ``most`` bytes. The last chunk is what remains.
+    ``most`` bytes. What remains (at most ``least`` bytes) is cut once more, before its
+    last sentence or line, so that a changing tail (a new question after a document)
+    is a chunk of its own too.
 
     A cut depends only on the bytes after the previous one, so two texts that differ
     in a head cut their common rest alike from the first cut they share on: the first
@@ -297,27 +299,31 @@ def chunk_ends(data: bytes, least: int, most: int, first: int = FIRST_CHUNK_BYTE
     while n - start > weak:
         high = start + most
         low = start + weak
-        # a paragraph break first: where there are many, one search is the only one
-        para = find(b"\n\n", start + strong, low + least // 2)
-        if 0 <= para < low:
+        # a paragraph break before ``low`` (marks from there on are found below): where
+        # paragraphs are short, the one search
+        para = find(b"\n\n", start + strong, low + 1) if strong < weak else -1
+        if para >= 0:
             start = para + 2
         else:
-            bound = para + 1 if para >= 0 else high  # or at it: see below
-            stop = find(b". ", low, bound)
-            line = find(b"\n", low, stop if stop >= 0 else bound)
+            stop = find(b". ", low, high)
+            line = find(b"\n", low, stop if stop >= 0 else high)
             if line >= 0:  # a cut at a paragraph's first newline would split the break,
                 # and a text whose chunk began elsewhere cuts after it: so do the same
                 start = line + 2 if line + 1 < n and data[line + 1] == 10 else line + 1
             elif stop >= 0:
                 start = stop + 2
-            elif para >= 0:
-                start = para + 2
             else:
                 space = find(b" ", low, high)
                 start = space + 1 if space >= 0 else min(high, n)
         ends.append(start)
         weak, strong = least, least // 4
     if start < n:
+        # The last piece: its last sentence or line a chunk of its own, so that a
+        # changing tail (a new question after a document) leaves the rest in step.
+        tail = max(data.rfind(b". ", start + first, n - 1) + 2,
+                   data.rfind(b"\n", start + first, n - 1) + 1)
+        if tail > start + first:
+            ends.append(tail)
         ends.append(n)
     return ends
 
