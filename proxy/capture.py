@@ -190,9 +190,9 @@ class PrefixKeys:
 
 
 def _keys_held(hashed: HashedPrompt | None) -> int:
-    """The prompt keys a waiting line holds, at most (a chain key a block, and fewer
-    chunk keys than blocks), for MAX_PENDING_KEYS."""
-    return len(hashed.chain) * 2 if hashed is not None else 0
+    """The prompt keys a waiting line holds (the probe's: chain, chunks, scope), for
+    MAX_PENDING_KEYS."""
+    return len(hashed.keys) if hashed is not None else 0
 
 
 # What the finish hands the writer: the record, its arrival, the model as sent, the keys.

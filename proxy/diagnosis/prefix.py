@@ -29,8 +29,10 @@ The steps, for one request:
      the same text has the same chunk keys wherever it sits in a part, and cuts line
      up again soon after a changed run of another length (a user name, a timestamp
      written differently). They answer "was the text after the break seen before?"
-     anywhere in a part. A chunk is at least :data:`DEFAULT_CHUNK_BYTES` long past a
-     part's first, so a prompt has fewer chunk keys than blocks.
+     anywhere in a part. A chunk other than a part's first and last is at least a
+     block long (a paragraph of a quarter of :data:`DEFAULT_CHUNK_BYTES`), mostly a
+     kilobyte or a paragraph, so a prompt has fewer chunk keys than blocks, and a part
+     at most two more than its blocks.
    * Two **anchors**: the first block of prompt text (after any ``settings`` parts) under
      the upstream and model only, and under the upstream only: they tell a changed
      ``prompt_cache_key`` and a changed model from a prompt never seen.
@@ -119,8 +121,8 @@ Block size: 256 bytes, about 64 tokens at four bytes a token, chosen from
 and bytes per index entry with ``tracemalloc``; its figures are in
 ``benchmarks/RESULTS.md``). The cost is per key, not per byte: a keyed digest and an
 index entry cost the same for any short input, so halving the block doubles CPU and
-memory. A prompt has one chain key a block and fewer chunk keys than blocks (a chunk
-is longer than a block past a part's first), so at most two index entries a block;
+memory. A prompt has one chain key a block and mostly fewer chunk keys than blocks
+(a part at most two more than its blocks), so about one to two index entries a block;
 :data:`~proxy.diagnosis.prefix_index.BYTES_PER_ENTRY` bounds an entry, and
 ``docs/prompt-caching.md`` says how much distinct prompt text the default bound
 remembers. What 256 bytes give up is resolution, and no report needs more: 64 tokens
