@@ -305,9 +305,11 @@ class PrefixCheck:
 
     def place(self, blocks: int) -> Place:
         """Where a prompt of ``blocks`` estimated blocks is examined: too large when its
-        keys (two a block, and three for its scope) would pass :attr:`max_keys`, in the
-        thread past :data:`INLINE_MAX_BLOCKS`, else on the loop."""
-        if 2 * blocks + 3 > self.max_keys:
+        keys could pass :attr:`max_keys`, in the thread past :data:`INLINE_MAX_BLOCKS`,
+        else on the loop. The keys are one a block, the chunks and three for the scope;
+        a part has at most two chunks more than blocks and counts at least one block in
+        the estimate, so ``4 * blocks + 3`` bounds them."""
+        if 4 * blocks + 3 > self.max_keys:
             return Place.TOO_LARGE
         return Place.THREAD if blocks > INLINE_MAX_BLOCKS else Place.INLINE
 
