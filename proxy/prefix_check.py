@@ -130,6 +130,8 @@ from typing import Any, NamedTuple
 from proxy.cache_index import prefix_secret
 from proxy.config import Settings
 from proxy.diagnosis.prefix import (
+    BYTES_PER_CACHED_KEY,
+    PART_CACHE_KEYS,
     HashedPrompt,
     PrefixDoctor,
     PrefixPolicy,
@@ -139,7 +141,12 @@ from proxy.diagnosis.prefix import (
     cache_tokens,
     minimum_cacheable_tokens,
 )
-from proxy.diagnosis.prefix_index import DEFAULT_HORIZON_MS, LruPrefixIndex, PrefixIndex
+from proxy.diagnosis.prefix_index import (
+    BYTES_PER_ENTRY,
+    DEFAULT_HORIZON_MS,
+    LruPrefixIndex,
+    PrefixIndex,
+)
 from proxy.dialects import Dialect, cache_scope, part_bound
 from proxy.measure import PrefixRecord
 from proxy.prefix_store import (
@@ -231,9 +238,13 @@ class PrefixCheck:
                                                        caller_clock=clock)
                 hasher = PromptHasher(prefix_secret())
             else:
-                index = LruPrefixIndex(settings.prefix_index_bytes, horizon_ms=horizon_ms,
-                                       window_ms=window_ms)
-                hasher = PromptHasher(secret)
+                # the hasher's cache of recent parts' keys (PART_CACHE_KEYS) comes out of
+                # the same memory bound: a sixteenth of the index's entries, as keys
+                bound = settings.prefix_index_bytes
+                cached = min(PART_CACHE_KEYS, bound // BYTES_PER_ENTRY // 16)
+                index = LruPrefixIndex(bound - cached * BYTES_PER_CACHED_KEY,
+                                       horizon_ms=horizon_ms, window_ms=window_ms)
+                hasher = PromptHasher(secret, part_cache_keys=cached)
             doctor = PrefixDoctor(index, hasher, policy=PrefixPolicy(window_ms=window_ms))
         elif isinstance(doctor.index, RedisPrefixIndex):
             self.shared = doctor.index

@@ -205,6 +205,33 @@ def test_a_hasher_that_keeps_state_between_prompts_gives_what_a_fresh_one_gives(
         assert kept.hash(parts, **scope) == PromptHasher(secret).hash(parts, **scope)
 
 
+@pytest.mark.parametrize("cache_keys", [8, 64, 1 << 16])
+def test_parts_hashed_before_give_the_keys_hashing_them_again_gives(cache_keys: int) -> None:
+    """The hasher keeps recent parts' keys by the prefix before them: a conversation that
+    grows, a part that comes after another prefix, a part sent again in another scope or
+    with another role, through a cache large enough for all and one that evicts, give
+    the keys of a hasher that keeps no part (``part_cache_keys=0``)."""
+    secret = os.urandom(32)
+    kept = PromptHasher(secret, part_cache_keys=cache_keys)
+    bare = PromptHasher(secret, part_cache_keys=0)
+    doc = (STABLE * 6).encode()  # several blocks and chunks
+    history = [PromptPart("system", 0, "system", STABLE.encode()),
+               PromptPart("message", 1, "user", doc)]
+    prompts: list[tuple[list[PromptPart], dict[str, str]]] = []
+    for turn in range(4):
+        history.append(PromptPart("message", len(history), "user", f"turn {turn}".encode()))
+        prompts.append((list(history), {"upstream": "u", "model": "m"}))
+    prompts += [
+        (history[1:], {"upstream": "u", "model": "m"}),  # the same parts after another prefix
+        (history, {"upstream": "u", "model": "other"}),  # another scope
+        ([PromptPart("message", 0, "assistant", doc)], {"upstream": "u", "model": "m"}),
+        ([PromptPart("message", 0, "user", b"")], {"upstream": "u", "model": "m"}),
+    ]
+    for parts, scope in prompts * 2:
+        assert kept.hash(parts, **scope) == bare.hash(parts, **scope)
+    assert kept._parts_keys <= cache_keys  # bounded, whatever was sent
+
+
 @pytest.mark.parametrize("kwargs", [{"secret": b"short"}, {"secret": b"x" * 65},
                                     {"block_bytes": 0}])
 def test_hasher_rejects_bad_settings(kwargs: dict[str, Any]) -> None:

@@ -1013,13 +1013,16 @@ def test_the_place_follows_parts_and_blocks_not_body_bytes(case: str) -> None:
 
 async def test_a_prompt_past_the_key_cap_is_not_examined_and_evicts_nothing(
         tmp_path: Path) -> None:
-    """A small index (1,000 entries: a prompt may hold 125 keys): a steady prompt, then a
-    body of 2,000 empty messages (4,000 keys, enough to push every entry out), then the
-    steady prompt again, which still repeats whole."""
+    """A small index (1,000 entries' bytes, of which the hasher's part cache takes a
+    share: a prompt may hold an eighth of what is left): a steady prompt, then a body of
+    2,000 empty messages (4,000 keys, enough to push every entry out), then the steady
+    prompt again, which still repeats whole."""
     clock, answers = ScriptedClock(T0), Answers()
     app, registry, log_file = doctor_app(answers, clock, tmp_path,
                                          prefix_index_bytes=1000 * BYTES_PER_ENTRY)
-    assert app.v1.prefix is not None and app.v1.prefix.max_keys == 125
+    assert app.v1.prefix is not None
+    capacity = app.v1.prefix.doctor.index.capacity  # type: ignore[attr-defined]
+    assert 900 < capacity <= 1000 and app.v1.prefix.max_keys == capacity // 8
     steady = chat(("system", STABLE), ("user", "hi"))
     hostile = {"model": "m", "messages": [{}] * 2000 + [{"role": "user", "content": "hi"}]}
     async with app:

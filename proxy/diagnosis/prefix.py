@@ -139,7 +139,9 @@ import hashlib
 import re
 import secrets
 import struct
+import threading
 from bisect import bisect_right
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import starmap
@@ -263,6 +265,24 @@ def _field(text: str) -> bytes:
 _HEADS_MAX = 64
 
 
+# Parts already hashed after the same prefix (a system prompt, tools, the history of a
+# conversation), whose keys a hasher keeps between requests, up to this many keys in
+# all: the least recently used part goes first.
+PART_CACHE_KEYS = 1 << 16
+# What one cached key costs, its part's share included (an upper bound: an 8-byte bytes
+# object and its tuple slot, the part's record, state and dict entry spread over its keys)
+BYTES_PER_CACHED_KEY = 96
+
+
+class _HashedPart(NamedTuple):
+    """One part's keys after a given prefix, and the chain's state after it."""
+
+    chain: tuple[bytes, ...]
+    chunks: tuple[bytes, ...]
+    ends: tuple[int, ...]
+    state: Any  # the running keyed hash after the part (a blake2b object; copied on use)
+
+
 def _keep(cache: dict[Any, Any], key: Any, value: Any) -> None:
     """Remember ``value`` in one of a hasher's small caches, emptied when full (what they
     hold costs a few digests to make again)."""
@@ -354,11 +374,16 @@ class PromptHasher:
     index's memory bound (``--prefix-index-bytes``) stays the doctor's bound whatever
     the number of models. So are the anchors of up to :data:`_HEADS_MAX` recent first
     blocks (about 13 KB of digests at most): most requests of an app open with the
-    same system prompt.
+    same system prompt. And so are recent parts' keys (``part_cache_keys`` keys in all,
+    least recently used first), by a keyed digest of the chain key before the part, its
+    head and its bytes' XXH3-128: a system prompt, the tools and a conversation's
+    history come again after the same prefix, and cost one digest of their bytes
+    instead of one keyed digest per block.
     """
 
     def __init__(self, secret: bytes | None = None, block_bytes: int = DEFAULT_BLOCK_BYTES,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, *,
+                 part_cache_keys: int = PART_CACHE_KEYS) -> None:
         if block_bytes < 1:
             raise ValueError("block_bytes must be >= 1")
         if chunk_bytes < 1:
@@ -387,6 +412,30 @@ class PromptHasher:
         # the anchors of recent first blocks (most prompts of an app open alike), by the
         # chain key of the first block, which names its scope and its bytes
         self._anchors: dict[bytes, tuple[bytes, bytes]] = {}
+        # parts hashed after a given prefix, by a keyed digest of (the chain key before
+        # the part, its head, its bytes' XXH3-128): a part that came after the same
+        # prefix before costs one digest of its bytes, not one per block
+        self._part_key = keyed(b"prefix.partkey")
+        self._parts: OrderedDict[bytes, _HashedPart] = OrderedDict()
+        self._parts_keys = 0  # keys held by self._parts
+        self._parts_max = part_cache_keys
+        self._parts_lock = threading.Lock()  # the loop and the hashing thread share it
+
+    def _remember(self, name: bytes, part: _HashedPart) -> None:
+        """Keep a part's keys for the next prompt with the same part after the same
+        prefix, within :data:`PART_CACHE_KEYS` keys in all."""
+        size = len(part.chain) + len(part.chunks)
+        if size > self._parts_max // 4:
+            return  # one huge part would push out every other
+        with self._parts_lock:
+            cached = self._parts
+            if name in cached:
+                return
+            cached[name] = part
+            self._parts_keys += size
+            while self._parts_keys > self._parts_max:
+                _, gone = cached.popitem(last=False)
+                self._parts_keys -= len(gone.chain) + len(gone.chunks)
 
     def _digest(self, base: hashlib.blake2b, *pieces: bytes) -> bytes:
         h = base.copy()
@@ -439,12 +488,31 @@ class PromptHasher:
         ends: list[int] = []
         first_chunk: list[int] = []
         shapes: list[PartShape] = []
+        cached, part_key = self._parts, self._part_key.copy
+        before = root  # the chain key before this part (the root before the first)
         for kind, index, role, data in parts:
             head = heads.get((kind, role)) or head_of(kind, role)
             length = len(data)
-            view = memoryview(data)
             shapes.append(PartShape(kind, index, role, length))
             first_block.append(len(chain))
+            first_chunk.append(len(chunks))
+            naming = part_key()
+            naming.update(before + head + condense(data))
+            name = naming.digest()
+            with self._parts_lock:
+                known = cached.get(name)
+                if known is not None:
+                    cached.move_to_end(name)
+            if known is not None:  # the same part after the same prefix: its keys again
+                chain.extend(known.chain)
+                chunks.extend(known.chunks)
+                ends.extend(known.ends)
+                running = known.state.copy()
+                update, snapshot = running.update, running.copy
+                before = chain[-1]
+                continue
+            at_chain, at_chunk = len(chain), len(chunks)
+            view = memoryview(data)
             update(head)  # a part's first block also covers its kind and role
             whole = length - length % size  # bytes in whole blocks
             leaf = b""
@@ -456,7 +524,6 @@ class PromptHasher:
                 leaf = condense(view[whole:])
                 update(leaf)
                 chain.append(snapshot().digest())
-            first_chunk.append(len(chunks))
             under = new_chunk()
             under.update(root + head)
             cut = chunk_ends(data, least, most)
@@ -472,6 +539,9 @@ class PromptHasher:
                     chunks.append(link.digest())
                     start = end
             ends.extend(cut)
+            before = chain[-1]
+            self._remember(name, _HashedPart(tuple(chain[at_chain:]), tuple(chunks[at_chunk:]),
+                                             tuple(cut), snapshot()))
         named = chain[first_block[anchor]]  # names the scope and the blocks up to the anchor's
         anchors = self._anchors.get(named)
         if anchors is None:
@@ -561,9 +631,14 @@ def diagnose(
     top = len(hashed.keys) - 4  # the probe index of chain block 0; block i is at top - i
     parts = hashed.parts
     unseen, limit = _stored_context(parts, hashed.first_block, blocks)
-    repeated = 0
-    while repeated < limit and last(top - repeated) >= cutoff:
-        repeated += 1
+    if limit == blocks and last(top - blocks + 1) >= cutoff:
+        # The last block's key names the whole prompt: a request held all of it, each
+        # block at the same time, so no block before it need be read.
+        repeated = blocks
+    else:
+        repeated = 0
+        while repeated < limit and last(top - repeated) >= cutoff:
+            repeated += 1
     if repeated == blocks:  # the whole prompt repeated: the common case, said at once
         total = sum(part.size for part in parts)
         return PrefixReport(total, blocks, blocks, total, 0, None, unseen_context=unseen)
