@@ -162,16 +162,18 @@ from proxy.upstream_spec import UpstreamSpec
 
 log = logging.getLogger("proxy")
 
-# Estimated blocks (parts + body bytes / block) examined on the loop: the 16 KiB of text
-# that benchmarks/prefix_offload.py set the threshold at, in a few parts.
-INLINE_MAX_BLOCKS = 80
+# Estimated blocks (parts + body bytes / block) examined on the loop: about 40 KB of text
+# in a few parts. The hashing thread's hand-offs cost more CPU than a look at such a
+# prompt, its repeated parts taken from the hasher's cache (benchmarks/RESULTS.md,
+# 2026-12-03); past BATCH_BLOCKS a job runs alone, at the loop's next turn.
+INLINE_MAX_BLOCKS = 160
 MAX_PENDING = 16  # large prompts waiting for, or in, the worker thread
 STORE_THREADS = 4  # with a shared index: threads that exchange the other prompts
 MAX_PENDING_SHARED = 256  # with a shared index: other prompts waiting for, or in, those
 SETTLE_S = 0.5  # how long the finish waits for a thread still hashing
 BATCH_S = 0.2  # how long the first job of a batch waits for others
 BATCH_JOBS = 16  # jobs that run a batch at the loop's next turn
-BATCH_BLOCKS = INLINE_MAX_BLOCKS  # ... or estimated blocks
+BATCH_BLOCKS = 80  # ... or estimated blocks
 INDEX_SHARE = 8  # a prompt may hold at most 1/INDEX_SHARE of the in-process index
 WARN_EVERY_S = 60.0
 
