@@ -220,6 +220,11 @@ class SummedTarget:
         with httpx.Client(timeout=10) as client:
             while not self._stop.is_set():
                 for r in self.replicas:
+                    if r.name in last and r.proc.poll() is not None:
+                        # exited: keep what it said last. Never ask its port again: another
+                        # test's server may listen there by now (under xdist, ports are
+                        # reused), and its smaller counts would read as a counter reset
+                        continue
                     try:
                         response = client.get(f"http://127.0.0.1:{r.metrics_port}/metrics")
                         response.raise_for_status()
