@@ -577,30 +577,34 @@ def traced() -> Iterator[None]:
     )
 )
 def test_any_upstream_answer_keeps_the_promises(rig: Rig, a: Answer) -> None:
-    COUNT[0] += 1
     check(rig, a)
 
 
-COUNT = [0]  # examples run, for the campaign's line
+def run_campaign(name: str, strategy: st.SearchStrategy[Any], check_one: Any) -> None:
+    """The long run of a fuzzer: its property again and again with new random examples,
+    for ``FUZZ_CAMPAIGN_SECONDS``; prints how many examples ran (a failure stops it,
+    shrunk). ``check_one`` checks one example drawn from ``strategy``."""
+    seconds = float(os.environ.get("FUZZ_CAMPAIGN_SECONDS", "0"))
+    if seconds <= 0:
+        pytest.skip("set FUZZ_CAMPAIGN_SECONDS for the long campaign")
+    count = 0
+
+    @settings(FUZZ, max_examples=200)
+    @given(strategy)
+    def one(example: Any) -> None:
+        nonlocal count
+        count += 1
+        check_one(example)
+
+    start = time.monotonic()
+    while time.monotonic() - start < seconds:
+        one()
+    took = time.monotonic() - start
+    print(f"\n{name} campaign: {count} examples in {took:.0f} s, no failure")
 
 
 @pytest.mark.fuzz_campaign
 @pytest.mark.timeout(0)
 def test_campaign(rig: Rig) -> None:
-    """The long run: the property above, again and again with new random examples, for
-    ``FUZZ_CAMPAIGN_SECONDS``; prints how many examples ran (a failure stops it, shrunk)."""
-    seconds = float(os.environ.get("FUZZ_CAMPAIGN_SECONDS", "0"))
-    if seconds <= 0:
-        pytest.skip("set FUZZ_CAMPAIGN_SECONDS for the long campaign")
-
-    @settings(FUZZ, max_examples=200)
-    @given(answers())
-    def one(a: Answer) -> None:
-        COUNT[0] += 1
-        check(rig, a)
-
-    start, COUNT[0] = time.monotonic(), 0
-    while time.monotonic() - start < seconds:
-        one()
-    took = time.monotonic() - start
-    print(f"\nupstream campaign: {COUNT[0]} examples in {took:.0f} s, no failure")
+    """The long run of the property above (:func:`run_campaign`)."""
+    run_campaign("upstream", answers(), lambda a: check(rig, a))
