@@ -50,22 +50,16 @@ from proxy.app import create_app
 from proxy.config import Settings
 from tests.fake_upstream import RawUpstream, stream_events
 from tests.servers import RunningServer, serve_in_thread
+from tests.test_fuzz_upstream import FUZZ as UPSTREAM_FUZZ
 from tests.test_fuzz_upstream import run_campaign
 
 pytestmark = pytest.mark.e2e
 
-CI_EXAMPLES = 150
-EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", CI_EXAMPLES))
+# the upstream fuzzer's settings; this one's rig is a function-scoped fixture too
 FUZZ = settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    database=None,
-    suppress_health_check=[
-        HealthCheck.too_slow,
-        HealthCheck.data_too_large,
-        HealthCheck.large_base_example,
-        HealthCheck.function_scoped_fixture,
-    ],
+    UPSTREAM_FUZZ,
+    suppress_health_check=[*UPSTREAM_FUZZ.suppress_health_check,
+                           HealthCheck.function_scoped_fixture],
 )
 KEY = "cli-fuzz-key-0123456789"
 MAX_BODY = 256 * 1024
