@@ -56,7 +56,7 @@ per-process secret, the window) and runs one :class:`PrefixJob` per measured req
   the prompts every other request repeats. The hashing is Python around a C hash of
   256-byte pieces, too small for hashlib to release the GIL, so the thread still
   shares the interpreter with the loop: the loop gets it back at least every
-  ``sys.getswitchinterval()`` (5 ms). At most
+  switch interval, ``sys.getswitchinterval()``. At most
   :data:`MAX_PENDING` prompts wait for the thread; a request beyond that is not
   examined (a rate-limited warning says so), so a burst of huge prompts never queues
   work or memory without bound. ``benchmarks/prefix_offload.py`` prices both ways per
