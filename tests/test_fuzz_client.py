@@ -58,8 +58,10 @@ pytestmark = pytest.mark.e2e
 # the upstream fuzzer's settings; this one's rig is a function-scoped fixture too
 FUZZ = settings(
     UPSTREAM_FUZZ,
-    suppress_health_check=[*UPSTREAM_FUZZ.suppress_health_check,
-                           HealthCheck.function_scoped_fixture],
+    suppress_health_check=[
+        *UPSTREAM_FUZZ.suppress_health_check,
+        HealthCheck.function_scoped_fixture,
+    ],
 )
 KEY = "cli-fuzz-key-0123456789"
 MAX_BODY = 256 * 1024
