@@ -280,6 +280,7 @@ class LoadConfig:
     model: str = "bench"
     api: str = "chat"  # chat | responses | messages
     prompt_bytes: int = 0  # the user message's size; 0: "benchmark"
+    pause: float = 0.0  # seconds each user waits before each of its streams (sparse traffic)
 
 
 def prompt_text(size: int) -> str:
@@ -403,6 +404,10 @@ async def run_load(cfg: LoadConfig) -> dict[str, Any]:
         conn: _Conn | None = None
         done = 0
         while perf_counter() < deadline and (not cfg.streams or done < cfg.streams):
+            if cfg.pause:
+                await asyncio.sleep(cfg.pause)
+                if perf_counter() >= deadline:
+                    break
             conn, res = await one(conn)
             done += 1
             (results if res.t_start >= warm_end else warm).append(res)
@@ -441,6 +446,13 @@ def main(argv: list[str] | None = None) -> int:
         "--stagger", type=float, default=1.0, help="spread user starts over this many seconds"
     )
     p.add_argument("--stream-timeout", type=float, default=30.0)
+    p.add_argument(
+        "--pause",
+        type=float,
+        default=0.0,
+        help="seconds each user waits before each stream: sparse traffic, whose pooled "
+        "connections have expired",
+    )
     p.add_argument("--api", choices=sorted(APIS), default="chat", help="which API to stream")
     p.add_argument("--no-usage", action="store_true", help="do not ask for the usage chunk (chat)")
     p.add_argument(
@@ -472,6 +484,7 @@ def main(argv: list[str] | None = None) -> int:
         headers=tuple(a.header),
         api=a.api,
         prompt_bytes=a.prompt_bytes,
+        pause=a.pause,
     )
     out = run_loop(run_load(cfg))
     json.dump(out, sys.stdout)

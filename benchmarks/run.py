@@ -176,7 +176,7 @@ def wait_port(port: int, proc: subprocess.Popen[Any] | None, timeout: float) -> 
 
 
 APIS = ("chat", "responses", "messages")
-_LOAD = re.compile(r"(\d+)(new)?(close)?(?:-(chat|responses|messages))?")
+_LOAD = re.compile(r"(\d+)(new)?(close)?(?:idle(\d+(?:\.\d+)?))?(?:-(chat|responses|messages))?")
 
 
 @dataclass(frozen=True)
@@ -188,24 +188,33 @@ class Load:
     keepalive: bool = True  # client: one kept-alive connection per user ('new': per stream)
     close: bool = False  # upstream: Connection: close and closed after every response
     api: str = "chat"
+    idle: float = 0.0  # seconds each user waits between its streams ('idle6': sparse traffic)
 
     @classmethod
     def parse(cls, spec: str, api: str = "chat") -> Load:
-        """``N[new][close][-API]``, e.g. ``64``, ``64new``, ``256close``, ``64-responses``;
-        ``api`` for specs that name none."""
+        """``N[new][close][idleS][-API]``, e.g. ``64``, ``64new``, ``256close``,
+        ``1newidle6`` (a pause of 6 s before every stream: the traffic of an internal tool
+        or a night, which finds pooled connections expired), ``64-responses``; ``api`` for
+        specs that name none."""
         m = _LOAD.fullmatch(spec.strip())
         if m is None:
             raise SystemExit(
-                f"bad load {spec!r}: N[new][close][-chat|-responses|-messages], "
-                "e.g. 64, 64new, 256close, 64-responses"
+                f"bad load {spec!r}: N[new][close][idleS][-chat|-responses|-messages], "
+                "e.g. 64, 64new, 256close, 1newidle6, 64-responses"
             )
-        return cls(int(m[1]), m[2] is None, m[3] is not None, m[4] or api)
+        return cls(int(m[1]), m[2] is None, m[3] is not None, m[5] or api, float(m[4] or 0))
 
     @classmethod
     def of(cls, run: dict[str, Any]) -> Load:
         """The load of a run or row (runs recorded before ``close``/``api`` existed
         were keep-alive upstream, chat)."""
-        return cls(run["load"], run["keepalive"], run.get("close", False), run.get("api", "chat"))
+        return cls(
+            run["load"],
+            run["keepalive"],
+            run.get("close", False),
+            run.get("api", "chat"),
+            run.get("idle", 0.0),
+        )
 
     @property
     def label(self) -> str:
@@ -213,7 +222,8 @@ class Load:
         conn = "" if self.keepalive else "new"
         upstream = "close" if self.close else ""
         api = "" if self.api == "chat" else "-" + self.api
-        return f"{self.streams}{conn}{upstream}{api}"
+        idle = f"idle{self.idle:g}" if self.idle else ""
+        return f"{self.streams}{conn}{upstream}{idle}{api}"
 
 
 @dataclass
@@ -712,14 +722,16 @@ class Bench:
         tokens: int,
         streams: int = 0,
         api: str = "chat",
+        pause: float = 0.0,
     ) -> dict[str, Any]:
         """One loadgen run against ``target`` with CPU and memory read around it; a
         ``-scraped`` target is scraped by a Prometheus server meanwhile."""
         if not target.scraped:
-            return self._load(target, c, keepalive, duration, warmup, tokens, streams, api)
+            return self._load(target, c, keepalive, duration, warmup, tokens, streams, api,
+                              pause=pause)
         with Scraper(self, target.url.removesuffix("/v1"), self.args.scrape_interval) as prom:
             res = self._load(target, c, keepalive, duration, warmup, tokens, streams, api,
-                             prom.pids())
+                             prom.pids(), pause=pause)
         res.update(prom.stats)
         return res
 
@@ -734,6 +746,7 @@ class Bench:
         streams: int = 0,
         api: str = "chat",
         other_pids: list[int] | None = None,
+        pause: float = 0.0,
     ) -> dict[str, Any]:
         a = self.args
         cmd = [
@@ -763,6 +776,8 @@ class Bench:
             cmd += ["--streams", str(streams)]
         if not keepalive:
             cmd.append("--new-connections")
+        if pause:
+            cmd += ["--pause", str(pause)]
         pids = target.pids()
         upstream = self.upstream_procs.get(target.close)
         up_pids = [upstream.pid] if upstream is not None else []
@@ -889,6 +904,7 @@ def summarize_loads(runs: list[dict[str, Any]], targets: list[str]) -> list[dict
                     "keepalive": load.keepalive,
                     "close": load.close,
                     "api": load.api,
+                    "idle": load.idle,
                     "target": name,
                     "rounds": len(mine),
                     "ttft_p50": _med([r["ttft_ms"]["p50"] for r in mine]),
@@ -1064,7 +1080,7 @@ def render(
         load = Load.of(r)
         peak = peaks.get(peak_key(r["target"], load.close))
         out.append(
-            f"| {r['load']} | {load.api} | {'keep-alive' if r['keepalive'] else 'new'} "
+            f"| {load.label} | {load.api} | {'keep-alive' if r['keepalive'] else 'new'} "
             f"| {'close' if load.close else 'keep-alive'} | {r['target']} "
             f"| {_fmt(r['ttft_p50'])} | {_fmt(r['ttft_p99'])} "
             f"| {'-' if direct else _fmt(r['added_ttft_p50'], 2)} "
@@ -1205,9 +1221,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--loads",
         default="1,64,64new,256,256new,1close,64close,256close",
-        help="concurrent streams N[new][close][-API]: 'new' for a new client connection "
-        "per stream, 'close' for the upstream that closes after every response, "
-        "-chat/-responses/-messages for the API (default --api), e.g. 64close-responses",
+        help="concurrent streams N[new][close][idleS][-API]: 'new' for a new client "
+        "connection per stream, 'close' for the upstream that closes after every response, "
+        "'idleS' for a pause of S seconds before each stream (sparse traffic), "
+        "-chat/-responses/-messages for the API (default --api), e.g. 64close-responses, "
+        "1newidle6",
+    )
+    p.add_argument(
+        "--idle-streams",
+        type=int,
+        default=4,
+        help="streams per user and round in an idleS load (its duration follows)",
     )
     p.add_argument(
         "--api",
@@ -1417,8 +1441,11 @@ def main(argv: list[str] | None = None) -> int:
                             continue
                         c = load.streams
                         dur = max(a.duration, 10.0) if c == 1 and not a.quick else a.duration
+                        if load.idle:  # enough for a few streams after a pause each
+                            dur = max(dur, a.idle_streams * (load.idle + a.ttft + a.itl * a.tokens))
                         res = bench.load(
-                            t, c, load.keepalive, dur, a.warmup, a.tokens, api=load.api
+                            t, c, load.keepalive, dur, a.warmup, a.tokens, api=load.api,
+                            pause=load.idle,
                         )
                         res.update(
                             round=rnd,
@@ -1426,6 +1453,7 @@ def main(argv: list[str] | None = None) -> int:
                             keepalive=load.keepalive,
                             close=load.close,
                             api=load.api,
+                            idle=load.idle,
                         )
                         runs.append(res)
                         p50 = res["ttft_ms"]["p50"]

@@ -41,6 +41,7 @@ import fake_upstream  # noqa: E402
 import loadgen  # noqa: E402
 import loop_micro  # noqa: E402
 import run  # noqa: E402
+import timeline  # noqa: E402
 
 from proxy.config import from_sources  # noqa: E402
 from proxy.routing import RoutingTable  # noqa: E402
@@ -418,6 +419,56 @@ def test_run_py_side_by_side(tmp_path: Path) -> None:
         assert before == f"proxy-before targets: proxy/ sha256 {digest} from {BENCH.parent}"
 
 
+def test_idle_loads_round_trip() -> None:
+    """``1newidle6``: one user, a new connection per stream, 6 s without traffic before each."""
+    load = run.Load.parse("1newidle6")
+    assert load == run.Load(1, keepalive=False, idle=6.0)
+    assert load.label == "1newidle6"
+    assert run.Load.of({"load": 1, "keepalive": False, "idle": 6.0}) == load
+    assert run.Load.parse("4idle0.5-messages").label == "4idle0.5-messages"
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(not HAS_PROXY, reason="needs the proxy's dependencies")
+def test_timeline_stamps_every_step_of_the_request_path(tmp_path: Path) -> None:
+    """``timeline.py`` finds every point it stamps in this tree (a renamed step would
+    silently drop out of the timeline), and splits a request into its steps, a new
+    upstream connection after the idle pause included."""
+    out = tmp_path / "timeline.json"
+    subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "timeline.py"),
+            "--targets",
+            "direct,proxy",
+            "--rounds",
+            "1",
+            "--steady",
+            "2",
+            "--idle",
+            "0.3",
+            "--json",
+            str(out),
+            "--proxy-arg=--upstream-keepalive-expiry=0.1",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=220,
+    )
+    result = json.loads(out.read_text())
+    assert result["missing_points"] == {"proxy": []}
+    proxied = [r for r in result["results"] if r["target"] == "proxy"]
+    assert {r["situation"] for r in proxied} == {"steady", "idle"}
+    for r in proxied:
+        steps = r["steps"]
+        assert steps is not None
+        for name, _ in timeline.WAY_IN:
+            assert name in steps, name
+        assert steps["way in: client's last byte -> request written upstream"] > 0
+    idle = next(r for r in proxied if r["situation"] == "idle")
+    assert "  of which connect (new connection)" in idle["steps"]
+
+
 @pytest.mark.timeout(180)
 def test_run_py_close_upstream_and_other_apis(tmp_path: Path) -> None:
     """Close-per-response loads run against their own upstream and target instances;
@@ -566,7 +617,10 @@ async def test_scrape_fill_puts_every_label_set_in_the_registry() -> None:
     assert stats["requests"] == stats["completed"] == 12
     found = re.findall(  # labels in alphabetical order: client before model
         r'^llm_proxy_inter_token_latency_seconds_count\{client="([^"]+)",model="([^"]+)",'
-        r'[^}]*\} 1\.0$', metrics, re.M)
+        r"[^}]*\} 1\.0$",
+        metrics,
+        re.M,
+    )
     assert {(model, client) for client, model in found} == set(pairs)
 
 
@@ -578,8 +632,17 @@ def test_run_py_scraped_targets_side_by_side(tmp_path: Path) -> None:
     if not (HAS_PROXY and HAS_PROMETHEUS):
         pytest.skip("needs the proxy and a prometheus server")
     targets = ["direct", "proxy", "proxy-before", "proxy-scraped", "proxy-before-scraped"]
-    result = _run_harness(tmp_path, targets, "4", "--before", str(BENCH.parent),
-                          "--scrape-fill", "4,2", "--duration", "1.5")
+    result = _run_harness(
+        tmp_path,
+        targets,
+        "4",
+        "--before",
+        str(BENCH.parent),
+        "--scrape-fill",
+        "4,2",
+        "--duration",
+        "1.5",
+    )
     _check_runs(result, targets, [run.Load(4)])
     for r in result["runs"]:
         if r["target"].endswith("-scraped"):
@@ -596,19 +659,53 @@ def test_loop_micro_measures_scrapes_and_bodies(tmp_path: Path) -> None:
     """Both measurements run and report what they claim: renders and stalls for a small
     registry, decode costs and stalls per body size and shape."""
     out = tmp_path / "scrape.json"
-    assert loop_micro.main(["scrape", "--clients", "3", "--models-per-client", "2",
-                            "--repeat", "1", "--scrapes", "1", "--json", str(out)]) == 0
+    assert (
+        loop_micro.main(
+            [
+                "scrape",
+                "--clients",
+                "3",
+                "--models-per-client",
+                "2",
+                "--repeat",
+                "1",
+                "--scrapes",
+                "1",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     figures = json.loads(out.read_text())
     assert figures["label_sets"] == 6 and figures["lines"] > 100
     assert figures["renders_for_two_concurrent_scrapes"] == 1
     assert figures["inline"]["max_ms"] >= 0 and figures["thread"]["ticks"] >= 0
     assert len(loop_micro.worst_sets()) == 30_000
     out = tmp_path / "body.json"
-    assert loop_micro.main(["body", "--max-size", "100000", "--repeat", "1",
-                            "--shapes", "turns,image", "--json", str(out)]) == 0
+    assert (
+        loop_micro.main(
+            [
+                "body",
+                "--max-size",
+                "100000",
+                "--repeat",
+                "1",
+                "--shapes",
+                "turns,image",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     rows = json.loads(out.read_text())["rows"]
     assert [(r["shape"], r["bytes"] > 0) for r in rows] == [
-        ("turns", True), ("turns", True), ("image", True), ("image", True)]
+        ("turns", True),
+        ("turns", True),
+        ("image", True),
+        ("image", True),
+    ]
     for r in rows:
         assert r["inline_ms"] > 0 and r["pieces_ms"] > 0 and r["stall_pieces_thread_ms"] >= 0
 
@@ -616,16 +713,27 @@ def test_loop_micro_measures_scrapes_and_bodies(tmp_path: Path) -> None:
 def test_paired_reads_run_py_rounds(tmp_path: Path) -> None:
     """benchmarks/paired.py: per-round ratios from run.py's round lines, load 64 only."""
     log = tmp_path / "run.log"
-    log.write_text("\n".join([
-        "# round 1 64 proxy: ttft p50 50.7 p99 52.2 ms, itl p99 21.3 ms, broken 0/404, cpu/ev 60.0 us",
-        "# round 1 64 proxy-doctor: ttft p50 50.7 p99 52.2 ms, itl p99 21.3 ms, broken 0/404, cpu/ev 66.0 us",
-        "# round 1 1 proxy-doctor: ttft p50 50.7 p99 52.2 ms, itl p99 21.3 ms, broken 0/4, cpu/ev 999.0 us",
-        "# round 2 64 proxy-doctor: ttft p50 50.7 p99 52.2 ms, itl p99 21.3 ms, broken 0/404, cpu/ev 72.0 us",
-        "# round 2 64 proxy: ttft p50 50.7 p99 52.2 ms, itl p99 21.3 ms, broken 0/404, cpu/ev 80.0 us",
-        "# round 3 64 proxy: ttft p50 50.7 p99 52.2 ms, itl p99 21.3 ms, broken 0/404, cpu/ev 50.0 us",
-    ]) + "\n")
-    out = subprocess.run([sys.executable, str(BENCH / "paired.py"), str(log),
-                          "proxy-doctor/proxy"], capture_output=True, text=True, check=True)
+    log.write_text(
+        "\n".join(
+            [
+                "# round 1 64 proxy: ttft p50 50.7 p99 52.2 ms, itl p99 21.3 ms, broken 0/404, cpu/ev 60.0 us",
+                "# round 1 64 proxy-doctor: ttft p50 50.7 p99 52.2 ms, itl p99 21.3 ms, broken 0/404, cpu/ev 66.0 us",
+                "# round 1 1 proxy-doctor: ttft p50 50.7 p99 52.2 ms, itl p99 21.3 ms, broken 0/4, cpu/ev 999.0 us",
+                "# round 2 64 proxy-doctor: ttft p50 50.7 p99 52.2 ms, itl p99 21.3 ms, broken 0/404, cpu/ev 72.0 us",
+                "# round 2 64 proxy: ttft p50 50.7 p99 52.2 ms, itl p99 21.3 ms, broken 0/404, cpu/ev 80.0 us",
+                "# round 3 64 proxy: ttft p50 50.7 p99 52.2 ms, itl p99 21.3 ms, broken 0/404, cpu/ev 50.0 us",
+            ]
+        )
+        + "\n"
+    )
+    out = subprocess.run(
+        [sys.executable, str(BENCH / "paired.py"), str(log), "proxy-doctor/proxy"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     # rounds 1 and 2 have both (1.1 and 0.9); round 3 has one; load 1 is not read
-    assert out.stdout.strip() == ("proxy-doctor / proxy: median of 2 per-round ratios 1.000 "
-                                  "(interquartile 0.900-1.100, all 0.900-1.100)")
+    assert out.stdout.strip() == (
+        "proxy-doctor / proxy: median of 2 per-round ratios 1.000 "
+        "(interquartile 0.900-1.100, all 0.900-1.100)"
+    )
