@@ -7,20 +7,22 @@
     python benchmarks/prefix_micro.py --instructions --baseline main --sizes 2048,32768
     python benchmarks/prefix_micro.py --quick          # smoke run, a second or two
 
-Why: the doctor hashes every measured prompt (:mod:`proxy.diagnosis.prefix`), so its
+Why: the doctor hashes every measured prompt (:mod:`proxy.doctor`), so its
 cost grows with the prompt, not with the stream; a 400 KB prompt is about 100,000
 tokens. This runs exactly what the proxy runs per request, on chat prompts of the
 given sizes (a system prompt, then alternating user and assistant messages of about
 1 KB): ``Dialect.prompt_parts`` on the parsed body, :meth:`PromptHasher.hash`, the
-exchange with a warm :class:`LruPrefixIndex` and :func:`diagnose`, for two cases: a
+exchange with a warm :class:`LruPrefixIndex` and :func:`examine`, for two cases: a
 prompt seen before (the common case: another turn of a conversation, every block a
 hit) and a new one (every block a miss and an insert). It reports, best of
 ``--repeat`` runs, the process CPU per request of each step and in total, per block
 size. ``--text`` picks the prompts' text: ``prose`` (sentences and paragraphs, what
 content-defined chunking cuts at; the default) or ``words`` (words without a mark).
 
-``--baseline REF`` also loads ``proxy/diagnosis/prefix.py`` as it is at the git
-revision REF (``git show``; the index and the dialects are this tree's) and times it
+``--baseline REF`` also loads the hasher and the examination as they are at the git
+revision REF (``git show`` of ``proxy/doctor/keys.py`` and ``examine.py``, or of
+``proxy/diagnosis/prefix.py`` before the doctor was a package; the index and the
+dialects are this tree's) and times it
 on the same prompts, each run of a step alternating between the two in one process,
 so that a loaded machine slows both alike: compare the two columns as a ratio, not
 as absolute figures.
@@ -61,9 +63,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from proxy.diagnosis import prefix as current
-from proxy.diagnosis.prefix_index import BYTES_PER_ENTRY, LruPrefixIndex
 from proxy.dialects import CHAT
+from proxy.doctor import examine as doctor_examine
+from proxy.doctor import keys as doctor_keys
+from proxy.doctor.index import BYTES_PER_ENTRY, LruPrefixIndex
 
 ROOT = Path(__file__).resolve().parent.parent
 WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india",
@@ -106,17 +109,41 @@ def chat_body(size: int, salt: int, text: str = "prose") -> dict[str, Any]:
     return {"model": "bench", "messages": messages}
 
 
+def _now() -> ModuleType:
+    """This tree's hasher and examination, as one module."""
+    module = ModuleType("doctor_now")
+    module.PromptHasher = doctor_keys.PromptHasher  # type: ignore[attr-defined]
+    module.DEFAULT_BLOCK_BYTES = doctor_keys.DEFAULT_BLOCK_BYTES  # type: ignore[attr-defined]
+    module.examine = doctor_examine.examine  # type: ignore[attr-defined]
+    return module
+
+
+current = _now()
+
+
 def load_baseline(ref: str) -> ModuleType:
-    """``proxy/diagnosis/prefix.py`` at git revision ``ref``, as a module of its own."""
-    source = subprocess.run(["git", "show", f"{ref}:proxy/diagnosis/prefix.py"], cwd=ROOT,
-                            check=True, capture_output=True).stdout
+    """The hasher and the examination at git revision ``ref``, as a module of its own."""
+
+    def show(path: str) -> str:
+        return subprocess.run(["git", "show", f"{ref}:{path}"], cwd=ROOT, check=True,
+                              capture_output=True, text=True).stdout
+
+    try:
+        source = show("proxy/diagnosis/prefix.py")  # before the doctor was a package
+    except subprocess.CalledProcessError:
+        skip = ("from __future__", "from proxy.doctor.keys import")
+        source = show("proxy/doctor/keys.py") + "\n" + "\n".join(
+            line for line in show("proxy/doctor/examine.py").splitlines()
+            if not line.startswith(skip))
     path = Path(tempfile.mkdtemp()) / "prefix_baseline.py"
-    path.write_bytes(source)
+    path.write_text(source)
     spec = importlib.util.spec_from_file_location("prefix_baseline", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while it runs
     spec.loader.exec_module(module)
+    if not hasattr(module, "examine"):
+        module.examine = module.diagnose  # its name before the doctor was a package
     return module
 
 
@@ -138,7 +165,7 @@ def paired(steps: dict[str, Callable[[int], None]], requests: int, repeat: int
 
 
 class Case:
-    """One doctor (a module's hasher and diagnose, this tree's index) and its prompts."""
+    """One doctor (a module's hasher and examine, this tree's index) and its prompts."""
 
     def __init__(self, module: ModuleType, size: int, block: int, requests: int,
                  text: str) -> None:
@@ -165,13 +192,13 @@ class Case:
                                 model=f"m{i}-{time.time_ns()}")
             assert fresh is not None
             now = next(self.clock)
-            module.diagnose(fresh, index.exchange(fresh.probe(), now), now)
+            module.examine(fresh, index.exchange(fresh.probe(), now), now)
 
         return {
             "parts": lambda i: CHAT.prompt_parts(self.seen_body),
             "hash": lambda i: hasher.hash(parts, upstream="u", model="bench"),
             "exchange": lambda i: index.exchange(probe, next(self.clock)),
-            "diagnose": lambda i: module.diagnose(self.hashed, self.seen, 10),
+            "examine": lambda i: module.examine(self.hashed, self.seen, 10),
             "new": new_prompt,
         }
 
@@ -183,13 +210,13 @@ def doctor_costs(modules: dict[str, ModuleType], size: int, block: int, requests
     out: dict[str, dict[str, float]] = {
         name: {"blocks": float(len(case.hashed.chain)), "keys": float(len(case.hashed.keys))}
         for name, case in cases.items()}
-    for step in ("parts", "hash", "exchange", "diagnose", "new"):
+    for step in ("parts", "hash", "exchange", "examine", "new"):
         timed = paired({name: case.steps()[step] for name, case in cases.items()}, requests,
                        repeat)
         for name, seconds in timed.items():
             out[name][step] = seconds * 1e6
     for costs in out.values():
-        costs["repeat"] = costs["parts"] + costs["hash"] + costs["exchange"] + costs["diagnose"]
+        costs["repeat"] = costs["parts"] + costs["hash"] + costs["exchange"] + costs["examine"]
     return out
 
 
@@ -292,7 +319,7 @@ def profile(size: int, text: str) -> None:
     def look() -> None:
         hashed = hasher.hash(CHAT.prompt_parts(case.seen_body), upstream="u", model="bench")
         now = next(case.clock)
-        current.diagnose(hashed, index.exchange(hashed.probe(), now), now)
+        current.examine(hashed, index.exchange(hashed.probe(), now), now)
 
     profiler = cProfile.Profile()
     profiler.enable()
@@ -312,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--text", choices=("prose", "words"), default="prose",
                         help="the prompts' text")
     parser.add_argument("--baseline", metavar="REF",
-                        help="also time proxy/diagnosis/prefix.py at this git revision")
+                        help="also time the hasher and the examination at this git revision")
     parser.add_argument("--profile", type=int, metavar="BYTES",
                         help="only profile the whole look for prompts of this size")
     parser.add_argument("--instructions", action="store_true",
@@ -331,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         doctors = ["now"] + ([args.baseline] if args.baseline else [])
         print(f"# prompt-cache doctor, instructions per request (cachegrind; {args.text} "
               "prompts; 256-byte blocks)\n")
-        print("| prompt | doctor | parts | hash | exchange (hit) | diagnose | total, repeated "
+        print("| prompt | doctor | parts | hash | exchange (hit) | examine | total, repeated "
               "prompt | total, new prompt |")
         print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
         for size in [int(s) for s in args.sizes.split(",")]:
@@ -339,18 +366,18 @@ def main(argv: list[str] | None = None) -> int:
             counts = {}
             for doctor in doctors:
                 c = {step: instructions(doctor, step, size, calls, args.text)
-                     for step in ("parts", "hash", "exchange", "diagnose", "new")}
-                c["repeat"] = c["parts"] + c["hash"] + c["exchange"] + c["diagnose"]
+                     for step in ("parts", "hash", "exchange", "examine", "new")}
+                c["repeat"] = c["parts"] + c["hash"] + c["exchange"] + c["examine"]
                 counts[doctor] = c
                 print(f"| {size:,} B | {doctor} | "
                       + " | ".join(f"{c[k]:,}" for k in ("parts", "hash", "exchange",
-                                                          "diagnose", "repeat", "new"))
+                                                          "examine", "repeat", "new"))
                       + " |", flush=True)
             if args.baseline:
                 now, then = counts["now"], counts[args.baseline]
                 print(f"| {size:,} B | now / {args.baseline} | "
                       + " | ".join(f"{now[k] / then[k]:.2f}" for k in
-                                   ("parts", "hash", "exchange", "diagnose", "repeat", "new"))
+                                   ("parts", "hash", "exchange", "examine", "repeat", "new"))
                       + " |", flush=True)
         return 0
     if args.quick:
@@ -364,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.requests} requests; process CPU, us; {args.text} prompts"
           + (f"; runs of this tree and of {args.baseline} interleaved" if args.baseline else "")
           + ")\n")
-    print("| prompt | block | doctor | blocks | keys | parts | hash | exchange (hit) | diagnose "
+    print("| prompt | block | doctor | blocks | keys | parts | hash | exchange (hit) | examine "
           "| total, repeated prompt | total, new prompt |")
     print("| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for size in sizes:
@@ -374,12 +401,12 @@ def main(argv: list[str] | None = None) -> int:
             for name, c in costs.items():
                 print(f"| {size:,} B | {block} | {name} | {c['blocks']:.0f} | {c['keys']:.0f} "
                       f"| {c['parts']:.0f} | {c['hash']:.0f} | {c['exchange']:.0f} "
-                      f"| {c['diagnose']:.0f} | {c['repeat']:.0f} | {c['new']:.0f} |", flush=True)
+                      f"| {c['examine']:.0f} | {c['repeat']:.0f} | {c['new']:.0f} |", flush=True)
             if args.baseline:
                 now, then = costs["now"], costs[args.baseline]
                 print(f"| {size:,} B | {block} | now / {args.baseline} | | | "
                       + " | ".join(f"{now[k] / then[k]:.2f}" for k in
-                                   ("parts", "hash", "exchange", "diagnose", "repeat", "new"))
+                                   ("parts", "hash", "exchange", "examine", "repeat", "new"))
                       + " |", flush=True)
     print("\n| block | keyed blake2b chain, ns/block | keyed digest of 24 bytes, ns "
           "| XXH3-128, ns/block |")

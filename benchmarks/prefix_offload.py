@@ -5,7 +5,7 @@
     python benchmarks/prefix_offload.py --quick         # smoke run, a few seconds
     python benchmarks/prefix_offload.py --hostile       # bodies built to be costly per byte
 
-Why: :mod:`proxy.prefix_check` examines a prompt on the loop when its estimated blocks
+Why: :mod:`proxy.doctor.job` examines a prompt on the loop when its estimated blocks
 (parts and body bytes) are at most ``INLINE_MAX_BLOCKS``, else in one worker thread. On the loop the whole cost
 delays every other stream's next event; in the thread the loop pays a hand-off (a
 submit, a wake-up through the loop's self-pipe), and the hashing still competes for the
@@ -13,7 +13,7 @@ GIL (hashlib keeps it for 256-byte pieces), so the loop waits for the thread at 
 switch interval (``sys.getswitchinterval()``, 5 ms) at a time. The threshold belongs
 where the hand-off costs the loop less than the work it takes off it.
 
-This drives the production objects (:class:`proxy.prefix_check.PrefixCheck` and its
+This drives the production objects (:class:`proxy.doctor.job.PrefixCheck` and its
 jobs, the chat dialect's parts, a warm index) with chat prompts of each size, each one
 new to the index (its costliest case: every block a miss and an insert), forced inline
 and forced to the thread, and reports per request, best of ``--repeat`` runs:
@@ -48,7 +48,7 @@ from typing import Any
 
 from proxy.config import Settings
 from proxy.dialects import CHAT, COMPLETIONS
-from proxy.prefix_check import INLINE_MAX_BLOCKS, PrefixCheck, PrefixJob
+from proxy.doctor.job import INLINE_MAX_BLOCKS, Place, PrefixCheck, PrefixJob
 from proxy.upstream_spec import UpstreamSpec
 
 WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india",
@@ -77,7 +77,8 @@ def chat_body(size: int, salt: int) -> dict[str, Any]:
 async def examine_all(check: PrefixCheck, bodies: list[dict[str, Any]], offload: bool,
                       gap_s: float) -> None:
     for i, body in enumerate(bodies):
-        job = PrefixJob(check, CHAT, body, SPEC, i, offload=offload)
+        job = PrefixJob(check, CHAT, body, SPEC, i,
+                        place=Place.THREAD if offload else Place.INLINE)
         job.start()
         await job.settle()
         if gap_s:
@@ -148,7 +149,8 @@ async def loop_cost(check: PrefixCheck, body: dict[str, Any], size: int, t: int,
     dialect = COMPLETIONS if "prompt" in body else CHAT
     start = time.thread_time()
     if forced_inline:
-        job: PrefixJob | None = PrefixJob(check, dialect, body, SPEC, t, offload=False)
+        job: PrefixJob | None = PrefixJob(check, dialect, body, SPEC, t,
+                                            place=Place.INLINE)
         assert job is not None
         job.start()
     else:

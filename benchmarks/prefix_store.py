@@ -6,8 +6,8 @@ key costs the store.
     python benchmarks/prefix_store.py --quick               # smoke run, a few seconds
 
 Why: with the config file's ``[cache-index]`` table every measured request makes one
-round trip to Redis or Valkey (:class:`proxy.prefix_store.RedisPrefixIndex`) where the
-in-process index (:class:`proxy.diagnosis.prefix_index.LruPrefixIndex`) makes a dict
+round trip to Redis or Valkey (:class:`proxy.doctor.shared_index.RedisPrefixIndex`) where the
+in-process index (:class:`proxy.doctor.index.LruPrefixIndex`) makes a dict
 walk. The round trip runs in the doctor's threads after the response headers, never on
 the event loop, but its CPU is the proxy's, its time bounds how soon the finish can
 record the request, and the store's own time per key is what every replica waits
@@ -16,7 +16,7 @@ builds for chat prompts of the given sizes (:func:`benchmarks.prefix_micro.chat_
 for a prompt seen before (another turn: every key a hit) and a new one, and reports per
 exchange: the round trip (median and p99 wall time), this process's CPU, the store's
 own time (``INFO commandstats``), the in-process exchange's CPU for comparison; then
-exchanges per second with the proxy's :data:`proxy.prefix_check.STORE_THREADS` threads
+exchanges per second with the proxy's :data:`proxy.doctor.job.STORE_THREADS` threads
 at once; then the store's memory per key (``MEMORY USAGE`` and ``used_memory`` growth
 over ``--entries`` keys).
 """
@@ -41,12 +41,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.prefix_micro import chat_body
-from proxy.cache_index import CacheIndexSpec
-from proxy.diagnosis.prefix import PromptHasher
-from proxy.diagnosis.prefix_index import LruPrefixIndex, Probe
 from proxy.dialects import CHAT
-from proxy.prefix_check import STORE_THREADS
-from proxy.prefix_store import RedisPrefixIndex
+from proxy.doctor.index import LruPrefixIndex, Probe
+from proxy.doctor.job import STORE_THREADS
+from proxy.doctor.keys import PromptHasher
+from proxy.doctor.shared_index import CacheIndexSpec, RedisPrefixIndex
 
 
 @contextmanager

@@ -3,7 +3,7 @@
 * ``reference/settings.md``: every option of ``OPTIONS`` in ``proxy/config.py`` (flag,
   ``LLM_PROXY_*`` variable, config-file key, the default as ``serve --help`` shows it,
   help text) under its group's heading, in ``serve --help``'s order, every key of a config file's ``[[upstream]]`` tables
-  (``proxy/upstream_spec.py``) and of its ``[cache-index]`` table (``proxy/cache_index.py``).
+  (``proxy/upstream_spec.py``) and of its ``[cache-index]`` table (``proxy/doctor/shared_index.py``).
 * ``reference/metrics.md``: every metric ``proxy.metrics.Metrics`` registers, read back
   from a fresh registry: name, type, labels, buckets and HELP text. A label that exists
   only with ``--client-label-from`` set is marked as such, and a histogram's buckets name
@@ -39,7 +39,8 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere: import this chec
 
 from prometheus_client import CollectorRegistry  # noqa: E402
 
-from proxy import cache_index, config, upstream_spec  # noqa: E402
+from proxy import config, upstream_spec  # noqa: E402
+from proxy.doctor import shared_index as cache_index  # noqa: E402
 from proxy.measure import OUTCOME_MEANINGS, Outcome  # noqa: E402
 from proxy.metrics import Metrics  # noqa: E402
 
@@ -207,12 +208,12 @@ def settings_page() -> str:
     if missing:
         raise SourceError(f"[cache-index] keys {sorted(missing)} need both a description and "
                           "what their absence means: CACHE_INDEX_KEYS and CACHE_INDEX_DEFAULTS "
-                          "in proxy/cache_index.py, then run " + COMMAND)
+                          "in proxy/doctor/shared_index.py, then run " + COMMAND)
     index_rows = [(f"`{key}`", inline(must_be), inline(cache_index.CACHE_INDEX_DEFAULTS[key]))
                   for key, must_be in cache_index.CACHE_INDEX_KEYS.items()]
     return (
         HEADER.format(source="OPTIONS in proxy/config.py, proxy/upstream_spec.py and "
-                      "proxy/cache_index.py", command=COMMAND)
+                      "proxy/doctor/shared_index.py", command=COMMAND)
         + "\n# Settings reference\n\n"
         "Every setting is a flag of `llm-latency-proxy serve`, an environment variable and, for\n"
         "most, a top-level key of the config file (`--config`, TOML). The flag wins over the\n"

@@ -18,8 +18,8 @@ traffic a replay should send (a refusal left nothing in the upstream), so they a
 written and not counted. Lines come in the order requests *end*; readers sort by
 timestamp (``bench --trace``, AIPerf), and ``trace merge`` writes a sorted file.
 
-**hash_ids** come from the prompt-cache doctor's keys (:mod:`proxy.prefix_check`, which
-keeps each request's :class:`~proxy.diagnosis.prefix.HashedPrompt` for the finish), so
+**hash_ids** come from the prompt-cache doctor's keys (:mod:`proxy.doctor.job`, which
+keeps each request's :class:`~proxy.doctor.keys.HashedPrompt` for the finish), so
 the capture hashes nothing itself; hence ``--trace-file`` needs the doctor on. Token
 block *i* first gets :func:`proxy.tracefile.token_block_keys`' key: the chain key of
 the byte block that holds the token block's end at the request's own bytes-per-token
@@ -86,9 +86,9 @@ from proxy.tracefile import DEFAULT_BLOCK_SIZE, TraceWriter, digest_id, token_bl
 
 if TYPE_CHECKING:
     from proxy.config import Settings
-    from proxy.diagnosis.prefix import HashedPrompt
+    from proxy.doctor.job import PrefixJob
+    from proxy.doctor.keys import HashedPrompt
     from proxy.measure import RequestRecord
-    from proxy.prefix_check import PrefixJob
 
 DEFAULT_BUFFER = 10_000  # requests waiting for the writer thread
 GATHER_S = 1.0  # how long the writer thread gathers a batch

@@ -35,9 +35,9 @@ from enum import Enum
 from typing import Any
 from urllib.parse import urlsplit
 
-from proxy.cache_index import CacheIndexSpec, cache_index_spec
 from proxy.config_values import HEADER_NAME, SettingsError, parse_upstream_url, parse_url
-from proxy.diagnosis.prefix_index import BYTES_PER_ENTRY, DEFAULT_MAX_BYTES
+from proxy.doctor.index import BYTES_PER_ENTRY, DEFAULT_MAX_BYTES
+from proxy.doctor.shared_index import CacheIndexSpec, cache_index_spec
 from proxy.upstream_spec import (
     UPSTREAM_AUTH_MODES,
     UPSTREAM_LIMIT_SETTINGS,
@@ -130,7 +130,7 @@ class Settings:
     trace_client: bool = False
     # From the config file's [[upstream]] tables (not an option): empty without a file.
     upstreams: tuple[UpstreamSpec, ...] = ()
-    # From the config file's [cache-index] table (proxy.cache_index): None without one,
+    # From the config file's [cache-index] table (proxy.doctor.shared_index): None without one,
     # and the prompt-cache doctor's index is then per process.
     cache_index: CacheIndexSpec | None = None
 

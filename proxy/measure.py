@@ -134,13 +134,11 @@ OUTCOME_MEANINGS: dict[Outcome, OutcomeMeaning] = {
 
 
 class PrefixRecord(NamedTuple):
-    """What the prompt-cache doctor found for one request (:mod:`proxy.prefix_check`):
-    sizes, positions and bounded names, never text. Tokens are None where unknown.
-
-    Immutable like the other records, but a NamedTuple rather than a frozen dataclass:
-    one is made per request at its finish, and a frozen dataclass sets each of its 14
-    fields through ``object.__setattr__`` (2.3 us against 0.8 in a tight loop, several
-    times that in the running proxy, where the finish's code runs cold)."""
+    """What the prompt-cache doctor (:mod:`proxy.doctor`) found for one request, kept
+    here with the record it is part of: sizes, positions and bounded names, never text.
+    Tokens are None where unknown. A NamedTuple rather than a frozen dataclass: one is
+    made per request at its finish, and a frozen dataclass sets each field through
+    ``object.__setattr__``, which costs more (``docs/design/doctor.md``)."""
 
     prompt_bytes: int  # the prompt's parts, as the doctor reads them
     repeated_bytes: int  # the leading bytes a recent request sent within the window
@@ -154,7 +152,7 @@ class PrefixRecord(NamedTuple):
     break_part_bytes: int | None = None  # that part's size
     changed_bytes: int | None = None  # variable_before_stable: the changed run, block-rounded
     stable_bytes: int | None = None  # variable_before_stable: the bytes after it seen before
-    # Why the request was not examined (proxy.prefix_check.UNCHECKED_REASONS); "" when it
+    # Why the request was not examined (proxy.doctor.job.UNCHECKED_REASONS); "" when it
     # was. When set, the fields above hold nothing (see not_examined).
     unchecked: str = ""
     index_s: float | None = None  # the shared index's round trip; None in process

@@ -42,7 +42,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from proxy.capture import SKIP_REASONS
 from proxy.config import OVERHEAD_BUCKETS, QUEUE_BUCKETS, Settings
 from proxy.diagnosis.fit import KTOKENS
-from proxy.diagnosis.provider import agreement
+from proxy.doctor.provider import agreement
 from proxy.measure import Outcome, PrefixRecord, RequestRecord
 
 OTHER_MODEL = "other"
@@ -82,7 +82,7 @@ TPOT_HELP = (
     "completion_tokens >= 2. Streams only."
 )
 
-# The prompt-cache doctor's metrics (proxy/prefix_check.py): what "repeated" and
+# The prompt-cache doctor's metrics (proxy/doctor/job.py): what "repeated" and
 # "missed" mean, in one place.
 _REPEATED = (
     "The repeated prefix of a prompt is its longest run of leading 256-byte blocks "
@@ -557,7 +557,7 @@ class Metrics:
                 child = self._provider_children[labels] = self.provider_reasons.labels(*labels)
             child.inc()
 
-    # -- the prompt-cache doctor (proxy.prefix_check) -----------------------------------
+    # -- the prompt-cache doctor (proxy.doctor.job) -----------------------------------
 
     def _init_prefix(self, reg: CollectorRegistry, base: tuple[str, ...],
                      token_buckets: Sequence[float]) -> None:

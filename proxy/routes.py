@@ -40,6 +40,7 @@ from proxy.dialects import (
     read_answer,
     read_report,
 )
+from proxy.doctor.job import PrefixJob, prefix_check_from
 from proxy.logs import RateLimitedLog
 from proxy.measure import (
     Meter,
@@ -52,7 +53,6 @@ from proxy.measure import (
 from proxy.metrics import UNKNOWN_MODEL, Metrics
 from proxy.model_list import ALL_UPSTREAMS, json_object, list_body, merged_models
 from proxy.otel_metrics import OtelMetrics
-from proxy.prefix_check import PrefixJob, prefix_check_from
 from proxy.relay import RelayResult, relay
 from proxy.reqlog import RequestLog
 from proxy.routing import LiveUpstreams

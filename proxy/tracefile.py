@@ -55,7 +55,7 @@ into ``timestamp`` and the request's prompt-block keys into ``hash_ids``
 (:meth:`TraceWriter.record`, then :meth:`TraceWriter.write`). Keys are any hashable
 values that are equal exactly when the prompt prefixes up to that block are equal:
 :func:`token_block_keys` derives them from a chain of byte-block digests such as the
-prompt-cache doctor's (``proxy/diagnosis/prefix.py``, 256-byte blocks), mapping each
+prompt-cache doctor's (``proxy/doctor/keys.py``, 256-byte blocks), mapping each
 token block to the first digest whose block ends at or after the token block's end
 (with the request's own bytes-per-token ratio), so equal ids promise at least the
 token block's prefix was equal. :meth:`TraceWriter.rotate` continues into a new file

@@ -81,7 +81,7 @@ ATTR = {
     "outcome": "llm_proxy.outcome",
     "request_id": "llm_proxy.request_id",
     "tokens_estimated": "llm_proxy.tokens_estimated",
-    # The prompt-cache doctor (proxy.prefix_check): sizes, positions, bounded names.
+    # The prompt-cache doctor (proxy.doctor.job): sizes, positions, bounded names.
     "prompt_bytes": "llm_proxy.prefix.prompt_bytes",
     "repeated_bytes": "llm_proxy.prefix.repeated_bytes",
     "repeated_tokens": "llm_proxy.prefix.repeated_tokens",

@@ -131,7 +131,7 @@ class UpstreamSpec:
     resend_on_reset: bool = True  # a POST reset unread is sent again (proxy.wire)
     headers: tuple[tuple[str, str], ...] = ()
     provider: str = ""  # gen_ai.provider.name; empty: from the host, else from the API
-    # The prompt-cache doctor (proxy.prefix_check); None: the provider's default per API
+    # The prompt-cache doctor (proxy.doctor.job); None: the provider's default per API
     min_cacheable_tokens: int | None = None
     cache_granularity_tokens: int | None = None
 

@@ -469,8 +469,8 @@ def test_prompt_keys_waiting_for_the_disk_are_bounded(
     from types import SimpleNamespace
 
     from proxy import capture as capture_module
-    from proxy.diagnosis.prefix import PromptHasher
     from proxy.dialects import PromptPart
+    from proxy.doctor.keys import PromptHasher
 
     hashed = PromptHasher().hash([PromptPart("prompt", 0, "", b"x" * 2560)],
                                  upstream="u", model="m")
@@ -499,8 +499,8 @@ def test_prompt_keys_waiting_for_the_disk_are_bounded(
 
 
 def test_prefix_keys_are_bounded() -> None:
-    from proxy.diagnosis.prefix import PromptHasher
     from proxy.dialects import PromptPart
+    from proxy.doctor.keys import PromptHasher
 
     keys = PrefixKeys(16, capacity=50)
     hasher = PromptHasher()

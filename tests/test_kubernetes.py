@@ -673,9 +673,8 @@ def test_shared_prefix_index_store_config_runs_and_the_proxy_uses_it(
     """The store's config file, as mounted, starts Debian's redis-server (Valkey reads
     the same directives), and the proxy's [cache-index] table, pointed at it, exchanges
     with it under the password the Secret would give both."""
-    from proxy.cache_index import cache_index_spec
-    from proxy.diagnosis.prefix_index import NEVER, Probe
-    from proxy.prefix_store import RedisPrefixIndex
+    from proxy.doctor.index import NEVER, Probe
+    from proxy.doctor.shared_index import RedisPrefixIndex, cache_index_spec
     from tests.redis_server import redis_server
 
     conf = tmp_path / "valkey.conf"

@@ -4,7 +4,7 @@ path: a real uvicorn proxy on loopback in front of the suite's scripted upstream
 
 A sighting counts for a later request only once the earlier request's prefill was done
 (its first output event) and only if that was at or before the later request arrived
-(proxy/diagnosis/prefix_index.py). The upstream holds each answer, headers included,
+(proxy/doctor/index.py). The upstream holds each answer, headers included,
 until the test opens that request's gate, so the test orders arrivals and first tokens
 exactly; it waits on the upstream having received a request (so the proxy received it
 first) and on the client having read a first token, never on a sleep.
@@ -26,8 +26,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from proxy.app import create_app
-from proxy.cache_index import PREFIX_SECRET_ENV, CacheIndexSpec
 from proxy.config import Settings
+from proxy.doctor.shared_index import PREFIX_SECRET_ENV, CacheIndexSpec
 from proxy.upstream_spec import UpstreamSpec
 from tests.fake_upstream import DONE, ScriptedUpstream, chunk_json, sse, usage_json
 from tests.redis_server import redis_server

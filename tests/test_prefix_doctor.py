@@ -22,25 +22,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proxy.diagnosis.prefix import (
-    DEFAULT_BLOCK_BYTES,
-    DEFAULT_CHUNK_BYTES,
-    DEFAULT_WINDOW_MS,
-    REASONS,
-    CacheTokens,
-    PrefixDoctor,
-    PrefixPolicy,
-    PrefixReport,
-    PromptHasher,
-    cache_tokens,
-    chunk_ends,
-    diagnose,
-    minimum_cacheable_tokens,
-)
-from proxy.diagnosis.prefix_index import (
+from proxy.dialects import CHAT, COMPLETIONS, MESSAGES, RESPONSES, Dialect, PromptPart, cache_scope
+from proxy.doctor.examine import REASONS, PrefixDoctor, PrefixPolicy, PrefixReport, examine
+from proxy.doctor.index import (
     BYTES_PER_ENTRY,
     CONTINUED,
     DEFAULT_HORIZON_MS,
+    DEFAULT_WINDOW_MS,
     ENDED,
     NEVER,
     SEEN,
@@ -48,7 +36,8 @@ from proxy.diagnosis.prefix_index import (
     Probe,
     Sightings,
 )
-from proxy.dialects import CHAT, COMPLETIONS, MESSAGES, RESPONSES, Dialect, PromptPart, cache_scope
+from proxy.doctor.keys import DEFAULT_BLOCK_BYTES, DEFAULT_CHUNK_BYTES, PromptHasher, chunk_ends
+from proxy.doctor.report import CacheTokens, cache_tokens, minimum_cacheable_tokens
 
 ROOT = Path(__file__).resolve().parent.parent
 WINDOW = DEFAULT_WINDOW_MS
@@ -95,9 +84,10 @@ class Doctor:
     def send(self, dialect: Dialect, body: dict[str, Any], now_ms: int,
              upstream: str = "up") -> PrefixReport:
         model, key = cache_scope(body)
-        report = self.doctor.examine(dialect.prompt_parts(body), upstream=upstream, model=model,
-                                     cache_key=key, now_ms=now_ms)
-        assert report is not None
+        looked = self.doctor.look(dialect.prompt_parts(body), upstream=upstream, model=model,
+                                  cache_key=key, now_ms=now_ms)
+        assert looked is not None
+        report = looked[1]
         assert report.reason is None or report.reason in REASONS
         return report
 
@@ -344,15 +334,15 @@ def test_lru_bound_holds_under_100000_distinct_prompts_and_memory_is_measured() 
     largest = 0
     for now in range(1, 100_001):
         question = PromptPart("message", 1, "user", b"question %d " % now + b"x" * (now % 300))
-        doctor.examine((system, question), upstream="u", model="m", now_ms=now)
+        doctor.look((system, question), upstream="u", model="m", now_ms=now)
         largest = max(largest, len(index))
     assert largest == index.capacity == max_bytes // BYTES_PER_ENTRY  # full, never over
     # The most recent prompts are the ones kept; the first one's tail is gone.
-    last = doctor.examine((system, question), upstream="u", model="m", now_ms=100_001)
-    assert last is not None and last.repeated_bytes == last.prompt_bytes
-    first = doctor.examine((system, PromptPart("message", 1, "user", b"question 1 x")),
-                           upstream="u", model="m", now_ms=100_002)
-    assert first is not None and first.repeated_bytes == len(system.data)
+    looked = doctor.look((system, question), upstream="u", model="m", now_ms=100_001)
+    assert looked is not None and looked[1].repeated_bytes == looked[1].prompt_bytes
+    looked = doctor.look((system, PromptPart("message", 1, "user", b"question 1 x")),
+                         upstream="u", model="m", now_ms=100_002)
+    assert looked is not None and looked[1].repeated_bytes == len(system.data)
     # Memory: the same entries, taken by a fresh index through exchange (fresh keys, the
     # values the exchange computes), all allocations traced.
     entries = list(index._entries)
@@ -378,15 +368,16 @@ def test_eviction_forgets_a_prompt_from_its_tail() -> None:
     assert hashed is not None
     keys = len(hashed.probe().keys)
     doctor = PrefixDoctor(LruPrefixIndex((keys + 20) * BYTES_PER_ENTRY))
-    doctor.examine(CHAT.prompt_parts(long), upstream="u", model="m", now_ms=1)
+    doctor.look(CHAT.prompt_parts(long), upstream="u", model="m", now_ms=1)
     for i in range(4):  # 4 small prompts of 5 keys each: 20 entries, then 20 more
-        doctor.examine([PromptPart("prompt", 0, "", b"other %d" % i)], upstream="u", model="m",
-                       now_ms=2 + i)
+        doctor.look([PromptPart("prompt", 0, "", b"other %d" % i)], upstream="u", model="m",
+                    now_ms=2 + i)
     for i in range(4, 12):
-        doctor.examine([PromptPart("prompt", 0, "", b"other %d" % i)], upstream="u", model="m",
-                       now_ms=2 + i)
-    again = doctor.examine(CHAT.prompt_parts(long), upstream="u", model="m", now_ms=100)
-    assert again is not None
+        doctor.look([PromptPart("prompt", 0, "", b"other %d" % i)], upstream="u", model="m",
+                    now_ms=2 + i)
+    looked = doctor.look(CHAT.prompt_parts(long), upstream="u", model="m", now_ms=100)
+    assert looked is not None
+    again = looked[1]
     assert 0 < again.repeated_bytes < again.prompt_bytes  # the head survived, the tail did not
 
 
@@ -685,7 +676,7 @@ def test_a_request_that_ended_where_this_one_goes_on_makes_it_growth() -> None:
 
 def test_a_request_without_parts_gets_no_report() -> None:
     doctor = PrefixDoctor(LruPrefixIndex())
-    assert doctor.examine((), upstream="u", model="m", now_ms=0) is None
+    assert doctor.look((), upstream="u", model="m", now_ms=0) is None
 
 
 def test_reasons_are_bounded_labels() -> None:
@@ -802,7 +793,7 @@ def test_repeated_prefix_is_the_longest_common_block_prefix_over_the_window(
         prompt = [PromptPart(kind, i, role, data) for i, (kind, role, data) in enumerate(parts)]
         hashed = hasher.hash(prompt, upstream="u", model=model)
         assert hashed is not None
-        report = diagnose(hashed, index.exchange(hashed.probe(), now), now)
+        report = examine(hashed, index.exchange(hashed.probe(), now), now)
         mine = blocks_of(parts, size)
         lengths = [len(b[-1]) for b in mine]
         in_window = [common(mine, theirs) for t, m, theirs, _ in history

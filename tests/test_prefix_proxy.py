@@ -1,4 +1,4 @@
-"""The prompt-cache doctor through the whole proxy (proxy/prefix_check.py).
+"""The prompt-cache doctor through the whole proxy (proxy/doctor/).
 
 The proxy runs in process in front of the suite's scripted upstream (tests/fake_upstream.py:
 a real loopback server, so the production upstream client runs); the upstream's usage sets
@@ -32,14 +32,14 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from proxy import prefix_check
 from proxy.app import ProxyApp, create_app
 from proxy.config import Settings, add_arguments, from_sources, upstream_limits
 from proxy.config_values import SettingsError
-from proxy.diagnosis.prefix import missed_prefill_ms
-from proxy.diagnosis.prefix_index import BYTES_PER_ENTRY
+from proxy.diagnosis.fit import PrefillFit
 from proxy.dialects import DIALECTS
-from proxy.prefix_check import INLINE_MAX_BLOCKS, MAX_PENDING, Place, PrefixCheck, PrefixJob
+from proxy.doctor import job as prefix_check
+from proxy.doctor.index import BYTES_PER_ENTRY
+from proxy.doctor.job import INLINE_MAX_BLOCKS, MAX_PENDING, Place, PrefixCheck, PrefixJob
 from proxy.simulator.model import LatencyModel, SimConfig
 from proxy.upstream_spec import UpstreamSpec, upstream_specs
 from tests.fake_upstream import ScriptedClock, ScriptedUpstream, Seen, sse
@@ -1106,12 +1106,13 @@ def test_missed_milliseconds_at_the_simulators_prefill_rate() -> None:
     hit = model.plan(prompt)
     cached = hit.cached_tokens
     assert cached > 3000
-    # Had the cache missed those tokens, the first token would have come this much later.
-    seconds_per_ktoken = 1000 / config.prefill_rate
-    assert missed_prefill_ms(cached, seconds_per_ktoken) == pytest.approx(
+    # Had the cache missed those tokens, the first token would have come this much later:
+    # what the prefill fit's slope says (the missed cache's lever in `diagnose`).
+    fit = PrefillFit(requests=3, status="fitted", ms_per_1k_tokens=1e6 / config.prefill_rate)
+    assert fit.prefill_ms(cached) == pytest.approx(
         1000 * (miss.prefill_compute_s - hit.prefill_compute_s))
-    assert missed_prefill_ms(1664, 0.1) == pytest.approx(166.4)
-    assert missed_prefill_ms(500, -0.02) == 0.0  # a noisy fit's negative slope saves nothing
+    assert PrefillFit(requests=3, status="fitted", ms_per_1k_tokens=100.0).prefill_ms(
+        1664) == pytest.approx(166.4)
 
 
 # ---------------------------------------------------------------------------
@@ -1123,6 +1124,7 @@ def test_distinct_large_prompts_keep_the_index_under_its_bound() -> None:
     check = PrefixCheck(Settings(prefix_index_bytes=bound))
     index = check.doctor.index
     assert isinstance(index.capacity, int)
+    spec = UpstreamSpec(name=UP, url="http://u/v1")
     bodies = [{"model": "m", "messages": [{"role": "user", "content": text(32_768, f"d{i}")}]}
               for i in range(12)]
     tracemalloc.start()
@@ -1132,7 +1134,7 @@ def test_distinct_large_prompts_keep_the_index_under_its_bound() -> None:
         for i in range(160):  # about 40 MB of distinct prompt text through a 2 MB index
             body = bodies[i % len(bodies)]
             body["model"] = f"m{i}"  # another scope: every block is new
-            check.examine(DIALECTS[CHAT], body, UP, body["model"], "", i)
+            PrefixJob(check, DIALECTS[CHAT], body, spec, i, place=Place.INLINE).start()
             assert len(index) <= index.capacity  # type: ignore[attr-defined]
             peaks.append(tracemalloc.get_traced_memory()[0] - base)
     finally:

@@ -45,7 +45,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.cache_index import PREFIX_SECRET_ENV
+from proxy.doctor.shared_index import PREFIX_SECRET_ENV
 from tests.fake_upstream import DONE, ScriptedUpstream, chunk_json, sse, usage_json
 from tests.redis_server import RedisServer, redis_server
 

@@ -1,5 +1,5 @@
-"""The prompt-cache doctor's shared index on a real Redis (proxy/prefix_store.py), its
-config table (proxy/cache_index.py), and the proxy with it (proxy/prefix_check.py).
+"""The prompt-cache doctor's shared index on a real Redis, its config table
+(proxy/doctor/shared_index.py), and the proxy with it (proxy/doctor/job.py).
 
 Every test starts its own ``redis-server`` on a loopback port (tests/redis_server.py).
 The index must answer as the in-process one does: the same sightings for any sequence
@@ -26,27 +26,26 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proxy.cache_index import (
-    PREFIX_SECRET_ENV,
-    CacheIndexSpec,
-    cache_index_spec,
-    prefix_secret,
-)
 from proxy.config import Settings, from_sources
 from proxy.config_values import SettingsError
-from proxy.diagnosis.prefix import PrefixDoctor, PrefixPolicy, PromptHasher
-from proxy.diagnosis.prefix_index import CONTINUED, ENDED, NEVER, SEEN, LruPrefixIndex, Probe
 from proxy.dialects import DIALECTS, cache_scope
-from proxy.prefix_store import (
+from proxy.doctor.examine import PrefixDoctor, PrefixPolicy
+from proxy.doctor.index import CONTINUED, ENDED, NEVER, SEEN, LruPrefixIndex, Probe
+from proxy.doctor.keys import PromptHasher
+from proxy.doctor.shared_index import (
     MAX_KEYS,
+    PREFIX_SECRET_ENV,
     SCRIPT,
     STORE_DOWN,
     STORE_ERROR,
     STORE_TIMEOUT,
     TOO_LARGE,
     Breaker,
+    CacheIndexSpec,
     IndexUnavailable,
     RedisPrefixIndex,
+    cache_index_spec,
+    prefix_secret,
 )
 from proxy.ui import index_scope
 from tests.fake_upstream import ScriptedClock
@@ -400,8 +399,9 @@ def test_the_same_reports_as_one_process_expiry_included(store: RedisServer) -> 
         model, key = cache_scope(body)
         now = now_ms()
         called[0] = now / 1000
-        return [d.examine(DIALECTS[route].prompt_parts(body), upstream="up", model=model,
-                          cache_key=key, now_ms=now) for d in doctors]
+        looks = [d.look(DIALECTS[route].prompt_parts(body), upstream="up", model=model,
+                        cache_key=key, now_ms=now) for d in doctors]
+        return [looked[1] if looked is not None else None for looked in looks]
 
     try:
         for route, body in bodies:
@@ -627,8 +627,8 @@ async def test_a_full_backlog_for_the_store_is_a_counted_miss(
     MAX_PENDING_SHARED waiting, a request is not examined and its record says busy."""
     import threading
 
-    from proxy import prefix_check
-    from proxy.prefix_check import PrefixCheck, PrefixJob
+    from proxy.doctor import job as prefix_check
+    from proxy.doctor.job import Place, PrefixCheck, PrefixJob
     from proxy.upstream_spec import UpstreamSpec
 
     monkeypatch.setenv(PREFIX_SECRET_ENV, SECRET)
@@ -636,11 +636,11 @@ async def test_a_full_backlog_for_the_store_is_a_counted_miss(
     check = PrefixCheck(Settings(cache_index=CacheIndexSpec(url="redis://127.0.0.1:1/0")))
     gate = threading.Event()
     try:
-        held = [check.submit(lambda: gate.wait(30) and None, large=False) for _ in range(2)]
+        held = [check.submit(lambda: gate.wait(30) and None, Place.SHARED) for _ in range(2)]
         assert all(f is not None for f in held)
         spec = UpstreamSpec(name="up", url="http://u/v1")
         job = PrefixJob(check, DIALECTS[CHAT], chat(("system", STABLE), ("user", "hi")), spec,
-                        0, offload=False)
+                        0, place=Place.SHARED)
         with caplog.at_level(logging.WARNING, logger="proxy"):
             job.start()
         assert "prompts already wait for the shared index" in caplog.text
@@ -652,8 +652,8 @@ async def test_a_full_backlog_for_the_store_is_a_counted_miss(
 
 
 def test_every_reason_is_in_the_metrics_help() -> None:
+    from proxy.doctor.job import UNCHECKED_REASONS
     from proxy.metrics import PREFIX_HELP
-    from proxy.prefix_check import UNCHECKED_REASONS
 
     for reason in UNCHECKED_REASONS:
         assert f"{reason}: " in PREFIX_HELP["unchecked"], reason

@@ -4,7 +4,7 @@ tokens (``--cached-tokens-factor``) or not report them (``--no-report-cached-tok
 
 Requests go through the simulator's HTTP app in process (``httpx.ASGITransport``, all
 latencies zero); the usage is read with the proxy's own dialects, and the same bodies
-go through the doctor (``proxy.diagnosis.prefix``), as the proxy will do.
+go through the doctor (``proxy.doctor``), as the proxy will do.
 """
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.diagnosis.prefix import PrefixDoctor, PrefixReport, cache_tokens
-from proxy.diagnosis.prefix_index import LruPrefixIndex
 from proxy.dialects import DIALECTS, Usage, cache_scope
+from proxy.doctor.examine import PrefixDoctor, PrefixReport
+from proxy.doctor.index import LruPrefixIndex
+from proxy.doctor.report import cache_tokens
 from proxy.simulator import cli as sim_cli
 from proxy.simulator.app import create_simulator_app
 from proxy.simulator.model import ConfigError, LatencyModel, SimConfig
@@ -201,10 +202,10 @@ class Both:
     async def send(self, route: str, body: dict[str, Any]) -> tuple[PrefixReport, Usage]:
         self.now += 1_000
         model, key = cache_scope(body)
-        report = self.doctor.examine(DIALECTS[route].prompt_parts(body), upstream="sim",
-                                     model=model, cache_key=key, now_ms=self.now)
-        assert report is not None
-        return report, (await usage_of(self.c, route, body))[1]
+        looked = self.doctor.look(DIALECTS[route].prompt_parts(body), upstream="sim",
+                                  model=model, cache_key=key, now_ms=self.now)
+        assert looked is not None
+        return looked[1], (await usage_of(self.c, route, body))[1]
 
 
 def messages_body(now: str, question: str = "What changed?", tools: Any = TOOLS,

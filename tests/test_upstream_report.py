@@ -450,7 +450,7 @@ def test_the_providers_reason_is_read_and_counted_against_the_doctors(tmp_path: 
 
 
 def test_provider_rules_by_model_name() -> None:
-    from proxy.diagnosis.prefix import cache_granularity_tokens, minimum_cacheable_tokens
+    from proxy.doctor.report import cache_granularity_tokens, minimum_cacheable_tokens
 
     assert cache_granularity_tokens("chat", "gpt-4o") == 128
     assert cache_granularity_tokens("responses", "gpt-5.5") == 128

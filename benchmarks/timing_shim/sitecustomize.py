@@ -38,11 +38,12 @@ def _install(prefix: str) -> None:
     import time
 
     import proxy.capture as capture
-    import proxy.diagnosis.prefix as doctor
-    import proxy.diagnosis.prefix_index as index
     import proxy.dialects.chat as chat
+    import proxy.doctor.examine as doctor
+    import proxy.doctor.index as index
+    import proxy.doctor.job as check
+    import proxy.doctor.keys as keys
     import proxy.metrics as metrics
-    import proxy.prefix_check as check
     import proxy.reqlog as reqlog
 
     clock = time.thread_time_ns
@@ -73,11 +74,11 @@ def _install(prefix: str) -> None:
     for owner, name, label in (
         (check.PrefixCheck, "begin", "begin"),
         (check.PrefixJob, "start", "start"),
-        (check.PrefixCheck, "look", "look"),
+        (check.PrefixJob, "examine", "look"),
         (chat.ChatDialect, "prompt_parts", "parts"),
-        (doctor.PromptHasher, "hash", "hash"),
+        (keys.PromptHasher, "hash", "hash"),
         (index.LruPrefixIndex, "exchange", "exchange"),
-        (doctor, "diagnose", "diagnose"),
+        (doctor, "examine", "examine"),
         (check.PrefixJob, "record", "record"),
         (metrics.Metrics, "_observe_prefix", "observe"),
         (capture.Capture, "add", "capture_add"),  # on the loop

@@ -99,7 +99,7 @@ class UpstreamReport:
     cached_tokens: int | None = None
     computed_tokens: int | None = None
     prefill_s: float | None = None
-    cache_reason: str = ""  # the provider's own word, bounded (proxy.diagnosis.provider)
+    cache_reason: str = ""  # the provider's own word, bounded (proxy.doctor.provider)
     cache_missed_tokens: int | None = None
 
 
@@ -125,7 +125,7 @@ def read_report(raw: Mapping[str, Any] | None) -> UpstreamReport:
     """Normalise what :func:`report_of` found (merged across events, last value wins)."""
     if not raw:
         return NO_REPORT
-    from proxy.diagnosis.provider import provider_reason
+    from proxy.doctor.provider import provider_reason
 
     timings = _mapping(raw, "timings")
     prompt_ms = _ms_value(timings.get("prompt_ms"))

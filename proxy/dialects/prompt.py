@@ -1,20 +1,15 @@
 """Prompt parts (:meth:`proxy.dialects.base.Dialect.prompt_parts`, for the prompt-cache
-doctor in ``proxy/diagnosis/``): the request body's prompt as an ordered tuple of
-:class:`PromptPart`, in the order the provider renders it, so that a prefix of the
-parts is a prefix of what the upstream's prefix cache sees. Each API's module says its
-order and builds its parts from the pieces here.
+doctor, :mod:`proxy.doctor`): the request body's prompt as an ordered tuple of
+:class:`PromptPart`, in the order the provider renders it, so that a prefix of the parts
+is a prefix of what the upstream's prefix cache sees. Each API's module says its order.
 
-One part per tool, message or input item (``index``: its position in the body's array, so
-a user can find it). Text is its UTF-8 bytes, so a byte offset into a part is an offset
-into the text the app sent; content parts are concatenated in order. Tools, tool calls,
-tool results' headers and other structured pieces are compact JSON in the body's own key
-order (a provider renders keys in the order given, so a reordering is a change);
-``cache_control`` is left out everywhere (it moves between turns and is not prompt
-text). A part the proxy cannot read (image, audio, file, document) enters as a hash of
-its JSON. A chat or Responses message whose role is ``system`` or ``developer`` is of
-kind ``system``. Nothing raises: a malformed body gives the parts that can be read.
-:func:`cache_scope` gives what keeps two prompts from sharing a prefix cache even when
-their text is the same (the model; ``prompt_cache_key``, ``cache_salt``).
+One part per tool, message or input item. Text is its UTF-8 bytes (content parts
+concatenated); structured pieces are compact JSON in the body's own key order (a
+reordering is a change); ``cache_control`` is left out (not prompt text); a part the
+proxy cannot read (image, audio, file) enters as a hash of its JSON. A ``system`` or
+``developer`` message is of kind ``system``. Nothing raises: a malformed body gives the
+parts that can be read. :func:`cache_scope` gives what keeps two prompts from sharing a
+cache even when their text is the same (the model; ``prompt_cache_key``, ``cache_salt``).
 """
 
 from __future__ import annotations

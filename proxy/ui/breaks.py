@@ -1,23 +1,11 @@
-"""Where recent prompts stopped repeating, for the live page's "Prompt caching" panel.
+"""Where recent prompts stopped repeating, for the live page's "Prompt caching" panel:
+the latest break of each (route, model, upstream, reason), fed once per finished request
+(a watcher of :class:`proxy.metrics.Metrics`), never per event. Presentation only: it
+reads the doctor's finding in the record (:class:`proxy.measure.PrefixRecord`).
 
-The counter ``llm_proxy_prompt_prefix_breaks_total`` says how often a prompt broke and
-why (its labels are bounded: the reason and the part's kind). Where in the prompt it
-broke (which message, at which byte, how much after it repeats) is not a label value
-and never reaches Prometheus; the request log and the span carry it per request. The
-page shows one example per reason: :class:`RecentBreaks` keeps the latest break of each
-(route, model, upstream, reason), fed once per finished request (registered as a
-watcher of :class:`proxy.metrics.Metrics`, as :mod:`proxy.ui.slow` is), O(1) per
-request, never per event.
-
-What an example holds: sizes and positions (the part's kind, index and role, the byte
-offset of the block where it broke, the part's size, the changed run and the stable
-bytes after it, the prompt's bytes and tokens), never text. Memory is bounded: at most
-:data:`MAX_KEYS` examples, the least recently updated dropped first (reasons are 13,
-routes 4, and models and upstreams are bounded label values already).
-
-This is one process's memory: with ``--workers N`` the examples are those of the worker
-that answered the page's request (the counts beside them sum every worker), and on the
-metrics port, where the supervisor relays nothing, there are none.
+An example holds sizes and positions, never text, at most :data:`MAX_KEYS` of them, the
+least recently updated dropped first. It is one process's memory: with ``--workers N``
+the examples are those of the worker that answered the page's request.
 """
 
 from __future__ import annotations

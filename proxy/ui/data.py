@@ -88,7 +88,8 @@ from typing import Any, Protocol
 from proxy import evidence as ev
 from proxy.buckets import fraction_at_most, histogram_quantile
 from proxy.diagnosis import levers
-from proxy.diagnosis.prefix import REASONS, explain_break
+from proxy.doctor.examine import REASONS
+from proxy.doctor.report import explain_break
 from proxy.measure import Outcome
 from proxy.ui.breaks import BreakExample, RecentBreaks
 

@@ -1,66 +1,20 @@
-"""The prompt-cache doctor's shared index: one Redis or Valkey for every replica.
+"""The doctor's index shared by every replica: the config file's ``[cache-index]`` table,
+the secret every replica hashes prompts with, and :class:`RedisPrefixIndex`, the
+:class:`~proxy.doctor.index.PrefixIndex` on one Redis or Valkey.
 
-Behind a load balancer each replica sees part of the traffic, and with ``--workers``
-each process does: a per-process index (:class:`~proxy.diagnosis.prefix_index.LruPrefixIndex`)
-finds a repeat only when the earlier request landed on the same process (with N replicas
-taking turns, a conversation's next turn finds its previous one about 1 time in N).
-:class:`RedisPrefixIndex` answers the same question, :meth:`PrefixIndex.exchange
-<proxy.diagnosis.prefix_index.PrefixIndex.exchange>`, from one store every process
-shares, so the doctor's answers are those of one process that saw all the traffic.
-
-* **One round trip.** An exchange is one ``EVALSHA`` of :data:`SCRIPT`: the probe's
-  digests (one string), its marks and the TTL. The script reads every key (``MGET``),
-  then writes every key, and a script runs alone on the store: the reads see the state
-  before this request, as the in-process index's do, and two replicas' exchanges never
-  interleave. The keys of one probe fall in many hash slots, so Redis Cluster is not
-  supported: use one primary (its replicas and Sentinel do not matter here: the script
-  writes, so it runs on the primary).
-* **What is stored.** Key: the key prefix and the doctor's 8-byte keyed digest (never
-  text; the secret is :data:`proxy.cache_index.PREFIX_SECRET_ENV`, which the store never
-  sees). Value: 32 bytes, the four times the in-process index keeps (the first and last
-  of a run of sightings by requests that went on past the key, and the same for those
-  that held it as their last block), as little-endian int64 milliseconds of the store's
-  clock. Every write sets the key's TTL
-  to the in-process index's age bound (an hour, or two windows if longer), so the store
-  forgets by itself what nobody sent for that long, and can still tell an *expired*
-  prefix from a new one. ``MEMORY USAGE`` says 104 bytes per key on Redis 7.0 with the
-  default prefix (104 with the 16-byte values of one time per kind), and ``used_memory``
-  grew by 166 to 177 bytes per key with the store's tables with those smaller values
-  (``benchmarks/prefix_store.py``; ``tests/test_prefix_store.py`` bounds the
-  first): about what the in-process index spends. Bound the store with ``maxmemory``
-  and ``maxmemory-policy allkeys-lru``, which forgets the least recently touched first,
-  as the in-process index does. A value of 16 bytes (written by an earlier version) is
-  read as runs of one sighting.
-* **Whose clock.** The store's. Replicas' monotonic clocks have unrelated origins, and
-  their wall clocks differ by whatever NTP leaves; :meth:`RedisPrefixIndex.exchange`
-  sends the request's arrival and the time its prefill was done as *ages* (its clock's
-  now less each), the script reads ``TIME`` and stores and compares store times, and it
-  answers ages again, which the exchange turns back into the caller's clock (its now
-  less the age). So a sighting is stamped when its request's prefill was done, as in
-  one process, give or take the time the exchange's message took to reach the store.
-* **Failures cost a counted miss, nothing more.** Every exchange has a timeout (the
-  table's ``timeout_ms``, 50 ms by default, bounding the connect, each send and the
-  wait for the answer; a probe of more than :data:`LARGE_KEYS` keys goes over a second
-  connection allowed :data:`PER_KEY_S` more per key up to :data:`MAX_KEYS`, the store's
-  own time per key); redis-py's retries are off. The first exchange on a store that
-  does not know the script yet (a new or restarted store) loads it: two more round
-  trips, once. A failure raises :class:`IndexUnavailable` with its
-  reason and opens the breaker (:class:`Breaker`): the store is not asked again for
-  ``retry_ms`` (1 s by default), then by one request at a time, each failed try doubling
-  the pause up to :data:`MAX_PAUSE_S`; a success closes it. Meanwhile requests are
-  counted as unchecked (``store_down``) at no cost, so a store that is down or slow is
-  not hammered by every request of every replica, and no request waits for it. The
-  prompt's keys stay with the failure (:class:`~proxy.diagnosis.prefix_index.IndexUnanswered`),
-  so a trace written meanwhile still has its block ids. A probe
-  of more than :data:`MAX_KEYS` keys (a prompt of about 4 MiB) is never sent: it would
-  hold the store, and every replica's exchanges behind it, for over 100 ms.
-
-The exchange blocks its thread for the round trip, so :mod:`proxy.prefix_check` runs it
-in the doctor's worker threads, never on the event loop.
+One exchange is one ``EVALSHA`` of :data:`SCRIPT` (read every key, then write every
+key, alone on the store), in the store's clock, times sent and answered as ages. It
+blocks its thread for the round trip, so :mod:`proxy.doctor.job` runs it in the
+doctor's threads, never on the loop. A failure raises :class:`IndexUnavailable` and
+opens the :class:`Breaker`; the request is counted as unchecked, never delayed. The
+table is checked before the proxy listens; the store is not contacted at start-up.
+``docs/design/doctor.md`` ("The shared index") says why each choice.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import logging
 import math
 import os
@@ -68,22 +22,160 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
-from proxy.cache_index import CacheIndexSpec
-from proxy.diagnosis.prefix_index import (
-    DEFAULT_WINDOW_MS,
-    NEVER,
-    IndexUnanswered,
-    Probe,
-    Sightings,
-)
+from proxy.config_values import SettingsError
+from proxy.doctor.index import DEFAULT_WINDOW_MS, NEVER, IndexUnanswered, Probe, Sightings
+
+CACHE_INDEX_TABLE = "cache-index"
+PREFIX_SECRET_ENV = "LLM_PROXY_PREFIX_SECRET"
+MIN_SECRET_BYTES = 16
+DEFAULT_KEY_PREFIX = "llm-proxy:prefix:"
+DEFAULT_TIMEOUT_MS = 50
+DEFAULT_RETRY_MS = 1000
+URL_SCHEMES = ("redis", "rediss", "unix")
+
+# Keys of the table -> what the message says each must be.
+CACHE_INDEX_KEYS = {
+    "url": "a redis://HOST:PORT/DB, rediss:// (TLS) or unix:///PATH URL without credentials, "
+           "e.g. redis://redis:6379/0",
+    "username": "a non-empty string: the store's ACL user",
+    "password_env": "the name of an environment variable holding the store's password",
+    "key_prefix": "a non-empty string of at most 64 characters, prepended to every key",
+    "timeout_ms": "an integer number of milliseconds, >= 1 and <= 10000",
+    "retry_ms": "an integer number of milliseconds, >= 1 and <= 600000",
+}
+# What the absence of each key means (the settings reference shows it).
+CACHE_INDEX_DEFAULTS = {
+    "url": "required",
+    "username": "none: the default user",
+    "password_env": "none: the store takes no password",
+    "key_prefix": f"'{DEFAULT_KEY_PREFIX}'",
+    "timeout_ms": f"{DEFAULT_TIMEOUT_MS}: a request whose exchange (connecting included) takes "
+                  "longer is counted as unchecked; a prompt of more than 1024 keys is "
+                  "allowed more time in proportion to its keys, for the store's own time "
+                  "per key",
+    "retry_ms": f"{DEFAULT_RETRY_MS}: after a failed exchange the store is not asked again for "
+                "this long (requests meanwhile are counted as unchecked), then by one request "
+                "at a time; each failed retry doubles the pause, up to 30 s",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class CacheIndexSpec:
+    """The shared index as configured (no secret here: the password and the prefix secret
+    stay in the environment, named or fixed, and are read when the index is built)."""
+
+    url: str
+    username: str = ""
+    password_env: str = ""
+    key_prefix: str = DEFAULT_KEY_PREFIX
+    timeout_s: float = DEFAULT_TIMEOUT_MS / 1000
+    retry_s: float = DEFAULT_RETRY_MS / 1000
+
+
+def parse_store_url(raw: str) -> str:
+    """A store URL: redis://, rediss:// or unix://, without user info (the password goes
+    in an environment variable named by ``password_env``, the user in ``username``)."""
+    parts = urlsplit(raw.strip())
+    if parts.scheme not in URL_SCHEMES:
+        raise ValueError("must start with redis://, rediss:// or unix://")
+    if "@" in parts.netloc:
+        raise ValueError("must not carry credentials (user:password@host): put the password "
+                         "in an environment variable named by password_env, the user in "
+                         "username")
+    if parts.scheme == "unix":
+        if not parts.path:
+            raise ValueError("a unix:// URL needs the socket's path, e.g. unix:///run/redis.sock")
+    elif not parts.hostname:
+        raise ValueError("needs a host, e.g. redis://redis:6379/0")
+    _ = parts.port  # raises ValueError for a bad port
+    return raw.strip()
+
+
+def cache_index_spec(path: str, doc: Mapping[str, Any],
+                     environ: Mapping[str, str] | None = None) -> CacheIndexSpec | None:
+    """The ``[cache-index]`` table of config file ``path`` (parsed as ``doc``), checked;
+    None without one. The prefix secret and the password variable are checked here too,
+    so that a replica missing either does not start."""
+    table = doc.get(CACHE_INDEX_TABLE)
+    if table is None:
+        return None
+    env = os.environ if environ is None else environ
+    where = f"config {path}: [{CACHE_INDEX_TABLE}]"
+    if not isinstance(table, dict):
+        raise SettingsError(f"{where}: must be a table ([{CACHE_INDEX_TABLE}] with url = ...)")
+
+    def fail(key: str, problem: str) -> SettingsError:
+        return SettingsError(f"{where}: {key}: {problem}")
+
+    for key in table:
+        if key not in CACHE_INDEX_KEYS:
+            raise fail(key, "unknown setting (known: " + ", ".join(CACHE_INDEX_KEYS) + ")")
+
+    def get(key: str, kind: type) -> Any:
+        value = table[key]
+        if isinstance(value, bool) or not isinstance(value, kind):
+            raise fail(key, f"must be {CACHE_INDEX_KEYS[key]}, not {value!r}")
+        return value
+
+    if "url" not in table:
+        raise fail("url", f"missing: must be {CACHE_INDEX_KEYS['url']}")
+    try:
+        url = parse_store_url(get("url", str))
+    except ValueError as exc:
+        raise fail("url", str(exc)) from None
+    values: dict[str, Any] = {"url": url}
+    for key, upper in (("username", 256), ("key_prefix", 64)):
+        if key in table:
+            value = get(key, str)
+            if not value.strip() or len(value) > upper or not value.isprintable():
+                raise fail(key, f"must be {CACHE_INDEX_KEYS[key]}, not {value!r}")
+            values[key] = value
+    if "password_env" in table:
+        var = get("password_env", str)
+        if not var.strip():
+            raise fail("password_env", f"must be {CACHE_INDEX_KEYS['password_env']}")
+        if not env.get(var, ""):
+            raise fail("password_env", f"environment variable {var} is empty or unset")
+        values["password_env"] = var
+    for key, field, upper in (("timeout_ms", "timeout_s", 10_000), ("retry_ms", "retry_s", 600_000)):
+        if key in table:
+            ms = get(key, int)
+            if not 1 <= ms <= upper:
+                raise fail(key, f"must be {CACHE_INDEX_KEYS[key]}, not {ms!r}")
+            values[field] = ms / 1000
+    if importlib.util.find_spec("redis") is None:
+        raise SettingsError(f"{where}: the shared index needs redis-py: pip install "
+                            "'llm-latency-proxy[cache-index]'")
+    secret = env.get(PREFIX_SECRET_ENV, "").strip()
+    if len(secret.encode()) < MIN_SECRET_BYTES:
+        raise SettingsError(
+            f"{where}: a shared index needs the secret its prompt digests are keyed with in "
+            f"{PREFIX_SECRET_ENV} (at least {MIN_SECRET_BYTES} bytes, the same on every "
+            "replica, e.g. from `openssl rand -hex 32`), "
+            + ("which is shorter" if secret else "which is empty or unset"))
+    return CacheIndexSpec(**values)
+
+
+def prefix_secret(environ: Mapping[str, str] | None = None) -> bytes:
+    """The key of every prompt digest when the index is shared: derived from
+    :data:`PREFIX_SECRET_ENV` (any length from :data:`MIN_SECRET_BYTES` up; the hash
+    takes 16 to 64 bytes), so every replica given the same secret hashes alike."""
+    env = os.environ if environ is None else environ
+    raw = env.get(PREFIX_SECRET_ENV, "").strip().encode()
+    if len(raw) < MIN_SECRET_BYTES:  # cache_index_spec refuses this at start-up
+        raise ValueError(f"{PREFIX_SECRET_ENV} must hold at least {MIN_SECRET_BYTES} bytes")
+    return hashlib.blake2b(raw, digest_size=32, person=b"prefix.secret").digest()
+
 
 log = logging.getLogger("proxy")
 
 LARGE_KEYS = 1024  # a probe with more keys uses the connection with the longer timeout
 MAX_KEYS = 32_768  # about 4 MiB of prompt (two keys per 256-byte block): never sent beyond
-PER_KEY_S = 10e-6  # the store's time per key, with room: 1.5 to 5 us measured on Redis 7.0
+PER_KEY_S = 10e-6  # the store's time per key, with room (benchmarks/prefix_store.py)
 MAX_PAUSE_S = 30.0
 WARN_EVERY_S = 60.0
 
@@ -94,14 +186,14 @@ STORE_ERROR = "store_error"
 TOO_LARGE = "too_large"
 
 SCRIPT = """
--- The prompt-cache doctor's exchange (proxy/prefix_store.py): read every key of the
+-- The prompt-cache doctor's exchange (proxy/doctor/shared_index.py): read every key of the
 -- probe, then write every key, in one call that runs alone on the store.
 -- ARGV: 1 the key prefix, 2 the digests (each ARGV[5] bytes, concatenated), 3 one mark
 -- per digest (0 seen, 1 continued past it, 2 ended there), 4 the TTL in ms, 6 how long
 -- ago (ms) this request arrived, 7 how long ago its prefill was done, 8 the window.
 -- A value: four little-endian int64, the store's ms: the run of sightings (first, last;
 -- consecutive gaps within the window) of requests that went on past the key, then of
--- those that held it otherwise (0: never). proxy/diagnosis/prefix_index.py says why.
+-- those that held it otherwise (0: never). docs/design/doctor.md says why.
 -- The answer: per key, three ages in ms (now - time; -1: none), little-endian int64:
 -- the last sighting of each run at or before the arrival, and where neither has one,
 -- the first after it if it is at or before this request's own prefill.
@@ -234,7 +326,7 @@ class Breaker:
 
 
 class RedisPrefixIndex:
-    """A :class:`~proxy.diagnosis.prefix_index.PrefixIndex` on Redis or Valkey (see the
+    """A :class:`~proxy.doctor.index.PrefixIndex` on Redis or Valkey (see the
     module docstring). ``horizon_ms`` is every key's TTL; ``window_ms`` the cache window
     that cuts runs of sightings; ``environ`` holds the password variable the spec names;
     ``clock`` (monotonic seconds) times the breaker; ``caller_clock`` (monotonic seconds,

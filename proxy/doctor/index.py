@@ -1,55 +1,12 @@
-"""Where the prompt-cache doctor remembers which prompt blocks were sent, and when.
+"""Where the doctor remembers which prompt keys were sent, and when: the
+:class:`PrefixIndex` Protocol (one :meth:`~PrefixIndex.exchange` per request, all reads
+before all writes, so a shared store answers it in one round trip) and the in-process
+:class:`LruPrefixIndex`.
 
-The doctor (:mod:`proxy.diagnosis.prefix`) turns a prompt into opaque keys (keyed
-hashes, never text) and asks an index one question per request: *when, at or before
-this request arrived, did a request last hold each of these keys, and did it go on past
-it?*, while telling it that this request holds them from the time its prefill was done.
-That question and its answer are :class:`Probe` and :class:`Sightings`, per key in the
-probe's order; :class:`PrefixIndex` is the Protocol every index implements with one
-call, :meth:`PrefixIndex.exchange`, so that an index on another machine (a shared
-Redis/Valkey for several replicas) answers it in one pipelined round trip: read every
-key, then write every key.
-
-Times are integer milliseconds of the caller's clock (one clock for the whole index),
-so a window comparison is exact. Every key carries two kinds of sighting: a request
-held it *and went on past it* (``continued``: the key is a block with a next block in
-that request), or held it *as its last block* (``ended``). A plain sighting (a key with
-no successor to speak of) is recorded as ``ended``. The doctor needs both: a request
-that stops sharing a prefix right where a recent request ended is a conversation
-growing by a turn, while one that stops where a recent request went on is a break.
-
-**A sighting counts from when its request's prefill was done.** A cache holds a prefix
-only once a request's prefill computed it, so request A's sighting can serve request B
-only if A's prefill was done at or before B arrived. The caller stamps a request's
-writes at that time (``held_ms``: its first output event, or its response headers where
-no token comes) and reads at its arrival (``now_ms``). Stamps therefore come out of
-order (a request examined now may have been done before one examined earlier), and a
-single time per key would let a late stamp hide an earlier one that still counts. So
-each kind keeps a **run**: ``since`` and ``latest``, the first and last of a run of
-sightings whose consecutive gaps are within the cache window (``window_ms``). "Some
-sighting at or before ``t`` within the window of ``t``" is then ``since <= t`` and
-``latest >= t - window``: when ``latest > t``, the last sighting at or before ``t`` is
-within a window of the next one, which is after ``t``. A stamp ``s`` extends the run
-when ``since - window <= s <= latest + window``, restarts it when ``s > latest +
-window`` (the old run can no longer serve anyone who arrives from now on, save one
-who arrived more than a window before ``s``), and is dropped when ``s < since -
-window`` (a stamp that came more than a window late). Both losses need a request
-examined more than a window after its prefill was done: they do not happen with a
-window of minutes. The answer per key is the last sighting at or before the reader's
-arrival (when the run goes on past the arrival, the later of ``since`` and the arrival
-less a window, a bound of it that is all the comparison needs), and the first sighting
-after it, up to this request's own prefill, when that is all there is
-(:attr:`Sightings.after`: a request whose prefill was done while this one's ran,
-*concurrent* with it).
-
-:class:`LruPrefixIndex` is the in-process one: an ``OrderedDict`` from key to the four
-times packed in one int, least recently touched first, bounded by entries (the memory
-bound divided by the measured cost of one entry, :data:`BYTES_PER_ENTRY`) and by age
-(``horizon_ms``: entries nobody touched for that long are dropped even below the
-bound; they are kept past the cache window so that the doctor can still say a prefix
-*expired*). It is thread-safe (one lock), so the doctor may run in a worker thread.
+A sighting counts from when its request's prefill was done, so stamps arrive out of
+order: each key keeps a run of sightings per kind (went on past it, or ended there).
+``docs/design/doctor.md`` ("The in-process index") says why and how.
 """
-
 from __future__ import annotations
 
 import threading
@@ -62,12 +19,10 @@ SEEN = 0  # a plain sighting: recorded as ``ended``
 CONTINUED = 1  # the request went on past this key
 ENDED = 2  # the request's last block
 
-# Measured with tracemalloc (tests/test_prefix_doctor.py checks it stays an upper bound):
-# an 8-byte bytes key (48 bytes allocated), the packed int (four 40-bit times: 48 to
-# 52), the OrderedDict's table slot and linked-list node (about 105 amortised over
-# growth), rounded up.
+# An upper bound of one entry's memory (an 8-byte key, the packed int, the OrderedDict's
+# slot and node), from tracemalloc: tests/test_prefix_doctor.py checks it stays a bound.
 BYTES_PER_ENTRY = 216
-DEFAULT_MAX_BYTES = 64 * 1024 * 1024  # about 310,000 entries
+DEFAULT_MAX_BYTES = 64 * 1024 * 1024
 DEFAULT_HORIZON_MS = 60 * 60 * 1000  # an hour: twelve 5-minute windows, Anthropic's long TTL
 DEFAULT_WINDOW_MS = 5 * 60 * 1000  # how long a provider keeps a prefix
 
@@ -122,7 +77,7 @@ class Probe:
 
 class IndexUnanswered(Exception):
     """An index that could not answer an exchange (a shared store down, slow, failing).
-    :meth:`proxy.diagnosis.prefix.PrefixDoctor.look` sets ``hashed`` to the prompt's
+    :meth:`proxy.doctor.examine.PrefixDoctor.look` sets ``hashed`` to the prompt's
     keys before it goes on: they are of use without the index's answer (a trace's block
     ids), and hashing them again would double the cost of an outage."""
 
@@ -145,7 +100,7 @@ class LruPrefixIndex:
 
     ``max_bytes`` bounds memory through :data:`BYTES_PER_ENTRY`; ``horizon_ms`` forgets
     entries untouched for that long; ``window_ms`` is the cache window the runs are
-    cut by (see the module docstring). Times are stored as milliseconds since the first
+    cut by (``docs/design/doctor.md``). Times are stored as milliseconds since the first
     exchange (less the horizon, so that a stamp earlier than it still fits), 40 bits
     each, all four in one int, so an entry costs one small int.
     """
@@ -241,7 +196,7 @@ class LruPrefixIndex:
 def _read_late(old: int, t: int, h: int, w: int, epoch: int, i: int, continued: list[int],
                ended: list[int], after: dict[int, int]) -> None:
     """Append key ``i``'s reads at tick ``t`` from an entry with a sighting after ``t``
-    (see the module docstring), and its first sighting after ``t`` when that is all and
+    (``docs/design/doctor.md``), and its first sighting after ``t`` when that is all and
     it is at or before ``h``."""
     m = _TICK_MAX
     el, es, cl, cs = old & m, (old >> _ES) & m, (old >> _CL) & m, old >> _CS

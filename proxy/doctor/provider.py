@@ -7,13 +7,7 @@ the answer when there is one. Their reasons are kept only when they are among th
 the APIs document (:data:`ANTHROPIC_REASONS`, :data:`OPENAI_REASONS`); anything else is
 ``other``, so the words stay fit for a metric label.
 
-Agreement (:func:`agreement`): the provider compares with the one response the app named,
-the doctor with every prompt it saw in its window, so the two can differ without either
-being wrong. ``agree`` when the doctor's break names the same part (or both say nothing
-broke), ``disagree`` when it names another, ``doctor_silent`` when the provider names a
-miss and the doctor found none, ``doctor_blind`` when the provider names something the
-doctor does not see (a compacted context), ``not_compared`` when the provider could not
-compare (its comparison was pending, unavailable, or the earlier response unknown).
+:func:`agreement` says whether the doctor's break names the same part.
 """
 
 from __future__ import annotations
@@ -52,7 +46,7 @@ PROVIDER_REASONS: tuple[str, ...] = tuple(
 
 AGREEMENTS = ("agree", "disagree", "doctor_silent", "doctor_blind", "not_compared")
 
-# The doctor's reasons (proxy.diagnosis.prefix.REASONS) each provider reason agrees with.
+# The doctor's reasons (proxy.doctor.examine.REASONS) each provider reason agrees with.
 _SAME: Mapping[str, frozenset[str]] = {
     "model_changed": frozenset({"model_changed"}),
     "system_changed": frozenset({"system_changed", "variable_before_stable"}),
@@ -118,7 +112,13 @@ def provider_reason(
 
 def agreement(provider: str, doctor: str) -> str:
     """Whether the doctor's break (``doctor``: a reason of the doctor's, "" for none)
-    says what the provider's reason says (module docstring)."""
+    says what the provider's reason says. The provider compares with the one response
+    the app named, the doctor with every prompt of its window, so the two can differ
+    without either being wrong: ``agree`` when the break names the same part (or both
+    say nothing broke), ``disagree`` when it names another, ``doctor_silent`` when the
+    provider names a miss and the doctor found none, ``doctor_blind`` when the provider
+    names what the doctor cannot see (a compacted context), ``not_compared`` when the
+    provider could not compare (pending, unavailable, the earlier response unknown)."""
     if provider in _NOT_COMPARED:
         return "not_compared"
     if provider == "cache_hit":

@@ -1,0 +1,270 @@
+"""The examination: an index's answer to a prompt's keys read into a :class:`PrefixReport`
+(how much repeated, where and why it broke), and :class:`PrefixDoctor`, the three steps
+for one request (hash, exchange, examine). Pure but for the index it is given; time is
+passed in. ``docs/design/doctor.md`` gives the rules for each break reason.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from proxy.dialects import PromptPart
+from proxy.doctor.index import DEFAULT_WINDOW_MS, NEVER, IndexUnanswered, PrefixIndex, Sightings
+from proxy.doctor.keys import HashedPrompt, PartShape, PromptHasher
+
+# Why a prefix stopped repeating: bounded, fit for a metric label.
+REASONS: tuple[str, ...] = (
+    "settings_changed",
+    "tools_changed",
+    "system_changed",
+    "instructions_changed",
+    "context_changed",  # no longer given (a new stored context is no break); kept in the set
+    "message_changed",
+    "prompt_changed",
+    "variable_before_stable",
+    "expired",
+    "concurrent",
+    "model_changed",
+    "cache_key_changed",
+    "first_seen",
+)
+_KIND_REASON = {
+    "settings": "settings_changed",
+    "tools": "tools_changed",
+    "system": "system_changed",
+    "instructions": "instructions_changed",
+    "context": "context_changed",
+    "message": "message_changed",
+    "input": "message_changed",
+    "prompt": "prompt_changed",
+}
+
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixPolicy:
+    """How sightings are judged. ``window_ms``: how long a provider keeps a prefix (5
+    minutes by default); ``short_run_bytes`` (default two blocks, one chunk's least
+    length and 256 bytes: the block rounding on either side of the change, the chunk it
+    falls in, plus a timestamp, a name, an id) and ``min_stable_bytes`` (default one
+    block): the bounds of ``variable_before_stable``."""
+
+    window_ms: int = DEFAULT_WINDOW_MS
+    short_run_bytes: int | None = None
+    min_stable_bytes: int | None = None
+
+
+class PrefixReport(NamedTuple):
+    """What the doctor says about one request's prompt (bytes; :func:`cache_tokens`
+    gives tokens once usage is known). No text, only sizes and positions."""
+
+    prompt_bytes: int  # the parts' bytes
+    blocks: int  # chain blocks in the prompt
+    repeated_blocks: int  # leading blocks some request held within the window
+    repeated_bytes: int
+    stale_bytes: int  # right after those: bytes held, but longer ago than the window
+    reason: str | None  # one of REASONS; None: no break (a full repeat, a grown one, new tail)
+    part: str | None = None  # where it broke: the part's kind, its index and role
+    index: int | None = None  # type: ignore[assignment]  # a field: shadows tuple.index
+    role: str | None = None
+    offset: int | None = None  # byte offset in that part of the block where it broke
+    part_bytes: int | None = None  # that part's size
+    changed_bytes: int | None = None  # variable_before_stable: the changed run, block-rounded
+    stable_bytes: int | None = None  # variable_before_stable: bytes after it seen before
+    # the prompt names stored context the proxy cannot see (Responses' previous_response_id,
+    # conversation): its tokens are in the usage, so no token figure can be derived
+    unseen_context: bool = False
+
+    @property
+    def repeated_share(self) -> float:
+        """Repeated bytes over prompt bytes (0 for an empty prompt)."""
+        return self.repeated_bytes / self.prompt_bytes if self.prompt_bytes else 0.0
+
+
+def _stored_context(parts: Sequence[PartShape], first_block: Sequence[int], blocks: int
+                    ) -> tuple[bool, int]:
+    """Whether the prompt names stored context the proxy cannot see (a ``context`` part:
+    Responses' ``previous_response_id``, ``conversation``), and the chain block the repeat
+    may not pass: the end of a ``conversation`` part, whose stored items grow under the
+    same id, so that what follows it is at no known position (a previous response is
+    immutable: the same id is the same context)."""
+    unseen = False
+    for p, shape in enumerate(parts):
+        if shape.kind == "context":
+            unseen = True
+            if shape.role == "conversation":
+                return True, first_block[p + 1] if p + 1 < len(parts) else blocks
+    return unseen, blocks
+
+
+def examine(
+    hashed: HashedPrompt,
+    seen: Sightings,
+    now_ms: int,
+    policy: PrefixPolicy = PrefixPolicy(),
+) -> PrefixReport:
+    """Read an index's answer to ``hashed.probe()`` at ``now_ms`` into a report
+    (``docs/design/doctor.md`` gives the rules)."""
+    blocks = len(hashed.chain)
+    last = seen.last
+    cutoff = now_ms - policy.window_ms
+    # The probe's order: chunks, the chain from its last block, the root, the anchors.
+    top = len(hashed.keys) - 4  # the probe index of chain block 0; block i is at top - i
+    parts = hashed.parts
+    unseen, limit = _stored_context(parts, hashed.first_block, blocks)
+    if limit == blocks and last(top - blocks + 1) >= cutoff:
+        # The last block's key names the whole prompt: a request held all of it, each
+        # block at the same time, so no block before it need be read.
+        repeated = blocks
+    else:
+        repeated = 0
+        while repeated < limit and last(top - repeated) >= cutoff:
+            repeated += 1
+    if repeated == blocks:  # the whole prompt repeated: the common case, said at once
+        total = sum(part.size for part in parts)
+        return PrefixReport(total, blocks, blocks, total, 0, None, unseen_context=unseen)
+    size = hashed.block_bytes
+    short_run = (policy.short_run_bytes if policy.short_run_bytes is not None
+                 else 2 * size + hashed.chunk_bytes + 256)
+    min_stable = policy.min_stable_bytes if policy.min_stable_bytes is not None else size
+    first_block = hashed.first_block
+    root, model_anchor, upstream_anchor = top + 1, top + 2, top + 3
+
+    part_start = [0] * len(parts)  # byte offset of each part in the prompt
+    for p in range(1, len(parts)):
+        part_start[p] = part_start[p - 1] + parts[p - 1].size
+    total = part_start[-1] + parts[-1].size
+
+    def position(block: int) -> tuple[int, int]:
+        """(part, byte offset in it) of a chain block."""
+        p = bisect_right(first_block, block) - 1
+        return p, (block - first_block[p]) * size
+
+    def bytes_before(block: int) -> int:
+        if block >= blocks:
+            return total
+        p, offset = position(block)
+        return part_start[p] + offset
+
+    held = repeated
+    while held < blocks and last(top - held) > NEVER:
+        held += 1
+    base = PrefixReport(
+        prompt_bytes=total,
+        blocks=blocks,
+        repeated_blocks=repeated,
+        repeated_bytes=bytes_before(repeated),
+        stale_bytes=bytes_before(held) - bytes_before(repeated),
+        reason=None,
+        unseen_context=unseen,
+    )
+    if repeated == limit:  # after a conversation's stored items: nothing to compare
+        return base._replace(stale_bytes=0)
+
+    p, offset = position(repeated)
+    shape = parts[p]
+    at = base._replace(part=shape.kind, index=shape.index, role=shape.role, offset=offset,
+                       part_bytes=shape.size)
+    if held > repeated:
+        return at._replace(reason="expired")
+    if top - repeated in seen.after:
+        # Held only by requests whose prefill was done after this one arrived and before
+        # its own was: the same prefix in flight at once, which no cache could serve yet.
+        return at._replace(reason="concurrent")
+    if repeated == 0 and last(root) < cutoff:
+        if last(model_anchor) >= cutoff:
+            return base._replace(reason="cache_key_changed")
+        if last(upstream_anchor) >= cutoff:
+            return base._replace(reason="model_changed")
+        return base._replace(reason="first_seen")
+    if shape.kind == "context":
+        return base  # another stored context (a new previous_response_id): how the API works
+    parent = root if repeated == 0 else top - repeated + 1
+    if seen.ended[parent] >= cutoff:
+        return base  # grown from a recent request that ended right here
+    if seen.continued[parent] < cutoff:
+        return base  # no recent request went on past here
+    if shape.kind == "settings":  # a request setting (its name is the role), never new text
+        return at._replace(reason="settings_changed")
+
+    # A recent request went on past the last repeated block; this one differs there.
+    # After the change: part p's chunks from the block where it broke, seen recently.
+    first_chunk, ends = hashed.first_chunk, hashed.chunk_ends
+    stop = first_chunk[p + 1] if p + 1 < len(parts) else len(ends)
+    j = bisect_right(ends, offset, first_chunk[p], stop)  # the chunk holding the offset
+    while j < stop and last(j) >= cutoff:  # the broken block's head, or a moved part
+        j += 1
+    changed_from = j
+    while j < stop and last(j) < cutoff:  # the changed run
+        j += 1
+    if changed_from < j < stop:  # then a run seen before: where does it start and end?
+        stable_start = min(shape.size, -(-ends[j - 1] // size) * size)  # block-rounded up
+        while j < stop and last(j) >= cutoff:
+            j += 1
+        if j < stop:  # it ends inside the part: rounded down to a block
+            stable = max(0, ends[j - 1] // size * size - stable_start)
+        else:  # it runs to the part's end, and on over the following parts seen whole
+            stable = shape.size - stable_start
+            for q in range(p + 1, len(parts)):
+                following = range(first_chunk[q], first_chunk[q + 1] if q + 1 < len(parts)
+                                  else len(ends))
+                if not all(last(c) >= cutoff for c in following):
+                    break
+                stable += parts[q].size
+        changed = stable_start - offset
+        if 0 < changed <= short_run and stable >= min_stable:
+            return at._replace(
+                reason="variable_before_stable", changed_bytes=changed, stable_bytes=stable)
+    if p == len(parts) - 1:
+        return base  # the newest part is new by nature: a new question, not a break
+    return at._replace(reason=_KIND_REASON.get(shape.kind, "message_changed"))
+
+
+class PrefixDoctor:
+    """Hash, exchange with the index, examine: the three steps for one request, run
+    after the request is on its way upstream (:mod:`proxy.doctor.job` says where)."""
+
+    def __init__(
+        self,
+        index: PrefixIndex,
+        hasher: PromptHasher | None = None,
+        policy: PrefixPolicy = PrefixPolicy(),
+    ) -> None:
+        window = getattr(index, "window_ms", policy.window_ms)
+        if window != policy.window_ms:  # the index cuts its runs of sightings by it
+            raise ValueError(f"the index's window_ms ({window}) is not the policy's "
+                             f"({policy.window_ms})")
+        self.index = index
+        self.hasher = hasher if hasher is not None else PromptHasher()
+        self.policy = policy
+
+    def look(
+        self,
+        parts: Sequence[PromptPart],
+        *,
+        upstream: str,
+        model: str,
+        cache_key: str = "",
+        now_ms: int,
+        held_ms: int | None = None,
+    ) -> tuple[HashedPrompt, PrefixReport] | None:
+        """The prompt's keys and its report (None: no prompt parts), recorded in the
+        index. ``now_ms``: when the request arrived; ``held_ms``: when its prefill was
+        done (``now_ms`` when not given), from when its blocks count for others. The keys
+        outlive a failed exchange (:class:`~proxy.doctor.index.IndexUnanswered`)."""
+        anchor = 0  # the first part of prompt text, after the settings parts
+        while anchor < len(parts) - 1 and parts[anchor].kind == "settings":
+            anchor += 1
+        hashed = self.hasher.hash(parts, upstream=upstream, model=model, cache_key=cache_key,
+                                  anchor=anchor)
+        if hashed is None:
+            return None
+        try:
+            seen = self.index.exchange(hashed.probe(), now_ms, held_ms)
+        except IndexUnanswered as exc:
+            exc.hashed = hashed  # the keys outlive the failed exchange (see the class)
+            raise
+        return hashed, examine(hashed, seen, now_ms, self.policy)

@@ -1,0 +1,449 @@
+"""The prompt-cache doctor on the request path: which requests it examines, when, and
+where, and what it hands the one finish.
+
+One way through: :meth:`PrefixCheck.begin` estimates a prompt's work before any part is
+built and names its :class:`Place`; once the upstream's prefill was done
+(:meth:`PrefixJob.ready`) the job runs :meth:`PrefixJob.examine` where the place says
+(in a batch on the loop, or on the place's worker threads); :meth:`PrefixJob.settle`
+and :meth:`PrefixJob.record` give the finish its :class:`~proxy.measure.PrefixRecord`.
+Failures never reach the request: they are counted as unchecked, with the reason.
+``docs/design/doctor.md`` ("The doctor on the request path") says why each rule.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, NamedTuple
+
+from proxy.config import Settings
+from proxy.dialects import Dialect, cache_scope, part_bound
+from proxy.doctor.examine import PrefixDoctor, PrefixPolicy, PrefixReport
+from proxy.doctor.index import BYTES_PER_ENTRY, DEFAULT_HORIZON_MS, LruPrefixIndex, PrefixIndex
+from proxy.doctor.keys import BYTES_PER_CACHED_KEY, PART_CACHE_KEYS, HashedPrompt, PromptHasher
+from proxy.doctor.report import cache_granularity_tokens, cache_tokens, minimum_cacheable_tokens
+from proxy.doctor.shared_index import (
+    MAX_KEYS,
+    STORE_DOWN,
+    STORE_ERROR,
+    STORE_TIMEOUT,
+    TOO_LARGE,
+    IndexUnavailable,
+    RedisPrefixIndex,
+    prefix_secret,
+)
+from proxy.measure import PrefixRecord
+from proxy.upstream_spec import UpstreamSpec
+
+log = logging.getLogger("proxy")
+
+# Estimated blocks (parts + body bytes / block) examined on the loop: about 40 KB of text
+# in a few parts. The hashing thread's hand-offs cost more CPU than a look at such a
+# prompt, its repeated parts taken from the hasher's cache (benchmarks/RESULTS.md,
+# 2026-12-03); past BATCH_BLOCKS a job runs alone, at the loop's next turn.
+INLINE_MAX_BLOCKS = 160
+MAX_PENDING = 16  # large prompts waiting for, or in, the hashing thread
+STORE_THREADS = 4  # with a shared index: threads that exchange the other prompts
+MAX_PENDING_SHARED = 256  # with a shared index: other prompts waiting for, or in, those
+SETTLE_S = 0.5  # how long the finish waits for a thread still examining
+BATCH_S = 0.2  # how long the first job of a batch waits for others
+BATCH_JOBS = 16  # jobs that run a batch at the loop's next turn
+BATCH_BLOCKS = 80  # ... or estimated blocks
+INDEX_SHARE = 8  # a prompt may hold at most 1/INDEX_SHARE of the in-process index
+WARN_EVERY_S = 60.0
+
+# Why a request answered 2xx was not examined (PrefixRecord.unchecked); the shared
+# index's own reasons are proxy.doctor.shared_index's.
+BUSY = "busy"  # the backlog of the doctor's threads was full
+LATE = "late"  # the finish came before the examination ended, and waited no longer
+FAILED = "failed"  # the doctor raised (logged with its traceback)
+UNCHECKED_REASONS = (STORE_DOWN, STORE_TIMEOUT, STORE_ERROR, TOO_LARGE, BUSY, LATE, FAILED)
+
+
+class Place(enum.Enum):
+    """Where a prompt is examined, decided from its estimated size before any part is
+    built (:meth:`PrefixCheck.place`)."""
+
+    INLINE = "inline"  # on the event loop, with its batch
+    THREAD = "thread"  # in the hashing thread (a large prompt)
+    SHARED = "shared"  # in a shared index's threads, which wait for the network
+    TOO_LARGE = "too_large"  # not at all: more keys than a request may hold
+
+
+class Examination(NamedTuple):
+    """One examination's result: the report (None: nothing to examine, or not examined),
+    why it was not examined ("" when it was, or there was nothing to examine), the shared
+    index's round trip (None: in process, or nothing was sent), and the prompt's keys
+    for the trace capture (:mod:`proxy.capture`), kept when the shared index failed."""
+
+    report: PrefixReport | None
+    unchecked: str = ""
+    index_s: float | None = None
+    hashed: HashedPrompt | None = None  # the prompt's keys (digests, no text), for the trace
+
+
+class _Lane:
+    """The worker threads of one place, started by its first job, and the bound on the
+    jobs waiting for, or in, them."""
+
+    def __init__(self, threads: int, name: str, pending: int, full: str) -> None:
+        self.threads, self.name, self.full = threads, name, full
+        self.slots = threading.BoundedSemaphore(pending)
+        self.executor: ThreadPoolExecutor | None = None
+
+    def submit(self, work: Callable[[], Examination]) -> Future[Examination]:
+        """Raises RuntimeError once closed."""
+        if self.executor is None:
+            self.executor = ThreadPoolExecutor(self.threads, thread_name_prefix=self.name)
+        return self.executor.submit(work)
+
+
+class PrefixCheck:
+    """The process's doctor: its index, its policy, its worker threads.
+
+    Parameters:
+        settings: the window, the index's memory bound, and ``cache_index`` (a shared
+            :class:`~proxy.doctor.shared_index.RedisPrefixIndex`, hashing with the secret
+            every replica shares) or none (an :class:`LruPrefixIndex` in process).
+        doctor: replaces the default one built from ``settings``.
+        secret: keys the hasher of an in-process index (random per process by default):
+            worker processes that capture one trace share one.
+        clock: the request path's monotonic clock (seconds), which every time given to
+            :meth:`begin` and :meth:`PrefixJob.ready` reads.
+
+    Either index forgets entries untouched for an hour or two windows, whichever is
+    longer, so that an *expired* prefix can still be told from a new one.
+    :attr:`max_keys` caps the keys one request may hold (beyond: ``too_large``).
+    """
+
+    def __init__(self, settings: Settings, doctor: PrefixDoctor | None = None, *,
+                 secret: bytes | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        window_ms = round(settings.prefix_window * 1000)
+        horizon_ms = max(DEFAULT_HORIZON_MS, 2 * window_ms)
+        self.shared: RedisPrefixIndex | None = None
+        if doctor is None:
+            index: PrefixIndex
+            if settings.cache_index is not None:
+                index = self.shared = RedisPrefixIndex(settings.cache_index,
+                                                       horizon_ms=horizon_ms,
+                                                       window_ms=window_ms,
+                                                       caller_clock=clock)
+                hasher = PromptHasher(prefix_secret())
+            else:
+                # the hasher's cache of recent parts' keys (PART_CACHE_KEYS) comes out of
+                # the same memory bound: a sixteenth of the index's entries, as keys
+                bound = settings.prefix_index_bytes
+                cached = min(PART_CACHE_KEYS, bound // BYTES_PER_ENTRY // 16)
+                index = LruPrefixIndex(bound - cached * BYTES_PER_CACHED_KEY,
+                                       horizon_ms=horizon_ms, window_ms=window_ms)
+                hasher = PromptHasher(secret, part_cache_keys=cached)
+            doctor = PrefixDoctor(index, hasher, policy=PrefixPolicy(window_ms=window_ms))
+        elif isinstance(doctor.index, RedisPrefixIndex):
+            self.shared = doctor.index
+        self.doctor = doctor
+        capacity = getattr(doctor.index, "capacity", None)
+        self.max_keys = (min(MAX_KEYS, capacity // INDEX_SHARE)
+                         if isinstance(capacity, int) and self.shared is None else MAX_KEYS)
+        self._lanes = {
+            Place.THREAD: _Lane(1, "prefix-doctor", MAX_PENDING,
+                                f"prompt-cache doctor: {MAX_PENDING} large prompts already "
+                                "wait for its thread; this request is not examined"),
+            Place.SHARED: _Lane(STORE_THREADS, "prefix-store", MAX_PENDING_SHARED,
+                                f"prompt-cache doctor: {MAX_PENDING_SHARED} prompts already "
+                                "wait for the shared index; this request is not examined"),
+        }
+        self._batch: list[PrefixJob] = []  # jobs ready for the loop and not started, in order
+        self._batch_blocks = 0
+        self._batch_timer: asyncio.Handle | None = None
+        self._lock = threading.Lock()
+        self._warned_at = -math.inf
+        self._held_back = 0
+        self._traced = False
+
+    def begin(self, dialect: Dialect | None, payload: Mapping[str, Any] | None,
+              upstream: UpstreamSpec, t0: float, status: int, body_bytes: int, *,
+              t_headers: float | None = None, stream: bool = False) -> PrefixJob | None:
+        """A job for a request that arrived at ``t0`` and whose response headers arrived
+        at ``t_headers`` (``t0`` when not given); None when there is nothing to examine
+        (not a measured route, a body that is not a JSON object, an answer that is not
+        2xx). A non-stream answer's job is ready at once, a ``stream``'s once its first
+        output event calls :meth:`PrefixJob.ready`."""
+        if dialect is None or payload is None or not 200 <= status < 300:
+            return None
+        blocks = self.estimate(payload, body_bytes)
+        headers_ms = round((t0 if t_headers is None else t_headers) * 1000)
+        job = PrefixJob(self, dialect, payload, upstream, round(t0 * 1000), headers_ms,
+                        blocks, place=self.place(blocks))
+        if job.place is Place.TOO_LARGE:
+            job.skip(TOO_LARGE)
+        elif not stream:
+            job.ready()
+        return job
+
+    def estimate(self, payload: Mapping[str, Any], body_bytes: int) -> int:
+        """At least the blocks the prompt of ``payload`` (a body of ``body_bytes``) will
+        be cut into, from the arrays' lengths and the body's size: each part is one block
+        and one more per :attr:`PromptHasher.block_bytes` of its text, and a part's text
+        is at most as long as its JSON. A body of few parts also counts the pieces they
+        are built from (:func:`proxy.dialects.prompt.part_bound`)."""
+        return (part_bound(payload, walk_below=INLINE_MAX_BLOCKS)
+                + body_bytes // self.doctor.hasher.block_bytes)
+
+    def place(self, blocks: int) -> Place:
+        """Where a prompt of ``blocks`` estimated blocks is examined: too large when its
+        keys could pass :attr:`max_keys`, in the hashing thread past
+        :data:`INLINE_MAX_BLOCKS`, else with a shared index in its threads, else on the
+        loop. The keys are one a block, the chunks and three for the scope; a part has
+        at most two chunks more than blocks and counts at least one block in the
+        estimate, so ``4 * blocks + 3`` bounds them."""
+        if 4 * blocks + 3 > self.max_keys:
+            return Place.TOO_LARGE
+        if blocks > INLINE_MAX_BLOCKS:
+            return Place.THREAD
+        return Place.SHARED if self.shared is not None else Place.INLINE
+
+    def enqueue(self, job: PrefixJob, blocks: int) -> None:
+        """A job that became ready (of ``blocks`` estimated blocks): for the loop, into
+        the batch, which runs :data:`BATCH_S` after its first job, or at the loop's next
+        turn once it holds :data:`BATCH_JOBS` jobs or :data:`BATCH_BLOCKS`; for a thread,
+        handed over at the loop's next turn."""
+        loop = asyncio.get_running_loop()
+        if job.place is not Place.INLINE:
+            loop.call_soon(job.start)
+            return
+        batch = self._batch
+        batch.append(job)
+        self._batch_blocks += blocks
+        if self._batch_blocks >= BATCH_BLOCKS or len(batch) >= BATCH_JOBS:
+            if self._batch_timer is not None:
+                self._batch_timer.cancel()
+            self._batch_timer = loop.call_soon(self.run_batch)
+        elif self._batch_timer is None:
+            self._batch_timer = loop.call_later(BATCH_S, self.run_batch)
+
+    def run_batch(self) -> None:
+        """Examine every job of the batch, in order."""
+        if self._batch_timer is not None:
+            self._batch_timer.cancel()
+            self._batch_timer = None
+        batch, self._batch, self._batch_blocks = self._batch, [], 0
+        for job in batch:
+            job.start()
+
+    def submit(self, work: Callable[[], Examination], place: Place = Place.THREAD
+               ) -> Future[Examination] | None:
+        """Run ``work`` on the worker threads of ``place``; None when their backlog is
+        full (:data:`MAX_PENDING`, :data:`MAX_PENDING_SHARED`) or the check was closed."""
+        lane = self._lanes[place]
+        if not lane.slots.acquire(blocking=False):
+            self._warn(lane.full)
+            return None
+        try:
+            future = lane.submit(work)
+        except RuntimeError:  # closed: shutting down
+            lane.slots.release()
+            return None
+        future.add_done_callback(lambda _: lane.slots.release())
+        return future
+
+    def close(self) -> None:
+        """Stop the worker threads; jobs still waiting for them, or for their batch,
+        are dropped."""
+        if self._batch_timer is not None:
+            self._batch_timer.cancel()
+            self._batch_timer = None
+        self._batch, self._batch_blocks = [], 0
+        for lane in self._lanes.values():
+            if lane.executor is not None:
+                lane.executor.shutdown(wait=False, cancel_futures=True)
+        if self.shared is not None:
+            self.shared.close()
+
+    def _warn(self, message: str, *, trace: bool = False) -> None:
+        """One line, the first failure with its traceback, then at most one a minute."""
+        with self._lock:
+            now = time.monotonic()
+            if now - self._warned_at < WARN_EVERY_S:
+                self._held_back += 1
+                return
+            held, self._held_back, self._warned_at = self._held_back, 0, now
+            with_trace = trace and not self._traced
+            self._traced = self._traced or with_trace
+        also = f" ({held} more such lines held back)" if held else ""
+        log.warning("%s%s", message, also, exc_info=with_trace)
+
+
+class PrefixJob:
+    """One request's examination: ready once (when its prefill was done), started once
+    (with its batch, on its place's threads, or at the finish), read once by the record
+    (and by the trace capture: :attr:`hashed`)."""
+
+    __slots__ = ("_blocks", "_check", "_dialect", "_future", "_headers_ms", "_held_ms",
+                 "_minimum", "_now_ms", "_payload", "_result", "_started", "_step",
+                 "_unchecked", "_upstream", "place")
+
+    def __init__(self, check: PrefixCheck, dialect: Dialect, payload: Mapping[str, Any],
+                 upstream: UpstreamSpec, now_ms: int, headers_ms: int | None = None,
+                 blocks: int = 0, *, place: Place) -> None:
+        self._check = check
+        self._dialect = dialect
+        self._payload = payload
+        self._upstream = upstream
+        self._minimum = 0  # the upstream's minimum cacheable tokens and caching step,
+        self._step = 1  # for this model (set by the examination)
+        self._now_ms = now_ms  # when the request arrived
+        self._headers_ms = now_ms if headers_ms is None else headers_ms  # its headers' time
+        self._held_ms: int | None = None  # when its prefill was done: ready from then
+        self._blocks = blocks  # estimated (PrefixCheck.estimate): its weight in a batch
+        self.place = place
+        self._started = False
+        self._future: Future[Examination] | None = None
+        self._result: Examination | None = None
+        self._unchecked = LATE  # what the record says when no examination came back
+
+    def ready(self, t: float | None = None) -> None:
+        """The upstream's prefill of this prompt was done at ``t`` (the request path's
+        clock, seconds; None: at the response headers): from then its blocks count for
+        requests that arrive later, and the job joins the batch (or goes to its thread).
+        Only the first call counts. Called by the stream's timer on its first output
+        event, inside the relay: it never raises."""
+        if self._held_ms is not None:
+            return
+        self._held_ms = self._headers_ms if t is None else round(t * 1000)
+        try:
+            self._check.enqueue(self, self._blocks)
+        except Exception:  # no running loop (closing); the finish starts it, if it comes
+            self._check._warn("prompt-cache doctor: a job could not be queued", trace=True)
+
+    def skip(self, reason: str) -> None:
+        """Never examine this prompt; the record says why (``reason``)."""
+        self._started = True
+        self._unchecked = reason
+        self._held_ms = self._headers_ms  # never queued: ready() has nothing to do
+
+    def start(self) -> None:
+        """Run :meth:`examine` where the place says: now, on this thread, for the loop;
+        else handed to the place's worker threads."""
+        if self._started:
+            return
+        self._started = True
+        if self.place is Place.INLINE:
+            self._result = self.examine()
+            return
+        self._future = self._check.submit(self.examine, self.place)
+        if self._future is None:
+            self._unchecked = BUSY
+
+    def examine(self) -> Examination:
+        """Parts, keys, the index's exchange, the report, or why there is none; the one
+        examination whatever the place. Never raises."""
+        check, spec, api = self._check, self._upstream, self._dialect.name
+        model, key = cache_scope(self._payload)
+        # the upstream's caching rules, for the record (worked out here, off the request)
+        minimum, step = spec.min_cacheable_tokens, spec.cache_granularity_tokens
+        self._minimum = minimum if minimum is not None else minimum_cacheable_tokens(api, model)
+        self._step = step if step is not None else cache_granularity_tokens(api, model)
+        try:
+            looked = check.doctor.look(self._dialect.prompt_parts(self._payload),
+                                       upstream=spec.name, model=model, cache_key=key,
+                                       now_ms=self._now_ms, held_ms=self._held_ms)
+        except IndexUnavailable as exc:  # the keys stay, for the trace
+            hashed = exc.hashed if isinstance(exc.hashed, HashedPrompt) else None
+            return Examination(None, exc.reason, exc.round_trip_s, hashed)
+        except Exception:
+            check._warn("prompt-cache doctor failed; the request is not examined", trace=True)
+            return Examination(None, FAILED)
+        index_s = check.shared.round_trip_s() if check.shared is not None else None
+        if looked is None:  # no prompt parts: nothing to examine
+            return Examination(None, "", index_s)
+        return Examination(looked[1], "", index_s, looked[0])
+
+    async def settle(self) -> None:
+        """Before the record: make ready a stream's job that saw no output event (its
+        prefill counted as done at its headers); run the batch of a job that never got
+        its turn (the jobs before it first); wait (at most :data:`SETTLE_S`) for one a
+        worker thread is still on."""
+        if self._held_ms is None and not self._started:
+            self.ready()
+        if not self._started:
+            self._check.run_batch()
+            self.start()  # not in the batch: a job for a thread, or the check was closed
+        future = self._future
+        if future is None or future.done():
+            return
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[None] = loop.create_future()
+
+        def wake(_: object) -> None:  # on the worker thread
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(_resolve, waiter)
+
+        future.add_done_callback(wake)
+        await asyncio.wait({waiter}, timeout=SETTLE_S)
+
+    @property
+    def examination(self) -> Examination | None:
+        """What came back (None: nothing yet, or nothing will)."""
+        future = self._future
+        if future is None:
+            return self._result
+        return future.result() if future.done() and not future.cancelled() else None
+
+    @property
+    def report(self) -> PrefixReport | None:
+        examination = self.examination
+        return examination.report if examination is not None else None
+
+    @property
+    def hashed(self) -> HashedPrompt | None:
+        """The prompt's keys (digests, no text), once examined; None before, or when it
+        was not."""
+        examination = self.examination
+        return examination.hashed if examination is not None else None
+
+    def record(self, prompt_tokens: int | None, cached_tokens: int | None
+               ) -> PrefixRecord | None:
+        """The report in the record's terms, with the usage: ``prompt_tokens`` from the
+        upstream (None when it did not say them, or they were estimated) and
+        ``cached_tokens`` as it reported them (None: not reported). A request that was
+        not examined gets a record that says why; one with nothing to examine, None."""
+        examination = self.examination
+        if examination is None:
+            return PrefixRecord.not_examined(self._unchecked)
+        if examination.unchecked:
+            return PrefixRecord.not_examined(examination.unchecked, examination.index_s)
+        report = examination.report
+        if report is None:
+            return None
+        tokens = cache_tokens(report, prompt_tokens, cached_tokens,
+                              minimum_tokens=self._minimum, granularity_tokens=self._step)
+        return PrefixRecord(
+            prompt_bytes=report.prompt_bytes, repeated_bytes=report.repeated_bytes,
+            repeated_tokens=tokens.repeated, missed_tokens=tokens.missed,
+            break_reason=report.reason or "", break_part=report.part or "",
+            break_index=report.index, break_offset=report.offset,
+            break_role=report.role or "", break_part_bytes=report.part_bytes,
+            changed_bytes=report.changed_bytes, stable_bytes=report.stable_bytes,
+            index_s=examination.index_s)
+
+
+def _resolve(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
+def prefix_check_from(settings: Settings, *, wanted: bool, secret: bytes | None = None,
+                      clock: Callable[[], float] = time.perf_counter) -> PrefixCheck | None:
+    """The doctor when it is on and someone reads what it finds (metrics, the request
+    log or the trace: ``wanted``); else None, and the request path skips it."""
+    if not (settings.prefix_doctor and wanted):
+        return None
+    return PrefixCheck(settings, secret=secret, clock=clock)

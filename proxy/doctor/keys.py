@@ -1,0 +1,374 @@
+"""Prompt parts in, keys out: the keyed block chain, the content-defined chunks and the
+anchors of one prompt (:class:`HashedPrompt`), and nothing of its text.
+
+Every stored key is a keyed ``blake2b`` digest (the secret random per process, or shared
+by replicas), the bytes condensed first by XXH3-128, so an index dump cannot be matched
+against a dictionary of candidate prompts. ``docs/design/doctor.md`` says why blocks of
+256 bytes, why per part, and what the chunks and anchors answer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import struct
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from itertools import starmap
+from typing import Any, NamedTuple
+
+from xxhash import xxh3_128_digest
+
+from proxy.dialects import PromptPart
+from proxy.doctor.index import CONTINUED, ENDED, SEEN, Probe
+
+DEFAULT_BLOCK_BYTES = 256
+DEFAULT_CHUNK_BYTES = 1024  # a content chunk's least length (its most: four times that)
+FIRST_CHUNK_BYTES = 16  # the least length of a part's first chunk
+
+
+class PartShape(NamedTuple):
+    """A part without its bytes: what a report may say about it."""
+
+    kind: str
+    index: int  # type: ignore[assignment]  # a field: shadows tuple.index
+    role: str
+    size: int  # bytes
+
+
+class HashedPrompt(NamedTuple):
+    """A prompt as keys: what the index is asked about and the report is built from.
+
+    ``keys`` and ``marks`` are the probe (:meth:`probe`), laid out while hashing: the
+    chunks, then the chain from its last block to its first, then the root and the
+    anchors (so an LRU, touching them in that order, forgets chunks before the chain and
+    a chain's tail before its head). Chunk positions are kept for :func:`proxy.doctor.examine.examine` only:
+    sizes, never text."""
+
+    block_bytes: int
+    parts: tuple[PartShape, ...]
+    root: bytes  # the scope: held by every request under it
+    chain: tuple[bytes, ...]  # one key per block, each covering the prefix up to it
+    first_block: tuple[int, ...]  # per part, the chain index of its first block
+    chunks: tuple[bytes, ...]  # content keys, every part's in order: a chunk's bytes only
+    chunk_ends: tuple[int, ...]  # where each chunk ends, in bytes from its part's start
+    first_chunk: tuple[int, ...]  # per part, the index of its first chunk
+    chunk_bytes: int  # a chunk's least length past a part's first (the resolution)
+    anchors: tuple[bytes, bytes]  # first block under (upstream, model), under (upstream)
+    keys: tuple[bytes, ...]  # the probe's keys, in touch order
+    marks: bytes  # the probe's marks, one per key
+
+    @property
+    def prompt_bytes(self) -> int:
+        return sum(part.size for part in self.parts)
+
+    def block_ends(self) -> list[int]:
+        """Where each chain block ends, in bytes from the prompt's start (ascending):
+        blocks are cut per part, so a part's last block ends where the part does."""
+        ends: list[int] = []
+        start = 0
+        for shape in self.parts:
+            end = start + shape.size
+            at = start + self.block_bytes
+            while at < end:
+                ends.append(at)
+                at += self.block_bytes
+            ends.append(end)
+            start = end
+        return ends
+
+    def probe(self) -> Probe:
+        """The question for the index: the keys in touch order, each with its mark."""
+        return Probe(self.keys, self.marks)
+
+
+_SEEN = bytes([SEEN])
+_ENDED_CHAIN = bytes([ENDED])
+_CONTINUED = bytes([CONTINUED])
+_SCOPE_MARKS = bytes([CONTINUED, SEEN, SEEN])  # the root, the two anchors
+
+
+def _field(text: str) -> bytes:
+    data = text.encode("utf-8", "surrogatepass")
+    return len(data).to_bytes(4, "little") + data
+
+
+# Part heads (kind and role), and first blocks' anchors, whose digests a hasher keeps
+# between requests (a few in practice); past this many, all are dropped.
+_HEADS_MAX = 64
+
+
+# Parts already hashed after the same prefix (a system prompt, tools, the history of a
+# conversation), whose keys a hasher keeps between requests, up to this many keys in
+# all: the least recently used part goes first.
+PART_CACHE_KEYS = 1 << 16
+# What one cached key costs, its part's share included (an upper bound: an 8-byte bytes
+# object and its tuple slot, the part's record, state and dict entry spread over its keys)
+BYTES_PER_CACHED_KEY = 96
+
+
+class _HashedPart(NamedTuple):
+    """One part's keys after a given prefix, and the chain's state after it."""
+
+    chain: tuple[bytes, ...]
+    chunks: tuple[bytes, ...]
+    ends: tuple[int, ...]
+    state: Any  # the running keyed hash after the part (a blake2b object; copied on use)
+
+
+def _keep(cache: dict[Any, Any], key: Any, value: Any) -> None:
+    """Remember ``value`` in one of a hasher's small caches, emptied when full (what they
+    hold costs a few digests to make again)."""
+    if len(cache) >= _HEADS_MAX:
+        cache.clear()
+    cache[key] = value
+
+
+def chunk_ends(data: bytes, least: int, most: int, first: int = FIRST_CHUNK_BYTES) -> list[int]:
+    """Where the content-defined chunks of ``data`` end. A text of at most ``least``
+    bytes is one chunk (an empty one too). Else each chunk ends just after the first
+    paragraph break (a blank line) that leaves it longer than ``least // 4`` bytes, or
+    the first newline or sentence end (``". "``) that leaves it longer than ``least``,
+    whichever comes first; a part's first chunk after the first of any of them past
+    ``first`` bytes, so that a short changing head such as a timestamp gets a chunk of
+    its own. With none, a chunk ends after the first space past ``least``, else at
+    ``most`` bytes. What remains (at most ``least`` bytes) is cut once more, before its
+    last sentence or line, so that a changing tail (a new question after a document)
+    is a chunk of its own too.
+
+    A cut depends only on the bytes after the previous one, so two texts that differ
+    in a head cut their common rest alike from the first cut they share on: the first
+    after the head when the head is one sentence or line, or kept its length; else, in
+    text with paragraphs, mostly the first paragraph break past it, which is a cut
+    wherever the chunk before it began unless that was less than ``least // 4`` before.
+    (A cut at every sentence would keep in step at once, but make several chunks a
+    block; ``tests/test_prefix_doctor.py`` shows how soon they line up.) Text without
+    such marks is cut by length, which only heads of unchanged length leave in step.
+    One to three ``bytes.find`` calls per chunk: C speed, no per-byte Python."""
+    n = len(data)
+    if n <= least:
+        return [n]
+    ends: list[int] = []
+    find = data.find
+    start, weak, strong = 0, first, first
+    while n - start > weak:
+        high = start + most
+        low = start + weak
+        # a paragraph break before ``low`` (marks from there on are found below): where
+        # paragraphs are short, the one search
+        para = find(b"\n\n", start + strong, low + 1) if strong < weak else -1
+        if para >= 0:
+            start = para + 2
+        else:
+            stop = find(b". ", low, high)
+            line = find(b"\n", low, stop if stop >= 0 else high)
+            if line >= 0:  # a cut at a paragraph's first newline would split the break,
+                # and a text whose chunk began elsewhere cuts after it: so do the same
+                start = line + 2 if line + 1 < n and data[line + 1] == 10 else line + 1
+            elif stop >= 0:
+                start = stop + 2
+            else:
+                space = find(b" ", low, high)
+                start = space + 1 if space >= 0 else min(high, n)
+        ends.append(start)
+        weak, strong = least, least // 4
+    if start < n:
+        # The last piece: its last sentence or line a chunk of its own, so that a
+        # changing tail (a new question after a document) leaves the rest in step.
+        tail = max(data.rfind(b". ", start + first, n - 1) + 2,
+                   data.rfind(b"\n", start + first, n - 1) + 1)
+        if tail > start + first:
+            ends.append(tail)
+        ends.append(n)
+    return ends
+
+
+class PromptHasher:
+    """Keyed block and chunk digests of a prompt (``docs/design/doctor.md``, "The hasher").
+
+    ``secret`` keys every digest (random per process by default; replicas that share an
+    index share it); ``block_bytes`` is the block size; ``chunk_bytes`` the least length
+    of a content chunk (at most four times that); ``part_cache_keys`` bounds the keys of
+    recent parts kept to hash a part seen after the same prefix again at the cost of
+    one digest of its bytes. Thread-safe: the loop and the hashing thread share it.
+    """
+
+    def __init__(self, secret: bytes | None = None, block_bytes: int = DEFAULT_BLOCK_BYTES,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, *,
+                 part_cache_keys: int = PART_CACHE_KEYS) -> None:
+        if block_bytes < 1:
+            raise ValueError("block_bytes must be >= 1")
+        if chunk_bytes < 1:
+            raise ValueError("chunk_bytes must be >= 1")
+        key = secrets.token_bytes(32) if secret is None else secret
+        if not 16 <= len(key) <= 64:
+            raise ValueError("the secret must be 16 to 64 bytes")
+        self.block_bytes = block_bytes
+        self.chunk_bytes = chunk_bytes
+        self.chunk_max = 4 * chunk_bytes
+
+        def keyed(person: bytes) -> hashlib.blake2b:  # one domain per use of a digest
+            return hashlib.blake2b(key=key, digest_size=8, person=person)
+
+        self._root = keyed(b"prefix.root")
+        self._anchor = keyed(b"prefix.anchor")
+        self._part = keyed(b"prefix.part")
+        self._chain = keyed(b"prefix.chain")
+        self._chunk = keyed(b"prefix.chunk")
+        self._blocks = struct.Struct(f"{block_bytes}s").iter_unpack  # a view's whole blocks
+        # the last (upstream, model, cache key) and its (root, chain state after the
+        # root, anchor states after (upstream, model) and after (upstream)) (one
+        # attribute, replaced whole: the hashing thread and the loop share it)
+        self._last_scope: tuple[tuple[str, str, str], tuple[bytes, Any, Any, Any]] | None = None
+        self._heads: dict[tuple[str, str], bytes] = {}  # (kind, role) -> head
+        # the anchors of recent first blocks (most prompts of an app open alike), by the
+        # chain key of the first block, which names its scope and its bytes
+        self._anchors: dict[bytes, tuple[bytes, bytes]] = {}
+        # parts hashed after a given prefix, by a keyed digest of (the chain key before
+        # the part, its head, its bytes' XXH3-128): a part that came after the same
+        # prefix before costs one digest of its bytes, not one per block
+        self._part_key = keyed(b"prefix.partkey")
+        self._parts: OrderedDict[bytes, _HashedPart] = OrderedDict()
+        self._parts_keys = 0  # keys held by self._parts
+        self._parts_max = part_cache_keys
+        self._parts_lock = threading.Lock()  # the loop and the hashing thread share it
+
+    def _remember(self, name: bytes, part: _HashedPart) -> None:
+        """Keep a part's keys for the next prompt with the same part after the same
+        prefix, within :data:`PART_CACHE_KEYS` keys in all."""
+        size = len(part.chain) + len(part.chunks)
+        if size > self._parts_max // 4:
+            return  # one huge part would push out every other
+        with self._parts_lock:
+            cached = self._parts
+            if name in cached:
+                return
+            cached[name] = part
+            self._parts_keys += size
+            while self._parts_keys > self._parts_max:
+                _, gone = cached.popitem(last=False)
+                self._parts_keys -= len(gone.chain) + len(gone.chunks)
+
+    def _digest(self, base: hashlib.blake2b, *pieces: bytes) -> bytes:
+        h = base.copy()
+        for piece in pieces:
+            h.update(piece)
+        return h.digest()
+
+    def _scope(self, upstream: str, model: str, cache_key: str
+               ) -> tuple[bytes, Any, Any, Any]:
+        key = (upstream, model, cache_key)
+        last = self._last_scope
+        if last is not None and last[0] == key:
+            return last[1]
+        root = self._digest(self._root, _field(upstream), _field(model), _field(cache_key))
+        chain = self._chain.copy()
+        chain.update(root)
+        by_model = self._anchor.copy()
+        by_model.update(_field(upstream) + _field(model))
+        by_upstream = self._anchor.copy()
+        by_upstream.update(_field(upstream) + b"\xff\xff\xff\xff")
+        scope = (root, chain, by_model, by_upstream)
+        self._last_scope = (key, scope)
+        return scope
+
+    def _head(self, kind: str, role: str) -> bytes:
+        head = self._heads.get((kind, role))
+        if head is None:
+            head = self._digest(self._part, _field(kind), _field(role))
+            _keep(self._heads, (kind, role), head)
+        return head
+
+    def hash(
+        self, parts: Sequence[PromptPart], *, upstream: str, model: str, cache_key: str = "",
+        anchor: int = 0,
+    ) -> HashedPrompt | None:
+        """The keys of ``parts`` under the scope (upstream, model, cache key); None for a
+        prompt without parts (nothing to compare). The anchors are taken from part
+        ``anchor``'s first block (the first part of the prompt text, after any settings)."""
+        if not parts:
+            return None
+        size, least, most = self.block_bytes, self.chunk_bytes, self.chunk_max
+        root, chain_start, by_model, by_upstream = self._scope(upstream, model, cache_key)
+        condense, blocks_of, new_chunk = xxh3_128_digest, self._blocks, self._chunk.copy
+        running = chain_start.copy()
+        update, snapshot = running.update, running.copy
+        heads, head_of = self._heads, self._head
+        chain: list[bytes] = []
+        first_block: list[int] = []
+        chunks: list[bytes] = []  # the probe: the chunks first
+        ends: list[int] = []
+        first_chunk: list[int] = []
+        shapes: list[PartShape] = []
+        cached, part_key = self._parts, self._part_key.copy
+        before = root  # the chain key before this part (the root before the first)
+        for kind, index, role, data in parts:
+            head = heads.get((kind, role)) or head_of(kind, role)
+            length = len(data)
+            shapes.append(PartShape(kind, index, role, length))
+            first_block.append(len(chain))
+            first_chunk.append(len(chunks))
+            naming = part_key()
+            naming.update(before + head + condense(data))
+            name = naming.digest()
+            with self._parts_lock:
+                known = cached.get(name)
+                if known is not None:
+                    cached.move_to_end(name)
+            if known is not None:  # the same part after the same prefix: its keys again
+                chain.extend(known.chain)
+                chunks.extend(known.chunks)
+                ends.extend(known.ends)
+                running = known.state.copy()
+                update, snapshot = running.update, running.copy
+                before = chain[-1]
+                continue
+            at_chain, at_chunk = len(chain), len(chunks)
+            view = memoryview(data)
+            update(head)  # a part's first block also covers its kind and role
+            whole = length - length % size  # bytes in whole blocks
+            leaf = b""
+            if whole:  # whole blocks: condensed at C speed, one key after each
+                for leaf in starmap(condense, blocks_of(view[:whole])):
+                    update(leaf)
+                    chain.append(snapshot().digest())
+            if whole < length or not length:  # a short last block, or an empty part
+                leaf = condense(view[whole:])
+                update(leaf)
+                chain.append(snapshot().digest())
+            under = new_chunk()
+            under.update(root + head)
+            cut = chunk_ends(data, least, most)
+            if length <= size and len(cut) == 1:  # one block, one chunk: one leaf
+                link = under.copy()
+                link.update(leaf)
+                chunks.append(link.digest())
+            else:
+                start = 0
+                for end in cut:
+                    link = under.copy()
+                    link.update(condense(view[start:end]))
+                    chunks.append(link.digest())
+                    start = end
+            ends.extend(cut)
+            before = chain[-1]
+            self._remember(name, _HashedPart(tuple(chain[at_chain:]), tuple(chunks[at_chunk:]),
+                                             tuple(cut), snapshot()))
+        named = chain[first_block[anchor]]  # names the scope and the blocks up to the anchor's
+        anchors = self._anchors.get(named)
+        if anchors is None:
+            first = parts[anchor]
+            block = b"\x01" + head_of(first.kind, first.role) + first.data[:size]
+            anchors = (self._digest(by_model, block), self._digest(by_upstream, block))
+            _keep(self._anchors, named, anchors)
+        marks = (_SEEN * len(chunks) + _ENDED_CHAIN + _CONTINUED * (len(chain) - 1)
+                 + _SCOPE_MARKS)
+        keys = chunks.copy()
+        keys.extend(reversed(chain))
+        keys.append(root)
+        keys.extend(anchors)
+        return HashedPrompt(size, tuple(shapes), root, tuple(chain), tuple(first_block),
+                            tuple(chunks), tuple(ends), tuple(first_chunk), least, anchors,
+                            tuple(keys), marks)
+

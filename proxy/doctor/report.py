@@ -1,0 +1,213 @@
+"""The report in the reader's terms: tokens (:func:`cache_tokens`, with each provider's
+minimum cacheable length and caching step) and words (:func:`explain_break`, one
+sentence per break for the live page).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import NamedTuple
+
+from proxy.doctor.examine import PrefixReport
+
+
+def part_name(kind: str, index: int | None, role: str, route: str = "") -> str:
+    """A part as a reader of the request body names it: ``message 0 (system)``, ``tool
+    3``, ``the system prompt`` (Messages' ``system`` field), ``the instructions``,
+    ``input item 2 (user)``. A system or developer message is of kind ``system`` in any
+    API; ``route`` (the route label) says which array it sits in."""
+    if kind == "system":
+        if route.endswith("/messages"):
+            return "the system prompt"
+        kind = "input" if route.endswith("/responses") else "message"
+    if kind == "instructions":
+        return "the instructions"
+    if kind == "settings":
+        return f"the request setting {role}" if role else "a request setting"
+    if kind == "context":
+        return f"the context ({role})" if role else "the context"
+    name = {"tools": "tool", "message": "message", "input": "input item"}.get(kind, kind)
+    where = name if index is None else f"{name} {index}"
+    return f"{where} ({role})" if role else where
+
+
+_KEEP = "keep it identical across requests"
+
+
+def explain_break(
+    reason: str,
+    *,
+    part: str = "",
+    index: int | None = None,
+    role: str = "",
+    route: str = "",
+    offset: int | None = None,
+    part_bytes: int | None = None,
+    changed_bytes: int | None = None,
+    stable_bytes: int | None = None,
+    stable_tokens: float | None = None,
+    saves_ms: float | None = None,
+) -> str:
+    """One sentence on a break of ``reason`` at the position given (a
+    :class:`PrefixReport`'s fields), and for ``variable_before_stable`` what moving the
+    changing part would save: ``stable_tokens`` a request and, with the prefill fit,
+    ``saves_ms`` of first-token time. Positions are block-rounded, as the report's are."""
+    where = part_name(part, index, role, route) if part else "the prompt"
+    at = ""
+    if offset is not None:
+        at = f" at byte {offset:,}" + (f" of {part_bytes:,}" if part_bytes else "")
+    if reason == "variable_before_stable" and offset is not None and changed_bytes is not None:
+        size = f" of {part_bytes:,}" if part_bytes else ""
+        sentence = (f"{where[0].upper()}{where[1:]} changes in bytes {offset:,}-"
+                    f"{offset + changed_bytes:,}{size}; the {stable_bytes or 0:,} bytes after "
+                    "them repeat: move the changing part after them")
+        if stable_tokens is not None:
+            sentence += f" (about {round(stable_tokens):,} tokens a request could be cached"
+            if saves_ms is not None:
+                sentence += f", {saves_ms:,.0f} ms of first token by the prefill fit"
+            sentence += ")"
+        return sentence + "."
+    if reason == "message_changed":
+        return (f"{where[0].upper()}{where[1:]} differs{at} from the most similar recent prompt, "
+                "before the newest message: an earlier turn was edited, reordered or dropped; "
+                "append to the history instead of rewriting it.")
+    if reason in ("tools_changed", "system_changed", "instructions_changed",
+                  "context_changed", "prompt_changed"):
+        return (f"{where[0].upper()}{where[1:]} differs{at} from the most similar recent "
+                f"prompt, so everything after it is computed again: {_KEEP}.")
+    if reason == "settings_changed":
+        return (f"{where[0].upper()}{where[1:]} differs from the most similar recent prompt's: "
+                "a provider reuses a cached prefix only under the same settings, so the whole "
+                f"prompt is computed again: {_KEEP}.")
+    if reason == "expired":
+        return (f"The prefix up to {where}{at} was last sent longer ago than the prefix "
+                "window (--prefix-window), so a provider no longer holds it: only steadier "
+                "traffic keeps it.")
+    if reason == "concurrent":
+        return (f"The prefix up to {where}{at} was sent by requests in flight at the same "
+                "time, whose prefill was done only after this one arrived, so no cache could "
+                "serve it yet: nothing in the prompt to fix; to share the work, let one "
+                "request's first token come before sending the others.")
+    if reason == "model_changed":
+        return ("The same prompt went recently to another model of this upstream: a cache "
+                "is per model.")
+    if reason == "cache_key_changed":
+        return ("The same prompt came recently with another prompt_cache_key or cache_salt: "
+                "a cache is per key.")
+    if reason == "first_seen":
+        return ("Nothing like this prompt went to this upstream and model within the window: "
+                "a new prompt, nothing to fix.")
+    return f"The prompt stopped repeating ({reason})."
+
+
+# ---------------------------------------------------------------------------
+# Tokens
+
+
+class CacheTokens(NamedTuple):
+    """A report in tokens (None: not known)."""
+
+    repeated: int | None  # estimated tokens of the repeated prefix
+    reported: int | None  # cached tokens the upstream reported
+    missed: int | None  # repeated (cacheable part) - reported, floored at 0
+
+
+def cache_tokens(
+    report: PrefixReport,
+    prompt_tokens: int | None,
+    cached_tokens: int | None,
+    *,
+    minimum_tokens: int = 0,
+    granularity_tokens: int = 1,
+) -> CacheTokens:
+    """Tokens of the repeated prefix and the cache the upstream missed.
+
+    Bytes become tokens at the request's own ratio (``prompt_tokens`` over the prompt's
+    bytes); without usage nothing is known, and neither with stored context the proxy
+    cannot see (``report.unseen_context``: the usage counts its tokens, the bytes do
+    not). Missed is None when the upstream did not
+    report cached tokens (an absent field is unknown, never 0). The cacheable part leaves
+    out the last prompt token (a server computes it to produce the first output token)
+    and is rounded down to ``granularity_tokens`` (the steps an upstream caches in: 16
+    for vLLM's blocks, 128 for OpenAI's increments), so that a cache working as designed
+    is not reported as missing a block's remainder; missed is 0 when that cacheable part
+    is shorter than ``minimum_tokens`` (the provider would not cache it: a prompt of
+    exactly 1,024 tokens has 896 cacheable on OpenAI, below its 1,024).
+    """
+    if (prompt_tokens is None or prompt_tokens <= 0 or report.prompt_bytes <= 0
+            or report.unseen_context):
+        return CacheTokens(None, cached_tokens, None)
+    repeated = min(prompt_tokens, round(report.repeated_bytes * prompt_tokens / report.prompt_bytes))
+    if cached_tokens is None:
+        return CacheTokens(repeated, None, None)
+    cacheable = min(repeated, prompt_tokens - 1)
+    step = max(1, granularity_tokens)
+    cacheable -= cacheable % step
+    if cacheable < minimum_tokens:  # after rounding: 1,024 tokens round to 896 on OpenAI
+        return CacheTokens(repeated, cached_tokens, 0)
+    return CacheTokens(repeated, cached_tokens, max(0, cacheable - cached_tokens))
+
+
+# Anthropic's minimum cacheable prompt per model family (its prompt-caching guide):
+# matched in order against the model name, the first hit wins.
+_ANTHROPIC_MINIMUM: tuple[tuple[str, int], ...] = (
+    ("haiku-4", 4096),
+    ("opus-4-5", 4096),
+    ("opus-4-6", 4096),
+    ("sonnet-4-6", 2048),
+    ("haiku", 2048),  # Claude 3 and 3.5 Haiku
+)
+OPENAI_MINIMUM_TOKENS = 1024
+ANTHROPIC_DEFAULT_MINIMUM_TOKENS = 1024
+# Gemini through its OpenAI-compatible endpoint (its context-caching guide, the table of
+# minimum input tokens for implicit caching): 2,048 for the 2.5 models, 4,096 for the
+# later ones. Matched against the model name; any other name is not Gemini.
+_GEMINI_MINIMUM: tuple[tuple[str, int], ...] = (
+    ("gemini-2.5", 2048),
+    ("gemini-", 4096),
+)
+
+
+def minimum_cacheable_tokens(api: str, model: str) -> int:
+    """The default minimum cacheable prompt for a dialect (``"messages"`` is Anthropic's
+    API, the others OpenAI's) and a model name: 1,024 tokens for OpenAI, per model
+    family for Anthropic and for Gemini models served through an OpenAI-style API. A
+    self-hosted server caches from its first block (vLLM: 16 tokens), so an upstream of
+    that kind should configure its own."""
+    name = model.lower()
+    if api != "messages":
+        for family, tokens in _GEMINI_MINIMUM:
+            if family in name:
+                return tokens
+        return OPENAI_MINIMUM_TOKENS
+    for family, tokens in _ANTHROPIC_MINIMUM:
+        if family in name:
+            return tokens
+    return ANTHROPIC_DEFAULT_MINIMUM_TOKENS
+
+
+# OpenAI reports cached tokens in steps of 128 above its 1,024-token minimum (its
+# prompt-caching guide), except from the GPT-5.6 family on, whose caching "no longer
+# relies on 128-token rounding" (OpenAI's GPT-5.6 upgrade guide) and which reports the
+# tokens it wrote (cache_write_tokens); Anthropic reads the cache up to a breakpoint,
+# token exact.
+OPENAI_GRANULARITY_TOKENS = 128
+_GPT_VERSION = re.compile(r"gpt-(\d+)(?:\.(\d+))?")
+_UNROUNDED_FROM = (5, 6)
+
+
+def cache_granularity_tokens(api: str, model: str = "") -> int:
+    """The default steps an upstream reports cached tokens in, for a dialect and a model
+    name: 128 tokens for OpenAI's APIs before the GPT-5.6 family, 1 from it on and for
+    Anthropic's (``"messages"``). A self-hosted server caches in its blocks (vLLM: 16
+    tokens), so an upstream of that kind should configure its own; a step larger than
+    the server's understates the missed tokens (by less than a step per request), a
+    smaller one would report a working cache as missing a step's remainder."""
+    if api == "messages":
+        return 1
+    found = _GPT_VERSION.search(model.lower())
+    if found is not None:
+        version = (int(found.group(1)), int(found.group(2) or 0))
+        if version >= _UNROUNDED_FROM:
+            return 1
+    return OPENAI_GRANULARITY_TOKENS
