@@ -458,6 +458,37 @@ async def test_a_changed_setting_is_named_and_nothing_is_missed(route: str,
     assert b"private-schema" not in log_file.read_bytes()
 
 
+@pytest.mark.parametrize("case", ["one message", "system and user", "two settings"])
+async def test_a_removed_setting_is_named_by_its_name(case: str, tmp_path: Path) -> None:
+    """A setting present, then absent: the prefix breaks ahead of the text, where the
+    setting was, so the break is the setting's (its name as the role), not the next
+    part's (or none at all when that part is the newest message)."""
+    schema = {"type": "json_schema", "json_schema": {"name": "private-schema-a"}}
+    if case == "one message":
+        first = chat(("user", STABLE), response_format=schema)
+        second = chat(("user", STABLE))
+    elif case == "system and user":
+        first = chat(("system", STABLE), ("user", "hi"), response_format=schema)
+        second = chat(("system", STABLE), ("user", "hi"))
+    else:  # one of two removed: the one removed is named, not the one that stays
+        first = chat(("system", STABLE), ("user", "hi"), response_format=schema,
+                     service_tier="flex")
+        second = chat(("system", STABLE), ("user", "hi"), service_tier="flex")
+    clock, answers = ScriptedClock(T0), Answers()
+    app, registry, log_file = doctor_app(answers, clock, tmp_path)
+    answers.queue(2000, 0)
+    answers.queue(2000, 0)
+    async with app:
+        await post(app, clock, CHAT, first)
+        await post(app, clock, CHAT, second, at=T0 + 1)
+    line = lines(log_file)[1]
+    assert (line["prefix_break"], line["prefix_break_part"]) == ("settings_changed", "settings")
+    assert line["prefix_break_role"] == "response_format"
+    assert line["repeated_prefix_bytes"] == 0 and line["cache_missed_tokens"] == 0
+    assert value(registry, BREAKS, CHAT, reason="settings_changed", part="settings") == 1
+    assert b"private-schema" not in log_file.read_bytes()
+
+
 async def test_a_conversation_with_steady_settings_grows_without_a_break(
         tmp_path: Path) -> None:
     """Settings that stay the same are a prefix like any other: the next turn repeats

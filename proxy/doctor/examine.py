@@ -31,6 +31,7 @@ REASONS: tuple[str, ...] = (
     "cache_key_changed",
     "first_seen",
 )
+SETTINGS_MEMORY = 1024  # prompt openings whose settings a doctor remembers (then forgotten)
 _KIND_REASON = {
     "settings": "settings_changed",
     "tools": "tools_changed",
@@ -105,9 +106,13 @@ def examine(
     seen: Sightings,
     now_ms: int,
     policy: PrefixPolicy = PrefixPolicy(),
+    *,
+    removed: str = "",
 ) -> PrefixReport:
     """Read an index's answer to ``hashed.probe()`` at ``now_ms`` into a report
-    (``docs/design/doctor.md`` gives the rules)."""
+    (``docs/design/doctor.md`` gives the rules). ``removed``: a request setting the last
+    prompt with the same opening gave and this one does not, which names a break ahead
+    of the prompt text."""
     blocks = len(hashed.chain)
     last = seen.last
     cutoff = now_ms - policy.window_ms
@@ -187,6 +192,9 @@ def examine(
         return base  # grown from a recent request that ended right here
     if seen.continued[parent] < cutoff:
         return base  # no recent request went on past here
+    if removed and offset == 0 and all(s.kind == "settings" for s in parts[:p]):
+        # broken ahead of the text, where a setting was: named by it, not by the next part
+        return base._replace(reason="settings_changed", part="settings", role=removed)
     if shape.kind == "settings":  # a request setting (its name is the role), never new text
         return at._replace(reason="settings_changed")
 
@@ -225,7 +233,15 @@ def examine(
 
 class PrefixDoctor:
     """Hash, exchange with the index, examine: the three steps for one request, run
-    after the request is on its way upstream (:mod:`proxy.doctor.job` says where)."""
+    after the request is on its way upstream (:mod:`proxy.doctor.job` says where).
+
+    It also remembers, per prompt opening (the first block of prompt text under the
+    upstream and model), which request settings the last prompt so opened gave, so that
+    a setting removed since is named (:func:`examine`'s ``removed``): the keys say only
+    that the prefix broke before the text, a setting's name is in no key. Bounded like
+    the hasher's anchors; with a shared index another replica's settings are not known
+    here, and the break is named by the part where it happened.
+    """
 
     def __init__(
         self,
@@ -240,6 +256,7 @@ class PrefixDoctor:
         self.index = index
         self.hasher = hasher if hasher is not None else PromptHasher()
         self.policy = policy
+        self._settings: dict[bytes, tuple[str, ...]] = {}  # opening anchor -> setting names
 
     def look(
         self,
@@ -262,9 +279,17 @@ class PrefixDoctor:
                                   anchor=anchor)
         if hashed is None:
             return None
+        names = tuple(part.role for part in parts[:anchor] if part.kind == "settings")
+        opening = hashed.anchors[0]
+        before = self._settings.get(opening, ())
+        if before != names:
+            if len(self._settings) >= SETTINGS_MEMORY:
+                self._settings.clear()
+            self._settings[opening] = names
+        removed = next((name for name in before if name not in names), "")
         try:
             seen = self.index.exchange(hashed.probe(), now_ms, held_ms)
         except IndexUnanswered as exc:
             exc.hashed = hashed  # the keys outlive the failed exchange (see the class)
             raise
-        return hashed, examine(hashed, seen, now_ms, self.policy)
+        return hashed, examine(hashed, seen, now_ms, self.policy, removed=removed)
