@@ -816,6 +816,11 @@ async def test_the_finish_waits_for_the_thread_a_bounded_time(
         assert line["prefix_unchecked"] == "late"
 
 
+def report_of(job: PrefixJob) -> Any:
+    """The job's report, once examined (what its record is made from)."""
+    return job.examination.report if job.examination is not None else None
+
+
 async def test_a_job_that_never_got_its_turn_runs_at_the_finish() -> None:
     check = PrefixCheck(Settings())
     calls = []
@@ -831,9 +836,9 @@ async def test_a_job_that_never_got_its_turn_runs_at_the_finish() -> None:
     assert check.begin(DIALECTS[CHAT], body, spec, T0, 429, 100) is None
     assert check.begin(None, body, spec, T0, 200, 100) is None
     job = check.begin(DIALECTS[CHAT], body, spec, T0, 200, len(json.dumps(body)))
-    assert job is not None and job.report is None  # in a batch, not started yet
+    assert job is not None and report_of(job) is None  # in a batch, not started yet
     await job.settle()  # the answer was relayed before the batch ran
-    assert job.report is not None and job.report.reason == "first_seen"
+    assert report_of(job) is not None and report_of(job).reason == "first_seen"
     check.run_batch()  # what the batch's timer would run: nothing is left
     assert calls == ["MainThread"]
     record = job.record(1000, None)
@@ -910,10 +915,10 @@ async def test_jobs_run_in_batches_in_the_order_they_were_created(
     # The timer: three jobs, none started until the batch runs, then all in order.
     jobs = [begin(i) for i in range(3)]
     await asyncio.sleep(0)
-    assert order == [] and all(job.report is None for job in jobs)
+    assert order == [] and all(report_of(job) is None for job in jobs)
     await asyncio.wait_for(ran.wait(), 30)
     assert order == [round((T0 + i) * 1000) for i in range(3)]
-    assert all(job.report is not None for job in jobs)
+    assert all(report_of(job) is not None for job in jobs)
     # Bodies that reach BATCH_BLOCKS, or BATCH_JOBS jobs: the batch runs at the next turn.
     order.clear()
     jobs = [begin(10), begin(11, (prefix_check.BATCH_BLOCKS - 3) * 256)]  # 2 + 77 blocks
@@ -928,15 +933,15 @@ async def test_jobs_run_in_batches_in_the_order_they_were_created(
     jobs = [begin(20), begin(21), begin(22)]
     await jobs[1].settle()
     assert order == [round((T0 + i) * 1000) for i in (20, 21, 22)]
-    assert jobs[1].report is not None and jobs[1].report.reason is None  # a repeat
+    assert report_of(jobs[1]) is not None and report_of(jobs[1]).reason is None  # a repeat
     # A job for the hashing thread (a large body) is handed over at once, not batched.
     monkeypatch.setattr(prefix_check, "BATCH_S", 60.0)  # the small one must wait
     order.clear()
     small, large = begin(30), begin(31, (INLINE_MAX_BLOCKS + 1) * 256)
     assert await asyncio.to_thread(in_thread.wait, 30)
-    assert order == [round((T0 + 31) * 1000)] and small.report is None
+    assert order == [round((T0 + 31) * 1000)] and report_of(small) is None
     await large.settle()
-    assert large.report is not None
+    assert report_of(large) is not None
     check.close()
 
 

@@ -40,6 +40,7 @@ from proxy.doctor.shared_index import (
     STORE_ERROR,
     STORE_TIMEOUT,
     TOO_LARGE,
+    Admitted,
     Breaker,
     CacheIndexSpec,
     IndexUnavailable,
@@ -318,7 +319,7 @@ def test_a_probe_beyond_the_bound_is_never_sent(store: RedisServer) -> None:
         with pytest.raises(IndexUnavailable) as large:
             index.exchange(Probe(keys, bytes(len(keys))), 0)
         assert large.value.reason == TOO_LARGE and large.value.round_trip_s is None
-        assert index.breaker.closed  # not the store's fault
+        assert index.breaker.admit() == Admitted.CLOSED  # not the store's fault
         # At the bound itself: sent, over the connection allowed the longer timeout.
         seen = index.exchange(Probe(keys[:MAX_KEYS], bytes(MAX_KEYS)), 0)
         assert len(seen.ended) == MAX_KEYS
@@ -330,7 +331,7 @@ def test_the_breaker_lets_one_try_through_at_a_time_and_doubles_its_pause() -> N
     clock = StepClock()
     breaker = Breaker(0.5, max_s=3.0, clock=clock)
     first = breaker.admit()
-    assert first == Breaker.CLOSED
+    assert first == Admitted.CLOSED
     concurrent = breaker.admit()
     assert breaker.failed(first) is True  # the outage starts
     assert concurrent is not None and breaker.failed(concurrent) is False  # the same outage
@@ -339,14 +340,14 @@ def test_the_breaker_lets_one_try_through_at_a_time_and_doubles_its_pause() -> N
     for _ in range(5):
         clock.now += breaker.pause_s
         trial = breaker.admit()
-        assert trial == Breaker.TRIAL and breaker.admit() is None  # one at a time
+        assert trial == Admitted.TRIAL and breaker.admit() is None  # one at a time
         assert breaker.failed(trial) is False
         pauses.append(breaker.pause_s)
     assert pauses == [1.0, 2.0, 3.0, 3.0, 3.0]
     clock.now += 3.0
     trial = breaker.admit()
     assert trial is not None and breaker.succeeded(trial) is True
-    assert breaker.closed and breaker.admit() == Breaker.CLOSED and breaker.pause_s == 0.5
+    assert breaker.admit() == Admitted.CLOSED and breaker.pause_s == 0.5
 
 
 # ---------------------------------------------------------------------------

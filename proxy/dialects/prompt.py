@@ -20,7 +20,15 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 PART_KINDS: tuple[str, ...] = (
-    "settings", "tools", "system", "instructions", "context", "message", "input", "prompt")
+    "settings",
+    "tools",
+    "system",
+    "instructions",
+    "context",
+    "message",
+    "input",
+    "prompt",
+)
 
 
 class PromptPart(NamedTuple):
@@ -44,9 +52,20 @@ _NESTING_MAX = 8
 _SYSTEM_ROLES = frozenset(("system", "developer"))
 _TEXT_PARTS = frozenset(("text", "input_text", "output_text"))
 # Content the proxy cannot read as text: each enters as a hash of its JSON.
-_OPAQUE_PARTS = frozenset((
-    "image", "image_url", "input_image", "audio", "input_audio", "file", "input_file",
-    "document", "video", "video_url"))
+_OPAQUE_PARTS = frozenset(
+    (
+        "image",
+        "image_url",
+        "input_image",
+        "audio",
+        "input_audio",
+        "file",
+        "input_file",
+        "document",
+        "video",
+        "video_url",
+    )
+)
 _NOT_PROMPT = "cache_control"  # Anthropic's breakpoint marker: not text the model sees
 
 
@@ -106,8 +125,9 @@ def _content_part(part: Any, out: list[bytes], depth: int) -> None:
     elif kind == "tool_result" and depth < _NESTING_MAX:
         # The header (id, is_error) as JSON, then the result's content read like any
         # content: text stays text, an image in it is hashed.
-        out.append(_json_bytes({k: v for k, v in part.items()
-                                if k not in ("content", _NOT_PROMPT)}))
+        out.append(
+            _json_bytes({k: v for k, v in part.items() if k not in ("content", _NOT_PROMPT)})
+        )
         _content(part.get("content"), out, depth)
     else:
         out.append(_json_bytes(_without_marker(part)))
@@ -122,8 +142,9 @@ def _message(message: Any, index: int, kind: str, skip: frozenset[str]) -> Promp
         return PromptPart(kind, index, "", _json_bytes(message))
     role = message.get("role")
     if not isinstance(role, str):  # a Responses item such as function_call: its JSON
-        return PromptPart(kind, index, _role(message.get("type")),
-                          _json_bytes(_without_marker(message)))
+        return PromptPart(
+            kind, index, _role(message.get("type")), _json_bytes(_without_marker(message))
+        )
     content = message.get("content")
     if len(message) == 2 and isinstance(content, str):  # role and text: most messages
         data = _utf8(content)
@@ -149,7 +170,9 @@ def _tool_parts(payload: Mapping[str, Any], *names: str) -> list[PromptPart]:
         tools = payload.get(name)
         if isinstance(tools, list):
             for tool in tools:
-                parts.append(PromptPart("tools", len(parts), "", _json_bytes(_without_marker(tool))))
+                parts.append(
+                    PromptPart("tools", len(parts), "", _json_bytes(_without_marker(tool)))
+                )
     return parts
 
 
@@ -166,9 +189,17 @@ MESSAGES_SETTINGS = ("tool_choice", "thinking", "output_config")
 # input string. Each top-level field counts once per part it can make.
 _PART_ARRAYS = ("tools", "functions", "messages", "input", "instructions", "prompt")
 _SINGLE_FIELDS: tuple[str, ...] = (
-    "system", "instructions", "previous_response_id", "conversation", "input", "prompt",
-    *(name.partition(".")[0]
-      for name in dict.fromkeys((*CHAT_SETTINGS, *RESPONSES_SETTINGS, *MESSAGES_SETTINGS))))
+    "system",
+    "instructions",
+    "previous_response_id",
+    "conversation",
+    "input",
+    "prompt",
+    *(
+        name.partition(".")[0]
+        for name in dict.fromkeys((*CHAT_SETTINGS, *RESPONSES_SETTINGS, *MESSAGES_SETTINGS))
+    ),
+)
 _IDS_PER_PIECE = 16  # token ids written as text cost about a content piece per this many
 
 
@@ -257,6 +288,9 @@ def cache_scope(payload: Mapping[str, Any]) -> tuple[str, str]:
     share a prefix cache. The key is OpenAI's ``prompt_cache_key`` and vLLM's
     ``cache_salt``, joined when both are given; ``""`` when neither."""
     model = payload.get("model")
-    keys = [value for value in (payload.get("prompt_cache_key"), payload.get("cache_salt"))
-            if isinstance(value, str) and value]
+    keys = [
+        value
+        for value in (payload.get("prompt_cache_key"), payload.get("cache_salt"))
+        if isinstance(value, str) and value
+    ]
     return (model if isinstance(model, str) else ""), "\x00".join(keys)

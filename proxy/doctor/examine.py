@@ -44,7 +44,6 @@ _KIND_REASON = {
 }
 
 
-
 @dataclass(frozen=True, slots=True)
 class PrefixPolicy:
     """How sightings are judged. ``window_ms``: how long a provider keeps a prefix (5
@@ -79,14 +78,10 @@ class PrefixReport(NamedTuple):
     # conversation): its tokens are in the usage, so no token figure can be derived
     unseen_context: bool = False
 
-    @property
-    def repeated_share(self) -> float:
-        """Repeated bytes over prompt bytes (0 for an empty prompt)."""
-        return self.repeated_bytes / self.prompt_bytes if self.prompt_bytes else 0.0
 
-
-def _stored_context(parts: Sequence[PartShape], first_block: Sequence[int], blocks: int
-                    ) -> tuple[bool, int]:
+def _stored_context(
+    parts: Sequence[PartShape], first_block: Sequence[int], blocks: int
+) -> tuple[bool, int]:
     """Whether the prompt names stored context the proxy cannot see (a ``context`` part:
     Responses' ``previous_response_id``, ``conversation``), and the chain block the repeat
     may not pass: the end of a ``conversation`` part, whose stored items grow under the
@@ -132,8 +127,11 @@ def examine(
         total = sum(part.size for part in parts)
         return PrefixReport(total, blocks, blocks, total, 0, None, unseen_context=unseen)
     size = hashed.block_bytes
-    short_run = (policy.short_run_bytes if policy.short_run_bytes is not None
-                 else 2 * size + hashed.chunk_bytes + 256)
+    short_run = (
+        policy.short_run_bytes
+        if policy.short_run_bytes is not None
+        else 2 * size + hashed.chunk_bytes + 256
+    )
     min_stable = policy.min_stable_bytes if policy.min_stable_bytes is not None else size
     first_block = hashed.first_block
     root, model_anchor, upstream_anchor = top + 1, top + 2, top + 3
@@ -171,8 +169,9 @@ def examine(
 
     p, offset = position(repeated)
     shape = parts[p]
-    at = base._replace(part=shape.kind, index=shape.index, role=shape.role, offset=offset,
-                       part_bytes=shape.size)
+    at = base._replace(
+        part=shape.kind, index=shape.index, role=shape.role, offset=offset, part_bytes=shape.size
+    )
     if held > repeated:
         return at._replace(reason="expired")
     if top - repeated in seen.after:
@@ -217,15 +216,17 @@ def examine(
         else:  # it runs to the part's end, and on over the following parts seen whole
             stable = shape.size - stable_start
             for q in range(p + 1, len(parts)):
-                following = range(first_chunk[q], first_chunk[q + 1] if q + 1 < len(parts)
-                                  else len(ends))
+                following = range(
+                    first_chunk[q], first_chunk[q + 1] if q + 1 < len(parts) else len(ends)
+                )
                 if not all(last(c) >= cutoff for c in following):
                     break
                 stable += parts[q].size
         changed = stable_start - offset
         if 0 < changed <= short_run and stable >= min_stable:
             return at._replace(
-                reason="variable_before_stable", changed_bytes=changed, stable_bytes=stable)
+                reason="variable_before_stable", changed_bytes=changed, stable_bytes=stable
+            )
     if p == len(parts) - 1:
         return base  # the newest part is new by nature: a new question, not a break
     return at._replace(reason=_KIND_REASON.get(shape.kind, "message_changed"))
@@ -251,8 +252,9 @@ class PrefixDoctor:
     ) -> None:
         window = getattr(index, "window_ms", policy.window_ms)
         if window != policy.window_ms:  # the index cuts its runs of sightings by it
-            raise ValueError(f"the index's window_ms ({window}) is not the policy's "
-                             f"({policy.window_ms})")
+            raise ValueError(
+                f"the index's window_ms ({window}) is not the policy's ({policy.window_ms})"
+            )
         self.index = index
         self.hasher = hasher if hasher is not None else PromptHasher()
         self.policy = policy
@@ -275,8 +277,9 @@ class PrefixDoctor:
         anchor = 0  # the first part of prompt text, after the settings parts
         while anchor < len(parts) - 1 and parts[anchor].kind == "settings":
             anchor += 1
-        hashed = self.hasher.hash(parts, upstream=upstream, model=model, cache_key=cache_key,
-                                  anchor=anchor)
+        hashed = self.hasher.hash(
+            parts, upstream=upstream, model=model, cache_key=cache_key, anchor=anchor
+        )
         if hashed is None:
             return None
         names = tuple(part.role for part in parts[:anchor] if part.kind == "settings")

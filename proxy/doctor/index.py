@@ -7,6 +7,7 @@ A sighting counts from when its request's prefill was done, so stamps arrive out
 order: each key keeps a run of sightings per kind (went on past it, or ended there).
 ``docs/design/doctor.md`` ("The in-process index") says why and how.
 """
+
 from __future__ import annotations
 
 import threading
@@ -41,9 +42,9 @@ NEVER = -(1 << 62)  # the time of a sighting that never happened (or was forgott
 class Sightings(NamedTuple):
     """What an index knew of each probe key, in the probe's order, for a request that
     arrived at ``t0``: the last time (ms) at or before ``t0`` that a request held the key
-    and went on past it (a lower bound when sightings go on past ``t0``: see the module
-    docstring), and the same for one that held it as its last block (or merely saw it);
-    :data:`NEVER` where none did. ``after``: by probe index, the keys neither kind held
+    and went on past it (a lower bound when sightings go on past ``t0``:
+    ``docs/design/doctor.md``), and the same for one that held it as its last block (or
+    merely saw it); :data:`NEVER` where none did. ``after``: by probe index, the keys neither kind held
     at or before ``t0`` but one held after it and at or before this request's own
     ``held_ms`` (a request whose prefill was done while this one's ran: concurrent with
     it), with the first such time; keys not in it had none. The upper bound makes it
@@ -193,8 +194,17 @@ class LruPrefixIndex:
             del entries[key]
 
 
-def _read_late(old: int, t: int, h: int, w: int, epoch: int, i: int, continued: list[int],
-               ended: list[int], after: dict[int, int]) -> None:
+def _read_late(
+    old: int,
+    t: int,
+    h: int,
+    w: int,
+    epoch: int,
+    i: int,
+    continued: list[int],
+    ended: list[int],
+    after: dict[int, int],
+) -> None:
     """Append key ``i``'s reads at tick ``t`` from an entry with a sighting after ``t``
     (``docs/design/doctor.md``), and its first sighting after ``t`` when that is all and
     it is at or before ``h``."""

@@ -123,42 +123,63 @@ class PrefixCheck:
     :attr:`max_keys` caps the keys one request may hold (beyond: ``too_large``).
     """
 
-    def __init__(self, settings: Settings, doctor: PrefixDoctor | None = None, *,
-                 secret: bytes | None = None,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        doctor: PrefixDoctor | None = None,
+        *,
+        secret: bytes | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         window_ms = round(settings.prefix_window * 1000)
         horizon_ms = max(DEFAULT_HORIZON_MS, 2 * window_ms)
         self.shared: RedisPrefixIndex | None = None
         if doctor is None:
             index: PrefixIndex
             if settings.cache_index is not None:
-                index = self.shared = RedisPrefixIndex(settings.cache_index,
-                                                       horizon_ms=horizon_ms,
-                                                       window_ms=window_ms,
-                                                       caller_clock=clock)
+                index = self.shared = RedisPrefixIndex(
+                    settings.cache_index,
+                    horizon_ms=horizon_ms,
+                    window_ms=window_ms,
+                    caller_clock=clock,
+                )
                 hasher = PromptHasher(prefix_secret())
             else:
                 # the hasher's cache of recent parts' keys (PART_CACHE_KEYS) comes out of
                 # the same memory bound: a sixteenth of the index's entries, as keys
                 bound = settings.prefix_index_bytes
                 cached = min(PART_CACHE_KEYS, bound // BYTES_PER_ENTRY // 16)
-                index = LruPrefixIndex(bound - cached * BYTES_PER_CACHED_KEY,
-                                       horizon_ms=horizon_ms, window_ms=window_ms)
+                index = LruPrefixIndex(
+                    bound - cached * BYTES_PER_CACHED_KEY,
+                    horizon_ms=horizon_ms,
+                    window_ms=window_ms,
+                )
                 hasher = PromptHasher(secret, part_cache_keys=cached)
             doctor = PrefixDoctor(index, hasher, policy=PrefixPolicy(window_ms=window_ms))
         elif isinstance(doctor.index, RedisPrefixIndex):
             self.shared = doctor.index
         self.doctor = doctor
         capacity = getattr(doctor.index, "capacity", None)
-        self.max_keys = (min(MAX_KEYS, capacity // INDEX_SHARE)
-                         if isinstance(capacity, int) and self.shared is None else MAX_KEYS)
+        self.max_keys = (
+            min(MAX_KEYS, capacity // INDEX_SHARE)
+            if isinstance(capacity, int) and self.shared is None
+            else MAX_KEYS
+        )
         self._lanes = {
-            Place.THREAD: _Lane(1, "prefix-doctor", MAX_PENDING,
-                                f"prompt-cache doctor: {MAX_PENDING} large prompts already "
-                                "wait for its thread; this request is not examined"),
-            Place.SHARED: _Lane(STORE_THREADS, "prefix-store", MAX_PENDING_SHARED,
-                                f"prompt-cache doctor: {MAX_PENDING_SHARED} prompts already "
-                                "wait for the shared index; this request is not examined"),
+            Place.THREAD: _Lane(
+                1,
+                "prefix-doctor",
+                MAX_PENDING,
+                f"prompt-cache doctor: {MAX_PENDING} large prompts already "
+                "wait for its thread; this request is not examined",
+            ),
+            Place.SHARED: _Lane(
+                STORE_THREADS,
+                "prefix-store",
+                MAX_PENDING_SHARED,
+                f"prompt-cache doctor: {MAX_PENDING_SHARED} prompts already "
+                "wait for the shared index; this request is not examined",
+            ),
         }
         self._batch: list[PrefixJob] = []  # jobs ready for the loop and not started, in order
         self._batch_blocks = 0
@@ -168,9 +189,18 @@ class PrefixCheck:
         self._held_back = 0
         self._traced = False
 
-    def begin(self, dialect: Dialect | None, payload: Mapping[str, Any] | None,
-              upstream: UpstreamSpec, t0: float, status: int, body_bytes: int, *,
-              t_headers: float | None = None, stream: bool = False) -> PrefixJob | None:
+    def begin(
+        self,
+        dialect: Dialect | None,
+        payload: Mapping[str, Any] | None,
+        upstream: UpstreamSpec,
+        t0: float,
+        status: int,
+        body_bytes: int,
+        *,
+        t_headers: float | None = None,
+        stream: bool = False,
+    ) -> PrefixJob | None:
         """A job for a request that arrived at ``t0`` and whose response headers arrived
         at ``t_headers`` (``t0`` when not given); None when there is nothing to examine
         (not a measured route, a body that is not a JSON object, an answer that is not
@@ -180,8 +210,16 @@ class PrefixCheck:
             return None
         blocks = self.estimate(payload, body_bytes)
         headers_ms = round((t0 if t_headers is None else t_headers) * 1000)
-        job = PrefixJob(self, dialect, payload, upstream, round(t0 * 1000), headers_ms,
-                        blocks, place=self.place(blocks))
+        job = PrefixJob(
+            self,
+            dialect,
+            payload,
+            upstream,
+            round(t0 * 1000),
+            headers_ms,
+            blocks,
+            place=self.place(blocks),
+        )
         if job.place is Place.TOO_LARGE:
             job.skip(TOO_LARGE)
         elif not stream:
@@ -194,8 +232,10 @@ class PrefixCheck:
         and one more per :attr:`PromptHasher.block_bytes` of its text, and a part's text
         is at most as long as its JSON. A body of few parts also counts the pieces they
         are built from (:func:`proxy.dialects.prompt.part_bound`)."""
-        return (part_bound(payload, walk_below=INLINE_MAX_BLOCKS)
-                + body_bytes // self.doctor.hasher.block_bytes)
+        return (
+            part_bound(payload, walk_below=INLINE_MAX_BLOCKS)
+            + body_bytes // self.doctor.hasher.block_bytes
+        )
 
     def place(self, blocks: int) -> Place:
         """Where a prompt of ``blocks`` estimated blocks is examined: too large when its
@@ -238,8 +278,9 @@ class PrefixCheck:
         for job in batch:
             job.start()
 
-    def submit(self, work: Callable[[], Examination], place: Place = Place.THREAD
-               ) -> Future[Examination] | None:
+    def submit(
+        self, work: Callable[[], Examination], place: Place = Place.THREAD
+    ) -> Future[Examination] | None:
         """Run ``work`` on the worker threads of ``place``; None when their backlog is
         full (:data:`MAX_PENDING`, :data:`MAX_PENDING_SHARED`) or the check was closed."""
         lane = self._lanes[place]
@@ -286,13 +327,36 @@ class PrefixJob:
     (with its batch, on its place's threads, or at the finish), read once by the record
     (and by the trace capture: :attr:`hashed`)."""
 
-    __slots__ = ("_blocks", "_check", "_dialect", "_future", "_headers_ms", "_held_ms",
-                 "_minimum", "_now_ms", "_payload", "_result", "_started", "_step",
-                 "_unchecked", "_upstream", "place")
+    __slots__ = (
+        "_blocks",
+        "_check",
+        "_dialect",
+        "_future",
+        "_headers_ms",
+        "_held_ms",
+        "_minimum",
+        "_now_ms",
+        "_payload",
+        "_result",
+        "_started",
+        "_step",
+        "_unchecked",
+        "_upstream",
+        "place",
+    )
 
-    def __init__(self, check: PrefixCheck, dialect: Dialect, payload: Mapping[str, Any],
-                 upstream: UpstreamSpec, now_ms: int, headers_ms: int | None = None,
-                 blocks: int = 0, *, place: Place) -> None:
+    def __init__(
+        self,
+        check: PrefixCheck,
+        dialect: Dialect,
+        payload: Mapping[str, Any],
+        upstream: UpstreamSpec,
+        now_ms: int,
+        headers_ms: int | None = None,
+        blocks: int = 0,
+        *,
+        place: Place,
+    ) -> None:
         self._check = check
         self._dialect = dialect
         self._payload = payload
@@ -352,9 +416,14 @@ class PrefixJob:
         self._minimum = minimum if minimum is not None else minimum_cacheable_tokens(api, model)
         self._step = step if step is not None else cache_granularity_tokens(api, model)
         try:
-            looked = check.doctor.look(self._dialect.prompt_parts(self._payload),
-                                       upstream=spec.name, model=model, cache_key=key,
-                                       now_ms=self._now_ms, held_ms=self._held_ms)
+            looked = check.doctor.look(
+                self._dialect.prompt_parts(self._payload),
+                upstream=spec.name,
+                model=model,
+                cache_key=key,
+                now_ms=self._now_ms,
+                held_ms=self._held_ms,
+            )
         except IndexUnavailable as exc:  # the keys stay, for the trace
             hashed = exc.hashed if isinstance(exc.hashed, HashedPrompt) else None
             return Examination(None, exc.reason, exc.round_trip_s, hashed)
@@ -398,19 +467,13 @@ class PrefixJob:
         return future.result() if future.done() and not future.cancelled() else None
 
     @property
-    def report(self) -> PrefixReport | None:
-        examination = self.examination
-        return examination.report if examination is not None else None
-
-    @property
     def hashed(self) -> HashedPrompt | None:
         """The prompt's keys (digests, no text), once examined; None before, or when it
         was not."""
         examination = self.examination
         return examination.hashed if examination is not None else None
 
-    def record(self, prompt_tokens: int | None, cached_tokens: int | None
-               ) -> PrefixRecord | None:
+    def record(self, prompt_tokens: int | None, cached_tokens: int | None) -> PrefixRecord | None:
         """The report in the record's terms, with the usage: ``prompt_tokens`` from the
         upstream (None when it did not say them, or they were estimated) and
         ``cached_tokens`` as it reported them (None: not reported). A request that was
@@ -423,16 +486,28 @@ class PrefixJob:
         report = examination.report
         if report is None:
             return None
-        tokens = cache_tokens(report, prompt_tokens, cached_tokens,
-                              minimum_tokens=self._minimum, granularity_tokens=self._step)
+        tokens = cache_tokens(
+            report,
+            prompt_tokens,
+            cached_tokens,
+            minimum_tokens=self._minimum,
+            granularity_tokens=self._step,
+        )
         return PrefixRecord(
-            prompt_bytes=report.prompt_bytes, repeated_bytes=report.repeated_bytes,
-            repeated_tokens=tokens.repeated, missed_tokens=tokens.missed,
-            break_reason=report.reason or "", break_part=report.part or "",
-            break_index=report.index, break_offset=report.offset,
-            break_role=report.role or "", break_part_bytes=report.part_bytes,
-            changed_bytes=report.changed_bytes, stable_bytes=report.stable_bytes,
-            index_s=examination.index_s)
+            prompt_bytes=report.prompt_bytes,
+            repeated_bytes=report.repeated_bytes,
+            repeated_tokens=tokens.repeated,
+            missed_tokens=tokens.missed,
+            break_reason=report.reason or "",
+            break_part=report.part or "",
+            break_index=report.index,
+            break_offset=report.offset,
+            break_role=report.role or "",
+            break_part_bytes=report.part_bytes,
+            changed_bytes=report.changed_bytes,
+            stable_bytes=report.stable_bytes,
+            index_s=examination.index_s,
+        )
 
 
 def _resolve(waiter: asyncio.Future[None]) -> None:
@@ -440,8 +515,13 @@ def _resolve(waiter: asyncio.Future[None]) -> None:
         waiter.set_result(None)
 
 
-def prefix_check_from(settings: Settings, *, wanted: bool, secret: bytes | None = None,
-                      clock: Callable[[], float] = time.perf_counter) -> PrefixCheck | None:
+def prefix_check_from(
+    settings: Settings,
+    *,
+    wanted: bool,
+    secret: bytes | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> PrefixCheck | None:
     """The doctor when it is on and someone reads what it finds (metrics, the request
     log or the trace: ``wanted``); else None, and the request path skips it."""
     if not (settings.prefix_doctor and wanted):

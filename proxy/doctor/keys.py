@@ -135,17 +135,9 @@ def chunk_ends(data: bytes, least: int, most: int, first: int = FIRST_CHUNK_BYTE
     its own. With none, a chunk ends after the first space past ``least``, else at
     ``most`` bytes. What remains (at most ``least`` bytes) is cut once more, before its
     last sentence or line, so that a changing tail (a new question after a document)
-    is a chunk of its own too.
-
-    A cut depends only on the bytes after the previous one, so two texts that differ
-    in a head cut their common rest alike from the first cut they share on: the first
-    after the head when the head is one sentence or line, or kept its length; else, in
-    text with paragraphs, mostly the first paragraph break past it, which is a cut
-    wherever the chunk before it began unless that was less than ``least // 4`` before.
-    (A cut at every sentence would keep in step at once, but make several chunks a
-    block; ``tests/test_prefix_doctor.py`` shows how soon they line up.) Text without
-    such marks is cut by length, which only heads of unchanged length leave in step.
-    One to three ``bytes.find`` calls per chunk: C speed, no per-byte Python."""
+    is a chunk of its own too. A cut depends only on the bytes after the previous one,
+    so two texts that differ in a head cut their common rest alike soon after it
+    (``docs/design/doctor.md``, "The chunks")."""
     n = len(data)
     if n <= least:
         return [n]
@@ -176,8 +168,9 @@ def chunk_ends(data: bytes, least: int, most: int, first: int = FIRST_CHUNK_BYTE
     if start < n:
         # The last piece: its last sentence or line a chunk of its own, so that a
         # changing tail (a new question after a document) leaves the rest in step.
-        tail = max(data.rfind(b". ", start + first, n - 1) + 2,
-                   data.rfind(b"\n", start + first, n - 1) + 1)
+        tail = max(
+            data.rfind(b". ", start + first, n - 1) + 2, data.rfind(b"\n", start + first, n - 1) + 1
+        )
         if tail > start + first:
             ends.append(tail)
         ends.append(n)
@@ -194,9 +187,14 @@ class PromptHasher:
     one digest of its bytes. Thread-safe: the loop and the hashing thread share it.
     """
 
-    def __init__(self, secret: bytes | None = None, block_bytes: int = DEFAULT_BLOCK_BYTES,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, *,
-                 part_cache_keys: int = PART_CACHE_KEYS) -> None:
+    def __init__(
+        self,
+        secret: bytes | None = None,
+        block_bytes: int = DEFAULT_BLOCK_BYTES,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        *,
+        part_cache_keys: int = PART_CACHE_KEYS,
+    ) -> None:
         if block_bytes < 1:
             raise ValueError("block_bytes must be >= 1")
         if chunk_bytes < 1:
@@ -256,8 +254,7 @@ class PromptHasher:
             h.update(piece)
         return h.digest()
 
-    def _scope(self, upstream: str, model: str, cache_key: str
-               ) -> tuple[bytes, Any, Any, Any]:
+    def _scope(self, upstream: str, model: str, cache_key: str) -> tuple[bytes, Any, Any, Any]:
         key = (upstream, model, cache_key)
         last = self._last_scope
         if last is not None and last[0] == key:
@@ -281,7 +278,12 @@ class PromptHasher:
         return head
 
     def hash(
-        self, parts: Sequence[PromptPart], *, upstream: str, model: str, cache_key: str = "",
+        self,
+        parts: Sequence[PromptPart],
+        *,
+        upstream: str,
+        model: str,
+        cache_key: str = "",
         anchor: int = 0,
     ) -> HashedPrompt | None:
         """The keys of ``parts`` under the scope (upstream, model, cache key); None for a
@@ -353,8 +355,12 @@ class PromptHasher:
                     start = end
             ends.extend(cut)
             before = chain[-1]
-            self._remember(name, _HashedPart(tuple(chain[at_chain:]), tuple(chunks[at_chunk:]),
-                                             tuple(cut), snapshot()))
+            self._remember(
+                name,
+                _HashedPart(
+                    tuple(chain[at_chain:]), tuple(chunks[at_chunk:]), tuple(cut), snapshot()
+                ),
+            )
         named = chain[first_block[anchor]]  # names the scope and the blocks up to the anchor's
         anchors = self._anchors.get(named)
         if anchors is None:
@@ -362,13 +368,22 @@ class PromptHasher:
             block = b"\x01" + head_of(first.kind, first.role) + first.data[:size]
             anchors = (self._digest(by_model, block), self._digest(by_upstream, block))
             _keep(self._anchors, named, anchors)
-        marks = (_SEEN * len(chunks) + _ENDED_CHAIN + _CONTINUED * (len(chain) - 1)
-                 + _SCOPE_MARKS)
+        marks = _SEEN * len(chunks) + _ENDED_CHAIN + _CONTINUED * (len(chain) - 1) + _SCOPE_MARKS
         keys = chunks.copy()
         keys.extend(reversed(chain))
         keys.append(root)
         keys.extend(anchors)
-        return HashedPrompt(size, tuple(shapes), root, tuple(chain), tuple(first_block),
-                            tuple(chunks), tuple(ends), tuple(first_chunk), least, anchors,
-                            tuple(keys), marks)
-
+        return HashedPrompt(
+            size,
+            tuple(shapes),
+            root,
+            tuple(chain),
+            tuple(first_block),
+            tuple(chunks),
+            tuple(ends),
+            tuple(first_chunk),
+            least,
+            anchors,
+            tuple(keys),
+            marks,
+        )

@@ -58,9 +58,11 @@ def explain_break(
         at = f" at byte {offset:,}" + (f" of {part_bytes:,}" if part_bytes else "")
     if reason == "variable_before_stable" and offset is not None and changed_bytes is not None:
         size = f" of {part_bytes:,}" if part_bytes else ""
-        sentence = (f"{where[0].upper()}{where[1:]} changes in bytes {offset:,}-"
-                    f"{offset + changed_bytes:,}{size}; the {stable_bytes or 0:,} bytes after "
-                    "them repeat: move the changing part after them")
+        sentence = (
+            f"{where[0].upper()}{where[1:]} changes in bytes {offset:,}-"
+            f"{offset + changed_bytes:,}{size}; the {stable_bytes or 0:,} bytes after "
+            "them repeat: move the changing part after them"
+        )
         if stable_tokens is not None:
             sentence += f" (about {round(stable_tokens):,} tokens a request could be cached"
             if saves_ms is not None:
@@ -68,35 +70,55 @@ def explain_break(
             sentence += ")"
         return sentence + "."
     if reason == "message_changed":
-        return (f"{where[0].upper()}{where[1:]} differs{at} from the most similar recent prompt, "
-                "before the newest message: an earlier turn was edited, reordered or dropped; "
-                "append to the history instead of rewriting it.")
-    if reason in ("tools_changed", "system_changed", "instructions_changed",
-                  "context_changed", "prompt_changed"):
-        return (f"{where[0].upper()}{where[1:]} differs{at} from the most similar recent "
-                f"prompt, so everything after it is computed again: {_KEEP}.")
+        return (
+            f"{where[0].upper()}{where[1:]} differs{at} from the most similar recent prompt, "
+            "before the newest message: an earlier turn was edited, reordered or dropped; "
+            "append to the history instead of rewriting it."
+        )
+    if reason in (
+        "tools_changed",
+        "system_changed",
+        "instructions_changed",
+        "context_changed",
+        "prompt_changed",
+    ):
+        return (
+            f"{where[0].upper()}{where[1:]} differs{at} from the most similar recent "
+            f"prompt, so everything after it is computed again: {_KEEP}."
+        )
     if reason == "settings_changed":
-        return (f"{where[0].upper()}{where[1:]} differs from the most similar recent prompt's: "
-                "a provider reuses a cached prefix only under the same settings, so the whole "
-                f"prompt is computed again: {_KEEP}.")
+        return (
+            f"{where[0].upper()}{where[1:]} differs from the most similar recent prompt's: "
+            "a provider reuses a cached prefix only under the same settings, so the whole "
+            f"prompt is computed again: {_KEEP}."
+        )
     if reason == "expired":
-        return (f"The prefix up to {where}{at} was last sent longer ago than the prefix "
-                "window (--prefix-window), so a provider no longer holds it: only steadier "
-                "traffic keeps it.")
+        return (
+            f"The prefix up to {where}{at} was last sent longer ago than the prefix "
+            "window (--prefix-window), so a provider no longer holds it: only steadier "
+            "traffic keeps it."
+        )
     if reason == "concurrent":
-        return (f"The prefix up to {where}{at} was sent by requests in flight at the same "
-                "time, whose prefill was done only after this one arrived, so no cache could "
-                "serve it yet: nothing in the prompt to fix; to share the work, let one "
-                "request's first token come before sending the others.")
+        return (
+            f"The prefix up to {where}{at} was sent by requests in flight at the same "
+            "time, whose prefill was done only after this one arrived, so no cache could "
+            "serve it yet: nothing in the prompt to fix; to share the work, let one "
+            "request's first token come before sending the others."
+        )
     if reason == "model_changed":
-        return ("The same prompt went recently to another model of this upstream: a cache "
-                "is per model.")
+        return (
+            "The same prompt went recently to another model of this upstream: a cache is per model."
+        )
     if reason == "cache_key_changed":
-        return ("The same prompt came recently with another prompt_cache_key or cache_salt: "
-                "a cache is per key.")
+        return (
+            "The same prompt came recently with another prompt_cache_key or cache_salt: "
+            "a cache is per key."
+        )
     if reason == "first_seen":
-        return ("Nothing like this prompt went to this upstream and model within the window: "
-                "a new prompt, nothing to fix.")
+        return (
+            "Nothing like this prompt went to this upstream and model within the window: "
+            "a new prompt, nothing to fix."
+        )
     return f"The prompt stopped repeating ({reason})."
 
 
@@ -134,10 +156,16 @@ def cache_tokens(
     is shorter than ``minimum_tokens`` (the provider would not cache it: a prompt of
     exactly 1,024 tokens has 896 cacheable on OpenAI, below its 1,024).
     """
-    if (prompt_tokens is None or prompt_tokens <= 0 or report.prompt_bytes <= 0
-            or report.unseen_context):
+    if (
+        prompt_tokens is None
+        or prompt_tokens <= 0
+        or report.prompt_bytes <= 0
+        or report.unseen_context
+    ):
         return CacheTokens(None, cached_tokens, None)
-    repeated = min(prompt_tokens, round(report.repeated_bytes * prompt_tokens / report.prompt_bytes))
+    repeated = min(
+        prompt_tokens, round(report.repeated_bytes * prompt_tokens / report.prompt_bytes)
+    )
     if cached_tokens is None:
         return CacheTokens(repeated, None, None)
     cacheable = min(repeated, prompt_tokens - 1)

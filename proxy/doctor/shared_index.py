@@ -13,6 +13,7 @@ table is checked before the proxy listens; the store is not contacted at start-u
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import importlib.util
 import logging
@@ -40,7 +41,7 @@ URL_SCHEMES = ("redis", "rediss", "unix")
 # Keys of the table -> what the message says each must be.
 CACHE_INDEX_KEYS = {
     "url": "a redis://HOST:PORT/DB, rediss:// (TLS) or unix:///PATH URL without credentials, "
-           "e.g. redis://redis:6379/0",
+    "e.g. redis://redis:6379/0",
     "username": "a non-empty string: the store's ACL user",
     "password_env": "the name of an environment variable holding the store's password",
     "key_prefix": "a non-empty string of at most 64 characters, prepended to every key",
@@ -54,12 +55,12 @@ CACHE_INDEX_DEFAULTS = {
     "password_env": "none: the store takes no password",
     "key_prefix": f"'{DEFAULT_KEY_PREFIX}'",
     "timeout_ms": f"{DEFAULT_TIMEOUT_MS}: a request whose exchange (connecting included) takes "
-                  "longer is counted as unchecked; a prompt of more than 1024 keys is "
-                  "allowed more time in proportion to its keys, for the store's own time "
-                  "per key",
+    "longer is counted as unchecked; a prompt of more than 1024 keys is "
+    "allowed more time in proportion to its keys, for the store's own time "
+    "per key",
     "retry_ms": f"{DEFAULT_RETRY_MS}: after a failed exchange the store is not asked again for "
-                "this long (requests meanwhile are counted as unchecked), then by one request "
-                "at a time; each failed retry doubles the pause, up to 30 s",
+    "this long (requests meanwhile are counted as unchecked), then by one request "
+    "at a time; each failed retry doubles the pause, up to 30 s",
 }
 
 
@@ -83,9 +84,11 @@ def parse_store_url(raw: str) -> str:
     if parts.scheme not in URL_SCHEMES:
         raise ValueError("must start with redis://, rediss:// or unix://")
     if "@" in parts.netloc:
-        raise ValueError("must not carry credentials (user:password@host): put the password "
-                         "in an environment variable named by password_env, the user in "
-                         "username")
+        raise ValueError(
+            "must not carry credentials (user:password@host): put the password "
+            "in an environment variable named by password_env, the user in "
+            "username"
+        )
     if parts.scheme == "unix":
         if not parts.path:
             raise ValueError("a unix:// URL needs the socket's path, e.g. unix:///run/redis.sock")
@@ -95,8 +98,9 @@ def parse_store_url(raw: str) -> str:
     return raw.strip()
 
 
-def cache_index_spec(path: str, doc: Mapping[str, Any],
-                     environ: Mapping[str, str] | None = None) -> CacheIndexSpec | None:
+def cache_index_spec(
+    path: str, doc: Mapping[str, Any], environ: Mapping[str, str] | None = None
+) -> CacheIndexSpec | None:
     """The ``[cache-index]`` table of config file ``path`` (parsed as ``doc``), checked;
     None without one. The prefix secret and the password variable are checked here too,
     so that a replica missing either does not start."""
@@ -141,22 +145,28 @@ def cache_index_spec(path: str, doc: Mapping[str, Any],
         if not env.get(var, ""):
             raise fail("password_env", f"environment variable {var} is empty or unset")
         values["password_env"] = var
-    for key, field, upper in (("timeout_ms", "timeout_s", 10_000), ("retry_ms", "retry_s", 600_000)):
+    for key, field, upper in (
+        ("timeout_ms", "timeout_s", 10_000),
+        ("retry_ms", "retry_s", 600_000),
+    ):
         if key in table:
             ms = get(key, int)
             if not 1 <= ms <= upper:
                 raise fail(key, f"must be {CACHE_INDEX_KEYS[key]}, not {ms!r}")
             values[field] = ms / 1000
     if importlib.util.find_spec("redis") is None:
-        raise SettingsError(f"{where}: the shared index needs redis-py: pip install "
-                            "'llm-latency-proxy[cache-index]'")
+        raise SettingsError(
+            f"{where}: the shared index needs redis-py: pip install "
+            "'llm-latency-proxy[cache-index]'"
+        )
     secret = env.get(PREFIX_SECRET_ENV, "").strip()
     if len(secret.encode()) < MIN_SECRET_BYTES:
         raise SettingsError(
             f"{where}: a shared index needs the secret its prompt digests are keyed with in "
             f"{PREFIX_SECRET_ENV} (at least {MIN_SECRET_BYTES} bytes, the same on every "
             "replica, e.g. from `openssl rand -hex 32`), "
-            + ("which is shorter" if secret else "which is empty or unset"))
+            + ("which is shorter" if secret else "which is empty or unset")
+        )
     return CacheIndexSpec(**values)
 
 
@@ -258,15 +268,24 @@ class IndexUnavailable(IndexUnanswered):
         self.round_trip_s = round_trip_s
 
 
+class Admitted(enum.Enum):
+    """What :meth:`Breaker.admit` lets through."""
+
+    CLOSED = "closed"  # the store answers: every exchange
+    TRIAL = "trial"  # the one exchange that tries a store that failed
+
+
 class Breaker:
     """When to ask the store: always while it answers; after a failure, not for
     ``first_s``, then one try at a time, each failed try doubling the pause up to
     ``max_s``. Thread-safe; ``clock`` is monotonic seconds."""
 
-    CLOSED, TRIAL = 1, 2  # what admit() lets through
-
-    def __init__(self, first_s: float, max_s: float = MAX_PAUSE_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        first_s: float,
+        max_s: float = MAX_PAUSE_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.first_s = first_s
         self.max_s = max(max_s, first_s)
         self._clock = clock
@@ -277,38 +296,33 @@ class Breaker:
         self.down_since: float | None = None
         self.failed_tries = 0
 
-    @property
-    def closed(self) -> bool:
-        return self._until is None
-
-    def admit(self) -> int | None:
-        """:data:`CLOSED` or :data:`TRIAL` when this exchange may try the store, None when
-        it may not."""
+    def admit(self) -> Admitted | None:
+        """How this exchange may try the store (:class:`Admitted`); None: it may not."""
         if self._until is None:
-            return self.CLOSED
+            return Admitted.CLOSED
         with self._lock:
             if self._until is None:
-                return self.CLOSED
+                return Admitted.CLOSED
             if self._trying or self._clock() < self._until:
                 return None
             self._trying = True
-            return self.TRIAL
+            return Admitted.TRIAL
 
-    def succeeded(self, admitted: int) -> bool:
+    def succeeded(self, admitted: Admitted) -> bool:
         """Close; True when that ends an outage (the caller says so once)."""
         if self._until is None:
             return False
         with self._lock:
-            if self._until is None or (admitted != self.TRIAL and self._trying):
+            if self._until is None or (admitted != Admitted.TRIAL and self._trying):
                 return False
             self._until, self._trying, self._pause = None, False, self.first_s
             return True
 
-    def failed(self, admitted: int) -> bool:
+    def failed(self, admitted: Admitted) -> bool:
         """Open, or stay open longer; True when this failure starts an outage."""
         with self._lock:
             now = self._clock()
-            if admitted == self.TRIAL:
+            if admitted == Admitted.TRIAL:
                 self._trying = False
                 self._pause = min(self._pause * 2, self.max_s)
                 self.failed_tries += 1
@@ -318,7 +332,7 @@ class Breaker:
                 self._pause = self.first_s
                 self.down_since, self.failed_tries = now, 1
             self._until = now + self._pause
-            return admitted != self.TRIAL
+            return admitted != Admitted.TRIAL
 
     @property
     def pause_s(self) -> float:
@@ -334,11 +348,16 @@ class RedisPrefixIndex:
     and answers in. Thread-safe: redis-py's connection pool gives each thread its own
     connection."""
 
-    def __init__(self, spec: CacheIndexSpec, *, horizon_ms: int,
-                 window_ms: int = DEFAULT_WINDOW_MS,
-                 environ: Mapping[str, str] | None = None,
-                 clock: Callable[[], float] = time.monotonic,
-                 caller_clock: Callable[[], float] | None = None) -> None:
+    def __init__(
+        self,
+        spec: CacheIndexSpec,
+        *,
+        horizon_ms: int,
+        window_ms: int = DEFAULT_WINDOW_MS,
+        environ: Mapping[str, str] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        caller_clock: Callable[[], float] | None = None,
+    ) -> None:
         from redis import Redis
         from redis.backoff import NoBackoff
         from redis.retry import Retry
@@ -359,15 +378,19 @@ class RedisPrefixIndex:
 
         def client(timeout_s: float) -> Any:
             return Redis.from_url(
-                spec.url, username=spec.username or None, password=password or None,
-                socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                retry=Retry(NoBackoff(), 0), health_check_interval=0,
-                client_name="llm-latency-proxy")
+                spec.url,
+                username=spec.username or None,
+                password=password or None,
+                socket_timeout=timeout_s,
+                socket_connect_timeout=timeout_s,
+                retry=Retry(NoBackoff(), 0),
+                health_check_interval=0,
+                client_name="llm-latency-proxy",
+            )
 
         self._small = client(spec.timeout_s)
         self._large = client(spec.timeout_s + MAX_KEYS * PER_KEY_S)
-        self._scripts = (self._small.register_script(SCRIPT),
-                         self._large.register_script(SCRIPT))
+        self._scripts = (self._small.register_script(SCRIPT), self._large.register_script(SCRIPT))
 
     def exchange(self, probe: Probe, now_ms: int, held_ms: int | None = None) -> Sightings:
         """What the store knew of each of ``probe.keys`` at or before ``now_ms``; then record
@@ -398,12 +421,24 @@ class RedisPrefixIndex:
         held = max(0, current - (now_ms if held_ms is None else held_ms))
         start = time.perf_counter()
         try:
-            reply = script(args=[self._prefix, digests, probe.marks, self.horizon_ms, size,
-                                 arrived, held, self.window_ms])
+            reply = script(
+                args=[
+                    self._prefix,
+                    digests,
+                    probe.marks,
+                    self.horizon_ms,
+                    size,
+                    arrived,
+                    held,
+                    self.window_ms,
+                ]
+            )
             if not isinstance(reply, bytes) or len(reply) != 24 * n:
-                raise RedisError(f"the script answered {type(reply).__name__} "
-                                 f"of {len(reply) if isinstance(reply, bytes) else '?'} bytes, "
-                                 f"not {24 * n}")
+                raise RedisError(
+                    f"the script answered {type(reply).__name__} "
+                    f"of {len(reply) if isinstance(reply, bytes) else '?'} bytes, "
+                    f"not {24 * n}"
+                )
         except (RedisError, OSError) as exc:
             elapsed = time.perf_counter() - start
             reason = STORE_TIMEOUT if isinstance(exc, RedisTimeout) else STORE_ERROR
@@ -414,14 +449,19 @@ class RedisPrefixIndex:
         self._local.round_trip_s = elapsed
         if self.breaker.succeeded(admitted):
             since = self.breaker.down_since
-            log.warning("prompt-cache doctor: the shared index at %s answers again (down %.1f s, "
-                        "%d failed tries); requests are examined again", self.url,
-                        self._clock() - since if since is not None else 0.0,
-                        self.breaker.failed_tries)
+            log.warning(
+                "prompt-cache doctor: the shared index at %s answers again (down %.1f s, "
+                "%d failed tries); requests are examined again",
+                self.url,
+                self._clock() - since if since is not None else 0.0,
+                self.breaker.failed_tries,
+            )
         ages = struct.unpack(f"<{3 * n}q", reply)
-        return Sightings([current - age if age >= 0 else NEVER for age in ages[0::3]],
-                         [current - age if age >= 0 else NEVER for age in ages[1::3]],
-                         {i: current - age for i, age in enumerate(ages[2::3]) if age >= 0})
+        return Sightings(
+            [current - age if age >= 0 else NEVER for age in ages[0::3]],
+            [current - age if age >= 0 else NEVER for age in ages[1::3]],
+            {i: current - age for i, age in enumerate(ages[2::3]) if age >= 0},
+        )
 
     def round_trip_s(self) -> float | None:
         """The calling thread's last successful exchange's round trip, in seconds (None:
@@ -436,11 +476,19 @@ class RedisPrefixIndex:
             return
         held, self._held_back, self._warned_at = self._held_back, 0, now
         also = f" ({held} more outages since the last such line)" if held else ""
-        log.warning("prompt-cache doctor: the shared index at %s failed (%s, %s: %s); requests "
-                    "are not examined but counted in llm_proxy_prompt_prefix_unchecked_total "
-                    "until it answers: next try in %.3g s, then less often while it fails "
-                    "(at most every %.0f s)%s", self.url, reason, type(exc).__name__, exc,
-                    self.breaker.pause_s, self.breaker.max_s, also)
+        log.warning(
+            "prompt-cache doctor: the shared index at %s failed (%s, %s: %s); requests "
+            "are not examined but counted in llm_proxy_prompt_prefix_unchecked_total "
+            "until it answers: next try in %.3g s, then less often while it fails "
+            "(at most every %.0f s)%s",
+            self.url,
+            reason,
+            type(exc).__name__,
+            exc,
+            self.breaker.pause_s,
+            self.breaker.max_s,
+            also,
+        )
 
     def close(self) -> None:
         """Close the connections (the process is stopping)."""

@@ -65,8 +65,9 @@ class BreakExample:
 
 
 class RecentBreaks:
-    def __init__(self, clock: Callable[[], float] = time.perf_counter,
-                 max_keys: int = MAX_KEYS) -> None:
+    def __init__(
+        self, clock: Callable[[], float] = time.perf_counter, max_keys: int = MAX_KEYS
+    ) -> None:
         self.clock = clock
         self.max_keys = max_keys
         self._latest: OrderedDict[Key, BreakExample] = OrderedDict()
@@ -85,16 +86,26 @@ class RecentBreaks:
             if ratio is None and (before := latest.get(key)) is not None:
                 ratio = before.tokens_per_byte
             example = BreakExample(
-                self.clock(), p.break_part, p.break_index, p.break_role, p.break_offset,
-                p.break_part_bytes, p.changed_bytes, p.stable_bytes, p.prompt_bytes, tokens,
-                ratio)
+                self.clock(),
+                p.break_part,
+                p.break_index,
+                p.break_role,
+                p.break_offset,
+                p.break_part_bytes,
+                p.changed_bytes,
+                p.stable_bytes,
+                p.prompt_bytes,
+                tokens,
+                ratio,
+            )
             latest[key] = example
             latest.move_to_end(key)
             if len(latest) > self.max_keys:
                 latest.popitem(last=False)
 
-    def latest(self, match: Callable[[tuple[str, str, str]], bool]
-               ) -> dict[str, tuple[tuple[str, str, str], BreakExample]]:
+    def latest(
+        self, match: Callable[[tuple[str, str, str]], bool]
+    ) -> dict[str, tuple[tuple[str, str, str], BreakExample]]:
         """Per reason, the latest example among the (route, model, upstream) that
         ``match`` accepts, with its key."""
         with self._lock:
