@@ -130,6 +130,7 @@ def load_baseline(ref: str) -> ModuleType:
 
     try:
         source = show("proxy/diagnosis/prefix.py")  # before the doctor was a package
+        source = source.replace("proxy.diagnosis.prefix_index", "proxy.doctor.index")
     except subprocess.CalledProcessError:
         skip = ("from __future__", "from proxy.doctor.keys import")
         source = show("proxy/doctor/keys.py") + "\n" + "\n".join(

@@ -37,7 +37,7 @@ from proxy.config import Settings, add_arguments, from_sources, upstream_limits
 from proxy.config_values import SettingsError
 from proxy.diagnosis.fit import PrefillFit
 from proxy.dialects import DIALECTS
-from proxy.doctor import job as prefix_check
+from proxy.doctor import job as doctor_job
 from proxy.doctor.index import BYTES_PER_ENTRY
 from proxy.doctor.job import INLINE_MAX_BLOCKS, MAX_PENDING, Place, PrefixCheck, PrefixJob
 from proxy.simulator.model import LatencyModel, SimConfig
@@ -801,7 +801,7 @@ async def test_the_finish_waits_for_the_thread_a_bounded_time(
     monkeypatch.setattr(check.doctor, "look", held)
     monkeypatch.setattr(PrefixJob, "settle", settling)
     if not in_time:
-        monkeypatch.setattr(prefix_check, "SETTLE_S", 0.05)
+        monkeypatch.setattr(doctor_job, "SETTLE_S", 0.05)
     large = chat(("system", text(LARGE, "large")), ("user", "sum up"))
     async with app:
         response = await post(app, clock, CHAT, large)
@@ -921,13 +921,13 @@ async def test_jobs_run_in_batches_in_the_order_they_were_created(
     assert all(report_of(job) is not None for job in jobs)
     # Bodies that reach BATCH_BLOCKS, or BATCH_JOBS jobs: the batch runs at the next turn.
     order.clear()
-    jobs = [begin(10), begin(11, (prefix_check.BATCH_BLOCKS - 3) * 256)]  # 2 + 77 blocks
+    jobs = [begin(10), begin(11, (doctor_job.BATCH_BLOCKS - 3) * 256)]  # 2 + 77 blocks
     await asyncio.sleep(0)
     assert order == [round((T0 + i) * 1000) for i in (10, 11)]
     order.clear()
-    jobs = [begin(100 + i) for i in range(prefix_check.BATCH_JOBS)]
+    jobs = [begin(100 + i) for i in range(doctor_job.BATCH_JOBS)]
     await asyncio.sleep(0)
-    assert order == [round((T0 + 100 + i) * 1000) for i in range(prefix_check.BATCH_JOBS)]
+    assert order == [round((T0 + 100 + i) * 1000) for i in range(doctor_job.BATCH_JOBS)]
     # A finish before the batch ran runs the whole batch, in order: the jobs before it first.
     order.clear()
     jobs = [begin(20), begin(21), begin(22)]
@@ -935,7 +935,7 @@ async def test_jobs_run_in_batches_in_the_order_they_were_created(
     assert order == [round((T0 + i) * 1000) for i in (20, 21, 22)]
     assert report_of(jobs[1]) is not None and report_of(jobs[1]).reason is None  # a repeat
     # A job for the hashing thread (a large body) is handed over at once, not batched.
-    monkeypatch.setattr(prefix_check, "BATCH_S", 60.0)  # the small one must wait
+    monkeypatch.setattr(doctor_job, "BATCH_S", 60.0)  # the small one must wait
     order.clear()
     small, large = begin(30), begin(31, (INLINE_MAX_BLOCKS + 1) * 256)
     assert await asyncio.to_thread(in_thread.wait, 30)

@@ -628,12 +628,12 @@ async def test_a_full_backlog_for_the_store_is_a_counted_miss(
     MAX_PENDING_SHARED waiting, a request is not examined and its record says busy."""
     import threading
 
-    from proxy.doctor import job as prefix_check
+    from proxy.doctor import job as doctor_job
     from proxy.doctor.job import Place, PrefixCheck, PrefixJob
     from proxy.upstream_spec import UpstreamSpec
 
     monkeypatch.setenv(PREFIX_SECRET_ENV, SECRET)
-    monkeypatch.setattr(prefix_check, "MAX_PENDING_SHARED", 2)
+    monkeypatch.setattr(doctor_job, "MAX_PENDING_SHARED", 2)
     check = PrefixCheck(Settings(cache_index=CacheIndexSpec(url="redis://127.0.0.1:1/0")))
     gate = threading.Event()
     try:
