@@ -68,7 +68,7 @@ POINTS: tuple[tuple[str, str, str, str], ...] = (
     ("proxy.wire", "_Connection.start", "request written", "both"),
     ("proxy.wire", "_Connection.data_received", "upstream bytes read", "enter"),
     ("proxy.wire", "_Connection._head_received", "response head parsed", "exit"),
-    ("proxy.prefix_check", "PrefixCheck.begin", "doctor begin", "both"),
+    ("proxy.doctor.job", "PrefixCheck.begin", "doctor begin", "both"),
     ("proxy.routes", "V1Handler._relay", "relay", "enter"),
     ("proxy.uvicorn_writer", "DirectWriter.write", "client write", "both"),
     ("proxy.measure", "StreamTimer.token", "token observed", "enter"),
