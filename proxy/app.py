@@ -10,7 +10,7 @@ settings are already validated; every configured upstream is made live here
 admission and headers, :class:`proxy.upstream.LiveUpstream`), swapped on ``SIGHUP`` and
 closed by the lifespan (or :meth:`ProxyApp.aclose` in tests that drive the app without
 a server). ``transport``, when given (tests of one upstream), is an upstream client
-(:class:`proxy.wire.WireTransport`) that every upstream uses instead of building its
+(:class:`proxy.wire.pool.WireTransport`) that every upstream uses instead of building its
 own. Metrics go to the registry passed in (a fresh one per test), else to a registry of
 the app's own.
 """
@@ -45,7 +45,7 @@ from proxy.tracing import from_settings as tracing_from_settings
 from proxy.ui import UI_PATHS, live_page
 from proxy.upstream import UpstreamClient, error_body
 from proxy.upstream_spec import UpstreamSpec
-from proxy.wire import WireTransport
+from proxy.wire.pool import WireTransport
 
 log = logging.getLogger("proxy")
 

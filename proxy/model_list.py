@@ -17,7 +17,7 @@ from typing import Any
 
 from proxy.logs import RateLimitedLog
 from proxy.upstream import LiveUpstream
-from proxy.wire import UpstreamError
+from proxy.wire.errors import UpstreamError
 
 ALL_UPSTREAMS = "all"  # the upstream label of the merged list
 LIST_LIMIT = 8 * 1024 * 1024  # bytes of one upstream's list read at most

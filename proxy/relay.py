@@ -6,7 +6,7 @@ happens *after* the hand-off, so measurement adds no latency to the chunk it mea
 and the time read is the moment the event was handed on. The relay knows nothing of any
 API's JSON: what an event means is the measurement layer's business.
 
-The body is read with :meth:`proxy.wire.WireBody.pipe`, whose sink runs inside the
+The body is read with :meth:`proxy.wire.response.WireBody.pipe`, whose sink runs inside the
 upstream socket's callback. Handing on takes one of two writers:
 
 * under uvicorn (the production server), :class:`proxy.uvicorn_writer.DirectWriter`
@@ -45,7 +45,9 @@ from typing import Any
 from proxy.measure import Meter, Outcome
 from proxy.strip import UsageStripper
 from proxy.uvicorn_writer import client_connection, direct_writer
-from proxy.wire import GO, PAUSE, STOP, SinkStopped, UpstreamError, UpstreamTimeout, WireBody
+from proxy.wire.errors import SinkStopped, UpstreamError, UpstreamTimeout
+from proxy.wire.http11 import GO, PAUSE, STOP, Verdict
+from proxy.wire.response import WireBody
 
 log = logging.getLogger("proxy.relay")
 
@@ -147,7 +149,7 @@ async def relay(body: WireBody, send: Send, clock: Clock, *, meter: Meter | None
         write = direct.write
         writable = direct.writable
 
-        def sink(chunk: bytes) -> int:
+        def sink(chunk: bytes) -> Verdict:
             out = take(chunk)
             verdict = write(out) if out else PAUSE if direct.flow.write_paused else GO
             if verdict != STOP:
@@ -180,7 +182,7 @@ async def relay(body: WireBody, send: Send, clock: Clock, *, meter: Meter | None
                 except TimeoutError:
                     raise _Stalled from None
 
-        def sink(chunk: bytes) -> int:
+        def sink(chunk: bytes) -> Verdict:
             queue.append(chunk)
             return PAUSE
 

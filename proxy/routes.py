@@ -67,14 +67,8 @@ from proxy.upstream import (
     response_headers,
     safe_subpath,
 )
-from proxy.wire import (
-    ConnectError,
-    PoolTimeout,
-    ReadError,
-    UpstreamError,
-    UpstreamTimeout,
-    WireResponse,
-)
+from proxy.wire.errors import ConnectError, PoolTimeout, ReadError, UpstreamError, UpstreamTimeout
+from proxy.wire.response import WireResponse
 
 log = logging.getLogger("proxy")
 

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 
 from proxy.upstream import Gauge, LiveUpstream
 from proxy.upstream_spec import UpstreamSpec, is_pattern
-from proxy.wire import WireTransport
+from proxy.wire.pool import WireTransport
 
 NO_UPSTREAM = "none"  # the upstream label of a request no upstream takes
 

@@ -18,7 +18,7 @@ sent (:func:`safe_subpath`).
 The client is :mod:`proxy.wire`, and its exceptions are mapped to OpenAI-shaped errors
 here and only here (:func:`error_response`): cannot connect -> 502, no free connection
 or the upstream timed out -> 504, anything else -> 502 (``upstream_headers_too_large``
-for a response head over ``proxy.wire.MAX_HEAD_BYTES``, else ``upstream_failed``); the
+for a response head over ``proxy.wire.http11.MAX_HEAD_BYTES``, else ``upstream_failed``); the
 message names the upstream's host, never a key or a path.
 
 ``HTTP(S)_PROXY`` / ``NO_PROXY`` are honoured as users set them, decided once at
@@ -41,18 +41,17 @@ from proxy.admission import Admission
 from proxy.auth import key_header
 from proxy.tracing import upstream_attributes
 from proxy.upstream_spec import UpstreamSpec
-from proxy.wire import (
+from proxy.wire.endpoint import Endpoint, ProxyEndpoint
+from proxy.wire.errors import (
     ConnectError,
-    Endpoint,
     PoolTimeout,
-    ProxyEndpoint,
     ResponseHeadTooLarge,
     UpstreamError,
     UpstreamTimeout,
-    WireResponse,
-    WireTransport,
-    serialize,
 )
+from proxy.wire.http11 import serialize
+from proxy.wire.pool import WireTransport
+from proxy.wire.response import WireResponse
 
 log = logging.getLogger("proxy")
 

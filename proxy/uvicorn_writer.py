@@ -26,7 +26,7 @@ import asyncio
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from proxy.wire import GO, PAUSE, STOP
+from proxy.wire.http11 import GO, PAUSE, STOP, Verdict
 
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
@@ -105,7 +105,7 @@ class DirectWriter(ClientConnection):
         super().__init__(cycle)
         self.transport_write: Callable[[bytes], None] = cycle.transport.write
 
-    def write(self, chunk: bytes) -> int:
+    def write(self, chunk: bytes) -> Verdict:
         """Write one body chunk; STOP if the client is gone (nothing written), PAUSE if
         the client's transport asked the writer to wait, else GO."""
         if self.cycle.disconnected:

@@ -8,7 +8,7 @@
 * The measurement: every dialect and the stream timer never raise on any payload.
 
 The relay properties run the production path: the upstream client
-(:class:`proxy.wire.WireTransport`) against the suite's scripted upstream on loopback,
+(:class:`proxy.wire.pool.WireTransport`) against the suite's scripted upstream on loopback,
 whose chunks go out in lockstep with the relay (one chunk per upstream read, see
 tests/fake_upstream.py), and :func:`proxy.relay.relay` handing them to a recording
 ``send``. The whole-app property drives the app the same way. One event loop, one
@@ -34,7 +34,9 @@ from proxy import dialects
 from proxy.measure import Meter, StreamTimer
 from proxy.relay import relay
 from proxy.sse import SSEParser
-from proxy.wire import Endpoint, WireTransport, serialize
+from proxy.wire.endpoint import Endpoint
+from proxy.wire.http11 import serialize
+from proxy.wire.pool import WireTransport
 from tests.fake_upstream import ScriptedClock, ScriptedUpstream
 from tests.upstream_fakes import CHAT, InProcess, call_raw, make_app
 

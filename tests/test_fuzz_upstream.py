@@ -48,7 +48,8 @@ from hypothesis import strategies as st
 from proxy import dialects
 from proxy.measure import StreamTimer
 from proxy.sse import SSEParser
-from proxy.wire import MAX_HEAD_BYTES
+from proxy.wire.connection import ConnectionState
+from proxy.wire.http11 import MAX_HEAD_BYTES
 from tests.fake_upstream import Conn, normal, stream_events
 from tests.upstream_fakes import CHAT, InProcess, RawResult, ScriptedClock, call_raw, make_app
 
@@ -506,7 +507,8 @@ def check(rig: Rig, a: Answer) -> None:
             assert e.body.startswith(result.body)
         assert result.completed == e.complete or (not e.exact and not result.completed)
     transport = rig.proxy.app.upstream.transport
-    pooled = [c for c in itertools.chain(*transport.idle.values()) if not c.lost]
+    pooled = [c for c in itertools.chain(*transport.idle.values())
+              if c.state is not ConnectionState.CLOSED]
     if not e.pooled:
         assert pooled == [], "a connection that saw something unexpected was pooled"
     else:

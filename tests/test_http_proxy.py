@@ -2,7 +2,7 @@
 
 A plain ``http`` upstream is asked through the proxy in absolute form by
 :class:`proxy.upstream.UpstreamClient`; an ``https`` one is reached through a ``CONNECT``
-tunnel by :class:`proxy.wire.WireTransport`, TLS inside. Both are proved against
+tunnel by :class:`proxy.wire.pool.WireTransport`, TLS inside. Both are proved against
 tinyproxy, a forward proxy users actually run, which logs every request line: the
 absolute-form POST and the CONNECT are read from its log, and the upstream sees what
 tinyproxy forwarded (its ``Via`` header, the origin-form target).
@@ -38,7 +38,9 @@ from prometheus_client import CollectorRegistry
 from proxy.app import create_app
 from proxy.config import Settings, single_spec
 from proxy.upstream import UpstreamClient, error_response
-from proxy.wire import ConnectError, ConnectTimeout, Endpoint, ProxyEndpoint, WireTransport
+from proxy.wire.endpoint import Endpoint, ProxyEndpoint
+from proxy.wire.errors import ConnectError, ConnectTimeout
+from proxy.wire.pool import WireTransport
 from tests.raw_upstream import RawUpstream, closed_port
 from tests.servers import serve_in_thread
 from tests.test_wire import (

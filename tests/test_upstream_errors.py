@@ -25,7 +25,7 @@ from proxy.config import Settings, single_spec
 from proxy.measure import Outcome
 from proxy.routes import failure_outcome
 from proxy.upstream import UpstreamClient, error_response
-from proxy.wire import (
+from proxy.wire.errors import (
     ConnectError,
     ConnectTimeout,
     PoolTimeout,
@@ -34,10 +34,10 @@ from proxy.wire import (
     RemoteProtocolError,
     ResponseHeadTooLarge,
     UpstreamError,
-    WireResponse,
-    WireTransport,
     WriteTimeout,
 )
+from proxy.wire.pool import WireTransport
+from proxy.wire.response import WireResponse
 from tests.raw_upstream import closed_port
 from tests.test_wire import (
     PROXY_VARIABLES,

@@ -7,7 +7,7 @@ Sharing one loop keeps the order deterministic: what the server wrote is readabl
 the client on the loop's next turn, and "the client has seen these bytes" is an
 ``asyncio.Event`` set from the client's own callback, never a sleep.
 
-Requests are built with :func:`proxy.wire.serialize` and sent with
+Requests are built with :func:`proxy.wire.http11.serialize` and sent with
 :meth:`WireTransport.exchange`, as :class:`proxy.upstream.UpstreamClient` does; bodies are read
 with :meth:`WireBody.pipe` (a sink per read) or :meth:`WireBody.read` (all at once).
 
@@ -41,15 +41,10 @@ from proxy.app import create_app
 from proxy.config import Settings, single_spec
 from proxy.upstream import UpstreamClient
 from proxy.uvicorn_writer import DirectWriter
-from proxy.wire import (
-    DECODE_PIECE,
-    GO,
-    HOLD_BUFFER,
-    MAX_HEAD_BYTES,
-    PAUSE,
-    STOP,
+from proxy.wire.connection import HOLD_BUFFER, ConnectionState
+from proxy.wire.endpoint import Endpoint
+from proxy.wire.errors import (
     ConnectError,
-    Endpoint,
     PoolTimeout,
     ReadError,
     ReadTimeout,
@@ -57,10 +52,10 @@ from proxy.wire import (
     ResponseHeadTooLarge,
     SinkStopped,
     UpstreamError,
-    WireResponse,
-    WireTransport,
-    serialize,
 )
+from proxy.wire.http11 import DECODE_PIECE, GO, MAX_HEAD_BYTES, PAUSE, STOP, serialize
+from proxy.wire.pool import WireTransport
+from proxy.wire.response import WireResponse
 from tests.raw_upstream import Conn, RawUpstream, closed_port, content_event
 from tests.servers import serve_in_thread
 
@@ -379,8 +374,9 @@ async def test_idle_connection_closed_by_upstream_is_not_reused() -> None:
 
     async with scripted(handler) as up, wire() as w:
         assert await w.fetch("GET", up.endpoint, "/1") == (200, b"once")
-        await settled(lambda: all(c.lost for c in w.transport.idle.get(up.endpoint, [])))
-        assert all(c.lost for c in w.transport.idle[up.endpoint])
+        closed = ConnectionState.CLOSED
+        await settled(lambda: all(c.state is closed for c in w.transport.idle.get(up.endpoint, [])))
+        assert all(c.state is closed for c in w.transport.idle[up.endpoint])
         # Not even a POST fails: the pool noticed the close and connects afresh.
         assert await w.fetch("POST", up.endpoint, "/2", b"{}") == (200, b"once")
         assert up.accepted == 2
@@ -772,7 +768,7 @@ async def test_bytes_after_the_end_in_a_later_read(
                 await response.aclose()
                 assert w.transport.idle[up.endpoint] == [conn]
             send_second.set()
-            await until(lambda: conn.lost)
+            await until(lambda: conn.state is ConnectionState.CLOSED)
             await response.aclose()
         async with asyncio.timeout(5):
             await closed.wait()
@@ -970,7 +966,7 @@ async def test_a_paused_reader_is_not_a_read_timeout() -> None:
         paused.set()
         conn = response.body._conn
         await asyncio.sleep(0.35)  # the slow client under test: paused for 3.5 read timeouts
-        assert conn.read_paused and not conn.lost
+        assert conn.read_paused and conn.state is not ConnectionState.CLOSED
         verdict = GO
         assert await response.body.pipe(sink)
         await response.aclose()
@@ -1099,7 +1095,8 @@ async def test_bytes_before_a_break_reach_a_reader_that_comes_late(framing: str,
 
     async with scripted(handler) as up, wire() as w:
         response = await w.send("GET", up.endpoint, "/")
-        await until(lambda: response.body._conn.lost)  # the close came before the read
+        conn = response.body._conn
+        await until(lambda: conn.state is ConnectionState.CLOSED)  # the close came before the read
         assert await consume(response, mode) == (before_failure(mode, part), Raised(ReadError))
 
 

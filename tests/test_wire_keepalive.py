@@ -33,14 +33,11 @@ from prometheus_client import CollectorRegistry
 
 from proxy.app import create_app
 from proxy.config import Settings, add_arguments, from_sources
-from proxy.wire import (
-    LEARNED_MARGIN,
-    MIN_LEARNED_EXPIRY,
-    RECOVERY_RUN,
-    Endpoint,
-    ReadError,
-    WireTransport,
-)
+from proxy.wire.connection import ConnectionState
+from proxy.wire.endpoint import Endpoint
+from proxy.wire.errors import ReadError
+from proxy.wire.keepalive import LEARNED_MARGIN, MIN_LEARNED_EXPIRY, RECOVERY_RUN
+from proxy.wire.pool import WireTransport
 from tests.fake_upstream import Conn, Gate, RawUpstream, normal
 from tests.test_wire import (
     PROXY_VARIABLES,
@@ -127,7 +124,8 @@ async def test_liveness_check_drops_a_connection_whose_close_the_loop_has_not_se
             upstream_lets_go(socks[0], how)
             readable, _, _ = select.select([conn.fileno], [], [], 5)  # blocks: no loop turn
             assert readable, "what the upstream did never reached the client's socket"
-            assert not conn.lost, "the loop saw the close already: the window is not tested"
+            assert conn.state is not ConnectionState.CLOSED, (
+                "the loop saw the close already: the window is not tested")
             second = asyncio.create_task(serve_one())  # runs once the exchange yields
             try:
                 response = await w.send("POST", up.endpoint, "/2", b"{}")
@@ -136,12 +134,12 @@ async def test_liveness_check_drops_a_connection_whose_close_the_loop_has_not_se
                 await second
             finally:
                 second.cancel()
-            assert conn.lost  # dropped by the check, not reused
+            assert conn.state is ConnectionState.CLOSED  # dropped by the check, not reused
             assert len(socks) == 2
             assert [r.split(b"\r\n", 1)[0] for r in up.requests] == [
                 b"GET /1 HTTP/1.1", b"POST /2 HTTP/1.1"]  # the POST once, on connection 2
             # And the check taught the pool this upstream's idle limit.
-            assert w.transport.expiry(up.endpoint) == MIN_LEARNED_EXPIRY
+            assert w.transport.idle_limits.expiry(up.endpoint) == MIN_LEARNED_EXPIRY
     finally:
         for sock in socks:
             sock.close()
@@ -183,7 +181,7 @@ async def test_a_post_the_upstream_reset_unread_is_sent_again_on_a_new_connectio
             first = asyncio.create_task(serve_one())
             assert await w.fetch("GET", up.endpoint, "/1") == (200, b"/1")
             await first
-            assert w.transport.expiry(up.endpoint) == 4.0  # nothing learned yet
+            assert w.transport.idle_limits.expiry(up.endpoint) == 4.0  # nothing learned yet
             reset = asyncio.create_task(close_with_the_request_unread(socks[0]))
             if not resend:
                 with pytest.raises(ReadError):
@@ -203,7 +201,7 @@ async def test_a_post_the_upstream_reset_unread_is_sent_again_on_a_new_connectio
             assert len(socks) == 2
             assert [r.split(b"\r\n", 1)[0] for r in up.requests] == [
                 b"GET /1 HTTP/1.1", b"POST /2 HTTP/1.1"]  # read once: on connection 2
-            assert w.transport.expiry(up.endpoint) == MIN_LEARNED_EXPIRY  # idle ~0 s
+            assert w.transport.idle_limits.expiry(up.endpoint) == MIN_LEARNED_EXPIRY  # idle ~0 s
     finally:
         for sock in socks:
             sock.close()
@@ -266,9 +264,9 @@ def test_learn_idle_limit_sets_three_quarters_of_the_observed_lifetime(
     transport = WireTransport(max_connections=1, connect_timeout=1.0, read_timeout=1.0,
                               keepalive_expiry=4.0)
     here, elsewhere = Endpoint("http", "a", 80), Endpoint("http", "b", 80)
-    transport.learn_idle_limit(here, observed)
-    assert transport.expiry(here) == pytest.approx(expected)
-    assert transport.expiry(elsewhere) == 4.0  # per endpoint
+    transport.idle_limits.learn(here, observed)
+    assert transport.idle_limits.expiry(here) == pytest.approx(expected)
+    assert transport.idle_limits.expiry(elsewhere) == 4.0  # per endpoint
 
 
 def test_idle_closes_only_ever_lower_the_learned_limit() -> None:
@@ -276,8 +274,8 @@ def test_idle_closes_only_ever_lower_the_learned_limit() -> None:
     here = Endpoint("http", "a", 80)
     seen = []
     for observed in [2.0, 3.0, 1.0, 2.0, 0.1, 1.0]:
-        transport.learn_idle_limit(here, observed)
-        seen.append(transport.expiry(here))
+        transport.idle_limits.learn(here, observed)
+        seen.append(transport.idle_limits.expiry(here))
     assert seen == pytest.approx([1.5, 1.5, 0.75, 0.75, 0.25, 0.25])
 
 
@@ -287,21 +285,21 @@ def test_learned_limit_doubles_after_a_run_of_connections_that_outlived_it() -> 
     transport = WireTransport(max_connections=1, connect_timeout=1.0, read_timeout=1.0,
                               keepalive_expiry=4.0)
     here, elsewhere = Endpoint("http", "a", 80), Endpoint("http", "b", 80)
-    transport.learn_idle_limit(here, 0.0)  # a restart: every idle connection closed at once
+    transport.idle_limits.learn(here, 0.0)  # a restart: every idle connection closed at once
     seen = []
     for step in ["outlived"] * RECOVERY_RUN + ["outlived", "close at 5 s"] + [
             "outlived"] * (3 * RECOVERY_RUN):
         if step == "outlived":
-            transport.outlived_limit(here)
-            transport.outlived_limit(elsewhere)  # nothing learned there: nothing to recover
+            transport.idle_limits.outlived(here)
+            transport.idle_limits.outlived(elsewhere)  # nothing learned there: nothing to recover
         else:
-            transport.learn_idle_limit(here, 5.0)  # 3.75 s: not lower, but the run restarts
-        seen.append(transport.expiry(here))
+            transport.idle_limits.learn(here, 5.0)  # 3.75 s: not lower, but the run restarts
+        seen.append(transport.idle_limits.expiry(here))
     assert seen == pytest.approx([0.25, 0.25, 0.5,  # a run of three: doubled
                                   0.5, 0.5,  # one, then a close: the run starts over
                                   0.5, 0.5, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 4.0])
-    assert transport.learned_expiry == {} and transport.recovery == {}
-    assert transport.expiry(elsewhere) == 4.0
+    assert transport.idle_limits.learned == {} and transport.idle_limits.recovery == {}
+    assert transport.idle_limits.expiry(elsewhere) == 4.0
 
 
 def test_a_doubling_the_upstream_undoes_makes_the_next_one_need_twice_the_run() -> None:
@@ -310,15 +308,15 @@ def test_a_doubling_the_upstream_undoes_makes_the_next_one_need_twice_the_run() 
     transport = WireTransport(max_connections=1, connect_timeout=1.0, read_timeout=1.0,
                               keepalive_expiry=4.0)
     here = Endpoint("http", "a", 80)
-    transport.learn_idle_limit(here, 2.0)  # 1.5 s
+    transport.idle_limits.learn(here, 2.0)  # 1.5 s
     needed = []
     for _ in range(6):
         runs = 0
-        while transport.expiry(here) == pytest.approx(1.5):
-            transport.outlived_limit(here)
+        while transport.idle_limits.expiry(here) == pytest.approx(1.5):
+            transport.idle_limits.outlived(here)
             runs += 1
-        assert transport.expiry(here) == pytest.approx(3.0)  # past the upstream's 2 s
-        transport.learn_idle_limit(here, 2.0)  # which it undoes at once
+        assert transport.idle_limits.expiry(here) == pytest.approx(3.0)  # past the upstream's 2 s
+        transport.idle_limits.learn(here, 2.0)  # which it undoes at once
         needed.append(runs)
     assert needed == [3, 6, 12, 24, 48, 48]
 
@@ -341,21 +339,21 @@ async def test_only_a_connection_the_upstream_still_had_open_outlived_the_limit(
             assert await w.fetch("GET", up.endpoint, "/1") == (200, b"/1")
             await first
             [conn] = w.transport.idle[up.endpoint]
-            w.transport.learn_idle_limit(up.endpoint, 0.0)  # 0.25 s
+            w.transport.idle_limits.learn(up.endpoint, 0.0)  # 0.25 s
             conn.idle_since -= 1.0  # idle for 1 s (without waiting for it): past the limit
             if closed_first:  # from here until the request the test does not yield
                 socks[0].close()
                 assert select.select([conn.fileno], [], [], 5)[0], "the FIN never arrived"
-                assert not conn.lost
+                assert conn.state is not ConnectionState.CLOSED
             second = asyncio.create_task(serve_one())
             try:
                 assert await w.fetch("GET", up.endpoint, "/2") == (200, b"/2")
                 await second
             finally:
                 second.cancel()
-            assert conn.lost and len(socks) == 2
-            assert w.transport.recovery[up.endpoint].run == (0 if closed_first else 1)
-            assert w.transport.expiry(up.endpoint) == MIN_LEARNED_EXPIRY
+            assert conn.state is ConnectionState.CLOSED and len(socks) == 2
+            assert w.transport.idle_limits.recovery[up.endpoint].run == (0 if closed_first else 1)
+            assert w.transport.idle_limits.expiry(up.endpoint) == MIN_LEARNED_EXPIRY
     finally:
         for sock in socks:
             sock.close()
@@ -367,12 +365,12 @@ async def test_idle_connection_older_than_the_learned_limit_is_not_reused(
         idle_for: float, reused: bool) -> None:
     async with scripted(answering()) as up, wire() as w:
         assert await w.fetch("GET", up.endpoint, "/1") == (200, b"/1")
-        w.transport.learn_idle_limit(up.endpoint, 1.0)  # 0.75 s from now on
+        w.transport.idle_limits.learn(up.endpoint, 1.0)  # 0.75 s from now on
         [conn] = w.transport.idle[up.endpoint]
         conn.idle_since -= idle_for  # idle that long, without waiting for it
         assert await w.fetch("POST", up.endpoint, "/2", b"{}") == (200, b"/2")
         assert up.accepted == (1 if reused else 2)
-        assert conn.lost is not reused
+        assert (conn.state is ConnectionState.CLOSED) is not reused
         assert up.paths(up.accepted) == ([b"/1", b"/2"] if reused else [b"/2"])
 
 
@@ -387,7 +385,8 @@ async def test_expired_connections_at_the_bottom_of_the_pool_are_closed() -> Non
         bottom, top = w.transport.idle[up.endpoint]
         bottom.idle_since -= 5.0  # older than the 4 s expiry
         assert await w.fetch("GET", up.endpoint, "/c") == (200, b"/c")
-        assert (bottom.lost, top.lost, up.accepted) == (True, False, 2)
+        closed = ConnectionState.CLOSED
+        assert (bottom.state is closed, top.state is closed, up.accepted) == (True, False, 2)
         assert w.transport.idle[up.endpoint] == [top]
 
 
@@ -425,9 +424,9 @@ async def test_upstream_closing_an_idle_connection_teaches_its_limit() -> None:
         [conn] = w.transport.idle[up.endpoint]
         conn.idle_since -= 2.0  # the upstream keeps connections 2 s (and a little more)
         close_now.set()
-        await settled(lambda: conn.lost)
-        assert conn.lost
-        learned = w.transport.expiry(up.endpoint)
+        await settled(lambda: conn.state is ConnectionState.CLOSED)
+        assert conn.state is ConnectionState.CLOSED
+        learned = w.transport.idle_limits.expiry(up.endpoint)
         assert 2.0 * LEARNED_MARGIN <= learned < 2.0 * LEARNED_MARGIN + 0.2
         assert await w.fetch("POST", up.endpoint, "/2", b"{}") == (200, b"once")
         assert up.accepted == 2
@@ -462,7 +461,8 @@ async def test_reuse_resumes_after_an_upstream_restart(monkeypatch: pytest.Monke
         endpoint = Endpoint("http", "127.0.0.1", upstream.port)
 
         def idle() -> list[Any]:
-            return [c for c in transport.idle.get(endpoint, []) if not c.lost]
+            return [c for c in transport.idle.get(endpoint, [])
+                    if c.state is not ConnectionState.CLOSED]
 
         with uvicorn_server(app) as proxy_url:
             async with httpx.AsyncClient(base_url=proxy_url, timeout=10) as client:
@@ -470,7 +470,7 @@ async def test_reuse_resumes_after_an_upstream_restart(monkeypatch: pytest.Monke
                 assert r.status_code == 200
                 await until(lambda: len(idle()) == 1)  # pooled
                 restart.open()
-                await until(lambda: transport.expiry(endpoint) == MIN_LEARNED_EXPIRY)
+                await until(lambda: transport.idle_limits.expiry(endpoint) == MIN_LEARNED_EXPIRY)
                 connections = []
                 for _ in range(12):
                     stale = -1.0
@@ -482,7 +482,7 @@ async def test_reuse_resumes_after_an_upstream_restart(monkeypatch: pytest.Monke
                     # Back in the pool (released after the last byte went out).
                     await until(lambda s=stale: any(c.idle_since > s for c in idle()))
                     connections.append(upstream.connections)
-    assert transport.expiry(endpoint) == 1.0  # 0.25 s, then 0.5 s, then 1 s
+    assert transport.idle_limits.expiry(endpoint) == 1.0  # 0.25 s, then 0.5 s, then 1 s
     assert connections[-5:] == [connections[-5]] * 5, connections  # reused again
     assert connections[-5] == 8  # the restarted one, then seven retired past the limit
 
