@@ -1,30 +1,15 @@
 """One live upstream: its client, request building, header filtering, error mapping.
 
-:class:`LiveUpstream` is one configured upstream (:class:`proxy.upstream_spec.UpstreamSpec`)
-made live: its client (:class:`UpstreamClient`), its admission, the headers it adds and
-its in-flight gauge. Which one takes a request is :mod:`proxy.routing`'s.
-
-Faithfulness rules (docs/clients.md, "What unchanged means"): method, path below the
-base URL, query string, body bytes and headers are forwarded as received, except the
-hop-by-hop headers (RFC 9110 section 7.6.1, plus any named in ``Connection``), ``Host``
-and ``Content-Length`` (recomputed for the upstream), and ``Accept-Encoding`` on measured
-routes (forced to ``identity`` so events can be parsed as they pass).
-
-The proxy only ever talks to its configured upstream: the request target is the
-configured base URL plus the path *below* ``/v1``, and a path whose segments decode to
-``.``/``..`` or contain an encoded slash or backslash is refused before anything is
-sent (:func:`safe_subpath`).
-
-The client is :mod:`proxy.wire`, and its exceptions are mapped to OpenAI-shaped errors
-here and only here (:func:`error_response`): cannot connect -> 502, no free connection
-or the upstream timed out -> 504, anything else -> 502 (``upstream_headers_too_large``
-for a response head over ``proxy.wire.http11.MAX_HEAD_BYTES``, else ``upstream_failed``); the
-message names the upstream's host, never a key or a path.
-
-``HTTP(S)_PROXY`` / ``NO_PROXY`` are honoured as users set them, decided once at
-start-up and logged in one line: an ``https`` upstream is reached through a ``CONNECT``
-tunnel, a plain ``http`` one by asking the proxy in absolute form
-(``POST http://host:port/v1/... HTTP/1.1``).
+:class:`LiveUpstream` is one configured upstream made live: its client
+(:class:`UpstreamClient`), admission, added headers and in-flight gauge; which one takes a
+request is :mod:`proxy.routing`'s. Requests are forwarded as received (docs/clients.md,
+"What unchanged means") but for hop-by-hop headers, ``Host`` and ``Content-Length``
+(recomputed), and ``Accept-Encoding`` on measured routes (``identity``, so events can be
+parsed as they pass). The target is the configured base URL plus the path below ``/v1``,
+never outside it (:func:`safe_subpath`). ``HTTP(S)_PROXY`` / ``NO_PROXY`` are decided once
+per upstream and logged in one line. The client's exceptions (:mod:`proxy.wire.errors`)
+become OpenAI-shaped errors here and only here (:func:`error_response`), naming the
+upstream's host, never a key or a path.
 """
 
 from __future__ import annotations
@@ -55,6 +40,7 @@ from proxy.wire.response import WireResponse
 
 log = logging.getLogger("proxy")
 
+# Never forwarded (RFC 9110 section 7.6.1), nor any field that Connection names.
 HOP_BY_HOP = frozenset({
     b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization",
     b"proxy-connection", b"te", b"trailer", b"trailers", b"transfer-encoding", b"upgrade",
@@ -80,10 +66,18 @@ class UpstreamClient:
         port = parts.port or (443 if scheme == "https" else 80)
         self.host = f"{hostname}:{port}"
         self.hostname, self.port = hostname, port
-        self.transport = transport if transport is not None else WireTransport(
-            max_connections=spec.max_connections, connect_timeout=spec.connect_timeout,
-            read_timeout=spec.read_timeout, write_timeout=spec.write_timeout,
-            keepalive_expiry=spec.keepalive_expiry, resend_on_reset=spec.resend_on_reset)
+        self.transport = (
+            transport
+            if transport is not None
+            else WireTransport(
+                max_connections=spec.max_connections,
+                connect_timeout=spec.connect_timeout,
+                read_timeout=spec.read_timeout,
+                write_timeout=spec.write_timeout,
+                keepalive_expiry=spec.keepalive_expiry,
+                resend_on_reset=spec.resend_on_reset,
+            )
+        )
         host_text = f"[{hostname}]" if ":" in hostname else hostname
         netloc = host_text.encode("idna") + (f":{parts.port}".encode() if parts.port else b"")
         self._host_header = netloc
@@ -102,11 +96,23 @@ class UpstreamClient:
                 if via.authorization:
                     self._proxy_headers = [(b"proxy-authorization", via.authorization)]
                 how = "absolute-form requests"
-            log.info("upstream %s is reached through the HTTP proxy %s:%d (%s_PROXY), with %s",
-                     self.host, via.host, via.port, scheme.upper(), how)
+            log.info(
+                "upstream %s is reached through the HTTP proxy %s:%d (%s_PROXY), with %s",
+                self.host,
+                via.host,
+                via.port,
+                scheme.upper(),
+                how,
+            )
 
-    async def open(self, method: str, subpath: bytes, query: bytes,
-                   headers: list[tuple[bytes, bytes]], body: bytes) -> WireResponse:
+    async def open(
+        self,
+        method: str,
+        subpath: bytes,
+        query: bytes,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+    ) -> WireResponse:
         """Send a request for ``<base><subpath>?<query>``; return once the response
         headers arrived (the body is ``response.body``, not yet read)."""
         target = self._prefix + subpath + (b"?" + query if query else b"")
@@ -140,11 +146,25 @@ class LiveUpstream:
     per upstream), the headers it adds, and its in-flight gauge. Everything is decided
     here once; a request only reads it."""
 
-    __slots__ = ("active", "admission", "client", "closing", "headers", "in_flight", "key",
-                 "name", "spec", "telemetry")
+    __slots__ = (
+        "active",
+        "admission",
+        "client",
+        "closing",
+        "headers",
+        "in_flight",
+        "key",
+        "name",
+        "spec",
+        "telemetry",
+    )
 
-    def __init__(self, spec: UpstreamSpec, in_flight: Gauge | None = None,
-                 transport: WireTransport | None = None) -> None:
+    def __init__(
+        self,
+        spec: UpstreamSpec,
+        in_flight: Gauge | None = None,
+        transport: WireTransport | None = None,
+    ) -> None:
         self.spec = spec
         self.name = spec.name
         self.client = UpstreamClient(spec, transport)
@@ -198,14 +218,18 @@ def safe_subpath(raw_path: bytes) -> bytes:
     return rest
 
 
-def forward_headers(raw: Iterable[tuple[bytes, bytes]], *, identity: bool,
-                    drop: frozenset[bytes] = frozenset()) -> list[tuple[bytes, bytes]]:
+def forward_headers(
+    raw: Iterable[tuple[bytes, bytes]], *, identity: bool, drop: frozenset[bytes] = frozenset()
+) -> list[tuple[bytes, bytes]]:
     """Request headers for the upstream: hop-by-hop, Host and Content-Length removed."""
     items = list(raw)
     named = _connection_tokens(items)
     out = [
-        (k, v) for k, v in items
-        if k not in _REQUEST_DROP and k not in named and k not in drop
+        (k, v)
+        for k, v in items
+        if k not in _REQUEST_DROP
+        and k not in named
+        and k not in drop
         and not (identity and k == b"accept-encoding")
     ]
     if identity:
@@ -213,7 +237,9 @@ def forward_headers(raw: Iterable[tuple[bytes, bytes]], *, identity: bool,
     return out
 
 
-def response_headers(raw: Iterable[tuple[bytes, bytes]], *, keep_length: bool) -> list[tuple[bytes, bytes]]:
+def response_headers(
+    raw: Iterable[tuple[bytes, bytes]], *, keep_length: bool
+) -> list[tuple[bytes, bytes]]:
     """Response headers for the client: hop-by-hop removed, the rest unchanged."""
     items = list(raw)
     named = _connection_tokens(items)
@@ -223,33 +249,37 @@ def response_headers(raw: Iterable[tuple[bytes, bytes]], *, keep_length: bool) -
 
 def _connection_tokens(items: list[tuple[bytes, bytes]]) -> frozenset[bytes]:
     tokens = [
-        t.strip().lower()
-        for k, v in items if k.lower() == b"connection"
-        for t in v.split(b",")
+        t.strip().lower() for k, v in items if k.lower() == b"connection" for t in v.split(b",")
     ]
     return frozenset(t for t in tokens if t)
 
 
 def error_body(message: str, type_: str, code: str | None) -> bytes:
     """The OpenAI error shape: ``{"error": {"message", "type", "param", "code"}}``."""
-    return json.dumps({"error": {"message": message, "type": type_, "param": None,
-                                 "code": code}}).encode()
+    return json.dumps(
+        {"error": {"message": message, "type": type_, "param": None, "code": code}}
+    ).encode()
 
 
 def error_response(exc: UpstreamError, host: str) -> tuple[int, bytes]:
     """Status and OpenAI-shaped body for an upstream failure before response headers."""
     detail = str(exc) or type(exc).__name__
     if isinstance(exc, ConnectError):
-        return 502, error_body(f"upstream {host} unreachable: {detail}", "upstream_error",
-                               "upstream_unreachable")
+        return 502, error_body(
+            f"upstream {host} unreachable: {detail}", "upstream_error", "upstream_unreachable"
+        )
     if isinstance(exc, PoolTimeout):
-        return 504, error_body(f"no connection to upstream {host} became free in time",
-                               "upstream_error", "upstream_pool_timeout")
+        return 504, error_body(
+            f"no connection to upstream {host} became free in time",
+            "upstream_error",
+            "upstream_pool_timeout",
+        )
     if isinstance(exc, UpstreamTimeout):
-        return 504, error_body(f"upstream {host} timed out: {detail}", "upstream_error",
-                               "upstream_timeout")
+        return 504, error_body(
+            f"upstream {host} timed out: {detail}", "upstream_error", "upstream_timeout"
+        )
     if isinstance(exc, ResponseHeadTooLarge):
-        return 502, error_body(f"upstream {host} sent {detail}", "upstream_error",
-                               "upstream_headers_too_large")
-    return 502, error_body(f"upstream {host} failed: {detail}", "upstream_error",
-                           "upstream_failed")
+        return 502, error_body(
+            f"upstream {host} sent {detail}", "upstream_error", "upstream_headers_too_large"
+        )
+    return 502, error_body(f"upstream {host} failed: {detail}", "upstream_error", "upstream_failed")
