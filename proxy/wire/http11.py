@@ -194,7 +194,8 @@ def _parser_reads_chunked(lines: list[bytes]) -> bool:
 
 class Decoding:
     """The transfer coding left on a body once it is de-chunked (``gzip``, ``deflate``),
-    undone between the connection and the caller's sink. Only a response with such a
+    undone between the connection and the caller's sink: it is hop-by-hop (RFC 9112
+    section 6.1), so it ends here as the chunk framing does. Only a response with such a
     coding has one: :meth:`WireBody.pipe` puts :meth:`feed` in front of the sink.
 
     Output goes to the sink in pieces of at most :data:`DECODE_PIECE` bytes; when the
