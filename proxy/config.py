@@ -89,6 +89,7 @@ class Settings:
     max_upstream_connections: int = 1000
     upstream_keepalive_expiry: float = 4.0
     upstream_resend_on_reset: bool = True
+    upstream_keep_warm: float = 900.0
     connect_timeout: float = 5.0
     read_timeout: float = 300.0
     write_timeout: float = 30.0
@@ -352,6 +353,13 @@ OPTIONS: tuple[Option, ...] = (
            "shorter limit from an upstream that closes idle connections sooner, and raises it "
            "again, step by step up to this value, when connections outlive it (as after an "
            "upstream restart).", "S", group=Group.LIMITS),
+    Option("upstream_keep_warm", _seconds_or_zero, "Seconds after an upstream's last request "
+           "during which the proxy keeps one idle connection to it open: when the last idle "
+           "connection reaches --upstream-keepalive-expiry it is replaced by a new one, so a "
+           "request after a pause does not wait for a connection's set-up (TCP, TLS, a proxy "
+           "tunnel). It costs one connection set-up per expiry period per upstream while "
+           "warm, and the upstream sees connections that carry no request. 0: off.", "S",
+           group=Group.LIMITS),
     Option("upstream_resend_on_reset", _bool, "Send a POST once more, on a new connection, when "
            "the pooled connection it went out on is reset within 1 s before any byte of the "
            "answer: an upstream closing an idle connection as the request arrived, with the "

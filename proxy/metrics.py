@@ -296,9 +296,9 @@ class Metrics:
             "(vLLM metrics.queue_time_ms in the usage chunk, or an x-queue-time header in ms).",
             base, buckets=QUEUE_BUCKETS, registry=reg)
         self.overhead = Histogram(
-            "llm_proxy_overhead_seconds", "What the proxy itself costs before the upstream sees "
-            "the request: from receiving it to handing it to the upstream HTTP client, less "
-            "queue time.", base, buckets=OVERHEAD_BUCKETS, registry=reg)
+            "llm_proxy_overhead_seconds", "What the proxy itself costs before the upstream has "
+            "the request: from receiving it to writing it to the upstream's socket, a new "
+            "connection's set-up (TCP, TLS, a proxy tunnel) included, less queue time.", base, buckets=OVERHEAD_BUCKETS, registry=reg)
         tb = settings.token_buckets
         self.prompt_tokens = Histogram(
             "llm_proxy_prompt_tokens", "Prompt tokens per request, cached ones included: chat "

@@ -500,11 +500,12 @@ class V1Handler:
         try:
             x.response = await target.client.open(
                 scope["method"], x.subpath, scope.get("query_string", b""),
-                out_headers, body)
+                out_headers, body, self.clock)
         except UpstreamError as exc:
             status, err = error_response(exc, target.client.host)
             x.reason = f"{type(exc).__name__}: {exc}"
             raise UpstreamFailed(status, err, failure_outcome(exc)) from None
+        x.overhead_s += x.response.setup_s  # until written: a new connection's set-up too
         if self.prefix is not None:  # runs later (batched, or in a thread): after the request was sent
             stream = x.response.headers.get("content-type", "").startswith("text/event-stream")
             x.prefix = self.prefix.begin(x.measured, x.payload, target.spec, x.t0,

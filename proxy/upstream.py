@@ -17,8 +17,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 import urllib.request
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 from urllib.parse import unquote_to_bytes, urlsplit
 
@@ -76,6 +77,7 @@ class UpstreamClient:
                 write_timeout=spec.write_timeout,
                 keepalive_expiry=spec.keepalive_expiry,
                 resend_on_reset=spec.resend_on_reset,
+                keep_warm=spec.keep_warm,
             )
         )
         host_text = f"[{hostname}]" if ":" in hostname else hostname
@@ -112,14 +114,16 @@ class UpstreamClient:
         query: bytes,
         headers: list[tuple[bytes, bytes]],
         body: bytes,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> WireResponse:
         """Send a request for ``<base><subpath>?<query>``; return once the response
-        headers arrived (the body is ``response.body``, not yet read)."""
+        headers arrived (the body is ``response.body``, not yet read). ``clock`` times
+        the response's ``setup_s`` (the caller's clock, so durations add up)."""
         target = self._prefix + subpath + (b"?" + query if query else b"")
         if self._proxy_headers:
             headers = [*headers, *self._proxy_headers]
         payload = serialize(method, target, self._host_header, headers, body)
-        return await self.transport.exchange(method, self.endpoint, payload)
+        return await self.transport.exchange(method, self.endpoint, payload, clock)
 
     async def aclose(self) -> None:
         await self.transport.aclose()

@@ -59,6 +59,7 @@ _UPSTREAM_KEYS = {
     "write_timeout": "a number of seconds > 0",
     "keepalive_expiry": "a number of seconds > 0",
     "resend_on_reset": "true or false",
+    "keep_warm": "a number of seconds >= 0 (0: off)",
     "headers": "a table of header names to values, e.g. { anthropic-version = \"2023-06-01\" }",
     "min_cacheable_tokens": "an integer >= 0 (tokens: the shortest prefix it caches)",
     "cache_granularity_tokens": "an integer >= 1 (tokens: the steps it caches in)",
@@ -73,6 +74,7 @@ UPSTREAM_LIMIT_SETTINGS = {
     "write_timeout": "write_timeout",
     "keepalive_expiry": "upstream_keepalive_expiry",
     "resend_on_reset": "upstream_resend_on_reset",
+    "keep_warm": "upstream_keep_warm",
 }
 # What the absence of each other key means; the settings reference shows it beside
 # _UPSTREAM_KEYS' wording (docs/generate.py refuses a key that has neither).
@@ -129,6 +131,7 @@ class UpstreamSpec:
     write_timeout: float = 30.0
     keepalive_expiry: float = 4.0
     resend_on_reset: bool = True  # a POST reset unread is sent again (proxy.wire)
+    keep_warm: float = 900.0  # seconds after the last request with one idle connection kept
     headers: tuple[tuple[str, str], ...] = ()
     provider: str = ""  # gen_ai.provider.name; empty: from the host, else from the API
     # The prompt-cache doctor (proxy.doctor.job); None: the provider's default per API
@@ -238,6 +241,8 @@ def _spec(path: str, index: int, table: Mapping[str, Any], limits: Mapping[str, 
     for key in ("connect_timeout", "read_timeout", "write_timeout", "keepalive_expiry"):
         if key in table:
             values[key] = float(get(key, (int, float), lambda v: 0 < v < float("inf")))
+    if "keep_warm" in table:
+        values["keep_warm"] = float(get("keep_warm", (int, float), lambda v: 0 <= v < float("inf")))
     if "headers" in table:
         headers = get("headers", dict)
         pairs = []

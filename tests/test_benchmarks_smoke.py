@@ -450,6 +450,7 @@ def test_timeline_stamps_every_step_of_the_request_path(tmp_path: Path) -> None:
             "--json",
             str(out),
             "--proxy-arg=--upstream-keepalive-expiry=0.1",
+            "--proxy-arg=--upstream-keep-warm=0",
         ],
         check=True,
         capture_output=True,

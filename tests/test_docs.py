@@ -174,7 +174,8 @@ def test_an_absent_upstream_limit_is_the_top_level_setting(tmp_path: Path) -> No
     a top-level value reaches an upstream that does not set the key."""
     top = {"max_concurrency": 7, "max_queue": 9, "max_upstream_connections": 11,
            "connect_timeout": 1.5, "read_timeout": 2.5, "write_timeout": 3.5,
-           "upstream_keepalive_expiry": 0.5, "upstream_resend_on_reset": False}
+           "upstream_keepalive_expiry": 0.5, "upstream_resend_on_reset": False,
+           "upstream_keep_warm": 30.0}
     assert set(top) == set(UPSTREAM_LIMIT_SETTINGS.values())
     path = tmp_path / "proxy.toml"
     path.write_text("".join(f"{k} = {_toml(v)}\n" for k, v in top.items())

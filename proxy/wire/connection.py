@@ -444,8 +444,12 @@ class Connection(asyncio.Protocol):
             and not self.transport.is_closing()
         ):
             self.resume_reading()  # it may have ended while the client was slow
-            self.idle_since = self.loop.time()
-            self.state = _IDLE
+            self.park()
             self.idle.append(self)
         else:
             self.abort()
+
+    def park(self) -> None:
+        """Idle from now on; the caller puts it in the idle list."""
+        self.idle_since = self.loop.time()
+        self.state = _IDLE

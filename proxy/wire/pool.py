@@ -7,8 +7,11 @@ the one resend of a request the upstream's idle close met
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import ssl
+import time
+from collections.abc import Callable
 
 from proxy.logs import RateLimitedLog
 from proxy.wire.connection import Connection
@@ -18,6 +21,7 @@ from proxy.wire.errors import (
     ConnectTimeout,
     PoolTimeout,
     ResetBeforeAnswer,
+    UpstreamError,
     UpstreamTimeout,
 )
 from proxy.wire.keepalive import IdleLimits
@@ -45,6 +49,11 @@ class WireTransport:
         resend_on_reset: send a non-idempotent request again after
             :class:`ResetBeforeAnswer` (``--upstream-resend-on-reset``; off when a
             middlebox may have forwarded it already).
+        keep_warm: seconds after an endpoint's last request during which the pool keeps
+            one fresh idle connection to it (``--upstream-keep-warm``; 0: off). When the
+            last idle connection expires it is replaced, so a request after a pause
+            does not wait for a connection's set-up (``docs/design/upstream-client.md``,
+            "Keeping a connection warm").
     """
 
     def __init__(
@@ -57,6 +66,7 @@ class WireTransport:
         keepalive_expiry: float = 4.0,
         ssl_context: ssl.SSLContext | None = None,
         resend_on_reset: bool = True,
+        keep_warm: float = 0.0,
     ) -> None:
         self.connect_timeout = connect_timeout
         self.resend_on_reset = resend_on_reset
@@ -68,6 +78,11 @@ class WireTransport:
         self._slots = asyncio.Semaphore(max_connections)
         self.idle: dict[Endpoint, list[Connection]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.keep_warm = keep_warm
+        self._last_request: dict[Endpoint, float] = {}  # loop time, kept only with keep_warm
+        self._tending: dict[Endpoint, asyncio.TimerHandle] = {}
+        self._warming: dict[Endpoint, asyncio.Task[None]] = {}
+        self._in_flight: dict[Endpoint, int] = {}  # exchanges not yet released, with keep_warm
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -75,7 +90,13 @@ class WireTransport:
             self._loop = asyncio.get_running_loop()
         return self._loop
 
-    async def exchange(self, method: str, endpoint: Endpoint, payload: bytes) -> WireResponse:
+    async def exchange(
+        self,
+        method: str,
+        endpoint: Endpoint,
+        payload: bytes,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> WireResponse:
         """Send ``payload`` (a whole serialized request, :func:`~proxy.wire.http11.serialize`) to
         ``endpoint``; return at the response headers."""
         if self._slots.locked():
@@ -86,12 +107,22 @@ class WireTransport:
                 raise PoolTimeout("no upstream connection became free in time") from None
         else:
             await self._slots.acquire()  # free slot: returns at once
+        release = self._slots.release
+        if self.keep_warm:
+            self._last_request[endpoint] = self.loop.time()
+            self._in_flight[endpoint] = self._in_flight.get(endpoint, 0) + 1
+            release = functools.partial(self._released, endpoint)
+            if endpoint not in self._tending:
+                self._tend_later(endpoint, self.idle_limits.expiry(endpoint))
         conn: Connection | None = None
+        setup_s = 0.0
         try:
             head = method == "HEAD"
             for attempt in range(2):
+                t_setup = clock()
                 conn, reused = await self._connection(endpoint)
                 ex = conn.start(payload, head)
+                setup_s += clock() - t_setup
                 while not ex.headers_done and not ex.finished:
                     await ex.wait(self.loop)
                 if (
@@ -115,24 +146,30 @@ class WireTransport:
         except BaseException:
             if conn is not None:
                 conn.release(conn.ex)  # not finished cleanly: closed, never pooled
-            self._slots.release()
+            release()
             raise
-        return WireResponse(ex.status, ex.raw_headers, WireBody(conn, ex, self._slots.release))
+        return WireResponse(ex.status, ex.raw_headers, WireBody(conn, ex, release), setup_s)
+
+    def _expire(self, endpoint: Endpoint, idle: list[Connection], now: float) -> float:
+        """Close the connections of ``idle`` that waited longer than the endpoint's idle
+        limit; returns that limit."""
+        limits = self.idle_limits
+        expiry = limits.expiry(endpoint)
+        outlived = False
+        while idle and now - idle[0].idle_since > expiry:
+            conn = idle.pop(0)  # the longest idle (LIFO: at the bottom) expired: close it
+            outlived = outlived or (endpoint in limits.learned and conn.still_open())
+            conn.abort()
+        if outlived:  # one per pass: a burst's connections expire together
+            limits.outlived(endpoint)
+        return expiry
 
     async def _connection(self, endpoint: Endpoint) -> tuple[Connection, bool]:
         """A pooled connection (True) or a new one (False)."""
         idle = self.idle.get(endpoint)
         if idle:
             now = self.loop.time()
-            limits = self.idle_limits
-            expiry = limits.expiry(endpoint)
-            outlived = False
-            while idle and now - idle[0].idle_since > expiry:
-                conn = idle.pop(0)  # the longest idle (LIFO: at the bottom) expired: close it
-                outlived = outlived or (endpoint in limits.learned and conn.still_open())
-                conn.abort()
-            if outlived:  # one per pass: a burst's connections expire together
-                limits.outlived(endpoint)
+            expiry = self._expire(endpoint, idle, now)
             while idle:
                 conn = idle.pop()
                 if conn.idle_and_alive(now, expiry):
@@ -179,7 +216,54 @@ class WireTransport:
             raise ConnectError(f"cannot connect to {target}: {exc}") from exc
         return conn
 
+    # -- keeping one connection warm (keep_warm) ------------------------------------------
+
+    def _released(self, endpoint: Endpoint) -> None:
+        self._slots.release()
+        self._in_flight[endpoint] -= 1
+
+    def _tend_later(self, endpoint: Endpoint, delay: float) -> None:
+        self._tending[endpoint] = self.loop.call_later(delay, self._tend, endpoint)
+
+    def _tend(self, endpoint: Endpoint) -> None:
+        """Runs when the endpoint's oldest idle connection expires, or an idle limit
+        after the last look: expired connections go, and when none is left idle within
+        ``keep_warm`` of the endpoint's last request, a new one is opened to wait for the
+        next. Stops once the endpoint has had no request for ``keep_warm`` seconds."""
+        del self._tending[endpoint]
+        now = self.loop.time()
+        idle = self.idle.setdefault(endpoint, [])
+        expiry = self._expire(endpoint, idle, now)
+        if now - self._last_request.get(endpoint, now) >= self.keep_warm:
+            self._last_request.pop(endpoint, None)
+            return
+        if idle:  # look again when the oldest expires
+            self._tend_later(endpoint, max(idle[0].idle_since + expiry - now, 0.0) + 0.001)
+            return
+        if not self._in_flight.get(endpoint) and endpoint not in self._warming:
+            # (a connection in use comes back idle when its exchange ends: no spare)
+            task = self.loop.create_task(self._warm(endpoint, idle))
+            self._warming[endpoint] = task
+            task.add_done_callback(lambda _: self._warming.pop(endpoint, None))
+        self._tend_later(endpoint, expiry)
+
+    async def _warm(self, endpoint: Endpoint, idle: list[Connection]) -> None:
+        try:
+            conn = await self._connect(endpoint)
+        except UpstreamError as exc:  # the next request connects and reports it
+            log.debug(
+                "keeping a connection to %s:%d warm failed: %s", endpoint.host, endpoint.port, exc
+            )
+            return
+        conn.park()
+        idle.append(conn)
+
     async def aclose(self) -> None:
+        for handle in self._tending.values():
+            handle.cancel()
+        self._tending.clear()
+        for task in list(self._warming.values()):
+            task.cancel()
         for conns in self.idle.values():
             for conn in conns:
                 conn.abort()

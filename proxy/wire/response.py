@@ -93,14 +93,23 @@ class Headers:
 
 
 class WireResponse:
-    """What :meth:`WireTransport.exchange` returns: status, headers, and the body."""
+    """What :meth:`WireTransport.exchange` returns: status, headers, the body, and
+    ``setup_s``: seconds from taking a connection slot until the request was written,
+    a new connection's set-up (TCP, TLS, a proxy's tunnel) and a resend included."""
 
-    __slots__ = ("body", "headers", "status_code")
+    __slots__ = ("body", "headers", "setup_s", "status_code")
 
-    def __init__(self, status: int, raw_headers: list[tuple[bytes, bytes]], body: WireBody) -> None:
+    def __init__(
+        self,
+        status: int,
+        raw_headers: list[tuple[bytes, bytes]],
+        body: WireBody,
+        setup_s: float = 0.0,
+    ) -> None:
         self.status_code = status
         self.headers = Headers(raw_headers)
         self.body = body
+        self.setup_s = setup_s
 
     async def aclose(self) -> None:
         await self.body.aclose()
