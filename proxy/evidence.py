@@ -1,73 +1,23 @@
-"""The evidence the levers read (:class:`proxy.diagnosis.levers.Evidence`), gathered from
-wherever the proxy's counters live: a proxy's ``/metrics`` text, the proxy's own registry
-(the live page), or a Prometheus server's answers (a fleet).
+"""The evidence the levers read (:class:`proxy.diagnosis.levers.Evidence`), from wherever
+the proxy's counters live: its ``/metrics`` text, its own registry (the live page), or a
+Prometheus server's answers (a fleet).
 
-All three come down to one shape, a :class:`Reading`: per (route, model, upstream), the
-samples the diagnosis needs, each summed over every other label (``stream``, ``code``,
-``client``, ``outcome``, and whatever a later version adds), keeping only ``le`` for the
-two histograms whose buckets are read and ``finish_reason`` for why answers ended. A
-reading of a registry or a scrape is cumulative (since each process started); the
-difference of two readings (:meth:`Reading.minus`) is a window; a reading of Prometheus
-is already a window, built from ``increase()`` over a range. :func:`evidence` turns any
-of them into one :class:`Evidence` per selection.
+All three come down to a :class:`Reading`: per (route, model, upstream) the samples the
+diagnosis needs, summed over every other label. A reading of a registry or a scrape is
+cumulative, the difference of two (:meth:`Reading.minus`) a window; Prometheus answers a
+window. :func:`evidence` turns any of them into one :class:`Evidence` per selection.
+:func:`read_registry` is the one walk over a registry, shared with the live page.
 
-What each figure is read from (means are ``_sum / _count``, exact):
-
-* ``requests``: ``llm_proxy_requests_total`` (every answered request of the selection,
-  any status, streamed or not);
-* ``streams`` and the mean first token: ``llm_proxy_time_to_first_token_seconds``;
-* the prefill fit: the ``llm_proxy_prefill_fit_*`` sums (:mod:`proxy.diagnosis.fit`);
-* queue in the proxy, queue the upstream reported: the two queue-time histograms (the
-  upstream's is None when it reported none, never 0);
-* mean total time: ``llm_proxy_request_duration_seconds`` of streams (``stream="true"``);
-* decode rate: the time-per-output-token histogram, buckets and sum;
-* output length: the completion-token histogram, buckets and sum;
-* why answers ended: ``llm_proxy_finish_reasons_total`` by ``finish_reason``;
-* prompt tokens a cache should have served and did not, per request:
-  ``llm_proxy_prompt_cache_missed_tokens_total`` over the requests the prompt-cache doctor
-  examined (``llm_proxy_prompt_cache_missed_tokens_per_request_count``; the fit's
-  requests when that histogram is absent); None when the proxy exports neither (the
-  doctor is off, or a version without it);
-* streams left out of the fit (no prompt token count at all) and the fit's requests whose
-  prompt tokens are the proxy's estimate: ``llm_proxy_prefill_fit_skipped_total`` and
-  ``llm_proxy_prefill_fit_estimated_requests_total``, so the card can say why a fit is
-  missing and that its tokens were estimated;
-* the engine's own prefill time (llama.cpp's timings): the mean of
-  ``llm_proxy_upstream_prefill_seconds``.
-
-A selection is listed when the window holds a measured request of it (a first token, an
-output-token count or a fitted stream): a route the proxy only relays, or a selection
-idle over the window, has nothing to diagnose.
-
-The live page: one :func:`read_registry` per reading of its ring, each reusing the
-previous reading's figures for every selection that did not change (an idle selection
-then costs a pointer per reading, as the ring's own series do); the card for the last
-minute is ``evidence(now, before=reading_a_minute_ago)``, since start ``evidence(now)``.
-:class:`ReadingBuilder` lets a caller that already walks ``registry.collect()`` feed the
-same loop (``builder.wants(name)`` then ``builder.sample(...)``) instead of collecting
-twice. Reading the registry runs nothing per request or per event.
-
-Prometheus: :func:`prometheus_queries` lists the queries (sum by route, model and upstream
-of ``increase()`` of each series, so replicas and workers add up and a restart's reset is
-handled as PromQL handles it), :func:`prometheus_query` joins them into the one query
-sent (one instant, one view of the data), and :func:`reading_from_prometheus` takes its
-answer.
-The fit's six sums come from the recording rules
-(``upstream_model_route:llm_proxy_prefill_fit_*:increase5m`` and ``...:increase1h``)
-when the range is one of theirs, so the command shows the numbers Grafana shows;
-otherwise, or when those rules are not loaded, from ``increase()`` of the counters.
-
-Nothing here does network I/O: the command (:mod:`proxy.diagnose`) fetches. Parsing
-the text format uses prometheus_client's parser through :mod:`proxy.bench.promscrape`,
-imported only when text is read, so importing this module pulls in no metric library
-(the serving path sets up multiprocess storage before prometheus_client is imported).
+No network I/O here (:mod:`proxy.diagnose` fetches), and no metric library is imported
+until text is parsed (the serving path sets up multiprocess storage first).
+What each figure is read from: docs/design/evidence.md.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -170,10 +120,6 @@ class ReadingBuilder:
     def __init__(self) -> None:
         self._figures: dict[Key, Figures] = {}
 
-    @staticmethod
-    def wants(name: str) -> bool:
-        return name in SAMPLE_NAMES
-
     def sample(self, name: str, labels: Mapping[str, str], value: float) -> None:
         if name not in SAMPLE_NAMES or not math.isfinite(value):
             return
@@ -185,7 +131,7 @@ class ReadingBuilder:
             figs = self._figures[key] = Figures()
         histogram = _BUCKET_OF.get(name)
         if histogram is not None:
-            le = _edge(labels.get("le", ""))
+            le = bucket_edge(labels.get("le", ""))
             if le is not None:
                 edges = figs.buckets.setdefault(histogram, {})
                 edges[le] = edges.get(le, 0.0) + value
@@ -207,9 +153,10 @@ class ReadingBuilder:
         return Reading(out)
 
 
-def _edge(text: str) -> float | None:
+def bucket_edge(le: str) -> float | None:
+    """A histogram bucket's ``le`` label as a number (``+Inf`` included); None if not one."""
     try:
-        return float(text)  # "+Inf" included
+        return float(le)
     except ValueError:
         return None
 
@@ -223,14 +170,22 @@ class Registry(Protocol):
     def collect(self) -> Iterable[Any]: ...
 
 
-def read_registry(registry: Registry, previous: Reading | None = None) -> Reading:
+def read_registry(registry: Registry, previous: Reading | None = None, *,
+                  also: Callable[[str, Mapping[str, str], float], None] | None = None,
+                  names: frozenset[str] = SAMPLE_NAMES) -> Reading:
     """One ``collect()`` of the proxy's own registry (with workers, the multiprocess
-    registry that reads every worker's files), cumulative."""
+    registry that reads every worker's files), cumulative. ``also`` gets every sample
+    named in ``names`` (a superset of :data:`SAMPLE_NAMES`), so that the live page reads
+    its own figures in the same walk."""
     builder = ReadingBuilder()
     for family in registry.collect():
         for sample in family.samples:
-            if sample.name in SAMPLE_NAMES:
-                builder.sample(sample.name, sample.labels, float(sample.value))
+            name = sample.name
+            if name in names:
+                value = float(sample.value)
+                if also is not None:
+                    also(name, sample.labels, value)
+                builder.sample(name, sample.labels, value)
     return builder.build(previous)
 
 
@@ -354,13 +309,6 @@ def evidence(now: Reading, before: Reading | None = None, *, route: str | None =
     ]
     out.sort(key=lambda ev: (-ev.requests, ev.route, ev.model, ev.upstream))
     return out
-
-
-def evidence_from_registry(registry: Registry, before: Reading | None = None,
-                           **filters: str | None) -> list[Evidence]:
-    """The live page's one call: the evidence of ``registry`` since start, or since
-    ``before`` (a :func:`read_registry` the caller kept)."""
-    return evidence(read_registry(registry), before, **filters)
 
 
 def _mean(figs: Figures, histogram: str) -> float | None:

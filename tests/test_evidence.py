@@ -216,9 +216,8 @@ def test_a_window_is_the_difference_of_two_readings() -> None:
                (r.ttft_s or 0) - (r.queue_s or 0)) for r in streams]
     assert chat.fit.ms_per_1k_tokens == pytest.approx(
         fit(FitSums.of(points)).ms_per_1k_tokens, rel=1e-6)
-    assert ev.evidence_from_registry(registry, before) == window
     # nothing since the last reading: nothing to diagnose
-    assert ev.evidence_from_registry(registry, ev.read_registry(registry)) == []
+    assert ev.evidence(ev.read_registry(registry), ev.read_registry(registry)) == []
 
 
 def test_a_reset_between_two_readings_counts_from_the_reset() -> None:
@@ -265,12 +264,11 @@ def test_a_ring_of_readings_shares_what_did_not_change() -> None:
 def test_one_collect_can_feed_the_live_page_and_the_diagnosis() -> None:
     metrics, registry = fresh()
     observe(metrics, traffic())
-    builder = ev.ReadingBuilder()
-    for family in registry.collect():
-        for sample in family.samples:
-            if builder.wants(sample.name):
-                builder.sample(sample.name, sample.labels, sample.value)
-    assert ev.evidence(builder.build()) == ev.evidence(ev.read_registry(registry))
+    seen: list[str] = []
+    reading = ev.read_registry(registry, also=lambda name, labels, value: seen.append(name),
+                               names=ev.SAMPLE_NAMES | {"llm_proxy_inter_token_latency_seconds_count"})
+    assert ev.evidence(reading) == ev.evidence(ev.read_text(generate_latest(registry).decode()))
+    assert "llm_proxy_inter_token_latency_seconds_count" in seen and ev.REQUESTS in seen
 
 
 def test_missed_cache_tokens_from_the_doctors_findings() -> None:

@@ -33,7 +33,7 @@ def live_page(settings: Settings, metrics: Metrics | None) -> LivePage | None:
     if not settings.ui or metrics is None:
         return None
     from proxy.metrics import multiprocess_dir, multiprocess_registry
-    from proxy.ui.data import SAMPLE_NAMES
+    from proxy.ui.collect import SAMPLE_NAMES
 
     path = multiprocess_dir()
     # One process: only the samples the page uses are built at each reading. With

@@ -33,8 +33,10 @@ from importlib import resources
 from typing import Any
 from urllib.parse import parse_qsl
 
+from proxy.evidence import SELECTORS, Registry
 from proxy.ui.breaks import RecentBreaks
-from proxy.ui.data import SELECTORS, BadSelection, LiveData, Registry, Selection
+from proxy.ui.collect import Selection
+from proxy.ui.data import BadSelection, LiveData
 from proxy.ui.slow import SlowRequests
 from proxy.upstream import error_body
 
