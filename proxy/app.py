@@ -23,13 +23,13 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from prometheus_client import CollectorRegistry
 
 from proxy.admission import Admission
+from proxy.asgi import Receive, Scope, Send
 from proxy.auth import OBSERVER_CHALLENGE, KeyCheck, load_key_check, observer_key
 from proxy.capture import capture_from
 from proxy.clients import identify_from
@@ -49,10 +49,6 @@ from proxy.wire.pool import WireTransport
 
 log = logging.getLogger("proxy")
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
 
 
 class ProxyApp:

@@ -38,10 +38,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
+from proxy.asgi import Send
 from proxy.measure import Meter, Outcome
 from proxy.strip import UsageStripper
 from proxy.uvicorn_writer import client_connection, direct_writer
@@ -51,7 +51,6 @@ from proxy.wire.response import WireBody
 
 log = logging.getLogger("proxy.relay")
 
-Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 Clock = Callable[[], float]
 
 

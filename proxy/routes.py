@@ -20,13 +20,14 @@ import json
 import logging
 import math
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
 
 from proxy import bodies
 from proxy.admission import QueueFull
+from proxy.asgi import Receive, Scope, Send
 from proxy.auth import CLIENT_KEY_HEADERS, KeyCheck, presented_key
 from proxy.capture import Capture
 from proxy.clients import Identify
@@ -72,10 +73,6 @@ from proxy.wire.response import WireResponse
 
 log = logging.getLogger("proxy")
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
 Clock = Callable[[], float]
 
 # The measured routes: POST to one of these is observed by its API's dialect.

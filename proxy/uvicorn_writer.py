@@ -23,12 +23,11 @@ never cut. Under any other ASGI server the relay can only bound each ``send`` ca
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Callable
 from typing import Any
 
+from proxy.asgi import Send
 from proxy.wire.http11 import GO, PAUSE, STOP, Verdict
-
-Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 # How often a paused client's write buffer is looked at (at most; a quarter of the
 # timeout when that is shorter): a stall is detected within timeout + this.

@@ -26,13 +26,14 @@ import hashlib
 import json
 import re
 import time
-from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from collections.abc import Callable, Iterable
 from functools import cache
 from http import HTTPStatus
 from importlib import resources
 from typing import Any
 from urllib.parse import parse_qsl
 
+from proxy.asgi import Scope, Send
 from proxy.evidence import SELECTORS, Registry
 from proxy.ui.breaks import RecentBreaks
 from proxy.ui.collect import Selection
@@ -45,8 +46,6 @@ DATA_PATH = "/ui/data"
 PATHS = frozenset((PAGE_PATH, PAGE_PATH + "/", DATA_PATH))
 MAX_QUERY = 512
 
-Scope = MutableMapping[str, Any]
-Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 Response = tuple[int, list[tuple[str, str]], bytes]
 
 _JSON = "application/json"
