@@ -164,6 +164,28 @@ def bounded_shutdown(shutdown: Callable[[], Any], stop_exporter: Callable[[], An
     return False
 
 
+class Exporting:
+    """What :class:`proxy.tracing.Tracing` and :class:`proxy.otel_metrics.OtelMetrics`
+    share: their SDK provider, where it exports (``description``, for the start-up line),
+    and one shutdown whose last export is bounded (:func:`bounded_shutdown`)."""
+
+    def __init__(self, provider: Any) -> None:
+        self.provider = provider
+        self.description = ""
+        self.stop_exporter: Callable[[], Any] | None = None  # ends its retries at shutdown
+
+    def force_flush(self, timeout_s: float = 10.0) -> bool:
+        return bool(self.provider.force_flush(int(timeout_s * 1000)))
+
+    def shutdown(self) -> None:
+        """Export what is still queued, then stop the exporter's thread; with the
+        collector down, waiting at most :data:`SHUTDOWN_WAIT_S`."""
+        if self.stop_exporter is None:
+            self.provider.shutdown()
+        else:
+            bounded_shutdown(self.provider.shutdown, self.stop_exporter)
+
+
 def watched(exporter_class: Any, watch: ExportWatch, success: Any, failure: Any) -> Any:
     """``exporter_class`` (an OTLP exporter) whose exports report to ``watch``. A
     subclass rather than a wrapper: the metric reader reads the exporter's temporality

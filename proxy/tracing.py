@@ -45,6 +45,7 @@ from urllib.parse import urlsplit
 
 from proxy.config import Settings
 from proxy.measure import Outcome, PrefixRecord, RequestRecord
+from proxy.otlp_export import Exporting
 
 if TYPE_CHECKING:
     from opentelemetry.propagators.textmap import TextMapPropagator
@@ -118,7 +119,7 @@ class Trace:
     span_id: str
 
 
-class Tracing:
+class Tracing(Exporting):
     """Spans for measured requests; built once by :func:`from_settings`."""
 
     def __init__(self, provider: TracerProvider, *, clock: Callable[[], float],
@@ -128,9 +129,7 @@ class Tracing:
         from opentelemetry.propagators.composite import CompositePropagator
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-        self.provider = provider
-        self.description = ""  # where spans go, for the start-up line
-        self.stop_exporter: Callable[[], Any] | None = None  # ends its retries at shutdown
+        super().__init__(provider)
         self.tracer: Tracer = provider.get_tracer("proxy.tracing")
         self.clock = clock
         self.propagate = propagate
@@ -232,19 +231,6 @@ class Tracing:
             if offset is not None:
                 span.add_event(name, timestamp=start + round(offset * 1e9))
         span.end(end_time=start + round(record.duration_s * 1e9))
-
-    def force_flush(self, timeout_s: float = 10.0) -> bool:
-        return self.provider.force_flush(int(timeout_s * 1000))
-
-    def shutdown(self) -> None:
-        """Export what is still queued, then stop the exporter's thread; with the
-        collector down, waiting at most :data:`proxy.otlp_export.SHUTDOWN_WAIT_S`."""
-        if self.stop_exporter is None:
-            self.provider.shutdown()
-            return
-        from proxy.otlp_export import bounded_shutdown
-
-        bounded_shutdown(self.provider.shutdown, self.stop_exporter)
 
 
 def prefix_attributes(p: PrefixRecord) -> dict[str, Any]:
