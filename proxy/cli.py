@@ -1,7 +1,8 @@
 """Command line: ``llm-latency-proxy {serve,simulate,bench,demo,healthcheck,trace,diagnose}``.
 
 Each sub-command lives in its own module, which exposes ``add_parser(subparsers)``;
-that function registers the sub-command and sets ``func`` (``args -> exit code``). The
+that function registers the sub-command and sets ``func`` (``args -> exit code``, or a
+:class:`proxy.errors.CliError` that :func:`main` prints in one line and exits with). The
 sub-command modules are below this one and never import it: ``healthcheck``, which
 parses a command line as the program would, gets :func:`build_parser` as ``args.program``.
 The modules keep their heavy imports (web stack, HTTP clients) inside ``func`` so
@@ -15,6 +16,7 @@ import sys
 from collections.abc import Sequence
 
 from proxy import __version__
+from proxy.errors import CliError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,7 +47,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    result: int = args.func(args)
+    try:
+        result: int = args.func(args)
+    except CliError as exc:
+        # As argparse says a bad argument, unless the command's lines begin otherwise.
+        prefix = getattr(args, "error_prefix", None) or f"{parser.prog} {args.command}: error"
+        print(f"{prefix}: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
     return result
 
 

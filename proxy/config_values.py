@@ -4,7 +4,7 @@ one (:class:`SettingsError`), and the checks that both :mod:`proxy.config` (flag
 :mod:`proxy.upstream_spec` (the file's ``[[upstream]]`` tables) apply: a URL, an
 upstream's base URL, a header name.
 
-It is the bottom of the settings and imports nothing of the proxy: the ``[[upstream]]``
+It is the bottom of the settings and imports nothing of the proxy but its error base: the ``[[upstream]]``
 tables are checked below :mod:`proxy.config`, which reads them into its settings.
 """
 
@@ -13,8 +13,10 @@ from __future__ import annotations
 import re
 from urllib.parse import urlsplit
 
+from proxy.errors import CliError
 
-class SettingsError(ValueError):
+
+class SettingsError(CliError, ValueError):
     """A setting has a bad value; the message names it and is one line."""
 
 

@@ -33,6 +33,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from proxy.errors import CliError
+
 if TYPE_CHECKING:
     import httpx
 
@@ -46,8 +48,10 @@ WIDTH = 88
 NBSP = "\u00a0"
 
 
-class SourceError(Exception):
+class SourceError(CliError):
     """The source cannot be read; the message is the one line printed."""
+
+    exit_code = 1
 
 
 def add_parser(subparsers: Any) -> None:
@@ -92,7 +96,7 @@ def add_parser(subparsers: Any) -> None:
         f"sent to --url only [default: env {KEY_ENV}]")
     parser.add_argument("--timeout", metavar="S", type=float, default=10.0,
                         help="Seconds to wait for each answer [default %(default)s]")
-    parser.set_defaults(func=run_command, parser=parser)
+    parser.set_defaults(func=run_command, parser=parser, error_prefix="diagnose")
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -102,9 +106,6 @@ def run_command(args: argparse.Namespace) -> int:
         parser.error(problem)  # exits 2
     try:
         payload = collect(args)
-    except SourceError as exc:
-        print(f"diagnose: {exc}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:
         print("\ndiagnose: interrupted", file=sys.stderr)
         return 130

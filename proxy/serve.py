@@ -110,20 +110,16 @@ def add_parser(sub: Any) -> None:
         formatter_class=_HelpFormatter,
     )
     config.add_arguments(parser)
-    parser.set_defaults(func=run)
+    parser.set_defaults(func=run, error_prefix="llm-latency-proxy: error")
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        settings = config.from_sources(args)
-        from proxy.auth import load_key_check
+    settings = config.from_sources(args)
+    from proxy.auth import load_key_check
 
-        named = (config.given_as("upstream_api_key_env", args),
-                 config.given_as("client_keys_file", args))
-        load_key_check(settings, given_as=named)  # fail now, before listening
-    except SettingsError as exc:
-        print(f"llm-latency-proxy: error: {exc}", file=sys.stderr)
-        return 2
+    named = (config.given_as("upstream_api_key_env", args),
+             config.given_as("client_keys_file", args))
+    load_key_check(settings, given_as=named)  # fail now, before listening
     # Ctrl-C in a terminal or SIGTERM before the server installs its own handlers (while
     # the app is built, the workers start): a stop, not a crash, so exit 0 without a
     # traceback, as after a drain.
@@ -288,11 +284,7 @@ def _run_single(settings: Settings) -> int:
 
     disable_created_metrics()  # type: ignore[no-untyped-call]  # no *_created series
     sock = _listen(settings.host, settings.port)
-    try:
-        app = create_app(settings)
-    except SettingsError as exc:
-        print(f"llm-latency-proxy: error: {exc}", file=sys.stderr)
-        return 2
+    app = create_app(settings)
     linger = 0
     if settings.metrics_port and app.metrics is not None:
         _start_metrics_server(settings, app.metrics.registry, app.ui)

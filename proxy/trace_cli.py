@@ -39,6 +39,7 @@ from dataclasses import replace
 from datetime import datetime, time, timedelta, tzinfo
 from typing import Any, TextIO
 
+from proxy.errors import CliError
 from proxy.tracefile import (
     DEFAULT_BLOCK_SIZE,
     Trace,
@@ -69,7 +70,7 @@ _OFFSET = re.compile(r"^\+(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.
 _TIME_OF_DAY = re.compile(r"^(\d{1,2}):(\d{2})(?::(\d{2}(?:\.\d+)?))?$")
 
 
-class WhenError(ValueError):
+class WhenError(CliError, ValueError):
     """A time the user gave cannot be read or placed."""
 
 

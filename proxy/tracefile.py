@@ -84,6 +84,8 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any, TextIO
 
+from proxy.errors import CliError
+
 DEFAULT_BLOCK_SIZE = 512  # tokens per hash id: the Mooncake traces' and AIPerf's default
 DEFAULT_ID_CAPACITY = 262_144  # keys an IdMap remembers (about 30 MB): 134 M tokens at 512
 
@@ -105,7 +107,7 @@ _OWN_SET = frozenset(OWN_FIELDS)
 _TEXT_FIELDS = {"model", "route", "upstream", "client", "outcome"}
 
 
-class TraceError(ValueError):
+class TraceError(CliError, ValueError):
     """A trace that cannot be read; the message names the file and line."""
 
 

@@ -497,8 +497,11 @@ def test_cli_rejects_bad_values(argv: tuple[str, ...], capsys: pytest.CaptureFix
 
 
 def test_cli_reports_a_config_error_with_exit_code_2(capsys: pytest.CaptureFixture[str]) -> None:
-    assert sim_cli.run(parse("--error-status", "600")) == 2
-    assert "--error-status" in capsys.readouterr().err
+    from proxy.cli import main
+
+    assert main(["simulate", "--error-status", "600"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("llm-latency-proxy simulate: error: ") and "--error-status" in err
 
 
 # ---------------------------------------------------------------------------

@@ -311,7 +311,7 @@ def add_parser(subparsers: Any) -> None:
         '(quoted, e.g. "--slots 16 --prefill-rate 20000"; one flag alone as '
         "--simulate=--slots=16), not against --base-url: what-if without an upstream",
     )
-    parser.set_defaults(func=run_command)
+    parser.set_defaults(func=run_command, error_prefix="bench")
 
 
 def _validate_trace(args: argparse.Namespace) -> str | None:
@@ -535,13 +535,9 @@ async def _main(args: argparse.Namespace) -> int:
             print(f"bench: {problem}", file=sys.stderr)
             return 2
     if args.simulate is not None:
-        from .whatif import KnobError, check_knobs, simulator
+        from .whatif import check_knobs, simulator
 
-        try:
-            knobs = check_knobs(args.simulate)
-        except KnobError as exc:
-            print(f"bench: {exc}", file=sys.stderr)
-            return 2
+        knobs = check_knobs(args.simulate)
         async with simulator(knobs) as url:
             args.base_url = url
             print(

@@ -20,12 +20,14 @@ import shlex
 import sys
 from collections.abc import AsyncIterator
 
+from proxy.errors import CliError
+
 _FORBIDDEN = ("--host", "--port", "--profiles")
 _ANNOUNCED = re.compile(r" at (http://127\.0\.0\.1:\d+/v1)")
 START_TIMEOUT_S = 60.0
 
 
-class KnobError(ValueError):
+class KnobError(CliError, ValueError):
     """The knobs do not make a simulator; the message says why."""
 
 

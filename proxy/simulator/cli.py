@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import fields
 from typing import Any
 
-from proxy.simulator.model import OUTPUT_DISTS, ConfigError, SimConfig
+from proxy.simulator.model import OUTPUT_DISTS, SimConfig
 from proxy.simulator.profiles import PROFILES, get_profile
 
 DEFAULT_HOST = "127.0.0.1"
@@ -426,13 +426,9 @@ def _url(host: str, port: int) -> str:
 
 def run(args: argparse.Namespace) -> int:
     names = profile_names(args)
-    try:
-        configs = [(name, config_from_args(args, name)) for name in names]
-        if not configs:
-            configs = [("", config_from_args(args))]
-    except ConfigError as exc:
-        print(f"llm-latency-proxy simulate: error: {exc}", file=sys.stderr)
-        return 2
+    configs = [(name, config_from_args(args, name)) for name in names]
+    if not configs:
+        configs = [("", config_from_args(args))]
     if len(configs) > 1:
         return _serve_many(args, configs)
     import uvicorn

@@ -54,11 +54,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from proxy.errors import CliError
+
 OutputDist = Literal["fixed", "uniform", "exponential"]
 OUTPUT_DISTS: tuple[str, ...] = ("fixed", "uniform", "exponential")
 
 
-class ConfigError(ValueError):
+class ConfigError(CliError, ValueError):
     """A simulator setting is out of range; the message names the flag."""
 
 
