@@ -1,6 +1,6 @@
 """Write the documentation's reference pages from the code that defines what they list.
 
-* ``reference/settings.md``: every option of ``OPTIONS`` in ``proxy/config.py`` (flag,
+* ``reference/settings.md``: every option of ``OPTIONS`` in ``proxy/options.py`` (flag,
   ``LLM_PROXY_*`` variable, config-file key, the default as ``serve --help`` shows it,
   help text) under its group's heading, in ``serve --help``'s order, every key of a config file's ``[[upstream]]`` tables
   (``proxy/upstream_spec.py``) and of its ``[cache-index]`` table (``proxy/doctor/shared_index.py``).
@@ -39,7 +39,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere: import this chec
 
 from prometheus_client import CollectorRegistry  # noqa: E402
 
-from proxy import config, upstream_spec  # noqa: E402
+from proxy import config, options, upstream_spec  # noqa: E402
 from proxy.doctor import shared_index as cache_index  # noqa: E402
 from proxy.measure import OUTCOME_MEANINGS, Outcome  # noqa: E402
 from proxy.metrics import Metrics  # noqa: E402
@@ -136,7 +136,7 @@ def _number(value: float) -> str:
 # Settings.
 
 
-def _anchor(opt: config.Option) -> str:
+def _anchor(opt: options.Option) -> str:
     """The section's anchor: its heading is the flag, slugged the repository host's way
     (``pymdownx.slugs`` in ``mkdocs.yml`` makes the site agree)."""
     return "#" + opt.flag
@@ -157,7 +157,7 @@ def _default(text: str) -> str:
 def _upstream_default(key: str) -> str:
     setting = upstream_spec.UPSTREAM_LIMIT_SETTINGS.get(key)
     if setting is not None:
-        opt = next(o for o in config.OPTIONS if o.name == setting)
+        opt = next(o for o in options.OPTIONS if o.name == setting)
         return (f"the top-level `{setting}` (`{opt.flag}`), default "
                 f"{_default(config.shown_default(opt))}")
     meaning = upstream_spec.UPSTREAM_KEY_DEFAULTS.get(key)
@@ -168,12 +168,12 @@ def _upstream_default(key: str) -> str:
     return inline(meaning)
 
 
-def _heading(group: config.Group) -> str:
+def _heading(group: options.Group) -> str:
     """The group's section heading: its ``--help`` title, capitalised."""
     return group.value[:1].upper() + group.value[1:]
 
 
-def _group_anchor(group: config.Group) -> str:
+def _group_anchor(group: options.Group) -> str:
     """The anchor of the group's heading, slugged as :func:`_anchor` says."""
     return "#" + re.sub(r"[^\w\- ]", "", _heading(group).lower()).replace(" ", "-")
 
@@ -181,10 +181,10 @@ def _group_anchor(group: config.Group) -> str:
 def settings_page() -> str:
     rows = []
     sections = []
-    for group, options in config.grouped():
+    for group, members in options.grouped():
         sections.append(f"## {_heading(group)}\n")
-        for index, opt in enumerate(options):
-            key = config.file_key(opt)
+        for index, opt in enumerate(members):
+            key = options.file_key(opt)
             shown = config.shown_default(opt)
             rows.append((f"[{_heading(group)}]({_group_anchor(group)})" if index == 0 else "",
                          f"[`{opt.flag}`]({_anchor(opt)})", f"`{opt.env}`",
@@ -196,7 +196,7 @@ def settings_page() -> str:
                 f"Flag {given}, variable `{opt.env}`, "
                 + (f"config key `{key}`" if key else "no config key")
                 + f"; default {_default(shown)}.\n\n{inline(opt.help)}\n")
-    no_key = [o for o in config.OPTIONS if not config.file_key(o)]
+    no_key = [o for o in options.OPTIONS if not options.file_key(o)]
     upstream_rows = [(f"`{key}`", inline(must_be), _upstream_default(key))
                      for key, must_be in upstream_spec._UPSTREAM_KEYS.items()]
     stale_keys = (set(upstream_spec.UPSTREAM_KEY_DEFAULTS) | set(upstream_spec.UPSTREAM_LIMIT_SETTINGS)) - set(
@@ -212,7 +212,7 @@ def settings_page() -> str:
     index_rows = [(f"`{key}`", inline(must_be), inline(cache_index.CACHE_INDEX_DEFAULTS[key]))
                   for key, must_be in cache_index.CACHE_INDEX_KEYS.items()]
     return (
-        HEADER.format(source="OPTIONS in proxy/config.py, proxy/upstream_spec.py and "
+        HEADER.format(source="OPTIONS in proxy/options.py, proxy/upstream_spec.py and "
                       "proxy/doctor/shared_index.py", command=COMMAND)
         + "\n# Settings reference\n\n"
         "Every setting is a flag of `llm-latency-proxy serve`, an environment variable and, for\n"
@@ -293,7 +293,7 @@ def _bucket_settings(plain: dict[str, _Metric]) -> dict[str, str]:
     """Metric name -> the flag that sets its buckets: each ``*_buckets`` option changed in
     turn, the metrics whose buckets moved are the ones it sets."""
     which: dict[str, str] = {}
-    for opt in config.OPTIONS:
+    for opt in options.OPTIONS:
         if not opt.name.endswith("_buckets"):
             continue
         edges: dict[str, Any] = {opt.name: (0.125, 0.375)}

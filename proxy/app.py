@@ -1,18 +1,12 @@
 """Wiring: ``create_app(settings, *, transport=None, registry=None, clock=time.perf_counter)``.
 
-The application is a small ASGI callable rather than a FastAPI app: a few fixed
-paths (``/v1/*``, ``/healthz``, ``/metrics``, and the live page ``/ui``, ``/ui/data``
-wherever ``/metrics`` is, see :mod:`proxy.ui`; when the proxy checks client keys, those
-three take a client key too, see :mod:`proxy.auth`) need no path table, and the proxied
-path is the hot path (see :mod:`proxy.routes`). Everything is built here, once:
-settings are already validated; every configured upstream is made live here
-(:class:`proxy.routing.LiveUpstreams`: per upstream its own client and connection pool,
-admission and headers, :class:`proxy.upstream.LiveUpstream`), swapped on ``SIGHUP`` and
-closed by the lifespan (or :meth:`ProxyApp.aclose` in tests that drive the app without
-a server). ``transport``, when given (tests of one upstream), is an upstream client
-(:class:`proxy.wire.pool.WireTransport`) that every upstream uses instead of building its
-own. Metrics go to the registry passed in (a fresh one per test), else to a registry of
-the app's own.
+A small ASGI callable rather than a web framework's app: its few fixed paths (``/v1/*``,
+``/healthz``, ``/metrics``, the live page ``/ui`` wherever ``/metrics`` is) need no path
+table, and ``/v1/*`` is the hot path (:mod:`proxy.routes`). Everything is built here,
+once, from validated settings: every configured upstream made live
+(:class:`proxy.routing.LiveUpstreams`), swapped on ``SIGHUP`` and closed by the lifespan
+(or :meth:`ProxyApp.aclose`). ``transport`` (tests of one upstream) is an upstream client
+every upstream uses instead of its own; metrics go to ``registry``, else to the app's own.
 """
 
 from __future__ import annotations
@@ -226,12 +220,10 @@ def reload_refused(settings: Settings, exc: SettingsError) -> str:
 
 
 def _freeze_startup_objects() -> None:
-    """Move everything alive at startup (modules, classes, settings: ~100k objects) out of
-    the garbage collector's reach, so the periodic full collections that per-event
-    allocations trigger scan only what requests created (``gc.freeze``, Python 3.7+).
-    Cheap insurance rather than a measured win: on the benchmark (64 and 256 streams of
-    50 tokens) adding it did not move CPU per event beyond the noise, nor did a 100x
-    higher gen-0 threshold on top of it."""
+    """Move everything alive at startup (modules, classes, settings) out of the garbage
+    collector's reach, so the periodic full collections that per-event allocations
+    trigger scan only what requests created (``gc.freeze``). Cheap insurance rather than
+    a measured win (docs/performance.md)."""
     gc.collect()
     gc.freeze()
 

@@ -1,36 +1,14 @@
-"""``llm-latency-proxy serve``: settings from flags and environment, then uvicorn.
+"""``llm-latency-proxy serve``: settings from flags, environment and config file, then
+uvicorn (uvloop, httptools).
 
-Start-up order matters: settings are validated (a bad one exits 2 with a one-line
-message naming it) before anything listens; with ``--workers N`` the multiprocess
-metrics directory is created *before* any process imports prometheus_client, because
-the library picks its storage at import time.
-
-Multiprocess directory: a fresh private directory per proxy instance
-(``mkdtemp``), so two proxies on one host never share or wipe each other's files; it
-is removed when the proxy exits. Workers get the settings through the ``LLM_PROXY_*``
-variables, the same path a container uses.
-
-The port is bound first, before the application is built: a port that is taken fails
-the command in one line with the way out (``--port 0``), exit 3, before anything says it
-started. The start-up line (``relaying http://host:port/v1 -> upstream``) is printed once the
-port is bound and listening, so it names the port the system chose for ``--port 0``
-and a client that read it can connect. An upstream URL without a version segment gets
-one warning line before it (:func:`upstream_warning`).
-
-uvicorn runs with uvloop and httptools (``uvicorn[standard]``). On SIGTERM or SIGINT it
-stops accepting, lets in-flight streams finish for up to ``--graceful-timeout``
-seconds, then exits 0; Ctrl-C in a terminal is such a stop, not a crash: no traceback,
-also when it comes during start-up (with ``--workers``, see :func:`_sigint_blocked`).
-
-Metrics linger (``--metrics-linger S``, with ``--metrics-port``): the streams that finish
-during the drain are counted, but a process that exits the moment the drain ends takes
-those counts with it unless a scrape happened to fall in between. So after the drain
-the ``--metrics-port`` server (its own thread, or the supervisor's with ``--workers``)
-keeps answering for S seconds while nothing else runs: the main port is already closed,
-the workers have exited, and their multiprocess files still hold every count. A second
-SIGTERM or SIGINT ends the wait at once. It is off by default (0), so a plain
-``serve`` stops as fast as before; the Kubernetes manifests set it from the
-ServiceMonitor's scrape interval and size ``terminationGracePeriodSeconds`` for it.
+Order matters: settings are validated, then the port is bound (a taken port fails in one
+line, exit 3), then the app is built and the start-up line printed, naming the port the
+system chose for ``--port 0``. With ``--workers N`` the multiprocess metrics directory (a
+private ``mkdtemp``, removed at exit) is set before any process imports prometheus_client,
+and workers get the settings as ``LLM_PROXY_*`` variables, as a container would. SIGTERM
+or SIGINT drain for up to ``--graceful-timeout`` and exit 0; ``--metrics-linger`` keeps
+``--metrics-port`` answering after the drain. Why each step is so:
+docs/design/serve.md.
 """
 
 from __future__ import annotations
@@ -54,8 +32,9 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from proxy import config
-from proxy.config import OPTIONS, Settings
+from proxy.config import Settings
 from proxy.config_values import SettingsError
+from proxy.options import OPTIONS, SINGLE_UPSTREAM_OPTIONS
 
 # The end of ``serve --help``: the two set-ups most users start from, laid out by hand
 # (see _HelpFormatter) within 80 columns, each command as typed (a backslash continues
@@ -523,7 +502,7 @@ def _start_metrics_server(settings: Settings, registry: Any, page: Any = None) -
 def export_settings(settings: Settings, environ: Any) -> None:
     """Write every setting back as its ``LLM_PROXY_*`` variable (for worker processes)."""
     for opt in OPTIONS:
-        if settings.config and opt.name in config.SINGLE_UPSTREAM_OPTIONS:
+        if settings.config and opt.name in SINGLE_UPSTREAM_OPTIONS:
             environ.pop(opt.env, None)  # the workers read the upstreams from the file
             continue
         value = getattr(settings, opt.name)

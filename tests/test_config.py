@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from proxy import config
-from proxy.config import OPTIONS, Settings, from_sources
+from proxy import config, options
+from proxy.config import Settings, from_sources
 from proxy.config_values import SettingsError
+from proxy.options import OPTIONS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -281,7 +282,7 @@ def help_sections(text: str) -> list[tuple[str, list[str]]]:
 
 def test_serve_help_lists_the_options_by_group_then_the_examples(serve_help: str) -> None:
     titles = [title for title, _ in help_sections(serve_help)]
-    assert titles == ["options", *(group.value for group in config.Group), "examples"]
+    assert titles == ["options", *(group.value for group in options.Group), "examples"]
     listed: dict[str, list[str]] = {}
     for title, lines in help_sections(serve_help):
         for line in lines:
@@ -290,13 +291,13 @@ def test_serve_help_lists_the_options_by_group_then_the_examples(serve_help: str
                 listed.setdefault(flag[1], []).append(title)
     assert listed.pop("--help") == ["options"]
     assert listed == {o.flag: [o.group.value] for o in OPTIONS}  # each once, in its group
-    for group, options in config.grouped():
-        assert options, f"group {group.value!r} has no option"
+    for group, members in options.grouped():
+        assert members, f"group {group.value!r} has no option"
 
 
 def test_every_option_must_name_its_group() -> None:
     with pytest.raises(TypeError, match="group"):
-        config.Option("new_setting", str, "A new setting.", "X")  # type: ignore[call-arg]
+        options.Option("new_setting", str, "A new setting.", "X")  # type: ignore[call-arg]
 
 
 def test_serve_help_fits_the_terminal(serve_help: str) -> None:
@@ -375,7 +376,6 @@ def test_settings_page_documents_every_setting() -> None:
     every flag and its environment variable."""
     from pathlib import Path
 
-    from proxy.config import OPTIONS
 
     root = Path(__file__).resolve().parent.parent
     page = (root / "docs" / "reference" / "settings.md").read_text()

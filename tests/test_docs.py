@@ -38,18 +38,11 @@ import pytest
 from prometheus_client import Counter, Histogram
 
 from proxy import upstream_spec
-from proxy.config import (
-    OPTIONS,
-    Group,
-    Settings,
-    file_key,
-    from_sources,
-    read_file,
-    upstream_limits,
-)
+from proxy.config import Settings, from_sources, read_file, upstream_limits
 from proxy.config_values import SettingsError
 from proxy.measure import OUTCOME_MEANINGS, Outcome
 from proxy.metrics import Metrics
+from proxy.options import OPTIONS, Group, file_key
 from proxy.upstream_spec import (
     _UPSTREAM_KEYS,
     UPSTREAM_KEY_DEFAULTS,

@@ -31,8 +31,9 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from proxy.config import ENV_PREFIX, from_sources
+from proxy.config import from_sources
 from proxy.config_values import SettingsError
+from proxy.options import ENV_PREFIX
 from proxy.routing import RoutingTable
 from tests.test_observability import (
     DASHBOARD,
