@@ -14,10 +14,11 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
@@ -51,14 +52,18 @@ class ProxyApp:
     def __init__(self, settings: Settings, *, transport: WireTransport | None = None,
                  registry: CollectorRegistry | None = None,
                  clock: Callable[[], float] = time.perf_counter,
-                 serve_metrics: bool | None = None) -> None:
+                 serve_metrics: bool | None = None,
+                 environ: Mapping[str, str] | None = None) -> None:
         self.settings = settings
+        # The process environment, read here once for every part built below (keys,
+        # secrets, the OTEL_* variables); the settings' own variables were read by config.
+        self.environ = env = os.environ if environ is None else environ
         self.metrics = Metrics(settings, registry) if settings.measure else None
         self.scrapes = (Scrapes(self.metrics.exposition, self.metrics.exposition_type)
                         if self.metrics is not None else None)
         # First of what starts a thread: a trace file that cannot be opened stops here.
         skipped = self.metrics.trace_skipped if self.metrics is not None else None
-        self.capture = capture_from(settings, clock=clock, skipped=(
+        self.capture = capture_from(settings, env, clock=clock, skipped=(
             (lambda reason, n: skipped.labels(reason).inc(n)) if skipped is not None else None))
         self.upstreams = LiveUpstreams(
             settings.upstream_specs, self.metrics.in_flight if self.metrics else None, transport)
@@ -66,17 +71,17 @@ class ProxyApp:
             RequestLog(settings.log_requests, buffer=settings.log_requests_buffer,
                        dropped=self.metrics.request_log_dropped.inc if self.metrics else None)
             if settings.log_requests else None)
-        self.tracing = tracing_from_settings(settings, clock)
-        self.otel_metrics = otel_metrics_from_settings(settings)
+        self.tracing = tracing_from_settings(settings, clock, env)
+        self.otel_metrics = otel_metrics_from_settings(settings, env)
         self.serve_metrics = (not settings.metrics_port) if serve_metrics is None else serve_metrics
         self.ui = live_page(settings, self.metrics)
         # Said in the 404 for any other path (a browser opening the root first): what is here.
         self.elsewhere = ("" if not self.serve_metrics or self.metrics is None else
                           "; the live page is at /ui, metrics at /metrics" if self.ui is not None
                           else "; metrics are at /metrics")
-        self.keys = load_key_check(settings)
+        self.keys = load_key_check(settings, env)
         self.v1 = V1Handler(settings, self.upstreams, self.metrics, clock, self.keys,
-                            self.request_log, self.tracing, identify_from(settings),
+                            self.request_log, self.tracing, identify_from(settings, env),
                             self.otel_metrics, self.capture)
 
     @property
@@ -100,7 +105,7 @@ class ProxyApp:
             log.warning("SIGHUP ignored: %s", NOTHING_TO_RELOAD)
             return False
         try:
-            fresh = read_reload(self.settings)
+            fresh = read_reload(self.settings, self.environ)
         except SettingsError as exc:
             log.error("%s", reload_refused(self.settings, exc))
             return False
@@ -202,13 +207,13 @@ def reloads(settings: Settings) -> bool:
     return bool(settings.config) or settings.holds_upstream_key
 
 
-def read_reload(settings: Settings) -> Reload:
+def read_reload(settings: Settings, env: Mapping[str, str]) -> Reload:
     """The config file's ``[[upstream]]`` tables and the client keys file as they are
     now, or :class:`SettingsError` naming the file and the problem. Nothing is applied
     here: with ``--workers`` the supervisor calls this once to decide whether to pass
     the signal on at all (:mod:`proxy.serve`), then each worker reads and applies."""
-    specs = reload_specs(settings) if settings.config else None
-    return Reload(specs, load_key_check(settings))
+    specs = reload_specs(settings, env) if settings.config else None
+    return Reload(specs, load_key_check(settings, env))
 
 
 def reload_refused(settings: Settings, exc: SettingsError) -> str:
@@ -238,10 +243,12 @@ async def _plain(send: Send, status: int, body: bytes, content_type: bytes,
 
 def create_app(settings: Settings, *, transport: WireTransport | None = None,
                registry: CollectorRegistry | None = None,
-               clock: Callable[[], float] = time.perf_counter) -> ProxyApp:
+               clock: Callable[[], float] = time.perf_counter,
+               environ: Mapping[str, str] | None = None) -> ProxyApp:
     """Build the proxy; the production defaults are one upstream client per configured
-    upstream, a private registry and ``time.perf_counter``."""
-    return ProxyApp(settings, transport=transport, registry=registry, clock=clock)
+    upstream, a private registry, ``time.perf_counter`` and ``os.environ``."""
+    return ProxyApp(settings, transport=transport, registry=registry, clock=clock,
+                    environ=environ)
 
 
 def create_app_from_env() -> ProxyApp:

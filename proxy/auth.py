@@ -111,7 +111,8 @@ def key_header(spec: UpstreamSpec, environ: Mapping[str, str] | None = None
     return upstream_header(spec.auth, env.get(spec.api_key_env, "").strip())
 
 
-def load_key_check(settings: Settings, *, given_as: tuple[str, str] | None = None) -> KeyCheck | None:
+def load_key_check(settings: Settings, env: Mapping[str, str], *,
+                   given_as: tuple[str, str] | None = None) -> KeyCheck | None:
     """The client key check, or None when no upstream holds a server-side key.
 
     Raises :class:`SettingsError` for an unusable key or keys file. ``given_as`` names
@@ -123,7 +124,7 @@ def load_key_check(settings: Settings, *, given_as: tuple[str, str] | None = Non
         return None
     key_name, file_name = given_as or ("--upstream-api-key-env", "--client-keys-file")
     if settings.upstream_api_key_env:
-        problem = key_problem(settings.upstream_api_key_env)
+        problem = key_problem(settings.upstream_api_key_env, env)
         if problem:
             raise SettingsError(f"invalid setting {key_name}: {problem}")
     digests: list[bytes] = []

@@ -351,15 +351,15 @@ class Capture:
         self._opened_at = None
 
 
-def capture_from(settings: Settings, *, clock: Callable[[], float] = time.perf_counter,
-                 skipped: Callable[[str, int], None] | None = None,
-                 environ: Mapping[str, str] | None = None) -> Capture | None:
+def capture_from(settings: Settings, env: Mapping[str, str], *,
+                 clock: Callable[[], float] = time.perf_counter,
+                 skipped: Callable[[str, int], None] | None = None) -> Capture | None:
     """The capture ``settings`` ask for (``--trace-file``), else None."""
     if not settings.trace_file:
         return None
     from proxy.config_values import SettingsError
 
-    shared = shared_from(settings, os.environ if environ is None else environ)
+    shared = shared_from(settings, env)
     try:
         return Capture(settings.trace_file, block_size=settings.trace_block_size,
                        rotate_bytes=settings.trace_rotate_bytes,

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 from collections.abc import Callable, Mapping, Sequence
 
 from proxy.auth import presented_key
@@ -42,13 +41,12 @@ def fingerprint(secret: bytes, key: bytes) -> str:
     return "key-" + hmac.new(secret, key, hashlib.sha256).hexdigest()[:12]
 
 
-def identify_from(settings: Settings, environ: Mapping[str, str] | None = None) -> Identify | None:
+def identify_from(settings: Settings, env: Mapping[str, str]) -> Identify | None:
     """The function that names a request's client, or None when the label is off."""
     source = settings.client_label_from
     if not source:
         return None
     if source == "key":
-        env = os.environ if environ is None else environ
         secret = env.get(FINGERPRINT_SECRET_ENV, "").strip().encode()
         if not secret:  # from_sources refuses this at start-up; here for direct callers
             raise ValueError(f"--client-label-from key needs {FINGERPRINT_SECRET_ENV}")

@@ -322,7 +322,8 @@ def single_spec(settings: Settings) -> UpstreamSpec:
         **upstream_limits(settings))
 
 
-def reload_specs(settings: Settings) -> tuple[UpstreamSpec, ...]:
+def reload_specs(settings: Settings, environ: Mapping[str, str] | None = None
+                 ) -> tuple[UpstreamSpec, ...]:
     """The ``[[upstream]]`` tables of ``settings.config`` as the file says now (SIGHUP),
     or :class:`SettingsError` when they cannot replace the running ones.
 
@@ -333,7 +334,8 @@ def reload_specs(settings: Settings) -> tuple[UpstreamSpec, ...]:
     """
     path = settings.config
     doc = read_file(path)
-    specs = upstream_specs(path, doc, upstream_limits(settings))
+    specs = upstream_specs(path, doc, upstream_limits(settings),
+                           os.environ if environ is None else environ)
     if any(s.api_key_env for s in specs) and not settings.holds_upstream_key:
         raise SettingsError(f"config {path}: an upstream now holds a key (api_key_env) but "
                             "client keys were not set up at start (--client-keys-file): "

@@ -47,7 +47,6 @@ a series in the backend; ``gen_ai.request.model`` is absent when the request nam
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -194,18 +193,16 @@ def _exporters(env: Mapping[str, str]) -> set[str]:
     return {e.strip().lower() for e in env.get("OTEL_METRICS_EXPORTER", "").split(",") if e.strip()}
 
 
-def wanted(settings: Settings, environ: Mapping[str, str] | None = None) -> bool:
+def wanted(settings: Settings, env: Mapping[str, str]) -> bool:
     """Whether OTLP metrics were asked for and not switched off."""
-    env = os.environ if environ is None else environ
     exporters = _exporters(env)
     if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true" or "none" in exporters:
         return False
     return settings.otlp_metrics or "otlp" in exporters
 
 
-def endpoint(settings: Settings, environ: Mapping[str, str] | None = None) -> str:
+def endpoint(settings: Settings, env: Mapping[str, str]) -> str:
     """Where metrics go, as the exporter will resolve it."""
-    env = os.environ if environ is None else environ
     if settings.otlp_endpoint:
         return settings.otlp_endpoint.rstrip("/") + "/v1/metrics"
     if env.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"):
@@ -214,12 +211,9 @@ def endpoint(settings: Settings, environ: Mapping[str, str] | None = None) -> st
     return base.rstrip("/") + "/v1/metrics"
 
 
-def from_settings(
-    settings: Settings, environ: Mapping[str, str] | None = None
-) -> OtelMetrics | None:
+def from_settings(settings: Settings, env: Mapping[str, str]) -> OtelMetrics | None:
     """OTLP metrics as configured, or None (with one warning line saying why when they
     were asked for but cannot be on)."""
-    env = os.environ if environ is None else environ
     if not wanted(settings, env):
         if settings.otlp_metrics:
             log.warning(

@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
 
     named = (config.given_as("upstream_api_key_env", args),
              config.given_as("client_keys_file", args))
-    load_key_check(settings, given_as=named)  # fail now, before listening
+    load_key_check(settings, os.environ, given_as=named)  # fail now, before listening
     # Ctrl-C in a terminal or SIGTERM before the server installs its own handlers (while
     # the app is built, the workers start): a stop, not a crash, so exit 0 without a
     # traceback, as after a drain.
@@ -336,11 +336,11 @@ def _run_workers(settings: Settings) -> int:
         from proxy import otel_metrics
         from proxy.tracing import sampling, wanted
 
-        endpoint = wanted(settings)
+        endpoint = wanted(settings, os.environ)
         _banner(settings, sock.getsockname()[1],
-                f"on, {sampling()} -> {endpoint}, from each worker" if endpoint else "",
-                f"OTLP/HTTP to {otel_metrics.endpoint(settings)}, from each worker"
-                if otel_metrics.wanted(settings) else "")
+                f"on, {sampling(os.environ)} -> {endpoint}, from each worker" if endpoint else "",
+                f"OTLP/HTTP to {otel_metrics.endpoint(settings, os.environ)}, from each worker"
+                if otel_metrics.wanted(settings, os.environ) else "")
         supervisor_class = _reloading_supervisor(Multiprocess, settings)
         if "target" in inspect.signature(Multiprocess).parameters:  # older uvicorn releases
             supervisor = supervisor_class(uconfig, target=uvicorn.Server(uconfig).run,
@@ -387,7 +387,7 @@ def _reloading_supervisor(base: Any, settings: Settings) -> Any:
                       file=sys.stderr, flush=True)
                 return
             try:
-                read_reload(settings)
+                read_reload(settings, os.environ)
             except SettingsError as exc:
                 print(f"llm-latency-proxy: error: {reload_refused(settings, exc)}",
                       file=sys.stderr, flush=True)

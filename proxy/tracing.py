@@ -36,7 +36,6 @@ server span is its child.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -300,10 +299,9 @@ def otel_resource() -> Resource:
     return resource.merge(Resource.create(extra)) if extra else resource
 
 
-def wanted(settings: Settings, environ: Mapping[str, str] | None = None) -> str:
+def wanted(settings: Settings, env: Mapping[str, str]) -> str:
     """Where spans should go: ``--otlp-endpoint``, else the standard OTLP variables;
     empty when tracing was not asked for or ``OTEL_SDK_DISABLED=true``."""
-    env = os.environ if environ is None else environ
     if _disabled(env):
         return ""
     return _endpoint(settings, env)
@@ -319,7 +317,7 @@ def _disabled(env: Mapping[str, str]) -> bool:
 
 
 def from_settings(settings: Settings, clock: Callable[[], float],
-                  environ: Mapping[str, str] | None = None) -> Tracing | None:
+                  env: Mapping[str, str]) -> Tracing | None:
     """Tracing as configured, or None (and one warning line saying why when it was asked
     for; when it is on, the start-up line says where spans go).
 
@@ -328,7 +326,6 @@ def from_settings(settings: Settings, clock: Callable[[], float],
     name, resource attributes, sampler and batch settings come from the standard
     ``OTEL_*`` variables, read by the SDK itself.
     """
-    env = os.environ if environ is None else environ
     endpoint = _endpoint(settings, env)
     if not endpoint:
         return None
@@ -370,13 +367,12 @@ SAMPLERS = ("always_on", "always_off", "traceidratio", "parentbased_always_on",
             "parentbased_always_off", "parentbased_traceidratio")
 
 
-def sampling(environ: Mapping[str, str] | None = None) -> str:
+def sampling(env: Mapping[str, str]) -> str:
     """Which requests get a span, in the operator's words: ``ratio 0.1
     (parentbased_traceidratio)``, ``every request (parentbased_always_on)``. Read from
     ``OTEL_TRACES_SAMPLER`` and ``OTEL_TRACES_SAMPLER_ARG`` as the SDK reads them (an
     unknown name is the default, a ratio that is not a number is 1.0), rather than the
     SDK's own description of the sampler object, which spells out its internals."""
-    env = os.environ if environ is None else environ
     name = env.get("OTEL_TRACES_SAMPLER", "").strip().lower() or "parentbased_always_on"
     if name not in SAMPLERS:
         name = "parentbased_always_on"

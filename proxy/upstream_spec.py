@@ -31,7 +31,6 @@ its settings: it imports nothing of the proxy but the value checks of
 from __future__ import annotations
 
 import fnmatch
-import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -142,9 +141,8 @@ class UpstreamSpec:
         return not self.routes or any(route == r or route.startswith(r + "/") for r in self.routes)
 
 
-def key_problem(var: str, environ: Mapping[str, str] | None = None) -> str:
+def key_problem(var: str, env: Mapping[str, str]) -> str:
     """Why the key in environment variable ``var`` cannot be sent upstream, or ``""``."""
-    env = os.environ if environ is None else environ
     key = env.get(var, "").strip()
     if not key:
         return f"environment variable {var} is empty or unset"
@@ -159,11 +157,10 @@ def key_problem(var: str, environ: Mapping[str, str] | None = None) -> str:
 
 
 def upstream_specs(path: str, doc: Mapping[str, Any], limits: Mapping[str, Any],
-                   environ: Mapping[str, str] | None = None) -> tuple[UpstreamSpec, ...]:
+                   env: Mapping[str, str]) -> tuple[UpstreamSpec, ...]:
     """Every ``[[upstream]]`` of ``doc`` (the config file ``path``), validated; an absent
     limit or timeout is ``limits``' value for its key (the top-level settings, with the
     flags and variables applied: :func:`proxy.config.upstream_limits`)."""
-    env = os.environ if environ is None else environ
     tables = doc.get("upstream")
     if tables is None:
         raise SettingsError(f"config {path}: no [[upstream]] table: declare at least one")

@@ -562,7 +562,7 @@ def test_a_bad_table_stops_start_up_naming_the_key(tmp_path: Path, table: str,
     path = write(tmp_path, "[cache-index]\n" + table + "\n")
     with pytest.raises(SettingsError, match=f"proxy.toml: \\[cache-index\\]: {message}"):
         from_sources(None, {"LLM_PROXY_CONFIG": path, PREFIX_SECRET_ENV: SECRET})
-    assert cache_index_spec("p", {}) is None
+    assert cache_index_spec("p", {}, {}) is None
     with pytest.raises(SettingsError, match="must be a table"):
         cache_index_spec("p", {"cache-index": "redis://r"}, {PREFIX_SECRET_ENV: SECRET})
 

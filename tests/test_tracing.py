@@ -578,7 +578,7 @@ async def test_resource_and_service_name(receiver: Receiver,
 
 
 def _service(url: str) -> str:
-    tracing = from_settings(Settings(otlp_endpoint=url), lambda: 0.0)
+    tracing = from_settings(Settings(otlp_endpoint=url), lambda: 0.0, {})
     assert tracing is not None
     try:
         return str(tracing.provider.resource.attributes["service.name"])
@@ -589,7 +589,7 @@ def _service(url: str) -> str:
 def test_off_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", raising=False)
-    assert from_settings(Settings(), lambda: 0.0) is None
+    assert from_settings(Settings(), lambda: 0.0, {}) is None
     env = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://127.0.0.1:1/v1/traces"}
     tracing = from_settings(Settings(), lambda: 0.0, env)
     assert tracing is not None
@@ -620,7 +620,7 @@ def test_without_the_packages_one_line_says_why(monkeypatch: pytest.MonkeyPatch)
     logger = logging.getLogger("proxy")
     logger.addHandler(handler)
     try:
-        assert from_settings(Settings(otlp_endpoint="http://127.0.0.1:1"), lambda: 0.0) is None
+        assert from_settings(Settings(otlp_endpoint="http://127.0.0.1:1"), lambda: 0.0, {}) is None
     finally:
         logger.removeHandler(handler)
     lines = [r.getMessage() for r in records if "tracing off" in r.getMessage()]

@@ -99,7 +99,7 @@ def parse_store_url(raw: str) -> str:
 
 
 def cache_index_spec(
-    path: str, doc: Mapping[str, Any], environ: Mapping[str, str] | None = None
+    path: str, doc: Mapping[str, Any], env: Mapping[str, str]
 ) -> CacheIndexSpec | None:
     """The ``[cache-index]`` table of config file ``path`` (parsed as ``doc``), checked;
     None without one. The prefix secret and the password variable are checked here too,
@@ -107,7 +107,6 @@ def cache_index_spec(
     table = doc.get(CACHE_INDEX_TABLE)
     if table is None:
         return None
-    env = os.environ if environ is None else environ
     where = f"config {path}: [{CACHE_INDEX_TABLE}]"
     if not isinstance(table, dict):
         raise SettingsError(f"{where}: must be a table ([{CACHE_INDEX_TABLE}] with url = ...)")
