@@ -87,11 +87,6 @@ class SSEParser:
         self.straddling_lf = -1
 
     @property
-    def buffered_bytes(self) -> int:
-        """Bytes held for an incomplete line or event (bounded by the event limit)."""
-        return len(self._line) + self._data_size + len(self._event)
-
-    @property
     def max_event_bytes(self) -> int:
         """Events longer than this (in stream bytes) are reported ``oversize``."""
         return self._max
