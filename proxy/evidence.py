@@ -8,8 +8,8 @@ cumulative, the difference of two (:meth:`Reading.minus`) a window; Prometheus a
 window. :func:`evidence` turns any of them into one :class:`Evidence` per selection.
 :func:`read_registry` is the one walk over a registry, shared with the live page.
 
-No network I/O here (:mod:`proxy.diagnose` fetches), and no metric library is imported
-until text is parsed (the serving path sets up multiprocess storage first).
+No network I/O and no metric library here (:mod:`proxy.diagnose` fetches and parses;
+the serving path sets up multiprocess storage before prometheus_client is imported).
 What each figure is read from: docs/design/evidence.md.
 """
 
@@ -189,16 +189,9 @@ def read_registry(registry: Registry, previous: Reading | None = None, *,
     return builder.build(previous)
 
 
-def read_text(text: str) -> Reading:
-    """A proxy's ``/metrics`` (the text exposition), cumulative. Malformed lines are
-    skipped (:func:`proxy.bench.promscrape.parse`)."""
-    from proxy.bench.promscrape import parse
-
-    return read_snapshot(parse(text))
-
-
 def read_snapshot(snapshot: Mapping[tuple[str, tuple[tuple[str, str], ...]], float]) -> Reading:
-    """A parsed exposition (:func:`proxy.bench.promscrape.parse`'s samples), cumulative."""
+    """A proxy's ``/metrics`` as :func:`proxy.bench.promscrape.parse` parsed it (malformed
+    lines skipped), cumulative."""
     builder = ReadingBuilder()
     for (name, labels), value in snapshot.items():
         builder.sample(name, dict(labels), value)

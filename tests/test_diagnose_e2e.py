@@ -57,9 +57,10 @@ import yaml
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
+from proxy.bench.promscrape import parse
 from proxy.diagnosis.fit import SAMPLES, FitSums, fit
 from proxy.diagnosis.levers import diagnose
-from proxy.evidence import evidence, read_text
+from proxy.evidence import evidence, read_snapshot
 from tests.servers import ROOT
 from tests.test_diagnose import check_contract
 from tests.test_observability import ALL, load_dashboard, require_tool, substitute_macros
@@ -342,7 +343,7 @@ def test_prometheus_gives_the_same_ranking_and_numbers(tmp_path: Path) -> None:
     # what the proxy's /metrics says of the window Prometheus saw: from its first sample
     # (the proxy as Prometheus started) to the end, as ``diagnose --url --window`` reads it
     (expected,) = [d.as_json() for d in map(diagnose, evidence(
-        read_text(after), read_text(stack_before), model=MODEL))]
+        read_snapshot(parse(after)), read_snapshot(parse(stack_before)), model=MODEL))]
     print("\nurl:       ", compact(url), "\nwindow:    ", compact(expected),
           "\nprometheus:", compact(prom))
 

@@ -36,6 +36,11 @@ from tests.test_observability import proxy_exposition, recorded_names
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 
 
+def read_scrape(text: str) -> ev.Reading:
+    """A ``/metrics`` text read as the ``diagnose`` command reads it."""
+    return ev.read_snapshot(promscrape.parse(text))
+
+
 def record(i: int, **kw: Any) -> RequestRecord:
     values: dict[str, Any] = {
         "request_id": f"req-{i}", "route": CHAT, "model": "m-a", "upstream": "up",
@@ -131,7 +136,7 @@ def test_text_registry_and_prometheus_answers_give_the_same_evidence() -> None:
     observe(metrics, traffic())
     direct = ev.evidence(ev.read_registry(registry))
     text = generate_latest(registry).decode()
-    assert ev.evidence(ev.read_text(text)) == direct
+    assert ev.evidence(read_scrape(text)) == direct
     result = [item for q in ev.prometheus_queries("1h", fit_from_rules=False)
               for item in prometheus_answer(q, promscrape.parse(text))]
     assert ev.evidence(ev.reading_from_prometheus(result)) == direct
@@ -267,7 +272,7 @@ def test_one_collect_can_feed_the_live_page_and_the_diagnosis() -> None:
     seen: list[str] = []
     reading = ev.read_registry(registry, also=lambda name, labels, value: seen.append(name),
                                names=ev.SAMPLE_NAMES | {"llm_proxy_inter_token_latency_seconds_count"})
-    assert ev.evidence(reading) == ev.evidence(ev.read_text(generate_latest(registry).decode()))
+    assert ev.evidence(reading) == ev.evidence(read_scrape(generate_latest(registry).decode()))
     assert "llm_proxy_inter_token_latency_seconds_count" in seen and ev.REQUESTS in seen
 
 
@@ -280,7 +285,7 @@ def test_missed_cache_tokens_from_the_doctors_findings() -> None:
         metrics.observe(record(i, prompt_tokens=2000, prefix=p), measured=True)
     (chat,) = ev.evidence(ev.read_registry(registry))
     assert chat.missed_cache_tokens == (1200 + 0 + 900) / 3
-    (same_from_text,) = ev.evidence(ev.read_text(generate_latest(registry).decode()))
+    (same_from_text,) = ev.evidence(read_scrape(generate_latest(registry).decode()))
     assert same_from_text.missed_cache_tokens == chat.missed_cache_tokens
 
 
@@ -313,7 +318,7 @@ def missed_exposition(missed: float | None, examined: float | None, fitted: int)
 ])
 def test_missed_cache_tokens_per_request(missed: float | None, examined: float | None,
                                          fitted: int, expected: float | None) -> None:
-    (found,) = ev.evidence(ev.read_text(missed_exposition(missed, examined, fitted)))
+    (found,) = ev.evidence(read_scrape(missed_exposition(missed, examined, fitted)))
     assert found.missed_cache_tokens == expected
 
 

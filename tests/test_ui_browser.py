@@ -238,7 +238,7 @@ def assert_card_equals_diagnose(figures: dict[str, str], text: str, **labels: st
 
     found = {
         (d.route, d.model, d.upstream): d
-        for d in map(levers.diagnose, evidence.evidence(evidence.read_text(text), **labels))
+        for d in map(levers.diagnose, evidence.evidence(evidence.read_snapshot(promscrape.parse(text)), **labels))
     }
     shown_keys = [figures[k] for k in sorted(figures) if k.startswith("fix.") and k.endswith(".key")]
     decided = 0
