@@ -37,7 +37,7 @@ from proxy.routes import V1Handler
 from proxy.routing import LiveUpstreams
 from proxy.scrape import Scrapes
 from proxy.tracing import from_settings as tracing_from_settings
-from proxy.ui import UI_PATHS, live_page
+from proxy.ui import UI_PATHS, index_scope, live_page
 from proxy.upstream import UpstreamClient, error_body
 from proxy.upstream_spec import UpstreamSpec
 from proxy.wire.pool import WireTransport
@@ -74,14 +74,16 @@ class ProxyApp:
         self.tracing = tracing_from_settings(settings, clock, env)
         self.otel_metrics = otel_metrics_from_settings(settings, env)
         self.serve_metrics = (not settings.metrics_port) if serve_metrics is None else serve_metrics
-        self.ui = live_page(settings, self.metrics)
+        self.ui = (live_page(self.metrics, prefix_index=index_scope(
+            doctor=settings.prefix_doctor, shared=settings.cache_index is not None,
+            workers=settings.workers)) if settings.ui and self.metrics is not None else None)
         # Said in the 404 for any other path (a browser opening the root first): what is here.
         self.elsewhere = ("" if not self.serve_metrics or self.metrics is None else
                           "; the live page is at /ui, metrics at /metrics" if self.ui is not None
                           else "; metrics are at /metrics")
         self.keys = load_key_check(settings, env)
         self.v1 = V1Handler(settings, self.upstreams, self.metrics, clock, self.keys,
-                            self.request_log, self.tracing, identify_from(settings, env),
+                            self.request_log, self.tracing, identify_from(settings.client_label_from, env),
                             self.otel_metrics, self.capture)
 
     @property

@@ -27,7 +27,7 @@ import hmac
 from collections.abc import Callable, Mapping, Sequence
 
 from proxy.auth import presented_key
-from proxy.config import FINGERPRINT_SECRET_ENV, Settings
+from proxy.config import FINGERPRINT_SECRET_ENV
 
 UNKNOWN_CLIENT = "unknown"
 OTHER_CLIENT = "other"
@@ -41,9 +41,9 @@ def fingerprint(secret: bytes, key: bytes) -> str:
     return "key-" + hmac.new(secret, key, hashlib.sha256).hexdigest()[:12]
 
 
-def identify_from(settings: Settings, env: Mapping[str, str]) -> Identify | None:
-    """The function that names a request's client, or None when the label is off."""
-    source = settings.client_label_from
+def identify_from(source: str, env: Mapping[str, str]) -> Identify | None:
+    """The function that names a request's client from ``--client-label-from``'s
+    ``source``, or None when the label is off."""
     if not source:
         return None
     if source == "key":

@@ -482,7 +482,9 @@ def _start_metrics_server(settings: Settings, registry: Any, page: Any = None) -
     if page is None:
         from proxy.ui import LivePage, index_scope
 
-        page = LivePage(registry, prefix_index=index_scope(settings))
+        page = LivePage(registry, prefix_index=index_scope(
+            doctor=settings.prefix_doctor, shared=settings.cache_index is not None,
+            workers=settings.workers))
 
     class Quiet(WSGIRequestHandler):
         def log_message(self, format: str, *args: Any) -> None:

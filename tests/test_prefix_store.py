@@ -568,12 +568,12 @@ def test_a_bad_table_stops_start_up_naming_the_key(tmp_path: Path, table: str,
 
 
 def test_the_live_page_is_told_which_index_it_reads() -> None:
-    assert index_scope(Settings(prefix_doctor=False)) is None
-    alone = index_scope(Settings(prefix_doctor=True))
+    assert index_scope(doctor=False, shared=False, workers=1) is None
+    alone = index_scope(doctor=True, shared=False, workers=1)
     assert alone is not None and alone["index"] == "per-process" and "replica" in alone["note"]
-    workers = index_scope(Settings(prefix_doctor=True, workers=3))
+    workers = index_scope(doctor=True, shared=False, workers=3)
     assert workers is not None and "3 worker processes" in workers["note"]
-    shared = index_scope(Settings(prefix_doctor=True, cache_index=CacheIndexSpec(url="redis://r")))
+    shared = index_scope(doctor=True, shared=True, workers=1)
     assert shared is not None and shared["index"] == "shared"
 
 

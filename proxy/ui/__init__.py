@@ -20,18 +20,16 @@ from proxy.ui.page import LivePage
 from proxy.ui.slow import SlowRequests
 
 if TYPE_CHECKING:
-    from proxy.config import Settings
     from proxy.metrics import Metrics
 
 __all__ = ["UI_PATHS", "LivePage", "index_scope", "live_page"]
 
 
-def live_page(settings: Settings, metrics: Metrics | None) -> LivePage | None:
+def live_page(metrics: Metrics, *, prefix_index: dict[str, Any] | None) -> LivePage:
     """The page of a relaying process: it reads the registry that ``/metrics`` reads (with
     ``--workers``, every worker's files) and is told of each finished request for its
-    slowest-requests table and its examples of where prompts broke. ``None`` when the page is off or nothing is measured."""
-    if not settings.ui or metrics is None:
-        return None
+    slowest-requests table and its examples of where prompts broke. ``prefix_index``:
+    :func:`index_scope`."""
     from proxy.metrics import multiprocess_dir, multiprocess_registry
     from proxy.ui.collect import SAMPLE_NAMES
 
@@ -47,26 +45,27 @@ def live_page(settings: Settings, metrics: Metrics | None) -> LivePage | None:
     slow = SlowRequests()
     breaks = RecentBreaks()
     metrics.watchers.extend((slow.add, breaks.add))
-    return LivePage(registry, slow=slow, breaks=breaks, prefix_index=index_scope(settings))
+    return LivePage(registry, slow=slow, breaks=breaks, prefix_index=prefix_index)
 
 
-def index_scope(settings: Settings) -> dict[str, Any] | None:
-    """What the live page says about the doctor's index (None: the doctor is off):
-    ``index`` is ``shared`` or ``per-process``, ``workers`` the worker processes, and
-    ``note`` one sentence on what a per-process index cannot see."""
-    if not settings.prefix_doctor:
+def index_scope(*, doctor: bool, shared: bool, workers: int) -> dict[str, Any] | None:
+    """What the live page says about the doctor's index (None: the ``doctor`` is off):
+    ``index`` is ``shared`` (a ``[cache-index]`` table) or ``per-process``, ``workers``
+    the worker processes, and ``note`` one sentence on what a per-process index cannot
+    see."""
+    if not doctor:
         return None
-    if settings.cache_index is not None:
-        return {"index": "shared", "workers": settings.workers,
+    if shared:
+        return {"index": "shared", "workers": workers,
                 "note": "Repeats are found whichever replica or worker served the earlier "
                         "request: every process shares one index ([cache-index])."}
-    if settings.workers > 1:
-        note = (f"Each of the {settings.workers} worker processes keeps its own index and "
+    if workers > 1:
+        note = (f"Each of the {workers} worker processes keeps its own index and "
                 "finds only the repeats it served itself (about 1 in "
-                f"{settings.workers} of a conversation's turns), and none served by another "
+                f"{workers} of a conversation's turns), and none served by another "
                 "replica: a shared index ([cache-index]) finds them all.")
     else:
         note = ("This process keeps its own index: behind a load balancer it finds only the "
                 "repeats it served itself (with N replicas, about 1 in N of a conversation's "
                 "turns): a shared index ([cache-index]) finds them all.")
-    return {"index": "per-process", "workers": settings.workers, "note": note}
+    return {"index": "per-process", "workers": workers, "note": note}
