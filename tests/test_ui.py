@@ -41,7 +41,9 @@ from proxy.metrics import Metrics
 from proxy.simulator.app import create_simulator_app
 from proxy.simulator.model import SimConfig
 from proxy.ui import LivePage
+from proxy.ui import collect as ui_collect
 from proxy.ui import data as ui_data
+from proxy.ui import panels as ui_panels
 from proxy.ui.page import MAX_QUERY
 from proxy.ui.slow import KEEP, SlowRequests
 from tests.fake_upstream import (
@@ -291,7 +293,7 @@ def test_since_start_until_the_ring_holds_a_minute_and_it_says_so() -> None:
         "kind": "start",
         "label": "since start",
         "seconds": 300.0,
-        "minute_in_s": ui_data.FULL_WINDOW_S,
+        "minute_in_s": ui_collect.FULL_WINDOW_S,
     }
     assert first["figures"]["window"] is None
     assert first["figures"]["total"]["requests"] == 5
@@ -302,7 +304,7 @@ def test_since_start_until_the_ring_holds_a_minute_and_it_says_so() -> None:
         half = data.answer(("", "", ""))
     # 30 s is not the last minute: since start, until the ring holds one
     assert half["span"]["kind"] == "start" and half["span"]["label"] == "since start"
-    assert half["span"]["minute_in_s"] == pytest.approx(ui_data.FULL_WINDOW_S - 30.0)
+    assert half["span"]["minute_in_s"] == pytest.approx(ui_collect.FULL_WINDOW_S - 30.0)
     assert half["figures"]["window"] is None and half["hist"][TTFT]["window"] is None
     assert half["table"]["rows"][0]["requests"] == 35
     for _ in range(30):
@@ -335,7 +337,7 @@ def test_errors_are_the_upstreams_and_the_proxys_failures_not_the_client_leaving
         "upstream_error",
         "cancelled",
     }
-    assert set(ui_data.FAILED) == failed
+    assert set(ui_panels.FAILED) == failed
     assert row[0]["errors_by"] == {**dict.fromkeys(failed, 1.0), "5xx, not streamed": 1.0}
     assert row[0]["errors"] == len(failed) + 1
     assert row[0]["requests"] == len(Outcome) - 1 + 3

@@ -81,7 +81,8 @@ def next_refresh(driver: Any) -> None:
     read while the last request was being recorded (a collect is not atomic across
     metric families). The page refreshes every ``FINE_S``, more than ``MIN_COLLECT_S``,
     so the one after that was answered from a collection taken after this call."""
-    from proxy.ui.data import FINE_S, MIN_COLLECT_S
+    from proxy.ui.collect import FINE_S
+    from proxy.ui.data import MIN_COLLECT_S
 
     assert FINE_S > MIN_COLLECT_S
     now = int(driver.execute_script("return +document.body.dataset.refreshes"))

@@ -5,6 +5,7 @@ changed (:class:`Collection`). The page's panels read them (:mod:`proxy.ui.data`
 
 from __future__ import annotations
 
+import math
 from array import array
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -42,6 +43,15 @@ REPEATED = "llm_proxy_prompt_repeated_tokens_total"
 BREAKS = "llm_proxy_prompt_prefix_breaks_total"
 EXAMINED = "llm_proxy_prompt_cache_missed_tokens_per_request_count"  # with the cached field
 
+QUANTILES = (0.5, 0.9, 0.99)
+# The ring of collections (proxy.ui.data): one kept every FINE_S for the last minute,
+# one every COARSE_S for the points over time.
+FINE_S, COARSE_S = 1.0, 5.0
+WINDOW_S = 60.0
+# The ring holds a minute once its oldest collection within WINDOW_S is at least this
+# old: collections are kept at most every FINE_S, so a page polling once a second
+# leaves gaps of up to two FINE_S.
+FULL_WINDOW_S = WINDOW_S - 2 * FINE_S
 _MEMO_MAX = 16  # aggregates, points and diagnoses remembered per collection
 
 OUTCOME_NAMES = tuple(str(o) for o in Outcome if o is not Outcome.REJECTED)
@@ -226,3 +236,7 @@ class Reader:
                 values = old.hists[name]
             series.hists[name] = values
         return out
+
+
+def finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None

@@ -1,0 +1,492 @@
+"""The live page's panels: each a function of a :class:`View` (one answer's collections,
+selection and span), listed in :data:`PANELS`. A panel is added as a function and a line
+there, its section in ``static/ui.html`` and its drawing in ``static/ui.js``'s ``PANELS``.
+What each figure means: docs/design/live-page.md.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+from proxy import evidence as ev
+from proxy.diagnosis import levers
+from proxy.doctor.examine import REASONS
+from proxy.doctor.report import explain_break
+from proxy.evidence import COMPLETION, DURATION, QUEUE, TPOT, TTFT, Key
+from proxy.measure import Outcome
+from proxy.ui.breaks import BreakExample
+from proxy.ui.collect import (
+    CACHED,
+    COARSE_S,
+    CODES,
+    FULL_WINDOW_S,
+    ITL,
+    OUTCOME_NAMES,
+    OVERHEAD,
+    PROMPT,
+    QUANTILES,
+    TTFA,
+    Collection,
+    Selection,
+    Series,
+    matches,
+)
+
+if TYPE_CHECKING:
+    from proxy.ui.data import LiveData
+
+MINUTE, START = "minute", "start"  # the span the page leads with
+TABLE_MAX_ROWS = 60  # of the table by upstream and model; the rest are counted
+CARD_MAX = 4  # selections on the "What to fix" card; the rest are counted
+BREAKS_MAX = 4  # break reasons on the "Prompt caching" panel, the most frequent first
+
+_CLIENT_LEFT = (str(Outcome.CLIENT_DISCONNECTED), str(Outcome.CLIENT_STALLED))
+FAILED = tuple(o for o in OUTCOME_NAMES if o != Outcome.COMPLETED and o not in _CLIENT_LEFT)
+NOT_STREAMED_5XX = "5xx, not streamed"  # the errors' other part, as the row names it
+
+
+class View:
+    """One answer as its panels read it: the collection now, the one the last minute
+    starts from, the selection, and the span the page leads with (module docstring)."""
+
+    __slots__ = ("base", "data", "minute", "now", "selection", "total", "window")
+
+    def __init__(self, data: LiveData, now: Collection, base: Collection, selection: Selection):
+        self.data, self.now, self.base, self.selection = data, now, base, selection
+        self.minute = now.t - base.t >= FULL_WINDOW_S
+        self.total = now.total(selection)
+        self.window = self.total.minus(base.total(selection)) if self.minute else None
+
+    @property
+    def uptime_s(self) -> float:
+        return self.now.t - self.data.started
+
+    @property
+    def window_s(self) -> float:
+        return self.now.t - self.base.t
+
+    def span(self) -> dict[str, Any]:
+        if self.minute:
+            return {"kind": MINUTE, "label": "last minute", "seconds": self.window_s}
+        return {
+            "kind": START,
+            "label": "since start",
+            "seconds": self.uptime_s,
+            "minute_in_s": max(FULL_WINDOW_S - self.window_s, 0.0),
+        }
+
+
+def figures(view: View) -> dict[str, Any]:
+    """Tiles, percentiles, outcomes, where the time goes: the last minute (None until the
+    ring holds one) and since start."""
+    window = view.window
+    return {
+        "window": _figures(view.data, window, view.window_s) if window is not None else None,
+        "total": _figures(view.data, view.total, view.uptime_s),
+    }
+
+
+def histograms(view: View) -> dict[str, Any]:
+    """TTFT and ITL counts per bucket."""
+    return {name: _histogram(view.data, name, view.window, view.total) for name in (TTFT, ITL)}
+
+
+def in_flight(view: View) -> float:
+    """Requests in flight now, of the selected upstream (the gauge has no other label)."""
+    upstream = view.selection[2]
+    return sum(v for k, v in view.now.in_flight.items() if not upstream or k == upstream)
+
+
+def over_time(view: View) -> dict[str, Any]:
+    """Points every ``COARSE_S`` over the ring, each a whole interval between two of its
+    collections (the one still running is left out); ``None`` where the ring has a gap
+    (no page polled), so the lines break there."""
+    now_t, selection = view.now.t, view.selection
+    # (a copy, without what another thread's answer collected since this one's)
+    points = [c for c in list(view.data.coarse) if c.t <= now_t]
+    out: dict[str, list[Any]] = {"t": []}
+    keys = [f"{h}.p{round(q * 100)}" for h in ("ttft", "ttfa", "itl") for q in QUANTILES]
+    for k in (*keys, "requests_per_s", "output_tokens_per_s"):
+        out[k] = []
+    for before, after in itertools.pairwise(points):
+        point = after.remember(
+            ("point", selection, before.t), partial(_point, view.data, selection, before, after)
+        )
+        if after.t - before.t > 2.5 * COARSE_S:  # a gap: break the lines
+            out["t"].append(before.t - now_t + COARSE_S)
+            for k in out:
+                if k != "t":
+                    out[k].append(None)
+        out["t"].append(after.t - now_t)
+        for k, v in point.items():
+            out[k].append(v)
+    return out
+
+
+def by_upstream(view: View) -> dict[str, Any]:
+    """One row per (upstream, model), and route when more than one has traffic, over the
+    span, whatever is selected (it is how one selects); the most requests first."""
+    key = ("table", view.base.t if view.minute else None)
+    found: dict[str, Any] = view.now.remember(key, partial(_table, view))
+    return found
+
+
+def _evidence(view: View, span: str) -> list[levers.Evidence]:
+    """The levers' evidence of each (route, model, upstream) in the selection, over the
+    span (``"window"``: the last minute, once the ring holds one; ``"total"``: since
+    start), busiest first; computed once per reading."""
+    now, base = view.now, view.base
+    if now.reading is None or (span == "window" and (not view.minute or base.reading is None)):
+        return []
+    before = base.reading if span == "window" else None
+    route, model, upstream = (value or None for value in view.selection)
+
+    def compute() -> list[levers.Evidence]:
+        return ev.evidence(
+            now.reading or ev.Reading({}), before, route=route, model=model, upstream=upstream
+        )
+
+    found: list[levers.Evidence] = now.remember(
+        ("evidence", view.selection, span, base.t if span == "window" else None), compute
+    )
+    return found
+
+
+def _fit(evidence: levers.Evidence) -> dict[str, Any]:
+    fit = evidence.fit
+    return {
+        "requests": fit.requests,
+        "status": fit.status,
+        "usable": levers.usable_fit(fit),
+        "ms_per_1k_tokens": fit.ms_per_1k_tokens,
+        "stderr_ms_per_1k_tokens": fit.stderr_ms_per_1k_tokens,
+        "fixed_ms": fit.fixed_ms,
+        "mean_uncached_tokens": fit.mean_uncached_tokens,
+        "model": fit.model,  # "line", or "through_zero" (proxy.diagnosis.fit)
+        "line_fixed_ms": fit.line_fixed_ms,
+        "skipped": evidence.fit_skipped,  # streams with no prompt token count at all
+        # of the fit's requests, those with the proxy's own token estimate (no usage)
+        "estimated_requests": evidence.fit_estimated,
+        "note": levers.fit_note(evidence),
+    }
+
+
+def what_to_fix(view: View) -> dict[str, Any]:
+    """The "What to fix" card: the levers of ``llm-latency-proxy diagnose``
+    (:mod:`proxy.diagnosis.levers`) for each (route, model, upstream) in the selection,
+    busiest first, at most ``CARD_MAX``. The levers are ranked over since start, as the
+    command ranks them by default: a minute of one selection rarely holds the
+    ``levers.MIN_REQUESTS`` streams a lever needs. The prefill fit is given for both
+    spans, so a change in the last minute shows beside the whole run."""
+
+    def compute() -> dict[str, Any]:
+        total = _evidence(view, "total")
+        window = {(e.route, e.model, e.upstream): e for e in _evidence(view, "window")}
+        out = []
+        for evidence in total[:CARD_MAX]:
+            key = (evidence.route, evidence.model, evidence.upstream)
+            found = levers.diagnose(evidence)
+            recent = window.get(key)
+            out.append(
+                {
+                    "route": found.route,
+                    "model": found.model,
+                    "upstream": found.upstream,
+                    "requests": found.requests,
+                    "fit": {
+                        "total": _fit(evidence),
+                        "window": _fit(recent) if recent is not None else None,
+                    },
+                    "first_token": found.first_token.as_json(),
+                    "levers": [lever.as_json() for lever in found.levers],
+                }
+            )
+        return {"selections": out, "more": max(len(total) - CARD_MAX, 0)}
+
+    found: dict[str, Any] = view.now.remember(
+        ("fix", view.selection, view.base.t if view.minute else None), compute
+    )
+    return found
+
+
+def prompt_cache(view: View) -> dict[str, Any]:
+    """Prompt caching, per span: prompt tokens, the repeated prefix the prompt-cache
+    doctor found, the cached tokens the upstream reported and the missed ones (repeated,
+    not reported cached), per second and as shares of the prompt tokens; what the missed
+    ones cost in first-token time by the prefill fit (since start, in both spans: the
+    most data); and the top break reasons, each
+    with the latest example this process kept (:mod:`proxy.ui.breaks`) and one sentence.
+    ``measured`` is False while the registry has no sample of the doctor's counters."""
+
+    def compute() -> dict[str, Any]:
+        fits = {(e.route, e.model, e.upstream): e.fit for e in _evidence(view, "total")}
+        breaks = view.data.breaks
+        examples = breaks.latest(partial(matches, view.selection)) if breaks is not None else {}
+        clock = breaks.clock() if breaks is not None else 0.0
+        out: dict[str, Any] = {
+            "measured": view.now.missed_measured,
+            "total": _prompt_span(view, "total", fits, examples, clock),
+            "window": _prompt_span(view, "window", fits, examples, clock) if view.minute else None,
+            "examples": breaks is not None,
+        }
+        return out
+
+    found: dict[str, Any] = view.now.remember(
+        ("prompt", view.selection, view.base.t if view.minute else None), compute
+    )
+    return found
+
+
+def _prompt_span(
+    view: View,
+    span: str,
+    fits: dict[Key, Any],
+    examples: dict[str, tuple[Key, BreakExample]],
+    clock: float,
+) -> dict[str, Any]:
+    before = view.base.series if span == "window" else {}
+    seconds = view.window_s if span == "window" else view.uptime_s
+    s = Series.empty()
+    missed_ms_sum = missed_fitted = examined_fitted = 0.0
+    for key, series in view.now.series.items():
+        if not matches(view.selection, key):
+            continue
+        old = before.get(key)
+        change = series.minus(old) if old is not None else series
+        s = s.plus(change)
+        fit = fits.get(key)
+        if fit is not None and levers.usable_fit(fit) and change.get("examined") > 0:
+            missed = change.get("missed_tokens")
+            missed_ms_sum += fit.prefill_ms(missed) or 0.0
+            missed_fitted += missed
+            examined_fitted += change.get("examined")
+    prompt = s.get(f"{PROMPT}_sum")
+    missed_all = s.get("missed_tokens")
+
+    def per_s(value: float) -> float | None:
+        return value / seconds if seconds > 0 else None
+
+    figures: dict[str, Any] = {"seconds": seconds}
+    for name, value in (
+        ("prompt", prompt),
+        ("repeated", s.get("repeated_tokens")),
+        ("cached", s.get(f"{CACHED}_sum")),
+        ("missed", missed_all),
+    ):
+        figures[name] = {
+            "tokens": value,
+            "per_s": per_s(value),
+            "share": value / prompt if prompt > 0 else None,
+        }
+    figures["examined"] = s.get("examined")
+    # Missed tokens per examined request at each selection's fitted prefill cost; the
+    # share of missed tokens whose selection has a usable fit says what it covers.
+    figures["missed_ms"] = missed_ms_sum / examined_fitted if examined_fitted > 0 else None
+    figures["missed_ms_covers"] = missed_fitted / missed_all if missed_all > 0 else None
+    counts = sorted(((s.get(f"break_{r}"), r) for r in (*REASONS, "other")), reverse=True)
+    figures["breaks"] = [
+        _break(reason, count, per_s(count), examples.get(reason), fits, clock)
+        for count, reason in counts[:BREAKS_MAX]
+        if count > 0
+    ]
+    figures["breaks_total"] = math.fsum(count for count, _ in counts)
+    return figures
+
+
+def _break(
+    reason: str,
+    count: float,
+    per_s: float | None,
+    found: tuple[Key, BreakExample] | None,
+    fits: dict[Key, Any],
+    clock: float,
+) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "reason": reason,
+        "count": count,
+        "per_s": per_s,
+        "example": None,
+        "saves_ms": None,
+    }
+    if found is None:
+        out["sentence"] = explain_break(reason)
+        return out
+    key, example = found
+    fit = fits.get(key)
+    tokens = example.stable_tokens if reason == "variable_before_stable" else None
+    saves = (
+        fit.prefill_ms(tokens)
+        if tokens is not None and fit is not None and levers.usable_fit(fit)
+        else None
+    )
+    out["example"] = {
+        "route": key[0],
+        "model": key[1],
+        "upstream": key[2],
+        **example.as_json(clock),
+        "stable_tokens": tokens,
+    }
+    out["saves_ms"] = saves
+    out["sentence"] = explain_break(
+        reason,
+        part=example.part,
+        index=example.index,
+        role=example.role,
+        route=key[0],
+        offset=example.offset,
+        part_bytes=example.part_bytes,
+        changed_bytes=example.changed_bytes,
+        stable_bytes=example.stable_bytes,
+        stable_tokens=tokens,
+        saves_ms=saves,
+    )
+    return out
+
+
+PANELS: tuple[tuple[str, Callable[[View], Any]], ...] = (
+    ("figures", figures),
+    ("hist", histograms),
+    ("series", over_time),
+    ("in_flight", in_flight),
+    ("table", by_upstream),
+    ("fix", what_to_fix),
+    ("prompt_cache", prompt_cache),
+)
+
+
+def _figures(data: LiveData, s: Series, seconds: float) -> dict[str, Any]:
+    def mean(name: str) -> float | None:
+        count = s.get(f"{name}_count")
+        return s.get(f"{name}_sum") / count if count > 0 else None
+
+    ttft = data.dist(s, TTFT)
+    prompt = s.get(f"{PROMPT}_sum")
+    return {
+        "seconds": seconds,
+        "requests": s.get("requests"),
+        "requests_per_s": s.get("requests") / seconds if seconds > 0 else None,
+        "output_tokens": s.get(f"{COMPLETION}_sum"),
+        "output_tokens_per_s": s.get(f"{COMPLETION}_sum") / seconds if seconds > 0 else None,
+        "cache_hit_ratio": s.get(f"{CACHED}_sum") / prompt if prompt > 0 else None,
+        "ttft": ttft,
+        "ttfa": data.dist(s, TTFA),
+        "itl": data.dist(s, ITL),
+        "tpot": data.dist(s, TPOT),
+        "outcomes": {o: v for o in (*OUTCOME_NAMES, "other") if (v := s.get(f"outcome_{o}"))},
+        "codes": {c: v for c in (*CODES, "other") if (v := s.get(f"code_{c}"))},
+        "time": _time_split(
+            mean(DURATION), mean(QUEUE), mean(OVERHEAD), ttft["mean"] if ttft else None
+        ),
+    }
+
+
+def _histogram(data: LiveData, name: str, window: Series | None, total: Series) -> dict[str, Any]:
+    edges = data.edges.get(name, ())
+
+    def per_bucket(series: Series | None) -> list[float] | None:
+        values = series.hists.get(name) if series is not None else None
+        if values is None:
+            return None
+        counts = values[:-2]
+        return [c - (counts[i - 1] if i else 0.0) for i, c in enumerate(counts)]
+
+    return {
+        "edges": [e for e in edges if math.isfinite(e)],
+        "window": per_bucket(window),
+        "total": per_bucket(total),
+    }
+
+
+def _point(
+    data: LiveData, selection: Selection, before: Collection, after: Collection
+) -> dict[str, Any]:
+    d = after.total(selection).minus(before.total(selection))
+    seconds = after.t - before.t
+    point: dict[str, Any] = {}
+    for short, name in (("ttft", TTFT), ("ttfa", TTFA), ("itl", ITL)):
+        dist = data.dist(d, name)
+        for q in QUANTILES:
+            p = f"p{round(q * 100)}"
+            point[f"{short}.{p}"] = dist[p] if dist else None
+    point["requests_per_s"] = d.get("requests") / seconds
+    point["output_tokens_per_s"] = d.get(f"{COMPLETION}_sum") / seconds
+    return point
+
+
+def _table(view: View) -> dict[str, Any]:
+    before = view.base.series if view.minute else {}
+    moved: dict[Key, Series] = {}
+    for key, series in view.now.series.items():
+        old = before.get(key)
+        change = series.minus(old) if old is not None else series
+        if change.get("requests") > 0:
+            moved[key] = change
+    by_route = len({key[0] for key in moved}) > 1
+    rows: dict[Key, Series] = {}
+    for (route, model, upstream), change in moved.items():
+        key = (route if by_route else "", model, upstream)
+        found = rows.get(key)
+        rows[key] = change if found is None else found.plus(change)
+    ordered = sorted(
+        rows.items(), key=lambda kv: (-kv[1].get("requests"), kv[0][2], kv[0][1], kv[0][0])
+    )
+    return {
+        "by_route": by_route,
+        "missed_measured": view.now.missed_measured,
+        "rows": [_row(view, key, s) for key, s in ordered[:TABLE_MAX_ROWS]],
+        "more": max(len(ordered) - TABLE_MAX_ROWS, 0),
+    }
+
+
+def _row(view: View, key: Key, s: Series) -> dict[str, Any]:
+    route, model, upstream = key
+    q = partial(view.data.quantile, s)
+    requests = s.get("requests")
+    tpot = q(TPOT, 0.5)
+    errors_by = {o: v for o in FAILED if (v := s.get(f"outcome_{o}"))}
+    if not_streamed := s.get("nonstream_5xx"):
+        errors_by[NOT_STREAMED_5XX] = not_streamed
+    errors = math.fsum(errors_by.values())
+    prompt = s.get(f"{PROMPT}_sum")
+    missed = s.get("missed_tokens") if view.now.missed_measured else None
+    return {
+        "route": route,
+        "model": model,
+        "upstream": upstream,
+        "requests": requests,
+        "ttft_p50": q(TTFT, 0.5),
+        "ttft_p95": q(TTFT, 0.95),
+        "ttfa_p50": q(TTFA, 0.5),
+        "itl_p50": q(ITL, 0.5),
+        "decode_tok_s": 1.0 / tpot if tpot else None,  # median of 1 / TPOT
+        "errors": errors,
+        "error_share": errors / requests,
+        "errors_by": errors_by,
+        "missed_cache": missed / prompt if missed is not None and prompt > 0 else None,
+        "missed_tokens": missed,
+        "prompt_tokens": prompt,
+    }
+
+
+def _time_split(
+    duration: float | None, queue: float | None, overhead: float | None, ttft: float | None
+) -> dict[str, Any] | None:
+    """Mean streamed request time in four parts that add up to it (see the module
+    docstring); ``None`` until there is a streamed request with a first token."""
+    if duration is None or ttft is None or duration <= 0:
+        return None
+    queue = min(queue or 0.0, ttft)
+    overhead = min(overhead or 0.0, ttft - queue)
+    first = max(ttft - queue - overhead, 0.0)
+    decode = max(duration - ttft, 0.0)
+    whole = queue + overhead + first + decode
+    parts = {"queue": queue, "overhead": overhead, "first_token": first, "decode": decode}
+    return {
+        "request_s": duration,
+        "parts_s": parts,
+        "shares": {k: v / whole for k, v in parts.items()} if whole > 0 else None,
+    }
