@@ -32,7 +32,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from proxy import config
-from proxy.config import Settings
+from proxy.config import Settings, redact
 from proxy.config_values import SettingsError
 from proxy.options import OPTIONS, SINGLE_UPSTREAM_OPTIONS
 
@@ -192,12 +192,6 @@ def upstream_warning(upstream: str) -> str | None:
     shown = redact(upstream)
     return (f"upstream {shown} has no version segment: /v1/chat/completions will be "
             f"requested as {shown}/chat/completions")
-
-
-def redact(url: str) -> str:
-    """``url`` with its credentials masked: they are never printed (an upstream URL
-    cannot hold any, :func:`proxy.config_values.parse_upstream_url`; an OTLP endpoint may)."""
-    return config.redact(url)
 
 
 def _log_config() -> dict[str, Any]:
