@@ -1,6 +1,6 @@
 """One reading of the registry for the live page: figures per (route, model, upstream),
 summed over every other label, in flat arrays that the next reading reuses where nothing
-changed (:class:`Collection`). The page's panels read them (:mod:`proxy.ui.data`).
+changed (:class:`Collection`). The page's panels read them (:mod:`proxy.ui.panels`).
 """
 
 from __future__ import annotations
