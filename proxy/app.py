@@ -66,7 +66,8 @@ class ProxyApp:
         self.capture = capture_from(settings, env, clock=clock, skipped=(
             (lambda reason, n: skipped.labels(reason).inc(n)) if skipped is not None else None))
         self.upstreams = LiveUpstreams(
-            settings.upstream_specs, self.metrics.in_flight if self.metrics else None, transport)
+            settings.upstream_specs, self.metrics.in_flight if self.metrics else None, transport,
+            env=env)
         self.request_log = (
             RequestLog(settings.log_requests, buffer=settings.log_requests_buffer,
                        dropped=self.metrics.request_log_dropped.inc if self.metrics else None)

@@ -39,7 +39,6 @@ import base64
 import binascii
 import hashlib
 import hmac
-import os
 import re
 from collections.abc import Mapping
 
@@ -101,13 +100,11 @@ class KeyCheck:
         return ok
 
 
-def key_header(spec: UpstreamSpec, environ: Mapping[str, str] | None = None
-               ) -> tuple[bytes, bytes] | None:
+def key_header(spec: UpstreamSpec, env: Mapping[str, str]) -> tuple[bytes, bytes] | None:
     """The header that carries upstream ``spec``'s own key, or None when it holds none
     (then the client's key headers pass through, unless client keys are checked)."""
     if not spec.api_key_env:
         return None
-    env = os.environ if environ is None else environ
     return upstream_header(spec.auth, env.get(spec.api_key_env, "").strip())
 
 

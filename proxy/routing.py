@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
+from proxy.auth import key_header
 from proxy.upstream import Gauge, LiveUpstream
 from proxy.upstream_spec import UpstreamSpec, is_pattern
 from proxy.wire.pool import WireTransport
@@ -82,8 +83,9 @@ class LiveUpstreams:
 
     def __init__(self, specs: Sequence[UpstreamSpec],
                  gauge: Callable[[str], Gauge] | None = None,
-                 transport: WireTransport | None = None) -> None:
+                 transport: WireTransport | None = None, *, env: Mapping[str, str]) -> None:
         self._gauge = gauge
+        self._env = env  # where each upstream's api_key_env is read
         self._transport = transport  # tests inject one client for a single upstream
         self.targets: tuple[LiveUpstream, ...] = ()
         self.table = RoutingTable(())
@@ -100,7 +102,7 @@ class LiveUpstreams:
 
     def _target(self, spec: UpstreamSpec) -> LiveUpstream:
         gauge = self._gauge(spec.name) if self._gauge is not None else None
-        return LiveUpstream(spec, gauge, self._transport)
+        return LiveUpstream(spec, gauge, self._transport, key_header(spec, self._env))
 
     def pick(self, model: str | None, route: str) -> LiveUpstream | None:
         index = self.table.pick(model, route)

@@ -24,7 +24,6 @@ from typing import Protocol
 from urllib.parse import unquote_to_bytes, urlsplit
 
 from proxy.admission import Admission
-from proxy.auth import key_header
 from proxy.tracing import upstream_attributes
 from proxy.upstream_spec import UpstreamSpec
 from proxy.wire.endpoint import Endpoint, ProxyEndpoint
@@ -168,12 +167,13 @@ class LiveUpstream:
         spec: UpstreamSpec,
         in_flight: Gauge | None = None,
         transport: WireTransport | None = None,
+        key: tuple[bytes, bytes] | None = None,
     ) -> None:
         self.spec = spec
         self.name = spec.name
         self.client = UpstreamClient(spec, transport)
         self.admission = Admission(spec.max_concurrency, spec.max_queue)
-        self.key = key_header(spec)
+        self.key = key  # the header with its own key (proxy.auth.key_header), if it holds one
         self.headers = tuple((k.encode(), v.encode()) for k, v in spec.headers)
         self.in_flight: Gauge = in_flight if in_flight is not None else _NoGauge()
         self.telemetry = upstream_attributes(spec.url, spec.provider)  # span/OTLP attributes
