@@ -45,7 +45,6 @@ from proxy.wire.pool import WireTransport
 log = logging.getLogger("proxy")
 
 
-
 class ProxyApp:
     """The proxy as an ASGI application."""
 
