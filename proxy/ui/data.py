@@ -33,8 +33,8 @@ from proxy.ui.collect import (
 )
 from proxy.ui.panels import PANELS, View
 
-READING_PACE_S = 0.2  # one token per 0.2 s: 5 tok/s, about reading pace
-FAST_S = 0.05  # 20 tok/s
+READING_PACE_S = 0.2  # seconds per output token at about reading pace
+FAST_S = 0.05  # seconds per output token that reads as fast
 MIN_COLLECT_S = 0.5
 FINE_KEEP_S = 61.0
 COARSE_KEEP = 60
