@@ -1,36 +1,13 @@
 """OpenTelemetry tracing: one span per measured request, filled from its record.
 
-The only module that imports OpenTelemetry, and only when tracing is asked for
-(:func:`from_settings`): without the ``otel`` extra installed, or without an OTLP
-endpoint, the proxy runs as it does without this module: the request path then pays
-one ``is None`` check at each of the three points where it calls this module (start,
-inject, finish).
-
-A span is started when a measured request (chat, completions, Responses, Messages) is
-received, with the request clock's start time, as the child of the client's W3C
-``traceparent`` if it sent one; the upstream gets a ``traceparent`` naming that span as
-its parent (unless ``--no-propagate-trace``). Nothing happens per event: the span's
-attributes and its three events (first byte, first token, first answer token) are all
-written at the one finish, from the frozen :class:`~proxy.measure.RequestRecord`, and
-the span ends at the record's end time. The record never holds prompt or completion
-text, headers or keys, so neither can the span. ``gen_ai.response.id``, ``.model`` and
-``.finish_reasons`` come from the record too: the dialects read them from the events
-they decode anyway (:mod:`proxy.dialects`, "Response info"), so tracing adds no work per
-event.
-
-Times: the record's times are offsets on the proxy's monotonic clock; the span needs
-wall-clock nanoseconds. :meth:`Tracing.start` maps the request's start to the wall
-clock once (one ``time.time_ns()`` against one clock reading) and every later time in
-the span is that start plus an offset from the record, so the span's durations are the
-record's exactly.
-
-Names follow the OpenTelemetry GenAI semantic conventions (development status), as
-published in ``opentelemetry-semantic-conventions`` 0.66b2 (schema 1.44.0): all of them are in the ``ATTR`` table below and nowhere else. Operation: chat
-completions, Responses and Messages are ``chat``, completions is
-``text_completion``. Provider: the API's flavour (``openai`` for the three OpenAI APIs,
-``anthropic`` for Messages), since the proxy cannot know what serves it. The span kind
-is ``CLIENT``: the span describes the call to the model server, and the upstream's own
-server span is its child.
+The only module that imports OpenTelemetry's tracing, and only when tracing is asked for
+(:func:`from_settings`); off, the request path pays one ``is None`` check at each of the
+three points that call it (start, inject, finish). Nothing happens per event: the span's
+attributes and events are written at the one finish from the frozen
+:class:`~proxy.measure.RequestRecord`, which holds no prompt, header or key, so the span
+cannot either. Times are the record's monotonic offsets placed on one wall-clock reading
+taken at the start. Attribute names follow the GenAI semantic conventions and live in
+:data:`ATTR` only. ``docs/design/opentelemetry.md`` gives the reasons.
 """
 
 from __future__ import annotations
@@ -107,7 +84,7 @@ _MODEL_MAX = 256  # a model name is the client's text: bounded in the span name
 
 
 @dataclass(slots=True)
-class Trace:
+class RequestSpan:
     """One request's span. ``trace_id``/``span_id`` are hex, empty when the span is not
     sampled (then no exemplar points at a trace that was never exported)."""
 
@@ -140,7 +117,7 @@ class Tracing:
         self._injector: TextMapPropagator = TraceContextTextMapPropagator()
         self._server = server_attributes(upstream)
 
-    def start(self, headers: Sequence[tuple[bytes, bytes]], t0: float, dialect: str) -> Trace:
+    def start(self, headers: Sequence[tuple[bytes, bytes]], t0: float, dialect: str) -> RequestSpan:
         """The request's span, started at ``t0`` (request clock) as the child of the
         client's ``traceparent``, if any."""
         carrier = {name.decode("latin-1"): value.decode("latin-1")
@@ -156,33 +133,33 @@ class Tracing:
                                       attributes=attributes, start_time=start_ns)
         ctx = span.get_span_context()
         sampled = ctx.trace_flags.sampled
-        return Trace(span, start_ns, operation,
+        return RequestSpan(span, start_ns, operation,
                      f"{ctx.trace_id:032x}" if sampled else "",
                      f"{ctx.span_id:016x}" if sampled else "")
 
-    def inject(self, trace: Trace, headers: list[tuple[bytes, bytes]]
+    def inject(self, request_span: RequestSpan, headers: list[tuple[bytes, bytes]]
                ) -> list[tuple[bytes, bytes]]:
         """The upstream's headers with ``traceparent``/``tracestate`` naming the
         proxy's span; the client's are replaced. Unchanged with propagation off."""
         if not self.propagate:
             return headers
         carrier: dict[str, str] = {}
-        self._injector.inject(carrier, context=self._trace_api.set_span_in_context(trace.span))
+        self._injector.inject(carrier, context=self._trace_api.set_span_in_context(request_span.span))
         if not carrier:
             return headers
         out = [(k, v) for k, v in headers if k not in (b"traceparent", b"tracestate")]
         out.extend((k.encode("latin-1"), v.encode("latin-1")) for k, v in carrier.items())
         return out
 
-    def finish(self, trace: Trace, record: RequestRecord, request_model: str,
+    def finish(self, request_span: RequestSpan, record: RequestRecord, request_model: str,
                upstream: Mapping[str, Any] | None = None) -> None:
         """Fill the span from the record and end it at the record's end time.
         ``upstream``: the attributes of the upstream the request went to
         (:func:`upstream_attributes`), which the span's start could not know yet."""
-        span = trace.span
+        span = request_span.span
         if request_model:
             model = request_model[:_MODEL_MAX]
-            span.update_name(f"{trace.operation} {model}")
+            span.update_name(f"{request_span.operation} {model}")
         if not span.is_recording():
             span.end()
             return
@@ -226,7 +203,7 @@ class Tracing:
         if upstream:
             a.update(upstream)
         span.set_attributes(a)
-        start = trace.start_ns
+        start = request_span.start_ns
         for name, offset in ((EVENT_FIRST_BYTE, record.ttfb_s), (EVENT_FIRST_TOKEN, record.ttft_s),
                              (EVENT_FIRST_ANSWER_TOKEN, record.ttfa_s)):
             if offset is not None:
