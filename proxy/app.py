@@ -31,7 +31,6 @@ from prometheus_client import CollectorRegistry
 
 from proxy.admission import Admission
 from proxy.auth import OBSERVER_CHALLENGE, KeyCheck, load_key_check, observer_key
-from proxy.capture import capture_from
 from proxy.clients import identify_from
 from proxy.config import Settings, reload_specs
 from proxy.config_values import SettingsError
@@ -46,6 +45,7 @@ from proxy.ui import UI_PATHS, live_page
 from proxy.upstream import UpstreamClient, error_body
 from proxy.upstream_spec import UpstreamSpec
 from proxy.wire.pool import WireTransport
+from proxy.workload_capture import capture_from
 
 log = logging.getLogger("proxy")
 
@@ -67,7 +67,7 @@ class ProxyApp:
         self.scrapes = (Scrapes(self.metrics.exposition, self.metrics.exposition_type)
                         if self.metrics is not None else None)
         # First of what starts a thread: a trace file that cannot be opened stops here.
-        skipped = self.metrics.trace_skipped if self.metrics is not None else None
+        skipped = self.metrics.workload_skipped if self.metrics is not None else None
         self.capture = capture_from(settings, clock=clock, skipped=(
             (lambda reason, n: skipped.labels(reason).inc(n)) if skipped is not None else None))
         self.upstreams = LiveUpstreams(

@@ -36,6 +36,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from proxy.config_values import HEADER_NAME, SettingsError, parse_upstream_url, parse_url
+from proxy.deprecated import RenamedFlag, RenamedSwitch, warn_renamed
 from proxy.doctor.index import BYTES_PER_ENTRY, DEFAULT_MAX_BYTES
 from proxy.doctor.shared_index import CacheIndexSpec, cache_index_spec
 from proxy.upstream_spec import (
@@ -124,11 +125,11 @@ class Settings:
     prefix_doctor: bool = True
     prefix_window: float = 300.0
     prefix_index_bytes: int = DEFAULT_MAX_BYTES
-    trace_file: str = ""
-    trace_block_size: int = 512
-    trace_rotate_bytes: int = 0
-    trace_rotate_seconds: float = 0.0
-    trace_client: bool = False
+    workload_file: str = ""
+    workload_block_size: int = 512
+    workload_rotate_bytes: int = 0
+    workload_rotate_seconds: float = 0.0
+    workload_client: bool = False
     # From the config file's [[upstream]] tables (not an option): empty without a file.
     upstreams: tuple[UpstreamSpec, ...] = ()
     # From the config file's [cache-index] table (proxy.doctor.shared_index): None without one,
@@ -218,10 +219,10 @@ def _seconds_or_zero(raw: str) -> float:
     return value
 
 
-def _trace_path(raw: str) -> str:
+def _workload_path(raw: str) -> str:
     value = raw.strip()
     if value == "-":
-        raise ValueError("must be a file (a trace is not written to standard output)")
+        raise ValueError("must be a file (a workload is not written to standard output)")
     return value
 
 
@@ -279,7 +280,7 @@ class Group(Enum):
     METRICS = "metrics and live page"
     LABELS = "client and model labels"
     DOCTOR = "prompt-cache doctor"
-    LOGS = "request log and trace capture"
+    LOGS = "request log and workload capture"
     OTEL = "OpenTelemetry"
 
 
@@ -292,6 +293,7 @@ class Option:
     flag_only_true: bool = False  # boolean switch: --flag / --no-flag
     unset: str = ""  # what an empty default means, shown as the default in --help
     group: Group = field(kw_only=True)  # required: where --help and the reference list it
+    old: str = field(default="", kw_only=True)  # the name before a rename (proxy.deprecated)
 
     @property
     def flag(self) -> str:
@@ -300,6 +302,14 @@ class Option:
     @property
     def env(self) -> str:
         return ENV_PREFIX + self.name.upper()
+
+    @property
+    def old_flag(self) -> str:
+        return "--" + self.old.replace("_", "-")
+
+    @property
+    def old_env(self) -> str:
+        return ENV_PREFIX + self.old.upper()
 
 
 OPTIONS: tuple[Option, ...] = (
@@ -466,7 +476,7 @@ OPTIONS: tuple[Option, ...] = (
            "worker and replica. On by default; --no-prefix-doctor turns it off. It costs CPU "
            "per request that grows with the prompt's parts and bytes, large prompts in a "
            "worker thread (docs/prompt-caching.md#cost, benchmarks/RESULTS.md). "
-           "--trace-file and a [cache-index] table need it.",
+           "--workload-file and a [cache-index] table need it.",
            flag_only_true=True, group=Group.DOCTOR),
     Option("prefix_window", _window, "Seconds a prompt prefix counts as repeatable after a "
            "request sent it, as a provider's prefix cache keeps one (about 5 minutes); a "
@@ -477,29 +487,32 @@ OPTIONS: tuple[Option, ...] = (
            "of it); the least recently seen blocks are forgotten first. Per worker process; "
            "unused with a [cache-index] table (the store's maxmemory bounds that index).",
            "BYTES", group=Group.DOCTOR),
-    Option("trace_file", _trace_path, "Capture the shape of the traffic as a trace in the "
-           "Mooncake format, which bench --trace, NVIDIA AIPerf and Dynamo replay: one JSON "
+    Option("workload_file", _workload_path, "Capture the shape of the traffic as a workload "
+           "file in the Mooncake trace format, which bench --workload-file, NVIDIA AIPerf and "
+           "Dynamo replay: one JSON "
            "line per measured request answered 2xx with the upstream's usage (arrival time, "
            "prompt and completion tokens, the prompt's block hash ids, model, route, upstream, "
            "cached tokens, TTFT, mean ITL, outcome), never prompt text or keys. Written by a "
            "thread of its own; requests without usage are counted in "
            "llm_proxy_trace_skipped_requests_total, not written. Needs the prompt-cache "
            "doctor (its block hashes). With --workers, one file per worker, FILE.<pid>.",
-           "FILE", unset="none, no trace", group=Group.LOGS),
-    Option("trace_block_size", _int(1), "Prompt tokens per hash id in the trace (AIPerf's "
+           "FILE", unset="none, no workload capture", group=Group.LOGS, old="trace_file"),
+    Option("workload_block_size", _int(1), "Prompt tokens per hash id in the workload file "
+           "(AIPerf's "
            "--prompt-input-tokens-block-size; the Mooncake traces use 512). Prompts share "
            "ids as far as their blocks are equal; a smaller block keeps a shared prefix more "
            "precisely, down to about 64 tokens (the doctor's 256-byte blocks).", "TOKENS",
-           group=Group.LOGS),
-    Option("trace_rotate_bytes", _int(0), "Continue the trace in a new file (FILE.1, FILE.2, "
-           "...: the first free number) once the current one has reached this size; 0: "
-           "never.", "BYTES", group=Group.LOGS),
-    Option("trace_rotate_seconds", _seconds_or_zero, "Continue the trace in a new file once "
-           "the current one has held lines this long (with --trace-rotate-bytes, whichever "
-           "comes first); 0: never.", "S", group=Group.LOGS),
-    Option("trace_client", _bool, "Write the client label (--client-label-from) in the "
-           "trace's lines; off, the trace says nothing of who sent a request.",
-           flag_only_true=True, group=Group.LOGS),
+           group=Group.LOGS, old="trace_block_size"),
+    Option("workload_rotate_bytes", _int(0), "Continue the workload capture in a new file "
+           "(FILE.1, FILE.2, ...: the first free number) once the current one has reached "
+           "this size; 0: never.", "BYTES", group=Group.LOGS, old="trace_rotate_bytes"),
+    Option("workload_rotate_seconds", _seconds_or_zero, "Continue the workload capture in a "
+           "new file once the current one has held lines this long (with "
+           "--workload-rotate-bytes, whichever comes first); 0: never.", "S",
+           group=Group.LOGS, old="trace_rotate_seconds"),
+    Option("workload_client", _bool, "Write the client label (--client-label-from) in the "
+           "workload file's lines; off, the file says nothing of who sent a request.",
+           flag_only_true=True, group=Group.LOGS, old="trace_client"),
 )
 
 _FIELDS = {f.name for f in fields(Settings)}
@@ -507,6 +520,7 @@ assert all(o.name in _FIELDS for o in OPTIONS)
 
 
 _BY_NAME = {o.name: o for o in OPTIONS}
+_BY_OLD = {o.old: o for o in OPTIONS if o.old}
 
 
 def _shown_default(opt: Option, default: Any) -> str:
@@ -545,6 +559,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             else:
                 section.add_argument(opt.flag, dest=opt.name, default=None, metavar=opt.metavar,
                                      help=help_text)
+            if opt.old:
+                section.add_argument(opt.old_flag, dest=opt.name, default=None, new=opt.flag,
+                                     action=RenamedSwitch if opt.flag_only_true else RenamedFlag)
 
 
 def given_as(name: str, args: argparse.Namespace | None = None,
@@ -558,6 +575,8 @@ def given_as(name: str, args: argparse.Namespace | None = None,
         return opt.flag
     if opt.env in env:
         return opt.env
+    if opt.old and opt.old_env in env:
+        return opt.old_env
     return opt.flag
 
 
@@ -588,6 +607,9 @@ def from_sources(args: argparse.Namespace | None = None,
             raw_values[opt.name] = (raw, opt.flag)
         elif opt.env in env:
             raw_values[opt.name] = (env[opt.env], opt.env)
+        elif opt.old and opt.old_env in env:
+            warn_renamed(opt.old_env, opt.env)
+            raw_values[opt.name] = (env[opt.old_env], opt.old_env)
     values = {name: _parse_option(_BY_NAME[name], raw, where)
               for name, (raw, where) in raw_values.items()}
     path = values.get("config", "")
@@ -603,6 +625,10 @@ def from_sources(args: argparse.Namespace | None = None,
             if key in ("upstream", "cache-index"):
                 continue
             found = _BY_NAME.get(key)
+            if found is None and key in _BY_OLD:
+                found = _BY_OLD[key]
+                warn_renamed(f"config {path}: {key}", found.name)
+                key = found.name
             if found is None or not file_key(found):
                 hint = (" (declare upstreams as [[upstream]] tables)"
                         if key in SINGLE_UPSTREAM_OPTIONS else _closest_key(key))
@@ -754,28 +780,28 @@ def _check_combinations(s: Settings, name: Callable[[str], str],
                             f"doctor's shared index, and the doctor is turned off "
                             f"({name('prefix_doctor')}): leave it on (the default), or "
                             "remove the table")
-    if s.trace_file:
+    if s.workload_file:
         if not s.prefix_doctor:
-            raise SettingsError(f"invalid setting {name('trace_file')}: the trace's hash ids are "
+            raise SettingsError(f"invalid setting {name('workload_file')}: the workload file's hash ids are "
                                 "the prompt-cache doctor's block hashes, and the doctor is "
                                 f"turned off ({name('prefix_doctor')}): leave it on (the "
                                 "default)")
         if not s.measure:
-            raise SettingsError(f"invalid setting {name('trace_file')}: the trace records the "
+            raise SettingsError(f"invalid setting {name('workload_file')}: the workload file records the "
                                 "measured usage and timings; it cannot be combined with "
                                 f"{name('measure')}=false (--no-measure)")
-        if s.trace_file == s.log_requests:
-            raise SettingsError(f"invalid setting {name('trace_file')}: the same file as "
+        if s.workload_file == s.log_requests:
+            raise SettingsError(f"invalid setting {name('workload_file')}: the same file as "
                                 f"{name('log_requests')}")
-        folder = os.path.dirname(os.path.abspath(s.trace_file))
+        folder = os.path.dirname(os.path.abspath(s.workload_file))
         if not os.path.isdir(folder):
-            raise SettingsError(f"invalid setting {name('trace_file')}: no such directory "
+            raise SettingsError(f"invalid setting {name('workload_file')}: no such directory "
                                 f"{folder!r}")
-    elif s.trace_client:
-        raise SettingsError(f"invalid setting {name('trace_client')}: only used with "
-                            f"{name('trace_file')}")
-    if s.trace_client and not s.client_label_from:
-        raise SettingsError(f"invalid setting {name('trace_client')}: there is no client "
+    elif s.workload_client:
+        raise SettingsError(f"invalid setting {name('workload_client')}: only used with "
+                            f"{name('workload_file')}")
+    if s.workload_client and not s.client_label_from:
+        raise SettingsError(f"invalid setting {name('workload_client')}: there is no client "
                             f"label to write without {name('client_label_from')}")
     if s.metrics_port and s.metrics_port == s.port:
         raise SettingsError(f"invalid setting {name('metrics_port')}: must differ from {name('port')}")

@@ -28,7 +28,6 @@ from urllib.parse import unquote
 from proxy import bodies
 from proxy.admission import QueueFull
 from proxy.auth import CLIENT_KEY_HEADERS, KeyCheck, presented_key
-from proxy.capture import Capture
 from proxy.clients import Identify
 from proxy.config import Settings
 from proxy.dialects import (
@@ -69,6 +68,7 @@ from proxy.upstream import (
 )
 from proxy.wire.errors import ConnectError, PoolTimeout, ReadError, UpstreamError, UpstreamTimeout
 from proxy.wire.response import WireResponse
+from proxy.workload_capture import WorkloadCapture
 
 log = logging.getLogger("proxy")
 
@@ -208,7 +208,7 @@ class V1Handler:
     def __init__(self, settings: Settings, upstreams: LiveUpstreams, metrics: Metrics | None,
                  clock: Clock, keys: KeyCheck | None, request_log: RequestLog | None,
                  tracing: Tracing | None = None, identify: Identify | None = None,
-                 otel_metrics: OtelMetrics | None = None, capture: Capture | None = None
+                 otel_metrics: OtelMetrics | None = None, capture: WorkloadCapture | None = None
                  ) -> None:
         self.settings = settings
         self.capture = capture

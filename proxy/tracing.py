@@ -74,10 +74,18 @@ EVENT_FIRST_TOKEN = "llm_proxy.first_token"
 EVENT_FIRST_ANSWER_TOKEN = "llm_proxy.first_answer_token"
 
 # gen_ai.operation.name and gen_ai.provider.name per dialect name (proxy.dialects).
-OPERATION = {"chat": "chat", "completions": "text_completion", "responses": "chat",
-             "messages": "chat"}
-PROVIDER = {"chat": "openai", "completions": "openai", "responses": "openai",
-            "messages": "anthropic"}
+OPERATION = {
+    "chat": "chat",
+    "completions": "text_completion",
+    "responses": "chat",
+    "messages": "chat",
+}
+PROVIDER = {
+    "chat": "openai",
+    "completions": "openai",
+    "responses": "openai",
+    "messages": "anthropic",
+}
 SERVICE_NAME = "llm-latency-proxy"
 TRACE_HEADERS = (b"traceparent", b"tracestate", b"baggage")
 _MODEL_MAX = 256  # a model name is the client's text: bounded in the span name
@@ -98,8 +106,14 @@ class RequestSpan:
 class Tracing:
     """Spans for measured requests; built once by :func:`from_settings`."""
 
-    def __init__(self, provider: TracerProvider, *, clock: Callable[[], float],
-                 upstream: str, propagate: bool) -> None:
+    def __init__(
+        self,
+        provider: TracerProvider,
+        *,
+        clock: Callable[[], float],
+        upstream: str,
+        propagate: bool,
+    ) -> None:
         from opentelemetry import trace
         from opentelemetry.baggage.propagation import W3CBaggagePropagator
         from opentelemetry.propagators.composite import CompositePropagator
@@ -113,46 +127,68 @@ class Tracing:
         self.propagate = propagate
         self._trace_api = trace
         self._extractor: TextMapPropagator = CompositePropagator(
-            [TraceContextTextMapPropagator(), W3CBaggagePropagator()])
+            [TraceContextTextMapPropagator(), W3CBaggagePropagator()]
+        )
         self._injector: TextMapPropagator = TraceContextTextMapPropagator()
         self._server = server_attributes(upstream)
 
     def start(self, headers: Sequence[tuple[bytes, bytes]], t0: float, dialect: str) -> RequestSpan:
         """The request's span, started at ``t0`` (request clock) as the child of the
         client's ``traceparent``, if any."""
-        carrier = {name.decode("latin-1"): value.decode("latin-1")
-                   for name, value in headers if name in TRACE_HEADERS}
+        carrier = {
+            name.decode("latin-1"): value.decode("latin-1")
+            for name, value in headers
+            if name in TRACE_HEADERS
+        }
         context = self._extractor.extract(carrier) if carrier else None
         start_ns = time.time_ns() - round((self.clock() - t0) * 1e9)
         operation = OPERATION.get(dialect, dialect)
-        attributes: dict[str, Any] = {ATTR["operation"]: operation,
-                                      ATTR["provider"]: PROVIDER.get(dialect, "openai"),
-                                      **self._server}
-        span = self.tracer.start_span(operation, context=context,
-                                      kind=self._trace_api.SpanKind.CLIENT,
-                                      attributes=attributes, start_time=start_ns)
+        attributes: dict[str, Any] = {
+            ATTR["operation"]: operation,
+            ATTR["provider"]: PROVIDER.get(dialect, "openai"),
+            **self._server,
+        }
+        span = self.tracer.start_span(
+            operation,
+            context=context,
+            kind=self._trace_api.SpanKind.CLIENT,
+            attributes=attributes,
+            start_time=start_ns,
+        )
         ctx = span.get_span_context()
         sampled = ctx.trace_flags.sampled
-        return RequestSpan(span, start_ns, operation,
-                     f"{ctx.trace_id:032x}" if sampled else "",
-                     f"{ctx.span_id:016x}" if sampled else "")
+        return RequestSpan(
+            span,
+            start_ns,
+            operation,
+            f"{ctx.trace_id:032x}" if sampled else "",
+            f"{ctx.span_id:016x}" if sampled else "",
+        )
 
-    def inject(self, request_span: RequestSpan, headers: list[tuple[bytes, bytes]]
-               ) -> list[tuple[bytes, bytes]]:
+    def inject(
+        self, request_span: RequestSpan, headers: list[tuple[bytes, bytes]]
+    ) -> list[tuple[bytes, bytes]]:
         """The upstream's headers with ``traceparent``/``tracestate`` naming the
         proxy's span; the client's are replaced. Unchanged with propagation off."""
         if not self.propagate:
             return headers
         carrier: dict[str, str] = {}
-        self._injector.inject(carrier, context=self._trace_api.set_span_in_context(request_span.span))
+        self._injector.inject(
+            carrier, context=self._trace_api.set_span_in_context(request_span.span)
+        )
         if not carrier:
             return headers
         out = [(k, v) for k, v in headers if k not in (b"traceparent", b"tracestate")]
         out.extend((k.encode("latin-1"), v.encode("latin-1")) for k, v in carrier.items())
         return out
 
-    def finish(self, request_span: RequestSpan, record: RequestRecord, request_model: str,
-               upstream: Mapping[str, Any] | None = None) -> None:
+    def finish(
+        self,
+        request_span: RequestSpan,
+        record: RequestRecord,
+        request_model: str,
+        upstream: Mapping[str, Any] | None = None,
+    ) -> None:
         """Fill the span from the record and end it at the record's end time.
         ``upstream``: the attributes of the upstream the request went to
         (:func:`upstream_attributes`), which the span's start could not know yet."""
@@ -204,8 +240,11 @@ class Tracing:
             a.update(upstream)
         span.set_attributes(a)
         start = request_span.start_ns
-        for name, offset in ((EVENT_FIRST_BYTE, record.ttfb_s), (EVENT_FIRST_TOKEN, record.ttft_s),
-                             (EVENT_FIRST_ANSWER_TOKEN, record.ttfa_s)):
+        for name, offset in (
+            (EVENT_FIRST_BYTE, record.ttfb_s),
+            (EVENT_FIRST_TOKEN, record.ttft_s),
+            (EVENT_FIRST_ANSWER_TOKEN, record.ttfa_s),
+        ):
             if offset is not None:
                 span.add_event(name, timestamp=start + round(offset * 1e9))
         span.end(end_time=start + round(record.duration_s * 1e9))
@@ -230,18 +269,26 @@ def prefix_attributes(p: PrefixRecord) -> dict[str, Any]:
     did not examine carries only why."""
     if p.unchecked:
         return {ATTR["unchecked"]: p.unchecked}
-    values = (("prompt_bytes", p.prompt_bytes), ("repeated_bytes", p.repeated_bytes),
-              ("repeated_tokens", p.repeated_tokens), ("missed_tokens", p.missed_tokens),
-              ("break_reason", p.break_reason or None), ("break_part", p.break_part or None),
-              ("break_index", p.break_index), ("break_offset", p.break_offset))
+    values = (
+        ("prompt_bytes", p.prompt_bytes),
+        ("repeated_bytes", p.repeated_bytes),
+        ("repeated_tokens", p.repeated_tokens),
+        ("missed_tokens", p.missed_tokens),
+        ("break_reason", p.break_reason or None),
+        ("break_part", p.break_part or None),
+        ("break_index", p.break_index),
+        ("break_offset", p.break_offset),
+    )
     return {ATTR[name]: value for name, value in values if value is not None}
 
 
 def server_attributes(upstream: str) -> dict[str, Any]:
     """``server.address`` and ``server.port`` of the upstream URL."""
     parts = urlsplit(upstream)
-    return {ATTR["server_address"]: parts.hostname or "",
-            ATTR["server_port"]: parts.port or (443 if parts.scheme == "https" else 80)}
+    return {
+        ATTR["server_address"]: parts.hostname or "",
+        ATTR["server_port"]: parts.port or (443 if parts.scheme == "https" else 80),
+    }
 
 
 # gen_ai.provider.name for the hosts whose provider is certain; any other upstream keeps
@@ -301,16 +348,20 @@ def wanted(settings: Settings, environ: Mapping[str, str] | None = None) -> str:
 
 
 def _endpoint(settings: Settings, env: Mapping[str, str]) -> str:
-    return (settings.otlp_endpoint or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "")
-            or env.get("OTEL_EXPORTER_OTLP_ENDPOINT", ""))
+    return (
+        settings.otlp_endpoint
+        or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "")
+        or env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
+    )
 
 
 def _disabled(env: Mapping[str, str]) -> bool:
     return env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true"
 
 
-def from_settings(settings: Settings, clock: Callable[[], float],
-                  environ: Mapping[str, str] | None = None) -> Tracing | None:
+def from_settings(
+    settings: Settings, clock: Callable[[], float], environ: Mapping[str, str] | None = None
+) -> Tracing | None:
     """Tracing as configured, or None (and one warning line saying why when it was asked
     for; when it is on, the start-up line says where spans go).
 
@@ -331,8 +382,11 @@ def from_settings(settings: Settings, clock: Callable[[], float],
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
     except ImportError as exc:
-        log.warning("tracing off: an OTLP endpoint is set but the OpenTelemetry packages are "
-                    "not installed (pip install 'llm-latency-proxy[otel]'): %s", exc)
+        log.warning(
+            "tracing off: an OTLP endpoint is set but the OpenTelemetry packages are "
+            "not installed (pip install 'llm-latency-proxy[otel]'): %s",
+            exc,
+        )
         return None
     from opentelemetry.sdk.trace.export import SpanExportResult
 
@@ -341,24 +395,38 @@ def from_settings(settings: Settings, clock: Callable[[], float],
     resource = otel_resource()
     provider = TracerProvider(resource=resource)  # the sampler: OTEL_TRACES_SAMPLER(_ARG)
     exporter_class = otlp_export.watched(
-        OTLPSpanExporter, otlp_export.ExportWatch("spans", endpoint),
-        SpanExportResult.SUCCESS, SpanExportResult.FAILURE)
-    exporter = (exporter_class(endpoint=settings.otlp_endpoint.rstrip("/") + "/v1/traces")
-                if settings.otlp_endpoint else exporter_class())
+        OTLPSpanExporter,
+        otlp_export.ExportWatch("spans", endpoint),
+        SpanExportResult.SUCCESS,
+        SpanExportResult.FAILURE,
+    )
+    exporter = (
+        exporter_class(endpoint=settings.otlp_endpoint.rstrip("/") + "/v1/traces")
+        if settings.otlp_endpoint
+        else exporter_class()
+    )
     otlp_export.quiet(OTLPSpanExporter.__module__)
     provider.add_span_processor(BatchSpanProcessor(exporter))
-    tracing = Tracing(provider, clock=clock, upstream=settings.default_url,
-                      propagate=settings.propagate_trace)
+    tracing = Tracing(
+        provider, clock=clock, upstream=settings.default_url, propagate=settings.propagate_trace
+    )
     tracing.stop_exporter = exporter.shutdown
-    tracing.description = (f"on, {sampling(env)} -> {endpoint}, service "
-                           f"{resource.attributes.get('service.name')}")
+    tracing.description = (
+        f"on, {sampling(env)} -> {endpoint}, service {resource.attributes.get('service.name')}"
+    )
     return tracing
 
 
 # The samplers the SDK knows by name (OTEL_TRACES_SAMPLER); any other name is warned
 # about by the SDK, which then uses its default, parentbased_always_on.
-SAMPLERS = ("always_on", "always_off", "traceidratio", "parentbased_always_on",
-            "parentbased_always_off", "parentbased_traceidratio")
+SAMPLERS = (
+    "always_on",
+    "always_off",
+    "traceidratio",
+    "parentbased_always_on",
+    "parentbased_always_off",
+    "parentbased_traceidratio",
+)
 
 
 def sampling(environ: Mapping[str, str] | None = None) -> str:

@@ -1,70 +1,14 @@
-"""The trace capture (``--trace-file``): the shape of the traffic as a Mooncake trace.
+"""The workload capture (``--workload-file``): the shape of the traffic, as it is served.
 
-One line per measured request that the upstream answered 2xx with its usage, in the
-format :mod:`proxy.tracefile` reads and writes (its docstring is the format's contract;
-``docs/trace.md`` is the user's page): ``timestamp`` (when the proxy received the request,
-in milliseconds since the trace began, on the proxy's monotonic clock), ``input_length``
-and ``output_length`` (the upstream's usage), ``hash_ids`` (below), and our own fields
-``model`` (the body's model as sent, so that a replay asks for the same), ``route``,
-``upstream``, ``cached_tokens``, ``ttft_ms``, ``itl_ms_mean``, ``outcome``, and ``client``
-only with ``--trace-client``. No prompt text, no key, no header.
-
-**Which requests.** A line needs the upstream's usage: a request whose prompt tokens
-were not reported (``--no-inject-usage`` with a client that does not ask, a server that
-ignores the request for it) gets none, and is counted in
-``llm_proxy_trace_skipped_requests_total{reason="no_usage"}``; an estimate would have
-put lengths in the file that no server counted. Answers that are not 2xx are not
-traffic a replay should send (a refusal left nothing in the upstream), so they are not
-written and not counted. Lines come in the order requests *end*; readers sort by
-timestamp (``bench --trace``, AIPerf), and ``trace merge`` writes a sorted file.
-
-**hash_ids** come from the prompt-cache doctor's keys (:mod:`proxy.doctor.job`, which
-keeps each request's :class:`~proxy.doctor.keys.HashedPrompt` for the finish), so
-the capture hashes nothing itself; hence ``--trace-file`` needs the doctor on. Token
-block *i* first gets :func:`proxy.tracefile.token_block_keys`' key: the chain key of
-the byte block that holds the token block's end at the request's own bytes-per-token
-ratio. That ratio is the whole prompt's, so two requests that share a prefix (a
-conversation's turn and the next) place a token block's end a little differently (a
-chat template's tokens per message, text and code mixed), and near a 256-byte boundary
-they would pick different byte blocks: a hole in the shared ids, and a replay's prefix
-cache stops at the hole. :class:`PrefixKeys` removes that: a request that shares a
-prefix with an earlier one (the longest prefix whose key an earlier request left,
-at its token blocks' ends and its parts' ends) takes the earlier request's keys for
-every token block that ends within the shared prefix at both requests' ratios. With
-exact ratios the ids are shared exactly as far as the token blocks are equal
-(``tests/test_capture.py`` checks it against a brute-force comparison of token blocks);
-with a template's tokens they may lose the last shared block, never a hole.
-
-**The writer** is a thread of its own, the same as the request log's
-(:class:`proxy.line_writer.LineWriter`: the buffer, the batches, the drops, the close):
-the finish only checks the record and hands it over (no formatting, no hashing on the
-loop); the thread turns keys into ids, formats and writes, in batches that gather for
-:data:`GATHER_S` (1 s, against the request log's 0.1 s: nobody tails a trace, and the
-thread's code runs warm for more lines in a row; at 64 streams a line cost the capture
-about 56 us of thread CPU in batches of 0.1 s, ``benchmarks/RESULTS.md``, "trace
-capture against the request log"). The buffer holds
-:data:`DEFAULT_BUFFER` requests and at most :data:`MAX_PENDING_KEYS` prompt keys (a few
-huge prompts must not hold hundreds of MB while a disk is slow); beyond either, a line
-is dropped and counted (``reason="dropped"``), never waited for. At shutdown
-:meth:`Capture.close` writes every buffered line (SIGTERM included, through the
-lifespan shutdown), as the request log does.
-
-**Rotation** (``--trace-rotate-bytes``, ``--trace-rotate-seconds``; off by default):
-when the file being written reaches that size, or has held lines for that long, the
-next line starts a new file, ``FILE.1``, ``FILE.2``, ... (the first free number; a
-file is never renamed), with the metadata again, the same ``trace_start``, the same
-``trace_id`` and ids: ``bench --trace 'FILE*'`` reads them as one trace. Old files are
-not deleted.
-
-**Workers** (``--workers N``): one file per worker process, ``FILE.<pid>`` (rotated as
-``FILE.<pid>.1``, ...). The supervisor draws one trace start, one ``trace_id`` and one
-secret for the doctor's hasher and hands them to every worker (:data:`SHARED_ENV`), so
-equal prompts get equal keys in every worker, and the ids are the keys' digests
-(:func:`proxy.tracefile.digest_id`: one id namespace across the files, large ids): a
-prefix two workers both saw is one prefix (worker processes started some other way,
-with ``LLM_PROXY_WORKERS`` above 1 but no supervisor's values, each keep their own id
-namespace and secret). ``bench --trace 'FILE.*'`` reads the files as they are; ``trace merge 'FILE.*' -o trace.jsonl`` writes one standard file with small
-ids for tools that keep ids as 32-bit integers.
+One line per measured request answered 2xx with the upstream's usage, in the format of
+:mod:`proxy.workload_file`; no prompt text, key or header. A request without usage is
+counted (``no_usage``), not estimated. ``hash_ids`` come from the prompt-cache doctor's
+keys (:class:`PrefixKeys` keeps them shared as far as two prompts are equal), so the
+capture hashes nothing itself. The finish only hands the record over; a writer thread
+(:class:`~proxy.line_writer.LineWriter`) turns keys into ids and writes, drops and
+counts rather than waits, rotates, and writes every buffered line at shutdown. With
+``--workers`` each worker writes ``FILE.<pid>`` with the supervisor's start, id
+namespace and secret (:class:`Shared`). ``docs/design/workload.md`` gives the reasons.
 """
 
 from __future__ import annotations
@@ -82,7 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from proxy.line_writer import CLOSE_TIMEOUT_S, LineWriter
-from proxy.tracefile import DEFAULT_BLOCK_SIZE, TraceWriter, digest_id, token_block_keys
+from proxy.workload_file import DEFAULT_BLOCK_SIZE, WorkloadWriter, digest_id, token_block_keys
 
 if TYPE_CHECKING:
     from proxy.config import Settings
@@ -92,32 +36,32 @@ if TYPE_CHECKING:
 
 DEFAULT_BUFFER = 10_000  # requests waiting for the writer thread
 GATHER_S = 1.0  # how long the writer thread gathers a batch
-MAX_PENDING_KEYS = 1 << 19  # prompt keys waiting with them: about 34 MB (65 bytes a key)
-PREFIX_CAPACITY = 65_536  # prefixes PrefixKeys remembers: about 15 MB
+MAX_PENDING_KEYS = 1 << 19  # prompt keys waiting with them (bounds the memory they hold)
+PREFIX_CAPACITY = 65_536  # prefixes PrefixKeys remembers
 MODEL_MAX = 256  # characters of a model name written
-SHARED_ENV = "LLM_PROXY_WORKER_TRACE"  # set by serve's supervisor for its workers
+SHARED_ENV = "LLM_PROXY_WORKER_WORKLOAD"  # set by serve's supervisor for its workers
 SKIP_REASONS = ("no_usage", "dropped")
 _EPS = 1e-6  # bytes: a token block's end computed at the ratio, against an integer end
 
 
-
 @dataclass(frozen=True, slots=True)
 class Shared:
-    """What every worker of one ``serve --workers`` capture shares: the trace's start
-    (wall clock, seconds), its id and the doctor's secret."""
+    """What every worker of one ``serve --workers`` capture shares: the workload's start
+    (wall clock, seconds), its id namespace and the doctor's secret."""
 
-    trace_id: str
+    workload_id: str
     start_wall: float
     secret: bytes
 
     def encode(self) -> str:
-        return json.dumps({"trace_id": self.trace_id, "start": self.start_wall,
-                           "secret": self.secret.hex()})
+        return json.dumps(
+            {"workload_id": self.workload_id, "start": self.start_wall, "secret": self.secret.hex()}
+        )
 
     @classmethod
     def decode(cls, text: str) -> Shared:
         data = json.loads(text)
-        return cls(str(data["trace_id"]), float(data["start"]), bytes.fromhex(data["secret"]))
+        return cls(str(data["workload_id"]), float(data["start"]), bytes.fromhex(data["secret"]))
 
     @classmethod
     def new(cls, wall_clock: Callable[[], float] = time.time) -> Shared:
@@ -134,12 +78,13 @@ def shared_from(settings: Settings, environ: Mapping[str, str]) -> Shared | None
 
 
 class PrefixKeys:
-    """Token-block keys that stay shared as far as two prompts are equal (see the module
-    docstring). Remembers the keys of the last :data:`PREFIX_CAPACITY` prefixes (least
+    """Token-block keys that stay shared as far as two prompts are equal
+    (``docs/design/workload.md``, "Capture"). Remembers the keys of the last :data:`PREFIX_CAPACITY` prefixes (least
     recently used first out); one thread owns it."""
 
-    def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE,
-                 capacity: int = PREFIX_CAPACITY) -> None:
+    def __init__(
+        self, block_size: int = DEFAULT_BLOCK_SIZE, capacity: int = PREFIX_CAPACITY
+    ) -> None:
         if block_size < 1 or capacity < 1:
             raise ValueError("block_size and capacity must be >= 1")
         self.block_size = block_size
@@ -171,8 +116,11 @@ class PrefixKeys:
             held.move_to_end(chain[j])
             theirs, their_count, their_length = found
             shared = min(bisect_right(token_ends, ends[j] + _EPS), their_count)
-            if shared and input_tokens != their_length and shared * size > min(
-                    input_tokens, their_length):
+            if (
+                shared
+                and input_tokens != their_length
+                and shared * size > min(input_tokens, their_length)
+            ):
                 shared -= 1  # a partial last block equals only the same partial block
             keys[:shared] = theirs[:shared]
             break
@@ -199,34 +147,48 @@ def _keys_held(hashed: HashedPrompt | None) -> int:
 _Item = tuple["RequestRecord", float, str, "HashedPrompt | None"]
 
 
-class Capture:
-    """The trace capture of one process: :meth:`add` at each request's finish (never
+class WorkloadCapture:
+    """The workload capture of one process: :meth:`add` at each request's finish (never
     blocks), a writer thread, :meth:`close` at shutdown.
 
-    ``path``: the trace file (``FILE.<pid>`` with ``per_process``, in one of several
+    ``path``: the workload file (``FILE.<pid>`` with ``per_process``, in one of several
     worker processes); ``skipped``:
     called with (reason, count) for requests that got no line (the metric);
     ``clock``: the request clock (``started`` times are read from it); ``shared``: a
-    worker's trace start, id and secret (:class:`Shared`), else this process's own.
+    worker's workload start, id namespace and secret (:class:`Shared`), else this process's own.
     """
 
-    def __init__(self, path: str, *, block_size: int = DEFAULT_BLOCK_SIZE,
-                 rotate_bytes: int = 0, rotate_seconds: float = 0.0, client: bool = False,
-                 buffer: int = DEFAULT_BUFFER, per_process: bool = False,
-                 shared: Shared | None = None,
-                 skipped: Callable[[str, int], None] | None = None,
-                 clock: Callable[[], float] = time.perf_counter,
-                 wall_clock: Callable[[], float] = time.time,
-                 monotonic: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        path: str,
+        *,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        rotate_bytes: int = 0,
+        rotate_seconds: float = 0.0,
+        client: bool = False,
+        buffer: int = DEFAULT_BUFFER,
+        per_process: bool = False,
+        shared: Shared | None = None,
+        skipped: Callable[[str, int], None] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+        wall_clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.shared = shared
         self.base = f"{path}.{os.getpid()}" if per_process or shared is not None else path
         if shared is not None:  # the supervisor's start, placed on this process's clock
             start = (clock() - (wall_clock() - shared.start_wall), shared.start_wall)
-            self._writer = TraceWriter(self.base, block_size=block_size,
-                                       trace_id=shared.trace_id, start=start, ids=digest_id)
+            self._writer = WorkloadWriter(
+                self.base,
+                block_size=block_size,
+                workload_id=shared.workload_id,
+                start=start,
+                ids=digest_id,
+            )
         else:
-            self._writer = TraceWriter(self.base, block_size=block_size,
-                                       start=(clock(), wall_clock()))
+            self._writer = WorkloadWriter(
+                self.base, block_size=block_size, start=(clock(), wall_clock())
+            )
         # Opened here, before the server listens: a path that cannot be written fails
         # start-up rather than the first request.
         self._writer.open()
@@ -245,30 +207,27 @@ class Capture:
         self._keys_out = 0
         self.lines = 0
         self._out = LineWriter[_Item](
-            self._emit, label="trace capture", buffer=buffer, clock=monotonic,
+            self._emit,
+            label="workload capture",
+            buffer=buffer,
+            clock=monotonic,
             dropped=functools.partial(skipped, "dropped") if skipped is not None else None,
-            closed="the capture was already closed", finish=self._finish,
-            see='llm_proxy_trace_skipped_requests_total{reason="dropped"}', gather_s=GATHER_S)
+            closed="the capture was already closed",
+            finish=self._finish,
+            see='llm_proxy_trace_skipped_requests_total{reason="dropped"}',
+            gather_s=GATHER_S,
+        )
 
     @property
     def secret(self) -> bytes | None:
         """The doctor's secret when the workers share one, else None (its own)."""
         return self.shared.secret if self.shared is not None else None
 
-    @property
-    def path(self) -> str:
-        """The file being written."""
-        return self._writer.path
-
-    @property
-    def dropped(self) -> int:
-        """Lines dropped so far (full buffer, closed, a write that failed)."""
-        return self._out.dropped
-
     # -- on the event loop ----------------------------------------------------------------
 
-    def add(self, record: RequestRecord, started: float, model: str,
-            prefix: PrefixJob | None) -> None:
+    def add(
+        self, record: RequestRecord, started: float, model: str, prefix: PrefixJob | None
+    ) -> None:
         """A measured request's finish: hand its line to the writer, or count why not."""
         if not 200 <= record.status < 300:
             return
@@ -279,8 +238,11 @@ class Capture:
         hashed = prefix.hashed if prefix is not None else None
         keys = _keys_held(hashed)
         # (once closed, offer() counts it as that, whatever the keys)
-        if keys and self._keys_in - self._keys_out + keys > MAX_PENDING_KEYS \
-                and not self._out.closed:
+        if (
+            keys
+            and self._keys_in - self._keys_out + keys > MAX_PENDING_KEYS
+            and not self._out.closed
+        ):
             self._out.drop(1, "the disk is slower than the requests")
         else:
             self._keys_in += keys  # before the thread can count them out
@@ -311,13 +273,13 @@ class Capture:
                 self._opened_at = self._monotonic()
             self.lines += written
         except Exception as exc:  # a full disk, a file removed: say so, go on
-            self._out.drop(len(batch) - written,
-                           f"writing failed: {type(exc).__name__}: {exc}")
+            self._out.drop(len(batch) - written, f"writing failed: {type(exc).__name__}: {exc}")
             with contextlib.suppress(OSError):
                 self._writer.close()  # reopened at the next line
 
-    def _line(self, record: RequestRecord, started: float, model: str,
-              hashed: HashedPrompt | None) -> Any:
+    def _line(
+        self, record: RequestRecord, started: float, model: str, hashed: HashedPrompt | None
+    ) -> Any:
         input_length = record.prompt_tokens or 0
         keys = self._keys(hashed, input_length) if hashed is not None else ()
         itl = record.itl_s
@@ -337,8 +299,11 @@ class Capture:
         )
 
     def _rotation_due(self) -> bool:
-        if self.rotate_seconds and self._opened_at is not None and (
-                self._monotonic() - self._opened_at >= self.rotate_seconds):
+        if (
+            self.rotate_seconds
+            and self._opened_at is not None
+            and (self._monotonic() - self._opened_at >= self.rotate_seconds)
+        ):
             return True
         return bool(self.rotate_bytes) and self._writer.size >= self.rotate_bytes
 
@@ -351,22 +316,33 @@ class Capture:
         self._opened_at = None
 
 
-def capture_from(settings: Settings, *, clock: Callable[[], float] = time.perf_counter,
-                 skipped: Callable[[str, int], None] | None = None,
-                 environ: Mapping[str, str] | None = None) -> Capture | None:
-    """The capture ``settings`` ask for (``--trace-file``), else None."""
-    if not settings.trace_file:
+def capture_from(
+    settings: Settings,
+    *,
+    clock: Callable[[], float] = time.perf_counter,
+    skipped: Callable[[str, int], None] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> WorkloadCapture | None:
+    """The capture ``settings`` ask for (``--workload-file``), else None."""
+    if not settings.workload_file:
         return None
     from proxy.config_values import SettingsError
 
     shared = shared_from(settings, os.environ if environ is None else environ)
     try:
-        return Capture(settings.trace_file, block_size=settings.trace_block_size,
-                       rotate_bytes=settings.trace_rotate_bytes,
-                       rotate_seconds=settings.trace_rotate_seconds,
-                       client=settings.trace_client, per_process=settings.workers > 1,
-                       shared=shared, skipped=skipped, clock=clock)
+        return WorkloadCapture(
+            settings.workload_file,
+            block_size=settings.workload_block_size,
+            rotate_bytes=settings.workload_rotate_bytes,
+            rotate_seconds=settings.workload_rotate_seconds,
+            client=settings.workload_client,
+            per_process=settings.workers > 1,
+            shared=shared,
+            skipped=skipped,
+            clock=clock,
+        )
     except OSError as exc:  # before the server listens: one line, not a traceback
-        where = exc.filename or settings.trace_file
-        raise SettingsError(f"invalid setting --trace-file: cannot write {where!r}: "
-                            f"{exc.strerror or exc}") from None
+        where = exc.filename or settings.workload_file
+        raise SettingsError(
+            f"invalid setting --workload-file: cannot write {where!r}: {exc.strerror or exc}"
+        ) from None
