@@ -354,7 +354,8 @@ class Metrics:
             "line in the workload file (--workload-file), by reason: no_usage (the upstream reported no "
             "prompt tokens), dropped (the capture's buffer was full while the file was slower "
             "than the requests, or writing failed); those requests were served and measured "
-            "as usual.", ("reason",), registry=reg)
+            "as usual. The name, from when a workload file was called a trace, is kept for "
+            "dashboards and alerts.", ("reason",), registry=reg)
         for reason in SKIP_REASONS:
             self.workload_skipped.labels(reason)
         self._init_causes(reg, base, settings.ttft_buckets)

@@ -61,8 +61,10 @@ def test_old_variables_and_config_keys_are_read_with_a_warning(
     both = from_sources(environ={"LLM_PROXY_WORKLOAD_FILE": path, "LLM_PROXY_TRACE_FILE": "x"})
     assert both.workload_file == path and not warned(capsys.readouterr().err)
     config = tmp_path / "proxy.toml"
-    config.write_text(f'trace_file = "{path}"\ntrace_rotate_seconds = 7\n\n[[upstream]]\n'
-                      'name = "a"\nurl = "http://127.0.0.1:9/v1"\nmodels = ["*"]\n')
+    config.write_text(
+        f'trace_file = "{path}"\ntrace_rotate_seconds = 7\n\n[[upstream]]\n'
+        'name = "a"\nurl = "http://127.0.0.1:9/v1"\nmodels = ["*"]\n'
+    )
     from_file = from_sources(build_parser().parse_args(["serve", "--config", str(config)]),
                              environ={})  # fmt: skip
     assert (from_file.workload_file, from_file.workload_rotate_seconds) == (path, 7.0)
@@ -91,7 +93,11 @@ def test_bench_and_demo_take_their_old_flags(capsys: pytest.CaptureFixture[str])
     assert (args.workload_file, args.workload_block_size) == ("d.jsonl", 16)
     lines = warned(capsys.readouterr().err)
     assert [line.rsplit("use ", 1)[1] for line in lines] == [
-        "--workload-file", "--workload-file", "--workload-file", "--workload-block-size"]
+        "--workload-file",
+        "--workload-file",
+        "--workload-file",
+        "--workload-block-size",
+    ]
 
 
 def test_the_trace_command_is_the_workload_command_with_a_warning(
@@ -107,7 +113,8 @@ def test_the_trace_command_is_the_workload_command_with_a_warning(
     assert not warned(new_err)
     assert warned(old_err) == [
         "llm-latency-proxy: warning: llm-latency-proxy trace is deprecated and goes in the "
-        "next release: use llm-latency-proxy workload"]
+        "next release: use llm-latency-proxy workload"
+    ]
 
 
 @pytest.mark.anyio
