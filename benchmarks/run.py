@@ -43,7 +43,7 @@ What it does, and why:
   ITL while the proxy renders a registry of real size, e.g. ``--targets
   direct,proxy,proxy-before,proxy-scraped,proxy-before-scraped --before DIR --loads 64``.
 * What a file per request costs: ``proxy-reqlog`` writes the per-request log
-  (``--log-requests``), ``proxy-capture`` the trace (``--workload-file``), each to a file in
+  (``--log-requests``), ``proxy-capture`` the workload capture (``--workload-file``), each to a file in
   the run's temporary directory, so ``--targets direct,proxy,proxy-reqlog,proxy-capture
   --loads 64`` sets their CPU per event side by side (``--prompt-bytes 2048`` for
   prompts of a realistic size: the capture's work grows with the prompt's blocks).
@@ -1351,7 +1351,7 @@ def start_targets(bench: Bench, names: list[str], close: bool) -> list[Target]:
             # proxy[-nomeasure][-noinject][-doctor|-nodoctor][-wN][-Nup][-before][-ui][-reqlog]
             # [-capture]: measurement off, no usage injection, the prompt-cache doctor
             # off, N workers, a --config file of N upstreams, the code of the --before
-            # checkout, the live page open, the per-request log on, the trace capture on
+            # checkout, the live page open, the per-request log on, the workload capture on
             # (each to a file in the run's temporary directory)
             extra = []
             before = poll_ui = scraped = False
@@ -1381,7 +1381,7 @@ def start_targets(bench: Bench, names: list[str], close: bool) -> list[Target]:
                 elif part == "reqlog":
                     extra += ["--log-requests", str(bench.tmp / f"{peak_key(name, close)}.log.jsonl")]
                 elif part == "capture":  # its hash ids are the doctor's
-                    extra += ["--prefix-doctor", "--workload-file", str(bench.tmp / f"{peak_key(name, close)}.trace.jsonl")]
+                    extra += ["--prefix-doctor", "--workload-file", str(bench.tmp / f"{peak_key(name, close)}.workload.jsonl")]
                 else:
                     raise SystemExit(f"unknown target {name!r}")
             if upstreams and before:

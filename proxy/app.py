@@ -66,7 +66,7 @@ class ProxyApp:
         self.metrics = Metrics(settings, registry) if settings.measure else None
         self.scrapes = (Scrapes(self.metrics.exposition, self.metrics.exposition_type)
                         if self.metrics is not None else None)
-        # First of what starts a thread: a trace file that cannot be opened stops here.
+        # First of what starts a thread: a workload file that cannot be opened stops here.
         skipped = self.metrics.workload_skipped if self.metrics is not None else None
         self.capture = capture_from(settings, clock=clock, skipped=(
             (lambda reason, n: skipped.labels(reason).inc(n)) if skipped is not None else None))
@@ -187,7 +187,7 @@ class ProxyApp:
             self.v1.prefix.close()
         if self.request_log is not None:  # every buffered line written: off the loop
             await asyncio.to_thread(self.request_log.close)
-        if self.capture is not None:  # likewise every buffered trace line
+        if self.capture is not None:  # likewise every buffered workload line
             await asyncio.to_thread(self.capture.close)
         # The last exports of spans and OTLP metrics: off the event loop, side by side, so
         # their bounded waits (a collector that is down) do not add up.

@@ -183,7 +183,7 @@ class _Request:
     timer: StreamTimer | None = None
     t_end: float = 0.0
     reason: str = ""  # why the upstream failed, for the warning line
-    request_model: str = ""  # the body's "model" as sent: routing and the trace
+    request_model: str = ""  # the body's "model" as sent: routing, span, workload
     span: RequestSpan | None = None  # the request's span, when tracing is on
     target: LiveUpstream | None = None  # the upstream the request was routed to
     client: str = ""  # the bounded client label value, when that label is on

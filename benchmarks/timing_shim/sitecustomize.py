@@ -14,7 +14,7 @@ absolute path, since ``run.py`` starts the proxy in another directory). When
 (the thread's own CPU time, so waits for the GIL or the CPU do not count) and every 100
 finished requests writes ``<prefix>-<pid>.txt``: per step its calls, mean microseconds
 per call and per finished request, each inclusive of the steps inside it, and the
-garbage collector's passes. The request log's and the trace capture's writers are timed
+garbage collector's passes. The request log's and the workload capture's writers are timed
 too (on the loop, and in their thread per batch), to compare what each costs a request. Each wrapper
 adds two clock reads (about 0.8 us each on this machine, a system call), so nested
 figures run high by a few microseconds; the outer ones (``begin``, ``start``,
