@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from proxy.config import Settings
@@ -23,6 +23,7 @@ from proxy.tracing import (
     ATTR,
     OPERATION,
     PROVIDER,
+    Exported,
     error_type,
     otel_resource,
     server_attributes,
@@ -92,13 +93,12 @@ TOKEN_BUCKETS = (
 TOKEN_TYPE = "gen_ai.token.type"
 
 
-class OtelMetrics:
+class OtelMetrics(Exported):
     """The four instruments; built once by :func:`from_settings`."""
 
     def __init__(self, provider: MeterProvider, settings: Settings) -> None:
         self.provider = provider
         self.description = ""  # where metrics go, for the start-up line
-        self.stop_exporter: Callable[[], Any] | None = None  # ends its retries at shutdown
         meter = provider.get_meter("proxy.otel_metrics")
         self.ttft = meter.create_histogram(
             TTFT,
@@ -155,20 +155,6 @@ class OtelMetrics:
                 self.tokens.record(record.prompt_tokens, {**a, TOKEN_TYPE: "input"})
             if record.completion_tokens is not None:
                 self.tokens.record(record.completion_tokens, {**a, TOKEN_TYPE: "output"})
-
-    def force_flush(self, timeout_s: float = 10.0) -> bool:
-        return self.provider.force_flush(int(timeout_s * 1000))
-
-    def shutdown(self) -> None:
-        """Export what was recorded since the last export, then stop the reader's thread;
-        with the collector down, waiting at most
-        :data:`proxy.otlp_export.SHUTDOWN_WAIT_S`."""
-        if self.stop_exporter is None:
-            self.provider.shutdown()
-            return
-        from proxy.otlp_export import bounded_shutdown
-
-        bounded_shutdown(self.provider.shutdown, self.stop_exporter)
 
 
 def _exporters(env: Mapping[str, str]) -> set[str]:

@@ -25,6 +25,7 @@ from proxy.measure import Outcome, PrefixRecord, RequestRecord
 
 if TYPE_CHECKING:
     from opentelemetry.propagators.textmap import TextMapPropagator
+    from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.trace import Span, Tracer
@@ -103,7 +104,24 @@ class RequestSpan:
     span_id: str
 
 
-class Tracing:
+class Exported:
+    """What spans and OTLP metrics share: an SDK ``provider`` and its exporter's stop."""
+
+    provider: TracerProvider | MeterProvider
+    stop_exporter: Callable[[], Any] | None = None  # ends its retries at shutdown
+
+    def shutdown(self) -> None:
+        """Export what is still queued, then stop the exporter's thread; with the
+        collector down, waiting at most :data:`proxy.otlp_export.SHUTDOWN_WAIT_S`."""
+        if self.stop_exporter is None:
+            self.provider.shutdown()
+            return
+        from proxy.otlp_export import bounded_shutdown
+
+        bounded_shutdown(self.provider.shutdown, self.stop_exporter)
+
+
+class Tracing(Exported):
     """Spans for measured requests; built once by :func:`from_settings`."""
 
     def __init__(
@@ -121,7 +139,6 @@ class Tracing:
 
         self.provider = provider
         self.description = ""  # where spans go, for the start-up line
-        self.stop_exporter: Callable[[], Any] | None = None  # ends its retries at shutdown
         self.tracer: Tracer = provider.get_tracer("proxy.tracing")
         self.clock = clock
         self.propagate = propagate
@@ -248,19 +265,6 @@ class Tracing:
             if offset is not None:
                 span.add_event(name, timestamp=start + round(offset * 1e9))
         span.end(end_time=start + round(record.duration_s * 1e9))
-
-    def force_flush(self, timeout_s: float = 10.0) -> bool:
-        return self.provider.force_flush(int(timeout_s * 1000))
-
-    def shutdown(self) -> None:
-        """Export what is still queued, then stop the exporter's thread; with the
-        collector down, waiting at most :data:`proxy.otlp_export.SHUTDOWN_WAIT_S`."""
-        if self.stop_exporter is None:
-            self.provider.shutdown()
-            return
-        from proxy.otlp_export import bounded_shutdown
-
-        bounded_shutdown(self.provider.shutdown, self.stop_exporter)
 
 
 def prefix_attributes(p: PrefixRecord) -> dict[str, Any]:
