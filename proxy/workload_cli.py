@@ -294,12 +294,19 @@ def _add_common(p: argparse.ArgumentParser, *, output: bool = True) -> None:
 
 
 def add_parser(subparsers: Any) -> None:
+    # "trace": the command's old name, kept for one release and left out of the command
+    # list (a sub-command without help is not listed); run_command warns.
+    for name, listed in (("workload", True), ("trace", False)):
+        _add_command(subparsers, name, listed)
+
+
+def _add_command(subparsers: Any, name: str, listed: bool) -> None:
+    shown = "look at, cut, scale, anonymise or merge workload files (Mooncake trace format)"
     parser = subparsers.add_parser(
-        "workload",
-        aliases=["trace"],  # the old name, for one release (run_command warns)
-        help="look at, cut, scale, anonymise or merge workload files (Mooncake workload format)",
+        name,
+        **({"help": shown} if listed else {}),
         description=(
-            "Work on workload files: the shape of traffic in the Mooncake workload format (JSON "
+            "Work on workload files: the shape of traffic in the Mooncake trace format (JSON "
             "Lines with timestamp, input_length, output_length, hash_ids): what a proxy "
             "capture writes, what 'bench --workload-file' and AIPerf replay. See "
             "docs/workload.md."

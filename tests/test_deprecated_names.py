@@ -80,6 +80,11 @@ def test_old_names_stay_out_of_help(capsys: pytest.CaptureFixture[str]) -> None:
         shown = capsys.readouterr().out
         assert "--trace-" not in shown and "--trace " not in shown, command
         assert "--workload-file" in shown, command
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    listed = {line.split()[0] for line in out.splitlines() if line.startswith("    ")}
+    assert "workload" in listed and "trace" not in listed and "(trace)" not in out, listed
     assert {o.old for o in OPTIONS if o.old} == {
         "trace_file", "trace_block_size", "trace_rotate_bytes", "trace_rotate_seconds",
         "trace_client"}  # fmt: skip
