@@ -79,8 +79,8 @@ def shared_from(settings: Settings, environ: Mapping[str, str]) -> Shared | None
 
 class PrefixKeys:
     """Token-block keys that stay shared as far as two prompts are equal
-    (``docs/design/workload.md``, "Capture"). Remembers the keys of the last :data:`PREFIX_CAPACITY` prefixes (least
-    recently used first out); one thread owns it."""
+    (``docs/design/workload.md``, "Capture"). Remembers the keys of the last
+    :data:`PREFIX_CAPACITY` prefixes (least recently used first out); one thread owns it."""
 
     def __init__(
         self, block_size: int = DEFAULT_BLOCK_SIZE, capacity: int = PREFIX_CAPACITY
