@@ -42,14 +42,8 @@ class RenamedFlag(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
-class RenamedSwitch(argparse.BooleanOptionalAction):
+class RenamedSwitch(RenamedFlag, argparse.BooleanOptionalAction):
     """A ``--flag``/``--no-flag`` switch's old name, hidden from ``--help``, warning."""
-
-    def __init__(
-        self, option_strings: Sequence[str], dest: str, *, new: str, **kwargs: Any
-    ) -> None:
-        self.new = new
-        super().__init__(option_strings, dest, help=argparse.SUPPRESS, **kwargs)
 
     def __call__(
         self,
@@ -60,4 +54,4 @@ class RenamedSwitch(argparse.BooleanOptionalAction):
     ) -> None:
         negated = bool(option_string and option_string.startswith("--no-"))
         warn_renamed(option_string or self.dest, "--no-" + self.new[2:] if negated else self.new)
-        super().__call__(parser, namespace, values, option_string)
+        argparse.BooleanOptionalAction.__call__(self, parser, namespace, values, option_string)
