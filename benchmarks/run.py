@@ -43,7 +43,7 @@ What it does, and why:
   ITL while the proxy renders a registry of real size, e.g. ``--targets
   direct,proxy,proxy-before,proxy-scraped,proxy-before-scraped --before DIR --loads 64``.
 * What a file per request costs: ``proxy-reqlog`` writes the per-request log
-  (``--log-requests``), ``proxy-capture`` the trace (``--trace-file``), each to a file in
+  (``--log-requests``), ``proxy-capture`` the workload capture (``--workload-file``), each to a file in
   the run's temporary directory, so ``--targets direct,proxy,proxy-reqlog,proxy-capture
   --loads 64`` sets their CPU per event side by side (``--prompt-bytes 2048`` for
   prompts of a realistic size: the capture's work grows with the prompt's blocks).
@@ -1213,7 +1213,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "-Nup (--config with N upstreams, the benchmark's last, e.g. proxy-20up), "
         "-before (the proxy/ of --before DIR), -ui (its live page polled every second), "
         "-scraped (a filled registry, scraped by Prometheus every --scrape-interval), "
-        "-reqlog (--log-requests to a file), -capture (--trace-file to a file)",
+        "-reqlog (--log-requests to a file), -capture (--workload-file to a file)",
     )
     p.add_argument("--with-litellm", action="store_true", help="add the litellm target")
     p.add_argument("--litellm-venv", default=os.environ.get("LITELLM_VENV", DEFAULT_LITELLM_VENV))
@@ -1351,7 +1351,7 @@ def start_targets(bench: Bench, names: list[str], close: bool) -> list[Target]:
             # proxy[-nomeasure][-noinject][-doctor|-nodoctor][-wN][-Nup][-before][-ui][-reqlog]
             # [-capture]: measurement off, no usage injection, the prompt-cache doctor
             # off, N workers, a --config file of N upstreams, the code of the --before
-            # checkout, the live page open, the per-request log on, the trace capture on
+            # checkout, the live page open, the per-request log on, the workload capture on
             # (each to a file in the run's temporary directory)
             extra = []
             before = poll_ui = scraped = False
@@ -1381,7 +1381,7 @@ def start_targets(bench: Bench, names: list[str], close: bool) -> list[Target]:
                 elif part == "reqlog":
                     extra += ["--log-requests", str(bench.tmp / f"{peak_key(name, close)}.log.jsonl")]
                 elif part == "capture":  # its hash ids are the doctor's
-                    extra += ["--prefix-doctor", "--trace-file", str(bench.tmp / f"{peak_key(name, close)}.trace.jsonl")]
+                    extra += ["--prefix-doctor", "--workload-file", str(bench.tmp / f"{peak_key(name, close)}.workload.jsonl")]
                 else:
                     raise SystemExit(f"unknown target {name!r}")
             if upstreams and before:

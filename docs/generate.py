@@ -195,7 +195,10 @@ def settings_page() -> str:
                 f"### `{opt.flag}`\n\n"
                 f"Flag {given}, variable `{opt.env}`, "
                 + (f"config key `{key}`" if key else "no config key")
-                + f"; default {_default(shown)}.\n\n{inline(opt.help)}\n")
+                + f"; default {_default(shown)}."
+                + (f" Before: `{opt.old_flag}`, `{opt.old_env}`, `{opt.old}`, still accepted "
+                   "with a warning until the next release." if opt.old else "")
+                + f"\n\n{inline(opt.help)}\n")
     no_key = [o for o in options.OPTIONS if not options.file_key(o)]
     upstream_rows = [(f"`{key}`", inline(must_be), _upstream_default(key))
                      for key, must_be in upstream_spec._UPSTREAM_KEYS.items()]

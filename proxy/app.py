@@ -26,7 +26,6 @@ from prometheus_client import CollectorRegistry
 from proxy.admission import Admission
 from proxy.asgi import Receive, Scope, Send
 from proxy.auth import OBSERVER_CHALLENGE, KeyCheck, load_key_check, observer_key
-from proxy.capture import capture_from
 from proxy.clients import identify_from
 from proxy.config import Settings, reload_specs
 from proxy.config_values import SettingsError
@@ -41,6 +40,7 @@ from proxy.ui import UI_PATHS, index_scope, live_page
 from proxy.upstream import UpstreamClient, error_body
 from proxy.upstream_spec import UpstreamSpec
 from proxy.wire.pool import WireTransport
+from proxy.workload_capture import capture_from
 
 log = logging.getLogger("proxy")
 
@@ -60,8 +60,8 @@ class ProxyApp:
         self.metrics = Metrics(settings, registry) if settings.measure else None
         self.scrapes = (Scrapes(self.metrics.exposition, self.metrics.exposition_type)
                         if self.metrics is not None else None)
-        # First of what starts a thread: a trace file that cannot be opened stops here.
-        skipped = self.metrics.trace_skipped if self.metrics is not None else None
+        # First of what starts a thread: a workload file that cannot be opened stops here.
+        skipped = self.metrics.workload_skipped if self.metrics is not None else None
         self.capture = capture_from(settings, env, clock=clock, skipped=(
             (lambda reason, n: skipped.labels(reason).inc(n)) if skipped is not None else None))
         self.upstreams = LiveUpstreams(
@@ -184,7 +184,7 @@ class ProxyApp:
             self.v1.prefix.close()
         if self.request_log is not None:  # every buffered line written: off the loop
             await asyncio.to_thread(self.request_log.close)
-        if self.capture is not None:  # likewise every buffered trace line
+        if self.capture is not None:  # likewise every buffered workload line
             await asyncio.to_thread(self.capture.close)
         # The last exports of spans and OTLP metrics: off the event loop, side by side, so
         # their bounded waits (a collector that is down) do not add up.

@@ -1,4 +1,4 @@
-"""Command line: ``llm-latency-proxy {serve,simulate,bench,demo,healthcheck,trace,diagnose}``.
+"""Command line: ``llm-latency-proxy {serve,simulate,bench,demo,healthcheck,workload,diagnose}``.
 
 Each sub-command lives in its own module, which exposes ``add_parser(subparsers)``;
 that function registers the sub-command and sets ``func`` (``args -> exit code``, or a
@@ -31,11 +31,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    from proxy import demo, diagnose, healthcheck, serve, trace_cli
+    from proxy import demo, diagnose, healthcheck, serve, workload_cli
     from proxy.bench import cli as bench_cli
     from proxy.simulator import cli as simulator_cli
 
-    for module in (serve, simulator_cli, bench_cli, demo, healthcheck, trace_cli, diagnose):
+    for module in (serve, simulator_cli, bench_cli, demo, healthcheck, workload_cli, diagnose):
         module.add_parser(sub)
 
     # healthcheck reads PID 1's command line as this program would: handed down, so that

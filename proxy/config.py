@@ -23,9 +23,18 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from proxy.config_values import SettingsError
+from proxy.deprecated import RenamedFlag, RenamedSwitch, warn_renamed
 from proxy.doctor.index import DEFAULT_MAX_BYTES
 from proxy.doctor.shared_index import CacheIndexSpec, cache_index_spec
-from proxy.options import BY_NAME, OPTIONS, SINGLE_UPSTREAM_OPTIONS, Option, file_key, grouped
+from proxy.options import (
+    BY_NAME,
+    BY_OLD,
+    OPTIONS,
+    SINGLE_UPSTREAM_OPTIONS,
+    Option,
+    file_key,
+    grouped,
+)
 from proxy.upstream_spec import UPSTREAM_LIMIT_SETTINGS, UpstreamSpec, upstream_specs
 
 log = logging.getLogger("proxy")
@@ -106,11 +115,11 @@ class Settings:
     prefix_doctor: bool = True
     prefix_window: float = 300.0
     prefix_index_bytes: int = DEFAULT_MAX_BYTES
-    trace_file: str = ""
-    trace_block_size: int = 512
-    trace_rotate_bytes: int = 0
-    trace_rotate_seconds: float = 0.0
-    trace_client: bool = False
+    workload_file: str = ""
+    workload_block_size: int = 512
+    workload_rotate_bytes: int = 0
+    workload_rotate_seconds: float = 0.0
+    workload_client: bool = False
     # From the config file's [[upstream]] tables (not an option): empty without a file.
     upstreams: tuple[UpstreamSpec, ...] = ()
     # From the config file's [cache-index] table (proxy.doctor.shared_index): None without one,
@@ -185,6 +194,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             else:
                 section.add_argument(opt.flag, dest=opt.name, default=None, metavar=opt.metavar,
                                      help=help_text)
+            if opt.old:
+                section.add_argument(opt.old_flag, dest=opt.name, default=None, new=opt.flag,
+                                     action=RenamedSwitch if opt.flag_only_true else RenamedFlag)
 
 
 def given_as(name: str, args: argparse.Namespace | None = None,
@@ -198,6 +210,8 @@ def given_as(name: str, args: argparse.Namespace | None = None,
         return opt.flag
     if opt.env in env:
         return opt.env
+    if opt.old and opt.old_env in env:
+        return opt.old_env
     return opt.flag
 
 
@@ -221,6 +235,9 @@ def from_sources(args: argparse.Namespace | None = None,
             raw_values[opt.name] = (raw, opt.flag)
         elif opt.env in env:
             raw_values[opt.name] = (env[opt.env], opt.env)
+        elif opt.old and opt.old_env in env:
+            warn_renamed(opt.old_env, opt.env)
+            raw_values[opt.name] = (env[opt.old_env], opt.old_env)
     values = {name: _parse_option(BY_NAME[name], raw, where)
               for name, (raw, where) in raw_values.items()}
     path = values.get("config", "")
@@ -236,6 +253,10 @@ def from_sources(args: argparse.Namespace | None = None,
             if key in ("upstream", "cache-index"):
                 continue
             found = BY_NAME.get(key)
+            if found is None and key in BY_OLD:
+                found = BY_OLD[key]
+                warn_renamed(f"config {path}: {key}", found.name)
+                key = found.name
             if found is None or not file_key(found):
                 hint = (" (declare upstreams as [[upstream]] tables)"
                         if key in SINGLE_UPSTREAM_OPTIONS else _closest_key(key))
@@ -389,28 +410,28 @@ def _check_combinations(s: Settings, name: Callable[[str], str],
                             f"doctor's shared index, and the doctor is turned off "
                             f"({name('prefix_doctor')}): leave it on (the default), or "
                             "remove the table")
-    if s.trace_file:
+    if s.workload_file:
         if not s.prefix_doctor:
-            raise SettingsError(f"invalid setting {name('trace_file')}: the trace's hash ids are "
+            raise SettingsError(f"invalid setting {name('workload_file')}: the workload file's hash ids are "
                                 "the prompt-cache doctor's block hashes, and the doctor is "
                                 f"turned off ({name('prefix_doctor')}): leave it on (the "
                                 "default)")
         if not s.measure:
-            raise SettingsError(f"invalid setting {name('trace_file')}: the trace records the "
+            raise SettingsError(f"invalid setting {name('workload_file')}: the workload file records the "
                                 "measured usage and timings; it cannot be combined with "
                                 f"{name('measure')}=false (--no-measure)")
-        if s.trace_file == s.log_requests:
-            raise SettingsError(f"invalid setting {name('trace_file')}: the same file as "
+        if s.workload_file == s.log_requests:
+            raise SettingsError(f"invalid setting {name('workload_file')}: the same file as "
                                 f"{name('log_requests')}")
-        folder = os.path.dirname(os.path.abspath(s.trace_file))
+        folder = os.path.dirname(os.path.abspath(s.workload_file))
         if not os.path.isdir(folder):
-            raise SettingsError(f"invalid setting {name('trace_file')}: no such directory "
+            raise SettingsError(f"invalid setting {name('workload_file')}: no such directory "
                                 f"{folder!r}")
-    elif s.trace_client:
-        raise SettingsError(f"invalid setting {name('trace_client')}: only used with "
-                            f"{name('trace_file')}")
-    if s.trace_client and not s.client_label_from:
-        raise SettingsError(f"invalid setting {name('trace_client')}: there is no client "
+    elif s.workload_client:
+        raise SettingsError(f"invalid setting {name('workload_client')}: only used with "
+                            f"{name('workload_file')}")
+    if s.workload_client and not s.client_label_from:
+        raise SettingsError(f"invalid setting {name('workload_client')}: there is no client "
                             f"label to write without {name('client_label_from')}")
     if s.metrics_port and s.metrics_port == s.port:
         raise SettingsError(f"invalid setting {name('metrics_port')}: must differ from {name('port')}")

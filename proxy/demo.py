@@ -58,6 +58,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, TextIO
 
+from proxy.deprecated import RenamedFlag
+
 if TYPE_CHECKING:
     import asyncio
 
@@ -162,19 +164,23 @@ def add_parser(subparsers: Any) -> None:
         help="Seed for the workload and the simulator [%(default)s]",
     )
     add(
-        "--trace-file",
+        "--workload-file",
         metavar="FILE",
         default="",
-        help="Capture the demo's traffic as a trace (serve --trace-file), for bench --trace "
-        "[default: none]",
+        help="Capture the demo's traffic as a workload file (serve --workload-file), for "
+        "bench --workload-file [default: none]",
     )
+    add("--trace-file", dest="workload_file", action=RenamedFlag, new="--workload-file")
     add(
-        "--trace-block-size",
+        "--workload-block-size",
         metavar="TOKENS",
         type=int,
         default=512,
-        help="Prompt tokens per hash id in the trace (serve --trace-block-size) [%(default)s]",
+        help="Prompt tokens per hash id in the workload file (serve --workload-block-size) "
+        "[%(default)s]",
     )
+    add("--trace-block-size", dest="workload_block_size", type=int, action=RenamedFlag,
+        new="--workload-block-size")
     parser.set_defaults(func=run_command)
 
 
@@ -189,15 +195,15 @@ def run_command(args: argparse.Namespace) -> int:
     if args.duration is not None and args.duration <= 0:
         print("demo: --duration must be > 0", file=sys.stderr)
         return 2
-    if args.trace_block_size < 1:
-        print("demo: --trace-block-size must be >= 1", file=sys.stderr)
+    if args.workload_block_size < 1:
+        print("demo: --workload-block-size must be >= 1", file=sys.stderr)
         return 2
-    if args.trace_file:
+    if args.workload_file:
         import os
 
-        folder = os.path.dirname(os.path.abspath(args.trace_file))
+        folder = os.path.dirname(os.path.abspath(args.workload_file))
         if not os.path.isdir(folder):
-            print(f"demo: --trace-file: no such directory {folder!r}", file=sys.stderr)
+            print(f"demo: --workload-file: no such directory {folder!r}", file=sys.stderr)
             return 2
     import asyncio
 
@@ -629,11 +635,11 @@ class Demo:
             UpstreamSpec(CLOUD[0], cloud_url, models=CLOUD[2]),
             UpstreamSpec(SUPPORT[0], support_url, models=SUPPORT[2]),
         )
-        trace_file = getattr(args, "trace_file", "")  # absent when embedded without it
+        workload_file = getattr(args, "workload_file", "")  # absent when embedded without it
         # The doctor (on by default, said here too: the demo shows what it finds).
         settings = Settings(upstreams=specs, host=args.host, port=proxy_port,
-                            prefix_doctor=True, trace_file=trace_file,
-                            trace_block_size=getattr(args, "trace_block_size", 512))
+                            prefix_doctor=True, workload_file=workload_file,
+                            workload_block_size=getattr(args, "workload_block_size", 512))
         sim_server = _server(create_simulator_app(sim_config))
         cloud_server = _server(create_simulator_app(profile_config("slow", sim_config)))
         # Its own slots and prefill lane, no faults: its first token is its prompt's prefill.
@@ -680,9 +686,9 @@ class Demo:
             )
             self.say(f"demo: proxy at {proxy_root}/v1{note}")
             self.say(f"demo: metrics at {proxy_root}/metrics")
-            if trace_file:
-                self.say(f"demo: trace to {trace_file} (replay: llm-latency-proxy bench "
-                         f"--trace {trace_file} --simulate \"--slots {args.slots}\")")
+            if workload_file:
+                self.say(f"demo: workload capture to {workload_file} (replay: llm-latency-proxy "
+                         f"bench --workload-file {workload_file} --simulate \"--slots {args.slots}\")")
             self.say(
                 f"demo: try  curl -s {proxy_root}/metrics | grep llm_proxy_time_to_first_token"
             )

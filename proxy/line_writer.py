@@ -1,6 +1,6 @@
 """Lines written to a file by one thread of their own, never by the event loop.
 
-What the request log (:mod:`proxy.reqlog`) and the trace capture (:mod:`proxy.capture`)
+What the request log (:mod:`proxy.reqlog`) and the workload capture (:mod:`proxy.workload_capture`)
 share: the loop hands each item over (:meth:`LineWriter.offer`, which never blocks) and
 a daemon thread turns them into lines and writes them in batches (``emit``, up to
 :data:`MAX_BATCH` items a call). A write to a slow disk blocks that thread only; on the
@@ -13,7 +13,7 @@ half full, or at close). A thread woken for every line asks for the interpreter 
 once per request, in the middle of the loop's relaying of other streams. With batches
 it wakes at most ten times a second however busy the proxy is, and not at all when it
 is idle; a line reaches the file within about 0.1 s of its request's end. An owner whose
-lines nobody tails may gather longer (``gather_s``: the trace capture's 1 s), which
+lines nobody tails may gather longer (``gather_s``: the workload capture's), which
 costs less still: the thread's code runs warm for more lines in a row. Measured at
 64 streams (``benchmarks/RESULTS.md``, "2026-12-02 (later)"): the capture writer's wait
 for a CPU fell from 24 to 10 ms per second; CPU per event did not move measurably.

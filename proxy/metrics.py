@@ -39,11 +39,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from proxy.capture import SKIP_REASONS
 from proxy.config import OVERHEAD_BUCKETS, QUEUE_BUCKETS, Settings
 from proxy.diagnosis.fit import KTOKENS
 from proxy.doctor.provider import agreement
 from proxy.measure import Outcome, PrefixRecord, RequestRecord
+from proxy.workload_capture import SKIP_REASONS
 
 OTHER_MODEL = "other"
 UNKNOWN_MODEL = "unknown"
@@ -349,14 +349,15 @@ class Metrics:
             "dropped because --log-requests-buffer lines were already waiting for a file "
             "slower than the requests (or writing failed); those requests were served and "
             "measured as usual.", registry=reg)
-        self.trace_skipped = Counter(
+        self.workload_skipped = Counter(
             "llm_proxy_trace_skipped_requests", "Measured requests answered 2xx that have no "
-            "line in the trace (--trace-file), by reason: no_usage (the upstream reported no "
+            "line in the workload file (--workload-file), by reason: no_usage (the upstream reported no "
             "prompt tokens), dropped (the capture's buffer was full while the file was slower "
             "than the requests, or writing failed); those requests were served and measured "
-            "as usual.", ("reason",), registry=reg)
+            "as usual. The name, from when a workload file was called a trace, is kept for "
+            "dashboards and alerts.", ("reason",), registry=reg)
         for reason in SKIP_REASONS:
-            self.trace_skipped.labels(reason)
+            self.workload_skipped.labels(reason)
         self._init_causes(reg, base, settings.ttft_buckets)
         self._children: dict[tuple[str, str, str, str], _Children] = {}
         self.watchers: list[Callable[[RequestRecord], None]] = []  # each finished request

@@ -1,6 +1,7 @@
 """Every ``serve`` option, declared once (:data:`OPTIONS`): its flag, its ``LLM_PROXY_*``
 variable, its config-file key, its parser and its help, so the three sources and the
 settings reference cannot drift apart. :mod:`proxy.config` reads them into ``Settings``.
+A renamed option's ``old`` name is still read, with a warning (:mod:`proxy.deprecated`).
 """
 
 from __future__ import annotations
@@ -62,10 +63,10 @@ def _seconds_or_zero(raw: str) -> float:
     return value
 
 
-def _trace_path(raw: str) -> str:
+def _workload_path(raw: str) -> str:
     value = raw.strip()
     if value == "-":
-        raise ValueError("must be a file (a trace is not written to standard output)")
+        raise ValueError("must be a file (a workload is not written to standard output)")
     return value
 
 
@@ -123,7 +124,7 @@ class Group(Enum):
     METRICS = "metrics and live page"
     LABELS = "client and model labels"
     DOCTOR = "prompt-cache doctor"
-    LOGS = "request log and trace capture"
+    LOGS = "request log and workload capture"
     OTEL = "OpenTelemetry"
 
 
@@ -136,6 +137,7 @@ class Option:
     flag_only_true: bool = False  # boolean switch: --flag / --no-flag
     unset: str = ""  # what an empty default means, shown as the default in --help
     group: Group = field(kw_only=True)  # required: where --help and the reference list it
+    old: str = field(default="", kw_only=True)  # the name before a rename (proxy.deprecated)
 
     @property
     def flag(self) -> str:
@@ -144,6 +146,14 @@ class Option:
     @property
     def env(self) -> str:
         return ENV_PREFIX + self.name.upper()
+
+    @property
+    def old_flag(self) -> str:
+        return "--" + self.old.replace("_", "-")
+
+    @property
+    def old_env(self) -> str:
+        return ENV_PREFIX + self.old.upper()
 
 
 # A table, one entry per option, laid out by hand.
@@ -313,7 +323,7 @@ OPTIONS: tuple[Option, ...] = (
            "worker and replica. On by default; --no-prefix-doctor turns it off. It costs CPU "
            "per request that grows with the prompt's parts and bytes, large prompts in a "
            "worker thread (docs/prompt-caching.md#cost, benchmarks/RESULTS.md). "
-           "--trace-file and a [cache-index] table need it.",
+           "--workload-file and a [cache-index] table need it.",
            flag_only_true=True, group=Group.DOCTOR),
     Option("prefix_window", _window, "Seconds a prompt prefix counts as repeatable after a "
            "request sent it, as a provider's prefix cache keeps one (docs/prompt-caching.md); "
@@ -323,34 +333,38 @@ OPTIONS: tuple[Option, ...] = (
            "how much prompt text that remembers: docs/prompt-caching.md#cost); the least recently seen blocks are forgotten first. Per worker process; "
            "unused with a [cache-index] table (the store's maxmemory bounds that index).",
            "BYTES", group=Group.DOCTOR),
-    Option("trace_file", _trace_path, "Capture the shape of the traffic as a trace in the "
-           "Mooncake format, which bench --trace, NVIDIA AIPerf and Dynamo replay: one JSON "
+    Option("workload_file", _workload_path, "Capture the shape of the traffic as a workload "
+           "file in the Mooncake trace format, which bench --workload-file, NVIDIA AIPerf and "
+           "Dynamo replay: one JSON "
            "line per measured request answered 2xx with the upstream's usage (arrival time, "
            "prompt and completion tokens, the prompt's block hash ids, model, route, upstream, "
            "cached tokens, TTFT, mean ITL, outcome), never prompt text or keys. Written by a "
            "thread of its own; requests without usage are counted in "
            "llm_proxy_trace_skipped_requests_total, not written. Needs the prompt-cache "
            "doctor (its block hashes). With --workers, one file per worker, FILE.<pid>.",
-           "FILE", unset="none, no trace", group=Group.LOGS),
-    Option("trace_block_size", _int(1), "Prompt tokens per hash id in the trace (AIPerf's "
+           "FILE", unset="none, no workload capture", group=Group.LOGS, old="trace_file"),
+    Option("workload_block_size", _int(1), "Prompt tokens per hash id in the workload file "
+           "(AIPerf's "
            "--prompt-input-tokens-block-size; the Mooncake traces use 512). Prompts share "
            "ids as far as their blocks are equal; a smaller block keeps a shared prefix more "
            "precisely, down to the doctor's 256-byte blocks.", "TOKENS",
-           group=Group.LOGS),
-    Option("trace_rotate_bytes", _int(0), "Continue the trace in a new file (FILE.1, FILE.2, "
-           "...: the first free number) once the current one has reached this size; 0: "
-           "never.", "BYTES", group=Group.LOGS),
-    Option("trace_rotate_seconds", _seconds_or_zero, "Continue the trace in a new file once "
-           "the current one has held lines this long (with --trace-rotate-bytes, whichever "
-           "comes first); 0: never.", "S", group=Group.LOGS),
-    Option("trace_client", _bool, "Write the client label (--client-label-from) in the "
-           "trace's lines; off, the trace says nothing of who sent a request.",
-           flag_only_true=True, group=Group.LOGS),
+           group=Group.LOGS, old="trace_block_size"),
+    Option("workload_rotate_bytes", _int(0), "Continue the workload capture in a new file "
+           "(FILE.1, FILE.2, ...: the first free number) once the current one has reached "
+           "this size; 0: never.", "BYTES", group=Group.LOGS, old="trace_rotate_bytes"),
+    Option("workload_rotate_seconds", _seconds_or_zero, "Continue the workload capture in a "
+           "new file once the current one has held lines this long (with "
+           "--workload-rotate-bytes, whichever comes first); 0: never.", "S",
+           group=Group.LOGS, old="trace_rotate_seconds"),
+    Option("workload_client", _bool, "Write the client label (--client-label-from) in the "
+           "workload file's lines; off, the file says nothing of who sent a request.",
+           flag_only_true=True, group=Group.LOGS, old="trace_client"),
 )
 # fmt: on
 
 
 BY_NAME = {o.name: o for o in OPTIONS}
+BY_OLD = {o.old: o for o in OPTIONS if o.old}  # renamed options by their old name
 
 
 def grouped() -> list[tuple[Group, list[Option]]]:

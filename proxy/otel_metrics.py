@@ -1,47 +1,12 @@
 """Optional OTLP metrics: the OpenTelemetry GenAI metric instruments, once per request.
 
-For teams whose metrics pipeline is OTLP rather than Prometheus scraping. Prometheus
-stays the primary interface (:mod:`proxy.metrics`); this module only re-states, under
-the GenAI semantic-convention names, what the finished
-:class:`~proxy.measure.RequestRecord` already holds. Nothing happens per event: one
-:meth:`OtelMetrics.record` per request, from the record, after the response ended.
-Like :mod:`proxy.tracing` it imports OpenTelemetry only when asked for, and without the
-``otel`` extra the proxy runs as before and says why at start-up.
-
-On with ``--otlp-metrics`` (``LLM_PROXY_OTLP_METRICS=true``), or when
-``OTEL_METRICS_EXPORTER`` names ``otlp`` explicitly: the standard variable's unset
-default is ``otlp`` too, but a proxy that started exporting to localhost:4318 because
-a variable was *absent* would surprise everyone, so only an explicit ``otlp`` counts.
-``OTEL_METRICS_EXPORTER=none`` and ``OTEL_SDK_DISABLED=true`` turn it off whatever the
-flag says. Where they go: ``--otlp-endpoint`` (``<URL>/v1/metrics``), else the
-exporter's own standard variables (``OTEL_EXPORTER_OTLP_METRICS_ENDPOINT``,
-``OTEL_EXPORTER_OTLP_ENDPOINT``, default ``http://localhost:4318``); how often:
-``OTEL_METRIC_EXPORT_INTERVAL`` (the periodic reader's, default 60 s); the temporality:
-the exporter's default (cumulative) unless
-``OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE`` says otherwise.
-
-Instruments (names, units and explicit bucket boundaries as advised by
-``docs/gen-ai/gen-ai-metrics.md`` of the OpenTelemetry semantic conventions, development
-status; the same release of the conventions as :mod:`proxy.tracing`):
-
-* ``gen_ai.server.time_to_first_token`` (s): the record's TTFT, for streams that
-  completed without error (the convention counts successful responses only);
-* ``gen_ai.server.time_per_output_token`` (s): the record's TPOT, same condition. The
-  convention divides (duration - TTFT) by the tokens after the first; the proxy's TPOT
-  is (last token - first token) / (completion tokens - 1), the same up to the gap
-  between the last token and the end of the response;
-* ``gen_ai.server.request.duration`` (s): every request to a measured route, refused
-  ones included, with ``error.type`` when it failed (the same value as on the span);
-* ``gen_ai.client.token.usage`` ({token}): input and output tokens
-  (``gen_ai.token.type``) when the upstream reported them; never estimates (the
-  convention forbids counts the instrumentation cannot obtain).
-
-Attributes: ``gen_ai.operation.name``, ``gen_ai.provider.name`` (as on the span),
-``gen_ai.request.model`` and ``gen_ai.response.model``, ``server.address``,
-``server.port``. The two model attributes are bounded like the Prometheus ``model``
-label (the first ``--max-models`` names keep their value, later ones become ``other``;
-``--model-allowlist`` applies to the request model), because each attribute value makes
-a series in the backend; ``gen_ai.request.model`` is absent when the request named none.
+For an OTLP metrics pipeline; Prometheus (:mod:`proxy.metrics`) stays the primary
+interface. One :meth:`OtelMetrics.record` per request re-states, under the GenAI
+semantic-convention names, what the finished :class:`~proxy.measure.RequestRecord`
+holds; nothing happens per event. OpenTelemetry is imported only when asked for
+(``--otlp-metrics``, or ``OTEL_METRICS_EXPORTER=otlp`` set explicitly: an absent
+variable never turns an export on). The model attributes are bounded like the
+Prometheus ``model`` label. ``docs/design/opentelemetry.md`` gives the reasons.
 """
 
 from __future__ import annotations
@@ -162,8 +127,9 @@ class OtelMetrics(Exporting):
         self._server = server_attributes(settings.default_url)
         self._response_models = BoundedLabels(settings.max_models)
 
-    def record(self, record: RequestRecord, dialect: str,
-               upstream: Mapping[str, Any] | None = None) -> None:
+    def record(
+        self, record: RequestRecord, dialect: str, upstream: Mapping[str, Any] | None = None
+    ) -> None:
         """One finished request to a measured route (``dialect``: its API's name;
         ``upstream``: the attributes of the upstream it went to)."""
         a: dict[str, Any] = {

@@ -174,9 +174,6 @@ class Exporting:
         self.description = ""
         self.stop_exporter: Callable[[], Any] | None = None  # ends its retries at shutdown
 
-    def force_flush(self, timeout_s: float = 10.0) -> bool:
-        return bool(self.provider.force_flush(int(timeout_s * 1000)))
-
     def shutdown(self) -> None:
         """Export what is still queued, then stop the exporter's thread; with the
         collector down, waiting at most :data:`SHUTDOWN_WAIT_S`."""

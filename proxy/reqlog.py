@@ -9,7 +9,7 @@ slow disk (a full page cache, network storage, a pipe nobody reads fast enough) 
 the writer, and on the loop it would have stalled every stream the proxy relays. The
 loop only hands the record over (the thread formats it, in batches about 0.1 s apart).
 The buffer, the thread, the drops and the close are
-:class:`proxy.line_writer.LineWriter`'s (the trace capture's writer too); what a line
+:class:`proxy.line_writer.LineWriter`'s (the workload capture's writer too); what a line
 holds and where it goes are this module's.
 
 Between them is a bounded buffer of ``--log-requests-buffer`` lines (10,000 by default,

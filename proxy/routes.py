@@ -29,7 +29,6 @@ from proxy import bodies
 from proxy.admission import QueueFull
 from proxy.asgi import Receive, Scope, Send
 from proxy.auth import CLIENT_KEY_HEADERS, KeyCheck, presented_key
-from proxy.capture import Capture
 from proxy.clients import Identify
 from proxy.config import Settings
 from proxy.dialects import (
@@ -58,7 +57,7 @@ from proxy.relay import RelayResult, relay
 from proxy.reqlog import RequestLog
 from proxy.routing import LiveUpstreams
 from proxy.sse import SSEParser
-from proxy.tracing import Trace, Tracing
+from proxy.tracing import RequestSpan, Tracing
 from proxy.upstream import (
     LiveUpstream,
     UnsafePath,
@@ -70,6 +69,7 @@ from proxy.upstream import (
 )
 from proxy.wire.errors import ConnectError, PoolTimeout, ReadError, UpstreamError, UpstreamTimeout
 from proxy.wire.response import WireResponse
+from proxy.workload_capture import WorkloadCapture
 
 log = logging.getLogger("proxy")
 
@@ -180,8 +180,8 @@ class _Request:
     timer: StreamTimer | None = None
     t_end: float = 0.0
     reason: str = ""  # why the upstream failed, for the warning line
-    request_model: str = ""  # the body's "model" as sent: routing and the trace
-    trace: Trace | None = None  # the request's span, when tracing is on
+    request_model: str = ""  # the body's "model" as sent: routing, span, workload
+    span: RequestSpan | None = None  # the request's span, when tracing is on
     target: LiveUpstream | None = None  # the upstream the request was routed to
     client: str = ""  # the bounded client label value, when that label is on
     identity: str = ""  # who the request says it is, once past the key check (unbounded)
@@ -205,7 +205,7 @@ class V1Handler:
     def __init__(self, settings: Settings, upstreams: LiveUpstreams, metrics: Metrics | None,
                  clock: Clock, keys: KeyCheck | None, request_log: RequestLog | None,
                  tracing: Tracing | None = None, identify: Identify | None = None,
-                 otel_metrics: OtelMetrics | None = None, capture: Capture | None = None
+                 otel_metrics: OtelMetrics | None = None, capture: WorkloadCapture | None = None
                  ) -> None:
         self.settings = settings
         self.capture = capture
@@ -289,7 +289,7 @@ class V1Handler:
         x.subpath = subpath
         headers: list[tuple[bytes, bytes]] = scope["headers"]
         if self.tracing is not None and x.measured is not None:
-            x.trace = self.tracing.start(headers, x.t0, x.measured.name)
+            x.span = self.tracing.start(headers, x.t0, x.measured.name)
         if sum(len(k) + len(v) for k, v in headers) > s.max_header_bytes:
             raise Refused(431, "request headers too large", "invalid_request_error",
                           "headers_too_large")
@@ -490,8 +490,8 @@ class V1Handler:
         target = x.target
         assert target is not None
         out_headers = self._upstream_headers(target, headers, identity=x.measured is not None)
-        if x.trace is not None and self.tracing is not None:
-            out_headers = self.tracing.inject(x.trace, out_headers)
+        if x.span is not None and self.tracing is not None:
+            out_headers = self.tracing.inject(x.span, out_headers)
         t_send = self.clock()
         x.overhead_s = t_send - x.t0 - (x.queue_s or 0.0)
         try:
@@ -568,7 +568,7 @@ class V1Handler:
                 "upstream request", x.request_id, x.route, x.model,
                 x.target.client.host if x.target is not None else "-", x.status,
                 self.settings.client_write_timeout)
-        if self.metrics is None and self.request_log is None and x.trace is None:
+        if self.metrics is None and self.request_log is None and x.span is None:
             return
         try:
             record = self._record(x)
@@ -577,8 +577,8 @@ class V1Handler:
             if self.request_log is not None:
                 self.request_log.write(record)
             upstream = x.target.telemetry if x.target is not None else None
-            if x.trace is not None and self.tracing is not None:
-                self.tracing.finish(x.trace, record, x.request_model, upstream)
+            if x.span is not None and self.tracing is not None:
+                self.tracing.finish(x.span, record, x.request_model, upstream)
             if self.otel_metrics is not None and x.measured is not None:
                 self.otel_metrics.record(record, x.measured.name, upstream)
             if self.capture is not None and x.measured is not None and x.parsed:
@@ -643,8 +643,8 @@ class V1Handler:
             engine_cached_tokens=report.cached_tokens, engine_prefill_s=report.prefill_s,
             provider_cache_reason=report.cache_reason,
             provider_missed_tokens=report.cache_missed_tokens,
-            trace_id=x.trace.trace_id if x.trace is not None else "",
-            span_id=x.trace.span_id if x.trace is not None else "",
+            trace_id=x.span.trace_id if x.span is not None else "",
+            span_id=x.span.span_id if x.span is not None else "",
             response_id=reply.id, response_model=reply.model,
             finish_reasons=reply.finish_reasons,
             # an estimated prompt still turns the doctor's bytes into tokens: the

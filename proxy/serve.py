@@ -244,8 +244,8 @@ def _banner(settings: Settings, port: int, tracing: str = "", otlp_metrics: str 
           + (f"; OTLP metrics: {redact(otlp_metrics)}" if otlp_metrics else "")
           + (f"; prompt-cache index shared at {redact(settings.cache_index.url)}"
              if settings.cache_index is not None and settings.prefix_doctor else "")
-          + (f"; trace to {settings.trace_file}" + (".<pid> per worker" if settings.workers > 1
-                                                   else "") if settings.trace_file else ""),
+          + (f"; workload capture to {settings.workload_file}" + (".<pid> per worker" if settings.workers > 1
+                                                   else "") if settings.workload_file else ""),
           file=sys.stderr, flush=True)
 
 
@@ -310,8 +310,8 @@ def _run_workers(settings: Settings) -> int:
     directory = tempfile.mkdtemp(prefix="llm-latency-proxy-metrics-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory
     export_settings(settings, os.environ)
-    if settings.trace_file:  # one trace start, id and hashing secret for every worker
-        from proxy.capture import SHARED_ENV, Shared
+    if settings.workload_file:  # one start, id namespace and hashing secret for every worker
+        from proxy.workload_capture import SHARED_ENV, Shared
 
         os.environ[SHARED_ENV] = Shared.new().encode()
     try:

@@ -1,36 +1,13 @@
 """OpenTelemetry tracing: one span per measured request, filled from its record.
 
-The only module that imports OpenTelemetry, and only when tracing is asked for
-(:func:`from_settings`): without the ``otel`` extra installed, or without an OTLP
-endpoint, the proxy runs as it does without this module: the request path then pays
-one ``is None`` check at each of the three points where it calls this module (start,
-inject, finish).
-
-A span is started when a measured request (chat, completions, Responses, Messages) is
-received, with the request clock's start time, as the child of the client's W3C
-``traceparent`` if it sent one; the upstream gets a ``traceparent`` naming that span as
-its parent (unless ``--no-propagate-trace``). Nothing happens per event: the span's
-attributes and its three events (first byte, first token, first answer token) are all
-written at the one finish, from the frozen :class:`~proxy.measure.RequestRecord`, and
-the span ends at the record's end time. The record never holds prompt or completion
-text, headers or keys, so neither can the span. ``gen_ai.response.id``, ``.model`` and
-``.finish_reasons`` come from the record too: the dialects read them from the events
-they decode anyway (:mod:`proxy.dialects`, "Response info"), so tracing adds no work per
-event.
-
-Times: the record's times are offsets on the proxy's monotonic clock; the span needs
-wall-clock nanoseconds. :meth:`Tracing.start` maps the request's start to the wall
-clock once (one ``time.time_ns()`` against one clock reading) and every later time in
-the span is that start plus an offset from the record, so the span's durations are the
-record's exactly.
-
-Names follow the OpenTelemetry GenAI semantic conventions (development status), as
-published in ``opentelemetry-semantic-conventions`` 0.66b2 (schema 1.44.0): all of them are in the ``ATTR`` table below and nowhere else. Operation: chat
-completions, Responses and Messages are ``chat``, completions is
-``text_completion``. Provider: the API's flavour (``openai`` for the three OpenAI APIs,
-``anthropic`` for Messages), since the proxy cannot know what serves it. The span kind
-is ``CLIENT``: the span describes the call to the model server, and the upstream's own
-server span is its child.
+The only module that imports OpenTelemetry's tracing, and only when tracing is asked for
+(:func:`from_settings`); off, the request path pays one ``is None`` check at each of the
+three points that call it (start, inject, finish). Nothing happens per event: the span's
+attributes and events are written at the one finish from the frozen
+:class:`~proxy.measure.RequestRecord`, which holds no prompt, header or key, so the span
+cannot either. Times are the record's monotonic offsets placed on one wall-clock reading
+taken at the start. Attribute names follow the GenAI semantic conventions and live in
+:data:`ATTR` only. ``docs/design/opentelemetry.md`` gives the reasons.
 """
 
 from __future__ import annotations
@@ -97,17 +74,25 @@ EVENT_FIRST_TOKEN = "llm_proxy.first_token"
 EVENT_FIRST_ANSWER_TOKEN = "llm_proxy.first_answer_token"
 
 # gen_ai.operation.name and gen_ai.provider.name per dialect name (proxy.dialects).
-OPERATION = {"chat": "chat", "completions": "text_completion", "responses": "chat",
-             "messages": "chat"}
-PROVIDER = {"chat": "openai", "completions": "openai", "responses": "openai",
-            "messages": "anthropic"}
+OPERATION = {
+    "chat": "chat",
+    "completions": "text_completion",
+    "responses": "chat",
+    "messages": "chat",
+}
+PROVIDER = {
+    "chat": "openai",
+    "completions": "openai",
+    "responses": "openai",
+    "messages": "anthropic",
+}
 SERVICE_NAME = "llm-latency-proxy"
 TRACE_HEADERS = (b"traceparent", b"tracestate", b"baggage")
 _MODEL_MAX = 256  # a model name is the client's text: bounded in the span name
 
 
 @dataclass(slots=True)
-class Trace:
+class RequestSpan:
     """One request's span. ``trace_id``/``span_id`` are hex, empty when the span is not
     sampled (then no exemplar points at a trace that was never exported)."""
 
@@ -121,8 +106,14 @@ class Trace:
 class Tracing(Exporting):
     """Spans for measured requests; built once by :func:`from_settings`."""
 
-    def __init__(self, provider: TracerProvider, *, clock: Callable[[], float],
-                 upstream: str, propagate: bool) -> None:
+    def __init__(
+        self,
+        provider: TracerProvider,
+        *,
+        clock: Callable[[], float],
+        upstream: str,
+        propagate: bool,
+    ) -> None:
         from opentelemetry import trace
         from opentelemetry.baggage.propagation import W3CBaggagePropagator
         from opentelemetry.propagators.composite import CompositePropagator
@@ -134,53 +125,75 @@ class Tracing(Exporting):
         self.propagate = propagate
         self._trace_api = trace
         self._extractor: TextMapPropagator = CompositePropagator(
-            [TraceContextTextMapPropagator(), W3CBaggagePropagator()])
+            [TraceContextTextMapPropagator(), W3CBaggagePropagator()]
+        )
         self._injector: TextMapPropagator = TraceContextTextMapPropagator()
         self._server = server_attributes(upstream)
 
-    def start(self, headers: Sequence[tuple[bytes, bytes]], t0: float, dialect: str) -> Trace:
+    def start(self, headers: Sequence[tuple[bytes, bytes]], t0: float, dialect: str) -> RequestSpan:
         """The request's span, started at ``t0`` (request clock) as the child of the
         client's ``traceparent``, if any."""
-        carrier = {name.decode("latin-1"): value.decode("latin-1")
-                   for name, value in headers if name in TRACE_HEADERS}
+        carrier = {
+            name.decode("latin-1"): value.decode("latin-1")
+            for name, value in headers
+            if name in TRACE_HEADERS
+        }
         context = self._extractor.extract(carrier) if carrier else None
         start_ns = time.time_ns() - round((self.clock() - t0) * 1e9)
         operation = OPERATION.get(dialect, dialect)
-        attributes: dict[str, Any] = {ATTR["operation"]: operation,
-                                      ATTR["provider"]: PROVIDER.get(dialect, "openai"),
-                                      **self._server}
-        span = self.tracer.start_span(operation, context=context,
-                                      kind=self._trace_api.SpanKind.CLIENT,
-                                      attributes=attributes, start_time=start_ns)
+        attributes: dict[str, Any] = {
+            ATTR["operation"]: operation,
+            ATTR["provider"]: PROVIDER.get(dialect, "openai"),
+            **self._server,
+        }
+        span = self.tracer.start_span(
+            operation,
+            context=context,
+            kind=self._trace_api.SpanKind.CLIENT,
+            attributes=attributes,
+            start_time=start_ns,
+        )
         ctx = span.get_span_context()
         sampled = ctx.trace_flags.sampled
-        return Trace(span, start_ns, operation,
-                     f"{ctx.trace_id:032x}" if sampled else "",
-                     f"{ctx.span_id:016x}" if sampled else "")
+        return RequestSpan(
+            span,
+            start_ns,
+            operation,
+            f"{ctx.trace_id:032x}" if sampled else "",
+            f"{ctx.span_id:016x}" if sampled else "",
+        )
 
-    def inject(self, trace: Trace, headers: list[tuple[bytes, bytes]]
-               ) -> list[tuple[bytes, bytes]]:
+    def inject(
+        self, request_span: RequestSpan, headers: list[tuple[bytes, bytes]]
+    ) -> list[tuple[bytes, bytes]]:
         """The upstream's headers with ``traceparent``/``tracestate`` naming the
         proxy's span; the client's are replaced. Unchanged with propagation off."""
         if not self.propagate:
             return headers
         carrier: dict[str, str] = {}
-        self._injector.inject(carrier, context=self._trace_api.set_span_in_context(trace.span))
+        self._injector.inject(
+            carrier, context=self._trace_api.set_span_in_context(request_span.span)
+        )
         if not carrier:
             return headers
         out = [(k, v) for k, v in headers if k not in (b"traceparent", b"tracestate")]
         out.extend((k.encode("latin-1"), v.encode("latin-1")) for k, v in carrier.items())
         return out
 
-    def finish(self, trace: Trace, record: RequestRecord, request_model: str,
-               upstream: Mapping[str, Any] | None = None) -> None:
+    def finish(
+        self,
+        request_span: RequestSpan,
+        record: RequestRecord,
+        request_model: str,
+        upstream: Mapping[str, Any] | None = None,
+    ) -> None:
         """Fill the span from the record and end it at the record's end time.
         ``upstream``: the attributes of the upstream the request went to
         (:func:`upstream_attributes`), which the span's start could not know yet."""
-        span = trace.span
+        span = request_span.span
         if request_model:
             model = request_model[:_MODEL_MAX]
-            span.update_name(f"{trace.operation} {model}")
+            span.update_name(f"{request_span.operation} {model}")
         if not span.is_recording():
             span.end()
             return
@@ -224,9 +237,12 @@ class Tracing(Exporting):
         if upstream:
             a.update(upstream)
         span.set_attributes(a)
-        start = trace.start_ns
-        for name, offset in ((EVENT_FIRST_BYTE, record.ttfb_s), (EVENT_FIRST_TOKEN, record.ttft_s),
-                             (EVENT_FIRST_ANSWER_TOKEN, record.ttfa_s)):
+        start = request_span.start_ns
+        for name, offset in (
+            (EVENT_FIRST_BYTE, record.ttfb_s),
+            (EVENT_FIRST_TOKEN, record.ttft_s),
+            (EVENT_FIRST_ANSWER_TOKEN, record.ttfa_s),
+        ):
             if offset is not None:
                 span.add_event(name, timestamp=start + round(offset * 1e9))
         span.end(end_time=start + round(record.duration_s * 1e9))
@@ -238,18 +254,26 @@ def prefix_attributes(p: PrefixRecord) -> dict[str, Any]:
     did not examine carries only why."""
     if p.unchecked:
         return {ATTR["unchecked"]: p.unchecked}
-    values = (("prompt_bytes", p.prompt_bytes), ("repeated_bytes", p.repeated_bytes),
-              ("repeated_tokens", p.repeated_tokens), ("missed_tokens", p.missed_tokens),
-              ("break_reason", p.break_reason or None), ("break_part", p.break_part or None),
-              ("break_index", p.break_index), ("break_offset", p.break_offset))
+    values = (
+        ("prompt_bytes", p.prompt_bytes),
+        ("repeated_bytes", p.repeated_bytes),
+        ("repeated_tokens", p.repeated_tokens),
+        ("missed_tokens", p.missed_tokens),
+        ("break_reason", p.break_reason or None),
+        ("break_part", p.break_part or None),
+        ("break_index", p.break_index),
+        ("break_offset", p.break_offset),
+    )
     return {ATTR[name]: value for name, value in values if value is not None}
 
 
 def server_attributes(upstream: str) -> dict[str, Any]:
     """``server.address`` and ``server.port`` of the upstream URL."""
     parts = urlsplit(upstream)
-    return {ATTR["server_address"]: parts.hostname or "",
-            ATTR["server_port"]: parts.port or (443 if parts.scheme == "https" else 80)}
+    return {
+        ATTR["server_address"]: parts.hostname or "",
+        ATTR["server_port"]: parts.port or (443 if parts.scheme == "https" else 80),
+    }
 
 
 # gen_ai.provider.name for the hosts whose provider is certain; any other upstream keeps
@@ -308,16 +332,20 @@ def wanted(settings: Settings, env: Mapping[str, str]) -> str:
 
 
 def _endpoint(settings: Settings, env: Mapping[str, str]) -> str:
-    return (settings.otlp_endpoint or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "")
-            or env.get("OTEL_EXPORTER_OTLP_ENDPOINT", ""))
+    return (
+        settings.otlp_endpoint
+        or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "")
+        or env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
+    )
 
 
 def _disabled(env: Mapping[str, str]) -> bool:
     return env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true"
 
 
-def from_settings(settings: Settings, clock: Callable[[], float],
-                  env: Mapping[str, str]) -> Tracing | None:
+def from_settings(
+    settings: Settings, clock: Callable[[], float], env: Mapping[str, str]
+) -> Tracing | None:
     """Tracing as configured, or None (and one warning line saying why when it was asked
     for; when it is on, the start-up line says where spans go).
 
@@ -337,8 +365,11 @@ def from_settings(settings: Settings, clock: Callable[[], float],
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
     except ImportError as exc:
-        log.warning("tracing off: an OTLP endpoint is set but the OpenTelemetry packages are "
-                    "not installed (pip install 'llm-latency-proxy[otel]'): %s", exc)
+        log.warning(
+            "tracing off: an OTLP endpoint is set but the OpenTelemetry packages are "
+            "not installed (pip install 'llm-latency-proxy[otel]'): %s",
+            exc,
+        )
         return None
     from opentelemetry.sdk.trace.export import SpanExportResult
 
@@ -347,24 +378,38 @@ def from_settings(settings: Settings, clock: Callable[[], float],
     resource = otel_resource()
     provider = TracerProvider(resource=resource)  # the sampler: OTEL_TRACES_SAMPLER(_ARG)
     exporter_class = otlp_export.watched(
-        OTLPSpanExporter, otlp_export.ExportWatch("spans", endpoint),
-        SpanExportResult.SUCCESS, SpanExportResult.FAILURE)
-    exporter = (exporter_class(endpoint=settings.otlp_endpoint.rstrip("/") + "/v1/traces")
-                if settings.otlp_endpoint else exporter_class())
+        OTLPSpanExporter,
+        otlp_export.ExportWatch("spans", endpoint),
+        SpanExportResult.SUCCESS,
+        SpanExportResult.FAILURE,
+    )
+    exporter = (
+        exporter_class(endpoint=settings.otlp_endpoint.rstrip("/") + "/v1/traces")
+        if settings.otlp_endpoint
+        else exporter_class()
+    )
     otlp_export.quiet(OTLPSpanExporter.__module__)
     provider.add_span_processor(BatchSpanProcessor(exporter))
-    tracing = Tracing(provider, clock=clock, upstream=settings.default_url,
-                      propagate=settings.propagate_trace)
+    tracing = Tracing(
+        provider, clock=clock, upstream=settings.default_url, propagate=settings.propagate_trace
+    )
     tracing.stop_exporter = exporter.shutdown
-    tracing.description = (f"on, {sampling(env)} -> {endpoint}, service "
-                           f"{resource.attributes.get('service.name')}")
+    tracing.description = (
+        f"on, {sampling(env)} -> {endpoint}, service {resource.attributes.get('service.name')}"
+    )
     return tracing
 
 
 # The samplers the SDK knows by name (OTEL_TRACES_SAMPLER); any other name is warned
 # about by the SDK, which then uses its default, parentbased_always_on.
-SAMPLERS = ("always_on", "always_off", "traceidratio", "parentbased_always_on",
-            "parentbased_always_off", "parentbased_traceidratio")
+SAMPLERS = (
+    "always_on",
+    "always_off",
+    "traceidratio",
+    "parentbased_always_on",
+    "parentbased_always_off",
+    "parentbased_traceidratio",
+)
 
 
 def sampling(env: Mapping[str, str]) -> str:

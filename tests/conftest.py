@@ -4,7 +4,7 @@ The suite runs on two pytest-xdist workers (``-n 2 --dist loadfile`` in pyprojec
 addopts: each test file on one worker, in its own order, two files at a time). A test
 marked ``serial`` runs with no other test at the same time: it holds a lock that every
 other test holds shared (one lock file per run, ``flock``), for a test whose bounds are
-asserted only when the machine has room (``tests/test_trace_replay.py``), which the
+asserted only when the machine has room (``tests/test_workload_replay.py``), which the
 other worker's test would otherwise take. A serial test first takes a turnstile that
 every test passes through, so the other worker's stream of short tests cannot keep it
 waiting. The lock files live in a directory the controller makes for the run. Outside xdist (``-n 0``) there is nothing to share and no lock.

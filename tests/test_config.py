@@ -189,7 +189,7 @@ def test_every_help_text_says_what_its_default_is() -> None:
     parser = argparse.ArgumentParser()
     config.add_arguments(parser)
     for action in parser._actions:
-        if action.dest == "help":
+        if action.dest == "help" or action.help == argparse.SUPPRESS:  # an old name, hidden
             continue
         assert action.help is not None
         shown = action.help.rsplit("; default: ", 1)[1]

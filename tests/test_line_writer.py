@@ -1,5 +1,5 @@
 """The writer thread the request log and the trace capture share (proxy/line_writer.py),
-for what their own tests (tests/test_reqlog.py, tests/test_capture.py) do not reach: a
+for what their own tests (tests/test_reqlog.py, tests/test_workload_capture.py) do not reach: a
 batch that fails to write is counted and the next is written, drops are warned about at
 most once per ``DROP_WARNING_S`` with the total, and a close whose disk takes nothing
 gives up at its deadline, says how many lines are left, and leaves the file to the

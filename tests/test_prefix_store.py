@@ -492,7 +492,7 @@ async def test_while_the_store_is_down_the_trace_keeps_the_prompts_keys(
     clock, answers = ScriptedClock(T0), Answers()
     trace = tmp_path / "trace.jsonl"
     app, _, log_file = doctor_app(answers, clock, tmp_path, cache_index=spec_of(store),
-                                  trace_file=str(trace), trace_block_size=16)
+                                  workload_file=str(trace), workload_block_size=16)
     turn1, turn2 = conversation(CHAT, 1), conversation(CHAT, 2)
     answers.queue(2500, 0)
     answers.queue(3000, 0)

@@ -175,7 +175,7 @@ async def exported(app: InProcess, receiver: Receiver) -> list[Span]:
     """Every span the proxy made so far, once its batch processor has sent them."""
     tracing = app.tracing
     assert tracing is not None
-    assert await asyncio.to_thread(tracing.force_flush)  # the loop keeps serving meanwhile
+    assert await asyncio.to_thread(tracing.provider.force_flush)  # the loop keeps serving meanwhile
     with receiver.lock:
         return list(receiver.spans)
 
@@ -464,7 +464,7 @@ async def test_exporter_down_the_proxy_keeps_serving(monkeypatch: pytest.MonkeyP
             assert response.status_code == 200
             assert ANSWER.encode() in response.content
         assert app.tracing is not None
-        await asyncio.to_thread(app.tracing.force_flush, 5)  # fails within its timeout
+        await asyncio.to_thread(app.tracing.provider.force_flush, 5000)  # fails within its timeout
         assert (await post(app, CHAT, chat_request())).status_code == 200
 
 
@@ -484,10 +484,10 @@ async def test_a_collector_that_refuses_is_one_line_per_outage_and_one_when_it_i
         assert app.tracing is not None
         for _ in range(3):
             assert (await post(app, CHAT, chat_request())).status_code == 200
-            await asyncio.to_thread(app.tracing.force_flush, 5)  # one failed export each
+            await asyncio.to_thread(app.tracing.provider.force_flush, 5000)  # one failed export each
         with receiving(port) as collector:  # the collector comes up on its address
             assert (await post(app, CHAT, chat_request())).status_code == 200
-            await asyncio.to_thread(app.tracing.force_flush, 5)
+            await asyncio.to_thread(app.tracing.provider.force_flush, 5000)
             with collector.lock:
                 assert len(collector.spans) == 1
     said = [r for r in caplog.records if r.levelno >= logging.WARNING]
@@ -942,7 +942,7 @@ async def test_response_attributes_are_never_metric_labels(receiver: Receiver) -
 async def exported_metrics(app: InProcess, receiver: Receiver) -> dict[str, Metric]:
     """The metrics of the proxy's latest export, by name, after a forced export."""
     assert app.otel_metrics is not None
-    assert await asyncio.to_thread(app.otel_metrics.force_flush)
+    assert await asyncio.to_thread(app.otel_metrics.provider.force_flush)
     with receiver.lock:
         return {m.name: m for m in receiver.metrics[-1]}
 

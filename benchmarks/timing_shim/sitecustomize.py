@@ -14,7 +14,7 @@ absolute path, since ``run.py`` starts the proxy in another directory). When
 (the thread's own CPU time, so waits for the GIL or the CPU do not count) and every 100
 finished requests writes ``<prefix>-<pid>.txt``: per step its calls, mean microseconds
 per call and per finished request, each inclusive of the steps inside it, and the
-garbage collector's passes. The request log's and the trace capture's writers are timed
+garbage collector's passes. The request log's and the workload capture's writers are timed
 too (on the loop, and in their thread per batch), to compare what each costs a request. Each wrapper
 adds two clock reads (about 0.8 us each on this machine, a system call), so nested
 figures run high by a few microseconds; the outer ones (``begin``, ``start``,
@@ -37,7 +37,6 @@ def _install(prefix: str) -> None:
     import gc
     import time
 
-    import proxy.capture as capture
     import proxy.dialects.chat as chat
     import proxy.doctor.examine as doctor
     import proxy.doctor.index as index
@@ -45,6 +44,7 @@ def _install(prefix: str) -> None:
     import proxy.doctor.keys as keys
     import proxy.metrics as metrics
     import proxy.reqlog as reqlog
+    import proxy.workload_capture as capture
 
     clock = time.thread_time_ns
     stats: dict[str, list[int]] = {}
@@ -81,8 +81,8 @@ def _install(prefix: str) -> None:
         (doctor, "examine", "examine"),
         (check.PrefixJob, "record", "record"),
         (metrics.Metrics, "_observe_prefix", "observe"),
-        (capture.Capture, "add", "capture_add"),  # on the loop
-        (capture.Capture, "_emit", "capture_emit"),  # in its writer thread, per batch
+        (capture.WorkloadCapture, "add", "capture_add"),  # on the loop
+        (capture.WorkloadCapture, "_emit", "capture_emit"),  # in its writer thread, per batch
         (reqlog.RequestLog, "write", "reqlog_write"),
         (reqlog.RequestLog, "_emit", "reqlog_emit"),
     ):

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TextIO
 from urllib.parse import urlsplit
 
+from proxy.deprecated import RenamedFlag
+
 if TYPE_CHECKING:
     from . import promscrape
     from .client import RequestResult, RunPlan
@@ -42,7 +44,7 @@ if TYPE_CHECKING:
 API_CHOICES = ("chat", "completions", "responses", "messages")
 DEFAULT_BASE_URL = "http://127.0.0.1:8080/v1"
 DEFAULT_MODEL = "sim-llm"
-DEFAULT_BLOCK_SIZE = 512  # proxy.tracefile.DEFAULT_BLOCK_SIZE, without importing it here
+DEFAULT_BLOCK_SIZE = 512  # proxy.workload_file.DEFAULT_BLOCK_SIZE, without importing it here
 ANTHROPIC_VERSION = "2023-06-01"
 # Histograms the proxy may export beyond promscrape's view (compared when present).
 FIRST_BYTE = "llm_proxy_time_to_first_byte_seconds"
@@ -155,7 +157,7 @@ def add_parser(subparsers: Any) -> None:
         "--model",
         metavar="NAME",
         default=None,
-        help=f"Model name sent in each request [default {DEFAULT_MODEL}; with --trace the "
+        help=f"Model name sent in each request [default {DEFAULT_MODEL}; with --workload-file the "
         "recorded model]",
     )
     parser.add_argument(
@@ -267,25 +269,29 @@ def add_parser(subparsers: Any) -> None:
         help="With --report: draw another run (its --json file) beside this one",
     )
     replay = parser.add_argument_group(
-        "replaying a trace",
-        "Send a Mooncake-format trace's requests (--trace) at their recorded times, with "
+        "replaying a workload",
+        "Send a workload file's requests (--workload-file, the Mooncake trace format) at their "
+        "recorded times, with "
         "prompts of the recorded lengths whose shared blocks are byte-identical, and set "
-        "the replay beside what the trace recorded (docs/trace.md).",
+        "the replay beside what the file recorded (docs/workload.md).",
     )
     replay.add_argument(
-        "--trace",
+        "--workload-file",
         metavar="FILE",
         nargs="+",
         action="extend",
         default=None,
-        help="Trace file(s) or quoted glob(s), e.g. one per proxy worker; read as one trace",
+        help="Workload file(s) or quoted glob(s), e.g. one per proxy worker; read as one",
+    )
+    replay.add_argument(
+        "--trace", dest="workload_file", nargs="+", action=RenamedFlag, new="--workload-file"
     )
     replay.add_argument(
         "--speedup",
         metavar="F",
         type=float,
         default=1.0,
-        help="Send the trace F times faster (arrival gaps divided by F) [default %(default)s]",
+        help="Send the workload F times faster (arrival gaps divided by F) [default %(default)s]",
     )
     replay.add_argument(
         "--ignore-eos",
@@ -298,7 +304,7 @@ def add_parser(subparsers: Any) -> None:
         metavar="TOKENS",
         type=int,
         default=None,
-        help="Tokens per hash id when the trace does not say [default "
+        help="Tokens per hash id when the file does not say [default "
         f"{DEFAULT_BLOCK_SIZE}, the Mooncake traces' and AIPerf's]",
     )
     replay.add_argument(
@@ -314,19 +320,19 @@ def add_parser(subparsers: Any) -> None:
     parser.set_defaults(func=run_command, error_prefix="bench")
 
 
-def _validate_trace(args: argparse.Namespace) -> str | None:
-    if not args.trace:
+def _validate_replay(args: argparse.Namespace) -> str | None:
+    if not args.workload_file:
         if args.simulate is not None:
-            return "--simulate replays a trace against the simulator: give --trace"
+            return "--simulate replays a workload against the simulator: give --workload-file"
         if args.speedup != 1.0 or args.ignore_eos or args.block_size is not None:
-            return "--speedup, --ignore-eos and --block-size go with --trace"
+            return "--speedup, --ignore-eos and --block-size go with --workload-file"
         return None
     if args.rate is not None:
-        return "--rate: a trace brings its own arrival times (use --speedup)"
+        return "--rate: a workload file brings its own arrival times (use --speedup)"
     if args.reasoning:
-        return "--reasoning: not with --trace (recorded output lengths include any reasoning)"
+        return "--reasoning: not with --workload-file (recorded output lengths include any reasoning)"
     if args.shared_prefix_tokens or args.prompt_tokens_max is not None:
-        return "--shared-prefix-tokens and --prompt-tokens-max: a trace brings its own prompts"
+        return "--shared-prefix-tokens and --prompt-tokens-max: a workload file brings its own prompts"
     if not (args.speedup > 0 and math.isfinite(args.speedup)):
         return "--speedup must be a number > 0"
     if args.block_size is not None and args.block_size < 1:
@@ -337,9 +343,9 @@ def _validate_trace(args: argparse.Namespace) -> str | None:
 
 
 def _validate(args: argparse.Namespace) -> str | None:
-    trace_problem = _validate_trace(args)
-    if trace_problem:
-        return trace_problem
+    replay_problem = _validate_replay(args)
+    if replay_problem:
+        return replay_problem
     if args.base_url is None and args.simulate is None:
         args.base_url = os.environ.get("OPENAI_BASE_URL") or DEFAULT_BASE_URL
     if args.requests is not None and args.requests < 1:
@@ -480,11 +486,11 @@ def _replay_workload(args: argparse.Namespace, base: str, replay: Replay) -> _Wo
     )
     models = {args.model} if args.model else {r.model or DEFAULT_MODEL for r in replay.records}
     start = (
-        f", recorded from {replay.trace.start:%Y-%m-%d %H:%M:%S %Z}" if replay.trace.start else ""
+        f", recorded from {replay.workload.start:%Y-%m-%d %H:%M:%S %Z}" if replay.workload.start else ""
     )
     cap = f", at most {args.concurrency} in flight" if args.concurrency else ""
     describe = (
-        f"bench: replaying {len(replay.records)} requests of {', '.join(replay.trace.paths)}"
+        f"bench: replaying {len(replay.records)} requests of {', '.join(replay.workload.paths)}"
         f"{start} over {replay.span_s:.1f} s (speedup {args.speedup:g}{cap}) to {base} "
         f"({', '.join(f'{api} {n}' for api, n in sorted(replay.api_counts().items()))}; "
         f"blocks of {replay.block_size} tokens)"
@@ -501,12 +507,12 @@ def _replay_workload(args: argparse.Namespace, base: str, replay: Replay) -> _Wo
 
 
 def _load_replay(args: argparse.Namespace) -> tuple[Replay | None, str | None]:
-    from proxy.tracefile import TraceError, load
+    from proxy.workload_file import WorkloadError, load
 
     from .replay import ReplayOptions, plan
 
     try:
-        trace = load(args.trace, block_size=args.block_size)
+        workload = load(args.workload_file, block_size=args.block_size)
         options = ReplayOptions(
             speedup=args.speedup,
             model=args.model,
@@ -519,17 +525,17 @@ def _load_replay(args: argparse.Namespace) -> tuple[Replay | None, str | None]:
             requests=args.requests,
             duration=args.duration,
         )
-        replay = plan(trace, options)
-    except (TraceError, ValueError) as exc:
-        return None, f"--trace: {exc}"
+        replay = plan(workload, options)
+    except (WorkloadError, ValueError) as exc:
+        return None, f"--workload-file: {exc}"
     if not replay.records:
-        return None, "--trace: no request to replay (check --requests and --duration)"
+        return None, "--workload-file: no request to replay (check --requests and --duration)"
     return replay, None
 
 
 async def _main(args: argparse.Namespace) -> int:
     replay = None
-    if args.trace:
+    if args.workload_file:
         replay, problem = _load_replay(args)
         if problem:
             print(f"bench: {problem}", file=sys.stderr)
@@ -610,7 +616,7 @@ async def _run(args: argparse.Namespace, replay: Replay | None) -> int:
     if before is not None and after is not None:
         if work.route is None:
             print(
-                "\nproxy's view: not compared (the trace mixes APIs; the comparison is per route)",
+                "\nproxy's view: not compared (the workload mixes APIs; the comparison is per route)",
                 file=out,
             )
         else:
@@ -628,7 +634,7 @@ async def _run(args: argparse.Namespace, replay: Replay | None) -> int:
             base if args.simulate is None else f"the simulator ({args.simulate or 'defaults'})"
         )
         compared = compare(work.replay, outcome.results, upstream)
-        print("\nthe replay beside the trace:", file=out)
+        print("\nthe replay beside the workload file:", file=out)
         print(format_replay(compared), file=out)
     if args.json or args.report:
         payload = _payload(args, outcome.results, summary, view, extra)

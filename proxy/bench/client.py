@@ -35,7 +35,7 @@ what is parsed is exactly what came off the socket.
 
 Two ways to pace a run: a fixed number of workers in a closed loop (``concurrency``),
 or an open loop of Poisson arrivals (``rate``) or of given arrival times (``scheduled``:
-a trace), optionally capped by ``concurrency``.
+a workload file), optionally capped by ``concurrency``.
 """
 
 from __future__ import annotations
@@ -464,8 +464,8 @@ class RunPlan:
     concurrency: int | None = 8  # closed loop workers, or the cap with ``rate``
     rate: float | None = None  # open loop: Poisson arrivals per second
     headers: tuple[tuple[str, str], ...] = ()
-    scheduled: bool = False  # open loop at given arrival times (a trace), no rate
-    # (api, url, headers) for requests of other APIs than ``url``'s (a trace mixes them)
+    scheduled: bool = False  # open loop at given arrival times (a workload file), no rate
+    # (api, url, headers) for requests of other APIs than ``url``'s (a workload file mixes them)
     routes: tuple[tuple[str, str, tuple[tuple[str, str], ...]], ...] = ()
 
     def __post_init__(self) -> None:
@@ -488,7 +488,7 @@ async def _until(when: float, clock: Clock) -> None:
     A plain timer: yielding to the loop for the last millisecond or two instead
     (measured on a loaded 2-core machine) moved the median send from 0.3 ms late to
     0 but the 99th percentile from 4 ms to 7: a process that spins loses the
-    scheduler's favour for waking sleepers, and the tail is what a trace's bursts meet.
+    scheduler's favour for waking sleepers, and the tail is what a workload file's bursts meet.
     """
     # Waiting on the clock itself, which no event can stand for; again when a timer
     # fired early (uvloop's round to the millisecond).

@@ -1,38 +1,11 @@
-"""``bench --trace``: a trace's requests as a workload, and the replay beside the trace.
+"""``bench --workload-file``: a workload file's requests sent at their recorded times.
 
-Arrivals: each request is sent at its recorded timestamp, divided by ``speedup``, from
-the first request's (a cut window starts at once). Bodies: the recorded route's API
-(``--api`` when the trace names none), the recorded model (unless ``--model``), and
-``max_tokens`` the recorded output length, with ``ignore_eos`` when asked (vLLM and
-SGLang accept it on chat completions and completions and then do not stop early;
-OpenAI and Anthropic refuse unknown fields, so it is off by default).
-
-Prompts are synthetic text built block by block from ``hash_ids`` (:class:`BlockText`):
-
-* a block is ``block_size`` words drawn from :data:`WORDS`, three-letter English
-  words each written with a leading space, so a block is ``4 * block_size``
-  characters: exactly ``block_size`` tokens for the simulator (four characters a
-  token) and for the OpenAI tokenizers (``o200k_base`` and ``cl100k_base`` encode each
-  such word as one token; checked for every word of the list and for random blocks of
-  16, 64 and 512 words). Other tokenizers may merge or split a few; a chat template
-  adds a handful of tokens per request.
-* the words of block ``id`` are fixed by (seed, namespace, id, block size), so equal
-  ids give byte-identical blocks and a prefix cache sees the recorded sharing;
-  different namespaces (files not from one capture) never share.
-* the last block of a prompt may be partial (``input_length`` not a multiple of the
-  block size): it is the first words of its id's full block, so an id seen once
-  partial and once whole is a prefix of itself.
-* tokens beyond the ids (a line with fewer ids than its length needs) and lines
-  without ids get text keyed by the request's position, shared with nothing.
-
-The same seed gives the same text; a second replay against the same server within
-its cache's lifetime finds the first replay's blocks (change ``--seed``).
-
-:func:`compare` sets the replay beside what the trace recorded, per (model, route):
-TTFT percentiles, the per-request mean ITL (the trace keeps only each request's mean
-gap, so the replay's per-request means are compared with it), the prefix-cache hit
-share (cached over prompt tokens), prompt and output lengths, and how well the replay
-kept the schedule (each request's send time minus its planned offset).
+Each request goes at its recorded timestamp (divided by ``speedup``) with the recorded
+route's API, model and output length. Prompts are synthetic text built block by block
+from ``hash_ids`` (:class:`BlockText`): equal ids give byte-identical blocks, so a prefix
+cache sees the recorded sharing, and every block is exactly ``block_size`` tokens for the
+simulator and the OpenAI tokenizers. :func:`compare` sets the replay beside what the
+file recorded. ``docs/design/workload.md`` ("Replay") gives the reasons.
 """
 
 from __future__ import annotations
@@ -44,7 +17,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from proxy.tracefile import Trace, TraceRecord, group_of
+from proxy.workload_file import Workload, WorkloadRecord, group_of
 
 from .client import RequestResult
 from .stats import quantile
@@ -71,19 +44,17 @@ def api_of_route(route: str | None) -> str | None:
     return ROUTE_APIS.get(route) if route else None
 
 
-CORPUS_WORDS = 1 << 18  # words of random text a seed draws once (1 MiB)
+CORPUS_WORDS = 1 << 18  # words of random text a seed draws once
 SEGMENTS = 4  # slices of the corpus a block is made of
 
 
 class BlockText:
-    """Synthetic prompt text per hash id; see the module docstring.
+    """Synthetic prompt text per hash id.
 
     A block is ``SEGMENTS`` slices of one corpus of random words (drawn once from the
-    seed), at offsets from a digest of (seed, namespace, id, block size): building a
-    block is a few string copies, not a word-by-word draw (a 15,000-token prompt of
-    unshared blocks takes about 0.1 ms, where drawing each word took 5 ms and delayed
-    the sends of a burst). Two different blocks are equal only if all their offsets
-    collide: about one chance in 2**72.
+    seed), at offsets from a digest of (seed, namespace, id, block size): a few string
+    copies, not a word-by-word draw that would delay the sends of a burst. Two different
+    blocks are equal only if all their offsets collide.
     """
 
     def __init__(self, block_size: int, *, seed: int = 0) -> None:
@@ -121,7 +92,7 @@ class BlockText:
         chunks = [self._text("own", index, c) for c in range(-(-max(tokens, 0) // size))]
         return "".join(chunks)[: max(tokens, 0) * CHARS_PER_WORD]
 
-    def prompt(self, record: TraceRecord, namespace: int, index: int) -> str:
+    def prompt(self, record: WorkloadRecord, namespace: int, index: int) -> str:
         """The ``input_length`` tokens of ``record``'s prompt (at least one word)."""
         length = max(record.input_length, 1)
         size = self.block_size
@@ -139,27 +110,27 @@ class BlockText:
 
 @dataclass(frozen=True, slots=True)
 class ReplayOptions:
-    """How a trace becomes requests (each a ``bench`` flag)."""
+    """How a workload becomes requests (each a ``bench`` flag)."""
 
     speedup: float = 1.0
     model: str | None = None  # every request's model; None: the recorded one
     default_model: str = "sim-llm"  # when neither is given
-    default_api: str = "chat"  # when the trace names no route we send
+    default_api: str = "chat"  # when the file names no route we send
     default_max_tokens: int = 128  # when a line has no output_length
     ignore_eos: bool = False
     seed: int = 0
-    block_size: int | None = None  # None: the trace's, else 512
+    block_size: int | None = None  # None: the file's, else the default
     requests: int | None = None  # only the first N
     duration: float | None = None  # only those due within S seconds of replay
 
 
 @dataclass(frozen=True, slots=True)
 class Replay:
-    """A trace planned as a run: the records sent, their send offsets in seconds from
+    """A workload planned as a run: the records sent, their send offsets in seconds from
     the first, their APIs, and the block size used."""
 
-    trace: Trace
-    records: tuple[TraceRecord, ...]
+    workload: Workload
+    records: tuple[WorkloadRecord, ...]
     namespaces: tuple[int, ...]
     offsets: tuple[float, ...]
     apis: tuple[str, ...]
@@ -177,7 +148,7 @@ class Replay:
         return out
 
     def requests(self) -> Iterator[PlannedRequest]:
-        """The bodies, built one at a time (a long trace's prompts are never all in
+        """The bodies, built one at a time (a long workload's prompts are never all in
         memory at once); the text's corpus is drawn now, before any clock starts."""
         return self._bodies(BlockText(self.block_size, seed=self.options.seed))
 
@@ -192,16 +163,16 @@ class Replay:
             body = request_body(api, model, text.prompt(record, ns, i), max_tokens)
             if opts.ignore_eos and api in ("chat", "completions"):
                 body["ignore_eos"] = True
-            yield PlannedRequest(i, "trace", body, api)
+            yield PlannedRequest(i, "workload", body, api)
 
 
-def plan(trace: Trace, options: ReplayOptions) -> Replay:
-    """The replay of ``trace``: which records, when, on which API."""
+def plan(workload: Workload, options: ReplayOptions) -> Replay:
+    """The replay of ``workload``: which records, when, on which API."""
     if options.speedup <= 0 or not math.isfinite(options.speedup):
         raise ValueError("speedup must be a number > 0")
-    block_size = trace.effective_block_size(options.block_size)
-    records = trace.records
-    namespaces = trace.namespaces
+    block_size = workload.effective_block_size(options.block_size)
+    records = workload.records
+    namespaces = workload.namespaces
     if options.requests is not None:
         records, namespaces = records[: options.requests], namespaces[: options.requests]
     first = records[0].timestamp if records else 0.0
@@ -211,7 +182,7 @@ def plan(trace: Trace, options: ReplayOptions) -> Replay:
         records, namespaces, offsets = records[:keep], namespaces[:keep], offsets[:keep]
     apis = tuple(api_of_route(r.route) or options.default_api for r in records)
     return Replay(
-        trace=trace,
+        workload=workload,
         records=tuple(records),
         namespaces=tuple(namespaces),
         offsets=tuple(offsets),
@@ -222,7 +193,7 @@ def plan(trace: Trace, options: ReplayOptions) -> Replay:
 
 
 # ---------------------------------------------------------------------------
-# The replay beside the trace
+# The replay beside the workload file
 
 PERCENTILES = (0.5, 0.9, 0.95, 0.99)
 
@@ -240,7 +211,7 @@ def _mean_gap(result: RequestResult) -> float | None:
     return sum(result.itl_s) / len(result.itl_s) if result.itl_s else None
 
 
-def _side_recorded(records: Sequence[TraceRecord]) -> dict[str, Any]:
+def _side_recorded(records: Sequence[WorkloadRecord]) -> dict[str, Any]:
     done = [r for r in records if r.outcome in (None, "completed")]
     ttft = [r.ttft_ms / 1000.0 for r in done if r.ttft_ms is not None]
     itl = [r.itl_ms_mean / 1000.0 for r in done if r.itl_ms_mean is not None]
@@ -281,20 +252,20 @@ def _side_replayed(results: Sequence[RequestResult]) -> dict[str, Any]:
 
 
 def compare(replay: Replay, results: Sequence[RequestResult], base_url: str = "") -> dict[str, Any]:
-    """The replay beside the trace, JSON-ready: per group and for all requests, plus
+    """The replay beside the workload file, JSON-ready: per group and for all requests, plus
     the schedule kept and the lengths achieved. ``results[i]`` is the result of
     ``replay.records[i]`` (by ``index``)."""
     by_index = {r.index: r for r in results}
     pairs = [(rec, by_index.get(i)) for i, rec in enumerate(replay.records)]
     sent = [(rec, res) for rec, res in pairs if res is not None]
-    groups: dict[tuple[str, str], list[tuple[TraceRecord, RequestResult]]] = {}
+    groups: dict[tuple[str, str], list[tuple[WorkloadRecord, RequestResult]]] = {}
     for rec, res in sent:
         model, route = group_of(rec)
         if route == "-":
             route = route_of(res.api)
         groups.setdefault((model, route), []).append((rec, res))
 
-    def side_pair(rows: list[tuple[TraceRecord, RequestResult]]) -> dict[str, Any]:
+    def side_pair(rows: list[tuple[WorkloadRecord, RequestResult]]) -> dict[str, Any]:
         return {
             "recorded": _side_recorded([rec for rec, _ in rows]),
             "replayed": _side_replayed([res for _, res in rows]),
@@ -319,10 +290,10 @@ def compare(replay: Replay, results: Sequence[RequestResult], base_url: str = ""
         "base_url": base_url,
         "speedup": replay.options.speedup,
         "block_size": size,
-        "trace_requests": len(replay.trace.records),
+        "workload_requests": len(replay.workload.records),
         "replayed_requests": len(sent),
         "span_s": replay.span_s,
-        "trace_start": replay.trace.start.isoformat() if replay.trace.start else None,
+        "workload_start": replay.workload.start.isoformat() if replay.workload.start else None,
         "all": side_pair(sent),
         "groups": [
             {"model": model, "route": route, **side_pair(rows)}
@@ -342,7 +313,7 @@ def compare(replay: Replay, results: Sequence[RequestResult], base_url: str = ""
             "outputs_exact": exact,
             "outputs_short": short,
         },
-        "notes": list(replay.trace.notes),
+        "notes": list(replay.workload.notes),
     }
     out["headline"] = headline(out)
     return out
@@ -353,7 +324,7 @@ def _seconds(value: float) -> str:
 
 
 def headline(cmp: dict[str, Any]) -> str:
-    """One sentence: the replay's TTFT p95 and ITL p50 against the trace's."""
+    """One sentence: the replay's TTFT p95 and ITL p50 against the file's."""
     rec, rep = cmp["all"]["recorded"], cmp["all"]["replayed"]
     where = cmp.get("base_url") or "the replay's upstream"
     parts = []
@@ -375,7 +346,7 @@ def headline(cmp: dict[str, Any]) -> str:
         return f"your traffic on {where}: no request completed"
     line = f"your traffic on {where}: " + ", ".join(parts)
     if rec["ttft"]["count"] == 0:
-        line += " (the trace records no timings: nothing to compare with)"
+        line += " (the file records no timings: nothing to compare with)"
     return line
 
 
@@ -414,7 +385,7 @@ def comparison_rows(cmp: dict[str, Any]) -> list[tuple[str, ...]]:
 
 
 def format_comparison(cmp: dict[str, Any]) -> str:
-    """The replay beside the trace, as printed after a ``bench --trace`` run."""
+    """The replay beside the workload file, as printed after a ``bench --workload-file`` run."""
     from .stats import align_columns
 
     return "\n".join([cmp["headline"], "", *align_columns(comparison_rows(cmp)), *notes(cmp)])

@@ -22,7 +22,7 @@ What it shows, and how it is computed here (the page only draws):
 * errors by kind (client side), out of the requests sent, and the proxy's stream
   outcomes;
 * the run's settings;
-* for a trace replay (``bench --trace``), the replay beside what the trace recorded:
+* for a workload replay (``bench --workload-file``), the replay beside what it recorded:
   the same table ``bench`` prints (:func:`proxy.bench.replay.comparison_rows`), its
   headline and the notes on schedule and lengths.
 
@@ -62,7 +62,7 @@ _SETTINGS = (
     "reasoning",
     "seed",
     "timeout",
-    "trace",
+    "workload_file",
     "speedup",
     "ignore_eos",
     "block_size",
@@ -203,7 +203,7 @@ def run_view(payload: dict[str, Any], name: str) -> dict[str, Any]:
 
 
 def replay_view(cmp: dict[str, Any] | None) -> dict[str, Any] | None:
-    """What the page shows of a trace replay, or None for a run of another workload."""
+    """What the page shows of a workload replay, or None for a run of another workload."""
     if not cmp:
         return None
     from proxy.bench.replay import comparison_rows, notes

@@ -1,12 +1,8 @@
-"""``bench --trace FILE --simulate "KNOBS"``: the trace against the built-in simulator.
+"""``bench --workload-file FILE --simulate "KNOBS"``: the replay against the simulator.
 
-What-if without an upstream: the simulator (``llm-latency-proxy simulate``) runs with
-the given knobs (``--slots``, ``--prefill-rate``, ``--itl``, ``--cache-blocks``, ...,
-any ``simulate`` flag but where it listens) in a process of its own, on a loopback
-port the kernel picks, and the replay goes to it. A process of its own, not a task in
-the bench's loop: the simulator's clock then does not wait on the client's parsing,
-and on a machine with two cores each gets one. The knobs are checked before anything
-starts, by the ``simulate`` command's own parser and settings.
+What-if without an upstream: ``llm-latency-proxy simulate`` with the given knobs runs in
+a process of its own (its clock then never waits on the client's parsing) on a loopback
+port the kernel picks; the knobs are checked first by ``simulate``'s own parser.
 """
 
 from __future__ import annotations

@@ -8,6 +8,6 @@ or none), then runs the one examination (:mod:`~proxy.doctor.keys`,
 :mod:`~proxy.doctor.examine`) and turns its report into the record's terms
 (:mod:`~proxy.doctor.report`). The finding is :class:`proxy.measure.PrefixRecord`,
 kept with the request record it is part of; the live page's examples are
-:mod:`proxy.ui.breaks`, and the trace capture turns the keys into block ids itself
-(:class:`proxy.capture.PrefixKeys`). ``docs/design/doctor.md`` holds the design.
+:mod:`proxy.ui.breaks`, and the workload capture turns the keys into block ids itself
+(:class:`proxy.workload_capture.PrefixKeys`). ``docs/design/doctor.md`` holds the design.
 """

@@ -79,8 +79,8 @@ class Probe:
 class IndexUnanswered(Exception):
     """An index that could not answer an exchange (a shared store down, slow, failing).
     :meth:`proxy.doctor.examine.PrefixDoctor.look` sets ``hashed`` to the prompt's
-    keys before it goes on: they are of use without the index's answer (a trace's block
-    ids), and hashing them again would double the cost of an outage."""
+    keys before it goes on: they are of use without the index's answer (a workload file's
+    block ids), and hashing them again would double the cost of an outage."""
 
     hashed: object = None
 

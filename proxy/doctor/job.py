@@ -81,12 +81,12 @@ class Examination(NamedTuple):
     """One examination's result: the report (None: nothing to examine, or not examined),
     why it was not examined ("" when it was, or there was nothing to examine), the shared
     index's round trip (None: in process, or nothing was sent), and the prompt's keys
-    for the trace capture (:mod:`proxy.capture`), kept when the shared index failed."""
+    for the workload capture (:mod:`proxy.workload_capture`), kept when the shared index failed."""
 
     report: PrefixReport | None
     unchecked: str = ""
     index_s: float | None = None
-    hashed: HashedPrompt | None = None  # the prompt's keys (digests, no text), for the trace
+    hashed: HashedPrompt | None = None  # the prompt's keys (digests, no text), for the workload
 
 
 class _Lane:
@@ -114,7 +114,7 @@ class PrefixCheck:
             every replica shares) or none (an :class:`LruPrefixIndex` in process).
         doctor: replaces the default one built from ``settings``.
         secret: keys the hasher of an in-process index (random per process by default):
-            worker processes that capture one trace share one.
+            worker processes that capture one workload share one.
         clock: the request path's monotonic clock (seconds), which every time given to
             :meth:`begin` and :meth:`PrefixJob.ready` reads.
 
@@ -325,7 +325,7 @@ class PrefixCheck:
 class PrefixJob:
     """One request's examination: ready once (when its prefill was done), started once
     (with its batch, on its place's threads, or at the finish), read once by the record
-    (and by the trace capture: :attr:`hashed`)."""
+    (and by the workload capture: :attr:`hashed`)."""
 
     __slots__ = (
         "_blocks",
@@ -424,7 +424,7 @@ class PrefixJob:
                 now_ms=self._now_ms,
                 held_ms=self._held_ms,
             )
-        except IndexUnavailable as exc:  # the keys stay, for the trace
+        except IndexUnavailable as exc:  # the keys stay, for the workload capture
             hashed = exc.hashed if isinstance(exc.hashed, HashedPrompt) else None
             return Examination(None, exc.reason, exc.round_trip_s, hashed)
         except Exception:
@@ -523,7 +523,7 @@ def prefix_check_from(
     clock: Callable[[], float] = time.perf_counter,
 ) -> PrefixCheck | None:
     """The doctor when it is on and someone reads what it finds (metrics, the request
-    log or the trace: ``wanted``); else None, and the request path skips it."""
+    log, the span or the workload capture: ``wanted``); else None, and the request path skips it."""
     if not (settings.prefix_doctor and wanted):
         return None
     return PrefixCheck(settings, secret=secret, clock=clock)

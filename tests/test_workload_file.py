@@ -1,4 +1,4 @@
-"""The Mooncake trace format (``proxy/tracefile.py``) and the replay's prompt text
+"""The Mooncake trace format (``proxy/workload_file.py``) and the replay's prompt text
 (``proxy/bench/replay.py``), without servers.
 
 * Public traces read as they are: lines from the FAST'25 Mooncake traces
@@ -26,19 +26,19 @@ from pathlib import Path
 import pytest
 
 from proxy.bench.replay import WORDS, BlockText, ReplayOptions, api_of_route, plan
-from proxy.tracefile import (
+from proxy.workload_file import (
     DEFAULT_BLOCK_SIZE,
     IdMap,
-    TraceError,
-    TraceMeta,
-    TraceRecord,
-    TraceWriter,
+    WorkloadError,
+    WorkloadMeta,
+    WorkloadRecord,
+    WorkloadWriter,
     digest_id,
     format_line,
     load,
     read_segments,
     token_block_keys,
-    write_trace,
+    write_workload,
 )
 
 # Verbatim lines of kvcache-ai/Mooncake FAST25-release/traces/synthetic_trace.jsonl
@@ -104,17 +104,17 @@ def test_bad_lines_are_refused_naming_the_file_and_line(
     tmp_path: Path, line: str, message: str
 ) -> None:
     path = write(tmp_path / "t.jsonl", '{"timestamp": 0, "input_length": 1}\n' + line + "\n")
-    with pytest.raises(TraceError, match=re.escape(message)) as info:
+    with pytest.raises(WorkloadError, match=re.escape(message)) as info:
         load([path])
     assert ":2:" in str(info.value)
-    with pytest.raises(TraceError, match=r"(?i)no such file"):
+    with pytest.raises(WorkloadError, match=r"(?i)no such file"):
         load([str(tmp_path / "missing.jsonl")])
 
 
 def test_the_writer_puts_metadata_on_the_first_line_and_maps_ids_small(tmp_path: Path) -> None:
     now = [100.0]
     path = tmp_path / "cap.jsonl"
-    writer = TraceWriter(path, block_size=4, clock=lambda: now[0], wall_clock=lambda: 1_800_000_000.0)
+    writer = WorkloadWriter(path, block_size=4, clock=lambda: now[0], wall_clock=lambda: 1_800_000_000.0)
     shared = [b"a", b"b"]
     r1 = writer.record(started=100.0004, input_length=10, output_length=3,
                        block_keys=[*shared, b"x"], model="m", route="/v1/chat/completions",
@@ -131,36 +131,36 @@ def test_the_writer_puts_metadata_on_the_first_line_and_maps_ids_small(tmp_path:
     assert r3.hash_ids == (0,)
     lines = [json.loads(x) for x in path.read_text().splitlines()]
     assert lines[0]["trace_start"] == "2027-01-15T08:00:00.000Z"
-    assert lines[0]["block_size"] == 4 and lines[0]["trace_id"] == writer.trace_id
+    assert lines[0]["block_size"] == 4 and lines[0]["trace_id"] == writer.workload_id
     assert all("trace_start" not in x and "block_size" not in x for x in lines[1:])
     assert list(lines[0])[:4] == ["timestamp", "input_length", "output_length", "hash_ids"]
     assert "client" not in lines[0] and "upstream" not in lines[0]
-    with pytest.raises(TypeError, match="unknown trace fields: prompt"):
+    with pytest.raises(TypeError, match="unknown workload fields: prompt"):
         writer.record(started=0, input_length=1, output_length=1, prompt="secret")
 
 
 def test_rotated_files_share_one_namespace_and_worker_files_do_not(tmp_path: Path) -> None:
     clock = [0.0]
     start = (0.0, 1_800_000_000.0)
-    one = TraceWriter(tmp_path / "a.1", block_size=2, start=start, clock=lambda: clock[0])
+    one = WorkloadWriter(tmp_path / "a.1", block_size=2, start=start, clock=lambda: clock[0])
     one.write(one.record(started=1.0, input_length=4, output_length=1, block_keys=[b"s", b"t"]))
     one.rotate(tmp_path / "a.2")
     one.write(one.record(started=2.0, input_length=4, output_length=1, block_keys=[b"s", b"u"]))
     one.close()
-    assert json.loads((tmp_path / "a.2").read_text())["trace_id"] == one.trace_id
+    assert json.loads((tmp_path / "a.2").read_text())["trace_id"] == one.workload_id
     rotated = load([str(tmp_path / "a.*")])
     assert [r.hash_ids for r in rotated.records] == [(0, 1), (0, 2)]
     assert len(set(rotated.namespaces)) == 1
     # Two workers, each its own trace_id (ids per file): the same id 0 is two blocks.
-    other = TraceWriter(tmp_path / "b", block_size=2, start=(0.0, 1_800_000_000.5))
+    other = WorkloadWriter(tmp_path / "b", block_size=2, start=(0.0, 1_800_000_000.5))
     other.write(other.record(started=0.25, input_length=4, output_length=1, block_keys=[b"s"]))
     other.close()
     both = load([str(tmp_path / "a.1"), str(tmp_path / "b")])
     assert [r.timestamp for r in both.records] == [750, 1000]  # aligned by trace_start
     assert both.namespaces[0] != both.namespaces[1]
     # Workers sharing the doctor's secret: one trace_id and digest ids, one namespace.
-    w1 = TraceWriter(tmp_path / "c.0", trace_id="t", ids=digest_id, start=start, block_size=2)
-    w2 = TraceWriter(tmp_path / "c.1", trace_id="t", ids=digest_id, start=start, block_size=2)
+    w1 = WorkloadWriter(tmp_path / "c.0", workload_id="t", ids=digest_id, start=start, block_size=2)
+    w2 = WorkloadWriter(tmp_path / "c.1", workload_id="t", ids=digest_id, start=start, block_size=2)
     for w in (w1, w2):
         w.write(w.record(started=1.0, input_length=3, output_length=1, block_keys=[b"k1"]))
         w.close()
@@ -175,24 +175,24 @@ def test_rotated_files_share_one_namespace_and_worker_files_do_not(tmp_path: Pat
 
 def test_files_without_a_start_cannot_join_files_with_one(tmp_path: Path) -> None:
     public = write(tmp_path / "p.jsonl", FAST25)
-    w = TraceWriter(tmp_path / "c.jsonl")
+    w = WorkloadWriter(tmp_path / "c.jsonl")
     w.write(w.record(started=w.start_monotonic, input_length=3, output_length=1))
     w.close()
-    with pytest.raises(TraceError, match="no trace_start, while other files"):
+    with pytest.raises(WorkloadError, match="no trace_start, while other files"):
         load([public, str(tmp_path / "c.jsonl")])
-    w2 = TraceWriter(tmp_path / "d.jsonl", block_size=16)
+    w2 = WorkloadWriter(tmp_path / "d.jsonl", block_size=16)
     w2.write(w2.record(started=w2.start_monotonic, input_length=3, output_length=1))
     w2.close()
-    with pytest.raises(TraceError, match="disagree on block_size"):
+    with pytest.raises(WorkloadError, match="disagree on block_size"):
         load([str(tmp_path / "c.jsonl"), str(tmp_path / "d.jsonl")])
-    with pytest.raises(TraceError, match="given, but the trace says"):
+    with pytest.raises(WorkloadError, match="given, but the file says"):
         load([str(tmp_path / "d.jsonl")]).effective_block_size(512)
 
 
 def test_files_joined_with_cat_are_segments(tmp_path: Path) -> None:
     parts = []
     for name, wall in (("x", 1_800_000_000.0), ("y", 1_800_000_010.0)):
-        w = TraceWriter(tmp_path / name, start=(0.0, wall), block_size=2)
+        w = WorkloadWriter(tmp_path / name, start=(0.0, wall), block_size=2)
         for t in (0.0, 1.0):
             w.write(w.record(started=t, input_length=2, output_length=1, block_keys=[b"same"]))
         w.close()
@@ -207,7 +207,7 @@ def test_files_joined_with_cat_are_segments(tmp_path: Path) -> None:
 def test_id_map_is_bounded_and_never_reuses_a_number() -> None:
     ids = IdMap(capacity=2)
     assert [ids(k) for k in "aba"] == [0, 1, 0]
-    assert ids("c") == 2 and len(ids) == 2  # "b" (least recently used) forgotten
+    assert ids("c") == 2  # "b" (least recently used) is forgotten: see the next line
     assert ids("b") == 3 and ids("a") == 4  # a forgotten key comes back as a new block
     assert ids.fresh() == 5
 
@@ -251,9 +251,9 @@ def test_write_trace_renumbers_ids_per_namespace() -> None:
     import io
 
     out = io.StringIO()
-    records = [TraceRecord(0, 4, 1, (7, 8)), TraceRecord(1, 4, 1, (7, 9)), TraceRecord(2, 4, 1, (7,))]
-    meta = TraceMeta(datetime(2026, 1, 1, tzinfo=UTC), 2, "n")
-    assert write_trace(out, records, [0, 0, 1], meta) == 3
+    records = [WorkloadRecord(0, 4, 1, (7, 8)), WorkloadRecord(1, 4, 1, (7, 9)), WorkloadRecord(2, 4, 1, (7,))]
+    meta = WorkloadMeta(datetime(2026, 1, 1, tzinfo=UTC), 2, "n")
+    assert write_workload(out, records, [0, 0, 1], meta) == 3
     lines = [json.loads(x) for x in out.getvalue().splitlines()]
     assert [x["hash_ids"] for x in lines] == [[0, 1], [0, 2], [3]]
     assert lines[0]["trace_start"] == "2026-01-01T00:00:00.000Z" and "trace_id" not in lines[1]
@@ -281,18 +281,18 @@ def test_block_text_equal_ids_are_byte_identical_and_a_partial_block_is_a_prefix
 
 def test_prompts_have_the_recorded_length_and_share_what_the_ids_share() -> None:
     text = BlockText(8, seed=0)
-    one = TraceRecord(0, 21, 1, (1, 2, 3))
-    two = TraceRecord(1, 30, 1, (1, 2, 4, 5))
+    one = WorkloadRecord(0, 21, 1, (1, 2, 3))
+    two = WorkloadRecord(1, 30, 1, (1, 2, 4, 5))
     p1, p2 = text.prompt(one, 0, 0), text.prompt(two, 0, 1)
     assert len(p1) == 21 * 4 and len(p2) == 30 * 4
     assert p1[:64] == p2[:64] and p1[64:68] != p2[64:68]
     assert text.prompt(two, 0, 1) == p2  # same request, same text
     # tokens beyond the ids, and no ids at all: own text, shared with nothing
-    long = text.prompt(TraceRecord(0, 20, 1, (1,)), 0, 2)
+    long = text.prompt(WorkloadRecord(0, 20, 1, (1,)), 0, 2)
     assert long[:32] == p1[:32] and len(long) == 80
-    bare1, bare2 = text.prompt(TraceRecord(0, 8, 1), 0, 3), text.prompt(TraceRecord(0, 8, 1), 0, 4)
+    bare1, bare2 = text.prompt(WorkloadRecord(0, 8, 1), 0, 3), text.prompt(WorkloadRecord(0, 8, 1), 0, 4)
     assert bare1 != bare2 and len(bare1) == 32
-    assert len(text.prompt(TraceRecord(0, 0, 1), 0, 5)) == 4  # at least one word
+    assert len(text.prompt(WorkloadRecord(0, 0, 1), 0, 5)) == 4  # at least one word
 
 
 def test_the_replay_plan_follows_the_trace(tmp_path: Path) -> None:
@@ -323,8 +323,8 @@ def test_every_word_is_one_token_and_four_characters() -> None:
 
 def test_trace_start_round_trips_in_utc(tmp_path: Path) -> None:
     start = datetime(2026, 12, 1, 9, 30, tzinfo=UTC) + timedelta(milliseconds=5)
-    meta = TraceMeta(start, 512, "id")
-    line = format_line(TraceRecord(0, 1, 1), meta)
+    meta = WorkloadMeta(start, 512, "id")
+    line = format_line(WorkloadRecord(0, 1, 1), meta)
     assert json.loads(line)["trace_start"] == "2026-12-01T09:30:00.005Z"
     assert load([write(tmp_path / "t", line + "\n")]).start == start
 

@@ -1,4 +1,4 @@
-"""``bench --trace``: a trace recorded by a real run, replayed against the simulator.
+"""``bench --workload-file``: a trace recorded by a real run, replayed against the simulator.
 
 The trace: 200 requests of a chat service, sent by bench's own client at planned
 times to the simulator (in a process of its own, as any upstream): conversations
@@ -6,14 +6,14 @@ behind three system prompts whose prompts grow turn by turn, and one-off request
 with long unique contexts. Written with the format module's writer the way a capture
 will: timestamps from the send times, lengths and cached tokens from the usage, hash
 ids from 256-byte chained digests of the prompt text (the prompt-cache doctor's block)
-mapped to token blocks of 64 (:func:`proxy.tracefile.token_block_keys`).
+mapped to token blocks of 64 (:func:`proxy.workload_file.token_block_keys`).
 
-Then ``llm-latency-proxy bench --trace`` replays it against a fresh simulator with the
+Then ``llm-latency-proxy bench --workload-file`` replays it against a fresh simulator with the
 same settings, and the checks of a faithful replay:
 
 * arrivals: each request's arrival at the upstream (stamped there, on the upstream's
   clock, the whole replay shifted by its median offset) against the trace's
-  timestamp; at speedup 10 (the trace stretched tenfold with ``trace scale``, so the
+  timestamp; at speedup 10 (the trace stretched tenfold with ``workload scale``, so the
   same schedule) against the timestamp divided by 10;
 * prompt lengths within one block of ``input_length``, output lengths exact (the
   simulator honours ``max_tokens``);
@@ -39,7 +39,7 @@ import pytest
 from proxy.bench.client import RunPlan, run
 from proxy.bench.workload import PlannedRequest, request_body, words
 from proxy.cli import main
-from proxy.tracefile import TraceWriter, load, token_block_keys
+from proxy.workload_file import WorkloadWriter, load, token_block_keys
 from tests.arrival_upstream import arrival_upstream, arrivals, pacing_control
 from tests.browser import browser_missing, chrome, console_errors, requested_urls, wait_for
 
@@ -110,7 +110,7 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Recorded]:
         outcome = anyio.run(lambda: run(plan, planned, arrivals=[t for t, _, _ in plan_items]))
     results = outcome.results
     assert all(r.ok for r in results), [r.error for r in results if not r.ok][:3]
-    writer = TraceWriter(path, block_size=BLOCK, start=(0.0, START_WALL))
+    writer = WorkloadWriter(path, block_size=BLOCK, start=(0.0, START_WALL))
     for r, (_, text, _) in zip(results, plan_items, strict=True):
         assert r.prompt_tokens is not None and r.completion_tokens is not None
         data = text.encode()
@@ -140,12 +140,12 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Recorded]:
 def replay(
     trace: Path, out: Path, *extra: str, knobs: tuple[str, ...] = SIM, speedup: float = 1.0
 ) -> tuple[dict[str, Any], list[float], list[float]]:
-    """``bench --trace`` against a fresh simulator, with the pacing control running at
+    """``bench --workload-file`` against a fresh simulator, with the pacing control running at
     the same time; (bench's JSON, the upstream's arrival stamps, the control's lateness)."""
     records = load([str(trace)]).records
     offsets = [(r.timestamp - records[0].timestamp) / 1000 / speedup for r in records]
     with arrival_upstream(*knobs) as url, pacing_control(offsets, out.parent) as control:
-        argv = ["bench", "--trace", str(trace), "--base-url", url, "--json", str(out)]
+        argv = ["bench", "--workload-file", str(trace), "--base-url", url, "--json", str(out)]
         assert main([*argv, "--no-progress", "--no-compare", *extra]) == 0
         stamps = arrivals(url)
     return json.loads(out.read_text()), stamps, control
@@ -192,7 +192,7 @@ def check_schedule(
 
     On the shared 2-core machine at a load average of 7 to 13 the control itself wakes
     10 to 20 ms late one time in ten and a process that also works waits longer: the
-    bounds are not asserted there, the figures are printed (docs/trace.md has them).
+    bounds are not asserted there, the figures are printed (docs/workload.md has them).
     """
     base50, base90 = pct(floor, 0.5), pct(floor, 0.9)
     quiet = base90 <= QUIET_CONTROL_P90_S
@@ -262,7 +262,7 @@ def test_replay_at_speedup_1_keeps_times_lengths_and_the_prefix_sharing(
 
 def test_replay_at_speedup_10(recorded: Recorded, tmp_path: Path) -> None:
     stretched = tmp_path / "slow.jsonl"
-    assert main(["trace", "scale", str(recorded.path), "--rate", "0.1", "-o", str(stretched)]) == 0
+    assert main(["workload", "scale", str(recorded.path), "--rate", "0.1", "-o", str(stretched)]) == 0
     data, stamps, control = replay(stretched, tmp_path / "r10.json", "--speedup", "10", speedup=10)
     planned = data["replay"]["scheduled_s"]
     trace = load([str(stretched)])
@@ -279,7 +279,7 @@ def test_what_if_fewer_slots_queue(recorded: Recorded, tmp_path: Path) -> None:
     for slots in ("16", "1"):
         out = tmp_path / f"slots{slots}.json"
         knobs = f"--slots {slots} --prefill-rate 50000 --itl 0.005 --tokens-per-chunk 4 --seed 1"
-        argv = ["bench", "--trace", str(recorded.path), "--simulate", knobs, "--speedup", "2"]
+        argv = ["bench", "--workload-file", str(recorded.path), "--simulate", knobs, "--speedup", "2"]
         assert main([*argv, "--requests", "60", "--json", str(out), "--no-progress"]) == 0
         outcomes[slots] = json.loads(out.read_text())["replay"]["all"]["replayed"]
     wide, narrow = outcomes["16"]["ttft"]["p90"], outcomes["1"]["ttft"]["p90"]
@@ -297,17 +297,17 @@ def test_bad_replay_flags_are_refused(
         (["--simulate", "--slots two"], "--simulate: argument --slots"),
         (["--simulate", "--port 9"], "--port is chosen by bench"),
         (["--simulate", "", "--base-url", "http://x/v1"], "leave out --base-url"),
-        (["--rate", "3"], "a trace brings its own arrival times"),
+        (["--rate", "3"], "a workload file brings its own arrival times"),
         (["--speedup", "0"], "--speedup must be a number > 0"),
-        (["--block-size", "512"], "block size 512 given, but the trace says"),
+        (["--block-size", "512"], "block size 512 given, but the file says"),
     ):
-        assert main(["bench", "--trace", trace, *argv]) == 2, argv
+        assert main(["bench", "--workload-file", trace, *argv]) == 2, argv
         assert message in capsys.readouterr().err, argv
     assert main(["bench", "--simulate", ""]) == 2
-    assert "give --trace" in capsys.readouterr().err
+    assert "give --workload-file" in capsys.readouterr().err
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"timestamp": 0}\n')
-    assert main(["bench", "--trace", str(bad)]) == 2
+    assert main(["bench", "--workload-file", str(bad)]) == 2
     assert "bad.jsonl:1: no input_length" in capsys.readouterr().err
 
 
@@ -318,7 +318,7 @@ def test_the_report_shows_the_replay_beside_the_trace(
     from proxy.bench.replay import comparison_rows
 
     page, out = tmp_path / "replay.html", tmp_path / "replay.json"
-    argv = ["bench", "--trace", str(recorded.path), "--simulate", " ".join(SIM), "--requests", "40"]
+    argv = ["bench", "--workload-file", str(recorded.path), "--simulate", " ".join(SIM), "--requests", "40"]
     assert main([*argv, "--report", str(page), "--json", str(out), "--no-progress"]) == 0
     printed = capsys.readouterr().out
     cmp = json.loads(out.read_text())["replay"]
@@ -356,7 +356,7 @@ def test_a_trace_of_every_api_through_the_proxy(
     routes = ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"]
     mixed, chat = tmp_path / "mixed.jsonl", tmp_path / "chat.jsonl"
     for path, pick in ((mixed, routes), (chat, routes[:1])):
-        w = TraceWriter(path, block_size=16, start=(0.0, START_WALL))
+        w = WorkloadWriter(path, block_size=16, start=(0.0, START_WALL))
         for i in range(12):
             w.write(w.record(started=i * 0.02, input_length=40 + i, output_length=5 + i % 3,
                              block_keys=[b"system", (b"own", i)], model="m",
@@ -368,7 +368,7 @@ def test_a_trace_of_every_api_through_the_proxy(
         with serve_in_thread(app) as proxy:
             for path in (mixed, chat):
                 out = tmp_path / (path.stem + ".json")
-                argv = ["bench", "--trace", str(path), "--base-url", proxy.url + "/v1"]
+                argv = ["bench", "--workload-file", str(path), "--base-url", proxy.url + "/v1"]
                 assert main([*argv, "--json", str(out), "--no-progress"]) == 0
                 data = json.loads(out.read_text())
                 records = load([str(path)]).records
@@ -384,7 +384,7 @@ def test_a_trace_of_every_api_through_the_proxy(
                 printed = capsys.readouterr().out
                 if path == mixed:
                     assert len(data["replay"]["groups"]) == 4
-                    assert "not compared (the trace mixes APIs" in printed
+                    assert "not compared (the workload mixes APIs" in printed
                 else:
                     view = printed.split("proxy's view")[1]
                     assert re.search(r"^requests\s+12\s+12\s+\+0$", view, re.MULTILINE), view

@@ -1,4 +1,4 @@
-"""The trace capture (``serve --trace-file``, proxy/capture.py) through the whole proxy.
+"""The workload capture (``serve --workload-file``, proxy/workload_capture.py) through the whole proxy.
 
 The proxy runs in process in front of the suite's scripted upstream (a real loopback
 server, so the production upstream client runs); the upstream counts each prompt's
@@ -19,8 +19,8 @@ Also: lengths are the usage, timestamps are arrivals, no 8 characters of any pro
 are in the file, requests without usage are counted and not written, the client label
 only when asked for, rotation by size and by age, a full buffer drops and counts,
 SIGTERM to a real ``serve`` loses no line, ``serve --workers 2`` writes one file per
-worker with one id namespace that ``bench --trace`` and ``trace merge`` read, and the
-demo writes a trace that ``bench --trace`` replays.
+worker with one id namespace that ``bench --workload-file`` and ``workload merge`` read, and the
+demo writes a trace that ``bench --workload-file`` replays.
 """
 
 from __future__ import annotations
@@ -49,11 +49,11 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from proxy.app import create_app
-from proxy.capture import Capture, PrefixKeys, Shared
 from proxy.config import Settings, from_sources
 from proxy.config_values import SettingsError
 from proxy.measure import Outcome, RequestRecord
-from proxy.tracefile import TraceRecord, load, read_segments
+from proxy.workload_capture import PrefixKeys, Shared, WorkloadCapture
+from proxy.workload_file import WorkloadRecord, load, read_segments
 from tests.fake_upstream import (
     Conn,
     Gate,
@@ -119,7 +119,7 @@ def proxy_app(handler: Any, trace: Path, **overrides: Any
     upstream = ScriptedUpstream(handler)
     registry = CollectorRegistry()
     app = create_app(Settings(upstream=upstream.url + "/v1", upstream_name="up",
-                              prefix_doctor=True, trace_file=str(trace), **overrides),
+                              prefix_doctor=True, workload_file=str(trace), **overrides),
                      registry=registry)
     return InProcess(app, upstream), registry
 
@@ -213,7 +213,7 @@ async def capture_workload(bodies: list[dict[str, Any]], block: int, template: b
                            folder: Path) -> tuple[Path, Counting]:
     counting = Counting(template)
     trace = folder / "trace.jsonl"
-    app, _ = proxy_app(counting, trace, trace_block_size=block)
+    app, _ = proxy_app(counting, trace, workload_block_size=block)
     async with app:
         await send_all(app, bodies)
     return trace, counting
@@ -339,7 +339,7 @@ async def test_answers_that_are_not_2xx_are_not_traffic_to_replay(tmp_path: Path
 async def test_the_client_label_only_when_asked_for(asked: bool, tmp_path: Path) -> None:
     trace = tmp_path / "trace.jsonl"
     app, _ = proxy_app(Counting(), trace, client_label_from="header:x-team",
-                       trace_client=asked)
+                       workload_client=asked)
     body = {"model": "m", "messages": [{"role": "user", "content": "abcd" * 10}],
             "stream": True}
     async with app:
@@ -359,30 +359,30 @@ def test_settings_that_cannot_capture_are_refused(tmp_path: Path) -> None:
     for flags, message in [
         ({"LLM_PROXY_PREFIX_DOCTOR": "false"}, "prompt-cache doctor"),  # turned off
         ({"LLM_PROXY_MEASURE": "false"}, "--no-measure"),
-        ({"LLM_PROXY_TRACE_CLIENT": "true"}, "no client label"),
+        ({"LLM_PROXY_WORKLOAD_CLIENT": "true"}, "no client label"),
         ({"LLM_PROXY_LOG_REQUESTS": trace}, "same file"),
     ]:
         with pytest.raises(SettingsError, match=message):
-            from_sources(environ={"LLM_PROXY_TRACE_FILE": trace, **DOCTOR, **flags})
+            from_sources(environ={"LLM_PROXY_WORKLOAD_FILE": trace, **DOCTOR, **flags})
     with pytest.raises(SettingsError, match="no such directory"):
-        from_sources(environ={"LLM_PROXY_TRACE_FILE": str(tmp_path / "nope" / "t.jsonl"),
+        from_sources(environ={"LLM_PROXY_WORKLOAD_FILE": str(tmp_path / "nope" / "t.jsonl"),
                               **DOCTOR})
     with pytest.raises(SettingsError, match="only used with"):
-        from_sources(environ={"LLM_PROXY_TRACE_CLIENT": "true"})
+        from_sources(environ={"LLM_PROXY_WORKLOAD_CLIENT": "true"})
     with pytest.raises(SettingsError, match="standard output"):
-        from_sources(environ={"LLM_PROXY_TRACE_FILE": "-", **DOCTOR})
+        from_sources(environ={"LLM_PROXY_WORKLOAD_FILE": "-", **DOCTOR})
     with pytest.raises(SettingsError, match=">= 0"):
-        from_sources(environ={"LLM_PROXY_TRACE_FILE": trace, **DOCTOR,
-                              "LLM_PROXY_TRACE_ROTATE_SECONDS": "-1"})
+        from_sources(environ={"LLM_PROXY_WORKLOAD_FILE": trace, **DOCTOR,
+                              "LLM_PROXY_WORKLOAD_ROTATE_SECONDS": "-1"})
     with pytest.raises(SettingsError, match=r"cannot write .*Is a directory"):
-        create_app(Settings(prefix_doctor=True, trace_file=str(tmp_path)),
+        create_app(Settings(prefix_doctor=True, workload_file=str(tmp_path)),
                    registry=CollectorRegistry())
-    ok = from_sources(environ={"LLM_PROXY_TRACE_FILE": trace, **DOCTOR,
-                               "LLM_PROXY_TRACE_BLOCK_SIZE": "64",
-                               "LLM_PROXY_TRACE_ROTATE_BYTES": "1000000"})
-    assert (ok.trace_block_size, ok.trace_rotate_bytes) == (64, 1_000_000)
-    alone = from_sources(environ={"LLM_PROXY_TRACE_FILE": trace})  # no other setting needed
-    assert alone.trace_file == trace and alone.prefix_doctor
+    ok = from_sources(environ={"LLM_PROXY_WORKLOAD_FILE": trace, **DOCTOR,
+                               "LLM_PROXY_WORKLOAD_BLOCK_SIZE": "64",
+                               "LLM_PROXY_WORKLOAD_ROTATE_BYTES": "1000000"})
+    assert (ok.workload_block_size, ok.workload_rotate_bytes) == (64, 1_000_000)
+    alone = from_sources(environ={"LLM_PROXY_WORKLOAD_FILE": trace})  # no other setting needed
+    assert alone.workload_file == trace and alone.prefix_doctor
 
 
 # ---------------------------------------------------------------------------
@@ -393,7 +393,7 @@ async def test_rotation_by_size_continues_one_trace_in_numbered_files(tmp_path: 
     trace = tmp_path / "trace.jsonl"
     (tmp_path / "trace.jsonl.2").write_text("")  # a number in use is skipped
     bodies = conversation(12, tokens=60)
-    app, _ = proxy_app(Counting(), trace, trace_block_size=64, trace_rotate_bytes=600)
+    app, _ = proxy_app(Counting(), trace, workload_block_size=64, workload_rotate_bytes=600)
     async with app:
         await send_all(app, bodies)
     check_rotated(tmp_path, len(bodies))
@@ -408,8 +408,8 @@ def check_rotated(tmp_path: Path, requests: int) -> None:
     ids = set()
     for path in files:
         (segment,) = read_segments(str(path))  # metadata on each file's first line
-        assert segment.meta.block_size == 64 and segment.meta.trace_start is not None
-        ids.add(segment.meta.trace_id)
+        assert segment.meta.block_size == 64 and segment.meta.start is not None
+        ids.add(segment.meta.workload_id)
     assert len(ids) == 1  # one trace: one id namespace, one start
     whole = load([str(tmp_path / "trace.jsonl*")])
     assert len(whole.records) == requests and len(set(whole.namespaces)) == 1
@@ -427,7 +427,7 @@ def record(prompt: int = 100) -> RequestRecord:
 
 def test_rotation_by_age(tmp_path: Path) -> None:
     now = [0.0]
-    capture = Capture(str(tmp_path / "t.jsonl"), rotate_seconds=60.0,
+    capture = WorkloadCapture(str(tmp_path / "t.jsonl"), rotate_seconds=60.0,
                       monotonic=lambda: now[0])
     for at in (0.0, 30.0, 61.0, 90.0, 130.0):
         now[0] = at
@@ -447,7 +447,7 @@ def test_a_full_buffer_drops_and_counts(tmp_path: Path) -> None:
     disk = SlowDisk(tmp_path / "trace.fifo")
     counted: list[tuple[str, int]] = []
     try:
-        capture = Capture(str(disk.path), buffer=4,
+        capture = WorkloadCapture(str(disk.path), buffer=4,
                           skipped=lambda reason, n: counted.append((reason, n)))
         for _ in range(200):  # far more than the pipe and the buffer hold
             capture.add(record(), 1.0, "m", None)
@@ -458,7 +458,7 @@ def test_a_full_buffer_drops_and_counts(tmp_path: Path) -> None:
     finally:
         disk.close()
     dropped = sum(n for reason, n in counted if reason == "dropped")
-    assert dropped > 0 and written + dropped == 200 and capture.dropped == dropped
+    assert dropped > 0 and written + dropped == 200
 
 
 def test_prompt_keys_waiting_for_the_disk_are_bounded(
@@ -468,7 +468,7 @@ def test_prompt_keys_waiting_for_the_disk_are_bounded(
     make room again."""
     from types import SimpleNamespace
 
-    from proxy import capture as capture_module
+    from proxy import workload_capture as capture_module
     from proxy.dialects import PromptPart
     from proxy.doctor.keys import PromptHasher
 
@@ -480,7 +480,7 @@ def test_prompt_keys_waiting_for_the_disk_are_bounded(
     disk = SlowDisk(tmp_path / "trace.fifo")
     counted: list[tuple[str, int]] = []
     try:
-        capture = Capture(str(disk.path), skipped=lambda reason, n: counted.append((reason, n)))
+        capture = WorkloadCapture(str(disk.path), skipped=lambda reason, n: counted.append((reason, n)))
         for _ in range(50):
             capture.add(record(), 1.0, "m", job)
         dropped = sum(n for reason, n in counted if reason == "dropped")
@@ -495,7 +495,7 @@ def test_prompt_keys_waiting_for_the_disk_are_bounded(
         written = len(disk.lines())
     finally:
         disk.close()
-    assert written == 51 - dropped and capture.dropped == dropped
+    assert written == 51 - dropped
 
 
 def test_prefix_keys_are_bounded() -> None:
@@ -536,7 +536,7 @@ async def test_sigterm_writes_every_buffered_line_before_exit(tmp_path: Path) ->
     body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
     try:
         with upstream.running():
-            async with proxy_process(upstream.url, "--prefix-doctor", "--trace-file", str(disk.path),
+            async with proxy_process(upstream.url, "--prefix-doctor", "--workload-file", str(disk.path),
                                      "--graceful-timeout", "20") as (proc, port, out):
                 base = f"http://127.0.0.1:{port}"
                 async with httpx.AsyncClient(timeout=WAIT_S) as client:
@@ -592,7 +592,7 @@ def behind_one_system_prompt(conversations: int) -> list[list[dict[str, Any]]]:
 def test_workers_write_one_file_each_in_one_id_namespace(tmp_path: Path) -> None:
     """``serve --workers 2``: a file per worker; a conversation whose turns went to
     different workers shares its ids across the files (one hashing secret, one trace
-    id, the keys' digests as ids); ``trace merge`` and ``bench --trace`` read them."""
+    id, the keys' digests as ids); ``workload merge`` and ``bench --workload-file`` read them."""
     counting = Counting()
     trace = tmp_path / "trace.jsonl"
     conversations = behind_one_system_prompt(4)
@@ -602,8 +602,8 @@ def test_workers_write_one_file_each_in_one_id_namespace(tmp_path: Path) -> None
         env.pop("PROMETHEUS_MULTIPROC_DIR", None)
         proc = subprocess.Popen(
             [sys.executable, "-m", "proxy", "serve", "--upstream", upstream.url + "/v1",
-             "--port", "0", "--workers", "2", "--prefix-doctor", "--trace-file", str(trace),
-             "--trace-block-size", "64"],
+             "--port", "0", "--workers", "2", "--prefix-doctor", "--workload-file", str(trace),
+             "--workload-block-size", "64"],
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         output: list[str] = []
         ready = threading.Event()
@@ -641,26 +641,26 @@ def test_workers_write_one_file_each_in_one_id_namespace(tmp_path: Path) -> None
     per_file = [len(p.read_text().splitlines()) for p in files]
     assert sum(per_file) == len(bodies) and min(per_file) > 0  # both workers served
     metas = {read_segments(str(p))[0].meta for p in files}
-    assert len({m.trace_id for m in metas}) == 1 and len({m.trace_start for m in metas}) == 1
+    assert len({m.workload_id for m in metas}) == 1 and len({m.start for m in metas}) == 1
     whole = load([str(tmp_path / "trace.jsonl.*")])
     assert len(set(whole.namespaces)) == 1
     lengths = [prompt for prompt, _, _ in counting.said]
     check_conversations(whole.records, conversations, lengths)
 
     merged = tmp_path / "merged.jsonl"
-    done = _run("trace", "merge", str(tmp_path / "trace.jsonl.*"), "-o", str(merged))
+    done = _run("workload", "merge", str(tmp_path / "trace.jsonl.*"), "-o", str(merged))
     assert done.returncode == 0, done.stderr
     small = load([str(merged)]).records
     assert max(i for r in small for i in r.hash_ids) < 10_000  # small ids again
     check_conversations(small, conversations, lengths)
     replay = tmp_path / "replay.json"
-    done = _run("bench", "--trace", str(tmp_path / "trace.jsonl.*"), "--speedup", "20",
+    done = _run("bench", "--workload-file", str(tmp_path / "trace.jsonl.*"), "--speedup", "20",
                 "--simulate", "--slots 8", "--json", str(replay), "--no-progress")
     assert done.returncode == 0, done.stdout + done.stderr
     assert len(json.loads(replay.read_text())["replay"]["scheduled_s"]) == len(bodies)
 
 
-def check_conversations(records: Sequence[TraceRecord],
+def check_conversations(records: Sequence[WorkloadRecord],
                         conversations: list[list[dict[str, Any]]], lengths: list[int]) -> None:
     """Every request holds the system prompt's 31 full blocks' ids, and each turn the
     previous turn's full blocks: found by prompt length (``lengths``, in send order)."""
@@ -669,7 +669,7 @@ def check_conversations(records: Sequence[TraceRecord],
     system = by_length[lengths[0]].hash_ids[: 2000 // 64]
     sent = iter(lengths)
     for turns in conversations:
-        previous: TraceRecord | None = None
+        previous: WorkloadRecord | None = None
         for _ in turns:
             now = by_length[next(sent)]
             assert now.hash_ids[: len(system)] == system
@@ -685,20 +685,20 @@ def check_conversations(records: Sequence[TraceRecord],
 def test_the_demo_writes_a_trace_that_bench_replays(tmp_path: Path) -> None:
     trace = tmp_path / "demo.jsonl"
     done = _run("demo", "--port", "0", "--duration", "4", "--rate", "6", "--burst-every", "2",
-                "--burst-size", "4", "--trace-file", str(trace), "--trace-block-size", "64")
+                "--burst-size", "4", "--workload-file", str(trace), "--workload-block-size", "64")
     assert done.returncode == 0, done.stderr
-    assert f"demo: trace to {trace}" in done.stdout
+    assert f"demo: workload capture to {trace}" in done.stdout
     records = load([str(trace)]).records
     assert len(records) >= 10
     assert {r.route for r in records} >= {"/v1/chat/completions"}
     # Shared system prompts: some ids in more than one request.
     assert len({i for r in records for i in r.hash_ids}) < sum(len(r.hash_ids) for r in records)
     replay = tmp_path / "replay.json"
-    done = _run("bench", "--trace", str(trace), "--speedup", "4", "--simulate",
+    done = _run("bench", "--workload-file", str(trace), "--speedup", "4", "--simulate",
                 "--slots 8 --prefill-rate 6000 --itl 0.025", "--json", str(replay),
                 "--no-progress")
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "the replay beside the trace" in done.stdout
+    assert "the replay beside the workload file" in done.stdout
     result = json.loads(replay.read_text())
     assert len(result["replay"]["scheduled_s"]) == len(records)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from proxy.cli import main
-from proxy.tracefile import TraceWriter, load
+from proxy.workload_file import WorkloadWriter, load
 
 START = datetime(2026, 11, 30, 9, 0, tzinfo=UTC)  # a Monday
 
@@ -23,7 +23,7 @@ START = datetime(2026, 11, 30, 9, 0, tzinfo=UTC)  # a Monday
 @pytest.fixture
 def captured(tmp_path: Path) -> Path:
     path = tmp_path / "cap.jsonl"
-    writer = TraceWriter(path, block_size=4, start=(0.0, START.timestamp()))
+    writer = WorkloadWriter(path, block_size=4, start=(0.0, START.timestamp()))
     for minute in range(48 * 60):
         hour = minute // 60
         record = writer.record(
@@ -46,7 +46,7 @@ def captured(tmp_path: Path) -> Path:
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(["trace", *argv])
+    code = main(["workload", *argv])
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -147,7 +147,7 @@ def test_merge_workers_files_into_one_standard_file(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     for worker, wall in ((0, START.timestamp()), (1, START.timestamp() + 0.5)):
-        w = TraceWriter(tmp_path / f"cap.jsonl.{worker}", block_size=2, start=(0.0, wall))
+        w = WorkloadWriter(tmp_path / f"cap.jsonl.{worker}", block_size=2, start=(0.0, wall))
         for t in range(3):
             w.write(w.record(started=float(t), input_length=4, output_length=1,
                              block_keys=[b"system", (b"w", worker, t)]))  # fmt: skip

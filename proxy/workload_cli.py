@@ -1,31 +1,11 @@
-"""``llm-latency-proxy trace``: look at a trace, cut a window, scale its rate, anonymise it,
-merge files into one.
+"""``llm-latency-proxy workload``: look at a workload file, cut a window, scale its rate,
+anonymise it, merge files into one.
 
-Every sub-command reads one or more files (globs too: ``'trace.jsonl.*'``) as one
-trace (:func:`proxy.tracefile.load`: aligned by their ``trace_start``, ids kept apart
-unless the files share a ``trace_id``) and, except ``info``, writes one standard file
-(``-o FILE``, stdout by default): ids renumbered small in order of first appearance,
-the metadata on the first line, a new ``trace_id`` (the renumbered ids no longer
-match the source's). Requests are written in timestamp order.
-
-``cut`` takes a window in the trace's own time: an ISO 8601 time (with or without an
-offset), a time of day (``10:00``: on the trace's first day), a weekday and a time
-(``Tue 10:00``: the first such day from the trace's start), each in ``--tz`` (the
-machine's time zone by default), or an offset from the trace's start (``+90m``,
-``+1h30m``, ``+45s``). Times of day need the ``trace_start`` that a capture writes;
-offsets work on any trace. The window's start becomes the new trace's timestamp 0.
-A cut starts with a cold cache: requests in it that share a prefix with requests
-before it find it cached in production, not in a replay.
-
-``scale --rate F`` multiplies the request rate by F (timestamps divided by F); the
-start is kept. ``bench --speedup`` does the same when replaying; a scaled file is for
-tools that replay at recorded times only.
-
-``anonymise`` replaces model and upstream names with ``model-1``, ``upstream-1``, ...
-in order of first appearance (or drops them), drops the client label and any field
-this tool does not know; ``--drop-timings`` also drops what the upstream measured
-(TTFT, ITL, cached tokens, outcome), ``--drop-start`` the wall-clock start,
-``--mooncake-only`` everything but the four standard fields and the block size.
+Every action reads its files as one workload (:func:`proxy.workload_file.load`) and, but
+``info``, writes one standard file with small ids renumbered in order of first
+appearance and a new id namespace. The operations are pure (a workload in, records and
+metadata out); ``docs/design/workload.md`` says what each keeps and why. ``trace`` is
+the command's old name, accepted with a warning for one release.
 """
 
 from __future__ import annotations
@@ -39,16 +19,17 @@ from dataclasses import replace
 from datetime import datetime, time, timedelta, tzinfo
 from typing import Any, TextIO
 
+from proxy.deprecated import warn_renamed
 from proxy.errors import CliError
-from proxy.tracefile import (
+from proxy.workload_file import (
     DEFAULT_BLOCK_SIZE,
-    Trace,
-    TraceError,
-    TraceMeta,
-    TraceRecord,
+    Workload,
+    WorkloadError,
+    WorkloadMeta,
+    WorkloadRecord,
     load,
-    new_trace_id,
-    write_trace,
+    new_workload_id,
+    write_workload,
 )
 
 _WEEKDAYS = {
@@ -94,7 +75,7 @@ def _localize(naive: datetime, zone: tzinfo | None) -> datetime:
 
 
 def resolve_when(text: str, start: datetime | None, zone: tzinfo | None) -> float:
-    """Milliseconds from the trace's start to the moment ``text`` names."""
+    """Milliseconds from the workload's start to the moment ``text`` names."""
     text = text.strip()
     match = _OFFSET.match(text)
     if match and any(match.groups()):
@@ -102,7 +83,7 @@ def resolve_when(text: str, start: datetime | None, zone: tzinfo | None) -> floa
         return (hours * 3600 + minutes * 60 + seconds) * 1000.0
     if start is None:
         raise WhenError(
-            f"{text!r}: this trace has no trace_start (a public trace?): give offsets from "
+            f"{text!r}: this file has no trace_start (a public trace?): give offsets from "
             "its start, e.g. +30m"
         )
     local_start = start.astimezone(zone) if zone is not None else start.astimezone()
@@ -133,48 +114,52 @@ def resolve_when(text: str, start: datetime | None, zone: tzinfo | None) -> floa
 
 
 # ---------------------------------------------------------------------------
-# The operations (pure: a trace in, records and metadata out)
+# The operations (pure: a workload in, records and metadata out)
 
 
 def cut(
-    trace: Trace, begin: str | None, end: str | None, zone: tzinfo | None = None
-) -> tuple[list[TraceRecord], list[int], TraceMeta]:
+    workload: Workload, begin: str | None, end: str | None, zone: tzinfo | None = None
+) -> tuple[list[WorkloadRecord], list[int], WorkloadMeta]:
     """The records of ``[begin, end)``, re-timed from ``begin``."""
-    lo = resolve_when(begin, trace.start, zone) if begin else 0.0
-    hi = resolve_when(end, trace.start, zone) if end else float("inf")
+    lo = resolve_when(begin, workload.start, zone) if begin else 0.0
+    hi = resolve_when(end, workload.start, zone) if end else float("inf")
     if hi <= lo and end and _TIME_OF_DAY.match(end.strip()) and begin:
         hi += 24 * 3600 * 1000.0  # "--from 23:00 --to 01:00": across midnight
     if hi <= lo:
         raise WhenError(f"the window is empty: {end!r} is not after {begin!r}")
     rows = [
         (replace(r, timestamp=round(r.timestamp - lo, 3)), ns)
-        for r, ns in zip(trace.records, trace.namespaces, strict=True)
+        for r, ns in zip(workload.records, workload.namespaces, strict=True)
         if lo <= r.timestamp < hi
     ]
-    start = trace.start + timedelta(milliseconds=lo) if trace.start is not None else None
-    meta = TraceMeta(start, trace.block_size, new_trace_id())
+    start = workload.start + timedelta(milliseconds=lo) if workload.start is not None else None
+    meta = WorkloadMeta(start, workload.block_size, new_workload_id())
     return [r for r, _ in rows], [ns for _, ns in rows], meta
 
 
-def scale(trace: Trace, rate: float) -> tuple[list[TraceRecord], list[int], TraceMeta]:
+def scale(workload: Workload, rate: float) -> tuple[list[WorkloadRecord], list[int], WorkloadMeta]:
     """Requests ``rate`` times as often: timestamps divided by ``rate``."""
     if not rate > 0:
         raise ValueError("--rate must be > 0")
-    records = [replace(r, timestamp=round(r.timestamp / rate, 3)) for r in trace.records]
-    return records, list(trace.namespaces), TraceMeta(trace.start, trace.block_size, new_trace_id())
+    records = [replace(r, timestamp=round(r.timestamp / rate, 3)) for r in workload.records]
+    return (
+        records,
+        list(workload.namespaces),
+        WorkloadMeta(workload.start, workload.block_size, new_workload_id()),
+    )
 
 
 _TIMINGS = ("cached_tokens", "ttft_ms", "itl_ms_mean", "outcome")
 
 
 def anonymise(
-    trace: Trace,
+    workload: Workload,
     *,
     drop_models: bool = False,
     drop_timings: bool = False,
     drop_start: bool = False,
     mooncake_only: bool = False,
-) -> tuple[list[TraceRecord], list[int], TraceMeta]:
+) -> tuple[list[WorkloadRecord], list[int], WorkloadMeta]:
     """Names replaced by numbered ones (or dropped), client and unknown fields dropped."""
     names: dict[tuple[str, str], str] = {}
 
@@ -187,7 +172,7 @@ def anonymise(
         return names[key]
 
     out = []
-    for r in trace.records:
+    for r in workload.records:
         fields: dict[str, Any] = {
             "model": pseudonym("model", r.model),
             "upstream": pseudonym("upstream", r.upstream),
@@ -199,17 +184,17 @@ def anonymise(
         if drop_timings or mooncake_only:
             fields.update(dict.fromkeys(_TIMINGS))
         out.append(replace(r, **fields))
-    start = None if drop_start or mooncake_only else trace.start
-    trace_id = None if mooncake_only else new_trace_id()
-    return out, list(trace.namespaces), TraceMeta(start, trace.block_size, trace_id)
+    start = None if drop_start or mooncake_only else workload.start
+    workload_id = None if mooncake_only else new_workload_id()
+    return out, list(workload.namespaces), WorkloadMeta(start, workload.block_size, workload_id)
 
 
-def merge(trace: Trace) -> tuple[list[TraceRecord], list[int], TraceMeta]:
+def merge(workload: Workload) -> tuple[list[WorkloadRecord], list[int], WorkloadMeta]:
     """The files as one: aligned, sorted, one id numbering."""
     return (
-        list(trace.records),
-        list(trace.namespaces),
-        TraceMeta(trace.start, trace.block_size, new_trace_id()),
+        list(workload.records),
+        list(workload.namespaces),
+        WorkloadMeta(workload.start, workload.block_size, new_workload_id()),
     )
 
 
@@ -217,26 +202,26 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.0f} ms"
 
 
-def info(trace: Trace) -> list[str]:
-    """What a trace holds, as lines to print."""
+def info(workload: Workload) -> list[str]:
+    """What a workload holds, as lines to print."""
     from proxy.bench.stats import quantile
 
-    recs = trace.records
-    size = trace.block_size or DEFAULT_BLOCK_SIZE
+    recs = workload.records
+    size = workload.block_size or DEFAULT_BLOCK_SIZE
     span_s = (recs[-1].timestamp - recs[0].timestamp) / 1000.0
-    lines = [f"files      {', '.join(trace.paths)}", f"requests   {len(recs)}"]
-    if trace.start is not None:
-        first = trace.start + timedelta(milliseconds=recs[0].timestamp)
-        last = trace.start + timedelta(milliseconds=recs[-1].timestamp)
+    lines = [f"files      {', '.join(workload.paths)}", f"requests   {len(recs)}"]
+    if workload.start is not None:
+        first = workload.start + timedelta(milliseconds=recs[0].timestamp)
+        last = workload.start + timedelta(milliseconds=recs[-1].timestamp)
         local = f"{first.astimezone():%a %Y-%m-%d %H:%M:%S %Z} to {last.astimezone():%a %H:%M:%S}"
-        lines.append(f"time       {local} (machine time); trace_start {trace.start.isoformat()}")
+        lines.append(f"time       {local} (machine time); trace_start {workload.start.isoformat()}")
     per_minute = Counter(int(r.timestamp // 60000) for r in recs)
     rate = len(recs) / span_s if span_s > 0 else float("nan")
     lines.append(
         f"span       {span_s:.1f} s ({timedelta(seconds=round(span_s))}); {rate:.2f} requests/s "
         f"on average, {max(per_minute.values())} requests in the busiest minute"
     )
-    said = "" if trace.block_size else " (not stated by the trace: the default)"
+    said = "" if workload.block_size else " (not stated by the file: the default)"
     lines.append(f"block size {size} tokens{said}")
     for label, values in (
         ("input", sorted(r.input_length for r in recs)),
@@ -250,7 +235,7 @@ def info(trace: Trace) -> list[str]:
             )
     seen: set[tuple[int, int]] = set()
     reusable = 0
-    for r, ns in zip(recs, trace.namespaces, strict=True):
+    for r, ns in zip(recs, workload.namespaces, strict=True):
         lead = 0
         for hid in r.hash_ids:
             if (ns, hid) not in seen:
@@ -262,7 +247,7 @@ def info(trace: Trace) -> list[str]:
     if total_in:
         lines.append(
             f"prefixes   {reusable / total_in * 100:.1f}% of prompt tokens are in leading blocks "
-            "an earlier request of the trace had (what an unbounded prefix cache could serve)"
+            "an earlier request of the workload had (what an unbounded prefix cache could serve)"
         )
     cached = [r for r in recs if r.cached_tokens is not None]
     if cached:
@@ -293,7 +278,7 @@ def info(trace: Trace) -> list[str]:
         counts = Counter(getattr(r, key) for r in recs if getattr(r, key) is not None)
         if counts:
             lines.append(f"{label:<10} " + ", ".join(f"{k} {v}" for k, v in counts.most_common()))
-    lines += list(trace.notes)
+    lines += list(workload.notes)
     return lines
 
 
@@ -302,7 +287,7 @@ def info(trace: Trace) -> list[str]:
 
 
 def _add_common(p: argparse.ArgumentParser, *, output: bool = True) -> None:
-    p.add_argument("files", nargs="+", metavar="FILE", help="trace file(s) or quoted glob(s)")
+    p.add_argument("files", nargs="+", metavar="FILE", help="workload file(s) or quoted glob(s)")
     if output:
         p.add_argument(
             "-o", "--output", metavar="FILE", default="-", help="where to write [default stdout]"
@@ -310,22 +295,31 @@ def _add_common(p: argparse.ArgumentParser, *, output: bool = True) -> None:
 
 
 def add_parser(subparsers: Any) -> None:
+    # "trace": the command's old name, kept for one release and left out of the command
+    # list (a sub-command without help is not listed); run_command warns.
+    for name, listed in (("workload", True), ("trace", False)):
+        _add_command(subparsers, name, listed)
+
+
+def _add_command(subparsers: Any, name: str, listed: bool) -> None:
+    shown = "look at, cut, scale, anonymise or merge workload files (Mooncake trace format)"
     parser = subparsers.add_parser(
-        "trace",
-        help="look at, cut, scale, anonymise or merge Mooncake-format traces",
+        name,
+        **({"help": shown} if listed else {}),
         description=(
-            "Work on request-shape traces in the Mooncake format (JSON Lines with timestamp, "
-            "input_length, output_length, hash_ids): what a proxy capture writes, what "
-            "'bench --trace' and AIPerf replay. See docs/trace.md."
+            "Work on workload files: the shape of traffic in the Mooncake trace format (JSON "
+            "Lines with timestamp, input_length, output_length, hash_ids): what a proxy "
+            "capture writes, what 'bench --workload-file' and AIPerf replay. See "
+            "docs/workload.md."
         ),
     )
-    sub = parser.add_subparsers(dest="trace_command", metavar="ACTION", required=True)
-    p = sub.add_parser("info", help="what a trace holds: span, rate, lengths, sharing, timings")
+    sub = parser.add_subparsers(dest="workload_command", metavar="ACTION", required=True)
+    p = sub.add_parser("info", help="what a workload holds: span, rate, lengths, sharing, timings")
     _add_common(p, output=False)
     p.set_defaults(func=run_command)
     p = sub.add_parser(
         "cut",
-        help="a window of the trace, e.g. --from 'Tue 10:00' --to 'Tue 11:00'",
+        help="a window of the workload, e.g. --from 'Tue 10:00' --to 'Tue 11:00'",
         description="Keep the requests in [--from, --to): ISO times, times of day (10:00), "
         "weekday and time (Tue 10:00) in --tz, or offsets from the start (+30m).",
     )
@@ -369,11 +363,11 @@ def add_parser(subparsers: Any) -> None:
     p.set_defaults(func=run_command)
 
 
-Operation = Callable[[Trace], tuple[list[TraceRecord], list[int], TraceMeta]]
+Operation = Callable[[Workload], tuple[list[WorkloadRecord], list[int], WorkloadMeta]]
 
 
 def _operation(args: argparse.Namespace) -> Operation:
-    name = args.trace_command
+    name = args.workload_command
     if name == "cut":
         zone = _zone(args.tz)
         return lambda t: cut(t, args.begin, args.end, zone)
@@ -391,14 +385,16 @@ def _operation(args: argparse.Namespace) -> Operation:
 
 
 def run_command(args: argparse.Namespace) -> int:
-    prog = f"llm-latency-proxy trace {args.trace_command}"
+    prog = f"llm-latency-proxy workload {args.workload_command}"
+    if getattr(args, "command", "") == "trace":
+        warn_renamed("llm-latency-proxy trace", "llm-latency-proxy workload")
     try:
-        trace = load(args.files)
-        if args.trace_command == "info":
-            print("\n".join(info(trace)))
+        workload = load(args.files)
+        if args.workload_command == "info":
+            print("\n".join(info(workload)))
             return 0
-        records, namespaces, meta = _operation(args)(trace)
-    except (TraceError, WhenError, ValueError) as exc:
+        records, namespaces, meta = _operation(args)(workload)
+    except (WorkloadError, WhenError, ValueError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
     if not records:
@@ -415,10 +411,10 @@ def run_command(args: argparse.Namespace) -> int:
 
 
 def _write(
-    path: str, records: Sequence[TraceRecord], namespaces: Sequence[int], meta: TraceMeta
+    path: str, records: Sequence[WorkloadRecord], namespaces: Sequence[int], meta: WorkloadMeta
 ) -> int:
     if path == "-":
-        return write_trace(sys.stdout, records, namespaces, meta)
+        return write_workload(sys.stdout, records, namespaces, meta)
     fh: TextIO
     with open(path, "w", encoding="utf-8") as fh:
-        return write_trace(fh, records, namespaces, meta)
+        return write_workload(fh, records, namespaces, meta)

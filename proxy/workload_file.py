@@ -1,71 +1,12 @@
-"""Traces of request shapes, in the Mooncake trace format: read, write, merge.
+"""Workload files in the Mooncake trace format: read, write, merge.
 
-A trace is JSON Lines, one request a line, no prompt text. The four standard fields
-are the Mooncake trace's (``kvcache-ai/Mooncake``, ``FAST25-release/traces/*.jsonl``),
-which NVIDIA AIPerf replays (``--custom-dataset-type mooncake_trace``) and Dynamo's
-mocker reads:
-
-* ``timestamp``: integer milliseconds since the trace began (the request's arrival);
-* ``input_length``: prompt tokens (from the upstream's usage when captured);
-* ``output_length``: completion tokens;
-* ``hash_ids``: one integer per block of ``block_size`` prompt tokens, in prompt
-  order; two requests whose prompts start the same share their leading ids. There are
-  ``ceil(input_length / block_size)`` of them: the last block may be partial, and
-  AIPerf refuses a line where it would be empty or longer than a block. Ids are small
-  integers, numbered from 0 in order of first appearance (:class:`IdMap`); some
-  readers keep them as ``u32``.
-
-Our own fields follow; every reader checked ignores fields it does not know (AIPerf's
-model allows extra fields, Dynamo's serde structs do not deny them): ``model``,
-``route`` (the proxy's route label, which names the API: ``/v1/chat/completions``,
-``/v1/completions``, ``/v1/responses``, ``/v1/messages``), ``upstream``, ``client``
-(only when asked for), ``cached_tokens`` (the upstream's reported prefix-cache hits),
-``ttft_ms``, ``itl_ms_mean`` (the request's mean inter-token gap) and ``outcome``.
-Names AIPerf gives a meaning to (``extra``, ``delay``, ``session_id``, ``type``,
-``text_input``, ``messages``, ``payload``, ``tools``) are never written.
-
-**Metadata rides on the first line of each file** (Mooncake has no header line, and
-AIPerf would reject a line that is not a request): ``trace_start``, the wall-clock
-time of timestamp 0 (ISO 8601, UTC), so a window can be cut by time of day;
-``block_size``, the block size of ``hash_ids`` in tokens (512 when absent: the
-Mooncake traces' and AIPerf's default; AIPerf itself takes it as a flag,
-``--prompt-input-tokens-block-size``); and ``trace_id``, the id namespace (below).
-A line carrying metadata starts a *segment*; lines without it continue the segment
-above, so files joined with ``cat`` still read right.
-
-**Several files, or segments, read together** (rotated files, one file per worker,
-traces joined on purpose), :func:`load`:
-
-* *time*: when every segment has a ``trace_start``, each timestamp is placed at its
-  segment's start plus its offset, and the earliest start becomes timestamp 0. When
-  none has one (public traces), timestamps are taken as they are. A mix is an error:
-  there is no way to align them.
-* *hash ids*: segments with the same ``trace_id`` share one id namespace (equal ids
-  are equal blocks); all others are kept apart (a file without ``trace_id`` is its own
-  namespace), so two files' id 7 never pretend to be the same text.
-* *block size*: segments must agree.
-
-Records are sorted by timestamp when read (a capture writes a request when it ends,
-so its lines are in order of completion; AIPerf sorts too).
-
-**The writer a capture uses** (:class:`TraceWriter`): one per file being written,
-called from one thread. It reads the monotonic and wall clocks once at construction
-(or is given both: timestamp 0), and per request turns the request's monotonic start
-into ``timestamp`` and the request's prompt-block keys into ``hash_ids``
-(:meth:`TraceWriter.record`, then :meth:`TraceWriter.write`). Keys are any hashable
-values that are equal exactly when the prompt prefixes up to that block are equal:
-:func:`token_block_keys` derives them from a chain of byte-block digests such as the
-prompt-cache doctor's (``proxy/doctor/keys.py``, 256-byte blocks), mapping each
-token block to the first digest whose block ends at or after the token block's end
-(with the request's own bytes-per-token ratio), so equal ids promise at least the
-token block's prefix was equal. :meth:`TraceWriter.rotate` continues into a new file
-with the same start, ``trace_id`` and ids (its first line carries the metadata
-again). With several worker processes: one file per worker (``FILE.<worker>``), each
-writer with the trace's start; either per-worker ``trace_id`` (ids per file: a prefix
-two workers both saw counts as two) or, when the doctor's secret is shared by the
-workers, one ``trace_id`` and ``ids=digest_id`` (the key's digest as the id: one
-namespace across the files, large ids) followed by ``llm-latency-proxy trace merge``
-for a standard file with small ids. ``bench --trace`` reads either directly.
+JSON Lines, one request a line, no prompt text: the four Mooncake fields (``timestamp``,
+``input_length``, ``output_length``, ``hash_ids``) that AIPerf and Dynamo replay, then
+our own (:data:`OWN_FIELDS`). The first line of each file (or segment) carries the
+metadata (:data:`META_FIELDS`, keeping the format's ``trace_`` names): the wall-clock
+start, the block size and the id namespace. :func:`load` reads several files as one
+workload on one time line; :class:`WorkloadWriter` writes what a capture sees.
+``docs/design/workload.md`` is the format's contract and the reasons.
 """
 
 from __future__ import annotations
@@ -87,7 +28,7 @@ from typing import Any, TextIO
 from proxy.errors import CliError
 
 DEFAULT_BLOCK_SIZE = 512  # tokens per hash id: the Mooncake traces' and AIPerf's default
-DEFAULT_ID_CAPACITY = 262_144  # keys an IdMap remembers (about 30 MB): 134 M tokens at 512
+DEFAULT_ID_CAPACITY = 262_144  # keys an IdMap remembers
 
 STANDARD_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 OWN_FIELDS = (
@@ -107,16 +48,16 @@ _OWN_SET = frozenset(OWN_FIELDS)
 _TEXT_FIELDS = {"model", "route", "upstream", "client", "outcome"}
 
 
-class TraceError(CliError, ValueError):
-    """A trace that cannot be read; the message names the file and line."""
+class WorkloadError(CliError, ValueError):
+    """A workload file that cannot be read; the message names the file and line."""
 
 
 @dataclass(frozen=True, slots=True)
-class TraceRecord:
-    """One request of a trace. Times in milliseconds; ``None``: not recorded.
+class WorkloadRecord:
+    """One request of a workload. Times in milliseconds; ``None``: not recorded.
 
     ``other`` keeps fields this tool does not know, in their order, so that a rewrite
-    (``trace cut``, ``scale``, ``anonymise``) passes them on.
+    (``workload cut``, ``scale``, ``anonymise``) passes them on.
     """
 
     timestamp: float
@@ -153,26 +94,26 @@ class TraceRecord:
 
 
 @dataclass(frozen=True, slots=True)
-class TraceMeta:
+class WorkloadMeta:
     """What the first line of a file (or segment) says about the lines after it."""
 
-    trace_start: datetime | None = None
+    start: datetime | None = None  # written as trace_start (the format's name)
     block_size: int | None = None
-    trace_id: str | None = None
+    workload_id: str | None = None  # written as trace_id (the format's name)
 
     def as_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        if self.trace_start is not None:
-            out["trace_start"] = format_time(self.trace_start)
+        if self.start is not None:
+            out["trace_start"] = format_time(self.start)
         if self.block_size is not None:
             out["block_size"] = self.block_size
-        if self.trace_id is not None:
-            out["trace_id"] = self.trace_id
+        if self.workload_id is not None:
+            out["trace_id"] = self.workload_id
         return out
 
     @property
     def empty(self) -> bool:
-        return self.trace_start is None and self.block_size is None and self.trace_id is None
+        return self.start is None and self.block_size is None and self.workload_id is None
 
 
 def format_time(when: datetime) -> str:
@@ -188,8 +129,8 @@ def parse_time(text: str) -> datetime:
     return when
 
 
-def format_line(record: TraceRecord, meta: TraceMeta | None = None) -> str:
-    """One line of a trace file, without its newline; ``meta`` fields go last."""
+def format_line(record: WorkloadRecord, meta: WorkloadMeta | None = None) -> str:
+    """One line of a workload file, without its newline; ``meta`` fields go last."""
     obj = record.as_json()
     if meta is not None:
         for name, value in meta.as_json().items():
@@ -209,23 +150,23 @@ def _count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def parse_record(obj: Any, where: str) -> tuple[TraceRecord, TraceMeta]:
+def parse_record(obj: Any, where: str) -> tuple[WorkloadRecord, WorkloadMeta]:
     """A decoded line as a record and the metadata it carries; raises
-    :class:`TraceError` naming ``where`` when a standard field is missing or wrong.
+    :class:`WorkloadError` naming ``where`` when a standard field is missing or wrong.
 
-    Unknown fields are kept (:attr:`TraceRecord.other`); our own fields of the wrong
-    type are dropped rather than refused (a public trace may use a name differently).
+    Unknown fields are kept (:attr:`WorkloadRecord.other`); our own fields of the wrong
+    type are dropped rather than refused (a public file may use a name differently).
     """
     if not isinstance(obj, dict):
-        raise TraceError(f"{where}: not a JSON object")
+        raise WorkloadError(f"{where}: not a JSON object")
     ts = obj.get("timestamp")
     if ts is None:
-        raise TraceError(
+        raise WorkloadError(
             f"{where}: no timestamp (lines scheduled by 'delay' within a session are not "
             "replayed by this tool)"
         )
     if not _number(ts) or ts < 0:
-        raise TraceError(f"{where}: timestamp must be a number of milliseconds >= 0, got {ts!r}")
+        raise WorkloadError(f"{where}: timestamp must be a number of milliseconds >= 0, got {ts!r}")
     length = obj.get("input_length")
     if length is None:
         carried = [k for k in ("text_input", "messages", "payload") if k in obj]
@@ -234,17 +175,17 @@ def parse_record(obj: Any, where: str) -> tuple[TraceRecord, TraceMeta]:
             if carried
             else ""
         )
-        raise TraceError(f"{where}: no input_length{why}")
+        raise WorkloadError(f"{where}: no input_length{why}")
     if not _count(length):
-        raise TraceError(f"{where}: input_length must be an integer >= 0, got {length!r}")
+        raise WorkloadError(f"{where}: input_length must be an integer >= 0, got {length!r}")
     out_len = obj.get("output_length")
     if out_len is not None and not _count(out_len):
-        raise TraceError(f"{where}: output_length must be an integer >= 0, got {out_len!r}")
+        raise WorkloadError(f"{where}: output_length must be an integer >= 0, got {out_len!r}")
     ids = obj.get("hash_ids", [])
     if ids is None:
         ids = []
     if not isinstance(ids, list) or not all(_count(i) for i in ids):
-        raise TraceError(f"{where}: hash_ids must be a list of integers >= 0")
+        raise WorkloadError(f"{where}: hash_ids must be a list of integers >= 0")
     own: dict[str, Any] = {}
     for name in OWN_FIELDS:
         value = obj.get(name)
@@ -258,7 +199,7 @@ def parse_record(obj: Any, where: str) -> tuple[TraceRecord, TraceMeta]:
             own[name] = value
     known = {*STANDARD_FIELDS, *OWN_FIELDS, *META_FIELDS}
     other = tuple((k, v) for k, v in obj.items() if k not in known)
-    record = TraceRecord(
+    record = WorkloadRecord(
         timestamp=ts,
         input_length=length,
         output_length=out_len,
@@ -269,7 +210,7 @@ def parse_record(obj: Any, where: str) -> tuple[TraceRecord, TraceMeta]:
     return record, _parse_meta(obj, where)
 
 
-def _parse_meta(obj: dict[str, Any], where: str) -> TraceMeta:
+def _parse_meta(obj: dict[str, Any], where: str) -> WorkloadMeta:
     start = obj.get("trace_start")
     when = None
     if start is not None:
@@ -278,16 +219,16 @@ def _parse_meta(obj: dict[str, Any], where: str) -> TraceMeta:
                 raise ValueError("not a string")
             when = parse_time(start)
         except ValueError as exc:
-            raise TraceError(
+            raise WorkloadError(
                 f"{where}: trace_start must be an ISO 8601 time with an offset: {exc}"
             ) from None
     size = obj.get("block_size")
     if size is not None and (not _count(size) or size < 1):
-        raise TraceError(f"{where}: block_size must be an integer >= 1, got {size!r}")
-    trace_id = obj.get("trace_id")
-    if trace_id is not None and not isinstance(trace_id, str):
-        raise TraceError(f"{where}: trace_id must be a string")
-    return TraceMeta(when, size, trace_id)
+        raise WorkloadError(f"{where}: block_size must be an integer >= 1, got {size!r}")
+    workload_id = obj.get("trace_id")
+    if workload_id is not None and not isinstance(workload_id, str):
+        raise WorkloadError(f"{where}: trace_id must be a string")
+    return WorkloadMeta(when, size, workload_id)
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,20 +237,20 @@ class Segment:
 
     path: str
     first_line: int
-    meta: TraceMeta
-    records: tuple[TraceRecord, ...]
+    meta: WorkloadMeta
+    records: tuple[WorkloadRecord, ...]
 
 
 def read_segments(path: str) -> list[Segment]:
     """The segments of one file, records in file order; blank lines are skipped."""
     segments: list[Segment] = []
-    meta = TraceMeta()
+    meta = WorkloadMeta()
     first = 1
-    records: list[TraceRecord] = []
+    records: list[WorkloadRecord] = []
     try:
         fh = open(path, encoding="utf-8")  # noqa: SIM115 - closed below, errors named
     except OSError as exc:
-        raise TraceError(f"{path}: {exc.strerror or exc}") from None
+        raise WorkloadError(f"{path}: {exc.strerror or exc}") from None
     with fh:
         for number, line in enumerate(fh, 1):
             if not line.strip():
@@ -318,7 +259,7 @@ def read_segments(path: str) -> list[Segment]:
             try:
                 obj = json.loads(line)
             except ValueError as exc:
-                raise TraceError(f"{where}: not JSON: {exc}") from None
+                raise WorkloadError(f"{where}: not JSON: {exc}") from None
             record, line_meta = parse_record(obj, where)
             if not line_meta.empty and (line_meta != meta or not records):
                 if records:
@@ -331,7 +272,7 @@ def read_segments(path: str) -> list[Segment]:
 
 
 def expand_paths(patterns: Iterable[str]) -> list[str]:
-    """Files named, or matched by a glob pattern (``'trace.jsonl.*'``), in order,
+    """Files named, or matched by a glob pattern (``'workload.jsonl.*'``), in order,
     each once. A pattern that matches nothing is kept, so opening it names it."""
     out: list[str] = []
     for pattern in patterns:
@@ -343,7 +284,7 @@ def expand_paths(patterns: Iterable[str]) -> list[str]:
 
 
 @dataclass(frozen=True, slots=True)
-class Trace:
+class Workload:
     """Records of one or more files on one time line, sorted by timestamp.
 
     ``namespaces[i]`` tells which id namespace ``records[i].hash_ids`` belong to
@@ -352,7 +293,7 @@ class Trace:
     (``None``: they do not), ``notes`` what a reader should know (mismatched lengths).
     """
 
-    records: tuple[TraceRecord, ...]
+    records: tuple[WorkloadRecord, ...]
     namespaces: tuple[int, ...]
     start: datetime | None
     block_size: int | None
@@ -361,42 +302,42 @@ class Trace:
 
     def effective_block_size(self, given: int | None = None) -> int:
         if given is not None and self.block_size is not None and given != self.block_size:
-            raise TraceError(
-                f"block size {given} given, but the trace says its hash_ids are blocks of "
+            raise WorkloadError(
+                f"block size {given} given, but the file says its hash_ids are blocks of "
                 f"{self.block_size} tokens"
             )
         return given or self.block_size or DEFAULT_BLOCK_SIZE
 
 
-def load(paths: Sequence[str], *, block_size: int | None = None) -> Trace:
-    """Read ``paths`` (globs expanded) as one trace; see the module docstring for how
-    several files align. Raises :class:`TraceError`."""
+def load(paths: Sequence[str], *, block_size: int | None = None) -> Workload:
+    """Read ``paths`` (globs expanded) as one workload; ``docs/design/workload.md`` says
+    how several files align. Raises :class:`WorkloadError`."""
     files = expand_paths(paths)
     if not files:
-        raise TraceError("no trace file given")
+        raise WorkloadError("no workload file given")
     segments = [seg for path in files for seg in read_segments(path)]
     if not segments:
-        raise TraceError(f"{', '.join(files)}: no requests in the trace")
-    starts = [seg.meta.trace_start for seg in segments]
+        raise WorkloadError(f"{', '.join(files)}: no requests in the workload")
+    starts = [seg.meta.start for seg in segments]
     if any(s is None for s in starts) and any(s is not None for s in starts):
-        bare = next(seg for seg in segments if seg.meta.trace_start is None)
-        raise TraceError(
+        bare = next(seg for seg in segments if seg.meta.start is None)
+        raise WorkloadError(
             f"{bare.path}:{bare.first_line}: no trace_start, while other files or segments "
             "have one: their times cannot be aligned"
         )
     sizes = {seg.meta.block_size for seg in segments if seg.meta.block_size is not None}
     if len(sizes) > 1:
-        raise TraceError(f"the files disagree on block_size: {sorted(sizes)}")
+        raise WorkloadError(f"the files disagree on block_size: {sorted(sizes)}")
     file_size = next(iter(sizes)) if sizes else None
     origin = min((s for s in starts if s is not None), default=None)
     namespaces: dict[Hashable, int] = {}
-    rows: list[tuple[float, int, TraceRecord, int]] = []
+    rows: list[tuple[float, int, WorkloadRecord, int]] = []
     for k, seg in enumerate(segments):
-        key: Hashable = seg.meta.trace_id if seg.meta.trace_id is not None else ("segment", k)
+        key: Hashable = seg.meta.workload_id if seg.meta.workload_id is not None else ("segment", k)
         ns = namespaces.setdefault(key, len(namespaces))
         shift = 0.0
-        if origin is not None and seg.meta.trace_start is not None:
-            shift = (seg.meta.trace_start - origin).total_seconds() * 1000.0
+        if origin is not None and seg.meta.start is not None:
+            shift = (seg.meta.start - origin).total_seconds() * 1000.0
         for record in seg.records:
             ts = record.timestamp + shift
             if shift:
@@ -416,7 +357,7 @@ def load(paths: Sequence[str], *, block_size: int | None = None) -> Trace:
             f"{mismatched} of {len(rows)} requests have a number of hash_ids that does not "
             f"match ceil(input_length / {size}): the block size may be wrong"
         )
-    return Trace(
+    return Workload(
         records=tuple(r for _, _, r, _ in rows),
         namespaces=tuple(ns for _, _, _, ns in rows),
         start=origin,
@@ -444,9 +385,6 @@ class IdMap:
         self.capacity = capacity
         self._ids: OrderedDict[Hashable, int] = OrderedDict()
         self._next = first
-
-    def __len__(self) -> int:
-        return len(self._ids)
 
     def fresh(self) -> int:
         """An id no key has or will have: a block nothing else shares."""
@@ -518,12 +456,12 @@ def token_block_keys(
     return keys
 
 
-def new_trace_id() -> str:
+def new_workload_id() -> str:
     return secrets.token_hex(8)
 
 
-class TraceWriter:
-    """Writes one trace: a line per request, metadata on each file's first line.
+class WorkloadWriter:
+    """Writes one workload: a line per request, metadata on each file's first line.
 
     ``path``: the file, opened for appending. ``start``: (monotonic seconds, wall-clock
     seconds) of timestamp 0, read from ``clock`` and ``wall_clock`` now by default.
@@ -537,7 +475,7 @@ class TraceWriter:
         path: str | os.PathLike[str],
         *,
         block_size: int = DEFAULT_BLOCK_SIZE,
-        trace_id: str | None = None,
+        workload_id: str | None = None,
         start: tuple[float, float] | None = None,
         ids: Callable[[Hashable], int] | None = None,
         id_capacity: int = DEFAULT_ID_CAPACITY,
@@ -547,7 +485,7 @@ class TraceWriter:
         if block_size < 1:
             raise ValueError("block_size must be >= 1")
         self.block_size = block_size
-        self.trace_id = trace_id or new_trace_id()
+        self.workload_id = workload_id or new_workload_id()
         self.start_monotonic, start_wall = start if start is not None else (clock(), wall_clock())
         self.start_wall = datetime.fromtimestamp(start_wall, UTC)
         self._map = IdMap(id_capacity) if ids is None else None
@@ -555,12 +493,11 @@ class TraceWriter:
         self.path = os.fspath(path)
         self._fh: TextIO | None = None
         self._meta_due = True
-        self.lines = 0
         self.size = 0  # the open file's size, about (characters written counted as bytes)
 
     @property
-    def meta(self) -> TraceMeta:
-        return TraceMeta(self.start_wall, self.block_size, self.trace_id)
+    def meta(self) -> WorkloadMeta:
+        return WorkloadMeta(self.start_wall, self.block_size, self.workload_id)
 
     def timestamp(self, started: float) -> int:
         """Whole milliseconds from timestamp 0 to the monotonic time ``started``."""
@@ -583,17 +520,17 @@ class TraceWriter:
         output_length: int | None,
         block_keys: Sequence[Hashable] = (),
         **fields: Any,
-    ) -> TraceRecord:
+    ) -> WorkloadRecord:
         """The record of a request that arrived at monotonic ``started``; ``fields``
         are our own (``model``, ``route``, ``upstream``, ``client``, ``cached_tokens``,
         ``ttft_ms``, ``itl_ms_mean``, ``outcome``), ``None`` ones left out."""
         if not fields.keys() <= _OWN_SET:
             unknown = fields.keys() - _OWN_SET
-            raise TypeError(f"unknown trace fields: {', '.join(sorted(unknown))}")
+            raise TypeError(f"unknown workload fields: {', '.join(sorted(unknown))}")
         for name in _FLOAT_FIELDS:
             if fields.get(name) is not None:
                 fields[name] = round(float(fields[name]), 3)
-        return TraceRecord(
+        return WorkloadRecord(
             timestamp=self.timestamp(started),
             input_length=input_length,
             output_length=output_length,
@@ -609,7 +546,7 @@ class TraceWriter:
             self._meta_due = True
             self.size = os.fstat(self._fh.fileno()).st_size
 
-    def write(self, record: TraceRecord, *, flush: bool = True) -> None:
+    def write(self, record: WorkloadRecord, *, flush: bool = True) -> None:
         """Append one line (one ``write`` call, so a tailing reader never sees half)."""
         self.open()
         fh = self._fh
@@ -617,14 +554,13 @@ class TraceWriter:
         line = format_line(record, self.meta if self._meta_due else None)
         fh.write(line + "\n")
         self._meta_due = False
-        self.lines += 1
         self.size += len(line) + 1  # characters: bytes for the ASCII JSON lines are
         if flush:
             fh.flush()
 
     def rotate(self, path: str | os.PathLike[str]) -> None:
         """Close the current file; the next line starts ``path`` (with the metadata),
-        same start, trace id and ids."""
+        same start, id namespace and ids."""
         self.close()
         self.path = os.fspath(path)
 
@@ -638,11 +574,11 @@ class TraceWriter:
             self._fh = None
 
 
-def write_trace(
+def write_workload(
     out: TextIO,
-    records: Iterable[TraceRecord],
+    records: Iterable[WorkloadRecord],
     namespaces: Iterable[int],
-    meta: TraceMeta,
+    meta: WorkloadMeta,
 ) -> int:
     """Write records as one file: ids renumbered small in order of first appearance
     (per namespace, so two namespaces never merge), ``meta`` on the first line.
@@ -656,6 +592,6 @@ def write_trace(
     return count
 
 
-def group_of(record: TraceRecord) -> tuple[str, str]:
+def group_of(record: WorkloadRecord) -> tuple[str, str]:
     """(model, route) for grouping; ``-`` where not recorded."""
     return record.model or "-", record.route or "-"
