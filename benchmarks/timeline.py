@@ -76,8 +76,10 @@ def one_request(host: str, port: int, request: bytes, timeout: float) -> dict[st
     t_conn = clock()
     with socket.create_connection((host, port), timeout=timeout) as sock:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.sendall(request)
+        # The origin: the request handed to the kernel. Read before the call, since the
+        # client may be descheduled after it while the proxy already works on the request.
         t_sent = clock()
+        sock.sendall(request)
         t_first = 0
         seen = b""
         while True:
