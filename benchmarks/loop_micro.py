@@ -293,7 +293,7 @@ def make_body(size: int, shape: str) -> bytes:
 
 
 def body(args: argparse.Namespace) -> dict[str, Any]:
-    from proxy.routes import LARGE_BODY, decode_body
+    from proxy.bodies import LARGE_BODY, decode_body
 
     rows = []
     sizes = [s for s in SIZES if s <= args.max_size]
@@ -320,7 +320,7 @@ def body(args: argparse.Namespace) -> dict[str, Any]:
 
 async def stalls(data: bytes, row: dict[str, Any]) -> None:
     """The loop's longest stall while ``data`` is handled each way, into ``row``."""
-    from proxy.routes import decode_body
+    from proxy.bodies import decode_body
 
     async def inline() -> None:
         decode_body(data, True)

@@ -48,6 +48,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from proxy.model_list import json_object
+
+# Bodies larger than this are decoded (and re-encoded) in pieces in a worker thread; the
+# threshold is where the inline work stops being shorter than the GIL switch interval
+# the loop may wait while a thread works (benchmarks/RESULTS.md, loop_micro.py body).
+LARGE_BODY = 1 << 20
 PIECE = 64 * 1024  # characters decoded or encoded per call into the C code
 _FIRST_WINDOW = 256
 
@@ -308,3 +314,64 @@ class _Walk:
         while slash - 1 - run >= start and text[slash - 1 - run] == "\\":
             run += 1
         return run % 2 == 0
+
+
+def meant_as_json(measured: bool, body: bytes) -> bool:
+    """A body that should have been a JSON object: any body on the four JSON APIs, and
+    on other routes a body that starts as one (not a multipart upload) and was parsed
+    (at most 1 MiB off the measured routes, see :meth:`proxy.routes.V1Handler._decode`)."""
+    if not body.strip():
+        return False
+    return measured or (body.lstrip()[:1] == b"{" and len(body) <= 1 << 20)
+
+
+def not_an_object(body: bytes) -> str:
+    """What is wrong with a body that is not a JSON object, without quoting it: where
+    the parser stopped, or which JSON type it is."""
+    try:
+        value = json.loads(body)
+    except RecursionError:
+        return "the request body is not valid JSON (nested too deeply)"
+    except ValueError as exc:
+        where = f" ({exc.msg}: line {exc.lineno} column {exc.colno})" if isinstance(
+            exc, json.JSONDecodeError) else " (not UTF-8)"
+        return f"the request body is not valid JSON{where}"
+    kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(value), "a number")
+    return f"the request body is JSON ({kind}) but not an object"
+
+
+def decode_body(body: bytes, inject: bool, *, large: bool = False
+                ) -> tuple[dict[str, Any] | None, bytes | None]:
+    """The body as a JSON object, or None; and when ``inject`` and it asks for a stream,
+    the body with the usage request (None: unchanged). ``large``: in pieces, for a
+    worker thread (:func:`loads`): the same object and the same bytes."""
+    encode: Callable[[Any], bytes] = compact
+    if large:
+        decoded = loads(body)
+        payload = decoded.value if decoded is not None else None
+        if decoded is not None:
+            encode = decoded.dumps
+    else:
+        payload = json_object(body)
+    if not isinstance(payload, dict):
+        return None, None
+    if not inject or payload.get("stream") is not True:
+        return payload, None
+    return payload, _with_usage(payload, encode)
+
+
+def _with_usage(payload: dict[str, Any], encode: Callable[[Any], bytes] = compact
+                ) -> bytes | None:
+    """The request body with ``stream_options.include_usage`` set, or None if it already is."""
+    options = payload.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        return None  # malformed: leave the request alone, the upstream will say
+    if options is not None and options.get("include_usage") is True:
+        return None
+    changed = dict(payload)
+    changed["stream_options"] = {**(options or {}), "include_usage": True}
+    try:
+        return encode(changed)
+    except (ValueError, UnicodeEncodeError):  # e.g. a lone surrogate escaped in the JSON
+        return None  # forward the body as it came; tokens fall back to counting

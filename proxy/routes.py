@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import math
 import uuid
@@ -25,10 +24,10 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
 
-from proxy import bodies
 from proxy.admission import QueueFull
 from proxy.asgi import Receive, Scope, Send
 from proxy.auth import CLIENT_KEY_HEADERS, KeyCheck, presented_key
+from proxy.bodies import LARGE_BODY, decode_body, meant_as_json, not_an_object
 from proxy.clients import Identify
 from proxy.config import Settings
 from proxy.dialects import (
@@ -51,11 +50,11 @@ from proxy.measure import (
     tpot,
 )
 from proxy.metrics import UNKNOWN_MODEL, Metrics
-from proxy.model_list import ALL_UPSTREAMS, json_object, list_body, merged_models
+from proxy.model_list import ALL_UPSTREAMS, list_body, merged_models
 from proxy.otel_metrics import OtelMetrics
 from proxy.relay import RelayResult, relay
 from proxy.reqlog import RequestLog
-from proxy.routing import LiveUpstreams
+from proxy.routing import LiveUpstreams, route_template
 from proxy.sse import SSEParser
 from proxy.tracing import RequestSpan, Tracing
 from proxy.upstream import (
@@ -80,30 +79,8 @@ MEASURED_ROUTES: dict[bytes, Dialect] = {
     d.route.removeprefix("/v1").encode(): d for d in DIALECTS.values()}
 MEASURED_ROUTES_WITHOUT_RESPONSE_INFO: dict[bytes, Dialect] = {
     d.route.removeprefix("/v1").encode(): d for d in DIALECTS_WITHOUT_RESPONSE_INFO.values()}
-# Route templates for everything else under /v1: the first path segment when it is a
-# known OpenAI-style resource, else a catch-all, so random paths add no label values.
-KNOWN_RESOURCES = frozenset({
-    "models", "embeddings", "files", "batches", "moderations", "images", "audio", "responses",
-    "assistants", "threads", "vector_stores", "fine_tuning", "uploads", "rerank", "score",
-    "tokenize", "detokenize", "chat", "completions", "realtime", "containers", "conversations",
-})  # fmt: skip
 NON_STREAM_USAGE_LIMIT = 8 * 1024 * 1024
-# Bodies larger than this are decoded (and re-encoded) in a worker thread: below it the
-# inline work (a few ms per MiB here) is shorter than the 5 ms the loop may wait for the
-# GIL while a thread works, so a thread would not shorten the stall
-# (benchmarks/loop_micro.py body; benchmarks/RESULTS.md).
-LARGE_BODY = 1 << 20
 JSON_HEADERS = [(b"content-type", b"application/json")]
-
-
-def route_template(subpath: bytes) -> str:
-    segments = subpath.split(b"/")[1:]
-    if not segments or segments == [b""]:
-        return "/v1"
-    first = segments[0].decode("latin-1")
-    if first not in KNOWN_RESOURCES:
-        return "/v1/{other}"
-    return f"/v1/{first}" + ("/{...}" if len(segments) > 1 and any(segments[1:]) else "")
 
 
 class Refused(Exception):
@@ -368,8 +345,9 @@ class V1Handler:
         if model is None and x.subpath.startswith(b"/models/"):
             model = unquote(x.subpath[len(b"/models/"):].decode("latin-1")) or None
         x.target = self.upstreams.pick(model, x.route)
-        if x.target is None and model is None and x.payload is None and _meant_as_json(x, body):
-            raise Refused(400, f"{_not_an_object(body)}, so it names no model to route by "
+        if x.target is None and model is None and x.payload is None and meant_as_json(
+                x.measured is not None, body):
+            raise Refused(400, f"{not_an_object(body)}, so it names no model to route by "
                           "(and no upstream is the default)", "invalid_request_error",
                           "invalid_json")
         if x.target is None:
@@ -732,64 +710,3 @@ async def _watch_disconnect(receive: Receive, task: asyncio.Task[Any], watch: _W
                 watch.disconnected = True
                 task.cancel()
             return
-
-
-def _meant_as_json(x: _Request, body: bytes) -> bool:
-    """A body that should have been a JSON object: any body on the four JSON APIs, and
-    on other routes a body that starts as one (not a multipart upload) and was parsed
-    (at most 1 MiB off the measured routes, see :meth:`V1Handler._parse`)."""
-    if not body.strip():
-        return False
-    return x.measured is not None or (body.lstrip()[:1] == b"{" and len(body) <= 1 << 20)
-
-
-def _not_an_object(body: bytes) -> str:
-    """What is wrong with a body that is not a JSON object, without quoting it: where
-    the parser stopped, or which JSON type it is."""
-    try:
-        value = json.loads(body)
-    except RecursionError:
-        return "the request body is not valid JSON (nested too deeply)"
-    except ValueError as exc:
-        where = f" ({exc.msg}: line {exc.lineno} column {exc.colno})" if isinstance(
-            exc, json.JSONDecodeError) else " (not UTF-8)"
-        return f"the request body is not valid JSON{where}"
-    kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
-        type(value), "a number")
-    return f"the request body is JSON ({kind}) but not an object"
-
-
-def decode_body(body: bytes, inject: bool, *, large: bool = False
-                ) -> tuple[dict[str, Any] | None, bytes | None]:
-    """The body as a JSON object, or None; and when ``inject`` and it asks for a stream,
-    the body with the usage request (None: unchanged). ``large``: in pieces, for a
-    worker thread (:mod:`proxy.bodies`): the same object and the same bytes."""
-    encode: Callable[[Any], bytes] = bodies.compact
-    if large:
-        decoded = bodies.loads(body)
-        payload = decoded.value if decoded is not None else None
-        if decoded is not None:
-            encode = decoded.dumps
-    else:
-        payload = json_object(body)
-    if not isinstance(payload, dict):
-        return None, None
-    if not inject or payload.get("stream") is not True:
-        return payload, None
-    return payload, _with_usage(payload, encode)
-
-
-def _with_usage(payload: dict[str, Any], encode: Callable[[Any], bytes] = bodies.compact
-                ) -> bytes | None:
-    """The request body with ``stream_options.include_usage`` set, or None if it already is."""
-    options = payload.get("stream_options")
-    if options is not None and not isinstance(options, dict):
-        return None  # malformed: leave the request alone, the upstream will say
-    if options is not None and options.get("include_usage") is True:
-        return None
-    changed = dict(payload)
-    changed["stream_options"] = {**(options or {}), "include_usage": True}
-    try:
-        return encode(changed)
-    except (ValueError, UnicodeEncodeError):  # e.g. a lone surrogate escaped in the JSON
-        return None  # forward the body as it came; tokens fall back to counting

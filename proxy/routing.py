@@ -28,6 +28,24 @@ from proxy.upstream_spec import UpstreamSpec, is_pattern
 from proxy.wire.pool import WireTransport
 
 NO_UPSTREAM = "none"  # the upstream label of a request no upstream takes
+# Route templates for everything else under /v1: the first path segment when it is a
+# known OpenAI-style resource, else a catch-all, so random paths add no label values.
+KNOWN_RESOURCES = frozenset({
+    "models", "embeddings", "files", "batches", "moderations", "images", "audio", "responses",
+    "assistants", "threads", "vector_stores", "fine_tuning", "uploads", "rerank", "score",
+    "tokenize", "detokenize", "chat", "completions", "realtime", "containers", "conversations",
+})  # fmt: skip
+
+
+def route_template(subpath: bytes) -> str:
+    """The route label of a path under /v1 that no dialect measures."""
+    segments = subpath.split(b"/")[1:]
+    if not segments or segments == [b""]:
+        return "/v1"
+    first = segments[0].decode("latin-1")
+    if first not in KNOWN_RESOURCES:
+        return "/v1/{other}"
+    return f"/v1/{first}" + ("/{...}" if len(segments) > 1 and any(segments[1:]) else "")
 
 
 class RoutingTable:

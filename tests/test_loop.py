@@ -33,7 +33,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from proxy import bodies
-from proxy.routes import LARGE_BODY, _with_usage
+from proxy.bodies import LARGE_BODY, _with_usage
 from tests.fake_upstream import DONE, Conn, chunk_json, content_event, normal, sse
 from tests.upstream_fakes import CHAT, RawResult, ScriptedClock, call_raw, make_app
 

@@ -31,7 +31,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.routes import KNOWN_RESOURCES
+from proxy.routing import KNOWN_RESOURCES
 from tests.fake_upstream import Conn, RawUpstream, ScriptedClock, stream_events
 from tests.servers import closed_port, proxy_process
 from tests.test_faults import chat, client, run_proxy, still_serves
