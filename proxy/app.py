@@ -82,9 +82,11 @@ class ProxyApp:
                           "; the live page is at /ui, metrics at /metrics" if self.ui is not None
                           else "; metrics are at /metrics")
         self.keys = load_key_check(settings, env)
-        self.v1 = V1Handler(settings, self.upstreams, self.metrics, clock, self.keys,
-                            self.request_log, self.tracing, identify_from(settings.client_label_from, env),
-                            self.otel_metrics, self.capture)
+        self.v1 = V1Handler(settings=settings, upstreams=self.upstreams, clock=clock,
+                            metrics=self.metrics, keys=self.keys, request_log=self.request_log,
+                            tracing=self.tracing,
+                            identify=identify_from(settings.client_label_from, env),
+                            otel_metrics=self.otel_metrics, capture=self.capture)
 
     @property
     def upstream(self) -> UpstreamClient:

@@ -40,8 +40,9 @@ import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
-from proxy.asgi import Send
+from proxy.asgi import Receive, Send
 from proxy.measure import Meter, Outcome
 from proxy.strip import UsageStripper
 from proxy.uvicorn_writer import client_connection, direct_writer
@@ -58,8 +59,9 @@ class _Stalled(Exception):
     """The client took nothing for the client write timeout."""
 
 
-@dataclass(slots=True)
-class RelayResult:
+class RelayResult(NamedTuple):
+    """How the relay ended, made once at its end."""
+
     outcome: Outcome
     complete: bool  # the upstream body ended normally
     t_end: float
@@ -217,3 +219,22 @@ async def relay(body: WireBody, send: Send, clock: Clock, *, meter: Meter | None
             client.abort()
         return RelayResult(Outcome.CLIENT_STALLED, False, clock(), fwd.t_first)
     return RelayResult(outcome, complete, clock(), fwd.t_first, fwd.body() if complete else None)
+
+
+@dataclass(slots=True)
+class Watch:
+    """Shared between a request and its disconnect watcher (:func:`watch_disconnect`)."""
+
+    disconnected: bool = False
+    done: bool = False
+
+
+async def watch_disconnect(receive: Receive, task: asyncio.Task[Any], watch: Watch) -> None:
+    """Cancel the request's task when its client goes away (uvicorn's send won't say)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            if not watch.done:
+                watch.disconnected = True
+                task.cancel()
+            return

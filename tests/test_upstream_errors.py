@@ -3,7 +3,7 @@
 Cannot connect -> 502 ``upstream_unreachable``; no free connection -> 504
 ``upstream_pool_timeout``; the upstream timed out -> 504 ``upstream_timeout``; anything
 else -> 502 ``upstream_failed``. The outcome recorded for each
-(:func:`proxy.routes.failure_outcome`) names the same cause: ``upstream_unreachable``,
+(:func:`proxy.stages.failure_outcome`) names the same cause: ``upstream_unreachable``,
 ``pool_timeout``, ``upstream_timeout``, ``upstream_interrupted`` (closed or reset before
 an answer) or ``upstream_error`` (not HTTP). The message names the upstream's host and never a key
 or a path: the failures here are real ones, produced by :class:`proxy.upstream.UpstreamClient`
@@ -23,7 +23,7 @@ import pytest
 
 from proxy.config import Settings, single_spec
 from proxy.measure import Outcome
-from proxy.routes import failure_outcome
+from proxy.stages import failure_outcome
 from proxy.upstream import UpstreamClient, error_response
 from proxy.wire.errors import (
     ConnectError,
