@@ -1,36 +1,11 @@
-"""Optional server-held upstream key (``--upstream-api-key-env``).
+"""Client keys and the upstream's own key (``--upstream-api-key-env``).
 
-Off by default: the client's key headers pass through untouched and the upstream
-decides. When on, the proxy sends its own key upstream, so clients must present one of
-the proxy's own keys instead. Those are stored as SHA-256 digests (``--client-keys-file``:
-one hex digest a line, optionally ``sha256:`` in front; ``#`` comments), and a presented
-key is hashed and compared with every stored digest in constant time, so neither the
-file nor the timing gives a key away.
-
-Clients put their key where their SDK puts it: ``Authorization: Bearer`` (OpenAI, and
-recent Anthropic SDKs), ``x-api-key`` (Anthropic's raw API, older SDKs) or ``api-key``
-(Azure OpenAI). All three are read, and in server-held key mode all three are removed
-from the upstream request (:data:`CLIENT_KEY_HEADERS`), so the upstream never sees a
-client key next to the proxy's own. The proxy's key goes upstream in the one header
-``--upstream-auth`` (or the upstream's ``auth`` in a config file) names
-(:func:`key_header`). With several upstreams, client keys are checked as soon as one
-upstream holds a key, and then the client's key headers go to none of them: an upstream
-without ``api_key_env`` (a local vLLM) gets no key at all.
-
-When the proxy checks client keys, what it exposes about its traffic on the main port
-(``/metrics``, the live page ``/ui`` and its data ``/ui/data``: model, upstream and team
-names) takes one of the same keys (:func:`observer_key`): Prometheus sends it with its
-``authorization`` setting, and a browser as the password of HTTP Basic auth, which it
-asks the user for once (the 401 carries ``WWW-Authenticate: Basic``) and then sends with
-the page's own requests for its data. ``--metrics-port`` asks for none: it is protected
-by where it listens.
-
-None of these headers is ever written anywhere: the per-request log holds no headers
-(:mod:`proxy.reqlog`), uvicorn's access log holds method, path and status, and error
-bodies name exception classes, not requests.
-
-Create a digest with ``printf %s "$KEY" | sha256sum``. ``SIGHUP`` re-reads the file, so
-a key is revoked without a restart (:meth:`proxy.app.ProxyApp.reload`).
+Off by default: the client's key headers pass through and the upstream decides. When an
+upstream holds a key, clients present one of the proxy's own keys instead, stored as
+SHA-256 digests (``--client-keys-file``) and compared in constant time; all three client
+key headers (:data:`CLIENT_KEY_HEADERS`) are then removed upstream, and ``/metrics`` and
+``/ui`` on the main port take the same keys (:func:`observer_key`). No key is ever
+written anywhere. ``docs/design/request-path.md`` has the details.
 """
 
 from __future__ import annotations

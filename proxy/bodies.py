@@ -1,43 +1,12 @@
-"""Large request bodies, decoded and encoded in pieces, for a worker thread.
+"""Request bodies: what the proxy decodes from them and the usage request it adds.
 
-The proxy reads what a request asks for (``model``, ``stream``, ``stream_options``) from
-its JSON body and, for a stream whose usage it requests, sends the body re-encoded with
-``stream_options.include_usage`` set (:mod:`proxy.routes`). For a body of many megabytes
-(long conversations, documents, images as base64) that is tens to hundreds of
-milliseconds of work, and on the event loop a stall of every stream it relays.
-
-A worker thread alone does not help: the ``json`` module's C decoder and encoder never
-hand the GIL back during a call, so ``json.loads`` of a 32 MB body in a thread stalls
-the loop exactly as long as on it (``benchmarks/loop_micro.py body`` measures both).
-So a large body is taken apart here, in Python, into pieces small enough that each is
-one short call into that same C code:
-
-* a value that ends within a window of the text (which starts small and grows up to
-  ``piece`` characters) is decoded whole by ``json``'s own decoder;
-* a larger object or array is walked member by member, the same grammar as the C
-  scanner (JSON whitespace, commas, colons, duplicate keys keep the first key's place
-  and the last value);
-* a string is decoded a window at a time by ``json``'s own ``scanstring``, each window
-  cut where no escape sequence and no escaped surrogate pair is split; ``scanstring``
-  stops at the string's closing quote when the window holds it.
-
-Between pieces the thread can give the GIL back, which the interpreter makes it do
-within the switch interval (5 ms) whenever the loop wants it. Encoding mirrors the
-decoding: the containers that were walked are encoded member by member with the encoder
-``routes`` uses, runs of small members (up to a piece of body text) in one call, and
-strings longer than a piece a piece at a time; every other value in one call. The
-result is the same objects ``json.loads`` builds and the same bytes ``json.dumps``
-(compact, ``ensure_ascii=False``) writes: ``tests/test_loop.py`` checks both against
-``json`` itself on random bodies and on bodies built to cross every cut. The price is
-the walk in Python: about 1.3 times ``json``'s time on this machine for long
-conversations, documents and images (``benchmarks/loop_micro.py body``), paid in the
-worker thread.
-
-What is left in one piece: decoding the bytes to text and joining the encoded parts
-into the bytes sent, each one C call over the whole body (memory-speed, a few ms for
-32 MB of ASCII; more for text that is mostly non-ASCII), and a number longer than a
-window. A body nested deeper than Python's recursion limit allows here falls back to
-``json.loads``, which answers as the inline path does.
+A body over :data:`LARGE_BODY` is decoded and re-encoded in pieces, in a worker thread:
+``json``'s C code never hands the GIL back during a call, so one whole call in a thread
+stalls the loop as long as on it. Each piece is one short call into that same C code
+(windows of text, containers walked member by member, strings a window at a time), and
+the result is the same objects ``json.loads`` builds and the same bytes ``json.dumps``
+(compact, ``ensure_ascii=False``) writes; ``tests/test_loop.py`` checks both.
+``docs/design/request-path.md`` has the details.
 """
 
 from __future__ import annotations
@@ -175,7 +144,7 @@ def _is_number(value: Any) -> bool:
 
 
 class _Walk:
-    """One body's text, decoded value by value (see the module docstring)."""
+    """One body's text, decoded value by value (``docs/design/request-path.md``)."""
 
     def __init__(self, text: str, piece: int) -> None:
         self.text = text

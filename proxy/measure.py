@@ -1,25 +1,11 @@
 """Measurement: timed events in, one frozen per-request record out.
 
 What an event *means* is each API's dialect (:mod:`proxy.dialects`); this module turns
-the times at which events were handed to the client into the quantities users feel,
-the same way for every API. It knows nothing of HTTP, sockets, Prometheus or any API's
-JSON keys, and never reads a clock: every time comes from the caller, read once per
-upstream read.
-
-Definitions (written out per API in docs/definitions.md; the metrics' HELP texts say
-the same):
-
-* The request clock starts when the proxy receives the request, before any queueing.
-* TTFT ends when the first event carrying generated output, reasoning included, is
-  handed on to the client; the dialect says which events those are. Opening events
-  (role-only chunk, ``response.created``, ``message_start``) are never tokens.
-* Time to first answer token: the same, without reasoning.
-* Time to first byte: the first response body bytes handed on.
-* ITL is every gap between consecutive output-bearing events, reasoning and answer alike.
-* TPOT is (last - first) / (completion_tokens - 1) per request, with tokens from the
-  upstream's usage, only when completion_tokens >= 2.
-
-Nothing here may raise on any input: a malformed event is simply not counted.
+the times at which events were handed to the client into TTFT, ITL, TPOT and the rest,
+the same way for every API (definitions: ``docs/definitions.md``). It knows nothing of
+HTTP, sockets, Prometheus or any API's JSON keys, and never reads a clock: every time
+comes from the caller, read once per upstream read. Nothing here may raise on any input:
+a malformed event is simply not counted.
 """
 
 from __future__ import annotations

@@ -1,36 +1,13 @@
 """The relay: upstream bytes out to the client as they arrive, events observed on the side.
 
-Per read from the upstream the relay does three things: hand the bytes on, read the
-clock once, give the read to the observer (:class:`proxy.measure.Meter`). Observation
-happens *after* the hand-off, so measurement adds no latency to the chunk it measures,
-and the time read is the moment the event was handed on. The relay knows nothing of any
-API's JSON: what an event means is the measurement layer's business.
-
-The body is read with :meth:`proxy.wire.response.WireBody.pipe`, whose sink runs inside the
-upstream socket's callback. Handing on takes one of two writers:
-
-* under uvicorn (the production server), :class:`proxy.uvicorn_writer.DirectWriter`
-  writes each read to the client's transport from that callback, and the sink returns
-  PAUSE only when the client's transport asked to wait;
-* under any other ASGI server (and in-process tests), the sink queues the read and
-  returns PAUSE, and the relay hands the queue to ASGI ``send`` before reading on.
-
-Either way the body bytes of each read go out as they are, at once and whole, and flow
-control travels one way: the writer's verdict is the sink's return value, the relay
-waits for the client and calls ``pipe`` again. The one change to a stream, removing the
-usage event the proxy asked for, is :mod:`proxy.strip`.
-
-Waiting for the client is bounded by ``write_timeout`` (``--client-write-timeout``):
-a client that takes no byte for that long ends the relay with outcome
-``client_stalled``, and its connection is dropped, so the caller closes the upstream
-request and frees its slot. Under uvicorn that is measured as nginx's ``send_timeout``
-is, as no write progress (:class:`proxy.uvicorn_writer.ClientConnection`), so a slow
-client that keeps reading is never cut. Under any other ASGI server nothing says
-whether a client is taking bytes: each ``send`` call is bounded as a whole, and the
-relay returns without completing the response, which leaves the closing to the server.
-
-Failures of measurement never break a stream: if the observer raised (it is written not
-to), measurement stops for that stream and the bytes keep flowing.
+Per read: hand the bytes on, read the clock once, give the read to the observer
+(:class:`proxy.measure.Meter`), in that order, so measurement never delays the chunk it
+measures. Under uvicorn :class:`proxy.uvicorn_writer.DirectWriter` writes from the
+upstream socket's callback; under any other ASGI server reads are queued and handed to
+``send``. Flow control travels back only as the sink's return value. A client that takes
+no byte for ``write_timeout`` ends the relay (``client_stalled``); one that goes away is
+noticed by :func:`watch_disconnect`. A failing observer stops measuring, never the
+stream. ``docs/design/request-path.md`` has the details.
 """
 
 from __future__ import annotations
@@ -138,7 +115,7 @@ async def relay(body: WireBody, send: Send, clock: Clock, *, meter: Meter | None
     away ends the relay (outcome ``client_disconnected``); when the disconnect arrives
     as cancellation it propagates to the caller. A client that takes no byte for
     ``write_timeout`` seconds ends it too (``client_stalled``), its connection dropped
-    where the server allows it (see the module docstring).
+    where the server allows it (``docs/design/request-path.md``).
     """
     fwd = _Forwarder(meter, strip_usage, collect_limit)
     take, observe = fwd.take, fwd.observe

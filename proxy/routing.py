@@ -1,19 +1,10 @@
-"""Routing: which upstream takes a request.
-
-One proxy may front several upstreams (OpenAI for ``gpt-*``, a vLLM cluster for
-``meta-llama/*``, Anthropic for ``claude-*``), declared as a config file's
-``[[upstream]]`` tables (:mod:`proxy.upstream_spec`); without a file the
-single-upstream flags describe one upstream that takes every model, and both cases run
-the same code: a :class:`RoutingTable` over the list of specs, and
-:class:`LiveUpstreams`, the live upstream (:class:`proxy.upstream.LiveUpstream`) of each.
+"""Routing: which upstream takes a request, and the route label of any path.
 
 The request's ``model`` picks the first upstream, in file order, whose patterns match it
-(exact names or shell-style patterns, ``fnmatch`` case-sensitive) and, if the upstream
-names ``routes``, that serves the request's route; a request with no model, or a model
-nobody matches, goes to the upstream marked ``default = true``; with no default it is
-answered 404 (``model_not_found``). The body is forwarded unchanged: no model renaming,
-no retry, no fallback to another upstream after a failure (a retry would hide the very
-latency the proxy exists to show).
+(exact names or ``fnmatch`` patterns) and that serves the route; else the upstream marked
+``default = true``; else a 404. The body is forwarded unchanged: no renaming, no retry,
+no fallback after a failure (a retry would hide the very latency the proxy shows).
+Without a config file the single-upstream flags make a table of one.
 """
 
 from __future__ import annotations
