@@ -1,13 +1,8 @@
-"""Admission: the per-upstream limit on in-flight upstream requests, and its queue.
+"""Admission: the per-upstream limit on in-flight upstream requests, and its FIFO queue.
 
-``--max-concurrency N`` lets N generation requests talk to the upstream at once; the
-rest wait in FIFO order, at most ``--max-queue`` of them, and the wait is the queue
-time the proxy measures. A request that finds the queue full is refused at once
-(429 with ``Retry-After``). A waiter that is cancelled (its client went away) leaves
-the queue without ever reaching the upstream; if a slot had just been handed to it,
-the slot passes on to the next waiter.
-
-With no limit (the default) ``acquire`` returns at once and the wait is 0.
+The wait is the queue time the proxy measures; a full queue is refused at once (429); a
+cancelled waiter leaves the queue, passing on a slot it was just handed. Without a
+limit ``acquire`` returns at once (``docs/design/request-path.md``).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 
 class Arrival(NamedTuple):
-    """What the request line says (:meth:`proxy.routes.V1Handler._arrive`), before any check."""
+    """What the request line says, before any check (``V1Handler._arrive``)."""
 
     subpath: bytes
     route: str  # the route's label value
@@ -39,8 +39,8 @@ UNROUTED = Arrival(b"", "/v1/{other}", None, None)
 
 
 class Asked(NamedTuple):
-    """What the body asks for (:meth:`proxy.routes.V1Handler._parse`). A request with one of these
-    was read and parsed: it is measured from here on."""
+    """What the body asks for (``V1Handler._parse``). A request with one of these was read
+    and parsed: it is measured from here on."""
 
     model: str  # the bounded label value
     request_model: str  # the body's "model" as sent ("" when none): routing, span, workload
@@ -51,14 +51,14 @@ class Asked(NamedTuple):
 
 
 class Admitted(NamedTuple):
-    """The request got its upstream slot and is sent (:meth:`proxy.routes.V1Handler._exchange`)."""
+    """The request got its upstream slot and is sent (``V1Handler._exchange``)."""
 
     queue_s: float | None  # the wait for a slot; None off the measured routes
     overhead_s: float  # the proxy's own time from arrival to sending, the wait excluded
 
 
 class Answered(NamedTuple):
-    """The upstream's answer, as its headers came (:meth:`proxy.routes.V1Handler._forward`)."""
+    """The upstream's answer, as its headers came (``V1Handler._forward``)."""
 
     response: WireResponse  # status, headers, and the body on the connection it came on
     request_id: str  # the upstream's x-request-id, else the proxy's own
@@ -83,11 +83,10 @@ class Ended(NamedTuple):
 
 
 class Stages:
-    """One request's stage records, each set once, by :class:`proxy.routes.V1Handler`,
-    from what a step returned; None until that step ran."""
+    """One request's stage records, each set once by :class:`proxy.routes.V1Handler` from
+    what a step returned; None until that step ran (the arrival: :data:`UNROUTED`)."""
 
-    __slots__ = ("admitted", "answered", "arrival", "asked", "ended", "identity", "t0",
-                 "target")
+    __slots__ = ("admitted", "answered", "arrival", "asked", "ended", "identity", "t0", "target")
 
     def __init__(self, t0: float) -> None:
         self.t0 = t0  # the request clock's start
@@ -100,8 +99,15 @@ class Stages:
         self.ended: Ended | None = None
 
 
-def record_of(x: Stages, ended: Ended, request_id: str, client: str, *, response_info: bool,
-              fallback_upstream: str) -> RequestRecord:
+def record_of(
+    x: Stages,
+    ended: Ended,
+    request_id: str,
+    client: str,
+    *,
+    response_info: bool,
+    fallback_upstream: str,
+) -> RequestRecord:
     """The frozen record of a finished request, read from its stages. ``response_info``:
     read the stream's response id, model and finish reasons; ``fallback_upstream``: the
     upstream label of a request no upstream took."""
@@ -132,8 +138,7 @@ def record_of(x: Stages, ended: Ended, request_id: str, client: str, *, response
     if cached is None:
         cached = report.cached_tokens  # llama.cpp: its timings say what it reused
     estimated = False
-    if prompt is None and report.computed_tokens is not None and \
-            report.cached_tokens is not None:
+    if prompt is None and report.computed_tokens is not None and report.cached_tokens is not None:
         prompt = report.computed_tokens + report.cached_tokens  # the engine's own count
     if timer is not None and raw is None and ended.outcome is Outcome.COMPLETED:
         # No usage (--no-inject-usage, or a server that ignores the request for it):
@@ -150,12 +155,15 @@ def record_of(x: Stages, ended: Ended, request_id: str, client: str, *, response
     prefix = answered.prefix if answered is not None else None
     span = arrival.span
     return RequestRecord(
-        request_id=request_id, route=arrival.route,
+        request_id=request_id,
+        route=arrival.route,
         model=asked.model if asked is not None else UNKNOWN_MODEL,
-        upstream=(x.target.name if x.target is not None
-                  else ended.upstream or fallback_upstream),
-        client=client, stream=asked is not None and asked.stream, status=ended.status,
-        outcome=ended.outcome, duration_s=ended.t_end - t0,
+        upstream=(x.target.name if x.target is not None else ended.upstream or fallback_upstream),
+        client=client,
+        stream=asked is not None and asked.stream,
+        status=ended.status,
+        outcome=ended.outcome,
+        duration_s=ended.t_end - t0,
         overhead_s=admitted.overhead_s if admitted is not None else None,
         queue_s=admitted.queue_s if admitted is not None else None,
         upstream_queue_s=upstream_q,
@@ -165,19 +173,25 @@ def record_of(x: Stages, ended: Ended, request_id: str, client: str, *, response
         tpot_s=tpot(first, timer.last_t, completion) if timer is not None else None,
         itl_s=tuple(timer.gaps) if timer is not None else (),
         output_events=timer.output_events if timer is not None else 0,
-        prompt_tokens=prompt, cached_prompt_tokens=cached,
-        completion_tokens=completion, reasoning_tokens=usage.reasoning_tokens,
-        cache_write_tokens=usage.cache_write_tokens, tokens_estimated=estimated,
-        engine_cached_tokens=report.cached_tokens, engine_prefill_s=report.prefill_s,
+        prompt_tokens=prompt,
+        cached_prompt_tokens=cached,
+        completion_tokens=completion,
+        reasoning_tokens=usage.reasoning_tokens,
+        cache_write_tokens=usage.cache_write_tokens,
+        tokens_estimated=estimated,
+        engine_cached_tokens=report.cached_tokens,
+        engine_prefill_s=report.prefill_s,
         provider_cache_reason=report.cache_reason,
         provider_missed_tokens=report.cache_missed_tokens,
         trace_id=span.trace_id if span is not None else "",
         span_id=span.span_id if span is not None else "",
-        response_id=reply.id, response_model=reply.model,
+        response_id=reply.id,
+        response_model=reply.model,
         finish_reasons=reply.finish_reasons,
         # an estimated prompt still turns the doctor's bytes into tokens: the
         # record's tokens_estimated says so wherever they are shown
-        prefix=(prefix.record(prompt, cached) if prefix is not None else None))
+        prefix=(prefix.record(prompt, cached) if prefix is not None else None),
+    )
 
 
 def failure_outcome(exc: UpstreamError) -> Outcome:
