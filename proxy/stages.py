@@ -51,7 +51,7 @@ class Asked(NamedTuple):
 
 
 class Admitted(NamedTuple):
-    """The request got its upstream slot and is sent (``V1Handler._exchange``)."""
+    """The request got its upstream slot and is being sent (``V1Handler._forward``)."""
 
     queue_s: float | None  # the wait for a slot; None off the measured routes
     overhead_s: float  # the proxy's own time from arrival to sending, the wait excluded
@@ -83,8 +83,8 @@ class Ended(NamedTuple):
 
 
 class Stages:
-    """One request's stage records, each set once by :class:`proxy.routes.V1Handler` from
-    what a step returned; None until that step ran (the arrival: :data:`UNROUTED`)."""
+    """One request's stage records, each set once, by :class:`proxy.routes.V1Handler`'s
+    step that makes it; None until that step ran (the arrival: :data:`UNROUTED`)."""
 
     __slots__ = ("admitted", "answered", "arrival", "asked", "ended", "identity", "t0", "target")
 
