@@ -51,10 +51,12 @@ class Asked(NamedTuple):
 
 
 class Admitted(NamedTuple):
-    """The request got its upstream slot and is being sent (``V1Handler._forward``)."""
+    """The request got its upstream slot and was sent, or failed to be (``_forward``)."""
 
     queue_s: float | None  # the wait for a slot; None off the measured routes
-    overhead_s: float  # the proxy's own time from arrival to sending, the wait excluded
+    # the proxy's own time from arrival until the request was written (a new connection's
+    # set-up included), the wait excluded
+    overhead_s: float
 
 
 class Answered(NamedTuple):
