@@ -57,6 +57,7 @@ from proxy.upstream import (
     response_headers,
     safe_subpath,
 )
+from proxy.uvicorn_writer import body_in_hand
 from proxy.wire.errors import UpstreamError
 from proxy.workload_capture import WorkloadCapture
 
@@ -265,9 +266,12 @@ class V1Handler:
                        "invalid_request_error", "request_too_large")
 
     async def _read(self, receive: Receive) -> bytes:
+        limit = self.settings.max_body_bytes
         try:
+            if body_in_hand(receive):  # nothing to wait for, so nothing to bound
+                return await _read_body(receive, limit)
             async with asyncio.timeout(self.settings.body_timeout):
-                return await _read_body(receive, self.settings.max_body_bytes)
+                return await _read_body(receive, limit)
         except BodyTooLarge:
             raise self._too_large() from None
         except TimeoutError:

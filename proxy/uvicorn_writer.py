@@ -26,7 +26,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from proxy.asgi import Send
+from proxy.asgi import Receive, Send
 from proxy.wire.http11 import GO, PAUSE, STOP, Verdict
 
 # How often a paused client's write buffer is looked at (at most; a quarter of the
@@ -154,3 +154,18 @@ def client_connection(send: Send) -> ClientConnection | None:
     except AttributeError:
         return None
     return ClientConnection(cycle) if ready else None
+
+
+def body_in_hand(receive: Receive) -> bool:
+    """True when ``receive`` is uvicorn's httptools cycle already holding the request's
+    whole body: the next ``receive()`` returns it without waiting, so there is no wait
+    for the caller to bound (``asyncio.timeout`` costs a timer per request). Any other
+    server or state: False, and the caller bounds the read as usual."""
+    cycle = getattr(receive, "__self__", None)
+    if cycle is None or type(cycle).__module__ != _UVICORN_HTTPTOOLS:
+        return False
+    try:
+        return (cycle.more_body is False and cycle.message_event.is_set()
+                and not cycle.waiting_for_100_continue)
+    except AttributeError:
+        return False

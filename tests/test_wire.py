@@ -37,6 +37,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 import proxy.relay
+import proxy.routes
 from proxy.app import create_app
 from proxy.config import Settings, single_spec
 from proxy.upstream import UpstreamClient
@@ -1487,6 +1488,41 @@ async def test_direct_writer_engages_under_uvicorn(client_usage: bool,
                 # Both on one keep-alive connection: uvicorn's state was left as its own
                 # ``send`` would have left it.
                 assert len(local) == 1
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the proxy's loop is its own thread's
+async def test_whole_body_is_read_without_a_timer_under_uvicorn(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request whose body came with its head is read without ``asyncio.timeout``: the
+    check of uvicorn's cycle says the body is in hand. Fails when the installed uvicorn's
+    internals change (the read then falls back to the bounded one, which still works)."""
+    seen: list[bool] = []
+    real = proxy.routes.body_in_hand
+
+    def spy(receive: Any) -> bool:
+        seen.append(real(receive))
+        return seen[-1]
+
+    async def answer(conn: Conn) -> None:
+        await conn.head(200, content_type="application/json", length=2)
+        await conn.write(b"{}")
+
+    no_environment_proxy(monkeypatch)
+    monkeypatch.setattr(proxy.routes, "body_in_hand", spy)
+    upstream = RawUpstream({"whole": answer})
+    with upstream.running():
+        app = create_app(Settings(upstream=upstream.url + "/v1"), registry=CollectorRegistry())
+        with serve_in_thread(app, http="httptools") as server:
+            body = b'{"model": "whole", "messages": []}'
+            reader, writer = await asyncio.open_connection(server.host, server.port)
+            writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"  # one write
+                         b"content-type: application/json\r\ncontent-length: %d\r\n"
+                         b"connection: close\r\n\r\n%s" % (len(body), body))
+            answer = await reader.read()
+            writer.close()
+    assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
+    assert seen == [True], "uvicorn's cycle no longer says the body is in hand"
 
 
 def dechunk(framed: bytes) -> bytes:
