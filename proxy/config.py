@@ -386,7 +386,7 @@ def _check_combinations(s: Settings, name: Callable[[str], str],
         raise SettingsError(f"invalid setting {name('client_label_from')}=key: needs the "
                             f"secret in {FINGERPRINT_SECRET_ENV} (the same on every replica), "
                             "so that a key's label is a keyed fingerprint, never a plain hash")
-    if s.upstream_api_key_env and not os.environ.get(s.upstream_api_key_env, "").strip():
+    if s.upstream_api_key_env and not env.get(s.upstream_api_key_env, "").strip():
         raise SettingsError(f"invalid setting {name('upstream_api_key_env')}: environment "
                             f"variable {s.upstream_api_key_env} is empty or unset")
     if s.holds_upstream_key:

@@ -2,23 +2,15 @@
 the process at shutdown. Shared by :mod:`proxy.tracing` and :mod:`proxy.otel_metrics`;
 like them, it is only used when OpenTelemetry is on.
 
-The OpenTelemetry exporter retries a failed export with backoff (about 1, 2 and 4 s)
-until its timeout (``OTEL_EXPORTER_OTLP_TIMEOUT``, 10 s), and logs every retry and the
-final failure, each line quoting the HTTP library's whole exception (over 250
-characters). With the collector down that is four long lines per batch, for as long as
-the outage lasts, and they bury the proxy's own log. So the exporter's retry and failure
-lines are dropped (:class:`_ExporterNoise`, a filter on the exporter's logger), and
-:class:`ExportWatch` says the same once: one line when exports start failing, with the
-short reason (``[Errno 111] Connection refused``, ``HTTP 404``), and one when an export
-succeeds again, with how many failed meanwhile. A collector that comes and goes gets at
-most one "failing" line a minute.
+The exporter logs every retry and final failure with the HTTP library's whole
+exception, which buries the proxy's own log during an outage. So those lines are
+dropped (:class:`_ExporterNoise`) and :class:`ExportWatch` says the same once: one line
+when exports start failing, with the short reason, and one when an export succeeds
+again, with how many failed meanwhile.
 
-Shutdown: the exporter's retries also run at shutdown, for the last batch (up to the
-exporter's timeout, then a second time for what was still queued), which held a stopped
-proxy for about 7 s with nothing in flight. :func:`bounded_shutdown` gives the last
-export :data:`SHUTDOWN_WAIT_S` seconds, then tells the exporter to stop, which ends its
-retries at once; what is still queued is dropped. With the collector up, the last
-export takes milliseconds and nothing changes.
+At shutdown the exporter's retries would hold a stopped proxy: :func:`bounded_shutdown`
+gives the last export :data:`SHUTDOWN_WAIT_S`, then stops the exporter; what is still
+queued is dropped. docs/design/opentelemetry.md has the whole story.
 """
 
 from __future__ import annotations

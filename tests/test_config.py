@@ -141,12 +141,11 @@ def test_new_upstream_settings() -> None:
 
 
 @pytest.mark.parametrize("mode", ["bearer", "x-api-key", "api-key", "X-API-KEY"])
-def test_upstream_auth_modes(mode: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TEST_CONFIG_UPSTREAM_KEY", "srv")
+def test_upstream_auth_modes(mode: str, tmp_path: Path) -> None:
     keys = tmp_path / "keys"
     keys.write_text("0" * 64 + "\n")
     s = parse(["--upstream-auth", mode, "--upstream-api-key-env", "TEST_CONFIG_UPSTREAM_KEY",
-               "--client-keys-file", str(keys)])
+               "--client-keys-file", str(keys)], {"TEST_CONFIG_UPSTREAM_KEY": "srv"})
     assert s.upstream_auth == mode.lower()
 
 
@@ -174,14 +173,24 @@ def test_combination_errors_name_the_setting(tmp_path: Path) -> None:
         parse([], {"LLM_PROXY_UPSTREAM_API_KEY_ENV": unset})
 
 
-def test_keys_file_combinations_name_the_setting(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TEST_CONFIG_UPSTREAM_KEY", "srv")
+def test_keys_file_combinations_name_the_setting() -> None:
+    key = {"TEST_CONFIG_UPSTREAM_KEY": "srv"}
     with pytest.raises(SettingsError, match=r"^invalid setting --client-keys-file: required with "
                                             r"--upstream-api-key-env$"):
-        parse(["--upstream-api-key-env", "TEST_CONFIG_UPSTREAM_KEY"])
+        parse(["--upstream-api-key-env", "TEST_CONFIG_UPSTREAM_KEY"], key)
     with pytest.raises(SettingsError, match=r"^invalid setting LLM_PROXY_CLIENT_KEYS_FILE: no such file"):
         parse(["--upstream-api-key-env", "TEST_CONFIG_UPSTREAM_KEY"],
-              {"LLM_PROXY_CLIENT_KEYS_FILE": "/nonexistent/keys"})
+              {"LLM_PROXY_CLIENT_KEYS_FILE": "/nonexistent/keys", **key})
+
+
+def test_the_upstream_key_is_read_from_the_given_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The key's variable is looked up where every other setting is: in ``environ``, not in
+    the process's environment."""
+    monkeypatch.setenv("TEST_CONFIG_UPSTREAM_KEY", "srv")
+    with pytest.raises(SettingsError, match=r"TEST_CONFIG_UPSTREAM_KEY is empty or unset$"):
+        parse(["--upstream-api-key-env", "TEST_CONFIG_UPSTREAM_KEY"])
 
 
 def test_every_help_text_says_what_its_default_is() -> None:
