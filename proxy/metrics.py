@@ -239,6 +239,29 @@ class BoundedLabels:
         return OTHER_MODEL
 
 
+# Per-request token counts: the record's field, the histogram's name and help.
+_TOKEN_HISTOGRAMS = (
+    ("prompt_tokens", "llm_proxy_prompt_tokens", "Prompt tokens per request, cached ones "
+     "included: chat and completions usage.prompt_tokens; Responses usage.input_tokens; "
+     "Messages input_tokens + cache_read_input_tokens + cache_creation_input_tokens."),
+    ("cached_prompt_tokens", "llm_proxy_cached_prompt_tokens", "Prompt tokens read from the "
+     "provider's prompt cache per request: usage.prompt_tokens_details.cached_tokens (chat, "
+     "completions), input_tokens_details.cached_tokens (Responses), cache_read_input_tokens "
+     "(Messages); where the usage does not say, llama.cpp's timings.cache_n (the prompt "
+     "tokens its server reused)."),
+    ("completion_tokens", "llm_proxy_completion_tokens", "Completion tokens per request, "
+     "reasoning included: usage.completion_tokens (chat, completions), output_tokens "
+     "(Responses, Messages; the last message_delta's cumulative value)."),
+    ("reasoning_tokens", "llm_proxy_reasoning_tokens", "Reasoning tokens per request: "
+     "usage.completion_tokens_details.reasoning_tokens (chat), "
+     "output_tokens_details.reasoning_tokens (Responses), "
+     "output_tokens_details.thinking_tokens (Messages); only where the API reports them."),
+    ("cache_write_tokens", "llm_proxy_cache_write_prompt_tokens", "Prompt tokens written to "
+     "the provider's prompt cache per request: prompt_tokens_details.cache_write_tokens "
+     "(chat), input_tokens_details.cache_write_tokens (Responses), "
+     "cache_creation_input_tokens (Messages); only where the upstream reports them."),
+)
+
 
 @dataclass(frozen=True, slots=True)
 class _Children:
@@ -250,11 +273,7 @@ class _Children:
     queue: Histogram
     upstream_queue: Histogram
     overhead: Histogram
-    prompt: Histogram
-    cached: Histogram
-    completion: Histogram
-    reasoning: Histogram
-    cache_write: Histogram
+    tokens: tuple[tuple[str, Histogram], ...]  # (record field, child)
 
 
 class Metrics:
@@ -300,32 +319,8 @@ class Metrics:
             "the request: from receiving it to writing it to the upstream's socket, a new "
             "connection's set-up (TCP, TLS, a proxy tunnel) included, less queue time.", base, buckets=OVERHEAD_BUCKETS, registry=reg)
         tb = settings.token_buckets
-        self.prompt_tokens = Histogram(
-            "llm_proxy_prompt_tokens", "Prompt tokens per request, cached ones included: chat "
-            "and completions usage.prompt_tokens; Responses usage.input_tokens; Messages "
-            "input_tokens + cache_read_input_tokens + cache_creation_input_tokens.", who,
-            buckets=tb, registry=reg)
-        self.cached_tokens = Histogram(
-            "llm_proxy_cached_prompt_tokens", "Prompt tokens read from the provider's prompt "
-            "cache per request: usage.prompt_tokens_details.cached_tokens (chat, completions), "
-            "input_tokens_details.cached_tokens (Responses), cache_read_input_tokens "
-            "(Messages); where the usage does not say, llama.cpp's timings.cache_n (the "
-            "prompt tokens its server reused).", who, buckets=tb, registry=reg)
-        self.completion_tokens = Histogram(
-            "llm_proxy_completion_tokens", "Completion tokens per request, reasoning included: "
-            "usage.completion_tokens (chat, completions), output_tokens (Responses, Messages; "
-            "the last message_delta's cumulative value).", who, buckets=tb, registry=reg)
-        self.reasoning_tokens = Histogram(
-            "llm_proxy_reasoning_tokens", "Reasoning tokens per request: "
-            "usage.completion_tokens_details.reasoning_tokens (chat), "
-            "output_tokens_details.reasoning_tokens (Responses), "
-            "output_tokens_details.thinking_tokens (Messages); only where the API reports "
-            "them.", who, buckets=tb, registry=reg)
-        self.cache_write_tokens = Histogram(
-            "llm_proxy_cache_write_prompt_tokens", "Prompt tokens written to the provider's "
-            "prompt cache per request: prompt_tokens_details.cache_write_tokens (chat), "
-            "input_tokens_details.cache_write_tokens (Responses), cache_creation_input_tokens "
-            "(Messages); only where the upstream reports them.", who, buckets=tb, registry=reg)
+        self.tokens = {field: Histogram(name, help_text, who, buckets=tb, registry=reg)
+                       for field, name, help_text in _TOKEN_HISTOGRAMS}
         self._init_prefix(reg, base, tb)
         self.outcomes = Counter(
             "llm_proxy_stream_outcomes", "How each stream ended: completed (its last event reached the client, even if the "
@@ -376,9 +371,8 @@ class Metrics:
                 self.ttft.labels(*who), self.ttfa.labels(*who), self.ttfb.labels(*labels),
                 self.itl.labels(*who), self.tpot.labels(*labels),
                 self.queue.labels(*labels), self.upstream_queue.labels(*labels),
-                self.overhead.labels(*labels), self.prompt_tokens.labels(*who),
-                self.cached_tokens.labels(*who), self.completion_tokens.labels(*who),
-                self.reasoning_tokens.labels(*who), self.cache_write_tokens.labels(*who))
+                self.overhead.labels(*labels),
+                tuple((field, h.labels(*who)) for field, h in self.tokens.items()))
             self._children[key] = found
         return found
 
@@ -410,16 +404,9 @@ class Metrics:
             c.overhead.observe(record.overhead_s)
         if record.upstream_queue_s is not None:
             c.upstream_queue.observe(record.upstream_queue_s)
-        if record.prompt_tokens is not None:
-            c.prompt.observe(record.prompt_tokens)
-        if record.cached_prompt_tokens is not None:
-            c.cached.observe(record.cached_prompt_tokens)
-        if record.completion_tokens is not None:
-            c.completion.observe(record.completion_tokens)
-        if record.reasoning_tokens is not None:
-            c.reasoning.observe(record.reasoning_tokens)
-        if record.cache_write_tokens is not None:
-            c.cache_write.observe(record.cache_write_tokens)
+        for field, child in c.tokens:
+            if (count := getattr(record, field)) is not None:
+                child.observe(count)
         if record.prefix is not None:
             self._observe_prefix(record, record.prefix)
         if record.stream:
