@@ -36,6 +36,11 @@ class RenamedFlag(argparse.Action):
         values: Any,
         option_string: str | None = None,
     ) -> None:
+        if isinstance(self, argparse.BooleanOptionalAction):
+            negated = bool(option_string and option_string.startswith("--no-"))
+            warn_renamed(option_string or self.dest, "--no-" + self.new[2:] if negated else self.new)
+            argparse.BooleanOptionalAction.__call__(self, parser, namespace, values, option_string)
+            return
         warn_renamed(option_string or self.dest, self.new)
         if self.nargs in ("+", "*"):
             values = [*(getattr(namespace, self.dest, None) or []), *values]
@@ -44,14 +49,3 @@ class RenamedFlag(argparse.Action):
 
 class RenamedSwitch(RenamedFlag, argparse.BooleanOptionalAction):
     """A ``--flag``/``--no-flag`` switch's old name, hidden from ``--help``, warning."""
-
-    def __call__(
-        self,
-        parser: argparse.ArgumentParser,
-        namespace: argparse.Namespace,
-        values: Any,
-        option_string: str | None = None,
-    ) -> None:
-        negated = bool(option_string and option_string.startswith("--no-"))
-        warn_renamed(option_string or self.dest, "--no-" + self.new[2:] if negated else self.new)
-        argparse.BooleanOptionalAction.__call__(self, parser, namespace, values, option_string)

@@ -91,22 +91,15 @@ class _Store(argparse.Action):
         values: Any,
         option_string: str | None = None,
     ) -> None:
-        setattr(namespace, self.dest, values)
+        if isinstance(self, argparse.BooleanOptionalAction):
+            super().__call__(parser, namespace, values, option_string)
+        else:
+            setattr(namespace, self.dest, values)
         _note_given(namespace, self.dest)
 
 
-class _StoreBool(argparse.BooleanOptionalAction):
+class _StoreBool(_Store, argparse.BooleanOptionalAction):
     """``--flag`` / ``--no-flag``, noting that it was given."""
-
-    def __call__(
-        self,
-        parser: argparse.ArgumentParser,
-        namespace: argparse.Namespace,
-        values: Any,
-        option_string: str | None = None,
-    ) -> None:
-        super().__call__(parser, namespace, values, option_string)
-        _note_given(namespace, self.dest)
 
 
 def _models(raw: str) -> tuple[str, ...]:
