@@ -387,15 +387,9 @@ def _wrap(text: str, indent: int, then: int) -> list[str]:
 
 
 def _dur(ms: float | None) -> str:
-    if ms is None:
-        return "unknown"
-    if ms == 0:
-        return "0 ms"
-    if abs(ms) >= 1000:
-        return f"{ms / 1000:,.1f} s"
-    if abs(ms) >= 10:
-        return f"{ms:.0f} ms"
-    return f"{ms:.1f} ms"
+    from proxy.diagnosis.levers import ms_text
+
+    return "0 ms" if ms == 0 else ms_text(ms)
 
 
 def _num(value: float | int | None) -> str:

@@ -407,7 +407,7 @@ def fit_note(ev: Evidence) -> str:
                 "explain." + estimated)
     if fit.model == "through_zero":
         return (f"Prefill grows faster than linearly here: the straight line through the "
-                f"requests has a fixed part of {_dur(fit.line_fixed_ms)} (below zero), so the "
+                f"requests has a fixed part of {ms_text(fit.line_fixed_ms)} (below zero), so the "
                 "fit is the line with its fixed part held at 0." + estimated)
     return "Prefill fitted as a straight line over the requests' prompt lengths." + estimated
 
@@ -459,7 +459,7 @@ def _prefill(ev: Evidence, split: FirstTokenSplit) -> Lever:
     tokens = saves / fit.ms_per_1k_tokens * 1000  # the missed cache hits left out
     head = (f"Prefill: {_tokens(tokens)} uncached prompt tokens at "
             f"{_sig(fit.ms_per_1k_tokens / 1000)} ms per token are "
-            f"{_dur(saves)}{_of_first(split.mean_ms)}.")
+            f"{ms_text(saves)}{_of_first(split.mean_ms)}.")
     status = _worth(saves, split.mean_ms)
     advice = (" Shorten the prompt, or put what does not change first so the upstream can "
               "cache it." if status == "lever" else " Not worth shortening for speed.")
@@ -476,7 +476,7 @@ def _engine_prefill(ev: Evidence, split: FirstTokenSplit) -> Lever:
         "mean_uncached_tokens": ev.fit.mean_uncached_tokens,
         "first_token_ms": split.mean_ms}
     status = _worth(saves, split.mean_ms)
-    sentence = (f"Prefill: the upstream's engine reports {_dur(saves)} of prefill"
+    sentence = (f"Prefill: the upstream's engine reports {ms_text(saves)} of prefill"
                 f"{_of_first(split.mean_ms)} (its own timings, "
                 f"{ev.engine_prefill_requests:,} {_plural(ev.engine_prefill_requests, 'request')}).")
     sentence += (" Shorten the prompt, or put what does not change first so the upstream can "
@@ -495,52 +495,48 @@ def _missed_cache(ev: Evidence, split: FirstTokenSplit) -> Lever:
     status = _worth(saves, split.mean_ms)
     sentence = (f"Prompt cache: {_tokens(ev.missed_cache_tokens)} prompt tokens a request "
                 f"could have read from the cache were computed again: "
-                f"{_dur(saves)}{_of_first(split.mean_ms)}.")
+                f"{ms_text(saves)}{_of_first(split.mean_ms)}.")
     if status == "lever":
         sentence += " Keep the shared part of the prompt first and identical."
     return Lever("prompt_cache", status, "first_token", saves, sentence, numbers)
 
 
 def _proxy_queue(ev: Evidence, split: FirstTokenSplit) -> Lever:
-    if ev.streams < MIN_REQUESTS:
-        return _too_few("proxy_queue", "first_token", "Queueing in the proxy", ev.streams)
-    wait = split.proxy_queue_ms
-    numbers = {"queue_ms": wait, "first_token_ms": split.mean_ms}
-    if wait is None:
-        return Lever("proxy_queue", "unknown", "first_token", None,
-                     "Queueing in the proxy: not measured.", numbers)
-    status = _worth(wait, split.mean_ms)
-    if wait <= 0:
-        sentence = "Queueing in the proxy: none; requests never waited for a slot."
-    else:
-        sentence = (f"Queueing in the proxy: {_dur(wait)}{_of_first(split.mean_ms)} is "
-                    "waiting for one of the proxy's --max-concurrency slots.")
-        if status == "lever":
-            sentence += (" Raise the limit if the upstream has room, or add capacity behind "
-                         "it.")
-    return Lever("proxy_queue", status, "first_token", wait, sentence, numbers)
+    return _queue_lever(
+        ev, split, "proxy_queue", "Queueing in the proxy", split.proxy_queue_ms, "queue_ms",
+        unknown="not measured.", none="none; requests never waited for a slot.",
+        waiting="Queueing in the proxy: {} is waiting for one of the proxy's "
+                "--max-concurrency slots.",
+        advice=" Raise the limit if the upstream has room, or add capacity behind it.")
 
 
 def _upstream_queue(ev: Evidence, split: FirstTokenSplit) -> Lever:
+    return _queue_lever(
+        ev, split, "upstream_queue", "Queueing at the upstream", split.upstream_queue_ms,
+        "upstream_queue_ms",
+        unknown="it does not report its queue time (vLLM's usage metrics or an x-queue-time "
+                "header), so any wait there is in the rest of the first token.",
+        none="none reported.", waiting="Queueing: {} is waiting for a slot at the upstream.",
+        advice=" This is capacity, not the model.")
+
+
+def _queue_lever(ev: Evidence, split: FirstTokenSplit, name: str, title: str,
+                 wait: float | None, key: str, *, unknown: str, none: str, waiting: str,
+                 advice: str) -> Lever:
+    """A wait for a slot (in the proxy or at the upstream), as a share of the first token."""
     if ev.streams < MIN_REQUESTS:
-        return _too_few("upstream_queue", "first_token", "Queueing at the upstream",
-                        ev.streams)
-    wait = split.upstream_queue_ms
-    numbers = {"upstream_queue_ms": wait, "first_token_ms": split.mean_ms}
+        return _too_few(name, "first_token", title, ev.streams)
+    numbers = {key: wait, "first_token_ms": split.mean_ms}
     if wait is None:
-        return Lever("upstream_queue", "unknown", "first_token", None,
-                     "Queueing at the upstream: it does not report its queue time (vLLM's "
-                     "usage metrics or an x-queue-time header), so any wait there is in the "
-                     "rest of the first token.", numbers)
+        return Lever(name, "unknown", "first_token", None, f"{title}: {unknown}", numbers)
     status = _worth(wait, split.mean_ms)
     if wait <= 0:
-        sentence = "Queueing at the upstream: none reported."
+        sentence = f"{title}: {none}"
     else:
-        sentence = (f"Queueing: {_dur(wait)}{_of_first(split.mean_ms)} is waiting for a "
-                    "slot at the upstream.")
+        sentence = waiting.format(f"{ms_text(wait)}{_of_first(split.mean_ms)}")
         if status == "lever":
-            sentence += " This is capacity, not the model."
-    return Lever("upstream_queue", status, "first_token", wait, sentence, numbers)
+            sentence += advice
+    return Lever(name, status, "first_token", wait, sentence, numbers)
 
 
 def _rest(ev: Evidence, split: FirstTokenSplit) -> Lever:
@@ -558,7 +554,7 @@ def _rest(ev: Evidence, split: FirstTokenSplit) -> Lever:
     what = ("network, the upstream's own scheduling and first decode step, and the proxy"
             if split.upstream_queue_ms is not None else
             "network, the upstream's queue and scheduling and first decode step, and the proxy")
-    sentence = (f"Fixed part: {_dur(saves)}{_of_first(split.mean_ms)} does not grow with "
+    sentence = (f"Fixed part: {ms_text(saves)}{_of_first(split.mean_ms)} does not grow with "
                 f"the prompt ({what}).")
     if status == "lever":
         sentence += " Run closer to the upstream, or use one with less overhead per request."
@@ -590,7 +586,7 @@ def _decode(ev: Evidence, decode: DecodeFigures, total_ms: float | None) -> Leve
                     f"{_pct(1.0 - (fast or 0.0))} of streams are under {FAST_TOK_S:g} "
                     "tokens/s.")
     if saves is not None and status == "lever":
-        sentence += (f" Decoding at {FAST_TOK_S:g} tokens/s or more would save {_dur(saves)} "
+        sentence += (f" Decoding at {FAST_TOK_S:g} tokens/s or more would save {ms_text(saves)} "
                      "a request: a smaller or quantised model, or less batching at the "
                      "upstream.")
     return Lever("decode", status, "total", saves, sentence, numbers)
@@ -612,15 +608,15 @@ def _output(ev: Evidence, out: OutputFigures) -> Lever:
                      numbers)
     saves = out.capped_saving_ms
     sentence = (f"Answers average {_tokens(out.mean_tokens)} tokens (p95 "
-                f"{_tokens(out.p95_tokens)}), {_dur(out.decode_ms)} at "
+                f"{_tokens(out.p95_tokens)}), {ms_text(out.decode_ms)} at "
                 f"{_sig(out.ms_per_token)} ms per token")
     if out.mean_total_ms is not None:
         sentence += (f"; capped at the median ({_tokens(out.p50_tokens)}) the mean total "
-                     f"would be {_dur(out.mean_total_ms - saves)} instead of "
-                     f"{_dur(out.mean_total_ms)}.")
+                     f"would be {ms_text(out.mean_total_ms - saves)} instead of "
+                     f"{ms_text(out.mean_total_ms)}.")
     else:
         sentence += (f"; capped at the median ({_tokens(out.p50_tokens)}) each would take "
-                     f"{_dur(saves)} less on average.")
+                     f"{ms_text(saves)} less on average.")
     if out.length_limited_share is not None and out.length_limited_share > 0:
         sentence += (f" {_pct(out.length_limited_share)} of answers already stop at their "
                      "length limit (cut off).")
@@ -659,7 +655,7 @@ def _sig(value: float | None) -> str:
     return f"{value:,.{digits}f}"
 
 
-def _dur(ms: float | None) -> str:
+def ms_text(ms: float | None) -> str:
     """340 ms, 1.2 s, 18.7 s, 0.4 ms."""
     if ms is None:
         return "unknown"
@@ -671,7 +667,7 @@ def _dur(ms: float | None) -> str:
 
 
 def _of_first(mean_ms: float | None) -> str:
-    return f" of the {_dur(mean_ms)} first token" if mean_ms is not None else " of the first token"
+    return f" of the {ms_text(mean_ms)} first token" if mean_ms is not None else " of the first token"
 
 
 def _tokens(value: float | None) -> str:
