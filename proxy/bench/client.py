@@ -195,6 +195,19 @@ def _usage(**counts: Any) -> dict[str, int] | None:
     return out or None
 
 
+def _openai_usage(usage: Any, prompt: str, completion: str) -> dict[str, int] | None:
+    """OpenAI's usage (chat: ``prompt_tokens``; Responses: ``input_tokens``), its cached and
+    reasoning counts under ``<prompt>_details`` and ``<completion>_details``."""
+    if not isinstance(usage, dict):
+        return None
+    return _usage(
+        prompt=usage.get(prompt),
+        cached=_dig(usage, f"{prompt}_details", "cached_tokens"),
+        completion=usage.get(completion),
+        reasoning=_dig(usage, f"{completion}_details", "reasoning_tokens"),
+    )
+
+
 def _nonempty(value: Any) -> bool:
     return bool(value) and (isinstance(value, str | list | dict))
 
@@ -226,16 +239,7 @@ def _chat(obj: dict[str, Any], data: bytes, text_api: bool) -> Reading:
             _nonempty(delta.get(k)) for k in ("reasoning_content", "reasoning")
         ):
             output = REASONING
-    usage = obj.get("usage")
-    counts = None
-    if isinstance(usage, dict):
-        counts = _usage(
-            prompt=usage.get("prompt_tokens"),
-            cached=_dig(usage, "prompt_tokens_details", "cached_tokens"),
-            completion=usage.get("completion_tokens"),
-            reasoning=_dig(usage, "completion_tokens_details", "reasoning_tokens"),
-        )
-    return Reading(output, counts)
+    return Reading(output, _openai_usage(obj.get("usage"), "prompt_tokens", "completion_tokens"))
 
 
 _RESPONSES_OUTPUT = {
@@ -253,15 +257,7 @@ def _responses(obj: dict[str, Any], data: bytes) -> Reading:
         return Reading(_RESPONSES_OUTPUT[kind]) if _nonempty(obj.get("delta")) else NOTHING
     if kind in ("response.completed", "response.incomplete"):
         usage = _dig(obj, "response", "usage")
-        counts = None
-        if isinstance(usage, dict):
-            counts = _usage(
-                prompt=usage.get("input_tokens"),
-                cached=_dig(usage, "input_tokens_details", "cached_tokens"),
-                completion=usage.get("output_tokens"),
-                reasoning=_dig(usage, "output_tokens_details", "reasoning_tokens"),
-            )
-        return Reading(usage=counts, done=True)
+        return Reading(usage=_openai_usage(usage, "input_tokens", "output_tokens"), done=True)
     if kind in ("error", "response.failed"):
         return Reading(error=_error_text(data))
     return NOTHING
