@@ -344,45 +344,15 @@ def add_parser(sub: Any) -> None:
         parse, metavar, help_text = _FLAGS[f.name]
         flag = "--" + f.name.replace("_", "-")
         default = getattr(defaults, f.name)
-        if f.name == "models":
-            flag = "--models"
-            group.add_argument(
-                flag,
-                "--model",
-                dest=f.name,
-                action=_Store,
-                type=parse,
-                metavar=metavar,
-                default=",".join(default),
-                help=help_text,
-            )
-        elif parse is None and f.name == "output_dist":
-            group.add_argument(
-                flag,
-                dest=f.name,
-                action=_Store,
-                choices=OUTPUT_DISTS,
-                default=default,
-                help=help_text,
-            )
+        kind: dict[str, Any] = {"action": _Store, "type": parse, "metavar": metavar}
+        if f.name == "output_dist":
+            kind = {"action": _Store, "choices": OUTPUT_DISTS}
         elif parse is None:
-            group.add_argument(
-                flag,
-                dest=f.name,
-                action=_StoreBool,
-                default=default,
-                help=help_text,
-            )
-        else:
-            group.add_argument(
-                flag,
-                dest=f.name,
-                action=_Store,
-                type=parse,
-                metavar=metavar,
-                default=default,
-                help=help_text,
-            )
+            kind = {"action": _StoreBool}
+        aliases: tuple[str, ...] = ()
+        if f.name == "models":  # one flag for a tuple: comma-separated, and an alias
+            aliases, default = ("--model",), ",".join(default)
+        group.add_argument(flag, *aliases, dest=f.name, default=default, help=help_text, **kind)
     parser.set_defaults(func=run)
 
 
