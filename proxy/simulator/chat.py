@@ -272,13 +272,6 @@ class _OpenAIStream:
         return out
 
 
-def _stream_fields(body: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
-    stream = bool(body.get("stream"))
-    options = body.get("stream_options")
-    include_usage = stream and isinstance(options, dict) and bool(options.get("include_usage"))
-    return stream, {"include_usage": include_usage}
-
-
 class ChatCompletions(_OpenAIStream):
     """``POST /v1/chat/completions``."""
 
@@ -292,19 +285,7 @@ class ChatCompletions(_OpenAIStream):
         max_tokens = int_param(body, "max_completion_tokens", minimum=1)
         if max_tokens is None:
             max_tokens = int_param(body, "max_tokens", minimum=1)
-        n = int_param(body, "n", minimum=1, maximum=128) or 1
-        stream, options = _stream_fields(body)
-        return Ask(
-            model=model,
-            prompt=text,
-            max_tokens=max_tokens,
-            n=n,
-            stream=stream,
-            reasoning=asks_for_reasoning(body),
-            prompt_param="messages",
-            options=options,
-            cache_scope=cache_scope(body, model),
-        )
+        return _ask(body, model, text, max_tokens, "messages", reasoning=asks_for_reasoning(body))
 
 
 class Completions(_OpenAIStream):
@@ -318,16 +299,16 @@ class Completions(_OpenAIStream):
         model = model_name(body, config)
         text, exact = completion_prompt(body)
         max_tokens = int_param(body, "max_tokens", minimum=1)
-        n = int_param(body, "n", minimum=1, maximum=128) or 1
-        stream, options = _stream_fields(body)
-        return Ask(
-            model=model,
-            prompt=text,
-            prompt_tokens=exact,
-            max_tokens=max_tokens,
-            n=n,
-            stream=stream,
-            prompt_param="prompt",
-            options=options,
-            cache_scope=cache_scope(body, model),
-        )
+        return _ask(body, model, text, max_tokens, "prompt", prompt_tokens=exact)
+
+
+def _ask(body: dict[str, Any], model: str, prompt: str, max_tokens: int | None,
+         prompt_param: str, **extra: Any) -> Ask:
+    """What chat and completions requests share: ``n``, ``stream`` and its options."""
+    n = int_param(body, "n", minimum=1, maximum=128) or 1
+    stream = bool(body.get("stream"))
+    options = body.get("stream_options")
+    include_usage = stream and isinstance(options, dict) and bool(options.get("include_usage"))
+    return Ask(model=model, prompt=prompt, max_tokens=max_tokens, n=n, stream=stream,
+               prompt_param=prompt_param, options={"include_usage": include_usage},
+               cache_scope=cache_scope(body, model), **extra)
