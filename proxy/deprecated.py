@@ -38,7 +38,9 @@ class RenamedFlag(argparse.Action):
     ) -> None:
         if isinstance(self, argparse.BooleanOptionalAction):
             negated = bool(option_string and option_string.startswith("--no-"))
-            warn_renamed(option_string or self.dest, "--no-" + self.new[2:] if negated else self.new)
+            warn_renamed(
+                option_string or self.dest, "--no-" + self.new[2:] if negated else self.new
+            )
             argparse.BooleanOptionalAction.__call__(self, parser, namespace, values, option_string)
             return
         warn_renamed(option_string or self.dest, self.new)
