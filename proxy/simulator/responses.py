@@ -140,6 +140,24 @@ class _Events:
         self.seq += 1
         return out
 
+    def opened(self, index: int, item_id: str, item: Any, part: Any) -> bytes:
+        """An output item and its one content part, added."""
+        at = {"item_id": item_id, "output_index": index, "content_index": 0}
+        added = self("response.output_item.added", output_index=index, item=item)
+        return added + self("response.content_part.added", **at, part=part)
+
+    def closed(
+        self, index: int, item_id: str, kind: str, text: str, part: Any, item: Any, **extra: Any
+    ) -> bytes:
+        """An item's text (``kind``: ``output_text``, ``reasoning_text``), its part and the
+        item itself, done."""
+        at = {"item_id": item_id, "output_index": index, "content_index": 0}
+        return (
+            self(f"response.{kind}.done", **at, text=text, **extra)
+            + self("response.content_part.done", **at, part=part)
+            + self("response.output_item.done", output_index=index, item=item)
+        )
+
 
 class Responses:
     """``POST /v1/responses``."""
@@ -271,16 +289,11 @@ class Responses:
                     opening = b""
                     if not reasoning_open:
                         reasoning_open = True
-                        opening = event(
-                            "response.output_item.added",
-                            output_index=0,
-                            item=self._reasoning_item(job, "in_progress", None),
-                        ) + event(
-                            "response.content_part.added",
-                            item_id=rs_id,
-                            output_index=0,
-                            content_index=0,
-                            part={"type": "reasoning_text", "text": ""},
+                        opening = event.opened(
+                            0,
+                            rs_id,
+                            self._reasoning_item(job, "in_progress", None),
+                            {"type": "reasoning_text", "text": ""},
                         )
                     yield opening + event.delta(thought, word)
                     continue
@@ -289,16 +302,11 @@ class Responses:
                     message_open = True
                     if reasoning_open:
                         opening = self._close_reasoning(job, event)
-                    opening += event(
-                        "response.output_item.added",
-                        output_index=message_index,
-                        item=self._message_item(job, "in_progress", None),
-                    ) + event(
-                        "response.content_part.added",
-                        item_id=msg_id,
-                        output_index=message_index,
-                        content_index=0,
-                        part=_output_text(""),
+                    opening += event.opened(
+                        message_index,
+                        msg_id,
+                        self._message_item(job, "in_progress", None),
+                        _output_text(""),
                     )
                 yield opening + event.delta(token, word)
         finally:
@@ -315,25 +323,14 @@ class Responses:
         status, extra, message_status = self._final(job, engine)
         text = "".join(job.texts[0])
         yield (
-            event(
-                "response.output_text.done",
-                item_id=msg_id,
-                output_index=message_index,
-                content_index=0,
-                text=text,
+            event.closed(
+                message_index,
+                msg_id,
+                "output_text",
+                text,
+                _output_text(text),
+                self._message_item(job, message_status, text),
                 logprobs=[],
-            )
-            + event(
-                "response.content_part.done",
-                item_id=msg_id,
-                output_index=message_index,
-                content_index=0,
-                part=_output_text(text),
-            )
-            + event(
-                "response.output_item.done",
-                output_index=message_index,
-                item=self._message_item(job, message_status, text),
             )
             + event(
                 f"response.{status}",
@@ -346,27 +343,9 @@ class Responses:
     def _close_reasoning(self, job: Job, event: _Events) -> bytes:
         rs_id = self._ids(job)[0]
         thoughts = "".join(job.thoughts[0])
-        return (
-            event(
-                "response.reasoning_text.done",
-                item_id=rs_id,
-                output_index=0,
-                content_index=0,
-                text=thoughts,
-            )
-            + event(
-                "response.content_part.done",
-                item_id=rs_id,
-                output_index=0,
-                content_index=0,
-                part={"type": "reasoning_text", "text": thoughts},
-            )
-            + event(
-                "response.output_item.done",
-                output_index=0,
-                item=self._reasoning_item(job, "completed", thoughts),
-            )
-        )
+        part = {"type": "reasoning_text", "text": thoughts}
+        item = self._reasoning_item(job, "completed", thoughts)
+        return event.closed(0, rs_id, "reasoning_text", thoughts, part, item)
 
     def body(self, job: Job, engine: Engine) -> dict[str, Any]:
         status, extra, message_status = self._final(job, engine)
