@@ -1,23 +1,10 @@
 """Who is waiting: the raw value of the optional ``client`` label.
 
-``--client-label-from header:X-Team`` takes a request header's value;
-``--client-label-from key`` takes a fingerprint of the client's API key (from
-``Authorization: Bearer``, ``x-api-key`` or ``api-key``, as :func:`proxy.auth.presented_key`
-reads them). The fingerprint is ``HMAC-SHA256(secret, key)`` cut to 12 hex digits and
-prefixed ``key-``: stable across restarts and replicas (they share the secret in
-``LLM_PROXY_FINGERPRINT_SECRET``), not reversible, and, unlike a plain hash, useless to
-anyone who has a list of candidate keys but not the secret. The key itself is never
-kept, logged or exported.
-
-A request without the header or key is ``unknown``; a value that is not short visible
-ASCII is ``other``. The value is then bounded like ``model`` (first ``--max-clients``
-values, optional allow-list) by :class:`proxy.metrics.BoundedLabels`.
-
-Only a request that passed the proxy's checks, its key check included, is named
-(:meth:`proxy.routes.V1Handler._check`), and with keys passed through, a key the
-upstream refuses (401, 403) is not named either: otherwise anyone could fill the
-``--max-clients`` values with random wrong keys and every real client would be
-``other`` until a restart. A refused request is still counted, with an empty ``client``.
+``--client-label-from header:X-Team`` takes a header's value; ``key`` takes
+``HMAC-SHA256(secret, key)`` cut to 12 hex digits, never the key. Missing is
+``unknown``, not short visible ASCII is ``other``. Only a request that passed the
+proxy's checks and was not refused by the upstream (401, 403) is named, so wrong keys
+cannot fill the label's values. Design: docs/design/relay-and-export.md.
 """
 
 from __future__ import annotations

@@ -1,46 +1,10 @@
 """``llm-latency-proxy demo``: the whole product on one machine, no key, no GPU, no network.
 
-One command starts three things in one process and one event loop:
-
-1. three simulated upstreams (:mod:`proxy.simulator`) on free loopback ports: ``local``,
-   with a few decode slots, a prefix cache, upstream queue times reported vLLM-style
-   and rare faults, serving model ``sim-llm``; ``cloud``, the same server at the
-   ``slow`` speed profile (:mod:`proxy.simulator.profiles`: half a second more to the
-   first token, 20 tokens/s), serving the ``cloud-*`` models; and ``support``, a quiet
-   server of its own (10,000 prompt tokens/s, 100 tokens/s, no faults) for one app's
-   model, ``sim-support``;
-2. the proxy in front of them on ``--port`` (8080, or a free port if that is taken),
-   routing by model as a config file with three ``[[upstream]]`` tables would, and
-   serving ``/metrics`` like in production;
-3. a steady mixed workload through the proxy over all four APIs the simulator speaks
-   (chat completions, completions, Responses, Messages; short and long prompts,
-   shared system prompts, short and long answers, some with reasoning, Poisson
-   arrivals) with periodic bursts that overflow the simulator's slots, so queue time
-   and TTFT visibly jump; and the support app (:func:`support_request`), built to have
-   one thing to fix: its system prompt starts with the time, then 9.6 KB of
-   instructions that never change. The prompt-cache doctor reports the break live
-   (``variable_before_stable`` at message 0, the bytes after it repeating), and the live
-   page's "What to fix" card for ``sim-support`` has prefill as its top lever: each
-   request computes the whole prompt again, most of its first token.
-
-The first line printed is the URL of the proxy's live page (``/ui``: charts in a
-browser, see :mod:`proxy.ui`); the terminal view's header repeats it, since its first
-frame clears the screen. The terminal view stays, for terminals without a
-browser: refreshed every second, it shows what the *proxy* measures: it scrapes the
-proxy's own ``/metrics`` like Prometheus would and computes percentiles from the
-histogram deltas (over the last ``--window`` seconds and since start), and per route
-(the ``route`` label) and per upstream since start, beside how many requests the demo
-sent to each: a route the proxy does not measure shows its requests sent and no
-figures. A quarter of the steady traffic asks for ``cloud-llm``, so the two upstreams'
-TTFT differ side by side from the first refresh, as on the dashboard's "compare
-upstreams" row. On a TTY
-it redraws in place with plain ANSI codes; otherwise it prints one line per refresh.
-
-Why in-process uvicorn servers rather than subprocesses: start-up is a fraction of a
-second, there is a single Ctrl-C to handle, and nothing can be left running. The
-servers do not install uvicorn's signal handlers; this module owns SIGINT/SIGTERM and
-shuts down in order: stop sending, cancel in-flight client requests (the proxy records
-them as ``client_disconnected``), stop the proxy, stop the simulator. Exit code 0.
+One process, one event loop: three simulated upstreams (``local``, ``cloud`` at the
+``slow`` profile, ``support``), the proxy routing to them by model, and a steady mixed
+workload over all four APIs with bursts, plus a support app whose prompt starts with the
+time, for the prompt-cache doctor to find. A terminal view shows what the proxy measures.
+In-process servers, so one Ctrl-C stops everything in order. Design: docs/design/bench.md.
 """
 
 from __future__ import annotations

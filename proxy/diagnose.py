@@ -1,23 +1,10 @@
 """``llm-latency-proxy diagnose``: what to fix, from one proxy or from Prometheus.
 
-Reads the evidence (:mod:`proxy.evidence`) from one proxy's ``/metrics`` (``--url``) or
-from a Prometheus server that scrapes the fleet (``--prometheus``), ranks the levers of
-every (route, model, upstream) (:mod:`proxy.diagnosis.levers`, where every threshold and
-sentence lives) and prints the card, or with ``--json`` the documented object
-(docs/diagnose.md) that scripts read.
-
-The window, said on the card and in the JSON:
-
-* ``--url`` alone: since the proxy started (its counters as they stand, every worker
-  summed by its ``/metrics``); ``--window S``: the S seconds between two scrapes;
-* ``--prometheus``: the last ``--range`` (1h by default), as ``increase()`` over it,
-  summed across replicas; the prefill fit's sums from the recording rules when the range
-  is one of theirs (5m, 1h).
-
-Exit status: 0 with a card (an empty one when nothing was measured in the window), 2 for
-bad arguments, 1 when the source cannot be read (one line on stderr saying why). The
-client key for a proxy that checks them (its main port's ``/metrics`` then takes one)
-comes from ``--api-key`` or ``LLM_PROXY_API_KEY`` and goes to ``--url`` only.
+Reads the evidence (:mod:`proxy.evidence`) from a proxy's ``/metrics`` (``--url``) or a
+Prometheus server (``--prometheus``), ranks the levers of every (route, model, upstream)
+(:mod:`proxy.diagnosis.levers`) and prints the card, or the documented JSON. Exit status
+0 with a card, 2 for bad arguments, 1 when the source cannot be read. Windows and keys:
+docs/design/diagnosis.md.
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
 """``llm-latency-proxy healthcheck``: the container image's ``HEALTHCHECK``.
 
-One image runs several commands (``serve``, ``simulate``, ``bench``, ``demo``) and
-Docker runs the same health check whichever it is, so the check first finds out what
-the container runs, from the command line of PID 1: the image's entry point itself, or
-an init (``docker run --init``, compose ``init: true``) whose arguments end with it.
-
-- ``serve``: ``GET /healthz`` on the proxy's port, resolved from the same flags and
-  ``LLM_PROXY_*`` variables ``serve`` reads (a health check runs with the container's
-  environment);
-- ``simulate``: ``GET /healthz`` on the simulator's ``--port``;
-- ``bench``, ``demo``: no server to ask, so healthy while the command runs;
-- a command line that is not ours (a shell wrapper, another host's PID 1): treated as
-  ``serve``, the image's default command.
-
-Exit status 0 healthy, 1 not, as Docker expects; one line of output either way, which
-``docker inspect`` shows. The request goes straight to the socket (``http.client``),
-never through an ``HTTP_PROXY`` the container may set for its upstream.
+One image runs several commands, so the check first reads PID 1's command line (the
+entry point, or an init whose arguments end with it): ``serve`` and ``simulate`` are asked
+``GET /healthz`` on their port, ``bench`` and ``demo`` are healthy while they run, and a
+command line that is not ours is treated as ``serve``. Exit 0 healthy, 1 not. The request
+never goes through an ``HTTP_PROXY``. Design: docs/design/relay-and-export.md.
 """
 
 from __future__ import annotations

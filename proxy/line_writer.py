@@ -1,35 +1,10 @@
 """Lines written to a file by one thread of their own, never by the event loop.
 
-What the request log (:mod:`proxy.reqlog`) and the workload capture (:mod:`proxy.workload_capture`)
-share: the loop hands each item over (:meth:`LineWriter.offer`, which never blocks) and
-a daemon thread turns them into lines and writes them in batches (``emit``, up to
-:data:`MAX_BATCH` items a call). A write to a slow disk blocks that thread only; on the
-loop it would stall every stream the proxy relays.
-
-**Batches, not a wake-up per line.** An item goes onto a deque (an append, no lock); only
-the first item after a batch was taken signals the thread, which then waits
-:data:`BATCH_S` (0.1 s) for more before it takes them all (sooner when the buffer is
-half full, or at close). A thread woken for every line asks for the interpreter lock
-once per request, in the middle of the loop's relaying of other streams. With batches
-it wakes at most ten times a second however busy the proxy is, and not at all when it
-is idle; a line reaches the file within about 0.1 s of its request's end. An owner whose
-lines nobody tails may gather longer (``gather_s``: the workload capture's), which
-costs less still: the thread's code runs warm for more lines in a row. Measured at
-64 streams (``benchmarks/RESULTS.md``, "2026-12-02 (later)"): the capture writer's wait
-for a CPU fell from 24 to 10 ms per second; CPU per event did not move measurably.
-
-A full buffer means the disk has been slower than the requests for a while: the line is
-**dropped, not waited for**, counted (``dropped``, the owner's metric) and said in a
-warning (the first drop, then at most one every :data:`DROP_WARNING_S` seconds, with
-the total). A batch ``emit`` fails on (a full disk, a closed pipe) is dropped the same
-way, with the error as the reason, and the thread goes on with the next.
-:meth:`LineWriter.close` writes every line still buffered, then runs ``finish`` (closing
-the file) in the thread, after its last write; a disk that takes nothing for the whole
-timeout ends the wait with a warning naming the lines not written, and the file is
-left to the thread, never closed under its feet.
-
-What a line is, how a batch is written and where, is the owner's: ``emit`` turns items
-into lines as it likes.
+Shared by the request log and the workload capture: :meth:`LineWriter.offer` never blocks;
+the thread waits :data:`BATCH_S` after the first item for more and writes them in one
+batch, so it wakes rarely however busy the proxy is. A full buffer drops the line
+(counted, warned about); :meth:`LineWriter.close` writes what is buffered, then runs
+``finish`` in the thread. Design: docs/design/relay-and-export.md.
 """
 
 from __future__ import annotations

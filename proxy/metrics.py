@@ -1,28 +1,10 @@
 """Prometheus metrics: every metric the proxy exports is defined and registered here.
 
-Names, HELP texts, bucket edges and label sets live here and nowhere else. Other modules
-import prometheus_client only for what is not a metric of their own: the registry type
-that :mod:`proxy.app` takes (tests pass a fresh one), the metrics port's server and
-switches in :mod:`proxy.serve`, and the text-format parser in
-:mod:`proxy.bench.promscrape`, with which ``bench``, ``demo`` and ``diagnose`` (through
-:mod:`proxy.evidence`) read a ``/metrics`` page. Label
-children are resolved once per request (``children()``), never per chunk; per-token
-observations (ITL) are made in one batch when the request ends, which the definition
-allows since each gap is still observed individually.
-
-Cardinality is bounded by construction: ``route`` comes from a fixed set of route
-templates, ``model`` passes through :class:`ModelLabels` (first N names, optional
-allow-list, then ``other``), ``upstream`` is a configured upstream's name, ``code`` is
-an HTTP status and ``outcome`` a fixed enum. The optional ``client`` label
-(``--client-label-from``) is bounded the same way as ``model`` (:class:`BoundedLabels`);
-when it is off the label does not exist at all (absent, not empty), so a dashboard
-query that does not mention it works either way.
-
-Multiprocess mode (``--workers N``): prometheus_client decides its value storage when
-it is imported, from ``PROMETHEUS_MULTIPROC_DIR``; :mod:`proxy.serve` sets that before
-any worker imports this module. Then exposition sums all workers' files, the in-flight
-gauge uses ``livesum``, and exemplars are not available (the mmap files do not store
-them).
+Names, HELP texts, bucket edges and label sets live here and nowhere else. Label children
+are resolved once per request, never per chunk; ITL gaps are observed in one batch at the
+end. Cardinality is bounded by construction (:class:`ModelLabels`,
+:class:`BoundedLabels`). With ``--workers N`` the storage is prometheus_client's
+multiprocess files. Design: docs/design/relay-and-export.md.
 """
 
 from __future__ import annotations

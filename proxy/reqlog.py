@@ -1,34 +1,9 @@
 """Per-request log: one JSON line per finished request (``--log-requests``).
 
-Every measured field, the request id, route, model label, status and outcome. The
-record it writes holds no headers, no key and no prompt text, so nothing secret can
-reach the file.
-
-The file is written by one thread of its own, never by the event loop: a write to a
-slow disk (a full page cache, network storage, a pipe nobody reads fast enough) blocks
-the writer, and on the loop it would have stalled every stream the proxy relays. The
-loop only hands the record over (the thread formats it, in batches about 0.1 s apart).
-The buffer, the thread, the drops and the close are
-:class:`proxy.line_writer.LineWriter`'s (the workload capture's writer too); what a line
-holds and where it goes are this module's.
-
-Between them is a bounded buffer of ``--log-requests-buffer`` lines (10,000 by default,
-a few MB: a line is a few hundred bytes). A disk that is slower than the requests for
-a moment is absorbed by it. A disk that stays slower than the requests for long fills
-it, and then new lines are **dropped, not waited for**: the proxy keeps serving at full
-speed and says what it lost, in ``llm_proxy_request_log_dropped_lines_total`` and in a
-warning (the first drop, then at most one every ten seconds, with the total). Blocking
-instead would hand the disk's latency to every stream; growing without bound would
-trade it for the process's memory. The metrics are the record of every request either
-way.
-
-Lines are written whole: a batch goes to a file opened with ``O_APPEND`` in one
-``write`` (the lines of several ``--workers`` processes never interleave mid-line), and
-to standard output (``-``) one line per write, flushed. At shutdown :meth:`close`
-writes every buffered line before the file is closed, the process exits after that
-(on SIGTERM too, through the lifespan shutdown); a disk that takes nothing for 30
-seconds (``CLOSE_TIMEOUT_S``) ends the wait with a warning naming the lines not
-written, and leaves the file open to the writer.
+Every measured field, the request id, route, model label, status and outcome; never
+headers, keys or prompt text. Written by :class:`proxy.line_writer.LineWriter`'s thread
+through a bounded buffer: a slow disk drops lines (counted and warned about) rather than
+stall the loop. Design: docs/design/relay-and-export.md.
 """
 
 from __future__ import annotations

@@ -1,30 +1,10 @@
 """``GET /metrics`` on the main port, rendered in a worker thread, one render shared.
 
-prometheus_client renders the exposition in Python, and the time grows with the label
-sets: about 20 us per sample line here, so a registry with a client label and a few
-hundred (route, model, upstream, client) sets takes a second or more
-(``benchmarks/loop_micro.py scrape``, figures in ``benchmarks/RESULTS.md``). On the event
-loop that whole render is a stall of every stream the proxy relays, added to the
-inter-token latency it measures. In a worker thread the render still needs the GIL, but
-the loop takes it back within the interpreter's switch interval (5 ms) whenever it has
-something to do, instead of waiting for the whole render. With ``--workers`` the render
-reads every worker's files (prometheus_client's multiprocess collector): the same
-reasoning, the same thread.
-
-One render per format at a time, shared by every scrape that can take it without
-getting older figures than it asked for:
-
-* a scrape that arrives while no render of its format is under way starts one on the
-  next loop pass, and every scrape that arrives before that render begins shares it (two
-  Prometheus servers scraping at the same moment cost one render);
-* a scrape that arrives while a render is under way waits for it to end and shares the
-  next one, so no answer holds figures read before its request arrived: a request that
-  its client saw finish before scraping is always counted.
-
-So however many scrapes pile up (a scrape timeout shorter than the render, several
-Prometheus servers, a dashboard refreshing), at most one render per format runs and one
-more is pending; the rest wait. Formats (plain text, OpenMetrics with its version and
-name escaping) are told apart by the content type the answer will carry.
+The render grows with the label sets and on the loop would stall every relayed stream;
+in a thread the loop takes the GIL back within the switch interval. At most one render
+per format runs and one more is pending: a scrape shares a render that has not begun,
+and one that arrives during a render waits for the next, so no answer is older than its
+request. Design: docs/design/relay-and-export.md.
 """
 
 from __future__ import annotations

@@ -1,33 +1,10 @@
 """Incremental server-sent-events parser: bytes in, events out. No I/O, no clock.
 
-It follows the WHATWG event-stream grammar: lines end in CRLF, LF or CR (a CR at the
-end of one chunk may be the first half of a CRLF in the next); a blank line dispatches
-the event; lines starting with ``:`` are comments; ``data`` lines are joined with
-``\\n``. Two fields are kept: ``data``, and ``event`` (the event name, the last
-``event`` line's value, ``b""`` when there is none: the parser does not substitute the
-standard's default ``message``, so an absent name stays distinguishable), since the
-Responses and Messages APIs name their events there. Each event also carries its byte
-span in the stream, which the relay needs to drop the one event it may remove (the
-usage-only event the proxy itself asked for). ``id`` and ``retry`` are not kept.
-
-Memory is bounded: an event longer than ``max_event_bytes`` is still *forwarded* by the
-relay (the parser never touches the bytes the client gets) but its data and name are
-discarded and it is reported with ``oversize=True``, so the measurement skips it. An
-event's size is its bytes from its first line up to the blank line that ends it, which
-does not depend on how the stream was cut into reads (so neither does the flag). Only events
-with a ``data`` field are dispatched, oversize or not; a long comment is no event.
-
-Spans: ``[start, end)`` runs from the event's first line through the line ending of
-the blank line that dispatched it. An event is dispatched as soon as that line ending
-is seen, even when it is a CR at the very end of a read (no waiting for the next read
-to learn whether an LF follows: timing matters more). If the next read then starts
-with the LF of that CRLF, the LF lies outside every span; it is reported as
-``SSEParser.straddling_lf`` (its offset) so a caller that removes an event can remove
-that byte with it.
-
-The common case, one or more complete LF-terminated events per chunk with nothing
-pending, each a ``data:`` line, optionally after one ``event:`` line, takes a fast path
-of a few ``bytes`` methods implemented in C.
+WHATWG event-stream grammar (CRLF, LF or CR, split anywhere); keeps ``data``, ``event``
+(``b""`` when absent) and each event's byte span. An event over ``max_event_bytes`` is
+reported ``oversize`` without its data. The common case of complete LF-terminated events
+takes a fast path of ``bytes`` methods. Spans and the straddling LF:
+docs/design/relay-and-export.md.
 """
 
 from __future__ import annotations

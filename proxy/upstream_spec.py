@@ -1,31 +1,11 @@
 """One upstream as configured (:class:`UpstreamSpec`), and the config file's
 ``[[upstream]]`` tables that declare them.
 
-One proxy may front several upstreams (OpenAI for ``gpt-*``, a vLLM cluster for
-``meta-llama/*``, Anthropic for ``claude-*``). They are declared in a TOML file
-(``--config FILE``, read with the standard library's ``tomllib`` by
-:func:`proxy.config.read_file`) as ``[[upstream]]`` tables; without a file the
-single-upstream flags (``--upstream``, ``--upstream-name``, ``--upstream-api-key-env``,
-``--upstream-auth``) describe one upstream that takes every model
-(:func:`proxy.config.single_spec`), and both cases give the same thing: a list of
-:class:`UpstreamSpec`. Which of them takes a request is :mod:`proxy.routing`'s; the
-live client, queue and headers of each are :mod:`proxy.upstream`'s.
-
-Everything is checked before the proxy listens, and every problem is one line that
-names the file, the upstream and the setting (:class:`proxy.config_values.SettingsError`):
-a file that does not parse, an unknown key, a wrong type, a key variable that is unset,
-two upstreams with one name, two defaults, and a pattern that can never match because
-an earlier upstream's pattern catches everything it would (:func:`_shadowed`: ``*``, a
-``prefix*`` pattern, or any pattern that matches an exact name listed later).
-
-Top-level keys of the file are the proxy's own settings by their option names
-(``max_concurrency = 64``, ``read_timeout = 600``, ``client_label_from = "header:X-Team"``);
-a flag or ``LLM_PROXY_*`` variable overrides the file (:func:`proxy.config.from_sources`).
-Per-upstream limits and timeouts default to those settings.
-
-This module is below :mod:`proxy.config`, which reads the file and holds the specs in
-its settings: it imports nothing of the proxy but the value checks of
-:mod:`proxy.config_values`.
+A file's tables and the single-upstream flags both give a list of :class:`UpstreamSpec`.
+Every problem (parse error, unknown key, wrong type, unset key variable, duplicate name,
+two defaults, a pattern shadowed by an earlier one) is one line naming file, upstream and
+setting. Below :mod:`proxy.config`: imports only :mod:`proxy.config_values`.
+Design: docs/design/relay-and-export.md.
 """
 
 from __future__ import annotations

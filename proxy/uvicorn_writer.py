@@ -1,23 +1,12 @@
-"""Writing a relayed body straight to uvicorn's transport (the relay's fast path), and
-bounding a client that stops reading.
+"""Writing a relayed body straight to uvicorn's transport, and bounding a client that stops
+reading.
 
-uvicorn's ASGI ``send`` costs a message dict, state checks and a coroutine per body
-chunk; for an SSE stream that is per event. :class:`DirectWriter` does what ``send``
-does for a chunk of a chunked response, from the upstream socket's callback. It relies
-on uvicorn's private attributes (``RequestResponseCycle`` of the httptools protocol),
-which is why it lives alone here, why ``pyproject.toml`` bounds uvicorn's version, and
-why :func:`direct_writer` checks every attribute it uses and returns None (the relay
-then uses ``send``) rather than guess.
-
-A client that stops reading is uvicorn's flow control saying "wait" for ever: uvicorn's
-own ``send`` waits without a bound, and the relay, waiting with it, holds the upstream
-connection, the admission slot and the upstream's generation. :class:`ClientConnection`
-waits the same way but watches the transport's write buffer: when it has not shrunk for
-the client write timeout (no byte taken, like nginx's ``send_timeout`` between two
-successive writes), :meth:`ClientConnection.writable` says so and
-:meth:`ClientConnection.abort` drops the connection. A slow client that takes bytes is
-never cut. Under any other ASGI server the relay can only bound each ``send`` call
-(:mod:`proxy.relay`).
+:class:`DirectWriter` does what uvicorn's ``send`` does for a chunk of a chunked response,
+without its per-chunk message and coroutine. It relies on uvicorn's private attributes,
+hence this module alone and :func:`direct_writer` returning None (use ``send``) when any
+is missing. :class:`ClientConnection` watches the transport's write buffer and says when
+the client took no byte for the client write timeout. Design:
+docs/design/relay-and-export.md.
 """
 
 from __future__ import annotations

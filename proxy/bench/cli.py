@@ -1,21 +1,9 @@
 """``llm-latency-proxy bench``: flags in, workload run, table (and JSON) out.
 
-Heavy imports (httpx, asyncio machinery) happen inside :func:`run_command`, so that
-``llm-latency-proxy --help`` stays quick.
-
-``--api`` picks the API (chat completions, completions, Responses, Messages): the path
-appended to the base URL, the request body, the key header (Messages:
-``x-api-key`` and ``anthropic-version``; the others ``Authorization: Bearer``) and the
-client's reading of the stream.
-
-When the target answers ``<base-url minus /v1>/metrics`` with ``llm_proxy_`` series (or
-``--compare-metrics URL`` is given), the proxy's metrics are scraped before and after
-the run and its view is printed beside the client's. Only the series of the API's
-route (the ``route`` label, e.g. ``/v1/responses``) are kept and, when they carry the
-bench's model name, only that model's; other traffic through the same proxy during
-the run still blurs the comparison. A proxy that does not measure a route has no
-figures for it: the comparison then says so instead of failing, and the time to first
-byte and to the first answer token are compared only where the proxy exports them.
+Heavy imports wait for :func:`run_command`. ``--api`` picks the path, body, key header
+and stream reading. When the target exports ``llm_proxy_`` series (or with
+``--compare-metrics``), the proxy's view of the run is printed beside the client's.
+Design: docs/design/bench.md.
 """
 
 from __future__ import annotations

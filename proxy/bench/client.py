@@ -1,41 +1,10 @@
 """The async streaming client: sends planned requests and times every received event.
 
-Per request it measures, client side, what the proxy measures server side, for each
-of the four APIs (chat completions, completions, Responses, Messages). It reads the
-stream with its own small SSE parser (:class:`EventStream`) and its own reading of
-each API's events (:func:`classify`), on purpose independent of the proxy's
-``proxy.sse`` and ``proxy.measure``: a bench that shared the proxy's code would share
-its mistakes, and could not check it. The clock (``time.perf_counter`` by default) is
-read once per received chunk, right after it arrives, and that time stamps every
-event the chunk completes.
-
-Definitions, as in the proxy, but with the clock started just before the request is
-sent (so the client's figures also hold connection set-up and both network legs):
-
-* TTFB: send -> first byte of the response body.
-* TTFT: send -> first event carrying generated output, reasoning or answer (chat
-  ``delta.content``/``reasoning_content``/``reasoning``/``refusal``/``tool_calls``,
-  completions ``text``, Responses ``response.output_text.delta``,
-  ``response.reasoning_text.delta``, ``response.reasoning_summary_text.delta``,
-  ``response.refusal.delta``, ``response.function_call_arguments.delta``, Messages
-  ``text_delta``, ``thinking_delta``, ``input_json_delta``; a role-only chunk, an
-  empty delta or a ``signature_delta`` is not a token).
-* First answer: send -> first output event that is not reasoning.
-* ITL: every gap between consecutive output events, reasoning included.
-* TPOT: (last - first) / (output tokens - 1), tokens from the upstream's usage.
-
-A stream completed when it ended the way its API ends a finished answer: chat and
-completions ``data: [DONE]``; Responses ``response.completed`` or
-``response.incomplete`` (max output tokens reached); Messages ``message_stop``. An
-error event inside the stream (chat ``{"error": ...}``, Responses ``error`` or
-``response.failed``, Messages ``event: error``) makes it a ``stream_error``.
-
-Bodies are sent with ``Accept-Encoding: identity`` and read with ``aiter_raw`` so that
-what is parsed is exactly what came off the socket.
-
-Two ways to pace a run: a fixed number of workers in a closed loop (``concurrency``),
-or an open loop of Poisson arrivals (``rate``) or of given arrival times (``scheduled``:
-a workload file), optionally capped by ``concurrency``.
+It measures client side what the proxy measures server side, with its own SSE parser
+(:class:`EventStream`) and its own reading of each API's events (:func:`classify`), on
+purpose independent of the proxy's: shared code would share its mistakes. The clock is
+read once per received chunk; the request clock starts just before the request is sent.
+Definitions and pacing: docs/design/bench.md.
 """
 
 from __future__ import annotations

@@ -1,27 +1,10 @@
 """The proxy's view of a run, read from its ``/metrics`` before and after.
 
-Reads the Prometheus text exposition with prometheus_client's own parser
-(``text_string_to_metric_families``: label escapes, timestamps, ``+Inf``/``NaN``
-values), keeps every sample as ``{(name, sorted labels): value}``, sums series over
-labels, takes the difference after - before, and estimates quantiles from the histogram
-buckets the way PromQL's ``histogram_quantile`` does (:mod:`proxy.buckets`, shared with
-the live page).
-
-The bucket quantiles are therefore estimates whose error is bounded by the bucket
-width; ``_sum / _count`` (the mean) and the counts are exact, and are what the
-comparison with the client's numbers should lean on.
-
-Sample names are the parser's: a counter declared without the ``_total`` suffix
-(``# TYPE c counter`` then ``c 2``) reads as ``c_total``, the name prometheus_client
-gives it. Every counter the proxy exports is declared with ``_total``, so its series
-read exactly as exposed.
-
-Importing prometheus_client here is a deliberate exception to "only
-:mod:`proxy.metrics` imports it": this module defines no metric, it reads the format,
-and the library's parser is the reference reader of it. Only the bench CLI, the demo
-and ``diagnose`` (through :mod:`proxy.evidence`, when it reads text) import this
-module, lazily; the serving path never does (there the multiprocess
-directory must exist before prometheus_client is first imported).
+Parses the exposition with prometheus_client's own parser, sums series, takes after -
+before, and estimates quantiles from buckets as ``histogram_quantile`` does
+(:mod:`proxy.buckets`); means and counts are exact. It reads the format and defines no
+metric, hence the exception to "only :mod:`proxy.metrics` imports prometheus_client";
+the serving path never imports it. Design: docs/design/bench.md.
 """
 
 from __future__ import annotations

@@ -1,32 +1,9 @@
 """``bench --report FILE``: one run as a self-contained HTML page to look at, not read.
 
-The page is built from the run's ``--json`` payload (the same dictionary, so a report
-of an earlier run, ``--compare OTHER.json``, goes through the same code) and the live
-page's own assets (:mod:`proxy.ui`: stylesheet and SVG charts), inlined with the data,
-under a Content-Security-Policy that allows nothing else: it opens from a file, offline,
-and asks nothing of any network.
-
-What it shows, and how it is computed here (the page only draws):
-
-* the bench's own table, cell for cell (:func:`proxy.bench.stats.table_rows`);
-* TTFT and ITL as client-side CDFs (exact, from every request; at most ``MAX_POINTS``
-  points drawn, the ranks evenly spaced), with the proxy's cumulative bucket counts over
-  the run drawn on top as points. Where both exist, the largest difference between the
-  two at a bucket edge is named: the client's clock also holds the connection and the
-  network both ways, so its curve sits a little to the right of the proxy's. Gaps of 0
-  (events that arrived in one read) are counted and drawn at the axis's left edge;
-* TTFT against prompt length, requests split by how much of the prompt the prefix cache
-  served (under or over half), each with its least-squares line: the prefill slope, in
-  milliseconds per 1000 prompt tokens; a cache flattens it;
-* decode rate per request (1 / TPOT) against reading pace (5 and 20 tokens/s);
-* errors by kind (client side), out of the requests sent, and the proxy's stream
-  outcomes;
-* the run's settings;
-* for a workload replay (``bench --workload-file``), the replay beside what it recorded:
-  the same table ``bench`` prints (:func:`proxy.bench.replay.comparison_rows`), its
-  headline and the notes on schedule and lengths.
-
-``--compare`` draws the other run beside this one in every chart and table.
+Built from the run's ``--json`` payload (so ``--compare OTHER.json`` takes the same path)
+and the live page's assets, inlined under a Content-Security-Policy that allows nothing
+else: it opens offline. Everything is computed here; the page only draws. What each chart
+shows: docs/design/bench.md.
 """
 
 from __future__ import annotations

@@ -1,20 +1,9 @@
 """Percentiles and the run summary: exact numbers from per-request records.
 
-Percentiles here are exact order statistics with linear interpolation between the two
-closest ranks (numpy's default ``linear`` method, also what vLLM's benchmark reports),
-unlike the proxy's, which are interpolated within histogram buckets. Durations are
-in seconds; the table shows milliseconds.
-
-Which requests count where:
-
-* TTFB, TTFT, first answer, TPOT, total time and the ITL gaps come from completed
-  requests only (an interrupted stream would make its TTFT look fine and its total
-  look fast). The table shows the first-answer row only when some request reasoned
-  before answering (otherwise it is TTFT again).
-* Throughput is completed requests and their output tokens over the run's wall time.
-* Decode rate is 1 / TPOT: output tokens per second once the first token arrived. The
-  shares below reading pace (5 tok/s) and above 20 tok/s are of the completed
-  requests that have a TPOT (two or more output tokens).
+Percentiles are exact order statistics with linear interpolation (numpy's ``linear``,
+as vLLM's benchmark reports), unlike the proxy's bucket estimates. Durations are in
+seconds; the table shows milliseconds. Latencies come from completed requests only.
+Which request counts where: docs/design/bench.md.
 """
 
 from __future__ import annotations

@@ -1,26 +1,10 @@
 """What to send and when: prompts, request bodies and arrival times, all seeded.
 
-A workload is a weighted mix of :class:`Profile` s (API, prompt length or a range of
-lengths, shared-prefix length, ``max_tokens``, reasoning). ``bench`` uses a single profile built from its
-flags; ``demo`` uses a mix over all four APIs. Everything is derived from ``random.Random`` instances seeded from the workload
-seed, one independent stream per purpose (prompts, arrivals, profile choice), so the
-same seed gives byte-identical bodies and identical arrival times, and changing, say,
-the rate does not change the prompts.
-
-Prompt text is made of random three-letter words and a space: about four characters a
-token, which is what both the proxy's fallback estimate and most simulators assume.
-Prompt lengths are therefore approximate; the upstream's ``usage`` has the real count.
-
-A shared prefix is byte-identical across every request of its profile and placed
-first, with the variable material last, so that a prefix cache (the simulator's, or a
-real server's) can reuse it.
-
-Every API gets the same prompt as one user message (the legacy completions API as its
-``prompt``), asks for streaming and for the token usage the API can report, and, for a
-reasoning profile, asks for reasoning with the API's own parameter: chat
-``reasoning_effort: "low"``, Responses ``reasoning: {"effort": "low"}``, Messages
-``thinking: {"type": "enabled", "budget_tokens": 1024}`` (Anthropic then wants
-``max_tokens`` above 1024; the simulator does not).
+A workload is a weighted mix of :class:`Profile` s; each purpose (prompts, arrivals,
+profile choice) draws from its own seeded ``random.Random``, so the same seed gives the
+same bytes and times. Prompts are random three-letter words (about four characters a
+token), a shared prefix first. Each API asks for streaming, usage and, for reasoning,
+its own reasoning parameter. Design: docs/design/bench.md.
 """
 
 from __future__ import annotations

@@ -1,47 +1,10 @@
 """The prefill fit: first-token time against uncached prompt tokens, from sums that add.
 
-Per (route, model, upstream), the time to first token less the proxy's own queue time
-is modelled as ``y = fixed + slope * x``, x the uncached prompt tokens (prompt minus
-cached, from the upstream's usage). The slope is the upstream's prefill cost per token;
-the fixed part is everything that does not grow with the prompt: the network, the
-upstream's queue and scheduling, its first decode step, the proxy itself.
-
-Why sums: an ordinary least-squares line needs only n, Sx, Sy, Sxy and Sxx (Syy adds
-its uncertainty). Sums add, so two replicas' counters summed, every worker's files, or a
-window taken as the difference of two cumulative readings give exactly the fit over the
-union of their requests, and nothing per request is kept. The proxy exports the sums as
-counters (``llm_proxy_prefill_fit_*``, :mod:`proxy.metrics`); the recording rules
-(prometheus/rules/recording.yml) compute the same fit in PromQL, with the same formulas
-and the same guard, so Grafana, the live page and a command reading either agree.
-
-Units: x in thousands of tokens, y in seconds; the slope comes out in seconds per 1,000
-tokens (which is numerically milliseconds per token). :class:`PrefillFit` reports
-milliseconds per 1,000 tokens and milliseconds. The thousands keep the exported values
-in a readable range (Sxx grows by about 1-10,000 per request rather than 10^6-10^10);
-float64 keeps the same relative precision at any scale, so precision is the guard's job:
-
-The guard: ``n*Sxx - Sx^2`` is ``n^2`` times the variance of x, found as the difference
-of two numbers that are nearly equal when the prompts vary little around a large mean
-(catastrophic cancellation): with the relative spread ``g = (n*Sxx - Sx^2) / (n*Sxx)``
-(the variance over the mean square, about the squared coefficient of variation for
-small spreads), the rounding in sums of n terms (at most about ``n * 2^-53`` relative
-each) becomes an error of about ``3 * n * 2^-53 / g`` in the denominator. Below
-``MIN_RELATIVE_SPREAD`` = 1e-4 (prompt lengths varying by less than about 1 % around
-their mean) there is no slope, said as such (status ``one_length``): that keeps the
-rounding error under 0.1 % up to 3 * 10^8 requests in one window, and a slope from a
-spread that small would mostly be noise anyway (its standard error says how much,
-above the guard).
-
-Which line (``PrefillFit.model``): the straight line by default (``"line"``). Where
-prefill grows faster than linearly (attention on a CPU engine), the line through the
-requests is right in slope where the requests are but crosses zero above zero tokens,
-so its fixed part comes out below zero and the prefill it predicts at the mean exceeds
-the whole first token. No part of the first token can be negative, so the fit is then
-the least-squares line with its fixed part held at zero (``"through_zero"``: the
-constrained optimum of the same sums, ``slope = Sxy / Sxx``), and the straight line's
-own figures are kept (``line_*``) so the card can say why. A quadratic term would
-need three more exported sums (x^3, x^4, x^2*y); the levers do not need it, because
-the split bounds every part by the whole (:func:`proxy.diagnosis.levers.first_token_split`).
+``y = fixed + slope * x`` per (route, model, upstream), x the uncached prompt tokens in
+thousands, y the first token less the proxy's queue time. Only sums are kept (n, Sx, Sy,
+Sxy, Sxx, Syy), so replicas, workers and windows combine exactly; the recording rules
+compute the same fit. Spreads below ``MIN_RELATIVE_SPREAD`` give no slope; a line with a
+negative fixed part is refitted through zero. Design: docs/design/diagnosis.md.
 """
 
 from __future__ import annotations

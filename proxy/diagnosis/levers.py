@@ -1,50 +1,11 @@
 """What to fix: the first token split into its causes, decode and output against reading
 pace, and the levers ranked by the time they would save, each with one plain sentence.
 
-Pure: the caller gathers the figures of one selection (route, model, upstream) from
-wherever they live (the proxy's own registry for the live page, a proxy's ``/metrics``
-or a Prometheus server for the ``diagnose`` command) into an :class:`Evidence`, and
-:func:`diagnose` turns it into a :class:`Diagnosis`; :func:`as_json` is the documented
-shape scripts read. Every threshold and every sentence is here, so the card, the command
-and the JSON say the same thing.
-
-How the first token is split (means, because they add up):
-
-* queue in the proxy (waiting for a ``--max-concurrency`` slot);
-* queue the upstream reported (vLLM's usage metrics, an ``x-queue-time`` header), or
-  unknown when it reports none: it is then inside the rest;
-* prefill of the uncached prompt: the fitted slope (:mod:`proxy.diagnosis.fit`) times
-  the mean uncached prompt tokens, less the part below;
-* prefill the missed cache would have saved: the slope times the prompt tokens a cache
-  should have served and did not (``missed_cache_tokens``, when a prompt-cache check
-  supplies it; unknown otherwise);
-* the rest: the mean first token less the known parts, which the fit puts in its fixed
-  part: network, the upstream's own scheduling and first decode step, the proxy.
-
-A part that cannot be known is None (shown as unknown), never 0. No part exceeds the
-whole or goes below zero: the fit's requests (streams with token counts) and all streams
-(the mean) can differ, so where prefill and missed cache together exceed what the queues
-leave of the mean, both are scaled down to it (``FirstTokenSplit.capped``) and the rest
-is 0. Where the engine reports its own prefill time (llama.cpp's ``timings.prompt_ms``),
-that mean is the prefill part (``prefill_from = "engine"``) and the fit only divides it
-between the missed cache and the rest of the prompt.
-
-How levers are ranked: by the milliseconds they would take off the mean request's total
-time (a first-token millisecond is one of the total's, so first-token and total levers
-are on one scale). Levers worth acting on (:data:`WORTH_MS` and :data:`WORTH_SHARE`)
-come first, most valuable first; then the ones measured and not worth it; then the ones
-with too little data; then the ones that cannot be measured here. No lever gives advice
-without the numbers behind it, and a lever with too little data says so.
-
-Decode rate and reading pace: 1 / TPOT per request; a reader keeps up with about 5
-tokens/s and does not notice anything above about 20 (the bench report's bands). What a
-faster decoder would save is only the time spent below 20 tokens/s: per request,
-``max(0, TPOT - 1/20) * (completion tokens - 1)``, from the TPOT histogram's mean of
-that excess times the mean completion length (treating the two as independent).
-
-"Asking for less output": each answer capped at the median length would take
-``per-token time * (mean length - mean of min(length, median))`` off the mean total;
-both means come from the completion-token histogram (uniform within a bucket).
+Pure: the caller gathers one selection's figures into an :class:`Evidence` and
+:func:`diagnose` returns a :class:`Diagnosis`; :func:`as_json` is the documented shape.
+Every threshold and sentence is here, so the card, the command and the JSON agree. A
+part that cannot be known is None, never 0, and no part exceeds the whole. How the split
+and the ranking work: docs/design/diagnosis.md.
 """
 
 from __future__ import annotations

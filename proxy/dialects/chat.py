@@ -1,30 +1,10 @@
 """``/v1/chat/completions``: what a chat completion chunk, and a chat completion, mean.
 
-* Output: a choice carries output when its ``delta`` has a non-empty ``content`` or
-  ``refusal`` string, a truthy ``tool_calls`` or ``function_call`` (answer), or a
-  non-empty ``reasoning_content`` or ``reasoning`` string (reasoning). Role-only and
-  empty chunks are not tokens. With ``n > 1``, ``outputs`` is the number of choices
-  carrying output and ``answer`` is true if any of them carries non-reasoning output.
-* Usage (chat and completions): ``prompt_tokens``,
-  ``prompt_tokens_details.cached_tokens`` and ``.cache_write_tokens``,
-  ``completion_tokens``, ``completion_tokens_details.reasoning_tokens``. A data event
-  with a truthy top-level ``"error"`` (vLLM and TGI report failures mid-stream that way,
-  and the ``openai`` client raises on it) is an error unless it carries output: real
-  error events carry no choices, and that rule keeps the error check off the token path.
-  An event named ``error`` is an error whatever its data.
-* Response info (chat and completions): the top-level ``id`` and ``model`` and every
-  choice's non-null ``finish_reason``, from the usage chunk and from chunks without
-  output whose ``finish_reason`` is set (the byte check sends those to the full decode:
-  one per choice per stream). Servers such as vLLM put the reason on the last token's
-  event instead, which the byte checks read without decoding; so the stream timer keeps
-  the data of the last output event it classified, and
-  :meth:`proxy.dialects.base.Dialect.output_response` decodes that once, at the end of a
-  stream where nothing else said why it ended. Non-stream answers: the same fields of
-  the body.
-* Prompt parts: the cache-relevant settings (:data:`CHAT_SETTINGS`), ``tools`` (and the
-  legacy ``functions``), then ``messages``.
-
-Completions (:mod:`proxy.dialects.completions`) is this reading with another output key.
+Output is a delta with non-empty ``content``, ``refusal``, ``reasoning_content`` or
+``reasoning``, or truthy ``tool_calls``/``function_call``. A data event with a truthy
+``"error"`` and no output is an error. The finish reason may sit on the last token's
+event, so the stream timer keeps that event's data and decodes it once at the end.
+Completions is this reading with another output key. Details: docs/design/dialects.md.
 """
 
 from __future__ import annotations

@@ -1,26 +1,9 @@
 """``/v1/messages``: what an Anthropic Messages API event, and a message, mean.
 
-* Output is a ``content_block_delta`` whose delta is a ``text_delta`` with a non-empty
-  ``text``, an ``input_json_delta`` with a non-empty ``partial_json`` (answer), or a
-  ``thinking_delta`` with a non-empty ``thinking`` (reasoning). Never output:
-  ``message_start``, ``content_block_start``, ``ping``, ``signature_delta``,
-  ``citations_delta``, ``message_delta``, ``message_stop``.
-* Usage is ``message_start.message.usage`` and every ``message_delta.usage``; the API's
-  counts are cumulative, so the last value of each field wins
-  (:func:`proxy.dialects.base.merge_usage`), never a sum. Prompt is ``input_tokens +
-  cache_read_input_tokens + cache_creation_input_tokens`` (the API's own definition of
-  total input; an absent cache field counts 0, an absent ``input_tokens`` makes prompt
-  unknown), cached is ``cache_read_input_tokens``, cache write
-  ``cache_creation_input_tokens``, completion ``output_tokens``, reasoning
-  ``output_tokens_details.thinking_tokens`` when the API reports it.
-* An ``error`` event (``{"type":"error","error":{...}}``) is an error. An event with no
-  name at all whose data has a truthy ``"error"`` is an error too (a server that reports
-  failures the chat way).
-* Response info: ``message.id`` and ``.model`` of ``message_start``,
-  ``delta.stop_reason`` of ``message_delta``. Non-stream answers: the same fields of
-  the body (``stop_reason`` for the reason).
-* Prompt parts: the cache-relevant settings (:data:`MESSAGES_SETTINGS`), then ``tools``,
-  ``system``, ``messages`` (Anthropic's order).
+Output is a ``content_block_delta`` with a non-empty ``text_delta``, ``input_json_delta``
+(answer) or ``thinking_delta`` (reasoning). Usage counts are cumulative (the last value
+wins); prompt is ``input_tokens`` plus both cache fields. Which fields, errors and prompt
+parts: docs/design/dialects.md.
 """
 
 from __future__ import annotations

@@ -1,30 +1,9 @@
 """``/v1/responses``: what an OpenAI Responses API event, and a response, mean.
 
-* Output is a non-empty string ``delta`` in ``response.output_text.delta``,
-  ``response.refusal.delta``, ``response.function_call_arguments.delta``,
-  ``response.custom_tool_call_input.delta``, ``response.mcp_call_arguments.delta``,
-  ``response.code_interpreter_call_code.delta``, ``response.shell_call_command.delta``,
-  ``response.audio.delta``, ``response.audio.transcript.delta`` (answer) and
-  ``response.reasoning_text.delta``, ``response.reasoning_summary_text.delta``
-  (reasoning). Never output: ``response.created``, ``response.in_progress``,
-  ``response.queued``, every ``*.added`` and ``*.done``, and the progress events of
-  hosted tools (``response.shell_call_output_content.delta`` is the output of running a
-  command, not generated text; a partial image is not a token).
-* Usage is ``response.usage`` in ``response.completed``, ``response.incomplete`` and
-  ``response.failed`` (or the non-stream body's ``usage``): prompt ``input_tokens``,
-  cached ``input_tokens_details.cached_tokens``, cache write
-  ``input_tokens_details.cache_write_tokens``, completion ``output_tokens``, reasoning
-  ``output_tokens_details.reasoning_tokens``.
-* ``error`` and ``response.failed`` are errors; ``response.incomplete`` (a length or
-  content-filter stop) is not. An event with no name at all whose data has a truthy
-  ``"error"`` is an error too (a server that reports failures the chat way).
-* Response info: ``response.id`` and ``.model`` of the final event, and as the reason
-  its ``incomplete_details.reason`` when set, else its ``status``. Non-stream answers:
-  the same fields of the body.
-* Prompt parts: the cache-relevant settings (:data:`RESPONSES_SETTINGS`),
-  ``instructions``, ``tools``, the server-side context it names
-  (``previous_response_id``, ``conversation``: the proxy cannot see that text, so its
-  id stands in for it), then ``input`` items.
+Output is a non-empty string ``delta`` in the output, refusal, tool-argument, audio and
+reasoning delta events; never ``*.added``, ``*.done`` or hosted tools' progress. Usage is
+``response.usage`` of the final event. ``error`` and ``response.failed`` are errors,
+``response.incomplete`` is not. Details: docs/design/dialects.md.
 """
 
 from __future__ import annotations

@@ -1,26 +1,10 @@
 """The simulator's HTTP face: the OpenAI and Anthropic APIs over :mod:`.engine`.
 
-Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (:mod:`.chat`),
-``POST /v1/responses`` (:mod:`.responses`), ``POST /v1/messages`` (:mod:`.messages`),
-each streamed or not; ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /healthz``.
-Errors before the body use the OpenAI shape ``{"error": {"message", "type", "param",
-"code"}}``, except under ``/v1/messages``, where they use Anthropic's ``{"type":
-"error", "error": {"type", "message"}}``. With ``--api-key`` the key is accepted as
-``Authorization: Bearer KEY`` (OpenAI's SDK) or ``x-api-key: KEY`` (Anthropic's);
-``anthropic-version`` is accepted and not checked.
-
-Streams go out through sse-starlette for what it is for: it watches for the client's
-disconnect and ends the generator (so an abandoned request frees its decode slot, as a
-real server's does) and it stops streams on shutdown. The bytes are the dialect's own
-pre-framed events with LF line endings (OpenAI's and Anthropic's, not sse-starlette's
-default CRLF), and its keep-alive ping is off: a real upstream sends no SSE comments
-between tokens (Anthropic's ``ping`` is an event of its own, sent by the Messages
-dialect), and a comment would be an extra read the proxy's tests would have to expect.
-
-A simulated mid-stream drop (``--drop-rate``) raises :class:`SimulatedDrop`; a
-middleware around the routes swallows it, so uvicorn closes the connection without
-ending the chunked body, which is what a crashed upstream looks like to a client
-(uvicorn's one error line for it is filtered out, see :func:`quiet_simulated_drops`).
+Routes for chat, completions, Responses and Messages, models and ``/healthz``; errors in
+the OpenAI shape, or Anthropic's under ``/v1/messages``. Streams go out through
+sse-starlette (disconnects free the decode slot) with LF endings and no keep-alive ping.
+A :class:`SimulatedDrop` closes the connection mid-body, like a crashed upstream.
+Design: docs/design/simulator.md.
 """
 
 from __future__ import annotations

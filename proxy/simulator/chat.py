@@ -1,26 +1,9 @@
 """OpenAI chat completions and legacy completions, shaped like OpenAI's and vLLM's.
 
-A stream: response headers at once (while the request may still be queued); a
-role-only chunk when the request gets its decode slot (so time to first *byte* and
-time to first *token* differ, as they do in production); one chunk per decode step;
-a chunk with an empty delta and ``finish_reason``; the usage-only chunk
-(``"choices": []``) when ``stream_options.include_usage`` is set; then
-``data: [DONE]``. Events end in LF (``data: ...\\n\\n``), like OpenAI's. Usage has
-``prompt_tokens_details.cached_tokens`` (times ``--cached-tokens-factor``), or no
-``prompt_tokens_details`` at all with ``--no-report-cached-tokens``, as from vLLM
-without ``--enable-prompt-tokens-details``.
-
-A chat request that sets ``reasoning_effort`` (other than ``"none"``) is a reasoning
-request: its reasoning steps come as ``delta.reasoning_content`` (the field of
-DeepSeek's API, vLLM's reasoning parsers and llama.cpp) before the answer's
-``delta.content``, and usage gains ``completion_tokens_details.reasoning_tokens``.
-
-A simulated stream error (``--stream-error-rate``) sends ``data: {"error": {...}}``
-and ``data: [DONE]`` in place of the finish and usage chunks, as vLLM does when a
-generation fails after the headers went out.
-
-Chunks are built from pre-encoded byte templates: the simulator must stay cheap with
-hundreds of streams on a small CPU.
+Headers at once, a role-only chunk when the decode slot is granted (so TTFB and TTFT
+differ), one chunk per step, the finish, the usage chunk when asked, then ``[DONE]``.
+Reasoning comes as ``delta.reasoning_content``. Chunks are pre-encoded byte templates,
+to stay cheap with hundreds of streams. Design: docs/design/simulator.md.
 """
 
 from __future__ import annotations

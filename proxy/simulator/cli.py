@@ -1,18 +1,9 @@
 """``llm-latency-proxy simulate``: run the simulated OpenAI- and Anthropic-compatible upstream.
 
-Every :class:`~proxy.simulator.model.SimConfig` field is one flag of the same name,
-with its default taken from the dataclass so that ``--help``, the code and
-docs/simulator.md cannot drift apart. Heavy imports (FastAPI, uvicorn) wait until the
-command runs, so ``llm-latency-proxy --help`` stays fast.
-
-``--profile NAME`` applies a speed profile (:mod:`proxy.simulator.profiles`) to that
-configuration; ``--profiles A,B`` serves one simulator per profile from one process,
-profile *i* on ``--port`` + *i*, each with its own latency model, queue and cache, as
-separate servers would have. A speed flag given on the command line wins over the
-profile, so each flag's action notes that it was given (argparse itself cannot tell a
-default from an explicit value equal to it). Several servers in one process share the
-process's signals: the command, not each uvicorn server, catches SIGINT and SIGTERM
-and stops them all.
+Every :class:`~proxy.simulator.model.SimConfig` field is one flag of the same name, its
+default taken from the dataclass. ``--profile`` applies a speed profile; ``--profiles
+A,B`` serves one simulator per profile from one process, and the command, not each
+server, handles SIGINT and SIGTERM. Design: docs/design/simulator.md.
 """
 
 from __future__ import annotations

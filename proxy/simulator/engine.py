@@ -1,20 +1,10 @@
 """One request's life on the event loop, shared by every API the simulator speaks.
 
-:class:`Engine` takes a request in API-neutral terms (:class:`Ask`), lets the latency
-model (:mod:`.model`) plan it, waits for a decode slot, and then yields one step per
-decode step at the time the model says it is due; it also draws the words. Turning
-steps into an API's bytes is the job of the dialect modules (:mod:`.chat`,
-:mod:`.responses`, :mod:`.messages`), which know nothing of time; this module knows
-nothing of any API's JSON.
-
-A step never mixes reasoning and answer tokens (see :meth:`RequestPlan.steps`), so a
-dialect tells the phase of the step it just got from :attr:`Job.in_reasoning`.
-
-Two simulated failures end a stream here: a drop (``--drop-rate``) raises
-:class:`SimulatedDrop`, which the app turns into a connection closed mid-body; a
-stream error (``--stream-error-rate``) ends the steps early with :attr:`Job.failed`
-set, and the dialect then writes its API's error event. Non-streamed requests meet
-neither.
+:class:`Engine` takes an API-neutral :class:`Ask`, lets the latency model plan it, waits
+for a decode slot and yields one step per decode step when it is due. The dialect modules
+turn steps into bytes and know nothing of time; this module knows nothing of any API's
+JSON. A drop raises :class:`SimulatedDrop`; a stream error sets :attr:`Job.failed`.
+Design: docs/design/simulator.md.
 """
 
 from __future__ import annotations

@@ -1,43 +1,9 @@
 """The Anthropic Messages API, ``POST /v1/messages``, streamed or not.
 
-Every event is ``event: <type>\\ndata: <json with "type">\\n\\n`` (LF); field for field
-they follow the ``anthropic`` SDK's types (``anthropic.types``), so
-``client.messages.stream(...)`` and ``client.messages.create(...)`` parse them. A
-stream, with the moment each write goes out:
-
-* headers at once, while the request may still wait for a decode slot;
-* when it gets its slot: ``message_start`` (the message with empty ``content`` and
-  ``usage``), ``content_block_start`` of block 0, and a ``ping``, as Anthropic sends
-  them before the first token;
-* a reasoning request (``"thinking": {"type": "enabled" | "adaptive", ...}``) has a
-  ``thinking`` block 0 with one ``thinking_delta`` per reasoning step; the write of
-  the first answer step closes it (``signature_delta``, ``content_block_stop``) and
-  opens the ``text`` block 1 (``content_block_start``) before its first
-  ``text_delta``; without reasoning, block 0 is the ``text`` block; one
-  ``text_delta`` per answer step;
-* one last write: ``content_block_stop``, ``message_delta`` (``delta.stop_reason``
-  ``end_turn``, or ``max_tokens`` when ``max_tokens`` ended the answer; ``usage`` with
-  the cumulative ``output_tokens``), ``message_stop``.
-
-Usage follows Anthropic's accounting: ``input_tokens`` *excludes* cache reads and
-writes, so ``input_tokens = prompt - cache_read_input_tokens -
-cache_creation_input_tokens``, with cache reads the prefix-cache hits and cache writes
-the prompt's full blocks that were not cached yet (the simulator's cache is automatic,
-so every request writes, with no ``cache_control`` needed). With
-``--cached-tokens-factor`` the cache reads are under-reported and ``input_tokens`` takes
-up what they leave out; with ``--no-report-cached-tokens`` the cache fields are absent
-and ``input_tokens`` is the whole prompt, as from a server that keeps no cache
-accounting. ``message_start`` carries
-``output_tokens: 1`` as Anthropic's does; ``message_delta`` and the non-streamed
-message carry the total, reasoning included (``output_tokens_details.thinking_tokens``
-when the request thought).
-
-A simulated stream error (``--stream-error-rate``) ends the stream with
-``event: error`` and ``{"type": "error", "error": {"type": "overloaded_error", ...}}``,
-as Anthropic does when it is overloaded after the headers went out; the HTTP status
-stays 200. Errors before the body use Anthropic's shape too, by HTTP status
-(``invalid_request_error``, ``authentication_error``, ``not_found_error``,
-``rate_limit_error``, ``api_error``, ``overloaded_error`` for 529, ...).
+Events follow the ``anthropic`` SDK's types. Usage follows Anthropic's accounting:
+``input_tokens`` excludes cache reads and writes. A stream error ends with an
+``overloaded_error`` event; errors before the body use Anthropic's shape by HTTP status.
+The order of events and writes: docs/design/simulator.md.
 """
 
 from __future__ import annotations

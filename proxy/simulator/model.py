@@ -1,47 +1,10 @@
 """The simulator's latency model: when each token of each request comes out.
 
-It is plain synchronous code with no clock of its own: every method that depends on
-time takes ``now`` from the caller (the web app passes its monotonic clock; unit tests
-pass scripted times). Randomness comes from one ``random.Random`` per request, derived
-from the seed and the request's arrival number, so a run is repeatable given ``--seed``
-and the order in which requests arrive.
-
-The physics, in the order a request meets them (see docs/simulator.md):
-
-1. **Decode slots.** At most ``slots`` requests are in the batch at once; later ones
-   wait in a FIFO queue. The wait is the request's queue time.
-2. **Prefix cache.** The prompt is cut into blocks of ``cache_block_tokens`` tokens
-   (``cache_block_tokens * chars_per_token`` characters). Blocks are chained like
-   vLLM's automatic prefix cache: block *i* is a hit only if blocks 0..i are
-   byte-identical to a prompt seen recently under the same scope (the model and the
-   request's ``prompt_cache_key``/``cache_salt``: an LRU of ``cache_blocks`` blocks).
-   Hits cost no prefill and are reported as cached tokens, times
-   ``cached_tokens_factor`` (rounded down: an upstream that under-reports), or not at
-   all with ``report_cached_tokens`` off (the usage field is absent). A prompt counts
-   as seen from the moment it arrives.
-3. **Prefill.** Uncached tokens are computed at ``prefill_rate`` tokens/s on one shared
-   compute lane (a burst of long prompts queues behind itself even with free slots),
-   plus a fixed ``prefill_overhead`` per request. The first token comes out when the
-   prefill ends. ``prefill_attention`` adds what attention costs on an engine where it
-   shows (a CPU engine): each computed token attends to every token before it, so a
-   prompt of T tokens with C cached costs ``prefill_attention * ((T/1000)^2 -
-   (C/1000)^2)`` seconds more; prefill then grows faster than linearly.
-4. **Decode.** Each further step takes ``itl * (1 + itl_growth * (active - 1))``,
-   times a uniform jitter of +-``jitter``: batching more streams raises throughput but
-   slows each one. A step yields ``tokens_per_chunk`` tokens.
-5. **Output length.** ``max_tokens`` when the request sets it (``finish_reason``
-   ``length``), else drawn from ``output_dist`` around ``output_tokens``
-   (``finish_reason`` ``stop``), always within ``max_model_len``. A request that asks
-   for reasoning first thinks for exactly ``reasoning_tokens`` tokens, then answers;
-   its ``max_tokens`` covers both, as in the real APIs (the thinking is cut short only
-   when it would leave no answer token), and without one the answer has the drawn
-   length. Steps never mix the two phases, so the first answer token comes exactly
-   ``ceil(reasoning_tokens / tokens_per_chunk)`` steps after the first token.
-6. **Faults** (decided per request when it arrives): an immediate error, a dropped
-   connection after a random number of tokens, an error event inside a stream after a
-   random number of tokens, or a stall before a random token.
-
-Deliberately left out: prefill/decode interference, KV-cache capacity, preemption.
+Synchronous, no clock of its own (``now`` comes from the caller), one seeded
+``random.Random`` per request. A request meets decode slots, the prefix cache, prefill on
+one shared lane, decode steps slowed by batching, its output length, and faults.
+Left out on purpose: prefill/decode interference, KV-cache capacity, preemption.
+Design: docs/design/simulator.md.
 """
 
 from __future__ import annotations

@@ -1,29 +1,10 @@
 """Named speed profiles: the simulator as upstreams of clearly different speeds.
 
-A proxy in front of several upstreams is only worth watching if the upstreams differ,
-and the dashboard's "compare upstreams" row and the per-upstream alerts are only
-proven if one upstream is measurably slower than another. A profile fixes the four
-fields that set a stream's speed and nothing else:
-
-======= ================== ================= ============ ===========
-profile prefill overhead   prefill rate      ITL (alone)  ITL growth
-======= ================== ================= ============ ===========
-fast    0.03 s             20 000 tokens/s   0.01 s       0.005
-slow    0.5 s              2 500 tokens/s    0.05 s       0.02
-======= ================== ================= ============ ===========
-
-So with a free slot and an uncached prompt of P tokens, TTFT is 30 ms + P / 20 000
-on ``fast`` (a 1 000-token prompt: 80 ms) and 500 ms + P / 2 500 on ``slow`` (900 ms),
-and a lone stream decodes at 100 and 20 tokens/s. Both stay under the shipped 2 s
-TTFT alert for ordinary prompts, so the slow upstream shows on the comparison
-panels without paging anyone; fault injection, slots, models and the seed stay
-whatever the base configuration says.
-
-A profile is applied on top of a base :class:`SimConfig` (the defaults, the
-demo's, or the command line's): :func:`profile_config` replaces the four fields,
-and on the command line a speed flag given explicitly (``--itl 0.03``) wins over
-the profile. The figures live here only; docs/simulator.md and docs/getting-started.md
-quote them, and tests/test_simulator_profiles.py checks the schedule against them.
+A profile fixes the four fields that set a stream's speed (prefill overhead, prefill
+rate, ITL, ITL growth) and nothing else; :func:`profile_config` applies it on top of a
+base :class:`SimConfig`, and an explicit speed flag wins. The values are here only;
+docs/simulator.md lists them and tests/test_simulator_profiles.py checks the schedule.
+Design: docs/design/simulator.md.
 """
 
 from __future__ import annotations

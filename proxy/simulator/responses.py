@@ -1,41 +1,10 @@
 """The OpenAI Responses API, ``POST /v1/responses``, streamed or not.
 
-Every event is ``event: <type>\\ndata: <json>\\n\\n`` (LF), its JSON starting with
-``type`` and ``sequence_number`` (0, 1, 2, ... per response); there is no ``[DONE]``
-line. Field for field the events follow the ``openai`` SDK's types
-(``openai.types.responses``), so ``client.responses.create(stream=True)`` and
-``client.responses.stream(...)`` parse them. A stream, with the moment each write
-goes out:
-
-* headers at once, while the request may still wait for a decode slot;
-* when it gets its slot: ``response.created``, ``response.in_progress``;
-* a reasoning request (``"reasoning"`` given, with an ``effort`` other than
-  ``"none"``) opens output item 0, a ``reasoning`` item, in the write of its first
-  step: ``response.output_item.added``, ``response.content_part.added``
-  (``reasoning_text``), then one ``response.reasoning_text.delta`` per reasoning
-  step. The raw reasoning text is what open-weight servers stream (vLLM's Responses
-  API for gpt-oss); OpenAI's own models only stream *summaries*
-  (``response.reasoning_summary_text.delta``), and in a few bursts rather than one per
-  decode step, which would hide the decode schedule this simulator is for;
-* the reasoning item closes in the write of the first answer step
-  (``response.reasoning_text.done``, ``response.content_part.done``,
-  ``response.output_item.done``), which then opens the ``message`` item
-  (``response.output_item.added``, ``response.content_part.added`` with an empty
-  ``output_text``) before its first ``response.output_text.delta``; one such delta per
-  answer step;
-* one last write: ``response.output_text.done``, ``response.content_part.done``,
-  ``response.output_item.done``, then ``response.completed``, or
-  ``response.incomplete`` (``incomplete_details.reason`` ``max_output_tokens``) when
-  ``max_output_tokens`` ended the answer, as OpenAI does. Its ``response.usage`` has
-  ``input_tokens``, ``input_tokens_details.cached_tokens`` (prefix-cache hits) and
-  ``cache_write_tokens``, ``output_tokens`` (reasoning and answer),
-  ``output_tokens_details.reasoning_tokens`` and ``total_tokens``
-  (``--cached-tokens-factor`` scales ``cached_tokens``; ``--no-report-cached-tokens``
-  leaves ``input_tokens_details`` out).
-
-A simulated stream error (``--stream-error-rate``) ends the stream with
-``response.failed`` (status ``failed``, ``error.code`` ``server_error``) in place of
-the open items' closing events; the HTTP status stays 200.
+Events follow the ``openai`` SDK's types (``event:`` line, JSON with ``type`` and
+``sequence_number``, LF, no ``[DONE]``). Reasoning streams as raw
+``response.reasoning_text.delta``, one per step; the answer as
+``response.output_text.delta``; a stream error ends with ``response.failed``. The order
+of events and writes: docs/design/simulator.md.
 """
 
 from __future__ import annotations

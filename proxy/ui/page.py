@@ -1,21 +1,10 @@
 """``GET /ui`` and ``GET /ui/data``: the live page and its JSON, over ASGI or WSGI.
 
-The page is one HTML document with its stylesheet and scripts inlined, assembled once
-from the files in ``proxy/ui/static`` when the proxy starts; the browser then fetches
-only ``/ui/data``, from the same origin. Its Content-Security-Policy allows exactly those
-inlined scripts and styles (by hash) and connections to its own origin, so the page
-cannot reach anything off the machine, whatever a label value contains.
-
-The same :class:`LivePage` answers on the main port (from :class:`proxy.app.ProxyApp`,
-ASGI, on the event loop) and on the metrics port (:meth:`LivePage.wsgi`, in front of
-prometheus_client's WSGI app): wherever ``/metrics`` is served, and nowhere else, so
-that an operator who protected ``/metrics`` by moving it to its own port protected the
-page too.
-
-Bad input costs nothing: a query string longer than ``MAX_QUERY`` bytes, more than
-three parameters, a repeated or unknown one, is refused with 400 before anything is
-read; a well-formed selector naming a route, model or upstream the registry does not
-have gets 400 too. Errors use the OpenAI error shape, like the rest of the proxy.
+One HTML document with its assets inlined, assembled once at start-up, under a
+Content-Security-Policy that allows only its own origin. Served wherever ``/metrics`` is
+served (main port over ASGI, metrics port over WSGI), and nowhere else. Bad query strings
+and unknown selectors get 400 in the OpenAI error shape before anything is read.
+Design: docs/design/bench.md.
 """
 
 from __future__ import annotations

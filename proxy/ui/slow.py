@@ -1,20 +1,10 @@
 """The slowest recent streamed requests, for the live page's table.
 
-Fed once per finished request (:meth:`SlowRequests.add`, registered as a watcher of
-:class:`proxy.metrics.Metrics`), never per event, and O(1) per request: time is cut into
-10-second slots; each slot keeps, per (route, model, upstream), the ``KEEP`` slowest
-requests it saw, and a request slower than none of them costs one dictionary lookup and
-one comparison. Six slots make the last minute. Per series rather than overall, so that
-selecting a fast model on the page still lists that model's slowest requests.
-
-"Slow" is time to first token, what a user waits for; a stream that ended without any
-token (an error, a timeout) counts with its whole duration, since that is how long its
-user waited for nothing. Only what the per-request record holds is kept: request id,
-route, model, upstream, times, token counts and outcome; never prompt text or keys.
-
-With ``--workers N`` every worker keeps its own list: the table shows the slowest
-requests of the worker that answered the page's request, and is empty when the page is
-served on the metrics port (the supervisor process relays no requests).
+Fed once per finished request, O(1) per request: time is cut into slots, each keeping
+the ``KEEP`` slowest requests per (route, model, upstream). "Slow" is time to first
+token, or the whole duration of a stream that ended without a token. Only what the
+record holds is kept, never prompt text or keys. With ``--workers N`` each worker keeps
+its own list. Design: docs/design/bench.md.
 """
 
 from __future__ import annotations
