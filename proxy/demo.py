@@ -42,7 +42,7 @@ SUPPORT = ("support", "sim-support", ("sim-support",))
 UPSTREAMS = (LOCAL[0], CLOUD[0], SUPPORT[0])
 CLOUD_SHARE = 0.25  # of the steady traffic
 SUPPORT_RATE_SHARE = 0.3  # the support app's requests per second, as a share of --rate
-SUPPORT_INSTRUCTION_TOKENS = 2400  # the stable block after the timestamp: about 9.6 KB
+SUPPORT_INSTRUCTION_TOKENS = 2400  # the stable block after the timestamp, four bytes a token
 SUPPORT_QUESTION_TOKENS = (20, 3000)  # a ticket pasted in: from a line to a long log
 SUPPORT_MAX_TOKENS = 24  # short answers: what it costs is the first token
 FIRST_ANSWER = "llm_proxy_time_to_first_answer_token_seconds"
@@ -243,7 +243,7 @@ def support_request(index: int, instructions: str, rng: random.Random, clock: st
     """One request of the support app: an app that puts the time first in its system
     prompt (``Current time is HH:MM:SS.``), then a long block of instructions that never
     changes, then the ticket. Every second the head changes, so no prefix cache can
-    reuse the 9.6 KB after it: the prompt-cache doctor reports ``variable_before_stable``
+    reuse the instructions after it: the prompt-cache doctor reports ``variable_before_stable``
     at message 0 (system), and the "What to fix" card's top lever for this model is
     prefill (each request computes the whole prompt again; moving the time after the
     instructions would let a cache serve them)."""

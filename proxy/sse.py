@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-DEFAULT_MAX_EVENT_BYTES = 1 << 20  # 1 MiB
+DEFAULT_MAX_EVENT_BYTES = 1 << 20
 
 
 class SSEEvent(NamedTuple):

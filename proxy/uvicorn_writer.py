@@ -80,8 +80,8 @@ class DirectWriter(ClientConnection):
     uvicorn's ``RequestResponseCycle.send`` (httptools protocol), for a body chunk of a
     chunked response: wait while the transport is paused, return if the client
     disconnected, else write ``<hex size>\r\n<chunk>\r\n``. This does the same, minus
-    the message dict, the state checks and the coroutine per chunk (about 25 us per SSE
-    event on the benchmark machine); the waiting moves to :meth:`writable`, which the
+    the message dict, the state checks and the coroutine per chunk (what that saves per
+    SSE event: docs/performance.md); the waiting moves to :meth:`writable`, which the
     relay awaits only when :meth:`write` said the transport asked to pause, and which
     bounds it. The response start and the final empty chunk still go through ``send``, so uvicorn's state (keep-alive, access log,
     response completion) is exactly what it would be.

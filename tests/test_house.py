@@ -51,26 +51,19 @@ CODE_LITERAL = re.compile(r"``.*?``")
 FIGURES_ALLOWED: frozenset[str] = frozenset(
     {
         "proxy/app.py",
-        "proxy/bench/cli.py",
-        "proxy/bench/client.py",
         "proxy/bench/replay.py",
         "proxy/bench/whatif.py",
         "proxy/bodies.py",
         "proxy/capture.py",
         "proxy/config.py",
-        "proxy/demo.py",
-        "proxy/diagnosis/levers.py",
         "proxy/diagnosis/prefix.py",
         "proxy/measure.py",
-        "proxy/metrics.py",
         "proxy/otel_metrics.py",
         "proxy/prefix_check.py",
         "proxy/prefix_store.py",
         "proxy/routes.py",
-        "proxy/sse.py",
         "proxy/tracefile.py",
         "proxy/ui/data.py",
-        "proxy/uvicorn_writer.py",
         "proxy/wire.py",
     }
 )

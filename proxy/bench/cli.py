@@ -41,7 +41,7 @@ _JSON_KEYS = {"TTFB": "ttfb", "first answer": "first_answer"}
 
 
 class Progress:
-    """A hand-rolled progress bar on a TTY; otherwise a line per 10 %; or nothing.
+    """A hand-rolled progress bar on a TTY; otherwise a line per tenth of the run; or nothing.
 
     Progress is requests done over the request budget, or elapsed over the duration
     when that is the tighter bound.
@@ -383,7 +383,7 @@ def run_command(args: argparse.Namespace) -> int:
     import asyncio
 
     try:
-        import uvloop  # comes with uvicorn[standard]; about 20 % less client CPU per event
+        import uvloop  # comes with uvicorn[standard]; less client CPU per event (docs/performance.md)
     except ImportError:  # pragma: no cover - Windows, or uvicorn without extras
         runner = asyncio.run
     else:

@@ -450,10 +450,10 @@ LEAD_S = 0.2  # a request's task is started (its body built) this long before it
 async def _until(when: float, clock: Clock) -> None:
     """Return at ``when`` on ``clock`` (pacing the workload, not waiting on a result).
 
-    A plain timer: yielding to the loop for the last millisecond or two instead
-    (measured on a loaded 2-core machine) moved the median send from 0.3 ms late to
-    0 but the 99th percentile from 4 ms to 7: a process that spins loses the
-    scheduler's favour for waking sleepers, and the tail is what a workload file's bursts meet.
+    A plain timer: yielding to the loop for the last millisecond or two instead made
+    the median send punctual but the 99th percentile later (docs/performance.md): a
+    process that spins loses the scheduler's favour for waking sleepers, and the tail is
+    what a workload file's bursts meet.
     """
     # Waiting on the clock itself, which no event can stand for; again when a timer
     # fired early (uvloop's round to the millisecond).

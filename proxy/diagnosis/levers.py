@@ -617,7 +617,7 @@ def _sig(value: float | None) -> str:
 
 
 def ms_text(ms: float | None) -> str:
-    """340 ms, 1.2 s, 18.7 s, 0.4 ms."""
+    """A duration as the card words it: ``340 ms``, ``1.2 s``, ``18.7 s``, ``0.4 ms``."""
     if ms is None:
         return "unknown"
     if abs(ms) >= 1000:
