@@ -104,7 +104,6 @@ LONG_MODULE_ALLOWED: frozenset[str] = frozenset(
         "proxy/demo.py",
         "proxy/diagnosis/levers.py",
         "proxy/diagnosis/prefix.py",
-        "proxy/metrics.py",
         "proxy/routes.py",
         "proxy/tracefile.py",
         "proxy/ui/data.py",

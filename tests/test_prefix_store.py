@@ -654,7 +654,7 @@ async def test_a_full_backlog_for_the_store_is_a_counted_miss(
 
 def test_every_reason_is_in_the_metrics_help() -> None:
     from proxy.doctor.job import UNCHECKED_REASONS
-    from proxy.metrics import PREFIX_HELP
+    from proxy.metric_help import PREFIX_HELP
 
     for reason in UNCHECKED_REASONS:
         assert f"{reason}: " in PREFIX_HELP["unchecked"], reason
