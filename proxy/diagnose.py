@@ -374,9 +374,9 @@ def _wrap(text: str, indent: int, then: int) -> list[str]:
 
 
 def _dur(ms: float | None) -> str:
-    from proxy.diagnosis.levers import ms_text
+    from proxy.diagnosis.wording import dur
 
-    return "0 ms" if ms == 0 else ms_text(ms)
+    return "0 ms" if ms == 0 else dur(ms)
 
 
 def _num(value: float | int | None) -> str:

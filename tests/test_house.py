@@ -102,7 +102,6 @@ LONG_MODULE_ALLOWED: frozenset[str] = frozenset(
         "proxy/bench/cli.py",
         "proxy/config.py",
         "proxy/demo.py",
-        "proxy/diagnosis/levers.py",
         "proxy/diagnosis/prefix.py",
         "proxy/routes.py",
         "proxy/tracefile.py",

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from proxy.buckets import fraction_at_most, histogram_quantile
+from proxy.diagnosis import wording as say
 from proxy.diagnosis.fit import KNOWN_SLOPE_RELATIVE_STDERR, PrefillFit
 
 # -- thresholds --------------------------------------------------------------------
@@ -56,10 +57,10 @@ class Dist:
         return self.total / self.count if self.count > 0 else None
 
     def quantile(self, q: float) -> float | None:
-        return _finite(histogram_quantile(q, self.buckets)) if self.count > 0 else None
+        return say.finite(histogram_quantile(q, self.buckets)) if self.count > 0 else None
 
     def share_at_most(self, x: float) -> float | None:
-        return _finite(fraction_at_most(x, self.buckets)) if self.count > 0 else None
+        return say.finite(fraction_at_most(x, self.buckets)) if self.count > 0 else None
 
     def mean_excess(self, cap: float) -> float | None:
         """The mean of ``max(0, value - cap)``: the exact sum, less the observations up
@@ -129,7 +130,7 @@ class FirstTokenSplit:
     capped: bool = False  # prefill and missed cache scaled down to what the mean leaves
 
     def as_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {name: _round(getattr(self, name)) for name in _SPLIT_PARTS}
+        out: dict[str, Any] = {name: say.rounded(getattr(self, name)) for name in _SPLIT_PARTS}
         out["prefill_from"] = self.prefill_from
         out["capped"] = self.capped
         return out
@@ -174,8 +175,8 @@ class Lever:
 
     def as_json(self) -> dict[str, Any]:
         return {"name": self.name, "status": self.status, "acts_on": self.acts_on,
-                "saves_ms": _round(self.saves_ms), "sentence": self.sentence,
-                "numbers": {k: _round(v) for k, v in self.numbers.items()}}
+                "saves_ms": say.rounded(self.saves_ms), "sentence": self.sentence,
+                "numbers": {k: say.rounded(v) for k, v in self.numbers.items()}}
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,15 +200,15 @@ class Diagnosis:
         return {
             "route": self.route, "model": self.model, "upstream": self.upstream,
             "requests": self.requests,
-            "prefill_ms_per_1k_tokens": _round(self.prefill_ms_per_1k_tokens),
-            "fixed_ms": _round(self.fixed_ms),
+            "prefill_ms_per_1k_tokens": say.rounded(self.prefill_ms_per_1k_tokens),
+            "fixed_ms": say.rounded(self.fixed_ms),
             "fit_model": self.fit_model,
-            "line_fixed_ms": _round(self.line_fixed_ms),
+            "line_fixed_ms": say.rounded(self.line_fixed_ms),
             "fit_note": self.fit_note,
-            "tokens_estimated_share": _round(self.tokens_estimated_share),
+            "tokens_estimated_share": say.rounded(self.tokens_estimated_share),
             "first_token": self.first_token.as_json(),
-            "decode": {k: _round(getattr(self.decode, k)) for k in self.decode.__slots__},
-            "output": {k: _round(getattr(self.output, k)) for k in self.output.__slots__},
+            "decode": {k: say.rounded(getattr(self.decode, k)) for k in self.decode.__slots__},
+            "output": {k: say.rounded(getattr(self.output, k)) for k in self.output.__slots__},
             "levers": [lever.as_json() for lever in self.levers],
         }
 
@@ -229,16 +230,16 @@ def usable_fit(fit: PrefillFit) -> bool:
 
 def first_token_split(ev: Evidence) -> FirstTokenSplit:
     fit = ev.fit
-    mean = _ms(ev.ttft_mean_s)
-    proxy_q = _ms(ev.queue_mean_s)
-    upstream_q = _ms(ev.upstream_queue_mean_s)
+    mean = say.ms(ev.ttft_mean_s)
+    proxy_q = say.ms(ev.queue_mean_s)
+    upstream_q = say.ms(ev.upstream_queue_mean_s)
     prefill = missed = rest = None
     source: str | None = None
     missed_tokens = None
     uncached = fit.mean_uncached_tokens if fit.status != "no_requests" else None
     if ev.missed_cache_tokens is not None and uncached is not None:
         missed_tokens = min(max(0.0, ev.missed_cache_tokens), uncached)
-    engine = _ms(ev.engine_prefill_mean_s) if ev.engine_prefill_requests > 0 else None
+    engine = say.ms(ev.engine_prefill_mean_s) if ev.engine_prefill_requests > 0 else None
     if engine is not None:
         source = "engine"
         prefill = engine
@@ -290,8 +291,8 @@ def output_figures(ev: Evidence) -> OutputFigures:
     done = sum(ev.finish.values())
     limited = ev.finish.get("length", 0.0) / done if done > 0 else None
     completion = ev.completion
-    per_token = _ms(ev.tpot.mean() if ev.tpot is not None else None)
-    total = _ms(ev.duration_mean_s)
+    per_token = say.ms(ev.tpot.mean() if ev.tpot is not None else None)
+    total = say.ms(ev.duration_mean_s)
     if completion is None or completion.count <= 0:
         return OutputFigures(0, None, None, None, per_token, None, None, total, limited)
     mean = completion.mean()
@@ -356,19 +357,19 @@ def fit_note(ev: Evidence) -> str:
         return "Prefill cost not known: no streamed request with a first token in this window."
     if fit.requests < MIN_REQUESTS:
         return (f"Prefill cost not known yet: {fit.requests:,} streamed "
-                f"{_plural(fit.requests, 'request')} fitted, {MIN_REQUESTS} needed." + estimated)
+                f"{say.plural(fit.requests, 'request')} fitted, {MIN_REQUESTS} needed." + estimated)
     if fit.status == "one_length":
         return (f"Prefill cost not known: the prompts all have about one length "
-                f"({_tokens(fit.mean_uncached_tokens)} uncached tokens), so prefill cannot be "
+                f"({say.tokens(fit.mean_uncached_tokens)} uncached tokens), so prefill cannot be "
                 "told apart from the fixed part." + estimated)
     if not usable_fit(fit):
-        return (f"Prefill cost not known: {_sig(fit.ms_per_1k_tokens)} ± "
-                f"{_sig(fit.stderr_ms_per_1k_tokens)} ms per 1,000 uncached tokens over "
+        return (f"Prefill cost not known: {say.sig(fit.ms_per_1k_tokens)} ± "
+                f"{say.sig(fit.stderr_ms_per_1k_tokens)} ms per 1,000 uncached tokens over "
                 f"{fit.requests:,} requests; first-token times vary more than prompt lengths "
                 "explain." + estimated)
     if fit.model == "through_zero":
         return (f"Prefill grows faster than linearly here: the straight line through the "
-                f"requests has a fixed part of {ms_text(fit.line_fixed_ms)} (below zero), so the "
+                f"requests has a fixed part of {say.dur(fit.line_fixed_ms)} (below zero), so the "
                 "fit is the line with its fixed part held at 0." + estimated)
     return "Prefill fitted as a straight line over the requests' prompt lengths." + estimated
 
@@ -381,7 +382,7 @@ def _worth(saves_ms: float, of_ms: float | None) -> Status:
 
 def _too_few(name: str, acts_on: ActsOn, what: str, have: int) -> Lever:
     return Lever(name, "too_little_data", acts_on, None,
-                 f"{what}: too little data yet ({have:,} {_plural(have, 'stream')}, "
+                 f"{what}: too little data yet ({have:,} {say.plural(have, 'stream')}, "
                  f"{MIN_REQUESTS} needed).", {"streams": have})
 
 
@@ -392,7 +393,7 @@ def _prefill(ev: Evidence, split: FirstTokenSplit) -> Lever:
     if fit.requests < MIN_REQUESTS:
         return Lever("prefill", "too_little_data", "first_token", None,
                      f"Prefill: too little data yet ({fit.requests:,} streamed "
-                     f"{_plural(fit.requests, 'request')} with a prompt token count, "
+                     f"{say.plural(fit.requests, 'request')} with a prompt token count, "
                      f"{MIN_REQUESTS} needed).", {"requests": fit.requests})
     numbers: dict[str, float | int | None] = {
         "requests": fit.requests, "mean_uncached_tokens": fit.mean_uncached_tokens,
@@ -402,12 +403,12 @@ def _prefill(ev: Evidence, split: FirstTokenSplit) -> Lever:
     if fit.status == "one_length":
         return Lever("prefill", "too_little_data", "first_token", None,
                      f"Prefill: the prompts all have about one length "
-                     f"({_tokens(fit.mean_uncached_tokens)} uncached tokens), so the time they "
+                     f"({say.tokens(fit.mean_uncached_tokens)} uncached tokens), so the time they "
                      "take cannot be told apart from the fixed part.", numbers)
     if not usable_fit(fit):
         return Lever("prefill", "too_little_data", "first_token", None,
-                     f"Prefill: not clear yet ({_sig(fit.ms_per_1k_tokens)} ± "
-                     f"{_sig(fit.stderr_ms_per_1k_tokens)} ms per 1,000 uncached prompt "
+                     f"Prefill: not clear yet ({say.sig(fit.ms_per_1k_tokens)} ± "
+                     f"{say.sig(fit.stderr_ms_per_1k_tokens)} ms per 1,000 uncached prompt "
                      f"tokens over {fit.requests:,} requests): first-token times vary more "
                      "than prompt lengths explain.", numbers)
     assert fit.ms_per_1k_tokens is not None and split.prefill_ms is not None
@@ -418,9 +419,9 @@ def _prefill(ev: Evidence, split: FirstTokenSplit) -> Lever:
                      numbers)
     saves = split.prefill_ms
     tokens = saves / fit.ms_per_1k_tokens * 1000  # the missed cache hits left out
-    head = (f"Prefill: {_tokens(tokens)} uncached prompt tokens at "
-            f"{_sig(fit.ms_per_1k_tokens / 1000)} ms per token are "
-            f"{ms_text(saves)}{_of_first(split.mean_ms)}.")
+    head = (f"Prefill: {say.tokens(tokens)} uncached prompt tokens at "
+            f"{say.sig(fit.ms_per_1k_tokens / 1000)} ms per token are "
+            f"{say.dur(saves)}{say.of_first(split.mean_ms)}.")
     status = _worth(saves, split.mean_ms)
     advice = (" Shorten the prompt, or put what does not change first so the upstream can "
               "cache it." if status == "lever" else " Not worth shortening for speed.")
@@ -433,13 +434,13 @@ def _engine_prefill(ev: Evidence, split: FirstTokenSplit) -> Lever:
     assert saves is not None
     numbers: dict[str, float | int | None] = {
         "engine_requests": ev.engine_prefill_requests,
-        "engine_prefill_ms": _ms(ev.engine_prefill_mean_s),
+        "engine_prefill_ms": say.ms(ev.engine_prefill_mean_s),
         "mean_uncached_tokens": ev.fit.mean_uncached_tokens,
         "first_token_ms": split.mean_ms}
     status = _worth(saves, split.mean_ms)
-    sentence = (f"Prefill: the upstream's engine reports {ms_text(saves)} of prefill"
-                f"{_of_first(split.mean_ms)} (its own timings, "
-                f"{ev.engine_prefill_requests:,} {_plural(ev.engine_prefill_requests, 'request')}).")
+    sentence = (f"Prefill: the upstream's engine reports {say.dur(saves)} of prefill"
+                f"{say.of_first(split.mean_ms)} (its own timings, "
+                f"{ev.engine_prefill_requests:,} {say.plural(ev.engine_prefill_requests, 'request')}).")
     sentence += (" Shorten the prompt, or put what does not change first so the upstream can "
                  "cache it." if status == "lever" else " Not worth shortening for speed.")
     return Lever("prefill", status, "first_token", saves, sentence, numbers)
@@ -454,9 +455,9 @@ def _missed_cache(ev: Evidence, split: FirstTokenSplit) -> Lever:
                      "Prompt cache: the prefill cost is not known yet, so neither is what "
                      "the missed cache hits cost.", numbers)
     status = _worth(saves, split.mean_ms)
-    sentence = (f"Prompt cache: {_tokens(ev.missed_cache_tokens)} prompt tokens a request "
+    sentence = (f"Prompt cache: {say.tokens(ev.missed_cache_tokens)} prompt tokens a request "
                 f"could have read from the cache were computed again: "
-                f"{ms_text(saves)}{_of_first(split.mean_ms)}.")
+                f"{say.dur(saves)}{say.of_first(split.mean_ms)}.")
     if status == "lever":
         sentence += " Keep the shared part of the prompt first and identical."
     return Lever("prompt_cache", status, "first_token", saves, sentence, numbers)
@@ -494,7 +495,7 @@ def _queue_lever(ev: Evidence, split: FirstTokenSplit, name: str, title: str,
     if wait <= 0:
         sentence = f"{title}: {none}"
     else:
-        sentence = waiting.format(f"{ms_text(wait)}{_of_first(split.mean_ms)}")
+        sentence = waiting.format(f"{say.dur(wait)}{say.of_first(split.mean_ms)}")
         if status == "lever":
             sentence += advice
     return Lever(name, status, "first_token", wait, sentence, numbers)
@@ -515,7 +516,7 @@ def _rest(ev: Evidence, split: FirstTokenSplit) -> Lever:
     what = ("network, the upstream's own scheduling and first decode step, and the proxy"
             if split.upstream_queue_ms is not None else
             "network, the upstream's queue and scheduling and first decode step, and the proxy")
-    sentence = (f"Fixed part: {ms_text(saves)}{_of_first(split.mean_ms)} does not grow with "
+    sentence = (f"Fixed part: {say.dur(saves)}{say.of_first(split.mean_ms)} does not grow with "
                 f"the prompt ({what}).")
     if status == "lever":
         sentence += " Run closer to the upstream, or use one with less overhead per request."
@@ -536,18 +537,18 @@ def _decode(ev: Evidence, decode: DecodeFigures, total_ms: float | None) -> Leve
     saves = slow
     status: Status = _worth(saves, total_ms) if saves is not None else "unknown"
     if rate >= FAST_TOK_S and status != "lever":
-        sentence = (f"Decoding at {_rate(rate)} tokens/s: above reading pace; a faster model "
+        sentence = (f"Decoding at {say.rate(rate)} tokens/s: above reading pace; a faster model "
                     "would not be noticed by a reader.")
     elif (below or 0.0) >= 0.5:
-        sentence = (f"Decoding at {_rate(rate)} tokens/s: {_pct(below)} of streams are "
+        sentence = (f"Decoding at {say.rate(rate)} tokens/s: {say.pct(below)} of streams are "
                     f"slower than reading pace ({READING_PACE_TOK_S:g} tokens/s), so users "
                     "wait on the model.")
     else:
-        sentence = (f"Decoding at {_rate(rate)} tokens/s: readers keep up, but "
-                    f"{_pct(1.0 - (fast or 0.0))} of streams are under {FAST_TOK_S:g} "
+        sentence = (f"Decoding at {say.rate(rate)} tokens/s: readers keep up, but "
+                    f"{say.pct(1.0 - (fast or 0.0))} of streams are under {FAST_TOK_S:g} "
                     "tokens/s.")
     if saves is not None and status == "lever":
-        sentence += (f" Decoding at {FAST_TOK_S:g} tokens/s or more would save {ms_text(saves)} "
+        sentence += (f" Decoding at {FAST_TOK_S:g} tokens/s or more would save {say.dur(saves)} "
                      "a request: a smaller or quantised model, or less batching at the "
                      "upstream.")
     return Lever("decode", status, "total", saves, sentence, numbers)
@@ -563,91 +564,25 @@ def _output(ev: Evidence, out: OutputFigures) -> Lever:
                "length_limited_share": out.length_limited_share}
     if out.ms_per_token is None or out.capped_saving_ms is None or out.decode_ms is None:
         return Lever("output_length", "unknown", "total", None,
-                     f"Output length: answers average {_tokens(out.mean_tokens)} tokens (p50 "
-                     f"{_tokens(out.p50_tokens)}, p95 {_tokens(out.p95_tokens)}); the time per "
+                     f"Output length: answers average {say.tokens(out.mean_tokens)} tokens (p50 "
+                     f"{say.tokens(out.p50_tokens)}, p95 {say.tokens(out.p95_tokens)}); the time per "
                      "token is not measured, so neither is what shorter answers would save.",
                      numbers)
     saves = out.capped_saving_ms
-    sentence = (f"Answers average {_tokens(out.mean_tokens)} tokens (p95 "
-                f"{_tokens(out.p95_tokens)}), {ms_text(out.decode_ms)} at "
-                f"{_sig(out.ms_per_token)} ms per token")
+    sentence = (f"Answers average {say.tokens(out.mean_tokens)} tokens (p95 "
+                f"{say.tokens(out.p95_tokens)}), {say.dur(out.decode_ms)} at "
+                f"{say.sig(out.ms_per_token)} ms per token")
     if out.mean_total_ms is not None:
-        sentence += (f"; capped at the median ({_tokens(out.p50_tokens)}) the mean total "
-                     f"would be {ms_text(out.mean_total_ms - saves)} instead of "
-                     f"{ms_text(out.mean_total_ms)}.")
+        sentence += (f"; capped at the median ({say.tokens(out.p50_tokens)}) the mean total "
+                     f"would be {say.dur(out.mean_total_ms - saves)} instead of "
+                     f"{say.dur(out.mean_total_ms)}.")
     else:
-        sentence += (f"; capped at the median ({_tokens(out.p50_tokens)}) each would take "
-                     f"{ms_text(saves)} less on average.")
+        sentence += (f"; capped at the median ({say.tokens(out.p50_tokens)}) each would take "
+                     f"{say.dur(saves)} less on average.")
     if out.length_limited_share is not None and out.length_limited_share > 0:
-        sentence += (f" {_pct(out.length_limited_share)} of answers already stop at their "
+        sentence += (f" {say.pct(out.length_limited_share)} of answers already stop at their "
                      "length limit (cut off).")
     status = _worth(saves, out.mean_total_ms)
     if status == "lever":
         sentence += " Ask for less output (max_tokens, or a prompt asking for brevity)."
     return Lever("output_length", status, "total", saves, sentence, numbers)
-
-
-# -- wording ---------------------------------------------------------------------------
-
-
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else seconds * 1000.0
-
-
-def _finite(value: float) -> float | None:
-    return value if math.isfinite(value) else None
-
-
-def _round(value: float | int | None) -> float | int | None:
-    if value is None or isinstance(value, int):
-        return value
-    if not math.isfinite(value):
-        return None
-    return float(f"{value:.4g}")
-
-
-def _sig(value: float | None) -> str:
-    """Two significant figures: 0.13, 1.2, 24, 130."""
-    if value is None:
-        return "unknown"
-    if value == 0:
-        return "0"
-    digits = max(0, 1 - math.floor(math.log10(abs(value))))
-    return f"{value:,.{digits}f}"
-
-
-def ms_text(ms: float | None) -> str:
-    """A duration as the card words it: ``340 ms``, ``1.2 s``, ``18.7 s``, ``0.4 ms``."""
-    if ms is None:
-        return "unknown"
-    if abs(ms) >= 1000:
-        return f"{ms / 1000:,.1f} s"
-    if abs(ms) >= 10:
-        return f"{ms:.0f} ms"
-    return f"{ms:.1f} ms"
-
-
-def _of_first(mean_ms: float | None) -> str:
-    return f" of the {ms_text(mean_ms)} first token" if mean_ms is not None else " of the first token"
-
-
-def _tokens(value: float | None) -> str:
-    if value is None:
-        return "unknown"
-    value = round(value)
-    if value >= 1000:  # 9,137 -> 9,100: bucket estimates are no finer than that
-        scale = 10 ** (len(str(value)) - 2)
-        value = round(value / scale) * scale
-    return f"{value:,}"
-
-
-def _rate(value: float) -> str:
-    return f"{value:.0f}" if value >= 10 else f"{value:.1f}"
-
-
-def _pct(share: float | None) -> str:
-    return "unknown" if share is None else f"{share * 100:.0f} %"
-
-
-def _plural(n: int, word: str) -> str:
-    return word if n == 1 else word + "s"
