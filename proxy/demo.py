@@ -12,14 +12,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
-import math
 import random
-import socket
 import sys
 import time
 from collections import Counter, deque
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TextIO
 
 from proxy.deprecated import RenamedFlag
@@ -32,8 +30,11 @@ if TYPE_CHECKING:
 
     from proxy.bench.promscrape import Snapshot
 
+
+from proxy.demo_view import by_route, one_line, render, window
+from proxy.simulator.servers import listen
+
 READY_LINE = "demo: traffic is flowing"
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
 # The simulated upstreams: (upstream label, model the demo sends, model patterns).
 LOCAL = ("local", "sim-llm", ("sim-llm",))
 CLOUD = ("cloud", "cloud-llm", ("cloud-*",))
@@ -45,7 +46,6 @@ SUPPORT_RATE_SHARE = 0.3  # the support app's requests per second, as a share of
 SUPPORT_INSTRUCTION_TOKENS = 2400  # the stable block after the timestamp, four bytes a token
 SUPPORT_QUESTION_TOKENS = (20, 3000)  # a ticket pasted in: from a line to a long log
 SUPPORT_MAX_TOKENS = 24  # short answers: what it costs is the first token
-FIRST_ANSWER = "llm_proxy_time_to_first_answer_token_seconds"
 
 
 def add_parser(subparsers: Any) -> None:
@@ -267,255 +267,13 @@ def support_request(index: int, instructions: str, rng: random.Random, clock: st
 # Servers
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    """A listening socket on ``port``, or on a free port if that one is taken."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    for candidate in (port, 0) if port else (0,):
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, candidate))
-        except OSError:
-            sock.close()
-            if candidate == 0:
-                raise
-            continue
-        sock.listen(2048)
-        sock.setblocking(False)
-        return sock
-    raise OSError("no port")  # pragma: no cover
-
-
 def _server(app: Any) -> uvicorn.Server:
     import uvicorn
 
-    class QuietServer(uvicorn.Server):
-        """Signals belong to the demo, not to each server."""
+    from proxy.simulator.servers import command_server
 
-        @contextlib.contextmanager
-        def capture_signals(self) -> Any:
-            yield
-
-    config = uvicorn.Config(
-        app,
-        lifespan="on",
-        log_level="error",
-        access_log=False,
-        timeout_graceful_shutdown=2,
-    )
-    return QuietServer(config)
-
-
-# ---------------------------------------------------------------------------
-# Live view
-
-
-@dataclass(frozen=True, slots=True)
-class Window:
-    """Proxy figures between two scrapes."""
-
-    seconds: float
-    ttft: Any
-    itl: Any
-    tpot: Any
-    queue: Any
-    upstream_queue: Any
-    duration: Any
-    requests: float
-    prompt_tokens: float
-    cached_tokens: float
-    completion_tokens: float
-    outcomes: dict[str, float]
-
-
-def window(before: Snapshot, after: Snapshot, seconds: float) -> Window:
-    from proxy.bench import promscrape as p
-
-    def h(name: str) -> Any:
-        return p.histogram(after, name) - p.histogram(before, name)
-
-    outcomes_before = p.by_label(before, p.OUTCOMES, "outcome")
-    outcomes = {
-        k: v - outcomes_before.get(k, 0.0)
-        for k, v in p.by_label(after, p.OUTCOMES, "outcome").items()
-    }
-    return Window(
-        seconds=seconds,
-        ttft=h(p.TTFT),
-        itl=h(p.ITL),
-        tpot=h(p.TPOT),
-        queue=h(p.QUEUE),
-        upstream_queue=h(p.UPSTREAM_QUEUE),
-        duration=h(p.DURATION),
-        requests=p.total(after, p.REQUESTS) - p.total(before, p.REQUESTS),
-        prompt_tokens=h(p.PROMPT_TOKENS).sum,
-        cached_tokens=h(p.CACHED_TOKENS).sum,
-        completion_tokens=h(p.COMPLETION_TOKENS).sum,
-        outcomes={k: v for k, v in outcomes.items() if v},
-    )
-
-
-@dataclass(frozen=True, slots=True)
-class RouteFigures:
-    """One route's proxy figures between two scrapes."""
-
-    route: str
-    requests: float
-    ttft: Any
-    first_answer: Any | None  # None: the proxy does not export it
-    itl: Any
-    not_completed: float | None  # None: no stream outcomes recorded for the route
-
-
-def by_route(
-    before: Snapshot, after: Snapshot, routes: Sequence[str] = ROUTES, label: str = "route"
-) -> list[RouteFigures]:
-    """Figures per value of ``label`` (``route`` by default, or ``upstream``)."""
-    from proxy.bench import promscrape as p
-
-    has_first_answer = p.histogram(after, FIRST_ANSWER).count > 0
-    out = []
-    for route in routes:
-        where = p.label_filter(**{label: route})
-
-        def h(name: str, where: p.LabelFilter = where) -> Any:
-            return p.histogram(after, name, where) - p.histogram(before, name, where)
-
-        outcomes_before = p.by_label(before, p.OUTCOMES, "outcome", where)
-        outcomes = {
-            k: v - outcomes_before.get(k, 0.0)
-            for k, v in p.by_label(after, p.OUTCOMES, "outcome", where).items()
-        }
-        out.append(
-            RouteFigures(
-                route=route,
-                requests=p.total(after, p.REQUESTS, where) - p.total(before, p.REQUESTS, where),
-                ttft=h(p.TTFT),
-                first_answer=h(FIRST_ANSWER) if has_first_answer else None,
-                itl=h(p.ITL),
-                not_completed=(
-                    sum(v for k, v in outcomes.items() if k != "completed") if outcomes else None
-                ),
-            )
-        )
-    return out
-
-
-def _ms(value: float) -> str:
-    return "-" if math.isnan(value) else f"{value * 1000:.0f}"
-
-
-def _row(hist: Any) -> list[str]:
-    if not hist.count:
-        return ["0", "-", "-", "-", "-"]
-    return [
-        f"{hist.count:.0f}",
-        _ms(hist.quantile(0.5)),
-        _ms(hist.quantile(0.9)),
-        _ms(hist.quantile(0.99)),
-        _ms(hist.mean),
-    ]
-
-
-def _ratio(part: float, whole: float) -> str:
-    return f"{100 * part / whole:.0f}%" if whole > 0 else "-"
-
-
-def _route_rows(
-    routes: Sequence[RouteFigures], sent: Mapping[str, int], by: str = "route"
-) -> list[list[str]]:
-    rows = [
-        [f"since start, by {by}", "sent", "n", "TTFT p50", "p90", "answer p50", "ITL p50", "not ok"]
-    ]
-    for r in routes:
-        answer = "-" if r.first_answer is None else _ms(r.first_answer.quantile(0.5))
-        rows.append(
-            [
-                r.route,
-                str(sent.get(r.route, 0)),
-                f"{r.requests:.0f}",
-                _ms(r.ttft.quantile(0.5)),
-                _ms(r.ttft.quantile(0.9)),
-                answer,
-                _ms(r.itl.quantile(0.5)),
-                "-" if r.not_completed is None else f"{r.not_completed:.0f}",
-            ]
-        )
-    return rows
-
-
-def render(
-    header: list[str],
-    recent: Window,
-    total: Window,
-    in_flight: float,
-    routes: Sequence[RouteFigures] = (),
-    sent: Mapping[str, int] | None = None,
-    upstreams: Sequence[RouteFigures] = (),
-) -> list[str]:
-    """The full-screen view as lines. ``sent`` counts the requests the demo sent per
-    route and per upstream (client side), so a route the proxy does not measure still
-    shows its traffic."""
-    rows = [
-        ["", "n", "p50", "p90", "p99", "mean", "n", "p50", "p90", "p99", "mean"],
-    ]
-    for label, attr in (
-        ("TTFT ms", "ttft"),
-        ("ITL ms", "itl"),
-        ("TPOT ms", "tpot"),
-        ("queue ms (upstream)", "upstream_queue"),
-        ("request ms", "duration"),
-    ):
-        rows.append([label, *_row(getattr(recent, attr)), *_row(getattr(total, attr))])
-    from proxy.bench.stats import align_columns, column_widths
-
-    widths = column_widths(rows)
-    table = align_columns(rows)
-    left = sum(widths[:6]) + 2 * 5
-    title = (
-        f"{'':{widths[0]}}  {f'last {recent.seconds:.0f} s':^{left - widths[0] - 2}}  since start"
-    )
-    lines = [*header, "", title, *table, ""]
-    for label, w in (("last", recent), ("total", total)):
-        secs = max(w.seconds, 1e-9)
-        outcomes = ", ".join(f"{k} {v:.0f}" for k, v in sorted(w.outcomes.items())) or "-"
-        lines.append(
-            f"{label:5} {w.requests:6.0f} requests ({w.requests / secs:5.1f}/s)  "
-            f"tokens: prompt {w.prompt_tokens:.0f} (cache hits {_ratio(w.cached_tokens, w.prompt_tokens)}), "
-            f"completion {w.completion_tokens:.0f} ({w.completion_tokens / secs:.0f} tok/s)"
-        )
-        lines.append(f"      outcomes: {outcomes}")
-    lines.append(f"in flight now: {in_flight:.0f}")
-    if routes:
-        lines += ["", *align_columns(_route_rows(routes, sent or {}))]
-    if upstreams:
-        lines += ["", *align_columns(_route_rows(upstreams, sent or {}, "upstream"))]
-    return lines
-
-
-def one_line(
-    elapsed: float, recent: Window, total: Window, routes: Sequence[RouteFigures] = ()
-) -> str:
-    """The non-TTY view: one line per refresh, for logs and CI. Per route (since start):
-    the proxy's request count and TTFT p50, as ``responses=12/140ms``."""
-    outcomes = " ".join(f"{k}={v:.0f}" for k, v in sorted(total.outcomes.items()))
-
-    def p50(hist: Any) -> str:
-        value = _ms(hist.quantile(0.5))
-        return value if value == "-" else value + "ms"
-
-    per_route = "".join(
-        f" {r.route.removeprefix('/v1/').replace('chat/completions', 'chat')}="
-        f"{r.requests:.0f}/{p50(r.ttft)}"
-        for r in routes
-    )
-    return (
-        f"demo t={elapsed:.0f}s requests={total.requests:.0f} "
-        f"ttft_p50={_ms(recent.ttft.quantile(0.5))}ms ttft_p99={_ms(recent.ttft.quantile(0.99))}ms "
-        f"itl_p50={_ms(recent.itl.quantile(0.5))}ms itl_p99={_ms(recent.itl.quantile(0.99))}ms "
-        f"upstream_queue_p90={_ms(recent.upstream_queue.quantile(0.9))}ms "
-        f"cache_hits={_ratio(total.cached_tokens, total.prompt_tokens)} {outcomes}{per_route}"
-    )
+    return command_server(uvicorn.Config(
+        app, lifespan="on", log_level="error", access_log=False, timeout_graceful_shutdown=2))
 
 
 # ---------------------------------------------------------------------------
@@ -582,14 +340,14 @@ class Demo:
             vllm_metrics=True,
             seed=args.seed,
         )
-        sim_sock = _bind("127.0.0.1", 0)
+        sim_sock = listen("127.0.0.1", 0)
         sim_port = sim_sock.getsockname()[1]
         sim_url = f"http://127.0.0.1:{sim_port}/v1"
-        cloud_sock = _bind("127.0.0.1", 0)
+        cloud_sock = listen("127.0.0.1", 0)
         cloud_url = f"http://127.0.0.1:{cloud_sock.getsockname()[1]}/v1"
-        support_sock = _bind("127.0.0.1", 0)
+        support_sock = listen("127.0.0.1", 0)
         support_url = f"http://127.0.0.1:{support_sock.getsockname()[1]}/v1"
-        proxy_sock = _bind(args.host, args.port)
+        proxy_sock = listen(args.host, args.port, or_free=True)
         proxy_port = proxy_sock.getsockname()[1]
         host = f"[{args.host}]" if ":" in args.host else args.host
         proxy_root = f"http://{host}:{proxy_port}"

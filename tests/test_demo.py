@@ -27,8 +27,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from proxy import demo
+from proxy import demo, demo_view
 from proxy.bench import promscrape
+from proxy.simulator.servers import listen
 
 pytestmark = pytest.mark.anyio
 
@@ -218,7 +219,7 @@ async def test_demo_live_view_on_a_tty_until_duration() -> None:
         m.group(1): (int(m.group(2)), int(m.group(3)))
         for m in re.finditer(r"^(/v1/\S+)\s+(\d+)\s+(\d+)\s", frames[-1], re.MULTILINE)
     }
-    assert set(rows) == set(demo.ROUTES)
+    assert set(rows) == set(demo_view.ROUTES)
     assert rows["/v1/chat/completions"][0] > 0 and rows["/v1/chat/completions"][1] > 0
     assert sum(sent for sent, _ in rows.values()) > rows["/v1/chat/completions"][0]
     # Per upstream: every simulated upstream got traffic, and the slow one is slower.
@@ -240,14 +241,14 @@ def test_bind_falls_back_to_a_free_port_when_taken() -> None:
     taken.listen(1)
     port = taken.getsockname()[1]
     try:
-        sock = demo._bind("127.0.0.1", port)
+        sock = listen("127.0.0.1", port, or_free=True)
         try:
             assert sock.getsockname()[1] not in (port, 0)
         finally:
             sock.close()
     finally:
         taken.close()
-    free = demo._bind("127.0.0.1", port)  # free again: it is used as asked
+    free = listen("127.0.0.1", port, or_free=True)  # free again: it is used as asked
     try:
         assert free.getsockname()[1] == port
     finally:
@@ -282,21 +283,21 @@ def _exposition(
 def test_view_arithmetic_over_scrapes() -> None:
     a = promscrape.parse(_exposition({"0.1": 1, "0.5": 2, "+Inf": 2}, 2, 0.3, 2, 100, 50))
     b = promscrape.parse(_exposition({"0.1": 1, "0.5": 6, "+Inf": 7}, 7, 3.3, 7, 1100, 650))
-    w = demo.window(a, b, 2.0)
+    w = demo_view.window(a, b, 2.0)
     assert w.requests == 5 and w.ttft.count == 5 and w.ttft.mean == pytest.approx(0.6)
     assert w.ttft.quantile(0.5) == pytest.approx(0.1 + 0.4 * 2.5 / 4)  # rank 2.5 of (0.1,0.5]
     assert w.prompt_tokens == 1000 and w.cached_tokens == 600
     assert w.outcomes == {"completed": 5.0}
-    lines = demo.render(["head"], w, demo.window({}, b, 10.0), 4.0)
+    lines = demo_view.render(["head"], w, demo_view.window({}, b, 10.0), 4.0)
     text = "\n".join(lines)
     assert "cache hits 60%" in text and "cache hits 59%" in text  # 650 / 1100 since start
     assert "in flight now: 4" in text
     assert re.search(r"TTFT ms\s+5\s+350\s", text)  # n and p50 of the last window
-    line = demo.one_line(12.0, w, w)
+    line = demo_view.one_line(12.0, w, w)
     assert "requests=5" in line and "ttft_p50=350ms" in line and "completed=5" in line
-    empty = demo.window(b, b, 1.0)
+    empty = demo_view.window(b, b, 1.0)
     assert empty.ttft.count == 0 and math.isnan(empty.ttft.quantile(0.5))
-    assert "TTFT ms" in "\n".join(demo.render(["head"], empty, empty, 0.0))
+    assert "TTFT ms" in "\n".join(demo_view.render(["head"], empty, empty, 0.0))
 
 
 def _route_exposition(route: str, ttft: list[float], completed: int, failed: int) -> list[str]:
@@ -327,8 +328,8 @@ def test_view_per_route() -> None:
         'llm_proxy_requests_total{model="m",route="/v1/responses",upstream="u",code="200",stream="true"} 4'
     ]
     after = promscrape.parse("\n".join(chat + responses) + "\n")
-    routes = demo.by_route({}, after)
-    assert [r.route for r in routes] == list(demo.ROUTES)
+    routes = demo_view.by_route({}, after)
+    assert [r.route for r in routes] == list(demo_view.ROUTES)
     by = {r.route: r for r in routes}
     assert by["/v1/chat/completions"].requests == 3 and by["/v1/chat/completions"].ttft.count == 3
     assert by["/v1/chat/completions"].not_completed == 1
@@ -336,14 +337,14 @@ def test_view_per_route() -> None:
     assert by["/v1/responses"].requests == 4 and by["/v1/responses"].ttft.count == 0
     assert by["/v1/responses"].not_completed is None
     sent = {"/v1/chat/completions": 3, "/v1/responses": 5, "/v1/messages": 2}
-    w = demo.window({}, after, 1.0)
-    text = "\n".join(demo.render(["head"], w, w, 0.0, routes, sent))
+    w = demo_view.window({}, after, 1.0)
+    text = "\n".join(demo_view.render(["head"], w, w, 0.0, routes, sent))
     # rank 1.5 of 3 falls in (0.1, 0.5] holding 2: 0.1 + 0.4 * 0.5 / 2 = 200 ms
     assert re.search(r"^/v1/chat/completions\s+3\s+3\s+200\s+\d+\s+-\s+-\s+1$", text, re.MULTILINE)
     assert re.search(r"^/v1/responses\s+5\s+4\s+-\s+-\s+-\s+-\s+-$", text, re.MULTILINE)
     assert re.search(r"^/v1/messages\s+2\s+0\s", text, re.MULTILINE)
     assert re.search(r"^/v1/completions\s+0\s+0\s", text, re.MULTILINE)
-    line = demo.one_line(3.0, w, w, routes)
+    line = demo_view.one_line(3.0, w, w, routes)
     assert "chat=3/200ms" in line and "responses=4/-" in line and "messages=0/-" in line
 
     # A proxy that exports the first-answer histogram gets its p50 per route.
@@ -354,6 +355,6 @@ def test_view_per_route() -> None:
         'llm_proxy_time_to_first_answer_token_seconds_count{model="m",route="/v1/responses",upstream="u"} 2',
     ]
     with_answer = promscrape.parse("\n".join(chat + responses + answer) + "\n")
-    by = {r.route: r for r in demo.by_route({}, with_answer)}
+    by = {r.route: r for r in demo_view.by_route({}, with_answer)}
     assert by["/v1/responses"].first_answer.quantile(0.5) == pytest.approx(0.5)
     assert by["/v1/chat/completions"].first_answer.count == 0

@@ -101,7 +101,6 @@ LONG_MODULE_ALLOWED: frozenset[str] = frozenset(
     {
         "proxy/bench/cli.py",
         "proxy/config.py",
-        "proxy/demo.py",
         "proxy/diagnosis/prefix.py",
         "proxy/routes.py",
         "proxy/tracefile.py",

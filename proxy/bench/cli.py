@@ -34,9 +34,6 @@ DEFAULT_BASE_URL = "http://127.0.0.1:8080/v1"
 DEFAULT_MODEL = "sim-llm"
 DEFAULT_BLOCK_SIZE = 512  # proxy.workload_file.DEFAULT_BLOCK_SIZE, without importing it here
 ANTHROPIC_VERSION = "2023-06-01"
-# Histograms the proxy may export beyond promscrape's view (compared when present).
-FIRST_BYTE = "llm_proxy_time_to_first_byte_seconds"
-FIRST_ANSWER = "llm_proxy_time_to_first_answer_token_seconds"
 _JSON_KEYS = {"TTFB": "ttfb", "first answer": "first_answer"}
 
 
@@ -669,7 +666,7 @@ def proxy_extra(
     from . import promscrape
 
     out = {}
-    for label, name in (("TTFB", FIRST_BYTE), ("first answer", FIRST_ANSWER)):
+    for label, name in (("TTFB", promscrape.FIRST_BYTE), ("first answer", promscrape.FIRST_ANSWER)):
         if promscrape.histogram(after, name).count > 0:
             out[label] = promscrape.histogram(after, name, where) - promscrape.histogram(
                 before, name, where

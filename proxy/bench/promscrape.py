@@ -24,6 +24,8 @@ Snapshot = dict[SeriesKey, float]
 
 PREFIX = "llm_proxy_"
 TTFT = "llm_proxy_time_to_first_token_seconds"
+FIRST_ANSWER = "llm_proxy_time_to_first_answer_token_seconds"
+FIRST_BYTE = "llm_proxy_time_to_first_byte_seconds"
 ITL = "llm_proxy_inter_token_latency_seconds"
 TPOT = "llm_proxy_time_per_output_token_seconds"
 QUEUE = "llm_proxy_queue_time_seconds"

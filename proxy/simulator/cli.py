@@ -12,12 +12,13 @@ import argparse
 import math
 import socket
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import fields
 from typing import Any
 
 from proxy.simulator.model import OUTPUT_DISTS, SimConfig
 from proxy.simulator.profiles import PROFILES, get_profile
+from proxy.simulator.servers import command_server, listen
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000  # where `llm-latency-proxy serve` looks for its upstream by default
@@ -391,7 +392,7 @@ def run(args: argparse.Namespace) -> int:
 
     name, config = configs[0]
     try:  # bound before the URL is announced: a taken port is said as such, not after it
-        sock = _listen(args.host, args.port)
+        sock = listen(args.host, args.port)
     except OSError as exc:
         from proxy.serve import listen_problem
 
@@ -428,24 +429,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _listen(host: str, port: int) -> socket.socket:
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(2048)
-    except OSError:
-        sock.close()
-        raise
-    sock.setblocking(False)
-    return sock
-
-
 def _serve_many(args: argparse.Namespace, configs: list[tuple[str, SimConfig]]) -> int:
     """One uvicorn server per profile, all on one event loop; ports bound up front, so a
     taken port fails the command before anything serves."""
     import asyncio
-    import contextlib
     import signal
 
     import uvicorn
@@ -464,7 +451,7 @@ def _serve_many(args: argparse.Namespace, configs: list[tuple[str, SimConfig]]) 
     for i in range(len(configs)):
         port = args.port + i if args.port else 0
         try:
-            sockets.append(_listen(args.host, port))
+            sockets.append(listen(args.host, port))
         except OSError as exc:
             for sock in sockets:
                 sock.close()
@@ -475,18 +462,11 @@ def _serve_many(args: argparse.Namespace, configs: list[tuple[str, SimConfig]]) 
             )
             return 2
 
-    class Server(uvicorn.Server):
-        """Signals belong to the command, which stops every server."""
-
-        @contextlib.contextmanager
-        def capture_signals(self) -> Iterator[None]:
-            yield
-
     quiet_simulated_drops()
     servers = []
     for _, config in configs:
         servers.append(
-            Server(
+            command_server(
                 uvicorn.Config(
                     create_simulator_app(config),
                     log_level=args.log_level,
