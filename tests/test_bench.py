@@ -983,7 +983,7 @@ def _hist_lines(name: str, route: str, values: list[float]) -> list[str]:
 
 
 def test_comparison_adds_ttfb_and_first_answer_when_the_proxy_has_them() -> None:
-    from proxy.bench.cli import _proxy_filter, format_comparison, proxy_extra
+    from proxy.bench.proxy_view import format_comparison, proxy_extra, proxy_filter
 
     route = "/v1/responses"
     text = "\n".join(
@@ -997,7 +997,7 @@ def test_comparison_adds_ttfb_and_first_answer_when_the_proxy_has_them() -> None
         ]
     )
     after = promscrape.parse(text + "\n")
-    where = _proxy_filter(after, "sim-llm", route)
+    where = proxy_filter(after, "sim-llm", route)
     view = promscrape.ProxyView.between({}, after, where)
     extra = proxy_extra({}, after, where)
     assert set(extra) == {"TTFB", "first answer"}

@@ -99,7 +99,6 @@ LONG_DOCSTRING_ALLOWED: frozenset[str] = frozenset(
 )
 LONG_MODULE_ALLOWED: frozenset[str] = frozenset(
     {
-        "proxy/bench/cli.py",
         "proxy/config.py",
         "proxy/diagnosis/prefix.py",
         "proxy/routes.py",
