@@ -108,8 +108,9 @@ LONG_MODULE_ALLOWED: frozenset[str] = frozenset(
     }
 )
 
-# Calls whose string arguments are help texts: keyword, or position for the positional one.
-HELP_KEYWORDS = frozenset({"help", "description", "epilog", "documentation"})
+# Calls whose string arguments are help texts: keyword (``unset`` is what --help shows as an
+# empty default), or position for the positional one.
+HELP_KEYWORDS = frozenset({"help", "description", "epilog", "documentation", "unset"})
 HELP_POSITIONS = {
     "Option": 2,
     "Counter": 1,
