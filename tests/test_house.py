@@ -52,15 +52,12 @@ CODE_LITERAL = re.compile(r"``.*?``")
 FIGURES_ALLOWED: frozenset[str] = frozenset(
     {
         "proxy/app.py",
-        "proxy/bench/replay.py",
         "proxy/bench/whatif.py",
         "proxy/bodies.py",
-        "proxy/capture.py",
         "proxy/config.py",
         "proxy/doctor/job.py",
         "proxy/doctor/shared_index.py",
         "proxy/routes.py",
-        "proxy/tracefile.py",
         "proxy/ui/data.py",
     }
 )
@@ -68,19 +65,13 @@ LONG_DOCSTRING_ALLOWED: frozenset[str] = frozenset(
     {
         "proxy/app.py",
         "proxy/auth.py",
-        "proxy/bench/replay.py",
         "proxy/bodies.py",
-        "proxy/capture.py",
         "proxy/config.py",
         "proxy/evidence.py",
         "proxy/measure.py",
-        "proxy/otel_metrics.py",
         "proxy/relay.py",
         "proxy/routing.py",
         "proxy/serve.py",
-        "proxy/trace_cli.py",
-        "proxy/tracefile.py",
-        "proxy/tracing.py",
         "proxy/ui/data.py",
     }
 )
@@ -88,7 +79,6 @@ LONG_MODULE_ALLOWED: frozenset[str] = frozenset(
     {
         "proxy/config.py",
         "proxy/routes.py",
-        "proxy/tracefile.py",
         "proxy/ui/data.py",
     }
 )
