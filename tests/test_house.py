@@ -52,26 +52,12 @@ CODE_LITERAL = re.compile(r"``.*?``")
 FIGURES_ALLOWED: frozenset[str] = frozenset(
     {
         "proxy/bench/whatif.py",
-        "proxy/bodies.py",
         "proxy/doctor/job.py",
         "proxy/doctor/shared_index.py",
-        "proxy/routes.py",
     }
 )
-LONG_DOCSTRING_ALLOWED: frozenset[str] = frozenset(
-    {
-        "proxy/auth.py",
-        "proxy/bodies.py",
-        "proxy/measure.py",
-        "proxy/relay.py",
-        "proxy/routing.py",
-    }
-)
-LONG_MODULE_ALLOWED: frozenset[str] = frozenset(
-    {
-        "proxy/routes.py",
-    }
-)
+LONG_DOCSTRING_ALLOWED: frozenset[str] = frozenset()
+LONG_MODULE_ALLOWED: frozenset[str] = frozenset()
 
 # Calls whose string arguments are help texts: keyword (``unset`` is what --help shows as an
 # empty default), or position for the positional one.
