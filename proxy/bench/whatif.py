@@ -61,7 +61,7 @@ def check_knobs(knobs: str) -> list[str]:
 async def simulator(argv: list[str]) -> AsyncIterator[str]:
     """``python -m proxy simulate --host 127.0.0.1 --port 0 ARGV`` in a subprocess;
     yields its base URL once it listens (its start-up line says so), stops it
-    (SIGTERM, then SIGKILL after 10 s) on the way out."""
+    (SIGTERM, then SIGKILL when it does not end in time) on the way out."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",

@@ -44,9 +44,9 @@ from proxy.upstream_spec import UpstreamSpec
 
 log = logging.getLogger("proxy")
 
-# Estimated blocks (parts + body bytes / block) examined on the loop: about 40 KB of text
-# in a few parts. The hashing thread's hand-offs cost more CPU than a look at such a
-# prompt, its repeated parts taken from the hasher's cache (benchmarks/RESULTS.md,
+# Estimated blocks (parts + body bytes / block) examined on the loop. The hashing
+# thread's hand-offs cost more CPU than a look at a prompt of this size, its repeated
+# parts taken from the hasher's cache (benchmarks/RESULTS.md,
 # 2026-12-03); past BATCH_BLOCKS a job runs alone, at the loop's next turn.
 INLINE_MAX_BLOCKS = 160
 MAX_PENDING = 16  # large prompts waiting for, or in, the hashing thread

@@ -183,7 +183,7 @@ def prefix_secret(environ: Mapping[str, str] | None = None) -> bytes:
 log = logging.getLogger("proxy")
 
 LARGE_KEYS = 1024  # a probe with more keys uses the connection with the longer timeout
-MAX_KEYS = 32_768  # about 4 MiB of prompt (two keys per 256-byte block): never sent beyond
+MAX_KEYS = 32_768  # two keys per block: a prompt of MAX_KEYS // 2 blocks; never sent beyond
 PER_KEY_S = 10e-6  # the store's time per key, with room (benchmarks/prefix_store.py)
 MAX_PAUSE_S = 30.0
 WARN_EVERY_S = 60.0
