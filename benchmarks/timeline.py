@@ -105,6 +105,10 @@ def read_stamps(path: Path) -> list[dict[str, Any]]:
 
 def steps_of(stamps: list[list[Any]], client: dict[str, int]) -> dict[str, float] | None:
     """Microseconds per step of one request, from its stamps and the client's."""
+    # What the proxy did after the request finished (a pooled connection kept warm while
+    # the next request had not come yet) is not this request's.
+    end = next((i for i, (label, _) in enumerate(stamps) if label == "finish done"), None)
+    stamps = stamps[: end + 1] if end is not None else stamps
     first: dict[str, int] = {}
     for label, t in stamps:
         first.setdefault(label, t)
@@ -131,12 +135,13 @@ def steps_of(stamps: list[list[Any]], client: dict[str, int]) -> dict[str, float
             out[name] = (after_first[label] - prev) / 1000
             prev = after_first[label]
     reads = [t for label, t in stamps if label == "upstream bytes read" and t <= token_t]
-    writes = [t for label, t in stamps if label == "client write done" and t <= token_t]
-    if reads and writes:
-        out["first token: upstream bytes read -> written to client"] = (
+    writes = [t for label, t in stamps if label == "client write" and t <= token_t]
+    if reads and writes:  # the write's own send() is in the next step: the client may
+        # read the bytes before the proxy's call returns
+        out["first token: upstream bytes read -> its write to the client begins"] = (
             writes[-1] - reads[-1]
         ) / 1000
-        out["first token: written -> client reads it"] = (client["first"] - writes[-1]) / 1000
+        out["first token: write begins -> client reads it"] = (client["first"] - writes[-1]) / 1000
     # llm_proxy_overhead_seconds as the proxy records it: handler entry to request written
     out["the overhead metric's span (handler -> request written)"] = (
         first["request written done"] - first["handler"]
@@ -239,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
                 None,
             )
             r["steps"] = steps_of(line["stamps"], r) if line else None
+            r["stamps"] = line["stamps"] if line else None
         missing = lines[0]["missing"] if lines else ["no stamps at all"]
         missing_points[name] = missing
         if missing:
