@@ -25,7 +25,6 @@ The ``gc`` line counts every collection in the process, whoever's objects it vis
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 from typing import Any
@@ -113,28 +112,8 @@ def _install(prefix: str) -> None:
     metrics.Metrics._observe_prefix = counted  # type: ignore[method-assign]
 
 
-class _AfterRoutes:
-    """Installs the wrappers once ``proxy.routes`` (which imports the rest) is loaded,
-    from wherever the process imports it: ``run.py`` starts its proxies from snapshots of
-    ``proxy/``, which are on ``sys.path`` only after start-up."""
-
-    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        if name != "proxy.routes":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.loader is None:
-            return spec
-        loader = spec.loader
-        execute = loader.exec_module
-
-        def exec_module(module: Any) -> None:
-            execute(module)
-            _install(_PREFIX)
-
-        loader.exec_module = exec_module  # type: ignore[method-assign]
-        return spec
-
-
 if _PREFIX:
-    sys.meta_path.insert(0, _AfterRoutes())
+    sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from shim_hook import AfterImport  # benchmarks/shim_hook.py
+
+    sys.meta_path.insert(0, AfterImport('proxy.routes', lambda: _install(_PREFIX)))
