@@ -268,3 +268,17 @@ def test_allow_lists_hold_only_offenders() -> None:
         ]
     )
     assert not stale, "no longer offending, remove from the allow-list: " + ", ".join(stale)
+
+
+def test_the_module_map_names_every_module_and_only_modules_that_exist() -> None:
+    """``docs/development.md``'s architecture table names each module of ``proxy/`` (or
+    its package folder) and nothing that is gone: a move or a split updates the map."""
+    doc = (ROOT / "docs" / "development.md").read_text(encoding="utf-8")
+    named = set(re.findall(r"`(proxy/[\w/]+(?:\.py|/))`", doc))
+    folders = {n for n in named if n.endswith("/")}
+    modules = {_name(p) for p in _modules()} - {"proxy/__init__.py", "proxy/__main__.py"}
+    unnamed = sorted(m for m in modules
+                     if m not in named and not any(m.startswith(f) for f in folders))
+    assert not unnamed, "add to docs/development.md's module map: " + ", ".join(unnamed)
+    gone = sorted(n for n in named if not (ROOT / n).exists())
+    assert not gone, "docs/development.md names what no longer exists: " + ", ".join(gone)
