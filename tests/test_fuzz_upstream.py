@@ -437,6 +437,9 @@ def rig() -> Iterator[Rig]:
         read_timeout=5.0,
         connect_timeout=2.0,
         max_upstream_connections=1,
+        # What an exchange leaves in the pool is the property; a connection the pool
+        # opens to keep one warm is not the exchange's (tests/test_upstream_setup.py).
+        upstream_keep_warm=0.0,
     )
     holder.append(Rig(loop, proxy))
     try:
