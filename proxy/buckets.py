@@ -1,13 +1,7 @@
 """Quantiles from cumulative histogram buckets, the way PromQL's ``histogram_quantile``
 estimates them.
 
-Shared by every reader of the proxy's histograms (the bench's and the demo's scrapes,
-the live page computed from the registry), so that a percentile means the same thing
-wherever it is shown, and the same as in Grafana. It imports nothing: the serving path
-may use it without pulling in a parser or an HTTP client.
-
-Find the bucket where the rank falls and interpolate linearly within it (lower edge 0
-for the first bucket; a rank in the ``+Inf`` bucket gives the highest finite edge).
+Design: ``docs/design/bench.md``.
 """
 
 from __future__ import annotations

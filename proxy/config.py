@@ -3,11 +3,7 @@ file (``--config``), validated at start-up. Precedence: flag, then environment, 
 file's top-level keys, then default; the file's ``[[upstream]]`` tables declare several
 upstreams (:mod:`proxy.upstream_spec`) and replace the single-upstream options.
 
-Every option is declared once in :data:`proxy.options.OPTIONS`. A bad value raises
-:class:`SettingsError` before any socket is opened, with one line naming the setting as
-the operator gave it: the flag, the variable (and its flag), or the file and key. The
-settings' variables are read here; the rest of the environment (keys, secrets, ``OTEL_*``)
-is read once by :func:`proxy.app.create_app` and handed to what it builds.
+Design: ``docs/design/serve.md``.
 """
 
 from __future__ import annotations

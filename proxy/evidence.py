@@ -2,15 +2,7 @@
 the proxy's counters live: its ``/metrics`` text, its own registry (the live page), or a
 Prometheus server's answers (a fleet).
 
-All three come down to a :class:`Reading`: per (route, model, upstream) the samples the
-diagnosis needs, summed over every other label. A reading of a registry or a scrape is
-cumulative, the difference of two (:meth:`Reading.minus`) a window; Prometheus answers a
-window. :func:`evidence` turns any of them into one :class:`Evidence` per selection.
-:func:`read_registry` is the one walk over a registry, shared with the live page.
-
-No network I/O and no metric library here (:mod:`proxy.diagnose` fetches and parses;
-the serving path sets up multiprocess storage before prometheus_client is imported).
-What each figure is read from: docs/design/evidence.md.
+Design: ``docs/design/evidence.md``.
 """
 
 from __future__ import annotations

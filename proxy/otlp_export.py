@@ -2,15 +2,7 @@
 the process at shutdown. Shared by :mod:`proxy.tracing` and :mod:`proxy.otel_metrics`;
 like them, it is only used when OpenTelemetry is on.
 
-The exporter logs every retry and final failure with the HTTP library's whole
-exception, which buries the proxy's own log during an outage. So those lines are
-dropped (:class:`_ExporterNoise`) and :class:`ExportWatch` says the same once: one line
-when exports start failing, with the short reason, and one when an export succeeds
-again, with how many failed meanwhile.
-
-At shutdown the exporter's retries would hold a stopped proxy: :func:`bounded_shutdown`
-gives the last export :data:`SHUTDOWN_WAIT_S`, then stops the exporter; what is still
-queued is dropped. docs/design/opentelemetry.md has the whole story.
+Design: ``docs/design/opentelemetry.md``.
 """
 
 from __future__ import annotations

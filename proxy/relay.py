@@ -1,13 +1,6 @@
 """The relay: upstream bytes out to the client as they arrive, events observed on the side.
 
-Per read: hand the bytes on, read the clock once, give the read to the observer
-(:class:`proxy.measure.Meter`), in that order, so measurement never delays the chunk it
-measures. Under uvicorn :class:`proxy.uvicorn_writer.DirectWriter` writes from the
-upstream socket's callback; under any other ASGI server reads are queued and handed to
-``send``. Flow control travels back only as the sink's return value. A client that takes
-no byte for ``write_timeout`` ends the relay (``client_stalled``); one that goes away is
-noticed by :func:`watch_disconnect`. A failing observer stops measuring, never the
-stream. ``docs/design/request-path.md`` has the details.
+Design: ``docs/design/request-path.md``.
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
 """``llm-latency-proxy serve``: settings from flags, environment and config file, then
 uvicorn (uvloop, httptools).
 
-Order matters: settings are validated, then the port is bound (a taken port fails in one
-line, exit 3), then the app is built and the start-up line printed, naming the port the
-system chose for ``--port 0``. With ``--workers N`` the multiprocess metrics directory (a
-private ``mkdtemp``, removed at exit) is set before any process imports prometheus_client,
-and workers get the settings as ``LLM_PROXY_*`` variables, as a container would. SIGTERM
-or SIGINT drain for up to ``--graceful-timeout`` and exit 0; ``--metrics-linger`` keeps
-``--metrics-port`` answering after the drain. Why each step is so:
-docs/design/serve.md.
+Design: ``docs/design/serve.md``.
 """
 
 from __future__ import annotations

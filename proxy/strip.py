@@ -1,17 +1,6 @@
 """The one change the proxy makes to a stream: removing the usage event it asked for.
 
-When a streaming chat or completions request did not ask for
-``stream_options.include_usage``, the proxy asks for it (to learn exact token counts)
-and removes the usage-only event that causes (``"choices": []`` with a usage object)
-from what the client receives. To cut exactly that event the stripper must know where
-events end before the bytes are sent, so it forwards whole events only: the tail of a
-read that ends inside an event waits for the read that completes it. An SSE client
-cannot act on half an event anyway, and with upstreams that write one event per read
-(all the common servers) nothing ever waits.
-
-:meth:`UsageStripper.take` returns the bytes to hand on now; after handing them on, the
-relay reads the clock once and calls :meth:`UsageStripper.observe`, so what the
-stripper learned while cutting is not parsed twice.
+Design: ``docs/design/request-path.md``.
 """
 
 from __future__ import annotations

@@ -1,13 +1,6 @@
 """OpenTelemetry tracing: one span per measured request, filled from its record.
 
-The only module that imports OpenTelemetry's tracing, and only when tracing is asked for
-(:func:`from_settings`); off, the request path pays one ``is None`` check at each of the
-three points that call it (start, inject, finish). Nothing happens per event: the span's
-attributes and events are written at the one finish from the frozen
-:class:`~proxy.measure.RequestRecord`, which holds no prompt, header or key, so the span
-cannot either. Times are the record's monotonic offsets placed on one wall-clock reading
-taken at the start. Attribute names follow the GenAI semantic conventions and live in
-:data:`ATTR` only. ``docs/design/opentelemetry.md`` gives the reasons.
+Design: ``docs/design/opentelemetry.md``.
 """
 
 from __future__ import annotations

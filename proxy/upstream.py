@@ -1,15 +1,6 @@
 """One live upstream: its client, request building, header filtering, error mapping.
 
-:class:`LiveUpstream` is one configured upstream made live: its client
-(:class:`UpstreamClient`), admission, added headers and in-flight gauge; which one takes a
-request is :mod:`proxy.routing`'s. Requests are forwarded as received (docs/clients.md,
-"What unchanged means") but for hop-by-hop headers, ``Host`` and ``Content-Length``
-(recomputed), and ``Accept-Encoding`` on measured routes (``identity``, so events can be
-parsed as they pass). The target is the configured base URL plus the path below ``/v1``,
-never outside it (:func:`safe_subpath`). ``HTTP(S)_PROXY`` / ``NO_PROXY`` are decided once
-per upstream and logged in one line. The client's exceptions (:mod:`proxy.wire.errors`)
-become OpenAI-shaped errors here and only here (:func:`error_response`), naming the
-upstream's host, never a key or a path.
+Design: ``docs/design/upstream-client.md``.
 """
 
 from __future__ import annotations

@@ -1,14 +1,6 @@
 """The workload capture (``--workload-file``): the shape of the traffic, as it is served.
 
-One line per measured request answered 2xx with the upstream's usage, in the format of
-:mod:`proxy.workload_file`; no prompt text, key or header. A request without usage is
-counted (``no_usage``), not estimated. ``hash_ids`` come from the prompt-cache doctor's
-keys (:class:`PrefixKeys` keeps them shared as far as two prompts are equal), so the
-capture hashes nothing itself. The finish only hands the record over; a writer thread
-(:class:`~proxy.line_writer.LineWriter`) turns keys into ids and writes, drops and
-counts rather than waits, rotates, and writes every buffered line at shutdown. With
-``--workers`` each worker writes ``FILE.<pid>`` with the supervisor's start, id
-namespace and secret (:class:`Shared`). ``docs/design/workload.md`` gives the reasons.
+Design: ``docs/design/workload.md``.
 """
 
 from __future__ import annotations

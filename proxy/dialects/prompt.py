@@ -3,13 +3,7 @@ doctor, :mod:`proxy.doctor`): the request body's prompt as an ordered tuple of
 :class:`PromptPart`, in the order the provider renders it, so that a prefix of the parts
 is a prefix of what the upstream's prefix cache sees. Each API's module says its order.
 
-One part per tool, message or input item. Text is its UTF-8 bytes (content parts
-concatenated); structured pieces are compact JSON in the body's own key order (a
-reordering is a change); ``cache_control`` is left out (not prompt text); a part the
-proxy cannot read (image, audio, file) enters as a hash of its JSON. A ``system`` or
-``developer`` message is of kind ``system``. Nothing raises: a malformed body gives the
-parts that can be read. :func:`cache_scope` gives what keeps two prompts from sharing a
-cache even when their text is the same (the model; ``prompt_cache_key``, ``cache_salt``).
+Design: ``docs/design/dialects.md``.
 """
 
 from __future__ import annotations

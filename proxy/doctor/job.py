@@ -1,13 +1,7 @@
 """The prompt-cache doctor on the request path: which requests it examines, when, and
 where, and what it hands the one finish.
 
-One way through: :meth:`PrefixCheck.begin` estimates a prompt's work before any part is
-built and names its :class:`Place`; once the upstream's prefill was done
-(:meth:`PrefixJob.ready`) the job runs :meth:`PrefixJob.examine` where the place says
-(in a batch on the loop, or on the place's worker threads); :meth:`PrefixJob.settle`
-and :meth:`PrefixJob.record` give the finish its :class:`~proxy.measure.PrefixRecord`.
-Failures never reach the request: they are counted as unchecked, with the reason.
-``docs/design/doctor.md`` ("The doctor on the request path") says why each rule.
+Design: ``docs/design/doctor.md``.
 """
 
 from __future__ import annotations

@@ -1,13 +1,6 @@
 """The provider's own cache diagnostics, read as bounded words, and whether the doctor agrees.
 
-Anthropic (Messages, ``diagnostics.cache_miss_reason``) and OpenAI (Responses,
-``prompt_cache_diagnostics``) answer why a prompt missed the cache when the app asked
-for it (by naming the earlier response to compare with). The proxy never asks; it reads
-the answer when there is one. Their reasons are kept only when they are among the words
-the APIs document (:data:`ANTHROPIC_REASONS`, :data:`OPENAI_REASONS`); anything else is
-``other``, so the words stay fit for a metric label.
-
-:func:`agreement` says whether the doctor's break names the same part.
+Design: ``docs/design/doctor.md``.
 """
 
 from __future__ import annotations

@@ -2,13 +2,7 @@
 the secret every replica hashes prompts with, and :class:`RedisPrefixIndex`, the
 :class:`~proxy.doctor.index.PrefixIndex` on one Redis or Valkey.
 
-One exchange is one ``EVALSHA`` of :data:`SCRIPT` (read every key, then write every
-key, alone on the store), in the store's clock, times sent and answered as ages. It
-blocks its thread for the round trip, so :mod:`proxy.doctor.job` runs it in the
-doctor's threads, never on the loop. A failure raises :class:`IndexUnavailable` and
-opens the :class:`Breaker`; the request is counted as unchecked, never delayed. The
-table is checked before the proxy listens; the store is not contacted at start-up.
-``docs/design/doctor.md`` ("The shared index") says why each choice.
+Design: ``docs/design/doctor.md``.
 """
 
 from __future__ import annotations

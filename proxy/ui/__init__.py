@@ -1,13 +1,6 @@
 """The live page (``GET /ui``, ``GET /ui/data``) and the assets the bench report shares.
 
-:mod:`proxy.ui.data` computes the figures from the registry when asked,
-:mod:`proxy.ui.slow` keeps the slowest recent requests and
-:mod:`proxy.ui.breaks` where recent prompts broke, :mod:`proxy.ui.page` serves
-both over ASGI (main port) or WSGI (metrics port), and ``static/`` holds the HTML, CSS
-and JavaScript, drawn with plain SVG: no library, no request off the machine.
-
-The page follows ``/metrics``: it is served where ``/metrics`` is (the main port, or
-``--metrics-port``), since it shows the same data; ``--no-ui`` turns it off.
+Design: ``docs/design/live-page.md``.
 """
 
 from __future__ import annotations
