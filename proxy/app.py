@@ -1,12 +1,6 @@
 """Wiring: ``create_app(settings, *, transport=None, registry=None, clock=time.perf_counter)``.
 
-A small ASGI callable rather than a web framework's app: its few fixed paths (``/v1/*``,
-``/healthz``, ``/metrics``, the live page ``/ui`` wherever ``/metrics`` is) need no path
-table, and ``/v1/*`` is the hot path (:mod:`proxy.routes`). Everything is built here,
-once, from validated settings: every configured upstream made live
-(:class:`proxy.routing.LiveUpstreams`), swapped on ``SIGHUP`` and closed by the lifespan
-(or :meth:`ProxyApp.aclose`). ``transport`` (tests of one upstream) is an upstream client
-every upstream uses instead of its own; metrics go to ``registry``, else to the app's own.
+Design: ``docs/design/request-path.md``.
 """
 
 from __future__ import annotations

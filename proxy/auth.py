@@ -1,11 +1,6 @@
 """Client keys and the upstream's own key (``--upstream-api-key-env``).
 
-Off by default: the client's key headers pass through and the upstream decides. When an
-upstream holds a key, clients present one of the proxy's own keys instead, stored as
-SHA-256 digests (``--client-keys-file``) and compared in constant time; all three client
-key headers (:data:`CLIENT_KEY_HEADERS`) are then removed upstream, and ``/metrics`` and
-``/ui`` on the main port take the same keys (:func:`observer_key`). No key is ever
-written anywhere. ``docs/design/request-path.md`` has the details.
+Design: ``docs/design/request-path.md``.
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
 """Request bodies: what the proxy decodes from them and the usage request it adds.
 
-A body over :data:`LARGE_BODY` is decoded and re-encoded in pieces, in a worker thread:
-``json``'s C code never hands the GIL back during a call, so one whole call in a thread
-stalls the loop as long as on it. Each piece is one short call into that same C code
-(windows of text, containers walked member by member, strings a window at a time), and
-the result is the same objects ``json.loads`` builds and the same bytes ``json.dumps``
-(compact, ``ensure_ascii=False``) writes; ``tests/test_loop.py`` checks both.
-``docs/design/request-path.md`` has the details.
+Design: ``docs/design/request-path.md``.
 """
 
 from __future__ import annotations

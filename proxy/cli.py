@@ -1,12 +1,6 @@
 """Command line: ``llm-latency-proxy {serve,simulate,bench,demo,healthcheck,workload,diagnose}``.
 
-Each sub-command lives in its own module, which exposes ``add_parser(subparsers)``;
-that function registers the sub-command and sets ``func`` (``args -> exit code``, or a
-:class:`proxy.errors.CliError` that :func:`main` prints in one line and exits with). The
-sub-command modules are below this one and never import it: ``healthcheck``, which
-parses a command line as the program would, gets :func:`build_parser` as ``args.program``.
-The modules keep their heavy imports (web stack, HTTP clients) inside ``func`` so
-that ``--help`` stays fast.
+Design: ``docs/design/serve.md``.
 """
 
 from __future__ import annotations

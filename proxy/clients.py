@@ -1,10 +1,6 @@
 """Who is waiting: the raw value of the optional ``client`` label.
 
-``--client-label-from header:X-Team`` takes a header's value; ``key`` takes
-``HMAC-SHA256(secret, key)`` cut to 12 hex digits, never the key. Missing is
-``unknown``, not short visible ASCII is ``other``. Only a request that passed the
-proxy's checks and was not refused by the upstream (401, 403) is named, so wrong keys
-cannot fill the label's values. Design: docs/design/relay-and-export.md.
+Design: ``docs/design/relay-and-export.md``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
 """``llm-latency-proxy demo``: the whole product on one machine, no key, no GPU, no network.
 
-One process, one event loop: three simulated upstreams (``local``, ``cloud`` at the
-``slow`` profile, ``support``), the proxy routing to them by model, and a steady mixed
-workload over all four APIs with bursts, plus a support app whose prompt starts with the
-time, for the prompt-cache doctor to find. A terminal view shows what the proxy measures.
-In-process servers, so one Ctrl-C stops everything in order. Design: docs/design/bench.md.
+Design: ``docs/design/bench.md``.
 """
 
 from __future__ import annotations

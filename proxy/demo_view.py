@@ -1,9 +1,7 @@
 """The demo's terminal view: what the proxy measured between two ``/metrics`` snapshots,
 as a full-screen table (a TTY) or one line per refresh (logs, CI).
 
-The figures are the proxy's own (its histograms, as Prometheus would read them), per
-route and per upstream beside how many requests the demo sent, so a route the proxy does
-not measure still shows its traffic.
+Design: ``docs/design/bench.md``.
 """
 
 from __future__ import annotations

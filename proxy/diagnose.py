@@ -1,10 +1,6 @@
 """``llm-latency-proxy diagnose``: what to fix, from one proxy or from Prometheus.
 
-Reads the evidence (:mod:`proxy.evidence`) from a proxy's ``/metrics`` (``--url``) or a
-Prometheus server (``--prometheus``), ranks the levers of every (route, model, upstream)
-(:mod:`proxy.diagnosis.levers`) and prints the card, or the documented JSON. Exit status
-0 with a card, 2 for bad arguments, 1 when the source cannot be read. Windows and keys:
-docs/design/diagnosis.md.
+Design: ``docs/design/diagnosis.md``.
 """
 
 from __future__ import annotations

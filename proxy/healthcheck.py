@@ -1,10 +1,6 @@
 """``llm-latency-proxy healthcheck``: the container image's ``HEALTHCHECK``.
 
-One image runs several commands, so the check first reads PID 1's command line (the
-entry point, or an init whose arguments end with it): ``serve`` and ``simulate`` are asked
-``GET /healthz`` on their port, ``bench`` and ``demo`` are healthy while they run, and a
-command line that is not ours is treated as ``serve``. Exit 0 healthy, 1 not. The request
-never goes through an ``HTTP_PROXY``. Design: docs/design/relay-and-export.md.
+Design: ``docs/design/relay-and-export.md``.
 """
 
 from __future__ import annotations

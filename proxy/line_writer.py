@@ -1,10 +1,6 @@
 """Lines written to a file by one thread of their own, never by the event loop.
 
-Shared by the request log and the workload capture: :meth:`LineWriter.offer` never blocks;
-the thread waits :data:`BATCH_S` after the first item for more and writes them in one
-batch, so it wakes rarely however busy the proxy is. A full buffer drops the line
-(counted, warned about); :meth:`LineWriter.close` writes what is buffered, then runs
-``finish`` in the thread. Design: docs/design/relay-and-export.md.
+Design: ``docs/design/relay-and-export.md``.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
 """A warning log that a failing upstream cannot flood.
 
-When the upstream is down every request fails, and one line per request would bury
-everything else in the log (and cost I/O on the hot path). :class:`RateLimitedLog`
-writes at most ``per_interval`` lines per ``interval_s``; the lines it holds back are
-counted and reported in one line with the first warning of a later interval.
+Design: ``docs/design/upstream-client.md``.
 """
 
 from __future__ import annotations

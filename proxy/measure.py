@@ -1,11 +1,6 @@
 """Measurement: timed events in, one frozen per-request record out.
 
-What an event *means* is each API's dialect (:mod:`proxy.dialects`); this module turns
-the times at which events were handed to the client into TTFT, ITL, TPOT and the rest,
-the same way for every API (definitions: ``docs/definitions.md``). It knows nothing of
-HTTP, sockets, Prometheus or any API's JSON keys, and never reads a clock: every time
-comes from the caller, read once per upstream read. Nothing here may raise on any input:
-a malformed event is simply not counted.
+Design: ``docs/design/request-path.md``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
 """Prometheus metrics: every metric the proxy exports is defined and registered here.
 
-Names, HELP texts, bucket edges and label sets live here and nowhere else. Label children
-are resolved once per request, never per chunk; ITL gaps are observed in one batch at the
-end. Cardinality is bounded by construction (:class:`ModelLabels`,
-:class:`BoundedLabels`). With ``--workers N`` the storage is prometheus_client's
-multiprocess files. Design: docs/design/relay-and-export.md.
+Design: ``docs/design/relay-and-export.md``.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
 """``GET /v1/models`` with several upstreams: one list, merged from every upstream's.
 
-An app that lists the models through the proxy sees those of every upstream behind it,
-as it would see one upstream's list without the proxy. Every upstream is asked at once,
-with the request's headers as that upstream gets them, and the lists are merged in
-config order: the first upstream wins a duplicate id. An upstream that fails to answer
-is left out and logged, not a 502 for the list; only when none answers does the request
-fail. The request itself (its answer, its record) is :mod:`proxy.routes`'s.
+Design: ``docs/design/request-path.md``.
 """
 
 from __future__ import annotations

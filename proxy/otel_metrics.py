@@ -1,12 +1,6 @@
 """Optional OTLP metrics: the OpenTelemetry GenAI metric instruments, once per request.
 
-For an OTLP metrics pipeline; Prometheus (:mod:`proxy.metrics`) stays the primary
-interface. One :meth:`OtelMetrics.record` per request re-states, under the GenAI
-semantic-convention names, what the finished :class:`~proxy.measure.RequestRecord`
-holds; nothing happens per event. OpenTelemetry is imported only when asked for
-(``--otlp-metrics``, or ``OTEL_METRICS_EXPORTER=otlp`` set explicitly: an absent
-variable never turns an export on). The model attributes are bounded like the
-Prometheus ``model`` label. ``docs/design/opentelemetry.md`` gives the reasons.
+Design: ``docs/design/opentelemetry.md``.
 """
 
 from __future__ import annotations

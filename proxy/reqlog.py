@@ -1,9 +1,6 @@
 """Per-request log: one JSON line per finished request (``--log-requests``).
 
-Every measured field, the request id, route, model label, status and outcome; never
-headers, keys or prompt text. Written by :class:`proxy.line_writer.LineWriter`'s thread
-through a bounded buffer: a slow disk drops lines (counted and warned about) rather than
-stall the loop. Design: docs/design/relay-and-export.md.
+Design: ``docs/design/relay-and-export.md``.
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
 """Request handling for ``/v1/*``: admission, upstream call, relay, one record.
 
-A plain ASGI endpoint, not a FastAPI route: per request no routing table walk, no
-dependency injection, no ``Request``/``Response`` objects, and per chunk nothing but
-the relay. Flow, one way: request in -> checks -> body -> admission -> upstream ->
-relay -> one finish (record -> metrics, log line, warning, span), run exactly once per
-request, refused ones included. Each step makes one frozen stage record (:class:`Arrival`,
-:class:`Asked`, :class:`Admitted`, :class:`Answered`, :class:`Ended`); the finish reads
-them. ``docs/design/request-path.md`` has the why.
+Design: ``docs/design/request-path.md``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
 """Routing: which upstream takes a request, and the route label of any path.
 
-The request's ``model`` picks the first upstream, in file order, whose patterns match it
-(exact names or ``fnmatch`` patterns) and that serves the route; else the upstream marked
-``default = true``; else a 404. The body is forwarded unchanged: no renaming, no retry,
-no fallback after a failure (a retry would hide the very latency the proxy shows).
-Without a config file the single-upstream flags make a table of one.
+Design: ``docs/design/request-path.md``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
 """``GET /metrics`` on the main port, rendered in a worker thread, one render shared.
 
-The render grows with the label sets and on the loop would stall every relayed stream;
-in a thread the loop takes the GIL back within the switch interval. At most one render
-per format runs and one more is pending: a scrape shares a render that has not begun,
-and one that arrives during a render waits for the next, so no answer is older than its
-request. Design: docs/design/relay-and-export.md.
+Design: ``docs/design/relay-and-export.md``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
 """Incremental server-sent-events parser: bytes in, events out. No I/O, no clock.
 
-WHATWG event-stream grammar (CRLF, LF or CR, split anywhere); keeps ``data``, ``event``
-(``b""`` when absent) and each event's byte span. An event over ``max_event_bytes`` is
-reported ``oversize`` without its data. The common case of complete LF-terminated events
-takes a fast path of ``bytes`` methods. Spans and the straddling LF:
-docs/design/relay-and-export.md.
+Design: ``docs/design/relay-and-export.md``.
 """
 
 from __future__ import annotations

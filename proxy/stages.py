@@ -1,9 +1,6 @@
 """The request path's state: one frozen record per stage, and the record made of them.
 
-Each stage record is made whole by the one step of :class:`proxy.routes.V1Handler` that
-knows it, and never changed; what changes while a stream runs stays in its meter
-(:class:`proxy.measure.Meter`). A request refused at any step simply has fewer stages:
-the finish (:func:`record_of`) reads what is there.
+Design: ``docs/design/request-path.md``.
 """
 
 from __future__ import annotations

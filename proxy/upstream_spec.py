@@ -1,11 +1,7 @@
 """One upstream as configured (:class:`UpstreamSpec`), and the config file's
 ``[[upstream]]`` tables that declare them.
 
-A file's tables and the single-upstream flags both give a list of :class:`UpstreamSpec`.
-Every problem (parse error, unknown key, wrong type, unset key variable, duplicate name,
-two defaults, a pattern shadowed by an earlier one) is one line naming file, upstream and
-setting. Below :mod:`proxy.config`: imports only :mod:`proxy.config_values`.
-Design: docs/design/relay-and-export.md.
+Design: ``docs/design/relay-and-export.md``.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
 """Writing a relayed body straight to uvicorn's transport, and bounding a client that stops
 reading.
 
-:class:`DirectWriter` does what uvicorn's ``send`` does for a chunk of a chunked response,
-without its per-chunk message and coroutine. It relies on uvicorn's private attributes,
-hence this module alone and :func:`direct_writer` returning None (use ``send``) when any
-is missing. :class:`ClientConnection` watches the transport's write buffer and says when
-the client took no byte for the client write timeout. Design:
-docs/design/relay-and-export.md.
+Design: ``docs/design/relay-and-export.md``.
 """
 
 from __future__ import annotations

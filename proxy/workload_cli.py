@@ -1,11 +1,7 @@
 """``llm-latency-proxy workload``: look at a workload file, cut a window, scale its rate,
 anonymise it, merge files into one.
 
-Every action reads its files as one workload (:func:`proxy.workload_file.load`) and, but
-``info``, writes one standard file with small ids renumbered in order of first
-appearance and a new id namespace. The operations are pure (a workload in, records and
-metadata out); ``docs/design/workload.md`` says what each keeps and why. ``trace`` is
-the command's old name, accepted with a warning for one release.
+Design: ``docs/design/workload.md``.
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
 """Workload files in the Mooncake trace format: read, write, merge.
 
-JSON Lines, one request a line, no prompt text: the four Mooncake fields (``timestamp``,
-``input_length``, ``output_length``, ``hash_ids``) that AIPerf and Dynamo replay, then
-our own (:data:`OWN_FIELDS`). The first line of each file (or segment) carries the
-metadata (:data:`META_FIELDS`, keeping the format's ``trace_`` names): the wall-clock
-start, the block size and the id namespace. :func:`load` reads several files as one
-workload on one time line; :class:`WorkloadWriter` writes what a capture sees.
-``docs/design/workload.md`` is the format's contract and the reasons.
+Design: ``docs/design/workload.md``.
 """
 
 from __future__ import annotations

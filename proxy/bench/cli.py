@@ -1,9 +1,6 @@
 """``llm-latency-proxy bench``: flags in, workload run, table (and JSON) out.
 
-Heavy imports wait for :func:`run_command`. ``--api`` picks the path, body, key header
-and stream reading. When the target exports ``llm_proxy_`` series (or with
-``--compare-metrics``), the proxy's view of the run is printed beside the client's.
-Design: docs/design/bench.md.
+Design: ``docs/design/bench.md``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
 """The async streaming client: sends planned requests and times every received event.
 
-It measures client side what the proxy measures server side, with its own SSE parser
-(:class:`EventStream`) and its own reading of each API's events (:func:`classify`), on
-purpose independent of the proxy's: shared code would share its mistakes. The clock is
-read once per received chunk; the request clock starts just before the request is sent.
-Definitions and pacing: docs/design/bench.md.
+Design: ``docs/design/bench.md``.
 """
 
 from __future__ import annotations

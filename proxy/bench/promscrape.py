@@ -1,10 +1,6 @@
 """The proxy's view of a run, read from its ``/metrics`` before and after.
 
-Parses the exposition with prometheus_client's own parser, sums series, takes after -
-before, and estimates quantiles from buckets as ``histogram_quantile`` does
-(:mod:`proxy.buckets`); means and counts are exact. It reads the format and defines no
-metric, hence the exception to "only :mod:`proxy.metrics` imports prometheus_client";
-the serving path never imports it. Design: docs/design/bench.md.
+Design: ``docs/design/bench.md``.
 """
 
 from __future__ import annotations

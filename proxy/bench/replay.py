@@ -1,11 +1,6 @@
 """``bench --workload-file``: a workload file's requests sent at their recorded times.
 
-Each request goes at its recorded timestamp (divided by ``speedup``) with the recorded
-route's API, model and output length. Prompts are synthetic text built block by block
-from ``hash_ids`` (:class:`BlockText`): equal ids give byte-identical blocks, so a prefix
-cache sees the recorded sharing, and every block is exactly ``block_size`` tokens for the
-simulator and the OpenAI tokenizers. :func:`compare` sets the replay beside what the
-file recorded. ``docs/design/workload.md`` ("Replay") gives the reasons.
+Design: ``docs/design/workload.md``.
 """
 
 from __future__ import annotations

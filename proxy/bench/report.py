@@ -1,9 +1,6 @@
 """``bench --report FILE``: one run as a self-contained HTML page to look at, not read.
 
-Built from the run's ``--json`` payload (so ``--compare OTHER.json`` takes the same path)
-and the live page's assets, inlined under a Content-Security-Policy that allows nothing
-else: it opens offline. Everything is computed here; the page only draws. What each chart
-shows: docs/design/bench.md.
+Design: ``docs/design/bench.md``.
 """
 
 from __future__ import annotations

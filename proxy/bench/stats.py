@@ -1,9 +1,6 @@
 """Percentiles and the run summary: exact numbers from per-request records.
 
-Percentiles are exact order statistics with linear interpolation (numpy's ``linear``,
-as vLLM's benchmark reports), unlike the proxy's bucket estimates. Durations are in
-seconds; the table shows milliseconds. Latencies come from completed requests only.
-Which request counts where: docs/design/bench.md.
+Design: ``docs/design/bench.md``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
 """What to send and when: prompts, request bodies and arrival times, all seeded.
 
-A workload is a weighted mix of :class:`Profile` s; each purpose (prompts, arrivals,
-profile choice) draws from its own seeded ``random.Random``, so the same seed gives the
-same bytes and times. Prompts are random three-letter words (about four characters a
-token), a shared prefix first. Each API asks for streaming, usage and, for reasoning,
-its own reasoning parameter. Design: docs/design/bench.md.
+Design: ``docs/design/bench.md``.
 """
 
 from __future__ import annotations

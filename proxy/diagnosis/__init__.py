@@ -2,7 +2,5 @@
 and no clock of their own (time is passed in). The prompt-cache doctor is
 :mod:`proxy.doctor`.
 
-``fit``: the prefill fit, first-token time against uncached prompt tokens, from sums that
-add across replicas and windows; ``levers``: the first token split into its causes and the
-levers ranked by the milliseconds they would save.
+Design: ``docs/design/diagnosis.md``.
 """

@@ -1,10 +1,6 @@
 """The prefill fit: first-token time against uncached prompt tokens, from sums that add.
 
-``y = fixed + slope * x`` per (route, model, upstream), x the uncached prompt tokens in
-thousands, y the first token less the proxy's queue time. Only sums are kept (n, Sx, Sy,
-Sxy, Sxx, Syy), so replicas, workers and windows combine exactly; the recording rules
-compute the same fit. Spreads below ``MIN_RELATIVE_SPREAD`` give no slope; a line with a
-negative fixed part is refitted through zero. Design: docs/design/diagnosis.md.
+Design: ``docs/design/diagnosis.md``.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
 """What to fix: the first token split into its causes, decode and output against reading
 pace, and the levers ranked by the time they would save, each with one plain sentence.
 
-Pure: the caller gathers one selection's figures into an :class:`Evidence` and
-:func:`diagnose` returns a :class:`Diagnosis`; :func:`as_json` is the documented shape.
-Every threshold and sentence is here, so the card, the command and the JSON agree. A
-part that cannot be known is None, never 0, and no part exceeds the whole. How the split
-and the ranking work: docs/design/diagnosis.md.
+Design: ``docs/design/diagnosis.md``.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
 """API dialects: what one streamed event, and a whole answer, mean for each API the proxy
 measures, and how each API reports token usage.
 
-One module per API (chat, completions, Responses, Messages), each with a :class:`Dialect`
-that reads one SSE event into an :class:`EventInfo` and usage into a normalised
-:class:`Usage`. Pure functions: no I/O, no clock, nothing raises on any input. A fifth
-API is one module and an entry in :data:`DIALECTS`; this namespace re-exports every
-public name. Shared definitions and the byte fast path: docs/design/dialects.md.
+Design: ``docs/design/dialects.md``.
 """
 
 from __future__ import annotations

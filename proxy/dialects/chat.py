@@ -1,10 +1,6 @@
 """``/v1/chat/completions``: what a chat completion chunk, and a chat completion, mean.
 
-Output is a delta with non-empty ``content``, ``refusal``, ``reasoning_content`` or
-``reasoning``, or truthy ``tool_calls``/``function_call``. A data event with a truthy
-``"error"`` and no output is an error. The finish reason may sit on the last token's
-event, so the stream timer keeps that event's data and decodes it once at the end.
-Completions is this reading with another output key. Details: docs/design/dialects.md.
+Design: ``docs/design/dialects.md``.
 """
 
 from __future__ import annotations

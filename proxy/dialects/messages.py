@@ -1,9 +1,6 @@
 """``/v1/messages``: what an Anthropic Messages API event, and a message, mean.
 
-Output is a ``content_block_delta`` with a non-empty ``text_delta``, ``input_json_delta``
-(answer) or ``thinking_delta`` (reasoning). Usage counts are cumulative (the last value
-wins); prompt is ``input_tokens`` plus both cache fields. Which fields, errors and prompt
-parts: docs/design/dialects.md.
+Design: ``docs/design/dialects.md``.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
 """``/v1/responses``: what an OpenAI Responses API event, and a response, mean.
 
-Output is a non-empty string ``delta`` in the output, refusal, tool-argument, audio and
-reasoning delta events; never ``*.added``, ``*.done`` or hosted tools' progress. Usage is
-``response.usage`` of the final event. ``error`` and ``response.failed`` are errors,
-``response.incomplete`` is not. Details: docs/design/dialects.md.
+Design: ``docs/design/dialects.md``.
 """
 
 from __future__ import annotations

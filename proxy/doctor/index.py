@@ -3,9 +3,7 @@
 before all writes, so a shared store answers it in one round trip) and the in-process
 :class:`LruPrefixIndex`.
 
-A sighting counts from when its request's prefill was done, so stamps arrive out of
-order: each key keeps a run of sightings per kind (went on past it, or ended there).
-``docs/design/doctor.md`` ("The in-process index") says why and how.
+Design: ``docs/design/doctor.md``.
 """
 
 from __future__ import annotations

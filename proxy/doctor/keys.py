@@ -1,10 +1,7 @@
 """Prompt parts in, keys out: the keyed block chain, the content-defined chunks and the
 anchors of one prompt (:class:`HashedPrompt`), and nothing of its text.
 
-Every stored key is a keyed ``blake2b`` digest (the secret random per process, or shared
-by replicas), the bytes condensed first by XXH3-128, so an index dump cannot be matched
-against a dictionary of candidate prompts. ``docs/design/doctor.md`` says why blocks of
-256 bytes, why per part, and what the chunks and anchors answer.
+Design: ``docs/design/doctor.md``.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
 """Simulated LLM upstream: the demo's, the compose file's and the tests' LLM.
 
-It speaks OpenAI chat completions, completions and Responses, and Anthropic Messages.
-``model`` holds the latency model (plain code, time passed in); ``engine`` runs one
-request's life on the event loop; ``chat``, ``responses`` and ``messages`` turn its
-steps into each API's bytes; ``app`` serves them over HTTP with FastAPI and
-sse-starlette; ``profiles`` names speed profiles (``fast``, ``slow``) for running it
-as several upstreams of different speeds; ``cli`` is the ``simulate`` sub-command.
+Design: ``docs/design/simulator.md``.
 """
 
 from __future__ import annotations

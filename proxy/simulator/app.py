@@ -1,10 +1,6 @@
 """The simulator's HTTP face: the OpenAI and Anthropic APIs over :mod:`.engine`.
 
-Routes for chat, completions, Responses and Messages, models and ``/healthz``; errors in
-the OpenAI shape, or Anthropic's under ``/v1/messages``. Streams go out through
-sse-starlette (disconnects free the decode slot) with LF endings and no keep-alive ping.
-A :class:`SimulatedDrop` closes the connection mid-body, like a crashed upstream.
-Design: docs/design/simulator.md.
+Design: ``docs/design/simulator.md``.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
 """OpenAI chat completions and legacy completions, shaped like OpenAI's and vLLM's.
 
-Headers at once, a role-only chunk when the decode slot is granted (so TTFB and TTFT
-differ), one chunk per step, the finish, the usage chunk when asked, then ``[DONE]``.
-Reasoning comes as ``delta.reasoning_content``. Chunks are pre-encoded byte templates,
-to stay cheap with hundreds of streams. Design: docs/design/simulator.md.
+Design: ``docs/design/simulator.md``.
 """
 
 from __future__ import annotations

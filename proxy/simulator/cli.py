@@ -1,9 +1,6 @@
 """``llm-latency-proxy simulate``: run the simulated OpenAI- and Anthropic-compatible upstream.
 
-Every :class:`~proxy.simulator.model.SimConfig` field is one flag of the same name, its
-default taken from the dataclass. ``--profile`` applies a speed profile; ``--profiles
-A,B`` serves one simulator per profile from one process, and the command, not each
-server, handles SIGINT and SIGTERM. Design: docs/design/simulator.md.
+Design: ``docs/design/simulator.md``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
 """One request's life on the event loop, shared by every API the simulator speaks.
 
-:class:`Engine` takes an API-neutral :class:`Ask`, lets the latency model plan it, waits
-for a decode slot and yields one step per decode step when it is due. The dialect modules
-turn steps into bytes and know nothing of time; this module knows nothing of any API's
-JSON. A drop raises :class:`SimulatedDrop`; a stream error sets :attr:`Job.failed`.
-Design: docs/design/simulator.md.
+Design: ``docs/design/simulator.md``.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
 """The Anthropic Messages API, ``POST /v1/messages``, streamed or not.
 
-Events follow the ``anthropic`` SDK's types. Usage follows Anthropic's accounting:
-``input_tokens`` excludes cache reads and writes. A stream error ends with an
-``overloaded_error`` event; errors before the body use Anthropic's shape by HTTP status.
-The order of events and writes: docs/design/simulator.md.
+Design: ``docs/design/simulator.md``.
 """
 
 from __future__ import annotations

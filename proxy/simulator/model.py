@@ -1,10 +1,6 @@
 """The simulator's latency model: when each token of each request comes out.
 
-Synchronous, no clock of its own (``now`` comes from the caller), one seeded
-``random.Random`` per request. A request meets decode slots, the prefix cache, prefill on
-one shared lane, decode steps slowed by batching, its output length, and faults.
-Left out on purpose: prefill/decode interference, KV-cache capacity, preemption.
-Design: docs/design/simulator.md.
+Design: ``docs/design/simulator.md``.
 """
 
 from __future__ import annotations

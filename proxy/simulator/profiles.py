@@ -1,10 +1,6 @@
 """Named speed profiles: the simulator as upstreams of clearly different speeds.
 
-A profile fixes the four fields that set a stream's speed (prefill overhead, prefill
-rate, ITL, ITL growth) and nothing else; :func:`profile_config` applies it on top of a
-base :class:`SimConfig`, and an explicit speed flag wins. The values are here only;
-docs/simulator.md lists them and tests/test_simulator_profiles.py checks the schedule.
-Design: docs/design/simulator.md.
+Design: ``docs/design/simulator.md``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
 """The OpenAI Responses API, ``POST /v1/responses``, streamed or not.
 
-Events follow the ``openai`` SDK's types (``event:`` line, JSON with ``type`` and
-``sequence_number``, LF, no ``[DONE]``). Reasoning streams as raw
-``response.reasoning_text.delta``, one per step; the answer as
-``response.output_text.delta``; a stream error ends with ``response.failed``. The order
-of events and writes: docs/design/simulator.md.
+Design: ``docs/design/simulator.md``.
 """
 
 from __future__ import annotations

@@ -3,9 +3,7 @@ the latest break of each (route, model, upstream, reason), fed once per finished
 (a watcher of :class:`proxy.metrics.Metrics`), never per event. Presentation only: it
 reads the doctor's finding in the record (:class:`proxy.measure.PrefixRecord`).
 
-An example holds sizes and positions, never text, at most :data:`MAX_KEYS` of them, the
-least recently updated dropped first. It is one process's memory: with ``--workers N``
-the examples are those of the worker that answered the page's request.
+Design: ``docs/design/doctor.md``.
 """
 
 from __future__ import annotations

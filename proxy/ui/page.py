@@ -1,10 +1,6 @@
 """``GET /ui`` and ``GET /ui/data``: the live page and its JSON, over ASGI or WSGI.
 
-One HTML document with its assets inlined, assembled once at start-up, under a
-Content-Security-Policy that allows only its own origin. Served wherever ``/metrics`` is
-served (main port over ASGI, metrics port over WSGI), and nowhere else. Bad query strings
-and unknown selectors get 400 in the OpenAI error shape before anything is read.
-Design: docs/design/bench.md.
+Design: ``docs/design/bench.md``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
 """The slowest recent streamed requests, for the live page's table.
 
-Fed once per finished request, O(1) per request: time is cut into slots, each keeping
-the ``KEEP`` slowest requests per (route, model, upstream). "Slow" is time to first
-token, or the whole duration of a stream that ended without a token. Only what the
-record holds is kept, never prompt text or keys. With ``--workers N`` each worker keeps
-its own list. Design: docs/design/bench.md.
+Design: ``docs/design/bench.md``.
 """
 
 from __future__ import annotations
