@@ -59,18 +59,7 @@ _ANSWER = 2
 class ChatDialect:
     """``/v1/chat/completions``.
 
-    The byte scan for the common event (one choice, one token, no usage, no metrics)
-    runs only on payloads that look like one JSON object with exactly one ``"delta"``
-    key (so at most one choice can carry output; counting ``"index"`` keys instead would
-    misread servers that omit them) and no usage object or vLLM metrics. Then, cheapest first: the first ``"content"`` key followed
-    by a non-empty string is an answer; a delta whose only key is ``reasoning_content``
-    or ``reasoning`` with a non-empty string (``"delta":{"reasoning":"x"}``: its value
-    ends at the first unescaped quote, right before the delta's ``}``) is reasoning;
-    else one regex pass finds every output key with a non-empty string in any spacing.
-    An unescaped quote on both sides of a key means it cannot lie inside a JSON string.
-    Reasoning from the regex pass is only trusted with no answer key and no
-    ``"tool_calls"``/``"function_call"`` at all, "nothing" only when there is also no
-    ``"error"``, so the ``"error"`` search never runs for a token event.
+    Design: ``docs/design/dialects.md``, "The chat byte scan".
     """
 
     name: str = "chat"

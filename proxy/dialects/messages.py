@@ -57,13 +57,7 @@ _MESSAGES_USAGE_B = frozenset((b"message_start", b"message_delta"))
 class MessagesDialect:
     """``/v1/messages``.
 
-    Byte check for ``content_block_delta``, in the layout the API writes
-    (``{"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"Hi"}}``):
-    the data starts with ``{"type":"``, has exactly two ``"type"`` keys (the event's and
-    the delta's, which ``"delta":{"type":"`` pins as the delta's first key), one
-    ``"delta"`` key, the delta kind followed at once by its value key, that key once,
-    and its value a non-empty string. ``message_start`` and ``message_delta`` (usage)
-    and anything unsure are decoded; other names are settled by the name alone.
+    Design: ``docs/design/dialects.md``, "The Messages byte check".
     """
 
     name: str = "messages"

@@ -71,14 +71,7 @@ def _data_type(data: bytes) -> bytes:
 class ResponsesDialect:
     """``/v1/responses``.
 
-    Byte check for the delta events: the name (from ``event:``, or from data that
-    starts with ``{"type":"NAME"`` and has no other ``"type"`` key) is one of the output
-    deltas, the data is one object with exactly one ``"delta"`` key, written
-    ``"delta":"`` followed by anything but a quote: a non-empty string. Events named
-    anything else are settled by their name alone, except the three that carry usage.
-    OpenAI's delta events carry a ``sequence_number`` and an ``obfuscation`` pad that
-    change every event, so :class:`TokenTemplate` rarely matches them; this check is
-    what keeps them cheap.
+    Design: ``docs/design/dialects.md``, "The Responses byte check".
     """
 
     name: str = "responses"

@@ -17,22 +17,7 @@ _PLAIN_TEXT = re.compile(rb'[^"\r\n]*[^"\r\n\\]').fullmatch
 class TokenTemplate:
     """The shape of one stream's token events, learned once, matched with two compares.
 
-    Servers write every token event of a stream the same way; only the token text
-    changes: ``data: {"id":"x",...,"delta":{"content":"<TEXT>"},...}\\n\\n``, or with an
-    ``event: NAME`` line first (Messages). From the first chunk that is one whole event
-    read as a single output (no usage, no error), this keeps the bytes before
-    ``<TEXT>``, the bytes after it, and what the event was (answer or reasoning). A later
-    chunk that starts and ends with exactly those bytes, and whose middle holds no quote,
-    no line break and no trailing backslash, is the same event with another non-empty
-    string in the same place. Every dialect's reading depends on such a string only
-    through whether it is empty, so the match is read exactly as the learned event was:
-    two byte compares instead of a parse and a scan.
-
-    Events that do not match (another key, a varying field such as a sequence number or
-    OpenAI's ``obfuscation``, escaped quotes) take the full path, so the template can
-    only make measurement cheaper, never different; after 8 misses in a row it is
-    learned again (a reasoning model moving from ``reasoning_content`` to ``content``).
-    A property test checks the template path against the full one on generated streams.
+    Design: ``docs/design/dialects.md``, "The token template (`proxy/dialects/template.py`)".
     """
 
     __slots__ = ("_head", "_info", "_misses", "_tail", "_width", "keys")
