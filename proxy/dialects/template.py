@@ -17,7 +17,7 @@ _PLAIN_TEXT = re.compile(rb'[^"\r\n]*[^"\r\n\\]').fullmatch
 class TokenTemplate:
     """The shape of one stream's token events, learned once, matched with two compares.
 
-    Design: ``docs/design/dialects.md``, "The token template (`proxy/dialects/template.py`)".
+    Design: ``docs/design/dialects.md``, "The token template".
     """
 
     __slots__ = ("_head", "_info", "_misses", "_tail", "_width", "keys")
