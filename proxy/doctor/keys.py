@@ -123,18 +123,9 @@ def _keep(cache: dict[Any, Any], key: Any, value: Any) -> None:
 
 
 def chunk_ends(data: bytes, least: int, most: int, first: int = FIRST_CHUNK_BYTES) -> list[int]:
-    """Where the content-defined chunks of ``data`` end. A text of at most ``least``
-    bytes is one chunk (an empty one too). Else each chunk ends just after the first
-    paragraph break (a blank line) that leaves it longer than ``least // 4`` bytes, or
-    the first newline or sentence end (``". "``) that leaves it longer than ``least``,
-    whichever comes first; a part's first chunk after the first of any of them past
-    ``first`` bytes, so that a short changing head such as a timestamp gets a chunk of
-    its own. With none, a chunk ends after the first space past ``least``, else at
-    ``most`` bytes. What remains (at most ``least`` bytes) is cut once more, before its
-    last sentence or line, so that a changing tail (a new question after a document)
-    is a chunk of its own too. A cut depends only on the bytes after the previous one,
-    so two texts that differ in a head cut their common rest alike soon after it
-    (``docs/design/doctor.md``, "The chunks")."""
+    """Where the content-defined chunks of ``data`` end, by the rules of
+    ``docs/design/doctor.md``, "The chunks".
+    """
     n = len(data)
     if n <= least:
         return [n]

@@ -142,19 +142,8 @@ def cache_tokens(
     minimum_tokens: int = 0,
     granularity_tokens: int = 1,
 ) -> CacheTokens:
-    """Tokens of the repeated prefix and the cache the upstream missed.
-
-    Bytes become tokens at the request's own ratio (``prompt_tokens`` over the prompt's
-    bytes); without usage nothing is known, and neither with stored context the proxy
-    cannot see (``report.unseen_context``: the usage counts its tokens, the bytes do
-    not). Missed is None when the upstream did not
-    report cached tokens (an absent field is unknown, never 0). The cacheable part leaves
-    out the last prompt token (a server computes it to produce the first output token)
-    and is rounded down to ``granularity_tokens`` (the steps an upstream caches in: 16
-    for vLLM's blocks, 128 for OpenAI's increments), so that a cache working as designed
-    is not reported as missing a block's remainder; missed is 0 when that cacheable part
-    is shorter than ``minimum_tokens`` (the provider would not cache it: a prompt of
-    exactly 1,024 tokens has 896 cacheable on OpenAI, below its 1,024).
+    """Tokens of the repeated prefix and the cache the upstream missed (None: unknown, never
+    0); the rules are ``docs/design/doctor.md``'s, step 4 of the examination.
     """
     if (
         prompt_tokens is None
