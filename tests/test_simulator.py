@@ -136,14 +136,15 @@ def test_prefix_cache_matches_whole_blocks_from_the_start_only() -> None:
 
 def test_prefix_cache_forgets_least_recently_used_blocks() -> None:
     cache = PrefixCache(block_chars=4, capacity_blocks=4)
-    assert cache.lookup_and_insert("aaaabbbb") == 0
-    assert cache.lookup_and_insert("ccccdddd") == 0
+    assert cache.lookup_and_insert_blocks("aaaabbbb")[0] == 0
+    assert cache.lookup_and_insert_blocks("ccccdddd")[0] == 0
     assert len(cache) == 4
-    assert cache.lookup_and_insert("aaaabbbb") == 2  # touched: now the most recent
-    assert cache.lookup_and_insert("eeee") == 0  # evicts the oldest block: c...'s tail
-    assert cache.lookup_and_insert("aaaabbbb") == 2
-    assert cache.lookup_and_insert("ccccdddd") == 1  # its head survived, its tail did not
-    assert PrefixCache(block_chars=4, capacity_blocks=0).lookup_and_insert("aaaa" * 4) == 0
+    assert cache.lookup_and_insert_blocks("aaaabbbb")[0] == 2  # touched: now the most recent
+    assert cache.lookup_and_insert_blocks("eeee")[0] == 0  # evicts the oldest block: c...'s tail
+    assert cache.lookup_and_insert_blocks("aaaabbbb")[0] == 2
+    assert cache.lookup_and_insert_blocks("ccccdddd")[0] == 1  # its head survived, its tail did not
+    empty = PrefixCache(block_chars=4, capacity_blocks=0)
+    assert empty.lookup_and_insert_blocks("aaaa" * 4) == (0, 0)
 
 
 def test_cache_off_reports_nothing() -> None:

@@ -119,10 +119,6 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._blocks)
 
-    def lookup_and_insert(self, text: str, scope: str = "") -> int:
-        """Return how many leading full blocks were cached, then remember all of them."""
-        return self.lookup_and_insert_blocks(text, scope)[0]
-
     def lookup_and_insert_blocks(self, text: str, scope: str = "") -> tuple[int, int]:
         """(leading full blocks that were cached, full blocks now stored), for ``text``
         under ``scope``.
