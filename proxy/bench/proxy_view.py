@@ -51,15 +51,9 @@ def format_comparison(
     extra: dict[str, Histogram] | None = None,
     route: str = "/v1/chat/completions",
 ) -> str:
-    """Client and proxy side by side; the difference is client minus proxy.
-
-    The client's figures include connection handling and the network both ways (and,
-    for TTFT, the wait before the proxy's clock starts), so they should be a little
-    larger. The proxy's percentiles are bucket estimates; its means and counts are exact.
-    ``extra`` holds the proxy's TTFB and first-answer histograms when it exports them;
-    a figure the proxy has no observation of shows as ``-``. When the proxy has no
-    token timings at all for the route (it does not measure it yet), only the request
-    counts are compared, and a line says why.
+    """Client and proxy side by side; the difference is client minus proxy, and a figure
+    the proxy has no observation of shows as ``-`` (``extra``: its TTFB and first-answer
+    histograms, when it exports them).
     """
     extra = extra or {}
     timed = view.ttft.count > 0 or view.itl.count > 0

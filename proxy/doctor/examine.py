@@ -236,12 +236,8 @@ class PrefixDoctor:
     """Hash, exchange with the index, examine: the three steps for one request, run
     after the request is on its way upstream (:mod:`proxy.doctor.job` says where).
 
-    It also remembers, per prompt opening (the first block of prompt text under the
-    upstream and model), which request settings the last prompt so opened gave, so that
-    a setting removed since is named (:func:`examine`'s ``removed``): the keys say only
-    that the prefix broke before the text, a setting's name is in no key. Bounded like
-    the hasher's anchors; with a shared index another replica's settings are not known
-    here, and the break is named by the part where it happened.
+    It also remembers, per prompt opening, which settings the last prompt so opened gave,
+    so that a setting removed since is named (``docs/design/doctor.md``, step 3).
     """
 
     def __init__(

@@ -111,10 +111,6 @@ class PrefixCheck:
             worker processes that capture one workload share one.
         clock: the request path's monotonic clock (seconds), which every time given to
             :meth:`begin` and :meth:`PrefixJob.ready` reads.
-
-    Either index forgets entries untouched for an hour or two windows, whichever is
-    longer, so that an *expired* prefix can still be told from a new one.
-    :attr:`max_keys` caps the keys one request may hold (beyond: ``too_large``).
     """
 
     def __init__(
