@@ -70,16 +70,8 @@ class ClientConnection:
 
 
 class DirectWriter(ClientConnection):
-    """Writes body chunks straight to uvicorn's transport, as uvicorn's own ``send`` would.
-
-    uvicorn's ``RequestResponseCycle.send`` (httptools protocol), for a body chunk of a
-    chunked response: wait while the transport is paused, return if the client
-    disconnected, else write ``<hex size>\r\n<chunk>\r\n``. This does the same, minus
-    the message dict, the state checks and the coroutine per chunk (what that saves per
-    SSE event: docs/performance.md); the waiting moves to :meth:`writable`, which the
-    relay awaits only when :meth:`write` said the transport asked to pause, and which
-    bounds it. The response start and the final empty chunk still go through ``send``, so uvicorn's state (keep-alive, access log,
-    response completion) is exactly what it would be.
+    """Writes body chunks straight to uvicorn's transport, as uvicorn's own ``send`` would
+    (``docs/design/relay-and-export.md``, ``proxy/uvicorn_writer.py``).
     """
 
     __slots__ = ("transport_write",)
