@@ -198,17 +198,10 @@ _IDS_PER_PIECE = 16  # token ids written as text cost about a content piece per 
 
 
 def part_bound(payload: Mapping[str, Any], *, walk_below: int = 0) -> int:
-    """At least as many parts as any dialect's ``prompt_parts`` builds from ``payload``:
-    what the prompt-cache doctor's cost follows, known before any part is built
-    (building parts is itself a loop over the items).
-
-    From the arrays' lengths alone, no item read, so that it costs the same for ten
-    messages as for a hundred thousand. When that count is below ``walk_below``, the
-    few items are read for what is inside them, each piece a part would be built from
-    one by one counted as one more: a content array's items (a tool result's, nested),
-    a sixteenth of a token-id array's ids. The walk stops once past ``walk_below``. A
-    completions ``prompt`` array that opens with a token id is one part, as
-    :mod:`proxy.dialects.completions` reads it."""
+    """At least as many parts as any dialect's ``prompt_parts`` builds from ``payload``,
+    known before any part is built: the prompt-cache doctor's cost follows it
+    (``docs/design/doctor.md``, "Where").
+    """
     count = sum(name in payload for name in _SINGLE_FIELDS)
     for name in _PART_ARRAYS:
         value = payload.get(name)
