@@ -114,15 +114,9 @@ class ClientDisconnected(Exception):
 
 
 class V1Handler:
-    """The ASGI endpoint for every ``/v1/*`` request.
-
-    One request path, as small steps that return or raise: :meth:`_arrive` (path),
-    :meth:`_check` (sizes, key), :meth:`_read`, :meth:`_decode` and :meth:`_parse` (what
-    the body asks for), :meth:`_route`, :meth:`_admit` (queue time), :meth:`_forward`
-    (the upstream exchange) and :meth:`_relay`. A step that refuses raises
-    :class:`Refused`, an upstream exchange that fails before its headers
-    :class:`UpstreamFailed`; whatever happened, :meth:`_finish` runs once and builds the
-    record, observes the metrics and writes the log line, refused requests included.
+    """The ASGI endpoint for every ``/v1/*`` request: small steps that return or raise
+    (:class:`Refused`, or :class:`UpstreamFailed` before the upstream's headers), then one
+    :meth:`_finish` whatever happened (``docs/design/request-path.md``, "State in stages").
     """
 
     def __init__(self, *, settings: Settings, upstreams: LiveUpstreams, clock: Clock,
