@@ -310,8 +310,7 @@ def _parse_option(opt: Option, raw: Any, where: str, *, file: bool = False) -> A
         raise SettingsError(f"invalid setting {where}={shown}{also}: {detail}") from None
 
 
-# ---------------------------------------------------------------------------
-# The config file and its upstreams.
+# -- the config file and its upstreams -------------------------------------------------
 
 
 def read_file(path: str) -> dict[str, Any]:

@@ -170,8 +170,7 @@ def run_command(args: argparse.Namespace) -> int:
     return asyncio.run(Demo(args, sys.stdout).main())
 
 
-# ---------------------------------------------------------------------------
-# Workload
+# -- workload --------------------------------------------------------------------------
 
 
 def demo_profiles() -> list[Any]:
@@ -259,8 +258,7 @@ def support_request(index: int, instructions: str, rng: random.Random, clock: st
     return PlannedRequest(index, "support", body, "chat")
 
 
-# ---------------------------------------------------------------------------
-# Servers
+# -- servers ---------------------------------------------------------------------------
 
 
 def _server(app: Any) -> uvicorn.Server:
@@ -272,8 +270,7 @@ def _server(app: Any) -> uvicorn.Server:
         app, lifespan="on", log_level="error", access_log=False, timeout_graceful_shutdown=2))
 
 
-# ---------------------------------------------------------------------------
-# The demo
+# -- the demo --------------------------------------------------------------------------
 
 
 class Demo:

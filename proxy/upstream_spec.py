@@ -128,8 +128,7 @@ def key_problem(var: str, env: Mapping[str, str]) -> str:
     return ""
 
 
-# ---------------------------------------------------------------------------
-# The tables.
+# -- the tables ------------------------------------------------------------------------
 
 
 def upstream_specs(path: str, doc: Mapping[str, Any], limits: Mapping[str, Any],

@@ -109,8 +109,7 @@ def resolve_when(text: str, start: datetime | None, zone: tzinfo | None) -> floa
     return (when - start).total_seconds() * 1000.0
 
 
-# ---------------------------------------------------------------------------
-# The operations (pure: a workload in, records and metadata out)
+# -- the operations (pure: a workload in, records and metadata out) --------------------
 
 
 def cut(
@@ -278,8 +277,7 @@ def info(workload: Workload) -> list[str]:
     return lines
 
 
-# ---------------------------------------------------------------------------
-# Command line
+# -- command line ----------------------------------------------------------------------
 
 
 def _add_common(p: argparse.ArgumentParser, *, output: bool = True) -> None:

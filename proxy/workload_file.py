@@ -132,8 +132,7 @@ def format_line(record: WorkloadRecord, meta: WorkloadMeta | None = None) -> str
     return json.dumps(obj, separators=(", ", ": "), ensure_ascii=False, allow_nan=False)
 
 
-# ---------------------------------------------------------------------------
-# Reading
+# -- reading ---------------------------------------------------------------------------
 
 
 def _number(value: Any) -> bool:
@@ -361,8 +360,7 @@ def load(paths: Sequence[str], *, block_size: int | None = None) -> Workload:
     )
 
 
-# ---------------------------------------------------------------------------
-# Hash ids and writing
+# -- hash ids and writing --------------------------------------------------------------
 
 
 class IdMap:

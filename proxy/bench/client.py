@@ -76,8 +76,7 @@ class RequestResult:
         return out
 
 
-# ---------------------------------------------------------------------------
-# Reading a stream: SSE framing, then what each API's events mean
+# -- reading a stream: SSE framing, then what each API's events mean -------------------
 
 _LINE_END = re.compile(rb"\r\n|\r|\n")
 

@@ -187,8 +187,7 @@ def plan(workload: Workload, options: ReplayOptions) -> Replay:
     )
 
 
-# ---------------------------------------------------------------------------
-# The replay beside the workload file
+# -- the replay beside the workload file -----------------------------------------------
 
 PERCENTILES = (0.5, 0.9, 0.95, 0.99)
 

@@ -122,8 +122,7 @@ def explain_break(
     return f"The prompt stopped repeating ({reason})."
 
 
-# ---------------------------------------------------------------------------
-# Tokens
+# -- tokens ----------------------------------------------------------------------------
 
 
 class CacheTokens(NamedTuple):

@@ -87,8 +87,7 @@ class ApiError(Exception):
         return {"type": "error", "error": {"type": kind, "message": self.message}}
 
 
-# ---------------------------------------------------------------------------
-# Request parsing helpers shared by the dialects
+# -- request parsing helpers shared by the dialects ------------------------------------
 
 
 def int_param(
@@ -164,8 +163,7 @@ def model_name(body: Mapping[str, Any], config: SimConfig) -> str:
     return name
 
 
-# ---------------------------------------------------------------------------
-# A request in flight
+# -- a request in flight ---------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
