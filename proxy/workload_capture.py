@@ -144,10 +144,10 @@ class WorkloadCapture:
     blocks), a writer thread, :meth:`close` at shutdown.
 
     ``path``: the workload file (``FILE.<pid>`` with ``per_process``, in one of several
-    worker processes); ``skipped``:
-    called with (reason, count) for requests that got no line (the metric);
-    ``clock``: the request clock (``started`` times are read from it); ``shared``: a
-    worker's workload start, id namespace and secret (:class:`Shared`), else this process's own.
+    worker processes); ``skipped``: called with (reason, count) for requests that got no
+    line (the metric); ``clock``: the request clock (``started`` times are read from it);
+    ``shared``: a worker's workload start, id namespace and secret (:class:`Shared`;
+    None: this process's own).
     """
 
     def __init__(
