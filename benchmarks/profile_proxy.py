@@ -74,10 +74,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--raw", default="", help="keep the collapsed stacks here")
     p.add_argument("--proxy-arg", action="append", default=[])
     p.add_argument("--native", action="store_true", help="py-spy --native (C frames)")
+    p.add_argument("--prompt-bytes", type=int, default=None, help="as run.py's")
     a = p.parse_args(argv)
     if not shutil.which("py-spy"):
         raise SystemExit("py-spy not found: pip install py-spy")
-    args = parse_args(["--proxy-arg=" + x for x in a.proxy_arg])
+    extra = [] if a.prompt_bytes is None else ["--prompt-bytes", str(a.prompt_bytes)]
+    args = parse_args(["--proxy-arg=" + x for x in a.proxy_arg] + extra)
     bench = Bench(args)
     raw = Path(a.raw) if a.raw else bench.tmp / "stacks.txt"
     try:

@@ -785,7 +785,7 @@ def test_repeated_prefix_is_the_longest_common_block_prefix_over_the_window(
         requests: list[tuple[list[tuple[str, str, bytes]], str, int]]) -> None:
     size = 4
     hasher = PromptHasher(block_bytes=size)
-    index = LruPrefixIndex()
+    index = LruPrefixIndex(settle_ms=0)  # exact stamps: steps land on the window's edge
     history: list[tuple[int, str, list[tuple[Any, ...]], list[int]]] = []
     now = 0
     for parts, model, step in requests:
@@ -810,6 +810,72 @@ def test_repeated_prefix_is_the_longest_common_block_prefix_over_the_window(
         if expected == len(mine):
             assert report.reason is None
         history.append((now, model, mine, lengths))
+
+
+# Steps that never bring two requests within a settle of the window's edge: a dozen of
+# the short ones span less than the window less a settle, a long one more than the
+# window and a settle.
+SETTLE_STEPS = st.sampled_from([0, 1, 10, 500, 20_000, 2 * WINDOW])
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.lists(PART, min_size=1, max_size=4), st.sampled_from(["m1", "m2"]),
+                          SETTLE_STEPS, st.sampled_from([0, 5, 30])), min_size=1, max_size=12),
+       st.randoms(use_true_random=False))
+def test_a_settled_index_reports_what_one_that_writes_every_stamp_reports(
+        requests: list[tuple[list[tuple[str, str, bytes]], str, int, int]],
+        rng: random.Random) -> None:
+    """The in-process index leaves alone the entries whose runs already cover a stamp
+    (``settle_ms``): every report is the one an index writing every stamp gives, with
+    prompts repeated whole or by their first parts (often, here) within the settle, and
+    prefills done out of order."""
+    hasher = PromptHasher(block_bytes=4, chunk_bytes=4)
+    settled, exact = LruPrefixIndex(), LruPrefixIndex(settle_ms=0)
+    assert settled.settle_ms > 30
+    now, earlier = 0, []
+    for parts, model, step, prefill in requests:
+        if earlier and rng.random() < 0.6:
+            head, model = rng.choice(earlier)  # the prompt again, or its first parts
+            again = rng.random() < 0.5  # then others (a shared head, a new tail)
+            parts = head if again else head[: rng.randint(1, len(head))] + parts
+        earlier.append((parts, model))
+        now += step
+        prompt = [PromptPart(kind, i, role, data) for i, (kind, role, data) in enumerate(parts)]
+        hashed = hasher.hash(prompt, upstream="u", model=model)
+        assert hashed is not None
+        seen = settled.exchange(hashed.probe(), now, now + prefill)
+        truth = exact.exchange(hashed.probe(), now, now + prefill)
+        assert examine(hashed, seen, now) == examine(hashed, truth, now)
+        cutoff = now - WINDOW  # what any report asks of a key: held within the window, how
+        for i in range(len(hashed.keys)):
+            assert (seen.continued[i] >= cutoff, seen.ended[i] >= cutoff, i in seen.after) == (
+                truth.continued[i] >= cutoff, truth.ended[i] >= cutoff, i in truth.after), i
+
+
+def test_a_prompt_held_whole_within_the_settle_writes_nothing() -> None:
+    hasher = PromptHasher()
+    index = LruPrefixIndex()
+    prompt = [PromptPart("system", 0, "", STABLE.encode()), PromptPart("message", 1, "user", b"Hi")]
+    hashed = hasher.hash(prompt, upstream="u", model="m")
+    assert hashed is not None
+    index.exchange(hashed.probe(), 0, 10)
+    written = dict(index._entries)
+    order = list(index._entries)
+    # arrived after the first was done, done within the settle: nothing written or moved
+    seen = index.exchange(hashed.probe(), 100, 10 + index.settle_ms)
+    assert dict(index._entries) == written and list(index._entries) == order
+    assert examine(hashed, seen, 100).repeated_blocks == len(hashed.chain)
+    assert seen.last(len(hashed.chunks)) == 10 and not seen.after
+    # arrived before the first was done, done within its run: read as such, not written
+    seen = index.exchange(hashed.probe(), 5, 10)
+    assert dict(index._entries) == written and seen.after
+    # done before the run's first: written (the run starts earlier)
+    index.exchange(hashed.probe(), 2, 8)
+    assert dict(index._entries) != written
+    # done later than the settle after the run's latest: written (its latest moves)
+    written = dict(index._entries)
+    index.exchange(hashed.probe(), 300, 11 + index.settle_ms)
+    assert dict(index._entries) != written
 
 
 # ---------------------------------------------------------------------------

@@ -123,7 +123,7 @@ def test_the_shared_index_answers_as_the_in_process_one(
     ended there), with a key held twice in one probe not seen by its own first write.
     The times are the store's clock turned into the caller's: a sighting from exchange k
     seen at exchange j lies within what the two exchanges' durations allow."""
-    lru = LruPrefixIndex()
+    lru = LruPrefixIndex(settle_ms=0)  # the shared index writes every stamp
     called = [0.0]  # the caller's clock: each exchange's own start (ages of 0)
     shared = RedisPrefixIndex(spec_of(shared_store, timeout_s=10.0), horizon_ms=3_600_000,
                               caller_clock=lambda: called[0])

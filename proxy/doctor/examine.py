@@ -115,12 +115,18 @@ def examine(
     top = len(hashed.keys) - 4  # the probe index of chain block 0; block i is at top - i
     parts = hashed.parts
     unseen, limit = _stored_context(parts, hashed.first_block, blocks)
+    # A block's key names the prompt up to it: whoever held it held every block before
+    # it, at the same time. So the whole prompt is read from its last key, and whole
+    # parts from theirs, before the blocks of the part where the repeat stops.
+    first_block = hashed.first_block
     if limit == blocks and last(top - blocks + 1) >= cutoff:
-        # The last block's key names the whole prompt: a request held all of it, each
-        # block at the same time, so no block before it need be read.
         repeated = blocks
     else:
         repeated = 0
+        for end in (*first_block[1:], blocks):
+            if end > limit or last(top - end + 1) < cutoff:
+                break
+            repeated = end
         while repeated < limit and last(top - repeated) >= cutoff:
             repeated += 1
     if repeated == blocks:  # the whole prompt repeated: the common case, said at once
@@ -133,7 +139,6 @@ def examine(
         else 2 * size + hashed.chunk_bytes + 256
     )
     min_stable = policy.min_stable_bytes if policy.min_stable_bytes is not None else size
-    first_block = hashed.first_block
     root, model_anchor, upstream_anchor = top + 1, top + 2, top + 3
 
     part_start = [0] * len(parts)  # byte offset of each part in the prompt

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from itertools import chain
+from typing import NamedTuple, Protocol, overload
 
 SEEN = 0  # a plain sighting: recorded as ``ended``
 CONTINUED = 1  # the request went on past this key
@@ -24,6 +25,9 @@ BYTES_PER_ENTRY = 216
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024
 DEFAULT_HORIZON_MS = 60 * 60 * 1000  # an hour: twelve 5-minute windows, Anthropic's long TTL
 DEFAULT_WINDOW_MS = 5 * 60 * 1000  # how long a provider keeps a prefix
+# A prompt held whole this small a share of the window ago is not written again: its
+# stamps stay within that share of the truth (``LruPrefixIndex.exchange``).
+SETTLE_PER_WINDOW = 256
 
 # An entry: four times in ticks (ms since the index's epoch; 0: none), 40 bits each
 # (34 years): the ended run's latest and since, then the continued run's.
@@ -68,10 +72,18 @@ class Probe:
 
     keys: tuple[bytes, ...]
     marks: bytes  # one mark per key
+    # keys[start:stop] nest: a request that held one held every key after it in the range
+    # (a prompt's chain from its last block to its first)
+    nested: tuple[int, int] = (0, 0)
+    # per part of the prompt, in order: the probe index past its chunks, and that of the
+    # key of its last block (in ``nested``): a request that held the key held the chunks
+    tied: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.keys) != len(self.marks):
             raise ValueError("a probe needs one mark per key")
+        if not 0 <= self.nested[0] <= self.nested[1] <= len(self.keys):
+            raise ValueError("a probe's nested range must lie within its keys")
 
 
 class IndexUnanswered(Exception):
@@ -99,7 +111,10 @@ class LruPrefixIndex:
 
     ``max_bytes`` bounds memory through :data:`BYTES_PER_ENTRY`; ``horizon_ms`` forgets
     entries untouched for that long; ``window_ms`` is the cache window the runs are
-    cut by (``docs/design/doctor.md``). Times are stored as milliseconds since the first
+    cut by (``docs/design/doctor.md``); ``settle_ms`` (default the window over
+    :data:`SETTLE_PER_WINDOW`; 0: never) how recently a request must have ended on the
+    same last key for an exchange to leave every entry as it is (:meth:`exchange`).
+    Times are stored as milliseconds since the first
     exchange (less the horizon, so that a stamp earlier than it still fits), 40 bits
     each, all four in one int, so an entry costs one small int.
     """
@@ -110,6 +125,7 @@ class LruPrefixIndex:
         *,
         horizon_ms: int = DEFAULT_HORIZON_MS,
         window_ms: int = DEFAULT_WINDOW_MS,
+        settle_ms: int | None = None,
         bytes_per_entry: int = BYTES_PER_ENTRY,
     ) -> None:
         if max_bytes < bytes_per_entry:
@@ -121,6 +137,7 @@ class LruPrefixIndex:
         self.capacity = max_bytes // bytes_per_entry
         self.horizon_ms = horizon_ms
         self.window_ms = window_ms
+        self.settle_ms = window_ms // SETTLE_PER_WINDOW if settle_ms is None else settle_ms
         self._entries: OrderedDict[bytes, int] = OrderedDict()
         self._epoch: int | None = None  # the clock's ms at tick 0
         self._lock = threading.Lock()
@@ -134,8 +151,17 @@ class LruPrefixIndex:
         return min(max(1, ms - self._epoch), _TICK_MAX)
 
     def exchange(self, probe: Probe, now_ms: int, held_ms: int | None = None) -> Sightings:
-        keys = probe.keys
-        m, w = _TICK_MAX, self.window_ms
+        """See :meth:`PrefixIndex.exchange`. A key whose run of sightings of this
+        request's kind already holds ``held_ms``, or ends at most ``settle_ms`` before it,
+        is neither written nor touched: so a prompt held whole by a request whose run
+        covers this one (the same last key: the same keys and marks) writes nothing, and
+        the head of ``probe.nested`` is skipped as far as it is so covered (found by
+        bisection: its keys nest), with the chunks ``probe.tied`` ties to it. The reads are decoded only where asked for. A prompt
+        repeated by many at once then costs a read per key, and one that repeats a long
+        head a write per new key; the runs' latest stamps lag up to ``settle_ms``, so a
+        run may be read as expired that much early."""
+        keys, marks = probe.keys, probe.marks
+        m, w, settle = _TICK_MAX, self.window_ms, self.settle_ms
         with self._lock:
             entries = self._entries
             t = self._tick(now_ms)
@@ -143,42 +169,61 @@ class LruPrefixIndex:
             self._forget_before(t - self.horizon_ms)
             get = entries.get
             before = [get(key, 0) for key in keys]
+            reads = _Snapshot(before, t, h, w, self._epoch or 0)
+            start, stop = probe.nested
+            cut = stop  # the covered head of the nested range: from here to ``stop``
+            if settle:
+                whole = marks.find(ENDED)
+                old = before[whole] if whole >= 0 else 0
+                el = old & m
+                if el and (old >> _ES) & m <= h <= el + settle:
+                    return reads.sightings()
+                low = start + 1 if start < stop and marks[start] == ENDED else start
+                while low < cut:  # where the covered head starts, by bisection
+                    mid = (low + cut) // 2
+                    old = before[mid]
+                    cl = (old >> _CL) & m
+                    if cl and h <= cl + settle and old >> _CS <= h:
+                        cut = mid
+                    else:
+                        low = mid + 1
+            skip = 0  # the chunks of the parts whose last block is in the covered head
+            for chunks_end, at in probe.tied:
+                if at < cut:
+                    break
+                skip = chunks_end
             touch = entries.move_to_end
-            epoch = self._epoch if self._epoch is not None else 0
-            continued: list[int] = []
-            ended: list[int] = []
-            after: dict[int, int] = {}
-            went_on, ended_at = continued.append, ended.append
-            never, on, cl_at = NEVER, CONTINUED, _CL  # locals: this loop runs per key
+            on, cl_at = CONTINUED, _CL  # locals: this loop runs per key
             fresh_on, fresh_end = (h << _CS) | (h << _CL), (h << _ES) | h
-            for key, mark, old in zip(keys, probe.marks, before, strict=True):
+            for key, mark, old in chain(
+                zip(keys[skip:cut], marks[skip:cut], before[skip:cut], strict=True),
+                zip(keys[stop:], marks[stop:], before[stop:], strict=True),
+            ):
+                # this request's stamp h into the run of its kind, unless the run holds it
+                # already or ends at most a settle before it; most stamps are the run's
+                # new latest, within a window of the one before
                 if not old:  # never held (or forgotten)
-                    went_on(never)
-                    ended_at(never)
                     entries[key] = fresh_on if mark == on else fresh_end
-                    touch(key)
-                    continue
-                el, cl = old & m, (old >> cl_at) & m
-                if cl <= t and el <= t:  # every sighting at or before t: the common case
-                    went_on(cl + epoch if cl else never)
-                    ended_at(el + epoch if el else never)
-                else:
-                    _read_late(old, t, h, w, epoch, len(continued), continued, ended, after)
-                # write: this request's stamp h into the run of its kind; most stamps are
-                # the run's new latest, within a window of the one before
-                if mark == on:
+                elif mark == on:
+                    cl = (old >> cl_at) & m
+                    if settle and cl and h <= cl + settle and old >> _CS <= h:
+                        continue
                     if cl and cl <= h <= cl + w:
                         entries[key] = old + ((h - cl) << cl_at)
                     else:
                         entries[key] = _stamp(old, _CS, h, w)
-                elif el and el <= h <= el + w:
-                    entries[key] = old + (h - el)
                 else:
-                    entries[key] = _stamp(old, _ES, h, w)
+                    el = old & m
+                    if settle and el and h <= el + settle and (old >> _ES) & m <= h:
+                        continue
+                    if el and el <= h <= el + w:
+                        entries[key] = old + (h - el)
+                    else:
+                        entries[key] = _stamp(old, _ES, h, w)
                 touch(key)
             for _ in range(len(entries) - self.capacity):
                 entries.popitem(last=False)
-        return Sightings(continued, ended, after)
+        return reads.sightings()
 
     def _forget_before(self, oldest: int) -> None:
         """Drop the entries nobody touched since tick ``oldest`` (they are the first)."""
@@ -192,30 +237,91 @@ class LruPrefixIndex:
             del entries[key]
 
 
-def _read_late(
-    old: int,
-    t: int,
-    h: int,
-    w: int,
-    epoch: int,
-    i: int,
-    continued: list[int],
-    ended: list[int],
-    after: dict[int, int],
-) -> None:
-    """Append key ``i``'s reads at tick ``t`` from an entry with a sighting after ``t``
-    (``docs/design/doctor.md``), and its first sighting after ``t`` when that is all and
-    it is at or before ``h``."""
+def _read_late(old: int, t: int, h: int, w: int, epoch: int) -> tuple[int, int, int | None]:
+    """A key's reads at tick ``t`` (continued, ended) from an entry with a sighting after
+    ``t`` (``docs/design/doctor.md``), and its first sighting after ``t`` when that is all
+    and it is at or before ``h`` (else None)."""
     m = _TICK_MAX
     el, es, cl, cs = old & m, (old >> _ES) & m, (old >> _CL) & m, old >> _CS
     c = 0 if not cs or cs > t else cl if cl <= t else max(cs, t - w)
     e = 0 if not es or es > t else el if el <= t else max(es, t - w)
-    continued.append(c + epoch if c else NEVER)
-    ended.append(e + epoch if e else NEVER)
+    first = None
     if not c and not e:
-        first = min(cs or m, es or m)
-        if first <= h:
-            after[i] = first + epoch
+        soonest = min(cs or m, es or m)
+        if soonest <= h:
+            first = soonest + epoch
+    return c + epoch if c else NEVER, e + epoch if e else NEVER, first
+
+
+class _Snapshot:
+    """A probe's entries as they were before an exchange's writes, decoded per key only
+    when asked (:class:`Sightings` by the rules of ``docs/design/doctor.md``)."""
+
+    __slots__ = ("before", "epoch", "h", "t", "w")
+
+    def __init__(self, before: list[int], t: int, h: int, w: int, epoch: int) -> None:
+        self.before, self.t, self.h, self.w, self.epoch = before, t, h, w, epoch
+
+    def read(self, i: int) -> tuple[int, int, int | None]:
+        old = self.before[i]
+        if not old:
+            return NEVER, NEVER, None
+        m, t, epoch = _TICK_MAX, self.t, self.epoch
+        el, cl = old & m, (old >> _CL) & m
+        if cl <= t and el <= t:  # every sighting at or before t: the common case
+            return cl + epoch if cl else NEVER, el + epoch if el else NEVER, None
+        return _read_late(old, t, self.h, self.w, epoch)
+
+    def sightings(self) -> Sightings:
+        return Sightings(_Column(self, 0), _Column(self, 1), _After(self))
+
+
+class _Column(Sequence[int]):
+    """One kind of read (0: continued, 1: ended) of a :class:`_Snapshot`, by probe index."""
+
+    __hash__ = None  # type: ignore[assignment]  # equal to a list of the same reads
+
+    def __init__(self, snapshot: _Snapshot, kind: int) -> None:
+        self._snapshot, self._kind = snapshot, kind
+
+    def __len__(self) -> int:
+        return len(self._snapshot.before)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[int]: ...
+    def __getitem__(self, i: int | slice) -> int | Sequence[int]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(len(self))[i]]
+        if i < 0:
+            i += len(self)
+        value = self._snapshot.read(i)[self._kind]
+        assert value is not None
+        return value
+
+
+class _After(Mapping[int, int]):
+    """The ``after`` reads of a :class:`_Snapshot`: keys held only after its ``t``."""
+
+    def __init__(self, snapshot: _Snapshot) -> None:
+        self._snapshot = snapshot
+
+    def __getitem__(self, i: int) -> int:
+        first = self._snapshot.read(i)[2] if 0 <= i < len(self._snapshot.before) else None
+        if first is None:
+            raise KeyError(i)
+        return first
+
+    def __iter__(self) -> Iterator[int]:
+        read = self._snapshot.read
+        return (i for i in range(len(self._snapshot.before)) if read(i)[2] is not None)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
 
 
 def _stamp(old: int, shift: int, h: int, w: int) -> int:

@@ -77,7 +77,11 @@ class HashedPrompt(NamedTuple):
 
     def probe(self) -> Probe:
         """The question for the index: the keys in touch order, each with its mark."""
-        return Probe(self.keys, self.marks)
+        chunks, blocks = len(self.chunks), len(self.chain)
+        past = (*self.first_chunk[1:], chunks)  # each part's chunks end where the next's begin
+        lasts = (*self.first_block[1:], blocks)  # one past each part's last block
+        tied = tuple((end, chunks + blocks - last) for end, last in zip(past, lasts, strict=True))
+        return Probe(self.keys, self.marks, (chunks, chunks + blocks), tied)
 
 
 _SEEN = bytes([SEEN])
