@@ -335,12 +335,7 @@ def _block(d: Diagnosis) -> list[str]:
     if split.prefill_from == "engine":
         lines += _wrap("prefill as the upstream engine timed it (its own timings)", 2, 4)
     if d.prefill_ms_per_1k_tokens is not None:
-        which = (", line held at a zero fixed part" if d.fit_model == "through_zero"
-                 else "")
-        lines += _wrap(f"prefill {_num(d.prefill_ms_per_1k_tokens)} ms per 1,000 uncached "
-                       f"prompt tokens, fixed part {_dur(d.fixed_ms)}{which}", 2, 4)
-        if d.fit_model == "through_zero" or (d.tokens_estimated_share or 0) > 0:
-            lines += _wrap(d.fit_note, 4, 4)
+        lines += _wrap(d.fit_summary, 2, 4) + _wrap(d.fit_note, 4, 4)  # which model
     else:
         lines += _wrap(d.fit_note or "Prefill cost not known.", 2, 4)
     status = ""

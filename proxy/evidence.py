@@ -218,7 +218,7 @@ def prometheus_queries(range_: str, where: str = "", *, fit_from_rules: bool = T
                        ) -> list[Query]:
     """The queries for a window of ``range_`` (a PromQL duration) with label matchers
     ``where`` (see :func:`matchers`). With ``fit_from_rules`` and a range the recording
-    rules keep, the fit's six sums read the rules' series."""
+    rules keep, the fit's sums read the rules' series."""
     by = "route, model, upstream"
     out = []
     for name in sorted(SAMPLE_NAMES):

@@ -325,7 +325,7 @@ class Metrics:
                  "first token minus the proxy's queue time, in seconds. With the other "
                  "llm_proxy_prefill_fit_* sums: slope = (n*Sxy - Sx*Sy) / (n*Sxx - Sx^2) "
                  "seconds per 1000 uncached prompt tokens, fixed part = (Sy - slope*Sx) / n "
-                 "seconds.")
+                 "seconds; diagnose also fits a quadratic (docs/diagnose.md).")
         self.fit_n = Counter("llm_proxy_prefill_fit_requests", "Prefill fit: n, the "
                              "requests in the fit." + about, base, registry=reg)
         self.fit_x = Counter("llm_proxy_prefill_fit_uncached_ktokens", "Prefill fit: Sx, the "
@@ -340,6 +340,15 @@ class Metrics:
         self.fit_yy = Counter("llm_proxy_prefill_fit_yy", "Prefill fit: Syy, the sum of y*y "
                               "(seconds squared), for the slope's standard error." + about,
                               base, registry=reg)
+        self.fit_xxx = Counter("llm_proxy_prefill_fit_xxx", "Prefill fit: Sxxx, the sum of "
+                               "x*x*x (thousands of tokens cubed), for the quadratic term."
+                               + about, base, registry=reg)
+        self.fit_xxxx = Counter("llm_proxy_prefill_fit_xxxx", "Prefill fit: Sxxxx, the sum of "
+                                "x*x*x*x (thousands of tokens to the fourth), for the "
+                                "quadratic term." + about, base, registry=reg)
+        self.fit_xxy = Counter("llm_proxy_prefill_fit_xxy", "Prefill fit: Sxxy, the sum of "
+                               "x*x*y (thousands of tokens squared times seconds), for the "
+                               "quadratic term." + about, base, registry=reg)
         self.fit_skipped = Counter(
             "llm_proxy_prefill_fit_skipped", "Streamed requests with a first token left out "
             "of the prefill fit (llm_proxy_prefill_fit_*) because no prompt token count was "
@@ -395,7 +404,8 @@ class Metrics:
         if c is None:
             c = self._fit_children[key] = tuple(
                 m.labels(*key) for m in (self.fit_n, self.fit_x, self.fit_y, self.fit_xy,
-                                         self.fit_xx, self.fit_yy, self.fit_skipped))
+                                         self.fit_xx, self.fit_yy, self.fit_skipped,
+                                         self.fit_xxx, self.fit_xxxx, self.fit_xxy))
         prompt = record.prompt_tokens
         if prompt is None:
             c[6].inc()
@@ -407,12 +417,16 @@ class Metrics:
             estimated.inc()
         x = max(0, prompt - (record.cached_prompt_tokens or 0)) / KTOKENS
         y = max(0.0, record.ttft_s - (record.queue_s or 0.0))
+        xx = x * x  # the same products as proxy.diagnosis.fit.FitSums.add
         c[0].inc()
         c[1].inc(x)
         c[2].inc(y)
         c[3].inc(x * y)
-        c[4].inc(x * x)
+        c[4].inc(xx)
         c[5].inc(y * y)
+        c[7].inc(xx * x)
+        c[8].inc(xx * xx)
+        c[9].inc(xx * y)
 
     def _observe_report(self, record: RequestRecord) -> None:
         """The upstream's own account: the engine's prefill time, the provider's reason."""

@@ -8,6 +8,7 @@ difference, not as two float errors agreeing.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import re
@@ -21,6 +22,7 @@ from hypothesis import strategies as st
 
 from proxy.diagnosis.fit import (
     KTOKENS,
+    MIN_QUADRATIC_REQUESTS,
     MIN_RELATIVE_SPREAD,
     SAMPLES,
     FitSums,
@@ -92,8 +94,10 @@ def test_any_points_fit_as_exact_arithmetic_says(points: list[tuple[int, float]]
     if got.model == "line":
         assert (got.ms_per_1k_tokens, got.fixed_ms) == (got.line_ms_per_1k_tokens,
                                                        got.line_fixed_ms)
-    else:  # the line's fixed part below zero, its slope known: held at zero
+    elif got.model == "through_zero":  # the line's fixed part below zero, its slope known
         assert got.fixed_ms == 0 and got.line_fixed_ms < 0
+    else:  # no term below zero: no part of any first token below zero or above it
+        assert got.terms_ms is not None and min(got.terms_ms) >= 0 and got.terms_ms[2] > 0
 
 
 def test_sums_add_across_replicas_and_subtract_to_a_window() -> None:
@@ -211,9 +215,10 @@ def superlinear_points(n: int = 60) -> list[tuple[float, float]]:
 
 def test_a_line_below_zero_at_no_tokens_is_held_at_zero() -> None:
     """The straight line through superlinear prefill is right in slope but its fixed part
-    is below zero; the fit says so and holds the fixed part at 0 (least squares with
-    the intercept constrained, Sxy / Sxx), so no part of a first token is negative."""
-    sums = FitSums.of(superlinear_points())
+    is below zero. Without the quadratic's sums (a proxy from before them, a Prometheus
+    without their rules) the fit says so and holds the fixed part at 0 (least squares
+    with the intercept constrained, Sxy / Sxx), so no part of a first token is negative."""
+    sums = dataclasses.replace(FitSums.of(superlinear_points()), sxxx=0, sxxxx=0, sxxy=0)
     got = fit(sums)
     assert got.model == "through_zero"
     assert got.line_fixed_ms is not None and got.line_fixed_ms < 0
@@ -230,3 +235,94 @@ def test_a_noisy_line_that_crosses_zero_stays_a_line() -> None:
     got = fit(FitSums.of(points))
     assert got.model == "line"
     assert got.fixed_ms == got.line_fixed_ms
+
+
+# ---------------------------------------------------------------------------
+# Which model: the quadratic where the data support it
+
+
+def engine(a: float, b: float, c: float, n: int = 40) -> list[Point]:
+    """First-token seconds a + b*x + c*x^2 at x = 0.5 .. 8 thousand uncached tokens."""
+    xs = [0.5 + 7.5 * i / (n - 1) for i in range(n)]
+    return [(x * 1000, a + b * x + c * x * x) for x in xs]
+
+
+def test_a_quadratic_engine_is_fitted_as_one_and_its_terms_recovered() -> None:
+    """y = 0.05 + 2.0 x + 0.8 x^2 (attention): the line through it has a fixed part far
+    below zero (before, the fit held that line at zero: too high at short prompts, too
+    low at long ones); the quadratic explains it exactly and is chosen."""
+    points = engine(0.05, 2.0, 0.8)
+    got = fit(FitSums.of(points))
+    assert got.model == "quadratic" and got.held == ()
+    assert got.terms_ms == pytest.approx((50.0, 2000.0, 800.0), rel=1e-9)
+    assert got.fixed_ms == pytest.approx(50.0, rel=1e-9)
+    assert got.line_fixed_ms is not None and got.line_fixed_ms < 0
+    assert got.prefill_ms(4000) == pytest.approx(2000 * 4 + 800 * 16, rel=1e-9)
+    mean_y_ms = sum(y for _, y in points) / len(points) * 1000
+    assert got.mean_prefill_ms == pytest.approx(mean_y_ms - 50.0, rel=1e-9)
+    # the mean cost per 1,000 tokens times the mean tokens is the mean prefill
+    assert got.rate_ms(got.mean_uncached_tokens or 0) == pytest.approx(got.mean_prefill_ms)
+    assert got.relative_stderr is not None and got.relative_stderr < 1e-6
+    # no part below zero or above the whole, at any length the requests have
+    for tokens, y in points:
+        part = got.prefill_ms(tokens)
+        assert part is not None and 0 <= part <= y * 1000 + 1e-6
+    assert "quadratic fit" in got.summary() + got.model_note()
+    assert "faster than linearly" in got.model_note()
+
+
+def test_a_linear_engine_stays_a_line() -> None:
+    got = fit(FitSums.of(engine(0.05, 2.0, 0.0)))
+    assert got.model == "line"
+    assert got.terms_ms == pytest.approx((50.0, 2000.0, 0.0), rel=1e-9)
+    assert got.prefill_ms(4000) == pytest.approx(8000.0, rel=1e-9)
+    assert "straight-line fit" in got.model_note()
+
+
+@pytest.mark.parametrize("n", [MIN_QUADRATIC_REQUESTS, 20, 40, 400])
+def test_noise_does_not_turn_a_line_into_a_quadratic(n: int) -> None:
+    """A linear engine with noisy first tokens (a loaded machine): over 300 draws of n
+    requests, the quadratic is never taken; the same noise on a quadratic engine
+    still finds the quadratic (from 20 requests)."""
+    flipped = []
+    for seed in range(300):
+        rng = random.Random(seed)
+        points = [(t, y + rng.gauss(0, 0.3)) for t, y in engine(0.05, 2.0, 0.0, n)]
+        if fit(FitSums.of(points)).model == "quadratic":
+            flipped.append(seed)
+    assert flipped == []
+    if n >= 20:
+        rng = random.Random(1)
+        points = [(t, y + rng.gauss(0, 0.3)) for t, y in engine(0.05, 2.0, 0.8, n)]
+        assert fit(FitSums.of(points)).model == "quadratic"
+
+
+def test_a_term_below_zero_is_held_at_zero() -> None:
+    """Free, the quadratic through y = 0.3 - 0.4 x + 1.0 x^2 has a linear term below zero
+    (prefill below zero at short prompts); the fit holds it at 0, which is least squares
+    of y on x^2 alone: the constrained optimum of the same sums."""
+    points = [(x * 1000, 0.3 - 0.4 * x + 1.0 * x * x) for x in (0.1 + 0.1 * i for i in range(30))]
+    got = fit(FitSums.of(points))
+    assert got.model == "quadratic" and got.held == ("linear term",)
+    zs = [Fraction(t) ** 2 / 10**6 for t, _ in points]
+    ys = [Fraction(y) for _, y in points]
+    mz, my = sum(zs) / len(zs), sum(ys) / len(ys)
+    c = sum((z - mz) * (y - my) for z, y in zip(zs, ys, strict=True)) / sum((z - mz) ** 2 for z in zs)
+    assert got.terms_ms == pytest.approx((float(my - c * mz) * 1000, 0.0, float(c) * 1000), rel=1e-9)
+    assert "linear term held at 0" in got.summary()
+
+
+def test_quadratic_sums_add_across_replicas() -> None:
+    a, b = engine(0.05, 2.0, 0.8, 30), engine(0.05, 2.0, 0.8, 17)
+    summed = fit(FitSums.of(a).plus(FitSums.of(b)))
+    assert summed.model == "quadratic" and summed.requests == 47
+    assert summed.terms_ms == pytest.approx((50.0, 2000.0, 800.0), rel=1e-9)
+    window = fit(FitSums.of(a).plus(FitSums.of(b)).minus(FitSums.of(a)))
+    assert window.requests == 17 and window.terms_ms == pytest.approx((50.0, 2000.0, 800.0), rel=1e-6)
+
+
+def test_two_lengths_or_too_few_requests_give_no_quadratic() -> None:
+    two = [(1000.0, 0.5), (4000.0, 9.0)] * 20  # any curve fits two lengths
+    assert fit(FitSums.of(two)).model != "quadratic"
+    few = engine(0.05, 2.0, 0.8, MIN_QUADRATIC_REQUESTS - 1)
+    assert fit(FitSums.of(few)).model == "through_zero"

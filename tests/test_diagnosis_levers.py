@@ -203,7 +203,7 @@ def test_json_contract() -> None:
     first, second = doc["selections"]
     assert set(first) == {"route", "model", "upstream", "requests",
                           "prefill_ms_per_1k_tokens", "fixed_ms", "fit_model", "line_fixed_ms",
-                          "fit_note", "tokens_estimated_share", "first_token", "decode",
+                          "fit_terms", "fit_note", "tokens_estimated_share", "first_token", "decode",
                           "output", "levers"}
     assert (first["route"], first["model"], first["upstream"]) == (ROUTE, MODEL, UPSTREAM)
     assert set(first["first_token"]) == {"mean_ms", "proxy_queue_ms", "upstream_queue_ms",
@@ -273,7 +273,8 @@ def test_no_advice_without_numbers(ev: Evidence) -> None:
 def test_superlinear_prefill_never_makes_a_part_larger_than_the_whole() -> None:
     """The card of a llama.cpp-like engine on CPU: the straight line's slope times the
     mean prompt exceeded the mean first token and its rest was below zero. Every part
-    is now within the whole, the rest is not negative, and the note says which line."""
+    is now within the whole, the rest is not negative, and the note says which model:
+    the quadratic, whose prefill of the mean request is the mean less its fixed part."""
     from tests.test_diagnosis_fit import superlinear_points
 
     points = superlinear_points()
@@ -285,9 +286,12 @@ def test_superlinear_prefill_never_makes_a_part_larger_than_the_whole() -> None:
     assert split.mean_ms is not None and split.prefill_ms is not None
     assert split.rest_ms is not None and split.rest_ms >= 0
     assert 0 <= split.prefill_ms <= split.mean_ms
-    assert d.fixed_ms == 0.0 and d.fit_model == "through_zero"
+    assert d.fit_model == "quadratic" and d.fixed_ms == pytest.approx(50.0)
     assert d.line_fixed_ms is not None and d.line_fixed_ms < 0
-    assert "faster than linearly" in d.fit_note
+    assert "faster than linearly" in d.fit_note and "quadratic fit" in d.fit_note
+    # the quadratic explains the mean exactly: nothing capped, the rest is its fixed part
+    assert not split.capped and split.rest_ms == pytest.approx(50.0)
+    assert split.prefill_ms == pytest.approx(split.mean_ms - 50.0)
     assert by_name(d)["fixed"].saves_ms is not None and by_name(d)["fixed"].saves_ms >= 0
 
 

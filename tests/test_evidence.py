@@ -331,7 +331,7 @@ def test_prometheus_queries_add_up_across_replicas_and_read_rules_that_exist() -
         queries = ev.prometheus_queries(range_, where)
         assert {q.sample for q in queries} == ev.SAMPLE_NAMES
         rules = [q for q in queries if q.rule]
-        assert len(rules) == (6 if range_ in ev.RULE_RANGES else 0)
+        assert len(rules) == (9 if range_ in ev.RULE_RANGES else 0)
         for q in queries:
             if q.rule:
                 name = q.expr.split("{", 1)[0]

@@ -169,6 +169,7 @@ def proxy_exposition() -> str:
         app.metrics.outcomes.labels("/v1/chat/completions", "m", "sim", "completed")
         for counter in (app.metrics.fit_n, app.metrics.fit_x, app.metrics.fit_y,
                         app.metrics.fit_xy, app.metrics.fit_xx, app.metrics.fit_yy,
+                        app.metrics.fit_xxx, app.metrics.fit_xxxx, app.metrics.fit_xxy,
                         app.metrics.fit_skipped):
             counter.labels("/v1/chat/completions", "m", "sim")
         app.metrics.finish_reasons.labels("/v1/chat/completions", "m", "sim", "stop")

@@ -63,7 +63,7 @@ async def test_a_stream_adds_its_uncached_tokens_and_first_token_time() -> None:
             response = await client.post(CHAT, json=stream_request())
         assert response.status_code == 200
     x, y = (13_000 - 8_000) / 1000, OUTPUT_TIMES[0] - T0  # 5.0, 0.5: exact in binary
-    assert sums(registry) == FitSums(1, x, y, x * y, x * x, y * y)
+    assert sums(registry) == FitSums(1, x, y, x * y, x * x, y * y, x * x * x, (x * x) * (x * x), x * x * y)
     assert skipped(registry) == 0
 
 
@@ -134,7 +134,7 @@ async def test_streams_without_usage_are_fitted_with_the_estimate_and_counted() 
     estimate = registry.get_sample_value("llm_proxy_prompt_tokens_sum", labels())
     assert estimate is not None and estimate > 0
     x, y = estimate / 1000, OUTPUT_TIMES[0] - T0
-    assert sums(registry) == FitSums(1, x, y, x * y, x * x, y * y)
+    assert sums(registry) == FitSums(1, x, y, x * y, x * x, y * y, x * x * x, (x * x) * (x * x), x * x * y)
     assert skipped(registry) == 0
     assert registry.get_sample_value(
         "llm_proxy_prefill_fit_estimated_requests_total", labels()) == 1

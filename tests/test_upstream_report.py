@@ -12,7 +12,7 @@ simulator or the suite's scripted upstream behind it.
   estimate, and the request log, ``diagnose --json`` and the card say so;
 * prefill that grows faster than linearly (the simulator's ``--prefill-attention``):
   no part of the card's first-token split exceeds the whole or goes below zero, and the
-  card says which line was fitted;
+  card says which model was fitted (the quadratic);
 * the provider's cache diagnostics (Anthropic's ``diagnostics``, OpenAI Responses'
   ``prompt_cache_diagnostics``): read, logged and counted against the doctor's reason.
 """
@@ -276,8 +276,8 @@ def test_superlinear_prefill_keeps_every_part_within_the_first_token(
     """Prompts of 400 to 4,000 tokens on an engine where attention shows: the straight
     line through the first tokens crosses zero above zero tokens (its fixed part is
     below zero). Before, the card printed that negative fixed part and a rest below
-    zero; now the fit holds the fixed part at 0, says so, and the parts stay within the
-    mean first token."""
+    zero; now the fit is the quadratic the simulator's prefill is (no term below zero),
+    the card says so, and the parts stay within the mean first token."""
     log = tmp_path / "requests.jsonl"
     with behind_simulator(ATTENTION, log) as base:
         for i in range(24):
@@ -286,12 +286,12 @@ def test_superlinear_prefill_keeps_every_part_within_the_first_token(
         s = diagnose_json(base, capsys)
         card = diagnose_card(base, capsys)
     split = s["first_token"]
-    assert s["fit_model"] == "through_zero", s["fit_note"]
-    assert s["line_fixed_ms"] < 0 and s["fixed_ms"] == 0
+    assert s["fit_model"] == "quadratic", s["fit_note"]
+    assert s["line_fixed_ms"] < 0 and s["fixed_ms"] >= 0
+    assert min(s["fit_terms"].values()) >= 0 and s["fit_terms"]["ms_per_1k_tokens_squared"] > 0
     for part in ("prefill_ms", "rest_ms"):
         assert 0 <= split[part] <= split["mean_ms"], (part, split)
-    assert "line held at a zero fixed part" in card
-    assert "faster than linearly" in card
+    assert "quadratic fit" in card and "faster than linearly" in card
     split_line = card[card.index("first token") : card.index("prefill ", card.index("rest"))]
     assert not re.search(r"-\d", split_line), split_line  # no part below zero
 

@@ -187,8 +187,10 @@ class Diagnosis:
     decode: DecodeFigures
     output: OutputFigures
     levers: tuple[Lever, ...]  # most valuable first
-    fit_model: str | None = None  # "line" or "through_zero" (proxy.diagnosis.fit)
+    fit_model: str | None = None  # proxy.diagnosis.fit.Model
     line_fixed_ms: float | None = None  # the straight line's own fixed part
+    fit_terms_ms: tuple[float, float, float] | None = None  # PrefillFit.terms_ms
+    fit_summary: str = ""  # the fitted model's figures, as the card prints them
     fit_note: str = ""  # why the prefill cost is not known, or which line was fitted
     tokens_estimated_share: float | None = None  # of the fit's requests; None: no fit
 
@@ -200,6 +202,9 @@ class Diagnosis:
             "fixed_ms": say.rounded(self.fixed_ms),
             "fit_model": self.fit_model,
             "line_fixed_ms": say.rounded(self.line_fixed_ms),
+            "fit_terms": None if self.fit_terms_ms is None else dict(zip(
+                ("fixed_ms", "ms_per_1k_tokens", "ms_per_1k_tokens_squared"),
+                map(say.rounded, self.fit_terms_ms), strict=True)),
             "fit_note": self.fit_note,
             "tokens_estimated_share": say.rounded(self.tokens_estimated_share),
             "first_token": self.first_token.as_json(),
@@ -237,18 +242,13 @@ def first_token_split(ev: Evidence) -> FirstTokenSplit:
         missed_tokens = min(max(0.0, ev.missed_cache_tokens), uncached)
     engine = say.ms(ev.engine_prefill_mean_s) if ev.engine_prefill_requests > 0 else None
     if engine is not None:
-        source = "engine"
-        prefill = engine
-        if missed_tokens is not None and uncached:
-            # the engine's own prefill, divided by token counts: its rate where it ran
-            missed = engine * missed_tokens / uncached
-            prefill = engine - missed
+        source, prefill = "engine", engine
     elif usable_fit(fit) and uncached is not None:
-        source = "fit"
-        if missed_tokens is not None:
-            missed = fit.prefill_ms(missed_tokens)
-            uncached -= missed_tokens
-        prefill = fit.prefill_ms(uncached)
+        source, prefill = "fit", fit.mean_prefill_ms  # the fitted prefill of the requests
+    if prefill is not None and missed_tokens is not None and uncached:
+        # divided by token counts: the mean rate where it ran (a line's slope)
+        missed = prefill * missed_tokens / uncached
+        prefill -= missed
     capped = False
     if mean is not None and prefill is not None:
         room = max(0.0, mean - (proxy_q or 0.0) - (upstream_q or 0.0))
@@ -331,6 +331,7 @@ def diagnose(ev: Evidence) -> Diagnosis:
         first_token=split, decode=decode, output=output, levers=tuple(levers),
         fit_model=fit.model if good else None,
         line_fixed_ms=fit.line_fixed_ms if good else None,
+        fit_terms_ms=fit.terms_ms if good else None, fit_summary=fit.summary() if good else "",
         fit_note=fit_note(ev),
         tokens_estimated_share=(ev.fit_estimated / fit.requests if fit.requests > 0
                                 else None))
@@ -363,11 +364,7 @@ def fit_note(ev: Evidence) -> str:
                 f"{say.sig(fit.stderr_ms_per_1k_tokens)} ms per 1,000 uncached tokens over "
                 f"{fit.requests:,} requests; first-token times vary more than prompt lengths "
                 "explain." + estimated)
-    if fit.model == "through_zero":
-        return (f"Prefill grows faster than linearly here: the straight line through the "
-                f"requests has a fixed part of {say.dur(fit.line_fixed_ms)} (below zero), so the "
-                "fit is the line with its fixed part held at 0." + estimated)
-    return "Prefill fitted as a straight line over the requests' prompt lengths." + estimated
+    return fit.model_note() + estimated
 
 
 def _worth(saves_ms: float, of_ms: float | None) -> Status:
@@ -415,8 +412,9 @@ def _prefill(ev: Evidence, split: FirstTokenSplit) -> Lever:
                      numbers)
     saves = split.prefill_ms
     tokens = saves / fit.ms_per_1k_tokens * 1000  # the missed cache hits left out
+    mean = " on average" if fit.model == "quadratic" else ""  # its cost grows with length
     head = (f"Prefill: {say.tokens(tokens)} uncached prompt tokens at "
-            f"{say.sig(fit.ms_per_1k_tokens / 1000)} ms per token are "
+            f"{say.sig(fit.ms_per_1k_tokens / 1000)} ms per token{mean} are "
             f"{say.dur(saves)}{say.of_first(split.mean_ms)}.")
     status = _worth(saves, split.mean_ms)
     advice = (" Shorten the prompt, or put what does not change first so the upstream can "

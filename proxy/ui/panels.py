@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 from proxy import evidence as ev
 from proxy.diagnosis import levers
+from proxy.diagnosis.fit import MODEL_WORDS
 from proxy.doctor.examine import REASONS
 from proxy.doctor.report import explain_break
 from proxy.evidence import COMPLETION, DURATION, QUEUE, TPOT, TTFT, Key
@@ -179,7 +180,9 @@ def _fit(evidence: levers.Evidence) -> dict[str, Any]:
         "stderr_ms_per_1k_tokens": fit.stderr_ms_per_1k_tokens,
         "fixed_ms": fit.fixed_ms,
         "mean_uncached_tokens": fit.mean_uncached_tokens,
-        "model": fit.model,  # "line", or "through_zero" (proxy.diagnosis.fit)
+        "model": fit.model,  # proxy.diagnosis.fit.Model
+        "summary": fit.summary(),  # the model's figures in words, as the card prints them
+        "model_words": MODEL_WORDS[fit.model],
         "line_fixed_ms": fit.line_fixed_ms,
         "skipped": evidence.fit_skipped,  # streams with no prompt token count at all
         # of the fit's requests, those with the proxy's own token estimate (no usage)
@@ -274,7 +277,7 @@ def _prompt_span(
         fit = fits.get(key)
         if fit is not None and levers.usable_fit(fit) and change.get("examined") > 0:
             missed = change.get("missed_tokens")
-            missed_ms_sum += fit.prefill_ms(missed) or 0.0
+            missed_ms_sum += fit.rate_ms(missed) or 0.0
             missed_fitted += missed
             examined_fitted += change.get("examined")
     prompt = s.get(f"{PROMPT}_sum")
@@ -332,7 +335,7 @@ def _break(
     fit = fits.get(key)
     tokens = example.stable_tokens if reason == "variable_before_stable" else None
     saves = (
-        fit.prefill_ms(tokens)
+        fit.rate_ms(tokens)
         if tokens is not None and fit is not None and levers.usable_fit(fit)
         else None
     )

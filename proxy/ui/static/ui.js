@@ -236,7 +236,7 @@
   const para = (cls, ...kids) => { const p = make("p"); p.className = cls; p.append(...kids); return p; };
   const estimated = (f) => f.estimated_requests ? `; ${f.estimated_requests} with tokens estimated (no usage)` : "";
   const fitText = (f, label) => !f ? `${label}: not yet` : f.usable
-    ? `${label} ${num(f.ms_per_1k_tokens, 1)} ± ${num(f.stderr_ms_per_1k_tokens, 1)} ms per 1,000 uncached tokens, fixed ${num(f.fixed_ms)} ms${f.model === "through_zero" ? ` (held at 0: prefill grows faster than linearly)` : ""} (${f.requests} streams${estimated(f)})`
+    ? `${label} ${f.summary} (± ${num(f.stderr_ms_per_1k_tokens, 1)} ms per 1,000); ${f.model_words} (${f.requests} streams${estimated(f)})`
     : `${label}: ${f.status === "one_length" ? "prompts of one length" : f.requests < 20 ? (f.skipped && !f.requests ? "no token counts" : `${f.requests} streams, 20 needed`) : "not clear yet"}${estimated(f)}`;
   const ORDER = { lever: "", not_a_lever: "not worth it", too_little_data: "too little data", unknown: "not measured" };
 
