@@ -114,6 +114,7 @@ def test_diagnose_fits_a_quadratic_where_prefill_grows_faster_than_linearly(
             wait_fitted(registry, len(lengths))
             s = diagnose_json(proxy.url, capsys)
             card = diagnose_card(proxy.url, capsys)
+            page = httpx.get(proxy.url + "/ui/data", timeout=10).json()
     assert s["fit_model"] == "quadratic", s["fit_note"]
     terms = s["fit_terms"]
     assert terms["fixed_ms"] == pytest.approx(FIXED_S * 1000, rel=1e-3)
@@ -130,5 +131,9 @@ def test_diagnose_fits_a_quadratic_where_prefill_grows_faster_than_linearly(
     assert split["prefill_ms"] == pytest.approx(mean_ms - FIXED_S * 1000, rel=1e-3)
     assert "quadratic fit" in card and "faster than linearly" in card
     assert "held at" not in card  # no term had to be held at zero
+    (selection,) = page["fix"]["selections"]  # the live page's What to fix says the same
+    live = selection["fit"]["total"]
+    assert live["model"] == "quadratic" and "quadratic fit" in live["model_words"]
+    assert live["summary"].startswith("prefill 2,000 ms per 1,000 uncached prompt tokens + 800")
     split_line = card[card.index("first token") : card.index("prefill ", card.index("rest"))]
     assert not re.search(r"-\d", split_line), split_line  # no part below zero
