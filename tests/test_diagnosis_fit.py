@@ -319,6 +319,9 @@ def test_quadratic_sums_add_across_replicas() -> None:
     assert summed.terms_ms == pytest.approx((50.0, 2000.0, 800.0), rel=1e-9)
     window = fit(FitSums.of(a).plus(FitSums.of(b)).minus(FitSums.of(a)))
     assert window.requests == 17 and window.terms_ms == pytest.approx((50.0, 2000.0, 800.0), rel=1e-6)
+    # PromQL's increase() scales every sum of a series by one factor: the terms stay
+    scaled = FitSums(*(v * 1.037 for v in dataclasses.astuple(FitSums.of(a))))
+    assert fit(scaled).terms_ms == pytest.approx((50.0, 2000.0, 800.0), rel=1e-9)
 
 
 def test_two_lengths_or_too_few_requests_give_no_quadratic() -> None:

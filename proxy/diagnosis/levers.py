@@ -191,7 +191,7 @@ class Diagnosis:
     line_fixed_ms: float | None = None  # the straight line's own fixed part
     fit_terms_ms: tuple[float, float, float] | None = None  # PrefillFit.terms_ms
     fit_summary: str = ""  # the fitted model's figures, as the card prints them
-    fit_note: str = ""  # why the prefill cost is not known, or which line was fitted
+    fit_note: str = ""  # why the prefill cost is not known, or which model was fitted
     tokens_estimated_share: float | None = None  # of the fit's requests; None: no fit
 
     def as_json(self) -> dict[str, Any]:
