@@ -137,6 +137,10 @@ class PrefixRecord(NamedTuple):
     # was. When set, the fields above hold nothing (see not_examined).
     unchecked: str = ""
     index_s: float | None = None  # the shared index's round trip; None in process
+    # Of missed_tokens, those past the last cache breakpoint on a request whose provider
+    # caches only marked prefixes (Anthropic's cache_control, OpenAI's explicit mode): no
+    # cache was asked to serve them. None where every repeated prefix may be cached.
+    missed_unmarked_tokens: int | None = None
 
     @property
     def repeated_share(self) -> float:
@@ -244,6 +248,7 @@ class RequestRecord:
             "repeated_prefix_bytes": p.repeated_bytes if p else None,
             "repeated_prefix_tokens": p.repeated_tokens if p else None,
             "cache_missed_tokens": p.missed_tokens if p else None,
+            "cache_missed_unmarked_tokens": p.missed_unmarked_tokens if p else None,
             "prefix_break": (p.break_reason or None) if p else None,
             "prefix_break_part": (p.break_part or None) if p else None,
             "prefix_break_index": p.break_index if p else None,

@@ -72,6 +72,14 @@ PREFIX_HELP = {
         "part is shorter than the upstream's minimum cacheable prefix (1024 tokens on "
         "OpenAI's APIs, per model on Anthropic's and Gemini's, min_cacheable_tokens per "
         "upstream). " + _REPEATED + _TOKENS,
+        "unmarked": "Of llm_proxy_prompt_cache_missed_tokens_total, the tokens past the last "
+        "cache breakpoint, on requests whose provider caches only the prefixes a breakpoint "
+        "marks: Anthropic's Messages API without the request-level cache_control (breakpoints: "
+        "cache_control on a tool, a system block or a content block), OpenAI's APIs with "
+        "prompt_cache_options.mode explicit (prompt_cache_breakpoint on a content part). No "
+        "cache was asked to serve them: a breakpoint after the stable part would. The rest of "
+        "the missed tokens were asked for and not served. Nothing is counted for requests "
+        "whose upstream may cache any repeated prefix. " + _TOKENS,
         "breaks": "Requests whose prompt stopped repeating a recent request's prefix, by why "
         "(reason: settings_changed: a request setting such as response_format, tools_changed, "
         "system_changed, instructions_changed, context_changed, "

@@ -454,6 +454,9 @@ class Metrics:
             "llm_proxy_prompt_repeated_tokens", PREFIX_HELP["repeated"], base, registry=reg)
         self.prompt_cache_missed_tokens = Counter(
             "llm_proxy_prompt_cache_missed_tokens", PREFIX_HELP["missed"], base, registry=reg)
+        self.prompt_cache_unmarked_tokens = Counter(
+            "llm_proxy_prompt_cache_missed_unmarked_tokens", PREFIX_HELP["unmarked"], base,
+            registry=reg)
         self.prompt_prefix_breaks = Counter(
             "llm_proxy_prompt_prefix_breaks", PREFIX_HELP["breaks"], (*base, "reason", "part"),
             registry=reg)
@@ -471,6 +474,7 @@ class Metrics:
             buckets=OVERHEAD_BUCKETS, registry=reg)
         self._prefix_children: dict[tuple[str, str, str], tuple[Any, ...]] = {}
         self._break_children: dict[tuple[str, ...], Counter] = {}
+        self._unmarked_children: dict[tuple[str, str, str], Counter] = {}  # breakpoint routes
         self._unchecked_children: dict[tuple[str, ...], Counter] = {}
         self._index_children: dict[str, Histogram] = {}  # made on first use: no samples
                                                          # while nothing is sent to a store
@@ -508,6 +512,12 @@ class Metrics:
         if p.missed_tokens is not None:
             missed.inc(p.missed_tokens)
             missed_hist.observe(p.missed_tokens)
+        if p.missed_unmarked_tokens is not None:
+            unmarked = self._unmarked_children.get(key)
+            if unmarked is None:
+                unmarked = self._unmarked_children[key] = (
+                    self.prompt_cache_unmarked_tokens.labels(*key))
+            unmarked.inc(p.missed_unmarked_tokens)
         if p.break_reason:
             labels = (*key, p.break_reason, p.break_part or "none")
             child = self._break_children.get(labels)

@@ -30,7 +30,7 @@ from proxy.dialects.base import (
 from proxy.dialects.chat import CHAT, ChatDialect
 from proxy.dialects.completions import COMPLETIONS, CompletionsDialect
 from proxy.dialects.messages import MESSAGES, MessagesDialect
-from proxy.dialects.prompt import PART_KINDS, PromptPart, cache_scope, part_bound
+from proxy.dialects.prompt import PART_KINDS, Caching, Prompt, PromptPart, cache_scope, part_bound
 from proxy.dialects.responses import RESPONSES, ResponsesDialect
 from proxy.dialects.template import TokenTemplate
 
@@ -49,11 +49,13 @@ __all__ = [
     "REASONING",
     "RESPONSES",
     "AnswerInfo",
+    "Caching",
     "ChatDialect",
     "CompletionsDialect",
     "Dialect",
     "EventInfo",
     "MessagesDialect",
+    "Prompt",
     "PromptPart",
     "ResponseInfo",
     "ResponsesDialect",

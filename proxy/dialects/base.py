@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
-from proxy.dialects.prompt import PromptPart
+from proxy.dialects.prompt import Prompt, PromptPart
 
 
 class ResponseInfo(NamedTuple):
@@ -317,6 +317,11 @@ class Dialect(Protocol):
     def prompt_parts(self, payload: Mapping[str, Any]) -> tuple[PromptPart, ...]:
         """The prompt of a parsed request body as the provider renders it, in order
         (see :mod:`proxy.dialects.prompt`); never raises."""
+        ...
+
+    def prompt(self, payload: Mapping[str, Any]) -> Prompt:
+        """The same parts, with the cache breakpoints the request marks, read while the
+        parts are built (for the doctor's split of missed tokens); never raises."""
         ...
 
 

@@ -33,10 +33,13 @@ from proxy.dialects.base import (
 from proxy.dialects.prompt import (
     _CHAT_SKIP,
     CHAT_SETTINGS,
+    Caching,
+    Prompt,
     PromptPart,
     _message,
     _settings_parts,
     _tool_parts,
+    explicit_marks,
 )
 
 
@@ -204,7 +207,10 @@ class ChatDialect:
         return _openai_usage(raw, "prompt", "completion")
 
     def prompt_parts(self, payload: Mapping[str, Any]) -> tuple[PromptPart, ...]:
-        return _chat_parts(payload)
+        return _chat_prompt(payload).parts
+
+    def prompt(self, payload: Mapping[str, Any]) -> Prompt:
+        return _chat_prompt(payload)
 
 
 def _chat_response(payload: Mapping[str, Any], *, always: bool) -> ResponseInfo | None:
@@ -237,13 +243,14 @@ def _finish_given(data: bytes) -> bool:
     return False
 
 
-def _chat_parts(payload: Mapping[str, Any]) -> tuple[PromptPart, ...]:
+def _chat_prompt(payload: Mapping[str, Any]) -> Prompt:
     parts = _settings_parts(payload, CHAT_SETTINGS)
     parts.extend(_tool_parts(payload, "tools", "functions"))
     messages = payload.get("messages")
+    marks = explicit_marks(payload)
     if isinstance(messages, list):
-        parts.extend(_message(m, i, "message", _CHAT_SKIP) for i, m in enumerate(messages))
-    return tuple(parts)
+        parts.extend(_message(m, i, "message", _CHAT_SKIP, marks) for i, m in enumerate(messages))
+    return Prompt(tuple(parts)) if marks is None else marks.prompt(parts, Caching.MARKED)
 
 
 CHAT = ChatDialect()

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from proxy.dialects.chat import _ANSWER, _NONE, ChatDialect
-from proxy.dialects.prompt import PromptPart, _json_bytes, _token_id, _utf8
+from proxy.dialects.prompt import Prompt, PromptPart, _json_bytes, _token_id, _utf8
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +43,9 @@ class CompletionsDialect(ChatDialect):
 
     def prompt_parts(self, payload: Mapping[str, Any]) -> tuple[PromptPart, ...]:
         return _completions_parts(payload)
+
+    def prompt(self, payload: Mapping[str, Any]) -> Prompt:
+        return Prompt(_completions_parts(payload))
 
 
 def _completions_parts(payload: Mapping[str, Any]) -> tuple[PromptPart, ...]:

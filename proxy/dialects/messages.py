@@ -31,9 +31,13 @@ from proxy.dialects.base import (
 )
 from proxy.dialects.prompt import (
     _CHAT_SKIP,
+    CACHE_CONTROL,
     MESSAGES_SETTINGS,
+    Caching,
+    Prompt,
     PromptPart,
     _content,
+    _Marks,
     _message,
     _settings_parts,
     _tool_parts,
@@ -162,21 +166,28 @@ class MessagesDialect:
         )
 
     def prompt_parts(self, payload: Mapping[str, Any]) -> tuple[PromptPart, ...]:
-        return _messages_parts(payload)
+        return _messages_prompt(payload).parts
+
+    def prompt(self, payload: Mapping[str, Any]) -> Prompt:
+        return _messages_prompt(payload)
 
 
-def _messages_parts(payload: Mapping[str, Any]) -> tuple[PromptPart, ...]:
+def _messages_prompt(payload: Mapping[str, Any]) -> Prompt:
+    """Cached only up to a ``cache_control`` breakpoint on a tool, a system block or a
+    content block, or, with a request-level ``cache_control``, up to the last block."""
+    marks = _Marks(CACHE_CONTROL)
     parts = _settings_parts(payload, MESSAGES_SETTINGS)
-    parts.extend(_tool_parts(payload, "tools"))
+    parts.extend(_tool_parts(payload, "tools", marks=marks))
     system = payload.get("system")
     if system is not None:
         out: list[bytes] = []
-        _content(system, out)
-        parts.append(PromptPart("system", 0, "system", b"".join(out)))
+        _content(system, out, 0, marks)
+        parts.append(marks.close(PromptPart("system", 0, "system", b"".join(out))))
     messages = payload.get("messages")
     if isinstance(messages, list):
-        parts.extend(_message(m, i, "message", _CHAT_SKIP) for i, m in enumerate(messages))
-    return tuple(parts)
+        parts.extend(_message(m, i, "message", _CHAT_SKIP, marks) for i, m in enumerate(messages))
+    automatic = isinstance(payload.get(CACHE_CONTROL), dict)
+    return marks.prompt(parts, Caching.AUTOMATIC if automatic else Caching.MARKED)
 
 
 MESSAGES = MessagesDialect()

@@ -8,6 +8,7 @@ Design: ``docs/design/dialects.md``.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import json
 from collections.abc import Mapping
@@ -41,6 +42,65 @@ class PromptPart(NamedTuple):
     data: bytes
 
 
+class Caching(enum.Enum):
+    """Which prefixes of a prompt the provider was asked to cache (``docs/prompt-caching.md``,
+    "Cache breakpoints"): any repeated one, or only those up to a marked block."""
+
+    IMPLICIT = "implicit"  # any repeated prefix: OpenAI by default, vLLM, llama.cpp
+    AUTOMATIC = "automatic"  # Anthropic's request-level cache_control: up to the last block
+    MARKED = "marked"  # only up to a marked block: Anthropic's cache_control, OpenAI explicit
+
+
+class Prompt(NamedTuple):
+    """The prompt parts, how the request asks the provider to cache them, and where the
+    last marked block ends: a byte offset in the parts joined in order (the doctor's
+    coordinates), None when no block is marked. Positions only, never text."""
+
+    parts: tuple[PromptPart, ...]
+    caching: Caching = Caching.IMPLICIT
+    marked_bytes: int | None = None
+
+
+class _Marks:
+    """Where the last marked block ends, noted while the parts are built: the marker's
+    key is looked up only in the dicts the builder reads anyway, and the part's place in
+    the prompt is found once, at the end, so no second pass over the body is made."""
+
+    __slots__ = ("end", "key", "part", "within")
+
+    def __init__(self, key: str) -> None:
+        self.key = key  # cache_control (Anthropic), prompt_cache_breakpoint (OpenAI)
+        self.within: int | None = None  # in the part being built: the end of a marked block
+        self.part: PromptPart | None = None  # the last part with a marked block
+        self.end = 0  # ... and where in it the last one ends
+
+    def marked(self, value: Any, out: list[bytes]) -> None:
+        if isinstance(value, dict) and self.key in value:
+            self.within = sum(map(len, out))
+
+    def close(self, part: PromptPart) -> PromptPart:
+        if self.within is not None:
+            self.part, self.end, self.within = part, self.within, None
+        return part
+
+    def prompt(self, parts: list[PromptPart], caching: Caching) -> Prompt:
+        """The prompt, with the offset of the last marked block's end in it."""
+        last = self.part
+        for i in range(len(parts) - 1, -1, -1) if last is not None else ():
+            if parts[i] is last:
+                return Prompt(tuple(parts), caching, sum(len(p.data) for p in parts[:i]) + self.end)
+        return Prompt(tuple(parts), caching)
+
+
+def explicit_marks(payload: Mapping[str, Any]) -> _Marks | None:
+    """OpenAI's explicit mode (``prompt_cache_options.mode: "explicit"``): only the
+    prefixes up to a block marked ``prompt_cache_breakpoint`` are cached; None otherwise."""
+    options = payload.get("prompt_cache_options")
+    if isinstance(options, dict) and options.get("mode") == "explicit":
+        return _Marks(BREAKPOINT)
+    return None
+
+
 _ROLE_MAX = 32
 _NESTING_MAX = 8
 _SYSTEM_ROLES = frozenset(("system", "developer"))
@@ -60,7 +120,9 @@ _OPAQUE_PARTS = frozenset(
         "video_url",
     )
 )
-_NOT_PROMPT = "cache_control"  # Anthropic's breakpoint marker: not text the model sees
+# Cache breakpoint markers, not text the model sees: Anthropic's, and OpenAI's (GPT-5.6 on)
+CACHE_CONTROL = "cache_control"
+BREAKPOINT = "prompt_cache_breakpoint"
 
 
 def _utf8(text: str) -> bytes:
@@ -75,8 +137,8 @@ def _json_bytes(value: Any) -> bytes:
 
 
 def _without_marker(value: Any) -> Any:
-    if isinstance(value, dict) and _NOT_PROMPT in value:
-        return {k: v for k, v in value.items() if k != _NOT_PROMPT}
+    if isinstance(value, dict) and (CACHE_CONTROL in value or BREAKPOINT in value):
+        return {k: v for k, v in value.items() if k != CACHE_CONTROL and k != BREAKPOINT}
     return value
 
 
@@ -89,8 +151,9 @@ def _opaque(kind: str, value: Any) -> bytes:
     return b"\x00" + _utf8(kind[:_ROLE_MAX]) + b":" + digest.encode() + b"\x00"
 
 
-def _content(value: Any, out: list[bytes], depth: int = 0) -> None:
-    """Append the bytes of a message's ``content`` (a string, a list of parts, a part)."""
+def _content(value: Any, out: list[bytes], depth: int = 0, marks: _Marks | None = None) -> None:
+    """Append the bytes of a message's ``content`` (a string, a list of parts, a part);
+    ``marks`` notes where a marked part ends."""
     if isinstance(value, str):
         out.append(_utf8(value))
     elif isinstance(value, list):
@@ -98,12 +161,16 @@ def _content(value: Any, out: list[bytes], depth: int = 0) -> None:
             out.append(_json_bytes(value))
             return
         for item in value:
-            _content_part(item, out, depth + 1)
+            _content_part(item, out, depth + 1, marks)
+            if marks is not None:
+                marks.marked(item, out)
     elif value is not None:
-        _content_part(value, out, depth + 1)
+        _content_part(value, out, depth + 1, marks)
+        if marks is not None:
+            marks.marked(value, out)
 
 
-def _content_part(part: Any, out: list[bytes], depth: int) -> None:
+def _content_part(part: Any, out: list[bytes], depth: int, marks: _Marks | None = None) -> None:
     if isinstance(part, str):
         out.append(_utf8(part))
         return
@@ -119,15 +186,15 @@ def _content_part(part: Any, out: list[bytes], depth: int) -> None:
     elif kind == "tool_result" and depth < _NESTING_MAX:
         # The header (id, is_error) as JSON, then the result's content read like any
         # content: text stays text, an image in it is hashed.
-        out.append(
-            _json_bytes({k: v for k, v in part.items() if k not in ("content", _NOT_PROMPT)})
-        )
-        _content(part.get("content"), out, depth)
+        out.append(_json_bytes({k: v for k, v in _without_marker(part).items() if k != "content"}))
+        _content(part.get("content"), out, depth, marks)
     else:
         out.append(_json_bytes(_without_marker(part)))
 
 
-def _message(message: Any, index: int, kind: str, skip: frozenset[str]) -> PromptPart:
+def _message(
+    message: Any, index: int, kind: str, skip: frozenset[str], marks: _Marks | None = None
+) -> PromptPart:
     """A chat message, Messages message or Responses input item as one part: its content,
     then any other field (tool calls, name, tool_call_id, ...) as JSON."""
     if not isinstance(message, dict):
@@ -144,29 +211,34 @@ def _message(message: Any, index: int, kind: str, skip: frozenset[str]) -> Promp
         data = _utf8(content)
     else:
         out: list[bytes] = []
-        _content(content, out)
+        _content(content, out, 0, marks)
         extras = {k: v for k, v in message.items() if k not in skip}
         if extras:
             out.append(b"\x00" + _json_bytes(extras))
         data = b"".join(out)
     if role in _SYSTEM_ROLES and kind != "instructions":
         kind = "system"
-    return PromptPart(kind, index, role[:_ROLE_MAX], data)
+    part = PromptPart(kind, index, role[:_ROLE_MAX], data)
+    return part if marks is None else marks.close(part)
 
 
-_CHAT_SKIP = frozenset(("role", "content", _NOT_PROMPT))
-_ITEM_SKIP = frozenset(("role", "content", "type", _NOT_PROMPT))
+_CHAT_SKIP = frozenset(("role", "content", CACHE_CONTROL))
+_ITEM_SKIP = frozenset(("role", "content", "type", CACHE_CONTROL))
 
 
-def _tool_parts(payload: Mapping[str, Any], *names: str) -> list[PromptPart]:
+def _tool_parts(
+    payload: Mapping[str, Any], *names: str, marks: _Marks | None = None
+) -> list[PromptPart]:
     parts: list[PromptPart] = []
     for name in names:
         tools = payload.get(name)
         if isinstance(tools, list):
             for tool in tools:
-                parts.append(
-                    PromptPart("tools", len(parts), "", _json_bytes(_without_marker(tool)))
-                )
+                part = PromptPart("tools", len(parts), "", _json_bytes(_without_marker(tool)))
+                if marks is not None:
+                    marks.marked(tool, [part.data])
+                    marks.close(part)
+                parts.append(part)
     return parts
 
 

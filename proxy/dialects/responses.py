@@ -30,11 +30,14 @@ from proxy.dialects.base import (
 from proxy.dialects.prompt import (
     _ITEM_SKIP,
     RESPONSES_SETTINGS,
+    Caching,
+    Prompt,
     PromptPart,
     _message,
     _settings_parts,
     _tool_parts,
     _utf8,
+    explicit_marks,
 )
 
 _RESPONSES_OUTPUT: dict[str, EventInfo] = {
@@ -135,7 +138,10 @@ class ResponsesDialect:
         return _openai_usage(raw, "input", "output")
 
     def prompt_parts(self, payload: Mapping[str, Any]) -> tuple[PromptPart, ...]:
-        return _responses_parts(payload)
+        return _responses_prompt(payload).parts
+
+    def prompt(self, payload: Mapping[str, Any]) -> Prompt:
+        return _responses_prompt(payload)
 
 
 def _responses_response(response: Any) -> ResponseInfo | None:
@@ -151,13 +157,14 @@ def _responses_response(response: Any) -> ResponseInfo | None:
     return _single_response(response, reason if isinstance(reason, str) and reason else status)
 
 
-def _responses_parts(payload: Mapping[str, Any]) -> tuple[PromptPart, ...]:
+def _responses_prompt(payload: Mapping[str, Any]) -> Prompt:
     parts = _settings_parts(payload, RESPONSES_SETTINGS)
+    marks = explicit_marks(payload)
     instructions = payload.get("instructions")
     if isinstance(instructions, str):
         parts.append(PromptPart("instructions", 0, "", _utf8(instructions)))
     elif isinstance(instructions, list):
-        parts.extend(_message(m, i, "instructions", _ITEM_SKIP)
+        parts.extend(_message(m, i, "instructions", _ITEM_SKIP, marks)
                      for i, m in enumerate(instructions))
     parts.extend(_tool_parts(payload, "tools"))
     previous = payload.get("previous_response_id")
@@ -172,8 +179,8 @@ def _responses_parts(payload: Mapping[str, Any]) -> tuple[PromptPart, ...]:
     if isinstance(items, str):
         parts.append(PromptPart("input", 0, "user", _utf8(items)))
     elif isinstance(items, list):
-        parts.extend(_message(m, i, "input", _ITEM_SKIP) for i, m in enumerate(items))
-    return tuple(parts)
+        parts.extend(_message(m, i, "input", _ITEM_SKIP, marks) for i, m in enumerate(items))
+    return Prompt(tuple(parts)) if marks is None else marks.prompt(parts, Caching.MARKED)
 
 
 RESPONSES = ResponsesDialect()

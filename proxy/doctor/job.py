@@ -18,7 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 from proxy.config import Settings
-from proxy.dialects import Dialect, cache_scope, part_bound
+from proxy.dialects import Dialect, Prompt, cache_scope, part_bound
 from proxy.doctor.examine import PrefixDoctor, PrefixPolicy, PrefixReport
 from proxy.doctor.index import BYTES_PER_ENTRY, DEFAULT_HORIZON_MS, LruPrefixIndex, PrefixIndex
 from proxy.doctor.keys import BYTES_PER_CACHED_KEY, PART_CACHE_KEYS, HashedPrompt, PromptHasher
@@ -74,13 +74,15 @@ class Place(enum.Enum):
 class Examination(NamedTuple):
     """One examination's result: the report (None: nothing to examine, or not examined),
     why it was not examined ("" when it was, or there was nothing to examine), the shared
-    index's round trip (None: in process, or nothing was sent), and the prompt's keys
-    for the workload capture (:mod:`proxy.workload_capture`), kept when the shared index failed."""
+    index's round trip (None: in process, or nothing was sent), the prompt's keys
+    for the workload capture (:mod:`proxy.workload_capture`), kept when the shared index
+    failed, and the cache breakpoints the request marks (its prompt without the parts)."""
 
     report: PrefixReport | None
     unchecked: str = ""
     index_s: float | None = None
     hashed: HashedPrompt | None = None  # the prompt's keys (digests, no text), for the workload
+    marks: Prompt = Prompt(())  # how the request asks for caching, where its last mark ends
 
 
 class _Lane:
@@ -406,8 +408,9 @@ class PrefixJob:
         self._minimum = minimum if minimum is not None else minimum_cacheable_tokens(api, model)
         self._step = step if step is not None else cache_granularity_tokens(api, model)
         try:
+            prompt = self._dialect.prompt(self._payload)
             looked = check.doctor.look(
-                self._dialect.prompt_parts(self._payload),
+                prompt.parts,
                 upstream=spec.name,
                 model=model,
                 cache_key=key,
@@ -423,7 +426,7 @@ class PrefixJob:
         index_s = check.shared.round_trip_s() if check.shared is not None else None
         if looked is None:  # no prompt parts: nothing to examine
             return Examination(None, "", index_s)
-        return Examination(looked[1], "", index_s, looked[0])
+        return Examination(looked[1], "", index_s, looked[0], prompt._replace(parts=()))
 
     async def settle(self) -> None:
         """Before the record: make ready a stream's job that saw no output event (its
@@ -476,18 +479,22 @@ class PrefixJob:
         report = examination.report
         if report is None:
             return None
+        marks = examination.marks
         tokens = cache_tokens(
             report,
             prompt_tokens,
             cached_tokens,
             minimum_tokens=self._minimum,
             granularity_tokens=self._step,
+            caching=marks.caching,
+            marked_bytes=marks.marked_bytes,
         )
         return PrefixRecord(
             prompt_bytes=report.prompt_bytes,
             repeated_bytes=report.repeated_bytes,
             repeated_tokens=tokens.repeated,
             missed_tokens=tokens.missed,
+            missed_unmarked_tokens=tokens.unmarked,
             break_reason=report.reason or "",
             break_part=report.part or "",
             break_index=report.index,

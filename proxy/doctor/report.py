@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
+from proxy.dialects import Caching
 from proxy.doctor.examine import PrefixReport
 
 
@@ -131,6 +132,9 @@ class CacheTokens(NamedTuple):
     repeated: int | None  # estimated tokens of the repeated prefix
     reported: int | None  # cached tokens the upstream reported
     missed: int | None  # repeated (cacheable part) - reported, floored at 0
+    # of missed, those past the last cache breakpoint where only marked prefixes are
+    # cached: no cache was asked to serve them (None: every prefix is cached, or unknown)
+    unmarked: int | None = None
 
 
 def cache_tokens(
@@ -140,10 +144,14 @@ def cache_tokens(
     *,
     minimum_tokens: int = 0,
     granularity_tokens: int = 1,
+    caching: Caching = Caching.IMPLICIT,
+    marked_bytes: int | None = None,
 ) -> CacheTokens:
     """Tokens of the repeated prefix and the cache the upstream missed (None: unknown, never
-    0); the rules are ``docs/design/doctor.md``'s, step 4 of the examination.
-    """
+    0); the rules are ``docs/design/doctor.md``'s, step 4 of the examination. Where the
+    request asks for caching by breakpoints (``caching``), the missed tokens past
+    ``marked_bytes`` (the last breakpoint's end; None: none) are also said apart: a
+    breakpoint whose prefix is below the minimum asks for nothing a cache could hold."""
     if (
         prompt_tokens is None
         or prompt_tokens <= 0
@@ -151,17 +159,23 @@ def cache_tokens(
         or report.unseen_context
     ):
         return CacheTokens(None, cached_tokens, None)
-    repeated = min(
-        prompt_tokens, round(report.repeated_bytes * prompt_tokens / report.prompt_bytes)
-    )
+    ratio = prompt_tokens / report.prompt_bytes
+    repeated = min(prompt_tokens, round(report.repeated_bytes * ratio))
     if cached_tokens is None:
         return CacheTokens(repeated, None, None)
     cacheable = min(repeated, prompt_tokens - 1)
     step = max(1, granularity_tokens)
     cacheable -= cacheable % step
     if cacheable < minimum_tokens:  # after rounding: 1,024 tokens round to 896 on OpenAI
-        return CacheTokens(repeated, cached_tokens, 0)
-    return CacheTokens(repeated, cached_tokens, max(0, cacheable - cached_tokens))
+        cacheable = 0
+    missed = max(0, cacheable - cached_tokens)
+    if caching is Caching.IMPLICIT:
+        return CacheTokens(repeated, cached_tokens, missed)
+    asked = cacheable  # automatic: up to the last block
+    if caching is Caching.MARKED:
+        asked = min(cacheable, round((marked_bytes or 0) * ratio))
+        asked = 0 if asked < minimum_tokens else asked - asked % step
+    return CacheTokens(repeated, cached_tokens, missed, min(missed, cacheable - asked))
 
 
 # Anthropic's minimum cacheable prompt per model family (its prompt-caching guide):
