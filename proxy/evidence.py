@@ -30,13 +30,14 @@ MISSED_PER_REQUEST = "llm_proxy_prompt_cache_missed_tokens_per_request"
 REQUESTS = "llm_proxy_requests_total"
 FINISH = "llm_proxy_finish_reasons_total"
 MISSED = "llm_proxy_prompt_cache_missed_tokens_total"
+UNMARKED = "llm_proxy_prompt_cache_missed_unmarked_tokens_total"
 ESTIMATED = "llm_proxy_prefill_fit_estimated_requests_total"
 ENGINE_PREFILL = "llm_proxy_upstream_prefill_seconds"
 
 SUMMED = (TTFT, QUEUE, UPSTREAM_QUEUE, DURATION, TPOT, COMPLETION, MISSED_PER_REQUEST,
           ENGINE_PREFILL)
 BUCKETED = (TPOT, COMPLETION)  # their buckets are read too
-COUNTERS = (REQUESTS, MISSED, SKIPPED_SAMPLE, ESTIMATED, *FIT_SAMPLES)
+COUNTERS = (REQUESTS, MISSED, UNMARKED, SKIPPED_SAMPLE, ESTIMATED, *FIT_SAMPLES)
 SAMPLE_NAMES: frozenset[str] = frozenset(
     [*COUNTERS, FINISH]
     + [f"{h}_{part}" for h in SUMMED for part in ("sum", "count")]
@@ -308,12 +309,12 @@ def _dist(figs: Figures, histogram: str) -> Dist | None:
     return Dist(tuple(sorted(edges.items())), figs.get(f"{histogram}_sum"))
 
 
-def _missed(figs: Figures, fitted: float) -> float | None:
-    if MISSED not in figs.values:
+def _missed(figs: Figures, fitted: float, name: str = MISSED) -> float | None:
+    if name not in figs.values:
         return None
     examined = (figs.get(f"{MISSED_PER_REQUEST}_count")
                 if f"{MISSED_PER_REQUEST}_count" in figs.values else fitted)
-    return figs.get(MISSED) / examined if examined > 0 else None
+    return figs.get(name) / examined if examined > 0 else None
 
 
 def _evidence(key: Key, figs: Figures) -> Evidence:
@@ -327,6 +328,7 @@ def _evidence(key: Key, figs: Figures) -> Evidence:
         queue_mean_s=_mean(figs, QUEUE),
         upstream_queue_mean_s=_mean(figs, UPSTREAM_QUEUE),
         missed_cache_tokens=_missed(figs, sums.n),
+        unmarked_cache_tokens=_missed(figs, sums.n, UNMARKED),
         fit_skipped=round(figs.get(SKIPPED_SAMPLE)),
         fit_estimated=round(figs.get(ESTIMATED)),
         engine_prefill_mean_s=_mean(figs, ENGINE_PREFILL),

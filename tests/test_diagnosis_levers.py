@@ -112,6 +112,20 @@ def test_missed_cache_hits_are_their_own_part_and_lever() -> None:
     assert "prompt_cache" not in by_name(diagnose(example()))  # left out when not known
 
 
+def test_the_prompt_cache_lever_says_which_missed_tokens_a_breakpoint_would_serve() -> None:
+    """Of the missed tokens, those past the last cache breakpoint (a route that caches only
+    marked prefixes) call for a breakpoint; the rest were asked for and not served."""
+    lever = by_name(diagnose(example(missed_cache_tokens=4000.0,
+                                     unmarked_cache_tokens=3000.0)))["prompt_cache"]
+    assert lever.sentence.endswith(
+        "3,000 of them came after the last cache breakpoint, where no cache was asked to "
+        "serve them: add a breakpoint after the stable part. The other 1,000 were asked for "
+        "and not served.")
+    assert lever.numbers["unmarked_cache_tokens"] == 3000.0
+    implicit = by_name(diagnose(example(missed_cache_tokens=4000.0)))["prompt_cache"]
+    assert implicit.sentence.endswith("Keep the shared part of the prompt first and identical.")
+
+
 def test_an_upstream_that_reports_no_queue() -> None:
     d = diagnose(example(upstream_queue_mean_s=None))
     assert d.first_token.upstream_queue_ms is None

@@ -354,6 +354,7 @@ def exported_types() -> dict[str, str]:
             types[sample.name] = family.type
     # the prompt-cache doctor's series (exported once it has examined a request)
     types[ev.MISSED] = "counter"
+    types[ev.UNMARKED] = "counter"  # on routes that cache by breakpoints
     for part in ("sum", "count"):
         types[f"{ev.MISSED_PER_REQUEST}_{part}"] = "histogram"
     # exported once a request had its tokens estimated, or an engine timed its prefill

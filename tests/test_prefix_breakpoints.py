@@ -21,7 +21,9 @@ import httpx
 import pytest
 
 from proxy.dialects import DIALECTS
+from proxy.evidence import evidence
 from tests.fake_upstream import ScriptedUpstream
+from tests.test_evidence import read_scrape
 from tests.test_keys import served
 from tests.test_prefix_proxy import CHAT, MESSAGES, RESPONSES, Answers, text
 from tests.test_upstream_report import metric, wait_logged
@@ -93,6 +95,9 @@ def messages(*, system_mark: bool, automatic: bool = False) -> dict[str, Any]:
     return body
 
 
+scraped: list[str] = []  # the last run's /metrics text
+
+
 def run(
     tmp_path: Path, route: str, body: dict[str, Any], cached: list[int]
 ) -> tuple[list[dict[str, Any]], float, float, list[bytes]]:
@@ -107,6 +112,7 @@ def run(
         lines = send(base, log, route, sent)
         unmarked, missed = metric(base, UNMARKED), metric(base, MISSED)
         seen = [s.body for s in upstream.requests]
+        scraped.append(httpx.get(base + "/metrics", timeout=10).text)
     assert seen == sent, "the request forwarded upstream is the client's, byte for byte"
     return lines, unmarked, missed, seen
 
@@ -128,6 +134,10 @@ def test_anthropic_tokens_past_the_breakpoint_are_unmarked_not_missed(tmp_path: 
     assert served_none["cache_missed_unmarked_tokens"] == cacheable - asked  # asked: not served
     assert unmarked == 2 * (cacheable - asked)
     assert missed == 2 * (cacheable - asked) + asked
+    # diagnose reads both, per examined request, for the prompt_cache lever's words
+    (found,) = evidence(read_scrape(scraped[-1]))
+    assert found.unmarked_cache_tokens == pytest.approx(unmarked / 3)
+    assert found.missed_cache_tokens == pytest.approx(missed / 3)
 
 
 def test_anthropic_without_any_breakpoint_every_missed_token_is_unmarked(tmp_path: Path) -> None:

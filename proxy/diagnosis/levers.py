@@ -98,6 +98,7 @@ class Evidence:
     queue_mean_s: float | None = None  # in the proxy
     upstream_queue_mean_s: float | None = None  # None: the upstream reports none
     missed_cache_tokens: float | None = None  # mean per request, from a prompt-cache check
+    unmarked_cache_tokens: float | None = None  # of those, past the last cache breakpoint
     fit_skipped: int = 0  # streams left out of the fit: no prompt token count at all
     fit_estimated: int = 0  # of the fit's requests, those with the proxy's own token estimate
     engine_prefill_mean_s: float | None = None  # the engine's own prefill time, mean
@@ -452,7 +453,15 @@ def _missed_cache(ev: Evidence, split: FirstTokenSplit) -> Lever:
     sentence = (f"Prompt cache: {say.tokens(ev.missed_cache_tokens)} prompt tokens a request "
                 f"could have read from the cache were computed again: "
                 f"{say.dur(saves)}{say.of_first(split.mean_ms)}.")
-    if status == "lever":
+    unmarked = min(ev.unmarked_cache_tokens or 0.0, ev.missed_cache_tokens or 0.0)
+    if unmarked >= 0.5:  # of them, past the last cache breakpoint: none asked for
+        numbers["unmarked_cache_tokens"] = ev.unmarked_cache_tokens
+        asked = (ev.missed_cache_tokens or 0.0) - unmarked
+        sentence += (f" {say.tokens(unmarked)} of them came after the last cache breakpoint, "
+                     "where no cache was asked to serve them: add a breakpoint after the "
+                     "stable part." + (f" The other {say.tokens(asked)} were asked for and "
+                                       "not served." if asked >= 0.5 else ""))
+    elif status == "lever":
         sentence += " Keep the shared part of the prompt first and identical."
     return Lever("prompt_cache", status, "first_token", saves, sentence, numbers)
 
