@@ -160,10 +160,15 @@ def _content(value: Any, out: list[bytes], depth: int = 0, marks: _Marks | None 
         if depth >= _NESTING_MAX:
             out.append(_json_bytes(value))
             return
+        if marks is None:
+            for item in value:
+                _content_part(item, out, depth + 1)
+            return
+        key = marks.key
         for item in value:
             _content_part(item, out, depth + 1, marks)
-            if marks is not None:
-                marks.marked(item, out)
+            if isinstance(item, dict) and key in item:  # inline: once per content block
+                marks.within = sum(map(len, out))
     elif value is not None:
         _content_part(value, out, depth + 1, marks)
         if marks is not None:
@@ -219,7 +224,7 @@ def _message(
     if role in _SYSTEM_ROLES and kind != "instructions":
         kind = "system"
     part = PromptPart(kind, index, role[:_ROLE_MAX], data)
-    return part if marks is None else marks.close(part)
+    return part if marks is None or marks.within is None else marks.close(part)
 
 
 _CHAT_SKIP = frozenset(("role", "content", CACHE_CONTROL))
@@ -235,8 +240,8 @@ def _tool_parts(
         if isinstance(tools, list):
             for tool in tools:
                 part = PromptPart("tools", len(parts), "", _json_bytes(_without_marker(tool)))
-                if marks is not None:
-                    marks.marked(tool, [part.data])
+                if marks is not None and isinstance(tool, dict) and marks.key in tool:
+                    marks.within = len(part.data)
                     marks.close(part)
                 parts.append(part)
     return parts
