@@ -217,9 +217,15 @@ def test_parts_hashed_before_give_the_keys_hashing_them_again_gives(cache_keys: 
         ([PromptPart("message", 0, "assistant", doc)], {"upstream": "u", "model": "m"}),
         ([PromptPart("message", 0, "user", b"")], {"upstream": "u", "model": "m"}),
     ]
+    prompts += [  # the parts of the first prompt at other indices: their own shapes
+        ([part._replace(index=part.index + 1) for part in prompts[0][0]], prompts[0][1]),
+        ([*prompts[0][0], PromptPart("message", 3, "user", b"")], prompts[0][1]),
+    ]
     for parts, scope in prompts * 2:
         assert kept.hash(parts, **scope) == bare.hash(parts, **scope)
-    assert kept._parts_keys <= cache_keys  # bounded, whatever was sent
+    assert kept._parts_keys <= cache_keys and kept._recall_keys <= cache_keys // 8  # bounded
+    if cache_keys == 1 << 16:  # a prompt hashed a moment ago: recalled whole, no key copied
+        assert kept.hash(prompts[0][0], **prompts[0][1]) is kept.hash(prompts[0][0], **prompts[0][1])
 
 
 @pytest.mark.parametrize("kwargs", [{"secret": b"short"}, {"secret": b"x" * 65},

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import chain
 from typing import NamedTuple, Protocol, overload
@@ -153,13 +153,12 @@ class LruPrefixIndex:
     def exchange(self, probe: Probe, now_ms: int, held_ms: int | None = None) -> Sightings:
         """See :meth:`PrefixIndex.exchange`. A key whose run of sightings of this
         request's kind already holds ``held_ms``, or ends at most ``settle_ms`` before it,
-        is neither written nor touched: so a prompt held whole by a request whose run
-        covers this one (the same last key: the same keys and marks) writes nothing, and
-        the head of ``probe.nested`` is skipped as far as it is so covered (found by
-        bisection: its keys nest), with the chunks ``probe.tied`` ties to it. The reads are decoded only where asked for. A prompt
-        repeated by many at once then costs a read per key, and one that repeats a long
-        head a write per new key; the runs' latest stamps lag up to ``settle_ms``, so a
-        run may be read as expired that much early."""
+        is neither written nor touched (``docs/design/doctor.md``, "Settled keys"): a
+        prompt held whole so (its last key) writes nothing and reads one key now, the
+        rest when asked; of the others, the covered head of ``probe.nested`` (found by
+        bisection: its keys nest) is skipped with the chunks ``probe.tied`` ties to it.
+        The runs' latest stamps lag up to ``settle_ms``, so a run may be read as expired
+        that much early."""
         keys, marks = probe.keys, probe.marks
         m, w, settle = _TICK_MAX, self.window_ms, self.settle_ms
         with self._lock:
@@ -167,17 +166,17 @@ class LruPrefixIndex:
             t = self._tick(now_ms)
             h = t if held_ms is None else self._tick(held_ms)
             self._forget_before(t - self.horizon_ms)
-            get = entries.get
+            get, epoch = entries.get, self._epoch or 0
+            whole = marks.find(ENDED) if settle else -1
+            old = get(keys[whole], 0) if whole >= 0 else 0
+            el = old & m
+            if el and (old >> _ES) & m <= h <= el + settle:  # nothing to write: read later
+                return _Snapshot(_Live(get, keys), t, h, w, epoch).sightings()
             before = [get(key, 0) for key in keys]
-            reads = _Snapshot(before, t, h, w, self._epoch or 0)
+            reads = _Snapshot(before, t, h, w, epoch)
             start, stop = probe.nested
             cut = stop  # the covered head of the nested range: from here to ``stop``
             if settle:
-                whole = marks.find(ENDED)
-                old = before[whole] if whole >= 0 else 0
-                el = old & m
-                if el and (old >> _ES) & m <= h <= el + settle:
-                    return reads.sightings()
                 low = start + 1 if start < stop and marks[start] == ENDED else start
                 while low < cut:  # where the covered head starts, by bisection
                     mid = (low + cut) // 2
@@ -253,13 +252,36 @@ def _read_late(old: int, t: int, h: int, w: int, epoch: int) -> tuple[int, int, 
     return c + epoch if c else NEVER, e + epoch if e else NEVER, first
 
 
+class _Live(Sequence[int]):
+    """A probe's entries as they are when read: for an exchange that wrote none of them,
+    whose reads then follow the same rules (a stamp written since is read as it would
+    be had its exchange come first). Read without the lock: a lookup is whole under
+    the GIL."""
+
+    def __init__(self, get: Callable[[bytes, int], int], keys: Sequence[bytes]) -> None:
+        self._get, self._keys = get, keys
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[int]: ...
+    def __getitem__(self, i: int | slice) -> int | Sequence[int]:
+        if isinstance(i, slice):
+            return [self._get(key, 0) for key in self._keys[i]]
+        return self._get(self._keys[i], 0)
+
+
 class _Snapshot:
-    """A probe's entries as they were before an exchange's writes, decoded per key only
-    when asked (:class:`Sightings` by the rules of ``docs/design/doctor.md``)."""
+    """A probe's entries as they were before an exchange's writes (or :class:`_Live`),
+    decoded per key only when asked (:class:`Sightings` by the rules of
+    ``docs/design/doctor.md``)."""
 
     __slots__ = ("before", "epoch", "h", "t", "w")
 
-    def __init__(self, before: list[int], t: int, h: int, w: int, epoch: int) -> None:
+    def __init__(self, before: Sequence[int], t: int, h: int, w: int, epoch: int) -> None:
         self.before, self.t, self.h, self.w, self.epoch = before, t, h, w, epoch
 
     def read(self, i: int) -> tuple[int, int, int | None]:

@@ -176,7 +176,8 @@ class PromptHasher:
     index share it); ``block_bytes`` is the block size; ``chunk_bytes`` the least length
     of a content chunk (at most four times that); ``part_cache_keys`` bounds the keys of
     recent parts kept to hash a part seen after the same prefix again at the cost of
-    one digest of its bytes. Thread-safe: the loop and the hashing thread share it.
+    one digest of its bytes, and (an eighth of them) of whole prompts, given again as
+    the same object. Thread-safe: the loop and the hashing thread share it.
     """
 
     def __init__(
@@ -221,8 +222,12 @@ class PromptHasher:
         self._part_key = keyed(b"prefix.partkey")
         self._parts: OrderedDict[bytes, _HashedPart] = OrderedDict()
         self._parts_keys = 0  # keys held by self._parts
-        self._parts_max = part_cache_keys
+        self._recall_max = part_cache_keys // 8  # keys of whole prompts recalled
+        self._parts_max = part_cache_keys - self._recall_max
         self._parts_lock = threading.Lock()  # the loop and the hashing thread share it
+        # whole prompts hashed a moment ago, by their last chain key and anchor part
+        self._prompts: dict[tuple[bytes, int], HashedPrompt] = {}
+        self._recall_keys = 0
 
     def _remember(self, name: bytes, part: _HashedPart) -> None:
         """Keep a part's keys for the next prompt with the same part after the same
@@ -296,16 +301,23 @@ class PromptHasher:
         first_chunk: list[int] = []
         shapes: list[PartShape] = []
         cached, part_key = self._parts, self._part_key.copy
+        names: list[bytes] = []  # each part's name, as far as the recall got
+        recalled = self._recall(parts, root, anchor, names)
+        if recalled is not None:
+            return recalled
         before = root  # the chain key before this part (the root before the first)
-        for kind, index, role, data in parts:
+        for p, (kind, index, role, data) in enumerate(parts):
             head = heads.get((kind, role)) or head_of(kind, role)
             length = len(data)
             shapes.append(PartShape(kind, index, role, length))
             first_block.append(len(chain))
             first_chunk.append(len(chunks))
-            naming = part_key()
-            naming.update(before + head + condense(data))
-            name = naming.digest()
+            if p < len(names):
+                name = names[p]
+            else:
+                naming = part_key()
+                naming.update(before + head + condense(data))
+                name = naming.digest()
             with self._parts_lock:
                 known = cached.get(name)
                 if known is not None:
@@ -365,7 +377,7 @@ class PromptHasher:
         keys.extend(reversed(chain))
         keys.append(root)
         keys.extend(anchors)
-        return HashedPrompt(
+        hashed = HashedPrompt(
             size,
             tuple(shapes),
             root,
@@ -379,3 +391,40 @@ class PromptHasher:
             tuple(keys),
             marks,
         )
+        if len(keys) <= self._recall_max:  # within a share of the part cache's keys
+            if self._recall_keys + len(keys) > self._recall_max:
+                self._prompts, self._recall_keys = {}, 0
+            self._prompts[chain[-1], anchor] = hashed
+            self._recall_keys += len(keys)
+        return hashed
+
+    def _recall(
+        self, parts: Sequence[PromptPart], root: bytes, anchor: int, names: list[bytes]
+    ) -> HashedPrompt | None:
+        """The keys of a prompt hashed a moment ago, the same object again (no key is
+        copied or touched), when each of its parts came after the same prefix before
+        (the part cache) and the whole prompt and its shapes are one recalled; else None,
+        with ``names`` holding the names of the parts it got to."""
+        cached, heads, head_of = self._parts, self._heads, self._head
+        before = root
+        for kind, _, role, data in parts:
+            naming = self._part_key.copy()
+            head = heads.get((kind, role)) or head_of(kind, role)
+            naming.update(before + head + xxh3_128_digest(data))
+            name = naming.digest()
+            names.append(name)
+            known = cached.get(name)  # without the lock: one lookup
+            if known is None:
+                return None
+            before = known.chain[-1]
+        hashed = self._prompts.get((before, anchor))
+        if hashed is None or len(hashed.parts) != len(parts):
+            return None
+        for shape, (kind, index, role, data) in zip(hashed.parts, parts, strict=True):
+            if shape != (kind, index, role, len(data)):
+                return None
+        with self._parts_lock:  # its parts are in use: the last the part cache forgets
+            for name in names:
+                if name in cached:
+                    cached.move_to_end(name)
+        return hashed
