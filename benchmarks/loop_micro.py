@@ -104,13 +104,11 @@ def filled_metrics(sets: list[tuple[str, str, str, str]]) -> Any:
     """The proxy's metrics, client label on, one streamed request observed per set."""
     from prometheus_client import CollectorRegistry
 
-    from proxy.config import Settings
     from proxy.measure import Outcome, RequestRecord
-    from proxy.metrics import Metrics
+    from proxy.metrics import Metrics, MetricsOptions
 
-    settings = Settings(client_label_from="header:x-client", max_models=MODELS * 2,
-                        max_clients=CLIENTS * 2)
-    metrics = Metrics(settings, CollectorRegistry())
+    options = MetricsOptions(client_label=True, max_models=MODELS * 2, max_clients=CLIENTS * 2)
+    metrics = Metrics(CollectorRegistry(), options)
     itl = tuple(0.015 + 0.001 * (i % 10) for i in range(49))
     for n, (route, model, upstream, client) in enumerate(sets):
         metrics.observe(RequestRecord(

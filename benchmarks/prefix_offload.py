@@ -46,7 +46,6 @@ import statistics
 import time
 from typing import Any
 
-from proxy.config import Settings
 from proxy.dialects import CHAT, COMPLETIONS
 from proxy.doctor.job import INLINE_MAX_BLOCKS, Place, PrefixCheck, PrefixJob
 from proxy.upstream_spec import UpstreamSpec
@@ -87,7 +86,7 @@ async def examine_all(check: PrefixCheck, bodies: list[dict[str, Any]], offload:
 
 async def cpu_per_request(size: int, offload: bool, requests: int) -> tuple[float, float]:
     """(loop thread CPU, process CPU) per request, in us."""
-    check = PrefixCheck(Settings())
+    check = PrefixCheck()
     bodies = [chat_body(size, i) for i in range(requests + 1)]
     await examine_all(check, bodies[:1], offload, 0.0)  # the thread started, the index warm
     gc.collect()
@@ -100,7 +99,7 @@ async def cpu_per_request(size: int, offload: bool, requests: int) -> tuple[floa
 
 async def lateness(size: int, offload: bool, requests: int, gap_s: float) -> tuple[float, float]:
     """(p99, max) lateness of a 1 ms ticker on the loop while prompts are examined, ms."""
-    check = PrefixCheck(Settings())
+    check = PrefixCheck()
     bodies = [chat_body(size, i) for i in range(requests + 1)]
     await examine_all(check, bodies[:1], offload, 0.0)
     late: list[float] = []
@@ -174,7 +173,7 @@ async def hostile(args: argparse.Namespace) -> None:
     print("| --- | ---: | ---: | --- | ---: | ---: | ---: |")
     for name, body in hostile_bodies(scale).items():
         size = len(json.dumps(body, separators=(",", ":")))
-        check = PrefixCheck(Settings())
+        check = PrefixCheck()
         blocks = check.estimate(body, size)
         place = check.place(blocks)
         placed: list[tuple[float, float]] = []

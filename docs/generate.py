@@ -40,6 +40,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere: import this chec
 from prometheus_client import CollectorRegistry  # noqa: E402
 
 from proxy import config, options, upstream_spec  # noqa: E402
+from proxy.app import metrics_options  # noqa: E402
 from proxy.doctor import shared_index as cache_index  # noqa: E402
 from proxy.measure import OUTCOME_MEANINGS, Outcome  # noqa: E402
 from proxy.metrics import Metrics  # noqa: E402
@@ -273,11 +274,11 @@ class _Metric:
 
 
 def _metrics(settings: config.Settings) -> dict[str, _Metric]:
-    """What ``Metrics(settings)`` registers. Labels and buckets are read from
+    """What ``Metrics`` registers with ``settings``. Labels and buckets are read from
     prometheus_client's metric objects (``_labelnames``, ``_upper_bounds``, stable since
     0.4, as :func:`proxy.metrics.observe_many` relies on)."""
     registry = _RecordingRegistry()
-    Metrics(settings, registry)
+    Metrics(registry, metrics_options(settings, {}))
     found: dict[str, _Metric] = {}
     for collector in registry.collectors:
         (family,) = collector.describe()

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-import os
 import signal
 import threading
 import time
@@ -21,66 +20,87 @@ from proxy.admission import Admission
 from proxy.asgi import Receive, Scope, Send
 from proxy.auth import OBSERVER_CHALLENGE, KeyCheck, load_key_check, observer_key
 from proxy.clients import identify_from
-from proxy.config import Settings, reload_specs
+from proxy.config import Settings, process_env, reload_specs
 from proxy.config_values import SettingsError
-from proxy.metrics import Metrics
-from proxy.otel_metrics import from_settings as otel_metrics_from_settings
+from proxy.doctor.job import PrefixCheck
+from proxy.metrics import MULTIPROC_ENV, Metrics, MetricsOptions
+from proxy.otel_metrics import otel_metrics_from
 from proxy.reqlog import RequestLog
-from proxy.routes import V1Handler
+from proxy.routes import HandlerOptions, V1Handler
 from proxy.routing import LiveUpstreams
 from proxy.scrape import Scrapes
-from proxy.tracing import from_settings as tracing_from_settings
+from proxy.tracing import tracing_from
 from proxy.ui import UI_PATHS, index_scope, live_page
 from proxy.upstream import UpstreamClient, error_body
 from proxy.upstream_spec import UpstreamSpec
 from proxy.wire.pool import WireTransport
-from proxy.workload_capture import capture_from
+from proxy.workload_capture import SHARED_ENV, capture_from
 
 log = logging.getLogger("proxy")
 
 
 class ProxyApp:
-    """The proxy as an ASGI application."""
+    """The proxy as an ASGI application: the one place that reads ``Settings`` and hands
+    each part the values it uses (``docs/development.md``, "Settings and the environment")."""
 
     def __init__(self, settings: Settings, *, transport: WireTransport | None = None,
                  registry: CollectorRegistry | None = None,
                  clock: Callable[[], float] = time.perf_counter,
                  serve_metrics: bool | None = None,
                  environ: Mapping[str, str] | None = None) -> None:
-        self.settings = settings
+        self.settings = s = settings
         # The process environment, read here once for every part built below (keys,
         # secrets, the OTEL_* variables); the settings' own variables were read by config.
-        self.environ = env = os.environ if environ is None else environ
-        self.metrics = Metrics(settings, registry) if settings.measure else None
+        self.environ = env = process_env() if environ is None else environ
+        self.metrics = Metrics(registry, metrics_options(s, env)) if s.measure else None
         self.scrapes = (Scrapes(self.metrics.exposition, self.metrics.exposition_type)
                         if self.metrics is not None else None)
         # First of what starts a thread: a workload file that cannot be opened stops here.
         skipped = self.metrics.workload_skipped if self.metrics is not None else None
-        self.capture = capture_from(settings, env, clock=clock, skipped=(
-            (lambda reason, n: skipped.labels(reason).inc(n)) if skipped is not None else None))
+        self.capture = capture_from(
+            s.workload_file, block_size=s.workload_block_size,
+            rotate_bytes=s.workload_rotate_bytes, rotate_seconds=s.workload_rotate_seconds,
+            client=s.workload_client, workers=s.workers, shared=env.get(SHARED_ENV, ""),
+            clock=clock, skipped=(
+                (lambda reason, n: skipped.labels(reason).inc(n)) if skipped is not None else None))
         self.upstreams = LiveUpstreams(
-            settings.upstream_specs, self.metrics.in_flight if self.metrics else None, transport,
+            s.upstream_specs, self.metrics.in_flight if self.metrics else None, transport,
             env=env)
         self.request_log = (
-            RequestLog(settings.log_requests, buffer=settings.log_requests_buffer,
+            RequestLog(s.log_requests, buffer=s.log_requests_buffer,
                        dropped=self.metrics.request_log_dropped.inc if self.metrics else None)
-            if settings.log_requests else None)
-        self.tracing = tracing_from_settings(settings, clock, env)
-        self.otel_metrics = otel_metrics_from_settings(settings, env)
-        self.serve_metrics = (not settings.metrics_port) if serve_metrics is None else serve_metrics
+            if s.log_requests else None)
+        self.tracing = tracing_from(otlp_endpoint=s.otlp_endpoint, upstream=s.default_url,
+                                    propagate=s.propagate_trace, clock=clock, env=env)
+        self.otel_metrics = otel_metrics_from(
+            otlp_metrics=s.otlp_metrics, otlp_endpoint=s.otlp_endpoint, measure=s.measure,
+            upstream=s.default_url, max_models=s.max_models, env=env)
+        self.serve_metrics = (not s.metrics_port) if serve_metrics is None else serve_metrics
         self.ui = (live_page(self.metrics, prefix_index=index_scope(
-            doctor=settings.prefix_doctor, shared=settings.cache_index is not None,
-            workers=settings.workers)) if settings.ui and self.metrics is not None else None)
+            doctor=s.prefix_doctor, shared=s.cache_index is not None,
+            workers=s.workers)) if s.ui and self.metrics is not None else None)
         # Said in the 404 for any other path (a browser opening the root first): what is here.
         self.elsewhere = ("" if not self.serve_metrics or self.metrics is None else
                           "; the live page is at /ui, metrics at /metrics" if self.ui is not None
                           else "; metrics are at /metrics")
-        self.keys = load_key_check(settings, env)
-        self.v1 = V1Handler(settings=settings, upstreams=self.upstreams, clock=clock,
-                            metrics=self.metrics, keys=self.keys, request_log=self.request_log,
-                            tracing=self.tracing,
-                            identify=identify_from(settings.client_label_from, env),
-                            otel_metrics=self.otel_metrics, capture=self.capture)
+        self.keys = load_key_check(s.checked_keys_file, upstream_key_env=s.upstream_api_key_env,
+                                   env=env)
+        # The doctor, when someone reads what it finds: metrics, the log, spans, the capture.
+        read = (self.metrics, self.request_log, self.tracing, self.capture)
+        prefix = (PrefixCheck(window_s=s.prefix_window, index_bytes=s.prefix_index_bytes,
+                              cache_index=s.cache_index, env=env, clock=clock,
+                              secret=self.capture.secret if self.capture is not None else None)
+                  if s.prefix_doctor and any(r is not None for r in read) else None)
+        self.v1 = V1Handler(
+            options=HandlerOptions(
+                max_header_bytes=s.max_header_bytes, max_body_bytes=s.max_body_bytes,
+                body_timeout=s.body_timeout, client_write_timeout=s.client_write_timeout,
+                inject_usage=s.inject_usage, secret_headers=s.secret_headers,
+                key_label=s.client_label_from == "key"),
+            upstreams=self.upstreams, clock=clock, prefix=prefix, metrics=self.metrics,
+            keys=self.keys, request_log=self.request_log, tracing=self.tracing,
+            identify=identify_from(s.client_label_from, env), otel_metrics=self.otel_metrics,
+            capture=self.capture)
 
     @property
     def upstream(self) -> UpstreamClient:
@@ -205,13 +225,26 @@ def reloads(settings: Settings) -> bool:
     return bool(settings.config) or settings.holds_upstream_key
 
 
+def metrics_options(settings: Settings, env: Mapping[str, str]) -> MetricsOptions:
+    """The metrics' options from the settings of the same names, and the workers'
+    directory from ``PROMETHEUS_MULTIPROC_DIR`` (set by ``serve --workers``)."""
+    s = settings
+    return MetricsOptions(
+        max_models=s.max_models, model_allowlist=s.model_allowlist,
+        client_label=bool(s.client_label_from), max_clients=s.max_clients,
+        client_allowlist=s.client_allowlist, ttft_buckets=s.ttft_buckets,
+        itl_buckets=s.itl_buckets, duration_buckets=s.duration_buckets,
+        token_buckets=s.token_buckets, multiprocess_dir=env.get(MULTIPROC_ENV) or None)
+
+
 def read_reload(settings: Settings, env: Mapping[str, str]) -> Reload:
     """The config file's ``[[upstream]]`` tables and the client keys file as they are
     now, or :class:`SettingsError` naming the file and the problem. Nothing is applied
     here: with ``--workers`` the supervisor calls this once to decide whether to pass
     the signal on at all (:mod:`proxy.serve`), then each worker reads and applies."""
     specs = reload_specs(settings, env) if settings.config else None
-    return Reload(specs, load_key_check(settings, env))
+    return Reload(specs, load_key_check(settings.checked_keys_file, env=env,
+                                        upstream_key_env=settings.upstream_api_key_env))
 
 
 def reload_refused(settings: Settings, exc: SettingsError) -> str:
@@ -244,7 +277,7 @@ def create_app(settings: Settings, *, transport: WireTransport | None = None,
                clock: Callable[[], float] = time.perf_counter,
                environ: Mapping[str, str] | None = None) -> ProxyApp:
     """Build the proxy; the production defaults are one upstream client per configured
-    upstream, a private registry, ``time.perf_counter`` and ``os.environ``."""
+    upstream, a private registry, ``time.perf_counter`` and the process environment."""
     return ProxyApp(settings, transport=transport, registry=registry, clock=clock,
                     environ=environ)
 

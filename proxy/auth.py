@@ -12,7 +12,6 @@ import hmac
 import re
 from collections.abc import Mapping
 
-from proxy.config import Settings
 from proxy.config_values import SettingsError
 from proxy.upstream_spec import UpstreamSpec, key_problem
 
@@ -78,29 +77,31 @@ def key_header(spec: UpstreamSpec, env: Mapping[str, str]) -> tuple[bytes, bytes
     return upstream_header(spec.auth, env.get(spec.api_key_env, "").strip())
 
 
-def load_key_check(settings: Settings, env: Mapping[str, str], *,
+def load_key_check(keys_file: str | None, *, upstream_key_env: str, env: Mapping[str, str],
                    given_as: tuple[str, str] | None = None) -> KeyCheck | None:
-    """The client key check, or None when no upstream holds a server-side key.
+    """The client key check from ``keys_file`` (``--client-keys-file``), or None for None:
+    the composition root passes the file only when some upstream holds a key.
 
-    Raises :class:`SettingsError` for an unusable key or keys file. ``given_as`` names
-    the two settings (key variable, keys file) as the operator gave them, flag or
-    environment variable, for the message; the flags by default. (A config file's
-    upstream keys were checked when the file was read, :mod:`proxy.upstream_spec`.)
+    Raises :class:`SettingsError` for an unusable key or keys file: ``upstream_key_env``
+    (``--upstream-api-key-env``, may be empty) names the key's variable in ``env``.
+    ``given_as`` names the two settings (key variable, keys file) as the operator gave
+    them, flag or environment variable, for the message; the flags by default. (A config
+    file's upstream keys were checked when the file was read, :mod:`proxy.upstream_spec`.)
     """
-    if not settings.holds_upstream_key:
+    if keys_file is None:
         return None
     key_name, file_name = given_as or ("--upstream-api-key-env", "--client-keys-file")
-    if settings.upstream_api_key_env:
-        problem = key_problem(settings.upstream_api_key_env, env)
+    if upstream_key_env:
+        problem = key_problem(upstream_key_env, env)
         if problem:
             raise SettingsError(f"invalid setting {key_name}: {problem}")
     digests: list[bytes] = []
     try:
-        with open(settings.client_keys_file, encoding="utf-8") as fh:
+        with open(keys_file, encoding="utf-8") as fh:
             lines = fh.readlines()
     except (OSError, UnicodeDecodeError) as exc:
         raise SettingsError(f"invalid setting {file_name}: cannot read "
-                            f"{settings.client_keys_file!r} ({type(exc).__name__})") from None
+                            f"{keys_file!r} ({type(exc).__name__})") from None
     for number, line in enumerate(lines, 1):
         text = line.split("#", 1)[0].strip().lower().removeprefix("sha256:")
         if not text:

@@ -13,7 +13,7 @@ import logging
 import os
 import re
 import tomllib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 from urllib.parse import urlsplit
@@ -137,6 +137,11 @@ class Settings:
         return bool(self.upstream_api_key_env) or any(u.api_key_env for u in self.upstreams)
 
     @property
+    def checked_keys_file(self) -> str | None:
+        """The client keys file the proxy checks keys against, None when it checks none."""
+        return self.client_keys_file if self.holds_upstream_key else None
+
+    @property
     def default_url(self) -> str:
         """The default upstream's URL (else the first's): where a request that was not
         routed would have gone, for telemetry attributes set before routing."""
@@ -195,13 +200,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                      action=RenamedSwitch if opt.flag_only_true else RenamedFlag)
 
 
+def process_env() -> MutableMapping[str, str]:
+    """The process environment: this module is the one in ``proxy/`` that reads it
+    (tests/test_house.py checks). Each entry point takes it from here once and hands
+    every part it builds the values, or the mapping, it reads; ``serve``'s supervisor
+    writes its workers' variables into it."""
+    return os.environ
+
+
 def given_as(name: str, args: argparse.Namespace | None = None,
              environ: Mapping[str, str] | None = None) -> str:
     """How the operator gave setting ``name``: its flag, else its environment variable
     when that is set, else (not given at all) its flag. Error messages use it, so that
     they name what the operator has to change."""
     opt = BY_NAME[name]
-    env = os.environ if environ is None else environ
+    env = process_env() if environ is None else environ
     if args is not None and getattr(args, name, None) is not None:
         return opt.flag
     if opt.env in env:
@@ -223,7 +236,7 @@ def from_sources(args: argparse.Namespace | None = None,
     used, the variable (and its flag) when the variable was, or the file and key, with
     the value as given.
     """
-    env = os.environ if environ is None else environ
+    env = process_env() if environ is None else environ
     raw_values: dict[str, tuple[Any, str]] = {}  # option -> (raw value, where it came from)
     for opt in OPTIONS:
         raw = getattr(args, opt.name, None) if args is not None else None
@@ -351,7 +364,7 @@ def reload_specs(settings: Settings, environ: Mapping[str, str] | None = None
     path = settings.config
     doc = read_file(path)
     specs = upstream_specs(path, doc, upstream_limits(settings),
-                           os.environ if environ is None else environ)
+                           process_env() if environ is None else environ)
     if any(s.api_key_env for s in specs) and not settings.holds_upstream_key:
         raise SettingsError(f"config {path}: an upstream now holds a key (api_key_env) but "
                             "client keys were not set up at start (--client-keys-file): "
@@ -431,8 +444,3 @@ def _check_combinations(s: Settings, name: Callable[[str], str],
     if s.metrics_port and s.metrics_port == s.port:
         raise SettingsError(f"invalid setting {name('metrics_port')}: must differ from {name('port')}")
 
-
-def describe(settings: Settings, keys: Sequence[str] | None = None) -> dict[str, Any]:
-    """Settings as a plain dict for a start-up log line (nothing secret is held here)."""
-    return {f.name: getattr(settings, f.name) for f in fields(Settings)
-            if keys is None or f.name in keys}

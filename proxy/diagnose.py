@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import textwrap
 import time
@@ -172,7 +171,9 @@ def metrics_url(url: str) -> str:
 def _from_proxy(client: httpx.Client, args: argparse.Namespace
                 ) -> tuple[Reading, Reading | None, dict[str, Any]]:
     url = metrics_url(args.url)
-    key = args.api_key or os.environ.get(KEY_ENV) or ""
+    from proxy.config import process_env
+
+    key = args.api_key or process_env().get(KEY_ENV) or ""
     headers = {"Accept": "text/plain"}
     if key:
         headers["Authorization"] = f"Bearer {key}"

@@ -114,10 +114,11 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from proxy.config import process_env
     from proxy.config_values import SettingsError
 
     try:
-        target = target_for(read_cmdline(args.pid), os.environ, args.program)
+        target = target_for(read_cmdline(args.pid), process_env(), args.program)
     except SettingsError as exc:
         print(f"{PROGRAM} healthcheck: unhealthy: {exc}", file=sys.stderr)
         return 1

@@ -6,7 +6,6 @@ Design: ``docs/design/relay-and-export.md``.
 from __future__ import annotations
 
 import math
-import os
 from bisect import bisect_left
 from collections import Counter as _Counter
 from collections.abc import Callable, Iterable, Sequence
@@ -17,7 +16,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from proxy.config import OVERHEAD_BUCKETS, QUEUE_BUCKETS, Settings
+from proxy import config
+from proxy.config import OVERHEAD_BUCKETS, QUEUE_BUCKETS
 from proxy.diagnosis.fit import KTOKENS
 from proxy.doctor.provider import agreement
 from proxy.measure import Outcome, PrefixRecord, RequestRecord
@@ -91,8 +91,7 @@ def _exemplar(record: RequestRecord) -> dict[str, str]:
     return {"request_id": record.request_id[:_EXEMPLAR_MAX]}
 
 
-def multiprocess_dir() -> str | None:
-    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # where the workers of serve --workers write
 
 
 def multiprocess_registry(path: str) -> CollectorRegistry:
@@ -163,15 +162,36 @@ class _Children:
     tokens: tuple[tuple[str, Histogram], ...]  # (record field, child)
 
 
+@dataclass(frozen=True, slots=True)
+class MetricsOptions:
+    """What :class:`Metrics` is built with (the composition root fills it from the
+    settings of the same names): label bounds, bucket edges, and ``multiprocess_dir``,
+    the workers' shared directory (``PROMETHEUS_MULTIPROC_DIR``), None in one process.
+    ``client_label``: whether requests carry the ``client`` label (``--client-label-from``)."""
+
+    max_models: int = 100
+    model_allowlist: tuple[str, ...] = ()
+    client_label: bool = False
+    max_clients: int = 50
+    client_allowlist: tuple[str, ...] = ()
+    ttft_buckets: tuple[float, ...] = config.TTFT_BUCKETS
+    itl_buckets: tuple[float, ...] = config.ITL_BUCKETS
+    duration_buckets: tuple[float, ...] = config.DURATION_BUCKETS
+    token_buckets: tuple[float, ...] = config.TOKEN_BUCKETS
+    multiprocess_dir: str | None = None
+
+
 class Metrics:
     """All of the proxy's metrics, registered in one (injectable) registry."""
 
-    def __init__(self, settings: Settings, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None,
+                 options: MetricsOptions | None = None) -> None:
+        self.options = options = options if options is not None else MetricsOptions()
         self.registry = registry if registry is not None else CollectorRegistry()
-        self.multiprocess = multiprocess_dir() is not None
-        self.model_label = BoundedLabels(settings.max_models, settings.model_allowlist)
-        self.client_label = (BoundedLabels(settings.max_clients, settings.client_allowlist)
-                             if settings.client_label_from else None)
+        self.multiprocess = options.multiprocess_dir is not None
+        self.model_label = BoundedLabels(options.max_models, options.model_allowlist)
+        self.client_label = (BoundedLabels(options.max_clients, options.client_allowlist)
+                             if options.client_label else None)
         reg = self.registry
         base = ("route", "model", "upstream")
         # The metrics that say who is waiting carry the optional client label.
@@ -182,17 +202,17 @@ class Metrics:
         self.duration = Histogram(
             "llm_proxy_request_duration_seconds", "From the proxy receiving the request until the "
             "last byte was handed to the client.", (*who, "stream"),
-            buckets=settings.duration_buckets, registry=reg)
+            buckets=options.duration_buckets, registry=reg)
         self.ttft = Histogram("llm_proxy_time_to_first_token_seconds", TTFT_HELP, who,
-                              buckets=settings.ttft_buckets, registry=reg)
+                              buckets=options.ttft_buckets, registry=reg)
         self.ttfa = Histogram("llm_proxy_time_to_first_answer_token_seconds", TTFA_HELP, who,
-                              buckets=settings.ttft_buckets, registry=reg)
+                              buckets=options.ttft_buckets, registry=reg)
         self.ttfb = Histogram("llm_proxy_time_to_first_byte_seconds", TTFB_HELP, base,
-                              buckets=settings.ttft_buckets, registry=reg)
+                              buckets=options.ttft_buckets, registry=reg)
         self.itl = Histogram("llm_proxy_inter_token_latency_seconds", ITL_HELP, who,
-                             buckets=settings.itl_buckets, registry=reg)
+                             buckets=options.itl_buckets, registry=reg)
         self.tpot = Histogram("llm_proxy_time_per_output_token_seconds", TPOT_HELP, base,
-                              buckets=settings.itl_buckets, registry=reg)
+                              buckets=options.itl_buckets, registry=reg)
         self.queue = Histogram(
             "llm_proxy_queue_time_seconds", "Time a request waited in the proxy for an admission "
             "slot (--max-concurrency); 0 when unlimited. Chat and completions routes.", base,
@@ -205,7 +225,7 @@ class Metrics:
             "llm_proxy_overhead_seconds", "What the proxy itself costs before the upstream has "
             "the request: from receiving it to writing it to the upstream's socket, a new "
             "connection's set-up (TCP, TLS, a proxy tunnel) included, less queue time.", base, buckets=OVERHEAD_BUCKETS, registry=reg)
-        tb = settings.token_buckets
+        tb = options.token_buckets
         self.tokens = {field: Histogram(name, help_text, who, buckets=tb, registry=reg)
                        for field, name, help_text in _TOKEN_HISTOGRAMS}
         self._init_prefix(reg, base, tb)
@@ -240,7 +260,7 @@ class Metrics:
             "dashboards and alerts.", ("reason",), registry=reg)
         for reason in SKIP_REASONS:
             self.workload_skipped.labels(reason)
-        self._init_causes(reg, base, settings.ttft_buckets)
+        self._init_causes(reg, base, options.ttft_buckets)
         self._children: dict[tuple[str, str, str, str], _Children] = {}
         self.watchers: list[Callable[[RequestRecord], None]] = []  # each finished request
 
@@ -533,6 +553,6 @@ class Metrics:
     def exposition(self, accept: str | None) -> tuple[bytes, str]:
         """Render the registry (or, with workers, every worker's files) for a scrape."""
         encoder, content_type = choose_encoder(accept or "")
-        path = multiprocess_dir()
+        path = self.options.multiprocess_dir
         registry = multiprocess_registry(path) if path is not None else self.registry
         return encoder(registry), content_type

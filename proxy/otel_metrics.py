@@ -9,7 +9,6 @@ import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from proxy.config import Settings
 from proxy.measure import RequestRecord
 from proxy.metrics import UNKNOWN_MODEL, BoundedLabels
 from proxy.otlp_export import Exporting
@@ -87,9 +86,11 @@ TOKEN_TYPE = "gen_ai.token.type"
 
 
 class OtelMetrics(Exporting):
-    """The four instruments; built once by :func:`from_settings`."""
+    """The four instruments; built once by :func:`otel_metrics_from`. ``upstream``: the
+    URL a record without an upstream of its own is attributed to; ``max_models``: the
+    bound on response-model attribute values (``--max-models``)."""
 
-    def __init__(self, provider: MeterProvider, settings: Settings) -> None:
+    def __init__(self, provider: MeterProvider, *, upstream: str, max_models: int) -> None:
         super().__init__(provider)
         meter = provider.get_meter("proxy.otel_metrics")
         self.ttft = meter.create_histogram(
@@ -118,8 +119,8 @@ class OtelMetrics(Exporting):
             description="Number of input and output tokens used.",
             explicit_bucket_boundaries_advisory=TOKEN_BUCKETS,
         )
-        self._server = server_attributes(settings.default_url)
-        self._response_models = BoundedLabels(settings.max_models)
+        self._server = server_attributes(upstream)
+        self._response_models = BoundedLabels(max_models)
 
     def record(
         self, record: RequestRecord, dialect: str, upstream: Mapping[str, Any] | None = None
@@ -153,35 +154,46 @@ def _exporters(env: Mapping[str, str]) -> set[str]:
     return {e.strip().lower() for e in env.get("OTEL_METRICS_EXPORTER", "").split(",") if e.strip()}
 
 
-def wanted(settings: Settings, env: Mapping[str, str]) -> bool:
-    """Whether OTLP metrics were asked for and not switched off."""
+def wanted(otlp_metrics: bool, env: Mapping[str, str]) -> bool:
+    """Whether OTLP metrics were asked for (``otlp_metrics``: ``--otlp-metrics``, or
+    ``OTEL_METRICS_EXPORTER``) and not switched off."""
     exporters = _exporters(env)
     if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true" or "none" in exporters:
         return False
-    return settings.otlp_metrics or "otlp" in exporters
+    return otlp_metrics or "otlp" in exporters
 
 
-def endpoint(settings: Settings, env: Mapping[str, str]) -> str:
-    """Where metrics go, as the exporter will resolve it."""
-    if settings.otlp_endpoint:
-        return settings.otlp_endpoint.rstrip("/") + "/v1/metrics"
+def endpoint(otlp_endpoint: str, env: Mapping[str, str]) -> str:
+    """Where metrics go, as the exporter will resolve it (``otlp_endpoint``:
+    ``--otlp-endpoint``)."""
+    if otlp_endpoint:
+        return otlp_endpoint.rstrip("/") + "/v1/metrics"
     if env.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"):
         return env["OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"]
     base = env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or "http://localhost:4318"
     return base.rstrip("/") + "/v1/metrics"
 
 
-def from_settings(settings: Settings, env: Mapping[str, str]) -> OtelMetrics | None:
-    """OTLP metrics as configured, or None (with one warning line saying why when they
-    were asked for but cannot be on)."""
-    if not wanted(settings, env):
-        if settings.otlp_metrics:
+def otel_metrics_from(
+    *,
+    otlp_metrics: bool,
+    otlp_endpoint: str,
+    measure: bool,
+    upstream: str,
+    max_models: int,
+    env: Mapping[str, str],
+) -> OtelMetrics | None:
+    """OTLP metrics as configured (the settings of the same names; ``upstream``,
+    ``max_models``: :class:`OtelMetrics`), or None (with one warning line saying why when
+    they were asked for but cannot be on)."""
+    if not wanted(otlp_metrics, env):
+        if otlp_metrics:
             log.warning(
                 "OTLP metrics off: --otlp-metrics is set but OTEL_SDK_DISABLED=true "
                 "or OTEL_METRICS_EXPORTER=none"
             )
         return None
-    if not settings.measure:
+    if not measure:
         log.warning("OTLP metrics off: measurement is off (--no-measure)")
         return None
     try:
@@ -201,21 +213,18 @@ def from_settings(settings: Settings, env: Mapping[str, str]) -> OtelMetrics | N
 
     exporter_class = otlp_export.watched(
         OTLPMetricExporter,
-        otlp_export.ExportWatch("OTLP metrics", endpoint(settings, env)),
+        otlp_export.ExportWatch("OTLP metrics", where := endpoint(otlp_endpoint, env)),
         MetricExportResult.SUCCESS,
         MetricExportResult.FAILURE,
     )
-    exporter = (
-        exporter_class(endpoint=endpoint(settings, env))
-        if settings.otlp_endpoint
-        else exporter_class()
-    )
+    exporter = exporter_class(endpoint=where) if otlp_endpoint else exporter_class()
     otlp_export.quiet(OTLPMetricExporter.__module__)
     reader = PeriodicExportingMetricReader(exporter)  # OTEL_METRIC_EXPORT_INTERVAL
     resource = otel_resource()
-    metrics = OtelMetrics(MeterProvider(resource=resource, metric_readers=[reader]), settings)
+    provider = MeterProvider(resource=resource, metric_readers=[reader])
+    metrics = OtelMetrics(provider, upstream=upstream, max_models=max_models)
     metrics.stop_exporter = exporter.shutdown
-    metrics.description = f"OTLP/HTTP to {endpoint(settings, env)}, every {_interval_s(env):g} s"
+    metrics.description = f"OTLP/HTTP to {where}, every {_interval_s(env):g} s"
     return metrics
 
 

@@ -10,7 +10,7 @@ import contextlib
 import logging
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import unquote
 
 from proxy.admission import QueueFull
@@ -18,9 +18,8 @@ from proxy.asgi import Receive, Scope, Send
 from proxy.auth import CLIENT_KEY_HEADERS, KeyCheck, presented_key
 from proxy.bodies import LARGE_BODY, decode_body, meant_as_json, not_an_object
 from proxy.clients import Identify
-from proxy.config import Settings
 from proxy.dialects import DIALECTS, DIALECTS_WITHOUT_RESPONSE_INFO, Dialect
-from proxy.doctor.job import prefix_check_from
+from proxy.doctor.job import PrefixCheck
 from proxy.logs import RateLimitedLog
 from proxy.measure import Meter, Outcome, StreamTimer
 from proxy.metrics import UNKNOWN_MODEL, Metrics
@@ -113,23 +112,36 @@ class ClientDisconnected(Exception):
     """The client disconnected before its request body was read whole."""
 
 
+class HandlerOptions(NamedTuple):
+    """The settings of the same names that the request path reads."""
+
+    max_header_bytes: int
+    max_body_bytes: int
+    body_timeout: float
+    client_write_timeout: float
+    inject_usage: bool
+    secret_headers: tuple[str, ...]
+    key_label: bool  # --client-label-from key
+
+
 class V1Handler:
     """The ASGI endpoint for every ``/v1/*`` request: small steps that return or raise
     (:class:`Refused`, or :class:`UpstreamFailed` before the upstream's headers), then one
     :meth:`_finish` whatever happened (``docs/design/request-path.md``, "State in stages").
     """
 
-    def __init__(self, *, settings: Settings, upstreams: LiveUpstreams, clock: Clock,
+    def __init__(self, *, options: HandlerOptions, upstreams: LiveUpstreams, clock: Clock,
+                 prefix: PrefixCheck | None = None,
                  metrics: Metrics | None = None, keys: KeyCheck | None = None,
                  request_log: RequestLog | None = None, tracing: Tracing | None = None,
                  identify: Identify | None = None, otel_metrics: OtelMetrics | None = None,
                  capture: WorkloadCapture | None = None) -> None:
         """
         Parameters:
-            settings: The proxy's settings: limits, timeouts, the usage request, the
-                headers kept from upstreams, the prompt-cache doctor.
+            options: Limits, timeouts, the usage request, the headers kept from upstreams.
             upstreams: The live upstreams and the routing table over them.
             clock: The monotonic clock every time on the request path is read from.
+            prefix: The prompt-cache doctor; None: off.
             metrics: Prometheus metrics to observe each request in; None: off.
             keys: The proxy's own client keys; None: the client's key goes upstream.
             request_log: The per-request JSON log; None: off.
@@ -138,26 +150,19 @@ class V1Handler:
             otel_metrics: OpenTelemetry metrics; None: off.
             capture: The workload capture (its file, for replay); None: off.
         """
-        self.settings = settings
-        self.capture = capture
-        self.tracing = tracing
-        self.otel_metrics = otel_metrics
-        self.upstreams = upstreams
-        self.metrics = metrics
-        self.clock = clock
-        self.keys = keys
-        self.request_log = request_log
+        self.options, self.upstreams, self.clock, self.prefix = options, upstreams, clock, prefix
+        self.metrics, self.keys, self.request_log, self.identify = metrics, keys, request_log, identify
+        self.tracing, self.otel_metrics, self.capture = tracing, otel_metrics, capture
         self.model_label: Callable[[str], str] = (
             metrics.model_label if metrics is not None else _unbounded)
-        self.identify = identify
         self.client_label: Callable[[str], str] = (
             metrics.client_label if metrics is not None and metrics.client_label is not None
             else _unbounded)
         # A key the proxy does not check is checked by the upstream: only its answer,
         # other than 401 or 403, says the key was right, and a wrong key must not take a
         # label (see _finish and _key_accepted).
-        self._upstream_checks_key = keys is None and settings.client_label_from == "key"
-        self._secret_headers = frozenset(h.lower().encode() for h in settings.secret_headers)
+        self._upstream_checks_key = keys is None and options.key_label
+        self._secret_headers = frozenset(h.lower().encode() for h in options.secret_headers)
         # Response id, model and finish reasons are read only for whoever reads them:
         # the span, OTLP metrics, the request log, and the metrics' finish reasons.
         self.response_info = (tracing is not None or request_log is not None
@@ -165,11 +170,6 @@ class V1Handler:
         self.routes = (MEASURED_ROUTES if self.response_info
                        else MEASURED_ROUTES_WITHOUT_RESPONSE_INFO)
         self._warnings = RateLimitedLog(log, per_interval=10, interval_s=10.0)
-        self.prefix = prefix_check_from(settings, wanted=metrics is not None
-                                        or request_log is not None or tracing is not None
-                                        or capture is not None,
-                                        secret=capture.secret if capture is not None else None,
-                                        clock=clock)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         x = Stages(self.clock())
@@ -228,7 +228,7 @@ class V1Handler:
     def _check(self, headers: list[tuple[bytes, bytes]]) -> str:
         """Cheap checks first: nothing is read and nothing is sent upstream. Returns who
         the request says it is ("" when the client label is off)."""
-        s = self.settings
+        s = self.options
         if sum(len(k) + len(v) for k, v in headers) > s.max_header_bytes:
             raise Refused(431, "request headers too large", "invalid_request_error",
                           "headers_too_large")
@@ -250,15 +250,15 @@ class V1Handler:
         return self.identify(headers) if self.identify is not None else ""
 
     def _too_large(self) -> Refused:
-        return Refused(413, f"request body larger than {self.settings.max_body_bytes} bytes",
+        return Refused(413, f"request body larger than {self.options.max_body_bytes} bytes",
                        "invalid_request_error", "request_too_large")
 
     async def _read(self, receive: Receive) -> bytes:
-        limit = self.settings.max_body_bytes
+        limit = self.options.max_body_bytes
         try:
             if body_in_hand(receive):  # nothing to wait for, so nothing to bound
                 return await _read_body(receive, limit)
-            async with asyncio.timeout(self.settings.body_timeout):
+            async with asyncio.timeout(self.options.body_timeout):
                 return await _read_body(receive, limit)
         except BodyTooLarge:
             raise self._too_large() from None
@@ -277,7 +277,7 @@ class V1Handler:
         if not looks_like_object or (dialect is None and len(body) > 1 << 20):
             return None, None
         inject = (dialect is not None and dialect.injects_usage
-                  and self.settings.inject_usage and self.metrics is not None)
+                  and self.options.inject_usage and self.metrics is not None)
         if len(body) <= LARGE_BODY:
             return decode_body(body, inject)
         return await asyncio.to_thread(decode_body, body, inject, large=True)
@@ -476,7 +476,7 @@ class V1Handler:
         result = await relay(
             response.body, send, self.clock, meter=meter, strip_usage=answered.strip_usage,
             collect_limit=answered.collect_limit,
-            write_timeout=self.settings.client_write_timeout)
+            write_timeout=self.options.client_write_timeout)
         if answered.prefix is not None and meter is None and result.t_first_byte is not None:
             answered.prefix.ready(result.t_first_byte)  # a stream not metered: its first bytes
         ok = 200 <= status < 300
@@ -522,7 +522,7 @@ class V1Handler:
                 "client stalled: request_id=%s route=%s model=%s upstream=%s status=%s: the "
                 "client took no bytes for %g s (--client-write-timeout); closed it and the "
                 "upstream request", request_id, x.arrival.route, model, host, ended.status,
-                self.settings.client_write_timeout)
+                self.options.client_write_timeout)
         span, dialect = x.arrival.span, x.arrival.dialect
         if self.metrics is None and self.request_log is None and span is None:
             return

@@ -20,7 +20,7 @@ import socket
 import sys
 import tempfile
 import textwrap
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -86,12 +86,14 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    settings = config.from_sources(args)
+    env = config.process_env()
+    settings = config.from_sources(args, env)
     from proxy.auth import load_key_check
 
-    named = (config.given_as("upstream_api_key_env", args),
-             config.given_as("client_keys_file", args))
-    load_key_check(settings, os.environ, given_as=named)  # fail now, before listening
+    named = (config.given_as("upstream_api_key_env", args, env),
+             config.given_as("client_keys_file", args, env))
+    load_key_check(settings.checked_keys_file, upstream_key_env=settings.upstream_api_key_env,
+                   env=env, given_as=named)  # fail now, before listening
     # Ctrl-C in a terminal or SIGTERM before the server installs its own handlers (while
     # the app is built, the workers start): a stop, not a crash, so exit 0 without a
     # traceback, as after a drain.
@@ -103,10 +105,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"llm-latency-proxy: warning: {warning}", file=sys.stderr, flush=True)
     try:
         if settings.workers > 1:
-            return _run_workers(settings)
-        return _run_single(settings)
+            return _run_workers(settings, env)
+        return _run_single(settings, env)
     except CannotListen as exc:
-        flags = (config.given_as(exc.option, args), config.given_as(exc.host_option, args))
+        flags = (config.given_as(exc.option, args, env),
+                 config.given_as(exc.host_option, args, env))
         print(f"llm-latency-proxy: error: {listen_problem(exc.host, exc.port, exc.error, *flags)}",
               file=sys.stderr, flush=True)
         return 3
@@ -242,7 +245,7 @@ def _banner(settings: Settings, port: int, tracing: str = "", otlp_metrics: str 
           file=sys.stderr, flush=True)
 
 
-def _run_single(settings: Settings) -> int:
+def _run_single(settings: Settings, env: MutableMapping[str, str]) -> int:
     import uvicorn
     from prometheus_client import disable_created_metrics
 
@@ -250,7 +253,7 @@ def _run_single(settings: Settings) -> int:
 
     disable_created_metrics()  # type: ignore[no-untyped-call]  # no *_created series
     sock = _listen(settings.host, settings.port)
-    app = create_app(settings)
+    app = create_app(settings, environ=env)
     linger = 0
     if settings.metrics_port and app.metrics is not None:
         _start_metrics_server(settings, app.metrics.registry, app.ui)
@@ -296,17 +299,17 @@ def _exit_zero(signum: int, frame: Any) -> None:
     raise SystemExit(0)
 
 
-def _run_workers(settings: Settings) -> int:
+def _run_workers(settings: Settings, env: MutableMapping[str, str]) -> int:
     """uvicorn's own supervisor, started as ``uvicorn.run`` starts it, except that the
     socket is bound and listening here first, so the start-up line can name the port
     (``--port 0``) and connections made after it wait in the backlog for a worker."""
     directory = tempfile.mkdtemp(prefix="llm-latency-proxy-metrics-")
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory
-    export_settings(settings, os.environ)
+    env["PROMETHEUS_MULTIPROC_DIR"] = directory  # the workers inherit this environment
+    export_settings(settings, env)
     if settings.workload_file:  # one start, id namespace and hashing secret for every worker
         from proxy.workload_capture import SHARED_ENV, Shared
 
-        os.environ[SHARED_ENV] = Shared.new().encode()
+        env[SHARED_ENV] = Shared.new().encode()
     try:
         import uvicorn
         from uvicorn.supervisors import Multiprocess
@@ -323,12 +326,12 @@ def _run_workers(settings: Settings) -> int:
         from proxy import otel_metrics
         from proxy.tracing import sampling, wanted
 
-        endpoint = wanted(settings, os.environ)
+        endpoint = wanted(settings.otlp_endpoint, env)
         _banner(settings, sock.getsockname()[1],
-                f"on, {sampling(os.environ)} -> {endpoint}, from each worker" if endpoint else "",
-                f"OTLP/HTTP to {otel_metrics.endpoint(settings, os.environ)}, from each worker"
-                if otel_metrics.wanted(settings, os.environ) else "")
-        supervisor_class = _reloading_supervisor(Multiprocess, settings)
+                f"on, {sampling(env)} -> {endpoint}, from each worker" if endpoint else "",
+                f"OTLP/HTTP to {otel_metrics.endpoint(settings.otlp_endpoint, env)}, from each "
+                "worker" if otel_metrics.wanted(settings.otlp_metrics, env) else "")
+        supervisor_class = _reloading_supervisor(Multiprocess, settings, env)
         if "target" in inspect.signature(Multiprocess).parameters:  # older uvicorn releases
             supervisor = supervisor_class(uconfig, target=uvicorn.Server(uconfig).run,
                                           sockets=[sock])
@@ -345,7 +348,7 @@ def _run_workers(settings: Settings) -> int:
     return 0
 
 
-def _reloading_supervisor(base: Any, settings: Settings) -> Any:
+def _reloading_supervisor(base: Any, settings: Settings, env: Mapping[str, str]) -> Any:
     """uvicorn's supervisor, except on SIGHUP: uvicorn restarts every worker, which
     would start workers on files that may not load; here the supervisor reads the
     config file and the client keys file first, once (one line if either does not
@@ -374,7 +377,7 @@ def _reloading_supervisor(base: Any, settings: Settings) -> Any:
                       file=sys.stderr, flush=True)
                 return
             try:
-                read_reload(settings, os.environ)
+                read_reload(settings, env)
             except SettingsError as exc:
                 print(f"llm-latency-proxy: error: {reload_refused(settings, exc)}",
                       file=sys.stderr, flush=True)
@@ -488,7 +491,7 @@ def _start_metrics_server(settings: Settings, registry: Any, page: Any = None) -
     threading.Thread(target=httpd.serve_forever, name="metrics-port", daemon=True).start()
 
 
-def export_settings(settings: Settings, environ: Any) -> None:
+def export_settings(settings: Settings, environ: MutableMapping[str, str]) -> None:
     """Write every setting back as its ``LLM_PROXY_*`` variable (for worker processes)."""
     for opt in OPTIONS:
         if settings.config and opt.name in SINGLE_UPSTREAM_OPTIONS:

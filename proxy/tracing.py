@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from proxy.config import Settings
 from proxy.measure import Outcome, PrefixRecord, RequestRecord
 from proxy.otlp_export import Exporting
 
@@ -98,7 +97,7 @@ class RequestSpan:
 
 
 class Tracing(Exporting):
-    """Spans for measured requests; built once by :func:`from_settings`."""
+    """Spans for measured requests; built once by :func:`tracing_from`."""
 
     def __init__(
         self,
@@ -318,17 +317,17 @@ def otel_resource() -> Resource:
     return resource.merge(Resource.create(extra)) if extra else resource
 
 
-def wanted(settings: Settings, env: Mapping[str, str]) -> str:
-    """Where spans should go: ``--otlp-endpoint``, else the standard OTLP variables;
-    empty when tracing was not asked for or ``OTEL_SDK_DISABLED=true``."""
+def wanted(otlp_endpoint: str, env: Mapping[str, str]) -> str:
+    """Where spans should go: ``otlp_endpoint`` (``--otlp-endpoint``), else the standard
+    OTLP variables; empty when tracing was not asked for or ``OTEL_SDK_DISABLED=true``."""
     if _disabled(env):
         return ""
-    return _endpoint(settings, env)
+    return _endpoint(otlp_endpoint, env)
 
 
-def _endpoint(settings: Settings, env: Mapping[str, str]) -> str:
+def _endpoint(otlp_endpoint: str, env: Mapping[str, str]) -> str:
     return (
-        settings.otlp_endpoint
+        otlp_endpoint
         or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "")
         or env.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
     )
@@ -338,18 +337,24 @@ def _disabled(env: Mapping[str, str]) -> bool:
     return env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true"
 
 
-def from_settings(
-    settings: Settings, clock: Callable[[], float], env: Mapping[str, str]
+def tracing_from(
+    *,
+    otlp_endpoint: str,
+    upstream: str,
+    propagate: bool,
+    clock: Callable[[], float],
+    env: Mapping[str, str],
 ) -> Tracing | None:
     """Tracing as configured, or None (and one warning line saying why when it was asked
     for; when it is on, the start-up line says where spans go).
 
-    On when an OTLP endpoint is given (``--otlp-endpoint``, ``OTEL_EXPORTER_OTLP_ENDPOINT``
-    or ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``) unless ``OTEL_SDK_DISABLED=true``. Service
-    name, resource attributes, sampler and batch settings come from the standard
-    ``OTEL_*`` variables, read by the SDK itself.
+    On when an OTLP endpoint is given (``otlp_endpoint``, from ``--otlp-endpoint``, or
+    ``OTEL_EXPORTER_OTLP_ENDPOINT`` or ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` in ``env``)
+    unless ``OTEL_SDK_DISABLED=true``. Service name, resource attributes, sampler and
+    batch settings come from the standard ``OTEL_*`` variables, read by the SDK itself.
+    ``upstream``: the URL spans name before routing; ``propagate``: ``--propagate-trace``.
     """
-    endpoint = _endpoint(settings, env)
+    endpoint = _endpoint(otlp_endpoint, env)
     if not endpoint:
         return None
     if _disabled(env):
@@ -379,15 +384,13 @@ def from_settings(
         SpanExportResult.FAILURE,
     )
     exporter = (
-        exporter_class(endpoint=settings.otlp_endpoint.rstrip("/") + "/v1/traces")
-        if settings.otlp_endpoint
+        exporter_class(endpoint=otlp_endpoint.rstrip("/") + "/v1/traces")
+        if otlp_endpoint
         else exporter_class()
     )
     otlp_export.quiet(OTLPSpanExporter.__module__)
     provider.add_span_processor(BatchSpanProcessor(exporter))
-    tracing = Tracing(
-        provider, clock=clock, upstream=settings.default_url, propagate=settings.propagate_trace
-    )
+    tracing = Tracing(provider, clock=clock, upstream=upstream, propagate=propagate)
     tracing.stop_exporter = exporter.shutdown
     tracing.description = (
         f"on, {sampling(env)} -> {endpoint}, service {resource.attributes.get('service.name')}"

@@ -13,7 +13,7 @@ import secrets
 import time
 from bisect import bisect_left, bisect_right
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +21,6 @@ from proxy.line_writer import CLOSE_TIMEOUT_S, LineWriter
 from proxy.workload_file import DEFAULT_BLOCK_SIZE, WorkloadWriter, digest_id, token_block_keys
 
 if TYPE_CHECKING:
-    from proxy.config import Settings
     from proxy.doctor.job import PrefixJob
     from proxy.doctor.keys import HashedPrompt
     from proxy.measure import RequestRecord
@@ -58,15 +57,6 @@ class Shared:
     @classmethod
     def new(cls, wall_clock: Callable[[], float] = time.time) -> Shared:
         return cls(secrets.token_hex(8), wall_clock(), secrets.token_bytes(32))
-
-
-def shared_from(settings: Settings, environ: Mapping[str, str]) -> Shared | None:
-    """The supervisor's :class:`Shared` for a worker of ``serve --workers``; None in a
-    single process."""
-    text = environ.get(SHARED_ENV, "")
-    if settings.workers <= 1 or not text:
-        return None
-    return Shared.decode(text)
 
 
 class PrefixKeys:
@@ -309,32 +299,39 @@ class WorkloadCapture:
 
 
 def capture_from(
-    settings: Settings,
-    env: Mapping[str, str],
+    path: str,
     *,
+    block_size: int,
+    rotate_bytes: int,
+    rotate_seconds: float,
+    client: bool,
+    workers: int,
+    shared: str,
     clock: Callable[[], float] = time.perf_counter,
     skipped: Callable[[str, int], None] | None = None,
 ) -> WorkloadCapture | None:
-    """The capture ``settings`` ask for (``--workload-file``), else None."""
-    if not settings.workload_file:
+    """The capture on ``path`` (``--workload-file``; empty: None), with the settings of the
+    same names as :class:`WorkloadCapture` takes them. ``workers``: ``--workers``;
+    ``shared``: the supervisor's :data:`SHARED_ENV` text (:class:`Shared`), read by a
+    worker of ``serve --workers`` only. A file that cannot be opened is a ``SettingsError``."""
+    if not path:
         return None
     from proxy.config_values import SettingsError
 
-    shared = shared_from(settings, env)
     try:
         return WorkloadCapture(
-            settings.workload_file,
-            block_size=settings.workload_block_size,
-            rotate_bytes=settings.workload_rotate_bytes,
-            rotate_seconds=settings.workload_rotate_seconds,
-            client=settings.workload_client,
-            per_process=settings.workers > 1,
-            shared=shared,
+            path,
+            block_size=block_size,
+            rotate_bytes=rotate_bytes,
+            rotate_seconds=rotate_seconds,
+            client=client,
+            per_process=workers > 1,
+            shared=Shared.decode(shared) if workers > 1 and shared else None,
             skipped=skipped,
             clock=clock,
         )
     except OSError as exc:  # before the server listens: one line, not a traceback
-        where = exc.filename or settings.workload_file
+        where = exc.filename or path
         raise SettingsError(
             f"invalid setting --workload-file: cannot write {where!r}: {exc.strerror or exc}"
         ) from None

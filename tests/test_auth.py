@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,13 @@ from proxy.config_values import SettingsError
 from proxy.upstream_spec import UPSTREAM_AUTH_MODES
 
 KEY = b"cli-0123456789abcdef"
+
+
+def key_check(settings: Settings, env: Mapping[str, str], *,
+              given_as: tuple[str, str] | None = None) -> KeyCheck | None:
+    """:func:`load_key_check` as the app calls it."""
+    return load_key_check(settings.checked_keys_file, env=env, given_as=given_as,
+                          upstream_key_env=settings.upstream_api_key_env)
 
 
 @pytest.mark.parametrize(("headers", "expected"), [
@@ -105,14 +113,14 @@ def keys_file(tmp_path: Path) -> str:
 def test_load_key_check_sends_the_key_per_upstream_auth(
         mode: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TEST_AUTH_UPSTREAM_KEY", " srv-key\n")  # a trailing newline from a file
-    check = load_key_check(Settings(upstream_api_key_env="TEST_AUTH_UPSTREAM_KEY",
+    check = key_check(Settings(upstream_api_key_env="TEST_AUTH_UPSTREAM_KEY",
                                     upstream_auth=mode, client_keys_file=keys_file(tmp_path)), os.environ)
     assert check is not None
     assert check.accepts(KEY)
 
 
 def test_no_key_check_without_a_server_held_key() -> None:
-    assert load_key_check(Settings(), os.environ) is None
+    assert key_check(Settings(), os.environ) is None
 
 
 @pytest.mark.parametrize("key", ["srv\r\nx-injected: 1", "srv key", "srv-ключ", "   "])
@@ -122,7 +130,7 @@ def test_a_key_that_cannot_be_a_header_value_fails_at_start_up(
     settings = Settings(upstream_api_key_env="TEST_AUTH_UPSTREAM_KEY",
                         client_keys_file=keys_file(tmp_path))
     with pytest.raises(SettingsError) as info:
-        load_key_check(settings, os.environ)
+        key_check(settings, os.environ)
     message = str(info.value)
     assert "--upstream-api-key-env" in message and "TEST_AUTH_UPSTREAM_KEY" in message
     assert "\n" not in message and "srv" not in message  # never the key itself
@@ -135,13 +143,13 @@ def test_keys_file_errors_name_the_setting_as_given(
     bad.write_text("not-a-digest\n")
     settings = Settings(upstream_api_key_env="TEST_AUTH_UPSTREAM_KEY", client_keys_file=str(bad))
     with pytest.raises(SettingsError, match=r"^invalid setting --client-keys-file: line 1 "):
-        load_key_check(settings, os.environ)
+        key_check(settings, os.environ)
     named = ("LLM_PROXY_UPSTREAM_API_KEY_ENV", "LLM_PROXY_CLIENT_KEYS_FILE")
     with pytest.raises(SettingsError, match=r"^invalid setting LLM_PROXY_CLIENT_KEYS_FILE: line 1 "):
-        load_key_check(settings, os.environ, given_as=named)
+        key_check(settings, os.environ, given_as=named)
     bad.write_text("# only a comment\n")
     with pytest.raises(SettingsError, match="no keys"):
-        load_key_check(settings, os.environ)
+        key_check(settings, os.environ)
     with pytest.raises(SettingsError, match="cannot read"):
-        load_key_check(Settings(upstream_api_key_env="TEST_AUTH_UPSTREAM_KEY",
+        key_check(Settings(upstream_api_key_env="TEST_AUTH_UPSTREAM_KEY",
                                 client_keys_file=str(tmp_path)), os.environ)  # a directory

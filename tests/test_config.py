@@ -362,7 +362,8 @@ def test_serve_help_examples_start_the_proxy_they_describe(
     settings = serve_settings(command, {})
     assert settings.upstream == "https://api.openai.com/v1" and settings.metrics_port == 9100
     assert upstream_warning(settings.upstream) is None
-    assert load_key_check(settings, {}) is None  # the apps' own keys go to OpenAI
+    # the apps' own keys go to OpenAI
+    assert load_key_check(settings.checked_keys_file, upstream_key_env="", env={}) is None
 
     *shell, command = several_upstreams
     exports = [line for line in shell if line.startswith("export ")]
@@ -376,7 +377,8 @@ def test_serve_help_examples_start_the_proxy_they_describe(
                    check=True, timeout=60)
     settings = serve_settings(command, keys)
     assert [u.name for u in settings.upstreams] == ["openai", "anthropic", "vllm"]
-    check = load_key_check(settings, keys)
+    assert not settings.upstream_api_key_env  # the file's upstreams hold the keys
+    check = load_key_check(settings.checked_keys_file, upstream_key_env="", env=keys)
     assert check is not None and len(check) == 1 and check.accepts(b"a client's key")
 
 

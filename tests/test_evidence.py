@@ -25,11 +25,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 
 from proxy import evidence as ev
 from proxy.bench import promscrape
-from proxy.config import Settings
 from proxy.diagnosis.fit import FitSums, fit
 from proxy.diagnosis.levers import Evidence
 from proxy.measure import Outcome, PrefixRecord, RequestRecord
-from proxy.metrics import Metrics
+from proxy.metrics import Metrics, MetricsOptions
 from tests.test_kubernetes_aggregation import aggregation_problems
 from tests.test_observability import proxy_exposition, recorded_names
 
@@ -78,9 +77,9 @@ def observe(metrics: Metrics, records: Iterator[RequestRecord]) -> list[RequestR
     return out
 
 
-def fresh(**settings: Any) -> tuple[Metrics, CollectorRegistry]:
+def fresh(**options: Any) -> tuple[Metrics, CollectorRegistry]:
     registry = CollectorRegistry()
-    return Metrics(Settings(upstream_name="up", **settings), registry), registry
+    return Metrics(registry, MetricsOptions(**options)), registry
 
 
 def by_key(found: list[Evidence]) -> dict[tuple[str, str], Evidence]:
@@ -167,7 +166,7 @@ def prometheus_answer(query: ev.Query, snapshot: promscrape.Snapshot) -> list[di
 def test_labels_the_diagnosis_does_not_select_on_are_summed() -> None:
     """A client label (and stream, code): the same evidence as without it."""
     plain, plain_registry = fresh()
-    labelled, labelled_registry = fresh(client_label_from="header:X-Team")
+    labelled, labelled_registry = fresh(client_label=True)
     observe(plain, traffic())
     observe(labelled, (record_with_client(r, i) for i, r in enumerate(traffic())))
     assert 'client="team-1"' in generate_latest(labelled_registry).decode()

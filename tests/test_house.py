@@ -6,6 +6,8 @@
   command. A default stated as one ("default 4 s") is not a measurement.
 - A module docstring of at most 15 lines: the essays are pages in ``docs/design/``.
 - No module over 600 lines.
+- ``Settings`` stays at the composition root: a module below it takes the values it uses.
+- The process environment is read in one module (``proxy/config.py``), which hands it down.
 
 No import circle is checked in ``tests/test_imports.py``.
 """
@@ -282,3 +284,85 @@ def test_the_module_map_names_every_module_and_only_modules_that_exist() -> None
     assert not unnamed, "add to docs/development.md's module map: " + ", ".join(unnamed)
     gone = sorted(n for n in named if not (ROOT / n).exists())
     assert not gone, "docs/development.md names what no longer exists: " + ", ".join(gone)
+
+
+# The composition root: the modules that may hold the whole ``Settings``. Every other
+# module takes the values it uses, as keyword arguments or a small options record of its
+# own that the root fills in.
+SETTINGS_READERS = {
+    "proxy/config.py": "defines it: flags, environment and config file into one object",
+    "proxy/app.py": "builds the proxy: hands each part its values",
+    "proxy/serve.py": "the serve command: listening, workers, the start-up line",
+    "proxy/demo.py": "builds a proxy of its own in front of the simulator",
+}
+# The one reader of the process environment (config.process_env): entry points take it
+# from there and hand the mapping or the values down.
+ENVIRONMENT_READERS = {"proxy/config.py": "process_env(), and the defaults of its readers"}
+OS_ENVIRONMENT = frozenset({"environ", "environb", "getenv", "getenvb", "putenv", "unsetenv"})
+
+
+def _uses(path: Path) -> tuple[list[int], list[int]]:
+    """Lines of ``path`` that name ``Settings`` from proxy.config, and that touch the
+    process environment through ``os``."""
+    settings, environment = [], []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom):
+            names = {a.name for a in node.names}
+            if node.module == "proxy.config" and "Settings" in names:
+                settings.append(node.lineno)
+            if node.module == "os" and names & OS_ENVIRONMENT:
+                environment.append(node.lineno)
+        elif isinstance(node, ast.Attribute):
+            if node.attr == "Settings":
+                settings.append(node.lineno)
+            if (node.attr in OS_ENVIRONMENT and isinstance(node.value, ast.Name)
+                    and node.value.id == "os"):
+                environment.append(node.lineno)
+    return settings, environment
+
+
+def test_settings_stay_at_the_composition_root() -> None:
+    found = [f"{_name(p)}:{line}" for p in _modules() if _name(p) not in SETTINGS_READERS
+             for line in _uses(p)[0]]
+    assert not found, ("take the values the module uses, not Settings (the composition "
+                       "root, proxy/app.py, hands them out):\n" + "\n".join(found))
+    by_name = {_name(p): p for p in _modules()}
+    stale = [m for m in SETTINGS_READERS if m != "proxy/config.py" and not _uses(by_name[m])[0]]
+    assert not stale, "no longer reads Settings, remove from SETTINGS_READERS: " + ", ".join(stale)
+
+
+def test_the_environment_is_read_in_one_place() -> None:
+    found = [f"{_name(p)}:{line}" for p in _modules() if _name(p) not in ENVIRONMENT_READERS
+             for line in _uses(p)[1]]
+    assert not found, ("take the environment from proxy.config.process_env() at the entry "
+                       "point and hand values down:\n" + "\n".join(found))
+    assert all(_uses(PROXY.parent / m)[1] for m in ENVIRONMENT_READERS)
+
+
+def test_the_checks_see_what_they_forbid(tmp_path: Path) -> None:
+    module = tmp_path / "m.py"
+    module.write_text(
+        "import os\nfrom os import getenv\nfrom proxy.config import Settings\n"
+        "from proxy import config\n"
+        "def f(s: config.Settings) -> str:\n    return os.environ.get('X') or os.getenv('Y')\n",
+        encoding="utf-8",
+    )
+    assert _uses(module) == ([3, 5], [2, 6, 6])
+
+
+def test_the_defaults_a_part_keeps_are_the_settings_defaults() -> None:
+    """Metrics and the doctor can be built without the composition root (tests, embedding):
+    their own defaults are the settings' defaults."""
+    import inspect
+
+    from proxy.app import metrics_options
+    from proxy.config import Settings
+    from proxy.doctor.job import PrefixCheck
+    from proxy.metrics import MetricsOptions
+
+    defaults = Settings()
+    assert metrics_options(defaults, {}) == MetricsOptions()
+    given = inspect.signature(PrefixCheck).parameters
+    assert given["window_s"].default == defaults.prefix_window
+    assert given["index_bytes"].default == defaults.prefix_index_bytes
+    assert given["cache_index"].default is defaults.cache_index

@@ -597,7 +597,6 @@ def test_token_template_path_measures_exactly_what_the_full_path_does(
 
 from prometheus_client import CollectorRegistry  # noqa: E402
 
-from proxy.config import Settings  # noqa: E402
 from proxy.metrics import Metrics  # noqa: E402
 
 
@@ -605,7 +604,7 @@ def test_requests_total_is_incremented_after_every_other_observation() -> None:
     """Whoever polls ``llm_proxy_requests_total`` (a test thread, a scrape) and sees the
     request must also see its TTFT, ITL and TPOT (an e2e test raced exactly this)."""
     registry = CollectorRegistry()
-    metrics = Metrics(Settings(upstream_name="u"), registry)
+    metrics = Metrics(registry)
     route, model = "/v1/chat/completions", "m"
     counted = {"route": route, "model": model, "upstream": "u", "stream": "true", "code": "200"}
     seen: list[float | None] = []

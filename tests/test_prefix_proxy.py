@@ -822,7 +822,7 @@ def report_of(job: PrefixJob) -> Any:
 
 
 async def test_a_job_that_never_got_its_turn_runs_at_the_finish() -> None:
-    check = PrefixCheck(Settings())
+    check = PrefixCheck()
     calls = []
     examine = check.doctor.look
 
@@ -850,7 +850,7 @@ async def test_a_streams_job_waits_for_its_prefill_and_is_stamped_then() -> None
     """A stream's job joins no batch until its first output event (ready), and is stamped
     at that time; a stream that ends without one is stamped at its headers, at the
     finish; a non-stream answer's job is ready at its headers."""
-    check = PrefixCheck(Settings())
+    check = PrefixCheck()
     held: list[tuple[int, int | None]] = []
     examine = check.doctor.look
 
@@ -889,7 +889,7 @@ async def test_jobs_run_in_batches_in_the_order_they_were_created(
     """A batch runs BATCH_S after its first job, or at the loop's next turn once it holds
     BATCH_JOBS jobs or BATCH_BLOCKS of estimated blocks; a finish that comes first runs the jobs
     before its own."""
-    check = PrefixCheck(Settings())
+    check = PrefixCheck()
     order: list[int] = []
     ran = asyncio.Event()
     examine = check.doctor.look
@@ -973,7 +973,7 @@ async def test_a_doctor_that_raises_does_not_break_the_request(
 
 
 def test_the_threads_backlog_is_bounded(caplog: pytest.LogCaptureFixture) -> None:
-    check = PrefixCheck(Settings())
+    check = PrefixCheck()
     gate = threading.Event()
     try:
         futures = [check.submit(lambda: gate.wait(30) and None) for _ in range(MAX_PENDING)]
@@ -1033,7 +1033,7 @@ def test_the_place_follows_parts_and_blocks_not_body_bytes(case: str) -> None:
     """Decided from the arrays' lengths and the body's bytes, before any part is built;
     every hostile body but the last two is under 16 KiB, which used to mean the loop."""
     body, place = HOSTILE[case]
-    check = PrefixCheck(Settings())
+    check = PrefixCheck()
     try:
         assert check.max_keys == 32_768  # the shared index's cap; an eighth of 64 MiB is more
         blocks = check.estimate(body, body_bytes(body))
@@ -1157,7 +1157,7 @@ def test_missed_milliseconds_at_the_simulators_prefill_rate() -> None:
 
 def test_distinct_large_prompts_keep_the_index_under_its_bound() -> None:
     bound = 2 * 1024 * 1024
-    check = PrefixCheck(Settings(prefix_index_bytes=bound))
+    check = PrefixCheck(index_bytes=bound)
     index = check.doctor.index
     assert isinstance(index.capacity, int)
     spec = UpstreamSpec(name=UP, url="http://u/v1")

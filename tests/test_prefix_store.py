@@ -26,7 +26,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proxy.config import Settings, from_sources
+from proxy.config import from_sources
 from proxy.config_values import SettingsError
 from proxy.dialects import DIALECTS, cache_scope
 from proxy.doctor.examine import PrefixDoctor, PrefixPolicy
@@ -632,9 +632,9 @@ async def test_a_full_backlog_for_the_store_is_a_counted_miss(
     from proxy.doctor.job import Place, PrefixCheck, PrefixJob
     from proxy.upstream_spec import UpstreamSpec
 
-    monkeypatch.setenv(PREFIX_SECRET_ENV, SECRET)
     monkeypatch.setattr(doctor_job, "MAX_PENDING_SHARED", 2)
-    check = PrefixCheck(Settings(cache_index=CacheIndexSpec(url="redis://127.0.0.1:1/0")))
+    check = PrefixCheck(cache_index=CacheIndexSpec(url="redis://127.0.0.1:1/0"),
+                        env={PREFIX_SECRET_ENV: SECRET})
     gate = threading.Event()
     try:
         held = [check.submit(lambda: gate.wait(30) and None, Place.SHARED) for _ in range(2)]

@@ -47,7 +47,7 @@ from proxy.config_values import SettingsError
 from proxy.serve import export_settings
 from proxy.simulator.app import create_simulator_app
 from proxy.simulator.model import SimConfig
-from proxy.tracing import from_settings, sampling, wanted
+from proxy.tracing import Tracing, sampling, tracing_from, wanted
 from tests.servers import closed_port, proxy_process, serve_in_thread
 from tests.test_dialect_routes import MESSAGES, RESPONSES, messages_script, responses_script
 from tests.test_dialect_routes import event as dialect_event
@@ -577,8 +577,14 @@ async def test_resource_and_service_name(receiver: Receiver,
     assert _service(receiver.url) == "edge-proxy"
 
 
+def spans(otlp_endpoint: str = "", env: dict[str, str] | None = None) -> Tracing | None:
+    """:func:`tracing_from` as the app calls it, for the default settings but these."""
+    return tracing_from(otlp_endpoint=otlp_endpoint, upstream="http://127.0.0.1:8000/v1",
+                        propagate=True, clock=lambda: 0.0, env=env or {})
+
+
 def _service(url: str) -> str:
-    tracing = from_settings(Settings(otlp_endpoint=url), lambda: 0.0, {})
+    tracing = spans(url)
     assert tracing is not None
     try:
         return str(tracing.provider.resource.attributes["service.name"])
@@ -589,14 +595,14 @@ def _service(url: str) -> str:
 def test_off_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", raising=False)
-    assert from_settings(Settings(), lambda: 0.0, {}) is None
+    assert spans() is None
     env = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://127.0.0.1:1/v1/traces"}
-    tracing = from_settings(Settings(), lambda: 0.0, env)
+    tracing = spans(env=env)
     assert tracing is not None
     tracing.shutdown()
-    assert from_settings(Settings(), lambda: 0.0, {**env, "OTEL_SDK_DISABLED": "true"}) is None
-    assert wanted(Settings(), {**env, "OTEL_SDK_DISABLED": "TRUE"}) == ""
-    assert wanted(Settings(otlp_endpoint="http://a:4318"), env) == "http://a:4318"
+    assert spans(env={**env, "OTEL_SDK_DISABLED": "true"}) is None
+    assert wanted("", {**env, "OTEL_SDK_DISABLED": "TRUE"}) == ""
+    assert wanted("http://a:4318", env) == "http://a:4318"
 
 
 def test_settings_round_trip_through_the_workers_environment() -> None:
@@ -620,7 +626,7 @@ def test_without_the_packages_one_line_says_why(monkeypatch: pytest.MonkeyPatch)
     logger = logging.getLogger("proxy")
     logger.addHandler(handler)
     try:
-        assert from_settings(Settings(otlp_endpoint="http://127.0.0.1:1"), lambda: 0.0, {}) is None
+        assert spans("http://127.0.0.1:1") is None
     finally:
         logger.removeHandler(handler)
     lines = [r.getMessage() for r in records if "tracing off" in r.getMessage()]
@@ -1018,16 +1024,15 @@ async def test_otlp_metrics_failed_request_has_error_type_and_no_ttft(
 
 
 def test_otlp_metrics_off_unless_asked() -> None:
-    on = Settings(otlp_metrics=True)
-    assert not otel_metrics.wanted(Settings(), {})
-    assert otel_metrics.wanted(on, {})
-    assert otel_metrics.wanted(Settings(), {"OTEL_METRICS_EXPORTER": "otlp"})
-    assert not otel_metrics.wanted(Settings(), {"OTEL_METRICS_EXPORTER": "prometheus"})
-    assert not otel_metrics.wanted(on, {"OTEL_METRICS_EXPORTER": "none"})
-    assert not otel_metrics.wanted(on, {"OTEL_SDK_DISABLED": "true"})
-    assert otel_metrics.from_settings(Settings(), {}) is None
-    assert otel_metrics.endpoint(Settings(otlp_endpoint="http://c:4318/"), {}) == (
-        "http://c:4318/v1/metrics")
-    assert otel_metrics.endpoint(Settings(), {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:1"}) == (
+    assert not otel_metrics.wanted(False, {})
+    assert otel_metrics.wanted(True, {})
+    assert otel_metrics.wanted(False, {"OTEL_METRICS_EXPORTER": "otlp"})
+    assert not otel_metrics.wanted(False, {"OTEL_METRICS_EXPORTER": "prometheus"})
+    assert not otel_metrics.wanted(True, {"OTEL_METRICS_EXPORTER": "none"})
+    assert not otel_metrics.wanted(True, {"OTEL_SDK_DISABLED": "true"})
+    assert otel_metrics.otel_metrics_from(otlp_metrics=False, otlp_endpoint="", measure=True,
+                                          upstream="http://u/v1", max_models=1, env={}) is None
+    assert otel_metrics.endpoint("http://c:4318/", {}) == "http://c:4318/v1/metrics"
+    assert otel_metrics.endpoint("", {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:1"}) == (
         "http://c:1/v1/metrics")
-    assert otel_metrics.endpoint(Settings(), {}) == "http://localhost:4318/v1/metrics"
+    assert otel_metrics.endpoint("", {}) == "http://localhost:4318/v1/metrics"

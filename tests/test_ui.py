@@ -136,7 +136,7 @@ def traffic() -> Iterator[RequestRecord]:
 
 def observed(registry: CollectorRegistry | None = None) -> tuple[Metrics, CollectorRegistry]:
     registry = registry or CollectorRegistry()
-    metrics = Metrics(Settings(upstream_name="up"), registry)
+    metrics = Metrics(registry)
     for r in traffic():
         metrics.observe(r, measured=True)
     return metrics, registry
@@ -188,7 +188,7 @@ def test_figures_equal_the_exposition(selection: tuple[str, str, str]) -> None:
 
 
 def test_time_split_adds_up_to_the_mean_streamed_request() -> None:
-    metrics = Metrics(Settings(upstream_name="up"), CollectorRegistry())
+    metrics = Metrics(CollectorRegistry())
     for i in range(4):
         metrics.observe(
             record(i, queue_s=0.1, overhead_s=0.002, ttft_s=0.5, duration_s=2.0), measured=True
@@ -211,7 +211,7 @@ def test_time_split_adds_up_to_the_mean_streamed_request() -> None:
 
 def test_last_minute_starts_from_the_collection_a_minute_ago() -> None:
     clock = Clock()
-    metrics = Metrics(Settings(upstream_name="up"), CollectorRegistry())
+    metrics = Metrics(CollectorRegistry())
     data = ui_data.LiveData(metrics.registry, clock=clock)
     for i in range(5):
         metrics.observe(record(i, ttft_s=2.0), measured=True)
@@ -241,7 +241,7 @@ def test_last_minute_starts_from_the_collection_a_minute_ago() -> None:
 
 def test_over_time_points_every_five_seconds_with_breaks_where_no_page_polled() -> None:
     clock = Clock()
-    metrics = Metrics(Settings(upstream_name="up"), CollectorRegistry())
+    metrics = Metrics(CollectorRegistry())
     data = ui_data.LiveData(metrics.registry, clock=clock)
     for second in range(21):
         if second % 5 == 2:
@@ -264,7 +264,7 @@ def test_over_time_draws_only_whole_intervals() -> None:
     """The interval still running is not a point: its first second has none of the
     requests a whole interval has, so the right-most point would drop toward zero."""
     clock = Clock()
-    metrics = Metrics(Settings(upstream_name="up"), CollectorRegistry())
+    metrics = Metrics(CollectorRegistry())
     data = ui_data.LiveData(metrics.registry, clock=clock)
     for second in range(17):  # one request every 5 s, at 2, 7, 12, 17 s
         if second % 5 == 2:
@@ -282,7 +282,7 @@ def test_since_start_until_the_ring_holds_a_minute_and_it_says_so() -> None:
     """A page opened during traffic shows since-start figures at once, labelled so,
     rather than nothing, or a few seconds labelled as the last minute."""
     clock = Clock()
-    metrics = Metrics(Settings(upstream_name="up"), CollectorRegistry())
+    metrics = Metrics(CollectorRegistry())
     for i in range(5):
         metrics.observe(record(i, ttft_s=2.0), measured=True)
     clock.now += 300.0  # the proxy has run for 5 minutes when the first page opens
@@ -317,7 +317,7 @@ def test_since_start_until_the_ring_holds_a_minute_and_it_says_so() -> None:
 
 
 def test_errors_are_the_upstreams_and_the_proxys_failures_not_the_client_leaving() -> None:
-    metrics = Metrics(Settings(upstream_name="up"), CollectorRegistry())
+    metrics = Metrics(CollectorRegistry())
     for i, outcome in enumerate(o for o in Outcome if o is not Outcome.REJECTED):
         metrics.observe(record(i, outcome=outcome, status=200), measured=True)
     # Not streamed: a 5xx counts (no outcome is recorded for these); a 4xx cannot be
@@ -346,7 +346,7 @@ def test_errors_are_the_upstreams_and_the_proxys_failures_not_the_client_leaving
 
 def test_the_ring_is_bounded_and_idle_series_are_shared() -> None:
     clock = Clock()
-    metrics = Metrics(Settings(upstream_name="up"), CollectorRegistry())
+    metrics = Metrics(CollectorRegistry())
     metrics.observe(record(0, model="idle"), measured=True)
     data = ui_data.LiveData(metrics.registry, clock=clock)
     for second in range(400):  # more than the fine ring (61 s) and the coarse (300 s)
@@ -725,7 +725,7 @@ def test_the_card_and_the_prompt_panel_over_the_last_minute() -> None:
     from proxy.measure import PrefixRecord
 
     clock = Clock()
-    metrics = Metrics(Settings(upstream_name="up"), CollectorRegistry())
+    metrics = Metrics(CollectorRegistry())
     data = ui_data.LiveData(metrics.registry, clock=clock)
 
     def stream(i: int, per_1k_s: float, missed: int) -> RequestRecord:

@@ -165,8 +165,10 @@ class _Workload:
 
 
 def _api_key(args: argparse.Namespace, api: str) -> str | None:
+    from proxy.config import process_env
+
     key_env = "ANTHROPIC_API_KEY" if api == "messages" else "OPENAI_API_KEY"
-    return args.api_key or os.environ.get(key_env)
+    return args.api_key or process_env().get(key_env)
 
 
 def _synthetic_workload(args: argparse.Namespace, base: str) -> _Workload:

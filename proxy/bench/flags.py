@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 from typing import Any
 
 from proxy.deprecated import RenamedFlag
@@ -230,7 +229,9 @@ def validate(args: argparse.Namespace) -> str | None:
     if replay_problem:
         return replay_problem
     if args.base_url is None and args.simulate is None:
-        args.base_url = os.environ.get("OPENAI_BASE_URL") or DEFAULT_BASE_URL
+        from proxy.config import process_env
+
+        args.base_url = process_env().get("OPENAI_BASE_URL") or DEFAULT_BASE_URL
     if args.requests is not None and args.requests < 1:
         return "--requests must be >= 1"
     if args.duration is not None and args.duration <= 0:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
 import re
 import shlex
 import sys
@@ -64,6 +63,7 @@ async def simulator(argv: list[str]) -> AsyncIterator[str]:
     (SIGTERM, then SIGKILL when it does not end in time) on the way out."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
+        "-u",  # unbuffered: its start-up line arrives as it is written
         "-m",
         "proxy",
         "simulate",
@@ -75,7 +75,6 @@ async def simulator(argv: list[str]) -> AsyncIterator[str]:
         stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.PIPE,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
         preexec_fn=_die_with_parent if sys.platform == "linux" else None,
     )
     assert proc.stderr is not None

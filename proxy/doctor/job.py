@@ -17,10 +17,16 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
-from proxy.config import Settings
 from proxy.dialects import Dialect, Prompt, cache_scope, part_bound
 from proxy.doctor.examine import PrefixDoctor, PrefixPolicy, PrefixReport
-from proxy.doctor.index import BYTES_PER_ENTRY, DEFAULT_HORIZON_MS, LruPrefixIndex, PrefixIndex
+from proxy.doctor.index import (
+    BYTES_PER_ENTRY,
+    DEFAULT_HORIZON_MS,
+    DEFAULT_MAX_BYTES,
+    DEFAULT_WINDOW_MS,
+    LruPrefixIndex,
+    PrefixIndex,
+)
 from proxy.doctor.keys import BYTES_PER_CACHED_KEY, PART_CACHE_KEYS, HashedPrompt, PromptHasher
 from proxy.doctor.report import cache_granularity_tokens, cache_tokens, minimum_cacheable_tokens
 from proxy.doctor.shared_index import (
@@ -29,6 +35,7 @@ from proxy.doctor.shared_index import (
     STORE_ERROR,
     STORE_TIMEOUT,
     TOO_LARGE,
+    CacheIndexSpec,
     IndexUnavailable,
     RedisPrefixIndex,
     prefix_secret,
@@ -105,10 +112,13 @@ class PrefixCheck:
     """The process's doctor: its index, its policy, its worker threads.
 
     Parameters:
-        settings: the window, the index's memory bound, and ``cache_index`` (a shared
-            :class:`~proxy.doctor.shared_index.RedisPrefixIndex`, hashing with the secret
-            every replica shares) or none (an :class:`LruPrefixIndex` in process).
-        doctor: replaces the default one built from ``settings``.
+        doctor: replaces the default one built from the parameters below.
+        window_s: the cache window (``--prefix-window``).
+        index_bytes: the in-process index's memory bound (``--prefix-index-bytes``).
+        cache_index: the shared :class:`~proxy.doctor.shared_index.RedisPrefixIndex`
+            (the config file's ``[cache-index]``), hashing with the secret every replica
+            shares; None: an :class:`LruPrefixIndex` in process.
+        env: holds that secret and the store's password variable (``cache_index`` only).
         secret: keys the hasher of an in-process index (random per process by default):
             worker processes that capture one workload share one.
         clock: the request path's monotonic clock (seconds), which every time given to
@@ -117,29 +127,33 @@ class PrefixCheck:
 
     def __init__(
         self,
-        settings: Settings,
         doctor: PrefixDoctor | None = None,
         *,
+        window_s: float = DEFAULT_WINDOW_MS / 1000,
+        index_bytes: int = DEFAULT_MAX_BYTES,
+        cache_index: CacheIndexSpec | None = None,
+        env: Mapping[str, str] | None = None,
         secret: bytes | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        window_ms = round(settings.prefix_window * 1000)
+        window_ms = round(window_s * 1000)
         horizon_ms = max(DEFAULT_HORIZON_MS, 2 * window_ms)
         self.shared: RedisPrefixIndex | None = None
         if doctor is None:
             index: PrefixIndex
-            if settings.cache_index is not None:
+            if cache_index is not None:
                 index = self.shared = RedisPrefixIndex(
-                    settings.cache_index,
+                    cache_index,
                     horizon_ms=horizon_ms,
                     window_ms=window_ms,
+                    environ=env,
                     caller_clock=clock,
                 )
-                hasher = PromptHasher(prefix_secret())
+                hasher = PromptHasher(prefix_secret(env or {}))
             else:
                 # the hasher's cache of recent parts' keys (PART_CACHE_KEYS) comes out of
                 # the same memory bound: a sixteenth of the index's entries, as keys
-                bound = settings.prefix_index_bytes
+                bound = index_bytes
                 cached = min(PART_CACHE_KEYS, bound // BYTES_PER_ENTRY // 16)
                 index = LruPrefixIndex(
                     bound - cached * BYTES_PER_CACHED_KEY,
@@ -510,17 +524,3 @@ class PrefixJob:
 def _resolve(waiter: asyncio.Future[None]) -> None:
     if not waiter.done():
         waiter.set_result(None)
-
-
-def prefix_check_from(
-    settings: Settings,
-    *,
-    wanted: bool,
-    secret: bytes | None = None,
-    clock: Callable[[], float] = time.perf_counter,
-) -> PrefixCheck | None:
-    """The doctor when it is on and someone reads what it finds (metrics, the request
-    log, the span or the workload capture: ``wanted``); else None, and the request path skips it."""
-    if not (settings.prefix_doctor and wanted):
-        return None
-    return PrefixCheck(settings, secret=secret, clock=clock)

@@ -12,7 +12,6 @@ import hashlib
 import importlib.util
 import logging
 import math
-import os
 import struct
 import threading
 import time
@@ -163,11 +162,10 @@ def cache_index_spec(
     return CacheIndexSpec(**values)
 
 
-def prefix_secret(environ: Mapping[str, str] | None = None) -> bytes:
+def prefix_secret(env: Mapping[str, str]) -> bytes:
     """The key of every prompt digest when the index is shared: derived from
-    :data:`PREFIX_SECRET_ENV` (any length from :data:`MIN_SECRET_BYTES` up; the hash
-    takes 16 to 64 bytes), so every replica given the same secret hashes alike."""
-    env = os.environ if environ is None else environ
+    :data:`PREFIX_SECRET_ENV` in ``env`` (any length from :data:`MIN_SECRET_BYTES` up; the
+    hash takes 16 to 64 bytes), so every replica given the same secret hashes alike."""
     raw = env.get(PREFIX_SECRET_ENV, "").strip().encode()
     if len(raw) < MIN_SECRET_BYTES:  # cache_index_spec refuses this at start-up
         raise ValueError(f"{PREFIX_SECRET_ENV} must hold at least {MIN_SECRET_BYTES} bytes")
@@ -335,10 +333,10 @@ class Breaker:
 class RedisPrefixIndex:
     """A :class:`~proxy.doctor.index.PrefixIndex` on Redis or Valkey (see the
     module docstring). ``horizon_ms`` is every key's TTL; ``window_ms`` the cache window
-    that cuts runs of sightings; ``environ`` holds the password variable the spec names;
-    ``clock`` (monotonic seconds) times the breaker; ``caller_clock`` (monotonic seconds,
-    ``clock`` when not given) is the caller's, whose milliseconds :meth:`exchange` takes
-    and answers in. Thread-safe: redis-py's connection pool gives each thread its own
+    that cuts runs of sightings; ``environ`` holds the password variable the spec names
+    (None: no password); ``clock`` (monotonic seconds) times the breaker; ``caller_clock``
+    (monotonic seconds, ``clock`` when not given) is the caller's, whose milliseconds
+    :meth:`exchange` takes and answers in. Thread-safe: redis-py's connection pool gives each thread its own
     connection."""
 
     def __init__(
@@ -355,8 +353,7 @@ class RedisPrefixIndex:
         from redis.backoff import NoBackoff
         from redis.retry import Retry
 
-        env = os.environ if environ is None else environ
-        password = env.get(spec.password_env) if spec.password_env else None
+        password = (environ or {}).get(spec.password_env) if spec.password_env else None
         self.spec = spec
         self.url = spec.url
         self.horizon_ms = horizon_ms

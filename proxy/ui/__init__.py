@@ -23,10 +23,10 @@ def live_page(metrics: Metrics, *, prefix_index: dict[str, Any] | None) -> LiveP
     ``--workers``, every worker's files) and is told of each finished request for its
     slowest-requests table and its examples of where prompts broke. ``prefix_index``:
     :func:`index_scope`."""
-    from proxy.metrics import multiprocess_dir, multiprocess_registry
+    from proxy.metrics import multiprocess_registry
     from proxy.ui.collect import SAMPLE_NAMES
 
-    path = multiprocess_dir()
+    path = metrics.options.multiprocess_dir
     # One process: only the samples the page uses are built at each reading. With
     # workers, the collector reads every file whatever is asked (and registers no names,
     # so a restricted registry would see nothing).
