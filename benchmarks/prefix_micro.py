@@ -6,6 +6,7 @@
     python benchmarks/prefix_micro.py --profile 32768   # where one prompt's time goes
     python benchmarks/prefix_micro.py --instructions --baseline main --sizes 2048,32768
     python benchmarks/prefix_micro.py --quick          # smoke run, a second or two
+    python benchmarks/prefix_micro.py --every-stamp --sizes 2048,32768  # settled keys or not
 
 Why: the doctor hashes every measured prompt (:mod:`proxy.doctor`), so its
 cost grows with the prompt, not with the stream; a 400 KB prompt is about 100,000
@@ -14,7 +15,8 @@ given sizes (a system prompt, then alternating user and assistant messages of ab
 1 KB): ``Dialect.prompt_parts`` on the parsed body, :meth:`PromptHasher.hash`, the
 exchange with a warm :class:`LruPrefixIndex` and :func:`examine`, for two cases: a
 prompt seen before (the common case: another turn of a conversation, every block a
-hit) and a new one (every block a miss and an insert). It reports, best of
+hit), a new one (every block a miss and an insert) and a new tail (the seen prompt
+with its last message new: a repeated head). It reports, best of
 ``--repeat`` runs, the process CPU per request of each step and in total, per block
 size. ``--text`` picks the prompts' text: ``prose`` (sentences and paragraphs, what
 content-defined chunking cuts at; the default) or ``words`` (words without a mark).
@@ -169,12 +171,16 @@ class Case:
     """One doctor (a module's hasher and examine, this tree's index) and its prompts."""
 
     def __init__(self, module: ModuleType, size: int, block: int, requests: int,
-                 text: str) -> None:
+                 text: str, settle_ms: int | None = None) -> None:
         self.module = module
         self.hasher = module.PromptHasher(block_bytes=block)
-        self.index = LruPrefixIndex(256 * 1024 * 1024)
+        self.index = LruPrefixIndex(256 * 1024 * 1024, settle_ms=settle_ms)
         self.bodies = [json.loads(json.dumps(chat_body(size, i, text))) for i in range(requests)]
         self.seen_body = self.bodies[0]
+        # the seen prompt with its last message new each time: a repeated head, a new tail
+        self.tails = [{**self.seen_body, "messages": [*self.seen_body["messages"][:-1], {
+            "role": "user", "content": f"{i} {body['messages'][-1]['content']}"}]}
+            for i, body in enumerate(self.bodies)]
         self.parts = CHAT.prompt_parts(self.seen_body)
         hashed = self.hasher.hash(self.parts, upstream="u", model="bench")
         assert hashed is not None
@@ -195,7 +201,14 @@ class Case:
             now = next(self.clock)
             module.examine(fresh, index.exchange(fresh.probe(), now), now)
 
+        def new_tail(i: int) -> None:  # the seen prompt's head, a new last message
+            fresh = hasher.hash(CHAT.prompt_parts(self.tails[i]), upstream="u", model="bench")
+            assert fresh is not None
+            now = next(self.clock)
+            module.examine(fresh, index.exchange(fresh.probe(), now), now)
+
         return {
+            "tail": new_tail,
             "parts": lambda i: CHAT.prompt_parts(self.seen_body),
             "hash": lambda i: hasher.hash(parts, upstream="u", model="bench"),
             "exchange": lambda i: index.exchange(probe, next(self.clock)),
@@ -204,14 +217,16 @@ class Case:
         }
 
 
-def doctor_costs(modules: dict[str, ModuleType], size: int, block: int, requests: int,
-                 repeat: int, text: str) -> dict[str, dict[str, float]]:
-    """CPU per request (us) of each step of each module's doctor, interleaved."""
-    cases = {name: Case(module, size, block, requests, text) for name, module in modules.items()}
+def doctor_costs(modules: dict[str, tuple[ModuleType, int | None]], size: int, block: int,
+                 requests: int, repeat: int, text: str) -> dict[str, dict[str, float]]:
+    """CPU per request (us) of each step of each doctor (a module and the index's
+    ``settle_ms``), interleaved."""
+    cases = {name: Case(module, size, block, requests, text, settle)
+             for name, (module, settle) in modules.items()}
     out: dict[str, dict[str, float]] = {
         name: {"blocks": float(len(case.hashed.chain)), "keys": float(len(case.hashed.keys))}
         for name, case in cases.items()}
-    for step in ("parts", "hash", "exchange", "examine", "new"):
+    for step in ("parts", "hash", "exchange", "examine", "new", "tail"):
         timed = paired({name: case.steps()[step] for name, case in cases.items()}, requests,
                        repeat)
         for name, seconds in timed.items():
@@ -347,6 +362,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="count instructions per call with cachegrind instead of timing")
     parser.add_argument("--count-one", help=argparse.SUPPRESS)  # DOCTOR,STEP,SIZE,CALLS
     parser.add_argument("--quick", action="store_true", help="tiny counts: a smoke run")
+    parser.add_argument("--every-stamp", action="store_true",
+                        help="also time this tree with an index that writes every stamp "
+                             "(settle_ms=0: no key left alone as settled)")
     args = parser.parse_args(argv)
     if args.count_one:
         doctor, step, size, calls = args.count_one.split(",")
@@ -385,16 +403,18 @@ def main(argv: list[str] | None = None) -> int:
         args.requests, args.repeat, args.entries = 2, 1, 2000
     sizes = [int(s) for s in args.sizes.split(",")]
     blocks = [int(b) for b in args.blocks.split(",")]
-    modules = {"now": current}
+    modules: dict[str, tuple[ModuleType, int | None]] = {"now": (current, None)}
+    if args.every_stamp:
+        modules["now, every stamp"] = (current, 0)
     if args.baseline:
-        modules[args.baseline] = load_baseline(args.baseline)
+        modules[args.baseline] = (load_baseline(args.baseline), None)
     print(f"# prompt-cache doctor, CPU per request (best of {args.repeat} runs of "
           f"{args.requests} requests; process CPU, us; {args.text} prompts"
           + (f"; runs of this tree and of {args.baseline} interleaved" if args.baseline else "")
           + ")\n")
     print("| prompt | block | doctor | blocks | keys | parts | hash | exchange (hit) | examine "
-          "| total, repeated prompt | total, new prompt |")
-    print("| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "| total, repeated prompt | total, new prompt | total, new tail |")
+    print("| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for size in sizes:
         for block in blocks:
             requests = max(1, args.requests if size < 100_000 else args.requests // 5)
@@ -402,12 +422,14 @@ def main(argv: list[str] | None = None) -> int:
             for name, c in costs.items():
                 print(f"| {size:,} B | {block} | {name} | {c['blocks']:.0f} | {c['keys']:.0f} "
                       f"| {c['parts']:.0f} | {c['hash']:.0f} | {c['exchange']:.0f} "
-                      f"| {c['examine']:.0f} | {c['repeat']:.0f} | {c['new']:.0f} |", flush=True)
+                      f"| {c['examine']:.0f} | {c['repeat']:.0f} | {c['new']:.0f} "
+                      f"| {c['tail']:.0f} |", flush=True)
             if args.baseline:
                 now, then = costs["now"], costs[args.baseline]
                 print(f"| {size:,} B | {block} | now / {args.baseline} | | | "
                       + " | ".join(f"{now[k] / then[k]:.2f}" for k in
-                                   ("parts", "hash", "exchange", "examine", "repeat", "new"))
+                                   ("parts", "hash", "exchange", "examine", "repeat", "new",
+                                    "tail"))
                       + " |", flush=True)
     print("\n| block | keyed blake2b chain, ns/block | keyed digest of 24 bytes, ns "
           "| XXH3-128, ns/block |")
