@@ -443,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n| block | doctor | index bytes/entry | index entries per KB of prompt |")
     print("| ---: | --- | ---: | ---: |")
     for block in blocks:
-        for name, module in modules.items():
+        for name, (module, _) in modules.items():
             per_entry, per_kb = entry_bytes(module, block, args.entries, args.text)
             print(f"| {block} | {name} | {per_entry:.0f} | {per_kb:.2f} |", flush=True)
     print(f"\nBYTES_PER_ENTRY = {BYTES_PER_ENTRY}")

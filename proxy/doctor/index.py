@@ -252,7 +252,25 @@ def _read_late(old: int, t: int, h: int, w: int, epoch: int) -> tuple[int, int, 
     return c + epoch if c else NEVER, e + epoch if e else NEVER, first
 
 
-class _Live(Sequence[int]):
+class _Lazy(Sequence[int]):
+    """A sequence of ints each worked out when asked (:meth:`_at`)."""
+
+    def _at(self, i: int) -> int:
+        raise NotImplementedError
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[int]: ...
+    def __getitem__(self, i: int | slice) -> int | Sequence[int]:
+        if isinstance(i, slice):
+            return [self._at(j) for j in range(len(self))[i]]
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        return self._at(i % len(self))
+
+
+class _Live(_Lazy):
     """A probe's entries as they are when read: for an exchange that wrote none of them,
     whose reads then follow the same rules (a stamp written since is read as it would
     be had its exchange come first). Read without the lock: a lookup is whole under
@@ -264,13 +282,7 @@ class _Live(Sequence[int]):
     def __len__(self) -> int:
         return len(self._keys)
 
-    @overload
-    def __getitem__(self, i: int) -> int: ...
-    @overload
-    def __getitem__(self, i: slice) -> Sequence[int]: ...
-    def __getitem__(self, i: int | slice) -> int | Sequence[int]:
-        if isinstance(i, slice):
-            return [self._get(key, 0) for key in self._keys[i]]
+    def _at(self, i: int) -> int:
         return self._get(self._keys[i], 0)
 
 
@@ -298,7 +310,7 @@ class _Snapshot:
         return Sightings(_Column(self, 0), _Column(self, 1), _After(self))
 
 
-class _Column(Sequence[int]):
+class _Column(_Lazy):
     """One kind of read (0: continued, 1: ended) of a :class:`_Snapshot`, by probe index."""
 
     __hash__ = None  # type: ignore[assignment]  # equal to a list of the same reads
@@ -312,15 +324,7 @@ class _Column(Sequence[int]):
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Sequence) and list(self) == list(other)
 
-    @overload
-    def __getitem__(self, i: int) -> int: ...
-    @overload
-    def __getitem__(self, i: slice) -> Sequence[int]: ...
-    def __getitem__(self, i: int | slice) -> int | Sequence[int]:
-        if isinstance(i, slice):
-            return [self[j] for j in range(len(self))[i]]
-        if i < 0:
-            i += len(self)
+    def _at(self, i: int) -> int:
         value = self._snapshot.read(i)[self._kind]
         assert value is not None
         return value
