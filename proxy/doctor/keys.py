@@ -55,6 +55,7 @@ class HashedPrompt(NamedTuple):
     anchors: tuple[bytes, bytes]  # first block under (upstream, model), under (upstream)
     keys: tuple[bytes, ...]  # the probe's keys, in touch order
     marks: bytes  # the probe's marks, one per key
+    query: Probe  # the probe itself, built once (:meth:`probe`)
 
     @property
     def prompt_bytes(self) -> int:
@@ -77,11 +78,24 @@ class HashedPrompt(NamedTuple):
 
     def probe(self) -> Probe:
         """The question for the index: the keys in touch order, each with its mark."""
-        chunks, blocks = len(self.chunks), len(self.chain)
-        past = (*self.first_chunk[1:], chunks)  # each part's chunks end where the next's begin
-        lasts = (*self.first_block[1:], blocks)  # one past each part's last block
-        tied = tuple((end, chunks + blocks - last) for end, last in zip(past, lasts, strict=True))
-        return Probe(self.keys, self.marks, (chunks, chunks + blocks), tied)
+        return self.query
+
+
+def _probe(
+    keys: tuple[bytes, ...],
+    marks: bytes,
+    chunks: int,
+    first_chunk: list[int],
+    first_block: list[int],
+) -> Probe:
+    """The probe of a prompt laid out as :class:`HashedPrompt` says (``chunks`` chunk keys,
+    then the chain, then three of the scope), with its nested chain and the chunks tied
+    to each part's last block."""
+    blocks = len(keys) - chunks - 3
+    past = (*first_chunk[1:], chunks)  # each part's chunks end where the next's begin
+    lasts = (*first_block[1:], blocks)  # one past each part's last block
+    tied = tuple((end, chunks + blocks - last) for end, last in zip(past, lasts, strict=True))
+    return Probe(keys, marks, (chunks, chunks + blocks), tied)
 
 
 _SEEN = bytes([SEEN])
@@ -377,6 +391,7 @@ class PromptHasher:
         keys.extend(reversed(chain))
         keys.append(root)
         keys.extend(anchors)
+        probe_keys = tuple(keys)
         hashed = HashedPrompt(
             size,
             tuple(shapes),
@@ -388,8 +403,9 @@ class PromptHasher:
             tuple(first_chunk),
             least,
             anchors,
-            tuple(keys),
+            probe_keys,
             marks,
+            _probe(probe_keys, marks, len(chunks), first_chunk, first_block),
         )
         if len(keys) <= self._recall_max:  # within a share of the part cache's keys
             if self._recall_keys + len(keys) > self._recall_max:

@@ -6,6 +6,7 @@ sentence per break for the live page).
 from __future__ import annotations
 
 import re
+from functools import lru_cache
 from typing import NamedTuple
 
 from proxy.dialects import Caching
@@ -198,6 +199,7 @@ _GEMINI_MINIMUM: tuple[tuple[str, int], ...] = (
 )
 
 
+@lru_cache(maxsize=256)  # per request, by a model name: a few in practice
 def minimum_cacheable_tokens(api: str, model: str) -> int:
     """The default minimum cacheable prompt for a dialect (``"messages"`` is Anthropic's
     API, the others OpenAI's) and a model name: 1,024 tokens for OpenAI, per model
@@ -226,6 +228,7 @@ _GPT_VERSION = re.compile(r"gpt-(\d+)(?:\.(\d+))?")
 _UNROUNDED_FROM = (5, 6)
 
 
+@lru_cache(maxsize=256)  # per request, by a model name: a few in practice
 def cache_granularity_tokens(api: str, model: str = "") -> int:
     """The default steps an upstream reports cached tokens in, for a dialect and a model
     name: 128 tokens for OpenAI's APIs before the GPT-5.6 family, 1 from it on and for
