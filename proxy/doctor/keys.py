@@ -281,6 +281,11 @@ class PromptHasher:
         self._last_scope = (key, scope)
         return scope
 
+    def _part_name(self, before: bytes, head: bytes, data: bytes) -> bytes:
+        """What the part cache knows a part by: the chain key before it, its head and its
+        bytes' XXH3-128."""
+        return self._digest(self._part_key, before + head + xxh3_128_digest(data))
+
     def _head(self, kind: str, role: str) -> bytes:
         head = self._heads.get((kind, role))
         if head is None:
@@ -314,7 +319,7 @@ class PromptHasher:
         ends: list[int] = []
         first_chunk: list[int] = []
         shapes: list[PartShape] = []
-        cached, part_key = self._parts, self._part_key.copy
+        cached = self._parts
         names: list[bytes] = []  # each part's name, as far as the recall got
         recalled = self._recall(parts, root, anchor, names)
         if recalled is not None:
@@ -326,12 +331,7 @@ class PromptHasher:
             shapes.append(PartShape(kind, index, role, length))
             first_block.append(len(chain))
             first_chunk.append(len(chunks))
-            if p < len(names):
-                name = names[p]
-            else:
-                naming = part_key()
-                naming.update(before + head + condense(data))
-                name = naming.digest()
+            name = names[p] if p < len(names) else self._part_name(before, head, data)
             with self._parts_lock:
                 known = cached.get(name)
                 if known is not None:
@@ -424,10 +424,7 @@ class PromptHasher:
         cached, heads, head_of = self._parts, self._heads, self._head
         before = root
         for kind, _, role, data in parts:
-            naming = self._part_key.copy()
-            head = heads.get((kind, role)) or head_of(kind, role)
-            naming.update(before + head + xxh3_128_digest(data))
-            name = naming.digest()
+            name = self._part_name(before, heads.get((kind, role)) or head_of(kind, role), data)
             names.append(name)
             known = cached.get(name)  # without the lock: one lookup
             if known is None:
