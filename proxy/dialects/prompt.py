@@ -11,7 +11,10 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
+from collections import Counter
 from collections.abc import Mapping
+from functools import cache
+from itertools import repeat
 from typing import Any, NamedTuple
 
 PART_KINDS: tuple[str, ...] = (
@@ -271,6 +274,7 @@ _SINGLE_FIELDS: tuple[str, ...] = (
         for name in dict.fromkeys((*CHAT_SETTINGS, *RESPONSES_SETTINGS, *MESSAGES_SETTINGS))
     ),
 )
+_SINGLE_COUNT = Counter(_SINGLE_FIELDS)
 _IDS_PER_PIECE = 16  # token ids written as text cost about a content piece per this many
 
 
@@ -279,7 +283,7 @@ def part_bound(payload: Mapping[str, Any], *, walk_below: int = 0) -> int:
     known before any part is built: the prompt-cache doctor's cost follows it
     (``docs/design/doctor.md``, "Where").
     """
-    count = sum(name in payload for name in _SINGLE_FIELDS)
+    count = sum(map(_SINGLE_COUNT.get, payload, repeat(0)))  # the body's few fields
     for name in _PART_ARRAYS:
         value = payload.get(name)
         if isinstance(value, list):
@@ -337,8 +341,7 @@ def _settings_parts(payload: Mapping[str, Any], names: tuple[str, ...]) -> list[
     changed setting breaks the prefix there and is named. A setting absent adds nothing,
     so a body without any keeps the parts it always had."""
     parts: list[PromptPart] = []
-    for name in names:
-        head, _, field = name.partition(".")
+    for name, head, field in _split(names):
         value = payload.get(head)
         if field:
             value = value.get(field) if isinstance(value, dict) else None
@@ -347,14 +350,27 @@ def _settings_parts(payload: Mapping[str, Any], names: tuple[str, ...]) -> list[
     return parts
 
 
+@cache
+def _split(names: tuple[str, ...]) -> tuple[tuple[str, str, str], ...]:
+    """Each setting's name, field and nested field (``""`` when not nested)."""
+    split = []
+    for name in names:
+        head, _, field = name.partition(".")
+        split.append((name, head, field))
+    return tuple(split)
+
+
 def cache_scope(payload: Mapping[str, Any]) -> tuple[str, str]:
     """(model, cache key) of a parsed request body: prompts that differ in either never
     share a prefix cache. The key is OpenAI's ``prompt_cache_key`` and vLLM's
     ``cache_salt``, joined when both are given; ``""`` when neither."""
-    model = payload.get("model")
-    keys = [
-        value
-        for value in (payload.get("prompt_cache_key"), payload.get("cache_salt"))
-        if isinstance(value, str) and value
-    ]
-    return (model if isinstance(model, str) else ""), "\x00".join(keys)
+    model, key, salt = (
+        payload.get("model"),
+        payload.get("prompt_cache_key"),
+        payload.get("cache_salt"),
+    )
+    key = key if isinstance(key, str) else ""
+    salt = salt if isinstance(salt, str) else ""
+    return (model if isinstance(model, str) else ""), (
+        f"{key}\x00{salt}" if key and salt else key or salt
+    )

@@ -283,14 +283,15 @@ class PrefixDoctor:
         )
         if hashed is None:
             return None
-        names = tuple(part.role for part in parts[:anchor] if part.kind == "settings")
+        names = tuple(part.role for part in parts[:anchor]) if anchor else ()
         opening = hashed.anchors[0]
         before = self._settings.get(opening, ())
+        removed = ""
         if before != names:
             if len(self._settings) >= SETTINGS_MEMORY:
                 self._settings.clear()
             self._settings[opening] = names
-        removed = next((name for name in before if name not in names), "")
+            removed = next((name for name in before if name not in names), "")
         try:
             seen = self.index.exchange(hashed.probe(), now_ms, held_ms)
         except IndexUnanswered as exc:

@@ -171,9 +171,10 @@ class LruPrefixIndex:
             old = get(keys[whole], 0) if whole >= 0 else 0
             el = old & m
             if el and (old >> _ES) & m <= h <= el + settle:  # nothing to write: read later
-                return _Snapshot(_Live(get, keys), t, h, w, epoch).sightings()
+                live = _Snapshot(lambda i: get(keys[i], 0), len(keys), t, h, w, epoch)
+                return live.sightings()
             before = [get(key, 0) for key in keys]
-            reads = _Snapshot(before, t, h, w, epoch)
+            reads = _Snapshot(before.__getitem__, len(keys), t, h, w, epoch)
             start, stop = probe.nested
             cut = stop  # the covered head of the nested range: from here to ``stop``
             if settle:
@@ -252,52 +253,22 @@ def _read_late(old: int, t: int, h: int, w: int, epoch: int) -> tuple[int, int, 
     return c + epoch if c else NEVER, e + epoch if e else NEVER, first
 
 
-class _Lazy(Sequence[int]):
-    """A sequence of ints each worked out when asked (:meth:`_at`)."""
-
-    def _at(self, i: int) -> int:
-        raise NotImplementedError
-
-    @overload
-    def __getitem__(self, i: int) -> int: ...
-    @overload
-    def __getitem__(self, i: slice) -> Sequence[int]: ...
-    def __getitem__(self, i: int | slice) -> int | Sequence[int]:
-        if isinstance(i, slice):
-            return [self._at(j) for j in range(len(self))[i]]
-        if not -len(self) <= i < len(self):
-            raise IndexError(i)
-        return self._at(i % len(self))
-
-
-class _Live(_Lazy):
-    """A probe's entries as they are when read: for an exchange that wrote none of them,
-    whose reads then follow the same rules (a stamp written since is read as it would
-    be had its exchange come first). Read without the lock: a lookup is whole under
-    the GIL."""
-
-    def __init__(self, get: Callable[[bytes, int], int], keys: Sequence[bytes]) -> None:
-        self._get, self._keys = get, keys
-
-    def __len__(self) -> int:
-        return len(self._keys)
-
-    def _at(self, i: int) -> int:
-        return self._get(self._keys[i], 0)
-
-
 class _Snapshot:
-    """A probe's entries as they were before an exchange's writes (or :class:`_Live`),
-    decoded per key only when asked (:class:`Sightings` by the rules of
-    ``docs/design/doctor.md``)."""
+    """A probe's entries as they were before an exchange's writes, by probe index
+    (``fetch``; for an exchange that wrote none of them, as they are when read, which
+    follows the same rules: a stamp written since is read as it would be had its
+    exchange come first; read without the lock, as a lookup is whole under the GIL), decoded per key only when asked (:class:`Sightings` by the
+    rules of ``docs/design/doctor.md``)."""
 
-    __slots__ = ("before", "epoch", "h", "t", "w")
+    __slots__ = ("epoch", "fetch", "h", "n", "t", "w")
 
-    def __init__(self, before: Sequence[int], t: int, h: int, w: int, epoch: int) -> None:
-        self.before, self.t, self.h, self.w, self.epoch = before, t, h, w, epoch
+    def __init__(
+        self, fetch: Callable[[int], int], n: int, t: int, h: int, w: int, epoch: int
+    ) -> None:
+        self.fetch, self.n, self.t, self.h, self.w, self.epoch = fetch, n, t, h, w, epoch
 
     def read(self, i: int) -> tuple[int, int, int | None]:
-        old = self.before[i]
+        old = self.fetch(i)
         if not old:
             return NEVER, NEVER, None
         m, t, epoch = _TICK_MAX, self.t, self.epoch
@@ -307,25 +278,43 @@ class _Snapshot:
         return _read_late(old, t, self.h, self.w, epoch)
 
     def sightings(self) -> Sightings:
-        return Sightings(_Column(self, 0), _Column(self, 1), _After(self))
+        return _Read(_Column(self, 0), _Column(self, 1), _After(self))
 
 
-class _Column(_Lazy):
+class _Read(Sightings):
+    """:class:`Sightings` whose :meth:`last` decodes its key once."""
+
+    __slots__ = ()
+
+    def last(self, i: int) -> int:
+        column = self.continued
+        assert isinstance(column, _Column)
+        continued, ended, _ = column.snapshot.read(i)
+        return max(continued, ended)
+
+
+class _Column(Sequence[int]):
     """One kind of read (0: continued, 1: ended) of a :class:`_Snapshot`, by probe index."""
 
     __hash__ = None  # type: ignore[assignment]  # equal to a list of the same reads
 
     def __init__(self, snapshot: _Snapshot, kind: int) -> None:
-        self._snapshot, self._kind = snapshot, kind
+        self.snapshot, self._kind = snapshot, kind
 
     def __len__(self) -> int:
-        return len(self._snapshot.before)
+        return self.snapshot.n
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Sequence) and list(self) == list(other)
 
-    def _at(self, i: int) -> int:
-        value = self._snapshot.read(i)[self._kind]
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[int]: ...
+    def __getitem__(self, i: int | slice) -> int | Sequence[int]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(self.snapshot.n)[i]]
+        value = self.snapshot.read(i)[self._kind]
         assert value is not None
         return value
 
@@ -337,14 +326,14 @@ class _After(Mapping[int, int]):
         self._snapshot = snapshot
 
     def __getitem__(self, i: int) -> int:
-        first = self._snapshot.read(i)[2] if 0 <= i < len(self._snapshot.before) else None
+        first = self._snapshot.read(i)[2] if 0 <= i < self._snapshot.n else None
         if first is None:
             raise KeyError(i)
         return first
 
     def __iter__(self) -> Iterator[int]:
         read = self._snapshot.read
-        return (i for i in range(len(self._snapshot.before)) if read(i)[2] is not None)
+        return (i for i in range(self._snapshot.n) if read(i)[2] is not None)
 
     def __len__(self) -> int:
         return sum(1 for _ in self)

@@ -440,7 +440,8 @@ class PrefixJob:
         index_s = check.shared.round_trip_s() if check.shared is not None else None
         if looked is None:  # no prompt parts: nothing to examine
             return Examination(None, "", index_s)
-        return Examination(looked[1], "", index_s, looked[0], prompt._replace(parts=()))
+        marks = Prompt((), prompt.caching, prompt.marked_bytes)
+        return Examination(looked[1], "", index_s, looked[0], marks)
 
     async def settle(self) -> None:
         """Before the record: make ready a stream's job that saw no output event (its

@@ -284,7 +284,9 @@ class PromptHasher:
     def _part_name(self, before: bytes, head: bytes, data: bytes) -> bytes:
         """What the part cache knows a part by: the chain key before it, its head and its
         bytes' XXH3-128."""
-        return self._digest(self._part_key, before + head + xxh3_128_digest(data))
+        h = self._part_key.copy()
+        h.update(before + head + xxh3_128_digest(data))
+        return h.digest()
 
     def _head(self, kind: str, role: str) -> bytes:
         head = self._heads.get((kind, role))
