@@ -527,10 +527,11 @@ class Metrics:
         repeated, missed, ratio, missed_hist = c
         if p.prompt_bytes:
             ratio.observe(p.repeated_share)
-        if p.repeated_tokens is not None:
+        if p.repeated_tokens:
             repeated.inc(p.repeated_tokens)
         if p.missed_tokens is not None:
-            missed.inc(p.missed_tokens)
+            if p.missed_tokens:
+                missed.inc(p.missed_tokens)
             missed_hist.observe(p.missed_tokens)
         if p.missed_unmarked_tokens is not None:
             unmarked = self._unmarked_children.get(key)

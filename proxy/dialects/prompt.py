@@ -13,7 +13,6 @@ import hashlib
 import json
 from collections import Counter
 from collections.abc import Mapping
-from functools import cache
 from itertools import repeat
 from typing import Any, NamedTuple
 
@@ -341,7 +340,8 @@ def _settings_parts(payload: Mapping[str, Any], names: tuple[str, ...]) -> list[
     changed setting breaks the prefix there and is named. A setting absent adds nothing,
     so a body without any keeps the parts it always had."""
     parts: list[PromptPart] = []
-    for name, head, field in _split(names):
+    for name in names:
+        head, _, field = name.partition(".")
         value = payload.get(head)
         if field:
             value = value.get(field) if isinstance(value, dict) else None
@@ -350,27 +350,14 @@ def _settings_parts(payload: Mapping[str, Any], names: tuple[str, ...]) -> list[
     return parts
 
 
-@cache
-def _split(names: tuple[str, ...]) -> tuple[tuple[str, str, str], ...]:
-    """Each setting's name, field and nested field (``""`` when not nested)."""
-    split = []
-    for name in names:
-        head, _, field = name.partition(".")
-        split.append((name, head, field))
-    return tuple(split)
-
-
 def cache_scope(payload: Mapping[str, Any]) -> tuple[str, str]:
     """(model, cache key) of a parsed request body: prompts that differ in either never
     share a prefix cache. The key is OpenAI's ``prompt_cache_key`` and vLLM's
     ``cache_salt``, joined when both are given; ``""`` when neither."""
-    model, key, salt = (
-        payload.get("model"),
-        payload.get("prompt_cache_key"),
-        payload.get("cache_salt"),
-    )
-    key = key if isinstance(key, str) else ""
-    salt = salt if isinstance(salt, str) else ""
-    return (model if isinstance(model, str) else ""), (
-        f"{key}\x00{salt}" if key and salt else key or salt
-    )
+    model = payload.get("model")
+    keys = [
+        value
+        for value in (payload.get("prompt_cache_key"), payload.get("cache_salt"))
+        if isinstance(value, str) and value
+    ]
+    return (model if isinstance(model, str) else ""), "\x00".join(keys)

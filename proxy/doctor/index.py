@@ -297,6 +297,7 @@ class _Column(Sequence[int]):
     """One kind of read (0: continued, 1: ended) of a :class:`_Snapshot`, by probe index."""
 
     __hash__ = None  # type: ignore[assignment]  # equal to a list of the same reads
+    __slots__ = ("_kind", "snapshot")
 
     def __init__(self, snapshot: _Snapshot, kind: int) -> None:
         self.snapshot, self._kind = snapshot, kind
@@ -321,6 +322,8 @@ class _Column(Sequence[int]):
 
 class _After(Mapping[int, int]):
     """The ``after`` reads of a :class:`_Snapshot`: keys held only after its ``t``."""
+
+    __slots__ = ("_snapshot",)
 
     def __init__(self, snapshot: _Snapshot) -> None:
         self._snapshot = snapshot

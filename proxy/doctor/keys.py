@@ -309,8 +309,12 @@ class PromptHasher:
         ``anchor``'s first block (the first part of the prompt text, after any settings)."""
         if not parts:
             return None
-        size, least, most = self.block_bytes, self.chunk_bytes, self.chunk_max
         root, chain_start, by_model, by_upstream = self._scope(upstream, model, cache_key)
+        names: list[bytes] = []  # each part's name, as far as the recall got
+        recalled = self._recall(parts, root, anchor, names)
+        if recalled is not None:
+            return recalled
+        size, least, most = self.block_bytes, self.chunk_bytes, self.chunk_max
         condense, blocks_of, new_chunk = xxh3_128_digest, self._blocks, self._chunk.copy
         running = chain_start.copy()
         update, snapshot = running.update, running.copy
@@ -322,10 +326,6 @@ class PromptHasher:
         first_chunk: list[int] = []
         shapes: list[PartShape] = []
         cached = self._parts
-        names: list[bytes] = []  # each part's name, as far as the recall got
-        recalled = self._recall(parts, root, anchor, names)
-        if recalled is not None:
-            return recalled
         before = root  # the chain key before this part (the root before the first)
         for p, (kind, index, role, data) in enumerate(parts):
             head = heads.get((kind, role)) or head_of(kind, role)
