@@ -12,7 +12,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from proxy.measure import RequestRecord
@@ -20,6 +20,7 @@ from proxy.measure import RequestRecord
 MAX_KEYS = 1024
 
 Key = tuple[str, str, str, str]  # route, model, upstream, reason
+_NOT_SHOWN = ("at", "tokens_per_byte")  # the page shows ago_s and stable_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,18 +49,9 @@ class BreakExample:
         return self.stable_bytes * self.tokens_per_byte
 
     def as_json(self, now: float) -> dict[str, Any]:
-        return {
-            "part": self.part,
-            "index": self.index,
-            "role": self.role,
-            "offset": self.offset,
-            "part_bytes": self.part_bytes,
-            "changed_bytes": self.changed_bytes,
-            "stable_bytes": self.stable_bytes,
-            "prompt_bytes": self.prompt_bytes,
-            "prompt_tokens": self.prompt_tokens,
-            "ago_s": max(0.0, now - self.at),
-        }
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _NOT_SHOWN}
+        out["ago_s"] = max(0.0, now - self.at)
+        return out
 
 
 class RecentBreaks:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from proxy.measure import RequestRecord
@@ -17,6 +17,7 @@ SLOT_S = 10.0
 SLOTS = 6  # one minute
 KEEP = 10
 _ID_MAX = 64
+_NOT_SHOWN = ("wait_s", "at")  # the page shows ago_s instead
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,20 +37,9 @@ class SlowRequest:
     outcome: str
 
     def as_json(self, now: float) -> dict[str, Any]:
-        return {
-            "request_id": self.request_id,
-            "route": self.route,
-            "model": self.model,
-            "upstream": self.upstream,
-            "ttft_s": self.ttft_s,
-            "ttfa_s": self.ttfa_s,
-            "duration_s": self.duration_s,
-            "prompt_tokens": self.prompt_tokens,
-            "cached_prompt_tokens": self.cached_prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "outcome": self.outcome,
-            "ago_s": max(0.0, now - self.at),
-        }
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _NOT_SHOWN}
+        out["ago_s"] = max(0.0, now - self.at)
+        return out
 
 
 class _Top:
