@@ -10,7 +10,7 @@ from array import array
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from operator import add, sub
-from typing import Any
+from typing import Any, TypeVar
 
 from proxy.doctor.examine import REASONS
 from proxy.evidence import (
@@ -82,6 +82,7 @@ SAMPLE_NAMES = (
 )
 
 Selection = tuple[str, str, str]  # "" selects every value
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -133,8 +134,8 @@ class Collection:
     reading: Reading | None = None  # the levers' evidence, cumulative
     memo: dict[tuple[Any, ...], Any] = field(default_factory=dict)
 
-    def remember(self, key: tuple[Any, ...], compute: Callable[[], Any]) -> Any:
-        found = self.memo.get(key)
+    def remember(self, key: tuple[Any, ...], compute: Callable[[], T]) -> T:
+        found: T | None = self.memo.get(key)
         if found is None:
             found = compute()
             if len(self.memo) < _MEMO_MAX:
@@ -149,8 +150,7 @@ class Collection:
                     out = out.plus(series)
             return out
 
-        found: Series = self.remember(("total", selection), compute)
-        return found
+        return self.remember(("total", selection), compute)
 
 
 def matches(selection: Selection, key: Key) -> bool:

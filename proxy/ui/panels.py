@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from functools import partial
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from proxy import evidence as ev
 from proxy.diagnosis import levers
@@ -19,7 +19,7 @@ from proxy.doctor.examine import REASONS
 from proxy.doctor.report import explain_break
 from proxy.evidence import COMPLETION, DURATION, QUEUE, TPOT, TTFT, Key
 from proxy.measure import Outcome
-from proxy.ui.breaks import BreakExample, RecentBreaks
+from proxy.ui.breaks import BreakExample
 from proxy.ui.collect import (
     CACHED,
     COARSE_S,
@@ -37,6 +37,9 @@ from proxy.ui.collect import (
     matches,
 )
 
+if TYPE_CHECKING:
+    from proxy.ui.data import LiveData
+
 MINUTE, START = "minute", "start"  # the span the page leads with
 TABLE_MAX_ROWS = 60  # of the table by upstream and model; the rest are counted
 CARD_MAX = 4  # selections on the "What to fix" card; the rest are counted
@@ -45,22 +48,6 @@ BREAKS_MAX = 4  # break reasons on the "Prompt caching" panel, the most frequent
 _CLIENT_LEFT = (str(Outcome.CLIENT_DISCONNECTED), str(Outcome.CLIENT_STALLED))
 FAILED = tuple(o for o in OUTCOME_NAMES if o != Outcome.COMPLETED and o not in _CLIENT_LEFT)
 NOT_STREAMED_5XX = "5xx, not streamed"  # the errors' other part, as the row names it
-
-
-class LiveData(Protocol):
-    """What the panels read of :class:`proxy.ui.data.LiveData`: its ring and its bucket
-    estimates."""
-
-    started: float
-    edges: dict[str, tuple[float, ...]]
-    breaks: RecentBreaks | None
-
-    @property
-    def coarse(self) -> Iterable[Collection]: ...
-
-    def dist(self, series: Series, name: str) -> dict[str, Any] | None: ...
-
-    def quantile(self, series: Series, name: str, q: float) -> float | None: ...
 
 
 class View:
@@ -145,8 +132,7 @@ def by_upstream(view: View) -> dict[str, Any]:
     """One row per (upstream, model), and route when more than one has traffic, over the
     span, whatever is selected (it is how one selects); the most requests first."""
     key = ("table", view.base.t if view.minute else None)
-    found: dict[str, Any] = view.now.remember(key, partial(_table, view))
-    return found
+    return view.now.remember(key, partial(_table, view))
 
 
 def _evidence(view: View, span: str) -> list[levers.Evidence]:
@@ -164,10 +150,8 @@ def _evidence(view: View, span: str) -> list[levers.Evidence]:
             now.reading or ev.Reading({}), before, route=route, model=model, upstream=upstream
         )
 
-    found: list[levers.Evidence] = now.remember(
-        ("evidence", view.selection, span, base.t if span == "window" else None), compute
-    )
-    return found
+    key = ("evidence", view.selection, span, base.t if span == "window" else None)
+    return now.remember(key, compute)
 
 
 def _fit(evidence: levers.Evidence) -> dict[str, Any]:
@@ -223,10 +207,7 @@ def what_to_fix(view: View) -> dict[str, Any]:
             )
         return {"selections": out, "more": max(len(total) - CARD_MAX, 0)}
 
-    found: dict[str, Any] = view.now.remember(
-        ("fix", view.selection, view.base.t if view.minute else None), compute
-    )
-    return found
+    return view.now.remember(("fix", view.selection, view.base.t if view.minute else None), compute)
 
 
 def prompt_cache(view: View) -> dict[str, Any]:
@@ -251,10 +232,9 @@ def prompt_cache(view: View) -> dict[str, Any]:
         }
         return out
 
-    found: dict[str, Any] = view.now.remember(
+    return view.now.remember(
         ("prompt", view.selection, view.base.t if view.minute else None), compute
     )
-    return found
 
 
 def _prompt_span(
