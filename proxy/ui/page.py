@@ -12,7 +12,7 @@ import json
 import re
 import time
 from collections.abc import Callable, Iterable
-from functools import cache
+from functools import cache, partial
 from http import HTTPStatus
 from importlib import resources
 from typing import Any
@@ -21,7 +21,7 @@ from urllib.parse import parse_qsl
 from proxy.asgi import Scope, Send
 from proxy.evidence import SELECTORS, Registry
 from proxy.ui.breaks import RecentBreaks
-from proxy.ui.collect import Selection
+from proxy.ui.collect import Selection, matches
 from proxy.ui.data import BadSelection, LiveData
 from proxy.ui.slow import SlowRequests
 from proxy.upstream import error_body
@@ -133,13 +133,7 @@ class LivePage:
             selection = parse_selection(query)
         except ValueError as exc:
             return _error(400, str(exc), "invalid_selector")
-        slow = None
-        if self.slow is not None:
-            slow = self.slow.slowest(
-                lambda key: all(
-                    not want or want == have for want, have in zip(selection, key, strict=True)
-                )
-            )
+        slow = self.slow.slowest(partial(matches, selection)) if self.slow is not None else None
         try:
             answer = self.data.answer(selection, slow)
         except BadSelection as exc:
