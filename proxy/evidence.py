@@ -342,9 +342,5 @@ def _evidence(key: Key, figs: Figures) -> Evidence:
 
 def known_values(reading: Reading) -> dict[str, list[str]]:
     """Every route, model and upstream the reading has (for a filter that matched none)."""
-    found: list[set[str]] = [set(), set(), set()]
-    for key, figs in reading.figures.items():
-        if figs.measured():
-            for i, value in enumerate(key):
-                found[i].add(value)
-    return {name: sorted(values) for name, values in zip(SELECTORS, found, strict=True)}
+    keys = [key for key, figs in reading.figures.items() if figs.measured()]
+    return {name: sorted({key[i] for key in keys}) for i, name in enumerate(SELECTORS)}

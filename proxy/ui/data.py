@@ -98,12 +98,8 @@ class LiveData:
             return current
 
     def choices(self, collection: Collection) -> dict[str, list[str]]:
-        values: list[set[str]] = [set(), set(), set()]
-        for key in collection.series:
-            for i, value in enumerate(key):
-                if value:
-                    values[i].add(value)
-        return {name: sorted(found) for name, found in zip(SELECTORS, values, strict=True)}
+        keys = collection.series
+        return {name: sorted({k[i] for k in keys if k[i]}) for i, name in enumerate(SELECTORS)}
 
     def answer(
         self, selection: Selection, slow: list[dict[str, Any]] | None = None
