@@ -19,6 +19,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from proxy import config
 from proxy.config import OVERHEAD_BUCKETS, QUEUE_BUCKETS
 from proxy.diagnosis.fit import KTOKENS
+from proxy.diagnosis.fit import SAMPLES as FIT_SAMPLES
 from proxy.doctor.provider import agreement
 from proxy.measure import Outcome, PrefixRecord, RequestRecord
 from proxy.metric_help import (
@@ -346,29 +347,23 @@ class Metrics:
                  "llm_proxy_prefill_fit_* sums: slope = (n*Sxy - Sx*Sy) / (n*Sxx - Sx^2) "
                  "seconds per 1000 uncached prompt tokens, fixed part = (Sy - slope*Sx) / n "
                  "seconds; diagnose also fits a quadratic (docs/diagnose.md).")
-        self.fit_n = Counter("llm_proxy_prefill_fit_requests", "Prefill fit: n, the "
-                             "requests in the fit." + about, base, registry=reg)
-        self.fit_x = Counter("llm_proxy_prefill_fit_uncached_ktokens", "Prefill fit: Sx, the "
-                             "sum of x, in thousands of uncached prompt tokens." + about, base,
-                             registry=reg)
-        self.fit_y = Counter("llm_proxy_prefill_fit_first_token_seconds", "Prefill fit: Sy, "
-                             "the sum of y, in seconds." + about, base, registry=reg)
-        self.fit_xy = Counter("llm_proxy_prefill_fit_xy", "Prefill fit: Sxy, the sum of x*y "
-                              "(thousands of tokens times seconds)." + about, base, registry=reg)
-        self.fit_xx = Counter("llm_proxy_prefill_fit_xx", "Prefill fit: Sxx, the sum of x*x "
-                              "(thousands of tokens squared)." + about, base, registry=reg)
-        self.fit_yy = Counter("llm_proxy_prefill_fit_yy", "Prefill fit: Syy, the sum of y*y "
-                              "(seconds squared), for the slope's standard error." + about,
-                              base, registry=reg)
-        self.fit_xxx = Counter("llm_proxy_prefill_fit_xxx", "Prefill fit: Sxxx, the sum of "
-                               "x*x*x (thousands of tokens cubed), for the quadratic term."
-                               + about, base, registry=reg)
-        self.fit_xxxx = Counter("llm_proxy_prefill_fit_xxxx", "Prefill fit: Sxxxx, the sum of "
-                                "x*x*x*x (thousands of tokens to the fourth), for the "
-                                "quadratic term." + about, base, registry=reg)
-        self.fit_xxy = Counter("llm_proxy_prefill_fit_xxy", "Prefill fit: Sxxy, the sum of "
-                               "x*x*y (thousands of tokens squared times seconds), for the "
-                               "quadratic term." + about, base, registry=reg)
+        sums = (  # what each sum is, in the order of proxy.diagnosis.fit.SAMPLES
+            "n, the requests in the fit.",
+            "Sx, the sum of x, in thousands of uncached prompt tokens.",
+            "Sy, the sum of y, in seconds.",
+            "Sxy, the sum of x*y (thousands of tokens times seconds).",
+            "Sxx, the sum of x*x (thousands of tokens squared).",
+            "Syy, the sum of y*y (seconds squared), for the slope's standard error.",
+            "Sxxx, the sum of x*x*x (thousands of tokens cubed), for the quadratic term.",
+            "Sxxxx, the sum of x*x*x*x (thousands of tokens to the fourth), for the "
+            "quadratic term.",
+            "Sxxy, the sum of x*x*y (thousands of tokens squared times seconds), for the "
+            "quadratic term.",
+        )
+        (self.fit_n, self.fit_x, self.fit_y, self.fit_xy, self.fit_xx, self.fit_yy,
+         self.fit_xxx, self.fit_xxxx, self.fit_xxy) = (
+            Counter(name.removesuffix("_total"), f"Prefill fit: {what}{about}", base, registry=reg)
+            for name, what in zip(FIT_SAMPLES, sums, strict=True))
         self.fit_skipped = Counter(
             "llm_proxy_prefill_fit_skipped", "Streamed requests with a first token left out "
             "of the prefill fit (llm_proxy_prefill_fit_*) because no prompt token count was "
