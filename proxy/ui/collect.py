@@ -5,7 +5,6 @@ changed (:class:`Collection`). The page's panels read them (:mod:`proxy.ui.panel
 
 from __future__ import annotations
 
-import math
 from array import array
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -230,13 +229,9 @@ class Reader:
             values.append(self.hsums.get((key, name, "count"), 0.0))
             series = out.get(key)
             if series is None:
-                series = out[key] = Series({}, array("d", bytes(8 * len(_SCALARS))))
+                series = out[key] = Series.empty()
             old = previous.get(key)
             if old is not None and old.hists.get(name) == values:
                 values = old.hists[name]
             series.hists[name] = values
         return out
-
-
-def finite(value: float) -> float | None:
-    return value if math.isfinite(value) else None

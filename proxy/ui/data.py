@@ -17,6 +17,7 @@ from typing import Any
 
 from proxy import evidence as ev
 from proxy.buckets import fraction_at_most, histogram_quantile
+from proxy.diagnosis.wording import finite
 from proxy.evidence import SELECTORS, TPOT, Registry
 from proxy.ui.breaks import RecentBreaks
 from proxy.ui.collect import (
@@ -29,7 +30,6 @@ from proxy.ui.collect import (
     Reader,
     Selection,
     Series,
-    finite,
 )
 from proxy.ui.panels import PANELS, View
 

@@ -109,10 +109,10 @@ def over_time(view: View) -> dict[str, Any]:
     now_t, selection = view.now.t, view.selection
     # (a copy, without what another thread's answer collected since this one's)
     points = [c for c in list(view.data.coarse) if c.t <= now_t]
-    out: dict[str, list[Any]] = {"t": []}
     keys = [f"{h}.p{round(q * 100)}" for h in ("ttft", "ttfa", "itl") for q in QUANTILES]
-    for k in (*keys, "requests_per_s", "output_tokens_per_s"):
-        out[k] = []
+    out: dict[str, list[Any]] = {
+        k: [] for k in ("t", *keys, "requests_per_s", "output_tokens_per_s")
+    }
     for before, after in itertools.pairwise(points):
         point = after.remember(
             ("point", selection, before.t), partial(_point, view.data, selection, before, after)
@@ -404,10 +404,8 @@ def _point(
     seconds = after.t - before.t
     point: dict[str, Any] = {}
     for short, name in (("ttft", TTFT), ("ttfa", TTFA), ("itl", ITL)):
-        dist = data.dist(d, name)
         for q in QUANTILES:
-            p = f"p{round(q * 100)}"
-            point[f"{short}.{p}"] = dist[p] if dist else None
+            point[f"{short}.p{round(q * 100)}"] = data.quantile(d, name, q)
     point["requests_per_s"] = d.get("requests") / seconds
     point["output_tokens_per_s"] = d.get(f"{COMPLETION}_sum") / seconds
     return point

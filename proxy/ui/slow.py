@@ -9,6 +9,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, fields
+from operator import attrgetter
 from typing import Any
 
 from proxy.measure import RequestRecord
@@ -17,6 +18,7 @@ SLOT_S = 10.0
 SLOTS = 6  # one minute
 KEEP = 10
 _ID_MAX = 64
+_wait = attrgetter("wait_s")
 _NOT_SHOWN = ("wait_s", "at")  # the page shows ago_s instead
 
 
@@ -115,7 +117,3 @@ class SlowRequests:
                     found.extend(i for i in list(top.items) if now - i.at <= horizon_s)
         found.sort(key=_wait, reverse=True)
         return [item.as_json(now) for item in found[:n]]
-
-
-def _wait(item: SlowRequest) -> float:
-    return item.wait_s
