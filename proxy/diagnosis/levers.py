@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from proxy.buckets import fraction_at_most, histogram_quantile
@@ -127,14 +127,7 @@ class FirstTokenSplit:
     capped: bool = False  # prefill and missed cache scaled down to what the mean leaves
 
     def as_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {name: say.rounded(getattr(self, name)) for name in _SPLIT_PARTS}
-        out["prefill_from"] = self.prefill_from
-        out["capped"] = self.capped
-        return out
-
-
-_SPLIT_PARTS = ("mean_ms", "proxy_queue_ms", "upstream_queue_ms", "prefill_ms",
-                "missed_cache_ms", "rest_ms")
+        return _rounded(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,11 +201,16 @@ class Diagnosis:
                 map(say.rounded, self.fit_terms_ms), strict=True)),
             "fit_note": self.fit_note,
             "tokens_estimated_share": say.rounded(self.tokens_estimated_share),
-            "first_token": self.first_token.as_json(),
-            "decode": {k: say.rounded(getattr(self.decode, k)) for k in self.decode.__slots__},
-            "output": {k: say.rounded(getattr(self.output, k)) for k in self.output.__slots__},
+            "first_token": _rounded(self.first_token),
+            "decode": _rounded(self.decode),
+            "output": _rounded(self.output),
             "levers": [lever.as_json() for lever in self.levers],
         }
+
+
+def _rounded(figures: FirstTokenSplit | DecodeFigures | OutputFigures) -> dict[str, Any]:
+    """Figures as JSON, each float rounded as :func:`say.rounded` does."""
+    return {k: say.rounded(v) if isinstance(v, float) else v for k, v in asdict(figures).items()}
 
 
 def as_json(diagnoses: Sequence[Diagnosis]) -> dict[str, Any]:
