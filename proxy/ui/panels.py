@@ -48,6 +48,8 @@ BREAKS_MAX = 4  # break reasons on the "Prompt caching" panel, the most frequent
 _CLIENT_LEFT = (str(Outcome.CLIENT_DISCONNECTED), str(Outcome.CLIENT_STALLED))
 FAILED = tuple(o for o in OUTCOME_NAMES if o != Outcome.COMPLETED and o not in _CLIENT_LEFT)
 NOT_STREAMED_5XX = "5xx, not streamed"  # the errors' other part, as the row names it
+# A break example's fields that its sentence (explain_break) is not worded from.
+_UNWORDED = ("model", "upstream", "prompt_bytes", "prompt_tokens", "ago_s")
 
 
 class View:
@@ -301,16 +303,9 @@ def _break(
     fits: dict[Key, Any],
     clock: float,
 ) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "reason": reason,
-        "count": count,
-        "per_s": per_s,
-        "example": None,
-        "saves_ms": None,
-    }
+    out: dict[str, Any] = {"reason": reason, "count": count, "per_s": per_s}
     if found is None:
-        out["sentence"] = explain_break(reason)
-        return out
+        return out | {"example": None, "saves_ms": None, "sentence": explain_break(reason)}
     key, example = found
     fit = fits.get(key)
     tokens = example.stable_tokens if reason == "variable_before_stable" else None
@@ -319,28 +314,11 @@ def _break(
         if tokens is not None and fit is not None and levers.usable_fit(fit)
         else None
     )
-    out["example"] = {
-        "route": key[0],
-        "model": key[1],
-        "upstream": key[2],
-        **example.as_json(clock),
-        "stable_tokens": tokens,
-    }
-    out["saves_ms"] = saves
-    out["sentence"] = explain_break(
-        reason,
-        part=example.part,
-        index=example.index,
-        role=example.role,
-        route=key[0],
-        offset=example.offset,
-        part_bytes=example.part_bytes,
-        changed_bytes=example.changed_bytes,
-        stable_bytes=example.stable_bytes,
-        stable_tokens=tokens,
-        saves_ms=saves,
-    )
-    return out
+    shown: dict[str, Any] = dict(zip(("route", "model", "upstream"), key, strict=True))
+    shown |= example.as_json(clock) | {"stable_tokens": tokens}
+    worded = {name: value for name, value in shown.items() if name not in _UNWORDED}
+    sentence = explain_break(reason, **worded, saves_ms=saves)
+    return out | {"example": shown, "saves_ms": saves, "sentence": sentence}
 
 
 PANELS: tuple[tuple[str, Callable[[View], Any]], ...] = (
