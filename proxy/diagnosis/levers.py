@@ -530,8 +530,7 @@ def _decode(ev: Evidence, decode: DecodeFigures, total_ms: float | None) -> Leve
     rate = decode.median_tokens_per_s
     below, fast, slow = (decode.below_reading_pace_share, decode.above_fast_share,
                          decode.slow_ms)
-    numbers = {"streams": decode.streams, "median_tokens_per_s": rate,
-               "below_reading_pace_share": below, "above_fast_share": fast, "slow_ms": slow}
+    numbers = asdict(decode)
     if rate is None:
         return Lever("decode", "unknown", "total", None, "Decoding: rate not measured.",
                      numbers)
