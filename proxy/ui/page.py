@@ -161,13 +161,8 @@ class LivePage:
         raw = [(k.encode(), v.encode()) for k, v in headers]
         raw.append((b"content-length", str(len(body)).encode()))
         await send({"type": "http.response.start", "status": status, "headers": raw})
-        await send(
-            {
-                "type": "http.response.body",
-                "body": b"" if method == "HEAD" else body,
-                "more_body": False,
-            }
-        )
+        body = b"" if method == "HEAD" else body
+        await send({"type": "http.response.body", "body": body, "more_body": False})
 
     def wsgi(self, fallback: Callable[..., Iterable[bytes]]) -> Callable[..., Iterable[bytes]]:
         """A WSGI app: the page's paths here, everything else to ``fallback`` (the
