@@ -126,9 +126,6 @@ class FirstTokenSplit:
     prefill_from: str | None = None
     capped: bool = False  # prefill and missed cache scaled down to what the mean leaves
 
-    def as_json(self) -> dict[str, Any]:
-        return _rounded(self)
-
 
 @dataclass(frozen=True, slots=True)
 class DecodeFigures:

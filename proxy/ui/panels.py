@@ -56,11 +56,12 @@ class View:
     """One answer as its panels read it: the collection now, the one the last minute
     starts from, the selection, and the span the page leads with (module docstring)."""
 
-    __slots__ = ("base", "data", "minute", "now", "selection", "total", "window")
+    __slots__ = ("base", "data", "minute", "now", "selection", "since", "total", "window")
 
     def __init__(self, data: LiveData, now: Collection, base: Collection, selection: Selection):
         self.data, self.now, self.base, self.selection = data, now, base, selection
         self.minute = now.t - base.t >= FULL_WINDOW_S
+        self.since = base.t if self.minute else None  # what an answer's span depends on
         self.total = now.total(selection)
         self.window = self.total.minus(base.total(selection)) if self.minute else None
 
@@ -133,8 +134,7 @@ def over_time(view: View) -> dict[str, Any]:
 def by_upstream(view: View) -> dict[str, Any]:
     """One row per (upstream, model), and route when more than one has traffic, over the
     span, whatever is selected (it is how one selects); the most requests first."""
-    key = ("table", view.base.t if view.minute else None)
-    return view.now.remember(key, partial(_table, view))
+    return view.now.remember(("table", view.since), partial(_table, view))
 
 
 def _evidence(view: View, span: str) -> list[levers.Evidence]:
@@ -190,26 +190,14 @@ def what_to_fix(view: View) -> dict[str, Any]:
         window = {(e.route, e.model, e.upstream): e for e in _evidence(view, "window")}
         out = []
         for evidence in total[:CARD_MAX]:
-            key = (evidence.route, evidence.model, evidence.upstream)
-            found = levers.diagnose(evidence)
-            recent = window.get(key)
-            out.append(
-                {
-                    "route": found.route,
-                    "model": found.model,
-                    "upstream": found.upstream,
-                    "requests": found.requests,
-                    "fit": {
-                        "total": _fit(evidence),
-                        "window": _fit(recent) if recent is not None else None,
-                    },
-                    "first_token": found.first_token.as_json(),
-                    "levers": [lever.as_json() for lever in found.levers],
-                }
-            )
+            d = levers.diagnose(evidence).as_json()  # as diagnose --json words it
+            recent = window.get((evidence.route, evidence.model, evidence.upstream))
+            fit = {"total": _fit(evidence), "window": _fit(recent) if recent is not None else None}
+            card = {name: d[name] for name in ("route", "model", "upstream", "requests")}
+            out.append(card | {"fit": fit, "first_token": d["first_token"], "levers": d["levers"]})
         return {"selections": out, "more": max(len(total) - CARD_MAX, 0)}
 
-    return view.now.remember(("fix", view.selection, view.base.t if view.minute else None), compute)
+    return view.now.remember(("fix", view.selection, view.since), compute)
 
 
 def prompt_cache(view: View) -> dict[str, Any]:
@@ -226,17 +214,14 @@ def prompt_cache(view: View) -> dict[str, Any]:
         breaks = view.data.breaks
         examples = breaks.latest(partial(matches, view.selection)) if breaks is not None else {}
         clock = breaks.clock() if breaks is not None else 0.0
-        out: dict[str, Any] = {
+        return {
             "measured": view.now.missed_measured,
             "total": _prompt_span(view, "total", fits, examples, clock),
             "window": _prompt_span(view, "window", fits, examples, clock) if view.minute else None,
             "examples": breaks is not None,
         }
-        return out
 
-    return view.now.remember(
-        ("prompt", view.selection, view.base.t if view.minute else None), compute
-    )
+    return view.now.remember(("prompt", view.selection, view.since), compute)
 
 
 def _prompt_span(
