@@ -76,7 +76,7 @@ class Figures:
     def minus(self, before: Figures) -> Figures:
         """The change since ``before``. A count that went down means the counters were
         reset (a restarted process): the window is then everything since the reset, as
-        PromQL's ``increase`` takes it, and so is :meth:`FitSums.minus`."""
+        PromQL's ``increase`` takes it."""
         counts = [REQUESTS, *(f"{h}_count" for h in SUMMED), *FIT_SAMPLES]
         if any(self.get(c) < before.get(c) for c in counts if c in before.values):
             return self

@@ -20,6 +20,7 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
+from proxy import evidence as ev
 from proxy.diagnosis.fit import (
     KTOKENS,
     MIN_QUADRATIC_REQUESTS,
@@ -100,6 +101,18 @@ def test_any_points_fit_as_exact_arithmetic_says(points: list[tuple[int, float]]
         assert got.terms_ms is not None and min(got.terms_ms) >= 0 and got.terms_ms[2] > 0
 
 
+def windowed(after: FitSums, before: FitSums) -> PrefillFit:
+    """The fit of the window between two readings of the counters holding these sums,
+    as diagnose takes it (proxy.evidence)."""
+
+    def reading(sums: FitSums) -> ev.Reading:
+        key = (("route", "r"), ("model", "m"), ("upstream", "u"))
+        return ev.read_snapshot({(name, key): getattr(sums, f) for name, f in SAMPLES.items()})
+
+    (found,) = ev.evidence(reading(after), reading(before))
+    return found.fit
+
+
 def test_sums_add_across_replicas_and_subtract_to_a_window() -> None:
     rng = random.Random(7)
     a, b, c = noisy_points(rng, 200), noisy_points(rng, 300), noisy_points(rng, 100)
@@ -111,7 +124,7 @@ def test_sums_add_across_replicas_and_subtract_to_a_window() -> None:
     # cumulative readings before and after c: the window is c alone
     before = FitSums.of(a)
     after = before.plus(FitSums.of(c))
-    window = fit(after.minus(before))
+    window = windowed(after, before)
     alone = fit(FitSums.of(c))
     assert window.requests == 100
     assert window.ms_per_1k_tokens == pytest.approx(alone.ms_per_1k_tokens, rel=1e-6)
@@ -121,7 +134,7 @@ def test_sums_add_across_replicas_and_subtract_to_a_window() -> None:
 def test_a_reset_counts_everything_since_it() -> None:
     before = FitSums.of(noisy_points(random.Random(1), 50))
     restarted = FitSums.of(noisy_points(random.Random(2), 10))
-    assert restarted.minus(before) == restarted
+    assert windowed(restarted, before) == fit(restarted)
 
 
 def test_no_requests_and_too_few() -> None:
@@ -317,7 +330,7 @@ def test_quadratic_sums_add_across_replicas() -> None:
     summed = fit(FitSums.of(a).plus(FitSums.of(b)))
     assert summed.model == "quadratic" and summed.requests == 47
     assert summed.terms_ms == pytest.approx((50.0, 2000.0, 800.0), rel=1e-9)
-    window = fit(FitSums.of(a).plus(FitSums.of(b)).minus(FitSums.of(a)))
+    window = windowed(FitSums.of(a).plus(FitSums.of(b)), FitSums.of(a))
     assert window.requests == 17 and window.terms_ms == pytest.approx((50.0, 2000.0, 800.0), rel=1e-6)
     # PromQL's increase() scales every sum of a series by one factor: the terms stay
     scaled = FitSums(*(v * 1.037 for v in dataclasses.astuple(FitSums.of(a))))

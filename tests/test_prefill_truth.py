@@ -182,10 +182,8 @@ async def test_the_fit_finds_the_simulators_prefill_rate_and_fixed_cost(simulato
             await anyio.sleep(0.01)  # polling the proxy's counters, not timing anything
             after = await anyio.to_thread.run_sync(scrape, port)
 
-    def sums(reading: dict[str, float]) -> FitSums:
-        return FitSums.from_samples(reading.items())
-
-    window = sums(after).minus(sums(before))  # without the warm-up request
+    # without the warm-up request: the sums after less those before
+    window = FitSums.from_samples([*after.items(), *((k, -v) for k, v in before.items())])
     uncached = [a.prompt_tokens - a.cached_tokens for a in answers]
     assert window.n == len(prompts)
     assert window.sx == pytest.approx(sum(uncached) / 1000, rel=1e-12)

@@ -90,14 +90,6 @@ class FitSums:
     def plus(self, other: FitSums) -> FitSums:
         return FitSums(*(a + b for a, b in zip(self._values(), other._values(), strict=True)))
 
-    def minus(self, before: FitSums) -> FitSums:
-        """A window: these cumulative sums less earlier ones. Fewer requests now than
-        before means the counters were reset (a restarted process or worker): the
-        window is then everything since the reset, as PromQL's ``increase`` takes it."""
-        if self.n < before.n:
-            return self
-        return FitSums(*(a - b for a, b in zip(self._values(), before._values(), strict=True)))
-
     def _values(self) -> tuple[float, ...]:
         return tuple(getattr(self, f.name) for f in fields(self))
 
