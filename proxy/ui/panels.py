@@ -112,23 +112,16 @@ def over_time(view: View) -> dict[str, Any]:
     now_t, selection = view.now.t, view.selection
     # (a copy, without what another thread's answer collected since this one's)
     points = [c for c in list(view.data.coarse) if c.t <= now_t]
-    keys = [f"{h}.p{round(q * 100)}" for h in ("ttft", "ttfa", "itl") for q in QUANTILES]
-    out: dict[str, list[Any]] = {
-        k: [] for k in ("t", *keys, "requests_per_s", "output_tokens_per_s")
-    }
+    rows: list[dict[str, Any]] = []
     for before, after in itertools.pairwise(points):
         point = after.remember(
             ("point", selection, before.t), partial(_point, view.data, selection, before, after)
         )
         if after.t - before.t > 2.5 * COARSE_S:  # a gap: break the lines
-            out["t"].append(before.t - now_t + COARSE_S)
-            for k in out:
-                if k != "t":
-                    out[k].append(None)
-        out["t"].append(after.t - now_t)
-        for k, v in point.items():
-            out[k].append(v)
-    return out
+            rows.append({"t": before.t - now_t + COARSE_S} | dict.fromkeys(point))
+        rows.append({"t": after.t - now_t} | point)
+    keys = [f"{h}.p{round(q * 100)}" for h in ("ttft", "ttfa", "itl") for q in QUANTILES]
+    return {k: [r[k] for r in rows] for k in ("t", *keys, "requests_per_s", "output_tokens_per_s")}
 
 
 def by_upstream(view: View) -> dict[str, Any]:
@@ -272,25 +265,21 @@ def _prompt_span(
     figures["missed_ms_covers"] = missed_fitted / missed_all if missed_all > 0 else None
     counts = sorted(((s.get(f"break_{r}"), r) for r in (*REASONS, "other")), reverse=True)
     figures["breaks"] = [
-        _break(reason, count, per_s(count), examples.get(reason), fits, clock)
-        for count, reason in counts[:BREAKS_MAX]
-        if count > 0
+        {"reason": r, "count": n, "per_s": per_s(n)} | _example(r, examples.get(r), fits, clock)
+        for n, r in counts[:BREAKS_MAX]
+        if n > 0
     ]
     figures["breaks_total"] = math.fsum(count for count, _ in counts)
     return figures
 
 
-def _break(
-    reason: str,
-    count: float,
-    per_s: float | None,
-    found: tuple[Key, BreakExample] | None,
-    fits: dict[Key, Any],
-    clock: float,
+def _example(
+    reason: str, found: tuple[Key, BreakExample] | None, fits: dict[Key, Any], clock: float
 ) -> dict[str, Any]:
-    out: dict[str, Any] = {"reason": reason, "count": count, "per_s": per_s}
+    """A break reason's latest example, what moving its changing part would save, and its
+    sentence."""
     if found is None:
-        return out | {"example": None, "saves_ms": None, "sentence": explain_break(reason)}
+        return {"example": None, "saves_ms": None, "sentence": explain_break(reason)}
     key, example = found
     fit = fits.get(key)
     tokens = example.stable_tokens if reason == "variable_before_stable" else None
@@ -303,7 +292,7 @@ def _break(
     shown |= example.as_json(clock) | {"stable_tokens": tokens}
     worded = {name: value for name, value in shown.items() if name not in _UNWORDED}
     sentence = explain_break(reason, **worded, saves_ms=saves)
-    return out | {"example": shown, "saves_ms": saves, "sentence": sentence}
+    return {"example": shown, "saves_ms": saves, "sentence": sentence}
 
 
 PANELS: tuple[tuple[str, Callable[[View], Any]], ...] = (
