@@ -77,15 +77,11 @@ class FitSums:
     def of(cls, points: Iterable[tuple[float, float]]) -> FitSums:
         """The sums of ``(uncached prompt tokens, first-token seconds)`` pairs."""
         out = cls()
-        for tokens, seconds in points:
-            out = out.add(tokens, seconds)
+        for tokens, y in points:
+            x = tokens / KTOKENS
+            xx = x * x  # the same products, in the same order, as proxy.metrics adds
+            out = out.plus(FitSums(1, x, y, x * y, xx, y * y, xx * x, xx * xx, xx * y))
         return out
-
-    def add(self, uncached_tokens: float, first_token_s: float) -> FitSums:
-        x = uncached_tokens / KTOKENS
-        y = first_token_s
-        xx = x * x  # the same products, in the same order, as proxy.metrics adds
-        return self.plus(FitSums(1, x, y, x * y, xx, y * y, xx * x, xx * xx, xx * y))
 
     def plus(self, other: FitSums) -> FitSums:
         return FitSums(*(a + b for a, b in zip(self._values(), other._values(), strict=True)))
