@@ -113,7 +113,9 @@ class LiveData:
                 raise BadSelection(
                     f"unknown {name} {want[:200]!r}; known: " + ", ".join(choices[name][:20])
                 )
-        view = View(self, now_c, self._window_base(now_c), selection)
+        # the oldest collection within the minute (list(): other threads may append)
+        base = next((c for c in list(self.fine) if now_c.t - c.t <= WINDOW_S + 0.5), now_c)
+        view = View(self, now_c, base, selection)
         answer: dict[str, Any] = {
             "generated_ms": round(self.wall_clock() * 1000),
             "uptime_s": view.uptime_s,
@@ -128,12 +130,6 @@ class LiveData:
         for name, panel in PANELS:
             answer[name] = panel(view)
         return answer
-
-    def _window_base(self, now_c: Collection) -> Collection:
-        for collection in list(self.fine):  # a copy: other threads may append
-            if now_c.t - collection.t <= WINDOW_S + 0.5:
-                return collection
-        return now_c
 
     def dist(self, series: Series, name: str) -> dict[str, Any] | None:
         """Count, mean and bucket percentiles of histogram ``name`` in ``series``."""
