@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import astuple, dataclass
 from fractions import Fraction
 from typing import Literal
 
@@ -84,10 +84,7 @@ class FitSums:
         return out
 
     def plus(self, other: FitSums) -> FitSums:
-        return FitSums(*(a + b for a, b in zip(self._values(), other._values(), strict=True)))
-
-    def _values(self) -> tuple[float, ...]:
-        return tuple(getattr(self, f.name) for f in fields(self))
+        return FitSums(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
 
     @classmethod
     def from_samples(cls, samples: Iterable[tuple[str, float]]) -> FitSums:
@@ -248,11 +245,11 @@ def _quadratic(sums: FitSums, line: PrefillFit) -> PrefillFit | None:
     same sums), if it explains clearly more than the line; else None."""
     n = sums.n
     if (n < MIN_QUADRATIC_REQUESTS or sums.sxxxx <= 0
-            or not all(math.isfinite(v) for v in sums._values())):
+            or not all(math.isfinite(v) for v in astuple(sums))):
         return None
     if not _may_explain_more(sums):
         return None
-    q = [Fraction(v) for v in sums._values()]
+    q = [Fraction(v) for v in astuple(sums)]
     fn, sx, sxx, sxxx, sxxxx = q[0], q[1], q[4], q[6], q[7]
     var_x, var_z = fn * sxx - sx * sx, fn * sxxxx - sxx * sxx
     if var_x < MIN_QUADRATIC_SPREAD * fn * sxx or var_z <= 0:
