@@ -139,12 +139,8 @@ class LivePage:
         except BadSelection as exc:
             return _error(400, str(exc), "unknown_selector")
         answer["prefix_index"] = self.prefix_index
-        body = json.dumps(answer, separators=(",", ":"), allow_nan=False).encode()
-        return (
-            200,
-            [("content-type", _JSON), _NO_STORE, ("x-content-type-options", "nosniff")],
-            body,
-        )
+        headers = [("content-type", _JSON), _NO_STORE, ("x-content-type-options", "nosniff")]
+        return 200, headers, json.dumps(answer, separators=(",", ":"), allow_nan=False).encode()
 
     # -- servers ---------------------------------------------------------------------
 
