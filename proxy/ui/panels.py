@@ -56,22 +56,14 @@ class View:
     """One answer as its panels read it: the collection now, the one the last minute
     starts from, the selection, and the span the page leads with (module docstring)."""
 
-    __slots__ = ("base", "data", "minute", "now", "selection", "since", "total", "window")
-
     def __init__(self, data: LiveData, now: Collection, base: Collection, selection: Selection):
         self.data, self.now, self.base, self.selection = data, now, base, selection
-        self.minute = now.t - base.t >= FULL_WINDOW_S
+        self.uptime_s = now.t - data.started
+        self.window_s = now.t - base.t
+        self.minute = self.window_s >= FULL_WINDOW_S
         self.since = base.t if self.minute else None  # what an answer's span depends on
         self.total = now.total(selection)
         self.window = self.total.minus(base.total(selection)) if self.minute else None
-
-    @property
-    def uptime_s(self) -> float:
-        return self.now.t - self.data.started
-
-    @property
-    def window_s(self) -> float:
-        return self.now.t - self.base.t
 
     def span(self) -> dict[str, Any]:
         if self.minute:
