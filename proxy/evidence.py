@@ -137,13 +137,9 @@ class ReadingBuilder:
     def build(self, previous: Reading | None = None) -> Reading:
         """The reading; a selection whose figures equal ``previous``'s keeps that
         object, so a ring of readings shares what did not change."""
-        if previous is None:
-            return Reading(dict(self._figures))
-        out: dict[Key, Figures] = {}
-        for key, figs in self._figures.items():
-            old = previous.figures.get(key)
-            out[key] = old if old is not None and old == figs else figs
-        return Reading(out)
+        old = previous.figures if previous is not None else {}
+        figures = self._figures.items()
+        return Reading({key: old[key] if old.get(key) == figs else figs for key, figs in figures})
 
 
 def bucket_edge(le: str) -> float | None:
