@@ -49,10 +49,9 @@ def index_scope(*, doctor: bool, shared: bool, workers: int) -> dict[str, Any] |
     if not doctor:
         return None
     if shared:
-        return {"index": "shared", "workers": workers,
-                "note": "Repeats are found whichever replica or worker served the earlier "
-                        "request: every process shares one index ([cache-index])."}
-    if workers > 1:
+        note = ("Repeats are found whichever replica or worker served the earlier request: "
+                "every process shares one index ([cache-index]).")
+    elif workers > 1:
         note = (f"Each of the {workers} worker processes keeps its own index and "
                 "finds only the repeats it served itself (about 1 in "
                 f"{workers} of a conversation's turns), and none served by another "
@@ -61,4 +60,4 @@ def index_scope(*, doctor: bool, shared: bool, workers: int) -> dict[str, Any] |
         note = ("This process keeps its own index: behind a load balancer it finds only the "
                 "repeats it served itself (with N replicas, about 1 in N of a conversation's "
                 "turns): a shared index ([cache-index]) finds them all.")
-    return {"index": "per-process", "workers": workers, "note": note}
+    return {"index": "shared" if shared else "per-process", "workers": workers, "note": note}
