@@ -849,10 +849,19 @@ async def test_a_job_that_never_got_its_turn_runs_at_the_finish() -> None:
 async def test_a_streams_job_waits_for_its_prefill_and_is_stamped_then() -> None:
     """A stream's job joins no batch until its first output event (ready), and is stamped
     at that time; a stream that ends without one is stamped at its headers, at the
-    finish; a non-stream answer's job is ready at its headers."""
+    finish; a non-stream answer's job is ready at its headers. A job is weighed (its
+    estimate and place) when it is ready, never on the way to the response's first bytes."""
     check = PrefixCheck()
     held: list[tuple[int, int | None]] = []
     examine = check.doctor.look
+    weighed: list[int] = []
+    estimate = check.estimate
+
+    def counted_estimate(payload: Any, body_bytes: int) -> int:
+        weighed.append(body_bytes)
+        return estimate(payload, body_bytes)
+
+    check.estimate = counted_estimate  # type: ignore[method-assign]
 
     def recorded(*args: Any, now_ms: int, held_ms: int | None = None, **kwargs: Any) -> Any:
         held.append((now_ms, held_ms))
@@ -869,8 +878,9 @@ async def test_a_streams_job_waits_for_its_prefill_and_is_stamped_then() -> None
         return job
 
     streamed = begin(True)
-    assert check._batch == []  # not ready: no first token yet
+    assert check._batch == [] and weighed == []  # not ready: no first token yet
     streamed.ready(T0 + 2.5)
+    assert weighed == [100]
     streamed.ready(T0 + 9)  # once
     assert check._batch == [streamed]
     await streamed.settle()

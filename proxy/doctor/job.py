@@ -211,24 +211,13 @@ class PrefixCheck:
         at ``t_headers`` (``t0`` when not given); None when there is nothing to examine
         (not a measured route, a body that is not a JSON object, an answer that is not
         2xx). A non-stream answer's job is ready at once, a ``stream``'s once its first
-        output event calls :meth:`PrefixJob.ready`."""
+        output event calls :meth:`PrefixJob.ready`. Nothing is weighed here, on the way
+        to the response's first bytes: the job's place is decided when it is ready."""
         if dialect is None or payload is None or not 200 <= status < 300:
             return None
-        blocks = self.estimate(payload, body_bytes)
         headers_ms = round((t0 if t_headers is None else t_headers) * 1000)
-        job = PrefixJob(
-            self,
-            dialect,
-            payload,
-            upstream,
-            round(t0 * 1000),
-            headers_ms,
-            blocks,
-            place=self.place(blocks),
-        )
-        if job.place is Place.TOO_LARGE:
-            job.skip(TOO_LARGE)
-        elif not stream:
+        job = PrefixJob(self, dialect, payload, upstream, round(t0 * 1000), headers_ms, body_bytes)
+        if not stream:
             job.ready()
         return job
 
@@ -335,6 +324,7 @@ class PrefixJob:
 
     __slots__ = (
         "_blocks",
+        "_body_bytes",
         "_check",
         "_dialect",
         "_future",
@@ -359,9 +349,9 @@ class PrefixJob:
         upstream: UpstreamSpec,
         now_ms: int,
         headers_ms: int | None = None,
-        blocks: int = 0,
+        body_bytes: int = 0,
         *,
-        place: Place,
+        place: Place | None = None,
     ) -> None:
         self._check = check
         self._dialect = dialect
@@ -372,8 +362,9 @@ class PrefixJob:
         self._now_ms = now_ms  # when the request arrived
         self._headers_ms = now_ms if headers_ms is None else headers_ms  # its headers' time
         self._held_ms: int | None = None  # when its prefill was done: ready from then
-        self._blocks = blocks  # estimated (PrefixCheck.estimate): its weight in a batch
-        self.place = place
+        self._body_bytes = body_bytes
+        self._blocks = 0  # estimated (PrefixCheck.estimate): its weight in a batch
+        self.place = place  # None: decided by its estimate when it is ready
         self._started = False
         self._future: Future[Examination] | None = None
         self._result: Examination | None = None
@@ -388,16 +379,17 @@ class PrefixJob:
         if self._held_ms is not None:
             return
         self._held_ms = self._headers_ms if t is None else round(t * 1000)
+        if self.place is None:
+            self._blocks = self._check.estimate(self._payload, self._body_bytes)
+            self.place = self._check.place(self._blocks)
+        if self.place is Place.TOO_LARGE:
+            self._started = True  # never examined
+            self._unchecked = TOO_LARGE
+            return
         try:
             self._check.enqueue(self, self._blocks)
         except Exception:  # no running loop (closing); the finish starts it, if it comes
             self._check._warn("prompt-cache doctor: a job could not be queued", trace=True)
-
-    def skip(self, reason: str) -> None:
-        """Never examine this prompt; the record says why (``reason``)."""
-        self._started = True
-        self._unchecked = reason
-        self._held_ms = self._headers_ms  # never queued: ready() has nothing to do
 
     def start(self) -> None:
         """Run :meth:`examine` where the place says: now, on this thread, for the loop;
@@ -405,10 +397,11 @@ class PrefixJob:
         if self._started:
             return
         self._started = True
-        if self.place is Place.INLINE:
+        place = self.place
+        if place is None or place is Place.INLINE:  # None: started unready (in a test)
             self._result = self.examine()
             return
-        self._future = self._check.submit(self.examine, self.place)
+        self._future = self._check.submit(self.examine, place)
         if self._future is None:
             self._unchecked = BUSY
 
