@@ -59,70 +59,20 @@ def add_parser(subparsers: Any) -> None:
         ),
     )
     add = parser.add_argument
-    add("--host", metavar="HOST", default="127.0.0.1", help="Interface for the proxy [%(default)s]")
-    add(
-        "--port",
-        metavar="PORT",
-        type=int,
-        default=8080,
-        help="Proxy port; a free one if this one is taken [%(default)s]",
-    )
-    add(
-        "--duration",
-        metavar="S",
-        type=float,
-        default=None,
-        help="Stop after this many seconds [default: run until Ctrl-C]",
-    )
-    add(
-        "--rate",
-        metavar="PER_S",
-        type=float,
-        default=1.5,
-        help="Steady requests per second, Poisson arrivals [%(default)s]",
-    )
-    add(
-        "--burst-every",
-        metavar="S",
-        type=float,
-        default=15.0,
-        help="Seconds between bursts; 0: no bursts [%(default)s]",
-    )
-    add(
-        "--burst-size",
-        metavar="N",
-        type=int,
-        default=12,
-        help="Requests sent at once in a burst [%(default)s]",
-    )
-    add(
-        "--slots",
-        metavar="N",
-        type=int,
-        default=8,
-        help="The simulator's decode slots; bursts beyond them queue [%(default)s]",
-    )
-    add(
-        "--window",
-        metavar="S",
-        type=float,
-        default=5.0,
-        help="Seconds of history in the view's 'last' column [%(default)s]",
-    )
-    add(
-        "--refresh",
-        metavar="S",
-        type=float,
-        default=1.0,
-        help="Seconds between refreshes of the view [%(default)s]",
-    )
-    add(
-        "--seed",
-        metavar="N",
-        type=int,
-        default=0,
-        help="Seed for the workload and the simulator [%(default)s]",
-    )
+    for flag, metavar, kind, default, text in (
+        ("--host", "HOST", str, "127.0.0.1", "Interface for the proxy"),
+        ("--port", "PORT", int, 8080, "Proxy port; a free one if this one is taken"),
+        ("--duration", "S", float, None, "Stop after this many seconds"),
+        ("--rate", "PER_S", float, 1.5, "Steady requests per second, Poisson arrivals"),
+        ("--burst-every", "S", float, 15.0, "Seconds between bursts; 0: no bursts"),
+        ("--burst-size", "N", int, 12, "Requests sent at once in a burst"),
+        ("--slots", "N", int, 8, "The simulator's decode slots; bursts beyond them queue"),
+        ("--window", "S", float, 5.0, "Seconds of history in the view's 'last' column"),
+        ("--refresh", "S", float, 1.0, "Seconds between refreshes of the view"),
+        ("--seed", "N", int, 0, "Seed for the workload and the simulator"),
+    ):
+        shown = "default: run until Ctrl-C" if default is None else "%(default)s"
+        add(flag, metavar=metavar, type=kind, default=default, help=f"{text} [{shown}]")
     add(
         "--workload-file",
         metavar="FILE",
@@ -139,8 +89,13 @@ def add_parser(subparsers: Any) -> None:
         help="Prompt tokens per hash id in the workload file (serve --workload-block-size) "
         "[%(default)s]",
     )
-    add("--trace-block-size", dest="workload_block_size", type=int, action=RenamedFlag,
-        new="--workload-block-size")
+    add(
+        "--trace-block-size",
+        dest="workload_block_size",
+        type=int,
+        action=RenamedFlag,
+        new="--workload-block-size",
+    )
     parser.set_defaults(func=run_command)
 
 
@@ -182,46 +137,16 @@ def demo_profiles() -> list[Any]:
         # Chat turns behind a shared system prompt: short answers, mostly cached prefill.
         Profile("chat", prompt_tokens=400, shared_prefix_tokens=300, max_tokens=48, weight=4),
         # Same name, so the same system prompt; long answers hold decode slots for seconds.
-        Profile("chat", prompt_tokens=500, shared_prefix_tokens=300, max_tokens=200, weight=1),
+        Profile("chat", prompt_tokens=500, shared_prefix_tokens=300, max_tokens=200),
         # Retrieval over the Responses API: long unique context, nothing cached, so a
         # long prefill and a high TTFT.
-        Profile(
-            "rag",
-            prompt_tokens=3000,
-            shared_prefix_tokens=0,
-            max_tokens=96,
-            weight=2,
-            api="responses",
-        ),
+        Profile("rag", prompt_tokens=3000, max_tokens=96, weight=2, api="responses"),
         # An assistant over the Responses API that reasons before it answers.
-        Profile(
-            "assistant",
-            prompt_tokens=600,
-            shared_prefix_tokens=400,
-            max_tokens=80,
-            weight=1,
-            api="responses",
-            reasoning=True,
-        ),
+        Profile("assistant", 600, 400, max_tokens=80, api="responses", reasoning=True),
         # Agent step over Anthropic Messages: long shared tool preamble, thinking first.
-        Profile(
-            "agent",
-            prompt_tokens=2400,
-            shared_prefix_tokens=2000,
-            max_tokens=128,
-            weight=1,
-            api="messages",
-            reasoning=True,
-        ),
+        Profile("agent", 2400, 2000, max_tokens=128, api="messages", reasoning=True),
         # Legacy completions: short autocomplete requests.
-        Profile(
-            "autocomplete",
-            prompt_tokens=200,
-            shared_prefix_tokens=0,
-            max_tokens=16,
-            weight=1,
-            api="completions",
-        ),
+        Profile("autocomplete", prompt_tokens=200, max_tokens=16, api="completions"),
     ]
 
 
@@ -333,13 +258,19 @@ class Demo:
             vllm_metrics=True,
             seed=args.seed,
         )
-        sim_sock = listen("127.0.0.1", 0)
-        sim_port = sim_sock.getsockname()[1]
-        sim_url = f"http://127.0.0.1:{sim_port}/v1"
-        cloud_sock = listen("127.0.0.1", 0)
-        cloud_url = f"http://127.0.0.1:{cloud_sock.getsockname()[1]}/v1"
-        support_sock = listen("127.0.0.1", 0)
-        support_url = f"http://127.0.0.1:{support_sock.getsockname()[1]}/v1"
+        # The upstreams of LOCAL, CLOUD and SUPPORT. The support app's has its own slots
+        # and prefill lane, no faults: its first token is its prompt's prefill.
+        upstream_configs = (
+            sim_config,
+            profile_config("slow", sim_config),
+            replace(sim_config, prefill_rate=10_000.0, prefill_overhead=0.03, itl=0.01,
+                    itl_growth=0.005, error_rate=0.0, drop_rate=0.0, stream_error_rate=0.0,
+                    stall_rate=0.0),
+        )
+        socks = [listen("127.0.0.1", 0) for _ in upstream_configs]
+        sim_url, cloud_url, support_url = (
+            f"http://127.0.0.1:{sock.getsockname()[1]}/v1" for sock in socks
+        )
         proxy_sock = listen(args.host, args.port, or_free=True)
         proxy_port = proxy_sock.getsockname()[1]
         host = f"[{args.host}]" if ":" in args.host else args.host
@@ -355,18 +286,12 @@ class Demo:
         settings = Settings(upstreams=specs, host=args.host, port=proxy_port,
                             prefix_doctor=True, workload_file=workload_file,
                             workload_block_size=getattr(args, "workload_block_size", 512))
-        sim_server = _server(create_simulator_app(sim_config))
-        cloud_server = _server(create_simulator_app(profile_config("slow", sim_config)))
-        # Its own slots and prefill lane, no faults: its first token is its prompt's prefill.
-        support_config = replace(
-            sim_config, prefill_rate=10_000.0, prefill_overhead=0.03, itl=0.01, itl_growth=0.005,
-            error_rate=0.0, drop_rate=0.0, stream_error_rate=0.0, stall_rate=0.0)
-        support_server = _server(create_simulator_app(support_config))
-        proxy_server = _server(create_app(settings))
-        sim_task = asyncio.create_task(sim_server.serve(sockets=[sim_sock]))
-        cloud_task = asyncio.create_task(cloud_server.serve(sockets=[cloud_sock]))
-        support_task = asyncio.create_task(support_server.serve(sockets=[support_sock]))
-        proxy_task = asyncio.create_task(proxy_server.serve(sockets=[proxy_sock]))
+        servers = [_server(create_simulator_app(c)) for c in upstream_configs]
+        servers.append(_server(create_app(settings)))
+        running = [
+            (server, asyncio.create_task(server.serve(sockets=[sock])))
+            for server, sock in zip(servers, [*socks, proxy_sock], strict=True)
+        ]
         tasks: list[asyncio.Task[Any]] = []
         http = httpx.AsyncClient(
             timeout=httpx.Timeout(120.0, connect=5.0, pool=None),
@@ -374,12 +299,7 @@ class Demo:
             trust_env=False,
         )
         try:
-            for server, task in (
-                (sim_server, sim_task),
-                (cloud_server, cloud_task),
-                (support_server, support_task),
-                (proxy_server, proxy_task),
-            ):
+            for server, task in running:
                 while not server.started:  # uvicorn's own flag; no event to wait on
                     if task.done():
                         await task  # surfaces the start-up error
@@ -423,10 +343,7 @@ class Demo:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 with contextlib.suppress(NotImplementedError, RuntimeError):
                     loop.remove_signal_handler(sig)
-            await self.shutdown(
-                tasks, http, proxy_server, proxy_task, [(sim_server, sim_task),
-                                                        (cloud_server, cloud_task),
-                                                        (support_server, support_task)])
+            await self.shutdown(tasks, http, running[::-1])  # the proxy first
         self.say(f"demo: stopped after {self.completed} completed requests")
         return 0
 
@@ -434,9 +351,7 @@ class Demo:
         self,
         tasks: list[asyncio.Task[Any]],
         http: httpx.AsyncClient,
-        proxy_server: uvicorn.Server,
-        proxy_task: asyncio.Task[Any],
-        upstreams: Sequence[tuple[uvicorn.Server, asyncio.Task[Any]]],
+        servers: Sequence[tuple[uvicorn.Server, asyncio.Task[Any]]],
     ) -> None:
         import asyncio
 
@@ -444,7 +359,7 @@ class Demo:
             task.cancel()
         await asyncio.gather(*tasks, *self.inflight, return_exceptions=True)
         await http.aclose()
-        for server, task in ((proxy_server, proxy_task), *upstreams):
+        for server, task in servers:
             server.should_exit = True
             try:
                 await asyncio.wait_for(task, timeout=5.0)
