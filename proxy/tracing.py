@@ -190,21 +190,15 @@ class Tracing(Exporting):
         if not span.is_recording():
             span.end()
             return
-        a: dict[str, Any] = {
-            ATTR["stream"]: record.stream,
-            ATTR["status_code"]: record.status,
-            ATTR["outcome"]: str(record.outcome),
-            ATTR["request_id"]: record.request_id,
-        }
-        if request_model:
-            a[ATTR["request_model"]] = request_model[:_MODEL_MAX]
-        if record.response_id:
-            a[ATTR["response_id"]] = record.response_id
-        if record.response_model:
-            a[ATTR["response_model"]] = record.response_model
-        if record.finish_reasons:
-            a[ATTR["finish_reasons"]] = record.finish_reasons
-        optional = (
+        a = _present(
+            ("stream", record.stream),
+            ("status_code", record.status),
+            ("outcome", str(record.outcome)),
+            ("request_id", record.request_id),
+            ("request_model", request_model[:_MODEL_MAX] or None),
+            ("response_id", record.response_id or None),
+            ("response_model", record.response_model or None),
+            ("finish_reasons", record.finish_reasons or None),
             ("input_tokens", record.prompt_tokens),
             ("output_tokens", record.completion_tokens),
             ("cache_read_tokens", record.cached_prompt_tokens),
@@ -215,12 +209,8 @@ class Tracing(Exporting):
             ("ttfa", record.ttfa_s),
             ("queue", record.queue_s),
             ("overhead", record.overhead_s),
+            ("tokens_estimated", record.tokens_estimated or None),
         )
-        for key, value in optional:
-            if value is not None:
-                a[ATTR[key]] = value
-        if record.tokens_estimated:
-            a[ATTR["tokens_estimated"]] = True
         if record.prefix is not None:
             a.update(prefix_attributes(record.prefix))
         error = error_type(record)
@@ -247,7 +237,7 @@ def prefix_attributes(p: PrefixRecord) -> dict[str, Any]:
     did not examine carries only why."""
     if p.unchecked:
         return {ATTR["unchecked"]: p.unchecked}
-    values = (
+    return _present(
         ("prompt_bytes", p.prompt_bytes),
         ("repeated_bytes", p.repeated_bytes),
         ("repeated_tokens", p.repeated_tokens),
@@ -258,6 +248,10 @@ def prefix_attributes(p: PrefixRecord) -> dict[str, Any]:
         ("break_index", p.break_index),
         ("break_offset", p.break_offset),
     )
+
+
+def _present(*values: tuple[str, Any]) -> dict[str, Any]:
+    """The attributes of the values that are known (not None), by :data:`ATTR` key."""
     return {ATTR[name]: value for name, value in values if value is not None}
 
 
