@@ -131,40 +131,28 @@ class ExportWatch:
             self.failed = 0
 
 
-def bounded_shutdown(shutdown: Callable[[], Any], stop_exporter: Callable[[], Any],
-                     wait_s: float = SHUTDOWN_WAIT_S) -> bool:
-    """Run ``shutdown`` (the provider's: the last export, then its thread ends) for at most
-    ``wait_s`` seconds; past that, ``stop_exporter`` ends the exporter's retries, so the
-    last export fails at once and the rest of the queue is dropped. Whether it finished
-    in time. Runs in a daemon thread, so an export stuck in a connect that ignores the
-    stop cannot hold the process either."""
-    worker = threading.Thread(target=shutdown, name="otlp-shutdown", daemon=True)
-    worker.start()
-    worker.join(wait_s)
-    if not worker.is_alive():
-        return True
-    stop_exporter()
-    worker.join(wait_s)
-    return False
-
-
 class Exporting:
     """What :class:`proxy.tracing.Tracing` and :class:`proxy.otel_metrics.OtelMetrics`
     share: their SDK provider, where it exports (``description``, for the start-up line),
-    and one shutdown whose last export is bounded (:func:`bounded_shutdown`)."""
+    and one shutdown whose last export is bounded."""
 
     def __init__(self, provider: Any) -> None:
         self.provider = provider
         self.description = ""
-        self.stop_exporter: Callable[[], Any] | None = None  # ends its retries at shutdown
+        self.stop_exporter: Callable[[], Any] = lambda: None  # ends its retries at shutdown
 
     def shutdown(self) -> None:
-        """Export what is still queued, then stop the exporter's thread; with the
-        collector down, waiting at most :data:`SHUTDOWN_WAIT_S`."""
-        if self.stop_exporter is None:
-            self.provider.shutdown()
-        else:
-            bounded_shutdown(self.provider.shutdown, self.stop_exporter)
+        """Export what is still queued, then stop the exporter's thread. With the
+        collector down, after :data:`SHUTDOWN_WAIT_S` ``stop_exporter`` ends the
+        exporter's retries, so the last export fails at once and the rest of the queue is
+        dropped. In a daemon thread, so an export stuck in a connect that ignores the stop
+        cannot hold the process either."""
+        worker = threading.Thread(target=self.provider.shutdown, name="otlp-shutdown", daemon=True)
+        worker.start()
+        worker.join(SHUTDOWN_WAIT_S)
+        if worker.is_alive():
+            self.stop_exporter()
+            worker.join(SHUTDOWN_WAIT_S)
 
 
 def watched(exporter_class: Any, watch: ExportWatch, success: Any, failure: Any) -> Any:
