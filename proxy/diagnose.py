@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from proxy.config import process_env, redact
 from proxy.errors import CliError
 
 if TYPE_CHECKING:
@@ -151,15 +152,6 @@ def collect(args: argparse.Namespace) -> tuple[list[Diagnosis], dict[str, Any]]:
     return [diagnose(ev) for ev in found], source
 
 
-def shown(url: str) -> str:
-    """``url`` as printed: credentials in it (``https://user:pass@host``, which httpx
-    sends as Basic auth) are masked, on the card, in the JSON and in errors."""
-    parts = urlsplit(url)
-    if "@" not in parts.netloc:
-        return url
-    return parts._replace(netloc="***@" + parts.netloc.rsplit("@", 1)[1]).geturl()
-
-
 def metrics_url(url: str) -> str:
     """The proxy's ``/metrics`` from the URL given (base, base/v1 or the metrics URL)."""
     from proxy.bench.promscrape import metrics_url_for
@@ -171,7 +163,6 @@ def metrics_url(url: str) -> str:
 def _from_proxy(client: httpx.Client, args: argparse.Namespace
                 ) -> tuple[Reading, Reading | None, dict[str, Any]]:
     url = metrics_url(args.url)
-    from proxy.config import process_env
 
     key = args.api_key or process_env().get(KEY_ENV) or ""
     headers = {"Accept": "text/plain"}
@@ -180,26 +171,34 @@ def _from_proxy(client: httpx.Client, args: argparse.Namespace
     before = None
     if args.window is not None:
         before = _scrape(client, url, headers)
-        print(f"diagnose: scraped {shown(url)}; the second scrape in {args.window:g} s",
+        print(f"diagnose: scraped {redact(url)}; the second scrape in {args.window:g} s",
               file=sys.stderr, flush=True)
         time.sleep(args.window)  # the window the user asked for
     now = _scrape(client, url, headers)
     window = ("between_scrapes", args.window) if args.window is not None else ("since_start", None)
-    return now, before, {"kind": "proxy", "url": shown(url), "window": window[0],
+    return now, before, {"kind": "proxy", "url": redact(url), "window": window[0],
                          "window_s": window[1], "fit_from": "counters"}
 
 
-def _scrape(client: httpx.Client, url: str, headers: dict[str, str]) -> Reading:
+def _request(client: httpx.Client, method: str, url: str, **kwargs: Any) -> httpx.Response:
+    """The answer; a request that fails is one line. Credentials in a URL (which httpx
+    sends as Basic auth) are masked wherever it is printed: the card, the JSON, errors."""
     import httpx
 
+    try:
+        return client.request(method, url, **kwargs)
+    except httpx.HTTPError as exc:
+        text = str(exc).strip()
+        why = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+        raise SourceError(f"cannot read {redact(url)}: {why}") from None
+
+
+def _scrape(client: httpx.Client, url: str, headers: dict[str, str]) -> Reading:
     from proxy.bench.promscrape import has_proxy_metrics, parse
     from proxy.evidence import read_snapshot
 
-    where = shown(url)
-    try:
-        response = client.get(url, headers=headers)
-    except httpx.HTTPError as exc:
-        raise SourceError(f"cannot read {where}: {_why(exc)}") from None
+    where = redact(url)
+    response = _request(client, "GET", url, headers=headers)
     if response.status_code == 401:
         given = "the key given was refused" if "Authorization" in headers else "none was given"
         raise SourceError(f"{where} answered 401: the proxy checks client keys and {given}; "
@@ -210,11 +209,6 @@ def _scrape(client: httpx.Client, url: str, headers: dict[str, str]) -> Reading:
     if not has_proxy_metrics(snapshot):
         raise SourceError(f"{where} has no llm_proxy_ metrics: is it the proxy's /metrics?")
     return read_snapshot(snapshot)
-
-
-def _why(exc: Exception) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def _from_prometheus(client: httpx.Client, args: argparse.Namespace
@@ -241,20 +235,15 @@ def _from_prometheus(client: httpx.Client, args: argparse.Namespace
         if has_fit(raw):
             result, fit_from = raw, "increase"
     return reading_from_prometheus(result), None, {
-        "kind": "prometheus", "url": shown(base), "window": "range", "range": range_,
+        "kind": "prometheus", "url": redact(base), "window": "range", "range": range_,
         "window_s": duration_seconds(range_), "fit_from": fit_from}
 
 
 def _query(client: httpx.Client, base: str, expr: str) -> list[dict[str, Any]]:
     """An instant query, sent as a form (the one query is long for a URL)."""
-    import httpx
-
     url = base + "/api/v1/query"
-    where = shown(url)
-    try:
-        response = client.post(url, data={"query": expr})
-    except httpx.HTTPError as exc:
-        raise SourceError(f"cannot read {where}: {_why(exc)}") from None
+    where = redact(url)
+    response = _request(client, "POST", url, data={"query": expr})
     try:
         body = response.json()
     except ValueError:

@@ -274,10 +274,10 @@ def test_credentials_in_a_url_are_never_printed(
 
 
 def test_shown_masks_only_credentials() -> None:
-    from proxy.diagnose import shown
+    from proxy.config import redact  # how diagnose prints a URL
 
-    assert shown("https://u:p@prom.example:9090/x") == "https://***@prom.example:9090/x"
-    assert shown("http://127.0.0.1:8080/metrics") == "http://127.0.0.1:8080/metrics"
+    assert redact("https://u:p@prom.example:9090/x") == "https://***@prom.example:9090/x"
+    assert redact("http://127.0.0.1:8080/metrics") == "http://127.0.0.1:8080/metrics"
 
 
 # ---------------------------------------------------------------------------
