@@ -161,16 +161,6 @@ def _listen(host: str, port: int, option: str = "port") -> socket.socket:
     return sock
 
 
-def _running_line(settings: Settings, port: int) -> None:
-    """The line uvicorn writes when it binds a port itself; it does not for a socket it
-    is handed, and scripts wait for it (``Uvicorn running on http://host:port``)."""
-    import logging
-
-    host = f"[{settings.host}]" if ":" in settings.host else settings.host
-    logging.getLogger("uvicorn.error").info(
-        "Uvicorn running on http://%s:%d (Press CTRL+C to quit)", host, port)
-
-
 _VERSION_SEGMENT = re.compile(r"v\d+\w*")
 
 
@@ -222,10 +212,16 @@ def _uvicorn_kwargs(settings: Settings) -> dict[str, Any]:
 
 
 def _banner(settings: Settings, port: int, tracing: str = "", otlp_metrics: str = "") -> None:
-    """The start-up line, printed once the port is bound: with ``--port 0`` it is the
-    only place the chosen port appears besides uvicorn's own line. ``tracing``: where
-    spans go, when tracing is on; ``otlp_metrics``: where OTLP metrics go, when on."""
+    """The start-up lines, once the port is bound. First the one uvicorn writes when it
+    binds a port itself; it does not for a socket it is handed, and scripts wait for it
+    (``Uvicorn running on http://host:port``). Then the proxy's: with ``--port 0``, the
+    only other place the chosen port appears. ``tracing``: where spans go, when tracing
+    is on; ``otlp_metrics``: where OTLP metrics go, when on."""
+    import logging
+
     host = f"[{settings.host}]" if ":" in settings.host else settings.host
+    logging.getLogger("uvicorn.error").info(
+        "Uvicorn running on http://%s:%d (Press CTRL+C to quit)", host, port)
     where = f"http://{host}:{port}"
     metrics = (f"http://{settings.metrics_host or settings.host}:{settings.metrics_port}/metrics"
                if settings.metrics_port else f"{where}/metrics")
@@ -273,7 +269,6 @@ def _run_single(settings: Settings, env: MutableMapping[str, str]) -> int:
         async def startup(self, sockets: list[socket.socket] | None = None) -> None:
             await super().startup(sockets)
             if self.started:  # listening, application started: the port is final
-                _running_line(settings, self.servers[0].sockets[0].getsockname()[1])
                 _banner(settings, self.servers[0].sockets[0].getsockname()[1],
                         app.tracing.description if app.tracing is not None else "",
                         app.otel_metrics.description if app.otel_metrics is not None else "")
@@ -322,7 +317,6 @@ def _run_workers(settings: Settings, env: MutableMapping[str, str]) -> int:
                                  workers=settings.workers, **_uvicorn_kwargs(settings))
         sock = _listen(settings.host, settings.port)
         sock.listen(uconfig.backlog)
-        _running_line(settings, sock.getsockname()[1])
         from proxy import otel_metrics
         from proxy.tracing import sampling, wanted
 
@@ -459,32 +453,29 @@ def _start_metrics_server(settings: Settings, registry: Any, page: Any = None) -
     import threading
     from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-    from prometheus_client import make_wsgi_app, start_http_server
+    from prometheus_client import make_wsgi_app
     from prometheus_client.exposition import ThreadingWSGIServer
 
     host = settings.metrics_host or settings.host
-    if not settings.ui or not settings.measure:
-        try:
-            start_http_server(settings.metrics_port, addr=host, registry=registry)
-        except OSError as exc:
-            raise CannotListen("metrics_port", host, settings.metrics_port, exc) from None
-        return
-    if page is None:
-        from proxy.ui import LivePage, index_scope
+    app = make_wsgi_app(registry)
+    if settings.ui and settings.measure:
+        if page is None:
+            from proxy.ui import LivePage, index_scope
 
-        page = LivePage(registry, prefix_index=index_scope(
-            doctor=settings.prefix_doctor, shared=settings.cache_index is not None,
-            workers=settings.workers))
+            page = LivePage(registry, prefix_index=index_scope(
+                doctor=settings.prefix_doctor, shared=settings.cache_index is not None,
+                workers=settings.workers))
+        app = page.wsgi(app)
 
     class Quiet(WSGIRequestHandler):
         def log_message(self, format: str, *args: Any) -> None:
             pass
 
-    class Server(ThreadingWSGIServer):
-        address_family = socket.getaddrinfo(host, settings.metrics_port, 0, socket.SOCK_STREAM)[0][0]
+    try:  # a host that does not resolve is a CannotListen too
 
-    app = page.wsgi(make_wsgi_app(registry))
-    try:
+        class Server(ThreadingWSGIServer):
+            address_family = socket.getaddrinfo(host, settings.metrics_port, 0, socket.SOCK_STREAM)[0][0]
+
         httpd = make_server(host, settings.metrics_port, app, Server, handler_class=Quiet)
     except OSError as exc:
         raise CannotListen("metrics_port", host, settings.metrics_port, exc) from None
