@@ -158,19 +158,16 @@ class WorkloadCapture:
     ) -> None:
         self.shared = shared
         self.base = f"{path}.{os.getpid()}" if per_process or shared is not None else path
+        start = (clock(), wall_clock())
         if shared is not None:  # the supervisor's start, placed on this process's clock
-            start = (clock() - (wall_clock() - shared.start_wall), shared.start_wall)
-            self._writer = WorkloadWriter(
-                self.base,
-                block_size=block_size,
-                workload_id=shared.workload_id,
-                start=start,
-                ids=digest_id,
-            )
-        else:
-            self._writer = WorkloadWriter(
-                self.base, block_size=block_size, start=(clock(), wall_clock())
-            )
+            start = (start[0] - (start[1] - shared.start_wall), shared.start_wall)
+        self._writer = WorkloadWriter(
+            self.base,
+            block_size=block_size,
+            workload_id=shared.workload_id if shared is not None else None,
+            start=start,
+            ids=digest_id if shared is not None else None,
+        )
         # Opened here, before the server listens: a path that cannot be written fails
         # start-up rather than the first request.
         self._writer.open()

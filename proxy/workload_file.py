@@ -127,8 +127,7 @@ def format_line(record: WorkloadRecord, meta: WorkloadMeta | None = None) -> str
     """One line of a workload file, without its newline; ``meta`` fields go last."""
     obj = record.as_json()
     if meta is not None:
-        for name, value in meta.as_json().items():
-            obj[name] = value
+        obj.update(meta.as_json())
     return json.dumps(obj, separators=(", ", ": "), ensure_ascii=False, allow_nan=False)
 
 
