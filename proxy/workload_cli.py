@@ -128,8 +128,7 @@ def cut(
         if lo <= r.timestamp < hi
     ]
     start = workload.start + timedelta(milliseconds=lo) if workload.start is not None else None
-    meta = WorkloadMeta(start, workload.block_size, new_workload_id())
-    return [r for r, _ in rows], [ns for _, ns in rows], meta
+    return [r for r, _ in rows], [ns for _, ns in rows], _new_meta(start, workload)
 
 
 def scale(workload: Workload, rate: float) -> tuple[list[WorkloadRecord], list[int], WorkloadMeta]:
@@ -137,11 +136,7 @@ def scale(workload: Workload, rate: float) -> tuple[list[WorkloadRecord], list[i
     if not rate > 0:
         raise ValueError("--rate must be > 0")
     records = [replace(r, timestamp=round(r.timestamp / rate, 3)) for r in workload.records]
-    return (
-        records,
-        list(workload.namespaces),
-        WorkloadMeta(workload.start, workload.block_size, new_workload_id()),
-    )
+    return records, list(workload.namespaces), _new_meta(workload.start, workload)
 
 
 _TIMINGS = ("cached_tokens", "ttft_ms", "itl_ms_mean", "outcome")
@@ -186,11 +181,12 @@ def anonymise(
 
 def merge(workload: Workload) -> tuple[list[WorkloadRecord], list[int], WorkloadMeta]:
     """The files as one: aligned, sorted, one id numbering."""
-    return (
-        list(workload.records),
-        list(workload.namespaces),
-        WorkloadMeta(workload.start, workload.block_size, new_workload_id()),
-    )
+    return list(workload.records), list(workload.namespaces), _new_meta(workload.start, workload)
+
+
+def _new_meta(start: datetime | None, workload: Workload) -> WorkloadMeta:
+    """What a rewritten workload's first line says: its start, the block size, a new id."""
+    return WorkloadMeta(start, workload.block_size, new_workload_id())
 
 
 def _ms(value: float | None) -> str:
@@ -307,10 +303,10 @@ def _add_command(subparsers: Any, name: str, listed: bool) -> None:
             "docs/workload.md."
         ),
     )
+    parser.set_defaults(func=run_command)  # for every action
     sub = parser.add_subparsers(dest="workload_command", metavar="ACTION", required=True)
     p = sub.add_parser("info", help="what a workload holds: span, rate, lengths, sharing, timings")
     _add_common(p, output=False)
-    p.set_defaults(func=run_command)
     p = sub.add_parser(
         "cut",
         help="a window of the workload, e.g. --from 'Tue 10:00' --to 'Tue 11:00'",
@@ -326,13 +322,11 @@ def _add_command(subparsers: Any, name: str, listed: bool) -> None:
         default=None,
         help="time zone of times without an offset, e.g. UTC, Europe/Berlin [default: this machine's]",
     )
-    p.set_defaults(func=run_command)
     p = sub.add_parser("scale", help="multiply the request rate (timestamps divided by F)")
     _add_common(p)
     p.add_argument(
         "--rate", metavar="F", type=float, required=True, help="2: twice the rate, half the gaps"
     )
-    p.set_defaults(func=run_command)
     p = sub.add_parser(
         "anonymise",
         aliases=["anonymize"],
@@ -351,10 +345,8 @@ def _add_command(subparsers: Any, name: str, listed: bool) -> None:
         action="store_true",
         help="keep only timestamp, input_length, output_length, hash_ids and block_size",
     )
-    p.set_defaults(func=run_command)
     p = sub.add_parser("merge", help="several files (rotated, one per worker) as one file")
     _add_common(p)
-    p.set_defaults(func=run_command)
 
 
 Operation = Callable[[Workload], tuple[list[WorkloadRecord], list[int], WorkloadMeta]]
