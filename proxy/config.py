@@ -165,30 +165,21 @@ _FIELDS = {f.name for f in fields(Settings)}
 assert all(o.name in _FIELDS for o in OPTIONS)
 
 
-def _shown_default(opt: Option, default: Any) -> str:
-    if isinstance(default, tuple):
-        default = ",".join(str(v) for v in default)
-    text = str(default)
-    if text:
-        return text
-    assert opt.unset, f"{opt.flag} has an empty default: say what its absence means"
-    return opt.unset
-
-
 def shown_default(opt: Option) -> str:
     """``opt``'s default as ``--help`` shows it (the settings reference shows the same)."""
-    return _shown_default(opt, getattr(Settings(), opt.name))
+    default = getattr(Settings(), opt.name)
+    text = ",".join(str(v) for v in default) if isinstance(default, tuple) else str(default)
+    assert text or opt.unset, f"{opt.flag} has an empty default: say what its absence means"
+    return text or opt.unset
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register every option as a flag, in its group; the default stays None so env can
     fill in."""
-    defaults = Settings()
     for group, options in grouped():
         section = parser.add_argument_group(group.value)
         for opt in options:
-            shown = _shown_default(opt, getattr(defaults, opt.name))
-            help_text = f"{opt.help} [env {opt.env}; default: {shown}]"
+            help_text = f"{opt.help} [env {opt.env}; default: {shown_default(opt)}]"
             if opt.flag_only_true:
                 section.add_argument(opt.flag, dest=opt.name, default=None,
                                      action=argparse.BooleanOptionalAction, help=help_text)
