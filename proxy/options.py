@@ -42,25 +42,19 @@ def _int(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
     return parse
 
 
-def _positive_float(raw: str) -> float:
-    value = float(raw)
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError("must be a number of seconds > 0")
-    return value
+def _seconds(bounds: str, within: Callable[[float], bool]) -> Callable[[str], float]:
+    def parse(raw: str) -> float:
+        value = float(raw)
+        if not math.isfinite(value) or not within(value):
+            raise ValueError(f"must be a number of seconds {bounds}")
+        return value
+
+    return parse
 
 
-def _window(raw: str) -> float:
-    value = float(raw)
-    if not math.isfinite(value) or not 0 < value <= 86_400:
-        raise ValueError("must be a number of seconds > 0 and <= 86400 (a day)")
-    return value
-
-
-def _seconds_or_zero(raw: str) -> float:
-    value = float(raw)
-    if not math.isfinite(value) or value < 0:
-        raise ValueError("must be a number of seconds >= 0 (0: never)")
-    return value
+_positive_float = _seconds("> 0", lambda v: v > 0)
+_window = _seconds("> 0 and <= 86400 (a day)", lambda v: 0 < v <= 86_400)
+_seconds_or_zero = _seconds(">= 0 (0: never)", lambda v: v >= 0)
 
 
 def _workload_path(raw: str) -> str:
