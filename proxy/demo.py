@@ -6,9 +6,13 @@ Design: ``docs/design/bench.md``.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import itertools
+import logging
+import os
 import random
+import signal
 import sys
 import time
 from collections import Counter, deque
@@ -19,8 +23,6 @@ from typing import TYPE_CHECKING, Any, TextIO
 from proxy.deprecated import RenamedFlag
 
 if TYPE_CHECKING:
-    import asyncio
-
     import httpx
     import uvicorn
 
@@ -100,28 +102,22 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run_command(args: argparse.Namespace) -> int:
-    for name in ("rate", "refresh", "window"):
-        if getattr(args, name) <= 0:
+    for name in ("rate", "refresh", "window", "duration"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:  # --duration: None, until Ctrl-C
             print(f"demo: --{name} must be > 0", file=sys.stderr)
             return 2
     if args.slots < 1 or args.burst_size < 0 or args.burst_every < 0:
         print("demo: --slots must be >= 1, --burst-size and --burst-every >= 0", file=sys.stderr)
         return 2
-    if args.duration is not None and args.duration <= 0:
-        print("demo: --duration must be > 0", file=sys.stderr)
-        return 2
     if args.workload_block_size < 1:
         print("demo: --workload-block-size must be >= 1", file=sys.stderr)
         return 2
     if args.workload_file:
-        import os
-
         folder = os.path.dirname(os.path.abspath(args.workload_file))
         if not os.path.isdir(folder):
             print(f"demo: --workload-file: no such directory {folder!r}", file=sys.stderr)
             return 2
-    import asyncio
-
     return asyncio.run(Demo(args, sys.stdout).main())
 
 
@@ -209,10 +205,6 @@ class Demo:
         self.ready_printed = False
 
     async def main(self) -> int:
-        import asyncio
-        import logging
-        import signal
-
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -229,9 +221,6 @@ class Demo:
             proxy_log.setLevel(level)
 
     async def _main(self, loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> int:
-        import asyncio
-        import signal
-
         import httpx
 
         from proxy.app import create_app
@@ -353,8 +342,6 @@ class Demo:
         http: httpx.AsyncClient,
         servers: Sequence[tuple[uvicorn.Server, asyncio.Task[Any]]],
     ) -> None:
-        import asyncio
-
         for task in [*tasks, *self.inflight]:
             task.cancel()
         await asyncio.gather(*tasks, *self.inflight, return_exceptions=True)
@@ -376,8 +363,6 @@ class Demo:
 
     def _launch(self, http: httpx.AsyncClient, base: str, planned: Any) -> None:
         """Send one request to its API's path under ``base`` (the proxy's ``/v1``)."""
-        import asyncio
-
         from proxy.bench.client import send
         from proxy.bench.workload import API_PATHS, route_of
 
@@ -400,8 +385,6 @@ class Demo:
         task.add_done_callback(self.inflight.discard)
 
     async def steady(self, http: httpx.AsyncClient, base: str) -> None:
-        import asyncio
-
         from proxy.bench.workload import iter_requests, poisson_arrivals
 
         local = iter_requests(demo_profiles(), model=LOCAL[1], seed=self.args.seed)
@@ -419,8 +402,6 @@ class Demo:
         a worker that takes a ticket every ``1 / (rate * SUPPORT_RATE_SHARE)`` seconds
         (give or take a fifth), so its prompts never wait for each other's prefill and
         its first-token times follow its prompt lengths."""
-        import asyncio
-
         instructions = support_instructions(self.args.seed)
         rng = random.Random(f"support-questions:{self.args.seed}")
         period = 1.0 / (self.args.rate * SUPPORT_RATE_SHARE)
@@ -434,8 +415,6 @@ class Demo:
             self._launch(http, base, support_request(index, instructions, rng, stamp))
 
     async def bursts(self, http: httpx.AsyncClient, base: str) -> None:
-        import asyncio
-
         from proxy.bench.workload import Profile, iter_requests
 
         # A batch job's burst: its own system prompt, medium answers, more than the free slots.
@@ -449,8 +428,6 @@ class Demo:
     # -- view ---------------------------------------------------------------------------
 
     async def view(self, http: httpx.AsyncClient, metrics_url: str, root: str) -> None:
-        import asyncio
-
         import httpx
 
         from proxy.bench import promscrape as p
