@@ -80,7 +80,7 @@ _RESERVED_HEADERS = frozenset({
 })  # fmt: skip
 _HEADER_VALUE = re.compile(r"^[\x20-\x7e]*$")
 _LABEL = re.compile(r"^[\x21-\x7e]{1,64}$")
-_PATTERN_CHARS = frozenset("*?[")
+_WILDCARD = re.compile(r"[*?\[]")  # what makes a model name a shell-style pattern
 # A key the proxy writes into a header itself: visible ASCII only, so a stray newline in
 # the environment variable can never start a second header line.
 _KEY_VALUE = re.compile(r"^[\x21-\x7e]+$")
@@ -189,10 +189,9 @@ def _spec(path: str, index: int, table: Mapping[str, Any], limits: Mapping[str, 
         routes = get("routes", list, lambda v: bool(v) and all(
             isinstance(r, str) and r.startswith("/v1/") for r in v))
         values["routes"] = tuple(r.rstrip("/") for r in routes)
-    if "default" in table:
-        values["default"] = get("default", bool)
-    if "resend_on_reset" in table:
-        values["resend_on_reset"] = get("resend_on_reset", bool)
+    for key in ("default", "resend_on_reset"):
+        if key in table:
+            values[key] = get(key, bool)
     if "provider" in table:
         values["provider"] = get("provider", str, lambda v: bool(_LABEL.match(v)))
     if "auth" in table:
@@ -276,14 +275,7 @@ def _covers_routes(earlier: UpstreamSpec, later: UpstreamSpec) -> bool:
 
 def is_pattern(model: str) -> bool:
     """Whether ``model`` is a shell-style pattern rather than an exact name."""
-    return any(c in _PATTERN_CHARS for c in model)
-
-
-def _literal_prefix(pattern: str) -> str:
-    for i, ch in enumerate(pattern):
-        if ch in _PATTERN_CHARS:
-            return pattern[:i]
-    return pattern
+    return _WILDCARD.search(model) is not None
 
 
 def _shadowed(earlier: str, later: str) -> bool:
@@ -297,5 +289,5 @@ def _shadowed(earlier: str, later: str) -> bool:
     if not is_pattern(later):
         return fnmatch.fnmatchcase(later, earlier)
     if earlier.endswith("*") and not is_pattern(earlier[:-1]):
-        return _literal_prefix(later).startswith(earlier[:-1])
+        return _WILDCARD.split(later, maxsplit=1)[0].startswith(earlier[:-1])  # its literal prefix
     return False
