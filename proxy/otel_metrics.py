@@ -106,14 +106,10 @@ class OtelMetrics(Exporting):
                 self.tokens.record(record.completion_tokens, {**a, TOKEN_TYPE: "output"})
 
 
-def _exporters(env: Mapping[str, str]) -> set[str]:
-    return {e.strip().lower() for e in env.get("OTEL_METRICS_EXPORTER", "").split(",") if e.strip()}
-
-
 def wanted(otlp_metrics: bool, env: Mapping[str, str]) -> bool:
     """Whether OTLP metrics were asked for (``otlp_metrics``: ``--otlp-metrics``, or
     ``OTEL_METRICS_EXPORTER``) and not switched off."""
-    exporters = _exporters(env)
+    exporters = {e.strip().lower() for e in env.get("OTEL_METRICS_EXPORTER", "").split(",")}
     if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true" or "none" in exporters:
         return False
     return otlp_metrics or "otlp" in exporters
