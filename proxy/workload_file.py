@@ -96,14 +96,9 @@ class WorkloadMeta:
     workload_id: str | None = None  # written as trace_id (the format's name)
 
     def as_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        if self.start is not None:
-            out["trace_start"] = format_time(self.start)
-        if self.block_size is not None:
-            out["block_size"] = self.block_size
-        if self.workload_id is not None:
-            out["trace_id"] = self.workload_id
-        return out
+        start = format_time(self.start) if self.start is not None else None
+        named = {"trace_start": start, "block_size": self.block_size, "trace_id": self.workload_id}
+        return {name: value for name, value in named.items() if value is not None}
 
     @property
     def empty(self) -> bool:
