@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from proxy import evidence as ev
 from proxy.diagnosis import levers
@@ -19,7 +19,7 @@ from proxy.doctor.examine import REASONS
 from proxy.doctor.report import explain_break
 from proxy.evidence import COMPLETION, DURATION, QUEUE, TPOT, TTFT, Key
 from proxy.measure import Outcome
-from proxy.ui.breaks import BreakExample
+from proxy.ui.breaks import BreakExample, RecentBreaks
 from proxy.ui.collect import (
     CACHED,
     COARSE_S,
@@ -37,9 +37,6 @@ from proxy.ui.collect import (
     matches,
 )
 
-if TYPE_CHECKING:
-    from proxy.ui.data import LiveData
-
 MINUTE, START = "minute", "start"  # the span the page leads with
 TABLE_MAX_ROWS = 60  # of the table by upstream and model; the rest are counted
 CARD_MAX = 4  # selections on the "What to fix" card; the rest are counted
@@ -48,6 +45,22 @@ BREAKS_MAX = 4  # break reasons on the "Prompt caching" panel, the most frequent
 _CLIENT_LEFT = (str(Outcome.CLIENT_DISCONNECTED), str(Outcome.CLIENT_STALLED))
 FAILED = tuple(o for o in OUTCOME_NAMES if o != Outcome.COMPLETED and o not in _CLIENT_LEFT)
 NOT_STREAMED_5XX = "5xx, not streamed"  # the errors' other part, as the row names it
+
+
+class LiveData(Protocol):
+    """What the panels read of :class:`proxy.ui.data.LiveData` (which imports this
+    module): its ring and its bucket estimates."""
+
+    started: float
+    edges: dict[str, tuple[float, ...]]
+    breaks: RecentBreaks | None
+
+    @property
+    def coarse(self) -> Iterable[Collection]: ...
+
+    def dist(self, series: Series, name: str) -> dict[str, Any] | None: ...
+
+    def quantile(self, series: Series, name: str, q: float) -> float | None: ...
 # A break example's fields that its sentence (explain_break) is not worded from.
 _UNWORDED = ("model", "upstream", "prompt_bytes", "prompt_tokens", "ago_s")
 
