@@ -5,8 +5,8 @@ Design: ``docs/design/simulator.md``.
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncGenerator
+from dataclasses import replace
 from typing import Any
 
 from proxy.simulator.engine import (
@@ -15,21 +15,16 @@ from proxy.simulator.engine import (
     Ask,
     Engine,
     Job,
-    cache_scope,
     content_text,
+    dumps,
     int_param,
-    model_name,
     tools_text,
 )
-from proxy.simulator.model import SimConfig
 
 DONE = b"data: [DONE]\n\n"
 _ERROR_EVENT = (
     b"data: "
-    + json.dumps(
-        ApiError(500, STREAM_ERROR_MESSAGE, "server_error", "simulated_error").openai_body(),
-        separators=(",", ":"),
-    ).encode()
+    + dumps(ApiError(500, STREAM_ERROR_MESSAGE, "server_error", "simulated_error").openai_body())
     + b"\n\n"
 )
 
@@ -52,7 +47,7 @@ def render_chat_prompt(body: dict[str, Any]) -> str:
             raise ApiError(400, "each message must be an object with a 'role'", param="messages")
         text = content_text(message.get("content"))
         if message.get("tool_calls"):
-            text += json.dumps(message["tool_calls"], separators=(",", ":"))
+            text += dumps(message["tool_calls"]).decode()
         pieces.append(f"<|{message['role']}|>\n{text}\n")
     pieces.append("<|assistant|>\n")
     return "".join(pieces)
@@ -144,16 +139,16 @@ class _OpenAIStream:
             "predicted_n": predicted,
             "predicted_ms": round(predicted_ms, 3),
             "predicted_per_token_ms": round(predicted_ms / predicted, 6) if predicted else None,
-            "predicted_per_second": (round(1000.0 * predicted / predicted_ms, 3)
-                                     if predicted_ms else None),
+            "predicted_per_second": (
+                round(1000.0 * predicted / predicted_ms, 3) if predicted_ms else None
+            ),
         }
 
     async def stream(self, job: Job, engine: Engine) -> AsyncGenerator[bytes, None]:
-        dumps = json.dumps
         n = job.ask.n
         head = (
             b'data: {"id":'
-            + dumps(job.request_id).encode()
+            + dumps(job.request_id)
             + (
                 b',"object":"chat.completion.chunk"'
                 if self.chat
@@ -162,7 +157,7 @@ class _OpenAIStream:
             + b',"created":'
             + str(job.created).encode()
             + b',"model":'
-            + dumps(job.ask.model).encode()
+            + dumps(job.ask.model)
             + b',"choices":['
         )
         if self.chat:
@@ -207,15 +202,14 @@ class _OpenAIStream:
         # llama.cpp puts its timings on the last chunk: the usage chunk when asked for
         timings = b""
         if engine.config.llamacpp_timings:
-            timings = b',"timings":' + dumps(self.timings(job, engine, engine.clock()),
-                                              separators=(",", ":")).encode()
+            timings = b',"timings":' + dumps(self.timings(job, engine, engine.clock()))
         usage_chunk = bool(job.ask.options.get("include_usage"))
         last = finish % (n - 1, reason)
         if timings and not usage_chunk:
             last = last[: -len(b"}\n\n")] + timings + b"}\n\n"
         yield b"".join(finish % (i, reason) for i in range(n - 1)) + last
         if usage_chunk:
-            usage = dumps(self.usage(job, engine, engine.clock()), separators=(",", ":")).encode()
+            usage = dumps(self.usage(job, engine, engine.clock()))
             yield head + b'],"usage":' + usage + timings + b"}\n\n"
         yield DONE
 
@@ -259,13 +253,14 @@ class ChatCompletions(_OpenAIStream):
     id_prefix = "chatcmpl-"
     chat = True
 
-    def ask(self, body: dict[str, Any], config: SimConfig) -> Ask:
-        model = model_name(body, config)
+    def ask(self, body: dict[str, Any], model: str) -> Ask:
         text = render_chat_prompt(body)
         max_tokens = int_param(body, "max_completion_tokens", minimum=1)
         if max_tokens is None:
             max_tokens = int_param(body, "max_tokens", minimum=1)
-        return _ask(body, model, text, max_tokens, "messages", reasoning=asks_for_reasoning(body))
+        return _streamed(
+            body, Ask(model, text, max_tokens=max_tokens, reasoning=asks_for_reasoning(body))
+        )
 
 
 class Completions(_OpenAIStream):
@@ -275,20 +270,17 @@ class Completions(_OpenAIStream):
     id_prefix = "cmpl-"
     chat = False
 
-    def ask(self, body: dict[str, Any], config: SimConfig) -> Ask:
-        model = model_name(body, config)
+    def ask(self, body: dict[str, Any], model: str) -> Ask:
         text, exact = completion_prompt(body)
         max_tokens = int_param(body, "max_tokens", minimum=1)
-        return _ask(body, model, text, max_tokens, "prompt", prompt_tokens=exact)
+        ask = Ask(model, text, prompt_tokens=exact, max_tokens=max_tokens, prompt_param="prompt")
+        return _streamed(body, ask)
 
 
-def _ask(body: dict[str, Any], model: str, prompt: str, max_tokens: int | None,
-         prompt_param: str, **extra: Any) -> Ask:
+def _streamed(body: dict[str, Any], ask: Ask) -> Ask:
     """What chat and completions requests share: ``n``, ``stream`` and its options."""
     n = int_param(body, "n", minimum=1, maximum=128) or 1
     stream = bool(body.get("stream"))
     options = body.get("stream_options")
     include_usage = stream and isinstance(options, dict) and bool(options.get("include_usage"))
-    return Ask(model=model, prompt=prompt, max_tokens=max_tokens, n=n, stream=stream,
-               prompt_param=prompt_param, options={"include_usage": include_usage},
-               cache_scope=cache_scope(body, model), **extra)
+    return replace(ask, n=n, stream=stream, options={"include_usage": include_usage})

@@ -87,7 +87,18 @@ class ApiError(Exception):
         return {"type": "error", "error": {"type": kind, "message": self.message}}
 
 
-# -- request parsing helpers shared by the dialects ------------------------------------
+# -- request parsing and framing shared by the dialects --------------------------------
+
+
+def dumps(obj: Any) -> bytes:
+    """Compact JSON, as the APIs send it."""
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def named_event(kind: str, **fields: Any) -> bytes:
+    """An SSE event named ``kind`` whose JSON starts with ``"type": kind`` (Responses,
+    Messages)."""
+    return b"event: " + kind.encode() + b"\ndata: " + dumps({"type": kind, **fields}) + b"\n\n"
 
 
 def int_param(
@@ -125,11 +136,11 @@ def content_text(content: Any) -> str:
             if isinstance(part, dict) and isinstance(part.get("text"), str):
                 parts.append(part["text"])
             else:  # images, audio, tool results, ...: count their JSON as prompt text
-                parts.append(json.dumps(_without_cache_control(part), separators=(",", ":")))
+                parts.append(dumps(_without_cache_control(part)).decode())
         return "".join(parts)
     if content is None:
         return ""
-    return json.dumps(content, separators=(",", ":"))
+    return dumps(content).decode()
 
 
 def tools_text(tools: Any) -> str:
@@ -138,7 +149,7 @@ def tools_text(tools: Any) -> str:
         return ""
     if isinstance(tools, list):
         tools = [_without_cache_control(tool) for tool in tools]
-    return "<|tools|>\n" + json.dumps(tools, separators=(",", ":")) + "\n"
+    return "<|tools|>\n" + dumps(tools).decode() + "\n"
 
 
 def cache_scope(body: Mapping[str, Any], model: str) -> str:
@@ -178,7 +189,6 @@ class Ask:
     stream: bool = False
     reasoning: bool = False
     prompt_param: str = "messages"  # named by a context-length error
-    cache_scope: str = ""  # model and cache key: prompts under another never share a block
     options: Mapping[str, Any] = field(default_factory=dict)  # the dialect's own fields
 
 
@@ -226,17 +236,19 @@ class Engine:
         self.wall_clock = wall_clock
         self.sleep = sleep
 
-    def job(self, ask: Ask, id_prefix: str) -> Job:
-        """Plan the request; raises :class:`ApiError` for a context overflow or an
-        injected error (``--error-rate``)."""
+    def job(self, body: dict[str, Any], dialect: Dialect) -> Job:
+        """Read and plan the request; raises :class:`ApiError` for a bad field, a context
+        overflow or an injected error (``--error-rate``)."""
         cfg = self.config
+        model = model_name(body, cfg)
+        ask = dialect.ask(body, model)
         try:
             plan = self.model.plan(
                 ask.prompt,
                 max_tokens=ask.max_tokens,
                 prompt_tokens=ask.prompt_tokens,
                 reasoning=ask.reasoning,
-                cache_scope=ask.cache_scope,
+                cache_scope=cache_scope(body, model),
             )
         except ContextTooLong as exc:
             raise ApiError(
@@ -253,7 +265,7 @@ class Engine:
         return Job(
             ask=ask,
             plan=plan,
-            request_id=f"{id_prefix}{plan.rng.getrandbits(96):024x}",
+            request_id=f"{dialect.id_prefix}{plan.rng.getrandbits(96):024x}",
             created=int(self.wall_clock()),
             arrival=self.clock(),
             texts=[[] for _ in range(ask.n)],
@@ -371,7 +383,7 @@ class Dialect(Protocol):
     route: str
     id_prefix: str
 
-    def ask(self, body: dict[str, Any], config: SimConfig) -> Ask: ...
+    def ask(self, body: dict[str, Any], model: str) -> Ask: ...
 
     def stream(self, job: Job, engine: Engine) -> AsyncGenerator[bytes, None]: ...
 

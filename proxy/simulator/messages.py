@@ -6,22 +6,11 @@ Design: ``docs/design/simulator.md``.
 from __future__ import annotations
 
 import base64
-import json
 from collections.abc import AsyncGenerator
 from typing import Any
 
-from proxy.simulator.engine import (
-    ApiError,
-    Ask,
-    Engine,
-    Job,
-    cache_scope,
-    content_text,
-    int_param,
-    model_name,
-    tools_text,
-)
-from proxy.simulator.model import SimConfig
+from proxy.simulator.engine import ApiError, Ask, Engine, Job, content_text, int_param, tools_text
+from proxy.simulator.engine import named_event as _event
 
 _PING = b'event: ping\ndata: {"type":"ping"}\n\n'
 _STOP = b'event: message_stop\ndata: {"type":"message_stop"}\n\n'
@@ -29,14 +18,6 @@ _OVERLOADED = (
     b'event: error\ndata: {"type":"error","error":{"type":"overloaded_error",'
     b'"message":"Overloaded"}}\n\n'
 )
-
-
-def _dumps(obj: Any) -> bytes:
-    return json.dumps(obj, separators=(",", ":")).encode()
-
-
-def _event(kind: str, **fields: Any) -> bytes:
-    return b"event: " + kind.encode() + b"\ndata: " + _dumps({"type": kind, **fields}) + b"\n\n"
 
 
 def render_messages_prompt(body: dict[str, Any]) -> str:
@@ -67,8 +48,7 @@ class Messages:
     route = "/v1/messages"
     id_prefix = "msg_01"
 
-    def ask(self, body: dict[str, Any], config: SimConfig) -> Ask:
-        model = model_name(body, config)
+    def ask(self, body: dict[str, Any], model: str) -> Ask:
         text = render_messages_prompt(body)
         if body.get("max_tokens") is None:
             raise ApiError(400, "max_tokens: Field required", param="max_tokens")
@@ -79,8 +59,6 @@ class Messages:
             max_tokens=max_tokens,
             stream=bool(body.get("stream")),
             reasoning=asks_for_reasoning(body),
-            prompt_param="messages",
-            cache_scope=cache_scope(body, model),
         )
 
     # -- objects -----------------------------------------------------------------------
@@ -94,9 +72,12 @@ class Messages:
         plan = job.plan
         read, written = plan.reported_cached_tokens, plan.cache_write_tokens
         if read is None:  # an upstream that reports no cache: every prompt token is input
-            return {"input_tokens": plan.prompt_tokens, "output_tokens": output_tokens,
-                    "service_tier": "standard"}
-        usage: dict[str, Any] = {
+            return {
+                "input_tokens": plan.prompt_tokens,
+                "output_tokens": output_tokens,
+                "service_tier": "standard",
+            }
+        return {
             "input_tokens": plan.prompt_tokens - read - written,
             "cache_creation_input_tokens": written,
             "cache_read_input_tokens": read,
@@ -107,7 +88,6 @@ class Messages:
             "output_tokens": output_tokens,
             "service_tier": "standard",
         }
-        return usage
 
     def _final_usage(self, job: Job) -> dict[str, Any]:
         usage = self.usage(job, job.emitted)

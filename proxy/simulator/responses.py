@@ -5,7 +5,6 @@ Design: ``docs/design/simulator.md``.
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -15,13 +14,12 @@ from proxy.simulator.engine import (
     Ask,
     Engine,
     Job,
-    cache_scope,
     content_text,
+    dumps,
     int_param,
-    model_name,
+    named_event,
     tools_text,
 )
-from proxy.simulator.model import SimConfig
 
 # Request fields echoed in the response object, with the API's defaults.
 _ECHOED: dict[str, Any] = {
@@ -40,10 +38,6 @@ _ECHOED: dict[str, Any] = {
     "truncation": "disabled",
     "user": None,
 }
-
-
-def _dumps(obj: Any) -> bytes:
-    return json.dumps(obj, separators=(",", ":")).encode()
 
 
 def render_responses_prompt(body: dict[str, Any]) -> str:
@@ -77,7 +71,7 @@ def render_responses_prompt(body: dict[str, Any]) -> str:
         if isinstance(role, str):
             pieces.append(f"<|{role}|>\n{content_text(item.get('content'))}\n")
         else:  # function calls, their outputs, earlier reasoning: their JSON is the text
-            pieces.append(f"<|{item.get('type', 'item')}|>\n{_dumps(item).decode()}\n")
+            pieces.append(f"<|{item.get('type', 'item')}|>\n{dumps(item).decode()}\n")
     pieces.append("<|assistant|>\n")
     return "".join(pieces)
 
@@ -96,9 +90,8 @@ class _Events:
         self.seq = 0
 
     def __call__(self, kind: str, **fields: Any) -> bytes:
-        data = {"type": kind, "sequence_number": self.seq, **fields}
         self.seq += 1
-        return b"event: " + kind.encode() + b"\ndata: " + _dumps(data) + b"\n\n"
+        return named_event(kind, sequence_number=self.seq - 1, **fields)
 
     def delta(self, template: bytes, word: bytes) -> bytes:
         out = template % (self.seq, word)
@@ -130,8 +123,7 @@ class Responses:
     route = "/v1/responses"
     id_prefix = "resp_"
 
-    def ask(self, body: dict[str, Any], config: SimConfig) -> Ask:
-        model = model_name(body, config)
+    def ask(self, body: dict[str, Any], model: str) -> Ask:
         text = render_responses_prompt(body)
         max_tokens = int_param(body, "max_output_tokens", minimum=1)
         echoed = {k: body.get(k, default) for k, default in _ECHOED.items()}
@@ -143,7 +135,6 @@ class Responses:
             reasoning=asks_for_reasoning(body),
             prompt_param="input",
             options=echoed,
-            cache_scope=cache_scope(body, model),
         )
 
     # -- objects -----------------------------------------------------------------------
@@ -202,22 +193,18 @@ class Responses:
             "content": content,
         }
 
-    def _final(self, job: Job, engine: Engine) -> tuple[str, dict[str, Any], str]:
-        """(response status, extra response fields, message item status)."""
+    def _final(self, job: Job, engine: Engine) -> tuple[str, dict[str, Any]]:
+        """(the status of the response and of its message, the final response)."""
+        extra: dict[str, Any]
         if job.plan.finish_reason == "length":
-            return (
-                "incomplete",
-                {"incomplete_details": {"reason": "max_output_tokens"}},
-                "incomplete",
-            )
-        return "completed", {"completed_at": int(engine.wall_clock())}, "completed"
-
-    def _output(self, job: Job, message_status: str) -> list[dict[str, Any]]:
+            status, extra = "incomplete", {"incomplete_details": {"reason": "max_output_tokens"}}
+        else:
+            status, extra = "completed", {"completed_at": int(engine.wall_clock())}
         output = []
         if job.plan.reasoning_tokens:
             output.append(self._reasoning_item(job, "completed", "".join(job.thoughts[0])))
-        output.append(self._message_item(job, message_status, "".join(job.texts[0])))
-        return output
+        output.append(self._message_item(job, status, "".join(job.texts[0])))
+        return status, self.response(job, status, output, usage=self.usage(job), **extra)
 
     # -- the stream --------------------------------------------------------------------
 
@@ -266,7 +253,15 @@ class Responses:
                 if not message_open:
                     message_open = True
                     if reasoning_open:
-                        opening = self._close_reasoning(job, event)
+                        thoughts = "".join(job.thoughts[0])
+                        opening = event.closed(
+                            0,
+                            rs_id,
+                            "reasoning_text",
+                            thoughts,
+                            {"type": "reasoning_text", "text": thoughts},
+                            self._reasoning_item(job, "completed", thoughts),
+                        )
                     opening += event.opened(
                         message_index,
                         msg_id,
@@ -285,38 +280,20 @@ class Responses:
             )
             yield event("response.failed", response=failed)
             return
-        status, extra, message_status = self._final(job, engine)
+        status, final = self._final(job, engine)
         text = "".join(job.texts[0])
-        yield (
-            event.closed(
-                message_index,
-                msg_id,
-                "output_text",
-                text,
-                _output_text(text),
-                self._message_item(job, message_status, text),
-                logprobs=[],
-            )
-            + event(
-                f"response.{status}",
-                response=self.response(
-                    job, status, self._output(job, message_status), usage=self.usage(job), **extra
-                ),
-            )
-        )
-
-    def _close_reasoning(self, job: Job, event: _Events) -> bytes:
-        rs_id = self._ids(job)[0]
-        thoughts = "".join(job.thoughts[0])
-        part = {"type": "reasoning_text", "text": thoughts}
-        item = self._reasoning_item(job, "completed", thoughts)
-        return event.closed(0, rs_id, "reasoning_text", thoughts, part, item)
+        yield event.closed(
+            message_index,
+            msg_id,
+            "output_text",
+            text,
+            _output_text(text),
+            self._message_item(job, status, text),
+            logprobs=[],
+        ) + event(f"response.{status}", response=final)
 
     def body(self, job: Job, engine: Engine) -> dict[str, Any]:
-        status, extra, message_status = self._final(job, engine)
-        return self.response(
-            job, status, self._output(job, message_status), usage=self.usage(job), **extra
-        )
+        return self._final(job, engine)[1]
 
 
 def _output_text(text: str) -> dict[str, Any]:
