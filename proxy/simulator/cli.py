@@ -11,11 +11,14 @@ import socket
 import sys
 from collections.abc import Callable
 from dataclasses import fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from proxy.simulator.model import OUTPUT_DISTS, SimConfig
 from proxy.simulator.profiles import PROFILES, get_profile
 from proxy.simulator.servers import command_server, listen
+
+if TYPE_CHECKING:
+    import uvicorn
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000  # where `llm-latency-proxy serve` looks for its upstream by default
@@ -376,6 +379,19 @@ def _url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}/v1" if ":" in host else f"http://{host}:{port}/v1"
 
 
+def _uvicorn_config(args: argparse.Namespace, app: Any) -> uvicorn.Config:
+    import uvicorn
+
+    return uvicorn.Config(
+        app,
+        log_level=args.log_level,
+        access_log=args.access_log,
+        lifespan="on",
+        server_header=False,
+        timeout_graceful_shutdown=5,
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     names = profile_names(args)
     configs = [(name, config_from_args(args, name)) for name in names]
@@ -407,16 +423,7 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            log_level=args.log_level,
-            access_log=args.access_log,
-            lifespan="on",
-            server_header=False,
-            timeout_graceful_shutdown=5,
-        )
-    )
+    server = uvicorn.Server(_uvicorn_config(args, app))
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
@@ -431,8 +438,6 @@ def _serve_many(args: argparse.Namespace, configs: list[tuple[str, SimConfig]]) 
     taken port fails the command before anything serves."""
     import asyncio
     import signal
-
-    import uvicorn
 
     from proxy.simulator.app import create_simulator_app, quiet_simulated_drops
 
@@ -460,20 +465,7 @@ def _serve_many(args: argparse.Namespace, configs: list[tuple[str, SimConfig]]) 
             return 2
 
     quiet_simulated_drops()
-    servers = []
-    for _, config in configs:
-        servers.append(
-            command_server(
-                uvicorn.Config(
-                    create_simulator_app(config),
-                    log_level=args.log_level,
-                    access_log=args.access_log,
-                    lifespan="on",
-                    server_header=False,
-                    timeout_graceful_shutdown=5,
-                )
-            )
-        )
+    servers = [command_server(_uvicorn_config(args, create_simulator_app(c))) for _, c in configs]
 
     async def serve_all() -> None:
         loop = asyncio.get_running_loop()
