@@ -41,7 +41,6 @@ from proxy.bench.workload import (
     API_PATHS,
     PlannedRequest,
     Profile,
-    chat_body,
     iter_requests,
     poisson_arrivals,
     request_body,
@@ -387,7 +386,7 @@ async def test_client_times_output_events_with_one_clock_read_per_chunk() -> Non
         return httpx.Response(200, content=body(), headers={"content-type": "text/event-stream"})
 
     async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
-        item = PlannedRequest(0, "p", chat_body("m", "hi", 5))
+        item = PlannedRequest(0, "p", request_body("chat", "m", "hi", 5))
         r = await send(
             client,
             "http://x/v1/chat/completions",
@@ -425,7 +424,7 @@ async def test_client_errors_are_results_not_exceptions() -> None:
             return httpx.Response(200, content=_stream(_delta(content="a")))
         raise httpx.ConnectError("refused")
 
-    item = PlannedRequest(0, "p", chat_body("m", "hi", 5))
+    item = PlannedRequest(0, "p", request_body("chat", "m", "hi", 5))
     async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
         r429 = await send(client, "http://x/e429/chat/completions", item)
         rcut = await send(client, "http://x/cut/chat/completions", item)

@@ -11,6 +11,7 @@ import math
 import os
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TextIO
@@ -196,19 +197,14 @@ def _synthetic_workload(args: argparse.Namespace, base: str) -> _Workload:
         prompt_tokens_max=args.prompt_tokens_max or 0,
     )
     target = f"rate {args.rate}/s" if args.rate else f"concurrency {concurrency}"
-    limit = " and ".join(
-        x
-        for x in (
-            f"{requests} requests" if requests else "",
-            f"{args.duration:g} s" if args.duration else "",
-        )
-        if x
-    )
+    limits = [f"{requests} requests"] if requests else []
+    if args.duration:
+        limits.append(f"{args.duration:g} s")
     return _Workload(
         plan=plan,
         planned=iter_requests([profile], model=model, seed=args.seed),
         arrivals=poisson_arrivals(args.rate, seed=args.seed) if args.rate else None,
-        describe=f"bench: {plan.url}, model {model}, {target}, up to {limit}",
+        describe=f"bench: {plan.url}, model {model}, {target}, up to {' and '.join(limits)}",
         route=route_of(args.api),
         model=model,
     )
@@ -232,13 +228,15 @@ def _replay_workload(args: argparse.Namespace, base: str, replay: Replay) -> _Wo
     )
     models = {args.model} if args.model else {r.model or DEFAULT_MODEL for r in replay.records}
     start = (
-        f", recorded from {replay.workload.start:%Y-%m-%d %H:%M:%S %Z}" if replay.workload.start else ""
+        f", recorded from {replay.workload.start:%Y-%m-%d %H:%M:%S %Z}"
+        if replay.workload.start
+        else ""
     )
     cap = f", at most {args.concurrency} in flight" if args.concurrency else ""
     describe = (
         f"bench: replaying {len(replay.records)} requests of {', '.join(replay.workload.paths)}"
         f"{start} over {replay.span_s:.1f} s (speedup {args.speedup:g}{cap}) to {base} "
-        f"({', '.join(f'{api} {n}' for api, n in sorted(replay.api_counts().items()))}; "
+        f"({', '.join(f'{api} {n}' for api, n in sorted(Counter(replay.apis).items()))}; "
         f"blocks of {replay.block_size} tokens)"
     )
     return _Workload(

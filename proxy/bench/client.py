@@ -11,7 +11,8 @@ import json
 import re
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple
 
 import httpx
@@ -287,31 +288,19 @@ def classify(api: str, event: str, data: bytes) -> Reading:
     return _chat(obj, data, api == "completions")
 
 
+@dataclass(slots=True)
 class _Timing:
     """Accumulates one stream's event times; knows nothing of HTTP."""
 
-    __slots__ = (
-        "api",
-        "done",
-        "error",
-        "first",
-        "first_answer",
-        "gaps",
-        "last",
-        "outputs",
-        "usage",
-    )
-
-    def __init__(self, api: str) -> None:
-        self.api = api
-        self.first: float | None = None
-        self.first_answer: float | None = None
-        self.last: float | None = None
-        self.gaps: list[float] = []
-        self.outputs = 0
-        self.usage: dict[str, int] = {}
-        self.done = False
-        self.error: str | None = None
+    api: str
+    first: float | None = None
+    first_answer: float | None = None
+    last: float | None = None
+    gaps: list[float] = field(default_factory=list)
+    outputs: int = 0
+    usage: dict[str, int] = field(default_factory=dict)
+    done: bool = False
+    error: str | None = None
 
     def event(self, name: str, data: bytes, t: float) -> None:
         reading = classify(self.api, name, data)
@@ -528,13 +517,9 @@ async def run(
         else:
             if arrivals is None:
                 raise ValueError("a rate needs arrival times")
-            cap = asyncio.Semaphore(plan.concurrency) if plan.concurrency else None
+            cap = asyncio.Semaphore(plan.concurrency) if plan.concurrency else nullcontext()
 
             async def capped(item: PlannedRequest, due: float) -> None:
-                if cap is None:
-                    await _until(due, clock)
-                    await one(item)
-                    return
                 async with cap:
                     await _until(due, clock)
                     await one(item)

@@ -20,7 +20,6 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument(
         "--base-url",
         metavar="URL",
-        default=None,
         help=f"OpenAI base URL including /v1 [env OPENAI_BASE_URL; default {DEFAULT_BASE_URL}]",
     )
     parser.add_argument(
@@ -39,14 +38,12 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument(
         "--model",
         metavar="NAME",
-        default=None,
         help=f"Model name sent in each request [default {DEFAULT_MODEL}; with --workload-file the "
         "recorded model]",
     )
     parser.add_argument(
         "--api-key",
         metavar="KEY",
-        default=None,
         help="Key sent upstream, as a Bearer token (x-api-key for --api messages) "
         "[default: env OPENAI_API_KEY, or ANTHROPIC_API_KEY for --api messages, else none]",
     )
@@ -54,28 +51,24 @@ def add_arguments(parser: Any) -> None:
         "--requests",
         metavar="N",
         type=int,
-        default=None,
         help="Requests to send [default 100, or no limit with --duration]",
     )
     parser.add_argument(
         "--duration",
         metavar="S",
         type=float,
-        default=None,
         help="Stop sending new requests after this many seconds; in-flight ones finish",
     )
     parser.add_argument(
         "--concurrency",
         metavar="N",
         type=int,
-        default=None,
         help="Requests in flight at once (closed loop) [default 8]; with --rate: a cap",
     )
     parser.add_argument(
         "--rate",
         metavar="PER_S",
         type=float,
-        default=None,
         help="Open loop: requests per second with Poisson arrivals (seeded)",
     )
     parser.add_argument(
@@ -116,13 +109,11 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument(
         "--json",
         metavar="FILE",
-        default=None,
         help="Write every per-request record and the summary as JSON ('-' for stdout)",
     )
     parser.add_argument(
         "--compare-metrics",
         metavar="URL",
-        default=None,
         help="The proxy's /metrics URL to compare with [default: <base-url minus /v1>/metrics if it "
         "serves llm_proxy_ metrics]",
     )
@@ -134,21 +125,18 @@ def add_arguments(parser: Any) -> None:
         "--prompt-tokens-max",
         metavar="N",
         type=int,
-        default=None,
         help="Vary the prompt length: each prompt between --prompt-tokens and N tokens "
         "(uniform, seeded), so the report can show TTFT against prompt length",
     )
     parser.add_argument(
         "--report",
         metavar="FILE",
-        default=None,
         help="Write a self-contained HTML report of the run: client CDFs with the proxy's "
         "figures on top, TTFT against prompt length, decode rates, errors, settings",
     )
     parser.add_argument(
         "--compare",
         metavar="JSON",
-        default=None,
         help="With --report: draw another run (its --json file) beside this one",
     )
     replay = parser.add_argument_group(
@@ -163,7 +151,6 @@ def add_arguments(parser: Any) -> None:
         metavar="FILE",
         nargs="+",
         action="extend",
-        default=None,
         help="Workload file(s) or quoted glob(s), e.g. one per proxy worker; read as one",
     )
     replay.add_argument(
@@ -186,7 +173,6 @@ def add_arguments(parser: Any) -> None:
         "--block-size",
         metavar="TOKENS",
         type=int,
-        default=None,
         help="Tokens per hash id when the file does not say [default "
         f"{DEFAULT_BLOCK_SIZE}, the Mooncake traces' and AIPerf's]",
     )
@@ -195,7 +181,6 @@ def add_arguments(parser: Any) -> None:
         metavar="KNOBS",
         nargs="?",
         const="",
-        default=None,
         help="Replay against the built-in simulator started with these simulate flags "
         '(quoted, e.g. "--slots 16 --prefill-rate 20000"; one flag alone as '
         "--simulate=--slots=16), not against --base-url: what-if without an upstream",
@@ -212,9 +197,13 @@ def _validate_replay(args: argparse.Namespace) -> str | None:
     if args.rate is not None:
         return "--rate: a workload file brings its own arrival times (use --speedup)"
     if args.reasoning:
-        return "--reasoning: not with --workload-file (recorded output lengths include any reasoning)"
+        return (
+            "--reasoning: not with --workload-file (recorded output lengths include any reasoning)"
+        )
     if args.shared_prefix_tokens or args.prompt_tokens_max is not None:
-        return "--shared-prefix-tokens and --prompt-tokens-max: a workload file brings its own prompts"
+        return (
+            "--shared-prefix-tokens and --prompt-tokens-max: a workload file brings its own prompts"
+        )
     if not (args.speedup > 0 and math.isfinite(args.speedup)):
         return "--speedup must be a number > 0"
     if args.block_size is not None and args.block_size < 1:

@@ -7,7 +7,7 @@ import math
 from typing import TYPE_CHECKING
 
 from . import promscrape
-from .stats import align_columns
+from .stats import align_columns, ms
 
 if TYPE_CHECKING:
     from .client import RequestResult
@@ -40,10 +40,6 @@ def proxy_extra(
     return out
 
 
-def _ms(value: float) -> str:
-    return "-" if math.isnan(value) else f"{value * 1000:.1f}"
-
-
 def format_comparison(
     summary: Summary,
     results: tuple[RequestResult, ...],
@@ -62,7 +58,7 @@ def format_comparison(
     def add(name: str, client: float, proxy: float, unit: str = "ms") -> None:
         if unit == "ms":
             diff = client - proxy if not (math.isnan(client) or math.isnan(proxy)) else math.nan
-            rows.append((f"{name} {unit}", _ms(client), _ms(proxy), _ms(diff)))
+            rows.append((f"{name} {unit}", ms(client), ms(proxy), ms(diff)))
         else:
             rows.append((name, f"{client:g}", f"{proxy:g}", f"{client - proxy:+g}"))
 
@@ -96,7 +92,7 @@ def format_comparison(
         )
     if view.queue.sum > 0:  # all zeros without --max-concurrency: nothing to say
         lines.append(
-            f"proxy queue time: mean {_ms(view.queue.mean)} ms, p99 {_ms(view.queue.quantile(0.99))} ms"
+            f"proxy queue time: mean {ms(view.queue.mean)} ms, p99 {ms(view.queue.quantile(0.99))} ms"
         )
     lines.append(
         "(proxy percentiles are interpolated within histogram buckets; means and counts are exact)"

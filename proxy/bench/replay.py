@@ -15,7 +15,7 @@ from typing import Any
 from proxy.workload_file import Workload, WorkloadRecord, group_of
 
 from .client import RequestResult
-from .stats import quantile
+from .stats import align_columns, ms, pct, quantile
 from .workload import API_PATHS, PlannedRequest, request_body, route_of
 
 # Three-letter words that o200k_base and cl100k_base each encode as one token when
@@ -136,12 +136,6 @@ class Replay:
     def span_s(self) -> float:
         return self.offsets[-1] if self.offsets else 0.0
 
-    def api_counts(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for api in self.apis:
-            out[api] = out.get(api, 0) + 1
-        return out
-
     def requests(self) -> Iterator[PlannedRequest]:
         """The bodies, built one at a time (a long workload's prompts are never all in
         memory at once); the text's corpus is drawn now, before any clock starts."""
@@ -201,10 +195,6 @@ def _share(cached: int, prompt: int) -> float | None:
     return cached / prompt if prompt > 0 else None
 
 
-def _mean_gap(result: RequestResult) -> float | None:
-    return sum(result.itl_s) / len(result.itl_s) if result.itl_s else None
-
-
 def _side_recorded(records: Sequence[WorkloadRecord]) -> dict[str, Any]:
     done = [r for r in records if r.outcome in (None, "completed")]
     ttft = [r.ttft_ms / 1000.0 for r in done if r.ttft_ms is not None]
@@ -229,7 +219,7 @@ def _side_recorded(records: Sequence[WorkloadRecord]) -> dict[str, Any]:
 def _side_replayed(results: Sequence[RequestResult]) -> dict[str, Any]:
     done = [r for r in results if r.ok]
     ttft = [r.ttft_s for r in done if r.ttft_s is not None]
-    itl = [g for r in done if (g := _mean_gap(r)) is not None]
+    itl = [sum(r.itl_s) / len(r.itl_s) for r in done if r.itl_s]
     with_cache = [r for r in done if r.cached_prompt_tokens is not None and r.prompt_tokens]
     return {
         "requests": len(results),
@@ -344,14 +334,6 @@ def headline(cmp: dict[str, Any]) -> str:
     return line
 
 
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value * 1000:.1f}"
-
-
-def _pct(value: float | None) -> str:
-    return "-" if value is None else f"{value * 100:.1f}%"
-
-
 def comparison_rows(cmp: dict[str, Any]) -> list[tuple[str, ...]]:
     """The side-by-side table's cells, header first (printed, and drawn in the report)."""
     rows: list[tuple[str, ...]] = [("", "recorded", "replayed")]
@@ -366,10 +348,8 @@ def comparison_rows(cmp: dict[str, Any]) -> list[tuple[str, ...]]:
         )
         for label, key in (("TTFT", "ttft"), ("ITL mean/request", "itl_mean")):
             for q in ("p50", "p90", "p95", "p99"):
-                rows.append((f"  {label} {q} ms", _ms(rec[key][q]), _ms(rep[key][q])))
-        rows.append(
-            ("  prefix cache hit share", _pct(rec["cache_share"]), _pct(rep["cache_share"]))
-        )
+                rows.append((f"  {label} {q} ms", ms(rec[key][q]), ms(rep[key][q])))
+        rows.append(("  prefix cache hit share", pct(rec["cache_share"]), pct(rep["cache_share"])))
         rows.append(("  prompt tokens", str(rec["prompt_tokens"]), str(rep["prompt_tokens"])))
         out_rec = rec["output_tokens"]
         rows.append(
@@ -380,8 +360,6 @@ def comparison_rows(cmp: dict[str, Any]) -> list[tuple[str, ...]]:
 
 def format_comparison(cmp: dict[str, Any]) -> str:
     """The replay beside the workload file, as printed after a ``bench --workload-file`` run."""
-    from .stats import align_columns
-
     return "\n".join([cmp["headline"], "", *align_columns(comparison_rows(cmp)), *notes(cmp)])
 
 
@@ -391,8 +369,8 @@ def notes(cmp: dict[str, Any]) -> list[str]:
     sched = cmp["schedule"]
     if sched["count"]:
         lines.append(
-            f"schedule: sent {_ms(sched['lag_p50_s'])} ms after the planned time at p50, "
-            f"{_ms(sched['lag_p99_s'])} ms at p99, {_ms(sched['lag_max_s'])} ms at most "
+            f"schedule: sent {ms(sched['lag_p50_s'])} ms after the planned time at p50, "
+            f"{ms(sched['lag_p99_s'])} ms at p99, {ms(sched['lag_max_s'])} ms at most "
             f"(speedup {cmp['speedup']:g}, {cmp['replayed_requests']} requests over "
             f"{cmp['span_s']:.1f} s)"
         )

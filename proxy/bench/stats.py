@@ -15,7 +15,6 @@ from .client import RequestResult
 
 READING_PACE_TOK_S = 5.0
 FAST_DECODE_TOK_S = 20.0
-QUANTILES = (0.5, 0.9, 0.99)
 
 
 def quantile(sorted_values: Sequence[float], q: float) -> float:
@@ -135,12 +134,13 @@ def summarize(results: Sequence[RequestResult], wall_s: float) -> Summary:
     )
 
 
-def ms(value: float) -> str:
-    return "-" if math.isnan(value) else f"{value * 1000:.1f}"
+def ms(value: float | None) -> str:
+    """Seconds as milliseconds; ``-`` for no value (None, NaN)."""
+    return "-" if value is None or math.isnan(value) else f"{value * 1000:.1f}"
 
 
-def pct(value: float) -> str:
-    return "-" if math.isnan(value) else f"{value * 100:.1f}%"
+def pct(value: float | None) -> str:
+    return "-" if value is None or math.isnan(value) else f"{value * 100:.1f}%"
 
 
 def column_widths(rows: Sequence[Sequence[str]]) -> list[int]:

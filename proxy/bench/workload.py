@@ -86,24 +86,20 @@ def shared_prefix(seed: int, profile: str, tokens: int) -> str:
     return "System: " + words(rng, max(tokens - 2, 1))
 
 
-def chat_body(model: str, content: str, max_tokens: int) -> dict[str, Any]:
-    """A streaming chat completion that also asks for token usage at the end."""
-    return {
-        "model": model,
-        "messages": [{"role": "user", "content": content}],
-        "max_tokens": max_tokens,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-
-
 def request_body(
     api: str, model: str, content: str, max_tokens: int, *, reasoning: bool = False
 ) -> dict[str, Any]:
-    """A streaming request of ``api`` carrying ``content`` as its one user message."""
+    """A streaming request of ``api`` carrying ``content`` as its one user message (chat
+    and completions also ask for token usage at the end)."""
     body: dict[str, Any]
     if api == "chat":
-        body = chat_body(model, content, max_tokens)
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": max_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         if reasoning:
             body["reasoning_effort"] = "low"
     elif api == "completions":

@@ -318,7 +318,6 @@ def add_parser(sub: Any) -> None:
     choice.add_argument(
         "--profile",
         choices=tuple(PROFILES),
-        default=None,
         help=f"Speed profile ({speeds}). Sets --prefill-overhead, --prefill-rate, --itl and "
         "--itl-growth; any of them given on the command line wins.",
     )
@@ -326,7 +325,6 @@ def add_parser(sub: Any) -> None:
         "--profiles",
         type=_profiles,
         metavar="NAMES",
-        default=None,
         help="Comma-separated speed profiles, e.g. fast,slow: one simulator per profile in "
         "this process, profile i on --port + i (every other flag applies to all of them).",
     )
