@@ -112,14 +112,13 @@ def create_simulator_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        messages = {404: "Not found: no such route.", 405: "Method not allowed on this route."}
-        types = {404: "invalid_request_error", 405: "invalid_request_error"}
-        error = ApiError(
-            exc.status_code,
-            messages.get(exc.status_code, str(exc.detail)),
-            types.get(exc.status_code, "server_error"),
-            {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code),
-        )
+        known = {
+            404: ("Not found: no such route.", "not_found"),
+            405: ("Method not allowed on this route.", "method_not_allowed"),
+        }
+        message, code = known.get(exc.status_code, (str(exc.detail), None))
+        kind = "server_error" if code is None else "invalid_request_error"
+        error = ApiError(exc.status_code, message, kind, code)
         response = error_response(request, error)
         if exc.headers:
             response.headers.update(exc.headers)

@@ -160,26 +160,17 @@ class _OpenAIStream:
             + dumps(job.ask.model)
             + b',"choices":['
         )
+        choice = head + b'{"index":%d,'
+        unfinished = b',"logprobs":null,"finish_reason":null}]}\n\n'
         if self.chat:
-            role = (
-                head
-                + b'{"index":%d,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}\n\n'
-            )
-            token = (
-                head
-                + b'{"index":%d,"delta":{"content":%s},"logprobs":null,"finish_reason":null}]}\n\n'
-            )
-            thought = (
-                head
-                + b'{"index":%d,"delta":{"reasoning_content":%s},"logprobs":null,"finish_reason":null}]}\n\n'
-            )
-            finish = head + b'{"index":%d,"delta":{},"logprobs":null,"finish_reason":"%s"}]}\n\n'
+            role = choice + b'"delta":{"role":"assistant","content":""}' + unfinished
+            token = choice + b'"delta":{"content":%s}' + unfinished
+            thought = choice + b'"delta":{"reasoning_content":%s}' + unfinished
+            finish = choice + b'"delta":{},"logprobs":null,"finish_reason":"%s"}]}\n\n'
         else:
             role = b""
-            token = thought = (
-                head + b'{"index":%d,"text":%s,"logprobs":null,"finish_reason":null}]}\n\n'
-            )
-            finish = head + b'{"index":%d,"text":"","logprobs":null,"finish_reason":"%s"}]}\n\n'
+            token = thought = choice + b'"text":%s' + unfinished
+            finish = choice + b'"text":"","logprobs":null,"finish_reason":"%s"}]}\n\n'
         steps = engine.steps(job, min_sleep=0.0)
         try:
             async for count in steps:
