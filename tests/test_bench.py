@@ -982,7 +982,7 @@ def _hist_lines(name: str, route: str, values: list[float]) -> list[str]:
 
 
 def test_comparison_adds_ttfb_and_first_answer_when_the_proxy_has_them() -> None:
-    from proxy.bench.proxy_view import format_comparison, proxy_extra, proxy_filter
+    from proxy.bench.promscrape import format_comparison, proxy_extra, proxy_filter
 
     route = "/v1/responses"
     text = "\n".join(

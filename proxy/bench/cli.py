@@ -302,7 +302,6 @@ async def _run(args: argparse.Namespace, replay: Replay | None) -> int:
 
     from . import promscrape
     from .client import make_client, run
-    from .proxy_view import format_comparison, proxy_extra, proxy_filter
     from .stats import format_table, summarize
 
     base = args.base_url.rstrip("/")
@@ -365,11 +364,14 @@ async def _run(args: argparse.Namespace, replay: Replay | None) -> int:
                 file=out,
             )
         else:
-            where = proxy_filter(after, work.model, work.route)
+            where = promscrape.proxy_filter(after, work.model, work.route)
             view = promscrape.ProxyView.between(before, after, where)
-            extra = proxy_extra(before, after, where)
+            extra = promscrape.proxy_extra(before, after, where)
             print(f"\nproxy's view ({metrics_url}) beside the client's:", file=out)
-            print(format_comparison(summary, outcome.results, view, extra, work.route), file=out)
+            print(
+                promscrape.format_comparison(summary, outcome.results, view, extra, work.route),
+                file=out,
+            )
     compared = None
     if work.replay is not None:
         from .replay import compare

@@ -24,27 +24,15 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000  # where `llm-latency-proxy serve` looks for its upstream by default
 
 
-def _int_at_least(minimum: int) -> Callable[[str], int]:
-    def parse(raw: str) -> int:
+def _number(
+    kind: type[int] | type[float], low: float, high: float = math.inf, *, open_low: bool = False
+) -> Callable[[str], Any]:
+    def parse(raw: str) -> Any:
         try:
-            value = int(raw)
+            value = kind(raw)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"not an integer: {raw!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum} (got {value})")
-        return value
-
-    return parse
-
-
-def _float_range(
-    low: float, high: float = math.inf, *, open_low: bool = False
-) -> Callable[[str], float]:
-    def parse(raw: str) -> float:
-        try:
-            value = float(raw)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a number: {raw!r}") from None
+            what = "an integer" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"not {what}: {raw!r}") from None
         if not math.isfinite(value) or value < low or value > high or (open_low and value == low):
             rule = f"> {low}" if open_low else f">= {low}"
             if high != math.inf:
@@ -104,65 +92,65 @@ def _models(raw: str) -> tuple[str, ...]:
 # flag name -> (parser, metavar, help). Booleans have parser None.
 _FLAGS: dict[str, tuple[Callable[[str], Any] | None, str, str]] = {
     "slots": (
-        _int_at_least(1),
+        _number(int, 1),
         "N",
         "Decode slots: requests generated at once (like vLLM --max-num-seqs). Requests "
         "beyond them wait in a FIFO queue; that wait is their queue time.",
     ),
     "prefill_rate": (
-        _float_range(0, open_low=True),
+        _number(float, 0, open_low=True),
         "TOK/S",
         "Prefill speed in uncached prompt tokens per second, on one compute lane "
         "shared by all requests (a burst of long prompts queues behind itself).",
     ),
     "prefill_overhead": (
-        _float_range(0),
+        _number(float, 0),
         "S",
         "Fixed seconds added to every request's time to first token "
         "(scheduling, sampling the first token).",
     ),
     "itl": (
-        _float_range(0),
+        _number(float, 0),
         "S",
         "Inter-token latency in seconds of one decode step with a single active stream "
         "(0.02 s = 50 tokens/s).",
     ),
     "itl_growth": (
-        _float_range(0),
+        _number(float, 0),
         "F",
         "Fractional ITL increase per additional active stream: a step takes "
         "itl * (1 + itl_growth * (active - 1)).",
     ),
     "jitter": (
-        _float_range(0, 1),
+        _number(float, 0, 1),
         "F",
         "Relative jitter of each decode step: uniform in [1 - F, 1 + F] times the step.",
     ),
     "tokens_per_chunk": (
-        _int_at_least(1),
+        _number(int, 1),
         "K",
         "Tokens per decode step and SSE chunk (K > 1 mimics speculative "
         "decoding: fewer, larger chunks).",
     ),
     "chars_per_token": (
-        _float_range(0, open_low=True),
+        _number(float, 0, open_low=True),
         "C",
         "Characters per token used to estimate prompt tokens from text.",
     ),
     "cache_block_tokens": (
-        _int_at_least(1),
+        _number(int, 1),
         "N",
         "Prefix-cache block size in tokens; a prefix is reused in whole "
         "blocks of N * --chars-per-token characters.",
     ),
     "cache_blocks": (
-        _int_at_least(0),
+        _number(int, 0),
         "N",
         "Prefix-cache capacity in blocks (least recently used evicted first); "
         "0 turns the prefix cache off.",
     ),
     "cached_tokens_factor": (
-        _float_range(0, 1),
+        _number(float, 0, 1),
         "F",
         "Report F times the prefix-cache hits as cached tokens (rounded down): an upstream "
         "that under-reports its cache. The hits still cost no prefill.",
@@ -176,7 +164,7 @@ _FLAGS: dict[str, tuple[Callable[[str], Any] | None, str, str]] = {
         "the whole prompt as input_tokens).",
     ),
     "output_tokens": (
-        _int_at_least(1),
+        _number(int, 1),
         "N",
         "Mean output length in tokens when a request sets no max_tokens.",
     ),
@@ -194,31 +182,31 @@ _FLAGS: dict[str, tuple[Callable[[str], Any] | None, str, str]] = {
         "tokens, finish_reason 'length'.",
     ),
     "reasoning_tokens": (
-        _int_at_least(0),
+        _number(int, 0),
         "N",
         "Reasoning tokens of a request that asks for reasoning (chat reasoning_effort, "
         "Responses reasoning, Messages thinking), generated before the answer and "
         "counted in its max tokens; 0: no reasoning output.",
     ),
     "max_model_len": (
-        _int_at_least(2),
+        _number(int, 2),
         "N",
         "Context length: prompt plus max_tokens beyond it gets a 400 context_length_exceeded.",
     ),
     "error_rate": (
-        _float_range(0, 1),
+        _number(float, 0, 1),
         "P",
         "Fault injection: share of requests answered at once with --error-status.",
     ),
-    "error_status": (_int_at_least(400), "CODE", "HTTP status of injected errors (400..599)."),
+    "error_status": (_number(int, 400), "CODE", "HTTP status of injected errors (400..599)."),
     "drop_rate": (
-        _float_range(0, 1),
+        _number(float, 0, 1),
         "P",
         "Fault injection: share of streams whose connection is dropped after a random "
         "number of tokens (no finish chunk, no [DONE]).",
     ),
     "stream_error_rate": (
-        _float_range(0, 1),
+        _number(float, 0, 1),
         "P",
         "Fault injection: share of streams that end, after a random number of tokens, "
         "with the API's error event (HTTP status 200): chat and completions "
@@ -226,11 +214,11 @@ _FLAGS: dict[str, tuple[Callable[[str], Any] | None, str, str]] = {
         "(overloaded_error).",
     ),
     "stall_rate": (
-        _float_range(0, 1),
+        _number(float, 0, 1),
         "P",
         "Fault injection: share of requests that stall once, before a random token.",
     ),
-    "stall_seconds": (_float_range(0), "S", "Length of an injected stall in seconds."),
+    "stall_seconds": (_number(float, 0), "S", "Length of an injected stall in seconds."),
     "vllm_metrics": (
         None,
         "",
@@ -248,7 +236,7 @@ _FLAGS: dict[str, tuple[Callable[[str], Any] | None, str, str]] = {
         "asked for.",
     ),
     "prefill_attention": (
-        _float_range(0),
+        _number(float, 0),
         "S",
         "Extra prefill seconds per (1,000 tokens)^2: each computed token attends to every "
         "token before it, so prefill grows faster than linearly, as on a CPU engine "
@@ -302,7 +290,7 @@ def add_parser(sub: Any) -> None:
     parser.add_argument("--host", default=DEFAULT_HOST, help="Interface to listen on.")
     parser.add_argument(
         "--port",
-        type=_int_at_least(0),
+        type=_number(int, 0),
         default=DEFAULT_PORT,
         help="Port to listen on.",
     )

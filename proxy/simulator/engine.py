@@ -164,13 +164,8 @@ def model_name(body: Mapping[str, Any], config: SimConfig) -> str:
     if not isinstance(name, str) or not name:
         raise ApiError(400, "'model' must be a non-empty string", param="model")
     if config.strict_models and name not in config.models:
-        raise ApiError(
-            404,
-            f"The model `{name}` does not exist.",
-            "invalid_request_error",
-            "model_not_found",
-            "model",
-        )
+        message = f"The model `{name}` does not exist."
+        raise ApiError(404, message, code="model_not_found", param="model")
     return name
 
 
