@@ -173,12 +173,12 @@ def test_slots_queue_in_fifo_order_and_queue_time_is_the_wait() -> None:
     assert (model.active, model.queued) == (2, 3)
     model.release(tickets[1], 1.5)
     assert admitted == [2]
-    assert tickets[2].queue_s == pytest.approx(1.5)
+    assert tickets[2].admitted_at - tickets[2].arrival == pytest.approx(1.5)
     model.release(tickets[3], 1.6)  # a queued request gives up: nobody is admitted
     assert admitted == [2] and model.queued == 1
     model.release(tickets[0], 2.0)
     assert admitted == [2, 4]
-    assert tickets[4].queue_s == pytest.approx(2.0)
+    assert tickets[4].admitted_at - tickets[4].arrival == pytest.approx(2.0)
     model.release(tickets[0], 2.5)  # idempotent
     assert model.active == 2
     for t in (tickets[2], tickets[4]):
@@ -327,13 +327,23 @@ def test_reasoning_comes_first_and_max_tokens_covers_it() -> None:
     assert (plan.output_tokens, plan.finish_reason) == (21, "stop")
 
 
-def test_steps_never_mix_reasoning_and_answer() -> None:
-    model = LatencyModel(replace(EXACT, output_tokens=4, reasoning_tokens=5))
-    plan = model.plan("hi", reasoning=True)
-    assert plan.steps(1) == (5, 4)
-    assert plan.steps(2) == (3, 2)  # 2+2+1 reasoning, 2+2 answer
-    assert plan.steps(8) == (1, 1)
-    assert model.plan("hi").steps(3) == (0, 2)
+@pytest.mark.parametrize(
+    ("per_chunk", "reasoning", "chunks"),
+    [(1, True, (5, 4)), (2, True, (3, 2)), (8, True, (1, 1)), (3, False, (0, 3))],
+)
+async def test_steps_never_mix_reasoning_and_answer(
+    per_chunk: int, reasoning: bool, chunks: tuple[int, int]
+) -> None:
+    """5 reasoning and 4 answer tokens: with 2 a chunk, 2+2+1 reasoning, 2+2 answer."""
+    config = replace(FAST, reasoning_tokens=5, tokens_per_chunk=per_chunk)
+    effort = {"reasoning_effort": "low"} if reasoning else {}
+    async with make_client(config) as c:
+        r = await c.post("/v1/chat/completions", json=chat_body(stream=True, max_tokens=9, **effort))
+    deltas = [json.loads(e)["choices"][0]["delta"] for e in sse_events(r.content)[:-1]]
+    thought = sum(bool(d.get("reasoning_content")) for d in deltas)
+    answer = sum(bool(d.get("content")) for d in deltas)
+    assert (thought, answer) == chunks
+    assert not any(d.get("reasoning_content") and d.get("content") for d in deltas)
 
 
 def test_cache_writes_are_the_new_full_blocks() -> None:

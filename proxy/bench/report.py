@@ -136,6 +136,12 @@ def decode_rates(requests: Sequence[dict[str, Any]]) -> list[int]:
     return counts
 
 
+def cdf(client: Sequence[float], hist: dict[str, Any] | None) -> dict[str, Any]:
+    """The client's CDF, the proxy's bucket shares, and where they differ most."""
+    proxy = proxy_cdf(hist)
+    return {"client": cdf_points(client), "proxy": proxy, "agreement": agreement(client, proxy)}
+
+
 def run_view(payload: dict[str, Any], name: str) -> dict[str, Any]:
     """What the page draws of one run."""
     done = [r for r in payload.get("requests", []) if r.get("outcome") == "completed"]
@@ -150,17 +156,8 @@ def run_view(payload: dict[str, Any], name: str) -> dict[str, Any]:
         "lines": summary_lines(summary),
         "settings": {k: config[k] for k in _SETTINGS if config.get(k) is not None},
         "cdf": {
-            "ttft": {
-                "client": cdf_points(ttft),
-                "proxy": proxy_cdf(proxy.get("ttft")),
-                "agreement": agreement(ttft, proxy_cdf(proxy.get("ttft"))),
-            },
-            "itl": {
-                "client": cdf_points(itl),
-                "proxy": proxy_cdf(proxy.get("itl")),
-                "agreement": agreement(itl, proxy_cdf(proxy.get("itl"))),
-                "same_read": same_read_share(itl),
-            },
+            "ttft": cdf(ttft, proxy.get("ttft")),
+            "itl": {**cdf(itl, proxy.get("itl")), "same_read": same_read_share(itl)},
         },
         "proxy": {
             k: {q: proxy[k].get(q) for q in ("count", "p50", "p90", "p99", "mean")}

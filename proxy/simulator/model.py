@@ -11,11 +11,9 @@ import random
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
 
 from proxy.errors import CliError
 
-OutputDist = Literal["fixed", "uniform", "exponential"]
 OUTPUT_DISTS: tuple[str, ...] = ("fixed", "uniform", "exponential")
 
 
@@ -79,13 +77,18 @@ class SimConfig:
             value = getattr(self, name)
             if not math.isfinite(value) or value <= 0:
                 raise bad(name, "must be a number > 0")
-        for name in ("prefill_overhead", "itl", "itl_growth", "stall_seconds",
-                     "prefill_attention"):
+        for name in ("prefill_overhead", "itl", "itl_growth", "stall_seconds", "prefill_attention"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise bad(name, "must be a number >= 0")
-        for name in ("jitter", "error_rate", "drop_rate", "stream_error_rate", "stall_rate",
-                     "cached_tokens_factor"):
+        for name in (
+            "jitter",
+            "error_rate",
+            "drop_rate",
+            "stream_error_rate",
+            "stall_rate",
+            "cached_tokens_factor",
+        ):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
                 raise bad(name, "must be between 0 and 1")
@@ -168,12 +171,6 @@ class RequestPlan:
     error_after_tokens: int | None = None  # a stream error event after this many tokens
     stall_before_token: int | None = None  # a stall of stall_seconds before this token
 
-    def steps(self, tokens_per_chunk: int) -> tuple[int, int]:
-        """(reasoning steps, answer steps): a step never holds tokens of both phases."""
-        reasoning = self.reasoning_tokens
-        answer = self.output_tokens - reasoning
-        return -(-reasoning // tokens_per_chunk), -(-answer // tokens_per_chunk)
-
 
 @dataclass(slots=True, eq=False)
 class Ticket:
@@ -187,10 +184,6 @@ class Ticket:
     @property
     def admitted(self) -> bool:
         return self.admitted_at is not None
-
-    @property
-    def queue_s(self) -> float | None:
-        return None if self.admitted_at is None else self.admitted_at - self.arrival
 
 
 class ContextTooLong(ValueError):
@@ -216,7 +209,6 @@ class LatencyModel:
         self.active = 0
         self._prefill_free_at = -math.inf
         self.requests = 0
-        self.prompt_tokens_total = 0
         self.cached_tokens_total = 0
 
     def _default_rng(self, index: int) -> random.Random:
@@ -263,9 +255,9 @@ class LatencyModel:
             ((tokens - 1) // cfg.cache_block_tokens) * cfg.cache_block_tokens,
         )
         written = min((stored_blocks - hit_blocks) * cfg.cache_block_tokens, tokens - cached)
-        reported = (math.floor(cached * cfg.cached_tokens_factor)
-                    if cfg.report_cached_tokens else None)
-        self.prompt_tokens_total += tokens
+        reported = (
+            math.floor(cached * cfg.cached_tokens_factor) if cfg.report_cached_tokens else None
+        )
         self.cached_tokens_total += cached
 
         thinking = cfg.reasoning_tokens if reasoning else 0
@@ -293,9 +285,10 @@ class LatencyModel:
             cached_tokens=cached,
             output_tokens=output,
             finish_reason=finish,
-            prefill_compute_s=((tokens - cached) / cfg.prefill_rate
-                               + cfg.prefill_attention * ((tokens / 1000) ** 2
-                                                          - (cached / 1000) ** 2)),
+            prefill_compute_s=(
+                (tokens - cached) / cfg.prefill_rate
+                + cfg.prefill_attention * ((tokens / 1000) ** 2 - (cached / 1000) ** 2)
+            ),
             reasoning_tokens=thinking,
             cache_write_tokens=written,
             reported_cached_tokens=reported,
