@@ -225,9 +225,9 @@ class Demo:
 
         from proxy.app import create_app
         from proxy.config import Settings
+        from proxy.simulator import profile_config
         from proxy.simulator.app import create_simulator_app
         from proxy.simulator.model import SimConfig
-        from proxy.simulator.profiles import profile_config
         from proxy.upstream_spec import UpstreamSpec
 
         args = self.args

@@ -1,6 +1,6 @@
 """Speed profiles: the simulator as upstreams of clearly different speeds.
 
-The figures a profile names (proxy/simulator/profiles.py) are checked exactly on the
+The figures a profile names (proxy/simulator/__init__.py) are checked exactly on the
 simulator's own schedule in virtual time; on loopback, through ``llm-latency-proxy
 simulate --profiles fast,slow`` and the official openai SDK, the slow upstream's
 time to first token is at least its modelled value (the simulator sleeps that long,

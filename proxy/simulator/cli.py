@@ -13,8 +13,8 @@ from collections.abc import Callable
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
+from proxy.simulator import PROFILES, get_profile
 from proxy.simulator.model import OUTPUT_DISTS, SimConfig
-from proxy.simulator.profiles import PROFILES, get_profile
 from proxy.simulator.servers import command_server, listen
 
 if TYPE_CHECKING:

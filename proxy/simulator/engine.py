@@ -39,16 +39,14 @@ class SimulatedDrop(Exception):
     """Raised mid-stream to make the server drop the connection (``--drop-rate``)."""
 
 
-# Anthropic's error ``type`` for an HTTP status; anything else >= 500 is ``api_error``.
+# Anthropic's error ``type`` for an HTTP status; any other is ``api_error`` from 500 on,
+# ``invalid_request_error`` below.
 _ANTHROPIC_TYPES = {
-    400: "invalid_request_error",
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
-    405: "invalid_request_error",
     413: "request_too_large",
     429: "rate_limit_error",
-    500: "api_error",
     529: "overloaded_error",
 }
 
