@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 
 from proxy.demo_view import by_route, one_line, render, window
-from proxy.simulator.servers import listen
+from proxy.simulator.cli import listen
 
 READY_LINE = "demo: traffic is flowing"
 # The simulated upstreams: (upstream label, model the demo sends, model patterns).
@@ -185,7 +185,7 @@ def support_request(index: int, instructions: str, rng: random.Random, clock: st
 def _server(app: Any) -> uvicorn.Server:
     import uvicorn
 
-    from proxy.simulator.servers import command_server
+    from proxy.simulator.cli import command_server
 
     return command_server(uvicorn.Config(
         app, lifespan="on", log_level="error", access_log=False, timeout_graceful_shutdown=2))

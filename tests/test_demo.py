@@ -29,7 +29,7 @@ import pytest
 
 from proxy import demo, demo_view
 from proxy.bench import promscrape
-from proxy.simulator.servers import listen
+from proxy.simulator.cli import listen
 
 pytestmark = pytest.mark.anyio
 
