@@ -16,7 +16,6 @@ DEFAULT_BLOCK_SIZE = 512  # proxy.workload_file.DEFAULT_BLOCK_SIZE, without impo
 
 
 def add_arguments(parser: Any) -> None:
-    """Every flag of ``bench``, with its help text."""
     parser.add_argument(
         "--base-url",
         metavar="URL",

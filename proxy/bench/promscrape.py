@@ -84,8 +84,6 @@ def _any(_: Mapping[str, str]) -> bool:
 
 
 def label_filter(**wanted: str) -> LabelFilter:
-    """Match series whose labels include every ``name=value`` given."""
-
     def match(labels: Mapping[str, str]) -> bool:
         return all(labels.get(k) == v for k, v in wanted.items())
 
@@ -93,14 +91,12 @@ def label_filter(**wanted: str) -> LabelFilter:
 
 
 def total(snapshot: Snapshot, name: str, where: LabelFilter = _any) -> float:
-    """Sum of every series of ``name`` whose labels pass ``where``."""
     return math.fsum(v for (n, labels), v in snapshot.items() if n == name and where(dict(labels)))
 
 
 def by_label(
     snapshot: Snapshot, name: str, label: str, where: LabelFilter = _any
 ) -> dict[str, float]:
-    """Sum of ``name`` grouped by one label's value."""
     out: dict[str, float] = {}
     for (n, labels), v in snapshot.items():
         if n != name:

@@ -238,8 +238,6 @@ class _OpenAIStream:
 
 
 class ChatCompletions(_OpenAIStream):
-    """``POST /v1/chat/completions``."""
-
     route = "/v1/chat/completions"
     id_prefix = "chatcmpl-"
     chat = True

@@ -43,8 +43,6 @@ def asks_for_reasoning(body: dict[str, Any]) -> bool:
 
 
 class Messages:
-    """``POST /v1/messages``."""
-
     route = "/v1/messages"
     id_prefix = "msg_01"
 

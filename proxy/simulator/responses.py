@@ -118,8 +118,6 @@ class _Events:
 
 
 class Responses:
-    """``POST /v1/responses``."""
-
     route = "/v1/responses"
     id_prefix = "resp_"
 
