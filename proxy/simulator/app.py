@@ -31,18 +31,16 @@ __all__ = ["VOCAB", "ApiError", "SimulatedDrop", "create_simulator_app", "quiet_
 _DROP_LOG_MESSAGE = "ASGI callable returned without completing response."
 
 
-class _QuietSimulatedDrops(logging.Filter):
-    """Hide uvicorn's error line for the connections the simulator drops on purpose."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.getMessage() != _DROP_LOG_MESSAGE
+def _not_a_simulated_drop(record: logging.LogRecord) -> bool:
+    """Hides uvicorn's error line for the connections the simulator drops on purpose."""
+    return record.getMessage() != _DROP_LOG_MESSAGE
 
 
 def quiet_simulated_drops() -> None:
     """Install (once) the filter above on uvicorn's error logger."""
     logger = logging.getLogger("uvicorn.error")
-    if not any(isinstance(f, _QuietSimulatedDrops) for f in logger.filters):
-        logger.addFilter(_QuietSimulatedDrops())
+    if _not_a_simulated_drop not in logger.filters:
+        logger.addFilter(_not_a_simulated_drop)
 
 
 class _DropMiddleware:

@@ -57,12 +57,9 @@ def _profiles(raw: str) -> tuple[str, ...]:
 _GIVEN = "given_flags"  # namespace attribute: dests of the flags the command line set
 
 
-def _note_given(namespace: argparse.Namespace, dest: str) -> None:
-    setattr(namespace, _GIVEN, (*getattr(namespace, _GIVEN, ()), dest))
-
-
 class _Store(argparse.Action):
-    """``store``, noting that the flag was given (a profile must not override it)."""
+    """``store``, noting that the flag was given (a profile must not override it; no
+    speed flag is a boolean, so the booleans need not note it)."""
 
     def __call__(
         self,
@@ -71,15 +68,8 @@ class _Store(argparse.Action):
         values: Any,
         option_string: str | None = None,
     ) -> None:
-        if isinstance(self, argparse.BooleanOptionalAction):
-            super().__call__(parser, namespace, values, option_string)
-        else:
-            setattr(namespace, self.dest, values)
-        _note_given(namespace, self.dest)
-
-
-class _StoreBool(_Store, argparse.BooleanOptionalAction):
-    """``--flag`` / ``--no-flag``, noting that it was given."""
+        setattr(namespace, self.dest, values)
+        setattr(namespace, _GIVEN, (*getattr(namespace, _GIVEN, ()), self.dest))
 
 
 def _models(raw: str) -> tuple[str, ...]:
@@ -326,7 +316,7 @@ def add_parser(sub: Any) -> None:
         if f.name == "output_dist":
             kind = {"action": _Store, "choices": OUTPUT_DISTS}
         elif parse is None:
-            kind = {"action": _StoreBool}
+            kind = {"action": argparse.BooleanOptionalAction}
         aliases: tuple[str, ...] = ()
         if f.name == "models":  # one flag for a tuple: comma-separated, and an alias
             aliases, default = ("--model",), ",".join(default)
