@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TextIO
 from urllib.parse import urlsplit
 
+from proxy.errors import CliError
+
 from .flags import DEFAULT_MODEL, add_arguments, validate
 
 if TYPE_CHECKING:
@@ -130,13 +132,9 @@ def _key_headers(api: str, key: str | None) -> tuple[tuple[str, str], ...]:
 
 def run_command(args: argparse.Namespace) -> int:
     problem = validate(args)
-    other = None
-    if problem is None and args.compare:
-        other, problem = _read_run(args.compare)
     if problem:
-        print(f"bench: {problem}", file=sys.stderr)
-        return 2
-    args.compare_run = other
+        raise CliError(problem)
+    args.compare_run = _read_run(args.compare) if args.compare else None
     import asyncio
 
     try:
@@ -250,7 +248,7 @@ def _replay_workload(args: argparse.Namespace, base: str, replay: Replay) -> _Wo
     )
 
 
-def _load_replay(args: argparse.Namespace) -> tuple[Replay | None, str | None]:
+def _load_replay(args: argparse.Namespace) -> Replay:
     from proxy.workload_file import WorkloadError, load
 
     from .replay import ReplayOptions, plan
@@ -271,19 +269,14 @@ def _load_replay(args: argparse.Namespace) -> tuple[Replay | None, str | None]:
         )
         replay = plan(workload, options)
     except (WorkloadError, ValueError) as exc:
-        return None, f"--workload-file: {exc}"
+        raise CliError(f"--workload-file: {exc}") from None
     if not replay.records:
-        return None, "--workload-file: no request to replay (check --requests and --duration)"
-    return replay, None
+        raise CliError("--workload-file: no request to replay (check --requests and --duration)")
+    return replay
 
 
 async def _main(args: argparse.Namespace) -> int:
-    replay = None
-    if args.workload_file:
-        replay, problem = _load_replay(args)
-        if problem:
-            print(f"bench: {problem}", file=sys.stderr)
-            return 2
+    replay = _load_replay(args) if args.workload_file else None
     if args.simulate is not None:
         from .whatif import check_knobs, simulator
 
@@ -326,12 +319,10 @@ async def _run(args: argparse.Namespace, replay: Replay | None) -> int:
                 before = await promscrape.scrape(http, metrics_url, scrape_key)
             except httpx.HTTPError as exc:
                 if args.compare_metrics:
-                    print(f"bench: cannot scrape {metrics_url}: {exc}", file=sys.stderr)
-                    return 2
+                    raise CliError(f"cannot scrape {metrics_url}: {exc}") from None
             if before is not None and not promscrape.has_proxy_metrics(before):
                 if args.compare_metrics:
-                    print(f"bench: {metrics_url} has no llm_proxy_ metrics", file=sys.stderr)
-                    return 2
+                    raise CliError(f"{metrics_url} has no llm_proxy_ metrics")
                 before = None
         print(work.describe, file=sys.stderr)
         progress = Progress(sys.stderr, plan.requests, plan.duration, enabled=not args.no_progress)
@@ -395,16 +386,16 @@ async def _run(args: argparse.Namespace, replay: Replay | None) -> int:
     return 0 if summary.completed else 1
 
 
-def _read_run(path: str) -> tuple[dict[str, Any] | None, str | None]:
-    """Another run's ``--json`` file for ``--compare``, or why it cannot be used."""
+def _read_run(path: str) -> dict[str, Any]:
+    """Another run's ``--json`` file for ``--compare``; raises why it cannot be used."""
     try:
         with open(path, encoding="utf-8") as fh:
             run = json.load(fh)
     except (OSError, ValueError) as exc:
-        return None, f"--compare {path}: {exc}"
+        raise CliError(f"--compare {path}: {exc}") from None
     if not isinstance(run, dict) or not {"summary", "requests"} <= run.keys():
-        return None, f"--compare {path}: not a bench --json file (no summary and requests)"
-    return run, None
+        raise CliError(f"--compare {path}: not a bench --json file (no summary and requests)")
+    return run
 
 
 def _payload(
