@@ -131,9 +131,7 @@ def _key_headers(api: str, key: str | None) -> tuple[tuple[str, str], ...]:
 
 
 def run_command(args: argparse.Namespace) -> int:
-    problem = validate(args)
-    if problem:
-        raise CliError(problem)
+    validate(args)
     args.compare_run = _read_run(args.compare) if args.compare else None
     import asyncio
 

@@ -8,6 +8,7 @@ import math
 from typing import Any
 
 from proxy.deprecated import RenamedFlag
+from proxy.errors import CliError
 
 API_CHOICES = ("chat", "completions", "responses", "messages")
 DEFAULT_BASE_URL = "http://127.0.0.1:8080/v1"
@@ -186,58 +187,57 @@ def add_arguments(parser: Any) -> None:
     )
 
 
-def _validate_replay(args: argparse.Namespace) -> str | None:
+def _validate_replay(args: argparse.Namespace) -> None:
     if not args.workload_file:
         if args.simulate is not None:
-            return "--simulate replays a workload against the simulator: give --workload-file"
+            raise CliError(
+                "--simulate replays a workload against the simulator: give --workload-file"
+            )
         if args.speedup != 1.0 or args.ignore_eos or args.block_size is not None:
-            return "--speedup, --ignore-eos and --block-size go with --workload-file"
-        return None
+            raise CliError("--speedup, --ignore-eos and --block-size go with --workload-file")
+        return
     if args.rate is not None:
-        return "--rate: a workload file brings its own arrival times (use --speedup)"
+        raise CliError("--rate: a workload file brings its own arrival times (use --speedup)")
     if args.reasoning:
-        return (
+        raise CliError(
             "--reasoning: not with --workload-file (recorded output lengths include any reasoning)"
         )
     if args.shared_prefix_tokens or args.prompt_tokens_max is not None:
-        return (
+        raise CliError(
             "--shared-prefix-tokens and --prompt-tokens-max: a workload file brings its own prompts"
         )
     if not (args.speedup > 0 and math.isfinite(args.speedup)):
-        return "--speedup must be a number > 0"
+        raise CliError("--speedup must be a number > 0")
     if args.block_size is not None and args.block_size < 1:
-        return "--block-size must be >= 1"
+        raise CliError("--block-size must be >= 1")
     if args.simulate is not None and args.base_url is not None:
-        return "--simulate replays against the simulator: leave out --base-url"
-    return None
+        raise CliError("--simulate replays against the simulator: leave out --base-url")
 
 
-def validate(args: argparse.Namespace) -> str | None:
-    replay_problem = _validate_replay(args)
-    if replay_problem:
-        return replay_problem
+def validate(args: argparse.Namespace) -> None:
+    """Raises the one-line reason the flags cannot make a run."""
+    _validate_replay(args)
     if args.base_url is None and args.simulate is None:
         from proxy.config import process_env
 
         args.base_url = process_env().get("OPENAI_BASE_URL") or DEFAULT_BASE_URL
     if args.requests is not None and args.requests < 1:
-        return "--requests must be >= 1"
+        raise CliError("--requests must be >= 1")
     if args.duration is not None and args.duration <= 0:
-        return "--duration must be > 0"
+        raise CliError("--duration must be > 0")
     if args.concurrency is not None and args.concurrency < 1:
-        return "--concurrency must be >= 1"
+        raise CliError("--concurrency must be >= 1")
     if args.rate is not None and args.rate <= 0:
-        return "--rate must be > 0"
+        raise CliError("--rate must be > 0")
     if args.prompt_tokens < 1 or args.max_tokens < 1:
-        return "--prompt-tokens and --max-tokens must be >= 1"
+        raise CliError("--prompt-tokens and --max-tokens must be >= 1")
     if not 0 <= args.shared_prefix_tokens <= args.prompt_tokens:
-        return "--shared-prefix-tokens must be between 0 and --prompt-tokens"
+        raise CliError("--shared-prefix-tokens must be between 0 and --prompt-tokens")
     if args.base_url is not None and not args.base_url.startswith(("http://", "https://")):
-        return "--base-url must be an http(s) URL"
+        raise CliError("--base-url must be an http(s) URL")
     if args.reasoning and args.api == "completions":
-        return "--reasoning: the completions API has no way to ask for reasoning"
+        raise CliError("--reasoning: the completions API has no way to ask for reasoning")
     if args.prompt_tokens_max is not None and args.prompt_tokens_max < args.prompt_tokens:
-        return "--prompt-tokens-max must be >= --prompt-tokens"
+        raise CliError("--prompt-tokens-max must be >= --prompt-tokens")
     if args.compare and not args.report:
-        return "--compare needs --report"
-    return None
+        raise CliError("--compare needs --report")
