@@ -328,8 +328,8 @@ def config_from_args(args: argparse.Namespace, profile: str | None = None) -> Si
     """The configuration the flags describe, with speed profile ``profile`` (default:
     ``--profile``) under the speed flags given explicitly."""
     values = {f.name: getattr(args, f.name) for f in fields(SimConfig)}
-    name = profile if profile is not None else getattr(args, "profile", None)
-    if name is not None:
+    name = profile or getattr(args, "profile", None)
+    if name:
         given = set(getattr(args, _GIVEN, ()))
         values.update({k: v for k, v in get_profile(name).fields().items() if k not in given})
     return SimConfig(**values)
@@ -407,10 +407,7 @@ def _uvicorn_config(args: argparse.Namespace, app: Any) -> uvicorn.Config:
 
 
 def run(args: argparse.Namespace) -> int:
-    names = profile_names(args)
-    configs = [(name, config_from_args(args, name)) for name in names]
-    if not configs:
-        configs = [("", config_from_args(args))]
+    configs = [(name, config_from_args(args, name)) for name in profile_names(args) or ("",)]
     if len(configs) > 1:
         return _serve_many(args, configs)
     import uvicorn
