@@ -145,7 +145,7 @@ def create_simulator_app(
     async def generate(request: Request, dialect: Dialect) -> Response:
         check_key(request)
         job = engine.job(await read_body(request), dialect)
-        if job.ask.stream:
+        if job.stream:
             return EventSourceResponse(dialect.stream(job, engine), ping=0, sep="\n")
         if not await engine.complete(job, request):
             return Response(status_code=499)  # nobody is listening any more

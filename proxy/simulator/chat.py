@@ -267,9 +267,9 @@ class Completions(_OpenAIStream):
 
 
 def _streamed(body: dict[str, Any], ask: Ask) -> Ask:
-    """What chat and completions requests share: ``n``, ``stream`` and its options."""
+    """What chat and completions requests share: ``n`` and the stream's options."""
     n = int_param(body, "n", minimum=1, maximum=128) or 1
     stream = bool(body.get("stream"))
     options = body.get("stream_options")
     include_usage = stream and isinstance(options, dict) and bool(options.get("include_usage"))
-    return replace(ask, n=n, stream=stream, options={"include_usage": include_usage})
+    return replace(ask, n=n, options={"include_usage": include_usage})

@@ -179,7 +179,6 @@ class Ask:
     prompt_tokens: int | None = None  # exact when the prompt came as token ids
     max_tokens: int | None = None  # covers reasoning and answer, as in the real APIs
     n: int = 1
-    stream: bool = False
     reasoning: bool = False
     prompt_param: str = "messages"  # named by a context-length error
     options: Mapping[str, Any] = field(default_factory=dict)  # the dialect's own fields
@@ -194,6 +193,7 @@ class Job:
     request_id: str
     created: int  # wall-clock seconds, for the API's ``created`` fields
     arrival: float
+    stream: bool = False
     ticket: Ticket | None = None
     first_t: float | None = None
     last_t: float | None = None
@@ -261,6 +261,7 @@ class Engine:
             request_id=f"{dialect.id_prefix}{plan.rng.getrandbits(96):024x}",
             created=int(self.wall_clock()),
             arrival=self.clock(),
+            stream=bool(body.get("stream")),
             texts=[[] for _ in range(ask.n)],
             thoughts=[[] for _ in range(ask.n)],
         )
@@ -296,7 +297,7 @@ class Engine:
             total, per_step = plan.output_tokens, cfg.tokens_per_chunk
             reasoning = plan.reasoning_tokens
             stall, drop = plan.stall_before_token, plan.drop_after_tokens
-            fail = plan.error_after_tokens if job.ask.stream else None
+            fail = plan.error_after_tokens if job.stream else None
             step_s = cfg.itl
             emitted = 0
             while emitted < total:
@@ -310,7 +311,7 @@ class Engine:
                     await sleep(wait)
                 elif wait < -step_s:
                     target = clock()  # fell behind (CPU-bound): slow down, do not burst
-                if drop is not None and job.ask.stream and emitted >= drop:
+                if drop is not None and job.stream and emitted >= drop:
                     raise SimulatedDrop(job.request_id)
                 if fail is not None and emitted >= fail:
                     job.failed = True

@@ -51,13 +51,7 @@ class Messages:
         if body.get("max_tokens") is None:
             raise ApiError(400, "max_tokens: Field required", param="max_tokens")
         max_tokens = int_param(body, "max_tokens", minimum=1)
-        return Ask(
-            model=model,
-            prompt=text,
-            max_tokens=max_tokens,
-            stream=bool(body.get("stream")),
-            reasoning=asks_for_reasoning(body),
-        )
+        return Ask(model, text, max_tokens=max_tokens, reasoning=asks_for_reasoning(body))
 
     # -- objects -----------------------------------------------------------------------
 

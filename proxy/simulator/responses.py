@@ -129,7 +129,6 @@ class Responses:
             model=model,
             prompt=text,
             max_tokens=max_tokens,
-            stream=bool(body.get("stream")),
             reasoning=asks_for_reasoning(body),
             prompt_param="input",
             options=echoed,
