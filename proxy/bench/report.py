@@ -10,6 +10,7 @@ from bisect import bisect_right
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from proxy.bench.replay import comparison_rows, notes
 from proxy.bench.stats import (
     FAST_DECODE_TOK_S,
     READING_PACE_TOK_S,
@@ -150,6 +151,7 @@ def run_view(payload: dict[str, Any], name: str) -> dict[str, Any]:
     proxy = payload.get("proxy") or {}
     summary = summary_from_json(payload["summary"])
     config = payload.get("config", {})
+    cmp = payload.get("replay")
     return {
         "name": name,
         "table": table_rows(summary),
@@ -169,17 +171,12 @@ def run_view(payload: dict[str, Any], name: str) -> dict[str, Any]:
         "errors": summary.error_kinds,
         "outcomes": proxy.get("outcomes") or {},
         "requests": summary.requests,
-        "replay": replay_view(payload.get("replay")),
+        "replay": (
+            {"headline": cmp["headline"], "rows": comparison_rows(cmp), "notes": notes(cmp)}
+            if cmp
+            else None  # a run of another workload than a workload file's
+        ),
     }
-
-
-def replay_view(cmp: dict[str, Any] | None) -> dict[str, Any] | None:
-    """What the page shows of a workload replay, or None for a run of another workload."""
-    if not cmp:
-        return None
-    from proxy.bench.replay import comparison_rows, notes
-
-    return {"headline": cmp["headline"], "rows": comparison_rows(cmp), "notes": notes(cmp)}
 
 
 def build(
