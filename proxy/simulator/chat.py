@@ -6,6 +6,7 @@ Design: ``docs/design/simulator.md``.
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator
+from contextlib import aclosing
 from dataclasses import replace
 from typing import Any
 
@@ -171,8 +172,7 @@ class _OpenAIStream:
             role = b""
             token = thought = choice + b'"text":%s' + unfinished
             finish = choice + b'"text":"","logprobs":null,"finish_reason":"%s"}]}\n\n'
-        steps = engine.steps(job, min_sleep=0.0)
-        try:
+        async with aclosing(engine.steps(job, min_sleep=0.0)) as steps:
             async for count in steps:
                 if count == 0:
                     if role:
@@ -184,8 +184,6 @@ class _OpenAIStream:
                     yield template % (0, words[0])
                 else:
                     yield b"".join(template % (i, w) for i, w in enumerate(words))
-        finally:
-            await steps.aclose()
         if job.failed:
             yield _ERROR_EVENT + DONE
             return

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -359,13 +360,10 @@ class Engine:
                         return
 
             tg.start_soon(watch_disconnect)
-            steps = self.steps(job, min_sleep=NON_STREAM_SLEEP_S)
-            try:
+            async with aclosing(self.steps(job, min_sleep=NON_STREAM_SLEEP_S)) as steps:
                 async for count in steps:
                     if count:
                         self.words(job, count)
-            finally:
-                await steps.aclose()
             finished = True
             tg.cancel_scope.cancel()
         return finished

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 from collections.abc import AsyncGenerator
+from contextlib import aclosing
 from typing import Any
 
 from proxy.simulator.engine import ApiError, Ask, Engine, Job, content_text, int_param, tools_text
@@ -117,8 +118,7 @@ class Messages:
             + b',"delta":{"type":"text_delta","text":%s}}\n\n'
         )
         text_open = not thinks
-        steps = engine.steps(job, min_sleep=0.0)
-        try:
+        async with aclosing(engine.steps(job, min_sleep=0.0)) as steps:
             async for count in steps:
                 if count == 0:
                     first = (
@@ -154,8 +154,6 @@ class Messages:
                         )
                     )
                 yield opening + token % word
-        finally:
-            await steps.aclose()
         if job.failed:
             yield _OVERLOADED
             return

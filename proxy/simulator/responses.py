@@ -6,6 +6,7 @@ Design: ``docs/design/simulator.md``.
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator
+from contextlib import aclosing
 from typing import Any
 
 from proxy.simulator.engine import (
@@ -224,8 +225,7 @@ class Responses:
             + b',"content_index":0,"delta":%s,"logprobs":[]}\n\n'
         )
         reasoning_open = message_open = False
-        steps = engine.steps(job, min_sleep=0.0)
-        try:
+        async with aclosing(engine.steps(job, min_sleep=0.0)) as steps:
             async for count in steps:
                 if count == 0:
                     start = self.response(job, "in_progress", [])
@@ -266,8 +266,6 @@ class Responses:
                         _output_text(""),
                     )
                 yield opening + event.delta(token, word)
-        finally:
-            await steps.aclose()
         if job.failed:
             failed = self.response(
                 job,
