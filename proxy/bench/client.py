@@ -476,7 +476,6 @@ async def run(
     wait for its send time, so building it (a long prompt) does not delay the send.
     Requests already sent when the duration runs out are awaited, not cancelled.
     """
-    own_client = client is None
     http = client if client is not None else make_client(plan.concurrency)
     headers = dict(plan.headers)
     per_api = {api: (url, dict(hdrs)) for api, url, hdrs in plan.routes}
@@ -502,7 +501,7 @@ async def run(
         if on_result is not None:
             on_result(result)
 
-    try:
+    async with nullcontext() if client is not None else http:  # a client of our own is closed
         if not plan.open_loop:
 
             async def worker() -> None:
@@ -544,8 +543,5 @@ async def run(
             finally:
                 for task in tasks:
                     task.cancel()
-    finally:
-        if own_client:
-            await http.aclose()
     results.sort(key=lambda r: r.index)
     return RunResult(tuple(results), last_end - origin)
