@@ -79,15 +79,14 @@ def parse(text: str) -> Snapshot:
 LabelFilter = Callable[[Mapping[str, str]], bool]
 
 
-def _any(_: Mapping[str, str]) -> bool:
-    return True
-
-
 def label_filter(**wanted: str) -> LabelFilter:
     def match(labels: Mapping[str, str]) -> bool:
         return all(labels.get(k) == v for k, v in wanted.items())
 
     return match
+
+
+_any = label_filter()
 
 
 def total(snapshot: Snapshot, name: str, where: LabelFilter = _any) -> float:

@@ -10,7 +10,7 @@ import contextlib
 import math
 import socket
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
@@ -43,15 +43,20 @@ def _number(
     return parse
 
 
-def _profiles(raw: str) -> tuple[str, ...]:
-    names = tuple(part.strip() for part in raw.split(",") if part.strip())
-    if not names:
-        raise argparse.ArgumentTypeError("needs at least one profile name")
-    for name in names:
-        if name not in PROFILES:
-            known = ", ".join(PROFILES)
-            raise argparse.ArgumentTypeError(f"unknown profile {name!r} (known: {known})")
-    return names
+def _names(kind: str, known: Collection[str] = ()) -> Callable[[str], tuple[str, ...]]:
+    """Comma-separated ``kind`` names, at least one; only ``known`` ones if given."""
+
+    def parse(raw: str) -> tuple[str, ...]:
+        names = tuple(part.strip() for part in raw.split(",") if part.strip())
+        if not names:
+            raise argparse.ArgumentTypeError(f"needs at least one {kind} name")
+        for name in names:
+            if known and name not in known:
+                choices = ", ".join(known)
+                raise argparse.ArgumentTypeError(f"unknown {kind} {name!r} (known: {choices})")
+        return names
+
+    return parse
 
 
 _GIVEN = "given_flags"  # namespace attribute: dests of the flags the command line set
@@ -70,13 +75,6 @@ class _Store(argparse.Action):
     ) -> None:
         setattr(namespace, self.dest, values)
         setattr(namespace, _GIVEN, (*getattr(namespace, _GIVEN, ()), self.dest))
-
-
-def _models(raw: str) -> tuple[str, ...]:
-    names = tuple(part.strip() for part in raw.split(",") if part.strip())
-    if not names:
-        raise argparse.ArgumentTypeError("needs at least one model name")
-    return names
 
 
 # flag name -> (parser, metavar, help). Booleans have parser None.
@@ -233,7 +231,7 @@ _FLAGS: dict[str, tuple[Callable[[str], Any] | None, str, str]] = {
         "[default 0: linear].",
     ),
     "models": (
-        _models,
+        _names("model"),
         "NAMES",
         "Comma-separated model names listed by /v1/models. Requests may name any model "
         "(it is echoed back) unless --strict-models.",
@@ -301,7 +299,7 @@ def add_parser(sub: Any) -> None:
     )
     choice.add_argument(
         "--profiles",
-        type=_profiles,
+        type=_names("profile", PROFILES),
         metavar="NAMES",
         help="Comma-separated speed profiles, e.g. fast,slow: one simulator per profile in "
         "this process, profile i on --port + i (every other flag applies to all of them).",
