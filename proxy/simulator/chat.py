@@ -77,11 +77,6 @@ def completion_prompt(body: dict[str, Any]) -> tuple[str, int | None]:
     )
 
 
-def asks_for_reasoning(body: dict[str, Any]) -> bool:
-    effort = body.get("reasoning_effort")
-    return effort is not None and effort != "none"
-
-
 class _OpenAIStream:
     """What chat completions and completions share: usage, the stream, the body."""
 
@@ -245,9 +240,9 @@ class ChatCompletions(_OpenAIStream):
         max_tokens = int_param(body, "max_completion_tokens", minimum=1)
         if max_tokens is None:
             max_tokens = int_param(body, "max_tokens", minimum=1)
-        return _streamed(
-            body, Ask(model, text, max_tokens=max_tokens, reasoning=asks_for_reasoning(body))
-        )
+        effort = body.get("reasoning_effort")
+        ask = Ask(model, text, max_tokens=max_tokens, reasoning=effort not in (None, "none"))
+        return _streamed(body, ask)
 
 
 class Completions(_OpenAIStream):

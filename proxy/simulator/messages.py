@@ -38,11 +38,6 @@ def render_messages_prompt(body: dict[str, Any]) -> str:
     return "".join(pieces)
 
 
-def asks_for_reasoning(body: dict[str, Any]) -> bool:
-    thinking = body.get("thinking")
-    return isinstance(thinking, dict) and thinking.get("type") in ("enabled", "adaptive")
-
-
 class Messages:
     route = "/v1/messages"
     id_prefix = "msg_01"
@@ -52,7 +47,9 @@ class Messages:
         if body.get("max_tokens") is None:
             raise ApiError(400, "max_tokens: Field required", param="max_tokens")
         max_tokens = int_param(body, "max_tokens", minimum=1)
-        return Ask(model, text, max_tokens=max_tokens, reasoning=asks_for_reasoning(body))
+        thinking = body.get("thinking")
+        reasoning = isinstance(thinking, dict) and thinking.get("type") in ("enabled", "adaptive")
+        return Ask(model, text, max_tokens=max_tokens, reasoning=reasoning)
 
     # -- objects -----------------------------------------------------------------------
 

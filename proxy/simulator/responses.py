@@ -77,11 +77,6 @@ def render_responses_prompt(body: dict[str, Any]) -> str:
     return "".join(pieces)
 
 
-def asks_for_reasoning(body: dict[str, Any]) -> bool:
-    reasoning = body.get("reasoning")
-    return isinstance(reasoning, dict) and reasoning.get("effort") != "none"
-
-
 class _Events:
     """Numbers events in order and frames them."""
 
@@ -126,11 +121,13 @@ class Responses:
         text = render_responses_prompt(body)
         max_tokens = int_param(body, "max_output_tokens", minimum=1)
         echoed = {k: body.get(k, default) for k, default in _ECHOED.items()}
+        asked = body.get("reasoning")
+        reasoning = isinstance(asked, dict) and asked.get("effort") != "none"
         return Ask(
             model=model,
             prompt=text,
             max_tokens=max_tokens,
-            reasoning=asks_for_reasoning(body),
+            reasoning=reasoning,
             prompt_param="input",
             options=echoed,
         )
