@@ -99,14 +99,11 @@ def create_simulator_app(
     if config.drop_rate > 0:
         quiet_simulated_drops()
 
-    def error_response(request: Request, error: ApiError) -> JSONResponse:
+    @app.exception_handler(ApiError)
+    async def error_response(request: Request, error: ApiError) -> Response:
         anthropic = request.url.path.startswith(Messages.route)
         body = error.anthropic_body() if anthropic else error.openai_body()
         return JSONResponse(body, status_code=error.status)
-
-    @app.exception_handler(ApiError)
-    async def api_error(request: Request, exc: ApiError) -> Response:
-        return error_response(request, exc)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
@@ -117,7 +114,7 @@ def create_simulator_app(
         message, code = known.get(exc.status_code, (str(exc.detail), None))
         kind = "server_error" if code is None else "invalid_request_error"
         error = ApiError(exc.status_code, message, kind, code)
-        response = error_response(request, error)
+        response = await error_response(request, error)
         if exc.headers:
             response.headers.update(exc.headers)
         return response
