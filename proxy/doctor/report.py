@@ -34,6 +34,18 @@ def part_name(kind: str, index: int | None, role: str, route: str = "") -> str:
 
 
 _KEEP = "keep it identical across requests"
+_PART_CHANGED = frozenset(
+    {"tools_changed", "system_changed", "instructions_changed", "context_changed", "prompt_changed"}
+)
+# The sentence of each break that has no position in the prompt.
+_SENTENCES = {
+    "model_changed": "The same prompt went recently to another model of this upstream: a "
+    "cache is per model.",
+    "cache_key_changed": "The same prompt came recently with another prompt_cache_key or "
+    "cache_salt: a cache is per key.",
+    "first_seen": "Nothing like this prompt went to this upstream and model within the "
+    "window: a new prompt, nothing to fix.",
+}
 
 
 def explain_break(
@@ -55,15 +67,13 @@ def explain_break(
     changing part would save: ``stable_tokens`` a request and, with the prefill fit,
     ``saves_ms`` of first-token time. Positions are block-rounded, as the report's are."""
     where = part_name(part, index, role, route) if part else "the prompt"
-    at = ""
-    if offset is not None:
-        at = f" at byte {offset:,}" + (f" of {part_bytes:,}" if part_bytes else "")
+    subject = where[0].upper() + where[1:]
+    size = f" of {part_bytes:,}" if part_bytes else ""
+    at = "" if offset is None else f" at byte {offset:,}{size}"
     if reason == "variable_before_stable" and offset is not None and changed_bytes is not None:
-        size = f" of {part_bytes:,}" if part_bytes else ""
         sentence = (
-            f"{where[0].upper()}{where[1:]} changes in bytes {offset:,}-"
-            f"{offset + changed_bytes:,}{size}; the {stable_bytes or 0:,} bytes after "
-            "them repeat: move the changing part after them"
+            f"{subject} changes in bytes {offset:,}-{offset + changed_bytes:,}{size}; the "
+            f"{stable_bytes or 0:,} bytes after them repeat: move the changing part after them"
         )
         if stable_tokens is not None:
             sentence += f" (about {round(stable_tokens):,} tokens a request could be cached"
@@ -73,55 +83,34 @@ def explain_break(
         return sentence + "."
     if reason == "message_changed":
         return (
-            f"{where[0].upper()}{where[1:]} differs{at} from the most similar recent prompt, "
-            "before the newest message: an earlier turn was edited, reordered or dropped; "
-            "append to the history instead of rewriting it."
+            f"{subject} differs{at} from the most similar recent prompt, before the newest "
+            "message: an earlier turn was edited, reordered or dropped; append to the history "
+            "instead of rewriting it."
         )
-    if reason in (
-        "tools_changed",
-        "system_changed",
-        "instructions_changed",
-        "context_changed",
-        "prompt_changed",
-    ):
+    if reason in _PART_CHANGED:
         return (
-            f"{where[0].upper()}{where[1:]} differs{at} from the most similar recent "
-            f"prompt, so everything after it is computed again: {_KEEP}."
+            f"{subject} differs{at} from the most similar recent prompt, so everything after "
+            f"it is computed again: {_KEEP}."
         )
     if reason == "settings_changed":
         return (
-            f"{where[0].upper()}{where[1:]} differs from the most similar recent prompt's: "
-            "a provider reuses a cached prefix only under the same settings, so the whole "
-            f"prompt is computed again: {_KEEP}."
+            f"{subject} differs from the most similar recent prompt's: a provider reuses a "
+            "cached prefix only under the same settings, so the whole prompt is computed "
+            f"again: {_KEEP}."
         )
     if reason == "expired":
         return (
-            f"The prefix up to {where}{at} was last sent longer ago than the prefix "
-            "window (--prefix-window), so a provider no longer holds it: only steadier "
-            "traffic keeps it."
+            f"The prefix up to {where}{at} was last sent longer ago than the prefix window "
+            "(--prefix-window), so a provider no longer holds it: only steadier traffic keeps it."
         )
     if reason == "concurrent":
         return (
-            f"The prefix up to {where}{at} was sent by requests in flight at the same "
-            "time, whose prefill was done only after this one arrived, so no cache could "
-            "serve it yet: nothing in the prompt to fix; to share the work, let one "
-            "request's first token come before sending the others."
+            f"The prefix up to {where}{at} was sent by requests in flight at the same time, "
+            "whose prefill was done only after this one arrived, so no cache could serve it "
+            "yet: nothing in the prompt to fix; to share the work, let one request's first "
+            "token come before sending the others."
         )
-    if reason == "model_changed":
-        return (
-            "The same prompt went recently to another model of this upstream: a cache is per model."
-        )
-    if reason == "cache_key_changed":
-        return (
-            "The same prompt came recently with another prompt_cache_key or cache_salt: "
-            "a cache is per key."
-        )
-    if reason == "first_seen":
-        return (
-            "Nothing like this prompt went to this upstream and model within the window: "
-            "a new prompt, nothing to fix."
-        )
-    return f"The prompt stopped repeating ({reason})."
+    return _SENTENCES.get(reason, f"The prompt stopped repeating ({reason}).")
 
 
 # -- tokens ----------------------------------------------------------------------------
@@ -179,23 +168,22 @@ def cache_tokens(
     return CacheTokens(repeated, cached_tokens, missed, min(missed, cacheable - asked))
 
 
-# Anthropic's minimum cacheable prompt per model family (its prompt-caching guide):
-# matched in order against the model name, the first hit wins.
+# The minimum cacheable prompt per model family, matched in order against the model name
+# (the first hit wins; "" matches any): Anthropic's (its prompt-caching guide); through an
+# OpenAI-style API, Gemini's (its context-caching guide, the table of minimum input tokens
+# for implicit caching: 2,048 for the 2.5 models, 4,096 for the later ones), then OpenAI's.
 _ANTHROPIC_MINIMUM: tuple[tuple[str, int], ...] = (
     ("haiku-4", 4096),
     ("opus-4-5", 4096),
     ("opus-4-6", 4096),
     ("sonnet-4-6", 2048),
     ("haiku", 2048),  # Claude 3 and 3.5 Haiku
+    ("", 1024),
 )
-OPENAI_MINIMUM_TOKENS = 1024
-ANTHROPIC_DEFAULT_MINIMUM_TOKENS = 1024
-# Gemini through its OpenAI-compatible endpoint (its context-caching guide, the table of
-# minimum input tokens for implicit caching): 2,048 for the 2.5 models, 4,096 for the
-# later ones. Matched against the model name; any other name is not Gemini.
-_GEMINI_MINIMUM: tuple[tuple[str, int], ...] = (
+_OPENAI_MINIMUM: tuple[tuple[str, int], ...] = (
     ("gemini-2.5", 2048),
     ("gemini-", 4096),
+    ("", 1024),  # OpenAI's own
 )
 
 
@@ -207,15 +195,8 @@ def minimum_cacheable_tokens(api: str, model: str) -> int:
     self-hosted server caches from its first block (vLLM: 16 tokens), so an upstream of
     that kind should configure its own."""
     name = model.lower()
-    if api != "messages":
-        for family, tokens in _GEMINI_MINIMUM:
-            if family in name:
-                return tokens
-        return OPENAI_MINIMUM_TOKENS
-    for family, tokens in _ANTHROPIC_MINIMUM:
-        if family in name:
-            return tokens
-    return ANTHROPIC_DEFAULT_MINIMUM_TOKENS
+    families = _ANTHROPIC_MINIMUM if api == "messages" else _OPENAI_MINIMUM
+    return next(tokens for family, tokens in families if family in name)
 
 
 # OpenAI reports cached tokens in steps of 128 above its 1,024-token minimum (its
@@ -236,11 +217,6 @@ def cache_granularity_tokens(api: str, model: str = "") -> int:
     tokens), so an upstream of that kind should configure its own; a step larger than
     the server's understates the missed tokens (by less than a step per request), a
     smaller one would report a working cache as missing a step's remainder."""
-    if api == "messages":
-        return 1
     found = _GPT_VERSION.search(model.lower())
-    if found is not None:
-        version = (int(found.group(1)), int(found.group(2) or 0))
-        if version >= _UNROUNDED_FROM:
-            return 1
-    return OPENAI_GRANULARITY_TOKENS
+    version = (int(found[1]), int(found[2] or 0)) if found else (0, 0)
+    return 1 if api == "messages" or version >= _UNROUNDED_FROM else OPENAI_GRANULARITY_TOKENS
