@@ -33,28 +33,16 @@ OPENAI_REASONS = (
 OPENAI_OUTCOMES = ("cache_hit", "comparison_response_not_found", "unavailable")
 PENDING = "pending"  # Anthropic: diagnostics present, its reason null (still comparing)
 OTHER = "other"
-PROVIDER_REASONS: tuple[str, ...] = tuple(
-    dict.fromkeys((*ANTHROPIC_REASONS, *OPENAI_REASONS, *OPENAI_OUTCOMES, PENDING, OTHER))
-)
-
-AGREEMENTS = ("agree", "disagree", "doctor_silent", "doctor_blind", "not_compared")
 
 # The doctor's reasons (proxy.doctor.examine.REASONS) each provider reason agrees with.
+_MESSAGES = frozenset({"message_changed", "variable_before_stable", "context_changed"})
 _SAME: Mapping[str, frozenset[str]] = {
     "model_changed": frozenset({"model_changed"}),
     "system_changed": frozenset({"system_changed", "variable_before_stable"}),
     "tools_changed": frozenset({"tools_changed"}),
-    "messages_changed": frozenset({"message_changed", "variable_before_stable", "context_changed"}),
-    "input_changed": frozenset(
-        {
-            "message_changed",
-            "instructions_changed",
-            "system_changed",
-            "variable_before_stable",
-            "context_changed",
-            "prompt_changed",
-        }
-    ),
+    "messages_changed": _MESSAGES,
+    # Responses' input: its messages, the system ones among them, instructions, a stored prompt
+    "input_changed": _MESSAGES | {"system_changed", "instructions_changed", "prompt_changed"},
     "prompt_cache_key_changed": frozenset({"cache_key_changed"}),
     # request settings: the doctor's settings parts (docs/prompt-caching.md, "Settings")
     "text_format_changed": frozenset({"settings_changed"}),
@@ -80,8 +68,8 @@ def _tokens(value: Any) -> int | None:
 def provider_reason(
     anthropic: Mapping[str, Any], openai: Mapping[str, Any]
 ) -> tuple[str, int | None]:
-    """The provider's reason (a word of :data:`PROVIDER_REASONS`, "" when it said none)
-    and the tokens it says it missed (None: not said)."""
+    """The provider's reason (a word of the tuples above, :data:`PENDING` or :data:`OTHER`;
+    "" when it said none) and the tokens it says it missed (None: not said)."""
     if anthropic:
         reason = anthropic.get("cache_miss_reason")
         if reason is None:
