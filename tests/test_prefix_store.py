@@ -548,6 +548,7 @@ def test_the_table_is_read_with_its_defaults_and_needs_the_secret(tmp_path: Path
     ('url = "redis://:6379"', "url: needs a host"),
     ('url = "unix://"', "url: a unix:// URL needs the socket's path"),
     ('url = "redis://r:99999"', "url: Port out of range"),
+    ("url = 6379", "url: must be a redis://HOST:PORT/DB"),
     ("timeout_ms = 50", "url: missing"),
     ('url = "redis://r"\ntimeout_ms = 0', "timeout_ms: must be an integer number"),
     ('url = "redis://r"\ntimeout_ms = 0.5', "timeout_ms: must be an integer number"),
@@ -560,8 +561,9 @@ def test_the_table_is_read_with_its_defaults_and_needs_the_secret(tmp_path: Path
 def test_a_bad_table_stops_start_up_naming_the_key(tmp_path: Path, table: str,
                                                     message: str) -> None:
     path = write(tmp_path, "[cache-index]\n" + table + "\n")
-    with pytest.raises(SettingsError, match=f"proxy.toml: \\[cache-index\\]: {message}"):
+    with pytest.raises(SettingsError, match=f"proxy.toml: \\[cache-index\\]: {message}") as bad:
         from_sources(None, {"LLM_PROXY_CONFIG": path, PREFIX_SECRET_ENV: SECRET})
+    assert str(bad.value).count("[cache-index]") == 1  # where, said once
     assert cache_index_spec("p", {}, {}) is None
     with pytest.raises(SettingsError, match="must be a table"):
         cache_index_spec("p", {"cache-index": "redis://r"}, {PREFIX_SECRET_ENV: SECRET})

@@ -29,7 +29,6 @@ MIN_SECRET_BYTES = 16
 DEFAULT_KEY_PREFIX = "llm-proxy:prefix:"
 DEFAULT_TIMEOUT_MS = 50
 DEFAULT_RETRY_MS = 1000
-URL_SCHEMES = ("redis", "rediss", "unix")
 
 # Keys of the table -> what the message says each must be.
 CACHE_INDEX_KEYS = {
@@ -70,27 +69,6 @@ class CacheIndexSpec:
     retry_s: float = DEFAULT_RETRY_MS / 1000
 
 
-def parse_store_url(raw: str) -> str:
-    """A store URL: redis://, rediss:// or unix://, without user info (the password goes
-    in an environment variable named by ``password_env``, the user in ``username``)."""
-    parts = urlsplit(raw.strip())
-    if parts.scheme not in URL_SCHEMES:
-        raise ValueError("must start with redis://, rediss:// or unix://")
-    if "@" in parts.netloc:
-        raise ValueError(
-            "must not carry credentials (user:password@host): put the password "
-            "in an environment variable named by password_env, the user in "
-            "username"
-        )
-    if parts.scheme == "unix":
-        if not parts.path:
-            raise ValueError("a unix:// URL needs the socket's path, e.g. unix:///run/redis.sock")
-    elif not parts.hostname:
-        raise ValueError("needs a host, e.g. redis://redis:6379/0")
-    _ = parts.port  # raises ValueError for a bad port
-    return raw.strip()
-
-
 def cache_index_spec(
     path: str, doc: Mapping[str, Any], env: Mapping[str, str]
 ) -> CacheIndexSpec | None:
@@ -119,8 +97,24 @@ def cache_index_spec(
 
     if "url" not in table:
         raise fail("url", f"missing: must be {CACHE_INDEX_KEYS['url']}")
+    url = get("url", str).strip()
     try:
-        url = parse_store_url(get("url", str))
+        parts = urlsplit(url)
+        if parts.scheme not in ("redis", "rediss", "unix"):
+            raise ValueError("must start with redis://, rediss:// or unix://")
+        if "@" in parts.netloc:
+            raise ValueError(
+                "must not carry credentials (user:password@host): put the password in an "
+                "environment variable named by password_env, the user in username"
+            )
+        if parts.scheme == "unix":
+            if not parts.path:
+                raise ValueError(
+                    "a unix:// URL needs the socket's path, e.g. unix:///run/redis.sock"
+                )
+        elif not parts.hostname:
+            raise ValueError("needs a host, e.g. redis://redis:6379/0")
+        _ = parts.port  # raises ValueError for a bad port
     except ValueError as exc:
         raise fail("url", str(exc)) from None
     values: dict[str, Any] = {"url": url}
@@ -137,15 +131,12 @@ def cache_index_spec(
         if not env.get(var, ""):
             raise fail("password_env", f"environment variable {var} is empty or unset")
         values["password_env"] = var
-    for key, field, upper in (
-        ("timeout_ms", "timeout_s", 10_000),
-        ("retry_ms", "retry_s", 600_000),
-    ):
+    for key, upper in (("timeout_ms", 10_000), ("retry_ms", 600_000)):
         if key in table:
             ms = get(key, int)
             if not 1 <= ms <= upper:
                 raise fail(key, f"must be {CACHE_INDEX_KEYS[key]}, not {ms!r}")
-            values[field] = ms / 1000
+            values[key.removesuffix("_ms") + "_s"] = ms / 1000
     if importlib.util.find_spec("redis") is None:
         raise SettingsError(
             f"{where}: the shared index needs redis-py: pip install "
