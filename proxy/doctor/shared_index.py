@@ -273,15 +273,13 @@ class Breaker:
         self._clock = clock
         self._lock = threading.Lock()
         self._until: float | None = None  # None: closed
-        self._pause = first_s
+        self.pause_s = first_s
         self._trying = False
         self.down_since: float | None = None
         self.failed_tries = 0
 
     def admit(self) -> Admitted | None:
         """How this exchange may try the store (:class:`Admitted`); None: it may not."""
-        if self._until is None:
-            return Admitted.CLOSED
         with self._lock:
             if self._until is None:
                 return Admitted.CLOSED
@@ -292,12 +290,10 @@ class Breaker:
 
     def succeeded(self, admitted: Admitted) -> bool:
         """Close; True when that ends an outage (the caller says so once)."""
-        if self._until is None:
-            return False
         with self._lock:
             if self._until is None or (admitted != Admitted.TRIAL and self._trying):
                 return False
-            self._until, self._trying, self._pause = None, False, self.first_s
+            self._until, self._trying, self.pause_s = None, False, self.first_s
             return True
 
     def failed(self, admitted: Admitted) -> bool:
@@ -306,29 +302,23 @@ class Breaker:
             now = self._clock()
             if admitted == Admitted.TRIAL:
                 self._trying = False
-                self._pause = min(self._pause * 2, self.max_s)
+                self.pause_s = min(self.pause_s * 2, self.max_s)
                 self.failed_tries += 1
             elif self._until is not None:
                 return False  # another thread's exchange already opened it
-            else:
-                self._pause = self.first_s
+            else:  # closed: the pause is first_s
                 self.down_since, self.failed_tries = now, 1
-            self._until = now + self._pause
+            self._until = now + self.pause_s
             return admitted != Admitted.TRIAL
-
-    @property
-    def pause_s(self) -> float:
-        return self._pause
 
 
 class RedisPrefixIndex:
-    """A :class:`~proxy.doctor.index.PrefixIndex` on Redis or Valkey (see the
-    module docstring). ``horizon_ms`` is every key's TTL; ``window_ms`` the cache window
-    that cuts runs of sightings; ``environ`` holds the password variable the spec names
-    (None: no password); ``clock`` (monotonic seconds) times the breaker; ``caller_clock``
-    (monotonic seconds, ``clock`` when not given) is the caller's, whose milliseconds
-    :meth:`exchange` takes and answers in. Thread-safe: redis-py's connection pool gives each thread its own
-    connection."""
+    """A :class:`~proxy.doctor.index.PrefixIndex` on Redis or Valkey. ``horizon_ms`` is every
+    key's TTL; ``window_ms`` the cache window that cuts runs of sightings; ``environ`` holds
+    the password variable the spec names (None: no password); ``clock`` (monotonic seconds)
+    times the breaker; ``caller_clock`` (monotonic seconds, ``clock`` when not given) is the
+    caller's, whose milliseconds :meth:`exchange` takes and answers in. Thread-safe:
+    redis-py's connection pool gives each thread its own connection."""
 
     def __init__(
         self,
@@ -345,7 +335,6 @@ class RedisPrefixIndex:
         from redis.retry import Retry
 
         password = (environ or {}).get(spec.password_env) if spec.password_env else None
-        self.spec = spec
         self.url = spec.url
         self.horizon_ms = horizon_ms
         self.window_ms = window_ms
@@ -383,14 +372,13 @@ class RedisPrefixIndex:
         from redis.exceptions import TimeoutError as RedisTimeout
 
         self._local.round_trip_s = None
-        keys = probe.keys
-        n = len(keys)
+        n = len(probe.keys)
         if n > MAX_KEYS:
             raise IndexUnavailable(TOO_LARGE, detail=f"{n} keys")
         if n == 0:
             return Sightings([], [], {})
-        size = len(keys[0])
-        digests = b"".join(keys)
+        size = len(probe.keys[0])
+        digests = b"".join(probe.keys)
         if len(digests) != n * size:
             raise ValueError("a shared index takes keys of one length")
         admitted = self.breaker.admit()
@@ -426,8 +414,7 @@ class RedisPrefixIndex:
             if self.breaker.failed(admitted):
                 self._warn_down(reason, exc)
             raise IndexUnavailable(reason, elapsed, f"{type(exc).__name__}: {exc}") from None
-        elapsed = time.perf_counter() - start
-        self._local.round_trip_s = elapsed
+        self._local.round_trip_s = time.perf_counter() - start
         if self.breaker.succeeded(admitted):
             since = self.breaker.down_since
             log.warning(
