@@ -190,10 +190,9 @@ _OPENAI_MINIMUM: tuple[tuple[str, int], ...] = (
 @lru_cache(maxsize=256)  # per request, by a model name: a few in practice
 def minimum_cacheable_tokens(api: str, model: str) -> int:
     """The default minimum cacheable prompt for a dialect (``"messages"`` is Anthropic's
-    API, the others OpenAI's) and a model name: 1,024 tokens for OpenAI, per model
-    family for Anthropic and for Gemini models served through an OpenAI-style API. A
-    self-hosted server caches from its first block (vLLM: 16 tokens), so an upstream of
-    that kind should configure its own."""
+    API, the others OpenAI's) and a model name, by the tables above. A self-hosted server
+    caches from its first block (vLLM: 16 tokens), so an upstream of that kind should
+    configure its own."""
     name = model.lower()
     families = _ANTHROPIC_MINIMUM if api == "messages" else _OPENAI_MINIMUM
     return next(tokens for family, tokens in families if family in name)
@@ -211,12 +210,11 @@ _UNROUNDED_FROM = (5, 6)
 
 @lru_cache(maxsize=256)  # per request, by a model name: a few in practice
 def cache_granularity_tokens(api: str, model: str = "") -> int:
-    """The default steps an upstream reports cached tokens in, for a dialect and a model
-    name: 128 tokens for OpenAI's APIs before the GPT-5.6 family, 1 from it on and for
-    Anthropic's (``"messages"``). A self-hosted server caches in its blocks (vLLM: 16
-    tokens), so an upstream of that kind should configure its own; a step larger than
-    the server's understates the missed tokens (by less than a step per request), a
-    smaller one would report a working cache as missing a step's remainder."""
+    """The default steps an upstream reports cached tokens in, for a dialect (``"messages"``
+    is Anthropic's) and a model name, as the comment above says. A self-hosted server caches
+    in its blocks (vLLM: 16 tokens), so an upstream of that kind should configure its own; a
+    step larger than the server's understates the missed tokens (by less than a step per
+    request), a smaller one would report a working cache as missing a step's remainder."""
     found = _GPT_VERSION.search(model.lower())
     version = (int(found[1]), int(found[2] or 0)) if found else (0, 0)
     return 1 if api == "messages" or version >= _UNROUNDED_FROM else OPENAI_GRANULARITY_TOKENS
