@@ -850,7 +850,8 @@ async def test_a_streams_job_waits_for_its_prefill_and_is_stamped_then() -> None
     """A stream's job joins no batch until its first output event (ready), and is stamped
     at that time; a stream that ends without one is stamped at its headers, at the
     finish; a non-stream answer's job is ready at its headers. A job is weighed (its
-    estimate and place) when it is ready, never on the way to the response's first bytes."""
+    estimate and place) in its batch, neither on the way to the response's first bytes
+    nor at the first token."""
     check = PrefixCheck()
     held: list[tuple[int, int | None]] = []
     examine = check.doctor.look
@@ -880,10 +881,11 @@ async def test_a_streams_job_waits_for_its_prefill_and_is_stamped_then() -> None
     streamed = begin(True)
     assert check._batch == [] and weighed == []  # not ready: no first token yet
     streamed.ready(T0 + 2.5)
-    assert weighed == [100]
+    assert weighed == []  # in the batch, not run yet
     streamed.ready(T0 + 9)  # once
     assert check._batch == [streamed]
     await streamed.settle()
+    assert weighed == [100]
     silent = begin(True)
     await silent.settle()  # no output at all: its headers' time
     plain = begin(False)
@@ -897,8 +899,8 @@ async def test_a_streams_job_waits_for_its_prefill_and_is_stamped_then() -> None
 async def test_jobs_run_in_batches_in_the_order_they_were_created(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A batch runs BATCH_S after its first job, or at the loop's next turn once it holds
-    BATCH_JOBS jobs or BATCH_BLOCKS of estimated blocks; a finish that comes first runs the jobs
-    before its own."""
+    BATCH_JOBS jobs or BATCH_BLOCKS (its bodies' bytes over the block size, one more a
+    body); a finish that comes first runs the jobs before its own."""
     check = PrefixCheck()
     order: list[int] = []
     ran = asyncio.Event()
@@ -931,9 +933,12 @@ async def test_jobs_run_in_batches_in_the_order_they_were_created(
     assert all(report_of(job) is not None for job in jobs)
     # Bodies that reach BATCH_BLOCKS, or BATCH_JOBS jobs: the batch runs at the next turn.
     order.clear()
-    jobs = [begin(10), begin(11, (doctor_job.BATCH_BLOCKS - 3) * 256)]  # 2 + 77 blocks
+    jobs = [begin(10), begin(11, (doctor_job.BATCH_BLOCKS - 3) * 256)]  # 1 + 1 + 77 blocks
     await asyncio.sleep(0)
-    assert order == [round((T0 + i) * 1000) for i in (10, 11)]
+    assert order == []  # one block short
+    jobs.append(begin(12))
+    await asyncio.sleep(0)
+    assert order == [round((T0 + i) * 1000) for i in (10, 11, 12)]
     order.clear()
     jobs = [begin(100 + i) for i in range(doctor_job.BATCH_JOBS)]
     await asyncio.sleep(0)
@@ -944,14 +949,16 @@ async def test_jobs_run_in_batches_in_the_order_they_were_created(
     await jobs[1].settle()
     assert order == [round((T0 + i) * 1000) for i in (20, 21, 22)]
     assert report_of(jobs[1]) is not None and report_of(jobs[1]).reason is None  # a repeat
-    # A job for the hashing thread (a large body) is handed over at once, not batched.
-    monkeypatch.setattr(doctor_job, "BATCH_S", 60.0)  # the small one must wait
+    # A large body runs its batch at the loop's next turn, which weighs it and hands it
+    # to the hashing thread; the small job before it is examined on the loop.
+    monkeypatch.setattr(doctor_job, "BATCH_S", 60.0)  # no timer runs this batch
     order.clear()
+    ran.clear()
     small, large = begin(30), begin(31, (INLINE_MAX_BLOCKS + 1) * 256)
     assert await asyncio.to_thread(in_thread.wait, 30)
-    assert order == [round((T0 + 31) * 1000)] and report_of(small) is None
     await large.settle()
-    assert report_of(large) is not None
+    assert order == [round((T0 + i) * 1000) for i in (30, 31)] and ran.is_set()
+    assert report_of(small) is not None and report_of(large) is not None
     check.close()
 
 

@@ -17,9 +17,9 @@ per call and per finished request, each inclusive of the steps inside it, and th
 garbage collector's passes. The request log's and the workload capture's writers are timed
 too (on the loop, and in their thread per batch), to compare what each costs a request. Each wrapper
 adds two clock reads (about 0.8 us each on this machine, a system call), so nested
-figures run high by a few microseconds; the outer ones (``begin``, ``start``,
-``record``, ``observe``) are what one request pays; to time only those (fewer clock
-reads inside them), set ``LLM_PROXY_DOCTOR_TIMING_STEPS=begin,start,record,observe``.
+figures run high by a few microseconds; the outer ones (``begin``, ``ready``,
+``start``, ``record``, ``observe``) are what one request pays; to time only those (fewer
+clock reads inside them), set ``LLM_PROXY_DOCTOR_TIMING_STEPS=begin,ready,start,record,observe``.
 The ``gc`` line counts every collection in the process, whoever's objects it visits;
 a step's time leaves out the collections that ran inside it.
 """
@@ -74,6 +74,9 @@ def _install(prefix: str) -> None:
     wanted = os.environ.get("LLM_PROXY_DOCTOR_TIMING_STEPS", "")
     for owner, name, label in (
         (check.PrefixCheck, "begin", "begin"),
+        (check.PrefixJob, "ready", "ready"),  # on the first token: its estimate and place
+        (check.PrefixCheck, "estimate", "estimate"),
+        (check.PrefixCheck, "enqueue", "enqueue"),
         (check.PrefixJob, "start", "start"),
         (check.PrefixJob, "examine", "look"),
         (chat.ChatDialect, "prompt", "parts"),

@@ -48,7 +48,7 @@ log = logging.getLogger("proxy")
 # Estimated blocks (parts + body bytes / block) examined on the loop. The hashing
 # thread's hand-offs cost more CPU than a look at a prompt of this size, its repeated
 # parts taken from the hasher's cache (benchmarks/RESULTS.md,
-# 2026-12-03); past BATCH_BLOCKS a job runs alone, at the loop's next turn.
+# 2026-12-03); a body past BATCH_BLOCKS runs its batch at the loop's next turn.
 INLINE_MAX_BLOCKS = 160
 MAX_PENDING = 16  # large prompts waiting for, or in, the hashing thread
 STORE_THREADS = 4  # with a shared index: threads that exchange the other prompts
@@ -56,7 +56,7 @@ MAX_PENDING_SHARED = 256  # with a shared index: other prompts waiting for, or i
 SETTLE_S = 0.5  # how long the finish waits for a thread still examining
 BATCH_S = 0.2  # how long the first job of a batch waits for others
 BATCH_JOBS = 16  # jobs that run a batch at the loop's next turn
-BATCH_BLOCKS = 80  # ... or estimated blocks
+BATCH_BLOCKS = 80  # ... or blocks of their bodies (bytes / block, and one a body)
 INDEX_SHARE = 8  # a prompt may hold at most 1/INDEX_SHARE of the in-process index
 WARN_EVERY_S = 60.0
 
@@ -245,18 +245,19 @@ class PrefixCheck:
             return Place.THREAD
         return Place.SHARED if self.shared is not None else Place.INLINE
 
-    def enqueue(self, job: PrefixJob, blocks: int) -> None:
-        """A job that became ready (of ``blocks`` estimated blocks): for the loop, into
-        the batch, which runs :data:`BATCH_S` after its first job, or at the loop's next
-        turn once it holds :data:`BATCH_JOBS` jobs or :data:`BATCH_BLOCKS`; for a thread,
-        handed over at the loop's next turn."""
+    def enqueue(self, job: PrefixJob, body_bytes: int) -> None:
+        """A job that became ready (of a body of ``body_bytes``): into the batch, which
+        runs :data:`BATCH_S` after its first job, or at the loop's next turn once it
+        holds :data:`BATCH_JOBS` jobs or :data:`BATCH_BLOCKS` (the bodies' bytes over the
+        block size), and weighs its jobs first; one already weighed for a thread (with a
+        shared index) is handed over at the loop's next turn."""
         loop = asyncio.get_running_loop()
-        if job.place is not Place.INLINE:
+        if job.place is not None and job.place is not Place.INLINE:
             loop.call_soon(job.start)
             return
         batch = self._batch
         batch.append(job)
-        self._batch_blocks += blocks
+        self._batch_blocks += 1 + body_bytes // self.doctor.hasher.block_bytes
         if self._batch_blocks >= BATCH_BLOCKS or len(batch) >= BATCH_JOBS:
             if self._batch_timer is not None:
                 self._batch_timer.cancel()
@@ -323,7 +324,6 @@ class PrefixJob:
     (and by the workload capture: :attr:`hashed`)."""
 
     __slots__ = (
-        "_blocks",
         "_body_bytes",
         "_check",
         "_dialect",
@@ -363,7 +363,6 @@ class PrefixJob:
         self._headers_ms = now_ms if headers_ms is None else headers_ms  # its headers' time
         self._held_ms: int | None = None  # when its prefill was done: ready from then
         self._body_bytes = body_bytes
-        self._blocks = 0  # estimated (PrefixCheck.estimate): its weight in a batch
         self.place = place  # None: decided by its estimate when it is ready
         self._started = False
         self._future: Future[Examination] | None = None
@@ -379,28 +378,37 @@ class PrefixJob:
         if self._held_ms is not None:
             return
         self._held_ms = self._headers_ms if t is None else round(t * 1000)
-        if self.place is None:
-            self._blocks = self._check.estimate(self._payload, self._body_bytes)
-            self.place = self._check.place(self._blocks)
-        if self.place is Place.TOO_LARGE:
-            self._started = True  # never examined
-            self._unchecked = TOO_LARGE
+        if self._check.shared is not None:  # every prompt goes to a thread: at once
+            self.weigh()
+        if self._started:  # too large
             return
         try:
-            self._check.enqueue(self, self._blocks)
+            self._check.enqueue(self, self._body_bytes)
         except Exception:  # no running loop (closing); the finish starts it, if it comes
             self._check._warn("prompt-cache doctor: a job could not be queued", trace=True)
+
+    def weigh(self) -> None:
+        """Estimate the prompt's work and choose its place, once (in its batch, where the
+        code runs warm, or when it is ready, with a shared index); a prompt too large is
+        never examined."""
+        if self.place is None:
+            self.place = self._check.place(self._check.estimate(self._payload, self._body_bytes))
+            if self.place is Place.TOO_LARGE:
+                self._started = True
+                self._unchecked = TOO_LARGE
 
     def start(self) -> None:
         """Run :meth:`examine` where the place says: now, on this thread, for the loop;
         else handed to the place's worker threads."""
+        self.weigh()
         if self._started:
             return
         self._started = True
         place = self.place
-        if place is None or place is Place.INLINE:  # None: started unready (in a test)
+        if place is Place.INLINE:
             self._result = self.examine()
             return
+        assert place is not None  # weighed
         self._future = self._check.submit(self.examine, place)
         if self._future is None:
             self._unchecked = BUSY
