@@ -93,7 +93,7 @@ def instructions(tree: Path, requests: int, size: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--baseline", required=True, help="a checkout whose proxy/ is the before")
+    p.add_argument("--baseline", help="a checkout whose proxy/ is the before (required)")
     p.add_argument("--sizes", default="2048,32768", help="prompt bytes, comma-separated")
     p.add_argument("--requests", type=int, default=500, help="the smaller run's requests")
     p.add_argument("--child", type=int, default=0, help=argparse.SUPPRESS)
@@ -103,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         repeated = run_requests(a.child, sizes[0])
         print(f"{a.child} requests, {repeated} found repeated whole")
         return 0
+    if not a.baseline:
+        p.error("--baseline is required")
     trees = {"now": HERE.parent, "baseline": Path(a.baseline)}
     print("# the doctor's per-request path, instructions per request (cachegrind)\n")
     print("| prompt | now | baseline | now / baseline |\n| ---: | ---: | ---: | ---: |")
