@@ -212,7 +212,7 @@ class PrefixCheck:
         (not a measured route, a body that is not a JSON object, an answer that is not
         2xx). A non-stream answer's job is ready at once, a ``stream``'s once its first
         output event calls :meth:`PrefixJob.ready`. Nothing is weighed here, on the way
-        to the response's first bytes: the job's place is decided when it is ready."""
+        to the response's first bytes: the job's place is decided in its batch."""
         if dialect is None or payload is None or not 200 <= status < 300:
             return None
         headers_ms = round((t0 if t_headers is None else t_headers) * 1000)
@@ -363,7 +363,7 @@ class PrefixJob:
         self._headers_ms = now_ms if headers_ms is None else headers_ms  # its headers' time
         self._held_ms: int | None = None  # when its prefill was done: ready from then
         self._body_bytes = body_bytes
-        self.place = place  # None: decided by its estimate when it is ready
+        self.place = place  # None: decided by its estimate (weigh), in its batch
         self._started = False
         self._future: Future[Examination] | None = None
         self._result: Examination | None = None
@@ -380,7 +380,7 @@ class PrefixJob:
         self._held_ms = self._headers_ms if t is None else round(t * 1000)
         if self._check.shared is not None:  # every prompt goes to a thread: at once
             self.weigh()
-        if self._started:  # too large
+        if self._started:  # weighed, too large
             return
         try:
             self._check.enqueue(self, self._body_bytes)
