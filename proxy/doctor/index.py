@@ -255,10 +255,11 @@ def _read_late(old: int, t: int, h: int, w: int, epoch: int) -> tuple[int, int, 
 
 class _Snapshot:
     """A probe's entries as they were before an exchange's writes, by probe index
-    (``fetch``; for an exchange that wrote none of them, as they are when read, which
-    follows the same rules: a stamp written since is read as it would be had its
-    exchange come first; read without the lock, as a lookup is whole under the GIL), decoded per key only when asked (:class:`Sightings` by the
-    rules of ``docs/design/doctor.md``)."""
+    (``fetch``), decoded per key only when asked (:class:`Sightings` by the rules of
+    ``docs/design/doctor.md``). For an exchange that wrote none of them, ``fetch`` reads
+    them as they are when read, by the same rules (a stamp written since is read as it
+    would be had its exchange come first), without the lock: a lookup is whole under
+    the GIL."""
 
     __slots__ = ("epoch", "fetch", "h", "n", "t", "w")
 
