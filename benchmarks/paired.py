@@ -1,19 +1,23 @@
-"""Per-round ratios of two targets' CPU per event, from a ``run.py`` log.
+"""Per-round ratios of two targets' CPU per event, and differences of their latencies,
+from ``run.py`` logs.
 
-    python benchmarks/run.py --targets direct,proxy-doctor,proxy-nodoctor --loads 64 --rounds 15 > run.log
-    python benchmarks/paired.py run.log proxy-doctor/proxy-nodoctor [a/b ...]
+    python benchmarks/run.py --targets direct,proxy,proxy-nodoctor --loads 64 --rounds 15 \\
+        > run.log 2> run.err
+    python benchmarks/paired.py run.err proxy/proxy-nodoctor [a/b ...]
+    python benchmarks/paired.py run.err --pool other.err proxy/proxy-nodoctor
 
-(The prompt-cache doctor is on by default, so ``proxy`` is ``proxy-doctor`` now; the
-doctor's price is ``proxy-doctor/proxy-nodoctor``.)
+(The prompt-cache doctor is on by default: its price is ``proxy/proxy-nodoctor``.)
 
 Why: on this shared 2-core machine one target's CPU per event moves by 10-15 % from one
 round to the next, and the rounds' medians of two targets inherit that. ``run.py``
 runs every target once per round, one after the other, so the two runs of a round
 saw the same machine: the ratio within a round cancels what moves slowly (another
 tenant, the host's frequency), and the median of the rounds' ratios, with its
-interquartile range, says how sure a difference of a few percent is. Reads the
-``# round N LOAD TARGET: ... cpu/ev X us`` lines ``run.py`` prints, for load 64 by
-default (``--load``).
+interquartile range, says how sure a difference of a few percent is. The same holds
+for latency: per round, the target's TTFT p50 and p99 and ITL p99 minus the baseline's
+(the direct connection's figure cancels out of "added"). Reads the ``# round N LOAD
+TARGET: ...`` lines ``run.py`` prints on its standard error, for load 64 by default
+(``--load``); ``--pool`` adds the rounds of more logs (runs of the same code).
 """
 
 from __future__ import annotations
@@ -22,33 +26,60 @@ import argparse
 import re
 import statistics
 import sys
+from collections.abc import Callable
 
-LINE = re.compile(r"# round (\d+) (\S+) (\S+): .*cpu/ev ([\d.]+) us")
+LINE = re.compile(
+    r"# round (\d+) (\S+) (\S+): ttft p50 ([\d.]+) p99 ([\d.]+) ms, "
+    r"itl p99 ([\d.]+) ms, .*cpu/ev ([\d.]+|n/a) us"
+)
+Round = dict[str, tuple[float, ...]]  # target -> (cpu/ev, ttft p50, ttft p99, itl p99)
+
+
+def read_rounds(paths: list[str], load: str) -> list[Round]:
+    """Every round of ``load`` in the logs, in order: per target, its figures."""
+    rounds: dict[tuple[int, int], Round] = {}
+    for n, path in enumerate(paths):
+        with open(path, encoding="utf-8") as fh:
+            for line in fh:
+                m = LINE.match(line)
+                if m and m[2] == load:
+                    cpu = float(m[7]) if m[7] != "n/a" else float("nan")
+                    figures = (cpu, float(m[4]), float(m[5]), float(m[6]))
+                    rounds.setdefault((n, int(m[1])), {})[m[3]] = figures
+    return [rounds[k] for k in sorted(rounds)]
+
+
+def spread(values: list[float], fmt: Callable[[float], str]) -> str:
+    q = sorted(values)
+    n = len(q)
+    return (
+        f"{fmt(statistics.median(q))} (interquartile {fmt(q[n // 4])}-"
+        f"{fmt(q[(3 * n) // 4])}, all {fmt(q[0])}-{fmt(q[-1])})"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("log", help="run.py's standard output")
+    p.add_argument("log", help="run.py's standard error (its round lines)")
     p.add_argument("pairs", nargs="+", help="TARGET/BASELINE")
+    p.add_argument("--pool", action="append", default=[], help="another run's log, pooled")
     p.add_argument("--load", default="64")
     a = p.parse_args(argv)
-    rounds: dict[int, dict[str, float]] = {}
-    with open(a.log, encoding="utf-8") as fh:
-        for line in fh:
-            m = LINE.match(line)
-            if m and m[2] == a.load:
-                rounds.setdefault(int(m[1]), {})[m[3]] = float(m[4])
+    rounds = read_rounds([a.log, *a.pool], a.load)
     for pair in a.pairs:
         target, _, baseline = pair.partition("/")
-        ratios = [r[target] / r[baseline] for _, r in sorted(rounds.items())
-                  if target in r and baseline in r]
-        if not ratios:
+        both = [(r[target], r[baseline]) for r in rounds if target in r and baseline in r]
+        if not both:
             print(f"{pair}: no round has both", file=sys.stderr)
             return 1
-        q = sorted(ratios)
-        n = len(q)
-        print(f"{target} / {baseline}: median of {n} per-round ratios {statistics.median(q):.3f} "
-              f"(interquartile {q[n // 4]:.3f}-{q[(3 * n) // 4]:.3f}, all {q[0]:.3f}-{q[-1]:.3f})")
+        ratios = [t[0] / b[0] for t, b in both]
+        print(
+            f"{target} / {baseline}: median of {len(ratios)} per-round ratios "
+            f"{spread(ratios, lambda v: f'{v:.3f}')}"
+        )
+        for i, name in ((1, "TTFT p50"), (2, "TTFT p99"), (3, "ITL p99")):
+            diffs = [t[i] - b[i] for t, b in both]
+            print(f"  {name} {target} - {baseline}, ms: {spread(diffs, lambda v: f'{v:+.3f}')}")
     return 0
 
 

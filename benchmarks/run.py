@@ -1469,9 +1469,9 @@ def main(argv: list[str] | None = None) -> int:
                             overloaded.add((t.name, load))  # later rounds skip it
                         print(
                             f"# round {rnd + 1} {load.label} {t.name}: "
-                            f"ttft p50 {res['ttft_ms']['p50']:.1f} p99 "
-                            f"{res['ttft_ms']['p99']:.1f} ms, itl p99 "
-                            f"{res['itl_ms']['p99']:.1f} ms, broken {res['broken']}/"
+                            f"ttft p50 {res['ttft_ms']['p50']:.3f} p99 "
+                            f"{res['ttft_ms']['p99']:.3f} ms, itl p99 "
+                            f"{res['itl_ms']['p99']:.3f} ms, broken {res['broken']}/"
                             f"{res['streams']}, cpu/ev "
                             f"{_fmt(res['target_cpu_us_per_event'])} us",
                             file=sys.stderr,

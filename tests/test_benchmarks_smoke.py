@@ -718,7 +718,7 @@ def test_paired_reads_run_py_rounds(tmp_path: Path) -> None:
         "\n".join(
             [
                 "# round 1 64 proxy: ttft p50 50.7 p99 52.2 ms, itl p99 21.3 ms, broken 0/404, cpu/ev 60.0 us",
-                "# round 1 64 proxy-doctor: ttft p50 50.7 p99 52.2 ms, itl p99 21.3 ms, broken 0/404, cpu/ev 66.0 us",
+                "# round 1 64 proxy-doctor: ttft p50 50.7 p99 52.2 ms, itl p99 21.500 ms, broken 0/404, cpu/ev 66.0 us",
                 "# round 1 1 proxy-doctor: ttft p50 50.7 p99 52.2 ms, itl p99 21.3 ms, broken 0/4, cpu/ev 999.0 us",
                 "# round 2 64 proxy-doctor: ttft p50 50.7 p99 52.2 ms, itl p99 21.3 ms, broken 0/404, cpu/ev 72.0 us",
                 "# round 2 64 proxy: ttft p50 50.7 p99 52.2 ms, itl p99 21.3 ms, broken 0/404, cpu/ev 80.0 us",
@@ -733,8 +733,23 @@ def test_paired_reads_run_py_rounds(tmp_path: Path) -> None:
         text=True,
         check=True,
     )
-    # rounds 1 and 2 have both (1.1 and 0.9); round 3 has one; load 1 is not read
-    assert out.stdout.strip() == (
+    # rounds 1 and 2 have both (1.1 and 0.9); round 3 has one; load 1 is not read;
+    # ITL p99 differs by 0.2 ms in round 1, not in round 2
+    assert out.stdout.splitlines() == [
         "proxy-doctor / proxy: median of 2 per-round ratios 1.000 "
-        "(interquartile 0.900-1.100, all 0.900-1.100)"
+        "(interquartile 0.900-1.100, all 0.900-1.100)",
+        "  TTFT p50 proxy-doctor - proxy, ms: +0.000 (interquartile +0.000-+0.000, "
+        "all +0.000-+0.000)",
+        "  TTFT p99 proxy-doctor - proxy, ms: +0.000 (interquartile +0.000-+0.000, "
+        "all +0.000-+0.000)",
+        "  ITL p99 proxy-doctor - proxy, ms: +0.100 (interquartile +0.000-+0.200, "
+        "all +0.000-+0.200)",
+    ]
+    pooled = subprocess.run(
+        [sys.executable, str(BENCH / "paired.py"), str(log), "--pool", str(log),
+         "proxy-doctor/proxy"],
+        capture_output=True,
+        text=True,
+        check=True,
     )
+    assert pooled.stdout.startswith("proxy-doctor / proxy: median of 4 per-round ratios")

@@ -901,6 +901,7 @@ async def test_jobs_run_in_batches_in_the_order_they_were_created(
     """A batch runs BATCH_S after its first job, or at the loop's next turn once it holds
     BATCH_JOBS jobs or BATCH_BLOCKS (its bodies' bytes over the block size, one more a
     body); a finish that comes first runs the jobs before its own."""
+    monkeypatch.setattr(doctor_job, "BATCH_TURN_S", 60.0)  # a batch in one turn (see below)
     check = PrefixCheck()
     order: list[int] = []
     ran = asyncio.Event()
@@ -959,6 +960,44 @@ async def test_jobs_run_in_batches_in_the_order_they_were_created(
     await large.settle()
     assert order == [round((T0 + i) * 1000) for i in (30, 31)] and ran.is_set()
     assert report_of(small) is not None and report_of(large) is not None
+    check.close()
+
+
+async def test_a_batch_turn_ends_past_its_time_and_the_rest_runs_next(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch holds the loop for BATCH_TURN_S and one job more: with no time at all,
+    one job a turn, the rest at the next turns ahead of jobs that join meanwhile; a
+    finish runs every job waiting, in order."""
+    monkeypatch.setattr(doctor_job, "BATCH_TURN_S", 0.0)
+    check = PrefixCheck()
+    order: list[int] = []
+    examine = check.doctor.look
+
+    def counted(*args: Any, now_ms: int, **kwargs: Any) -> Any:
+        order.append(now_ms)
+        return examine(*args, now_ms=now_ms, **kwargs)
+
+    check.doctor.look = counted  # type: ignore[method-assign]
+    spec = UpstreamSpec(name=UP, url="http://u/v1")
+    body = chat(("system", STABLE), ("user", "hi"))
+
+    def begin(i: int) -> PrefixJob:
+        job = check.begin(DIALECTS[CHAT], body, spec, T0 + i, 200, 100)
+        assert job is not None
+        return job
+
+    ms = [round((T0 + i) * 1000) for i in range(doctor_job.BATCH_JOBS + 3)]
+    jobs = [begin(i) for i in range(doctor_job.BATCH_JOBS)]  # a full batch: the next turn
+    await asyncio.sleep(0)
+    assert order == ms[:1]
+    await asyncio.sleep(0)
+    assert order == ms[:2]
+    jobs += [begin(doctor_job.BATCH_JOBS), begin(doctor_job.BATCH_JOBS + 1)]  # join after
+    await asyncio.sleep(0)
+    assert order == ms[:3]
+    await jobs[-2].settle()  # every job still waiting, the ones after it too
+    assert order == ms[: doctor_job.BATCH_JOBS + 2]
+    assert all(report_of(job) is not None for job in jobs)
     check.close()
 
 

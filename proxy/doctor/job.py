@@ -57,6 +57,7 @@ SETTLE_S = 0.5  # how long the finish waits for a thread still examining
 BATCH_S = 0.2  # how long the first job of a batch waits for others
 BATCH_JOBS = 16  # jobs that run a batch at the loop's next turn
 BATCH_BLOCKS = 80  # ... or blocks of their bodies (bytes / block, and one a body)
+BATCH_TURN_S = 0.0003  # a batch's turn on the loop; the jobs left run at the next turn
 INDEX_SHARE = 8  # a prompt may hold at most 1/INDEX_SHARE of the in-process index
 WARN_EVERY_S = 60.0
 
@@ -265,14 +266,25 @@ class PrefixCheck:
         elif self._batch_timer is None:
             self._batch_timer = loop.call_later(BATCH_S, self.run_batch)
 
-    def run_batch(self) -> None:
-        """Examine every job of the batch, in order."""
+    def run_batch(self, *, whole: bool = False) -> None:
+        """Examine the batch's jobs, in order, for :data:`BATCH_TURN_S` of this turn of the
+        loop and one job more, so that other streams' events wait no longer; the jobs
+        left run at the loop's next turn, ahead of any that join meanwhile. ``whole``:
+        every job now (a finish that needs its own job examined)."""
         if self._batch_timer is not None:
             self._batch_timer.cancel()
             self._batch_timer = None
         batch, self._batch, self._batch_blocks = self._batch, [], 0
-        for job in batch:
+        clock = time.perf_counter
+        until = clock() + BATCH_TURN_S
+        for n, job in enumerate(batch, 1):
             job.start()
+            if n < len(batch) and not whole and clock() > until:
+                with contextlib.suppress(RuntimeError):  # no running loop: all of it now
+                    loop = asyncio.get_running_loop()
+                    self._batch = batch[n:]  # its blocks not counted again: it runs next
+                    self._batch_timer = loop.call_soon(self.run_batch)
+                    return
 
     def submit(
         self, work: Callable[[], Examination], place: Place = Place.THREAD
@@ -452,7 +464,7 @@ class PrefixJob:
         if self._held_ms is None and not self._started:
             self.ready()
         if not self._started:
-            self._check.run_batch()
+            self._check.run_batch(whole=True)
             self.start()  # not in the batch: a job for a thread, or the check was closed
         future = self._future
         if future is None or future.done():
