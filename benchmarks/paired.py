@@ -18,11 +18,14 @@ for latency: per round, the target's TTFT p50 and p99 and ITL p99 minus the base
 (the direct connection's figure cancels out of "added"). Reads the ``# round N LOAD
 TARGET: ...`` lines ``run.py`` prints on its standard error, for load 64 by default
 (``--load``); ``--pool`` adds the rounds of more logs (runs of the same code).
+``--bootstrap N`` adds how sure the median ratio is: its 90 % interval over N
+resamples of the rounds, and how many of them are at or below ``--bar``.
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import re
 import statistics
 import sys
@@ -58,12 +61,33 @@ def spread(values: list[float], fmt: Callable[[float], str]) -> str:
     )
 
 
+def bootstrap(values: list[float], resamples: int, below: float) -> str:
+    """A 90 % interval of the median by resampling the rounds (seeded: the same logs give
+    the same interval), and the share of resampled medians at or below ``below``."""
+    pick = random.Random(1).choices
+    medians = sorted(statistics.median(pick(values, k=len(values))) for _ in range(resamples))
+    low, high = medians[resamples // 20], medians[resamples - 1 - resamples // 20]
+    share = sum(m <= below for m in medians) / resamples
+    return (
+        f"90 % interval of the median {low:.3f}-{high:.3f} ({resamples} resamples), "
+        f"{share:.0%} of them at or below {below:.3f}"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("log", help="run.py's standard error (its round lines)")
     p.add_argument("pairs", nargs="+", help="TARGET/BASELINE")
     p.add_argument("--pool", action="append", default=[], help="another run's log, pooled")
     p.add_argument("--load", default="64")
+    p.add_argument(
+        "--bootstrap",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also a 90 %% interval of the median ratio from N resamples",
+    )
+    p.add_argument("--bar", type=float, default=1.03, help="the ratio --bootstrap weighs")
     a = p.parse_args(argv)
     rounds = read_rounds([a.log, *a.pool], a.load)
     for pair in a.pairs:
@@ -77,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{target} / {baseline}: median of {len(ratios)} per-round ratios "
             f"{spread(ratios, lambda v: f'{v:.3f}')}"
         )
+        if a.bootstrap:
+            print(f"  {bootstrap(ratios, a.bootstrap, a.bar)}")
         for i, name in ((1, "TTFT p50"), (2, "TTFT p99"), (3, "ITL p99")):
             diffs = [t[i] - b[i] for t, b in both]
             print(f"  {name} {target} - {baseline}, ms: {spread(diffs, lambda v: f'{v:+.3f}')}")

@@ -753,3 +753,17 @@ def test_paired_reads_run_py_rounds(tmp_path: Path) -> None:
         check=True,
     )
     assert pooled.stdout.startswith("proxy-doctor / proxy: median of 4 per-round ratios")
+    # how sure: resampled medians of the ratios 0.9 and 1.1 lie between them; the bar
+    # at 1.0 counts those at or below it (seeded: the same every time)
+    sure = subprocess.run(
+        [sys.executable, str(BENCH / "paired.py"), str(log), "proxy-doctor/proxy",
+         "--bootstrap", "400", "--bar", "1.0"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()[1]
+    found = re.fullmatch(
+        r"  90 % interval of the median (\S+)-(\S+) \(400 resamples\), (\d+)% of them "
+        r"at or below 1\.000", sure)
+    assert found is not None, sure
+    assert float(found[1]) == 0.9 and float(found[2]) == 1.1 and 0 < int(found[3]) < 100
