@@ -184,8 +184,9 @@ class V1Handler:
                 return
             x.target = self._route(arrival, asked)
             await self._exchange(x, scope, headers, receive, send)
-            if x.answered is not None and x.answered.prefix is not None:
-                await x.answered.prefix.settle()
+            job = x.answered.prefix if x.answered is not None else None
+            if job is not None and not job.settled:
+                await job.settle()
         except (Refused, UpstreamFailed) as answer:
             request_id = uuid.uuid4().hex
             x.ended = Ended(answer.status, answer.outcome, self.clock(), request_id,

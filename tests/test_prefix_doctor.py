@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import os
 import random
+import re
 import subprocess
 import sys
 import tracemalloc
@@ -912,3 +913,22 @@ def test_the_doctor_job_benchmark_runs_the_request_paths_calls() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert "48 requests, 47 found repeated whole" in result.stdout
+
+
+@pytest.mark.slow
+def test_the_doctor_job_benchmark_counts_bytecodes_per_function() -> None:
+    """``--opcodes`` traces the second half's requests and names the doctor's functions
+    with the bytecodes each runs per request; the harness's and the loop's are not
+    counted."""
+    result = subprocess.run(
+        [sys.executable, "benchmarks/doctor_job_micro.py", "--opcodes", "--requests", "64",
+         "--sizes", "2048"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert result.returncode == 0, result.stderr
+    assert "(32 requests traced)" in result.stdout
+    rows = dict(re.findall(r"^\| `(\S+)` \| ([\d,.]+) \|", result.stdout, re.M))
+    assert float(rows["job.py:begin"]) > 0
+    assert float(rows["examine.py:look"].replace(",", "")) > 0
+    assert not any(name.startswith(("doctor_job_micro.py", "base_events.py")) for name in rows)

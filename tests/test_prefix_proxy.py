@@ -1001,6 +1001,40 @@ async def test_a_batch_turn_ends_past_its_time_and_the_rest_runs_next(
     check.close()
 
 
+async def test_a_job_is_settled_once_examined_or_once_its_thread_is_done(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the finish asks before it awaits ``settle``: a job not yet examined, or whose
+    thread is still on it, is not settled; one examined on the loop is, and one whose
+    thread is done."""
+    monkeypatch.setattr(doctor_job, "BATCH_S", 60.0)  # no timer runs a batch
+    check = PrefixCheck()
+    examine = check.doctor.look
+    release = threading.Event()
+
+    def held(*args: Any, **kwargs: Any) -> Any:
+        if threading.current_thread() is not threading.main_thread():
+            assert release.wait(30)
+        return examine(*args, **kwargs)
+
+    check.doctor.look = held  # type: ignore[method-assign]
+    spec = UpstreamSpec(name=UP, url="http://u/v1")
+    small = check.begin(DIALECTS[CHAT], chat(("user", "hi")), spec, T0, 200, 100, stream=True)
+    large = check.begin(DIALECTS[CHAT], chat(("user", text(LARGE, "large"))), spec, T0, 200,
+                        (INLINE_MAX_BLOCKS + 1) * 256, stream=True)
+    assert small is not None and large is not None
+    assert not small.settled  # no first token yet
+    small.ready(T0 + 0.1)
+    large.ready(T0 + 0.1)
+    assert not small.settled and not large.settled  # in their batch
+    check.run_batch()
+    assert small.settled and report_of(small) is not None
+    assert large.place is Place.THREAD and not large.settled  # its thread is held
+    release.set()
+    await large.settle()
+    assert large.settled and report_of(large) is not None
+    check.close()
+
+
 async def test_a_doctor_that_raises_does_not_break_the_request(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     clock, answers = ScriptedClock(T0), Answers()

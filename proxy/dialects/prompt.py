@@ -260,7 +260,7 @@ MESSAGES_SETTINGS = ("tool_choice", "thinking", "output_config")
 # The body's arrays whose items become one part each, in any API; the other parts are
 # single fields: a setting, a system prompt, the instructions, a context id, a prompt or
 # input string. Each top-level field counts once per part it can make.
-_PART_ARRAYS = ("tools", "functions", "messages", "input", "instructions", "prompt")
+_PART_ARRAYS = frozenset(("tools", "functions", "messages", "input", "instructions", "prompt"))
 _SINGLE_FIELDS: tuple[str, ...] = (
     "system",
     "instructions",
@@ -283,8 +283,9 @@ def part_bound(payload: Mapping[str, Any], *, walk_below: int = 0) -> int:
     (``docs/design/doctor.md``, "Where").
     """
     count = sum(map(_SINGLE_COUNT.get, payload, repeat(0)))  # the body's few fields
-    for name in _PART_ARRAYS:
-        value = payload.get(name)
+    arrays = _PART_ARRAYS.intersection(payload)  # the ones it gives: one look
+    for name in arrays:
+        value = payload[name]
         if isinstance(value, list):
             count += 1 if name == "prompt" and value and _token_id(value[0]) else len(value)
     if count >= walk_below:
@@ -292,8 +293,10 @@ def part_bound(payload: Mapping[str, Any], *, walk_below: int = 0) -> int:
     system = payload.get("system")
     count += _pieces(system, walk_below - count) if isinstance(system, list) else 0
     for name in ("messages", "input", "instructions", "prompt"):
-        items = payload.get(name)
-        if not isinstance(items, list) or count >= walk_below:
+        if name not in arrays or count >= walk_below:
+            continue
+        items = payload[name]
+        if not isinstance(items, list):
             continue
         if name == "prompt":
             if items and _token_id(items[0]):
@@ -340,6 +343,11 @@ def _settings_parts(payload: Mapping[str, Any], names: tuple[str, ...]) -> list[
     changed setting breaks the prefix there and is named. A setting absent adds nothing,
     so a body without any keeps the parts it always had."""
     parts: list[PromptPart] = []
+    heads = _SETTING_HEADS.get(names)
+    if heads is None:
+        heads = _SETTING_HEADS[names] = frozenset(name.partition(".")[0] for name in names)
+    if heads.isdisjoint(payload):  # most bodies give none: one look, not one per name
+        return parts
     for name in names:
         head, _, field = name.partition(".")
         value = payload.get(head)
@@ -350,14 +358,17 @@ def _settings_parts(payload: Mapping[str, Any], names: tuple[str, ...]) -> list[
     return parts
 
 
+_SETTING_HEADS: dict[tuple[str, ...], frozenset[str]] = {}  # by the names: their fields
+
+
 def cache_scope(payload: Mapping[str, Any]) -> tuple[str, str]:
     """(model, cache key) of a parsed request body: prompts that differ in either never
     share a prefix cache. The key is OpenAI's ``prompt_cache_key`` and vLLM's
     ``cache_salt``, joined when both are given; ``""`` when neither."""
     model = payload.get("model")
-    keys = [
-        value
-        for value in (payload.get("prompt_cache_key"), payload.get("cache_salt"))
-        if isinstance(value, str) and value
-    ]
-    return (model if isinstance(model, str) else ""), "\x00".join(keys)
+    key, salt = payload.get("prompt_cache_key"), payload.get("cache_salt")
+    if key is None and salt is None:  # most bodies: no list to build
+        joined = ""
+    else:
+        joined = "\x00".join(v for v in (key, salt) if isinstance(v, str) and v)
+    return (model if isinstance(model, str) else ""), joined

@@ -171,10 +171,9 @@ class LruPrefixIndex:
             old = get(keys[whole], 0) if whole >= 0 else 0
             el = old & m
             if el and (old >> _ES) & m <= h <= el + settle:  # nothing to write: read later
-                live = _Snapshot(lambda i: get(keys[i], 0), len(keys), t, h, w, epoch)
-                return live.sightings()
+                return _Snapshot(keys, get, None, t, h, w, epoch).sightings()
             before = [get(key, 0) for key in keys]
-            reads = _Snapshot(before.__getitem__, len(keys), t, h, w, epoch)
+            reads = _Snapshot(keys, get, before, t, h, w, epoch)
             start, stop = probe.nested
             cut = stop  # the covered head of the nested range: from here to ``stop``
             if settle:
@@ -254,22 +253,31 @@ def _read_late(old: int, t: int, h: int, w: int, epoch: int) -> tuple[int, int, 
 
 
 class _Snapshot:
-    """A probe's entries as they were before an exchange's writes, by probe index
-    (``fetch``), decoded per key only when asked (:class:`Sightings` by the rules of
-    ``docs/design/doctor.md``). For an exchange that wrote none of them, ``fetch`` reads
-    them as they are when read, by the same rules (a stamp written since is read as it
-    would be had its exchange come first), without the lock: a lookup is whole under
-    the GIL."""
+    """A probe's entries as they were before an exchange's writes (``before``, by probe
+    index), decoded per key only when asked (:class:`Sightings` by the rules of
+    ``docs/design/doctor.md``). For an exchange that wrote none of them (``before``
+    None), each is read from the index (``get``) when asked, by the same rules (a stamp
+    written since is read as it would be had its exchange come first), without the
+    lock: a lookup is whole under the GIL."""
 
-    __slots__ = ("epoch", "fetch", "h", "n", "t", "w")
+    __slots__ = ("before", "epoch", "get", "h", "keys", "n", "t", "w")
 
     def __init__(
-        self, fetch: Callable[[int], int], n: int, t: int, h: int, w: int, epoch: int
+        self,
+        keys: Sequence[bytes],
+        get: Callable[[bytes, int], int],
+        before: list[int] | None,
+        t: int,
+        h: int,
+        w: int,
+        epoch: int,
     ) -> None:
-        self.fetch, self.n, self.t, self.h, self.w, self.epoch = fetch, n, t, h, w, epoch
+        self.keys, self.get, self.before, self.n = keys, get, before, len(keys)
+        self.t, self.h, self.w, self.epoch = t, h, w, epoch
 
     def read(self, i: int) -> tuple[int, int, int | None]:
-        old = self.fetch(i)
+        before = self.before
+        old = before[i] if before is not None else self.get(self.keys[i], 0)
         if not old:
             return NEVER, NEVER, None
         m, t, epoch = _TICK_MAX, self.t, self.epoch

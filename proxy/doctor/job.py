@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
-from proxy.dialects import Dialect, Prompt, cache_scope, part_bound
+from proxy.dialects import Caching, Dialect, Prompt, cache_scope, part_bound
 from proxy.doctor.examine import PrefixDoctor, PrefixPolicy, PrefixReport
 from proxy.doctor.index import (
     BYTES_PER_ENTRY,
@@ -79,6 +79,10 @@ class Place(enum.Enum):
     TOO_LARGE = "too_large"  # not at all: more keys than a request may hold
 
 
+IMPLICIT = Caching.IMPLICIT
+NO_MARKS = Prompt(())  # a request that asks for no cache breakpoint (most): implicit caching
+
+
 class Examination(NamedTuple):
     """One examination's result: the report (None: nothing to examine, or not examined),
     why it was not examined ("" when it was, or there was nothing to examine), the shared
@@ -90,7 +94,7 @@ class Examination(NamedTuple):
     unchecked: str = ""
     index_s: float | None = None
     hashed: HashedPrompt | None = None  # the prompt's keys (digests, no text), for the workload
-    marks: Prompt = Prompt(())  # how the request asks for caching, where its last mark ends
+    marks: Prompt = NO_MARKS  # how the request asks for caching, where its last mark ends
 
 
 class _Lane:
@@ -453,8 +457,16 @@ class PrefixJob:
         index_s = check.shared.round_trip_s() if check.shared is not None else None
         if looked is None:  # no prompt parts: nothing to examine
             return Examination(None, "", index_s)
-        marks = Prompt((), prompt.caching, prompt.marked_bytes)
+        caching, marked = prompt.caching, prompt.marked_bytes
+        marks = NO_MARKS if caching is IMPLICIT and marked is None else Prompt((), caching, marked)
         return Examination(looked[1], "", index_s, looked[0], marks)
+
+    @property
+    def settled(self) -> bool:
+        """Examined, or handed to a thread that is done: :meth:`settle` has nothing to do
+        (the finish asks this first, so that most requests make no coroutine of it)."""
+        future = self._future
+        return self._started and (future is None or future.done())
 
     async def settle(self) -> None:
         """Before the record: make ready a stream's job that saw no output event (its
