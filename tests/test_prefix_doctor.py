@@ -889,30 +889,30 @@ def test_a_prompt_held_whole_within_the_settle_writes_nothing() -> None:
 # The micro-benchmark runs
 
 
-@pytest.mark.slow
-def test_prefix_micro_benchmark_smoke_run() -> None:
+def run_benchmark(script: str, *args: str) -> str:
+    """What ``benchmarks/<script> args`` prints, once it exited 0."""
     result = subprocess.run(
-        [sys.executable, "benchmarks/prefix_micro.py", "--quick", "--sizes", "2048",
-         "--blocks", "256"],
+        [sys.executable, f"benchmarks/{script}", *args],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert result.returncode == 0, result.stderr
-    assert "| 2,048 B | 256 |" in result.stdout
-    assert "index bytes/entry" in result.stdout
+    return result.stdout
+
+
+@pytest.mark.slow
+def test_prefix_micro_benchmark_smoke_run() -> None:
+    stdout = run_benchmark("prefix_micro.py", "--quick", "--sizes", "2048", "--blocks", "256")
+    assert "| 2,048 B | 256 |" in stdout
+    assert "index bytes/entry" in stdout
 
 
 @pytest.mark.slow
 def test_the_doctor_job_benchmark_runs_the_request_paths_calls() -> None:
     """Its child run (what cachegrind counts) drives the job as the request path does:
     every request after the first in a batch is found repeated whole."""
-    result = subprocess.run(
-        [sys.executable, "benchmarks/doctor_job_micro.py", "--child", "48", "--sizes", "2048"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    assert result.returncode == 0, result.stderr
-    assert "48 requests, 47 found repeated whole" in result.stdout
+    stdout = run_benchmark("doctor_job_micro.py", "--child", "48", "--sizes", "2048")
+    assert "48 requests, 47 found repeated whole" in stdout
 
 
 @pytest.mark.slow
@@ -920,15 +920,9 @@ def test_the_doctor_job_benchmark_counts_bytecodes_per_function() -> None:
     """``--opcodes`` traces the second half's requests and names the doctor's functions
     with the bytecodes each runs per request; the harness's and the loop's are not
     counted."""
-    result = subprocess.run(
-        [sys.executable, "benchmarks/doctor_job_micro.py", "--opcodes", "--requests", "64",
-         "--sizes", "2048"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    assert result.returncode == 0, result.stderr
-    assert "(32 requests traced)" in result.stdout
-    rows = dict(re.findall(r"^\| `(\S+)` \| ([\d,.]+) \|", result.stdout, re.M))
+    stdout = run_benchmark("doctor_job_micro.py", "--opcodes", "--requests", "64", "--sizes", "2048")
+    assert "(32 requests traced)" in stdout
+    rows = dict(re.findall(r"^\| `(\S+)` \| ([\d,.]+) \|", stdout, re.M))
     assert float(rows["job.py:begin"]) > 0
     assert float(rows["examine.py:look"].replace(",", "")) > 0
     assert not any(name.startswith(("doctor_job_micro.py", "base_events.py")) for name in rows)
