@@ -1007,6 +1007,7 @@ async def test_a_job_is_settled_once_examined_or_once_its_thread_is_done(
     thread is still on it, is not settled; one examined on the loop is, and one whose
     thread is done."""
     monkeypatch.setattr(doctor_job, "BATCH_S", 60.0)  # no timer runs a batch
+    monkeypatch.setattr(doctor_job, "BATCH_TURN_S", 60.0)  # a turn runs the whole batch
     check = PrefixCheck()
     examine = check.doctor.look
     release = threading.Event()
@@ -1026,10 +1027,12 @@ async def test_a_job_is_settled_once_examined_or_once_its_thread_is_done(
     small.ready(T0 + 0.1)
     large.ready(T0 + 0.1)
     assert not small.settled and not large.settled  # in their batch
-    check.run_batch()
-    assert small.settled and report_of(small) is not None
-    assert large.place is Place.THREAD and not large.settled  # its thread is held
-    release.set()
+    try:
+        check.run_batch()
+        assert small.settled and report_of(small) is not None
+        assert large.place is Place.THREAD and not large.settled  # its thread is held
+    finally:
+        release.set()
     await large.settle()
     assert large.settled and report_of(large) is not None
     check.close()
