@@ -256,6 +256,11 @@ def _tool_parts(
 CHAT_SETTINGS = ("response_format", "reasoning_effort", "verbosity", "service_tier")
 RESPONSES_SETTINGS = ("text.format", "text.verbosity", "reasoning.effort", "service_tier")
 MESSAGES_SETTINGS = ("tool_choice", "thinking", "output_config")
+# per such tuple, the body's fields its settings are read from (a dotted name's first)
+_SETTING_HEADS: dict[tuple[str, ...], frozenset[str]] = {
+    names: frozenset(name.partition(".")[0] for name in names)
+    for names in (CHAT_SETTINGS, RESPONSES_SETTINGS, MESSAGES_SETTINGS)
+}
 
 # The body's arrays whose items become one part each, in any API; the other parts are
 # single fields: a setting, a system prompt, the instructions, a context id, a prompt or
@@ -343,9 +348,7 @@ def _settings_parts(payload: Mapping[str, Any], names: tuple[str, ...]) -> list[
     changed setting breaks the prefix there and is named. A setting absent adds nothing,
     so a body without any keeps the parts it always had."""
     parts: list[PromptPart] = []
-    heads = _SETTING_HEADS.get(names)
-    if heads is None:
-        heads = _SETTING_HEADS[names] = frozenset(name.partition(".")[0] for name in names)
+    heads = _SETTING_HEADS.get(names) or frozenset(name.partition(".")[0] for name in names)
     if heads.isdisjoint(payload):  # most bodies give none: one look, not one per name
         return parts
     for name in names:
@@ -356,9 +359,6 @@ def _settings_parts(payload: Mapping[str, Any], names: tuple[str, ...]) -> list[
         if value is not None:
             parts.append(PromptPart("settings", len(parts), name, _json_bytes(value)))
     return parts
-
-
-_SETTING_HEADS: dict[tuple[str, ...], frozenset[str]] = {}  # by the names: their fields
 
 
 def cache_scope(payload: Mapping[str, Any]) -> tuple[str, str]:

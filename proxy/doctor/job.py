@@ -79,7 +79,6 @@ class Place(enum.Enum):
     TOO_LARGE = "too_large"  # not at all: more keys than a request may hold
 
 
-IMPLICIT = Caching.IMPLICIT
 NO_MARKS = Prompt(())  # a request that asks for no cache breakpoint (most): implicit caching
 
 
@@ -458,7 +457,8 @@ class PrefixJob:
         if looked is None:  # no prompt parts: nothing to examine
             return Examination(None, "", index_s)
         caching, marked = prompt.caching, prompt.marked_bytes
-        marks = NO_MARKS if caching is IMPLICIT and marked is None else Prompt((), caching, marked)
+        implicit = caching is Caching.IMPLICIT and marked is None
+        marks = NO_MARKS if implicit else Prompt((), caching, marked)
         return Examination(looked[1], "", index_s, looked[0], marks)
 
     @property
