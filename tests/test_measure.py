@@ -514,6 +514,24 @@ def test_observe_many_and_observe_one_equal_observe_each(values: list[float]) ->
                             registry.get_sample_value("single_sum") or 0.0, abs_tol=1e-9)
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(min_value=0, max_value=10**9), max_size=20))
+def test_add_equals_inc(amounts: list[int]) -> None:
+    """The doctor's counters, incremented without the checks, equal ``inc``."""
+    from prometheus_client import CollectorRegistry, Counter
+
+    from proxy.metrics import add
+
+    registry = CollectorRegistry()
+    added = Counter("added", "c", ["route"], registry=registry)
+    inced = Counter("inced", "c", ["route"], registry=registry)
+    for amount in [0, *amounts]:
+        add(added.labels("r"), amount)
+        inced.labels("r").inc(amount)
+    assert registry.get_sample_value("added_total", {"route": "r"}) == sum(amounts) == \
+        registry.get_sample_value("inced_total", {"route": "r"})
+
+
 # ---------------------------------------------------------------------------
 # The token template (proxy.measure.TokenTemplate) against the full path
 

@@ -49,6 +49,7 @@ def _install(prefix: str) -> None:
     clock = time.thread_time_ns
     stats: dict[str, list[int]] = {}
     collections = stats.setdefault("gc", [0, 0])
+    generations = [stats.setdefault(f"gc{g}", [0, 0]) for g in range(3)]
 
     def wrap(owner: Any, name: str, label: str) -> None:
         inner = getattr(owner, name)
@@ -78,6 +79,7 @@ def _install(prefix: str) -> None:
         (check.PrefixCheck, "estimate", "estimate"),
         (check.PrefixCheck, "enqueue", "enqueue"),
         (check.PrefixJob, "start", "start"),
+        (check.PrefixCheck, "run_batch", "batch"),  # one turn of a batch: its calls, per job
         (check.PrefixJob, "examine", "look"),
         (chat.ChatDialect, "prompt", "parts"),
         (keys.PromptHasher, "hash", "hash"),
@@ -94,15 +96,17 @@ def _install(prefix: str) -> None:
             wrap(owner, name, label)
     started = [0]
 
-    def on_gc(phase: str, _info: dict[str, int]) -> None:
+    def on_gc(phase: str, info: dict[str, int]) -> None:
         if phase == "start":
             started[0] = clock()
         else:
-            collections[0] += 1
-            collections[1] += clock() - started[0]
+            spent = clock() - started[0]
+            for line in (collections, generations[info["generation"]]):
+                line[0] += 1
+                line[1] += spent
 
     gc.callbacks.append(on_gc)
-    observed = metrics.Metrics._observe_prefix
+    observed = metrics.Metrics.observe  # every request's finish, the doctor on or off
     finished = [0]
 
     def counted(*args: Any, **kwargs: Any) -> Any:
@@ -113,7 +117,7 @@ def _install(prefix: str) -> None:
             if finished[0] % 100 == 0:
                 dump()
 
-    metrics.Metrics._observe_prefix = counted  # type: ignore[method-assign]
+    metrics.Metrics.observe = counted  # type: ignore[method-assign]
 
 
 if _PREFIX:

@@ -87,13 +87,16 @@ class Examination(NamedTuple):
     why it was not examined ("" when it was, or there was nothing to examine), the shared
     index's round trip (None: in process, or nothing was sent), the prompt's keys
     for the workload capture (:mod:`proxy.workload_capture`), kept when the shared index
-    failed, and the cache breakpoints the request marks (its prompt without the parts)."""
+    failed, the cache breakpoints the request marks (its prompt without the parts), and
+    the upstream's caching rules for the record's tokens (worked out in the batch)."""
 
     report: PrefixReport | None
     unchecked: str = ""
     index_s: float | None = None
     hashed: HashedPrompt | None = None  # the prompt's keys (digests, no text), for the workload
     marks: Prompt = NO_MARKS  # how the request asks for caching, where its last mark ends
+    minimum: int = 0  # the upstream's minimum cacheable tokens for this model,
+    step: int = 1  # and its caching step
 
 
 class _Lane:
@@ -192,6 +195,7 @@ class PrefixCheck:
             ),
         }
         self._batch: list[PrefixJob] = []  # jobs ready for the loop and not started, in order
+        self._block_bytes = doctor.hasher.block_bytes
         self._batch_blocks = 0
         self._batch_timer: asyncio.Handle | None = None
         self._lock = threading.Lock()
@@ -219,8 +223,7 @@ class PrefixCheck:
         to the response's first bytes: the job's place is decided in its batch."""
         if dialect is None or payload is None or not 200 <= status < 300:
             return None
-        headers_ms = round((t0 if t_headers is None else t_headers) * 1000)
-        job = PrefixJob(self, dialect, payload, upstream, round(t0 * 1000), headers_ms, body_bytes)
+        job = PrefixJob(self, dialect, payload, upstream, t0, t_headers, body_bytes)
         if not stream:
             job.ready()
         return job
@@ -233,7 +236,7 @@ class PrefixCheck:
         are built from (:func:`proxy.dialects.prompt.part_bound`)."""
         return (
             part_bound(payload, walk_below=INLINE_MAX_BLOCKS)
-            + body_bytes // self.doctor.hasher.block_bytes
+            + body_bytes // self._block_bytes
         )
 
     def place(self, blocks: int) -> Place:
@@ -256,12 +259,13 @@ class PrefixCheck:
         block size), and weighs its jobs first; one already weighed for a thread (with a
         shared index) is handed over at the loop's next turn."""
         loop = asyncio.get_running_loop()
-        if job.place is not None and job.place is not Place.INLINE:
+        place = job.place
+        if place is not None and place is not Place.INLINE:
             loop.call_soon(job.start)
             return
         batch = self._batch
         batch.append(job)
-        self._batch_blocks += 1 + body_bytes // self.doctor.hasher.block_bytes
+        self._batch_blocks += 1 + body_bytes // self._block_bytes
         if self._batch_blocks >= BATCH_BLOCKS or len(batch) >= BATCH_JOBS:
             if self._batch_timer is not None:
                 self._batch_timer.cancel()
@@ -343,14 +347,12 @@ class PrefixJob:
         "_check",
         "_dialect",
         "_future",
-        "_headers_ms",
-        "_held_ms",
-        "_minimum",
-        "_now_ms",
+        "_headers",
+        "_held",
         "_payload",
         "_result",
         "_started",
-        "_step",
+        "_t0",
         "_unchecked",
         "_upstream",
         "place",
@@ -362,8 +364,8 @@ class PrefixJob:
         dialect: Dialect,
         payload: Mapping[str, Any],
         upstream: UpstreamSpec,
-        now_ms: int,
-        headers_ms: int | None = None,
+        t0: float,
+        t_headers: float | None = None,
         body_bytes: int = 0,
         *,
         place: Place | None = None,
@@ -372,11 +374,10 @@ class PrefixJob:
         self._dialect = dialect
         self._payload = payload
         self._upstream = upstream
-        self._minimum = 0  # the upstream's minimum cacheable tokens and caching step,
-        self._step = 1  # for this model (set by the examination)
-        self._now_ms = now_ms  # when the request arrived
-        self._headers_ms = now_ms if headers_ms is None else headers_ms  # its headers' time
-        self._held_ms: int | None = None  # when its prefill was done: ready from then
+        # the request path's clock, in seconds (turned into the index's ms in the batch)
+        self._t0 = t0  # when the request arrived
+        self._headers = t0 if t_headers is None else t_headers  # its headers' time
+        self._held: float | None = None  # when its prefill was done: ready from then
         self._body_bytes = body_bytes
         self.place = place  # None: decided by its estimate (weigh), in its batch
         self._started = False
@@ -390,17 +391,18 @@ class PrefixJob:
         requests that arrive later, and the job joins the batch (or goes to its thread).
         Only the first call counts. Called by the stream's timer on its first output
         event, inside the relay: it never raises."""
-        if self._held_ms is not None:
+        if self._held is not None:
             return
-        self._held_ms = self._headers_ms if t is None else round(t * 1000)
-        if self._check.shared is not None:  # every prompt goes to a thread: at once
+        self._held = self._headers if t is None else t
+        check = self._check
+        if check.shared is not None:  # every prompt goes to a thread: at once
             self.weigh()
         if self._started:  # weighed, too large
             return
         try:
-            self._check.enqueue(self, self._body_bytes)
+            check.enqueue(self, self._body_bytes)
         except Exception:  # no running loop (closing); the finish starts it, if it comes
-            self._check._warn("prompt-cache doctor: a job could not be queued", trace=True)
+            check._warn("prompt-cache doctor: a job could not be queued", trace=True)
 
     def weigh(self) -> None:
         """Estimate the prompt's work and choose its place, once (in its batch, where the
@@ -431,12 +433,9 @@ class PrefixJob:
     def examine(self) -> Examination:
         """Parts, keys, the index's exchange, the report, or why there is none; the one
         examination whatever the place. Never raises."""
-        check, spec, api = self._check, self._upstream, self._dialect.name
+        check, spec = self._check, self._upstream
         model, key = cache_scope(self._payload)
-        # the upstream's caching rules, for the record (worked out here, off the request)
-        minimum, step = spec.min_cacheable_tokens, spec.cache_granularity_tokens
-        self._minimum = minimum if minimum is not None else minimum_cacheable_tokens(api, model)
-        self._step = step if step is not None else cache_granularity_tokens(api, model)
+        held = self._held
         try:
             prompt = self._dialect.prompt(self._payload)
             looked = check.doctor.look(
@@ -444,8 +443,8 @@ class PrefixJob:
                 upstream=spec.name,
                 model=model,
                 cache_key=key,
-                now_ms=self._now_ms,
-                held_ms=self._held_ms,
+                now_ms=round(self._t0 * 1000),
+                held_ms=None if held is None else round(held * 1000),
             )
         except IndexUnavailable as exc:  # the keys stay, for the workload capture
             hashed = exc.hashed if isinstance(exc.hashed, HashedPrompt) else None
@@ -459,7 +458,19 @@ class PrefixJob:
         caching, marked = prompt.caching, prompt.marked_bytes
         implicit = caching is Caching.IMPLICIT and marked is None
         marks = NO_MARKS if implicit else Prompt((), caching, marked)
-        return Examination(looked[1], "", index_s, looked[0], marks)
+        hashed, report = looked
+        # the upstream's caching rules, for the record (worked out here, off the request)
+        api = self._dialect.name
+        minimum, step = spec.min_cacheable_tokens, spec.cache_granularity_tokens
+        return Examination(
+            report,
+            "",
+            index_s,
+            hashed,
+            marks,
+            minimum if minimum is not None else minimum_cacheable_tokens(api, model),
+            step if step is not None else cache_granularity_tokens(api, model),
+        )
 
     @property
     def settled(self) -> bool:
@@ -473,7 +484,7 @@ class PrefixJob:
         prefill counted as done at its headers); run the batch of a job that never got
         its turn (the jobs before it first); wait (at most :data:`SETTLE_S`) for one a
         worker thread is still on."""
-        if self._held_ms is None and not self._started:
+        if self._held is None and not self._started:
             self.ready()
         if not self._started:
             self._check.run_batch(whole=True)
@@ -524,8 +535,8 @@ class PrefixJob:
             report,
             prompt_tokens,
             cached_tokens,
-            minimum_tokens=self._minimum,
-            granularity_tokens=self._step,
+            minimum_tokens=examination.minimum,
+            granularity_tokens=examination.step,
             caching=marks.caching,
             marked_bytes=marks.marked_bytes,
         )
