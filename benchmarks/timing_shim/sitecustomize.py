@@ -20,8 +20,10 @@ adds two clock reads (about 0.8 us each on this machine, a system call), so nest
 figures run high by a few microseconds; the outer ones (``begin``, ``ready``,
 ``start``, ``record``, ``observe``) are what one request pays; to time only those (fewer
 clock reads inside them), set ``LLM_PROXY_DOCTOR_TIMING_STEPS=begin,ready,start,record,observe``.
-The ``gc`` line counts every collection in the process, whoever's objects it visits;
-a step's time leaves out the collections that ran inside it.
+The ``gc`` line counts every collection in the process, whoever's objects it visits
+(``gc0``-``gc2``: by generation); a step's time leaves out the collections that ran
+inside it. Requests are counted as ``Metrics.observe`` records them, so the ``gc``
+lines read the same with the doctor off (``--targets proxy-nodoctor``).
 """
 
 from __future__ import annotations
