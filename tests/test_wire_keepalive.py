@@ -35,7 +35,7 @@ from proxy.app import create_app
 from proxy.config import Settings, add_arguments, from_sources
 from proxy.wire.connection import ConnectionState
 from proxy.wire.endpoint import Endpoint
-from proxy.wire.errors import ReadError
+from proxy.wire.errors import ReadError, ResetBeforeAnswer
 from proxy.wire.keepalive import LEARNED_MARGIN, MIN_LEARNED_EXPIRY, RECOVERY_RUN
 from proxy.wire.pool import WireTransport
 from tests.fake_upstream import Conn, Gate, RawUpstream, normal
@@ -202,6 +202,108 @@ async def test_a_post_the_upstream_reset_unread_is_sent_again_on_a_new_connectio
             assert [r.split(b"\r\n", 1)[0] for r in up.requests] == [
                 b"GET /1 HTTP/1.1", b"POST /2 HTTP/1.1"]  # read once: on connection 2
             assert w.transport.idle_limits.expiry(up.endpoint) == MIN_LEARNED_EXPIRY  # idle ~0 s
+    finally:
+        for sock in socks:
+            sock.close()
+        up.close()
+
+
+async def fin_crosses_the_check(w: Any, up: HandDriven, sock: socket.socket,
+                                 how: str) -> list[bool]:
+    """The upstream lets go of its idle connection (``how``: ``close``, or ``shutdown``
+    of its sending side only) and the FIN reaches the proxy's socket just after the
+    liveness check, which then finds nothing: the next request is written onto it. What
+    it returns fills with one item once a request was started on that connection."""
+    [conn] = w.transport.idle[up.endpoint]
+    if how == "close":
+        sock.close()
+    else:
+        sock.shutdown(socket.SHUT_WR)
+    readable, _, _ = select.select([conn.fileno], [], [], 5)  # blocks: no loop turn
+    assert readable, "the FIN never reached the client's socket"
+    assert conn.state is not ConnectionState.CLOSED, "the loop saw the FIN: no window"
+    conn.readable = lambda: False  # the FIN came a moment after the check
+    started: list[bool] = []
+    start = conn.start
+
+    def start_here(payload: bytes, head: bool) -> Any:
+        started.append(True)
+        return start(payload, head)
+
+    conn.start = start_here
+    return started
+
+
+async def test_a_post_written_behind_the_upstream_fin_is_sent_again_when_reset() -> None:
+    """The upstream closed its idle connection; its FIN crossed the liveness check, so
+    the POST was written onto a socket the upstream no longer had, and its kernel
+    answered with a reset. The read of the FIN comes first and hides the reset (a plain
+    close, as far as the read says), but the socket's pending error shows it: the
+    request was never read, and goes out once more, on a new connection."""
+    up = HandDriven()
+    socks: list[socket.socket] = []
+
+    async def serve_one() -> None:
+        socks.append(await up.accept())
+        await up.answer_one(socks[-1])
+
+    try:
+        async with wire(max_connections=1) as w:
+            first = asyncio.create_task(serve_one())
+            assert await w.fetch("GET", up.endpoint, "/1") == (200, b"/1")
+            await first
+            started = await fin_crosses_the_check(w, up, socks[0], "close")
+            second = asyncio.create_task(serve_one())
+            try:
+                response = await w.send("POST", up.endpoint, "/2", b'{"model":"m"}')
+                assert (response.status_code, await response.body.read(1000)) == (200, b"/2")
+                await response.aclose()
+                await second
+            finally:
+                second.cancel()
+            assert started == [True]  # written on the closed connection first
+            assert len(socks) == 2
+            assert [r.split(b"\r\n", 1)[0] for r in up.requests] == [
+                b"GET /1 HTTP/1.1", b"POST /2 HTTP/1.1"]  # read once: on connection 2
+    finally:
+        for sock in socks:
+            sock.close()
+        up.close()
+
+
+async def test_a_post_behind_a_fin_the_upstream_still_reads_is_not_sent_again() -> None:
+    """The same FIN, but the upstream only shut its sending side and still reads: the
+    POST reached it, and no reset came. A plain close before any answer is no proof
+    that the request was not read, so the POST fails and is not sent twice."""
+    up = HandDriven()
+    socks: list[socket.socket] = []
+
+    async def serve_one() -> None:
+        socks.append(await up.accept())
+        await up.answer_one(socks[-1])
+
+    async def read_one(sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += await loop.sock_recv(sock, 65536)
+        up.requests.append(data)
+
+    try:
+        async with wire(max_connections=1) as w:
+            first = asyncio.create_task(serve_one())
+            assert await w.fetch("GET", up.endpoint, "/1") == (200, b"/1")
+            await first
+            started = await fin_crosses_the_check(w, up, socks[0], "shutdown")
+            reading = asyncio.create_task(read_one(socks[0]))
+            with pytest.raises(ReadError) as failed:
+                await w.send("POST", up.endpoint, "/2", b'{"model":"m"}')
+            assert not isinstance(failed.value, ResetBeforeAnswer)
+            await reading
+            assert started == [True]
+            assert len(socks) == 1  # not sent again
+            assert [r.split(b"\r\n", 1)[0] for r in up.requests] == [
+                b"GET /1 HTTP/1.1", b"POST /2 HTTP/1.1"]  # the upstream read it, once
     finally:
         for sock in socks:
             sock.close()

@@ -7,7 +7,9 @@ Its state, timeouts, liveness check and release to the pool are here as well.
 from __future__ import annotations
 
 import asyncio
+import errno
 import select
+import socket
 from enum import IntEnum
 from typing import cast
 
@@ -94,7 +96,9 @@ class Connection(asyncio.Protocol):
         self.warnings = warnings
         self.state = ConnectionState.NEW
         self.transport: asyncio.Transport | None = None
+        self.sock: socket.socket | None = None  # the transport's view of it (getsockopt)
         self.fileno: int | None = None
+        self.reset_after_fin = False  # eof_received saw a reset behind the upstream's FIN
         self.parser = httptools.HttpResponseParser(self)
         self.ex: Exchange | None = None
         self.idle_since = 0.0  # when it last went into the idle list
@@ -108,6 +112,7 @@ class Connection(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
         sock = transport.get_extra_info("socket")
         if sock is not None:
+            self.sock = sock
             self.fileno = sock.fileno()
 
     def data_received(self, data: bytes) -> None:
@@ -169,6 +174,22 @@ class Connection(asyncio.Protocol):
             else RemoteProtocolError(f"invalid HTTP from the upstream: {exc}"),
         )
 
+    def eof_received(self) -> bool | None:
+        """The upstream's FIN, read while the socket is still open: if the request was
+        written onto a pooled connection the upstream had already closed (its FIN
+        crossed the liveness check), the kernel answered the request with a reset,
+        which the read of the FIN hides; the socket's pending error still says so
+        (``EPIPE`` for a reset after a FIN). Then nothing was read: see
+        :meth:`connection_lost`. Returns None: the transport closes."""
+        ex, sock = self.ex, self.sock
+        if ex is not None and ex.idle_s is not None and not ex.received and sock is not None:
+            try:
+                pending = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            except OSError:
+                pending = 0
+            self.reset_after_fin = pending in (errno.EPIPE, errno.ECONNRESET)
+        return None
+
     def connection_lost(self, exc: Exception | None) -> None:
         was_idle = self.state is _IDLE
         self.state = _CLOSED
@@ -183,11 +204,13 @@ class Connection(asyncio.Protocol):
         if ex.headers_done and not ex.has_length and exc is None and not ex.informational:
             self._finish(ex)  # a body delimited by the connection's end is complete
             return
-        detail = f": {exc}" if exc is not None else ""
+        detail = (
+            f": {exc}" if exc is not None else " (after its FIN)" if self.reset_after_fin else ""
+        )
         if (
             ex.idle_s is not None
             and not ex.received
-            and isinstance(exc, (ConnectionResetError, BrokenPipeError))
+            and (self.reset_after_fin or isinstance(exc, (ConnectionResetError, BrokenPipeError)))
             and self.loop.time() - ex.write_started < RESET_UNREAD_S
         ):
             # The upstream closed the idle connection with our request unread (a kernel
