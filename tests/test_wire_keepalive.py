@@ -271,10 +271,65 @@ async def test_a_post_written_behind_the_upstream_fin_is_sent_again_when_reset()
         up.close()
 
 
+async def test_a_reset_that_comes_after_the_fin_is_waited_for() -> None:
+    """On a network the reset comes a round trip after the FIN was read: the connection
+    waits for it (up to RESET_WAIT_S) before it closes, and the POST is sent again. Here
+    the upstream shuts its sending side first and closes the socket, the POST unread,
+    only once the proxy has read the FIN."""
+    up = HandDriven()
+    socks: list[socket.socket] = []
+
+    async def serve_one() -> None:
+        socks.append(await up.accept())
+        await up.answer_one(socks[-1])
+
+    try:
+        async with wire(max_connections=1) as w:
+            first = asyncio.create_task(serve_one())
+            assert await w.fetch("GET", up.endpoint, "/1") == (200, b"/1")
+            await first
+            [conn] = w.transport.idle[up.endpoint]
+            started = await fin_crosses_the_check(w, up, socks[0], "shutdown")
+            fin_read = asyncio.Event()
+            eof_received = conn.eof_received
+
+            def eof_seen() -> bool | None:
+                keep_open = eof_received()
+                fin_read.set()
+                return keep_open
+
+            conn.eof_received = eof_seen
+
+            async def reset_once_the_fin_was_read() -> None:
+                await fin_read.wait()
+                upstream_lets_go(socks[0], "fin")  # the POST unread in it: a reset
+
+            reset = asyncio.create_task(reset_once_the_fin_was_read())
+            second = asyncio.create_task(serve_one())
+            try:
+                response = await w.send("POST", up.endpoint, "/2", b'{"model":"m"}')
+                assert (response.status_code, await response.body.read(1000)) == (200, b"/2")
+                await response.aclose()
+                await second
+                await reset
+            finally:
+                second.cancel()
+                reset.cancel()
+            assert started == [True]
+            assert len(socks) == 2
+            assert [r.split(b"\r\n", 1)[0] for r in up.requests] == [
+                b"GET /1 HTTP/1.1", b"POST /2 HTTP/1.1"]  # read once: on connection 2
+    finally:
+        for sock in socks:
+            sock.close()
+        up.close()
+
+
 async def test_a_post_behind_a_fin_the_upstream_still_reads_is_not_sent_again() -> None:
     """The same FIN, but the upstream only shut its sending side and still reads: the
-    POST reached it, and no reset came. A plain close before any answer is no proof
-    that the request was not read, so the POST fails and is not sent twice."""
+    POST reached it, and no reset came within RESET_WAIT_S. A plain close before any
+    answer is no proof that the request was not read, so the POST fails and is not
+    sent twice."""
     up = HandDriven()
     socks: list[socket.socket] = []
 

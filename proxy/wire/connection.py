@@ -42,6 +42,10 @@ from proxy.wire.keepalive import IdleLimits
 # A reset of a pooled connection this soon after the request was written, before any
 # byte of the answer, is an idle close that met the request (ResetBeforeAnswer).
 RESET_UNREAD_S = 1.0
+# How long such a connection, closed with a FIN, waits for the reset that may follow it:
+# on a network the reset of a request written behind the FIN comes a round trip later.
+RESET_WAIT_S = 0.2
+RESET_POLL_S = 0.01  # how often it looks
 # Bytes held for a response whose body nobody reads yet, before upstream reading pauses.
 HOLD_BUFFER = 256 * 1024
 
@@ -175,20 +179,46 @@ class Connection(asyncio.Protocol):
         )
 
     def eof_received(self) -> bool | None:
-        """The upstream's FIN, read while the socket is still open: if the request was
-        written onto a pooled connection the upstream had already closed (its FIN
-        crossed the liveness check), the kernel answered the request with a reset,
-        which the read of the FIN hides; the socket's pending error still says so
-        (``EPIPE`` for a reset after a FIN). Then nothing was read: see
-        :meth:`connection_lost`. Returns None: the transport closes."""
-        ex, sock = self.ex, self.sock
-        if ex is not None and ex.idle_s is not None and not ex.received and sock is not None:
-            try:
-                pending = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-            except OSError:
-                pending = 0
-            self.reset_after_fin = pending in (errno.EPIPE, errno.ECONNRESET)
-        return None
+        """The upstream's FIN. If it ends a request written onto a pooled connection
+        with no byte of the answer yet, the upstream may have closed the connection
+        before the request reached it (the FIN crossed the liveness check, or was on
+        the way): its kernel then answers the request with a reset, which the read of
+        the FIN hides, but the socket's pending error says (``EPIPE``). The connection
+        waits for it up to :data:`RESET_WAIT_S` (on a network it comes a round trip
+        after the FIN), then closes: :meth:`connection_lost` decides. True: the wait
+        keeps the transport open."""
+        ex = self.ex
+        if (
+            ex is None
+            or ex.idle_s is None
+            or ex.received
+            or self.sock is None
+            or self.loop.time() - ex.write_started >= RESET_UNREAD_S
+        ):
+            return None
+        if self._reset_pending():
+            return None
+        self.loop.call_later(RESET_POLL_S, self._wait_for_reset, self.loop.time() + RESET_WAIT_S)
+        return True
+
+    def _reset_pending(self) -> bool:
+        """Did a reset follow the FIN (the socket's pending error)? Remembered."""
+        assert self.sock is not None
+        try:
+            pending = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        except OSError:
+            pending = 0
+        self.reset_after_fin = pending in (errno.EPIPE, errno.ECONNRESET)
+        return self.reset_after_fin
+
+    def _wait_for_reset(self, until: float) -> None:
+        transport = self.transport
+        if self.state is _CLOSED or transport is None or transport.is_closing():
+            return  # failed meanwhile (a timeout, the client gone): closed already
+        if not self._reset_pending() and self.loop.time() < until:
+            self.loop.call_later(RESET_POLL_S, self._wait_for_reset, until)
+            return
+        transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         was_idle = self.state is _IDLE
