@@ -18,7 +18,9 @@ is a raw asyncio ``Protocol`` client (uvloop when installed) that:
 * runs ``concurrency`` users, each doing one stream after another, either on a new TCP
   connection per stream (connect time is inside TTFT) or on one kept-alive connection,
   which is given up when the server answers ``Connection: close``.
-  Users start staggered over one stream's length so the load is steady, not a burst.
+  Users start staggered over one stream's length so the load is steady, not a burst;
+* sends, with ``--prompt-bytes``, one prompt every stream repeats or (``--prompt-shape
+  varied``) one system prompt and a question of each stream's own.
 
 TTFT is from just before connect/write to the first read that holds a token; gaps are
 between reads holding tokens (tokens that arrive in the same read add gaps of 0, which is
@@ -34,12 +36,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import itertools
 import json
 import math
 import os
+import random
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -280,7 +285,18 @@ class LoadConfig:
     model: str = "bench"
     api: str = "chat"  # chat | responses | messages
     prompt_bytes: int = 0  # the user message's size; 0: "benchmark"
+    prompt_shape: str = "repeated"  # repeated | varied (see PROMPT_SHAPES)
     pause: float = 0.0  # seconds each user waits before each of its streams (sparse traffic)
+
+
+PROMPT_SHAPES = {
+    "repeated": "one user message of --prompt-bytes, the same for every stream",
+    "varied": "a system message of --prompt-bytes, the same for every stream, and a short "
+    "user question that no other stream of the run asks (a numbered one)",
+}
+_QUESTION = "Question {:08d}: what does the text above say about alpha?"
+_ASKED = _QUESTION.split("{")[0].encode()  # what precedes the question's number
+_NUMBER = b"%08d"  # the number, written in place in the request's bytes (same length)
 
 
 def prompt_text(size: int) -> str:
@@ -299,10 +315,22 @@ def _request_bytes(cfg: LoadConfig) -> tuple[str, int, bytes]:
     body: dict[str, Any] = {"model": cfg.model, "stream": True}
     headers = list(cfg.headers)
     prompt = prompt_text(cfg.prompt_bytes) if cfg.prompt_bytes else "benchmark"
-    if cfg.api == "responses":
-        body |= {"input": prompt, "max_output_tokens": cfg.tokens}
+    if cfg.prompt_shape == "varied":
+        question = _QUESTION.format(0)
+        if cfg.api == "responses":
+            body |= {"instructions": prompt, "input": question}
+        elif cfg.api == "messages":
+            body |= {"system": prompt, "messages": [{"role": "user", "content": question}]}
+        else:
+            body["messages"] = [
+                {"role": "system", "content": prompt},
+                {"role": "user", "content": question},
+            ]
+    elif cfg.api == "responses":
+        body["input"] = prompt
     else:
-        body |= {"messages": [{"role": "user", "content": prompt}], "max_tokens": cfg.tokens}
+        body["messages"] = [{"role": "user", "content": prompt}]
+    body["max_output_tokens" if cfg.api == "responses" else "max_tokens"] = cfg.tokens
     if cfg.api == "messages":
         headers.append("anthropic-version: 2023-06-01")
     elif cfg.api == "chat" and cfg.include_usage:
@@ -316,6 +344,21 @@ def _request_bytes(cfg: LoadConfig) -> tuple[str, int, bytes]:
     if not cfg.keepalive:
         head += "Connection: close\r\n"
     return host, port, head.encode() + b"\r\n" + raw
+
+
+def request_source(cfg: LoadConfig) -> tuple[str, int, Callable[[], bytes]]:
+    """Where to send, and what gives each stream's request bytes: the same bytes every
+    time, or for ``varied`` prompts the next question's number written into them."""
+    host, port, request = _request_bytes(cfg)
+    if cfg.prompt_shape != "varied":
+        return host, port, lambda: request
+    at = request.rfind(_ASKED) + len(_ASKED)
+    numbers = itertools.count(random.randrange(10**8))  # no round repeats another's
+
+    def numbered() -> bytes:
+        return request[:at] + _NUMBER % (next(numbers) % 10**8) + request[at + 8 :]
+
+    return host, port, numbered
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -373,7 +416,7 @@ def summarize(
 async def run_load(cfg: LoadConfig) -> dict[str, Any]:
     """Run one load and return its summary; always ends within duration + stream_timeout."""
     loop = asyncio.get_running_loop()
-    host, port, request = _request_bytes(cfg)
+    host, port, next_request = request_source(cfg)
     results: list[StreamResult] = []
     warm: list[StreamResult] = []
     cpu0 = time.process_time()
@@ -390,7 +433,7 @@ async def run_load(cfg: LoadConfig) -> dict[str, Any]:
                 _, conn = await asyncio.wait_for(
                     loop.create_connection(protocol, host, port), cfg.stream_timeout
                 )
-            await asyncio.wait_for(conn.start(request, res), cfg.stream_timeout)
+            await asyncio.wait_for(conn.start(next_request(), res), cfg.stream_timeout)
         except (TimeoutError, OSError) as exc:
             res.ok = False
             res.error = type(exc).__name__
@@ -459,7 +502,13 @@ def main(argv: list[str] | None = None) -> int:
         "--prompt-bytes",
         type=int,
         default=0,
-        help="a user message of this many bytes, the same for every stream (0: 'benchmark')",
+        help="a prompt of this many bytes, the same for every stream (0: 'benchmark')",
+    )
+    p.add_argument(
+        "--prompt-shape",
+        choices=sorted(PROMPT_SHAPES),
+        default="repeated",
+        help="; ".join(f"{k}: {v}" for k, v in PROMPT_SHAPES.items()),
     )
     p.add_argument("--header", action="append", default=[], help="extra 'Name: value'")
     p.add_argument(
@@ -484,6 +533,7 @@ def main(argv: list[str] | None = None) -> int:
         headers=tuple(a.header),
         api=a.api,
         prompt_bytes=a.prompt_bytes,
+        prompt_shape=a.prompt_shape,
         pause=a.pause,
     )
     out = run_loop(run_load(cfg))

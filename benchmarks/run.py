@@ -771,7 +771,7 @@ class Bench:
             *target.headers,
         ]
         if a.prompt_bytes:
-            cmd += ["--prompt-bytes", str(a.prompt_bytes)]
+            cmd += ["--prompt-bytes", str(a.prompt_bytes), "--prompt-shape", a.prompt_shape]
         if streams:
             cmd += ["--streams", str(streams)]
         if not keepalive:
@@ -1253,6 +1253,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "prompt-cache doctor per prompt size, e.g. 2048, 32768, 409600",
     )
     p.add_argument(
+        "--prompt-shape",
+        choices=("repeated", "varied"),
+        default="repeated",
+        help="repeated: every stream sends the same user message of --prompt-bytes; "
+        "varied: the same system message of --prompt-bytes and a question of its own "
+        "(many users, one system prompt: the doctor hashes and stores each new tail)",
+    )
+    p.add_argument(
         "--sweep", default="16,32,64,128,192,256,384", help="streams per sweep step ('' to skip)"
     )
     p.add_argument("--sweep-duration", type=float, default=6.0)
@@ -1539,7 +1547,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python benchmarks/run.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "schedule": f"fake upstream TTFT {a.ttft * 1000:.0f} ms, ITL {a.itl * 1000:.0f} ms, "
         f"{a.tokens} tokens/stream"
-        + (f", a {a.prompt_bytes:,}-byte prompt" if a.prompt_bytes else "")
+        + (f", a {a.prompt_bytes:,}-byte prompt ({a.prompt_shape})" if a.prompt_bytes else "")
         + f"; {a.duration:.0f} s per run "
         f"({a.warmup:.1f} s warm-up not counted)",
         "code": f"{code} (snapshots taken at start)" if code else "n/a (no proxy target)",

@@ -767,3 +767,68 @@ def test_paired_reads_run_py_rounds(tmp_path: Path) -> None:
         r"at or below 1\.000", sure)
     assert found is not None, sure
     assert float(found[1]) == 0.9 and float(found[2]) == 1.1 and 0 < int(found[3]) < 100
+
+
+@pytest.mark.parametrize("api", ["chat", "responses", "messages"])
+def test_varied_prompts_share_one_system_prompt_and_ask_their_own_question(api: str) -> None:
+    """``--prompt-shape varied``: every request is whole (its Content-Length its body's),
+    with the same system prompt of ``--prompt-bytes`` and a question no other asks;
+    ``repeated`` sends the same bytes every time."""
+    cfg = _config("http://127.0.0.1:1/v1", api=api, prompt_bytes=2048, prompt_shape="varied")
+    _, _, next_request = loadgen.request_source(cfg)
+    systems, questions = set(), set()
+    for _ in range(3):
+        head, body = next_request().split(b"\r\n\r\n", 1)
+        assert f"Content-Length: {len(body)}\r\n".encode() in head + b"\r\n"
+        sent = json.loads(body)
+        if api == "responses":
+            system, question = sent["instructions"], sent["input"]
+        elif api == "messages":
+            system, question = sent["system"], sent["messages"][0]["content"]
+        else:
+            system, question = (m["content"] for m in sent["messages"])
+        systems.add(system)
+        questions.add(question)
+    assert len(systems) == 1 and len(systems.pop().encode()) == 2048
+    assert len(questions) == 3
+    _, _, same = loadgen.request_source(_config("http://127.0.0.1:1/v1", prompt_bytes=2048))
+    assert same() == same()
+
+
+def _ratio_buckets(metrics: str) -> dict[str, float]:
+    """The repeated-prefix share histogram's cumulative buckets, by ``le``."""
+    pattern = r'llm_proxy_prompt_repeated_prefix_ratio_bucket\{[^}]*le="([^"]+)"[^}]*\} (\S+)'
+    return {le: float(n) for le, n in re.findall(pattern, metrics)}
+
+
+@pytest.mark.parametrize("shape", ["repeated", "varied"])
+async def test_the_prompt_shapes_reach_the_doctor_as_they_say(shape: str) -> None:
+    """Through the production proxy (the doctor on by default): a repeated prompt is
+    found repeated whole; a varied one repeats its system prompt and not its question
+    (a share below 1), and neither breaks past the run's first prompts (seen first, or
+    at once with the first)."""
+    if not HAS_PROXY:
+        pytest.skip("no proxy in this tree")
+    users, per_user = 2, 3
+    bench = _bench()
+    try:
+        async with upstream(FAST) as (url, _):
+            target = await asyncio.to_thread(bench.start_proxy, url, "proxy", [])
+            out = await loadgen.run_load(_config(
+                target.url, concurrency=users, streams=per_user, prompt_bytes=2048,
+                prompt_shape=shape))
+            metrics = await asyncio.to_thread(_scrape, target.url)
+    finally:
+        await asyncio.to_thread(bench.close)
+    n = users * per_user
+    assert out["streams"] == out["ok"] == n and out["errors"] == {}
+    buckets = _ratio_buckets(metrics)
+    assert buckets["+Inf"] == n  # every request examined
+    whole = buckets["1.0"] - buckets["0.99"]  # shares above 0.99: repeated whole
+    most = buckets["0.99"] - buckets["0.95"]  # the system prompt, not the question
+    if shape == "repeated":
+        assert whole >= 1 and most == 0
+    else:
+        assert whole == 0 and most >= 1
+    breaks = re.findall(r'^llm_proxy_prompt_prefix_breaks_total\{[^}]*reason="([^"]+)"', metrics, re.M)
+    assert "first_seen" in breaks and set(breaks) <= {"first_seen", "concurrent"}  # the start
