@@ -44,10 +44,14 @@ from types import FrameType
 HERE = Path(__file__).resolve().parent
 
 
-def run_requests(requests: int, size: int, opcodes: collections.Counter[str] | None = None) -> int:
+def run_requests(
+    requests: int, size: int, opcodes: collections.Counter[str] | None = None, shape: str = "repeated"
+) -> int:
     """``requests`` requests through one ``PrefixCheck``, as ``proxy.routes`` drives it;
     how many of them the doctor found repeated whole. ``opcodes``: counts the bytecodes
-    of the second half's requests, by ``file:function`` (of ``proxy/`` only)."""
+    of the second half's requests, by ``file:function`` (of ``proxy/`` only). ``shape``:
+    as ``loadgen --prompt-shape`` (``varied``: the prompt a system message, then a
+    question of each request's own)."""
     from loadgen import prompt_text  # type: ignore[import-not-found]
 
     import proxy
@@ -63,6 +67,7 @@ def run_requests(requests: int, size: int, opcodes: collections.Counter[str] | N
         "stream_options": {"include_usage": True},
     }
     raw = len(json.dumps(body))
+    system = prompt_text(size)
     spec = UpstreamSpec(name="up", url="http://127.0.0.1:1/v1", models=("*",), default=True)
 
     repeated = 0
@@ -74,8 +79,12 @@ def run_requests(requests: int, size: int, opcodes: collections.Counter[str] | N
         for n in range(requests):
             if opcodes is not None and n == traced_from(requests, BATCH_JOBS):
                 sys.settrace(tracer)
+            payload = body if shape == "repeated" else {**body, "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": f"Question {n:08d}: what does the text say?"},
+            ]}
             t0 = clock()
-            job = check.begin(CHAT, body, spec, t0, 200, raw, t_headers=t0, stream=True)
+            job = check.begin(CHAT, payload, spec, t0, 200, raw, t_headers=t0, stream=True)
             assert job is not None
             job.ready(clock())  # the first token
             jobs.append(job)
@@ -115,13 +124,13 @@ def traced_from(requests: int, batch: int) -> int:
     return -(-requests // 2 // batch) * batch
 
 
-def print_opcodes(requests: int, size: int) -> None:
+def print_opcodes(requests: int, size: int, shape: str = "repeated") -> None:
     """The bytecodes one request executes, per function, most first (a markdown table)."""
     from proxy.doctor.job import BATCH_JOBS
 
     requests -= requests % BATCH_JOBS  # whole batches: the last runs too
     counts: collections.Counter[str] = collections.Counter()
-    run_requests(requests, size, counts)
+    run_requests(requests, size, counts, shape)
     traced = requests - traced_from(requests, BATCH_JOBS)
     total = sum(counts.values())
     print(f"# {size:,} B prompt: {total / traced:,.0f} bytecodes per request "
@@ -134,12 +143,13 @@ def print_opcodes(requests: int, size: int) -> None:
     print()
 
 
-def instructions(tree: Path, requests: int, size: int) -> int:
+def instructions(tree: Path, requests: int, size: int, shape: str = "repeated") -> int:
     """The instructions a child process running ``requests`` requests executes."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join((str(tree), str(HERE))))
     out = subprocess.run(
         ["valgrind", "--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file=/dev/null",
-         sys.executable, __file__, "--child", str(requests), "--sizes", str(size)],
+         sys.executable, __file__, "--child", str(requests), "--sizes", str(size),
+         "--prompt-shape", shape],
         env=env, capture_output=True, text=True, check=True,
     ).stderr
     found = re.search(r"I\s+refs:\s+([\d,]+)", out)
@@ -155,26 +165,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=500, help="the smaller run's requests")
     p.add_argument("--opcodes", action="store_true",
                    help="bytecodes per request, per function, in this tree (no valgrind)")
+    p.add_argument("--prompt-shape", choices=("repeated", "varied"), default="repeated",
+                   help="as loadgen's: the same prompt, or a system prompt and a new question")
     p.add_argument("--child", type=int, default=0, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     sizes = [int(s) for s in a.sizes.split(",")]
     if a.opcodes:
         for size in sizes:
-            print_opcodes(a.requests, size)
+            print_opcodes(a.requests, size, a.prompt_shape)
         return 0
     if a.child:  # one tree's run, under cachegrind (or alone, as a smoke test)
-        repeated = run_requests(a.child, sizes[0])
+        repeated = run_requests(a.child, sizes[0], shape=a.prompt_shape)
         print(f"{a.child} requests, {repeated} found repeated whole")
         return 0
     if not a.baseline:
         p.error("--baseline is required")
     trees = {"now": HERE.parent, "baseline": Path(a.baseline)}
-    print("# the doctor's per-request path, instructions per request (cachegrind)\n")
+    print(f"# the doctor's per-request path, instructions per request (cachegrind), "
+          f"{a.prompt_shape} prompts\n")
     print("| prompt | now | baseline | now / baseline |\n| ---: | ---: | ---: | ---: |")
     for size in sizes:
         per = {}
         for name, tree in trees.items():
-            few, many = (instructions(tree, n, size) for n in (a.requests, 5 * a.requests))
+            few, many = (instructions(tree, n, size, a.prompt_shape)
+                         for n in (a.requests, 5 * a.requests))
             per[name] = (many - few) / (4 * a.requests)
         print(f"| {size:,} B | {per['now']:,.0f} | {per['baseline']:,.0f} | "
               f"{per['now'] / per['baseline']:.2f} |")

@@ -40,11 +40,13 @@ sys.path.insert(0, str(BENCH))
 import fake_upstream  # noqa: E402
 import loadgen  # noqa: E402
 import loop_micro  # noqa: E402
+import proxy_instructions  # noqa: E402
 import run  # noqa: E402
 import timeline  # noqa: E402
 
 from proxy.config import from_sources  # noqa: E402
 from proxy.routing import RoutingTable  # noqa: E402
+from tests.test_observability import require_tool  # noqa: E402
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration, pytest.mark.slow]
 
@@ -832,3 +834,19 @@ async def test_the_prompt_shapes_reach_the_doctor_as_they_say(shape: str) -> Non
         assert whole == 0 and most >= 1
     breaks = re.findall(r'^llm_proxy_prompt_prefix_breaks_total\{[^}]*reason="([^"]+)"', metrics, re.M)
     assert "first_seen" in breaks and set(breaks) <= {"first_seen", "concurrent"}  # the start
+
+
+def test_the_instruction_benchmark_reads_cachegrind_totals(tmp_path: Path) -> None:
+    """``proxy_instructions.py`` reads a real cachegrind file's totals (every event it
+    reports, the simulated caches' included) and prices one event of the extra streams
+    as the difference of two runs over the difference of their events."""
+    out = tmp_path / "cg.out"
+    subprocess.run([require_tool("valgrind"), "--tool=cachegrind", "--cache-sim=yes",
+                    f"--cachegrind-out-file={out}", "true"], check=True, capture_output=True)
+    totals = proxy_instructions.counts(out)
+    assert set(proxy_instructions.EVENTS) <= totals.keys() and totals["Ir"] > 0
+    tripled = {k: 3 * v for k, v in totals.items()}
+    one = proxy_instructions.per_event((totals, 100), (tripled, 300))
+    assert one["Ir"] == totals["Ir"] / 100
+    assert one["LL"] == (totals["ILmr"] + totals["DLmr"] + totals["DLmw"]) / 100
+    assert one["cycles"] == one["Ir"] + 10 * one["L1"] + 100 * one["LL"]
