@@ -146,43 +146,32 @@ def examine(
         part_start[p] = part_start[p - 1] + parts[p - 1].size
     total = part_start[-1] + parts[-1].size
 
-    def position(block: int) -> tuple[int, int]:
-        """(part, byte offset in it) of a chain block."""
-        p = bisect_right(first_block, block) - 1
-        return p, (block - first_block[p]) * size
-
-    def bytes_before(block: int) -> int:
-        if block >= blocks:
-            return total
-        p, offset = position(block)
-        return part_start[p] + offset
-
     held = repeated
     while held < blocks and last(top - held) > NEVER:
         held += 1
-    base = PrefixReport(
-        prompt_bytes=total,
-        blocks=blocks,
-        repeated_blocks=repeated,
-        repeated_bytes=bytes_before(repeated),
-        stale_bytes=bytes_before(held) - bytes_before(repeated),
-        reason=None,
-        unseen_context=unseen,
-    )
-    if repeated == limit:  # after a conversation's stored items: nothing to compare
-        return base._replace(stale_bytes=0)
+    # where the repeat stops (repeated < blocks): its part, and its byte offset there
+    p = bisect_right(first_block, repeated) - 1
+    offset = (repeated - first_block[p]) * size
+    repeated_bytes = part_start[p] + offset
+    if held == repeated or repeated == limit:  # (after a conversation's stored items:
+        stale = 0  # nothing to compare)
+    elif held == blocks:
+        stale = total - repeated_bytes
+    else:
+        q = bisect_right(first_block, held) - 1
+        stale = part_start[q] + (held - first_block[q]) * size - repeated_bytes
+    base = PrefixReport(total, blocks, repeated, repeated_bytes, stale, None,
+                        unseen_context=unseen)
+    if repeated == limit:
+        return base
 
-    p, offset = position(repeated)
     shape = parts[p]
-    at = base._replace(
-        part=shape.kind, index=shape.index, role=shape.role, offset=offset, part_bytes=shape.size
-    )
     if held > repeated:
-        return at._replace(reason="expired")
+        return _at(base, shape, offset, "expired")
     if top - repeated in seen.after:
         # Held only by requests whose prefill was done after this one arrived and before
         # its own was: the same prefix in flight at once, which no cache could serve yet.
-        return at._replace(reason="concurrent")
+        return _at(base, shape, offset, "concurrent")
     if repeated == 0 and last(root) < cutoff:
         if last(model_anchor) >= cutoff:
             return base._replace(reason="cache_key_changed")
@@ -200,7 +189,7 @@ def examine(
         # broken ahead of the text, where a setting was: named by it, not by the next part
         return base._replace(reason="settings_changed", part="settings", role=removed)
     if shape.kind == "settings":  # a request setting (its name is the role), never new text
-        return at._replace(reason="settings_changed")
+        return _at(base, shape, offset, "settings_changed")
 
     # A recent request went on past the last repeated block; this one differs there.
     # After the change: part p's chunks from the block where it broke, seen recently.
@@ -229,12 +218,24 @@ def examine(
                 stable += parts[q].size
         changed = stable_start - offset
         if 0 < changed <= short_run and stable >= min_stable:
-            return at._replace(
-                reason="variable_before_stable", changed_bytes=changed, stable_bytes=stable
-            )
+            return _at(base, shape, offset, "variable_before_stable", changed, stable)
     if p == len(parts) - 1:
         return base  # the newest part is new by nature: a new question, not a break
-    return at._replace(reason=_KIND_REASON.get(shape.kind, "message_changed"))
+    return _at(base, shape, offset, _KIND_REASON.get(shape.kind, "message_changed"))
+
+
+def _at(
+    base: PrefixReport,
+    shape: PartShape,
+    offset: int,
+    reason: str,
+    changed: int | None = None,
+    stable: int | None = None,
+) -> PrefixReport:
+    """``base`` broken for ``reason`` at ``offset`` in the part ``shape``."""
+    return base._replace(
+        reason=reason, part=shape.kind, index=shape.index, role=shape.role, offset=offset,
+        part_bytes=shape.size, changed_bytes=changed, stable_bytes=stable)
 
 
 class PrefixDoctor:

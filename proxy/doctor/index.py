@@ -12,7 +12,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import chain
+from itertools import chain, repeat
 from typing import NamedTuple, Protocol, overload
 
 SEEN = 0  # a plain sighting: recorded as ``ended``
@@ -172,7 +172,7 @@ class LruPrefixIndex:
             el = old & m
             if el and (old >> _ES) & m <= h <= el + settle:  # nothing to write: read later
                 return _Snapshot(keys, get, None, t, h, w, epoch).sightings()
-            before = [get(key, 0) for key in keys]
+            before = list(map(get, keys, repeat(0)))
             reads = _Snapshot(keys, get, before, t, h, w, epoch)
             start, stop = probe.nested
             cut = stop  # the covered head of the nested range: from here to ``stop``
@@ -298,7 +298,16 @@ class _Read(Sightings):
     def last(self, i: int) -> int:
         column = self.continued
         assert isinstance(column, _Column)
-        continued, ended, _ = column.snapshot.read(i)
+        snapshot = column.snapshot
+        before = snapshot.before
+        old = before[i] if before is not None else snapshot.get(snapshot.keys[i], 0)
+        if not old:
+            return NEVER
+        m, t = _TICK_MAX, snapshot.t
+        el, cl = old & m, (old >> _CL) & m
+        if cl <= t and el <= t:  # every sighting at or before t (as _Snapshot.read)
+            return max(cl, el) + snapshot.epoch
+        continued, ended, _ = _read_late(old, t, snapshot.h, snapshot.w, snapshot.epoch)
         return max(continued, ended)
 
 
