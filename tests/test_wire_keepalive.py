@@ -68,6 +68,7 @@ class HandDriven:
         self.listener.setblocking(False)
         self.endpoint = Endpoint("http", "127.0.0.1", self.listener.getsockname()[1])
         self.requests: list[bytes] = []
+        self.socks: list[socket.socket] = []  # the connections accepted, in order
 
     async def accept(self) -> socket.socket:
         sock, _ = await asyncio.get_running_loop().sock_accept(self.listener)
@@ -88,7 +89,23 @@ class HandDriven:
         self.requests.append(head + b"\r\n\r\n" + body)
         await loop.sock_sendall(sock, ok(head.split(b" ", 2)[1]))
 
+    async def serve_one(self) -> None:
+        """Accept a connection and answer one request on it."""
+        self.socks.append(await self.accept())
+        await self.answer_one(self.socks[-1])
+
+    async def pooled(self, w: Any) -> Any:
+        """One GET answered through ``w`` (a :func:`tests.test_wire.wire`): its connection,
+        now idle in the pool."""
+        first = asyncio.create_task(self.serve_one())
+        assert await w.fetch("GET", self.endpoint, "/1") == (200, b"/1")
+        await first
+        [conn] = w.transport.idle[self.endpoint]
+        return conn
+
     def close(self) -> None:
+        for sock in self.socks:
+            sock.close()
         self.listener.close()
 
 
@@ -107,26 +124,17 @@ def upstream_lets_go(sock: socket.socket, how: str) -> None:
 async def test_liveness_check_drops_a_connection_whose_close_the_loop_has_not_seen(
         how: str) -> None:
     up = HandDriven()
-    socks: list[socket.socket] = []
-
-    async def serve_one() -> None:
-        socks.append(await up.accept())
-        await up.answer_one(socks[-1])
-
     try:
         async with wire(max_connections=1) as w:
-            first = asyncio.create_task(serve_one())
-            assert await w.fetch("GET", up.endpoint, "/1") == (200, b"/1")
-            await first
-            [conn] = w.transport.idle[up.endpoint]
+            conn = await up.pooled(w)
 
             # From here until the POST is written the test does not yield to the loop.
-            upstream_lets_go(socks[0], how)
+            upstream_lets_go(up.socks[0], how)
             readable, _, _ = select.select([conn.fileno], [], [], 5)  # blocks: no loop turn
             assert readable, "what the upstream did never reached the client's socket"
             assert conn.state is not ConnectionState.CLOSED, (
                 "the loop saw the close already: the window is not tested")
-            second = asyncio.create_task(serve_one())  # runs once the exchange yields
+            second = asyncio.create_task(up.serve_one())  # runs once the exchange yields
             try:
                 response = await w.send("POST", up.endpoint, "/2", b"{}")
                 assert (response.status_code, await response.body.read(1000)) == (200, b"/2")
@@ -135,14 +143,12 @@ async def test_liveness_check_drops_a_connection_whose_close_the_loop_has_not_se
             finally:
                 second.cancel()
             assert conn.state is ConnectionState.CLOSED  # dropped by the check, not reused
-            assert len(socks) == 2
+            assert len(up.socks) == 2
             assert [r.split(b"\r\n", 1)[0] for r in up.requests] == [
                 b"GET /1 HTTP/1.1", b"POST /2 HTTP/1.1"]  # the POST once, on connection 2
             # And the check taught the pool this upstream's idle limit.
             assert w.transport.idle_limits.expiry(up.endpoint) == MIN_LEARNED_EXPIRY
     finally:
-        for sock in socks:
-            sock.close()
         up.close()
 
 
@@ -160,11 +166,6 @@ async def test_a_post_the_upstream_reset_unread_is_sent_again_on_a_new_connectio
     between may have forwarded it), it is a ReadError instead, sent once; a GET is still
     sent again (idempotent)."""
     up = HandDriven()
-    socks: list[socket.socket] = []
-
-    async def serve_one() -> None:
-        socks.append(await up.accept())
-        await up.answer_one(socks[-1])
 
     async def close_with_the_request_unread(sock: socket.socket) -> None:
         readable = asyncio.Event()
@@ -178,33 +179,29 @@ async def test_a_post_the_upstream_reset_unread_is_sent_again_on_a_new_connectio
 
     try:
         async with wire(max_connections=1, resend_on_reset=resend) as w:
-            first = asyncio.create_task(serve_one())
-            assert await w.fetch("GET", up.endpoint, "/1") == (200, b"/1")
-            await first
+            await up.pooled(w)
             assert w.transport.idle_limits.expiry(up.endpoint) == 4.0  # nothing learned yet
-            reset = asyncio.create_task(close_with_the_request_unread(socks[0]))
+            reset = asyncio.create_task(close_with_the_request_unread(up.socks[0]))
             if not resend:
                 with pytest.raises(ReadError):
                     await w.send("POST", up.endpoint, "/2", b'{"model":"m"}')
                 await reset
-                assert len(socks) == 1 and up.requests == [up.requests[0]]  # never read
-                third = asyncio.create_task(serve_one())
+                assert len(up.socks) == 1 and up.requests == [up.requests[0]]  # never read
+                third = asyncio.create_task(up.serve_one())
                 assert await w.fetch("GET", up.endpoint, "/3") == (200, b"/3")
                 await third
                 return
-            second = asyncio.create_task(serve_one())
+            second = asyncio.create_task(up.serve_one())
             response = await w.send("POST", up.endpoint, "/2", b'{"model":"m"}')
             assert (response.status_code, await response.body.read(1000)) == (200, b"/2")
             await response.aclose()
             await reset
             await second
-            assert len(socks) == 2
+            assert len(up.socks) == 2
             assert [r.split(b"\r\n", 1)[0] for r in up.requests] == [
                 b"GET /1 HTTP/1.1", b"POST /2 HTTP/1.1"]  # read once: on connection 2
             assert w.transport.idle_limits.expiry(up.endpoint) == MIN_LEARNED_EXPIRY  # idle ~0 s
     finally:
-        for sock in socks:
-            sock.close()
         up.close()
 
 
@@ -234,6 +231,29 @@ async def fin_crosses_the_check(w: Any, up: HandDriven, sock: socket.socket,
     return started
 
 
+async def the_post_goes_out_again(
+    w: Any, up: HandDriven, started: list[bool], *pending: asyncio.Task[None]
+) -> None:
+    """POST /2 through ``w``, written first onto the pooled connection the upstream
+    closed (``started``), is answered on a second connection and read once; ``pending``:
+    tasks of the test's that end meanwhile."""
+    second = asyncio.create_task(up.serve_one())
+    try:
+        response = await w.send("POST", up.endpoint, "/2", b'{"model":"m"}')
+        assert (response.status_code, await response.body.read(1000)) == (200, b"/2")
+        await response.aclose()
+        await second
+        for task in pending:
+            await task
+    finally:
+        for task in (second, *pending):
+            task.cancel()
+    assert started == [True]  # written on the closed connection first
+    assert len(up.socks) == 2
+    assert [r.split(b"\r\n", 1)[0] for r in up.requests] == [
+        b"GET /1 HTTP/1.1", b"POST /2 HTTP/1.1"]  # read once: on connection 2
+
+
 async def test_a_post_written_behind_the_upstream_fin_is_sent_again_when_reset() -> None:
     """The upstream closed its idle connection; its FIN crossed the liveness check, so
     the POST was written onto a socket the upstream no longer had, and its kernel
@@ -241,33 +261,12 @@ async def test_a_post_written_behind_the_upstream_fin_is_sent_again_when_reset()
     close, as far as the read says), but the socket's pending error shows it: the
     request was never read, and goes out once more, on a new connection."""
     up = HandDriven()
-    socks: list[socket.socket] = []
-
-    async def serve_one() -> None:
-        socks.append(await up.accept())
-        await up.answer_one(socks[-1])
-
     try:
         async with wire(max_connections=1) as w:
-            first = asyncio.create_task(serve_one())
-            assert await w.fetch("GET", up.endpoint, "/1") == (200, b"/1")
-            await first
-            started = await fin_crosses_the_check(w, up, socks[0], "close")
-            second = asyncio.create_task(serve_one())
-            try:
-                response = await w.send("POST", up.endpoint, "/2", b'{"model":"m"}')
-                assert (response.status_code, await response.body.read(1000)) == (200, b"/2")
-                await response.aclose()
-                await second
-            finally:
-                second.cancel()
-            assert started == [True]  # written on the closed connection first
-            assert len(socks) == 2
-            assert [r.split(b"\r\n", 1)[0] for r in up.requests] == [
-                b"GET /1 HTTP/1.1", b"POST /2 HTTP/1.1"]  # read once: on connection 2
+            await up.pooled(w)
+            started = await fin_crosses_the_check(w, up, up.socks[0], "close")
+            await the_post_goes_out_again(w, up, started)
     finally:
-        for sock in socks:
-            sock.close()
         up.close()
 
 
@@ -277,19 +276,10 @@ async def test_a_reset_that_comes_after_the_fin_is_waited_for() -> None:
     the upstream shuts its sending side first and closes the socket, the POST unread,
     only once the proxy has read the FIN."""
     up = HandDriven()
-    socks: list[socket.socket] = []
-
-    async def serve_one() -> None:
-        socks.append(await up.accept())
-        await up.answer_one(socks[-1])
-
     try:
         async with wire(max_connections=1) as w:
-            first = asyncio.create_task(serve_one())
-            assert await w.fetch("GET", up.endpoint, "/1") == (200, b"/1")
-            await first
-            [conn] = w.transport.idle[up.endpoint]
-            started = await fin_crosses_the_check(w, up, socks[0], "shutdown")
+            conn = await up.pooled(w)
+            started = await fin_crosses_the_check(w, up, up.socks[0], "shutdown")
             fin_read = asyncio.Event()
             eof_received = conn.eof_received
 
@@ -302,26 +292,11 @@ async def test_a_reset_that_comes_after_the_fin_is_waited_for() -> None:
 
             async def reset_once_the_fin_was_read() -> None:
                 await fin_read.wait()
-                upstream_lets_go(socks[0], "fin")  # the POST unread in it: a reset
+                upstream_lets_go(up.socks[0], "fin")  # the POST unread in it: a reset
 
             reset = asyncio.create_task(reset_once_the_fin_was_read())
-            second = asyncio.create_task(serve_one())
-            try:
-                response = await w.send("POST", up.endpoint, "/2", b'{"model":"m"}')
-                assert (response.status_code, await response.body.read(1000)) == (200, b"/2")
-                await response.aclose()
-                await second
-                await reset
-            finally:
-                second.cancel()
-                reset.cancel()
-            assert started == [True]
-            assert len(socks) == 2
-            assert [r.split(b"\r\n", 1)[0] for r in up.requests] == [
-                b"GET /1 HTTP/1.1", b"POST /2 HTTP/1.1"]  # read once: on connection 2
+            await the_post_goes_out_again(w, up, started, reset)
     finally:
-        for sock in socks:
-            sock.close()
         up.close()
 
 
@@ -331,11 +306,6 @@ async def test_a_post_behind_a_fin_the_upstream_still_reads_is_not_sent_again() 
     answer is no proof that the request was not read, so the POST fails and is not
     sent twice."""
     up = HandDriven()
-    socks: list[socket.socket] = []
-
-    async def serve_one() -> None:
-        socks.append(await up.accept())
-        await up.answer_one(socks[-1])
 
     async def read_one(sock: socket.socket) -> None:
         loop = asyncio.get_running_loop()
@@ -346,22 +316,18 @@ async def test_a_post_behind_a_fin_the_upstream_still_reads_is_not_sent_again() 
 
     try:
         async with wire(max_connections=1) as w:
-            first = asyncio.create_task(serve_one())
-            assert await w.fetch("GET", up.endpoint, "/1") == (200, b"/1")
-            await first
-            started = await fin_crosses_the_check(w, up, socks[0], "shutdown")
-            reading = asyncio.create_task(read_one(socks[0]))
+            await up.pooled(w)
+            started = await fin_crosses_the_check(w, up, up.socks[0], "shutdown")
+            reading = asyncio.create_task(read_one(up.socks[0]))
             with pytest.raises(ReadError) as failed:
                 await w.send("POST", up.endpoint, "/2", b'{"model":"m"}')
             assert not isinstance(failed.value, ResetBeforeAnswer)
             await reading
             assert started == [True]
-            assert len(socks) == 1  # not sent again
+            assert len(up.socks) == 1  # not sent again
             assert [r.split(b"\r\n", 1)[0] for r in up.requests] == [
                 b"GET /1 HTTP/1.1", b"POST /2 HTTP/1.1"]  # the upstream read it, once
     finally:
-        for sock in socks:
-            sock.close()
         up.close()
 
 
@@ -378,18 +344,17 @@ async def test_a_reset_on_a_new_connection_is_not_sent_again() -> None:
     """Only a connection from the pool: a new one that is reset before any answer says
     nothing about an idle close (the upstream refused or crashed on this request)."""
     up = HandDriven()
-    socks: list[socket.socket] = []
 
     async def reset_unread() -> None:
-        socks.append(await up.accept())
+        up.socks.append(await up.accept())
         readable = asyncio.Event()
         loop = asyncio.get_running_loop()
-        loop.add_reader(socks[-1].fileno(), readable.set)
+        loop.add_reader(up.socks[-1].fileno(), readable.set)
         try:
             await readable.wait()
         finally:
-            loop.remove_reader(socks[-1].fileno())
-        socks[-1].close()
+            loop.remove_reader(up.socks[-1].fileno())
+        up.socks[-1].close()
 
     try:
         async with wire(max_connections=1) as w:
@@ -397,10 +362,8 @@ async def test_a_reset_on_a_new_connection_is_not_sent_again() -> None:
             with pytest.raises(ReadError):
                 await w.send("POST", up.endpoint, "/1", b"{}")
             await task
-            assert len(socks) == 1
+            assert len(up.socks) == 1
     finally:
-        for sock in socks:
-            sock.close()
         up.close()
 
 
@@ -484,36 +447,25 @@ async def test_only_a_connection_the_upstream_still_had_open_outlived_the_limit(
     """Retired past the learned limit, a connection counts towards recovery if its socket
     is quiet, not if the upstream's close is already in it (unprocessed by the loop)."""
     up = HandDriven()
-    socks: list[socket.socket] = []
-
-    async def serve_one() -> None:
-        socks.append(await up.accept())
-        await up.answer_one(socks[-1])
-
     try:
         async with wire(max_connections=1) as w:
-            first = asyncio.create_task(serve_one())
-            assert await w.fetch("GET", up.endpoint, "/1") == (200, b"/1")
-            await first
-            [conn] = w.transport.idle[up.endpoint]
+            conn = await up.pooled(w)
             w.transport.idle_limits.learn(up.endpoint, 0.0)  # 0.25 s
             conn.idle_since -= 1.0  # idle for 1 s (without waiting for it): past the limit
             if closed_first:  # from here until the request the test does not yield
-                socks[0].close()
+                up.socks[0].close()
                 assert select.select([conn.fileno], [], [], 5)[0], "the FIN never arrived"
                 assert conn.state is not ConnectionState.CLOSED
-            second = asyncio.create_task(serve_one())
+            second = asyncio.create_task(up.serve_one())
             try:
                 assert await w.fetch("GET", up.endpoint, "/2") == (200, b"/2")
                 await second
             finally:
                 second.cancel()
-            assert conn.state is ConnectionState.CLOSED and len(socks) == 2
+            assert conn.state is ConnectionState.CLOSED and len(up.socks) == 2
             assert w.transport.idle_limits.recovery[up.endpoint].run == (0 if closed_first else 1)
             assert w.transport.idle_limits.expiry(up.endpoint) == MIN_LEARNED_EXPIRY
     finally:
-        for sock in socks:
-            sock.close()
         up.close()
 
 
