@@ -188,18 +188,21 @@ class Connection(asyncio.Protocol):
         after the FIN), then closes: :meth:`connection_lost` decides. True: the wait
         keeps the transport open."""
         ex = self.ex
-        if (
-            ex is None
-            or ex.idle_s is None
-            or ex.received
-            or self.sock is None
-            or self.loop.time() - ex.write_started >= RESET_UNREAD_S
-        ):
+        if ex is None or self.sock is None or self._idle_close_met(ex) is None:
             return None
         if self._reset_pending():
             return None
         self.loop.call_later(RESET_POLL_S, self._wait_for_reset, self.loop.time() + RESET_WAIT_S)
         return True
+
+    def _idle_close_met(self, ex: Exchange) -> float | None:
+        """How long the connection was idle before ``ex`` was written onto it, if a
+        reset now would be the upstream's idle close meeting the request it never read
+        (a pooled connection, no byte of the answer, within :data:`RESET_UNREAD_S` of
+        the write); else None."""
+        if ex.received or self.loop.time() - ex.write_started >= RESET_UNREAD_S:
+            return None
+        return ex.idle_s
 
     def _reset_pending(self) -> bool:
         """Did a reset follow the FIN (the socket's pending error)? Remembered."""
@@ -237,16 +240,13 @@ class Connection(asyncio.Protocol):
         detail = (
             f": {exc}" if exc is not None else " (after its FIN)" if self.reset_after_fin else ""
         )
-        if (
-            ex.idle_s is not None
-            and not ex.received
-            and (self.reset_after_fin or isinstance(exc, (ConnectionResetError, BrokenPipeError)))
-            and self.loop.time() - ex.write_started < RESET_UNREAD_S
-        ):
+        reset = self.reset_after_fin or isinstance(exc, (ConnectionResetError, BrokenPipeError))
+        idle = self._idle_close_met(ex) if reset else None
+        if idle is not None:
             # The upstream closed the idle connection with our request unread (a kernel
             # resets a socket closed with bytes unread, RFC 2525 section 2.17): it was
             # idle about as long as the upstream keeps one.
-            self.limits.learn(self.endpoint, ex.idle_s)
+            self.limits.learn(self.endpoint, idle)
             self.fail(ex, ResetBeforeAnswer(f"upstream reset the connection{detail}"))
             return
         self.fail(ex, ReadError(f"upstream closed the connection{detail}"))
