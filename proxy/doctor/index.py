@@ -286,6 +286,20 @@ class _Snapshot:
             return cl + epoch if cl else NEVER, el + epoch if el else NEVER, None
         return _read_late(old, t, self.h, self.w, epoch)
 
+    def last(self, i: int) -> int:
+        """The later of :meth:`read`'s two times, decoded at once where every sighting is
+        at or before ``t`` (the examination asks this of most keys it reads)."""
+        before = self.before
+        old = before[i] if before is not None else self.get(self.keys[i], 0)
+        if not old:
+            return NEVER
+        m, t = _TICK_MAX, self.t
+        el, cl = old & m, (old >> _CL) & m
+        if cl <= t and el <= t:
+            return max(cl, el) + self.epoch
+        continued, ended, _ = _read_late(old, t, self.h, self.w, self.epoch)
+        return max(continued, ended)
+
     def sightings(self) -> Sightings:
         return _Read(_Column(self, 0), _Column(self, 1), _After(self))
 
@@ -298,17 +312,7 @@ class _Read(Sightings):
     def last(self, i: int) -> int:
         column = self.continued
         assert isinstance(column, _Column)
-        snapshot = column.snapshot
-        before = snapshot.before
-        old = before[i] if before is not None else snapshot.get(snapshot.keys[i], 0)
-        if not old:
-            return NEVER
-        m, t = _TICK_MAX, snapshot.t
-        el, cl = old & m, (old >> _CL) & m
-        if cl <= t and el <= t:  # every sighting at or before t (as _Snapshot.read)
-            return max(cl, el) + snapshot.epoch
-        continued, ended, _ = _read_late(old, t, snapshot.h, snapshot.w, snapshot.epoch)
-        return max(continued, ended)
+        return column.snapshot.last(i)
 
 
 class _Column(Sequence[int]):
