@@ -52,7 +52,7 @@ def run_requests(
     of the second half's requests, by ``file:function`` (of ``proxy/`` only). ``shape``:
     as ``loadgen --prompt-shape`` (``varied``: the prompt a system message, then a
     question of each request's own)."""
-    from loadgen import prompt_text  # type: ignore[import-not-found]
+    from loadgen import QUESTION, prompt_text  # type: ignore[import-not-found]
 
     import proxy
     from proxy.dialects import CHAT
@@ -81,7 +81,7 @@ def run_requests(
                 sys.settrace(tracer)
             payload = body if shape == "repeated" else {**body, "messages": [
                 {"role": "system", "content": system},
-                {"role": "user", "content": f"Question {n:08d}: what does the text say?"},
+                {"role": "user", "content": QUESTION.format(n)},
             ]}
             t0 = clock()
             job = check.begin(CHAT, payload, spec, t0, 200, raw, t_headers=t0, stream=True)
@@ -159,14 +159,16 @@ def instructions(tree: Path, requests: int, size: int, shape: str = "repeated") 
 
 
 def main(argv: list[str] | None = None) -> int:
+    from loadgen import PROMPT_SHAPES
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--baseline", help="a checkout whose proxy/ is the before (required)")
     p.add_argument("--sizes", default="2048,32768", help="prompt bytes, comma-separated")
     p.add_argument("--requests", type=int, default=500, help="the smaller run's requests")
     p.add_argument("--opcodes", action="store_true",
                    help="bytecodes per request, per function, in this tree (no valgrind)")
-    p.add_argument("--prompt-shape", choices=("repeated", "varied"), default="repeated",
-                   help="as loadgen's: the same prompt, or a system prompt and a new question")
+    p.add_argument("--prompt-shape", choices=sorted(PROMPT_SHAPES), default="repeated",
+                   help="; ".join(f"{k}: {v}" for k, v in PROMPT_SHAPES.items()))
     p.add_argument("--child", type=int, default=0, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     sizes = [int(s) for s in a.sizes.split(",")]

@@ -294,8 +294,8 @@ PROMPT_SHAPES = {
     "varied": "a system message of --prompt-bytes, the same for every stream, and a short "
     "user question that no other stream of the run asks (a numbered one)",
 }
-_QUESTION = "Question {:08d}: what does the text above say about alpha?"
-_ASKED = _QUESTION.split("{")[0].encode()  # what precedes the question's number
+QUESTION = "Question {:08d}: what does the text above say about alpha?"  # a varied tail
+_ASKED = QUESTION.split("{")[0].encode()  # what precedes the question's number
 _NUMBER = b"%08d"  # the number, written in place in the request's bytes (same length)
 
 
@@ -316,7 +316,7 @@ def _request_bytes(cfg: LoadConfig) -> tuple[str, int, bytes]:
     headers = list(cfg.headers)
     prompt = prompt_text(cfg.prompt_bytes) if cfg.prompt_bytes else "benchmark"
     if cfg.prompt_shape == "varied":
-        question = _QUESTION.format(0)
+        question = QUESTION.format(0)
         if cfg.api == "responses":
             body |= {"instructions": prompt, "input": question}
         elif cfg.api == "messages":

@@ -80,6 +80,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
+try:  # run as a script or imported as benchmarks.run
+    from loadgen import PROMPT_SHAPES  # type: ignore[import-not-found]
+except ImportError:  # pragma: no cover - import path depends on how we are run
+    from benchmarks.loadgen import PROMPT_SHAPES
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 PY = sys.executable
@@ -1254,11 +1259,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--prompt-shape",
-        choices=("repeated", "varied"),
+        choices=sorted(PROMPT_SHAPES),
         default="repeated",
-        help="repeated: every stream sends the same user message of --prompt-bytes; "
-        "varied: the same system message of --prompt-bytes and a question of its own "
-        "(many users, one system prompt: the doctor hashes and stores each new tail)",
+        help="; ".join(f"{k}: {v}" for k, v in PROMPT_SHAPES.items()),
     )
     p.add_argument(
         "--sweep", default="16,32,64,128,192,256,384", help="streams per sweep step ('' to skip)"
