@@ -276,6 +276,25 @@ def test_many_upstreams_config_routes_the_benchmark_model_last() -> None:
         bench.close()
 
 
+async def _through_proxy(
+    name: str, upstreams: int = 0, **load: Any
+) -> tuple[dict[str, Any], dict[str, int], str]:
+    """A load (``load``: :func:`_config`'s overrides) through ``run.py``'s proxy target
+    ``name`` in front of the fake upstream: loadgen's summary, the upstream's stats and
+    the proxy's /metrics after it."""
+    bench = _bench()
+    try:
+        async with upstream(FAST) as (url, stats):
+            target = await asyncio.to_thread(
+                bench.start_proxy, url, name, [], False, False, upstreams
+            )
+            out = await loadgen.run_load(_config(target.url, **load))
+            metrics = await asyncio.to_thread(_scrape, target.url)
+    finally:
+        await asyncio.to_thread(bench.close)
+    return out, stats, metrics
+
+
 def _scrape(url: str) -> str:
     with urllib.request.urlopen(url.removesuffix("/v1") + "/metrics", timeout=10) as resp:
         text: str = resp.read().decode()
@@ -288,16 +307,8 @@ async def test_many_upstreams_proxy_relays_to_the_last() -> None:
     if not HAS_PROXY:
         pytest.skip("no proxy in this tree")
     users, per_user = 4, 3
-    bench = _bench()
-    try:
-        async with upstream(FAST) as (url, stats):
-            target = await asyncio.to_thread(
-                bench.start_proxy, url, "proxy-20up", [], False, False, 20
-            )
-            out = await loadgen.run_load(_config(target.url, concurrency=users, streams=per_user))
-            metrics = await asyncio.to_thread(_scrape, target.url)
-    finally:
-        await asyncio.to_thread(bench.close)
+    out, stats, metrics = await _through_proxy(
+        "proxy-20up", upstreams=20, concurrency=users, streams=per_user)
     n = users * per_user
     assert out["streams"] == out["ok"] == n and out["errors"] == {}
     assert stats["requests"] == stats["completed"] == n
@@ -812,16 +823,8 @@ async def test_the_prompt_shapes_reach_the_doctor_as_they_say(shape: str) -> Non
     if not HAS_PROXY:
         pytest.skip("no proxy in this tree")
     users, per_user = 2, 3
-    bench = _bench()
-    try:
-        async with upstream(FAST) as (url, _):
-            target = await asyncio.to_thread(bench.start_proxy, url, "proxy", [])
-            out = await loadgen.run_load(_config(
-                target.url, concurrency=users, streams=per_user, prompt_bytes=2048,
-                prompt_shape=shape))
-            metrics = await asyncio.to_thread(_scrape, target.url)
-    finally:
-        await asyncio.to_thread(bench.close)
+    out, _, metrics = await _through_proxy(
+        "proxy", concurrency=users, streams=per_user, prompt_bytes=2048, prompt_shape=shape)
     n = users * per_user
     assert out["streams"] == out["ok"] == n and out["errors"] == {}
     buckets = _ratio_buckets(metrics)
