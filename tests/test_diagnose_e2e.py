@@ -247,15 +247,20 @@ def prefill_workload(tmp: Path, *, with_prometheus: bool) -> Iterator[Stack]:
             rule = f'upstream_model_route:llm_proxy_prefill_fit_requests:increase1h{{model="{MODEL}"}}'
             raw = f'llm_proxy_prefill_fit_requests_total{{model="{MODEL}"}}'
 
-            def rules_caught_up() -> bool:
-                # the last scrape holds every request, and the rules were evaluated after it
-                scraped = prom_value(prom, f"timestamp({raw})")
-                evaluated = prom_value(prom, f"timestamp({rule})")
-                return (prom_value(prom, raw) == final and scraped is not None
-                        and evaluated is not None and evaluated > scraped)
+            # a scrape's samples carry the time it started but are seen once it is
+            # committed: a rule evaluated in between is stamped later than the last
+            # scrape and yet misses it. So: the last scrape seen, then an evaluation that
+            # started after that moment.
+            wait_for("Prometheus to scrape every request",
+                     lambda: prom_value(prom, raw) == final)
+            seen = prom_value(prom, "vector(time())")
+            assert seen is not None
 
-            wait_for("Prometheus to scrape every request and evaluate the rules after it",
-                     rules_caught_up)
+            def evaluated_after() -> bool:
+                evaluated = prom_value(prom, f"timestamp({rule})")
+                return evaluated is not None and evaluated > seen
+
+            wait_for("Prometheus to evaluate the rules after the last scrape", evaluated_after)
         yield Stack(proxy, prom, before)
 
 
