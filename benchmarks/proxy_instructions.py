@@ -3,6 +3,7 @@ against off: the paired CPU figure's counterpart that the machine's noise cannot
 
     python benchmarks/proxy_instructions.py --prompt-bytes 2048
     python benchmarks/proxy_instructions.py --prompt-bytes 2048 --prompt-shape varied
+    python benchmarks/proxy_instructions.py --prompt-bytes 32768 --functions 12
 
 Why: ``run.py``'s CPU per event, paired per round (``paired.py``), moves by tens of
 percent from one round to the next on a shared machine; instruction counts do not.
@@ -14,7 +15,8 @@ as ``run.py`` counts them), is what one event costs, with start-up and shut-down
 instructions (Ir), first-level misses (I1 and D1, read and write) and last-level
 misses, and an estimate of cycles, ``Ir + 10 x first-level + 100 x last-level``
 (cachegrind's manual gives this rough model; its caches are simulated, not the
-machine's).
+machine's). ``--functions N``: the N functions (the interpreter's and the extensions'
+native functions) whose instructions per event differ most between the two targets.
 
 What it is not: the 64-stream load at full speed. Under valgrind the proxy runs tens of
 times slower, so the upstream's schedule is slowed (``--ttft``, ``--itl``) to keep it
@@ -56,6 +58,33 @@ def counts(out_file: Path) -> dict[str, int]:
     if names is None or totals is None:
         raise RuntimeError(f"no totals in {out_file}")
     return dict(zip(names.group(1).split(), map(int, totals.group(1).split()), strict=True))
+
+
+def by_function(out_file: Path) -> dict[str, int]:
+    """Instructions (Ir) per function of a cachegrind output file, summed over its files
+    and lines."""
+    ir, fn = 0, ""
+    out: dict[str, int] = {}
+    with out_file.open() as f:
+        for line in f:
+            if line.startswith("events:"):
+                ir = line.split()[1:].index("Ir")
+            elif line.startswith("fn="):
+                fn = line[3:].rstrip("\n")
+            elif line[:1].isdigit() and fn:
+                out[fn] = out.get(fn, 0) + int(line.split()[1 + ir])
+    return out
+
+
+def function_difference(runs: dict[str, tuple[Path, Path, int]]) -> dict[str, float]:
+    """Per function, instructions per extra event with the doctor on less with it off;
+    ``runs`` holds each target's two files and the extra events between them."""
+    each = {}
+    for name, (few, many, events) in runs.items():
+        a, b = by_function(few), by_function(many)
+        each[name] = {fn: (b.get(fn, 0) - a.get(fn, 0)) / events for fn in a.keys() | b.keys()}
+    on, off = each["proxy"], each["proxy-nodoctor"]
+    return {fn: on.get(fn, 0.0) - off.get(fn, 0.0) for fn in on.keys() | off.keys()}
 
 
 async def one_run(a: argparse.Namespace, upstream: str, flags: list[str], streams: int,
@@ -114,14 +143,19 @@ async def main_async(a: argparse.Namespace) -> int:
     await asyncio.wait_for(ready.wait(), 30)
     upstream = f"http://127.0.0.1:{ports[0]}/v1"
     results: dict[str, dict[str, float]] = {}
+    split: dict[str, float] = {}
     try:
         with tempfile.TemporaryDirectory() as tmp:
+            files: dict[str, tuple[Path, Path, int]] = {}
             for name, flags in TARGETS.items():
-                runs = []
+                runs, paths = [], []
                 for streams in (a.streams, 3 * a.streams):
-                    runs.append(await one_run(a, upstream, flags, streams,
-                                              Path(tmp) / f"{name}-{streams}.out"))
+                    paths.append(Path(tmp) / f"{name}-{streams}.out")
+                    runs.append(await one_run(a, upstream, flags, streams, paths[-1]))
                 results[name] = per_event(runs[0], runs[1])
+                files[name] = (paths[0], paths[1], runs[1][1] - runs[0][1])
+            if a.functions:
+                split = function_difference(files)
     finally:
         stop.set()
         await serving
@@ -132,6 +166,11 @@ async def main_async(a: argparse.Namespace) -> int:
     for key, label in (("Ir", "instructions"), ("L1", "first-level misses"),
                        ("LL", "last-level misses"), ("cycles", "cycles (estimate)")):
         print(f"| {label} | {on[key]:,.1f} | {off[key]:,.1f} | {on[key] / off[key]:.3f} |")
+    if split:
+        print(f"\n| function | instructions per event, on less off (of {on['Ir'] - off['Ir']:,.0f}) |"
+              "\n| --- | ---: |")
+        for fn, diff in sorted(split.items(), key=lambda kv: -abs(kv[1]))[:a.functions]:
+            print(f"| `{fn}` | {diff:,.1f} |")
     return 0
 
 
@@ -145,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ttft", type=float, default=0.25, help="the slowed upstream's, seconds")
     p.add_argument("--itl", type=float, default=0.1, help="the slowed upstream's, seconds")
     p.add_argument("--start-timeout", type=float, default=300.0)
+    p.add_argument("--functions", type=int, default=0, metavar="N",
+                   help="also the N functions whose instructions per event differ most")
     return fake_upstream.run_loop(main_async(p.parse_args(argv)))
 
 

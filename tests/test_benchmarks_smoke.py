@@ -853,3 +853,25 @@ def test_the_instruction_benchmark_reads_cachegrind_totals(tmp_path: Path) -> No
     assert one["Ir"] == pytest.approx(totals["Ir"] / 100)
     assert one["LL"] == pytest.approx((totals["ILmr"] + totals["DLmr"] + totals["DLmw"]) / 100)
     assert one["cycles"] == pytest.approx(one["Ir"] + 10 * one["L1"] + 100 * one["LL"])
+
+
+def test_the_instruction_benchmark_splits_the_difference_by_function(tmp_path: Path) -> None:
+    """``--functions``: a real cachegrind file's instructions per function add up to its
+    total, and the split is each function's per-event difference, doctor on less off."""
+    out = tmp_path / "cg.out"
+    subprocess.run([require_tool("valgrind"), "--tool=cachegrind", f"--cachegrind-out-file={out}",
+                    "true"], check=True, capture_output=True)
+    functions = proxy_instructions.by_function(out)
+    assert len(functions) > 1
+    assert sum(functions.values()) == proxy_instructions.counts(out)["Ir"]
+
+    def written(name: str, body: str) -> Path:
+        path = tmp_path / name
+        path.write_text(f"events: I1mr Ir\nfl=x.c\n{body}summary: 0 0\n")
+        return path
+
+    on = (written("on-few", "fn=f\n1 0 10\nfn=g\n2 0 5\n"),
+          written("on-many", "fn=f\n1 0 30\nfn=g\n2 0 5\nfn=h\n3 9 20\n"), 10)
+    off = (written("off-few", "fn=f\n1 0 10\n"), written("off-many", "fn=f\n1 0 20\n"), 10)
+    split = proxy_instructions.function_difference({"proxy": on, "proxy-nodoctor": off})
+    assert split == {"f": pytest.approx(1.0), "g": 0.0, "h": pytest.approx(2.0)}
