@@ -52,22 +52,22 @@ def run_requests(
     of the second half's requests, by ``file:function`` (of ``proxy/`` only). ``shape``:
     as ``loadgen --prompt-shape`` (``varied``: the prompt a system message, then a
     question of each request's own)."""
-    from loadgen import QUESTION, prompt_text  # type: ignore[import-not-found]
+    from loadgen import chat_messages, prompt_text  # type: ignore[import-not-found]
 
     import proxy
     from proxy.dialects import CHAT
     from proxy.doctor.job import BATCH_JOBS, PrefixCheck
     from proxy.upstream_spec import UpstreamSpec
 
+    prompt = prompt_text(size)
     body = {
         "model": "bench",
         "stream": True,
-        "messages": [{"role": "user", "content": prompt_text(size)}],
+        "messages": chat_messages(prompt, "repeated"),
         "max_tokens": 50,
         "stream_options": {"include_usage": True},
     }
     raw = len(json.dumps(body))
-    system = prompt_text(size)
     spec = UpstreamSpec(name="up", url="http://127.0.0.1:1/v1", models=("*",), default=True)
 
     repeated = 0
@@ -79,10 +79,8 @@ def run_requests(
         for n in range(requests):
             if opcodes is not None and n == traced_from(requests, BATCH_JOBS):
                 sys.settrace(tracer)
-            payload = body if shape == "repeated" else {**body, "messages": [
-                {"role": "system", "content": system},
-                {"role": "user", "content": QUESTION.format(n)},
-            ]}
+            payload = body if shape == "repeated" else {
+                **body, "messages": chat_messages(prompt, shape, n)}
             t0 = clock()
             job = check.begin(CHAT, payload, spec, t0, 200, raw, t_headers=t0, stream=True)
             assert job is not None
@@ -159,7 +157,7 @@ def instructions(tree: Path, requests: int, size: int, shape: str = "repeated") 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from loadgen import PROMPT_SHAPES
+    from loadgen import add_prompt_shape
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--baseline", help="a checkout whose proxy/ is the before (required)")
@@ -167,8 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=500, help="the smaller run's requests")
     p.add_argument("--opcodes", action="store_true",
                    help="bytecodes per request, per function, in this tree (no valgrind)")
-    p.add_argument("--prompt-shape", choices=sorted(PROMPT_SHAPES), default="repeated",
-                   help="; ".join(f"{k}: {v}" for k, v in PROMPT_SHAPES.items()))
+    add_prompt_shape(p)
     p.add_argument("--child", type=int, default=0, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     sizes = [int(s) for s in a.sizes.split(",")]

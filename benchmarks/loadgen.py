@@ -299,6 +299,26 @@ _ASKED = QUESTION.split("{")[0].encode()  # what precedes the question's number
 _NUMBER = b"%08d"  # the number, written in place in the request's bytes (same length)
 
 
+def add_prompt_shape(parser: argparse.ArgumentParser) -> None:
+    """``--prompt-shape``, as every benchmark that sends prompts takes it."""
+    parser.add_argument(
+        "--prompt-shape",
+        choices=sorted(PROMPT_SHAPES),
+        default="repeated",
+        help="; ".join(f"{k}: {v}" for k, v in PROMPT_SHAPES.items()),
+    )
+
+
+def chat_messages(prompt: str, shape: str, n: int = 0) -> list[dict[str, str]]:
+    """A chat request's messages for ``prompt`` in ``shape`` (``varied``: question ``n``)."""
+    if shape == "varied":
+        return [
+            {"role": "system", "content": prompt},
+            {"role": "user", "content": QUESTION.format(n)},
+        ]
+    return [{"role": "user", "content": prompt}]
+
+
 def prompt_text(size: int) -> str:
     """``size`` bytes of words, the same for every stream of a run (a repeated prompt:
     the prompt-cache doctor's common case, every block a hit)."""
@@ -322,14 +342,11 @@ def _request_bytes(cfg: LoadConfig) -> tuple[str, int, bytes]:
         elif cfg.api == "messages":
             body |= {"system": prompt, "messages": [{"role": "user", "content": question}]}
         else:
-            body["messages"] = [
-                {"role": "system", "content": prompt},
-                {"role": "user", "content": question},
-            ]
+            body["messages"] = chat_messages(prompt, cfg.prompt_shape)
     elif cfg.api == "responses":
         body["input"] = prompt
     else:
-        body["messages"] = [{"role": "user", "content": prompt}]
+        body["messages"] = chat_messages(prompt, cfg.prompt_shape)
     body["max_output_tokens" if cfg.api == "responses" else "max_tokens"] = cfg.tokens
     if cfg.api == "messages":
         headers.append("anthropic-version: 2023-06-01")
@@ -504,12 +521,7 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="a prompt of this many bytes, the same for every stream (0: 'benchmark')",
     )
-    p.add_argument(
-        "--prompt-shape",
-        choices=sorted(PROMPT_SHAPES),
-        default="repeated",
-        help="; ".join(f"{k}: {v}" for k, v in PROMPT_SHAPES.items()),
-    )
+    add_prompt_shape(p)
     p.add_argument("--header", action="append", default=[], help="extra 'Name: value'")
     p.add_argument(
         "--bearer-env",

@@ -177,7 +177,7 @@ async def main_async(a: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--prompt-bytes", type=int, default=2048)
-    p.add_argument("--prompt-shape", choices=sorted(loadgen.PROMPT_SHAPES), default="repeated")
+    loadgen.add_prompt_shape(p)
     p.add_argument("--users", type=int, default=16, help="concurrent streams")
     p.add_argument("--streams", type=int, default=2, help="streams per user, the smaller run")
     p.add_argument("--tokens", type=int, default=50)

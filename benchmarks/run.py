@@ -81,9 +81,9 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 try:  # run as a script or imported as benchmarks.run
-    from loadgen import PROMPT_SHAPES  # type: ignore[import-not-found]
+    from loadgen import add_prompt_shape  # type: ignore[import-not-found]
 except ImportError:  # pragma: no cover - import path depends on how we are run
-    from benchmarks.loadgen import PROMPT_SHAPES
+    from benchmarks.loadgen import add_prompt_shape
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -1257,12 +1257,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="each stream's user message, in bytes (0: the word 'benchmark'); prices the "
         "prompt-cache doctor per prompt size, e.g. 2048, 32768, 409600",
     )
-    p.add_argument(
-        "--prompt-shape",
-        choices=sorted(PROMPT_SHAPES),
-        default="repeated",
-        help="; ".join(f"{k}: {v}" for k, v in PROMPT_SHAPES.items()),
-    )
+    add_prompt_shape(p)
     p.add_argument(
         "--sweep", default="16,32,64,128,192,256,384", help="streams per sweep step ('' to skip)"
     )
