@@ -153,8 +153,8 @@ def examine(
     p = bisect_right(first_block, repeated) - 1
     offset = (repeated - first_block[p]) * size
     repeated_bytes = part_start[p] + offset
-    if held == repeated or repeated == limit:  # (after a conversation's stored items:
-        stale = 0  # nothing to compare)
+    if held == repeated or repeated == limit:  # none held past it, or a conversation's
+        stale = 0  # stored items after it: nothing to compare
     elif held == blocks:
         stale = total - repeated_bytes
     else:
