@@ -899,8 +899,8 @@ async def test_a_streams_job_waits_for_its_prefill_and_is_stamped_then() -> None
 async def test_jobs_run_in_batches_in_the_order_they_were_created(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A batch runs BATCH_S after its first job, or at the loop's next turn once it holds
-    BATCH_JOBS jobs or BATCH_BLOCKS (its bodies' bytes over the block size, one more a
-    body); a finish that comes first runs the jobs before its own."""
+    BATCH_JOBS jobs or a body bound for the hashing thread (a large body for the loop
+    waits like any other); a finish that comes first runs the jobs before its own."""
     monkeypatch.setattr(doctor_job, "BATCH_TURN_S", 60.0)  # a batch in one turn (see below)
     check = PrefixCheck()
     order: list[int] = []
@@ -932,14 +932,15 @@ async def test_jobs_run_in_batches_in_the_order_they_were_created(
     await asyncio.wait_for(ran.wait(), 30)
     assert order == [round((T0 + i) * 1000) for i in range(3)]
     assert all(report_of(job) is not None for job in jobs)
-    # Bodies that reach BATCH_BLOCKS, or BATCH_JOBS jobs: the batch runs at the next turn.
+    # The largest body examined on the loop waits for its batch (run alone, its code
+    # would run cold); BATCH_JOBS jobs run it at the next turn.
     order.clear()
-    jobs = [begin(10), begin(11, (doctor_job.BATCH_BLOCKS - 3) * 256)]  # 1 + 1 + 77 blocks
+    monkeypatch.setattr(doctor_job, "BATCH_S", 60.0)  # no timer runs these batches
+    jobs = [begin(10), begin(11, INLINE_MAX_BLOCKS * 256)]
     await asyncio.sleep(0)
-    assert order == []  # one block short
-    jobs.append(begin(12))
-    await asyncio.sleep(0)
-    assert order == [round((T0 + i) * 1000) for i in (10, 11, 12)]
+    assert order == []
+    await jobs[1].settle()
+    assert order == [round((T0 + i) * 1000) for i in (10, 11)]
     order.clear()
     jobs = [begin(100 + i) for i in range(doctor_job.BATCH_JOBS)]
     await asyncio.sleep(0)
@@ -950,9 +951,8 @@ async def test_jobs_run_in_batches_in_the_order_they_were_created(
     await jobs[1].settle()
     assert order == [round((T0 + i) * 1000) for i in (20, 21, 22)]
     assert report_of(jobs[1]) is not None and report_of(jobs[1]).reason is None  # a repeat
-    # A large body runs its batch at the loop's next turn, which weighs it and hands it
-    # to the hashing thread; the small job before it is examined on the loop.
-    monkeypatch.setattr(doctor_job, "BATCH_S", 60.0)  # no timer runs this batch
+    # A body bound for the hashing thread runs its batch at the loop's next turn, which
+    # weighs it and hands it over; the small job before it is examined on the loop.
     order.clear()
     ran.clear()
     small, large = begin(30), begin(31, (INLINE_MAX_BLOCKS + 1) * 256)
