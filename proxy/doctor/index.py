@@ -12,7 +12,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import chain, repeat
+from itertools import chain
 from typing import NamedTuple, Protocol, overload
 
 SEEN = 0  # a plain sighting: recorded as ``ended``
@@ -156,9 +156,10 @@ class LruPrefixIndex:
         is neither written nor touched (``docs/design/doctor.md``, "Settled keys"): a
         prompt held whole so (its last key) writes nothing and reads one key now, the
         rest when asked; of the others, the covered head of ``probe.nested`` (found by
-        bisection: its keys nest) is skipped with the chunks ``probe.tied`` ties to it.
-        The runs' latest stamps lag up to ``settle_ms``, so a run may be read as expired
-        that much early."""
+        bisection: its keys nest) is skipped with the chunks ``probe.tied`` ties to it,
+        and read only when asked, as the keys of a prompt held whole are: only the keys
+        it writes or evicts keep their entries from before. The runs' latest stamps lag up to
+        ``settle_ms``, so a run may be read as expired that much early."""
         keys, marks = probe.keys, probe.marks
         m, w, settle = _TICK_MAX, self.window_ms, self.settle_ms
         with self._lock:
@@ -171,8 +172,8 @@ class LruPrefixIndex:
             old = get(keys[whole], 0) if whole >= 0 else 0
             el = old & m
             if el and (old >> _ES) & m <= h <= el + settle:  # nothing to write: read later
-                return _Snapshot(keys, get, None, t, h, w, epoch).sightings()
-            before = list(map(get, keys, repeat(0)))
+                return _Snapshot(keys, get, {}, t, h, w, epoch).sightings()
+            before: dict[bytes, int] = {}  # the written keys' entries before this exchange
             reads = _Snapshot(keys, get, before, t, h, w, epoch)
             start, stop = probe.nested
             cut = stop  # the covered head of the nested range: from here to ``stop``
@@ -180,7 +181,7 @@ class LruPrefixIndex:
                 low = start + 1 if start < stop and marks[start] == ENDED else start
                 while low < cut:  # where the covered head starts, by bisection
                     mid = (low + cut) // 2
-                    old = before[mid]
+                    old = get(keys[mid], 0)
                     cl = (old >> _CL) & m
                     if cl and h <= cl + settle and old >> _CS <= h:
                         cut = mid
@@ -194,13 +195,15 @@ class LruPrefixIndex:
             touch = entries.move_to_end
             on, cl_at = CONTINUED, _CL  # locals: this loop runs per key
             fresh_on, fresh_end = (h << _CS) | (h << _CL), (h << _ES) | h
-            for key, mark, old in chain(
-                zip(keys[skip:cut], marks[skip:cut], before[skip:cut], strict=True),
-                zip(keys[stop:], marks[stop:], before[stop:], strict=True),
+            for key, mark in chain(
+                zip(keys[skip:cut], marks[skip:cut], strict=True),
+                zip(keys[stop:], marks[stop:], strict=True),
             ):
                 # this request's stamp h into the run of its kind, unless the run holds it
                 # already or ends at most a settle before it; most stamps are the run's
-                # new latest, within a window of the one before
+                # new latest, within a window of the one before. A key held twice by the
+                # prompt (two equal chunks) is read as before its first write.
+                old = before.setdefault(key, get(key, 0))
                 if not old:  # never held (or forgotten)
                     entries[key] = fresh_on if mark == on else fresh_end
                 elif mark == on:
@@ -220,8 +223,9 @@ class LruPrefixIndex:
                     else:
                         entries[key] = _stamp(old, _ES, h, w)
                 touch(key)
-            for _ in range(len(entries) - self.capacity):
-                entries.popitem(last=False)
+            for _ in range(len(entries) - self.capacity):  # a key read later: as it was
+                gone, old = entries.popitem(last=False)
+                before.setdefault(gone, old)
         return reads.sightings()
 
     def _forget_before(self, oldest: int) -> None:
@@ -253,12 +257,11 @@ def _read_late(old: int, t: int, h: int, w: int, epoch: int) -> tuple[int, int, 
 
 
 class _Snapshot:
-    """A probe's entries as they were before an exchange's writes (``before``, by probe
-    index), decoded per key only when asked (:class:`Sightings` by the rules of
-    ``docs/design/doctor.md``). For an exchange that wrote none of them (``before``
-    None), each is read from the index (``get``) when asked, by the same rules (a stamp
-    written since is read as it would be had its exchange come first), without the
-    lock: a lookup is whole under the GIL."""
+    """A probe's entries as they were before an exchange's writes, decoded per key only
+    when asked (:class:`Sightings` by the rules of ``docs/design/doctor.md``): a key the
+    exchange wrote from its entry before (``before``, by key), any other from the index
+    (``get``) when asked, by the same rules (a stamp written since is read as it would
+    be had its exchange come first), without the lock: a lookup is whole under the GIL."""
 
     __slots__ = ("before", "epoch", "get", "h", "keys", "n", "t", "w")
 
@@ -266,7 +269,7 @@ class _Snapshot:
         self,
         keys: Sequence[bytes],
         get: Callable[[bytes, int], int],
-        before: list[int] | None,
+        before: dict[bytes, int],
         t: int,
         h: int,
         w: int,
@@ -276,8 +279,10 @@ class _Snapshot:
         self.t, self.h, self.w, self.epoch = t, h, w, epoch
 
     def read(self, i: int) -> tuple[int, int, int | None]:
-        before = self.before
-        old = before[i] if before is not None else self.get(self.keys[i], 0)
+        key = self.keys[i]
+        old = self.before.get(key, -1)  # written by the exchange: its entry before
+        if old < 0:
+            old = self.get(key, 0)
         if not old:
             return NEVER, NEVER, None
         m, t, epoch = _TICK_MAX, self.t, self.epoch
@@ -289,8 +294,10 @@ class _Snapshot:
     def last(self, i: int) -> int:
         """The later of :meth:`read`'s two times, decoded at once where every sighting is
         at or before ``t`` (the examination asks this of most keys it reads)."""
-        before = self.before
-        old = before[i] if before is not None else self.get(self.keys[i], 0)
+        key = self.keys[i]
+        old = self.before.get(key, -1)  # written by the exchange: its entry before
+        if old < 0:
+            old = self.get(key, 0)
         if not old:
             return NEVER
         m, t = _TICK_MAX, self.t
