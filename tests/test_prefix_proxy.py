@@ -899,8 +899,9 @@ async def test_a_streams_job_waits_for_its_prefill_and_is_stamped_then() -> None
 async def test_jobs_run_in_batches_in_the_order_they_were_created(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A batch runs BATCH_S after its first job, or at the loop's next turn once it holds
-    BATCH_JOBS jobs or a body bound for the hashing thread (a large body for the loop
-    waits like any other); a finish that comes first runs the jobs before its own."""
+    BATCH_JOBS jobs, BATCH_BLOCKS (its bodies' bytes over the block size, one more a
+    body, at most a BATCH_LEAST th of them a body) or a body bound for the hashing
+    thread; a finish that comes first runs the jobs before its own."""
     monkeypatch.setattr(doctor_job, "BATCH_TURN_S", 60.0)  # a batch in one turn (see below)
     check = PrefixCheck()
     order: list[int] = []
@@ -932,15 +933,28 @@ async def test_jobs_run_in_batches_in_the_order_they_were_created(
     await asyncio.wait_for(ran.wait(), 30)
     assert order == [round((T0 + i) * 1000) for i in range(3)]
     assert all(report_of(job) is not None for job in jobs)
-    # The largest body examined on the loop waits for its batch (run alone, its code
-    # would run cold); BATCH_JOBS jobs run it at the next turn.
+    # Bodies that reach BATCH_BLOCKS: the batch runs at the next turn (2 KB bodies: 9
+    # blocks each, 9 jobs).
     order.clear()
     monkeypatch.setattr(doctor_job, "BATCH_S", 60.0)  # no timer runs these batches
-    jobs = [begin(10), begin(11, INLINE_MAX_BLOCKS * 256)]
+    each = 9
+    first = -(-doctor_job.BATCH_BLOCKS // each) - 1  # one job short
+    jobs = [begin(10 + i, (each - 1) * 256) for i in range(first)]
     await asyncio.sleep(0)
     assert order == []
-    await jobs[1].settle()
-    assert order == [round((T0 + i) * 1000) for i in (10, 11)]
+    jobs.append(begin(10 + first, (each - 1) * 256))
+    await asyncio.sleep(0)
+    assert order == [round((T0 + 10 + i) * 1000) for i in range(first + 1)]
+    # A large body examined on the loop counts a BATCH_LEAST th of BATCH_BLOCKS: it does
+    # not run its batch alone, where its code would run cold.
+    order.clear()
+    least, large = doctor_job.BATCH_LEAST, (INLINE_MAX_BLOCKS - 8) * 256  # still inline
+    jobs = [begin(40 + i, large) for i in range(least - 1)]
+    await asyncio.sleep(0)
+    assert order == []
+    jobs.append(begin(40 + least - 1, large))
+    await asyncio.sleep(0)
+    assert order == [round((T0 + 40 + i) * 1000) for i in range(least)]
     order.clear()
     jobs = [begin(100 + i) for i in range(doctor_job.BATCH_JOBS)]
     await asyncio.sleep(0)

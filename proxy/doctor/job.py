@@ -56,6 +56,8 @@ MAX_PENDING_SHARED = 256  # with a shared index: other prompts waiting for, or i
 SETTLE_S = 0.5  # how long the finish waits for a thread still examining
 BATCH_S = 0.2  # how long the first job of a batch waits for others
 BATCH_JOBS = 16  # jobs that run a batch at the loop's next turn
+BATCH_BLOCKS = 80  # ... or blocks of their bodies (bytes / block, and one a body),
+BATCH_LEAST = 4  # a body counting at most 1/BATCH_LEAST of them (one alone runs cold)
 BATCH_TURN_S = 0.0003  # a batch's turn on the loop; the jobs left run at the next turn
 INDEX_SHARE = 8  # a prompt may hold at most 1/INDEX_SHARE of the in-process index
 WARN_EVERY_S = 60.0
@@ -195,6 +197,7 @@ class PrefixCheck:
         }
         self._batch: list[PrefixJob] = []  # jobs ready for the loop and not started, in order
         self._block_bytes = doctor.hasher.block_bytes
+        self._batch_blocks = 0
         self._batch_timer: asyncio.Handle | None = None
         self._lock = threading.Lock()
         self._warned_at = -math.inf
@@ -253,11 +256,12 @@ class PrefixCheck:
     def enqueue(self, job: PrefixJob, body_bytes: int) -> None:
         """A job that became ready (of a body of ``body_bytes``): into the batch, which
         runs :data:`BATCH_S` after its first job, or at the loop's next turn once it
-        holds :data:`BATCH_JOBS` jobs or a body bound for the hashing thread (its bytes
-        over the block size past :data:`INLINE_MAX_BLOCKS`), and weighs its jobs first;
-        one already weighed for a thread (with a shared index) is handed over at the
-        loop's next turn. A large prompt for the loop waits for its batch like any
-        other: alone, it would run cold (``docs/design/doctor.md``)."""
+        holds :data:`BATCH_JOBS` jobs, :data:`BATCH_BLOCKS` blocks of their bodies
+        (bytes over the block size, one more a body; at most a :data:`BATCH_LEAST` th of
+        them a body, so that a large prompt does not run alone, cold:
+        ``docs/design/doctor.md``) or a body bound for the hashing thread (past
+        :data:`INLINE_MAX_BLOCKS`), and weighs its jobs first; one already weighed for
+        a thread (with a shared index) is handed over at the loop's next turn."""
         loop = asyncio.get_running_loop()
         place = job.place
         if place is not None and place is not Place.INLINE:
@@ -265,7 +269,13 @@ class PrefixCheck:
             return
         batch = self._batch
         batch.append(job)
-        if len(batch) >= BATCH_JOBS or body_bytes // self._block_bytes > INLINE_MAX_BLOCKS:
+        blocks = body_bytes // self._block_bytes
+        self._batch_blocks += min(1 + blocks, BATCH_BLOCKS // BATCH_LEAST)
+        if (
+            self._batch_blocks >= BATCH_BLOCKS
+            or len(batch) >= BATCH_JOBS
+            or blocks > INLINE_MAX_BLOCKS
+        ):
             if self._batch_timer is not None:
                 self._batch_timer.cancel()
             self._batch_timer = loop.call_soon(self.run_batch)
@@ -280,7 +290,7 @@ class PrefixCheck:
         if self._batch_timer is not None:
             self._batch_timer.cancel()
             self._batch_timer = None
-        batch, self._batch = self._batch, []
+        batch, self._batch, self._batch_blocks = self._batch, [], 0
         clock = time.perf_counter
         until = clock() + BATCH_TURN_S
         for n, job in enumerate(batch, 1):
@@ -288,7 +298,7 @@ class PrefixCheck:
             if n < len(batch) and not whole and clock() > until:
                 with contextlib.suppress(RuntimeError):  # no running loop: all of it now
                     loop = asyncio.get_running_loop()
-                    self._batch = batch[n:]  # run at the next turn, before any new job
+                    self._batch = batch[n:]  # its blocks not counted again: it runs next
                     self._batch_timer = loop.call_soon(self.run_batch)
                     return
 
@@ -315,7 +325,7 @@ class PrefixCheck:
         if self._batch_timer is not None:
             self._batch_timer.cancel()
             self._batch_timer = None
-        self._batch = []
+        self._batch, self._batch_blocks = [], 0
         for lane in self._lanes.values():
             if lane.executor is not None:
                 lane.executor.shutdown(wait=False, cancel_futures=True)
