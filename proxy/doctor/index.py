@@ -158,8 +158,8 @@ class LruPrefixIndex:
         rest when asked; of the others, the covered head of ``probe.nested`` (found by
         bisection: its keys nest) is skipped with the chunks ``probe.tied`` ties to it,
         and read only when asked, as the keys of a prompt held whole are: only the keys
-        it writes or evicts keep their entries from before. The runs' latest stamps lag up to
-        ``settle_ms``, so a run may be read as expired that much early."""
+        it writes or evicts keep their entries from before. The runs' latest stamps lag
+        up to ``settle_ms``, so a run may be read as expired that much early."""
         keys, marks = probe.keys, probe.marks
         m, w, settle = _TICK_MAX, self.window_ms, self.settle_ms
         with self._lock:
@@ -173,7 +173,7 @@ class LruPrefixIndex:
             el = old & m
             if el and (old >> _ES) & m <= h <= el + settle:  # nothing to write: read later
                 return _Snapshot(keys, get, {}, t, h, w, epoch).sightings()
-            before: dict[bytes, int] = {}  # the written keys' entries before this exchange
+            before: dict[bytes, int] = {}  # the entries, before, of keys it writes or evicts
             reads = _Snapshot(keys, get, before, t, h, w, epoch)
             start, stop = probe.nested
             cut = stop  # the covered head of the nested range: from here to ``stop``
@@ -259,9 +259,10 @@ def _read_late(old: int, t: int, h: int, w: int, epoch: int) -> tuple[int, int, 
 class _Snapshot:
     """A probe's entries as they were before an exchange's writes, decoded per key only
     when asked (:class:`Sightings` by the rules of ``docs/design/doctor.md``): a key the
-    exchange wrote from its entry before (``before``, by key), any other from the index
-    (``get``) when asked, by the same rules (a stamp written since is read as it would
-    be had its exchange come first), without the lock: a lookup is whole under the GIL."""
+    exchange wrote or evicted from its entry before (``before``, by key), any other from
+    the index (``get``) when asked, by the same rules (a stamp written since is read as
+    it would be had its exchange come first), without the lock: a lookup is whole under
+    the GIL."""
 
     __slots__ = ("before", "epoch", "get", "h", "keys", "n", "t", "w")
 
