@@ -859,6 +859,27 @@ def test_a_settled_index_reports_what_one_that_writes_every_stamp_reports(
                 truth.continued[i] >= cutoff, truth.ended[i] >= cutoff, i in truth.after), i
 
 
+def test_a_part_that_heads_another_requests_part_still_has_its_chunks_written() -> None:
+    """A part whose bytes are a block-aligned head of another request's part shares its
+    last chain key with that part, not its chunks: held within the settle, the key is
+    left alone, but the chunks are written, as an index writing every stamp writes them."""
+    hasher = PromptHasher(block_bytes=4, chunk_bytes=4)
+    settled, exact = LruPrefixIndex(), LruPrefixIndex(settle_ms=0)
+
+    def send(parts: list[tuple[str, str, bytes]], at: int) -> tuple[Sightings, Sightings]:
+        prompt = [PromptPart(kind, i, role, data) for i, (kind, role, data) in enumerate(parts)]
+        hashed = hasher.hash(prompt, upstream="u", model="m")
+        assert hashed is not None
+        return settled.exchange(hashed.probe(), at), exact.exchange(hashed.probe(), at)
+
+    send([("tools", "user", b"abcdefghij")], 0)  # holds the chain key of "abcd"
+    head = [("tools", "user", b"abcd"), ("message", "user", b"x")]
+    send(head, 10)  # its first part ends at that key: the key is settled, the chunk new
+    seen, truth = send(head, 20)
+    assert truth.ended[0] == 10  # the first part's chunk, as the second request held it
+    assert seen.ended[0] == truth.ended[0]
+
+
 def test_a_prompt_held_whole_within_the_settle_writes_nothing() -> None:
     hasher = PromptHasher()
     index = LruPrefixIndex()

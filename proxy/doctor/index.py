@@ -75,8 +75,9 @@ class Probe:
     # keys[start:stop] nest: a request that held one held every key after it in the range
     # (a prompt's chain from its last block to its first)
     nested: tuple[int, int] = (0, 0)
-    # per part of the prompt, in order: the probe index past its chunks, and that of the
-    # key of its last block (in ``nested``): a request that held the key held the chunks
+    # per part of the prompt but the last, in order: the probe index past its chunks, and
+    # that of the key of the next part's first block (in ``nested``): a request that held
+    # the key held this part whole, so its chunks
     tied: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
@@ -187,7 +188,7 @@ class LruPrefixIndex:
                         cut = mid
                     else:
                         low = mid + 1
-            skip = 0  # the chunks of the parts whose last block is in the covered head
+            skip = 0  # the chunks of the parts the covered head holds whole
             for chunks_end, at in probe.tied:
                 if at < cut:
                     break

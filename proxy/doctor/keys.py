@@ -89,12 +89,16 @@ def _probe(
     first_block: list[int],
 ) -> Probe:
     """The probe of a prompt laid out as :class:`HashedPrompt` says (``chunks`` chunk keys,
-    then the chain, then three of the scope), with its nested chain and the chunks tied
-    to each part's last block."""
+    then the chain, then three of the scope), with its nested chain and each part's
+    chunks but the last part's tied to the next part's first block. Not to the part's own
+    last block: a chain key names bytes, not where a part ends, so a part that is a
+    block-aligned head of another's shares its last key with that one, not its chunks."""
     blocks = len(keys) - chunks - 3
-    past = (*first_chunk[1:], chunks)  # each part's chunks end where the next's begin
-    lasts = (*first_block[1:], blocks)  # one past each part's last block
-    tied = tuple((end, chunks + blocks - last) for end, last in zip(past, lasts, strict=True))
+    top = chunks + blocks - 1  # the probe index of chain block 0
+    # each part's chunks end where the next's begin, whose first block is at top - first
+    tied = tuple(
+        (end, top - first) for end, first in zip(first_chunk[1:], first_block[1:], strict=True)
+    )
     return Probe(keys, marks, (chunks, chunks + blocks), tied)
 
 
