@@ -109,7 +109,7 @@ def examine(
     prompt with the same opening gave and this one does not, which names a break ahead
     of the prompt text."""
     blocks = len(hashed.chain)
-    last = seen.last
+    last = seen.reader()
     cutoff = now_ms - policy.window_ms
     # The probe's order: chunks, the chain from its last block, the root, the anchors.
     top = len(hashed.keys) - 4  # the probe index of chain block 0; block i is at top - i
@@ -118,16 +118,19 @@ def examine(
     # A block's key names the prompt up to it: whoever held it held every block before
     # it, at the same time. So the whole prompt is read from its last key, and whole
     # parts from theirs, before the blocks of the part where the repeat stops.
+    # Each key is read once: past the whole prompt's, which was not repeated if read,
+    # neither the loop over the parts nor the one over the blocks reads it again.
     first_block = hashed.first_block
     if limit == blocks and last(top - blocks + 1) >= cutoff:
         repeated = blocks
     else:
         repeated = 0
-        for end in (*first_block[1:], blocks):
+        for end in first_block[1:]:
             if end > limit or last(top - end + 1) < cutoff:
                 break
             repeated = end
-        while repeated < limit and last(top - repeated) >= cutoff:
+        stop = blocks - 1 if limit == blocks else limit
+        while repeated < stop and last(top - repeated) >= cutoff:
             repeated += 1
     if repeated == blocks:  # the whole prompt repeated: the common case, said at once
         total = sum(part.size for part in parts)
@@ -181,9 +184,10 @@ def examine(
     if shape.kind == "context":
         return base  # another stored context (a new previous_response_id): how the API works
     parent = root if repeated == 0 else top - repeated + 1
-    if seen.ended[parent] >= cutoff:
+    continued, ended = seen.times(parent)
+    if ended >= cutoff:
         return base  # grown from a recent request that ended right here
-    if seen.continued[parent] < cutoff:
+    if continued < cutoff:
         return base  # no recent request went on past here
     if removed and offset == 0 and all(s.kind == "settings" for s in parts[:p]):
         # broken ahead of the text, where a setting was: named by it, not by the next part
@@ -199,6 +203,7 @@ def examine(
     while j < stop and last(j) >= cutoff:  # the broken block's head, or a moved part
         j += 1
     changed_from = j
+    j = min(j + 1, stop)  # the chunk that stopped the loop, read as changed: not again
     while j < stop and last(j) < cutoff:  # the changed run
         j += 1
     if changed_from < j < stop:  # then a run seen before: where does it start and end?

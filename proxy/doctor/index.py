@@ -11,7 +11,6 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from itertools import chain
 from typing import NamedTuple, Protocol, overload
 
@@ -63,28 +62,53 @@ class Sightings(NamedTuple):
         """The last time anything held key ``i``."""
         return max(self.continued[i], self.ended[i])
 
+    def reader(self) -> Callable[[int], int]:
+        """:meth:`last` as the quickest callable for this answer (the examination reads
+        most keys through it)."""
+        return self.last
 
-@dataclass(frozen=True, slots=True)
+    def times(self, i: int) -> tuple[int, int]:
+        """Key ``i``'s two times: (continued, ended)."""
+        return self.continued[i], self.ended[i]
+
+
 class Probe:
     """One request's question to the index: its keys, each with what this request does
     with it (:data:`SEEN`, :data:`CONTINUED`, :data:`ENDED`), in the order they should be
-    touched (the last touched is the last an LRU forgets)."""
+    touched (the last touched is the last an LRU forgets). Read only, by convention (a
+    plain class: one is made per request)."""
 
-    keys: tuple[bytes, ...]
-    marks: bytes  # one mark per key
-    # keys[start:stop] nest: a request that held one held every key after it in the range
-    # (a prompt's chain from its last block to its first)
-    nested: tuple[int, int] = (0, 0)
-    # per part of the prompt but the last, in order: the probe index past its chunks, and
-    # that of the key of the next part's first block (in ``nested``): a request that held
-    # the key held this part whole, so its chunks
-    tied: tuple[tuple[int, int], ...] = ()
+    __slots__ = ("keys", "marks", "nested", "tied")
 
-    def __post_init__(self) -> None:
-        if len(self.keys) != len(self.marks):
+    def __init__(
+        self,
+        keys: tuple[bytes, ...],
+        marks: bytes,  # one mark per key
+        # keys[start:stop] nest: a request that held one held every key after it in the
+        # range (a prompt's chain from its last block to its first)
+        nested: tuple[int, int] = (0, 0),
+        # per part of the prompt but the last, in order: the probe index past its chunks,
+        # and that of the key of the next part's first block (in ``nested``): a request
+        # that held the key held this part whole, so its chunks
+        tied: tuple[tuple[int, int], ...] = (),
+    ) -> None:
+        if len(keys) != len(marks):
             raise ValueError("a probe needs one mark per key")
-        if not 0 <= self.nested[0] <= self.nested[1] <= len(self.keys):
+        if not 0 <= nested[0] <= nested[1] <= len(keys):
             raise ValueError("a probe's nested range must lie within its keys")
+        self.keys, self.marks, self.nested, self.tied = keys, marks, nested, tied
+
+    def _fields(self) -> tuple[object, ...]:
+        return self.keys, self.marks, self.nested, self.tied
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Probe) and self._fields() == other._fields()
+
+    def __hash__(self) -> int:
+        return hash(self._fields())
+
+    def __repr__(self) -> str:
+        return "Probe(keys={!r}, marks={!r}, nested={!r}, tied={!r})".format(*self._fields())
 
 
 class IndexUnanswered(Exception):
@@ -180,14 +204,15 @@ class LruPrefixIndex:
             cut = stop  # the covered head of the nested range: from here to ``stop``
             if settle:
                 low = start + 1 if start < stop and marks[start] == ENDED else start
+                mid = low  # first the whole range: a new last part after a covered head
                 while low < cut:  # where the covered head starts, by bisection
-                    mid = (low + cut) // 2
                     old = get(keys[mid], 0)
                     cl = (old >> _CL) & m
                     if cl and h <= cl + settle and old >> _CS <= h:
                         cut = mid
                     else:
                         low = mid + 1
+                    mid = (low + cut) // 2
             skip = 0  # the chunks of the parts the covered head holds whole
             for chunks_end, at in probe.tied:
                 if at < cut:
@@ -319,9 +344,18 @@ class _Read(Sightings):
     __slots__ = ()
 
     def last(self, i: int) -> int:
+        return self.reader()(i)
+
+    def reader(self) -> Callable[[int], int]:
         column = self.continued
         assert isinstance(column, _Column)
-        return column.snapshot.last(i)
+        return column.snapshot.last  # one call a key, not two
+
+    def times(self, i: int) -> tuple[int, int]:
+        column = self.continued
+        assert isinstance(column, _Column)
+        continued, ended, _ = column.snapshot.read(i)  # decoded once for both
+        return continued, ended
 
 
 class _Column(Sequence[int]):
@@ -364,6 +398,10 @@ class _After(Mapping[int, int]):
         if first is None:
             raise KeyError(i)
         return first
+
+    def __contains__(self, i: object) -> bool:  # Mapping's raises and catches a KeyError
+        return isinstance(i, int) and 0 <= i < self._snapshot.n and (
+            self._snapshot.read(i)[2] is not None)
 
     def __iter__(self) -> Iterator[int]:
         read = self._snapshot.read
