@@ -860,9 +860,10 @@ def test_a_settled_index_reports_what_one_that_writes_every_stamp_reports(
 
 
 def test_a_part_that_heads_another_requests_part_still_has_its_chunks_written() -> None:
-    """A part whose bytes are a block-aligned head of another request's part shares its
-    last chain key with that part, not its chunks: held within the settle, the key is
-    left alone, but the chunks are written, as an index writing every stamp writes them."""
+    """A part whose bytes are a block-aligned head of another request's part (``abcd``
+    in ``abcdefghij``) shares its last chain key with that part, not its chunks: held
+    within the settle, the key is left alone, but the chunks are written, as an index
+    writing every stamp writes them."""
     hasher = PromptHasher(block_bytes=4, chunk_bytes=4)
     settled, exact = LruPrefixIndex(), LruPrefixIndex(settle_ms=0)
 

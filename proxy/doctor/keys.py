@@ -87,19 +87,28 @@ def _probe(
     chunks: int,
     first_chunk: list[int],
     first_block: list[int],
+    shapes: list[PartShape],
+    block_bytes: int,
 ) -> Probe:
     """The probe of a prompt laid out as :class:`HashedPrompt` says (``chunks`` chunk keys,
     then the chain, then three of the scope), with its nested chain and each part's
-    chunks but the last part's tied to the next part's first block. Not to the part's own
-    last block: a chain key names bytes, not where a part ends, so a part that is a
-    block-aligned head of another's shares its last key with that one, not its chunks."""
+    chunks tied to a chain key held only with the part whole: its last block's where
+    that block is short (a short block ends every part that holds it), else the next
+    part's first block's (a whole block may go on in a longer part: a chain key names
+    bytes, not where a part ends); a last part of whole blocks, to none."""
     blocks = len(keys) - chunks - 3
     top = chunks + blocks - 1  # the probe index of chain block 0
-    # each part's chunks end where the next's begin, whose first block is at top - first
-    tied = tuple(
-        (end, top - first) for end, first in zip(first_chunk[1:], first_block[1:], strict=True)
-    )
-    return Probe(keys, marks, (chunks, chunks + blocks), tied)
+    past = (*first_chunk[1:], chunks)  # each part's chunks end where the next's begin
+    nexts = (*first_block[1:], blocks)  # each part's blocks end where the next's begin
+    tied: list[tuple[int, int]] = []
+    for end, after, shape in zip(past, nexts, shapes, strict=True):
+        if shape.size % block_bytes or not shape.size:
+            tied.append((end, top - after + 1))  # its last block
+        elif after < blocks:
+            tied.append((end, top - after))  # the next part's first block
+        else:
+            break
+    return Probe(keys, marks, (chunks, chunks + blocks), tuple(tied))
 
 
 _SEEN = bytes([SEEN])
@@ -411,7 +420,7 @@ class PromptHasher:
             anchors,
             probe_keys,
             marks,
-            _probe(probe_keys, marks, len(chunks), first_chunk, first_block),
+            _probe(probe_keys, marks, len(chunks), first_chunk, first_block, shapes, size),
         )
         if len(keys) <= self._recall_max:  # within a share of the part cache's keys
             if self._recall_keys + len(keys) > self._recall_max:
