@@ -23,7 +23,9 @@ What it does, and why:
 * For each round, for each load, runs ``loadgen.py`` against every target, rotating the
   target order each round (A B C, B C A, ...), so drift on a noisy machine hits all
   targets alike. "Added" figures are target minus direct *in the same round and load*;
-  the table shows the median over rounds.
+  the table shows the median over rounds. ``--together``: a round's targets run at the
+  same time instead, each with its own client, so the host's swings in speed within a
+  round reach all of them at once; their latencies then include each other's.
 * Target CPU comes from ``/proc/<pid>/stat`` (utime+stime, summed over the process tree,
   e.g. nginx master + workers) before/after each load, divided by SSE events relayed.
   Memory per open stream is (median RSS while the load is steady - idle RSS) / streams;
@@ -76,6 +78,7 @@ import time
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -1224,6 +1227,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--litellm-venv", default=os.environ.get("LITELLM_VENV", DEFAULT_LITELLM_VENV))
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument(
+        "--together",
+        action="store_true",
+        help="run a round's targets at the same time (each its own load client, the "
+        "targets on --target-cpu), not one after the other: the host's swings in speed "
+        "then reach every target of a round alike, for paired.py's per-round ratios; "
+        "each target's figures include the others' contention, and its 'other load' "
+        "the others' CPU",
+    )
+    p.add_argument(
         "--loads",
         default="1,64,64new,256,256new,1close,64close,256close",
         help="concurrent streams N[new][close][idleS][-API]: 'new' for a new client "
@@ -1442,24 +1454,32 @@ def main(argv: list[str] | None = None) -> int:
                 for load in loads:
                     group = groups[load.close]
                     k = rnd % len(group)
-                    for t in group[k:] + group[:k]:
-                        if (t.name, load) in overloaded:
-                            continue
+                    order = [t for t in group[k:] + group[:k] if (t.name, load) not in overloaded]
+
+                    def one(t: Target, load: Load = load) -> dict[str, Any]:
                         c = load.streams
                         dur = max(a.duration, 10.0) if c == 1 and not a.quick else a.duration
                         if load.idle:  # enough for a few streams after a pause each
                             dur = max(dur, a.idle_streams * (load.idle + a.ttft + a.itl * a.tokens))
-                        res = bench.load(
+                        return bench.load(
                             t, c, load.keepalive, dur, a.warmup, a.tokens, api=load.api,
                             pause=load.idle,
                         )
+
+                    if a.together:  # one thread per target: each waits on its own client
+                        with ThreadPoolExecutor(len(order)) as pool:
+                            results = list(pool.map(one, order))
+                    else:
+                        results = [one(t) for t in order]
+                    for t, res in zip(order, results, strict=True):
                         res.update(
                             round=rnd,
-                            load=c,
+                            load=load.streams,
                             keepalive=load.keepalive,
                             close=load.close,
                             api=load.api,
                             idle=load.idle,
+                            together=a.together,
                         )
                         runs.append(res)
                         p50 = res["ttft_ms"]["p50"]
@@ -1556,6 +1576,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         + (f"; all at nice {a.nice}" if a.nice else ""),
         "rounds": a.rounds,
+        "together": a.together,
         "tokens": a.tokens,
         "itl": a.itl,
         "threshold_ms": a.threshold_ms,
