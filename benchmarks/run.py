@@ -828,6 +828,7 @@ class Bench:
         res["target_cpu_s"] = cpu_seconds(pids) - cpu0
         up_cpu = cpu_seconds(up_pids) - up0
         wall = time.monotonic() - t0
+        res["span_s"] = (t0, t0 + wall)  # this process's monotonic clock: which loads overlapped
         # CPU used by anything outside the benchmark meanwhile (other users of the
         # machine), in cores: a noise gauge for reading the figures.
         instrument = up_cpu + res["client_cpu_s"] + cpu_seconds(other_pids or []) - other0

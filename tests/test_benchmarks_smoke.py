@@ -432,6 +432,22 @@ def test_run_py_side_by_side(tmp_path: Path) -> None:
         assert before == f"proxy-before targets: proxy/ sha256 {digest} from {BENCH.parent}"
 
 
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(not HAS_PROXY, reason="needs the proxy's dependencies")
+def test_run_py_together_runs_a_rounds_targets_at_the_same_time(tmp_path: Path) -> None:
+    """``--together``: each round's loads overlap (one after the other, they do not)."""
+    targets = ["direct", "proxy", "proxy-nodoctor"]
+    for together in (True, False):
+        extra = ("--together", "--rounds", "2") if together else ("--rounds", "2")
+        result = _run_harness(tmp_path, targets, "4", *extra)
+        _check_runs(result, targets, [run.Load(4)])
+        for rnd in (0, 1):
+            spans = [r["span_s"] for r in result["runs"] if r["round"] == rnd]
+            assert len(spans) == len(targets)
+            overlap = max(start for start, _ in spans) < min(end for _, end in spans)
+            assert overlap is together, (together, spans)
+
+
 def test_idle_loads_round_trip() -> None:
     """``1newidle6``: one user, a new connection per stream, 6 s without traffic before each."""
     load = run.Load.parse("1newidle6")
