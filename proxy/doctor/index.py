@@ -87,9 +87,9 @@ class Probe:
         # keys[start:stop] nest: a request that held one held every key after it in the
         # range (a prompt's chain from its last block to its first)
         nested: tuple[int, int] = (0, 0),
-        # per part of the prompt but the last, in order: the probe index past its chunks,
-        # and that of the key of the next part's first block (in ``nested``): a request
-        # that held the key held this part whole, so its chunks
+        # per part of the prompt, in order (none past the first part without one): the
+        # probe index past its chunks, and that of a chain key (in ``nested``) held only
+        # with the part whole, so with its chunks (``proxy.doctor.keys._probe``)
         tied: tuple[tuple[int, int], ...] = (),
     ) -> None:
         if len(keys) != len(marks):
