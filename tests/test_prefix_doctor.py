@@ -37,7 +37,13 @@ from proxy.doctor.index import (
     Probe,
     Sightings,
 )
-from proxy.doctor.keys import DEFAULT_BLOCK_BYTES, DEFAULT_CHUNK_BYTES, PromptHasher, chunk_ends
+from proxy.doctor.keys import (
+    DEFAULT_BLOCK_BYTES,
+    DEFAULT_CHUNK_BYTES,
+    HashedPrompt,
+    PromptHasher,
+    chunk_ends,
+)
 from proxy.doctor.report import CacheTokens, cache_tokens, minimum_cacheable_tokens
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -227,6 +233,24 @@ def test_parts_hashed_before_give_the_keys_hashing_them_again_gives(cache_keys: 
     assert kept._parts_keys <= cache_keys and kept._recall_keys <= cache_keys // 8  # bounded
     if cache_keys == 1 << 16:  # a prompt hashed a moment ago: recalled whole, no key copied
         assert kept.hash(prompts[0][0], **prompts[0][1]) is kept.hash(prompts[0][0], **prompts[0][1])
+
+
+def test_a_last_part_is_kept_the_second_time_it_is_hashed() -> None:
+    """Questions no other request asks cost the hasher's caches nothing: a prompt's last
+    part, and the prompt for recall, are kept the second time they are hashed."""
+    hasher = PromptHasher()
+    system = PromptPart("system", 0, "system", STABLE.encode())
+
+    def ask(question: bytes) -> HashedPrompt | None:
+        return hasher.hash([system, PromptPart("message", 1, "user", question)],
+                           upstream="u", model="m")
+
+    for n in range(100):
+        ask(f"question {n}".encode())
+    assert len(hasher._parts) == 1 and not hasher._prompts  # the system part alone
+    first, second, third = (ask(b"question 7") for _ in range(3))
+    assert first == second and len(hasher._parts) == 2 and len(hasher._prompts) == 1
+    assert third is second  # recalled whole
 
 
 @pytest.mark.parametrize("kwargs", [{"secret": b"short"}, {"secret": b"x" * 65},

@@ -204,7 +204,8 @@ class PromptHasher:
     of a content chunk (at most four times that); ``part_cache_keys`` bounds the keys of
     recent parts kept to hash a part seen after the same prefix again at the cost of
     one digest of its bytes, and (an eighth of them) of whole prompts, given again as
-    the same object. Thread-safe: the loop and the hashing thread share it.
+    the same object; a prompt's last part, and the prompt, are kept the second time they
+    are hashed (:meth:`_again`). Thread-safe: the loop and the hashing thread share it.
     """
 
     def __init__(
@@ -255,6 +256,24 @@ class PromptHasher:
         # whole prompts hashed a moment ago, by their last chain key and anchor part
         self._prompts: dict[tuple[bytes, int], HashedPrompt] = {}
         self._recall_keys = 0
+        # the names of last parts hashed once and not kept (:meth:`_again`)
+        self._sighted: set[bytes] = set()
+        self._sighted_max = max(_HEADS_MAX, part_cache_keys // 16)
+
+    def _again(self, name: bytes) -> bool:
+        """Whether a prompt's last part of this name was hashed before: a last part is
+        kept (and its prompt, for recall) the second time, so that a question no other
+        request asks (most prompts' tails) costs the caches nothing and pushes out
+        nothing others repeat; a conversation's last message is hashed again as the next
+        turn's history, and kept then. The names seen once are bounded, then forgotten."""
+        sighted = self._sighted
+        if name in sighted:
+            sighted.discard(name)
+            return True
+        if len(sighted) >= self._sighted_max:
+            sighted.clear()
+        sighted.add(name)
+        return False
 
     def _remember(self, name: bytes, part: _HashedPart) -> None:
         """Keep a part's keys for the next prompt with the same part after the same
@@ -340,6 +359,7 @@ class PromptHasher:
         shapes: list[PartShape] = []
         cached = self._parts
         before = root  # the chain key before this part (the root before the first)
+        kept = True  # the last part is kept (it was hashed before, or is known)
         for p, (kind, index, role, data) in enumerate(parts):
             head = heads.get((kind, role)) or head_of(kind, role)
             length = len(data)
@@ -388,12 +408,15 @@ class PromptHasher:
                     start = end
             ends.extend(cut)
             before = chain[-1]
-            self._remember(
-                name,
-                _HashedPart(
-                    tuple(chain[at_chain:]), tuple(chunks[at_chunk:]), tuple(cut), snapshot()
-                ),
-            )
+            if p < len(parts) - 1 or self._again(name):
+                self._remember(
+                    name,
+                    _HashedPart(
+                        tuple(chain[at_chain:]), tuple(chunks[at_chunk:]), tuple(cut), snapshot()
+                    ),
+                )
+            else:
+                kept = False
         named = chain[first_block[anchor]]  # names the scope and the blocks up to the anchor's
         anchors = self._anchors.get(named)
         if anchors is None:
@@ -422,7 +445,7 @@ class PromptHasher:
             marks,
             _probe(probe_keys, marks, len(chunks), first_chunk, first_block, shapes, size),
         )
-        if len(keys) <= self._recall_max:  # within a share of the part cache's keys
+        if kept and len(keys) <= self._recall_max:  # within a share of the part cache's
             if self._recall_keys + len(keys) > self._recall_max:
                 self._prompts, self._recall_keys = {}, 0
             self._prompts[chain[-1], anchor] = hashed
