@@ -129,8 +129,8 @@ def examine(
             if end > limit or last(top - end + 1) < cutoff:
                 break
             repeated = end
-        stop = blocks - 1 if limit == blocks else limit
-        while repeated < stop and last(top - repeated) >= cutoff:
+        upto = blocks - 1 if limit == blocks else limit
+        while repeated < upto and last(top - repeated) >= cutoff:
             repeated += 1
     if repeated == blocks:  # the whole prompt repeated: the common case, said at once
         total = sum(part.size for part in parts)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from itertools import chain
 from typing import NamedTuple, Protocol, overload
 
@@ -72,43 +73,29 @@ class Sightings(NamedTuple):
         return self.continued[i], self.ended[i]
 
 
+@dataclass(slots=True, unsafe_hash=True)
 class Probe:
     """One request's question to the index: its keys, each with what this request does
     with it (:data:`SEEN`, :data:`CONTINUED`, :data:`ENDED`), in the order they should be
-    touched (the last touched is the last an LRU forgets). Read only, by convention (a
-    plain class: one is made per request)."""
+    touched (the last touched is the last an LRU forgets). Read only, by convention (not
+    frozen: one is made per request, and a frozen dataclass sets each field through
+    ``object.__setattr__``)."""
 
-    __slots__ = ("keys", "marks", "nested", "tied")
+    keys: tuple[bytes, ...]
+    marks: bytes  # one mark per key
+    # keys[start:stop] nest: a request that held one held every key after it in the range
+    # (a prompt's chain from its last block to its first)
+    nested: tuple[int, int] = (0, 0)
+    # per part of the prompt, in order (none past the first part without one): the probe
+    # index past its chunks, and that of a chain key (in ``nested``) held only with the
+    # part whole, so with its chunks (``proxy.doctor.keys._probe``)
+    tied: tuple[tuple[int, int], ...] = ()
 
-    def __init__(
-        self,
-        keys: tuple[bytes, ...],
-        marks: bytes,  # one mark per key
-        # keys[start:stop] nest: a request that held one held every key after it in the
-        # range (a prompt's chain from its last block to its first)
-        nested: tuple[int, int] = (0, 0),
-        # per part of the prompt, in order (none past the first part without one): the
-        # probe index past its chunks, and that of a chain key (in ``nested``) held only
-        # with the part whole, so with its chunks (``proxy.doctor.keys._probe``)
-        tied: tuple[tuple[int, int], ...] = (),
-    ) -> None:
-        if len(keys) != len(marks):
+    def __post_init__(self) -> None:
+        if len(self.keys) != len(self.marks):
             raise ValueError("a probe needs one mark per key")
-        if not 0 <= nested[0] <= nested[1] <= len(keys):
+        if not 0 <= self.nested[0] <= self.nested[1] <= len(self.keys):
             raise ValueError("a probe's nested range must lie within its keys")
-        self.keys, self.marks, self.nested, self.tied = keys, marks, nested, tied
-
-    def _fields(self) -> tuple[object, ...]:
-        return self.keys, self.marks, self.nested, self.tied
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Probe) and self._fields() == other._fields()
-
-    def __hash__(self) -> int:
-        return hash(self._fields())
-
-    def __repr__(self) -> str:
-        return "Probe(keys={!r}, marks={!r}, nested={!r}, tied={!r})".format(*self._fields())
 
 
 class IndexUnanswered(Exception):
