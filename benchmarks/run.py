@@ -1467,11 +1467,12 @@ def main(argv: list[str] | None = None) -> int:
                             pause=load.idle,
                         )
 
+                    results: Iterator[dict[str, Any]]
                     if a.together:  # one thread per target: each waits on its own client
                         with ThreadPoolExecutor(len(order)) as pool:
-                            results = list(pool.map(one, order))
-                    else:
-                        results = [one(t) for t in order]
+                            results = iter(list(pool.map(one, order)))
+                    else:  # lazily: each target recorded and printed before the next runs
+                        results = map(one, order)
                     for t, res in zip(order, results, strict=True):
                         res.update(
                             round=rnd,
