@@ -37,6 +37,7 @@ from proxy.doctor.index import (
     Probe,
     Sightings,
 )
+from proxy.doctor.job import BATCH_JOBS
 from proxy.doctor.keys import (
     DEFAULT_BLOCK_BYTES,
     DEFAULT_CHUNK_BYTES,
@@ -966,8 +967,10 @@ def test_the_doctor_job_benchmark_counts_bytecodes_per_function() -> None:
     """``--opcodes`` traces the second half's requests and names the doctor's functions
     with the bytecodes each runs per request; the harness's and the loop's are not
     counted."""
-    stdout = run_benchmark("doctor_job_micro.py", "--opcodes", "--requests", "64", "--sizes", "2048")
-    assert "(32 requests traced)" in stdout
+    requests = 2 * BATCH_JOBS  # whole batches, the second traced
+    stdout = run_benchmark(
+        "doctor_job_micro.py", "--opcodes", "--requests", str(requests), "--sizes", "2048")
+    assert f"({BATCH_JOBS} requests traced)" in stdout
     rows = dict(re.findall(r"^\| `(\S+)` \| ([\d,.]+) \|", stdout, re.M))
     assert float(rows["job.py:begin"]) > 0
     assert float(rows["examine.py:look"].replace(",", "")) > 0

@@ -959,12 +959,16 @@ async def test_jobs_run_in_batches_in_the_order_they_were_created(
     jobs = [begin(100 + i) for i in range(doctor_job.BATCH_JOBS)]
     await asyncio.sleep(0)
     assert order == [round((T0 + 100 + i) * 1000) for i in range(doctor_job.BATCH_JOBS)]
-    # A finish before the batch ran runs the whole batch, in order: the jobs before it first.
+    # A finish before the batch ran runs the batch up to its job, in order: the jobs
+    # before it first; the one after it waits for its batch.
     order.clear()
     jobs = [begin(20), begin(21), begin(22)]
     await jobs[1].settle()
-    assert order == [round((T0 + i) * 1000) for i in (20, 21, 22)]
+    assert order == [round((T0 + i) * 1000) for i in (20, 21)]
     assert report_of(jobs[1]) is not None and report_of(jobs[1]).reason is None  # a repeat
+    assert check._batch == [jobs[2]] and report_of(jobs[2]) is None
+    check.run_batch()
+    assert order == [round((T0 + i) * 1000) for i in (20, 21, 22)]
     # A body bound for the hashing thread runs its batch at the loop's next turn, which
     # weighs it and hands it over; the small job before it is examined on the loop.
     order.clear()
@@ -981,7 +985,8 @@ async def test_a_batch_turn_ends_past_its_time_and_the_rest_runs_next(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A batch holds the loop for BATCH_TURN_S and one job more: with no time at all,
     one job a turn, the rest at the next turns ahead of jobs that join meanwhile; a
-    finish runs every job waiting, in order."""
+    finish waits for the turns that reach its job, and the loop's other events run
+    between them."""
     monkeypatch.setattr(doctor_job, "BATCH_TURN_S", 0.0)
     check = PrefixCheck()
     order: list[int] = []
@@ -1009,9 +1014,15 @@ async def test_a_batch_turn_ends_past_its_time_and_the_rest_runs_next(
     jobs += [begin(doctor_job.BATCH_JOBS), begin(doctor_job.BATCH_JOBS + 1)]  # join after
     await asyncio.sleep(0)
     assert order == ms[:3]
-    await jobs[-2].settle()  # every job still waiting, the ones after it too
+    between: list[int] = []  # a stream's event, due while the finish waits
+    asyncio.get_running_loop().call_soon(lambda: between.append(len(order)))
+    await jobs[-2].settle()  # the jobs up to its own, a turn at a time
+    assert len(order) > doctor_job.BATCH_JOBS and order == ms[: len(order)]
+    assert report_of(jobs[-2]) is not None
+    assert between and between[0] < len(order) - 1  # not every job in one turn
+    assert check._batch == [jobs[-1]]
+    await asyncio.sleep(0)  # the last at the next turn
     assert order == ms[: doctor_job.BATCH_JOBS + 2]
-    assert all(report_of(job) is not None for job in jobs)
     check.close()
 
 

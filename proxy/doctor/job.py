@@ -54,9 +54,9 @@ MAX_PENDING = 16  # large prompts waiting for, or in, the hashing thread
 STORE_THREADS = 4  # with a shared index: threads that exchange the other prompts
 MAX_PENDING_SHARED = 256  # with a shared index: other prompts waiting for, or in, those
 SETTLE_S = 0.5  # how long the finish waits for a thread still examining
-BATCH_S = 0.2  # how long the first job of a batch waits for others
-BATCH_JOBS = 16  # jobs that run a batch at the loop's next turn
-BATCH_BLOCKS = 80  # ... or blocks of their bodies (bytes / block, and one a body),
+BATCH_S = 0.5  # how long the first job of a batch waits for others
+BATCH_JOBS = 48  # jobs that run a batch at the loop's next turn
+BATCH_BLOCKS = 320  # ... or blocks of their bodies (bytes / block, and one a body),
 BATCH_LEAST = 4  # a body counting at most 1/BATCH_LEAST of them (one alone runs cold)
 BATCH_TURN_S = 0.0003  # a batch's turn on the loop; the jobs left run at the next turn
 INDEX_SHARE = 8  # a prompt may hold at most 1/INDEX_SHARE of the in-process index
@@ -270,7 +270,7 @@ class PrefixCheck:
         batch = self._batch
         batch.append(job)
         blocks = body_bytes // self._block_bytes
-        self._batch_blocks += min(1 + blocks, BATCH_BLOCKS // BATCH_LEAST)
+        self._batch_blocks += self._counted(body_bytes)
         if (
             self._batch_blocks >= BATCH_BLOCKS
             or len(batch) >= BATCH_JOBS
@@ -282,25 +282,43 @@ class PrefixCheck:
         elif self._batch_timer is None:
             self._batch_timer = loop.call_later(BATCH_S, self.run_batch)
 
-    def run_batch(self, *, whole: bool = False) -> None:
+    def _counted(self, body_bytes: int) -> int:
+        """What a body counts toward :data:`BATCH_BLOCKS`."""
+        return min(1 + body_bytes // self._block_bytes, BATCH_BLOCKS // BATCH_LEAST)
+
+    def run_batch(self, upto: PrefixJob | None = None) -> None:
         """Examine the batch's jobs, in order, for :data:`BATCH_TURN_S` of this turn of the
         loop and one job more, so that other streams' events wait no longer; the jobs
-        left run at the loop's next turn, ahead of any that join meanwhile. ``whole``:
-        every job now (a finish that needs its own job examined)."""
+        left run at the loop's next turn, ahead of any that join meanwhile. ``upto``: a
+        finish that needs that job examined (:meth:`PrefixJob.settle`): the turn also
+        ends once it was, and the jobs after it keep their batch and its timer."""
+        batch = self._batch
+        clock = time.perf_counter
+        until = clock() + BATCH_TURN_S
+        n = 0
+        for n, job in enumerate(batch, 1):
+            job.start()
+            if job._waiter is not None:  # a finish waits for it (settle)
+                _resolve(job._waiter)
+            if job is upto or (n < len(batch) and clock() > until):
+                break
+        rest = self._batch = batch[n:]
+        if rest and upto is not None and upto._started:  # the rest waits as it did
+            self._batch_blocks = sum(self._counted(job._body_bytes) for job in rest)
+            return
         if self._batch_timer is not None:
             self._batch_timer.cancel()
             self._batch_timer = None
-        batch, self._batch, self._batch_blocks = self._batch, [], 0
-        clock = time.perf_counter
-        until = clock() + BATCH_TURN_S
-        for n, job in enumerate(batch, 1):
-            job.start()
-            if n < len(batch) and not whole and clock() > until:
-                with contextlib.suppress(RuntimeError):  # no running loop: all of it now
-                    loop = asyncio.get_running_loop()
-                    self._batch = batch[n:]  # its blocks not counted again: it runs next
-                    self._batch_timer = loop.call_soon(self.run_batch)
-                    return
+        self._batch_blocks = 0  # the rest runs next: its blocks not counted again
+        if rest:
+            try:
+                self._batch_timer = asyncio.get_running_loop().call_soon(self.run_batch)
+            except RuntimeError:  # no running loop: all of it now
+                self._batch = []
+                for job in rest:
+                    job.start()
+                    if job._waiter is not None:
+                        _resolve(job._waiter)
 
     def submit(
         self, work: Callable[[], Examination], place: Place = Place.THREAD
@@ -325,6 +343,9 @@ class PrefixCheck:
         if self._batch_timer is not None:
             self._batch_timer.cancel()
             self._batch_timer = None
+        for job in self._batch:  # dropped: a finish that waits for one starts it itself
+            if job._waiter is not None:
+                _resolve(job._waiter)
         self._batch, self._batch_blocks = [], 0
         for lane in self._lanes.values():
             if lane.executor is not None:
@@ -364,6 +385,7 @@ class PrefixJob:
         "_t0",
         "_unchecked",
         "_upstream",
+        "_waiter",
         "place",
     )
 
@@ -393,6 +415,7 @@ class PrefixJob:
         self._future: Future[Examination] | None = None
         self._result: Examination | None = None
         self._unchecked = LATE  # what the record says when no examination came back
+        self._waiter: asyncio.Future[None] | None = None  # a finish waiting for its turn
 
     def ready(self, t: float | None = None) -> None:
         """The upstream's prefill of this prompt was done at ``t`` (the request path's
@@ -491,12 +514,17 @@ class PrefixJob:
     async def settle(self) -> None:
         """Before the record: make ready a stream's job that saw no output event (its
         prefill counted as done at its headers); run the batch of a job that never got
-        its turn (the jobs before it first); wait (at most :data:`SETTLE_S`) for one a
-        worker thread is still on."""
+        its turn up to it (the jobs before it first), a turn at a time; wait (at most
+        :data:`SETTLE_S`) for one a worker thread is still on."""
         if self._held is None and not self._started:
             self.ready()
+        check = self._check
+        if not self._started and self in check._batch:
+            check.run_batch(self)
+            if not self._started:  # its turn comes next, after the loop's other events
+                self._waiter = asyncio.get_running_loop().create_future()
+                await self._waiter
         if not self._started:
-            self._check.run_batch(whole=True)
             self.start()  # not in the batch: a job for a thread, or the check was closed
         future = self._future
         if future is None or future.done():
