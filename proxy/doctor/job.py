@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
-from proxy.dialects import Caching, Dialect, Prompt, cache_scope, part_bound
+from proxy.dialects import Dialect, cache_scope, part_bound
 from proxy.doctor.examine import PrefixDoctor, PrefixPolicy, PrefixReport
 from proxy.doctor.index import (
     BYTES_PER_ENTRY,
@@ -28,7 +28,12 @@ from proxy.doctor.index import (
     PrefixIndex,
 )
 from proxy.doctor.keys import BYTES_PER_CACHED_KEY, PART_CACHE_KEYS, HashedPrompt, PromptHasher
-from proxy.doctor.report import cache_granularity_tokens, cache_tokens, minimum_cacheable_tokens
+from proxy.doctor.report import (
+    TokenRules,
+    cache_granularity_tokens,
+    minimum_cacheable_tokens,
+    token_counts,
+)
 from proxy.doctor.shared_index import (
     MAX_KEYS,
     STORE_DOWN,
@@ -80,24 +85,20 @@ class Place(enum.Enum):
     TOO_LARGE = "too_large"  # not at all: more keys than a request may hold
 
 
-NO_MARKS = Prompt(())  # a request that asks for no cache breakpoint (most): implicit caching
-
-
 class Examination(NamedTuple):
     """One examination's result: the report (None: nothing to examine, or not examined),
     why it was not examined ("" when it was, or there was nothing to examine), the shared
     index's round trip (None: in process, or nothing was sent), the prompt's keys
     for the workload capture (:mod:`proxy.workload_capture`), kept when the shared index
-    failed, the cache breakpoints the request marks (its prompt without the parts), and
-    the upstream's caching rules for the record's tokens (worked out in the batch)."""
+    failed, and the request's record but its tokens, with the rules that give them from
+    the usage (both worked out in the batch, so that the finish does arithmetic only)."""
 
     report: PrefixReport | None
     unchecked: str = ""
     index_s: float | None = None
     hashed: HashedPrompt | None = None  # the prompt's keys (digests, no text), for the workload
-    marks: Prompt = NO_MARKS  # how the request asks for caching, where its last mark ends
-    minimum: int = 0  # the upstream's minimum cacheable tokens for this model,
-    step: int = 1  # and its caching step
+    record: PrefixRecord | None = None  # the record, its token figures None
+    rules: TokenRules | None = None  # how the usage's tokens give them
 
 
 class _Lane:
@@ -487,22 +488,36 @@ class PrefixJob:
         index_s = check.shared.round_trip_s() if check.shared is not None else None
         if looked is None:  # no prompt parts: nothing to examine
             return Examination(None, "", index_s)
-        caching, marked = prompt.caching, prompt.marked_bytes
-        implicit = caching is Caching.IMPLICIT and marked is None
-        marks = NO_MARKS if implicit else Prompt((), caching, marked)
         hashed, report = looked
         # the upstream's caching rules, for the record (worked out here, off the request)
         api = self._dialect.name
         minimum, step = spec.min_cacheable_tokens, spec.cache_granularity_tokens
-        return Examination(
-            report,
-            "",
-            index_s,
-            hashed,
-            marks,
+        caching, marked = prompt.caching, prompt.marked_bytes
+        rules = TokenRules(
+            report.prompt_bytes,
+            report.repeated_bytes,
+            report.unseen_context,
             minimum if minimum is not None else minimum_cacheable_tokens(api, model),
             step if step is not None else cache_granularity_tokens(api, model),
+            caching,
+            marked,
         )
+        record = PrefixRecord(
+            prompt_bytes=report.prompt_bytes,
+            repeated_bytes=report.repeated_bytes,
+            repeated_tokens=None,
+            missed_tokens=None,
+            break_reason=report.reason or "",
+            break_part=report.part or "",
+            break_index=report.index,
+            break_offset=report.offset,
+            break_role=report.role or "",
+            break_part_bytes=report.part_bytes,
+            changed_bytes=report.changed_bytes,
+            stable_bytes=report.stable_bytes,
+            index_s=index_s,
+        )
+        return Examination(report, "", index_s, hashed, record, rules)
 
     @property
     def settled(self) -> bool:
@@ -564,35 +579,11 @@ class PrefixJob:
             return PrefixRecord.not_examined(self._unchecked)
         if examination.unchecked:
             return PrefixRecord.not_examined(examination.unchecked, examination.index_s)
-        report = examination.report
-        if report is None:
+        record, rules = examination.record, examination.rules
+        if record is None or rules is None:
             return None
-        marks = examination.marks
-        tokens = cache_tokens(
-            report,
-            prompt_tokens,
-            cached_tokens,
-            minimum_tokens=examination.minimum,
-            granularity_tokens=examination.step,
-            caching=marks.caching,
-            marked_bytes=marks.marked_bytes,
-        )
-        return PrefixRecord(
-            prompt_bytes=report.prompt_bytes,
-            repeated_bytes=report.repeated_bytes,
-            repeated_tokens=tokens.repeated,
-            missed_tokens=tokens.missed,
-            missed_unmarked_tokens=tokens.unmarked,
-            break_reason=report.reason or "",
-            break_part=report.part or "",
-            break_index=report.index,
-            break_offset=report.offset,
-            break_role=report.role or "",
-            break_part_bytes=report.part_bytes,
-            changed_bytes=report.changed_bytes,
-            stable_bytes=report.stable_bytes,
-            index_s=examination.index_s,
-        )
+        repeated, missed, unmarked = token_counts(rules, prompt_tokens, cached_tokens)
+        return record.with_tokens(repeated, missed, unmarked)
 
 
 def _resolve(waiter: asyncio.Future[None]) -> None:

@@ -127,6 +127,46 @@ class CacheTokens(NamedTuple):
     unmarked: int | None = None
 
 
+class TokenRules(NamedTuple):
+    """What turns a report into tokens, but the usage: worked out with the report (in the
+    doctor's batch), so that a request's finish does only :func:`token_counts`'s
+    arithmetic."""
+
+    prompt_bytes: int
+    repeated_bytes: int
+    unknown: bool  # the prompt holds context the proxy cannot see: no token figures
+    minimum: int  # the upstream's minimum cacheable tokens
+    step: int  # and the steps it caches in
+    caching: Caching = Caching.IMPLICIT
+    marked_bytes: int | None = None  # where the last cache breakpoint ends
+
+
+def token_counts(
+    rules: TokenRules, prompt_tokens: int | None, cached_tokens: int | None
+) -> tuple[int | None, int | None, int | None]:
+    """(repeated, missed, unmarked) tokens by ``rules``, as :func:`cache_tokens` says."""
+    prompt_bytes, repeated_bytes, unknown, minimum, step, caching, marked_bytes = rules
+    if prompt_tokens is None or prompt_tokens <= 0 or prompt_bytes <= 0 or unknown:
+        return None, None, None
+    ratio = prompt_tokens / prompt_bytes
+    repeated = min(prompt_tokens, round(repeated_bytes * ratio))
+    if cached_tokens is None:
+        return repeated, None, None
+    cacheable = min(repeated, prompt_tokens - 1)
+    step = max(1, step)
+    cacheable -= cacheable % step
+    if cacheable < minimum:  # after rounding: 1,024 tokens round to 896 on OpenAI
+        cacheable = 0
+    missed = max(0, cacheable - cached_tokens)
+    if caching is Caching.IMPLICIT:
+        return repeated, missed, None
+    asked = cacheable  # automatic: up to the last block
+    if caching is Caching.MARKED:
+        asked = min(cacheable, round((marked_bytes or 0) * ratio))
+        asked = 0 if asked < minimum else asked - asked % step
+    return repeated, missed, min(missed, cacheable - asked)
+
+
 def cache_tokens(
     report: PrefixReport,
     prompt_tokens: int | None,
@@ -142,30 +182,17 @@ def cache_tokens(
     request asks for caching by breakpoints (``caching``), the missed tokens past
     ``marked_bytes`` (the last breakpoint's end; None: none) are also said apart: a
     breakpoint whose prefix is below the minimum asks for nothing a cache could hold."""
-    if (
-        prompt_tokens is None
-        or prompt_tokens <= 0
-        or report.prompt_bytes <= 0
-        or report.unseen_context
-    ):
-        return CacheTokens(None, cached_tokens, None)
-    ratio = prompt_tokens / report.prompt_bytes
-    repeated = min(prompt_tokens, round(report.repeated_bytes * ratio))
-    if cached_tokens is None:
-        return CacheTokens(repeated, None, None)
-    cacheable = min(repeated, prompt_tokens - 1)
-    step = max(1, granularity_tokens)
-    cacheable -= cacheable % step
-    if cacheable < minimum_tokens:  # after rounding: 1,024 tokens round to 896 on OpenAI
-        cacheable = 0
-    missed = max(0, cacheable - cached_tokens)
-    if caching is Caching.IMPLICIT:
-        return CacheTokens(repeated, cached_tokens, missed)
-    asked = cacheable  # automatic: up to the last block
-    if caching is Caching.MARKED:
-        asked = min(cacheable, round((marked_bytes or 0) * ratio))
-        asked = 0 if asked < minimum_tokens else asked - asked % step
-    return CacheTokens(repeated, cached_tokens, missed, min(missed, cacheable - asked))
+    rules = TokenRules(
+        report.prompt_bytes,
+        report.repeated_bytes,
+        report.unseen_context,
+        minimum_tokens,
+        granularity_tokens,
+        caching,
+        marked_bytes,
+    )
+    repeated, missed, unmarked = token_counts(rules, prompt_tokens, cached_tokens)
+    return CacheTokens(repeated, cached_tokens, missed, unmarked)
 
 
 # The minimum cacheable prompt per model family, matched in order against the model name
