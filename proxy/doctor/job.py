@@ -305,7 +305,8 @@ class PrefixCheck:
                 break
         rest = self._batch = batch[n:]
         if rest and upto is not None and upto._started:  # the rest waits as it did
-            self._batch_blocks = sum(self._counted(job._body_bytes) for job in rest)
+            ran = sum(self._counted(job._body_bytes) for job in batch[:n])
+            self._batch_blocks = max(0, self._batch_blocks - ran)  # 0 once a turn was cut
             return
         if self._batch_timer is not None:
             self._batch_timer.cancel()
