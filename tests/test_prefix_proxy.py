@@ -25,6 +25,7 @@ import random
 import threading
 import tracemalloc
 from collections.abc import AsyncIterator, Iterator
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -1023,6 +1024,40 @@ async def test_a_batch_turn_ends_past_its_time_and_the_rest_runs_next(
     assert check._batch == [jobs[-1]]
     await asyncio.sleep(0)  # the last at the next turn
     assert order == ms[: doctor_job.BATCH_JOBS + 2]
+    check.close()
+
+
+async def test_finishes_in_one_turn_of_the_loop_run_one_turn_of_their_batch(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two finishes whose jobs wait in the same batch run one turn of it between them, not
+    one each: the loop's other events wait for one turn at a time."""
+    monkeypatch.setattr(doctor_job, "BATCH_TURN_S", 0.0)  # one job a turn
+    monkeypatch.setattr(doctor_job, "BATCH_S", 60.0)  # no timer runs the batch
+    check = PrefixCheck()
+    order: list[int] = []
+    examine = check.doctor.look
+
+    def counted(*args: Any, now_ms: int, **kwargs: Any) -> Any:
+        order.append(now_ms)
+        return examine(*args, now_ms=now_ms, **kwargs)
+
+    check.doctor.look = counted  # type: ignore[method-assign]
+    spec = UpstreamSpec(name=UP, url="http://u/v1")
+    body = chat(("system", STABLE), ("user", "hi"))
+    jobs = [check.begin(DIALECTS[CHAT], body, spec, T0 + i, 200, 100) for i in range(6)]
+    assert all(job is not None for job in jobs)
+    loop = asyncio.get_running_loop()
+    seen: list[int] = []  # jobs examined, read once a turn of the loop
+
+    def probe() -> None:
+        seen.append(len(order))
+        if len(order) < 5:
+            loop.call_soon(probe)
+
+    loop.call_soon(probe)
+    await asyncio.gather(jobs[3].settle(), jobs[4].settle())  # type: ignore[union-attr]
+    assert order[:5] == [round((T0 + i) * 1000) for i in range(5)]
+    assert max(b - a for a, b in pairwise(seen)) == 1, seen
     check.close()
 
 

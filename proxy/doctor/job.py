@@ -200,6 +200,7 @@ class PrefixCheck:
         self._block_bytes = doctor.hasher.block_bytes
         self._batch_blocks = 0
         self._batch_timer: asyncio.Handle | None = None
+        self._batch_soon = False  # the timer runs the batch at the loop's next turn
         self._lock = threading.Lock()
         self._warned_at = -math.inf
         self._held_back = 0
@@ -280,6 +281,7 @@ class PrefixCheck:
             if self._batch_timer is not None:
                 self._batch_timer.cancel()
             self._batch_timer = loop.call_soon(self.run_batch)
+            self._batch_soon = True
         elif self._batch_timer is None:
             self._batch_timer = loop.call_later(BATCH_S, self.run_batch)
 
@@ -312,11 +314,12 @@ class PrefixCheck:
             self._batch_timer.cancel()
             self._batch_timer = None
         self._batch_blocks = 0  # the rest runs next: its blocks not counted again
+        self._batch_soon = bool(rest)
         if rest:
             try:
                 self._batch_timer = asyncio.get_running_loop().call_soon(self.run_batch)
             except RuntimeError:  # no running loop: all of it now
-                self._batch = []
+                self._batch, self._batch_soon = [], False
                 for job in rest:
                     job.start()
                     if job._waiter is not None:
@@ -345,6 +348,7 @@ class PrefixCheck:
         if self._batch_timer is not None:
             self._batch_timer.cancel()
             self._batch_timer = None
+        self._batch_soon = False
         for job in self._batch:  # dropped: a finish that waits for one starts it itself
             if job._waiter is not None:
                 _resolve(job._waiter)
@@ -536,7 +540,8 @@ class PrefixJob:
             self.ready()
         check = self._check
         if not self._started and self in check._batch:
-            check.run_batch(self)
+            if not check._batch_soon:  # one turn a loop's turn: another finish's may be due
+                check.run_batch(self)
             if not self._started:  # its turn comes next, after the loop's other events
                 self._waiter = asyncio.get_running_loop().create_future()
                 await self._waiter
