@@ -982,13 +982,9 @@ async def test_jobs_run_in_batches_in_the_order_they_were_created(
     check.close()
 
 
-async def test_a_batch_turn_ends_past_its_time_and_the_rest_runs_next(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A batch holds the loop for BATCH_TURN_S and one job more: with no time at all,
-    one job a turn, the rest at the next turns ahead of jobs that join meanwhile; a
-    finish waits for the turns that reach its job, and the loop's other events run
-    between them."""
-    monkeypatch.setattr(doctor_job, "BATCH_TURN_S", 0.0)
+def counting_check() -> tuple[PrefixCheck, list[int]]:
+    """A check whose examinations add their request's arrival (ms) to the list, in the
+    order they ran."""
     check = PrefixCheck()
     order: list[int] = []
     examine = check.doctor.look
@@ -998,6 +994,17 @@ async def test_a_batch_turn_ends_past_its_time_and_the_rest_runs_next(
         return examine(*args, now_ms=now_ms, **kwargs)
 
     check.doctor.look = counted  # type: ignore[method-assign]
+    return check, order
+
+
+async def test_a_batch_turn_ends_past_its_time_and_the_rest_runs_next(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch holds the loop for BATCH_TURN_S and one job more: with no time at all,
+    one job a turn, the rest at the next turns ahead of jobs that join meanwhile; a
+    finish waits for the turns that reach its job, and the loop's other events run
+    between them."""
+    monkeypatch.setattr(doctor_job, "BATCH_TURN_S", 0.0)
+    check, order = counting_check()
     spec = UpstreamSpec(name=UP, url="http://u/v1")
     body = chat(("system", STABLE), ("user", "hi"))
 
@@ -1033,15 +1040,7 @@ async def test_finishes_in_one_turn_of_the_loop_run_one_turn_of_their_batch(
     one each: the loop's other events wait for one turn at a time."""
     monkeypatch.setattr(doctor_job, "BATCH_TURN_S", 0.0)  # one job a turn
     monkeypatch.setattr(doctor_job, "BATCH_S", 60.0)  # no timer runs the batch
-    check = PrefixCheck()
-    order: list[int] = []
-    examine = check.doctor.look
-
-    def counted(*args: Any, now_ms: int, **kwargs: Any) -> Any:
-        order.append(now_ms)
-        return examine(*args, now_ms=now_ms, **kwargs)
-
-    check.doctor.look = counted  # type: ignore[method-assign]
+    check, order = counting_check()
     spec = UpstreamSpec(name=UP, url="http://u/v1")
     body = chat(("system", STABLE), ("user", "hi"))
     jobs = [check.begin(DIALECTS[CHAT], body, spec, T0 + i, 200, 100) for i in range(6)]
