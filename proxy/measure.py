@@ -147,28 +147,6 @@ class PrefixRecord(NamedTuple):
         """Repeated bytes over prompt bytes (0 for an empty prompt)."""
         return self.repeated_bytes / self.prompt_bytes if self.prompt_bytes else 0.0
 
-    def with_tokens(
-        self, repeated: int | None, missed: int | None, unmarked: int | None
-    ) -> PrefixRecord:
-        """This record with its token figures (the rest is worked out before the usage)."""
-        return PrefixRecord(
-            self.prompt_bytes,
-            self.repeated_bytes,
-            repeated,
-            missed,
-            self.break_reason,
-            self.break_part,
-            self.break_index,
-            self.break_offset,
-            self.break_role,
-            self.break_part_bytes,
-            self.changed_bytes,
-            self.stable_bytes,
-            self.unchecked,
-            self.index_s,
-            unmarked,
-        )
-
     @classmethod
     def not_examined(cls, reason: str, index_s: float | None = None) -> PrefixRecord:
         """The record of a request the doctor did not examine: only why (and how long a

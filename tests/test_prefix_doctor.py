@@ -46,7 +46,6 @@ from proxy.doctor.keys import (
     chunk_ends,
 )
 from proxy.doctor.report import CacheTokens, cache_tokens, minimum_cacheable_tokens
-from proxy.measure import PrefixRecord
 
 ROOT = Path(__file__).resolve().parent.parent
 WINDOW = DEFAULT_WINDOW_MS
@@ -732,15 +731,6 @@ def test_tokens_use_the_requests_own_ratio_and_missed_is_floored() -> None:
     assert cache_tokens(report, 1000, 800) == CacheTokens(750, 800, 0)  # floored at 0
     assert cache_tokens(report, 1000, 0) == CacheTokens(750, 0, 750)  # reported 0 is a real 0
     assert cache_tokens(report_of(4000, 4000), 1000, 0).missed == 999  # the last token is computed
-
-
-def test_a_record_takes_its_tokens_in_their_own_fields() -> None:
-    """The finish adds the usage's tokens to a record worked out in the batch: every other
-    field stays (each given a value of its own here, so a field out of place shows)."""
-    values = {name: f"v{i}" for i, name in enumerate(PrefixRecord._fields)}
-    record = PrefixRecord(**values)  # type: ignore[arg-type]
-    assert record.with_tokens(1, 2, 3) == record._replace(
-        repeated_tokens=1, missed_tokens=2, missed_unmarked_tokens=3)
 
 
 def test_missed_is_unknown_when_nothing_says_it() -> None:

@@ -301,8 +301,6 @@ class PrefixCheck:
         n = 0
         for n, job in enumerate(batch, 1):
             job.start()
-            if job._waiter is not None:  # a finish waits for it (settle)
-                _resolve(job._waiter)
             if job is upto or (n < len(batch) and clock() > until):
                 break
         rest = self._batch = batch[n:]
@@ -322,8 +320,6 @@ class PrefixCheck:
                 self._batch, self._batch_soon = [], False
                 for job in rest:
                     job.start()
-                    if job._waiter is not None:
-                        _resolve(job._waiter)
 
     def submit(
         self, work: Callable[[], Examination], place: Place = Place.THREAD
@@ -454,8 +450,11 @@ class PrefixJob:
 
     def start(self) -> None:
         """Run :meth:`examine` where the place says: now, on this thread, for the loop;
-        else handed to the place's worker threads."""
+        else handed to the place's worker threads. A finish waiting for this job's turn
+        (:meth:`settle`) is woken."""
         self.weigh()
+        if self._waiter is not None:  # a finish waits for its turn (settle): it came
+            _resolve(self._waiter)
         if self._started:
             return
         self._started = True
@@ -498,10 +497,8 @@ class PrefixJob:
         api = self._dialect.name
         minimum, step = spec.min_cacheable_tokens, spec.cache_granularity_tokens
         caching, marked = prompt.caching, prompt.marked_bytes
-        rules = TokenRules(
-            report.prompt_bytes,
-            report.repeated_bytes,
-            report.unseen_context,
+        rules = TokenRules.of(
+            report,
             minimum if minimum is not None else minimum_cacheable_tokens(api, model),
             step if step is not None else cache_granularity_tokens(api, model),
             caching,
@@ -589,7 +586,9 @@ class PrefixJob:
         if record is None or rules is None:
             return None
         repeated, missed, unmarked = token_counts(rules, prompt_tokens, cached_tokens)
-        return record.with_tokens(repeated, missed, unmarked)
+        return record._replace(
+            repeated_tokens=repeated, missed_tokens=missed, missed_unmarked_tokens=unmarked
+        )
 
 
 def _resolve(waiter: asyncio.Future[None]) -> None:

@@ -140,6 +140,26 @@ class TokenRules(NamedTuple):
     caching: Caching = Caching.IMPLICIT
     marked_bytes: int | None = None  # where the last cache breakpoint ends
 
+    @classmethod
+    def of(
+        cls,
+        report: PrefixReport,
+        minimum: int = 0,
+        step: int = 1,
+        caching: Caching = Caching.IMPLICIT,
+        marked_bytes: int | None = None,
+    ) -> TokenRules:
+        """The rules for ``report`` under an upstream's ``minimum`` and ``step``."""
+        return cls(
+            report.prompt_bytes,
+            report.repeated_bytes,
+            report.unseen_context,
+            minimum,
+            step,
+            caching,
+            marked_bytes,
+        )
+
 
 def token_counts(
     rules: TokenRules, prompt_tokens: int | None, cached_tokens: int | None
@@ -182,15 +202,7 @@ def cache_tokens(
     request asks for caching by breakpoints (``caching``), the missed tokens past
     ``marked_bytes`` (the last breakpoint's end; None: none) are also said apart: a
     breakpoint whose prefix is below the minimum asks for nothing a cache could hold."""
-    rules = TokenRules(
-        report.prompt_bytes,
-        report.repeated_bytes,
-        report.unseen_context,
-        minimum_tokens,
-        granularity_tokens,
-        caching,
-        marked_bytes,
-    )
+    rules = TokenRules.of(report, minimum_tokens, granularity_tokens, caching, marked_bytes)
     repeated, missed, unmarked = token_counts(rules, prompt_tokens, cached_tokens)
     return CacheTokens(repeated, cached_tokens, missed, unmarked)
 
