@@ -123,8 +123,6 @@ class PrefixRecord(NamedTuple):
 
     prompt_bytes: int  # the prompt's parts, as the doctor reads them
     repeated_bytes: int  # the leading bytes a recent request sent within the window
-    repeated_tokens: int | None  # those, at the request's own tokens-per-byte ratio
-    missed_tokens: int | None  # repeated (cacheable) but not reported cached; None: unknown
     break_reason: str = ""  # why the prefix stopped repeating; "" where it did not break
     break_part: str = ""  # the part's kind where it broke ("" for the scope's reasons)
     break_index: int | None = None  # the part's position in its array in the body
@@ -134,9 +132,13 @@ class PrefixRecord(NamedTuple):
     changed_bytes: int | None = None  # variable_before_stable: the changed run, block-rounded
     stable_bytes: int | None = None  # variable_before_stable: the bytes after it seen before
     # Why the request was not examined (proxy.doctor.job.UNCHECKED_REASONS); "" when it
-    # was. When set, the fields above hold nothing (see not_examined).
+    # was. When set, the other fields hold nothing (see not_examined).
     unchecked: str = ""
     index_s: float | None = None  # the shared index's round trip; None in process
+    # The token figures, last: known only at the finish, from the usage, so that the
+    # finish makes the record from the rest in one step (``PrefixJob.record``).
+    repeated_tokens: int | None = None  # the repeated bytes, at the request's tokens per byte
+    missed_tokens: int | None = None  # repeated (cacheable) but not reported cached
     # Of missed_tokens, those past the last cache breakpoint on a request whose provider
     # caches only marked prefixes (Anthropic's cache_control, OpenAI's explicit mode): no
     # cache was asked to serve them. None where every repeated prefix may be cached.
@@ -152,7 +154,7 @@ class PrefixRecord(NamedTuple):
         """The record of a request the doctor did not examine: only why (and how long a
         failed exchange with the shared index took); every reader checks ``unchecked``
         first."""
-        return cls(0, 0, None, None, unchecked=reason, index_s=index_s)
+        return cls(0, 0, unchecked=reason, index_s=index_s)
 
 
 @dataclass(frozen=True, slots=True)

@@ -279,7 +279,8 @@ def test_missed_cache_tokens_from_the_doctors_findings() -> None:
     """Through the proxy's own Metrics: the mean of the missed tokens the doctor knew
     (a request whose usage had no cached field is unknown, not 0)."""
     metrics, registry = fresh()
-    found = [PrefixRecord(8000, 6000, 1500, missed) for missed in (1200, 0, 900, None)]
+    found = [PrefixRecord(8000, 6000, repeated_tokens=1500, missed_tokens=missed)
+             for missed in (1200, 0, 900, None)]
     for i, p in enumerate(found):
         metrics.observe(record(i, prompt_tokens=2000, prefix=p), measured=True)
     (chat,) = ev.evidence(ev.read_registry(registry))

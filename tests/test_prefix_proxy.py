@@ -847,6 +847,38 @@ async def test_a_job_that_never_got_its_turn_runs_at_the_finish() -> None:
     check.close()
 
 
+async def test_a_record_is_its_examination_with_the_usages_tokens_in_their_fields() -> None:
+    """The finish's record is the batch's, with the tokens :func:`cache_tokens` gives for
+    the usage under the upstream's rules, each in its own field (the finish builds the
+    record by position: a field added or moved out of place fails here)."""
+    from proxy.doctor.report import cache_tokens
+    from proxy.measure import PrefixRecord
+
+    check = PrefixCheck()
+    spec = UpstreamSpec(name=UP, url="http://u/v1", min_cacheable_tokens=100,
+                        cache_granularity_tokens=64)
+    body = chat(("system", STABLE), ("user", "hi"))
+    size = len(json.dumps(body))
+    jobs = []
+    for at in (T0, T0 + 1):
+        job = check.begin(DIALECTS[CHAT], body, spec, at, 200, size)
+        assert job is not None
+        await job.settle()
+        jobs.append(job)
+    examination = jobs[1].examination
+    assert examination is not None and examination.report is not None
+    assert examination.record is not None
+    expected = cache_tokens(examination.report, 1000, 300, minimum_tokens=100,
+                            granularity_tokens=64)
+    assert expected.repeated and expected.missed  # figures worth comparing: none is 0
+    record = jobs[1].record(1000, 300)
+    assert isinstance(record, PrefixRecord)
+    assert record._asdict() == examination.record._replace(
+        repeated_tokens=expected.repeated, missed_tokens=expected.missed,
+        missed_unmarked_tokens=expected.unmarked)._asdict()
+    check.close()
+
+
 async def test_a_streams_job_waits_for_its_prefill_and_is_stamped_then() -> None:
     """A stream's job joins no batch until its first output event (ready), and is stamped
     at that time; a stream that ends without one is stamped at its headers, at the

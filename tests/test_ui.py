@@ -730,7 +730,8 @@ def test_the_card_and_the_prompt_panel_over_the_last_minute() -> None:
 
     def stream(i: int, per_1k_s: float, missed: int) -> RequestRecord:
         tokens = 1000 + 100 * (i % 10)
-        p = PrefixRecord(4 * tokens, 2000, 500, missed, "system_changed", "system", 0, 0)
+        p = PrefixRecord(4 * tokens, 2000, "system_changed", "system", 0, 0,
+                         repeated_tokens=500, missed_tokens=missed)
         return record(i, prompt_tokens=tokens, cached_prompt_tokens=0, queue_s=0.0,
                       ttft_s=0.05 + per_1k_s * tokens / 1000, prefix=p)
 
@@ -775,7 +776,8 @@ def test_recent_breaks_keep_the_latest_of_each_and_stay_bounded() -> None:
     breaks = RecentBreaks(clock, max_keys=3)
 
     def broken(i: int, model: str, reason: str, tokens: int | None = 1000) -> RequestRecord:
-        p = PrefixRecord(4000, 0, 0, 0, reason, "message", i, 0, "user", 900, 256, 2000)
+        p = PrefixRecord(4000, 0, reason, "message", i, 0, "user", 900, 256, 2000,
+                         repeated_tokens=0, missed_tokens=0)
         return record(i, model=model, prompt_tokens=tokens, prefix=p)
 
     breaks.add(record(0))  # no doctor's finding: nothing kept

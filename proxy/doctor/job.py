@@ -74,6 +74,10 @@ LATE = "late"  # the finish came before the examination ended, and waited no lon
 FAILED = "failed"  # the doctor raised (logged with its traceback)
 UNCHECKED_REASONS = (STORE_DOWN, STORE_TIMEOUT, STORE_ERROR, TOO_LARGE, BUSY, LATE, FAILED)
 
+# Where a record's token figures start: its last fields, in token_counts' order
+TOKENS_AT = PrefixRecord._fields.index("repeated_tokens")
+_new = tuple.__new__
+
 
 class Place(enum.Enum):
     """Where a prompt is examined, decided from its estimated size before any part is
@@ -507,8 +511,6 @@ class PrefixJob:
         record = PrefixRecord(
             prompt_bytes=report.prompt_bytes,
             repeated_bytes=report.repeated_bytes,
-            repeated_tokens=None,
-            missed_tokens=None,
             break_reason=report.reason or "",
             break_part=report.part or "",
             break_index=report.index,
@@ -585,10 +587,10 @@ class PrefixJob:
         record, rules = examination.record, examination.rules
         if record is None or rules is None:
             return None
-        repeated, missed, unmarked = token_counts(rules, prompt_tokens, cached_tokens)
-        return record._replace(
-            repeated_tokens=repeated, missed_tokens=missed, missed_unmarked_tokens=unmarked
-        )
+        counts = token_counts(rules, prompt_tokens, cached_tokens)
+        # one C call, not NamedTuple._replace's Python frames, which cost the finish
+        # (cold, once a request) more than their work (benchmarks/RESULTS.md)
+        return _new(PrefixRecord, record[:TOKENS_AT] + counts)
 
 
 def _resolve(waiter: asyncio.Future[None]) -> None:

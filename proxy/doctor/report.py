@@ -164,7 +164,8 @@ class TokenRules(NamedTuple):
 def token_counts(
     rules: TokenRules, prompt_tokens: int | None, cached_tokens: int | None
 ) -> tuple[int | None, int | None, int | None]:
-    """(repeated, missed, unmarked) tokens by ``rules``, as :func:`cache_tokens` says."""
+    """(repeated, missed, unmarked) tokens by ``rules``, as :func:`cache_tokens` says: the
+    order of :class:`~proxy.measure.PrefixRecord`'s last fields."""
     prompt_bytes, repeated_bytes, unknown, minimum, step, caching, marked_bytes = rules
     if prompt_tokens is None or prompt_tokens <= 0 or prompt_bytes <= 0 or unknown:
         return None, None, None
