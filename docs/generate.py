@@ -280,7 +280,9 @@ def _metrics(settings: config.Settings) -> dict[str, _Metric]:
     registry = _RecordingRegistry()
     Metrics(registry, metrics_options(settings, {}))
     found: dict[str, _Metric] = {}
-    for collector in registry.collectors:
+    # a collector of several metrics (the doctor's: proxy.doctor.metrics) names them
+    each = (m for c in registry.collectors for m in getattr(c, "metrics", (c,)))
+    for collector in each:
         (family,) = collector.describe()
         if not hasattr(collector, "_labelnames"):
             raise SourceError(f"{family.name}: not a prometheus_client Counter, Gauge or "

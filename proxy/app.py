@@ -198,6 +198,8 @@ class ProxyApp:
         await self.upstreams.aclose()
         if self.v1.prefix is not None:
             self.v1.prefix.close()
+        if self.metrics is not None:  # the doctor's last findings (a worker's files)
+            self.metrics.prefix.flush()
         if self.request_log is not None:  # every buffered line written: off the loop
             await asyncio.to_thread(self.request_log.close)
         if self.capture is not None:  # likewise every buffered workload line

@@ -10,7 +10,6 @@ from bisect import bisect_left
 from collections import Counter as _Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import choose_encoder
@@ -20,11 +19,11 @@ from proxy import config
 from proxy.config import OVERHEAD_BUCKETS, QUEUE_BUCKETS
 from proxy.diagnosis.fit import KTOKENS
 from proxy.diagnosis.fit import SAMPLES as FIT_SAMPLES
+from proxy.doctor.metrics import PrefixMetrics
 from proxy.doctor.provider import agreement
-from proxy.measure import Outcome, PrefixRecord, RequestRecord
+from proxy.measure import Outcome, RequestRecord
 from proxy.metric_help import (
     ITL_HELP,
-    PREFIX_HELP,
     TPOT_HELP,
     TTFA_HELP,
     TTFB_HELP,
@@ -35,9 +34,6 @@ from proxy.workload_capture import SKIP_REASONS
 OTHER_MODEL = "other"
 UNKNOWN_MODEL = "unknown"
 _EXEMPLAR_MAX = 64  # exemplar label sets are limited to 128 UTF-8 characters in all
-
-SHARE_BUCKETS: tuple[float, ...] = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95,
-                                    0.99, 1.0)
 
 
 # The finish_reason label of llm_proxy_finish_reasons_total: each API's words for why an
@@ -82,31 +78,6 @@ def observe_many(child: Histogram, values: Sequence[float]) -> None:
     for index, count in counts.items():
         buckets[index].inc(count)
     total.inc(math.fsum(values))
-
-
-def observe_one(child: Histogram, value: float) -> None:
-    """``child.observe(value)`` by bisection, with no walk over the buckets in Python:
-    for histograms observed once per request off the stream (the prompt-cache doctor's).
-    The same internals as :func:`observe_many`, and the same fallback."""
-    try:
-        bucket = child._buckets[bisect_left(child._upper_bounds, value)]
-    except AttributeError:  # pragma: no cover - a future prometheus_client
-        child.observe(value)
-        return
-    bucket.inc(1)
-    child._sum.inc(value)
-
-
-def add(child: Counter, amount: float) -> None:
-    """``child.inc(amount)`` for a labelled child and an ``amount`` known not negative,
-    without the checks of either: for counters incremented once per request off the
-    stream (the prompt-cache doctor's). The same internals as :func:`observe_one`."""
-    try:
-        value = child._value
-    except AttributeError:  # pragma: no cover - a future prometheus_client
-        child.inc(amount)
-        return
-    value.inc(amount)
 
 
 def _exemplar(record: RequestRecord) -> dict[str, str]:
@@ -254,7 +225,7 @@ class Metrics:
         tb = options.token_buckets
         self.tokens = {field: Histogram(name, help_text, who, buckets=tb, registry=reg)
                        for field, name, help_text in _TOKEN_HISTOGRAMS}
-        self._init_prefix(reg, base, tb)
+        self.prefix = PrefixMetrics(reg, base, tb, held=not self.multiprocess)  # the doctor's
         self.outcomes = Counter(
             "llm_proxy_stream_outcomes", "How each stream ended: completed (its last event reached the client, even if the "
             "client closed before the upstream's final bytes), client_disconnected (the client "
@@ -314,7 +285,8 @@ class Metrics:
 
         ``llm_proxy_requests_total`` is incremented last, so whoever sees a request
         counted (a scrape, a test polling the registry from another thread) also sees
-        every other observation of that request.
+        every other observation of that request: the prompt-cache doctor's wait for a
+        batch in one process, and are observed when collected, after this counter.
         """
         stream = "true" if record.stream else "false"
         exemplar = None if self.multiprocess else _exemplar(record)
@@ -341,7 +313,7 @@ class Metrics:
             if (count := getattr(record, field)) is not None:
                 child.observe(count)
         if record.prefix is not None:
-            self._observe_prefix(record, record.prefix)
+            self.prefix.hold((record.route, record.model, record.upstream), record.prefix)
         if record.stream:
             if record.outcome is not Outcome.REJECTED:
                 self.outcomes.labels(record.route, record.model, record.upstream,
@@ -484,86 +456,6 @@ class Metrics:
             child = self._provider_children.get(labels)
             if child is None:
                 child = self._provider_children[labels] = self.provider_reasons.labels(*labels)
-            child.inc()
-
-    # -- the prompt-cache doctor (proxy.doctor.job) -----------------------------------
-
-    def _init_prefix(self, reg: CollectorRegistry, base: tuple[str, ...],
-                     token_buckets: Sequence[float]) -> None:
-        self.prompt_repeated_tokens = Counter(
-            "llm_proxy_prompt_repeated_tokens", PREFIX_HELP["repeated"], base, registry=reg)
-        self.prompt_cache_missed_tokens = Counter(
-            "llm_proxy_prompt_cache_missed_tokens", PREFIX_HELP["missed"], base, registry=reg)
-        self.prompt_cache_unmarked_tokens = Counter(
-            "llm_proxy_prompt_cache_missed_unmarked_tokens", PREFIX_HELP["unmarked"], base,
-            registry=reg)
-        self.prompt_prefix_breaks = Counter(
-            "llm_proxy_prompt_prefix_breaks", PREFIX_HELP["breaks"], (*base, "reason", "part"),
-            registry=reg)
-        self.prompt_repeated_ratio = Histogram(
-            "llm_proxy_prompt_repeated_prefix_ratio", PREFIX_HELP["ratio"], base,
-            buckets=SHARE_BUCKETS, registry=reg)
-        self.prompt_cache_missed_per_request = Histogram(
-            "llm_proxy_prompt_cache_missed_tokens_per_request", PREFIX_HELP["missed_hist"], base,
-            buckets=token_buckets, registry=reg)
-        self.prompt_prefix_unchecked = Counter(
-            "llm_proxy_prompt_prefix_unchecked", PREFIX_HELP["unchecked"], (*base, "reason"),
-            registry=reg)
-        self.prompt_prefix_index_seconds = Histogram(
-            "llm_proxy_prompt_prefix_index_seconds", PREFIX_HELP["index_seconds"], ("result",),
-            buckets=OVERHEAD_BUCKETS, registry=reg)
-        self._prefix_children: dict[tuple[str, str, str], tuple[Any, ...]] = {}
-        self._break_children: dict[tuple[str, ...], Counter] = {}
-        self._unmarked_children: dict[tuple[str, str, str], Counter] = {}  # breakpoint routes
-        self._unchecked_children: dict[tuple[str, ...], Counter] = {}
-        self._index_children: dict[str, Histogram] = {}  # made on first use: no samples
-                                                         # while nothing is sent to a store
-
-    def _observe_prefix(self, record: RequestRecord, p: PrefixRecord) -> None:
-        key = (record.route, record.model, record.upstream)
-        if p.index_s is not None:
-            result = ("timeout" if p.unchecked == "store_timeout"
-                      else "error" if p.unchecked else "ok")
-            hist = self._index_children.get(result)
-            if hist is None:
-                hist = self._index_children[result] = self.prompt_prefix_index_seconds.labels(
-                    result)
-            hist.observe(p.index_s)
-        if p.unchecked:
-            why = (*key, p.unchecked)
-            counter = self._unchecked_children.get(why)
-            if counter is None:
-                counter = self._unchecked_children[why] = self.prompt_prefix_unchecked.labels(
-                    *why)
-            counter.inc()
-            return
-        c = self._prefix_children.get(key)
-        if c is None:
-            c = self._prefix_children[key] = (
-                self.prompt_repeated_tokens.labels(*key),
-                self.prompt_cache_missed_tokens.labels(*key),
-                self.prompt_repeated_ratio.labels(*key),
-                self.prompt_cache_missed_per_request.labels(*key))
-        repeated, missed, ratio, missed_hist = c
-        if p.prompt_bytes:
-            observe_one(ratio, p.repeated_bytes / p.prompt_bytes)  # p.repeated_share
-        if p.repeated_tokens:
-            add(repeated, p.repeated_tokens)
-        if p.missed_tokens is not None:
-            if p.missed_tokens:
-                add(missed, p.missed_tokens)
-            observe_one(missed_hist, p.missed_tokens)
-        if p.missed_unmarked_tokens is not None:
-            unmarked = self._unmarked_children.get(key)
-            if unmarked is None:
-                unmarked = self._unmarked_children[key] = (
-                    self.prompt_cache_unmarked_tokens.labels(*key))
-            unmarked.inc(p.missed_unmarked_tokens)
-        if p.break_reason:
-            labels = (*key, p.break_reason, p.break_part or "none")
-            child = self._break_children.get(labels)
-            if child is None:
-                child = self._break_children[labels] = self.prompt_prefix_breaks.labels(*labels)
             child.inc()
 
     @staticmethod

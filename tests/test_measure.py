@@ -494,7 +494,8 @@ def test_observe_many_and_observe_one_equal_observe_each(values: list[float]) ->
     give exactly the histogram per-value observe gives (a value on a bound included)."""
     from prometheus_client import CollectorRegistry, Histogram
 
-    from proxy.metrics import observe_many, observe_one
+    from proxy.doctor.metrics import observe_one
+    from proxy.metrics import observe_many
 
     registry = CollectorRegistry()
     batched = Histogram("batched", "h", buckets=ITL_BUCKETS, registry=registry)
@@ -520,7 +521,7 @@ def test_add_equals_inc(amounts: list[int]) -> None:
     """The doctor's counters, incremented without the checks, equal ``inc``."""
     from prometheus_client import CollectorRegistry, Counter
 
-    from proxy.metrics import add
+    from proxy.doctor.metrics import add
 
     registry = CollectorRegistry()
     added = Counter("added", "c", ["route"], registry=registry)

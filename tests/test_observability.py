@@ -173,12 +173,12 @@ def proxy_exposition() -> str:
                         app.metrics.fit_skipped):
             counter.labels("/v1/chat/completions", "m", "sim")
         app.metrics.finish_reasons.labels("/v1/chat/completions", "m", "sim", "stop")
-        for metric in (app.metrics.prompt_repeated_tokens, app.metrics.prompt_cache_missed_tokens,
-                       app.metrics.prompt_repeated_ratio,
-                       app.metrics.prompt_cache_missed_per_request):
+        doctor = app.metrics.prefix
+        for metric in (doctor.repeated_tokens, doctor.missed_tokens, doctor.repeated_ratio,
+                       doctor.missed_per_request):
             metric.labels("/v1/chat/completions", "m", "sim")
-        app.metrics.prompt_prefix_breaks.labels("/v1/chat/completions", "m", "sim",
-                                                "variable_before_stable", "system")
+        doctor.breaks.labels("/v1/chat/completions", "m", "sim", "variable_before_stable",
+                             "system")
         try:
             transport = httpx.ASGITransport(app=app)
             async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as client:

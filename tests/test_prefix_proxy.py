@@ -232,6 +232,20 @@ def expected(route: str, repeated_bytes: int, prompt_bytes: int, prompt: int, ca
     return repeated, max(0, cacheable // step * step - cached)
 
 
+async def test_the_doctors_last_findings_are_observed_at_shutdown(tmp_path: Path) -> None:
+    """A finding waits for its batch (doctor.metrics.PrefixMetrics) and the app's shutdown
+    observes it without a collection: a worker's files get it so."""
+    clock, answers = ScriptedClock(T0), Answers()
+    app, _, _ = doctor_app(answers, clock, tmp_path)
+    body = chat(("system", STABLE), ("user", "hi"))
+    async with app:
+        for at in (T0, T0 + 1):
+            assert (await post(app, clock, CHAT, body, at=at)).status_code == 200
+        ratio = app.metrics.prefix.repeated_ratio.labels(CHAT, "m", UP)
+        assert ratio._sum.get() == 0  # held: no collection yet
+    assert ratio._sum.get() == 1.0  # the second request repeated the first whole
+
+
 # ---------------------------------------------------------------------------
 # Repeated, reported and missed, exact, for each API
 

@@ -550,7 +550,7 @@ async def test_by_upstream_and_model_from_real_requests(tmp_path: Path) -> None:
         # A second route with traffic: rows per route too.
         assert await send(http, clock, "gpt-4o", route=COMPLETIONS) == 200
         # The prompt-cache doctor's counters, once the registry has samples of them.
-        app.metrics.prompt_cache_missed_tokens.labels(CHAT, "gpt-4o", "fast").inc(30)
+        app.metrics.prefix.missed_tokens.labels(CHAT, "gpt-4o", "fast").inc(30)
         page.now += 1.0
         table = data.answer(("", "", ""))["table"]
         assert table["by_route"] is True and table["missed_measured"] is True

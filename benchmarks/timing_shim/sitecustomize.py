@@ -19,7 +19,8 @@ too (on the loop, and in their thread per batch), to compare what each costs a r
 adds two clock reads (about 0.8 us each on this machine, a system call), so nested
 figures run high by a few microseconds; the outer ones (``begin``, ``ready``,
 ``start``, ``record``, ``observe``) are what one request pays; to time only those (fewer
-clock reads inside them), set ``LLM_PROXY_DOCTOR_TIMING_STEPS=begin,ready,start,record,observe``.
+clock reads inside them), set ``LLM_PROXY_DOCTOR_TIMING_STEPS=begin,ready,start,record,observe``
+(``observe`` holds a finding; ``flush`` observes the findings held, a batch at a time).
 The ``gc`` line counts every collection in the process, whoever's objects it visits
 (``gc0``-``gc2``: by generation); a step's time leaves out the collections that ran
 inside it. Requests are counted as ``Metrics.observe`` records them, so the ``gc``
@@ -44,6 +45,7 @@ def _install(prefix: str) -> None:
     import proxy.doctor.index as index
     import proxy.doctor.job as check
     import proxy.doctor.keys as keys
+    import proxy.doctor.metrics as prefix_metrics
     import proxy.metrics as metrics
     import proxy.reqlog as reqlog
     import proxy.workload_capture as capture
@@ -88,7 +90,8 @@ def _install(prefix: str) -> None:
         (index.LruPrefixIndex, "exchange", "exchange"),
         (doctor, "examine", "examine"),
         (check.PrefixJob, "record", "record"),
-        (metrics.Metrics, "_observe_prefix", "observe"),
+        (prefix_metrics.PrefixMetrics, "hold", "observe"),  # at the finish
+        (prefix_metrics.PrefixMetrics, "flush", "flush"),  # a batch of findings
         (capture.WorkloadCapture, "add", "capture_add"),  # on the loop
         (capture.WorkloadCapture, "_emit", "capture_emit"),  # in its writer thread, per batch
         (reqlog.RequestLog, "write", "reqlog_write"),

@@ -1,0 +1,186 @@
+"""The prompt-cache doctor's Prometheus metrics (:class:`PrefixMetrics`), observed a batch
+of findings at a time.
+
+Design: ``docs/design/doctor.md``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from bisect import bisect_left
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.metrics_core import Metric
+
+from proxy.config import OVERHEAD_BUCKETS
+from proxy.measure import PrefixRecord
+from proxy.metric_help import PREFIX_HELP
+
+# Findings wait and are observed together: once this many wait, this long after the
+# first of them, and before any collection of the registry.
+BATCH = 64
+BATCH_S = 1.0
+
+SHARE_BUCKETS: tuple[float, ...] = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95,
+                                    0.99, 1.0)
+
+Key = tuple[str, str, str]  # (route, model, upstream)
+
+
+def observe_one(child: Histogram, value: float) -> None:
+    """``child.observe(value)`` by bisection, with no walk over the buckets in Python.
+    Relies on prometheus_client's histogram child internals (``_upper_bounds``,
+    ``_buckets``, ``_sum``, stable since 0.4); falls back to ``observe`` without them."""
+    try:
+        bucket = child._buckets[bisect_left(child._upper_bounds, value)]
+    except AttributeError:  # pragma: no cover - a future prometheus_client
+        child.observe(value)
+        return
+    bucket.inc(1)
+    child._sum.inc(value)
+
+
+def add(child: Counter, amount: float) -> None:
+    """``child.inc(amount)`` for a labelled child and an ``amount`` known not negative,
+    without the checks of either. The same internals as :func:`observe_one`."""
+    try:
+        value = child._value
+    except AttributeError:  # pragma: no cover - a future prometheus_client
+        child.inc(amount)
+        return
+    value.inc(amount)
+
+
+class PrefixMetrics:
+    """The doctor's metrics in ``registry``, labelled ``labels`` (route, model, upstream)
+    and a reason where they have one. A finding (:meth:`hold`) waits for :meth:`flush`,
+    which observes every waiting one: at :data:`BATCH` of them, :data:`BATCH_S` after the
+    first (so a worker's files get them), before any collection of these metrics (one
+    collector in the registry, for all of them), and at once without a running event
+    loop, or not ``held`` (worker processes: a scrape reads their files, and cannot
+    flush them). One finding alone, at its request's finish, costs several times its
+    work: the code and the children it touches are cold (``docs/design/doctor.md``)."""
+
+    def __init__(self, registry: CollectorRegistry, labels: tuple[str, ...],
+                 token_buckets: Sequence[float], *, held: bool = True) -> None:
+        self._batch = BATCH if held else 1
+        self._due: deque[tuple[Key, PrefixRecord]] = deque()
+        self._timer = False  # a flush is due BATCH_S after the first finding waiting
+        reg = None  # each metric is collected through this one (collect)
+        self.repeated_tokens = Counter(
+            "llm_proxy_prompt_repeated_tokens", PREFIX_HELP["repeated"], labels, registry=reg)
+        self.missed_tokens = Counter(
+            "llm_proxy_prompt_cache_missed_tokens", PREFIX_HELP["missed"], labels, registry=reg)
+        self.unmarked_tokens = Counter(
+            "llm_proxy_prompt_cache_missed_unmarked_tokens", PREFIX_HELP["unmarked"], labels,
+            registry=reg)
+        self.breaks = Counter(
+            "llm_proxy_prompt_prefix_breaks", PREFIX_HELP["breaks"], (*labels, "reason", "part"),
+            registry=reg)
+        self.repeated_ratio = Histogram(
+            "llm_proxy_prompt_repeated_prefix_ratio", PREFIX_HELP["ratio"], labels,
+            buckets=SHARE_BUCKETS, registry=reg)
+        self.missed_per_request = Histogram(
+            "llm_proxy_prompt_cache_missed_tokens_per_request", PREFIX_HELP["missed_hist"],
+            labels, buckets=token_buckets, registry=reg)
+        self.unchecked = Counter(
+            "llm_proxy_prompt_prefix_unchecked", PREFIX_HELP["unchecked"], (*labels, "reason"),
+            registry=reg)
+        self.index_seconds = Histogram(
+            "llm_proxy_prompt_prefix_index_seconds", PREFIX_HELP["index_seconds"], ("result",),
+            buckets=OVERHEAD_BUCKETS, registry=reg)
+        self._children: dict[Key, tuple[Any, ...]] = {}
+        self._break_children: dict[tuple[str, ...], Counter] = {}
+        self._unmarked_children: dict[Key, Counter] = {}  # breakpoint routes
+        self._unchecked_children: dict[tuple[str, ...], Counter] = {}
+        self._index_children: dict[str, Histogram] = {}  # made on first use: no samples
+                                                         # while nothing is sent to a store
+        self.metrics = (  # all of them, for collect and describe
+            self.repeated_tokens, self.missed_tokens, self.unmarked_tokens, self.breaks,
+            self.repeated_ratio, self.missed_per_request, self.unchecked, self.index_seconds)
+        registry.register(self)
+
+    def describe(self) -> list[Metric]:
+        """The metrics' descriptions: the names the registry knows them by."""
+        return [family for metric in self.metrics for family in metric.describe()]
+
+    def collect(self) -> list[Metric]:
+        """Every finding held observed, then the metrics."""
+        self.flush()
+        return [family for metric in self.metrics for family in metric.collect()]
+
+    def hold(self, key: Key, finding: PrefixRecord) -> None:
+        """One request's finding, under its labels, to observe at the next :meth:`flush`."""
+        due = self._due
+        due.append((key, finding))
+        if len(due) >= self._batch:
+            self.flush()
+        elif not self._timer:
+            try:
+                asyncio.get_running_loop().call_later(BATCH_S, self._timed)
+            except RuntimeError:  # no running loop: a caller outside the server
+                self.flush()
+            else:
+                self._timer = True
+
+    def _timed(self) -> None:
+        self._timer = False
+        self.flush()
+
+    def flush(self) -> None:
+        """Observe the waiting findings, oldest first. Any thread: the loop's, a
+        scrape's (each finding is taken by one of them)."""
+        due, observe = self._due, self._observe
+        while due:
+            try:
+                key, finding = due.popleft()
+            except IndexError:  # another thread took the last one
+                return
+            observe(key, finding)
+
+    def _observe(self, key: Key, p: PrefixRecord) -> None:
+        if p.index_s is not None:
+            result = ("timeout" if p.unchecked == "store_timeout"
+                      else "error" if p.unchecked else "ok")
+            hist = self._index_children.get(result)
+            if hist is None:
+                hist = self._index_children[result] = self.index_seconds.labels(result)
+            hist.observe(p.index_s)
+        if p.unchecked:
+            why = (*key, p.unchecked)
+            counter = self._unchecked_children.get(why)
+            if counter is None:
+                counter = self._unchecked_children[why] = self.unchecked.labels(*why)
+            counter.inc()
+            return
+        c = self._children.get(key)
+        if c is None:
+            c = self._children[key] = (
+                self.repeated_tokens.labels(*key),
+                self.missed_tokens.labels(*key),
+                self.repeated_ratio.labels(*key),
+                self.missed_per_request.labels(*key))
+        repeated, missed, ratio, missed_hist = c
+        if p.prompt_bytes:
+            observe_one(ratio, p.repeated_bytes / p.prompt_bytes)  # p.repeated_share
+        if p.repeated_tokens:
+            add(repeated, p.repeated_tokens)
+        if p.missed_tokens is not None:
+            if p.missed_tokens:
+                add(missed, p.missed_tokens)
+            observe_one(missed_hist, p.missed_tokens)
+        if p.missed_unmarked_tokens is not None:
+            unmarked = self._unmarked_children.get(key)
+            if unmarked is None:
+                unmarked = self._unmarked_children[key] = self.unmarked_tokens.labels(*key)
+            unmarked.inc(p.missed_unmarked_tokens)
+        if p.break_reason:
+            labels = (*key, p.break_reason, p.break_part or "none")
+            child = self._break_children.get(labels)
+            if child is None:
+                child = self._break_children[labels] = self.breaks.labels(*labels)
+            child.inc()
+

@@ -1,0 +1,78 @@
+"""The prompt-cache doctor's metrics observe its findings a batch at a time: held at each
+request's finish, observed before any collection (a scrape, the live page's restricted
+reading), at a batch's size, a moment after the first, and at once where no event loop
+runs (at shutdown: ``test_prefix_proxy.py``)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from proxy.config import TOKEN_BUCKETS
+from proxy.doctor import metrics as doctor_metrics
+from proxy.doctor.metrics import BATCH, PrefixMetrics
+from proxy.measure import PrefixRecord
+from proxy.metrics import Metrics, MetricsOptions
+
+pytestmark = pytest.mark.anyio
+
+KEY = ("/v1/chat/completions", "m", "up")
+REPEATED = "llm_proxy_prompt_repeated_tokens_total"
+
+
+def finding(tokens: int = 100) -> PrefixRecord:
+    return PrefixRecord(4000, 2000, "system_changed", "system", 0, 0, repeated_tokens=tokens,
+                        missed_tokens=10)
+
+
+def observed(metrics: PrefixMetrics) -> float:
+    """The counter's value as it stands, without a collection (which would flush)."""
+    return float(metrics.repeated_tokens.labels(*KEY)._value.get())
+
+
+async def test_findings_wait_for_a_collection_which_sees_them_all() -> None:
+    registry = CollectorRegistry()
+    metrics = PrefixMetrics(registry, ("route", "model", "upstream"), TOKEN_BUCKETS)
+    for _ in range(3):
+        metrics.hold(KEY, finding())
+    assert observed(metrics) == 0  # held
+    assert registry.get_sample_value(REPEATED, dict(zip(("route", "model", "upstream"), KEY,
+                                                        strict=True))) == 300
+    restricted = registry.restricted_registry([REPEATED])  # as the live page reads
+    metrics.hold(KEY, finding(5))
+    (family,) = [f for f in restricted.collect() if f.name == REPEATED.removesuffix("_total")]
+    assert [s.value for s in family.samples if s.name == REPEATED] == [305]
+
+
+async def test_a_full_batch_is_observed_at_once_and_the_rest_a_moment_later(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(doctor_metrics, "BATCH_S", 0.0)  # the timer: at the loop's next turn
+    metrics = PrefixMetrics(CollectorRegistry(), ("route", "model", "upstream"), TOKEN_BUCKETS)
+    for _ in range(BATCH):  # the first starts the timer; the batch's size comes first
+        metrics.hold(KEY, finding(1))
+    assert observed(metrics) == BATCH
+    metrics.hold(KEY, finding(1))  # waits for the timer
+    assert observed(metrics) == BATCH
+    for _ in range(100):  # the timer's turn of the loop
+        if observed(metrics) == BATCH + 1:
+            break
+        await asyncio.sleep(0)
+    assert observed(metrics) == BATCH + 1
+
+
+async def test_worker_processes_observe_each_finding_at_once(tmp_path: Path) -> None:
+    """With workers, a scrape reads their files and cannot flush what one holds: so
+    nothing is held, and a request counted has its finding in the files too."""
+    metrics = Metrics(CollectorRegistry(), MetricsOptions(multiprocess_dir=str(tmp_path)))
+    metrics.prefix.hold(KEY, finding())
+    assert observed(metrics.prefix) == 100
+
+
+def test_without_an_event_loop_a_finding_is_observed_at_once() -> None:
+    metrics = PrefixMetrics(CollectorRegistry(), ("route", "model", "upstream"), TOKEN_BUCKETS)
+    metrics.hold(KEY, finding())
+    assert observed(metrics) == 100
