@@ -89,7 +89,8 @@ class ProxyApp:
         read = (self.metrics, self.request_log, self.tracing, self.capture)
         prefix = (PrefixCheck(window_s=s.prefix_window, index_bytes=s.prefix_index_bytes,
                               cache_index=s.cache_index, env=env, clock=clock,
-                              secret=self.capture.secret if self.capture is not None else None)
+                              secret=self.capture.secret if self.capture is not None else None,
+                              keep_keys=self.capture is not None)
                   if s.prefix_doctor and any(r is not None for r in read) else None)
         self.v1 = V1Handler(
             options=HandlerOptions(

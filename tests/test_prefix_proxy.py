@@ -246,6 +246,36 @@ async def test_the_doctors_last_findings_are_observed_at_shutdown(tmp_path: Path
     assert ratio._sum.get() == 1.0  # the second request repeated the first whole
 
 
+@pytest.mark.parametrize("capture", [False, True])
+async def test_a_jobs_keys_stay_with_it_only_for_the_workload_capture(
+    capture: bool, tmp_path: Path
+) -> None:
+    """The prompt's keys outlive the batch only where the workload capture reads them at
+    the finish; the record is the same either way."""
+    clock, answers = ScriptedClock(T0), Answers()
+    settings = {"workload_file": str(tmp_path / "w.jsonl"), "workload_block_size": 256}
+    app, _, log_file = doctor_app(answers, clock, tmp_path, **(settings if capture else {}))
+    check = app.v1.prefix
+    jobs: list[PrefixJob] = []
+    begin = check.begin
+
+    def kept(*args: Any, **kwargs: Any) -> PrefixJob | None:
+        job = begin(*args, **kwargs)
+        if job is not None:
+            jobs.append(job)
+        return job
+
+    check.begin = kept
+    body = chat(("system", STABLE), ("user", "hi"))
+    async with app:
+        for at in (T0, T0 + 1):
+            assert (await post(app, clock, CHAT, body, at=at)).status_code == 200
+    assert len(jobs) == 2 and all(job.examination is not None for job in jobs)
+    assert all((job.hashed is not None) is capture for job in jobs)
+    assert [line["repeated_prefix_bytes"] for line in lines(log_file)] == [0, sum(
+        sizes(CHAT, body))]
+
+
 # ---------------------------------------------------------------------------
 # Repeated, reported and missed, exact, for each API
 

@@ -91,11 +91,10 @@ class Place(enum.Enum):
 
 class Examination(NamedTuple):
     """One examination's result: the report (None: nothing to examine, or not examined),
-    why it was not examined ("" when it was, or there was nothing to examine), the shared
-    index's round trip (None: in process, or nothing was sent), the prompt's keys
-    for the workload capture (:mod:`proxy.workload_capture`), kept when the shared index
-    failed, and the request's record but its tokens, with the rules that give them from
-    the usage (both worked out in the batch, so that the finish does arithmetic only)."""
+    why it was not examined ("" when it was, or nothing to examine), the shared index's
+    round trip (None: in process, or nothing sent), the prompt's keys for the workload
+    capture (kept when the shared index failed), and the record but its tokens, with the
+    rules that give them from the usage (worked out in the batch: the finish adds)."""
 
     report: PrefixReport | None
     unchecked: str = ""
@@ -136,6 +135,8 @@ class PrefixCheck:
             worker processes that capture one workload share one.
         clock: the request path's monotonic clock (seconds), which every time given to
             :meth:`begin` and :meth:`PrefixJob.ready` reads.
+        keep_keys: whether a job keeps its prompt's keys (:attr:`PrefixJob.hashed`) for
+            the workload capture; else they go with the batch, not with the request.
     """
 
     def __init__(
@@ -148,7 +149,9 @@ class PrefixCheck:
         env: Mapping[str, str] | None = None,
         secret: bytes | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        keep_keys: bool = True,
     ) -> None:
+        self.keep_keys = keep_keys
         window_ms = round(window_s * 1000)
         horizon_ms = max(DEFAULT_HORIZON_MS, 2 * window_ms)
         self.shared: RedisPrefixIndex | None = None
@@ -488,7 +491,8 @@ class PrefixJob:
                 held_ms=None if held is None else round(held * 1000),
             )
         except IndexUnavailable as exc:  # the keys stay, for the workload capture
-            hashed = exc.hashed if isinstance(exc.hashed, HashedPrompt) else None
+            keys = exc.hashed if check.keep_keys else None
+            hashed = keys if isinstance(keys, HashedPrompt) else None
             return Examination(None, exc.reason, exc.round_trip_s, hashed)
         except Exception:
             check._warn("prompt-cache doctor failed; the request is not examined", trace=True)
@@ -500,13 +504,12 @@ class PrefixJob:
         # the upstream's caching rules, for the record (worked out here, off the request)
         api = self._dialect.name
         minimum, step = spec.min_cacheable_tokens, spec.cache_granularity_tokens
-        caching, marked = prompt.caching, prompt.marked_bytes
         rules = TokenRules.of(
             report,
             minimum if minimum is not None else minimum_cacheable_tokens(api, model),
             step if step is not None else cache_granularity_tokens(api, model),
-            caching,
-            marked,
+            prompt.caching,
+            prompt.marked_bytes,
         )
         record = PrefixRecord(
             prompt_bytes=report.prompt_bytes,
@@ -521,7 +524,7 @@ class PrefixJob:
             stable_bytes=report.stable_bytes,
             index_s=index_s,
         )
-        return Examination(report, "", index_s, hashed, record, rules)
+        return Examination(report, "", index_s, hashed if check.keep_keys else None, record, rules)
 
     @property
     def settled(self) -> bool:
@@ -569,8 +572,7 @@ class PrefixJob:
 
     @property
     def hashed(self) -> HashedPrompt | None:
-        """The prompt's keys (digests, no text), once examined; None before, or when it
-        was not."""
+        """The prompt's keys (digests, no text), once examined and if kept; else None."""
         examination = self.examination
         return examination.hashed if examination is not None else None
 
