@@ -76,3 +76,12 @@ def test_without_an_event_loop_a_finding_is_observed_at_once() -> None:
     metrics = PrefixMetrics(CollectorRegistry(), ("route", "model", "upstream"), TOKEN_BUCKETS)
     metrics.hold(KEY, finding())
     assert observed(metrics) == 100
+
+
+def test_a_scrape_reads_the_request_count_before_the_doctors_findings() -> None:
+    """A collection reads llm_proxy_requests_total before the doctor's metrics, whose
+    collection observes what is held: every request a scrape counts has its findings in
+    the same scrape."""
+    metrics = Metrics(CollectorRegistry())
+    names = [family.name for family in metrics.registry.collect()]
+    assert names.index("llm_proxy_requests") < names.index("llm_proxy_prompt_repeated_tokens")
