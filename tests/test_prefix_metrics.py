@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry
 
 from proxy.config import TOKEN_BUCKETS
 from proxy.doctor import metrics as doctor_metrics
-from proxy.doctor.metrics import BATCH, PrefixMetrics
+from proxy.doctor.metrics import FLUSH_EVERY, PrefixMetrics
 from proxy.measure import PrefixRecord
 from proxy.metrics import Metrics, MetricsOptions
 
@@ -50,18 +50,18 @@ async def test_findings_wait_for_a_collection_which_sees_them_all() -> None:
 async def test_a_full_batch_is_observed_at_once_and_the_rest_a_moment_later(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(doctor_metrics, "BATCH_S", 0.0)  # the timer: at the loop's next turn
+    monkeypatch.setattr(doctor_metrics, "FLUSH_AFTER_S", 0.0)  # at the loop's next turn
     metrics = PrefixMetrics(CollectorRegistry(), ("route", "model", "upstream"), TOKEN_BUCKETS)
-    for _ in range(BATCH):  # the first starts the timer; the batch's size comes first
+    for _ in range(FLUSH_EVERY):  # the first starts the timer; the count comes first
         metrics.hold(KEY, finding(1))
-    assert observed(metrics) == BATCH
+    assert observed(metrics) == FLUSH_EVERY
     metrics.hold(KEY, finding(1))  # waits for the timer
-    assert observed(metrics) == BATCH
+    assert observed(metrics) == FLUSH_EVERY
     for _ in range(100):  # the timer's turn of the loop
-        if observed(metrics) == BATCH + 1:
+        if observed(metrics) == FLUSH_EVERY + 1:
             break
         await asyncio.sleep(0)
-    assert observed(metrics) == BATCH + 1
+    assert observed(metrics) == FLUSH_EVERY + 1
 
 
 async def test_worker_processes_observe_each_finding_at_once(tmp_path: Path) -> None:

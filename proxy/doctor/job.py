@@ -591,7 +591,7 @@ class PrefixJob:
             return None
         counts = token_counts(rules, prompt_tokens, cached_tokens)
         # one C call, not NamedTuple._replace's Python frames, which cost the finish
-        # (cold, once a request) more than their work (benchmarks/RESULTS.md)
+        # (cold, once a request) more than their work (benchmarks/RESULTS.md, 2026-12-04)
         return _new(PrefixRecord, record[:TOKENS_AT] + counts)
 
 

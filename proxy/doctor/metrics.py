@@ -20,9 +20,9 @@ from proxy.measure import PrefixRecord
 from proxy.metric_help import PREFIX_HELP
 
 # Findings wait and are observed together: once this many wait, this long after the
-# first of them, and before any collection of the registry.
-BATCH = 64
-BATCH_S = 1.0
+# first of them, and before any collection of these metrics.
+FLUSH_EVERY = 64
+FLUSH_AFTER_S = 1.0
 
 SHARE_BUCKETS: tuple[float, ...] = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95,
                                     0.99, 1.0)
@@ -57,18 +57,19 @@ def add(child: Counter, amount: float) -> None:
 class PrefixMetrics:
     """The doctor's metrics in ``registry``, labelled ``labels`` (route, model, upstream)
     and a reason where they have one. A finding (:meth:`hold`) waits for :meth:`flush`,
-    which observes every waiting one: at :data:`BATCH` of them, :data:`BATCH_S` after the
-    first (so a worker's files get them), before any collection of these metrics (one
-    collector in the registry, for all of them), and at once without a running event
-    loop, or not ``held`` (worker processes: a scrape reads their files, and cannot
-    flush them). One finding alone, at its request's finish, costs several times its
-    work: the code and the children it touches are cold (``docs/design/doctor.md``)."""
+    which observes every waiting one: at :data:`FLUSH_EVERY` of them,
+    :data:`FLUSH_AFTER_S` after the first (so a worker's files get them), before any
+    collection of these metrics (one collector in the registry, for all of them), and at
+    once without a running event loop, or not ``held`` (worker processes: a scrape reads
+    their files, and cannot flush them). One finding alone, at its request's finish,
+    costs several times its work: the code and the children it touches are cold
+    (``docs/design/doctor.md``)."""
 
     def __init__(self, registry: CollectorRegistry, labels: tuple[str, ...],
                  token_buckets: Sequence[float], *, held: bool = True) -> None:
-        self._batch = BATCH if held else 1
+        self._every = FLUSH_EVERY if held else 1
         self._due: deque[tuple[Key, PrefixRecord]] = deque()
-        self._timer = False  # a flush is due BATCH_S after the first finding waiting
+        self._timer = False  # a flush is due FLUSH_AFTER_S after the first finding held
         reg = None  # each metric is collected through this one (collect)
         self.repeated_tokens = Counter(
             "llm_proxy_prompt_repeated_tokens", PREFIX_HELP["repeated"], labels, registry=reg)
@@ -116,11 +117,11 @@ class PrefixMetrics:
         """One request's finding, under its labels, to observe at the next :meth:`flush`."""
         due = self._due
         due.append((key, finding))
-        if len(due) >= self._batch:
+        if len(due) >= self._every:
             self.flush()
         elif not self._timer:
             try:
-                asyncio.get_running_loop().call_later(BATCH_S, self._timed)
+                asyncio.get_running_loop().call_later(FLUSH_AFTER_S, self._timed)
             except RuntimeError:  # no running loop: a caller outside the server
                 self.flush()
             else:
@@ -183,4 +184,3 @@ class PrefixMetrics:
             if child is None:
                 child = self._break_children[labels] = self.breaks.labels(*labels)
             child.inc()
-
