@@ -279,22 +279,15 @@ class PrefixCheck:
         batch = self._batch
         batch.append(job)
         blocks = body_bytes // self._block_bytes
-        self._batch_blocks += self._counted(body_bytes)
-        if (
-            self._batch_blocks >= BATCH_BLOCKS
-            or len(batch) >= BATCH_JOBS
-            or blocks > INLINE_MAX_BLOCKS
-        ):
+        self._batch_blocks += _counted(blocks)
+        full = self._batch_blocks >= BATCH_BLOCKS or len(batch) >= BATCH_JOBS
+        if full or blocks > INLINE_MAX_BLOCKS:
             if self._batch_timer is not None:
                 self._batch_timer.cancel()
             self._batch_timer = loop.call_soon(self.run_batch)
             self._batch_soon = True
         elif self._batch_timer is None:
             self._batch_timer = loop.call_later(BATCH_S, self.run_batch)
-
-    def _counted(self, body_bytes: int) -> int:
-        """What a body counts toward :data:`BATCH_BLOCKS`."""
-        return min(1 + body_bytes // self._block_bytes, BATCH_BLOCKS // BATCH_LEAST)
 
     def run_batch(self, upto: PrefixJob | None = None) -> None:
         """Examine the batch's jobs, in order, for :data:`BATCH_TURN_S` of this turn of the
@@ -312,7 +305,7 @@ class PrefixCheck:
                 break
         rest = self._batch = batch[n:]
         if rest and upto is not None and upto._started:  # the rest waits as it did
-            ran = sum(self._counted(job._body_bytes) for job in batch[:n])
+            ran = sum(_counted(job._body_bytes // self._block_bytes) for job in batch[:n])
             self._batch_blocks = max(0, self._batch_blocks - ran)  # 0 once a turn was cut
             return
         if self._batch_timer is not None:
@@ -593,6 +586,11 @@ class PrefixJob:
         # one C call, not NamedTuple._replace's Python frames, which cost the finish
         # (cold, once a request) more than their work (benchmarks/RESULTS.md, 2026-12-04)
         return _new(PrefixRecord, record[:TOKENS_AT] + counts)
+
+
+def _counted(blocks: int) -> int:
+    """What a body of ``blocks`` whole blocks counts toward :data:`BATCH_BLOCKS`."""
+    return min(1 + blocks, BATCH_BLOCKS // BATCH_LEAST)
 
 
 def _resolve(waiter: asyncio.Future[None]) -> None:

@@ -70,36 +70,36 @@ class PrefixMetrics:
         self._every = FLUSH_EVERY if held else 1
         self._due: deque[tuple[Key, PrefixRecord]] = deque()
         self._timer = False  # a flush is due FLUSH_AFTER_S after the first finding held
-        reg = None  # each metric is collected through this one (collect)
         self.repeated_tokens = Counter(
-            "llm_proxy_prompt_repeated_tokens", PREFIX_HELP["repeated"], labels, registry=reg)
+            "llm_proxy_prompt_repeated_tokens", PREFIX_HELP["repeated"], labels, registry=None)
         self.missed_tokens = Counter(
-            "llm_proxy_prompt_cache_missed_tokens", PREFIX_HELP["missed"], labels, registry=reg)
+            "llm_proxy_prompt_cache_missed_tokens", PREFIX_HELP["missed"], labels, registry=None)
         self.unmarked_tokens = Counter(
             "llm_proxy_prompt_cache_missed_unmarked_tokens", PREFIX_HELP["unmarked"], labels,
-            registry=reg)
+            registry=None)
         self.breaks = Counter(
             "llm_proxy_prompt_prefix_breaks", PREFIX_HELP["breaks"], (*labels, "reason", "part"),
-            registry=reg)
+            registry=None)
         self.repeated_ratio = Histogram(
             "llm_proxy_prompt_repeated_prefix_ratio", PREFIX_HELP["ratio"], labels,
-            buckets=SHARE_BUCKETS, registry=reg)
+            buckets=SHARE_BUCKETS, registry=None)
         self.missed_per_request = Histogram(
             "llm_proxy_prompt_cache_missed_tokens_per_request", PREFIX_HELP["missed_hist"],
-            labels, buckets=token_buckets, registry=reg)
+            labels, buckets=token_buckets, registry=None)
         self.unchecked = Counter(
             "llm_proxy_prompt_prefix_unchecked", PREFIX_HELP["unchecked"], (*labels, "reason"),
-            registry=reg)
+            registry=None)
         self.index_seconds = Histogram(
             "llm_proxy_prompt_prefix_index_seconds", PREFIX_HELP["index_seconds"], ("result",),
-            buckets=OVERHEAD_BUCKETS, registry=reg)
+            buckets=OVERHEAD_BUCKETS, registry=None)
         self._children: dict[Key, tuple[Any, ...]] = {}
         self._break_children: dict[tuple[str, ...], Counter] = {}
         self._unmarked_children: dict[Key, Counter] = {}  # breakpoint routes
         self._unchecked_children: dict[tuple[str, ...], Counter] = {}
         self._index_children: dict[str, Histogram] = {}  # made on first use: no samples
                                                          # while nothing is sent to a store
-        self.metrics = (  # all of them, for collect and describe
+        # each metric in no registry: this collector collects them (collect, describe)
+        self.metrics = (
             self.repeated_tokens, self.missed_tokens, self.unmarked_tokens, self.breaks,
             self.repeated_ratio, self.missed_per_request, self.unchecked, self.index_seconds)
         registry.register(self)
