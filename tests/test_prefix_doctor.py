@@ -850,8 +850,14 @@ def test_repeated_prefix_is_the_longest_common_block_prefix_over_the_window(
 SETTLE_STEPS = st.sampled_from([0, 1, 10, 500, 20_000, 2 * WINDOW])
 
 
+# Parts that may open with request settings, whose keys the scope's anchors leave out
+SETTLED_PART = st.tuples(st.sampled_from(["settings", "system", "message", "tools"]),
+                         st.sampled_from(["", "user", "assistant"]), TEXTS)
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(st.tuples(st.lists(PART, min_size=1, max_size=4), st.sampled_from(["m1", "m2"]),
+@given(st.lists(st.tuples(st.lists(SETTLED_PART, min_size=1, max_size=4),
+                          st.sampled_from(["m1", "m2"]),
                           SETTLE_STEPS, st.sampled_from([0, 5, 30])), min_size=1, max_size=12),
        st.randoms(use_true_random=False))
 def test_a_settled_index_reports_what_one_that_writes_every_stamp_reports(
@@ -873,7 +879,10 @@ def test_a_settled_index_reports_what_one_that_writes_every_stamp_reports(
         earlier.append((parts, model))
         now += step
         prompt = [PromptPart(kind, i, role, data) for i, (kind, role, data) in enumerate(parts)]
-        hashed = hasher.hash(prompt, upstream="u", model=model)
+        anchor = 0  # the first part of prompt text, as PrefixDoctor.look finds it
+        while anchor < len(prompt) - 1 and prompt[anchor].kind == "settings":
+            anchor += 1
+        hashed = hasher.hash(prompt, upstream="u", model=model, anchor=anchor)
         assert hashed is not None
         seen = settled.exchange(hashed.probe(), now, now + prefill)
         truth = exact.exchange(hashed.probe(), now, now + prefill)
@@ -904,6 +913,30 @@ def test_a_part_that_heads_another_requests_part_still_has_its_chunks_written() 
     seen, truth = send(head, 20)
     assert truth.ended[0] == 10  # the first part's chunk, as the second request held it
     assert seen.ended[0] == truth.ended[0]
+
+
+def test_the_scopes_keys_are_written_unless_the_covered_head_holds_the_texts_first_block(
+) -> None:
+    """The root and the anchors are skipped with a covered head only where it holds the
+    first block of prompt text (the anchors name it): a head of request settings alone
+    does not, so a new text after the same settings still has its anchors written."""
+    hasher = PromptHasher(block_bytes=4, chunk_bytes=4)
+    settled, exact = LruPrefixIndex(), LruPrefixIndex(settle_ms=0)
+
+    def send(text: bytes, at: int) -> tuple[HashedPrompt, Sightings, Sightings]:
+        prompt = [PromptPart("settings", 0, "tools", b"abcdefgh"),
+                  PromptPart("message", 1, "user", text)]
+        hashed = hasher.hash(prompt, upstream="u", model="m", anchor=1)
+        assert hashed is not None
+        probe = hashed.probe()
+        return hashed, settled.exchange(probe, at), exact.exchange(probe, at)
+
+    send(b"first question", 0)
+    send(b"other question", 10)  # the settings' blocks covered, the text's not
+    hashed, seen, truth = send(b"other question", 20)
+    anchors = range(len(hashed.keys) - 2, len(hashed.keys))
+    assert [truth.ended[i] for i in anchors] == [10, 10]
+    assert [seen.ended[i] for i in anchors] == [truth.ended[i] for i in anchors]
 
 
 def test_a_prompt_held_whole_within_the_settle_writes_nothing() -> None:

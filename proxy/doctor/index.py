@@ -90,6 +90,9 @@ class Probe:
     # index past its chunks, and that of a chain key (in ``nested``) held only with the
     # part whole, so with its chunks (``proxy.doctor.keys._probe``)
     tied: tuple[tuple[int, int], ...] = ()
+    # the probe index of a key in ``nested`` whose holders held every key past ``nested``
+    # too (a prompt's scope: held with its first block of text); -1: none
+    scoped: int = -1
 
     def __post_init__(self) -> None:
         if len(self.keys) != len(self.marks):
@@ -168,8 +171,8 @@ class LruPrefixIndex:
         is neither written nor touched (``docs/design/doctor.md``, "Settled keys"): a
         prompt held whole so (its last key) writes nothing and reads one key now, the
         rest when asked; of the others, the covered head of ``probe.nested`` (found by
-        bisection: its keys nest) is skipped with the chunks ``probe.tied`` ties to it,
-        and read only when asked, as the keys of a prompt held whole are: only the keys
+        bisection: its keys nest) is skipped with the chunks ``probe.tied`` ties to it
+        and, holding ``probe.scoped``, the keys past the range, and read only when asked, as the keys of a prompt held whole are: only the keys
         it writes or evicts keep their entries from before. The runs' latest stamps lag
         up to ``settle_ms``, so a run may be read as expired that much early."""
         keys, marks = probe.keys, probe.marks
@@ -208,9 +211,10 @@ class LruPrefixIndex:
             touch = entries.move_to_end
             on, cl_at = CONTINUED, _CL  # locals: this loop runs per key
             fresh_on, fresh_end = (h << _CS) | (h << _CL), (h << _ES) | h
+            rest = stop if cut <= probe.scoped < stop else len(keys)  # the scope's: held
             for key, mark in chain(
                 zip(keys[skip:cut], marks[skip:cut], strict=True),
-                zip(keys[stop:], marks[stop:], strict=True),
+                zip(keys[stop:rest], marks[stop:rest], strict=True),
             ):
                 # this request's stamp h into the run of its kind, unless the run holds it
                 # already or ends at most a settle before it; most stamps are the run's

@@ -89,13 +89,16 @@ def _probe(
     first_block: list[int],
     shapes: list[PartShape],
     block_bytes: int,
+    anchor: int,
 ) -> Probe:
     """The probe of a prompt laid out as :class:`HashedPrompt` says (``chunks`` chunk keys,
     then the chain, then three of the scope), with its nested chain and each part's
     chunks tied to a chain key held only with the part whole: its last block's where
     that block is short (a short block ends every part that holds it), else the next
     part's first block's (a whole block may go on in a longer part: a chain key names
-    bytes, not where a part ends); a last part of whole blocks, to none."""
+    bytes, not where a part ends); a last part of whole blocks, to none. The scope's
+    keys are held with the first block of part ``anchor``, the first part of text after
+    any settings parts, whose bytes the anchors name."""
     blocks = len(keys) - chunks - 3
     top = chunks + blocks - 1  # the probe index of chain block 0
     past = (*first_chunk[1:], chunks)  # each part's chunks end where the next's begin
@@ -108,7 +111,11 @@ def _probe(
             tied.append((end, top - after))  # the next part's first block
         else:
             break
-    return Probe(keys, marks, (chunks, chunks + blocks), tuple(tied))
+    # the scope's keys, with the first block of text: a settings part may be followed by
+    # text in another prompt, whose anchors are that text's
+    text = shapes[anchor].kind != "settings"
+    scoped = top - first_block[anchor] if text else -1
+    return Probe(keys, marks, (chunks, chunks + blocks), tuple(tied), scoped)
 
 
 _SEEN = bytes([SEEN])
@@ -443,7 +450,7 @@ class PromptHasher:
             anchors,
             probe_keys,
             marks,
-            _probe(probe_keys, marks, len(chunks), first_chunk, first_block, shapes, size),
+            _probe(probe_keys, marks, len(chunks), first_chunk, first_block, shapes, size, anchor),
         )
         if kept and len(keys) <= self._recall_max:  # within a share of the part cache's
             if self._recall_keys + len(keys) > self._recall_max:
