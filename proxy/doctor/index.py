@@ -172,9 +172,10 @@ class LruPrefixIndex:
         prompt held whole so (its last key) writes nothing and reads one key now, the
         rest when asked; of the others, the covered head of ``probe.nested`` (found by
         bisection: its keys nest) is skipped with the chunks ``probe.tied`` ties to it
-        and, holding ``probe.scoped``, the keys past the range, and read only when asked, as the keys of a prompt held whole are: only the keys
-        it writes or evicts keep their entries from before. The runs' latest stamps lag
-        up to ``settle_ms``, so a run may be read as expired that much early."""
+        and, holding ``probe.scoped``, the keys past the range, and read only when
+        asked, as the keys of a prompt held whole are: only the keys it writes or evicts
+        keep their entries from before. The runs' latest stamps lag up to ``settle_ms``,
+        so a run may be read as expired that much early."""
         keys, marks = probe.keys, probe.marks
         m, w, settle = _TICK_MAX, self.window_ms, self.settle_ms
         with self._lock:
