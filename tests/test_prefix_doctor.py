@@ -18,6 +18,7 @@ import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -891,6 +892,52 @@ def test_a_settled_index_reports_what_one_that_writes_every_stamp_reports(
         for i in range(len(hashed.keys)):
             assert (seen.continued[i] >= cutoff, seen.ended[i] >= cutoff, i in seen.after) == (
                 truth.continued[i] >= cutoff, truth.ended[i] >= cutoff, i in truth.after), i
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.lists(SETTLED_PART, min_size=1, max_size=4), st.booleans(),
+                          st.integers(0, 2)), min_size=1, max_size=16),
+       st.randoms(use_true_random=False))
+def test_a_prompts_parts_before_its_last_recalled_give_the_keys_a_bare_hasher_gives(
+        requests: list[tuple[list[tuple[str, str, bytes]], bool, int]],
+        rng: random.Random) -> None:
+    """Prompts that share their parts but the last (one system prompt, a question of
+    each request's own) are laid out from the hasher's record of those parts: with
+    settings ahead, parts of whole blocks, empty parts, indices moved, a last part seen
+    before, an anchor on a settings part, the keys are a bare hasher's (no part kept)."""
+    secret = os.urandom(32)
+    kept = PromptHasher(secret, block_bytes=4, chunk_bytes=4)
+    bare = PromptHasher(secret, block_bytes=4, chunk_bytes=4, part_cache_keys=0)
+    earlier: list[list[tuple[str, str, bytes]]] = []
+    for parts, moved, model in requests:
+        if earlier and rng.random() < 0.7:  # an earlier prompt's parts but its last, then
+            lead = rng.choice(earlier)
+            parts = lead[:-1] + parts[-1:] if len(lead) > 1 else lead + parts[-1:]
+        earlier.append(parts)
+        prompt = [PromptPart(kind, i + moved, role, data)
+                  for i, (kind, role, data) in enumerate(parts)]
+        anchor = 0  # the first part of text, as PrefixDoctor.look finds it; or the first
+        while anchor < len(prompt) - 1 and prompt[anchor].kind == "settings" and moved:
+            anchor += 1
+        model_name = f"m{model}"
+        assert kept.hash(prompt, upstream="u", model=model_name, anchor=anchor) == bare.hash(
+            prompt, upstream="u", model=model_name, anchor=anchor)
+
+
+def test_a_system_prompt_before_new_questions_is_laid_out_from_its_record() -> None:
+    """From the third prompt on (the first keeps the system part, the second records
+    it as the parts before a last one), a new question's keys are laid after the
+    record's, as a bare hasher lays them out."""
+    secret = os.urandom(32)
+    kept = PromptHasher(secret)
+    bare = PromptHasher(secret, part_cache_keys=0)
+    system = PromptPart("system", 0, "system", (STABLE * 3).encode())
+    with mock.patch.object(kept, "_after", wraps=kept._after) as laid:
+        for n in range(4):
+            prompt = [system, PromptPart("message", 1, "user", f"question {n}".encode())]
+            assert kept.hash(prompt, upstream="u", model="m") == bare.hash(
+                prompt, upstream="u", model="m")
+    assert laid.call_count == 2 and len(kept._leads) == 1 and not bare._leads
 
 
 def test_a_part_that_heads_another_requests_part_still_has_its_chunks_written() -> None:

@@ -152,6 +152,31 @@ class _HashedPart(NamedTuple):
     state: Any  # the running keyed hash after the part (a blake2b object; copied on use)
 
 
+class _Lead(NamedTuple):
+    """A prompt's parts but its last, laid out as :class:`HashedPrompt` lays them out, for
+    a prompt that goes on with a part of its own (one system prompt, a new question)."""
+
+    parts: tuple[PartShape, ...]
+    chain: tuple[bytes, ...]
+    first_block: tuple[int, ...]
+    chunks: tuple[bytes, ...]
+    ends: tuple[int, ...]
+    first_chunk: tuple[int, ...]
+    tied: tuple[tuple[int, int], ...]  # per part: the chunk index past it, its tied block
+    keys: tuple[bytes, ...]  # the chain from its last block to its first, the scope's keys
+    anchors: tuple[bytes, bytes]
+    anchor: int
+    scoped: int | None  # the chain block the scope's keys are tied to (_probe)
+    state: Any  # the running keyed hash after it (copied on use)
+
+    def leads(self, parts: Sequence[PromptPart], anchor: int) -> bool:
+        """Whether these are the parts of ``parts`` but its last, whose names matched: the
+        same count, anchor part and indices (which the names leave out)."""
+        if self.anchor != anchor or len(self.parts) != len(parts) - 1:
+            return False
+        return all(shape.index == part[1] for shape, part in zip(self.parts, parts, strict=False))
+
+
 def _keep(cache: dict[Any, Any], key: Any, value: Any) -> None:
     """Remember ``value`` in one of a hasher's small caches, emptied when full (what they
     hold costs a few digests to make again)."""
@@ -263,6 +288,10 @@ class PromptHasher:
         # whole prompts hashed a moment ago, by their last chain key and anchor part
         self._prompts: dict[tuple[bytes, int], HashedPrompt] = {}
         self._recall_keys = 0
+        # prompts' parts but their last (:class:`_Lead`), by the name of their last part,
+        # within the same share of keys as the prompts recalled
+        self._leads: dict[bytes, _Lead] = {}
+        self._lead_keys = 0
         # the names of last parts hashed once and not kept (:meth:`_again`)
         self._sighted: set[bytes] = set()
         self._sighted_max = max(_HEADS_MAX, part_cache_keys // 16)
@@ -353,10 +382,14 @@ class PromptHasher:
         recalled = self._recall(parts, root, anchor, names)
         if recalled is not None:
             return recalled
-        size, least, most = self.block_bytes, self.chunk_bytes, self.chunk_max
-        condense, blocks_of, new_chunk = xxh3_128_digest, self._blocks, self._chunk.copy
-        running = chain_start.copy()
-        update, snapshot = running.update, running.copy
+        last = len(parts) - 1
+        led = len(names) > last > anchor  # every part before the last known, the anchor's too
+        if led:
+            lead = self._leads.get(names[-2])
+            if lead is not None and lead.leads(parts, anchor):
+                return self._after(lead, parts[last], names[last], root)
+        size = self.block_bytes
+        running = chain_start.copy()  # the keyed chain hash, updated part by part
         heads, head_of = self._heads, self._head
         chain: list[bytes] = []
         first_block: list[int] = []
@@ -383,45 +416,15 @@ class PromptHasher:
                 chunks.extend(known.chunks)
                 ends.extend(known.ends)
                 running = known.state.copy()
-                update, snapshot = running.update, running.copy
                 before = chain[-1]
                 continue
-            at_chain, at_chunk = len(chain), len(chunks)
-            view = memoryview(data)
-            update(head)  # a part's first block also covers its kind and role
-            whole = length - length % size  # bytes in whole blocks
-            leaf = b""
-            if whole:  # whole blocks: condensed at C speed, one key after each
-                for leaf in starmap(condense, blocks_of(view[:whole])):
-                    update(leaf)
-                    chain.append(snapshot().digest())
-            if whole < length or not length:  # a short last block, or an empty part
-                leaf = condense(view[whole:])
-                update(leaf)
-                chain.append(snapshot().digest())
-            under = new_chunk()
-            under.update(root + head)
-            cut = chunk_ends(data, least, most)
-            if length <= size and len(cut) == 1:  # one block, one chunk: one leaf
-                link = under.copy()
-                link.update(leaf)
-                chunks.append(link.digest())
-            else:
-                start = 0
-                for end in cut:
-                    link = under.copy()
-                    link.update(condense(view[start:end]))
-                    chunks.append(link.digest())
-                    start = end
-            ends.extend(cut)
+            hashed_part = self._new_part(running, head, data, root)
+            chain.extend(hashed_part.chain)
+            chunks.extend(hashed_part.chunks)
+            ends.extend(hashed_part.ends)
             before = chain[-1]
             if p < len(parts) - 1 or self._again(name):
-                self._remember(
-                    name,
-                    _HashedPart(
-                        tuple(chain[at_chain:]), tuple(chunks[at_chunk:]), tuple(cut), snapshot()
-                    ),
-                )
+                self._remember(name, hashed_part)
             else:
                 kept = False
         named = chain[first_block[anchor]]  # names the scope and the blocks up to the anchor's
@@ -446,17 +449,144 @@ class PromptHasher:
             tuple(chunks),
             tuple(ends),
             tuple(first_chunk),
-            least,
+            self.chunk_bytes,
             anchors,
             probe_keys,
             marks,
             _probe(probe_keys, marks, len(chunks), first_chunk, first_block, shapes, size, anchor),
         )
-        if kept and len(keys) <= self._recall_max:  # within a share of the part cache's
-            if self._recall_keys + len(keys) > self._recall_max:
+        if led:  # the next prompt with these parts before a part of its own: from here
+            self._lead(hashed, names[-2], anchor)
+        if kept:
+            self._recalled(hashed, anchor)
+        return hashed
+
+    def _recalled(self, hashed: HashedPrompt, anchor: int) -> None:
+        """Keep ``hashed`` for :meth:`_recall`, within a share of the part cache's keys."""
+        size = len(hashed.keys)
+        if size <= self._recall_max:
+            if self._recall_keys + size > self._recall_max:
                 self._prompts, self._recall_keys = {}, 0
-            self._prompts[chain[-1], anchor] = hashed
-            self._recall_keys += len(keys)
+            self._prompts[hashed.chain[-1], anchor] = hashed
+            self._recall_keys += size
+
+    def _lead(self, hashed: HashedPrompt, name: bytes, anchor: int) -> None:
+        """Keep the parts of ``hashed`` but its last, whose last part's name is ``name``,
+        as a :class:`_Lead`, within the share of keys :meth:`_recalled` keeps."""
+        known = self._parts.get(name)
+        size = len(hashed.keys)
+        if known is None or size > self._recall_max:
+            return
+        parts, first_block, first_chunk = hashed.parts, hashed.first_block, hashed.first_chunk
+        last = len(parts) - 1
+        blocks, chunks = first_block[last], first_chunk[last]
+        # as _probe ties them (a part followed by another always has a tie): a short last
+        # block's, else the next part's first block's
+        tied = tuple(
+            (first_chunk[p + 1], first_block[p + 1] - (shape.size % self.block_bytes != 0
+                                                        or not shape.size))
+            for p, shape in enumerate(parts[:last])
+        )
+        lead = _Lead(
+            parts[:last],
+            hashed.chain[:blocks],
+            first_block[:last],
+            hashed.chunks[:chunks],
+            hashed.chunk_ends[:chunks],
+            first_chunk[:last],
+            tied,
+            (*hashed.chain[blocks - 1 :: -1], *hashed.keys[-3:]),
+            hashed.anchors,
+            anchor,
+            first_block[anchor] if parts[anchor].kind != "settings" else None,
+            known.state,
+        )
+        if self._lead_keys + size > self._recall_max:
+            self._leads, self._lead_keys = {}, 0
+        self._leads[name] = lead
+        self._lead_keys += size
+
+    def _new_part(self, running: Any, head: bytes, data: bytes, root: bytes) -> _HashedPart:
+        """The keys of a part of ``data`` under ``head`` (its kind and role) not hashed
+        before: its chain blocks, from ``running`` (the keyed hash of the prompt before
+        it, updated in place), and its content chunks, under ``root``."""
+        size, condense = self.block_bytes, xxh3_128_digest
+        update, snapshot = running.update, running.copy
+        chain: list[bytes] = []
+        view = memoryview(data)
+        length = len(data)
+        update(head)  # a part's first block also covers its kind and role
+        whole = length - length % size  # bytes in whole blocks
+        leaf = b""
+        if whole:  # whole blocks: condensed at C speed, one key after each
+            for leaf in starmap(condense, self._blocks(view[:whole])):
+                update(leaf)
+                chain.append(snapshot().digest())
+        if whole < length or not length:  # a short last block, or an empty part
+            leaf = condense(view[whole:])
+            update(leaf)
+            chain.append(snapshot().digest())
+        under = self._chunk.copy()
+        under.update(root + head)
+        cut = chunk_ends(data, self.chunk_bytes, self.chunk_max)
+        if length <= size and len(cut) == 1:  # one block, one chunk: one leaf
+            under.update(leaf)
+            chunks: tuple[bytes, ...] = (under.digest(),)
+        else:
+            links: list[bytes] = []
+            start = 0
+            for end in cut:
+                link = under.copy()
+                link.update(condense(view[start:end]))
+                links.append(link.digest())
+                start = end
+            chunks = tuple(links)
+        return _HashedPart(tuple(chain), chunks, tuple(cut), snapshot())
+
+    def _after(self, lead: _Lead, part: PromptPart, name: bytes, root: bytes) -> HashedPrompt:
+        """The keys of ``lead``'s parts followed by ``part`` (named ``name``): the part's
+        keys (hashed, or from the part cache) laid after the lead's, as :meth:`hash`
+        lays out a prompt it hashes whole."""
+        kind, index, role, data = part
+        head = self._heads.get((kind, role)) or self._head(kind, role)
+        with self._parts_lock:
+            known = self._parts.get(name)
+            if known is not None:
+                self._parts.move_to_end(name)
+        kept = known is not None
+        if known is None:
+            known = self._new_part(lead.state.copy(), head, data, root)
+            if self._again(name):
+                self._remember(name, known)
+                kept = True
+        chain = lead.chain + known.chain
+        chunks = lead.chunks + known.chunks
+        n, blocks = len(chunks), len(chain)
+        top = n + blocks - 1  # the probe index of chain block 0
+        keys = (*chunks, *known.chain[::-1], *lead.keys)
+        marks = _SEEN * n + _ENDED_CHAIN + _CONTINUED * (blocks - 1) + _SCOPE_MARKS
+        tied = [(end, top - block) for end, block in lead.tied]
+        length = len(data)
+        if length % self.block_bytes or not length:  # a short last block: its chunks' tie
+            tied.append((n, top - blocks + 1))
+        scoped = -1 if lead.scoped is None else top - lead.scoped
+        hashed = HashedPrompt(
+            self.block_bytes,
+            (*lead.parts, PartShape(kind, index, role, length)),
+            root,
+            chain,
+            (*lead.first_block, len(lead.chain)),
+            chunks,
+            lead.ends + known.ends,
+            (*lead.first_chunk, len(lead.chunks)),
+            self.chunk_bytes,
+            lead.anchors,
+            keys,
+            marks,
+            Probe(keys, marks, (n, n + blocks), tuple(tied), scoped),
+        )
+        if kept:
+            self._recalled(hashed, lead.anchor)
         return hashed
 
     def _recall(
