@@ -296,7 +296,9 @@ def run_scenario(exchange: Exchange, slack: int = 0) -> None:
         return got == want if want == NEVER else want - slack <= got <= want + slack
 
     # A arrives at 0, done at 100. B arrives at 50, before: A's sighting is after it.
-    assert exchange(went_on, 0, 100) == Sightings([NEVER], [NEVER], {})
+    first = exchange(went_on, 0, 100)
+    assert (list(first.continued), list(first.ended), dict(first.after)) == ([NEVER], [NEVER], {})
+    assert first.times(0) == (NEVER, NEVER) and first.last(0) == NEVER and not first.late(0)
     b = exchange(went_on, 50, 150)
     assert (b.continued[0], b.ended[0]) == (NEVER, NEVER) and near(b.after[0], 100)
     # C arrives at 200, after both: the last sighting at or before it is B's, at 150.

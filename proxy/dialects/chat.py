@@ -249,7 +249,8 @@ def _chat_prompt(payload: Mapping[str, Any]) -> Prompt:
     messages = payload.get("messages")
     marks = explicit_marks(payload)
     if isinstance(messages, list):
-        parts.extend(_message(m, i, "message", _CHAT_SKIP, marks) for i, m in enumerate(messages))
+        for i, m in enumerate(messages):  # no generator: a frame resumed per message
+            parts.append(_message(m, i, "message", _CHAT_SKIP, marks))
     return Prompt(tuple(parts)) if marks is None else marks.prompt(parts, Caching.MARKED)
 
 

@@ -28,6 +28,9 @@ PART_KINDS: tuple[str, ...] = (
 )
 
 
+_new = tuple.__new__  # a NamedTuple of all its fields, without its __new__'s Python frame
+
+
 class PromptPart(NamedTuple):
     """One piece of a request's prompt, in render order (see "Prompt parts").
 
@@ -215,7 +218,7 @@ def _message(
         )
     content = message.get("content")
     if len(message) == 2 and isinstance(content, str):  # role and text: most messages
-        data = _utf8(content)
+        data = content.encode("utf-8", "surrogatepass")  # as _utf8, one call fewer
     else:
         out: list[bytes] = []
         _content(content, out, 0, marks)
@@ -225,7 +228,7 @@ def _message(
         data = b"".join(out)
     if role in _SYSTEM_ROLES and kind != "instructions":
         kind = "system"
-    part = PromptPart(kind, index, role[:_ROLE_MAX], data)
+    part = _new(PromptPart, (kind, index, role[:_ROLE_MAX], data))  # a C call, not a frame
     return part if marks is None or marks.within is None else marks.close(part)
 
 

@@ -109,7 +109,7 @@ def examine(
     prompt with the same opening gave and this one does not, which names a break ahead
     of the prompt text."""
     blocks = len(hashed.chain)
-    last = seen.reader()
+    last = seen.last  # bound once: the examination reads most keys through it
     cutoff = now_ms - policy.window_ms
     # The probe's order: chunks, the chain from its last block, the root, the anchors.
     top = len(hashed.keys) - 4  # the probe index of chain block 0; block i is at top - i
@@ -163,15 +163,17 @@ def examine(
     else:
         q = bisect_right(first_block, held) - 1
         stale = part_start[q] + (held - first_block[q]) * size - repeated_bytes
-    base = PrefixReport(total, blocks, repeated, repeated_bytes, stale, None,
-                        unseen_context=unseen)
+    base = tuple.__new__(PrefixReport, (  # every field: a C call, not the NamedTuple's frame
+        total, blocks, repeated, repeated_bytes, stale, None,  # ... reason: none yet
+        None, None, None, None, None, None, None,  # part to stable_bytes
+        unseen))
     if repeated == limit:
         return base
 
     shape = parts[p]
     if held > repeated:
         return _at(base, shape, offset, "expired")
-    if top - repeated in seen.after:
+    if seen.late(top - repeated):
         # Held only by requests whose prefill was done after this one arrived and before
         # its own was: the same prefix in flight at once, which no cache could serve yet.
         return _at(base, shape, offset, "concurrent")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from itertools import chain
 from typing import NamedTuple, Protocol, overload
 
@@ -41,46 +40,60 @@ _CS = 3 * _TICK_BITS
 NEVER = -(1 << 62)  # the time of a sighting that never happened (or was forgotten)
 
 
-class Sightings(NamedTuple):
+class Sightings(Protocol):
     """What an index knew of each probe key, in the probe's order, for a request that
     arrived at ``t0``: the last time (ms) at or before ``t0`` that a request held the key
     and went on past it (a lower bound when sightings go on past ``t0``:
     ``docs/design/doctor.md``), and the same for one that held it as its last block (or
-    merely saw it); :data:`NEVER` where none did. ``after``: by probe index, the keys neither kind held
-    at or before ``t0`` but one held after it and at or before this request's own
-    ``held_ms`` (a request whose prefill was done while this one's ran: concurrent with
-    it), with the first such time; keys not in it had none. The upper bound makes it
-    independent of the order of exchanges: a sighting stamped before this request's own
-    was made ready before it, so it was written before this exchange. Flat lists of
-    ints and a mostly empty dict, so that a prompt of thousands of blocks costs no object
-    per key."""
+    merely saw it); :data:`NEVER` where none did. ``after``: by probe index, the keys
+    neither kind held at or before ``t0`` but one held after it and at or before this
+    request's own ``held_ms`` (a request whose prefill was done while this one's ran:
+    concurrent with it), with the first such time; keys not in it had none. The upper
+    bound makes it independent of the order of exchanges: a sighting stamped before
+    this request's own was made ready before it, so it was written before this exchange.
+    Read by key (:meth:`last`, :meth:`times`, :meth:`late`), so that a prompt of
+    thousands of blocks costs no object per key: :class:`SightingLists` from a shared
+    store, the in-process index's entries decoded where asked."""
+
+    @property
+    def continued(self) -> Sequence[int]: ...
+    @property
+    def ended(self) -> Sequence[int]: ...
+    @property
+    def after(self) -> Mapping[int, int]: ...
+
+    def last(self, i: int) -> int:
+        """The last time anything held key ``i``."""
+        ...
+
+    def times(self, i: int) -> tuple[int, int]:
+        """Key ``i``'s two times: (continued, ended)."""
+        ...
+
+    def late(self, i: int) -> bool:
+        """Whether key ``i`` is in :attr:`after`."""
+        ...
+
+
+class SightingLists(NamedTuple):
+    """:class:`Sightings` as flat lists of ints and a mostly empty dict, as a shared store
+    answers."""
 
     continued: Sequence[int]
     ended: Sequence[int]
     after: Mapping[int, int]
 
     def last(self, i: int) -> int:
-        """The last time anything held key ``i``."""
         return max(self.continued[i], self.ended[i])
 
-    def reader(self) -> Callable[[int], int]:
-        """:meth:`last` as the quickest callable for this answer (the examination reads
-        most keys through it)."""
-        return self.last
-
     def times(self, i: int) -> tuple[int, int]:
-        """Key ``i``'s two times: (continued, ended)."""
         return self.continued[i], self.ended[i]
 
+    def late(self, i: int) -> bool:
+        return i in self.after
 
-@dataclass(slots=True, unsafe_hash=True)
-class Probe:
-    """One request's question to the index: its keys, each with what this request does
-    with it (:data:`SEEN`, :data:`CONTINUED`, :data:`ENDED`), in the order they should be
-    touched (the last touched is the last an LRU forgets). Read only, by convention (not
-    frozen: one is made per request, and a frozen dataclass sets each field through
-    ``object.__setattr__``)."""
 
+class _ProbeFields(NamedTuple):
     keys: tuple[bytes, ...]
     marks: bytes  # one mark per key
     # keys[start:stop] nest: a request that held one held every key after it in the range
@@ -94,11 +107,29 @@ class Probe:
     # too (a prompt's scope: held with its first block of text); -1: none
     scoped: int = -1
 
-    def __post_init__(self) -> None:
-        if len(self.keys) != len(self.marks):
+
+class Probe(_ProbeFields):
+    """One request's question to the index: its keys, each with what this request does
+    with it (:data:`SEEN`, :data:`CONTINUED`, :data:`ENDED`), in the order they should be
+    touched (the last touched is the last an LRU forgets). Checked when made; the
+    hasher, whose probes agree by construction, makes them with ``tuple.__new__``
+    (no Python frame a request)."""
+
+    __slots__ = ()
+
+    def __new__(
+        cls,
+        keys: tuple[bytes, ...],
+        marks: bytes,
+        nested: tuple[int, int] = (0, 0),
+        tied: tuple[tuple[int, int], ...] = (),
+        scoped: int = -1,
+    ) -> Probe:
+        if len(keys) != len(marks):
             raise ValueError("a probe needs one mark per key")
-        if not 0 <= self.nested[0] <= self.nested[1] <= len(self.keys):
+        if not 0 <= nested[0] <= nested[1] <= len(keys):
             raise ValueError("a probe's nested range must lie within its keys")
+        return tuple.__new__(cls, (keys, marks, nested, tied, scoped))
 
 
 class IndexUnanswered(Exception):
@@ -188,7 +219,7 @@ class LruPrefixIndex:
             old = get(keys[whole], 0) if whole >= 0 else 0
             el = old & m
             if el and (old >> _ES) & m <= h <= el + settle:  # nothing to write: read later
-                return _Snapshot(keys, get, {}, t, h, w, epoch).sightings()
+                return _Snapshot(keys, get, {}, t, h, w, epoch)
             before: dict[bytes, int] = {}  # the entries, before, of keys it writes or evicts
             reads = _Snapshot(keys, get, before, t, h, w, epoch)
             start, stop = probe.nested
@@ -244,7 +275,7 @@ class LruPrefixIndex:
             for _ in range(len(entries) - self.capacity):  # a key read later: as it was
                 gone, old = entries.popitem(last=False)
                 before.setdefault(gone, old)
-        return reads.sightings()
+        return reads
 
     def _forget_before(self, oldest: int) -> None:
         """Drop the entries nobody touched since tick ``oldest`` (they are the first)."""
@@ -275,8 +306,9 @@ def _read_late(old: int, t: int, h: int, w: int, epoch: int) -> tuple[int, int, 
 
 
 class _Snapshot:
-    """A probe's entries as they were before an exchange's writes, decoded per key only
-    when asked (:class:`Sightings` by the rules of ``docs/design/doctor.md``): a key the
+    """The in-process index's :class:`Sightings`: a probe's entries as they were before an
+    exchange's writes, decoded per key only when asked (by the rules of
+    ``docs/design/doctor.md``; the columns and ``after`` too, made when read): a key the
     exchange wrote or evicted from its entry before (``before``, by key), any other from
     the index (``get``) when asked, by the same rules (a stamp written since is read as
     it would be had its exchange come first), without the lock: a lookup is whole under
@@ -326,28 +358,24 @@ class _Snapshot:
         continued, ended, _ = _read_late(old, t, self.h, self.w, self.epoch)
         return max(continued, ended)
 
-    def sightings(self) -> Sightings:
-        return _Read(_Column(self, 0), _Column(self, 1), _After(self))
-
-
-class _Read(Sightings):
-    """:class:`Sightings` whose :meth:`last` decodes its key once."""
-
-    __slots__ = ()
-
-    def last(self, i: int) -> int:
-        return self.reader()(i)
-
-    def reader(self) -> Callable[[int], int]:
-        column = self.continued
-        assert isinstance(column, _Column)
-        return column.snapshot.last  # one call a key, not two
-
     def times(self, i: int) -> tuple[int, int]:
-        column = self.continued
-        assert isinstance(column, _Column)
-        continued, ended, _ = column.snapshot.read(i)  # decoded once for both
+        continued, ended, _ = self.read(i)  # decoded once for both
         return continued, ended
+
+    def late(self, i: int) -> bool:
+        return 0 <= i < self.n and self.read(i)[2] is not None
+
+    @property
+    def continued(self) -> Sequence[int]:
+        return _Column(self, 0)
+
+    @property
+    def ended(self) -> Sequence[int]:
+        return _Column(self, 1)
+
+    @property
+    def after(self) -> Mapping[int, int]:
+        return _After(self)
 
 
 class _Column(Sequence[int]):
@@ -392,8 +420,7 @@ class _After(Mapping[int, int]):
         return first
 
     def __contains__(self, i: object) -> bool:  # Mapping's raises and catches a KeyError
-        return isinstance(i, int) and 0 <= i < self._snapshot.n and (
-            self._snapshot.read(i)[2] is not None)
+        return isinstance(i, int) and self._snapshot.late(i)
 
     def __iter__(self) -> Iterator[int]:
         read = self._snapshot.read

@@ -504,20 +504,24 @@ class PrefixJob:
             prompt.caching,
             prompt.marked_bytes,
         )
-        record = PrefixRecord(
-            prompt_bytes=report.prompt_bytes,
-            repeated_bytes=report.repeated_bytes,
-            break_reason=report.reason or "",
-            break_part=report.part or "",
-            break_index=report.index,
-            break_offset=report.offset,
-            break_role=report.role or "",
-            break_part_bytes=report.part_bytes,
-            changed_bytes=report.changed_bytes,
-            stable_bytes=report.stable_bytes,
-            index_s=index_s,
-        )
-        return Examination(report, "", index_s, hashed if check.keep_keys else None, record, rules)
+        # every field, in PrefixRecord's order, its tokens None: a C call, not a frame
+        record = _new(PrefixRecord, (
+            report.prompt_bytes,
+            report.repeated_bytes,
+            report.reason or "",  # break_reason
+            report.part or "",  # break_part
+            report.index,  # break_index
+            report.offset,  # break_offset
+            report.role or "",  # break_role
+            report.part_bytes,  # break_part_bytes
+            report.changed_bytes,
+            report.stable_bytes,
+            "",  # unchecked
+            index_s,
+            None, None, None,  # the token figures: the finish's
+        ))
+        keys = hashed if check.keep_keys else None
+        return _new(Examination, (report, "", index_s, keys, record, rules))
 
     @property
     def settled(self) -> bool:

@@ -115,9 +115,10 @@ def _probe(
     # text in another prompt, whose anchors are that text's
     text = shapes[anchor].kind != "settings"
     scoped = top - first_block[anchor] if text else -1
-    return Probe(keys, marks, (chunks, chunks + blocks), tuple(tied), scoped)
+    return _new(Probe, (keys, marks, (chunks, chunks + blocks), tuple(tied), scoped))
 
 
+_new = tuple.__new__  # a NamedTuple of all its fields, without its __new__'s Python frame
 _SEEN = bytes([SEEN])
 _ENDED_CHAIN = bytes([ENDED])
 _CONTINUED = bytes([CONTINUED])
@@ -541,7 +542,7 @@ class PromptHasher:
                 links.append(link.digest())
                 start = end
             chunks = tuple(links)
-        return _HashedPart(tuple(chain), chunks, tuple(cut), snapshot())
+        return _new(_HashedPart, (tuple(chain), chunks, tuple(cut), snapshot()))
 
     def _after(self, lead: _Lead, part: PromptPart, name: bytes, root: bytes) -> HashedPrompt:
         """The keys of ``lead``'s parts followed by ``part`` (named ``name``): the part's
@@ -570,9 +571,9 @@ class PromptHasher:
         if length % self.block_bytes or not length:  # a short last block: its chunks' tie
             tied.append((n, top - blocks + 1))
         scoped = -1 if lead.scoped is None else top - lead.scoped
-        hashed = HashedPrompt(
+        hashed = _new(HashedPrompt, (  # C calls, not the NamedTuples' __new__ frames
             self.block_bytes,
-            (*lead.parts, PartShape(kind, index, role, length)),
+            (*lead.parts, _new(PartShape, (kind, index, role, length))),
             root,
             chain,
             (*lead.first_block, len(lead.chain)),
@@ -583,8 +584,8 @@ class PromptHasher:
             lead.anchors,
             keys,
             marks,
-            Probe(keys, marks, (n, n + blocks), tuple(tied), scoped),
-        )
+            _new(Probe, (keys, marks, (n, n + blocks), tuple(tied), scoped)),
+        ))
         if kept:
             self._recalled(hashed, lead.anchor)
         return hashed

@@ -150,7 +150,7 @@ class TokenRules(NamedTuple):
         marked_bytes: int | None = None,
     ) -> TokenRules:
         """The rules for ``report`` under an upstream's ``minimum`` and ``step``."""
-        return cls(
+        return tuple.__new__(cls, (  # every field: a C call, not the NamedTuple's frame
             report.prompt_bytes,
             report.repeated_bytes,
             report.unseen_context,
@@ -158,7 +158,7 @@ class TokenRules(NamedTuple):
             step,
             caching,
             marked_bytes,
-        )
+        ))
 
 
 def token_counts(

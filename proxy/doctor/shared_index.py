@@ -21,7 +21,14 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from proxy.config_values import SettingsError
-from proxy.doctor.index import DEFAULT_WINDOW_MS, NEVER, IndexUnanswered, Probe, Sightings
+from proxy.doctor.index import (
+    DEFAULT_WINDOW_MS,
+    NEVER,
+    IndexUnanswered,
+    Probe,
+    SightingLists,
+    Sightings,
+)
 
 CACHE_INDEX_TABLE = "cache-index"
 PREFIX_SECRET_ENV = "LLM_PROXY_PREFIX_SECRET"
@@ -376,7 +383,7 @@ class RedisPrefixIndex:
         if n > MAX_KEYS:
             raise IndexUnavailable(TOO_LARGE, detail=f"{n} keys")
         if n == 0:
-            return Sightings([], [], {})
+            return SightingLists([], [], {})
         size = len(probe.keys[0])
         digests = b"".join(probe.keys)
         if len(digests) != n * size:
@@ -425,7 +432,7 @@ class RedisPrefixIndex:
                 self.breaker.failed_tries,
             )
         ages = struct.unpack(f"<{3 * n}q", reply)
-        return Sightings(
+        return SightingLists(
             [current - age if age >= 0 else NEVER for age in ages[0::3]],
             [current - age if age >= 0 else NEVER for age in ages[1::3]],
             {i: current - age for i, age in enumerate(ages[2::3]) if age >= 0},
