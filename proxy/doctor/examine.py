@@ -301,7 +301,7 @@ class PrefixDoctor:
             self._settings[opening] = names
             removed = next((name for name in before if name not in names), "")
         try:
-            seen = self.index.exchange(hashed.probe(), now_ms, held_ms)
+            seen = self.index.exchange(hashed.query, now_ms, held_ms)  # probe(): a frame
         except IndexUnanswered as exc:
             exc.hashed = hashed  # the keys outlive the failed exchange (see the class)
             raise

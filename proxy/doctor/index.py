@@ -191,11 +191,6 @@ class LruPrefixIndex:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def _tick(self, ms: int) -> int:
-        if self._epoch is None:
-            self._epoch = ms - 1 - self.horizon_ms
-        return min(max(1, ms - self._epoch), _TICK_MAX)
-
     def exchange(self, probe: Probe, now_ms: int, held_ms: int | None = None) -> Sightings:
         """See :meth:`PrefixIndex.exchange`. A key whose run of sightings of this
         request's kind already holds ``held_ms``, or ends at most ``settle_ms`` before it,
@@ -211,10 +206,13 @@ class LruPrefixIndex:
         m, w, settle = _TICK_MAX, self.window_ms, self.settle_ms
         with self._lock:
             entries = self._entries
-            t = self._tick(now_ms)
-            h = t if held_ms is None else self._tick(held_ms)
+            epoch = self._epoch  # the clock's ms at tick 0, from the first exchange
+            if epoch is None:
+                epoch = self._epoch = now_ms - 1 - self.horizon_ms
+            t = min(max(1, now_ms - epoch), m)  # ticks: ms since the epoch, 40 bits
+            h = t if held_ms is None else min(max(1, held_ms - epoch), m)
             self._forget_before(t - self.horizon_ms)
-            get, epoch = entries.get, self._epoch or 0
+            get = entries.get
             whole = marks.find(ENDED) if settle else -1
             old = get(keys[whole], 0) if whole >= 0 else 0
             el = old & m

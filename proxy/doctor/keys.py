@@ -175,7 +175,10 @@ class _Lead(NamedTuple):
         same count, anchor part and indices (which the names leave out)."""
         if self.anchor != anchor or len(self.parts) != len(parts) - 1:
             return False
-        return all(shape.index == part[1] for shape, part in zip(self.parts, parts, strict=False))
+        for shape, part in zip(self.parts, parts, strict=False):  # noqa: SIM110 (no generator)
+            if shape.index != part[1]:
+                return False
+        return True
 
 
 def _keep(cache: dict[Any, Any], key: Any, value: Any) -> None:
