@@ -36,6 +36,7 @@ from proxy.doctor.index import (
     SEEN,
     LruPrefixIndex,
     Probe,
+    SightingLists,
     Sightings,
 )
 from proxy.doctor.job import BATCH_JOBS
@@ -890,6 +891,9 @@ def test_a_settled_index_reports_what_one_that_writes_every_stamp_reports(
         seen = settled.exchange(hashed.probe(), now, now + prefill)
         truth = exact.exchange(hashed.probe(), now, now + prefill)
         assert examine(hashed, seen, now) == examine(hashed, truth, now)
+        # every key read (no range said unheld): the report the keys it skips would give
+        listed = SightingLists(list(seen.continued), list(seen.ended), dict(seen.after))
+        assert examine(hashed, seen, now) == examine(hashed, listed, now)
         cutoff = now - WINDOW  # what any report asks of a key: held within the window, how
         for i in range(len(hashed.keys)):
             assert (seen.continued[i] >= cutoff, seen.ended[i] >= cutoff, i in seen.after) == (
@@ -986,6 +990,79 @@ def test_the_scopes_keys_are_written_unless_the_covered_head_holds_the_texts_fir
     anchors = range(len(hashed.keys) - 2, len(hashed.keys))
     assert [truth.ended[i] for i in anchors] == [10, 10]
     assert [seen.ended[i] for i in anchors] == [truth.ended[i] for i in anchors]
+
+
+def test_a_new_question_after_a_repeated_system_prompt_is_said_from_the_unheld_keys() -> None:
+    """The exchange says which keys it wrote that nobody held (the new question's): the
+    examination says the system prompt repeated without reading them, as it would
+    reading them."""
+    hasher = PromptHasher()
+    index = LruPrefixIndex()
+    system = PromptPart("system", 0, "system", (STABLE * 4).encode())
+
+    def ask(question: bytes, at: int) -> tuple[HashedPrompt, Sightings]:
+        hashed = hasher.hash([system, PromptPart("message", 1, "user", question)],
+                             upstream="u", model="m")
+        assert hashed is not None
+        return hashed, index.exchange(hashed.probe(), at, at + 5)
+
+    ask(b"What is this?", 0)
+    hashed, seen = ask(b"And that?", 100)
+    lo, hi = seen.unheld
+    question = range(hashed.first_chunk[1], len(hashed.keys) - 4 - hashed.first_block[1] + 1)
+    assert lo <= question.start and hi >= question.stop  # its chunk and its block
+    assert all(seen.last(i) == NEVER and not seen.late(i) for i in range(lo, hi))
+    report = examine(hashed, seen, 100)
+    listed = SightingLists(list(seen.continued), list(seen.ended), dict(seen.after))
+    assert report == examine(hashed, listed, 100)
+    assert report.repeated_bytes == len(system.data) and report.reason is None
+    # the same prompt again, held whole a moment ago: nothing written, nothing said unheld
+    assert ask(b"And that?", 200)[1].unheld == (0, 0)
+
+
+P = PromptPart
+UNHELD_CASES = {
+    # earlier prompts, then the one examined: (kind, role, text) per part
+    "the first prompt": ([], [("message", "user", "hello")]),
+    "a new question": ([[("system", "system", "abcdefgh"), ("message", "user", "q1")]],
+                       [("system", "system", "abcdefgh"), ("message", "user", "q2")]),
+    "a last part whose first block was held": (
+        [[("system", "system", "abcdefgh"), ("message", "user", "same one")]],
+        [("system", "system", "abcdefgh"), ("message", "user", "same two")]),
+    "stored context before it": (
+        [[("context", "previous_response_id", "resp_1"), ("message", "user", "q1")]],
+        [("context", "previous_response_id", "resp_1"), ("message", "user", "q2")]),
+    "a conversation before it": (
+        [[("context", "conversation", "conv_1"), ("message", "user", "q1")]],
+        [("context", "conversation", "conv_1"), ("message", "user", "q2")]),
+    "a setting removed": (
+        [[("settings", "tools", "[1]"), ("settings", "verbosity", "low"),
+          ("message", "user", "hello there")]],
+        [("settings", "tools", "[1]"), ("message", "user", "hello world")]),
+    "a setting changed last": ([[("settings", "tools", "[1]"), ("settings", "verbosity", "low")]],
+                               [("settings", "tools", "[1]"), ("settings", "verbosity", "high")]),
+}
+
+
+@pytest.mark.parametrize("case", UNHELD_CASES)
+def test_the_unheld_keys_read_unread_give_the_report_reading_them_gives(case: str) -> None:
+    """Where the exchange says which keys nobody held, the report is the one every key
+    read gives (each prompt anchored as PrefixDoctor.look anchors it)."""
+    earlier, examined = UNHELD_CASES[case]
+    hasher, index = PromptHasher(block_bytes=4, chunk_bytes=4), LruPrefixIndex()
+    for at, parts in enumerate([*earlier, examined]):
+        prompt = [P(kind, i, role, text.encode()) for i, (kind, role, text) in enumerate(parts)]
+        anchor = next((i for i, part in enumerate(prompt) if part.kind != "settings"),
+                      len(prompt) - 1)
+        hashed = hasher.hash(prompt, upstream="u", model="m", anchor=anchor)
+        assert hashed is not None
+        seen = index.exchange(hashed.probe(), 100 * at, 100 * at + 5)
+    removed = "verbosity" if case == "a setting removed" else ""
+    assert seen.unheld[0] < seen.unheld[1]  # the examined prompt's new keys, said unheld
+    listed = SightingLists(list(seen.continued), list(seen.ended), dict(seen.after))
+    now = 100 * len(earlier)
+    assert examine(hashed, seen, now, removed=removed) == examine(
+        hashed, listed, now, removed=removed)
 
 
 def test_a_prompt_held_whole_within_the_settle_writes_nothing() -> None:

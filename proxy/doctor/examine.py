@@ -9,6 +9,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import NamedTuple
 
 from proxy.dialects import PromptPart
@@ -31,6 +32,7 @@ REASONS: tuple[str, ...] = (
     "cache_key_changed",
     "first_seen",
 )
+_SIZE = itemgetter(3)  # a PartShape's size
 SETTINGS_MEMORY = 1024  # prompt openings whose settings a doctor remembers (then forgotten)
 _KIND_REASON = {
     "settings": "settings_changed",
@@ -121,7 +123,8 @@ def examine(
     # Each key is read once: past the whole prompt's, which was not repeated if read,
     # neither the loop over the parts nor the one over the blocks reads it again.
     first_block = hashed.first_block
-    if limit == blocks and last(top - blocks + 1) >= cutoff:
+    lo, hi = seen.unheld  # keys nobody held before: read as never, without a read
+    if limit == blocks and not lo <= top - blocks + 1 < hi and last(top - blocks + 1) >= cutoff:
         repeated = blocks
     else:
         repeated = 0
@@ -129,6 +132,16 @@ def examine(
             if end > limit or last(top - end + 1) < cutoff:
                 break
             repeated = end
+        p = len(parts) - 1
+        if (repeated == first_block[p] and repeated and lo <= hashed.first_chunk[p]
+                and hi > top - repeated and not unseen and not removed
+                and parts[p].kind != "settings"):
+            # Every part repeated but a last one none of whose keys anybody held: a new
+            # question, no break (what the steps below find, its keys unread).
+            total = sum(map(_SIZE, parts))
+            return tuple.__new__(PrefixReport, (  # every field: a C call, not a frame
+                total, blocks, repeated, total - parts[p].size, 0, None,
+                None, None, None, None, None, None, None, False))
         upto = blocks - 1 if limit == blocks else limit
         while repeated < upto and last(top - repeated) >= cutoff:
             repeated += 1

@@ -74,6 +74,13 @@ class Sightings(Protocol):
         """Whether key ``i`` is in :attr:`after`."""
         ...
 
+    @property
+    def unheld(self) -> tuple[int, int]:
+        """Probe indices ``[lo, hi)`` whose keys no request held before this exchange (or
+        all were forgotten): each reads as :data:`NEVER` and not :meth:`late`, so a
+        reader may skip them. ``(0, 0)`` where the index does not say."""
+        ...
+
 
 class SightingLists(NamedTuple):
     """:class:`Sightings` as flat lists of ints and a mostly empty dict, as a shared store
@@ -91,6 +98,10 @@ class SightingLists(NamedTuple):
 
     def late(self, i: int) -> bool:
         return i in self.after
+
+    @property
+    def unheld(self) -> tuple[int, int]:
+        return (0, 0)  # a shared store does not say
 
 
 class _ProbeFields(NamedTuple):
@@ -273,6 +284,10 @@ class LruPrefixIndex:
             for _ in range(len(entries) - self.capacity):  # a key read later: as it was
                 gone, old = entries.popitem(last=False)
                 before.setdefault(gone, old)
+            lo = cut  # the keys it wrote that nobody held, from the covered head back
+            while lo > skip and not before[keys[lo - 1]]:
+                lo -= 1
+            reads.unheld = (lo, cut)
         return reads
 
     def _forget_before(self, oldest: int) -> None:
@@ -312,7 +327,7 @@ class _Snapshot:
     it would be had its exchange come first), without the lock: a lookup is whole under
     the GIL."""
 
-    __slots__ = ("before", "epoch", "get", "h", "keys", "n", "t", "w")
+    __slots__ = ("before", "epoch", "get", "h", "keys", "n", "t", "unheld", "w")
 
     def __init__(
         self,
@@ -326,6 +341,7 @@ class _Snapshot:
     ) -> None:
         self.keys, self.get, self.before, self.n = keys, get, before, len(keys)
         self.t, self.h, self.w, self.epoch = t, h, w, epoch
+        self.unheld = (0, 0)  # set by the exchange that wrote
 
     def read(self, i: int) -> tuple[int, int, int | None]:
         key = self.keys[i]
