@@ -25,6 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from proxy.dialects import CHAT, COMPLETIONS, MESSAGES, RESPONSES, Dialect, PromptPart, cache_scope
+from proxy.doctor.chunks import DEFAULT_CHUNK_BYTES, chunk_ends
 from proxy.doctor.examine import REASONS, PrefixDoctor, PrefixPolicy, PrefixReport, examine
 from proxy.doctor.index import (
     BYTES_PER_ENTRY,
@@ -40,13 +41,7 @@ from proxy.doctor.index import (
     Sightings,
 )
 from proxy.doctor.job import BATCH_JOBS
-from proxy.doctor.keys import (
-    DEFAULT_BLOCK_BYTES,
-    DEFAULT_CHUNK_BYTES,
-    HashedPrompt,
-    PromptHasher,
-    chunk_ends,
-)
+from proxy.doctor.keys import DEFAULT_BLOCK_BYTES, HashedPrompt, PromptHasher
 from proxy.doctor.report import CacheTokens, cache_tokens, minimum_cacheable_tokens
 
 ROOT = Path(__file__).resolve().parent.parent

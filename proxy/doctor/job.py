@@ -504,22 +504,12 @@ class PrefixJob:
             prompt.caching,
             prompt.marked_bytes,
         )
-        # every field, in PrefixRecord's order, its tokens None: a C call, not a frame
+        # every field, in PrefixRecord's order (break_*, then unchecked "", index_s), its
+        # token figures None (the finish's): a C call, not the NamedTuple's frame
         record = _new(PrefixRecord, (
-            report.prompt_bytes,
-            report.repeated_bytes,
-            report.reason or "",  # break_reason
-            report.part or "",  # break_part
-            report.index,  # break_index
-            report.offset,  # break_offset
-            report.role or "",  # break_role
-            report.part_bytes,  # break_part_bytes
-            report.changed_bytes,
-            report.stable_bytes,
-            "",  # unchecked
-            index_s,
-            None, None, None,  # the token figures: the finish's
-        ))
+            report.prompt_bytes, report.repeated_bytes, report.reason or "", report.part or "",
+            report.index, report.offset, report.role or "", report.part_bytes,
+            report.changed_bytes, report.stable_bytes, "", index_s, None, None, None))
         keys = hashed if check.keep_keys else None
         return _new(Examination, (report, "", index_s, keys, record, rules))
 
