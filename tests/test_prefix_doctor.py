@@ -229,6 +229,7 @@ def test_parts_hashed_before_give_the_keys_hashing_them_again_gives(cache_keys: 
     for parts, scope in prompts * 2:
         assert kept.hash(parts, **scope) == bare.hash(parts, **scope)
     assert kept._parts_keys <= cache_keys and kept._recall_keys <= cache_keys // 8  # bounded
+    assert kept._parts_keys + kept._recall_keys + kept._lead_keys <= cache_keys
     if cache_keys == 1 << 16:  # a prompt hashed a moment ago: recalled whole, no key copied
         assert kept.hash(prompts[0][0], **prompts[0][1]) is kept.hash(prompts[0][0], **prompts[0][1])
 

@@ -243,13 +243,13 @@ class PromptHasher:
         self._parts: OrderedDict[bytes, _HashedPart] = OrderedDict()
         self._parts_keys = 0  # keys held by self._parts
         self._recall_max = part_cache_keys // 8  # keys of whole prompts recalled
-        self._parts_max = part_cache_keys - self._recall_max
+        self._lead_max = part_cache_keys // 16  # keys of prompts' parts but their last
+        self._parts_max = part_cache_keys - self._recall_max - self._lead_max
         self._parts_lock = threading.Lock()  # the loop and the hashing thread share it
         # whole prompts hashed a moment ago, by their last chain key and anchor part
         self._prompts: dict[tuple[bytes, int], HashedPrompt] = {}
         self._recall_keys = 0
-        # prompts' parts but their last (:class:`_Lead`), by the name of their last part,
-        # within the same share of keys as the prompts recalled
+        # prompts' parts but their last (:class:`_Lead`), by the name of their last part
         self._leads: dict[bytes, _Lead] = {}
         self._lead_keys = 0
         # the names of last parts hashed once and not kept (:meth:`_again`)
@@ -432,14 +432,15 @@ class PromptHasher:
 
     def _lead(self, hashed: HashedPrompt, name: bytes, anchor: int) -> None:
         """Keep the parts of ``hashed`` but its last, whose last part's name is ``name``,
-        as a :class:`_Lead`, within the share of keys :meth:`_recalled` keeps."""
+        as a :class:`_Lead`, within a sixteenth of the part cache's keys (all forgotten
+        when full, as the prompts recalled)."""
         known = self._parts.get(name)
-        size = len(hashed.keys)
-        if known is None or size > self._recall_max:
-            return
         parts, first_block, first_chunk = hashed.parts, hashed.first_block, hashed.first_chunk
         last = len(parts) - 1
         blocks, chunks = first_block[last], first_chunk[last]
+        size = blocks + chunks + 3  # its keys
+        if known is None or size > self._lead_max:
+            return
         # as _probe ties them (a part followed by another always has a tie): a short last
         # block's, else the next part's first block's
         tied = tuple(
@@ -461,7 +462,7 @@ class PromptHasher:
             first_block[anchor] if parts[anchor].kind != "settings" else None,
             known.state,
         )
-        if self._lead_keys + size > self._recall_max:
+        if self._lead_keys + size > self._lead_max:
             self._leads, self._lead_keys = {}, 0
         self._leads[name] = lead
         self._lead_keys += size
