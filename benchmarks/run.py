@@ -26,8 +26,10 @@ What it does, and why:
   the table shows the median over rounds. ``--together``: a round's targets run at the
   same time instead, each with its own client, so the host's swings in speed within a
   round reach all of them at once; their latencies then include each other's.
-* Target CPU comes from ``/proc/<pid>/stat`` (utime+stime, summed over the process tree,
-  e.g. nginx master + workers) before/after each load, divided by SSE events relayed.
+* Target CPU comes from the threads' ``schedstat`` (time on a CPU, in ns, summed over the
+  process tree, e.g. nginx master + workers) before/after each load, divided by SSE
+  events relayed; a round line gives it to three decimals, so that paired ratios are
+  not steps of a tenth of a microsecond.
   Memory per open stream is (median RSS while the load is steady - idle RSS) / streams;
   peak RSS is ``VmHWM`` summed over the tree at the end.
 * Pinning (default, ``--no-pin`` to switch off): targets on CPU 0, fake upstream and load
@@ -131,16 +133,29 @@ def cpu_seconds(pids: list[int]) -> float:
     return total / CLK_TCK
 
 
-def runqueue_wait_seconds(pids: list[int]) -> float:
-    """Time the threads of ``pids`` spent runnable but waiting for a CPU (schedstat field
-    2): how much other work on the machine delayed them."""
+def _schedstat_seconds(pids: list[int], field: int) -> float:
+    """A field of the threads' ``/proc/<pid>/task/<tid>/schedstat`` (ns), summed, in s."""
     total = 0
     for pid in pids:
         with contextlib.suppress(OSError):
             for tid in os.listdir(f"/proc/{pid}/task"):
                 with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                    total += int(f.read().split()[1])
+                    total += int(f.read().split()[field])
     return total / 1e9
+
+
+def on_cpu_seconds(pids: list[int]) -> float:
+    """Time the threads of ``pids`` ran on a CPU (schedstat field 1), to the nanosecond:
+    the targets' CPU. ``/proc/<pid>/stat`` counts clock ticks (10 ms), which over a round
+    of a few CPU-seconds move a ratio by about half a percent. A thread that exits during
+    a load takes its time with it (the proxy's threads live as long as it does)."""
+    return _schedstat_seconds(pids, 0)
+
+
+def runqueue_wait_seconds(pids: list[int]) -> float:
+    """Time the threads of ``pids`` spent runnable but waiting for a CPU (schedstat field
+    2): how much other work on the machine delayed them."""
+    return _schedstat_seconds(pids, 1)
 
 
 def busy_seconds() -> float:
@@ -790,7 +805,7 @@ class Bench:
         upstream = self.upstream_procs.get(target.close)
         up_pids = [upstream.pid] if upstream is not None else []
         idle = mem_kib(pids, "VmRSS")
-        cpu0, up0 = cpu_seconds(pids), cpu_seconds(up_pids)
+        cpu0, up0 = on_cpu_seconds(pids), cpu_seconds(up_pids)
         other0 = cpu_seconds(other_pids or [])  # the scraping Prometheus: instrument too
         t0 = time.monotonic()
         busy0 = busy_seconds()
@@ -825,7 +840,7 @@ class Bench:
         res["target"] = target.name
         if page is not None:
             res["ui_polls"], res["ui_poll_failures"] = page.polls, page.failures
-        res["target_cpu_s"] = cpu_seconds(pids) - cpu0
+        res["target_cpu_s"] = on_cpu_seconds(pids) - cpu0
         up_cpu = cpu_seconds(up_pids) - up0
         wall = time.monotonic() - t0
         res["span_s"] = (t0, t0 + wall)  # this process's monotonic clock: which loads overlapped
@@ -1501,7 +1516,7 @@ def main(argv: list[str] | None = None) -> int:
                             f"{res['ttft_ms']['p99']:.3f} ms, itl p99 "
                             f"{res['itl_ms']['p99']:.3f} ms, broken {res['broken']}/"
                             f"{res['streams']}, cpu/ev "
-                            f"{_fmt(res['target_cpu_us_per_event'])} us",
+                            f"{_fmt(res['target_cpu_us_per_event'], 3)} us",
                             file=sys.stderr,
                         )
             steps = [int(s) for s in a.sweep.split(",") if s.strip()]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import shutil
 import socket
@@ -446,6 +447,19 @@ def test_run_py_together_runs_a_rounds_targets_at_the_same_time(tmp_path: Path) 
             assert len(spans) == len(targets)
             overlap = max(start for start, _ in spans) < min(end for _, end in spans)
             assert overlap is together, (together, spans)
+
+
+def test_a_targets_cpu_is_read_to_the_nanosecond_from_its_threads_schedstat() -> None:
+    """The targets' CPU agrees with ``/proc/<pid>/stat``'s ticks, but is not counted in
+    them: a paired ratio then moves by less than a tick's share of a round."""
+    pid = [os.getpid()]
+    on0, ticks0 = run.on_cpu_seconds(pid), run.cpu_seconds(pid)
+    spins = 0
+    while run.cpu_seconds(pid) - ticks0 < 0.05:  # busy until five ticks are counted
+        spins += sum(range(1000)) > 0
+    on, ticks = run.on_cpu_seconds(pid) - on0, run.cpu_seconds(pid) - ticks0
+    assert spins and abs(on - ticks) < 0.03  # within three ticks of each other
+    assert round(on * 1e9) % 10_000_000  # not a whole number of ticks
 
 
 def test_idle_loads_round_trip() -> None:
