@@ -441,13 +441,9 @@ class PromptHasher:
         size = blocks + chunks + 3  # its keys
         if known is None or size > self._lead_max:
             return
-        # as _probe ties them (a part followed by another always has a tie): a short last
-        # block's, else the next part's first block's
-        tied = tuple(
-            (first_chunk[p + 1], first_block[p + 1] - (shape.size % self.block_bytes != 0
-                                                        or not shape.size))
-            for p, shape in enumerate(parts[:last])
-        )
+        # the probe's ties and scope (_probe's rules) as chain blocks, not probe indices
+        probe, top = hashed.query, len(hashed.keys) - 4  # block i is at probe index top - i
+        tied = tuple((end, top - at) for end, at in probe.tied[:last])  # each has one
         lead = _Lead(
             parts[:last],
             hashed.chain[:blocks],
@@ -459,7 +455,7 @@ class PromptHasher:
             (*hashed.chain[blocks - 1 :: -1], *hashed.keys[-3:]),
             hashed.anchors,
             anchor,
-            first_block[anchor] if parts[anchor].kind != "settings" else None,
+            None if probe.scoped < 0 else top - probe.scoped,
             known.state,
         )
         if self._lead_keys + size > self._lead_max:
