@@ -33,6 +33,10 @@ REASONS: tuple[str, ...] = (
     "first_seen",
 )
 _SIZE = itemgetter(3)  # a PartShape's size
+# A report's fields from its reason to its stable_bytes where nothing broke: a report
+# made as ``tuple.__new__(PrefixReport, (sizes..., *_UNBROKEN, unseen))``, a C call
+# where the NamedTuple's __new__ would be a frame
+_UNBROKEN = (None,) * 8
 SETTINGS_MEMORY = 1024  # prompt openings whose settings a doctor remembers (then forgotten)
 _KIND_REASON = {
     "settings": "settings_changed",
@@ -139,15 +143,14 @@ def examine(
             # Every part repeated but a last one none of whose keys anybody held: a new
             # question, no break (what the steps below find, its keys unread).
             total = sum(map(_SIZE, parts))
-            return tuple.__new__(PrefixReport, (  # every field: a C call, not a frame
-                total, blocks, repeated, total - parts[p].size, 0, None,
-                None, None, None, None, None, None, None, False))
+            return tuple.__new__(PrefixReport, (
+                total, blocks, repeated, total - parts[p].size, 0, *_UNBROKEN, False))
         upto = blocks - 1 if limit == blocks else limit
         while repeated < upto and last(top - repeated) >= cutoff:
             repeated += 1
     if repeated == blocks:  # the whole prompt repeated: the common case, said at once
-        total = sum(part.size for part in parts)
-        return PrefixReport(total, blocks, blocks, total, 0, None, unseen_context=unseen)
+        total = sum(map(_SIZE, parts))
+        return tuple.__new__(PrefixReport, (total, blocks, blocks, total, 0, *_UNBROKEN, unseen))
     size = hashed.block_bytes
     short_run = (
         policy.short_run_bytes
@@ -176,10 +179,8 @@ def examine(
     else:
         q = bisect_right(first_block, held) - 1
         stale = part_start[q] + (held - first_block[q]) * size - repeated_bytes
-    base = tuple.__new__(PrefixReport, (  # every field: a C call, not the NamedTuple's frame
-        total, blocks, repeated, repeated_bytes, stale, None,  # ... reason: none yet
-        None, None, None, None, None, None, None,  # part to stable_bytes
-        unseen))
+    base = tuple.__new__(PrefixReport, (
+        total, blocks, repeated, repeated_bytes, stale, *_UNBROKEN, unseen))
     if repeated == limit:
         return base
 
