@@ -17,9 +17,13 @@ interquartile range, says how sure a difference of a few percent is. The same ho
 for latency: per round, the target's TTFT p50 and p99 and ITL p99 minus the baseline's
 (the direct connection's figure cancels out of "added"). Reads the ``# round N LOAD
 TARGET: ...`` lines ``run.py`` prints on its standard error, for load 64 by default
-(``--load``); ``--pool`` adds the rounds of more logs (runs of the same code).
-``--bootstrap N`` adds how sure the median ratio is: its 90 % interval over N
-resamples of the rounds, and how many of them are at or below ``--bar``.
+(``--load``); ``--pool`` adds the rounds of more logs (runs of the same code), and
+prints each run's median ratio. ``--bootstrap N`` adds how sure the median ratio is: its
+90 % interval over N resamples, and how many of them are at or below ``--bar``. A run's
+rounds share its processes (their memory layout, their hash seed), and runs of the
+same code differ by more than their rounds say; so pooled runs are resampled in two
+stages, the runs first and then the rounds of each run drawn, and the interval widens
+with the spread between runs.
 """
 
 from __future__ import annotations
@@ -38,8 +42,9 @@ LINE = re.compile(
 Round = dict[str, tuple[float, ...]]  # target -> (cpu/ev, ttft p50, ttft p99, itl p99)
 
 
-def read_rounds(paths: list[str], load: str) -> list[Round]:
-    """Every round of ``load`` in the logs, in order: per target, its figures."""
+def read_rounds(paths: list[str], load: str) -> list[tuple[int, Round]]:
+    """Every round of ``load`` in the logs, in order, with the number of its log: per
+    target, its figures."""
     rounds: dict[tuple[int, int], Round] = {}
     for n, path in enumerate(paths):
         with open(path, encoding="utf-8") as fh:
@@ -49,7 +54,7 @@ def read_rounds(paths: list[str], load: str) -> list[Round]:
                     cpu = float(m[7]) if m[7] != "n/a" else float("nan")
                     figures = (cpu, float(m[4]), float(m[5]), float(m[6]))
                     rounds.setdefault((n, int(m[1])), {})[m[3]] = figures
-    return [rounds[k] for k in sorted(rounds)]
+    return [(k[0], rounds[k]) for k in sorted(rounds)]
 
 
 def spread(values: list[float], fmt: Callable[[float], str]) -> str:
@@ -61,11 +66,17 @@ def spread(values: list[float], fmt: Callable[[float], str]) -> str:
     )
 
 
-def bootstrap(values: list[float], resamples: int, below: float) -> str:
-    """A 90 % interval of the median by resampling the rounds (seeded: the same logs give
-    the same interval), and the share of resampled medians at or below ``below``."""
+def bootstrap(runs: list[list[float]], resamples: int, below: float) -> str:
+    """A 90 % interval of the median by resampling (seeded: the same logs give the same
+    interval): the runs, then the rounds of each run drawn; and the share of resampled
+    medians at or below ``below``. One run: its rounds alone."""
     pick = random.Random(1).choices
-    medians = sorted(statistics.median(pick(values, k=len(values))) for _ in range(resamples))
+
+    def resample() -> float:
+        drawn = pick(runs, k=len(runs)) if len(runs) > 1 else runs
+        return statistics.median([v for run in drawn for v in pick(run, k=len(run))])
+
+    medians = sorted(resample() for _ in range(resamples))
     low, high = medians[resamples // 20], medians[resamples - 1 - resamples // 20]
     share = sum(m <= below for m in medians) / resamples
     return (
@@ -92,19 +103,25 @@ def main(argv: list[str] | None = None) -> int:
     rounds = read_rounds([a.log, *a.pool], a.load)
     for pair in a.pairs:
         target, _, baseline = pair.partition("/")
-        both = [(r[target], r[baseline]) for r in rounds if target in r and baseline in r]
+        both = [(n, r[target], r[baseline]) for n, r in rounds if target in r and baseline in r]
         if not both:
             print(f"{pair}: no round has both", file=sys.stderr)
             return 1
-        ratios = [t[0] / b[0] for t, b in both]
+        runs: dict[int, list[float]] = {}
+        for n, t, b in both:
+            runs.setdefault(n, []).append(t[0] / b[0])
+        ratios = [v for run in runs.values() for v in run]
         print(
             f"{target} / {baseline}: median of {len(ratios)} per-round ratios "
             f"{spread(ratios, lambda v: f'{v:.3f}')}"
         )
+        if len(runs) > 1:
+            each = ", ".join(f"{statistics.median(run):.3f}" for run in runs.values())
+            print(f"  median of each run's ratios: {each}")
         if a.bootstrap:
-            print(f"  {bootstrap(ratios, a.bootstrap, a.bar)}")
+            print(f"  {bootstrap(list(runs.values()), a.bootstrap, a.bar)}")
         for i, name in ((1, "TTFT p50"), (2, "TTFT p99"), (3, "ITL p99")):
-            diffs = [t[i] - b[i] for t, b in both]
+            diffs = [t[i] - b[i] for _, t, b in both]
             print(f"  {name} {target} - {baseline}, ms: {spread(diffs, lambda v: f'{v:+.3f}')}")
     return 0
 

@@ -795,7 +795,11 @@ def test_paired_reads_run_py_rounds(tmp_path: Path) -> None:
         text=True,
         check=True,
     )
-    assert pooled.stdout.startswith("proxy-doctor / proxy: median of 4 per-round ratios")
+    assert pooled.stdout.splitlines()[:2] == [
+        "proxy-doctor / proxy: median of 4 per-round ratios 1.000 "
+        "(interquartile 0.900-1.100, all 0.900-1.100)",
+        "  median of each run's ratios: 1.000, 1.000",
+    ]
     # how sure: resampled medians of the ratios 0.9 and 1.1 lie between them; the bar
     # at 1.0 counts those at or below it (seeded: the same every time)
     sure = subprocess.run(
@@ -810,6 +814,40 @@ def test_paired_reads_run_py_rounds(tmp_path: Path) -> None:
         r"at or below 1\.000", sure)
     assert found is not None, sure
     assert float(found[1]) == 0.9 and float(found[2]) == 1.1 and 0 < int(found[3]) < 100
+
+
+def test_pooled_runs_are_resampled_run_first(tmp_path: Path) -> None:
+    """benchmarks/paired.py --pool: three runs whose rounds agree within each run (ratios
+    1.00, 1.02, 1.04, a little spread) give a 90 % interval as wide as the spread between
+    the runs, not the narrow one their 36 rounds would give drawn as one run."""
+    logs = []
+    for n, base in enumerate((1.00, 1.02, 1.04)):
+        log = tmp_path / f"run{n}.log"
+        lines = []
+        for r in range(12):
+            ratio = base + (r % 3 - 1) * 0.001
+            for target, cpu in (("proxy-nodoctor", 50.0), ("proxy", 50.0 * ratio)):
+                lines.append(
+                    f"# round {r + 1} 64 {target}: ttft p50 50.7 p99 52.2 ms, itl p99 21.3 ms, "
+                    f"broken 0/404, cpu/ev {cpu:.4f} us"
+                )
+        log.write_text("\n".join(lines) + "\n")
+        logs.append(str(log))
+
+    def interval(args: list[str]) -> tuple[float, float]:
+        out = subprocess.run(
+            [sys.executable, str(BENCH / "paired.py"), *args, "proxy/proxy-nodoctor",
+             "--bootstrap", "2000"],
+            capture_output=True, text=True, check=True,
+        ).stdout
+        found = re.search(r"90 % interval of the median (\S+)-(\S+) ", out)
+        assert found is not None, out
+        return float(found[1]), float(found[2])
+
+    low, high = interval([logs[0], "--pool", logs[1], "--pool", logs[2]])
+    assert low <= 1.005 and high >= 1.035  # the runs' spread, from 1.00 to 1.04
+    low, high = interval([logs[1]])  # one run: its rounds alone
+    assert 1.018 <= low <= high <= 1.022
 
 
 @pytest.mark.parametrize("api", ["chat", "responses", "messages"])
