@@ -9,7 +9,11 @@ Starts the fake upstream and one proxy (pinned like ``run.py``), runs a steady l
 frames excluded, non-blocking so the proxy is not paused). It then prints the top
 functions by *own* time (leaf frame of each sample) and by inclusive time, both as a
 share of the proxy's busy samples and as microseconds of CPU per relayed SSE event
-(CPU from /proc around the load, shared out in proportion to samples).
+(CPU from /proc around the load, shared out in proportion to samples), and the share of
+the samples inside the prompt-cache doctor: its job, batch, parts, keys, index, report
+and metrics (a frame of ``proxy/doctor/`` or of the prompt's parts, :data:`DOCTOR`). That
+share is its CPU at full speed, cold caches and garbage collections run inside it
+included; the paired figure (``paired.py``) also holds what it costs the rest.
 """
 
 from __future__ import annotations
@@ -23,7 +27,11 @@ import threading
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from loadgen import add_prompt_shape  # type: ignore[import-not-found]
 from run import Bench, cpu_seconds, parse_args  # type: ignore[import-not-found]
+
+# A sample is the doctor's when a frame of its stack is one of these (file, or function)
+DOCTOR = ("proxy/doctor/", "proxy/dialects/prompt.py", "_chat_prompt (", "ChatDialect.prompt (")
 
 
 def _short(frame: str) -> str:
@@ -65,6 +73,17 @@ def _package(frame: str) -> str:
     return where or frame
 
 
+def doctor_samples(text: str) -> int:
+    """The samples of py-spy's raw stacks (``frame;frame;... count`` a line) with a frame
+    of the prompt-cache doctor (:data:`DOCTOR`) anywhere in their stack."""
+    samples = 0
+    for line in text.splitlines():
+        frames, _, count = line.rpartition(" ")
+        if any(d in frames for d in DOCTOR):
+            samples += int(count)
+    return samples
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--concurrency", "-c", type=int, default=64)
@@ -75,10 +94,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--proxy-arg", action="append", default=[])
     p.add_argument("--native", action="store_true", help="py-spy --native (C frames)")
     p.add_argument("--prompt-bytes", type=int, default=None, help="as run.py's")
+    add_prompt_shape(p)
     a = p.parse_args(argv)
     if not shutil.which("py-spy"):
         raise SystemExit("py-spy not found: pip install py-spy")
-    extra = [] if a.prompt_bytes is None else ["--prompt-bytes", str(a.prompt_bytes)]
+    extra = ["--prompt-shape", a.prompt_shape]
+    if a.prompt_bytes is not None:
+        extra += ["--prompt-bytes", str(a.prompt_bytes)]
     args = parse_args(["--proxy-arg=" + x for x in a.proxy_arg] + extra)
     bench = Bench(args)
     raw = Path(a.raw) if a.raw else bench.tmp / "stacks.txt"
@@ -146,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
         f"broken {res['broken']}; proxy CPU {cpu:.2f} s = {per_event:.0f} us/event; "
         f"{total} busy samples"
     )
+    doctor = doctor_samples(text)
+    print(f"the prompt-cache doctor: {100 * doctor / total:.1f}% of busy samples, "
+          f"{per_event * doctor / total:.1f} us per event")
     for title, counter in (
         ("own time, by library", by_pkg),
         ("own time", own),

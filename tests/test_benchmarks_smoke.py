@@ -816,6 +816,25 @@ def test_paired_reads_run_py_rounds(tmp_path: Path) -> None:
     assert float(found[1]) == 0.9 and float(found[2]) == 1.1 and 0 < int(found[3]) < 100
 
 
+def test_the_profile_counts_a_sample_the_doctors_when_any_frame_of_it_is() -> None:
+    """benchmarks/profile_proxy.py: a sample is the doctor's when a frame anywhere in its
+    stack is (its job, keys, index, the prompt's parts), whatever it called below."""
+    import profile_proxy
+
+    raw = "\n".join([
+        "run (uvicorn/server.py:86);PrefixCheck.run_batch (proxy/doctor/job.py:302);"
+        "_recall (proxy/doctor/keys.py:564) 7",
+        "run (uvicorn/server.py:86);ChatDialect.prompt (proxy/dialects/chat.py:240);"
+        "_message (proxy/dialects/prompt.py:231) 5",
+        "run (uvicorn/server.py:86);_chat_prompt (proxy/dialects/chat.py:253) 1",
+        "run (uvicorn/server.py:86);PrefixJob.record (/tmp/x/proxy/doctor/job.py:581);"
+        "gc_collect (gc.c:1) 2",
+        "run (uvicorn/server.py:86);ChatDialect.classify (proxy/dialects/chat.py:90) 11",
+        "run (uvicorn/server.py:86);Metrics.observe (proxy/metrics.py:299) 3",
+    ])
+    assert profile_proxy.doctor_samples(raw) == 15
+
+
 def test_pooled_runs_are_resampled_run_first(tmp_path: Path) -> None:
     """benchmarks/paired.py --pool: three runs whose rounds agree within each run (ratios
     1.00, 1.02, 1.04, a little spread) give a 90 % interval as wide as the spread between
