@@ -20,10 +20,9 @@ TARGET: ...`` lines ``run.py`` prints on its standard error, for load 64 by defa
 (``--load``); ``--pool`` adds the rounds of more logs (runs of the same code), and
 prints each run's median ratio. ``--bootstrap N`` adds how sure the median ratio is: its
 90 % interval over N resamples, and how many of them are at or below ``--bar``. A run's
-rounds share its processes (their memory layout, their hash seed), and runs of the
-same code differ by more than their rounds say; so pooled runs are resampled in two
-stages, the runs first and then the rounds of each run drawn, and the interval widens
-with the spread between runs.
+rounds share its processes, and runs of the same code differ by more than their rounds
+say; so pooled runs are resampled in two stages, the runs first and then the rounds of
+each run drawn, and the interval widens with the spread between runs.
 """
 
 from __future__ import annotations
