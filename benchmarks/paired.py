@@ -18,7 +18,11 @@ for latency: per round, the target's TTFT p50 and p99 and ITL p99 minus the base
 (the direct connection's figure cancels out of "added"). Reads the ``# round N LOAD
 TARGET: ...`` lines ``run.py`` prints on its standard error, for load 64 by default
 (``--load``); ``--pool`` adds the rounds of more logs (runs of the same code), and
-prints each run's median ratio. ``--bootstrap N`` adds how sure the median ratio is: its
+prints each run's median ratio. A side may name several targets of the same code
+joined by ``+`` (``proxy+proxy-before/proxy-nodoctor`` when both run one tree): per
+round, the geometric mean of their CPU per event and the mean of their latencies, so
+that what one process of that code reads apart from another (its own, for the whole
+run) weighs less; ``proxy/proxy-before`` over the same tree shows how far apart. ``--bootstrap N`` adds how sure the median ratio is: its
 90 % interval over N resamples, and how many of them are at or below ``--bar``. A run's
 rounds share its processes, and runs of the same code differ by more than their rounds
 say; so pooled runs are resampled in two stages, the runs first and then the rounds of
@@ -56,6 +60,20 @@ def read_rounds(paths: list[str], load: str) -> list[tuple[int, Round]]:
     return [(k[0], rounds[k]) for k in sorted(rounds)]
 
 
+def side(r: Round, name: str) -> tuple[float, ...] | None:
+    """A side's figures in round ``r``: a target's, or for targets joined by ``+`` the
+    geometric mean of their CPU per event and the mean of their latencies; None when the
+    round lacks one of them."""
+    names = name.split("+")
+    if any(n not in r for n in names):
+        return None
+    if len(names) == 1:
+        return r[name]
+    rows = [r[n] for n in names]
+    cpu = statistics.geometric_mean([row[0] for row in rows])
+    return (cpu, *(statistics.fmean(row[i] for row in rows) for i in range(1, 4)))
+
+
 def spread(values: list[float], fmt: Callable[[float], str]) -> str:
     q = sorted(values)
     n = len(q)
@@ -87,7 +105,7 @@ def bootstrap(runs: list[list[float]], resamples: int, below: float) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("log", help="run.py's standard error (its round lines)")
-    p.add_argument("pairs", nargs="+", help="TARGET/BASELINE")
+    p.add_argument("pairs", nargs="+", help="TARGET/BASELINE (either: A+B, one code's targets)")
     p.add_argument("--pool", action="append", default=[], help="another run's log, pooled")
     p.add_argument("--load", default="64")
     p.add_argument(
@@ -102,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     rounds = read_rounds([a.log, *a.pool], a.load)
     for pair in a.pairs:
         target, _, baseline = pair.partition("/")
-        both = [(n, r[target], r[baseline]) for n, r in rounds if target in r and baseline in r]
+        both = [(n, t, b) for n, r in rounds
+                if (t := side(r, target)) is not None and (b := side(r, baseline)) is not None]
         if not both:
             print(f"{pair}: no round has both", file=sys.stderr)
             return 1

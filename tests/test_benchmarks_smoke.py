@@ -869,6 +869,27 @@ def test_pooled_runs_are_resampled_run_first(tmp_path: Path) -> None:
     assert 1.018 <= low <= high <= 1.022
 
 
+def test_a_side_of_several_targets_reads_their_geometric_mean(tmp_path: Path) -> None:
+    """benchmarks/paired.py: ``proxy+proxy-before/proxy-nodoctor`` divides, per round, the
+    geometric mean of the two targets' CPU per event by the baseline's (60 and 40 over
+    50: 0.980, where the arithmetic mean would read 1.000), and averages their latencies;
+    a round without one of them is not read."""
+    log = tmp_path / "run.log"
+    rows = [(1, "proxy", 60.0, 21.5), (1, "proxy-before", 40.0, 21.1),
+            (1, "proxy-nodoctor", 50.0, 21.0), (2, "proxy", 60.0, 21.0),
+            (2, "proxy-nodoctor", 50.0, 21.0)]
+    log.write_text("".join(
+        f"# round {r} 64 {t}: ttft p50 50.7 p99 52.2 ms, itl p99 {itl} ms, broken 0/404, "
+        f"cpu/ev {cpu} us\n" for r, t, cpu, itl in rows))
+    out = subprocess.run(
+        [sys.executable, str(BENCH / "paired.py"), str(log), "proxy+proxy-before/proxy-nodoctor"],
+        capture_output=True, text=True, check=True,
+    ).stdout.splitlines()
+    assert out[0] == ("proxy+proxy-before / proxy-nodoctor: median of 1 per-round ratios 0.980 "
+                      "(interquartile 0.980-0.980, all 0.980-0.980)")
+    assert out[3].startswith("  ITL p99 proxy+proxy-before - proxy-nodoctor, ms: +0.300 ")
+
+
 @pytest.mark.parametrize("api", ["chat", "responses", "messages"])
 def test_varied_prompts_share_one_system_prompt_and_ask_their_own_question(api: str) -> None:
     """``--prompt-shape varied``: every request is whole (its Content-Length its body's),
