@@ -651,19 +651,25 @@ async def test_three_replicas_add_up_to_one(replicas: list[Replica], tmp_path: P
 
                 verified_at: list[float] = []
 
-                async def scraped(n: int) -> bool:
-                    """Both servers hold n requests at an instant by which every target's
-                    scrape is committed, the last scrape of each at or before it having
-                    succeeded (no staleness marker in the way); that instant is kept for
-                    the queries below."""
+                async def scraped(n: int, streams: int | None = None) -> bool:
+                    """Both servers hold n requests (and ``streams`` first tokens, when given)
+                    at an instant by which every target's scrape is committed, the last
+                    scrape of each at or before it having succeeded (no staleness marker in
+                    the way); that instant is kept for the queries below. Both counts are
+                    waited for: a worker's scrape reads each metric's file in turn, so one
+                    scrape may catch a request's finish between the two."""
+                    expected = [("sum(llm_proxy_requests_total)", n)]
+                    if streams is not None:
+                        expected.append((COUNT_QUERIES[1][1], streams))
                     try:
                         at = await latest_common_scrape(both, targets)
                         if at is None:
                             return False
                         for prom in both:
-                            got = await prom.at("sum(llm_proxy_requests_total)", at)
-                            if list(got.values()) != [n]:
-                                return False
+                            for expr, count in expected:
+                                got = await prom.at(expr, at)
+                                if list(got.values()) != [count]:
+                                    return False
                             up = await prom.at(f'up{{job="{JOB}"}}', at)
                             if list(up.values()) != [1.0] * (targets - 1 if prom is many else 1):
                                 return False
@@ -706,7 +712,7 @@ async def test_three_replicas_add_up_to_one(replicas: list[Replica], tmp_path: P
                 await poll("the replicas to count every request", lambda: replicas_counted(total))
                 await poll(
                     "both Prometheus servers to scrape every request",
-                    lambda: scraped(total),
+                    lambda: scraped(total, client_counts(sent)["streams"]),
                     explain,
                 )
                 when = verified_at[-1]
