@@ -651,16 +651,15 @@ async def test_three_replicas_add_up_to_one(replicas: list[Replica], tmp_path: P
 
                 verified_at: list[float] = []
 
-                async def scraped(n: int, streams: int | None = None) -> bool:
-                    """Both servers hold n requests (and ``streams`` first tokens, when given)
-                    at an instant by which every target's scrape is committed, the last
-                    scrape of each at or before it having succeeded (no staleness marker in
-                    the way); that instant is kept for the queries below. Both counts are
-                    waited for: a worker's scrape reads each metric's file in turn, so one
-                    scrape may catch a request's finish between the two."""
-                    expected = [("sum(llm_proxy_requests_total)", n)]
-                    if streams is not None:
-                        expected.append((COUNT_QUERIES[1][1], streams))
+                async def scraped(counts: dict[str, int]) -> bool:
+                    """Both servers hold ``counts`` (by the names of COUNT_QUERIES) at an
+                    instant by which every target's scrape is committed, the last scrape of
+                    each at or before it having succeeded (no staleness marker in the way);
+                    that instant is kept for the queries below. Every count is waited for at
+                    once: a worker's scrape reads each metric's file in turn, so one scrape
+                    may catch a request's finish between two of them."""
+                    expected = [(expr, counts[name]) for name, expr in COUNT_QUERIES
+                                if name in counts]
                     try:
                         at = await latest_common_scrape(both, targets)
                         if at is None:
@@ -682,7 +681,7 @@ async def test_three_replicas_add_up_to_one(replicas: list[Replica], tmp_path: P
                     return explain_scrapes(many, one)
 
                 await poll(
-                    "both Prometheus servers to scrape the warm-up", lambda: scraped(warm), explain
+                    "both Prometheus servers to scrape the warm-up", lambda: scraped({"requests": warm}), explain
                 )
                 warm_at = verified_at[-1]  # scraped before the workload, in every series
                 workload_began = time.time()
@@ -712,7 +711,7 @@ async def test_three_replicas_add_up_to_one(replicas: list[Replica], tmp_path: P
                 await poll("the replicas to count every request", lambda: replicas_counted(total))
                 await poll(
                     "both Prometheus servers to scrape every request",
-                    lambda: scraped(total, client_counts(sent)["streams"]),
+                    lambda: scraped(client_counts(sent)),
                     explain,
                 )
                 when = verified_at[-1]
