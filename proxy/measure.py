@@ -20,6 +20,7 @@ from proxy.dialects import (
     TokenTemplate,
     merge_usage,
 )
+from proxy.doctor.report import TokenRules, token_counts
 
 if TYPE_CHECKING:
     from proxy.sse import SSEParser
@@ -135,14 +136,25 @@ class PrefixRecord(NamedTuple):
     # was. When set, the other fields hold nothing (see not_examined).
     unchecked: str = ""
     index_s: float | None = None  # the shared index's round trip; None in process
-    # The token figures, last: known only at the finish, from the usage, so that the
-    # finish makes the record from the rest in one step (``PrefixJob.record``).
-    repeated_tokens: int | None = None  # the repeated bytes, at the request's tokens per byte
-    missed_tokens: int | None = None  # repeated (cacheable) but not reported cached
-    # Of missed_tokens, those past the last cache breakpoint on a request whose provider
-    # caches only marked prefixes (Anthropic's cache_control, OpenAI's explicit mode): no
-    # cache was asked to serve them. None where every repeated prefix may be cached.
-    missed_unmarked_tokens: int | None = None
+    # How the request's usage gives the token figures (tokens); None where nothing was
+    # examined. Kept rather than the figures: the finish, which has the usage, runs cold,
+    # and whoever reads them (a batch of metrics, a log line) works them out.
+    rules: TokenRules | None = None
+
+    def tokens(
+        self, prompt_tokens: int | None, cached_tokens: int | None
+    ) -> tuple[int | None, int | None, int | None]:
+        """(repeated, missed, unmarked) tokens at the request's usage: ``prompt_tokens``
+        (the upstream's, or the proxy's estimate) and ``cached_tokens`` as reported
+        (None: not reported). Repeated: the repeated bytes at the request's tokens per
+        byte; missed: repeated (cacheable) but not reported cached; unmarked: of the
+        missed, those past the last cache breakpoint on a request whose provider caches
+        only marked prefixes (Anthropic's cache_control, OpenAI's explicit mode), which
+        no cache was asked to serve (None where every repeated prefix may be cached).
+        Each None where unknown (:func:`proxy.doctor.report.token_counts`)."""
+        if self.rules is None:
+            return None, None, None
+        return token_counts(self.rules, prompt_tokens, cached_tokens)
 
     @property
     def repeated_share(self) -> float:
@@ -245,12 +257,14 @@ class RequestRecord:
         out["prefix_unchecked"] = (p.unchecked or None) if p else None
         if p is not None and p.unchecked:
             p = None  # not examined: no finding
+        repeated, missed, unmarked = (
+            p.tokens(self.prompt_tokens, self.cached_prompt_tokens) if p else (None, None, None))
         out.update({
             "prompt_bytes": p.prompt_bytes if p else None,
             "repeated_prefix_bytes": p.repeated_bytes if p else None,
-            "repeated_prefix_tokens": p.repeated_tokens if p else None,
-            "cache_missed_tokens": p.missed_tokens if p else None,
-            "cache_missed_unmarked_tokens": p.missed_unmarked_tokens if p else None,
+            "repeated_prefix_tokens": repeated,
+            "cache_missed_tokens": missed,
+            "cache_missed_unmarked_tokens": unmarked,
             "prefix_break": (p.break_reason or None) if p else None,
             "prefix_break_part": (p.break_part or None) if p else None,
             "prefix_break_index": p.break_index if p else None,

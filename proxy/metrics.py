@@ -313,7 +313,8 @@ class Metrics:
             if (count := getattr(record, field)) is not None:
                 child.observe(count)
         if record.prefix is not None:
-            self.prefix.hold((record.route, record.model, record.upstream), record.prefix)
+            self.prefix.hold((record.route, record.model, record.upstream), record.prefix,
+                             record.prompt_tokens, record.cached_prompt_tokens)
         if record.stream:
             if record.outcome is not Outcome.REJECTED:
                 self.outcomes.labels(record.route, record.model, record.upstream,

@@ -187,9 +187,9 @@ def record_of(
         response_id=reply.id,
         response_model=reply.model,
         finish_reasons=reply.finish_reasons,
-        # an estimated prompt still turns the doctor's bytes into tokens: the
-        # record's tokens_estimated says so wherever they are shown
-        prefix=(prefix.record(prompt, cached) if prefix is not None else None),
+        # the doctor's token figures come from prompt and cached (PrefixRecord.tokens):
+        # an estimated prompt still gives them, and tokens_estimated says so
+        prefix=(prefix.record if prefix is not None else None),
     )
 
 

@@ -212,7 +212,8 @@ class Tracing(Exporting):
             ("tokens_estimated", record.tokens_estimated or None),
         )
         if record.prefix is not None:
-            a.update(prefix_attributes(record.prefix))
+            a.update(prefix_attributes(record.prefix, record.prompt_tokens,
+                                       record.cached_prompt_tokens))
         error = error_type(record)
         if error:
             a[ATTR["error_type"]] = error
@@ -231,18 +232,21 @@ class Tracing(Exporting):
         span.end(end_time=start + round(record.duration_s * 1e9))
 
 
-def prefix_attributes(p: PrefixRecord) -> dict[str, Any]:
+def prefix_attributes(
+    p: PrefixRecord, prompt_tokens: int | None, cached_tokens: int | None
+) -> dict[str, Any]:
     """The prompt-cache doctor's finding as span attributes (no text: sizes, positions,
-    the reason and the part's kind); unknown values are left out. A request the doctor
-    did not examine carries only why."""
+    the reason and the part's kind), its tokens at the request's usage; unknown values
+    are left out. A request the doctor did not examine carries only why."""
     if p.unchecked:
         return {ATTR["unchecked"]: p.unchecked}
+    repeated, missed, unmarked = p.tokens(prompt_tokens, cached_tokens)
     return _present(
         ("prompt_bytes", p.prompt_bytes),
         ("repeated_bytes", p.repeated_bytes),
-        ("repeated_tokens", p.repeated_tokens),
-        ("missed_tokens", p.missed_tokens),
-        ("missed_unmarked_tokens", p.missed_unmarked_tokens),
+        ("repeated_tokens", repeated),
+        ("missed_tokens", missed),
+        ("missed_unmarked_tokens", unmarked),
         ("break_reason", p.break_reason or None),
         ("break_part", p.break_part or None),
         ("break_index", p.break_index),

@@ -278,11 +278,13 @@ def test_one_collect_can_feed_the_live_page_and_the_diagnosis() -> None:
 def test_missed_cache_tokens_from_the_doctors_findings() -> None:
     """Through the proxy's own Metrics: the mean of the missed tokens the doctor knew
     (a request whose usage had no cached field is unknown, not 0)."""
+    from proxy.doctor.report import TokenRules
+
     metrics, registry = fresh()
-    found = [PrefixRecord(8000, 6000, repeated_tokens=1500, missed_tokens=missed)
-             for missed in (1200, 0, 900, None)]
-    for i, p in enumerate(found):
-        metrics.observe(record(i, prompt_tokens=2000, prefix=p), measured=True)
+    p = PrefixRecord(8000, 6000, rules=TokenRules(8000, 6000, False, 0, 1))  # 1,500 tokens
+    for i, cached in enumerate((300, 1500, 600, None)):  # 1,200, 0, 900, unknown missed
+        metrics.observe(record(i, prompt_tokens=2000, cached_prompt_tokens=cached, prefix=p),
+                        measured=True)
     (chat,) = ev.evidence(ev.read_registry(registry))
     assert chat.missed_cache_tokens == (1200 + 0 + 900) / 3
     (same_from_text,) = ev.evidence(read_scrape(generate_latest(registry).decode()))

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry
 from proxy.config import TOKEN_BUCKETS
 from proxy.doctor import metrics as doctor_metrics
 from proxy.doctor.metrics import FLUSH_EVERY, PrefixMetrics
+from proxy.doctor.report import TokenRules
 from proxy.measure import PrefixRecord
 from proxy.metrics import Metrics, MetricsOptions
 
@@ -23,9 +24,12 @@ KEY = ("/v1/chat/completions", "m", "up")
 REPEATED = "llm_proxy_prompt_repeated_tokens_total"
 
 
-def finding(tokens: int = 100) -> PrefixRecord:
-    return PrefixRecord(4000, 2000, "system_changed", "system", 0, 0, repeated_tokens=tokens,
-                        missed_tokens=10)
+def finding(tokens: int = 100) -> tuple[PrefixRecord, int, None]:
+    """A finding whose usage (no cached field) gives ``tokens`` repeated, half the
+    prompt: the arguments of :meth:`PrefixMetrics.hold` after the key."""
+    rules = TokenRules(4000, 2000, False, 0, 1)
+    found = PrefixRecord(4000, 2000, "system_changed", "system", 0, 0, rules=rules)
+    return found, 2 * tokens, None
 
 
 def observed(metrics: PrefixMetrics) -> float:
@@ -37,12 +41,12 @@ async def test_findings_wait_for_a_collection_which_sees_them_all() -> None:
     registry = CollectorRegistry()
     metrics = PrefixMetrics(registry, ("route", "model", "upstream"), TOKEN_BUCKETS)
     for _ in range(3):
-        metrics.hold(KEY, finding())
+        metrics.hold(KEY, *finding())
     assert observed(metrics) == 0  # held
     assert registry.get_sample_value(REPEATED, dict(zip(("route", "model", "upstream"), KEY,
                                                         strict=True))) == 300
     restricted = registry.restricted_registry([REPEATED])  # as the live page reads
-    metrics.hold(KEY, finding(5))
+    metrics.hold(KEY, *finding(5))
     (family,) = [f for f in restricted.collect() if f.name == REPEATED.removesuffix("_total")]
     assert [s.value for s in family.samples if s.name == REPEATED] == [305]
 
@@ -53,9 +57,9 @@ async def test_a_full_batch_is_observed_at_once_and_the_rest_a_moment_later(
     monkeypatch.setattr(doctor_metrics, "FLUSH_AFTER_S", 0.0)  # at the loop's next turn
     metrics = PrefixMetrics(CollectorRegistry(), ("route", "model", "upstream"), TOKEN_BUCKETS)
     for _ in range(FLUSH_EVERY):  # the first starts the timer; the count comes first
-        metrics.hold(KEY, finding(1))
+        metrics.hold(KEY, *finding(1))
     assert observed(metrics) == FLUSH_EVERY
-    metrics.hold(KEY, finding(1))  # waits for the timer
+    metrics.hold(KEY, *finding(1))  # waits for the timer
     assert observed(metrics) == FLUSH_EVERY
     for _ in range(100):  # the timer's turn of the loop
         if observed(metrics) == FLUSH_EVERY + 1:
@@ -68,13 +72,13 @@ async def test_worker_processes_observe_each_finding_at_once(tmp_path: Path) -> 
     """With workers, a scrape reads their files and cannot flush what one holds: so
     nothing is held, and a request counted has its finding in the files too."""
     metrics = Metrics(CollectorRegistry(), MetricsOptions(multiprocess_dir=str(tmp_path)))
-    metrics.prefix.hold(KEY, finding())
+    metrics.prefix.hold(KEY, *finding())
     assert observed(metrics.prefix) == 100
 
 
 def test_without_an_event_loop_a_finding_is_observed_at_once() -> None:
     metrics = PrefixMetrics(CollectorRegistry(), ("route", "model", "upstream"), TOKEN_BUCKETS)
-    metrics.hold(KEY, finding())
+    metrics.hold(KEY, *finding())
     assert observed(metrics) == 100
 
 

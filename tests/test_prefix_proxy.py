@@ -886,17 +886,16 @@ async def test_a_job_that_never_got_its_turn_runs_at_the_finish() -> None:
     assert report_of(job) is not None and report_of(job).reason == "first_seen"
     check.run_batch()  # what the batch's timer would run: nothing is left
     assert calls == ["MainThread"]
-    record = job.record(1000, None)
-    assert record is not None and record.missed_tokens is None and record.repeated_tokens == 0
+    record = job.record
+    assert record is not None and record.tokens(1000, None) == (0, None, None)
     check.close()
 
 
-async def test_a_record_is_its_examination_with_the_usages_tokens_in_their_fields() -> None:
-    """The finish's record is the batch's, with the tokens :func:`cache_tokens` gives for
-    the usage under the upstream's rules, each in its own field (the finish builds the
-    record by position: a field added or moved out of place fails here)."""
+async def test_a_record_is_its_examination_and_gives_the_usages_tokens() -> None:
+    """The finish's record is the batch's, every field in its place (the batch builds it
+    by position: a field added or moved out of place fails here), and its tokens are
+    those :func:`cache_tokens` gives for the usage under the upstream's rules."""
     from proxy.doctor.report import cache_tokens
-    from proxy.measure import PrefixRecord
 
     check = PrefixCheck()
     spec = UpstreamSpec(name=UP, url="http://u/v1", min_cacheable_tokens=100,
@@ -911,15 +910,19 @@ async def test_a_record_is_its_examination_with_the_usages_tokens_in_their_field
         jobs.append(job)
     examination = jobs[1].examination
     assert examination is not None and examination.report is not None
-    assert examination.record is not None
+    report, record = examination.report, jobs[1].record
+    assert record is not None and record is examination.record
+    assert record._asdict() == {
+        "prompt_bytes": report.prompt_bytes, "repeated_bytes": report.repeated_bytes,
+        "break_reason": report.reason or "", "break_part": report.part or "",
+        "break_index": report.index, "break_offset": report.offset,
+        "break_role": report.role or "", "break_part_bytes": report.part_bytes,
+        "changed_bytes": report.changed_bytes, "stable_bytes": report.stable_bytes,
+        "unchecked": "", "index_s": None, "rules": record.rules}
     expected = cache_tokens(examination.report, 1000, 300, minimum_tokens=100,
                             granularity_tokens=64)
     assert expected.repeated and expected.missed  # figures worth comparing: none is 0
-    record = jobs[1].record(1000, 300)
-    assert isinstance(record, PrefixRecord)
-    assert record._asdict() == examination.record._replace(
-        repeated_tokens=expected.repeated, missed_tokens=expected.missed,
-        missed_unmarked_tokens=expected.unmarked)._asdict()
+    assert record.tokens(1000, 300) == (expected.repeated, expected.missed, expected.unmarked)
     check.close()
 
 

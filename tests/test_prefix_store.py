@@ -647,7 +647,7 @@ async def test_a_full_backlog_for_the_store_is_a_counted_miss(
         with caplog.at_level(logging.WARNING, logger="proxy"):
             job.start()
         assert "prompts already wait for the shared index" in caplog.text
-        record = job.record(100, 0)
+        record = job.record
         assert record is not None and record.unchecked == "busy"
     finally:
         gate.set()

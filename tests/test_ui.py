@@ -722,6 +722,7 @@ def test_the_card_and_the_prompt_panel_over_the_last_minute() -> None:
     line of that minute's requests alone, beside the fit since start (the levers stay
     since start), and the Prompt caching panel's last minute counts that minute's
     tokens and breaks."""
+    from proxy.doctor.report import TokenRules
     from proxy.measure import PrefixRecord
 
     clock = Clock()
@@ -729,9 +730,9 @@ def test_the_card_and_the_prompt_panel_over_the_last_minute() -> None:
     data = ui_data.LiveData(metrics.registry, clock=clock)
 
     def stream(i: int, per_1k_s: float, missed: int) -> RequestRecord:
-        tokens = 1000 + 100 * (i % 10)
-        p = PrefixRecord(4 * tokens, 2000, "system_changed", "system", 0, 0,
-                         repeated_tokens=500, missed_tokens=missed)
+        tokens = 1000 + 100 * (i % 10)  # 4 bytes a token: the repeated tokens all missed
+        rules = TokenRules(4 * tokens, 4 * missed, False, 0, 1)
+        p = PrefixRecord(4 * tokens, 4 * missed, "system_changed", "system", 0, 0, rules=rules)
         return record(i, prompt_tokens=tokens, cached_prompt_tokens=0, queue_s=0.0,
                       ttft_s=0.05 + per_1k_s * tokens / 1000, prefix=p)
 
@@ -755,7 +756,7 @@ def test_the_card_and_the_prompt_panel_over_the_last_minute() -> None:
     minute = pc["window"]
     assert minute["seconds"] == pytest.approx(60.0)
     assert minute["missed"]["tokens"] == 25 * 300 and minute["examined"] == 25
-    assert minute["repeated"]["per_s"] == pytest.approx(25 * 500 / 60.0)
+    assert minute["repeated"]["per_s"] == pytest.approx(25 * 300 / 60.0)
     assert [(b["reason"], b["count"]) for b in minute["breaks"]] == [("system_changed", 25)]
     assert pc["total"]["breaks"][0]["count"] == 55
     # Priced by the fit since start, in both spans (no examples: a bare registry).
@@ -776,8 +777,7 @@ def test_recent_breaks_keep_the_latest_of_each_and_stay_bounded() -> None:
     breaks = RecentBreaks(clock, max_keys=3)
 
     def broken(i: int, model: str, reason: str, tokens: int | None = 1000) -> RequestRecord:
-        p = PrefixRecord(4000, 0, reason, "message", i, 0, "user", 900, 256, 2000,
-                         repeated_tokens=0, missed_tokens=0)
+        p = PrefixRecord(4000, 0, reason, "message", i, 0, "user", 900, 256, 2000)
         return record(i, model=model, prompt_tokens=tokens, prefix=p)
 
     breaks.add(record(0))  # no doctor's finding: nothing kept

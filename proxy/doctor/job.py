@@ -32,7 +32,6 @@ from proxy.doctor.report import (
     TokenRules,
     cache_granularity_tokens,
     minimum_cacheable_tokens,
-    token_counts,
 )
 from proxy.doctor.shared_index import (
     MAX_KEYS,
@@ -74,8 +73,6 @@ LATE = "late"  # the finish came before the examination ended, and waited no lon
 FAILED = "failed"  # the doctor raised (logged with its traceback)
 UNCHECKED_REASONS = (STORE_DOWN, STORE_TIMEOUT, STORE_ERROR, TOO_LARGE, BUSY, LATE, FAILED)
 
-# Where a record's token figures start: its last fields, in token_counts' order
-TOKENS_AT = PrefixRecord._fields.index("repeated_tokens")
 _new = tuple.__new__
 
 
@@ -93,15 +90,14 @@ class Examination(NamedTuple):
     """One examination's result: the report (None: nothing to examine, or not examined),
     why it was not examined ("" when it was, or nothing to examine), the shared index's
     round trip (None: in process, or nothing sent), the prompt's keys for the workload
-    capture (kept when the shared index failed), and the record but its tokens, with the
-    rules that give them from the usage (worked out in the batch: the finish adds)."""
+    capture (kept when the shared index failed), and the record, with the rules that
+    give its token figures from the usage (worked out in the batch, where it runs warm)."""
 
     report: PrefixReport | None
     unchecked: str = ""
     index_s: float | None = None
     hashed: HashedPrompt | None = None  # the prompt's keys (digests, no text), for the workload
-    record: PrefixRecord | None = None  # the record, its token figures None
-    rules: TokenRules | None = None  # how the usage's tokens give them
+    record: PrefixRecord | None = None
 
 
 class _Lane:
@@ -503,14 +499,14 @@ class PrefixJob:
             prompt.caching,
             prompt.marked_bytes,
         )
-        # every field, in PrefixRecord's order (break_*, then unchecked "", index_s), its
-        # token figures None (the finish's): a C call, not the NamedTuple's frame
+        # every field, in PrefixRecord's order (break_*, then unchecked "", index_s,
+        # rules): a C call, not the NamedTuple's frame
         record = _new(PrefixRecord, (
             report.prompt_bytes, report.repeated_bytes, report.reason or "", report.part or "",
             report.index, report.offset, report.role or "", report.part_bytes,
-            report.changed_bytes, report.stable_bytes, "", index_s, None, None, None))
+            report.changed_bytes, report.stable_bytes, "", index_s, rules))
         keys = hashed if check.keep_keys else None
-        return _new(Examination, (report, "", index_s, keys, record, rules))
+        return _new(Examination, (report, "", index_s, keys, record))
 
     @property
     def settled(self) -> bool:
@@ -562,23 +558,18 @@ class PrefixJob:
         examination = self.examination
         return examination.hashed if examination is not None else None
 
-    def record(self, prompt_tokens: int | None, cached_tokens: int | None) -> PrefixRecord | None:
-        """The report in the record's terms, with the usage: ``prompt_tokens`` from the
-        upstream (None when it did not say them, or they were estimated) and
-        ``cached_tokens`` as it reported them (None: not reported). A request that was
-        not examined gets a record that says why; one with nothing to examine, None."""
+    @property
+    def record(self) -> PrefixRecord | None:
+        """The finding in the record's terms (its token figures worked out from the
+        request's usage by whoever reads them: :meth:`PrefixRecord.tokens`). A request
+        that was not examined gets a record that says why; one with nothing to examine,
+        None."""
         examination = self.examination
         if examination is None:
             return PrefixRecord.not_examined(self._unchecked)
         if examination.unchecked:
             return PrefixRecord.not_examined(examination.unchecked, examination.index_s)
-        record, rules = examination.record, examination.rules
-        if record is None or rules is None:
-            return None
-        counts = token_counts(rules, prompt_tokens, cached_tokens)
-        # one C call, not NamedTuple._replace's Python frames, which cost the finish
-        # (cold, once a request) more than their work (benchmarks/RESULTS.md, 2026-12-04)
-        return _new(PrefixRecord, record[:TOKENS_AT] + counts)
+        return examination.record
 
 
 def _counted(blocks: int) -> int:

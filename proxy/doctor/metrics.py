@@ -68,7 +68,7 @@ class PrefixMetrics:
     def __init__(self, registry: CollectorRegistry, labels: tuple[str, ...],
                  token_buckets: Sequence[float], *, held: bool = True) -> None:
         self._every = FLUSH_EVERY if held else 1
-        self._due: deque[tuple[Key, PrefixRecord]] = deque()
+        self._due: deque[tuple[Key, PrefixRecord, int | None, int | None]] = deque()
         self._timer = False  # a flush is due FLUSH_AFTER_S after the first finding held
         self.repeated_tokens = Counter(
             "llm_proxy_prompt_repeated_tokens", PREFIX_HELP["repeated"], labels, registry=None)
@@ -113,10 +113,12 @@ class PrefixMetrics:
         self.flush()
         return [family for metric in self.metrics for family in metric.collect()]
 
-    def hold(self, key: Key, finding: PrefixRecord) -> None:
-        """One request's finding, under its labels, to observe at the next :meth:`flush`."""
+    def hold(self, key: Key, finding: PrefixRecord, prompt_tokens: int | None,
+             cached_tokens: int | None) -> None:
+        """One request's finding, under its labels, with its usage (as
+        :meth:`PrefixRecord.tokens` takes it), to observe at the next :meth:`flush`."""
         due = self._due
-        due.append((key, finding))
+        due.append((key, finding, prompt_tokens, cached_tokens))
         if len(due) >= self._every:
             self.flush()
         elif not self._timer:
@@ -137,12 +139,13 @@ class PrefixMetrics:
         due, observe = self._due, self._observe
         while due:
             try:
-                key, finding = due.popleft()
+                held = due.popleft()
             except IndexError:  # another thread took the last one
                 return
-            observe(key, finding)
+            observe(*held)
 
-    def _observe(self, key: Key, p: PrefixRecord) -> None:
+    def _observe(self, key: Key, p: PrefixRecord, prompt_tokens: int | None,
+                 cached_tokens: int | None) -> None:
         if p.index_s is not None:
             result = ("timeout" if p.unchecked == "store_timeout"
                       else "error" if p.unchecked else "ok")
@@ -167,17 +170,18 @@ class PrefixMetrics:
         repeated, missed, ratio, missed_hist = c
         if p.prompt_bytes:
             observe_one(ratio, p.repeated_bytes / p.prompt_bytes)  # p.repeated_share
-        if p.repeated_tokens:
-            add(repeated, p.repeated_tokens)
-        if p.missed_tokens is not None:
-            if p.missed_tokens:
-                add(missed, p.missed_tokens)
-            observe_one(missed_hist, p.missed_tokens)
-        if p.missed_unmarked_tokens is not None:
+        repeated_tokens, missed_tokens, unmarked_tokens = p.tokens(prompt_tokens, cached_tokens)
+        if repeated_tokens:
+            add(repeated, repeated_tokens)
+        if missed_tokens is not None:
+            if missed_tokens:
+                add(missed, missed_tokens)
+            observe_one(missed_hist, missed_tokens)
+        if unmarked_tokens is not None:
             unmarked = self._unmarked_children.get(key)
             if unmarked is None:
                 unmarked = self._unmarked_children[key] = self.unmarked_tokens.labels(*key)
-            unmarked.inc(p.missed_unmarked_tokens)
+            unmarked.inc(unmarked_tokens)
         if p.break_reason:
             labels = (*key, p.break_reason, p.break_part or "none")
             child = self._break_children.get(labels)

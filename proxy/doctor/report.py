@@ -129,7 +129,8 @@ class CacheTokens(NamedTuple):
 
 class TokenRules(NamedTuple):
     """What turns a report into tokens, but the usage: worked out with the report (in the
-    doctor's batch), so that a request's finish does only :func:`token_counts`'s
+    doctor's batch) and kept in its record, so that whoever reads the record's tokens
+    (:meth:`~proxy.measure.PrefixRecord.tokens`) does only :func:`token_counts`'s
     arithmetic."""
 
     prompt_bytes: int
