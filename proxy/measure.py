@@ -117,10 +117,10 @@ OUTCOME_MEANINGS: dict[Outcome, OutcomeMeaning] = {
 
 class PrefixRecord(NamedTuple):
     """What the prompt-cache doctor (:mod:`proxy.doctor`) found for one request, kept
-    here with the record it is part of: sizes, positions and bounded names, never text.
-    Tokens are None where unknown. A NamedTuple rather than a frozen dataclass: one is
-    made per request at its finish, and a frozen dataclass sets each field through
-    ``object.__setattr__``, which costs more (``docs/design/doctor.md``)."""
+    here with the record it is part of: sizes, positions and bounded names, never text;
+    its token figures at the request's usage from :meth:`tokens`. A NamedTuple rather
+    than a frozen dataclass: one is made per request, and a frozen dataclass sets each
+    field through ``object.__setattr__``, which costs more (``docs/design/doctor.md``)."""
 
     prompt_bytes: int  # the prompt's parts, as the doctor reads them
     repeated_bytes: int  # the leading bytes a recent request sent within the window
