@@ -24,10 +24,10 @@ round, the geometric mean of their CPU per event and the mean of their latencies
 that what one process of that code reads apart from another (its own, for the whole
 run) weighs less; ``proxy/proxy-before`` over the same tree shows how far apart.
 ``--bootstrap N`` adds how sure the median ratio is: its 90 % interval over N
-resamples, and how many of them are at or below ``--bar``. A run's
-rounds share its processes, and runs of the same code differ by more than their rounds
-say; so pooled runs are resampled in two stages, the runs first and then the rounds of
-each run drawn, and the interval widens with the spread between runs.
+resamples, and how many of them are at or below ``--bar``. A run's rounds share its
+processes, and runs of the same code differ by more than their rounds say; so pooled
+runs are resampled in two stages, the runs first and then the rounds of each run drawn,
+and the interval widens with the spread between runs.
 """
 
 from __future__ import annotations
