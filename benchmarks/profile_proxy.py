@@ -73,15 +73,17 @@ def _package(frame: str) -> str:
     return where or frame
 
 
+def raw_stacks(text: str) -> list[tuple[str, int]]:
+    """py-spy's raw stacks (``frame;frame;... count`` a line): each stack's frames, as
+    one string, and its samples."""
+    lines = (line.rpartition(" ") for line in text.splitlines())
+    return [(frames, int(count)) for frames, _, count in lines if frames]
+
+
 def doctor_samples(text: str) -> int:
-    """The samples of py-spy's raw stacks (``frame;frame;... count`` a line) with a frame
-    of the prompt-cache doctor (:data:`DOCTOR`) anywhere in their stack."""
-    samples = 0
-    for line in text.splitlines():
-        frames, _, count = line.rpartition(" ")
-        if any(d in frames for d in DOCTOR):
-            samples += int(count)
-    return samples
+    """The samples of py-spy's raw stacks with a frame of the prompt-cache doctor
+    (:data:`DOCTOR`) anywhere in their stack."""
+    return sum(n for frames, n in raw_stacks(text) if any(d in frames for d in DOCTOR))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,22 +147,17 @@ def main(argv: list[str] | None = None) -> int:
         text = raw.read_text()
     finally:
         bench.close()
-    stacks = []
-    for line in text.splitlines():
-        frames, _, count = line.rpartition(" ")
-        if frames:
-            stacks.append(([_short(f) for f in frames.split(";")], int(count)))
-    total = sum(n for _, n in stacks) or 1
+    raw_counts = raw_stacks(text)
+    total = sum(n for _, n in raw_counts) or 1
     own: collections.Counter[str] = collections.Counter()
     incl: collections.Counter[str] = collections.Counter()
     by_pkg: collections.Counter[str] = collections.Counter()
-    for line in text.splitlines():
-        frames_raw, _, count = line.rpartition(" ")
-        if frames_raw:
-            by_pkg[_package(frames_raw.split(";")[-1])] += int(count)
-    for frames, n in stacks:
-        own[frames[-1]] += n
-        for f in set(frames):
+    for joined, n in raw_counts:
+        frames = joined.split(";")
+        by_pkg[_package(frames[-1])] += n
+        short = [_short(f) for f in frames]
+        own[short[-1]] += n
+        for f in set(short):
             incl[f] += n
     per_event = cpu / max(res["events_all"], 1) * 1e6
     print(
