@@ -72,7 +72,7 @@ def side(r: Round, name: str) -> tuple[float, ...] | None:
         return r[name]
     rows = [r[n] for n in names]
     cpu = statistics.geometric_mean([row[0] for row in rows])
-    return (cpu, *(statistics.fmean(row[i] for row in rows) for i in range(1, 4)))
+    return (cpu, *(statistics.fmean(row[i] for row in rows) for i in range(1, len(rows[0]))))
 
 
 def spread(values: list[float], fmt: Callable[[float], str]) -> str:

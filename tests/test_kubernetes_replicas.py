@@ -681,7 +681,9 @@ async def test_three_replicas_add_up_to_one(replicas: list[Replica], tmp_path: P
                     return explain_scrapes(many, one)
 
                 await poll(
-                    "both Prometheus servers to scrape the warm-up", lambda: scraped({"requests": warm}), explain
+                    "both Prometheus servers to scrape the warm-up",
+                    lambda: scraped({"requests": warm}),
+                    explain,
                 )
                 warm_at = verified_at[-1]  # scraped before the workload, in every series
                 workload_began = time.time()
