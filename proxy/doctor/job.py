@@ -62,9 +62,7 @@ BATCH_S = 0.5  # how long the first job of a batch waits for others
 BATCH_JOBS = 48  # jobs that run a batch at the loop's next turn
 BATCH_BLOCKS = 320  # ... or blocks of their bodies (bytes / block, and one a body),
 BATCH_LEAST = 4  # a body counting at most 1/BATCH_LEAST of them (one alone runs cold)
-# A batch's turn on the loop (the jobs left run at its next turn): a typical batch of
-# small prompts in one, since each turn runs cold (docs/design/doctor.md)
-BATCH_TURN_S = 0.002
+BATCH_TURN_S = 0.0003  # a batch's turn on the loop; the jobs left run at the next turn
 INDEX_SHARE = 8  # a prompt may hold at most 1/INDEX_SHARE of the in-process index
 WARN_EVERY_S = 60.0
 
