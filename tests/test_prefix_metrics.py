@@ -89,3 +89,75 @@ def test_a_scrape_reads_the_request_count_before_the_doctors_findings() -> None:
     metrics = Metrics(CollectorRegistry())
     names = [family.name for family in metrics.registry.collect()]
     assert names.index("llm_proxy_requests") < names.index("llm_proxy_prompt_repeated_tokens")
+
+
+def test_a_batch_of_findings_observes_what_each_alone_would() -> None:
+    """A flush gathers each label set's findings into one increment a bucket and counter:
+    the samples are those of prometheus_client's own ``inc`` and ``observe`` per finding,
+    whatever mix of label sets, breaks, usage, cache modes and findings not examined a
+    batch holds."""
+    from proxy.dialects import Caching
+
+    other = ("/v1/completions", "m2", "up2")
+    marked = TokenRules(3000, 2400, False, 1024, 128, Caching.MARKED, 1200)
+    held = [
+        (KEY, *finding(100)),
+        (other, *finding(7)),
+        (KEY, PrefixRecord(4000, 4000, rules=TokenRules(4000, 4000, False, 1024, 128)), 3000, 0),
+        (KEY, PrefixRecord(4000, 1000, "first_seen", rules=TokenRules(4000, 1000, False, 0, 1)),
+         900, 800),
+        (other, PrefixRecord(3000, 2400, "message_changed", "message", 2, 512, "user",
+                             rules=marked), 3000, 256),
+        (other, PrefixRecord(3000, 0, "first_seen", rules=marked), 750, 0),
+        (KEY, PrefixRecord.not_examined("busy"), 900, None),
+        (KEY, PrefixRecord.not_examined("store_timeout", 0.25), 900, None),
+        (KEY, PrefixRecord(0, 0, rules=TokenRules(0, 0, False, 0, 1)), 0, None),
+        (KEY, PrefixRecord(4000, 2000, "system_changed", "system", 0, 0, index_s=0.002,
+                           rules=TokenRules(4000, 2000, False, 0, 1)), 1000, 500),
+    ]
+    labels = ("route", "model", "upstream")
+    together = PrefixMetrics(CollectorRegistry(), labels, TOKEN_BUCKETS)
+    alone = PrefixMetrics(CollectorRegistry(), labels, TOKEN_BUCKETS, held=False)
+    for key, p, prompt_tokens, cached_tokens in held:
+        together.hold(key, p, prompt_tokens, cached_tokens)
+        observe_alone(alone, key, p, prompt_tokens, cached_tokens)
+    together.flush()
+
+    def samples(metrics: PrefixMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in metrics.collect() for s in family.samples
+                if not s.name.endswith("_created")}
+
+    batched, each = samples(together), samples(alone)
+    assert batched.keys() == each.keys()
+    assert len(batched) > 40  # every metric has samples, both label sets
+    for name, value in each.items():
+        assert batched[name] == pytest.approx(value, abs=1e-9), name
+
+
+def observe_alone(m: PrefixMetrics, key: tuple[str, str, str], p: PrefixRecord,
+                  prompt_tokens: int | None, cached_tokens: int | None) -> None:
+    """One finding through the metrics' public ``inc`` and ``observe``, as the HELP texts
+    define them: the reference a flush must match."""
+    if p.index_s is not None:
+        result = ("timeout" if p.unchecked == "store_timeout"
+                  else "error" if p.unchecked else "ok")
+        m.index_seconds.labels(result).observe(p.index_s)
+    if p.unchecked:
+        m.unchecked.labels(*key, p.unchecked).inc()
+        return
+    repeated, missed, unmarked = p.tokens(prompt_tokens, cached_tokens)
+    m.repeated_tokens.labels(*key).inc(repeated or 0)
+    m.missed_tokens.labels(*key).inc(missed or 0)
+    if p.prompt_bytes:
+        m.repeated_ratio.labels(*key).observe(p.repeated_bytes / p.prompt_bytes)
+    else:
+        m.repeated_ratio.labels(*key)
+    if missed is None:
+        m.missed_per_request.labels(*key)
+    else:
+        m.missed_per_request.labels(*key).observe(missed)
+    if unmarked is not None:
+        m.unmarked_tokens.labels(*key).inc(unmarked)
+    if p.break_reason:
+        m.breaks.labels(*key, p.break_reason, p.break_part or "none").inc()
