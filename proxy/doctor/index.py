@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from itertools import chain
 from typing import NamedTuple, Protocol, overload
 
@@ -233,13 +233,15 @@ class LruPrefixIndex:
             reads = _Snapshot(keys, get, before, t, h, w, epoch)
             start, stop = probe.nested
             cut = stop  # the covered head of the nested range: from here to ``stop``
+            # a run ending at or after ``floor`` ends at most a settle before h (and is
+            # one: floor >= 1); without a settle, none is
+            floor = max(1, h - settle) if settle else m + 1
             if settle:
                 low = start + 1 if start < stop and marks[start] == ENDED else start
                 mid = low  # first the whole range: a new last part after a covered head
                 while low < cut:  # where the covered head starts, by bisection
                     old = get(keys[mid], 0)
-                    cl = (old >> _CL) & m
-                    if cl and h <= cl + settle and old >> _CS <= h:
+                    if (old >> _CL) & m >= floor and old >> _CS <= h:
                         cut = mid
                     else:
                         low = mid + 1
@@ -253,10 +255,10 @@ class LruPrefixIndex:
             on, cl_at = CONTINUED, _CL  # locals: this loop runs per key
             fresh_on, fresh_end = (h << _CS) | (h << _CL), (h << _ES) | h
             rest = stop if cut <= probe.scoped < stop else len(keys)  # the scope's: held
-            for key, mark in chain(
-                zip(keys[skip:cut], marks[skip:cut], strict=True),
-                zip(keys[stop:rest], marks[stop:rest], strict=True),
-            ):
+            written: Iterable[tuple[bytes, int]] = zip(keys[skip:cut], marks[skip:cut], strict=True)
+            if rest > stop:
+                written = chain(written, zip(keys[stop:rest], marks[stop:rest], strict=True))
+            for key, mark in written:
                 # this request's stamp h into the run of its kind, unless the run holds it
                 # already or ends at most a settle before it; most stamps are the run's
                 # new latest, within a window of the one before. A key held twice by the
@@ -266,7 +268,7 @@ class LruPrefixIndex:
                     entries[key] = fresh_on if mark == on else fresh_end
                 elif mark == on:
                     cl = (old >> cl_at) & m
-                    if settle and cl and h <= cl + settle and old >> _CS <= h:
+                    if cl >= floor and old >> _CS <= h:
                         continue
                     if cl and cl <= h <= cl + w:
                         entries[key] = old + ((h - cl) << cl_at)
@@ -274,7 +276,7 @@ class LruPrefixIndex:
                         entries[key] = _stamp(old, _CS, h, w)
                 else:
                     el = old & m
-                    if settle and el and h <= el + settle and (old >> _ES) & m <= h:
+                    if el >= floor and (old >> _ES) & m <= h:
                         continue
                     if el and el <= h <= el + w:
                         entries[key] = old + (h - el)
