@@ -1245,6 +1245,11 @@ HOSTILE: dict[str, tuple[dict[str, Any], Place]] = {
     "5,000 empty tools": ({"model": "m", "tools": [{}] * 5000, "messages": []}, Place.THREAD),
     "5,000 content parts in one message": (
         chat(("user", [""] * 5000)), Place.THREAD),
+    "a system prompt, then 5,000 content parts": (
+        chat(("system", "be brief"), ("user", [""] * 5000)), Place.THREAD),
+    "a message not an object, then 5,000 content parts": (
+        {"model": "m", "messages": ["hi", {"role": "user", "content": [""] * 5000}]},
+        Place.THREAD),
     "5,000 content parts in a tool result": (
         {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [
             {"type": "tool_result", "tool_use_id": "t", "content": [""] * 5000}]}]},

@@ -32,7 +32,7 @@ REASONS: tuple[str, ...] = (
     "cache_key_changed",
     "first_seen",
 )
-_SIZE = itemgetter(3)  # a PartShape's size
+_KIND, _SIZE = itemgetter(0), itemgetter(3)  # a PartShape's kind, its size
 # A report's fields from its reason to its stable_bytes where nothing broke: a report
 # made as ``tuple.__new__(PrefixReport, (sizes..., *_UNBROKEN, unseen))``, a C call
 # where the NamedTuple's __new__ would be a frame
@@ -120,7 +120,8 @@ def examine(
     # The probe's order: chunks, the chain from its last block, the root, the anchors.
     top = len(hashed.keys) - 4  # the probe index of chain block 0; block i is at top - i
     parts = hashed.parts
-    unseen, limit = _stored_context(parts, hashed.first_block, blocks)
+    unseen, limit = (_stored_context(parts, hashed.first_block, blocks)
+                     if "context" in map(_KIND, parts) else (False, blocks))
     # A block's key names the prompt up to it: whoever held it held every block before
     # it, at the same time. So the whole prompt is read from its last key, and whole
     # parts from theirs, before the blocks of the part where the repeat stops.

@@ -37,6 +37,7 @@ _CL = 2 * _TICK_BITS
 _CS = 3 * _TICK_BITS
 
 
+_new = tuple.__new__  # a NamedTuple of all its fields, without its __new__'s Python frame
 NEVER = -(1 << 62)  # the time of a sighting that never happened (or was forgotten)
 
 
@@ -228,9 +229,8 @@ class LruPrefixIndex:
             old = get(keys[whole], 0) if whole >= 0 else 0
             el = old & m
             if el and (old >> _ES) & m <= h <= el + settle:  # nothing to write: read later
-                return _Snapshot(keys, get, {}, t, h, w, epoch)
+                return _new(_Snapshot, (keys, get, {}, len(keys), t, h, w, epoch, (0, 0)))
             before: dict[bytes, int] = {}  # the entries, before, of keys it writes or evicts
-            reads = _Snapshot(keys, get, before, t, h, w, epoch)
             start, stop = probe.nested
             cut = stop  # the covered head of the nested range: from here to ``stop``
             # a run ending at or after ``floor`` ends at most a settle before h (and is
@@ -289,8 +289,7 @@ class LruPrefixIndex:
             lo = cut  # the keys it wrote that nobody held, from the covered head back
             while lo > skip and not before[keys[lo - 1]]:
                 lo -= 1
-            reads.unheld = (lo, cut)
-        return reads
+        return _new(_Snapshot, (keys, get, before, len(keys), t, h, w, epoch, (lo, cut)))
 
     def _forget_before(self, oldest: int) -> None:
         """Drop the entries nobody touched since tick ``oldest`` (they are the first)."""
@@ -320,30 +319,24 @@ def _read_late(old: int, t: int, h: int, w: int, epoch: int) -> tuple[int, int, 
     return c + epoch if c else NEVER, e + epoch if e else NEVER, first
 
 
-class _Snapshot:
+class _Snapshot(NamedTuple):
     """The in-process index's :class:`Sightings`: a probe's entries as they were before an
     exchange's writes, decoded per key only when asked (by the rules of
     ``docs/design/doctor.md``; the columns and ``after`` too, made when read): a key the
     exchange wrote or evicted from its entry before (``before``, by key), any other from
     the index (``get``) when asked, by the same rules (a stamp written since is read as
     it would be had its exchange come first), without the lock: a lookup is whole under
-    the GIL."""
+    the GIL. Made by ``tuple.__new__`` with every field (a C call, not a frame)."""
 
-    __slots__ = ("before", "epoch", "get", "h", "keys", "n", "t", "unheld", "w")
-
-    def __init__(
-        self,
-        keys: Sequence[bytes],
-        get: Callable[[bytes, int], int],
-        before: dict[bytes, int],
-        t: int,
-        h: int,
-        w: int,
-        epoch: int,
-    ) -> None:
-        self.keys, self.get, self.before, self.n = keys, get, before, len(keys)
-        self.t, self.h, self.w, self.epoch = t, h, w, epoch
-        self.unheld = (0, 0)  # set by the exchange that wrote
+    keys: Sequence[bytes]
+    get: Callable[[bytes, int], int]
+    before: dict[bytes, int]
+    n: int  # len(keys)
+    t: int
+    h: int
+    w: int
+    epoch: int
+    unheld: tuple[int, int]  # the Protocol's property, as a field
 
     def read(self, i: int) -> tuple[int, int, int | None]:
         key = self.keys[i]
