@@ -276,7 +276,7 @@ class _Metric:
 def _metrics(settings: config.Settings) -> dict[str, _Metric]:
     """What ``Metrics`` registers with ``settings``. Labels and buckets are read from
     prometheus_client's metric objects (``_labelnames``, ``_upper_bounds``, stable since
-    0.4, as :func:`proxy.doctor.metrics.observe_many` relies on)."""
+    0.4, as :func:`proxy.buckets.observe_many` relies on)."""
     registry = _RecordingRegistry()
     Metrics(registry, metrics_options(settings, {}))
     found: dict[str, _Metric] = {}

@@ -1,5 +1,6 @@
-"""Quantiles from cumulative histogram buckets, the way PromQL's ``histogram_quantile``
-estimates them.
+"""Histogram buckets: quantiles from cumulative buckets, the way PromQL's
+``histogram_quantile`` estimates them, and many observations written into a
+prometheus_client histogram at once (:func:`observe_many`).
 
 Design: ``docs/design/bench.md``.
 """
@@ -7,7 +8,12 @@ Design: ``docs/design/bench.md``.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from bisect import bisect_left
+from collections import Counter as _Counter
+from collections.abc import Iterable, Sequence
+from itertools import repeat
+
+from prometheus_client import Histogram
 
 
 def histogram_quantile(q: float, buckets: Iterable[tuple[float, float]]) -> float:
@@ -56,3 +62,28 @@ def fraction_at_most(x: float, buckets: Iterable[tuple[float, float]]) -> float:
             return (below + (count - below) * (x - lower) / (upper - lower)) / total
         lower, below = upper, count
     return 1.0
+
+
+def observe_many(child: Histogram, values: Sequence[float]) -> None:
+    """Observe many values at once: one increment per bucket touched, one for the sum.
+
+    Same result as ``observe`` per value (each value still lands in its own bucket), at
+    a fraction of the cost: ``observe`` walks the bucket list in Python and takes a lock
+    per call (for ITL, per token; for the doctor's findings, per request). Relies on
+    prometheus_client's histogram child internals (``_upper_bounds``, ``_buckets``,
+    ``_sum``, stable since 0.4); falls back to ``observe`` if they are not there.
+    """
+    if not values:
+        return
+    try:
+        bounds: list[float] = child._upper_bounds
+        buckets = child._buckets
+        total = child._sum
+    except AttributeError:  # pragma: no cover - a future prometheus_client
+        for value in values:
+            child.observe(value)
+        return
+    counts = _Counter(map(bisect_left, repeat(bounds, len(values)), values))  # no frame a value
+    for index, count in counts.items():
+        buckets[index].inc(count)
+    total.inc(math.fsum(values))

@@ -13,10 +13,11 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from proxy import config
+from proxy.buckets import observe_many
 from proxy.config import OVERHEAD_BUCKETS, QUEUE_BUCKETS
 from proxy.diagnosis.fit import KTOKENS
 from proxy.diagnosis.fit import SAMPLES as FIT_SAMPLES
-from proxy.doctor.metrics import PrefixMetrics, observe_many
+from proxy.doctor.metrics import PrefixMetrics
 from proxy.doctor.provider import agreement
 from proxy.measure import Outcome, RequestRecord
 from proxy.metric_help import (

@@ -494,7 +494,7 @@ def test_observe_many_equals_observe_each(values: list[float]) -> None:
     per-value observe gives (a value on a bound included)."""
     from prometheus_client import CollectorRegistry, Histogram
 
-    from proxy.doctor.metrics import observe_many
+    from proxy.buckets import observe_many
 
     registry = CollectorRegistry()
     batched = Histogram("batched", "h", buckets=ITL_BUCKETS, registry=registry)

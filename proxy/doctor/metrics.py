@@ -7,17 +7,15 @@ Design: ``docs/design/doctor.md``.
 from __future__ import annotations
 
 import asyncio
-import math
-from bisect import bisect_left
 from collections import Counter as _Counter
 from collections import deque
 from collections.abc import Sequence
-from itertools import repeat
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.metrics_core import Metric
 
+from proxy.buckets import observe_many
 from proxy.config import OVERHEAD_BUCKETS
 from proxy.measure import PrefixRecord
 from proxy.metric_help import PREFIX_HELP
@@ -33,34 +31,10 @@ SHARE_BUCKETS: tuple[float, ...] = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8,
 Key = tuple[str, str, str]  # (route, model, upstream)
 
 
-def observe_many(child: Histogram, values: Sequence[float]) -> None:
-    """Observe many values at once: one increment per bucket touched, one for the sum.
-
-    Same result as ``observe`` per value (each value still lands in its own bucket), at
-    a fraction of the cost: ``observe`` walks the bucket list in Python and takes a lock
-    per call (for ITL, per token; for the doctor's findings, per request). Relies on
-    prometheus_client's histogram child internals (``_upper_bounds``, ``_buckets``,
-    ``_sum``, stable since 0.4); falls back to ``observe`` if they are not there.
-    """
-    if not values:
-        return
-    try:
-        bounds: list[float] = child._upper_bounds
-        buckets = child._buckets
-        total = child._sum
-    except AttributeError:  # pragma: no cover - a future prometheus_client
-        for value in values:
-            child.observe(value)
-        return
-    counts = _Counter(map(bisect_left, repeat(bounds, len(values)), values))  # no frame a value
-    for index, count in counts.items():
-        buckets[index].inc(count)
-    total.inc(math.fsum(values))
-
-
 def add(child: Counter, amount: float) -> None:
     """``child.inc(amount)`` for a labelled child and an ``amount`` known not negative,
-    without the checks of either. The same internals as :func:`observe_many`."""
+    without the checks of either. The same internals as
+    :func:`proxy.buckets.observe_many`."""
     try:
         value = child._value
     except AttributeError:  # pragma: no cover - a future prometheus_client
