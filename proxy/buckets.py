@@ -12,8 +12,10 @@ from bisect import bisect_left
 from collections import Counter as _Counter
 from collections.abc import Iterable, Sequence
 from itertools import repeat
+from typing import TYPE_CHECKING
 
-from prometheus_client import Histogram
+if TYPE_CHECKING:  # the readers of buckets (diagnose, the live page) import no client library
+    from prometheus_client import Histogram
 
 
 def histogram_quantile(q: float, buckets: Iterable[tuple[float, float]]) -> float:
