@@ -245,8 +245,7 @@ def _finish_given(data: bytes) -> bool:
 
 def _chat_prompt(payload: Mapping[str, Any]) -> Prompt:
     parts = _settings_parts(payload, CHAT_SETTINGS)
-    if "tools" in payload or "functions" in payload:  # most bodies give neither
-        parts.extend(_tool_parts(payload, "tools", "functions"))
+    parts.extend(_tool_parts(payload, "tools", "functions"))
     messages = payload.get("messages")
     marks = explicit_marks(payload)
     if isinstance(messages, list):

@@ -93,6 +93,8 @@ def _stored_context(
     may not pass: the end of a ``conversation`` part, whose stored items grow under the
     same id, so that what follows it is at no known position (a previous response is
     immutable: the same id is the same context)."""
+    if "context" not in map(_KIND, parts):  # most prompts: one look at C speed
+        return False, blocks
     unseen = False
     for p, shape in enumerate(parts):
         if shape.kind == "context":
@@ -120,8 +122,7 @@ def examine(
     # The probe's order: chunks, the chain from its last block, the root, the anchors.
     top = len(hashed.keys) - 4  # the probe index of chain block 0; block i is at top - i
     parts = hashed.parts
-    unseen, limit = (_stored_context(parts, hashed.first_block, blocks)
-                     if "context" in map(_KIND, parts) else (False, blocks))
+    unseen, limit = _stored_context(parts, hashed.first_block, blocks)
     # A block's key names the prompt up to it: whoever held it held every block before
     # it, at the same time. So the whole prompt is read from its last key, and whole
     # parts from theirs, before the blocks of the part where the repeat stops.
