@@ -172,6 +172,8 @@ def test_a_slope_lost_in_noise_is_not_printed_as_a_number() -> None:
     sentence = by_name(d)["prefill"].sentence
     assert sentence.startswith("Prefill: not clear yet (")
     assert "first-token times vary more than prompt lengths explain" in sentence
+    # nor is the rejected fit's fixed part, below zero or above the whole as it may be
+    assert noisy.fixed_ms is not None and by_name(d)["fixed"].numbers["fixed_ms"] is None
 
 
 def test_no_prefill_cost() -> None:
@@ -282,6 +284,8 @@ def test_no_advice_without_numbers(ev: Evidence) -> None:
             assert "unknown" not in lever.sentence, lever.sentence
         if lever.status in ("too_little_data", "unknown"):
             assert lever.saves_ms is None
+        if "fixed_ms" in lever.numbers:  # the card's fixed part, never a rejected fit's
+            assert lever.numbers["fixed_ms"] == d.fixed_ms
 
 
 def test_superlinear_prefill_never_makes_a_part_larger_than_the_whole() -> None:

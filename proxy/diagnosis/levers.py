@@ -501,7 +501,8 @@ def _queue_lever(ev: Evidence, split: FirstTokenSplit, name: str, title: str,
 
 def _rest(ev: Evidence, split: FirstTokenSplit) -> Lever:
     rest = split.rest_ms
-    numbers = {"rest_ms": rest, "fixed_ms": ev.fit.fixed_ms, "first_token_ms": split.mean_ms}
+    fixed = ev.fit.fixed_ms if usable_fit(ev.fit) else None  # the card's, not a rejected fit's
+    numbers = {"rest_ms": rest, "fixed_ms": fixed, "first_token_ms": split.mean_ms}
     if rest is None:
         if ev.fit.requests < MIN_REQUESTS or split.mean_ms is None:
             return _too_few("fixed", "first_token", "Fixed part of the first token",
