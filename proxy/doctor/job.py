@@ -132,7 +132,7 @@ class PrefixCheck:
         clock: the request path's monotonic clock (seconds), which every time given to
             :meth:`begin` and :meth:`PrefixJob.ready` reads.
         keep_keys: whether a job keeps its prompt's keys (:attr:`PrefixJob.hashed`) for
-            the workload capture; else they go with the batch, not with the request."""
+            the workload capture."""
 
     def __init__(
         self,

@@ -1,6 +1,8 @@
 """The report in the reader's terms: tokens (:func:`cache_tokens`, with each provider's
 minimum cacheable length and caching step) and words (:func:`explain_break`, one
 sentence per break for the live page).
+
+Design: ``docs/design/doctor.md``.
 """
 
 from __future__ import annotations

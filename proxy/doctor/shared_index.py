@@ -55,8 +55,8 @@ CACHE_INDEX_DEFAULTS = {
     "key_prefix": f"'{DEFAULT_KEY_PREFIX}'",
     "timeout_ms": f"{DEFAULT_TIMEOUT_MS}: a request whose exchange (connecting included) takes "
     "longer is counted as unchecked; a prompt of more than 1024 keys is "
-    "allowed more time in proportion to its keys, for the store's own time "
-    "per key",
+    "allowed the store's own time for as many keys as a request may send, "
+    "on top",
     "retry_ms": f"{DEFAULT_RETRY_MS}: after a failed exchange the store is not asked again for "
     "this long (requests meanwhile are counted as unchecked), then by one request "
     "at a time; each failed retry doubles the pause, up to 30 s",
@@ -173,7 +173,7 @@ def prefix_secret(env: Mapping[str, str]) -> bytes:
 log = logging.getLogger("proxy")
 
 LARGE_KEYS = 1024  # a probe with more keys uses the connection with the longer timeout
-MAX_KEYS = 32_768  # two keys per block: a prompt of MAX_KEYS // 2 blocks; never sent beyond
+MAX_KEYS = 32_768  # keys a request may send (PrefixCheck.place refuses a prompt that could pass)
 PER_KEY_S = 10e-6  # the store's time per key, with room (benchmarks/prefix_store.py)
 MAX_PAUSE_S = 30.0
 WARN_EVERY_S = 60.0
