@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import json
 import logging
 import math
@@ -676,6 +677,57 @@ async def test_stored_context_leaves_tokens_unknown_and_a_new_response_id_is_no_
     assert not value(registry, MISSED, RESPONSES)
 
 
+# Images, audio and files: tokens in the usage that follow no bytes the proxy sees
+
+
+def _with_media(route: str, turn: int) -> dict[str, Any]:
+    """The same system prompt, then a new question with a new picture of its own."""
+    picture = base64.b64encode(text(3000, f"pixels {turn}").encode()).decode()
+    question = f"Question {turn}: what is in this picture?"
+    if route == CHAT:
+        return chat(("system", STABLE), ("user", [
+            {"type": "text", "text": question},
+            {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{picture}"}}]))
+    if route == RESPONSES:
+        return {"model": "m", "instructions": STABLE, "input": [{"role": "user", "content": [
+            {"type": "input_text", "text": question},
+            {"type": "input_image", "image_url": f"data:image/png;base64,{picture}"}]}]}
+    return {"model": "claude-sonnet-4-5", "max_tokens": 50, "system": STABLE,
+            "messages": [{"role": "user", "content": [
+                {"type": "text", "text": question},
+                {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                             "data": picture}}]}]}
+
+
+@pytest.mark.parametrize("route", [CHAT, RESPONSES, MESSAGES])
+async def test_a_prompt_with_a_picture_has_no_token_figures(route: str, tmp_path: Path) -> None:
+    """A picture enters the prompt as a hash of 50 bytes but costs the upstream hundreds
+    of tokens or more, so the request's tokens per byte are not those of its text: at
+    that ratio the repeated system prompt read as 3,000 tokens where the upstream cached
+    all of its 1,000, and 2,000 were counted missed. Token figures are null; the
+    repeated bytes and the break are still said."""
+    clock, answers = ScriptedClock(T0), Answers()
+    app, registry, log_file = doctor_app(answers, clock, tmp_path)
+    answers.queue(4000, 0)
+    answers.queue(4000, 1000)  # the system prompt's tokens: cached whole
+    async with app:
+        await post(app, clock, route, _with_media(route, 1))
+        await post(app, clock, route, _with_media(route, 2), at=T0 + 1)
+    first, second = lines(log_file)
+    assert first["prefix_break"] == "first_seen"
+    assert second["prefix_break"] is None  # a new last message: no break
+    assert second["repeated_prefix_bytes"] >= len(STABLE.encode())
+    assert second["prompt_bytes"] < 2 * len(STABLE.encode())  # the picture: a short hash
+    for line in (first, second):
+        assert (line["prompt_tokens"], line["cached_prompt_tokens"]) == (
+            4000, 0 if line is first else 1000)
+        assert line["repeated_prefix_tokens"] is None and line["cache_missed_tokens"] is None
+    model = _with_media(route, 1)["model"]
+    for unknown in (REPEATED, MISSED, MISSED_HIST + "_count"):  # no series: not a 0
+        assert value(registry, unknown, route, model) is None
+    assert value(registry, RATIO + "_count", route, model) == 2  # the bytes still count
+
+
 # ---------------------------------------------------------------------------
 # What counts as missed, and what is unknown
 
@@ -740,8 +792,8 @@ async def test_an_absent_cached_field_leaves_missed_unknown(route: str, tmp_path
     assert line["cache_missed_tokens"] is None
     model = turn2["model"]
     assert value(registry, REPEATED, route, model) == line["repeated_prefix_tokens"]
-    assert not value(registry, MISSED, route, model)  # never incremented
-    assert not value(registry, MISSED_HIST + "_count", route, model)
+    assert value(registry, MISSED, route, model) is None  # unknown: no series, not a 0
+    assert value(registry, MISSED_HIST + "_count", route, model) is None
 
 
 async def test_an_answer_that_is_not_2xx_is_not_examined(tmp_path: Path) -> None:

@@ -30,7 +30,15 @@ from proxy.dialects.base import (
 from proxy.dialects.chat import CHAT, ChatDialect
 from proxy.dialects.completions import COMPLETIONS, CompletionsDialect
 from proxy.dialects.messages import MESSAGES, MessagesDialect
-from proxy.dialects.prompt import PART_KINDS, Caching, Prompt, PromptPart, cache_scope, part_bound
+from proxy.dialects.prompt import (
+    PART_KINDS,
+    Caching,
+    Prompt,
+    PromptPart,
+    cache_scope,
+    holds_media,
+    part_bound,
+)
 from proxy.dialects.responses import RESPONSES, ResponsesDialect
 from proxy.dialects.template import TokenTemplate
 
@@ -63,6 +71,7 @@ __all__ = [
     "UpstreamReport",
     "Usage",
     "cache_scope",
+    "holds_media",
     "merge_usage",
     "part_bound",
     "read_answer",

@@ -11,8 +11,9 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
+import re
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from itertools import repeat
 from operator import methodcaller
 from typing import Any, NamedTuple
@@ -155,6 +156,23 @@ def _role(value: Any) -> str:
 def _opaque(kind: str, value: Any) -> bytes:
     digest = hashlib.blake2b(_json_bytes(value), digest_size=16).hexdigest()
     return b"\x00" + _utf8(kind[:_ROLE_MAX]) + b":" + digest.encode() + b"\x00"
+
+
+_MEDIA = re.compile(  # what _opaque makes of an image, audio, a file, a video
+    b"\\x00(?:" + b"|".join(re.escape(kind.encode()) for kind in sorted(_OPAQUE_PARTS))
+    + b"):[0-9a-f]{32}\\x00"
+)
+
+
+def holds_media(parts: Sequence[PromptPart]) -> bool:
+    """Whether a part holds an image, audio, a file or a video (each enters as a hash of
+    it): its tokens are in the upstream's usage but in proportion to no bytes the proxy
+    sees, so no token figure of the prompt is derived from bytes
+    (``docs/prompt-caching.md``, "Images, audio and files")."""
+    for part in parts:
+        if 0 in part.data:  # a NUL (an int: no buffer lookup): most prompts have none
+            return any(_MEDIA.search(part.data) for part in parts)
+    return False
 
 
 def _content(value: Any, out: list[bytes], depth: int = 0, marks: _Marks | None = None) -> None:

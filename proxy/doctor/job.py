@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
-from proxy.dialects import Dialect, cache_scope, part_bound
+from proxy.dialects import Dialect, cache_scope, holds_media, part_bound
 from proxy.doctor.examine import PrefixDoctor, PrefixPolicy, PrefixReport
 from proxy.doctor.index import (
     BYTES_PER_ENTRY,
@@ -498,6 +498,7 @@ class PrefixJob:
             step if step is not None else cache_granularity_tokens(api, model),
             prompt.caching,
             prompt.marked_bytes,
+            media=holds_media(prompt.parts),
         )
         # every field, in PrefixRecord's order (break_*, then unchecked "", index_s,
         # rules): a C call, not the NamedTuple's frame

@@ -81,7 +81,9 @@ class PrefixMetrics:
         self.index_seconds = Histogram(
             "llm_proxy_prompt_prefix_index_seconds", PREFIX_HELP["index_seconds"], ("result",),
             buckets=OVERHEAD_BUCKETS, registry=None)
-        self._children: dict[Key, tuple[Any, ...]] = {}
+        # per label set: the ratio's child, then the tokens' children, each made when a
+        # finding first has its figure (a series of unknowns is absent, never 0)
+        self._children: dict[Key, list[Any]] = {}
         self._break_children: dict[tuple[str, ...], Counter] = {}
         self._unmarked_children: dict[Key, Counter] = {}  # breakpoint routes
         self._unchecked_children: dict[tuple[str, ...], Counter] = {}
@@ -145,7 +147,7 @@ class PrefixMetrics:
                 ratios.append(p.repeated_bytes / p.prompt_bytes)  # p.repeated_share
             repeated_tokens, missed_tokens, unmarked_tokens = p.tokens(
                 prompt_tokens, cached_tokens)
-            if repeated_tokens:
+            if repeated_tokens is not None:
                 repeated.append(repeated_tokens)
             if missed_tokens is not None:
                 missed.append(missed_tokens)
@@ -178,16 +180,18 @@ class PrefixMetrics:
         """One label set's findings of a flush, gathered by :meth:`flush`."""
         c = self._children.get(key)
         if c is None:
-            c = self._children[key] = (
-                self.repeated_tokens.labels(*key),
-                self.missed_tokens.labels(*key),
-                self.repeated_ratio.labels(*key),
-                self.missed_per_request.labels(*key))
-        repeated_child, missed_child, ratio, missed_hist = c
+            c = self._children[key] = [self.repeated_ratio.labels(*key), None, None, None]
+        ratio, repeated_child, missed_child, missed_hist = c
         observe_many(ratio, ratios)
         if repeated:
-            add(repeated_child, sum(repeated))
+            if repeated_child is None:
+                repeated_child = c[1] = self.repeated_tokens.labels(*key)
+            if total := sum(repeated):
+                add(repeated_child, total)
         if missed:
+            if missed_child is None:
+                missed_child = c[2] = self.missed_tokens.labels(*key)
+                missed_hist = c[3] = self.missed_per_request.labels(*key)
             if total := sum(missed):
                 add(missed_child, total)
             observe_many(missed_hist, missed)

@@ -137,7 +137,9 @@ class TokenRules(NamedTuple):
 
     prompt_bytes: int
     repeated_bytes: int
-    unknown: bool  # the prompt holds context the proxy cannot see: no token figures
+    # the prompt holds context the proxy cannot see, or media whose tokens follow no
+    # bytes it sees (proxy.dialects.holds_media): no token figures
+    unknown: bool
     minimum: int  # the upstream's minimum cacheable tokens
     step: int  # and the steps it caches in
     caching: Caching = Caching.IMPLICIT
@@ -151,12 +153,15 @@ class TokenRules(NamedTuple):
         step: int = 1,
         caching: Caching = Caching.IMPLICIT,
         marked_bytes: int | None = None,
+        *,
+        media: bool = False,
     ) -> TokenRules:
-        """The rules for ``report`` under an upstream's ``minimum`` and ``step``."""
+        """The rules for ``report`` under an upstream's ``minimum`` and ``step``; ``media``:
+        the prompt holds an image, audio, a file or a video."""
         return tuple.__new__(cls, (  # every field: a C call, not the NamedTuple's frame
             report.prompt_bytes,
             report.repeated_bytes,
-            report.unseen_context,
+            report.unseen_context or media,
             minimum,
             step,
             caching,
@@ -200,13 +205,16 @@ def cache_tokens(
     granularity_tokens: int = 1,
     caching: Caching = Caching.IMPLICIT,
     marked_bytes: int | None = None,
+    media: bool = False,
 ) -> CacheTokens:
     """Tokens of the repeated prefix and the cache the upstream missed (None: unknown, never
     0); the rules are ``docs/design/doctor.md``'s, step 4 of the examination. Where the
     request asks for caching by breakpoints (``caching``), the missed tokens past
     ``marked_bytes`` (the last breakpoint's end; None: none) are also said apart: a
-    breakpoint whose prefix is below the minimum asks for nothing a cache could hold."""
-    rules = TokenRules.of(report, minimum_tokens, granularity_tokens, caching, marked_bytes)
+    breakpoint whose prefix is below the minimum asks for nothing a cache could hold. A
+    prompt that holds ``media`` has no token figures."""
+    rules = TokenRules.of(
+        report, minimum_tokens, granularity_tokens, caching, marked_bytes, media=media)
     repeated, missed, unmarked = token_counts(rules, prompt_tokens, cached_tokens)
     return CacheTokens(repeated, cached_tokens, missed, unmarked)
 
