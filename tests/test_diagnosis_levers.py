@@ -108,7 +108,9 @@ def test_missed_cache_hits_are_their_own_part_and_lever() -> None:
     assert got["prompt_cache"].sentence.startswith(
         "Prompt cache: 4,000 prompt tokens a request could have read from the cache were "
         "computed again: 522 ms of the 1.8 s first token.")
-    assert got["prefill"].sentence.startswith("Prefill: 5,100 uncached prompt tokens")
+    assert got["prefill"].sentence.startswith(  # with the missed ones: the mean uncached
+        "Prefill: 5,100 uncached prompt tokens besides the 4,000 the cache missed, at 0.13 ms")
+    assert got["prefill"].numbers["mean_uncached_tokens"] == pytest.approx(9100, rel=0.01)
     assert "prompt_cache" not in by_name(diagnose(example()))  # left out when not known
 
 
@@ -334,8 +336,17 @@ def test_the_engines_own_prefill_time_is_the_prefill_part() -> None:
     assert split.rest_ms == pytest.approx(1800 - 400 - 1000)
     lever = by_name(d)["prefill"]
     assert lever.saves_ms == pytest.approx(900.0)
-    assert lever.sentence.startswith("Prefill: the upstream's engine reports 900 ms of "
-                                     "prefill of the 1.8 s first token")
+    assert lever.sentence.startswith(  # what the engine reported, then the part
+        "Prefill: the upstream's engine reports 1.0 s of prefill of the 1.8 s first token, "
+        "900 ms of it besides the cache's misses (its own timings, 200 requests).")
+    alone = by_name(diagnose(example(engine_prefill_mean_s=1.0, engine_prefill_requests=200)))
+    assert alone["prefill"].sentence.startswith(
+        "Prefill: the upstream's engine reports 1.0 s of prefill of the 1.8 s first token "
+        "(its own timings, 200 requests).")
+    capped = by_name(diagnose(example(engine_prefill_mean_s=2.0, engine_prefill_requests=200)))
+    assert capped["prefill"].sentence.startswith(
+        "Prefill: the upstream's engine reports 2.0 s of prefill of the 1.8 s first token, "
+        "1.4 s of it within the first token")
 
 
 def test_a_missing_fit_says_why() -> None:

@@ -408,8 +408,11 @@ def _prefill(ev: Evidence, split: FirstTokenSplit) -> Lever:
                      numbers)
     saves = split.prefill_ms
     tokens = saves / fit.ms_per_1k_tokens * 1000  # the missed cache hits left out
+    missed = split.missed_cache_ms
+    besides = (f" besides the {say.tokens(missed / fit.ms_per_1k_tokens * 1000)} the cache "
+               "missed," if missed else "")  # so that it adds up to mean_uncached_tokens
     mean = " on average" if fit.model == "quadratic" else ""  # its cost grows with length
-    head = (f"Prefill: {say.tokens(tokens)} uncached prompt tokens at "
+    head = (f"Prefill: {say.tokens(tokens)} uncached prompt tokens{besides} at "
             f"{say.sig(fit.ms_per_1k_tokens / 1000)} ms per token{mean} are "
             f"{say.dur(saves)}{say.of_first(split.mean_ms)}.")
     status = _worth(saves, split.mean_ms)
@@ -428,8 +431,12 @@ def _engine_prefill(ev: Evidence, split: FirstTokenSplit) -> Lever:
         "mean_uncached_tokens": ev.fit.mean_uncached_tokens,
         "first_token_ms": split.mean_ms}
     status = _worth(saves, split.mean_ms)
-    sentence = (f"Prefill: the upstream's engine reports {say.dur(saves)} of prefill"
-                f"{say.of_first(split.mean_ms)} (its own timings, "
+    # the cache's misses are split off the engine's time (the prompt_cache lever), and a
+    # time past the whole is capped to it: the part is then less than what it reports
+    besides = (f", {say.dur(saves)} of it besides the cache's misses" if split.missed_cache_ms
+               else f", {say.dur(saves)} of it within the first token" if split.capped else "")
+    sentence = (f"Prefill: the upstream's engine reports {say.dur(say.ms(ev.engine_prefill_mean_s))} "
+                f"of prefill{say.of_first(split.mean_ms)}{besides} (its own timings, "
                 f"{ev.engine_prefill_requests:,} {say.plural(ev.engine_prefill_requests, 'request')}).")
     sentence += (" Shorten the prompt, or put what does not change first so the upstream can "
                  "cache it." if status == "lever" else " Not worth shortening for speed.")
