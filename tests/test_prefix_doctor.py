@@ -660,6 +660,10 @@ def test_instructions_context_and_prompt_changes_are_named_for_their_part() -> N
     assert (report.reason, report.part, report.unseen_context) == (None, None, True)
     assert report.repeated_bytes == len(STABLE)
     assert cache_tokens(report, 20_000, 19_000) == CacheTokens(None, 19_000, None)
+    # so are a prompt's with a picture: its tokens follow no bytes the doctor sees
+    plain = report._replace(unseen_context=False)
+    assert cache_tokens(plain, 20_000, 19_000).repeated is not None
+    assert cache_tokens(plain, 20_000, 19_000, media=True) == CacheTokens(None, 19_000, None)
 
     doctor.send(COMPLETIONS, {"model": "m", "prompt": ["alpha " * 10, "beta " * 10]}, 4)
     report = doctor.send(COMPLETIONS, {"model": "m", "prompt": ["gamma " * 10, "beta " * 10]}, 5)

@@ -435,7 +435,8 @@ def _engine_prefill(ev: Evidence, split: FirstTokenSplit) -> Lever:
     # time past the whole is capped to it: the part is then less than what it reports
     besides = (f", {say.dur(saves)} of it besides the cache's misses" if split.missed_cache_ms
                else f", {say.dur(saves)} of it within the first token" if split.capped else "")
-    sentence = (f"Prefill: the upstream's engine reports {say.dur(say.ms(ev.engine_prefill_mean_s))} "
+    reported = say.dur(say.ms(ev.engine_prefill_mean_s))
+    sentence = (f"Prefill: the upstream's engine reports {reported} "
                 f"of prefill{say.of_first(split.mean_ms)}{besides} (its own timings, "
                 f"{ev.engine_prefill_requests:,} {say.plural(ev.engine_prefill_requests, 'request')}).")
     sentence += (" Shorten the prompt, or put what does not change first so the upstream can "
