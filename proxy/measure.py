@@ -297,6 +297,7 @@ class StreamTimer:
     upstream_queue_s: float | None = None
     error: bool = False  # an error event inside the 200 stream
     ended_t: float | None = None  # when the stream's own last event was handed on
+    first_byte_t: float | None = None  # when the response's first body bytes were handed on
     response_id: str = ""  # from the events that say it (last non-empty value wins)
     response_model: str = ""
     finish: dict[int, str] | None = None  # choice index -> finish reason

@@ -76,6 +76,8 @@ class _Forwarder:
     def observe(self, t: float) -> None:
         if self.t_first is None:
             self.t_first = t
+            if self.meter is not None:  # kept where a relay cut short by the client leaves it
+                self.meter.timer.first_byte_t = t
         meter = self.meter
         if meter is None:
             return

@@ -150,7 +150,7 @@ def record_of(
             estimated = prompt is not None
     first = timer.first_t if timer is not None else None
     answer = timer.first_answer_t if timer is not None else None
-    first_byte = result.t_first_byte if result is not None and timer is not None else None
+    first_byte = timer.first_byte_t if timer is not None else None  # the relay's, kept
     prefix = answered.prefix if answered is not None else None
     span = arrival.span
     return RequestRecord(

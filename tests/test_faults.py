@@ -501,6 +501,10 @@ async def test_client_disconnect_closes_upstream_within_100ms() -> None:
         assert seen.closed_at is not None
         assert seen.closed_at - t_disconnect < 0.100
         await outcome_is(proxy.url, "client_disconnected", "endless")
+        # the client had the first bytes and token before it left: both are counted
+        for name in ("time_to_first_byte", "time_to_first_token"):
+            assert await wait_metric(proxy.url, f"llm_proxy_{name}_seconds_count", 1,
+                                     model="endless") == 1, name
         await still_serves(proxy.url)
 
 
