@@ -201,6 +201,22 @@ def test_slow_decoding_is_a_lever_with_its_saving() -> None:
     assert d.levers[0].name == "decode"
 
 
+def test_streams_all_faster_than_the_cap_save_nothing() -> None:
+    """Every stream at 69 tokens/s, high in the proxy's 10-15 ms bucket: the midpoints
+    put the sum 2 ms a token above them, which read as a saving of 599 ms a request from
+    decoding at 20 tokens/s, where no stream was under it."""
+    buckets = ((0.005, 0), (0.01, 0), (0.015, 22), (0.025, 22), (0.05, 22), (INF, 22))
+    fast = Dist(buckets, 22 * 0.0145)
+    assert fast.mean_excess(1 / 20) == 0
+    d = diagnose(example(tpot=fast))
+    got = by_name(d)["decode"]
+    assert (got.status, got.saves_ms) == ("not_a_lever", 0)
+    assert got.sentence.startswith("Decoding at")
+    # one stream in the bucket above the cap: at most that bucket's width above it
+    one = Dist(((0.015, 21), (0.05, 21), (0.1, 22), (INF, 22)), 21 * 0.0145 + 0.1)
+    assert one.mean_excess(0.05) == pytest.approx((0.1 - 0.05) / 22)
+
+
 def test_mean_excess_against_uniform_data() -> None:
     rng = random.Random(2)
     edges = (1.0, 2.0, 4.0, 8.0, 16.0)

@@ -60,11 +60,13 @@ class Dist:
 
     def mean_excess(self, cap: float) -> float | None:
         """The mean of ``max(0, value - cap)``: the exact sum, less the observations up
-        to ``cap`` (uniform within their bucket) and ``cap`` for each one above it."""
+        to ``cap`` (uniform within their bucket) and ``cap`` for each one above it; never
+        more than the buckets allow (each observation above ``cap`` at most its bucket's
+        bound above it), so that observations high in buckets below ``cap`` add none."""
         n = self.count
         if n <= 0:
             return None
-        capped, lower, below = 0.0, 0.0, 0.0
+        capped, lower, below, most = 0.0, 0.0, 0.0, 0.0
         for upper, cumulative in sorted(self.buckets):
             k = cumulative - below
             if k > 0:
@@ -75,8 +77,10 @@ class Dist:
                 else:  # the bucket holding cap: uniform over (lower, upper]
                     inside = (cap - lower) / (upper - lower)
                     capped += k * (inside * (lower + cap) / 2 + (1 - inside) * cap)
+                if upper > cap:
+                    most += k * (upper - cap)
             lower, below = upper, cumulative
-        return max(0.0, (self.total - capped) / n)
+        return max(0.0, min(self.total - capped, most) / n)
 
 
 @dataclass(frozen=True, slots=True)
