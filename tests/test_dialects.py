@@ -597,7 +597,8 @@ MESSAGES_STREAM = [
 
 def test_messages_stream() -> None:
     infos = read(MESSAGES, MESSAGES_STREAM)
-    start = EventInfo(usage=START_USAGE, response=ResponseInfo("msg_1", "claude-sonnet-4-5"))
+    placeholder = {k: v for k, v in START_USAGE.items() if k != "output_tokens"}
+    start = EventInfo(usage=placeholder, response=ResponseInfo("msg_1", "claude-sonnet-4-5"))
     stopped = ResponseInfo(finish=((0, "tool_use"),))
     delta1, delta2 = (EventInfo(usage=MESSAGES_STREAM[i][1]["usage"], response=stopped)
                       for i in (17, 18))
@@ -620,6 +621,8 @@ def test_messages_usage_last_value_wins() -> None:
         msg("message_delta", delta={"stop_reason": "end_turn"}, usage={"output_tokens": 12}),
     ]
     assert stream_usage(MESSAGES, read(MESSAGES, events)) == Usage(25, None, 12)
+    # cut before any message_delta: message_start's output_tokens is a placeholder
+    assert stream_usage(MESSAGES, read(MESSAGES, events[:2])) == Usage(25)
 
 
 @pytest.mark.parametrize(

@@ -124,6 +124,10 @@ class MessagesDialect:
         if name == "message_start":
             message = payload.get("message")
             usage = _usage_of(message)
+            if usage is not None and "output_tokens" in usage:
+                # a placeholder (1) until message_delta counts the output: a stream that
+                # ends before one has no count, not 1
+                usage = {k: v for k, v in usage.items() if k != "output_tokens"}
             response = _single_response(message, None)  # stop_reason is null here
             report = report_of(message)  # cache diagnostics, when the app asked
         elif name == "message_delta":
