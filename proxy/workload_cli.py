@@ -123,7 +123,7 @@ def cut(
     if hi <= lo:
         raise WhenError(f"the window is empty: {end!r} is not after {begin!r}")
     rows = [
-        (replace(r, timestamp=round(r.timestamp - lo, 3)), ns)
+        (replace(r, timestamp=round(r.timestamp - lo)), ns)  # integer ms, as the format says
         for r, ns in zip(workload.records, workload.namespaces, strict=True)
         if lo <= r.timestamp < hi
     ]
@@ -132,10 +132,11 @@ def cut(
 
 
 def scale(workload: Workload, rate: float) -> tuple[list[WorkloadRecord], list[int], WorkloadMeta]:
-    """Requests ``rate`` times as often: timestamps divided by ``rate``."""
+    """Requests ``rate`` times as often: timestamps divided by ``rate``, rounded to whole
+    milliseconds (the format's integers: strict readers such as Dynamo's take ``u64``)."""
     if not rate > 0:
         raise ValueError("--rate must be > 0")
-    records = [replace(r, timestamp=round(r.timestamp / rate, 3)) for r in workload.records]
+    records = [replace(r, timestamp=round(r.timestamp / rate)) for r in workload.records]
     return records, list(workload.namespaces), _new_meta(workload.start, workload)
 
 

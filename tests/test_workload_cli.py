@@ -117,6 +117,10 @@ def test_scale_multiplies_the_rate(captured: Path, capsys: pytest.CaptureFixture
     lines = [json.loads(x) for x in text.splitlines()]
     assert [x["timestamp"] for x in lines[:3]] == [0, 15000, 30000]
     assert lines[0]["trace_start"] == "2026-11-30T09:00:00.000Z"
+    code, text, err = run(capsys, "scale", str(captured), "--rate", "7")
+    stamps = [json.loads(x)["timestamp"] for x in text.splitlines()]
+    assert stamps[:3] == [0, 8571, 17143]  # whole milliseconds, as the format says
+    assert all(type(ts) is int for ts in stamps) and stamps == sorted(stamps)
     code, _, err = run(capsys, "scale", str(captured), "--rate", "0")
     assert code == 2 and "--rate must be > 0" in err
 
