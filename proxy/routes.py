@@ -176,8 +176,9 @@ class V1Handler:
         try:
             x.arrival = arrival = self._arrive(x.t0, scope)
             headers: list[tuple[bytes, bytes]] = scope["headers"]
-            x.identity = self._check(headers)
+            identity = self._check(headers)
             body = await self._read(receive)
+            x.identity = identity  # a body refused for its size or time takes no label
             x.asked = asked = self._parse(arrival, body, await self._decode(arrival, body))
             if self._union(arrival, scope):
                 x.ended = await self._models_union(scope, headers, send)

@@ -233,6 +233,32 @@ async def test_each_refusal_is_logged_and_counted_once(
         assert text not in log_file.read_text()
 
 
+TEAM = (b"x-team", b"team-a")
+
+
+@pytest.mark.parametrize("case", ["413-declared", "413-streamed", "408-body-timeout"])
+async def test_a_body_refused_takes_no_client_label(case: str, tmp_path: Path) -> None:
+    """A body refused for its size or its time is counted with an empty client, however
+    its size came (declared, or found while reading a chunked body), so that refused
+    requests never use up the client label's values (--max-clients)."""
+    refusal, log_file = REFUSALS[case], tmp_path / "requests.jsonl"
+    parts = {"413-declared": [CHAT_BODY], "413-streamed": [
+        CHAT_BODY[i:i + 60] for i in range(0, len(CHAT_BODY), 60)],
+        "408-body-timeout": [CHAT_BODY[:20]]}[case]
+    length = [(b"content-length", str(len(CHAT_BODY)).encode())] if case == "413-declared" else []
+    app, _ = make_app(FakeUpstream(refusal.handler), ScriptedClock(), log_requests=str(log_file),
+                      client_label_from="header:x-team", **refusal.settings)
+    async with app:
+        refused = await _post(parts=parts, headers=[TEAM, *length],
+                              incomplete=case.startswith("408"))(app)
+        assert refused.status == refusal.status
+        small = b'{"model": "m", "messages": []}'  # under any of the limits
+        assert (await _post(parts=[small], headers=[TEAM])(app)).status == 200  # served
+    first, served = log_lines(log_file)
+    assert (first["status"], first["client"]) == (refusal.status, None)  # no label
+    assert served["client"] == "team-a"
+
+
 # ---------------------------------------------------------------------------
 # Requests that end without an answer from the proxy are still finished properly
 
