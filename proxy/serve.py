@@ -110,8 +110,10 @@ def run(args: argparse.Namespace) -> int:
     except CannotListen as exc:
         flags = (config.given_as(exc.option, args, env),
                  config.given_as(exc.host_option, args, env))
-        print(f"llm-latency-proxy: error: {listen_problem(exc.host, exc.port, exc.error, *flags)}",
-              file=sys.stderr, flush=True)
+        zero = ("to serve it on the main port" if exc.option == "metrics_port"
+                else "for any free port")  # what 0 means for this option
+        problem = listen_problem(exc.host, exc.port, exc.error, *flags, zero=zero)
+        print(f"llm-latency-proxy: error: {problem}", file=sys.stderr, flush=True)
         return 3
 
 
@@ -126,15 +128,15 @@ class CannotListen(Exception):
 
 
 def listen_problem(host: str, port: int, error: OSError, port_flag: str = "--port",
-                   host_flag: str = "--host") -> str:
+                   host_flag: str = "--host", *, zero: str = "for any free port") -> str:
     """One line saying why ``host:port`` cannot be listened on and what to change: the
-    usual cause, a port another server holds, gets ``--port 0`` as a way out."""
+    usual cause, a port another server holds, gets ``--port 0`` as a way out (``zero``:
+    what 0 does for that option)."""
     where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     sep = " " if port_flag.startswith("--") else "="  # a flag, or its variable
     if error.errno == errno.EADDRINUSE:
         return (f"cannot listen on {where}: the port is in use (another server listens "
-                f"there); choose another with {port_flag}{sep}PORT, or {port_flag}{sep}0 for "
-                "any free port")
+                f"there); choose another with {port_flag}{sep}PORT, or {port_flag}{sep}0 {zero}")
     if error.errno == errno.EACCES:
         return (f"cannot listen on {where}: permission denied (ports below 1024 need "
                 f"privileges); choose another with {port_flag}{sep}PORT")

@@ -234,10 +234,12 @@ def test_port_in_use_is_one_line_with_the_way_out_and_nothing_announced(
     argv = [a.format(taken=taken_port) for a in args]
     with command("serve", "--upstream", "http://127.0.0.1:9/v1", *argv) as proxy:
         assert proxy.finish() == 3, proxy.text()
+    zero = ("to serve it on the main port" if flag == "--metrics-port"  # what 0 means
+            else "for any free port")
     assert proxy.lines[-1] == (
         f"llm-latency-proxy: error: cannot listen on 127.0.0.1:{taken_port}: the port is in "
         f"use (another server listens there); choose another with {flag} PORT, or {flag} 0 "
-        "for any free port"), proxy.text()
+        f"{zero}"), proxy.text()
     for announcement in ("startup complete", "Uvicorn running", "relaying", "Traceback"):
         assert announcement not in proxy.text()
 
