@@ -6,7 +6,9 @@ Design: ``docs/design/relay-and-export.md``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
+import io
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -54,13 +56,16 @@ def target_for(cmdline: Sequence[str] | None, environ: Mapping[str, str],
     from proxy import config
 
     arguments = our_arguments(cmdline or []) or ["serve"]
-    try:
-        args, _ = program().parse_known_args(arguments)
-    except SystemExit:  # argparse's exit: the command line is not one of ours
-        args, _ = program().parse_known_args(["serve"])
-    command: str = args.command
-    if command == "serve":
-        settings = config.from_sources(args, environ)
+    # the server's own warnings (an old flag's name) were its to print, at its start:
+    # a check every few seconds would fill the health log with them
+    with contextlib.redirect_stderr(io.StringIO()):
+        try:
+            args, _ = program().parse_known_args(arguments)
+        except SystemExit:  # argparse's exit: the command line is not one of ours
+            args, _ = program().parse_known_args(["serve"])
+        command: str = args.command
+        settings = config.from_sources(args, environ) if command == "serve" else None
+    if settings is not None:
         host, port = settings.host, settings.port
     elif command == "simulate":
         host, port = args.host, args.port

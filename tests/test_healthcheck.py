@@ -78,6 +78,13 @@ def test_target_for_commands_without_a_known_port(cmdline: list[str]) -> None:
     assert target.command == cmdline[1]
 
 
+def test_an_old_flags_warning_is_the_servers_not_each_checks(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    cmdline = ["llm-latency-proxy", "serve", "--trace-file", "w.jsonl", "--port", "8093"]
+    assert target_for(cmdline, {}, build_parser) == Target("serve", "127.0.0.1", 8093)
+    assert capsys.readouterr().err == ""  # serve printed "--trace-file is deprecated" once
+
+
 def test_invalid_serve_settings_are_unhealthy() -> None:
     with pytest.raises(SettingsError, match="LLM_PROXY_PORT"):
         target_for(["llm-latency-proxy", "serve"], {"LLM_PROXY_PORT": "http"}, build_parser)
