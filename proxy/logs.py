@@ -1,4 +1,5 @@
-"""A warning log that a failing upstream cannot flood.
+"""A warning log that a failing upstream cannot flood, and uvicorn's line for a response
+left unfinished on purpose kept out of the log.
 
 Design: ``docs/design/upstream-client.md``.
 """
@@ -45,3 +46,24 @@ class RateLimitedLog:
             self._logger.warning(message, *args)
         else:
             self._suppressed += 1
+
+
+# uvicorn's error line for an ASGI call that returned before the response's last body
+# message: the proxy does so on purpose when the upstream broke its stream (so that the
+# client sees the same break), and says why in its own warning; the simulator, when it
+# drops a connection on purpose.
+UNFINISHED_RESPONSE = "ASGI callable returned without completing response."
+
+
+class NotUnfinishedOnPurpose(logging.Filter):
+    """Drops uvicorn's :data:`UNFINISHED_RESPONSE` line; every other record passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != UNFINISHED_RESPONSE
+
+
+def quiet_unfinished_responses(logger: logging.Logger | None = None) -> None:
+    """Install (once) :class:`NotUnfinishedOnPurpose` on uvicorn's error logger."""
+    logger = logger or logging.getLogger("uvicorn.error")
+    if not any(isinstance(f, NotUnfinishedOnPurpose) for f in logger.filters):
+        logger.addFilter(NotUnfinishedOnPurpose())

@@ -193,6 +193,10 @@ def _log_config() -> dict[str, Any]:
 
     config = copy.deepcopy(LOGGING_CONFIG)
     config["loggers"]["proxy"] = {"handlers": ["default"], "level": "INFO", "propagate": False}
+    # a stream the upstream broke is left unfinished on purpose, and the proxy's own
+    # warning says why: uvicorn's ERROR line for it would read as the proxy's fault
+    config.setdefault("filters", {})["unfinished"] = {"()": "proxy.logs.NotUnfinishedOnPurpose"}
+    config["loggers"].setdefault("uvicorn.error", {})["filters"] = ["unfinished"]
     return config
 
 

@@ -255,6 +255,32 @@ def test_simulate_on_a_port_in_use_says_so_and_prints_no_url(taken_port: int) ->
 
 
 @pytest.mark.e2e
+def test_a_stream_the_upstream_broke_is_one_warning_not_an_error() -> None:
+    """The proxy leaves the client's response unfinished when the upstream broke its
+    stream, so that the client sees the same break, and warns once with the reason:
+    uvicorn's ERROR line for an unfinished response would read as the proxy's fault."""
+    with command("simulate", "--port", "0", "--drop-rate", "1") as sim:
+        sim_port = int(sim.wait_for(r"upstream at http://127\.0\.0\.1:(\d+)/v1 ")[1])
+        with command("serve", "--upstream", f"http://127.0.0.1:{sim_port}/v1",
+                     "--port", "0") as proxy:
+            port = int(proxy.wait_for(BANNER.pattern)[1])
+            body = {"model": "m", "stream": True, "max_tokens": 40,
+                    "messages": [{"role": "user", "content": "hi"}]}
+            with pytest.raises(httpx.HTTPError):  # the break reaches the client as a break
+                with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions",
+                                  json=body, timeout=20) as answer:
+                    for _ in answer.iter_raw():
+                        pass
+            proxy.wait_for(r"upstream failure: .*stream upstream_interrupted")
+            proxy.ctrl_c()
+            assert proxy.finish() == 0, proxy.text()
+        sim.ctrl_c()
+        assert sim.finish() == 0, sim.text()
+    assert "ASGI callable returned without completing response" not in proxy.text()
+    assert "ERROR" not in proxy.text(), proxy.text()
+
+
+@pytest.mark.e2e
 def test_simulate_announces_the_port_it_listens_on() -> None:
     """Its URL is printed once the socket listens: with ``--port 0`` it names the port
     the system chose, and a client that read it can connect."""

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -20,6 +19,7 @@ from sse_starlette.sse import AppStatus
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from proxy.logs import quiet_unfinished_responses
 from proxy.simulator.chat import ChatCompletions, Completions
 from proxy.simulator.engine import VOCAB, ApiError, Dialect, Engine, SimulatedDrop, Sleep
 from proxy.simulator.messages import Messages
@@ -28,19 +28,9 @@ from proxy.simulator.responses import Responses
 
 __all__ = ["VOCAB", "ApiError", "SimulatedDrop", "create_simulator_app", "quiet_simulated_drops"]
 
-_DROP_LOG_MESSAGE = "ASGI callable returned without completing response."
-
-
-def _not_a_simulated_drop(record: logging.LogRecord) -> bool:
-    """Hides uvicorn's error line for the connections the simulator drops on purpose."""
-    return record.getMessage() != _DROP_LOG_MESSAGE
-
-
 def quiet_simulated_drops() -> None:
-    """Install (once) the filter above on uvicorn's error logger."""
-    logger = logging.getLogger("uvicorn.error")
-    if _not_a_simulated_drop not in logger.filters:
-        logger.addFilter(_not_a_simulated_drop)
+    """Hide uvicorn's error line for the connections the simulator drops on purpose."""
+    quiet_unfinished_responses()
 
 
 class _DropMiddleware:
