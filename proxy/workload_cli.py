@@ -7,6 +7,7 @@ Design: ``docs/design/workload.md``.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from collections import Counter
@@ -372,6 +373,14 @@ def _operation(args: argparse.Namespace) -> Operation:
 
 
 def run_command(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except BrokenPipeError:  # the reader (head, less) left: it took what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no flush error at exit
+        return 0
+
+
+def _run(args: argparse.Namespace) -> int:
     prog = f"llm-latency-proxy workload {args.workload_command}"
     if getattr(args, "command", "") == "trace":
         warn_renamed("llm-latency-proxy trace", "llm-latency-proxy workload")
@@ -389,6 +398,8 @@ def run_command(args: argparse.Namespace) -> int:
         return 1
     try:
         count = _write(args.output, records, namespaces, meta)
+    except BrokenPipeError:
+        raise
     except OSError as exc:
         print(f"{prog}: error: cannot write {args.output}: {exc}", file=sys.stderr)
         return 2

@@ -266,11 +266,11 @@ def test_a_stream_the_upstream_broke_is_one_warning_not_an_error() -> None:
             port = int(proxy.wait_for(BANNER.pattern)[1])
             body = {"model": "m", "stream": True, "max_tokens": 40,
                     "messages": [{"role": "user", "content": "hi"}]}
-            with pytest.raises(httpx.HTTPError):  # the break reaches the client as a break
-                with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions",
-                                  json=body, timeout=20) as answer:
-                    for _ in answer.iter_raw():
-                        pass
+            url = f"http://127.0.0.1:{port}/v1/chat/completions"
+            with (pytest.raises(httpx.HTTPError),  # the break reaches the client as a break
+                  httpx.stream("POST", url, json=body, timeout=20) as answer):
+                for _ in answer.iter_raw():
+                    pass
             proxy.wait_for(r"upstream failure: .*stream upstream_interrupted")
             proxy.ctrl_c()
             assert proxy.finish() == 0, proxy.text()

@@ -9,6 +9,8 @@ format's reader.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -176,3 +178,20 @@ def test_info_describes_the_trace(captured: Path, capsys: pytest.CaptureFixture[
     assert "prefixes   39.3% of prompt tokens" in text
     assert "cached     40.0% of prompt tokens" in text
     assert "secret-model-0 1440" in text and "TTFT       p50 103 ms" in text
+
+
+def test_a_reader_that_leaves_early_ends_the_command_quietly(tmp_path: Path) -> None:
+    """``workload anonymise big.jsonl | head -1``: the reader closes the pipe after what it
+    wanted; the command stops there, with no error line and no traceback."""
+    big = tmp_path / "big.jsonl"
+    big.write_text("".join(
+        json.dumps({"timestamp": 10 * i, "input_length": 512, "output_length": 10,
+                    "hash_ids": [i]}) + "\n" for i in range(20_000)))  # past a pipe's buffer
+    run_it = subprocess.Popen([sys.executable, "-m", "proxy", "workload", "anonymise", str(big)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert run_it.stdout is not None and run_it.stderr is not None
+    assert json.loads(run_it.stdout.readline())["timestamp"] == 0
+    run_it.stdout.close()  # as head does
+    with run_it.stderr:
+        assert run_it.wait(60) == 0
+        assert run_it.stderr.read() == b""
