@@ -26,12 +26,7 @@ from proxy.simulator.messages import Messages
 from proxy.simulator.model import LatencyModel, SimConfig
 from proxy.simulator.responses import Responses
 
-__all__ = ["VOCAB", "ApiError", "SimulatedDrop", "create_simulator_app", "quiet_simulated_drops"]
-
-def quiet_simulated_drops() -> None:
-    """Hide uvicorn's error line for the connections the simulator drops on purpose."""
-    quiet_unfinished_responses()
-
+__all__ = ["VOCAB", "ApiError", "SimulatedDrop", "create_simulator_app"]
 
 class _DropMiddleware:
     """Outermost layer: a simulated drop ends the ASGI call without finishing the body."""
@@ -87,7 +82,7 @@ def create_simulator_app(
     app.state.model = model
     app.state.config = config
     if config.drop_rate > 0:
-        quiet_simulated_drops()
+        quiet_unfinished_responses()  # its drops are on purpose
 
     @app.exception_handler(ApiError)
     async def error_response(request: Request, error: ApiError) -> Response:

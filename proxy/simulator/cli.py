@@ -410,7 +410,8 @@ def run(args: argparse.Namespace) -> int:
         return _serve_many(args, configs)
     import uvicorn
 
-    from proxy.simulator.app import create_simulator_app, quiet_simulated_drops
+    from proxy.logs import quiet_unfinished_responses
+    from proxy.simulator.app import create_simulator_app
 
     name, config = configs[0]
     try:  # bound before the URL is announced: a taken port is said as such, not after it
@@ -423,7 +424,7 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    quiet_simulated_drops()
+    quiet_unfinished_responses()  # its drops are on purpose
     app = create_simulator_app(config)
     profile = f" (profile {name})" if name else ""
     print(  # the socket listens: a client that read this line can connect (--port 0 too)
@@ -448,7 +449,8 @@ def _serve_many(args: argparse.Namespace, configs: list[tuple[str, SimConfig]]) 
     import asyncio
     import signal
 
-    from proxy.simulator.app import create_simulator_app, quiet_simulated_drops
+    from proxy.logs import quiet_unfinished_responses
+    from proxy.simulator.app import create_simulator_app
 
     last = args.port + len(configs) - 1
     if args.port and last > 65535:
@@ -473,7 +475,7 @@ def _serve_many(args: argparse.Namespace, configs: list[tuple[str, SimConfig]]) 
             )
             return 2
 
-    quiet_simulated_drops()
+    quiet_unfinished_responses()  # its drops are on purpose
     servers = [command_server(_uvicorn_config(args, create_simulator_app(c))) for _, c in configs]
 
     async def serve_all() -> None:
