@@ -379,8 +379,20 @@ def reload_specs(settings: Settings, environ: Mapping[str, str] | None = None
     return specs
 
 
+# Request headers that carry a secret whatever the settings say: a client label read from
+# one would write the secret into every metric and log line.
+_SECRET_HEADERS = frozenset(("authorization", "proxy-authorization", "x-api-key", "api-key",
+                             "cookie"))
+
+
 def _check_combinations(s: Settings, name: Callable[[str], str],
                         env: Mapping[str, str]) -> None:
+    header = s.client_label_from.partition("header:")[2]
+    if header and header in _SECRET_HEADERS | {h.lower() for h in s.secret_headers}:
+        raise SettingsError(f"invalid setting {name('client_label_from')}=header:{header}: that "
+                            "header carries a secret, and a label's value is written to every "
+                            "metric and log line; use 'key' (a keyed fingerprint of the "
+                            "client's key) or a header that names the client (header:X-Team)")
     if s.client_label_from == "key" and not env.get(FINGERPRINT_SECRET_ENV, "").strip():
         raise SettingsError(f"invalid setting {name('client_label_from')}=key: needs the "
                             f"secret in {FINGERPRINT_SECRET_ENV} (the same on every replica), "

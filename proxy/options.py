@@ -168,9 +168,9 @@ OPTIONS: tuple[Option, ...] = (
            "--upstream-auth. SIGHUP re-reads its [[upstream]] tables.", "FILE",
            unset="none, one upstream from --upstream", group=Group.UPSTREAM),
     Option("client_label_from", _client_label_from, "Add a 'client' label to the request, "
-           "latency and token metrics, taken from a request header ('header:X-Team') or from "
-           "the client's API key ('key': a keyed fingerprint, never the key; needs "
-           "LLM_PROXY_FINGERPRINT_SECRET).", "SOURCE", unset="none, no client label",
+           "latency and token metrics, taken from a request header that names the client "
+           "('header:X-Team'; never one that carries a secret) or from the client's API key "
+           "('key': a keyed fingerprint, never the key; needs LLM_PROXY_FINGERPRINT_SECRET).", "SOURCE", unset="none, no client label",
            group=Group.LABELS),
     Option("max_clients", _int(1), "Distinct 'client' label values kept; later ones are "
            "counted as 'other'.", "N", group=Group.LABELS),

@@ -173,6 +173,17 @@ def test_combination_errors_name_the_setting(tmp_path: Path) -> None:
         parse([], {"LLM_PROXY_UPSTREAM_API_KEY_ENV": unset})
 
 
+@pytest.mark.parametrize("header", ["Authorization", "x-api-key", "api-key", "Cookie",
+                                    "X-Secret-Thing"])
+def test_a_client_label_is_never_read_from_a_secret_header(header: str) -> None:
+    argv = ["--upstream", "http://u/v1", "--client-label-from", f"header:{header}",
+            "--secret-headers", "X-Secret-Thing"]
+    with pytest.raises(SettingsError, match=r"^invalid setting --client-label-from="
+                       f"header:{header.lower()}: that header carries a secret"):
+        parse(argv)
+    assert parse([*argv[:3], "header:X-Team"]).client_label_from == "header:x-team"
+
+
 def test_keys_file_combinations_name_the_setting() -> None:
     key = {"TEST_CONFIG_UPSTREAM_KEY": "srv"}
     with pytest.raises(SettingsError, match=r"^invalid setting --client-keys-file: required with "
