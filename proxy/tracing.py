@@ -59,6 +59,7 @@ ATTR = {
     "break_reason": "llm_proxy.prefix.break_reason",
     "break_part": "llm_proxy.prefix.break_part",
     "break_index": "llm_proxy.prefix.break_index",
+    "break_role": "llm_proxy.prefix.break_role",
     "break_offset": "llm_proxy.prefix.break_offset",
     "unchecked": "llm_proxy.prefix.unchecked",
 }
@@ -250,6 +251,7 @@ def prefix_attributes(
         ("break_reason", p.break_reason or None),
         ("break_part", p.break_part or None),
         ("break_index", p.break_index),
+        ("break_role", p.break_role or None),
         ("break_offset", p.break_offset),
     )
 

@@ -1036,3 +1036,18 @@ def test_otlp_metrics_off_unless_asked() -> None:
     assert otel_metrics.endpoint("", {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:1"}) == (
         "http://c:1/v1/metrics")
     assert otel_metrics.endpoint("", {}) == "http://localhost:4318/v1/metrics"
+
+
+def test_a_break_names_its_part_and_role_on_the_span_as_in_the_log() -> None:
+    """A changed setting: the part is ``settings`` and the role the setting's name (never
+    its value), as the request log's ``prefix_break_role`` says."""
+    from proxy.doctor.report import TokenRules
+    from proxy.measure import PrefixRecord
+    from proxy.tracing import prefix_attributes
+
+    found = PrefixRecord(4000, 0, "settings_changed", "settings", 0, 0, "response_format",
+                         rules=TokenRules(4000, 0, False, 0, 1))
+    attributes = prefix_attributes(found, 1000, 0)
+    assert attributes["llm_proxy.prefix.break_part"] == "settings"
+    assert attributes["llm_proxy.prefix.break_role"] == "response_format"
+    assert attributes["llm_proxy.prefix.break_index"] == 0
