@@ -16,6 +16,7 @@ from proxy.tracing import (
     ATTR,
     OPERATION,
     PROVIDER,
+    SCHEMA_URL,
     error_type,
     otel_resource,
     server_attributes,
@@ -48,7 +49,7 @@ class OtelMetrics(Exporting):
 
     def __init__(self, provider: MeterProvider, *, upstream: str, max_models: int) -> None:
         super().__init__(provider)
-        meter = provider.get_meter("proxy.otel_metrics")
+        meter = provider.get_meter("proxy.otel_metrics", schema_url=SCHEMA_URL)
         self.ttft = meter.create_histogram(
             TTFT,
             unit="s",

@@ -63,6 +63,9 @@ ATTR = {
     "break_offset": "llm_proxy.prefix.break_offset",
     "unchecked": "llm_proxy.prefix.unchecked",
 }
+# The semantic conventions' version the gen_ai.* names above follow (docs/opentelemetry.md),
+# sent as the instrumentation scope's schema URL, spans' and metrics' alike.
+SCHEMA_URL = "https://opentelemetry.io/schemas/1.44.0"
 EVENT_FIRST_BYTE = "llm_proxy.first_byte"
 EVENT_FIRST_TOKEN = "llm_proxy.first_token"
 EVENT_FIRST_ANSWER_TOKEN = "llm_proxy.first_answer_token"
@@ -114,7 +117,7 @@ class Tracing(Exporting):
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
         super().__init__(provider)
-        self.tracer: Tracer = provider.get_tracer("proxy.tracing")
+        self.tracer: Tracer = provider.get_tracer("proxy.tracing", schema_url=SCHEMA_URL)
         self.clock = clock
         self.propagate = propagate
         self._trace_api = trace

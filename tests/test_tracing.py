@@ -95,6 +95,7 @@ class Receiver:
     resources: list[dict[str, Any]] = field(default_factory=list)
     metrics: list[list[Metric]] = field(default_factory=list)  # per export, in order
     metric_resources: list[dict[str, Any]] = field(default_factory=list)
+    schemas: set[str] = field(default_factory=set)  # the scopes' schema URLs, spans' and metrics'
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -122,6 +123,7 @@ def receiving(port: int = 0) -> Iterator[Receiver]:
                     for rm in metrics.resource_metrics:
                         got.metric_resources.append(attrs(rm.resource.attributes))
                         got.metrics.append([m for sm in rm.scope_metrics for m in sm.metrics])
+                        got.schemas.update(sm.schema_url for sm in rm.scope_metrics)
                 self.send_response(200)
                 self.send_header("content-type", "application/x-protobuf")
                 self.send_header("content-length", "0")
@@ -135,6 +137,7 @@ def receiving(port: int = 0) -> Iterator[Receiver]:
                     got.resources.append(attrs(rs.resource.attributes))
                     for ss in rs.scope_spans:
                         got.spans.extend(ss.spans)
+                        got.schemas.add(ss.schema_url)
             self.send_response(200 if self.path == "/v1/traces" else 404)
             self.send_header("content-type", "application/x-protobuf")
             self.send_header("content-length", "0")
@@ -573,6 +576,8 @@ async def test_resource_and_service_name(receiver: Receiver,
         await exported(app, receiver)
         assert receiver.resources[0]["service.name"] == "llm-latency-proxy"
         assert receiver.resources[0]["deployment.environment.name"] == "test"
+        # the conventions' version the attribute names follow, for a backend to translate
+        assert receiver.schemas == {"https://opentelemetry.io/schemas/1.44.0"}
     monkeypatch.setenv("OTEL_SERVICE_NAME", "edge-proxy")
     assert _service(receiver.url) == "edge-proxy"
 
@@ -1005,6 +1010,7 @@ async def test_otlp_metrics_names_units_buckets_and_the_measured_values(
             assert seen == want, name
         with receiver.lock:
             resource = receiver.metric_resources[-1]
+            assert receiver.schemas == {"https://opentelemetry.io/schemas/1.44.0"}
         assert resource["service.name"] == "llm-latency-proxy"
         assert resource["service.instance.id"]
 
