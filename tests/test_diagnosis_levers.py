@@ -71,6 +71,11 @@ def test_the_example_selection() -> None:
     assert got["decode"].sentence == (
         "Decoding at 43 tokens/s: above reading pace; a faster model would not be noticed "
         "by a reader.")
+    # the rest of the first token, named so: the card's "fixed part" is the fit's intercept
+    rest = got["fixed"]
+    assert rest.sentence.startswith(f"Rest of the first token: {rest.saves_ms:.0f} ms of the "
+                                    "1.8 s first token does not grow with the prompt")
+    assert rest.numbers["rest_ms"] == rest.saves_ms
     out = got["output_length"].sentence
     assert out.startswith("Answers average 780 tokens (p95 2,700), 18.7 s at 24 ms per "
                           "token; capped at the median (238) the mean total would be ")

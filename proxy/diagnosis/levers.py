@@ -527,8 +527,10 @@ def _rest(ev: Evidence, split: FirstTokenSplit) -> Lever:
     what = ("network, the upstream's own scheduling and first decode step, and the proxy"
             if split.upstream_queue_ms is not None else
             "network, the upstream's queue and scheduling and first decode step, and the proxy")
-    sentence = (f"Fixed part: {say.dur(saves)}{say.of_first(split.mean_ms)} does not grow with "
-                f"the prompt ({what}).")
+    # the rest of the first token, not the fit's fixed part (the card's header), which
+    # is the line's intercept: the two differ where prefill is not the line's
+    sentence = (f"Rest of the first token: {say.dur(saves)}{say.of_first(split.mean_ms)} "
+                f"does not grow with the prompt ({what}).")
     if status == "lever":
         sentence += " Run closer to the upstream, or use one with less overhead per request."
     return Lever("fixed", status, "first_token", saves, sentence, numbers)
