@@ -517,10 +517,10 @@ def _rest(ev: Evidence, split: FirstTokenSplit) -> Lever:
     numbers = {"rest_ms": rest, "fixed_ms": fixed, "first_token_ms": split.mean_ms}
     if rest is None:
         if ev.fit.requests < MIN_REQUESTS or split.mean_ms is None:
-            return _too_few("fixed", "first_token", "Fixed part of the first token",
+            return _too_few("fixed", "first_token", "Rest of the first token",
                             ev.fit.requests)
         return Lever("fixed", "too_little_data", "first_token", None,
-                     "Fixed part of the first token: not known until the prefill cost is.",
+                     "Rest of the first token: not known until the prefill cost is.",
                      numbers)
     saves = max(0.0, rest)
     status = _worth(saves, split.mean_ms)
