@@ -255,9 +255,24 @@ def test_a_store_that_is_down_fails_fast_then_is_not_asked_until_its_pause_is_ov
             clock.now += 0.5
             assert index.exchange(probe, 5).ended == [NEVER]  # back, and empty
             assert index.exchange(probe, 9).ended[0] != NEVER
+            # a second outage within the minute: its failure line is held back, and so
+            # is its end, so that no recovery is said of an outage never announced
+            server.kill()
+            clock.now += 10.0
+            with pytest.raises(IndexUnavailable):
+                index.exchange(probe, 10)
+            server.start()
+            clock.now += 1.0
+            index.exchange(probe, 11)
+            # a third, past the minute: said, with the one held back
+            server.kill()
+            clock.now += 60.0
+            with pytest.raises(IndexUnavailable):
+                index.exchange(probe, 12)
         down_lines = [r for r in caplog.records if "failed (store_error" in r.getMessage()]
-        assert len(down_lines) == 1  # one line for the outage, not one per request
+        assert len(down_lines) == 2  # one line an outage, at most one a minute
         assert "llm_proxy_prompt_prefix_unchecked_total" in down_lines[0].getMessage()
+        assert "(1 more outages since the last such line)" in down_lines[1].getMessage()
         back = [r for r in caplog.records if "answers again" in r.getMessage()]
         assert len(back) == 1 and "2 failed tries" in back[0].getMessage()
     finally:

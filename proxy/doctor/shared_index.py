@@ -352,6 +352,7 @@ class RedisPrefixIndex:
         self._local = threading.local()
         self._warned_at = -math.inf
         self._held_back = 0
+        self._announced = False  # whether this outage's failure line was logged
 
         def client(timeout_s: float) -> Any:
             return Redis.from_url(
@@ -422,7 +423,10 @@ class RedisPrefixIndex:
                 self._warn_down(reason, exc)
             raise IndexUnavailable(reason, elapsed, f"{type(exc).__name__}: {exc}") from None
         self._local.round_trip_s = time.perf_counter() - start
-        if self.breaker.succeeded(admitted):
+        if self.breaker.succeeded(admitted) and self._announced:
+            # one line for the end of an outage whose start had one; one held back (a
+            # minute after the last) ends as quietly, and the next failure line counts it
+            self._announced = False
             since = self.breaker.down_since
             log.warning(
                 "prompt-cache doctor: the shared index at %s answers again (down %.1f s, "
@@ -448,8 +452,10 @@ class RedisPrefixIndex:
         now = self._clock()
         if now - self._warned_at < WARN_EVERY_S:
             self._held_back += 1
+            self._announced = False
             return
         held, self._held_back, self._warned_at = self._held_back, 0, now
+        self._announced = True
         also = f" ({held} more outages since the last such line)" if held else ""
         log.warning(
             "prompt-cache doctor: the shared index at %s failed (%s, %s: %s); requests "
