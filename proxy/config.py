@@ -416,17 +416,17 @@ def _check_combinations(s: Settings, name: Callable[[str], str],
         raise SettingsError(f"invalid setting {name('upstream_auth')}: only used with "
                             f"{name('upstream_api_key_env')} (without it the client's key "
                             "headers pass through unchanged)")
+    off = name("prefix_doctor")  # how the operator turned the doctor off
+    off = "--no-" + off[2:] if off.startswith("--") else off + "=false"
     if s.cache_index is not None and not s.prefix_doctor:
         raise SettingsError("the config file's [cache-index] table is the prompt-cache "
-                            f"doctor's shared index, and the doctor is turned off "
-                            f"({name('prefix_doctor')}): leave it on (the default), or "
-                            "remove the table")
+                            f"doctor's shared index, and the doctor is turned off ({off}): "
+                            "leave it on (the default), or remove the table")
     if s.workload_file:
         if not s.prefix_doctor:
             raise SettingsError(f"invalid setting {name('workload_file')}: the workload file's hash ids are "
                                 "the prompt-cache doctor's block hashes, and the doctor is "
-                                f"turned off ({name('prefix_doctor')}): leave it on (the "
-                                "default)")
+                                f"turned off ({off}): leave it on (the default)")
         if not s.measure:
             raise SettingsError(f"invalid setting {name('workload_file')}: the workload file records the "
                                 "measured usage and timings; it cannot be combined with "

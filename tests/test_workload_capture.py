@@ -357,7 +357,8 @@ DOCTOR: dict[str, str] = {}  # the doctor, which capture needs, is on by default
 def test_settings_that_cannot_capture_are_refused(tmp_path: Path) -> None:
     trace = str(tmp_path / "t.jsonl")
     for flags, message in [
-        ({"LLM_PROXY_PREFIX_DOCTOR": "false"}, "prompt-cache doctor"),  # turned off
+        ({"LLM_PROXY_PREFIX_DOCTOR": "false"},  # turned off, said as it was
+         r"prompt-cache doctor.*turned off \(LLM_PROXY_PREFIX_DOCTOR=false\)"),
         ({"LLM_PROXY_MEASURE": "false"}, "--no-measure"),
         ({"LLM_PROXY_WORKLOAD_CLIENT": "true"}, "no client label"),
         ({"LLM_PROXY_LOG_REQUESTS": trace}, "same file"),
