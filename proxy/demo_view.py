@@ -187,7 +187,8 @@ def render(
         secs = max(w.seconds, 1e-9)
         outcomes = ", ".join(f"{k} {v:.0f}" for k, v in sorted(w.outcomes.items())) or "-"
         lines.append(
-            f"{label:5} {w.requests:6.0f} requests ({w.requests / secs:5.1f}/s)  "
+            f"{label:5} {w.requests:6.0f} {'request ' if w.requests == 1 else 'requests'} "
+            f"({w.requests / secs:5.1f}/s)  "
             f"tokens: prompt {w.prompt_tokens:.0f} (cache hits {_ratio(w.cached_tokens, w.prompt_tokens)}), "
             f"completion {w.completion_tokens:.0f} ({w.completion_tokens / secs:.0f} tok/s)"
         )

@@ -248,7 +248,7 @@
       div.className = "fix";
       h.textContent = `${s.route} · ${s.model} · ${s.upstream} `;
       h.dataset.k = `fix.${n}.key`;
-      h.append(Object.assign(make("span"), { className: "muted", textContent: `(${s.requests} requests)` }));
+      h.append(Object.assign(make("span"), { className: "muted", textContent: `(${s.requests} request${s.requests === 1 ? "" : "s"})` }));
       const worth = s.levers.filter((l) => l.status === "lever");
       worth.forEach((l, i) => {
         const li = make("li"), b = make("b"), v = make("span");
