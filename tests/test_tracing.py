@@ -44,10 +44,12 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span
 from proxy import otel_metrics, otlp_export
 from proxy.config import Settings, from_sources
 from proxy.config_values import SettingsError
+from proxy.doctor.report import TokenRules
+from proxy.measure import PrefixRecord
 from proxy.serve import export_settings
 from proxy.simulator.app import create_simulator_app
 from proxy.simulator.model import SimConfig
-from proxy.tracing import Tracing, sampling, tracing_from, wanted
+from proxy.tracing import Tracing, prefix_attributes, sampling, tracing_from, wanted
 from tests.servers import closed_port, proxy_process, serve_in_thread
 from tests.test_dialect_routes import MESSAGES, RESPONSES, messages_script, responses_script
 from tests.test_dialect_routes import event as dialect_event
@@ -1047,10 +1049,6 @@ def test_otlp_metrics_off_unless_asked() -> None:
 def test_a_break_names_its_part_and_role_on_the_span_as_in_the_log() -> None:
     """A changed setting: the part is ``settings`` and the role the setting's name (never
     its value), as the request log's ``prefix_break_role`` says."""
-    from proxy.doctor.report import TokenRules
-    from proxy.measure import PrefixRecord
-    from proxy.tracing import prefix_attributes
-
     found = PrefixRecord(4000, 0, "settings_changed", "settings", 0, 0, "response_format",
                          rules=TokenRules(4000, 0, False, 0, 1))
     attributes = prefix_attributes(found, 1000, 0)
