@@ -122,6 +122,10 @@ def run(args: argparse.Namespace) -> int:
     from proxy.config import process_env
     from proxy.config_values import SettingsError
 
+    if os.path.isdir("/proc/self") and not os.path.exists(f"/proc/{args.pid}"):
+        # a process that is gone runs nothing: not the default command's port to ask
+        print(f"{PROGRAM} healthcheck: unhealthy: no process {args.pid}", file=sys.stderr)
+        return 1
     try:
         target = target_for(read_cmdline(args.pid), process_env(), args.program)
     except SettingsError as exc:

@@ -165,6 +165,14 @@ def test_healthcheck_fails_when_nothing_answers() -> None:
     assert f"serve: http://127.0.0.1:{port}/healthz unhealthy" in done.stderr
 
 
+def test_healthcheck_of_a_process_that_is_gone_says_so() -> None:
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    done = run_healthcheck("--pid", str(gone.pid), env=clean_env())
+    assert done.returncode == 1
+    assert done.stderr.strip() == f"llm-latency-proxy healthcheck: unhealthy: no process {gone.pid}"
+
+
 def test_healthcheck_is_healthy_for_a_command_without_a_server(tmp_path: Path) -> None:
     """``bench`` and ``demo`` containers: nothing to ask, exit 0 (a process whose command
     line is ``python -m proxy bench ...`` stands in for PID 1)."""
