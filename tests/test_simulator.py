@@ -67,11 +67,21 @@ def words(n_chars: int, salt: str = "") -> str:
 def server_ttft(
     model: LatencyModel, text: str, now: float = 0.0, **kw: Any
 ) -> tuple[float, RequestPlan]:
-    """Admit at ``now`` (a slot must be free) and return the first-token delay."""
+    """Admit at ``now`` (a slot must be free) and return the first-token delay; its
+    prefill done then, its blocks are cached for the next request."""
     plan = model.plan(text, **kw)
     ticket = model.arrive(now)
     assert ticket.admitted
-    return model.start_prefill(plan, now) - now, plan
+    ttft = model.start_prefill(plan, now) - now
+    model.prefilled(plan)
+    return ttft, plan
+
+
+def computed(model: LatencyModel, text: str) -> RequestPlan:
+    """A request planned and its prefill done (its blocks cached), as one sent alone."""
+    plan = model.plan(text)
+    model.prefilled(plan)
+    return plan
 
 
 # ---------------------------------------------------------------------------
@@ -122,7 +132,7 @@ def test_cached_prefix_is_reported_and_costs_no_prefill() -> None:
 def test_prefix_cache_matches_whole_blocks_from_the_start_only() -> None:
     model = LatencyModel(EXACT)
     text = words(640)  # 10 blocks
-    model.plan(text)
+    computed(model, text)
     # Same text again: every block but the one holding the last token.
     assert model.plan(text).cached_tokens == 9 * 16
     # First 100 characters identical: one whole block (64 chars) is reused.
@@ -136,15 +146,33 @@ def test_prefix_cache_matches_whole_blocks_from_the_start_only() -> None:
 
 def test_prefix_cache_forgets_least_recently_used_blocks() -> None:
     cache = PrefixCache(block_chars=4, capacity_blocks=4)
-    assert cache.lookup_and_insert_blocks("aaaabbbb")[0] == 0
-    assert cache.lookup_and_insert_blocks("ccccdddd")[0] == 0
+
+    def seen(text: str) -> int:  # the hits, then the blocks stored, as a prefill does
+        hits, hashes = cache.lookup(text)
+        cache.insert(hashes)
+        return hits
+
+    assert seen("aaaabbbb") == 0
+    assert seen("ccccdddd") == 0
     assert len(cache) == 4
-    assert cache.lookup_and_insert_blocks("aaaabbbb")[0] == 2  # touched: now the most recent
-    assert cache.lookup_and_insert_blocks("eeee")[0] == 0  # evicts the oldest block: c...'s tail
-    assert cache.lookup_and_insert_blocks("aaaabbbb")[0] == 2
-    assert cache.lookup_and_insert_blocks("ccccdddd")[0] == 1  # its head survived, its tail did not
+    assert seen("aaaabbbb") == 2  # touched: now the most recent
+    assert seen("eeee") == 0  # evicts the oldest block: c...'s tail
+    assert seen("aaaabbbb") == 2
+    assert seen("ccccdddd") == 1  # its head survived, its tail did not
     empty = PrefixCache(block_chars=4, capacity_blocks=0)
-    assert empty.lookup_and_insert_blocks("aaaa" * 4) == (0, 0)
+    assert empty.lookup("aaaa" * 4) == (0, ())
+
+
+def test_a_prompt_in_prefill_is_not_cached_yet() -> None:
+    """The same prompt sent while the first is still in prefill finds nothing: a server
+    caches the blocks it computed (the prompt-cache doctor's "concurrent"); once the
+    first token is out, a later request finds them."""
+    model = LatencyModel(EXACT)
+    text = words(640)  # 10 blocks
+    first = model.plan(text)
+    assert model.plan(text).cached_tokens == 0  # arrived during the first's prefill
+    model.prefilled(first)
+    assert model.plan(text).cached_tokens == 9 * 16
 
 
 def test_cache_off_reports_nothing() -> None:
@@ -349,7 +377,7 @@ async def test_steps_never_mix_reasoning_and_answer(
 def test_cache_writes_are_the_new_full_blocks() -> None:
     model = LatencyModel(EXACT)  # 16-token blocks of 64 characters
     text = words(650)  # 10 full blocks and 10 characters: 163 tokens
-    first = model.plan(text)
+    first = computed(model, text)
     assert (first.prompt_tokens, first.cached_tokens, first.cache_write_tokens) == (163, 0, 160)
     again = model.plan(text)
     assert (again.cached_tokens, again.cache_write_tokens) == (160, 0)

@@ -72,7 +72,7 @@ def test_the_model_under_reports_or_hides_cached_tokens_but_still_caches() -> No
     half = LatencyModel(replace(EXACT, cached_tokens_factor=0.3))
     hidden = LatencyModel(replace(EXACT, report_cached_tokens=False))
     for model in (full, half, hidden):
-        model.plan(text)
+        model.prefilled(model.plan(text))
     plans = [model.plan(text) for model in (full, half, hidden)]
     cached = plans[0].cached_tokens
     assert cached == 1616 and plans[0].reported_cached_tokens == cached

@@ -322,6 +322,7 @@ class Engine:
                 now = max(clock(), target)  # a deferred sleep: the model's time, not ours
                 if job.first_t is None:
                     job.first_t = now
+                    model.prefilled(plan)  # its blocks count for later arrivals from now
                 job.last_t = now
                 yield count
                 step_s = model.step_seconds(plan.rng)

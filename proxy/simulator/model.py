@@ -105,13 +105,16 @@ class SimConfig:
 
 
 class PrefixCache:
-    """LRU of chained prompt-block hashes: how much of a prompt was seen before.
+    """LRU of chained prompt-block hashes: how much of a prompt was computed before.
 
     Block hashes chain (each covers its own text and its parent's hash), so a block
     only hits when the whole prefix up to it is identical; the chain starts from the
     request's scope (model and cache key), so prompts under different scopes never
-    share a block, as on a server that keeps one cache per model or salt. Parents are
-    touched after their children, so eviction removes the tails of old prompts first.
+    share a block, as on a server that keeps one cache per model or salt. A prompt's
+    blocks are looked up when it arrives and stored once its prefill is done (its first
+    token), as a server's KV cache holds only blocks it computed: the same prompt sent
+    while the first is still in prefill finds nothing. Parents are touched after their
+    children, so eviction removes the tails of old prompts first.
     """
 
     def __init__(self, block_chars: int, capacity_blocks: int) -> None:
@@ -122,15 +125,13 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._blocks)
 
-    def lookup_and_insert_blocks(self, text: str, scope: str = "") -> tuple[int, int]:
-        """(leading full blocks that were cached, full blocks now stored), for ``text``
-        under ``scope``.
-
-        The difference is what this prompt wrote to the cache (Anthropic's
-        ``cache_creation_input_tokens``).
-        """
+    def lookup(self, text: str, scope: str = "") -> tuple[int, tuple[int, ...]]:
+        """(leading full blocks that are cached, every full block's hash) of ``text``
+        under ``scope``; :meth:`insert` stores the hashes once the prefill is done. Those
+        past the hits are what this prompt writes to the cache (Anthropic's
+        ``cache_creation_input_tokens``)."""
         if self.capacity == 0:
-            return 0, 0
+            return 0, ()
         size = self.block_chars
         hashes: list[int] = []
         parent = hash(("scope", scope)) if scope else 0
@@ -143,12 +144,16 @@ class PrefixCache:
             if h not in blocks:
                 break
             hits += 1
+        return hits, tuple(hashes)
+
+    def insert(self, hashes: tuple[int, ...]) -> None:
+        """Store (or touch) a prompt's blocks, computed: the least recently used go."""
+        blocks = self._blocks
         for h in reversed(hashes):
             blocks[h] = None
             blocks.move_to_end(h)
         while len(blocks) > self.capacity:
             blocks.popitem(last=False)
-        return hits, len(hashes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +175,8 @@ class RequestPlan:
     drop_after_tokens: int | None = None  # the connection dies after this many tokens
     error_after_tokens: int | None = None  # a stream error event after this many tokens
     stall_before_token: int | None = None  # a stall of stall_seconds before this token
+    # the prompt's block hashes, stored in the prefix cache when its prefill is done
+    block_hashes: tuple[int, ...] = field(default=(), repr=False, compare=False)
 
 
 @dataclass(slots=True, eq=False)
@@ -248,7 +255,8 @@ class LatencyModel:
         index = self.requests
         self.requests += 1
         rng = self._rng_factory(index)
-        hit_blocks, stored_blocks = self.cache.lookup_and_insert_blocks(text, cache_scope)
+        hit_blocks, hashes = self.cache.lookup(text, cache_scope)
+        stored_blocks = len(hashes)
         # Like vLLM, the last prompt token is always computed: cap below the prompt size.
         cached = min(
             hit_blocks * cfg.cache_block_tokens,
@@ -296,6 +304,7 @@ class LatencyModel:
             drop_after_tokens=drop,
             error_after_tokens=stream_error,
             stall_before_token=stall,
+            block_hashes=hashes,
         )
 
     def _sample_length(self, rng: random.Random) -> int:
@@ -345,6 +354,11 @@ class LatencyModel:
                 nxt.on_admit(nxt)
 
     # -- time: prefill lane and decode steps ---------------------------------------
+
+    def prefilled(self, plan: RequestPlan) -> None:
+        """The prompt of ``plan`` was computed (its first token is out): its blocks are in
+        the prefix cache from now on, for the requests that arrive later."""
+        self.cache.insert(plan.block_hashes)
 
     def start_prefill(self, plan: RequestPlan, now: float) -> float:
         """Reserve the shared prefill lane; return when the first token comes out."""
