@@ -18,6 +18,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 from urllib.parse import urlsplit
 
+from proxy.auth import CLIENT_KEY_HEADERS
 from proxy.config_values import SettingsError
 from proxy.deprecated import RenamedFlag, RenamedSwitch, warn_renamed
 from proxy.doctor.index import DEFAULT_MAX_BYTES
@@ -379,10 +380,11 @@ def reload_specs(settings: Settings, environ: Mapping[str, str] | None = None
     return specs
 
 
-# Request headers that carry a secret whatever the settings say: a client label read from
-# one would write the secret into every metric and log line.
-_SECRET_HEADERS = frozenset(("authorization", "proxy-authorization", "x-api-key", "api-key",
-                             "cookie"))
+# Request headers that carry a secret whatever the settings say (the client key's, and the
+# credentials of a proxy or a session): a client label read from one would write the
+# secret into every metric and log line.
+_SECRET_HEADERS = frozenset(
+    {name.decode() for name in CLIENT_KEY_HEADERS} | {"proxy-authorization", "cookie"})
 
 
 def _check_combinations(s: Settings, name: Callable[[str], str],

@@ -170,8 +170,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("client_label_from", _client_label_from, "Add a 'client' label to the request, "
            "latency and token metrics, taken from a request header that names the client "
            "('header:X-Team'; never one that carries a secret) or from the client's API key "
-           "('key': a keyed fingerprint, never the key; needs LLM_PROXY_FINGERPRINT_SECRET).", "SOURCE", unset="none, no client label",
-           group=Group.LABELS),
+           "('key': a keyed fingerprint, never the key; needs LLM_PROXY_FINGERPRINT_SECRET).",
+           "SOURCE", unset="none, no client label", group=Group.LABELS),
     Option("max_clients", _int(1), "Distinct 'client' label values kept; later ones are "
            "counted as 'other'.", "N", group=Group.LABELS),
     Option("client_allowlist", _names, "Comma-separated client label values allowed; any other "

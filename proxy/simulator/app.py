@@ -28,6 +28,7 @@ from proxy.simulator.responses import Responses
 
 __all__ = ["VOCAB", "ApiError", "SimulatedDrop", "create_simulator_app"]
 
+
 class _DropMiddleware:
     """Outermost layer: a simulated drop ends the ASGI call without finishing the body."""
 
