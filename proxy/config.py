@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 
 from proxy.auth import CLIENT_KEY_HEADERS
 from proxy.config_values import SettingsError
-from proxy.deprecated import RenamedFlag, RenamedSwitch, warn_renamed
+from proxy.deprecated import NewName, RenamedFlag, RenamedSwitch, warn_renamed
 from proxy.doctor.index import DEFAULT_MAX_BYTES
 from proxy.doctor.shared_index import CacheIndexSpec, cache_index_spec
 from proxy.options import (
@@ -186,7 +186,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                      action=argparse.BooleanOptionalAction, help=help_text)
             else:
                 section.add_argument(opt.flag, dest=opt.name, default=None, metavar=opt.metavar,
-                                     help=help_text)
+                                     help=help_text, action=NewName if opt.old else "store")
             if opt.old:
                 section.add_argument(opt.old_flag, dest=opt.name, default=None, new=opt.flag,
                                      action=RenamedSwitch if opt.flag_only_true else RenamedFlag)

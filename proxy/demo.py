@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TextIO
 
-from proxy.deprecated import RenamedFlag
+from proxy.deprecated import NewName, RenamedFlag
 
 if TYPE_CHECKING:
     import httpx
@@ -79,6 +79,7 @@ def add_parser(subparsers: Any) -> None:
         "--workload-file",
         metavar="FILE",
         default="",
+        action=NewName,
         help="Capture the demo's traffic as a workload file (serve --workload-file), for "
         "bench --workload-file [default: none]",
     )
@@ -88,6 +89,7 @@ def add_parser(subparsers: Any) -> None:
         metavar="TOKENS",
         type=int,
         default=512,
+        action=NewName,
         help="Prompt tokens per hash id in the workload file (serve --workload-block-size) "
         "[%(default)s]",
     )

@@ -145,3 +145,24 @@ async def test_a_proxy_started_with_the_old_flag_captures_its_workload(
     assert len(lines) == 2, out
     assert "--trace-file" in lines[0] or "--trace-file" in lines[1]
     assert any("LLM_PROXY_TRACE_BLOCK_SIZE" in x for x in lines)
+
+
+def test_a_setting_given_by_both_names_with_two_values_is_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Both names of a renamed flag on one command line: an error naming both, in
+    either order, rather than the last one winning silently; the same value twice is
+    one setting."""
+    for command, first, second in (
+        ("serve", "--trace-file", "--workload-file"),
+        ("serve", "--workload-file", "--trace-file"),
+        ("demo", "--workload-file", "--trace-file"),
+        ("demo", "--trace-block-size", "--workload-block-size"),
+    ):
+        with pytest.raises(SystemExit) as stopped:
+            build_parser().parse_args([command, first, "7", second, "8"])
+        assert stopped.value.code == 2
+        err = capsys.readouterr().err
+        assert f"{first} 7 and {second} 8 are one setting given twice" in err, err
+    args = build_parser().parse_args(["serve", "--trace-file", "a", "--workload-file", "a"])
+    assert args.workload_file == "a"
