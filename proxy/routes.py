@@ -376,7 +376,14 @@ class V1Handler:
             task.uncancel()
             meter = x.answered.meter if x.answered is not None else None
             timer = meter.timer if meter is not None else None
-            if timer is not None and timer.ended_t is not None and not timer.error:
+            if timer is not None and timer.error:
+                # The upstream said in the stream that it failed, and the client left at
+                # that: both official SDKs raise on the error event and close. The failure
+                # is the upstream's, whatever the upstream sends after it ([DONE], at once
+                # or not).
+                x.ended = Ended(status, Outcome.UPSTREAM_ERROR, self.clock(),
+                                reason="error event in the stream")
+            elif timer is not None and timer.ended_t is not None:
                 # The client had the stream's last event and closed before the upstream's
                 # final bytes (the chunked terminator): the official openai SDK closes as
                 # soon as it reads [DONE]. The stream was complete for the client.
@@ -445,7 +452,8 @@ class V1Handler:
         finally:
             x.admitted = Admitted(queue_s, overhead_s + setup_s)
         status = response.status_code
-        event_stream = response.headers.get("content-type", "").startswith("text/event-stream")
+        event_stream = (response.headers.get("content-type", "").lower()  # RFC 9110: any case
+                        .startswith("text/event-stream"))
         prefix = None
         if self.prefix is not None:  # runs later (batched, or in a thread): after the request was sent
             prefix = self.prefix.begin(arrival.dialect, asked.payload, target.spec, t0, status,

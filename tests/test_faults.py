@@ -44,7 +44,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from proxy.app import ProxyApp, create_app
 from proxy.config import Settings
 from proxy.sse import DEFAULT_MAX_EVENT_BYTES, SSEParser
-from tests.fake_upstream import Conn, Gate, RawUpstream, content_event, stream_events
+from tests.fake_upstream import Conn, Gate, RawUpstream, content_event, sse, stream_events
 from tests.servers import RunningServer, closed_port, proxy_process, refuses, serve_in_thread
 
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
@@ -319,6 +319,27 @@ async def test_upstream_error_status_passes_through_unchanged(
         await still_serves(proxy.url)
 
 
+@pytest.mark.parametrize("status", [600, 999])
+async def test_an_upstream_status_past_599_is_a_502_in_openai_shape(status: int) -> None:
+    """RFC 9110 has no status past 599 (httptools reads up to 999): the client gets the
+    proxy's 502 ``upstream_failed``, as for any answer that is not HTTP, where uvicorn
+    used to fail on the status and the client got no answer at all."""
+    async def odd(conn: Conn) -> None:
+        await conn.write(b"HTTP/1.1 %d Weird\r\ncontent-type: application/json\r\n"
+                         b"content-length: 2\r\n\r\n{}" % status)
+
+    upstream = RawUpstream({"odd": odd})
+    with upstream.running(), run_proxy(upstream.url) as (proxy, _):
+        got_status, headers, got, error = await read_stream(proxy.url, chat("odd"))
+        assert (got_status, error) == (502, None)
+        err = openai_error(got)
+        assert err["code"] == "upstream_failed" and f"status {status}" in str(err["message"])
+        await wait_metric(proxy.url, "llm_proxy_requests_total", 1, code="502")
+        samples = await scrape(proxy.url)
+        assert metric(samples, "llm_proxy_requests_total", code=str(status)) == 0
+        await still_serves(proxy.url)
+
+
 # ---------------------------------------------------------------------------
 # Hostile stream contents
 
@@ -476,6 +497,58 @@ async def test_upstream_transfer_coding_is_undone_and_the_stream_measured(fields
                                  model="coded") == 1
         assert await wait_metric(proxy.url, "llm_proxy_completion_tokens_sum", 3,
                                  model="coded") == 3  # from the upstream's usage
+        await still_serves(proxy.url)
+
+
+@pytest.mark.parametrize("content_type", ["Text/Event-Stream; charset=utf-8", "TEXT/EVENT-STREAM"])
+async def test_a_stream_typed_in_capitals_is_measured_and_stripped(content_type: str) -> None:
+    """Media types are case-insensitive (RFC 9110, 8.3.1): a stream so typed is measured,
+    and the usage event the proxy asked for is taken out, as for ``text/event-stream``."""
+    events = stream_events(3, usage=True)
+
+    async def shouting(conn: Conn) -> None:
+        await conn.head(200, content_type=content_type)
+        for event in events:
+            await conn.chunk(event)
+        await conn.end()
+
+    upstream = RawUpstream({"shouting": shouting})
+    with upstream.running(), run_proxy(upstream.url) as (proxy, _):
+        status, headers, got, error = await read_stream(proxy.url, chat("shouting"))
+        assert (status, error) == (200, None)
+        assert got == b"".join(events[:-2] + events[-1:])  # less the usage the proxy asked for
+        assert headers["x-accel-buffering"] == "no"
+        assert await wait_metric(proxy.url, "llm_proxy_time_to_first_token_seconds_count", 1,
+                                 model="shouting") == 1
+        assert await wait_metric(proxy.url, "llm_proxy_completion_tokens_sum", 3,
+                                 model="shouting") == 3
+
+
+async def test_an_error_event_the_client_leaves_at_is_the_upstreams_error() -> None:
+    """An error event in a 200 stream, then a pause before the upstream's ``[DONE]`` (as
+    vLLM and the simulator send them): the official SDK raises on the error and closes
+    at once. The outcome is the upstream's error, not a client that left."""
+    error = sse({"error": {"message": "engine died", "type": "internal_error", "code": 500}})
+
+    async def failing(conn: Conn) -> None:
+        await conn.head(200)
+        await conn.chunk(content_event(" first"))
+        await conn.chunk(error)
+        await conn.until_closed(10)  # [DONE] would come later: the client has gone
+
+    upstream = RawUpstream({"failing": failing})
+    with upstream.running(), run_proxy(upstream.url) as (proxy, _):
+        async with openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key="sk-test",
+                                      max_retries=0, timeout=10) as sdk:
+            stream = await sdk.chat.completions.create(
+                model="failing", messages=[{"role": "user", "content": "hi"}], stream=True)
+            with pytest.raises(openai.APIError, match="engine died"):
+                async for _ in stream:
+                    pass
+        await outcome_is(proxy.url, "upstream_error", "failing")
+        samples = await scrape(proxy.url)
+        assert metric(samples, "llm_proxy_stream_outcomes_total", model="failing",
+                      outcome="client_disconnected") == 0
         await still_serves(proxy.url)
 
 
