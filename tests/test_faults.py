@@ -330,7 +330,7 @@ async def test_an_upstream_status_past_599_is_a_502_in_openai_shape(status: int)
 
     upstream = RawUpstream({"odd": odd})
     with upstream.running(), run_proxy(upstream.url) as (proxy, _):
-        got_status, headers, got, error = await read_stream(proxy.url, chat("odd"))
+        got_status, _, got, error = await read_stream(proxy.url, chat("odd"))
         assert (got_status, error) == (502, None)
         err = openai_error(got)
         assert err["code"] == "upstream_failed" and f"status {status}" in str(err["message"])
