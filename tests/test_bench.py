@@ -1085,3 +1085,38 @@ def test_bench_rejects_reasoning_for_completions_and_sends_each_apis_key(
         ("anthropic-version", "2023-06-01"),
     )
     assert _key_headers("messages", None) == (("anthropic-version", "2023-06-01"),)
+
+
+def test_bench_and_the_proxy_count_every_documented_output_event() -> None:
+    """Each output event docs/definitions.md lists for Responses and Messages is a token
+    to bench's client and to the proxy's dialect alike, reasoning where the page says
+    so: bench's TTFT and ITL then count what the proxy counts (bench once knew five of
+    the Responses deltas, and read 502 ms where the proxy rightly read 201)."""
+    from proxy.bench.client import ANSWER, REASONING, classify
+    from proxy.dialects import MESSAGES, RESPONSES
+
+    rows = {
+        line.split("|")[1].strip(): line.split("|")[2:4]
+        for line in (Path(__file__).parent.parent / "docs" / "definitions.md")
+        .read_text().splitlines()
+        if line.startswith("| `/v1/")
+    }
+    events, reasoning = (re.findall(r"`(response\.[a-z_.]+\.delta)`", cell)
+                         for cell in rows["`/v1/responses`"])
+    assert len(events) >= 11 and reasoning == []  # "the two reasoning deltas"
+    for name in events:
+        data = json.dumps({"type": name, "delta": "x"}).encode()
+        thinking = "reasoning" in name
+        assert classify("responses", name, data).output == (REASONING if thinking else ANSWER)
+        info = RESPONSES.classify(name.encode(), data)
+        assert (info.outputs, info.answer) == (1, not thinking), name
+    deltas = re.findall(r"`(\w+_delta)` \(non-empty `(\w+)`\)", rows["`/v1/messages`"][0])
+    assert {d for d, _ in deltas} == {"text_delta", "thinking_delta", "input_json_delta"}
+    for kind, key in deltas:
+        data = json.dumps({"type": "content_block_delta", "index": 0,
+                           "delta": {"type": kind, key: "x"}}).encode()
+        thinking = kind == "thinking_delta"
+        got = classify("messages", "content_block_delta", data).output
+        assert got == (REASONING if thinking else ANSWER), kind
+        info = MESSAGES.classify(b"content_block_delta", data)
+        assert (info.outputs, info.answer) == (1, not thinking), kind

@@ -17,6 +17,9 @@ from typing import Any, NamedTuple
 
 import httpx
 
+from proxy.dialects.messages import MESSAGES_OUTPUT
+from proxy.dialects.responses import RESPONSES_OUTPUT
+
 from .workload import PlannedRequest
 
 Clock = Callable[[], float]
@@ -207,12 +210,10 @@ def _chat(obj: dict[str, Any], data: bytes, text_api: bool) -> Reading:
     return Reading(output, _openai_usage(obj.get("usage"), "prompt_tokens", "completion_tokens"))
 
 
+# The output-bearing events are the proxy's own (its dialects'): one definition, so that
+# bench and the proxy count the same events as tokens.
 _RESPONSES_OUTPUT = {
-    "response.output_text.delta": ANSWER,
-    "response.refusal.delta": ANSWER,
-    "response.function_call_arguments.delta": ANSWER,
-    "response.reasoning_text.delta": REASONING,
-    "response.reasoning_summary_text.delta": REASONING,
+    name: ANSWER if info.answer else REASONING for name, info in RESPONSES_OUTPUT.items()
 }
 
 
@@ -229,9 +230,8 @@ def _responses(obj: dict[str, Any], data: bytes) -> Reading:
 
 
 _MESSAGES_OUTPUT = {
-    "text_delta": ("text", ANSWER),
-    "input_json_delta": ("partial_json", ANSWER),
-    "thinking_delta": ("thinking", REASONING),
+    kind: (key, ANSWER if info.answer else REASONING)
+    for kind, (key, info) in MESSAGES_OUTPUT.items()
 }
 
 

@@ -43,7 +43,7 @@ from proxy.dialects.prompt import (
     _tool_parts,
 )
 
-_MESSAGES_OUTPUT: dict[str, tuple[str, EventInfo]] = {
+MESSAGES_OUTPUT: dict[str, tuple[str, EventInfo]] = {
     "text_delta": ("text", ANSWER),
     "input_json_delta": ("partial_json", ANSWER),
     "thinking_delta": ("thinking", REASONING),
@@ -51,7 +51,7 @@ _MESSAGES_OUTPUT: dict[str, tuple[str, EventInfo]] = {
 # What follows ``"delta":{"type":"`` in the compact form, the value's key, the reading.
 _MESSAGES_FAST: tuple[tuple[bytes, bytes, EventInfo], ...] = tuple(
     (f'{kind}","{key}":"'.encode(), f'"{key}"'.encode(), info)
-    for kind, (key, info) in _MESSAGES_OUTPUT.items()
+    for kind, (key, info) in MESSAGES_OUTPUT.items()
 )
 _MESSAGES_DELTA = b'"delta":{"type":"'
 _MESSAGES_USAGE_B = frozenset((b"message_start", b"message_delta"))
@@ -114,7 +114,7 @@ class MessagesDialect:
             delta = payload.get("delta")
             if isinstance(delta, dict):
                 kind = delta.get("type")
-                known = _MESSAGES_OUTPUT.get(kind) if isinstance(kind, str) else None
+                known = MESSAGES_OUTPUT.get(kind) if isinstance(kind, str) else None
                 if known is not None:
                     value = delta.get(known[0])
                     if isinstance(value, str) and value:

@@ -40,7 +40,7 @@ from proxy.dialects.prompt import (
     explicit_marks,
 )
 
-_RESPONSES_OUTPUT: dict[str, EventInfo] = {
+RESPONSES_OUTPUT: dict[str, EventInfo] = {
     "response.output_text.delta": ANSWER,
     "response.refusal.delta": ANSWER,
     "response.function_call_arguments.delta": ANSWER,
@@ -53,7 +53,7 @@ _RESPONSES_OUTPUT: dict[str, EventInfo] = {
     "response.reasoning_text.delta": REASONING,
     "response.reasoning_summary_text.delta": REASONING,
 }
-_RESPONSES_OUTPUT_B = {name.encode(): info for name, info in _RESPONSES_OUTPUT.items()}
+_RESPONSES_OUTPUT_B = {name.encode(): info for name, info in RESPONSES_OUTPUT.items()}
 _RESPONSES_USAGE = frozenset(("response.completed", "response.incomplete", "response.failed"))
 _RESPONSES_USAGE_B = frozenset(name.encode() for name in _RESPONSES_USAGE)
 
@@ -101,7 +101,7 @@ class ResponsesDialect:
 
     def classify_payload(self, event: bytes, payload: Any) -> EventInfo:
         name = _event_name(event, payload)
-        info = _RESPONSES_OUTPUT.get(name)
+        info = RESPONSES_OUTPUT.get(name)
         if info is not None:
             if isinstance(payload, dict):
                 delta = payload.get("delta")
