@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 DEFAULT_MAX_EVENT_BYTES = 1 << 20
+BOM = b"\xef\xbb\xbf"  # UTF-8's byte order mark: one leading is not part of the stream
 
 
 class SSEEvent(NamedTuple):
@@ -30,6 +31,7 @@ class SSEParser:
     """Feed chunks as they arrive; get back the events each chunk completes."""
 
     __slots__ = (
+        "_bom",
         "_data",
         "_data_size",
         "_event",
@@ -54,6 +56,7 @@ class SSEParser:
         self._event = b""  # the current event's name so far
         self._event_start = -1  # offset of the first line of the current event
         self._oversize = False
+        self._bom = True  # the stream's first bytes may still be a BOM's
         # Offset of an LF that began the last chunk fed and completed a CRLF whose CR
         # ended the chunk before (so it lies outside the span of an event that CR ended);
         # -1 when the last chunk did not start that way.
@@ -122,6 +125,10 @@ class SSEParser:
         self.straddling_lf = -1
         base = self._offset
         self._offset += len(chunk)
+        if self._bom:
+            chunk, base = self._after_bom(chunk, base)
+            if not chunk:
+                return []
         if (
             not self._line
             and not self._pending_cr
@@ -133,6 +140,20 @@ class SSEParser:
             if fast is not None:
                 return fast
         return self._slow(chunk, base)
+
+    def _after_bom(self, chunk: bytes, base: int) -> tuple[bytes, int]:
+        """``chunk`` (at ``base``) less the part of one leading BOM it holds: the SSE
+        standard ignores one, so the event after it is read (its bytes are relayed as
+        they came). A stream that opens with part of a BOM and then differs gets those
+        bytes back in front of its first line."""
+        want = BOM[base:]  # base: the stream's bytes before, all a BOM's so far
+        k = min(len(want), len(chunk))
+        if chunk[:k] != want[:k]:
+            self._bom = False
+            return BOM[:base] + chunk, 0
+        if k == len(want):
+            self._bom = False
+        return chunk[k:], base + k
 
     def _fast(self, chunk: bytes, base: int) -> list[SSEEvent] | None:
         """LF-only chunk made of whole events, each a single ``data:`` line, optionally

@@ -524,6 +524,32 @@ async def test_a_stream_typed_in_capitals_is_measured_and_stripped(content_type:
                                  model="shouting") == 3
 
 
+async def test_a_stream_opening_with_a_byte_order_mark_is_measured_from_its_first_event() -> None:
+    """A BOM before the first event (SSE ignores one): relayed as it came, and the first
+    event is the first token, where it used to be lost to the measurement."""
+    events = [content_event(" first"), *stream_events(3, usage=True)]
+    bom = b"\xef\xbb\xbf"
+
+    async def marked(conn: Conn) -> None:
+        await conn.head(200)
+        await conn.chunk(bom + events[0])  # the first token's event, after the mark
+        for event in events[1:]:
+            await conn.chunk(event)
+        await conn.end()
+
+    upstream = RawUpstream({"marked": marked})
+    with upstream.running(), run_proxy(upstream.url, inject_usage=False) as (proxy, _):
+        status, _, got, error = await read_stream(proxy.url, chat("marked"))
+        assert (status, error) == (200, None)
+        assert got == bom + b"".join(events)  # every byte, unchanged
+        await outcome_is(proxy.url, "completed", "marked")
+        samples = await scrape(proxy.url)
+        outputs = sum(b" tok" in e or b" first" in e for e in events)
+        assert metric(samples, "llm_proxy_time_to_first_token_seconds_count", model="marked") == 1
+        assert metric(samples, "llm_proxy_inter_token_latency_seconds_count",
+                      model="marked") == outputs - 1
+
+
 async def test_an_error_event_the_client_leaves_at_is_the_upstreams_error() -> None:
     """An error event in a 200 stream, then a pause before the upstream's ``[DONE]`` (as
     vLLM and the simulator send them): the official SDK raises on the error and closes

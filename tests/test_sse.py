@@ -693,3 +693,25 @@ def test_property_dialect_reads_the_same_whatever_the_reads(
         parser = SSEParser()
         got = [dialect.classify(e.event, e.data) for p in pieces for e in parser.feed(p)]
         assert got == expected
+
+
+def test_one_leading_byte_order_mark_is_ignored_however_the_stream_is_cut(stream: bytes) -> None:
+    """The SSE standard ignores one BOM opening the stream (a server writing through a
+    UTF-8-with-BOM encoder): the first event is read, and every span is where its bytes
+    are, after the BOM's three; only the first is ignored, and part of one is not one."""
+    bom = b"\xef\xbb\xbf"
+    marked = bom + stream
+    shifted = [(d, s + 3, e + 3, o, k) for d, s, e, o, k in expected_for(stream, [])]
+    assert shifted and feed_pieces([marked]) == shifted
+    for cut in range(8):
+        pieces = [marked[:cut], marked[cut:]]
+        assert feed_pieces(pieces) == [
+            (d, s + 3, e + 3, o, k) for d, s, e, o, k in expected_for(stream, [cut - 3])], cut
+    assert feed_pieces([marked[i : i + 1] for i in range(len(marked))]) == [
+        (d, s + 3, e + 3, o, k)
+        for d, s, e, o, k in expected_for(stream, range(len(stream)))]
+    twice = bom + marked  # the second is the first line's: not a field this parser knows
+    assert feed_pieces([twice]) == reference_parse(twice)
+    for part in (bom[:1], bom[:2]):
+        broken = part + b"data: x\n\n" + stream
+        assert feed_pieces([broken[:1], broken[1:]]) == reference_parse(broken)

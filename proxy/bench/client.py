@@ -19,6 +19,7 @@ import httpx
 
 from proxy.dialects.messages import MESSAGES_OUTPUT
 from proxy.dialects.responses import RESPONSES_OUTPUT
+from proxy.sse import BOM
 
 from .workload import PlannedRequest
 
@@ -92,12 +93,13 @@ class EventStream:
     (a CR at the end of one chunk and an LF at the start of the next are one line
     end); ``event:`` names the event, ``data:`` lines are joined with LF, a line
     starting with ``:`` is a comment, a blank line dispatches. An event without
-    ``event:`` is named ``message``.
+    ``event:`` is named ``message``. One byte order mark opening the stream is ignored.
     """
 
-    __slots__ = ("_data", "_event", "_skip_lf", "_tail")
+    __slots__ = ("_data", "_event", "_first", "_skip_lf", "_tail")
 
     def __init__(self) -> None:
+        self._first = True  # no line ended yet: the first may open with a BOM
         self._tail = b""
         self._event = b""
         self._data: list[bytes] = []
@@ -112,6 +114,9 @@ class EventStream:
         self._skip_lf = buf[-1:] == b"\r"
         lines = _LINE_END.split(buf)
         self._tail = lines.pop()
+        if self._first and lines:
+            self._first = False
+            lines[0] = lines[0].removeprefix(BOM)
         out: list[tuple[str, bytes]] = []
         for line in lines:
             if not line:
