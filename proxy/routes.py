@@ -496,6 +496,13 @@ class V1Handler:
         if outcome is Outcome.COMPLETED and meter is not None and meter.timer.error:
             outcome = Outcome.UPSTREAM_ERROR  # an error event inside the 200 stream
             reason = "error event in the stream"
+        elif (outcome is Outcome.COMPLETED and meter is not None and meter.timer.ended_t is None
+              and not meter.timer.response().finish):
+            # The body ended well, but the answer did not: no last event ([DONE],
+            # response.completed, message_stop) and no finish reason. The SDKs end such
+            # a stream quietly; the client has part of an answer.
+            outcome = Outcome.UPSTREAM_INTERRUPTED
+            reason = "the stream ended before its last event"
         elif ok and result.outcome in (Outcome.UPSTREAM_TIMEOUT, Outcome.UPSTREAM_INTERRUPTED):
             reason = f"stream {result.outcome}"
         t_end = (result.t_end if result.outcome is not Outcome.CLIENT_DISCONNECTED

@@ -550,6 +550,37 @@ async def test_a_stream_opening_with_a_byte_order_mark_is_measured_from_its_firs
                       model="marked") == outputs - 1
 
 
+@pytest.mark.parametrize("ending", ["tokens", "finish", "done"])
+async def test_a_stream_that_ends_before_its_last_event_is_interrupted(ending: str) -> None:
+    """A body that ends well (its chunked terminator) after tokens alone, with no
+    ``[DONE]`` and no finish reason, is an answer cut short: ``upstream_interrupted``,
+    with no token count made up from its events. A finish reason without ``[DONE]``
+    ends the answer (a server that omits the marker); ``[DONE]`` alone does too."""
+    events = {
+        "tokens": [content_event(" a"), content_event(" b")],
+        "finish": stream_events(2, usage=False)[:-1],
+        "done": [content_event(" a"), content_event(" b"), b"data: [DONE]\n\n"],
+    }[ending]
+
+    async def short(conn: Conn) -> None:
+        await conn.head(200)
+        for event in events:
+            await conn.chunk(event)
+        await conn.end()
+
+    upstream = RawUpstream({"short": short})
+    with upstream.running(), run_proxy(upstream.url, inject_usage=False) as (proxy, _):
+        status, _, got, error = await read_stream(proxy.url, chat("short"))
+        assert (status, got, error) == (200, b"".join(events), None)
+        cut = ending == "tokens"
+        await outcome_is(proxy.url, "upstream_interrupted" if cut else "completed", "short")
+        samples = await scrape(proxy.url)
+        counted = metric(samples, "llm_proxy_completion_tokens_count", model="short")
+        assert counted == (0 if cut else 1)
+        assert metric(samples, "llm_proxy_time_to_first_token_seconds_count", model="short") == 1
+        await still_serves(proxy.url)
+
+
 async def test_an_error_event_the_client_leaves_at_is_the_upstreams_error() -> None:
     """An error event in a 200 stream, then a pause before the upstream's ``[DONE]`` (as
     vLLM and the simulator send them): the official SDK raises on the error and closes
