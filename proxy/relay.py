@@ -62,7 +62,8 @@ class _Forwarder:
     def take(self, chunk: bytes) -> bytes:
         stripper = self.stripper
         if stripper is not None:
-            return stripper.take(chunk)
+            self._chunk = out = stripper.take(chunk)  # b"": all of it held back, for now
+            return out
         self._chunk = chunk
         collected = self.collected
         if collected is not None:
@@ -74,10 +75,8 @@ class _Forwarder:
         return chunk
 
     def observe(self, t: float) -> None:
-        if self.t_first is None:
-            self.t_first = t
-            if self.meter is not None:  # kept where a relay cut short by the client leaves it
-                self.meter.timer.first_byte_t = t
+        if self.t_first is None and self._chunk:  # the first bytes handed on, not held back
+            self.first_bytes(t)
         meter = self.meter
         if meter is None:
             return
@@ -90,6 +89,12 @@ class _Forwarder:
             log.exception("measurement failed; stream continues unmeasured")
             self.meter = None
             self.stripper = None
+
+    def first_bytes(self, t: float) -> None:
+        """The first body bytes were handed on at ``t``."""
+        self.t_first = t
+        if self.meter is not None:  # kept where a relay cut short by the client leaves it
+            self.meter.timer.first_byte_t = t
 
     def tail(self) -> bytes:
         """What the stripper still holds when the body ends, however it ended."""
@@ -183,7 +188,10 @@ async def relay(body: WireBody, send: Send, clock: Clock, *, meter: Meter | None
                        else Outcome.UPSTREAM_INTERRUPTED)
             complete = False
             await drain()  # what arrived before the failure still reaches the client
-        await flush(fwd.tail())
+        tail = fwd.tail()
+        await flush(tail)
+        if tail and fwd.t_first is None:  # every byte was held back until the end
+            fwd.first_bytes(clock())
     except SinkStopped:
         return RelayResult(Outcome.CLIENT_DISCONNECTED, False, clock(), fwd.t_first)
     except _Stalled:

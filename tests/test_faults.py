@@ -581,6 +581,34 @@ async def test_a_stream_that_ends_before_its_last_event_is_interrupted(ending: s
         await still_serves(proxy.url)
 
 
+async def test_time_to_first_byte_ends_when_bytes_reach_the_client_not_the_proxy() -> None:
+    """The first event split across two writes 0.2 s apart, the usage the proxy asked for
+    to be taken out: its first half waits in the proxy until the event is whole, so the
+    client's first byte, and the time to it, comes with the second half."""
+    events = stream_events(2, usage=True)
+    first = events[0]
+    pause = 0.2
+
+    async def split(conn: Conn) -> None:
+        await conn.head(200)
+        await conn.chunk(first[:10])
+        await asyncio.sleep(pause)  # the upstream's schedule: the subject of the test
+        await conn.chunk(first[10:])
+        for event in events[1:]:
+            await conn.chunk(event)
+        await conn.end()
+
+    upstream = RawUpstream({"split": split})
+    with upstream.running(), run_proxy(upstream.url) as (proxy, _):
+        status, _, got, error = await read_stream(proxy.url, chat("split"))
+        assert (status, error) == (200, None)
+        assert got == b"".join(events[:-2] + events[-1:])  # less the usage it asked for
+        await outcome_is(proxy.url, "completed", "split")
+        samples = await scrape(proxy.url)
+        assert metric(samples, "llm_proxy_time_to_first_byte_seconds_count", model="split") == 1
+        assert metric(samples, "llm_proxy_time_to_first_byte_seconds_sum", model="split") >= pause
+
+
 async def test_an_error_event_the_client_leaves_at_is_the_upstreams_error() -> None:
     """An error event in a 200 stream, then a pause before the upstream's ``[DONE]`` (as
     vLLM and the simulator send them): the official SDK raises on the error and closes
