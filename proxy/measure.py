@@ -72,7 +72,8 @@ OUTCOME_MEANINGS: dict[Outcome, OutcomeMeaning] = {
         "the stream's last event (or the whole body) reached the client",
         "the upstream's 2xx"),
     Outcome.CLIENT_DISCONNECTED: OutcomeMeaning(
-        "the client closed before the last event",
+        "the client closed before the last event (and after no error event: a client that "
+        "leaves at one, as both official SDKs do, is 'upstream_error')",
         "the upstream's status if it was sent, else none (logged 499)"),
     Outcome.CLIENT_STALLED: OutcomeMeaning(
         "the client stopped reading: nothing could be written to it for "
@@ -80,7 +81,9 @@ OUTCOME_MEANINGS: dict[Outcome, OutcomeMeaning] = {
         "the upstream's status, then the stream breaks"),
     Outcome.UPSTREAM_INTERRUPTED: OutcomeMeaning(
         "the upstream connection closed or reset before the answer was complete (mid-body, "
-        "or before any header)",
+        "or before any header); or a stream's body ended well but before its last event "
+        "('[DONE]', 'response.completed', 'message_stop') with no finish reason either (a "
+        "finish reason without '[DONE]' is 'completed': some servers omit the marker)",
         "mid-body: the upstream's status, then the stream breaks; before headers: 502 "
         "'upstream_failed'"),
     Outcome.UPSTREAM_TIMEOUT: OutcomeMeaning(
@@ -101,10 +104,12 @@ OUTCOME_MEANINGS: dict[Outcome, OutcomeMeaning] = {
     Outcome.UPSTREAM_5XX: OutcomeMeaning(
         "the upstream answered 5xx", "the upstream's 5xx, body unchanged"),
     Outcome.UPSTREAM_ERROR: OutcomeMeaning(
-        "an error event inside a 200 stream (Responses 'error' / 'response.failed', Messages "
-        "'event: error'); invalid HTTP from the upstream; a status that is neither 2xx, 4xx "
-        "nor 5xx; no upstream answered the merged 'GET /v1/models'",
-        "200 with the error event; 502 'upstream_failed'"),
+        "an error event inside a 200 stream (chat's 'data: {\"error\": ...}', Responses "
+        "'error' / 'response.failed', Messages 'event: error'), whether or not the client "
+        "stays for the rest; invalid HTTP from the upstream (a status past 599 included); a "
+        "1xx or 3xx answer; no upstream answered the merged 'GET /v1/models'",
+        "200 with the error event; the 1xx or 3xx as the upstream sent it; else 502 "
+        "'upstream_failed'"),
     Outcome.CANCELLED: OutcomeMeaning(
         "the proxy was shutting down and the request still ran after --graceful-timeout",
         "503 if nothing was sent yet, else the stream breaks"),

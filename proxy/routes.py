@@ -463,7 +463,10 @@ class V1Handler:
         observe = self.metrics is not None and dialect is not None and 200 <= status < 300
         strip = asked.strip_usage and event_stream and observe
         request_id = response.headers.get("x-request-id", "")
-        headers = response_headers(response.headers.raw, keep_length=not strip)
+        # no length on a 204 or 304, which has no body (RFC 9110, 8.6): uvicorn would wait
+        # for the body a 304's length describes, and fail the response
+        headers = response_headers(response.headers.raw,
+                                   keep_length=not strip and status not in (204, 304))
         if not request_id:
             request_id = uuid.uuid4().hex
             headers.append((b"x-request-id", request_id.encode()))

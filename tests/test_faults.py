@@ -340,6 +340,28 @@ async def test_an_upstream_status_past_599_is_a_502_in_openai_shape(status: int)
         await still_serves(proxy.url)
 
 
+@pytest.mark.parametrize("status", [204, 304])
+async def test_a_bodiless_answer_with_a_length_reaches_the_client_whole(
+        status: int, caplog: pytest.LogCaptureFixture) -> None:
+    """A 304 may carry the length its 200 would have (RFC 9110, 8.6), and some servers
+    put one on a 204: the client gets the status and headers, with no length and no
+    body, the connection stays open for the next request, and no error is logged (uvicorn
+    waited for the body the length described and failed the response)."""
+    async def bodiless(conn: Conn) -> None:
+        await conn.write(b"HTTP/1.1 %d X\r\netag: \"v1\"\r\ncontent-length: 10\r\n\r\n" % status)
+
+    upstream = RawUpstream({"bodiless": bodiless})
+    with upstream.running(), run_proxy(upstream.url) as (proxy, _), caplog.at_level(logging.ERROR):
+        async with client() as c:
+            r = await c.post(proxy.url + CHAT, content=chat("bodiless", stream=False))
+            assert (r.status_code, r.content, r.headers["etag"]) == (status, b"", '"v1"')
+            assert "content-length" not in r.headers
+            again = await c.post(proxy.url + CHAT, content=chat("ok", stream=False))
+            assert again.status_code == 200
+        await still_serves(proxy.url)
+    assert not [rec for rec in caplog.records if rec.levelno >= logging.ERROR]
+
+
 # ---------------------------------------------------------------------------
 # Hostile stream contents
 
