@@ -377,10 +377,8 @@ class V1Handler:
             meter = x.answered.meter if x.answered is not None else None
             timer = meter.timer if meter is not None else None
             if timer is not None and timer.error:
-                # The upstream said in the stream that it failed, and the client left at
-                # that: both official SDKs raise on the error event and close. The failure
-                # is the upstream's, whatever the upstream sends after it ([DONE], at once
-                # or not).
+                # An error event in the stream, and the client left at it (both official
+                # SDKs raise on it and close): the failure is the upstream's.
                 x.ended = Ended(status, Outcome.UPSTREAM_ERROR, self.clock(),
                                 reason="error event in the stream")
             elif timer is not None and timer.ended_t is not None:
@@ -463,8 +461,7 @@ class V1Handler:
         observe = self.metrics is not None and dialect is not None and 200 <= status < 300
         strip = asked.strip_usage and event_stream and observe
         request_id = response.headers.get("x-request-id", "")
-        # no length on a 204 or 304, which has no body (RFC 9110, 8.6): uvicorn would wait
-        # for the body a 304's length describes, and fail the response
+        # no length on a 204 or 304 (RFC 9110, 8.6): uvicorn would wait for a body
         headers = response_headers(response.headers.raw,
                                    keep_length=not strip and status not in (204, 304))
         if not request_id:
@@ -501,9 +498,7 @@ class V1Handler:
             reason = "error event in the stream"
         elif (outcome is Outcome.COMPLETED and meter is not None and meter.timer.ended_t is None
               and not meter.timer.response().finish):
-            # The body ended well, but the answer did not: no last event ([DONE],
-            # response.completed, message_stop) and no finish reason. The SDKs end such
-            # a stream quietly; the client has part of an answer.
+            # the body ended well, the answer did not: no last event and no finish reason
             outcome = Outcome.UPSTREAM_INTERRUPTED
             reason = "the stream ended before its last event"
         elif ok and result.outcome in (Outcome.UPSTREAM_TIMEOUT, Outcome.UPSTREAM_INTERRUPTED):

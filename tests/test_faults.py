@@ -44,7 +44,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from proxy.app import ProxyApp, create_app
 from proxy.config import Settings
 from proxy.sse import DEFAULT_MAX_EVENT_BYTES, SSEParser
-from tests.fake_upstream import Conn, Gate, RawUpstream, content_event, sse, stream_events
+from tests.fake_upstream import DONE, Conn, Gate, RawUpstream, content_event, sse, stream_events
 from tests.servers import RunningServer, closed_port, proxy_process, refuses, serve_in_thread
 
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
@@ -398,7 +398,8 @@ async def test_hostile_stream_forwarded_unchanged(kind: str) -> None:
         status, _, got, error = await read_stream(proxy.url, chat("hostile"))
         assert (status, error) == (200, None)
         assert got == b"".join(parts)
-        await outcome_is(proxy.url, "completed", "hostile")
+        # no [DONE] and no finish reason among them: an answer that never ended
+        await outcome_is(proxy.url, "upstream_interrupted", "hostile")
         await still_serves(proxy.url)
 
     # The same bytes, cut the way a socket might cut them, keep the parser's memory bounded.
@@ -717,6 +718,7 @@ class Flood:
             self.last_write = time.perf_counter()
             self.longest_wait = max(self.longest_wait, self.last_write - t)
             self.sent += len(FLOOD_EVENT)
+        await conn.chunk(DONE)
         await conn.end()
         self.ended = True
 
@@ -878,7 +880,7 @@ async def test_slow_client_that_keeps_reading_is_never_cut() -> None:
             body, error = await read_to_end(sock, pace=pace, within=120)
         assert error is None and gaps == 3
         assert flood.ended
-        assert dechunk(body) == FLOOD_EVENT * (flood.sent // len(FLOOD_EVENT))
+        assert dechunk(body) == FLOOD_EVENT * (flood.sent // len(FLOOD_EVENT)) + DONE
         await outcome_is(proxy.url, "completed", "flood")
         # The proxy really held the stream back longer than the read timeout, three times.
         samples = await scrape(proxy.url)

@@ -342,7 +342,7 @@ def expect(a: Answer) -> Expected:
     if not ok:
         outcome = {"upstream_4xx"} if a.status < 500 else {"upstream_5xx"}
     elif complete:
-        outcome = {"upstream_error" if _error_event(body, a) else "completed"}
+        outcome = {_stream_end(body, a)}
     else:
         outcome = {"upstream_interrupted"}
     pooled = complete and a.end == "keep" and not a.after
@@ -364,14 +364,20 @@ def _gunzip_prefix(coded: bytes) -> bytes:
     return z.decompress(coded)
 
 
-def _error_event(body: bytes, a: Answer) -> bool:
-    """An error event inside a 200 stream: recorded ``upstream_error`` (the table's row)."""
-    if not dict(a.fields).get(b"content-type", b"").startswith(b"text/event-stream"):
-        return False
+def _stream_end(body: bytes, a: Answer) -> str:
+    """How a 200 answer whose body ended well is recorded (the table's rows): an error
+    event inside a stream is ``upstream_error``; a stream with neither its last event nor
+    a finish reason ended before its answer did, ``upstream_interrupted``."""
+    if not dict(a.fields).get(b"content-type", b"").lower().startswith(b"text/event-stream"):
+        return "completed"
     timer = StreamTimer(dialects.CHAT)
-    for ev in SSEParser().feed(body + b"\n\n"):
+    for ev in SSEParser().feed(body):  # an event the body ends inside is not one (WHATWG)
         timer.event(ev.event, ev.data, 1.0)
-    return bool(timer.error)
+    if timer.error:
+        return "upstream_error"
+    if timer.ended_t is None and not timer.response().finish:
+        return "upstream_interrupted"
+    return "completed"
 
 
 # ---------------------------------------------------------------------------
