@@ -59,27 +59,38 @@ class Dist:
         return say.finite(fraction_at_most(x, self.buckets)) if self.count > 0 else None
 
     def mean_excess(self, cap: float) -> float | None:
-        """The mean of ``max(0, value - cap)``: the exact sum, less the observations up
-        to ``cap`` (uniform within their bucket) and ``cap`` for each one above it; never
-        more than the buckets allow (each observation above ``cap`` at most its bucket's
-        bound above it), so that observations high in buckets below ``cap`` add none."""
+        """The mean of ``max(0, value - cap)``: the exact sum, less what the observations
+        keep under ``cap``: those in buckets up to it, their bucket's middle; those in
+        buckets above it, ``cap``; those in the bucket holding ``cap``, the least of
+        ``cap`` and the mean the exact sum leaves that bucket (all at that mean: the least
+        excess they can have, by convexity, so that answers all of one length high in
+        their bucket are not taken as spread over it). Never more than the buckets allow
+        (each observation above ``cap`` at most its bucket's bound above it), so that
+        observations high in buckets below ``cap`` add none."""
         n = self.count
         if n <= 0:
             return None
-        capped, lower, below, most = 0.0, 0.0, 0.0, 0.0
+        rows, lower, below = [], 0.0, 0.0
         for upper, cumulative in sorted(self.buckets):
-            k = cumulative - below
-            if k > 0:
-                if upper <= cap:
-                    capped += k * (lower + upper) / 2
-                elif lower >= cap or math.isinf(upper):
-                    capped += k * cap
-                else:  # the bucket holding cap: uniform over (lower, upper]
-                    inside = (cap - lower) / (upper - lower)
-                    capped += k * (inside * (lower + cap) / 2 + (1 - inside) * cap)
-                if upper > cap:
-                    most += k * (upper - cap)
+            if cumulative > below:
+                rows.append((lower, upper, cumulative - below))
             lower, below = upper, cumulative
+        capped, most, holding, others = 0.0, 0.0, 0.0, 0.0
+        for lower, upper, k in rows:
+            if upper > cap:
+                most += k * (upper - cap)
+            if upper <= cap:
+                capped += k * (lower + upper) / 2
+            elif lower >= cap or math.isinf(upper):
+                capped += k * cap
+            else:  # the bucket holding cap
+                holding = k
+                continue
+            others += k * (lower if math.isinf(upper) else (lower + upper) / 2)
+        if holding:
+            lower, upper = next((lo, up) for lo, up, _ in rows if lo < cap < up)
+            mean = min(max((self.total - others) / holding, lower), upper)
+            capped += holding * min(mean, cap)
         return max(0.0, min(self.total - capped, most) / n)
 
 
