@@ -17,6 +17,13 @@ TTFT_HELP = (
     "content_block_delta with text_delta, thinking_delta or input_json_delta. Opening events "
     "(role-only chunk, response.created, message_start) are never tokens. Streams only."
 )
+NO_FIRST_TOKEN_HELP = (
+    "Streams answered 2xx that ended before any output event, without completing (the "
+    "client left, the upstream broke off, went silent or sent an error event, the proxy "
+    "shut down), by how long the client had waited, from the proxy receiving the request "
+    "until the stream ended: the waits time to first token never observes, which the TTFT "
+    "SLO counts as misses past its target. Buckets: the TTFT histogram's (--ttft-buckets)."
+)
 TTFA_HELP = (
     "Time to first answer token: as time to first token, but until the first output event "
     "that is not reasoning (not delta.reasoning_content/reasoning, not "

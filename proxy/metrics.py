@@ -22,6 +22,7 @@ from proxy.doctor.provider import agreement
 from proxy.measure import Outcome, RequestRecord
 from proxy.metric_help import (
     ITL_HELP,
+    NO_FIRST_TOKEN_HELP,
     TPOT_HELP,
     TTFA_HELP,
     TTFB_HELP,
@@ -175,6 +176,9 @@ class Metrics:
             buckets=options.duration_buckets, registry=reg)
         self.ttft = Histogram("llm_proxy_time_to_first_token_seconds", TTFT_HELP, who,
                               buckets=options.ttft_buckets, registry=reg)
+        self.no_first_token = Histogram(
+            "llm_proxy_wait_without_first_token_seconds", NO_FIRST_TOKEN_HELP, who,
+            buckets=options.ttft_buckets, registry=reg)
         self.ttfa = Histogram("llm_proxy_time_to_first_answer_token_seconds", TTFA_HELP, who,
                               buckets=options.ttft_buckets, registry=reg)
         self.ttfb = Histogram("llm_proxy_time_to_first_byte_seconds", TTFB_HELP, base,
@@ -185,7 +189,7 @@ class Metrics:
                               buckets=options.itl_buckets, registry=reg)
         self.queue = Histogram(
             "llm_proxy_queue_time_seconds", "Time a request waited in the proxy for an admission "
-            "slot (--max-concurrency); 0 when unlimited. Chat and completions routes.", base,
+            "slot (--max-concurrency); 0 when unlimited. Every measured route.", base,
             buckets=QUEUE_BUCKETS, registry=reg)
         self.upstream_queue = Histogram(
             "llm_proxy_upstream_queue_time_seconds", "Queue time reported by the upstream itself "
@@ -296,6 +300,11 @@ class Metrics:
                 c.ttfb.observe(record.ttfb_s)
             if record.ttft_s is not None:
                 c.ttft.observe(record.ttft_s, exemplar)
+            elif 200 <= record.status < 300 and record.outcome is not Outcome.COMPLETED:
+                who: tuple[str, ...] = (record.route, record.model, record.upstream)
+                if self.client_label is not None:
+                    who = (*who, record.client)
+                self.no_first_token.labels(*who).observe(record.duration_s, exemplar)
             if record.ttfa_s is not None:
                 c.ttfa.observe(record.ttfa_s)
             observe_many(c.itl, record.itl_s)

@@ -632,6 +632,52 @@ async def test_time_to_first_byte_ends_when_bytes_reach_the_client_not_the_proxy
         assert metric(samples, "llm_proxy_time_to_first_byte_seconds_sum", model="split") >= pause
 
 
+@pytest.mark.parametrize("how", ["client_left", "upstream_broke", "empty_answer"])
+async def test_a_stream_that_ends_before_its_first_token_is_a_wait_without_one(how: str) -> None:
+    """A stream answered 200 that ends before any output event is not in the TTFT
+    histogram, which only knows first tokens: it goes to the wait without a first token,
+    as long as the client had waited, unless it completed (an empty answer is an answer)."""
+    role = stream_events(0, usage=False)[0]
+    gate = Gate()
+
+    async def silent(conn: Conn) -> None:
+        await conn.head(200)
+        await conn.chunk(role)
+        if how == "empty_answer":
+            await conn.chunk(DONE)
+            await conn.end()
+        elif how == "upstream_broke":
+            await gate.wait(within=10)
+            conn.close()
+        else:
+            await conn.until_closed(10)
+
+    upstream = RawUpstream({"silent": silent})
+    with upstream.running(), run_proxy(upstream.url) as (proxy, _):
+        t0 = time.perf_counter()
+        async with client() as c, c.stream("POST", proxy.url + CHAT, content=chat("silent")) as r:
+            parts = r.aiter_raw()
+            await read_until(parts, bytearray(), lambda b: role in b)
+            if how == "upstream_broke":
+                gate.open()
+            if how != "client_left":
+                with contextlib.suppress(httpx.HTTPError, StopAsyncIteration):
+                    while True:
+                        await parts.__anext__()
+        waited = time.perf_counter() - t0
+        outcome = {"client_left": "client_disconnected", "upstream_broke": "upstream_interrupted",
+                   "empty_answer": "completed"}[how]
+        await outcome_is(proxy.url, outcome, "silent")
+        samples = await scrape(proxy.url)
+        name = "llm_proxy_wait_without_first_token_seconds"
+        assert metric(samples, "llm_proxy_time_to_first_token_seconds_count", model="silent") == 0
+        if how == "empty_answer":
+            assert metric(samples, f"{name}_count", model="silent") == 0
+        else:
+            assert metric(samples, f"{name}_count", model="silent") == 1
+            assert 0 < metric(samples, f"{name}_sum", model="silent") <= waited
+
+
 async def test_an_error_event_the_client_leaves_at_is_the_upstreams_error() -> None:
     """An error event in a 200 stream, then a pause before the upstream's ``[DONE]`` (as
     vLLM and the simulator send them): the official SDK raises on the error and closes

@@ -111,6 +111,7 @@ ALL = {name: ".*" for name in VARIABLES}
 CLIENT_METRICS = (
     "llm_proxy_requests_total",
     "llm_proxy_time_to_first_token_seconds",
+    "llm_proxy_wait_without_first_token_seconds",
     "llm_proxy_time_to_first_answer_token_seconds",
     "llm_proxy_inter_token_latency_seconds",
     "llm_proxy_request_duration_seconds",
@@ -166,6 +167,7 @@ def proxy_exposition() -> str:
         app.metrics.children("/v1/chat/completions", "m", "sim")
         app.metrics.requests.labels("/v1/chat/completions", "m", "sim", "true", "200")
         app.metrics.duration.labels("/v1/chat/completions", "m", "sim", "true")
+        app.metrics.no_first_token.labels("/v1/chat/completions", "m", "sim")
         app.metrics.outcomes.labels("/v1/chat/completions", "m", "sim", "completed")
         for counter in (app.metrics.fit_n, app.metrics.fit_x, app.metrics.fit_y,
                         app.metrics.fit_xy, app.metrics.fit_xx, app.metrics.fit_yy,
