@@ -227,7 +227,13 @@ def prometheus_queries(range_: str, where: str = "", *, fit_from_rules: bool = T
         if fit_from_rules and range_ in RULE_RANGES and name in FIT_SAMPLES:
             out.append(Query(name, _selector(fit_rule(name, range_), where), rule=True))
             continue
-        out.append(Query(name, f"sum by ({labels}) (increase({_selector(name, extra)}[{range_}]))"))
+        series = _selector(name, extra)
+        # a series with a sample at the range's start: its increase; one born inside the
+        # range (a new model, upstream or client): all of its count, which increase()
+        # would lose up to its first scrape (docs/diagnose.md)
+        out.append(Query(name, f"sum by ({labels}) ((increase({series}[{range_}]) and "
+                               f"{series} offset {range_}) or ({series} unless {series} "
+                               f"offset {range_}))"))
     return out
 
 

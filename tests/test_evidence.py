@@ -377,3 +377,44 @@ def test_durations(text: str, seconds: float) -> None:
 @pytest.mark.parametrize("text", ["", "1", "h", "1.5h", "-1h", "0m", "1x", "m5", "1h 30m"])
 def test_not_durations(text: str) -> None:
     assert ev.duration_seconds(text) is None
+
+
+def test_a_series_born_inside_the_range_counts_whole_in_prometheus(tmp_path: Any) -> None:
+    """diagnose --prometheus's query, run by Prometheus's own engine (promtool): a model
+    whose series is older than the range counts its increase over it; one that first
+    appeared inside the range (its first scrape already 8 requests: a burst, then one a
+    minute) counts all 16, where increase() alone lost most of the first 8 (8.5)."""
+    import json
+    import subprocess
+
+    from tests.test_observability import require_tool
+
+    promtool = require_tool("promtool")
+    (query,) = (q for q in ev.prometheus_queries("10m") if q.sample == "llm_proxy_requests_total")
+    where = '{route="/v1/chat/completions",upstream="u",stream="true",code="200",model="%s"}'
+    spec = {
+        "rule_files": [],
+        "evaluation_interval": "1m",
+        "tests": [{
+            "interval": "1m",
+            "input_series": [
+                {"series": "llm_proxy_requests_total" + where % "old", "values": "0+10x30"},
+                {"series": "llm_proxy_requests_total" + where % "new", "values": "_x22 8+1x8"},
+            ],
+            "promql_expr_test": [{
+                "expr": query.expr,
+                "eval_time": "30m",
+                "exp_samples": [
+                    {"labels": '{route="/v1/chat/completions",upstream="u",model="old"}',
+                     "value": 100},
+                    {"labels": '{route="/v1/chat/completions",upstream="u",model="new"}',
+                     "value": 16},
+                ],
+            }],
+        }],
+    }
+    path = tmp_path / "born_test.yml"
+    path.write_text(json.dumps(spec))  # YAML is a superset of JSON
+    result = subprocess.run([promtool, "test", "rules", str(path)], capture_output=True,
+                            text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr

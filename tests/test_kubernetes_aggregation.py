@@ -94,14 +94,32 @@ def _enclosing_aggregation(ancestors: tuple[Any, ...]) -> tuple[Any, list[Any]]:
     for node in ancestors:
         if isinstance(node, pp.AggregateExpr):
             return node, between
-        if not isinstance(node, pp.ParenExpr):
+        set_op = isinstance(node, pp.BinaryExpr) and str(node.op) in ("and", "or", "unless")
+        if not isinstance(node, pp.ParenExpr) and not set_op:  # those pick series, as they are
             between.append(node)
     raise AssertionError("not aggregated")
+
+
+def _set_filter_or_born(sel: Any, ancestors: tuple[Any, ...]) -> bool:
+    """Whether ``sel`` is read for its labels, not summed as a rate: the right side of
+    an ``and`` or ``unless`` (which series exist), or the left of ``S unless S offset
+    r``: the series born inside the range, whose whole count is their increase
+    (``proxy.evidence``; a series that restarted existed before, and takes ``increase``)."""
+    parent = ancestors[0] if ancestors else None
+    if not isinstance(parent, pp.BinaryExpr) or str(parent.op) not in ("and", "unless"):
+        return False
+    rhs = parent.rhs  # (the parser makes a new object at each read: compared as text)
+    if isinstance(rhs, pp.VectorSelector) and str(rhs) == str(sel):
+        return True
+    return (str(parent.op) == "unless" and isinstance(rhs, pp.VectorSelector)
+            and rhs.name == sel.name and rhs.offset is not None and sel.offset is None)
 
 
 def aggregation_problems(expr: str, types: dict[str, str]) -> list[str]:
     problems = []
     for sel, ancestors in raw_selectors(pp.parse(expr)):
+        if _set_filter_or_born(sel, ancestors):
+            continue
         kind = types.get(sel.name)
         if kind is None:
             problems.append(f"{sel.name}: not a metric the proxy exports")
