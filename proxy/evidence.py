@@ -13,9 +13,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from proxy.diagnosis.dist import Dist
 from proxy.diagnosis.fit import SAMPLES as FIT_SAMPLES
 from proxy.diagnosis.fit import SKIPPED_SAMPLE, FitSums, fit
-from proxy.diagnosis.levers import Dist, Evidence
+from proxy.diagnosis.levers import Evidence
 
 Key = tuple[str, str, str]  # route, model, upstream
 SELECTORS = ("route", "model", "upstream")

@@ -15,8 +15,9 @@ from hypothesis import strategies as st
 
 from proxy.bench.stats import FAST_DECODE_TOK_S, READING_PACE_TOK_S
 from proxy.diagnosis import levers
+from proxy.diagnosis.dist import Dist
 from proxy.diagnosis.fit import FitSums, PrefillFit, fit
-from proxy.diagnosis.levers import Diagnosis, Dist, Evidence, as_json, diagnose
+from proxy.diagnosis.levers import Diagnosis, Evidence, as_json, diagnose
 
 INF = math.inf
 ROUTE, MODEL, UPSTREAM = "/v1/chat/completions", "m", "u"
