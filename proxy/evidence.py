@@ -34,9 +34,10 @@ MISSED = "llm_proxy_prompt_cache_missed_tokens_total"
 UNMARKED = "llm_proxy_prompt_cache_missed_unmarked_tokens_total"
 ESTIMATED = "llm_proxy_prefill_fit_estimated_requests_total"
 ENGINE_PREFILL = "llm_proxy_upstream_prefill_seconds"
+NO_FIRST_TOKEN = "llm_proxy_wait_without_first_token_seconds"
 
 SUMMED = (TTFT, QUEUE, UPSTREAM_QUEUE, DURATION, TPOT, COMPLETION, MISSED_PER_REQUEST,
-          ENGINE_PREFILL)
+          ENGINE_PREFILL, NO_FIRST_TOKEN)
 BUCKETED = (TPOT, COMPLETION)  # their buckets are read too
 COUNTERS = (REQUESTS, MISSED, UNMARKED, SKIPPED_SAMPLE, ESTIMATED, *FIT_SAMPLES)
 SAMPLE_NAMES: frozenset[str] = frozenset(
@@ -91,7 +92,8 @@ class Figures:
 
     def measured(self) -> bool:
         return any(self.get(n) > 0 for n in (f"{TTFT}_count", f"{COMPLETION}_count",
-                                             f"{TPOT}_count", "llm_proxy_prefill_fit_requests_total"))
+                                             f"{TPOT}_count", "llm_proxy_prefill_fit_requests_total",
+                                             f"{NO_FIRST_TOKEN}_count"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -340,6 +342,8 @@ def _evidence(key: Key, figs: Figures) -> Evidence:
         tpot=_dist(figs, TPOT),
         completion=_dist(figs, COMPLETION),
         finish={k: v for k, v in figs.finish.items() if v > 0},
+        no_first_token=round(figs.get(f"{NO_FIRST_TOKEN}_count")),
+        no_first_token_wait_s=_mean(figs, NO_FIRST_TOKEN),
     )
 
 

@@ -263,7 +263,7 @@ def test_json_contract() -> None:
     assert set(first) == {"route", "model", "upstream", "requests",
                           "prefill_ms_per_1k_tokens", "fixed_ms", "fit_model", "line_fixed_ms",
                           "fit_terms", "fit_note", "tokens_estimated_share", "first_token", "decode",
-                          "output", "levers"}
+                          "output", "levers", "no_first_token_streams", "no_first_token_wait_ms"}
     assert (first["route"], first["model"], first["upstream"]) == (ROUTE, MODEL, UPSTREAM)
     assert set(first["first_token"]) == {"mean_ms", "proxy_queue_ms", "upstream_queue_ms",
                                          "prefill_ms", "missed_cache_ms", "rest_ms",

@@ -27,6 +27,8 @@ import re
 import signal
 import socket
 import ssl
+import subprocess
+import sys
 import threading
 import time
 import tracemalloc
@@ -676,6 +678,14 @@ async def test_a_stream_that_ends_before_its_first_token_is_a_wait_without_one(h
         else:
             assert metric(samples, f"{name}_count", model="silent") == 1
             assert 0 < metric(samples, f"{name}_sum", model="silent") <= waited
+            # and diagnose names them, where it said "No measured requests"
+            done = await anyio.to_thread.run_sync(lambda: subprocess.run(
+                [sys.executable, "-m", "proxy", "diagnose", "--url", proxy.url, "--json",
+                 "--model", "silent"], capture_output=True, text=True, timeout=60, check=False))
+            assert done.returncode == 0, done.stderr
+            (selection,) = json.loads(done.stdout)["selections"]
+            assert selection["no_first_token_streams"] == 1
+            assert 0 < selection["no_first_token_wait_ms"] <= waited * 1000
 
 
 async def test_an_error_event_the_client_leaves_at_is_the_upstreams_error() -> None:

@@ -64,6 +64,8 @@ class Evidence:
     tpot: Dist | None = None  # seconds per output token, one per stream
     completion: Dist | None = None  # completion tokens per response
     finish: Mapping[str, float] = field(default_factory=dict)  # by llm_proxy_finish_reasons label
+    no_first_token: int = 0  # 2xx streams that ended before a first token, not completed
+    no_first_token_wait_s: float | None = None  # their mean wait
 
 
 # -- what the figures say ---------------------------------------------------------------
@@ -141,6 +143,8 @@ class Diagnosis:
     fit_summary: str = ""  # the fitted model's figures, as the card prints them
     fit_note: str = ""  # why the prefill cost is not known, or which model was fitted
     tokens_estimated_share: float | None = None  # of the fit's requests; None: no fit
+    no_first_token: int = 0  # streams that ended before a first token (Evidence's)
+    no_first_token_wait_ms: float | None = None  # their mean wait
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -155,6 +159,8 @@ class Diagnosis:
                 map(say.rounded, self.fit_terms_ms), strict=True)),
             "fit_note": self.fit_note,
             "tokens_estimated_share": say.rounded(self.tokens_estimated_share),
+            "no_first_token_streams": self.no_first_token,
+            "no_first_token_wait_ms": say.rounded(self.no_first_token_wait_ms),
             "first_token": _rounded(self.first_token),
             "decode": _rounded(self.decode),
             "output": _rounded(self.output),
@@ -287,7 +293,9 @@ def diagnose(ev: Evidence) -> Diagnosis:
         fit_terms_ms=fit.terms_ms if good else None, fit_summary=fit.summary() if good else "",
         fit_note=fit_note(ev),
         tokens_estimated_share=(ev.fit_estimated / fit.requests if fit.requests > 0
-                                else None))
+                                else None),
+        no_first_token=ev.no_first_token,
+        no_first_token_wait_ms=say.ms(ev.no_first_token_wait_s))
 
 
 def fit_note(ev: Evidence) -> str:
