@@ -502,7 +502,7 @@ class V1Handler:
             outcome = Outcome.UPSTREAM_INTERRUPTED
             reason = "the stream ended before its last event"
         elif ok and result.outcome in (Outcome.UPSTREAM_TIMEOUT, Outcome.UPSTREAM_INTERRUPTED):
-            reason = f"stream {result.outcome}"
+            reason = f"{'stream' if answered.event_stream else 'body'} {result.outcome}"
         t_end = (result.t_end if result.outcome is not Outcome.CLIENT_DISCONNECTED
                  else self.clock())
         return Ended(status, outcome, t_end, answered.request_id, reason, result)

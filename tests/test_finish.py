@@ -339,6 +339,14 @@ async def _reset_mid_stream(request: httpx.Request) -> httpx.Response:
     return httpx.Response(200, headers=SSE_HEADERS, content=body())
 
 
+async def _reset_mid_body(request: httpx.Request) -> httpx.Response:
+    async def body() -> AsyncIterator[bytes]:
+        yield b'{"id": "c1", "object": "chat.completion", '
+        raise ConnectionResetError("upstream crashed")
+
+    return httpx.Response(200, headers={"content-type": "application/json"}, content=body())
+
+
 async def _stall_mid_stream(request: httpx.Request) -> httpx.Response:
     async def body() -> AsyncIterator[bytes]:
         yield stream_events(1, usage=False)[0]
@@ -357,6 +365,7 @@ async def _server_error(request: httpx.Request) -> httpx.Response:
     [("unreachable", 502, "ConnectError: cannot connect to 127.0.0.1:"),
      ("timeout", 504, "ReadTimeout: no response headers from the upstream within 0.05 s"),
      ("reset-mid-stream", 200, "stream upstream_interrupted"),
+     ("reset-mid-body", 200, "body upstream_interrupted"),  # not a stream: not said to be
      ("stall-mid-stream", 200, "stream upstream_timeout"),
      ("5xx", 500, "HTTP 500")],
 )
@@ -364,6 +373,7 @@ async def test_upstream_failure_logs_one_warning_without_secrets(
         how: str, status: int, reason: str, caplog: pytest.LogCaptureFixture) -> None:
     handler = {"unreachable": normal_stream, "timeout": hold,
                "reset-mid-stream": _reset_mid_stream, "stall-mid-stream": _stall_mid_stream,
+               "reset-mid-body": _reset_mid_body,
                "5xx": _server_error}[how]
     caplog.set_level(logging.DEBUG, logger="proxy")
     app, _ = make_app(FakeUpstream(handler), ScriptedClock(), read_timeout=0.05)
