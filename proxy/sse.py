@@ -125,10 +125,13 @@ class SSEParser:
         self.straddling_lf = -1
         base = self._offset
         self._offset += len(chunk)
-        if self._bom:
-            chunk, base = self._after_bom(chunk, base)
-            if not chunk:
-                return []
+        if self._bom:  # the stream's first bytes: a BOM's, or past any (one check)
+            if base >= len(BOM):
+                self._bom = False
+            else:
+                chunk, base = self._after_bom(chunk, base)
+                if not chunk:
+                    return []
         if (
             not self._line
             and not self._pending_cr
