@@ -91,9 +91,9 @@ class Figures:
         return Figures(values, buckets, finish)
 
     def measured(self) -> bool:
-        return any(self.get(n) > 0 for n in (f"{TTFT}_count", f"{COMPLETION}_count",
-                                             f"{TPOT}_count", "llm_proxy_prefill_fit_requests_total",
-                                             f"{NO_FIRST_TOKEN}_count"))
+        return any(self.get(n) > 0 for n in (
+            f"{TTFT}_count", f"{COMPLETION}_count", f"{TPOT}_count",
+            "llm_proxy_prefill_fit_requests_total", f"{NO_FIRST_TOKEN}_count"))
 
 
 @dataclass(frozen=True, slots=True)

@@ -276,7 +276,7 @@ class Connection(asyncio.Protocol):
         ex = self.ex
         assert ex is not None
         status = self.parser.get_status_code()
-        if not 100 <= status <= 599:  # RFC 9110 section 15: outside it, invalid (no client takes it)
+        if not 100 <= status <= 599:  # RFC 9110 section 15: outside, invalid (uvicorn refuses it)
             raise RemoteProtocolError(f"invalid HTTP from the upstream: status {status}")
         if 100 <= status < 200 and status != 101:
             ex.informational = True  # 100 Continue, 103 Early Hints: skip, wait for the answer
