@@ -250,20 +250,8 @@ def from_sources(args: argparse.Namespace | None = None,
                                 f"{raw_values['config'][1]} {path}: its [[upstream]] tables "
                                 "declare the upstreams")
         doc = read_file(path)
-        for key, raw in doc.items():
-            if key in ("upstream", "cache-index"):
-                continue
-            found = BY_NAME.get(key)
-            if found is None and key in BY_OLD:
-                found = BY_OLD[key]
-                warn_renamed(f"config {path}: {key}", found.name)
-                key = found.name
-            if found is None or not file_key(found):
-                hint = (" (declare upstreams as [[upstream]] tables)"
-                        if key in SINGLE_UPSTREAM_OPTIONS else _closest_key(key))
-                raise SettingsError(f"config {path}: {key}: unknown setting{hint}")
-            if key not in values:
-                values[key] = toml_value(found, raw, f"config {path}: {key}")
+        for key, value in top_level(path, doc).items():
+            values.setdefault(key, value)
     settings = Settings(**values)
     if path:
         settings = replace(settings, upstreams=upstream_specs(path, doc, upstream_limits(settings),
@@ -343,35 +331,51 @@ def single_spec(settings: Settings) -> UpstreamSpec:
         **upstream_limits(settings))
 
 
+def top_level(path: str, doc: Mapping[str, Any], *, warn: bool = True) -> dict[str, Any]:
+    """The config file's top-level settings, parsed, by option name (an old name read as
+    its new one, with a warning when ``warn``); :class:`SettingsError` for a key that is
+    no setting or a value of the wrong kind, whether or not a flag overrides it."""
+    values = {}
+    for key, raw in doc.items():
+        if key in ("upstream", "cache-index"):
+            continue
+        found = BY_NAME.get(key)
+        if found is None and key in BY_OLD:
+            found = BY_OLD[key]
+            if warn:
+                warn_renamed(f"config {path}: {key}", found.name)
+            key = found.name
+        if found is None or not file_key(found):
+            hint = (" (declare upstreams as [[upstream]] tables)"
+                    if key in SINGLE_UPSTREAM_OPTIONS else _closest_key(key))
+            raise SettingsError(f"config {path}: {key}: unknown setting{hint}")
+        values[key] = toml_value(found, raw, f"config {path}: {key}")
+    return values
+
+
 def reload_specs(settings: Settings, environ: Mapping[str, str] | None = None
                  ) -> tuple[UpstreamSpec, ...]:
     """The ``[[upstream]]`` tables of ``settings.config`` as the file says now (SIGHUP),
     or :class:`SettingsError` when they cannot replace the running ones.
 
     Per-upstream defaults come from the running settings; top-level keys are read at
-    start only, and one that changed is named in a warning rather than half-applied.
-    Client keys are set up at start too: a file that gives an upstream a key when the
-    running proxy checks none is refused.
+    start only, and one that changed is named in a warning rather than half-applied (so
+    is a changed ``[cache-index]`` table); a file that start-up would refuse (an unknown
+    key, a value of the wrong kind) is refused. Client keys are set up at start too: a
+    file that gives an upstream a key when the running proxy checks none is refused.
     """
     path = settings.config
     doc = read_file(path)
-    specs = upstream_specs(path, doc, upstream_limits(settings),
-                           process_env() if environ is None else environ)
+    env = process_env() if environ is None else environ
+    top = top_level(path, doc, warn=False)
+    specs = upstream_specs(path, doc, upstream_limits(settings), env)
     if any(s.api_key_env for s in specs) and not settings.holds_upstream_key:
         raise SettingsError(f"config {path}: an upstream now holds a key (api_key_env) but "
                             "client keys were not set up at start (--client-keys-file): "
                             "restart to add one")
-    changed = []
-    for key, raw in doc.items():
-        opt = BY_NAME.get(key)
-        if key == "upstream" or opt is None:
-            continue
-        try:
-            value = toml_value(opt, raw, key)
-        except SettingsError:
-            value = None
-        if value != getattr(settings, key):
-            changed.append(key)
+    changed = [key for key, value in top.items() if value != getattr(settings, key)]
+    if cache_index_spec(path, doc, env) != settings.cache_index:
+        changed.append("[cache-index]")
     if changed:
         log.warning(
             "config %s: top-level settings %s differ from the running ones (or a flag or "

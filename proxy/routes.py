@@ -158,9 +158,8 @@ class V1Handler:
         self.client_label: Callable[[str], str] = (
             metrics.client_label if metrics is not None and metrics.client_label is not None
             else _unbounded)
-        # A key the proxy does not check is checked by the upstream: only its answer,
-        # other than 401 or 403, says the key was right, and a wrong key must not take a
-        # label (see _finish and _key_accepted).
+        # A key the proxy does not check is checked by the upstream: only an answer other
+        # than 401 or 403 says it was right; a wrong key takes no label (_key_accepted).
         self._upstream_checks_key = keys is None and options.key_label
         self._secret_headers = frozenset(h.lower().encode() for h in options.secret_headers)
         # Response id, model and finish reasons are read only for whoever reads them:
@@ -306,7 +305,8 @@ class V1Handler:
         model: str | None = asked.request_model or None
         if model is None and arrival.subpath.startswith(b"/models/"):
             model = unquote(arrival.subpath[len(b"/models/"):].decode("latin-1")) or None
-        target = self.upstreams.pick(model, arrival.route)
+        # by the real path: routes = ["/v1/messages"] takes /v1/messages/count_tokens
+        target = self.upstreams.pick(model, "/v1" + arrival.subpath.decode("latin-1"))
         if target is not None:
             return target
         body = asked.body  # unchanged: nothing is injected into a body that is no object
@@ -322,14 +322,17 @@ class V1Handler:
 
     def _union(self, arrival: Arrival, scope: Scope) -> bool:
         return (arrival.subpath == b"/models" and scope["method"] == "GET"
-                and len(self.upstreams.targets) > 1)
+                and len(self._listing()) > 1)
+
+    def _listing(self) -> tuple[LiveUpstream, ...]:  # those whose routes take /v1/models
+        return tuple(t for t in self.upstreams.targets if t.spec.serves("/v1/models"))
 
     async def _models_union(self, scope: Scope, headers: list[tuple[bytes, bytes]],
                             send: Send) -> Ended:
         """``GET /v1/models`` with several upstreams: every upstream's list, merged
         (:mod:`proxy.model_list`); a 502 only when no upstream answered."""
         data = await merged_models(
-            self.upstreams.targets,
+            self._listing(),
             lambda target: self._upstream_headers(target, headers, identity=False),
             scope.get("query_string", b""), self._warnings)
         request_id = uuid.uuid4().hex
@@ -369,8 +372,7 @@ class V1Handler:
         except asyncio.CancelledError:
             status = x.answered.response.status_code if x.answered is not None else 0
             if not watch.disconnected:
-                # The server cancelled the request (shutdown past --graceful-timeout): it
-                # is still finished, with an outcome that says so; 503 if nothing was sent.
+                # The server cancelled it (shutdown past --graceful-timeout): 503 if unsent.
                 x.ended = Ended(status or 503, Outcome.CANCELLED, self.clock())
                 raise
             task.uncancel()
@@ -383,8 +385,7 @@ class V1Handler:
                                 reason="error event in the stream")
             elif timer is not None and timer.ended_t is not None:
                 # The client had the stream's last event and closed before the upstream's
-                # final bytes (the chunked terminator): the official openai SDK closes as
-                # soon as it reads [DONE]. The stream was complete for the client.
+                # final bytes: the openai SDK closes at [DONE]. The stream was complete.
                 x.ended = Ended(status, Outcome.COMPLETED, timer.ended_t)
             else:
                 x.ended = Ended(status or 499, Outcome.CLIENT_DISCONNECTED, self.clock())

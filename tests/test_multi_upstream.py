@@ -254,6 +254,51 @@ async def test_each_upstream_gets_its_own_key_in_its_own_header_and_its_headers(
             assert CLIENT_KEY not in repr(seen.headers)
 
 
+async def test_routes_match_the_real_path_and_the_model_list_asks_only_who_serves_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``routes = ["/v1/messages"]`` takes what lies under it (count_tokens, batches),
+    whose route label is ``/v1/{other}``: it used to be matched against the label, so
+    count_tokens went to the default upstream with the Anthropic key's header. And the
+    merged ``GET /v1/models`` asks only the upstreams whose routes take it: one that
+    serves Messages alone is neither asked (nor sent the client's key) nor listed."""
+    clock = ScriptedClock()
+
+    def passthrough(url_a: str, url_b: str) -> str:
+        return f"""
+        [[upstream]]
+        name = "openai"
+        url = "{url_a}"
+        models = ["gpt-*"]
+        default = true
+
+        [[upstream]]
+        name = "vllm"
+        url = "{url_a}"
+        models = ["llama-*"]
+
+        [[upstream]]
+        name = "anthropic"
+        url = "{url_b}"
+        models = ["claude-*"]
+        routes = ["/v1/messages"]
+        """
+
+    listing = {"object": "list", "data": [{"id": "gpt-4o"}]}
+    async with two_upstreams(tmp_path, clock, json_answer(200, listing),
+                             json_answer(200, {"input_tokens": 3}), passthrough,
+                             monkeypatch=monkeypatch) as s, s.http() as http:
+        ant = {"x-api-key": "sk-ant-client"}
+        for path in ("/v1/messages/count_tokens", "/v1/messages/batches"):
+            r = await http.post(path, json=body("claude-3", stream=False), headers=ant)
+            assert r.status_code == 200 and s.b.requests[-1].target == path
+        assert not s.a.requests  # none of it reached the other upstream, nor its key
+        r = await http.get("/v1/models", headers={"authorization": "Bearer sk-openai-client"})
+        assert r.status_code == 200 and r.json()["data"] == [{"id": "gpt-4o"}]
+        assert [x.target for x in s.a.requests] == ["/v1/models", "/v1/models"]  # both on A
+        assert [x.target for x in s.b.requests] == ["/v1/messages/count_tokens",
+                                                     "/v1/messages/batches"]
+
+
 async def test_admission_is_per_upstream(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     clock = ScriptedClock()
     hold = asyncio.Event()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -240,6 +241,22 @@ def test_reload_reads_the_tables_and_names_changed_top_level_keys(
     specs = reload_specs(s)
     assert specs[1].models == ("mistral*",)
     assert "top-level settings max_clients differ" in caplog.text
+
+
+@pytest.mark.parametrize(("line", "says"), [
+    ("max_concurency = 5", "max_concurency: unknown setting (did you mean max_concurrency?)"),
+    ('read_timeout = "abc"', "read_timeout"),
+])
+def test_reload_refuses_a_file_that_start_up_refuses(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, line: str, says: str) -> None:
+    """A typo'd or mistyped top-level key stops start-up; a reload used to take the file
+    (the typo unmentioned, the bad value a 'differ' warning), so the mistake waited for
+    the next restart. It is refused now, and the running table stays."""
+    s = load(tmp_path, TWO)
+    (tmp_path / "proxy.toml").write_text(line + "\n" + textwrap.dedent(TWO))
+    monkeypatch.setattr("os.environ", {**os.environ, **ENV})
+    with pytest.raises(SettingsError, match=re.escape(says)):
+        reload_specs(s)
 
 
 def test_serve_refuses_a_bad_file_with_exit_2_and_one_line(tmp_path: Path) -> None:
