@@ -248,13 +248,28 @@ def _banner(settings: Settings, port: int, tracing: str = "", otlp_metrics: str 
 
 
 def _run_single(settings: Settings, env: MutableMapping[str, str]) -> int:
-    import uvicorn
     from prometheus_client import disable_created_metrics
 
-    from proxy.app import create_app
+    from proxy.metrics import MULTIPROC_ENV
 
     disable_created_metrics()  # type: ignore[no-untyped-call]  # no *_created series
     sock = _listen(settings.host, settings.port)
+    inherited = env.get(MULTIPROC_ENV)
+    if inherited:  # another run's, or another proxy's, files would be counted as this one's
+        env[MULTIPROC_ENV] = tempfile.mkdtemp(prefix="llm-latency-proxy-metrics-")
+    try:
+        return _serve_app(settings, env, sock)
+    finally:
+        if inherited:
+            shutil.rmtree(env[MULTIPROC_ENV], ignore_errors=True)
+            env[MULTIPROC_ENV] = inherited
+
+
+def _serve_app(settings: Settings, env: MutableMapping[str, str], sock: socket.socket) -> int:
+    import uvicorn
+
+    from proxy.app import create_app
+
     app = create_app(settings, environ=env)
     linger = 0
     if settings.metrics_port and app.metrics is not None:
@@ -304,8 +319,10 @@ def _run_workers(settings: Settings, env: MutableMapping[str, str]) -> int:
     """uvicorn's own supervisor, started as ``uvicorn.run`` starts it, except that the
     socket is bound and listening here first, so the start-up line can name the port
     (``--port 0``) and connections made after it wait in the backlog for a worker."""
+    from proxy.metrics import MULTIPROC_ENV
+
     directory = tempfile.mkdtemp(prefix="llm-latency-proxy-metrics-")
-    env["PROMETHEUS_MULTIPROC_DIR"] = directory  # the workers inherit this environment
+    env[MULTIPROC_ENV] = directory  # the workers inherit this environment
     export_settings(settings, env)
     if settings.workload_file:  # one start, id namespace and hashing secret for every worker
         from proxy.workload_capture import SHARED_ENV, Shared
@@ -362,12 +379,38 @@ def _reloading_supervisor(base: Any, settings: Settings, env: Mapping[str, str])
                 super().init_processes()
 
         def keep_subprocess_alive(self) -> None:  # restarts a worker that died
+            before = {process.pid for process in self.processes}
             with _sigint_blocked():
                 super().keep_subprocess_alive()
+            self._forget(before)
 
         def handle_ttin(self) -> None:  # one worker more
             with _sigint_blocked():
                 super().handle_ttin()
+
+        def handle_ttou(self) -> None:  # one worker fewer
+            before = {process.pid for process in self.processes}
+            super().handle_ttou()
+            self._forget(before)
+
+        def _forget(self, before: set[int | None]) -> None:
+            """A worker gone (killed, or one fewer): its live gauges (the in-flight
+            requests it held) leave the sums; its counters stay, as counts of the past."""
+            from prometheus_client.multiprocess import mark_process_dead
+
+            from proxy.metrics import MULTIPROC_ENV
+
+            for pid in before - {process.pid for process in self.processes}:
+                if pid is not None:
+                    mark_process_dead(pid, env[MULTIPROC_ENV])  # type: ignore[no-untyped-call]
+
+        def terminate_all(self) -> None:
+            # the listening socket closed here first: with the workers' own copies closed
+            # as they stop, a connection made during the drain is refused at once, not
+            # queued for no worker and reset when the drain ends
+            for sock in self.sockets:
+                sock.close()
+            super().terminate_all()
 
         def handle_hup(self) -> None:
             from proxy.app import NOTHING_TO_RELOAD, read_reload, reload_refused, reloads

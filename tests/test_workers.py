@@ -97,9 +97,72 @@ def test_two_workers_sum_metrics(upstream: ScriptedUpstream, tmp_path: Path) -> 
     assert not list(tmp_path.glob("llm-latency-proxy-metrics-*")), "multiprocess dir left behind"
 
 
+def refuses(port: int) -> bool:
+    """Whether a connection to ``port`` is refused now (one that is taken is closed)."""
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    except ConnectionRefusedError:
+        return True
+    return False
+
+
+def worker_pids(supervisor: int) -> list[int]:
+    """The supervisor's worker processes (multiprocessing's spawned children)."""
+    children = Path(f"/proc/{supervisor}/task/{supervisor}/children").read_text().split()
+    return [int(pid) for pid in children
+            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+
+
+def test_a_killed_worker_leaves_no_request_in_flight(tmp_path: Path) -> None:
+    """Both workers killed (SIGKILL) with a stream in flight: the supervisor starts new
+    ones, and the in-flight gauge, which sums the live workers, comes back to 0: the
+    dead workers' live gauges leave the sum (their counters stay)."""
+    fake = Scheduled(ttft=0.05, itl=0.05, tokens=400)  # a 20 s stream, cut by the kill
+    with ScriptedUpstream(fake).running() as up:
+        port = free_port()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "proxy", "serve", "--upstream", up.url + "/v1",
+             "--port", str(port), "--workers", "2"],
+            env={**os.environ, "TMPDIR": str(tmp_path)},
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_healthy(url, proc)
+            body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "x"}]}
+            with httpx.Client(base_url=url, timeout=20) as client, \
+                    client.stream("POST", "/v1/chat/completions", json=body) as response:
+                parts = response.iter_raw()  # one iterator: a dropped one closes it
+                next(parts)  # the stream is under way
+                text = httpx.get(url + "/metrics", headers={"connection": "close"}).text
+                assert metric_total(text, "llm_proxy_in_flight_requests") == 1
+                workers = worker_pids(proc.pid)
+                assert len(workers) == 2, workers
+                for pid in workers:
+                    os.kill(pid, signal.SIGKILL)
+                with pytest.raises(httpx.HTTPError):
+                    for _ in parts:
+                        pass
+            deadline, in_flight = time.monotonic() + 20, None
+            while time.monotonic() < deadline:  # the new workers: up within a second or two
+                try:
+                    text = httpx.get(url + "/metrics", headers={"connection": "close"}).text
+                except httpx.TransportError:
+                    time.sleep(0.05)  # polling until a new worker answers
+                    continue
+                in_flight = metric_total(text, "llm_proxy_in_flight_requests")
+                if in_flight == 0:
+                    break
+                time.sleep(0.05)
+            assert in_flight == 0, f"in flight after the workers died: {in_flight}"
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out.decode(errors="replace")
+
+
 def test_sigterm_with_workers_lets_in_flight_stream_finish(tmp_path: Path) -> None:
     """SIGTERM to the supervisor: the stream in flight completes, the process exits 0."""
-    fake = Scheduled(ttft=0.05, itl=0.05, tokens=30)  # a 1.5 s stream
+    fake = Scheduled(ttft=0.05, itl=0.05, tokens=60)  # a 3 s stream
     with ScriptedUpstream(fake).running() as up:
         port = free_port()
         proc = subprocess.Popen(
@@ -112,7 +175,7 @@ def test_sigterm_with_workers_lets_in_flight_stream_finish(tmp_path: Path) -> No
             wait_healthy(url, proc)
             body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "x"}]}
             received = b""
-            signalled = False
+            signalled = refused = False
             with httpx.Client(base_url=url, timeout=20) as client, \
                     client.stream("POST", "/v1/chat/completions", json=body) as response:
                 for raw in response.iter_raw():
@@ -120,8 +183,13 @@ def test_sigterm_with_workers_lets_in_flight_stream_finish(tmp_path: Path) -> No
                     if not signalled and b'"content": "t0 "' in received:
                         proc.send_signal(signal.SIGTERM)  # mid-stream, once
                         signalled = True
+                    elif signalled and not refused:
+                        refused = refuses(port)
             assert signalled and not fake.closed.is_set()
-            assert received.count(b'"content": "t') == 30
+            # meanwhile a new connection was refused, not queued for no worker and reset
+            # when the drain ended
+            assert refused, "connections made during the drain were not refused"
+            assert received.count(b'"content": "t') == 60
             assert b"data: [DONE]" in received
             out, _ = proc.communicate(timeout=30)
         finally:
@@ -129,3 +197,33 @@ def test_sigterm_with_workers_lets_in_flight_stream_finish(tmp_path: Path) -> No
                 proc.kill()
                 proc.communicate()
     assert proc.returncode == 0, out.decode(errors="replace")
+
+
+def test_an_inherited_metrics_directory_is_not_this_proxys(
+        upstream: ScriptedUpstream, tmp_path: Path) -> None:
+    """PROMETHEUS_MULTIPROC_DIR set in the environment (a host-wide habit, a volume kept
+    across restarts), one process: each run counts its own requests in a directory of
+    its own; the files another run left there used to be counted again."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp_path), "PROMETHEUS_MULTIPROC_DIR": str(shared)}
+    body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "x"}]}
+    for run in range(2):
+        port = free_port()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "proxy", "serve", "--upstream", upstream.url + "/v1",
+             "--port", str(port)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_healthy(url, proc)
+            with httpx.Client(base_url=url, timeout=10) as client:
+                for _ in range(3):
+                    with client.stream("POST", "/v1/chat/completions", json=body) as response:
+                        assert b"data: [DONE]" in response.read()
+                text = client.get("/metrics").text
+            assert metric_total(text, "llm_proxy_requests_total") == 3, run
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            out, _ = proc.communicate(timeout=20)
+        assert proc.returncode == 0, out.decode(errors="replace")
+    assert not list(tmp_path.glob("llm-latency-proxy-metrics-*")), "its own directory left behind"
