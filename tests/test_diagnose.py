@@ -86,7 +86,7 @@ def check_contract(doc: dict[str, Any]) -> None:
                                     "below_reading_pace_share", "above_fast_share", "slow_ms"}
         assert set(s["output"]) == {"responses", "mean_tokens", "p50_tokens", "p95_tokens",
                                     "ms_per_token", "decode_ms", "capped_saving_ms",
-                                    "mean_total_ms", "length_limited_share"}
+                                    "mean_total_ms", "length_limited_share", "cap_tokens"}
         for part in ("first_token", "decode", "output"):
             for name, value in s[part].items():
                 assert value is None or isinstance(value, int | float), (part, name)
@@ -175,7 +175,7 @@ def test_the_card_ranks_the_levers_with_their_sentences_and_numbers() -> None:
     assert positions == sorted(positions)
     assert flat.index("Worth acting on") < flat.index("1. output_length")
     assert flat.index("Measured, not worth acting on") < flat.index("5. proxy_queue")
-    assert "1. output_length: would save 13.8 s of the total time" in flat
+    assert "1. output_length: would save 14.0 s of the total time" in flat
     assert "2. prefill: would save 1.2 s of the first token" in flat
     assert max(len(line) for line in card.splitlines()) <= WIDTH
 

@@ -79,7 +79,9 @@ def test_the_example_selection() -> None:
     assert rest.numbers["rest_ms"] == rest.saves_ms
     out = got["output_length"].sentence
     assert out.startswith("Answers average 780 tokens (p95 2,700), 18.7 s at 24 ms per "
-                          "token; capped at the median (238) the mean total would be ")
+                          "token; capped at 256 tokens (the median is at most that) the mean "
+                          "total would be ")
+    assert got["output_length"].numbers["cap_tokens"] == 256  # the median's bucket: 128-256
     assert "10 % of answers already stop at their length limit" in out
     # the numbers behind each sentence travel with it
     assert got["prefill"].numbers["mean_uncached_tokens"] == pytest.approx(9100)
@@ -241,8 +243,9 @@ def test_mean_excess_against_uniform_data() -> None:
 def test_answers_all_of_one_length_save_nothing_capped_at_their_median() -> None:
     """32 answers of exactly 100 tokens, in the 64-128 bucket: the interpolated median
     is 96, and spread evenly over the bucket they read as 12 tokens over it each, a
-    "worth acting on" 240 ms. Taken at their exact mean, a cap at 96 cuts 4 tokens from
-    each (what it would), and the lever is not worth acting on."""
+    "worth acting on" 240 ms. Taken at their exact mean, a cap at 96 would cut 4 tokens
+    from each, but 96 is no median of theirs: the cap is the bound of the median's
+    bucket, 128, the most the median can be, and capping there saves nothing."""
     answers = Dist(((64, 0), (128, 32), (INF, 32)), 32 * 100.0)
     assert answers.quantile(0.5) == 96
     assert answers.mean_excess(96) == pytest.approx(4)
@@ -250,8 +253,9 @@ def test_answers_all_of_one_length_save_nothing_capped_at_their_median() -> None
     d = diagnose(example(completion=answers, tpot=at_20ms, duration_mean_s=0.25 + 2.0,
                          finish={"length": 32.0}))
     got = by_name(d)["output_length"]
-    assert got.saves_ms == pytest.approx(4 * 20)
-    assert got.status == "not_a_lever"
+    assert got.numbers["cap_tokens"] == 128
+    assert (got.saves_ms, got.status) == (0, "not_a_lever")
+    assert "capped at 128 tokens (the median is at most that)" in got.sentence
 
 
 def test_json_contract() -> None:

@@ -34,6 +34,11 @@ class Dist:
     def share_at_most(self, x: float) -> float | None:
         return say.finite(fraction_at_most(x, self.buckets)) if self.count > 0 else None
 
+    def edge_at_or_above(self, x: float) -> float:
+        """The bound of the bucket holding ``x``: the most a quantile interpolated at ``x``
+        can truly be (``x`` itself in the last, unbounded bucket)."""
+        return next((le for le, _ in sorted(self.buckets) if le >= x and not math.isinf(le)), x)
+
     def mean_excess(self, cap: float) -> float | None:
         """The mean of ``max(0, value - cap)``: the exact sum, less what the observations
         keep under ``cap``: those in buckets up to it, their bucket's middle; those in

@@ -103,9 +103,10 @@ class OutputFigures:
     p95_tokens: float | None
     ms_per_token: float | None
     decode_ms: float | None  # the mean answer at that per-token time
-    capped_saving_ms: float | None  # capped at the median length
+    capped_saving_ms: float | None  # capped at cap_tokens
     mean_total_ms: float | None
     length_limited_share: float | None  # stopped at their length limit
+    cap_tokens: float | None = None  # the bound of the median's bucket: the most it can be
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,14 +253,17 @@ def output_figures(ev: Evidence) -> OutputFigures:
         return OutputFigures(0, None, None, None, per_token, None, None, total, limited)
     mean = completion.mean()
     p50 = completion.quantile(0.5)
-    excess = completion.mean_excess(p50) if p50 is not None else None
+    # capped where the median surely is at or below: an interpolated median can sit below
+    # every answer (all of 30 tokens read as 24), and a cap there cuts every one
+    cap = completion.edge_at_or_above(p50) if p50 is not None else None
+    excess = completion.mean_excess(cap) if cap is not None else None
     return OutputFigures(
         responses=round(completion.count), mean_tokens=mean, p50_tokens=p50,
         p95_tokens=completion.quantile(0.95), ms_per_token=per_token,
         decode_ms=(per_token * mean) if per_token is not None and mean is not None else None,
         capped_saving_ms=(per_token * excess) if per_token is not None and excess is not None
         else None,
-        mean_total_ms=total, length_limited_share=limited)
+        mean_total_ms=total, length_limited_share=limited, cap_tokens=cap)
 
 
 # -- the levers ----------------------------------------------------------------------
@@ -534,7 +538,7 @@ def _output(ev: Evidence, out: OutputFigures) -> Lever:
                "p50_tokens": out.p50_tokens, "p95_tokens": out.p95_tokens,
                "ms_per_token": out.ms_per_token, "decode_ms": out.decode_ms,
                "mean_total_ms": out.mean_total_ms, "capped_saving_ms": out.capped_saving_ms,
-               "length_limited_share": out.length_limited_share}
+               "length_limited_share": out.length_limited_share, "cap_tokens": out.cap_tokens}
     if out.ms_per_token is None or out.capped_saving_ms is None or out.decode_ms is None:
         return Lever("output_length", "unknown", "total", None,
                      f"Output length: answers average {say.tokens(out.mean_tokens)} tokens (p50 "
@@ -545,13 +549,13 @@ def _output(ev: Evidence, out: OutputFigures) -> Lever:
     sentence = (f"Answers average {say.tokens(out.mean_tokens)} tokens (p95 "
                 f"{say.tokens(out.p95_tokens)}), {say.dur(out.decode_ms)} at "
                 f"{say.sig(out.ms_per_token)} ms per token")
+    capped = f"capped at {say.tokens(out.cap_tokens)} tokens (the median is at most that)"
     if out.mean_total_ms is not None:
-        sentence += (f"; capped at the median ({say.tokens(out.p50_tokens)}) the mean total "
-                     f"would be {say.dur(out.mean_total_ms - saves)} instead of "
+        sentence += (f"; {capped} the mean total would be "
+                     f"{say.dur(out.mean_total_ms - saves)} instead of "
                      f"{say.dur(out.mean_total_ms)}.")
     else:
-        sentence += (f"; capped at the median ({say.tokens(out.p50_tokens)}) each would take "
-                     f"{say.dur(saves)} less on average.")
+        sentence += f"; {capped} each would take {say.dur(saves)} less on average."
     if out.length_limited_share is not None and out.length_limited_share > 0:
         sentence += (f" {say.pct(out.length_limited_share)} of answers already stop at their "
                      "length limit (cut off).")
