@@ -46,6 +46,7 @@ SAMPLE_NAMES: frozenset[str] = frozenset(
     + [f"{h}_bucket" for h in BUCKETED]
 )
 _BUCKET_OF = {f"{h}_bucket": h for h in BUCKETED}
+_STREAMS_ONLY = (DURATION, QUEUE)  # histograms with a stream label: read for streams
 
 # The recording rules holding the fit's sums over a window (prometheus/rules/recording.yml).
 RULE_RANGES = ("5m", "1h")
@@ -119,8 +120,8 @@ class ReadingBuilder:
     def sample(self, name: str, labels: Mapping[str, str], value: float) -> None:
         if name not in SAMPLE_NAMES or not math.isfinite(value):
             return
-        if name.startswith(DURATION) and labels.get("stream", "true") != "true":
-            return  # the mean total time is of streams, as the first token is
+        if name.startswith(_STREAMS_ONLY) and labels.get("stream", "true") != "true":
+            return  # the mean total time and queue are of streams, as the first token is
         key = (labels.get("route", ""), labels.get("model", ""), labels.get("upstream", ""))
         figs = self._figures.get(key)
         if figs is None:
@@ -223,7 +224,7 @@ def prometheus_queries(range_: str, where: str = "", *, fit_from_rules: bool = T
     out = []
     for name in sorted(SAMPLE_NAMES):
         extra = where
-        if name.startswith(DURATION):
+        if name.startswith(_STREAMS_ONLY):
             extra = ",".join(x for x in ('stream="true"', where) if x)
         labels = by + (", le" if name in _BUCKET_OF else "") + (
             ", finish_reason" if name == FINISH else "")

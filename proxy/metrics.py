@@ -189,7 +189,8 @@ class Metrics:
                               buckets=options.itl_buckets, registry=reg)
         self.queue = Histogram(
             "llm_proxy_queue_time_seconds", "Time a request waited in the proxy for an admission "
-            "slot (--max-concurrency); 0 when unlimited. Every measured route.", base,
+            "slot (--max-concurrency); 0 when unlimited. Every measured route, streamed or "
+            "not (the stream label, as on the request duration).", (*base, "stream"),
             buckets=QUEUE_BUCKETS, registry=reg)
         self.upstream_queue = Histogram(
             "llm_proxy_upstream_queue_time_seconds", "Queue time reported by the upstream itself "
@@ -235,15 +236,16 @@ class Metrics:
         for reason in SKIP_REASONS:
             self.workload_skipped.labels(reason)
         self._init_causes(reg, base, options.ttft_buckets)
-        self._children: dict[tuple[str, str, str, str], _Children] = {}
+        self._children: dict[tuple[str, str, str, str, bool], _Children] = {}
         self.watchers: list[Callable[[RequestRecord], None]] = []  # each finished request
 
     def in_flight(self, upstream: str) -> Gauge:
         """The in-flight gauge's child for one upstream (resolved once per upstream)."""
         return self.in_flight_gauge.labels(upstream)
 
-    def children(self, route: str, model: str, upstream: str, client: str = "") -> _Children:
-        key = (route, model, upstream, client)
+    def children(self, route: str, model: str, upstream: str, client: str = "",
+                 stream: bool = True) -> _Children:
+        key = (route, model, upstream, client, stream)
         found = self._children.get(key)
         if found is None:
             labels = (route, model, upstream)
@@ -251,7 +253,8 @@ class Metrics:
             found = _Children(
                 self.ttft.labels(*who), self.ttfa.labels(*who), self.ttfb.labels(*labels),
                 self.itl.labels(*who), self.tpot.labels(*labels),
-                self.queue.labels(*labels), self.upstream_queue.labels(*labels),
+                self.queue.labels(*labels, "true" if stream else "false"),
+                self.upstream_queue.labels(*labels),
                 self.overhead.labels(*labels),
                 tuple((field, h.labels(*who)) for field, h in self.tokens.items()))
             self._children[key] = found
@@ -279,7 +282,8 @@ class Metrics:
             watch(record)
 
     def _observe_measured(self, record: RequestRecord, exemplar: dict[str, str] | None) -> None:
-        c = self.children(record.route, record.model, record.upstream, record.client)
+        c = self.children(record.route, record.model, record.upstream, record.client,
+                          record.stream)
         if record.queue_s is not None:
             c.queue.observe(record.queue_s)
         if record.overhead_s is not None:

@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 
 from proxy import evidence as ev
 from proxy.bench import promscrape
+from proxy.diagnosis import levers
 from proxy.diagnosis.fit import FitSums, fit
 from proxy.diagnosis.levers import Evidence
 from proxy.measure import Outcome, PrefixRecord, RequestRecord
@@ -101,7 +102,8 @@ def test_the_registry_gives_what_the_records_say() -> None:
     assert chat.requests == len(mine) == 30
     assert chat.streams == len(streams)
     assert chat.ttft_mean_s == pytest.approx(mean([r.ttft_s or 0 for r in streams]), rel=1e-12)
-    assert chat.queue_mean_s == pytest.approx(mean([r.queue_s or 0 for r in mine]), rel=1e-12)
+    assert chat.queue_mean_s == pytest.approx(mean([r.queue_s or 0 for r in streams]),
+                                              rel=1e-12)
     assert chat.upstream_queue_mean_s == pytest.approx(
         mean([r.upstream_queue_s or 0 for r in mine]), rel=1e-12)
     # the mean total time is of streams only, as the first token is
@@ -128,6 +130,23 @@ def test_the_registry_gives_what_the_records_say() -> None:
     assert other.upstream_queue_mean_s is None  # reported by none: unknown, not 0
     assert other.fit.requests == 7  # three streams had no prompt tokens in their usage
     assert other.finish == {}
+
+
+def test_the_queue_in_the_first_token_is_the_streams_own() -> None:
+    """Streams that never queued and requests not streamed that queued for a second: the
+    queue part of the first token is the streams' (0), where the queue histogram, of
+    every request, read as 0.75 s of a 0.2 s first token ("queueing in the proxy: 750
+    ms of the 200 ms first token"). The non-streamed waits stay in /metrics."""
+    metrics, registry = fresh()
+    observe(metrics, (record(i, queue_s=0.0) for i in range(20)))
+    observe(metrics, (record(20 + i, stream=False, queue_s=1.0, ttft_s=None) for i in range(60)))
+    (chat,) = ev.evidence(ev.read_registry(registry))
+    assert chat.streams == 20 and chat.queue_mean_s == 0
+    split = levers.diagnose(chat).first_token
+    assert split.proxy_queue_ms == 0 and split.mean_ms == pytest.approx(200)
+    sample = registry.get_sample_value
+    assert sample("llm_proxy_queue_time_seconds_sum", {
+        "route": CHAT, "model": "m-a", "upstream": "up", "stream": "false"}) == 60.0
 
 
 def test_text_registry_and_prometheus_answers_give_the_same_evidence() -> None:

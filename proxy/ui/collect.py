@@ -186,7 +186,7 @@ class Reader:
             hkey = (key, base, part)
             self.hsums[hkey] = self.hsums.get(hkey, 0.0) + value
         elif base in SUMMED:
-            if base != DURATION or labels.get("stream", "true") == "true":
+            if base not in (DURATION, QUEUE) or labels.get("stream", "true") == "true":
                 self.scalar(key, f"{base}_{part}", value)
         elif name == REQUESTS:
             self.scalar(key, "requests", value)
