@@ -512,8 +512,11 @@ async def test_by_upstream_and_model_from_real_requests(tmp_path: Path) -> None:
         # The page's own reading of the app's registry (restricted to the samples it
         # uses, as served), with a clock of its own.
         data = ui_data.LiveData(app.ui.data.registry, clock=page)
-        table = data.answer(("", "", ""))["table"]
+        answer = data.answer(("", "", ""))
+        table = answer["table"]
         assert table["by_route"] is False and table["missed_measured"] is False
+        # neither upstream says what it served from its cache: unknown, where it read 0 %
+        assert answer["figures"]["total"]["cache_hit_ratio"] is None
         rows = table["rows"]
         assert [(r["upstream"], r["model"], r["requests"]) for r in rows] == [
             ("fast", "gpt-4o", 4),
@@ -551,6 +554,8 @@ async def test_by_upstream_and_model_from_real_requests(tmp_path: Path) -> None:
         assert await send(http, clock, "gpt-4o", route=COMPLETIONS) == 200
         # The prompt-cache doctor's counters, once the registry has samples of them.
         app.metrics.prefix.missed_tokens.labels(CHAT, "gpt-4o", "fast").inc(30)
+        for upstream, model, missed in (("fast", "gpt-4o", 30), ("slow", "claude-3", 0)):
+            app.metrics.prefix.missed_per_request.labels(CHAT, model, upstream).observe(missed)
         page.now += 1.0
         table = data.answer(("", "", ""))["table"]
         assert table["by_route"] is True and table["missed_measured"] is True
@@ -562,7 +567,8 @@ async def test_by_upstream_and_model_from_real_requests(tmp_path: Path) -> None:
         ]
         chat_fast, chat_slow, legacy = table["rows"][:3]
         assert chat_fast["missed_cache"] == pytest.approx(30 / 400)
-        assert chat_slow["missed_cache"] == 0.0  # measured, nothing missed
+        assert chat_slow["missed_cache"] == 0.0  # examined, nothing missed
+        assert legacy["missed_cache"] is None  # none examined with the figure: unknown, not 0
         assert legacy["ttft_p50"] == pytest.approx(0.125)
         assert legacy["decode_tok_s"] == pytest.approx(80.0)
 

@@ -255,13 +255,14 @@ def _prompt_span(
     for name, value in (
         ("prompt", prompt),
         ("repeated", s.get("repeated_tokens")),
-        ("cached", s.get(f"{CACHED}_sum")),
-        ("missed", missed_all),
+        # unknown where no upstream reported cached tokens, or none was examined with them
+        ("cached", s.get(f"{CACHED}_sum") if s.get(f"{CACHED}_count") > 0 else None),
+        ("missed", missed_all if s.get("examined") > 0 else None),
     ):
         figures[name] = {
             "tokens": value,
-            "per_s": per_s(value),
-            "share": value / prompt if prompt > 0 else None,
+            "per_s": per_s(value) if value is not None else None,
+            "share": value / prompt if value is not None and prompt > 0 else None,
         }
     figures["examined"] = s.get("examined")
     # Missed tokens per examined request at each selection's fitted prefill cost; the
@@ -324,7 +325,9 @@ def _figures(data: LiveData, s: Series, seconds: float) -> dict[str, Any]:
         "requests_per_s": s.get("requests") / seconds if seconds > 0 else None,
         "output_tokens": s.get(f"{COMPLETION}_sum"),
         "output_tokens_per_s": s.get(f"{COMPLETION}_sum") / seconds if seconds > 0 else None,
-        "cache_hit_ratio": s.get(f"{CACHED}_sum") / prompt if prompt > 0 else None,
+        # unknown, not 0, where no upstream said what it served from its cache
+        "cache_hit_ratio": (s.get(f"{CACHED}_sum") / prompt
+                            if prompt > 0 and s.get(f"{CACHED}_count") > 0 else None),
         "ttft": ttft,
         "ttfa": data.dist(s, TTFA),
         "itl": data.dist(s, ITL),
@@ -403,7 +406,8 @@ def _row(view: View, key: Key, s: Series) -> dict[str, Any]:
         errors_by[NOT_STREAMED_5XX] = not_streamed
     errors = math.fsum(errors_by.values())
     prompt = s.get(f"{PROMPT}_sum")
-    missed = s.get("missed_tokens") if view.now.missed_measured else None
+    missed = (s.get("missed_tokens")  # unknown where none of its requests had the figure
+              if view.now.missed_measured and s.get("examined") > 0 else None)
     return {
         "route": route,
         "model": model,
