@@ -935,6 +935,23 @@ def test_slowest_requests_per_series_and_only_the_last_minute() -> None:
     assert slow.slowest(lambda key: True) == []
 
 
+def test_a_slow_request_stays_in_the_table_for_the_whole_minute() -> None:
+    """A slow request near the end of its 10 s slot, then one request every 10 s: 51.6 s
+    later it is still one of the last minute's (the six slots kept, the current one
+    among them, covered 50 to 60 s, and it went at 51.6 s), and gone after 60 s."""
+    clock = Clock()
+    clock.now = 9.9
+    slow = SlowRequests(clock)
+    slow.add(record(0, model="m-a", ttft_s=1.2))
+    for i in range(1, 7):
+        clock.now = 10.0 * i + 1.5  # 11.5, 21.5, ... 61.5: a new slot each
+        slow.add(record(i, model="m-a", ttft_s=0.05))
+    assert clock.now - 9.9 == pytest.approx(51.6)
+    assert slow.slowest(lambda key: True)[0]["request_id"] == "req-0"
+    clock.now = 9.9 + 60.5
+    assert "req-0" not in [r["request_id"] for r in slow.slowest(lambda key: True)]
+
+
 def test_the_slowest_requests_reach_the_page_through_metrics() -> None:
     settings = Settings(upstream_name="up")
     from proxy.app import create_app

@@ -15,7 +15,7 @@ from typing import Any
 from proxy.measure import RequestRecord
 
 SLOT_S = 10.0
-SLOTS = 6  # one minute
+SLOTS = 7  # one minute: six whole slots and the current one
 KEEP = 10
 _ID_MAX = 64
 _wait = attrgetter("wait_s")
