@@ -8,7 +8,9 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -287,7 +289,33 @@ def create_app(settings: Settings, *, transport: WireTransport | None = None,
 
 def create_app_from_env() -> ProxyApp:
     """Factory for uvicorn workers: settings come from the ``LLM_PROXY_*`` variables
-    that :mod:`proxy.serve` exported before starting them."""
+    that :mod:`proxy.serve` exported before starting them. A worker stops with its
+    supervisor, however the supervisor ended (:func:`stop_with_parent`)."""
     from proxy.config import from_sources
 
+    env = process_env()
+    supervisor = env.get(SUPERVISOR_ENV, "")
+    if supervisor.isdigit():
+        stop_with_parent(int(supervisor))
     return create_app(from_sources())
+
+
+SUPERVISOR_ENV = "LLM_PROXY_WORKER_SUPERVISOR"  # set by serve's supervisor: its pid
+
+
+def stop_with_parent(parent: int) -> None:
+    """On Linux, SIGTERM to this process when its parent, ``parent``, ends
+    (``PR_SET_PDEATHSIG``): a supervisor killed with SIGKILL would otherwise leave its
+    workers serving the port, with no one to restart or stop them; one that ended
+    before this was asked (a worker still starting) gets it at once. Elsewhere, nothing."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # no prctl to call: nothing to do
+        return
+    if os.getppid() != parent:  # the parent ended before the request was made
+        os.kill(os.getpid(), signal.SIGTERM)

@@ -323,6 +323,9 @@ def _run_workers(settings: Settings, env: MutableMapping[str, str]) -> int:
 
     directory = tempfile.mkdtemp(prefix="llm-latency-proxy-metrics-")
     env[MULTIPROC_ENV] = directory  # the workers inherit this environment
+    from proxy.app import SUPERVISOR_ENV
+
+    env[SUPERVISOR_ENV] = str(os.getpid())  # they stop with this process
     export_settings(settings, env)
     if settings.workload_file:  # one start, id namespace and hashing secret for every worker
         from proxy.workload_capture import SHARED_ENV, Shared

@@ -227,3 +227,37 @@ def test_an_inherited_metrics_directory_is_not_this_proxys(
             out, _ = proc.communicate(timeout=20)
         assert proc.returncode == 0, out.decode(errors="replace")
     assert not list(tmp_path.glob("llm-latency-proxy-metrics-*")), "its own directory left behind"
+
+
+def test_workers_stop_when_their_supervisor_is_killed(
+        upstream: ScriptedUpstream, tmp_path: Path) -> None:
+    """SIGKILL to the supervisor (a process manager that kills one pid): its workers
+    stop too, and the port is free for the next start; they used to serve on, orphaned,
+    with nothing to restart or stop them."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "proxy", "serve", "--upstream", upstream.url + "/v1",
+         "--port", str(port), "--workers", "2"],
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    workers: list[int] = []
+
+    def running() -> list[int]:
+        return [pid for pid in workers if Path(f"/proc/{pid}").exists()
+                and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"]
+
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", proc)
+        workers = worker_pids(proc.pid)
+        assert len(workers) == 2, workers
+        proc.kill()
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 20
+        while running() and time.monotonic() < deadline:
+            time.sleep(0.05)  # polling the workers' exit
+        assert not running(), f"workers still running after their supervisor died: {running()}"
+        assert refuses(port)
+    finally:
+        for pid in running():  # a failed run leaves no orphan behind
+            os.kill(pid, signal.SIGKILL)
+        proc.communicate(timeout=10)
