@@ -231,13 +231,15 @@ def prometheus_queries(range_: str, where: str = "", *, fit_from_rules: bool = T
         if fit_from_rules and range_ in RULE_RANGES and name in FIT_SAMPLES:
             out.append(Query(name, _selector(fit_rule(name, range_), where), rule=True))
             continue
-        series = _selector(name, extra)
+        s, r = _selector(name, extra), range_
         # a series with a sample at the range's start: its increase; one born inside the
-        # range (a new model, upstream or client): all of its count, which increase()
-        # would lose up to its first scrape (docs/diagnose.md)
-        out.append(Query(name, f"sum by ({labels}) ((increase({series}[{range_}]) and "
-                               f"{series} offset {range_}) or ({series} unless {series} "
-                               f"offset {range_}))"))
+        # range on a target Prometheus scraped at its start (a new model, upstream or
+        # client): all of its count, which increase() would lose up to its first scrape;
+        # any other (Prometheus began scraping within the range): its increase, since
+        # what it held at its first scrape may predate the range (docs/diagnose.md)
+        out.append(Query(name, f"sum by ({labels}) ((increase({s}[{r}]) and {s} offset {r}) "
+                               f"or (({s} unless {s} offset {r}) and on (job, instance) "
+                               f"up offset {r}) or increase({s}[{r}]))"))
     return out
 
 

@@ -401,8 +401,10 @@ def test_not_durations(text: str) -> None:
 def test_a_series_born_inside_the_range_counts_whole_in_prometheus(tmp_path: Any) -> None:
     """diagnose --prometheus's query, run by Prometheus's own engine (promtool): a model
     whose series is older than the range counts its increase over it; one that first
-    appeared inside the range (its first scrape already 8 requests: a burst, then one a
-    minute) counts all 16, where increase() alone lost most of the first 8 (8.5)."""
+    appeared inside the range, on a target Prometheus scraped all along (its first scrape
+    already 8 requests: a burst, then one a minute), counts all 16, where increase()
+    alone lost most of the first 8 (8.5); on a target Prometheus only began to scrape
+    within the range, what the first scrape held may predate the range: its increase."""
     import json
     import subprocess
 
@@ -410,24 +412,29 @@ def test_a_series_born_inside_the_range_counts_whole_in_prometheus(tmp_path: Any
 
     promtool = require_tool("promtool")
     (query,) = (q for q in ev.prometheus_queries("10m") if q.sample == "llm_proxy_requests_total")
-    where = '{route="/v1/chat/completions",upstream="u",stream="true",code="200",model="%s"}'
+    where = ('{job="p",instance="%s",route="/v1/chat/completions",upstream="u",stream="true",'
+             'code="200",model="%s"}')
+    series = [
+        ("up" + '{job="p",instance="a"}', "1x30"),
+        ("up" + '{job="p",instance="late"}', "_x22 1x8"),
+        ("llm_proxy_requests_total" + where % ("a", "old"), "0+10x30"),
+        ("llm_proxy_requests_total" + where % ("a", "new"), "_x22 8+1x8"),
+        ("llm_proxy_requests_total" + where % ("late", "seen-late"), "_x22 8+1x8"),
+    ]
+    labels = '{route="/v1/chat/completions",upstream="u",model="%s"}'
     spec = {
         "rule_files": [],
         "evaluation_interval": "1m",
         "tests": [{
             "interval": "1m",
-            "input_series": [
-                {"series": "llm_proxy_requests_total" + where % "old", "values": "0+10x30"},
-                {"series": "llm_proxy_requests_total" + where % "new", "values": "_x22 8+1x8"},
-            ],
+            "input_series": [{"series": name, "values": values} for name, values in series],
             "promql_expr_test": [{
                 "expr": query.expr,
                 "eval_time": "30m",
                 "exp_samples": [
-                    {"labels": '{route="/v1/chat/completions",upstream="u",model="old"}',
-                     "value": 100},
-                    {"labels": '{route="/v1/chat/completions",upstream="u",model="new"}',
-                     "value": 16},
+                    {"labels": labels % "old", "value": 100},
+                    {"labels": labels % "new", "value": 16},
+                    {"labels": labels % "seen-late", "value": 8.5},
                 ],
             }],
         }],

@@ -331,7 +331,8 @@ async def test_admission_is_per_upstream(tmp_path: Path, monkeypatch: pytest.Mon
         hold.set()
         results = await asyncio.gather(first, second)
         assert [r.status for r in results] == [200, 200]
-        queue = histogram(s.registry, "llm_proxy_queue_time_seconds", lbl("fast", "gpt-4o"))
+        queue = histogram(s.registry, "llm_proxy_queue_time_seconds",
+                          {**lbl("fast", "gpt-4o"), "stream": "true"})
         assert queue.count == 2 and queue.sum > 0
 
 

@@ -111,7 +111,8 @@ async def test_queue_time_in_the_proxy_is_not_first_token_time() -> None:
             gate.set()
             await asyncio.gather(a, b)
     first_token, waited = 0.25, 0.5
-    queue_sum = registry.get_sample_value("llm_proxy_queue_time_seconds_sum", labels())
+    queue_sum = registry.get_sample_value("llm_proxy_queue_time_seconds_sum",
+                                         {**labels(), "stream": "true"})
     assert queue_sum == waited
     ttft_sum = registry.get_sample_value("llm_proxy_time_to_first_token_seconds_sum", labels())
     assert ttft_sum == first_token + (waited + first_token)

@@ -616,7 +616,7 @@ async def test_stream_metrics_exactly_as_scripted() -> None:
 
         overhead = histogram(registry, "llm_proxy_overhead_seconds", lbl)
         assert (overhead.count, overhead.sum) == (1, BODY_READ)
-        queue = histogram(registry, "llm_proxy_queue_time_seconds", lbl)
+        queue = histogram(registry, "llm_proxy_queue_time_seconds", {**lbl, "stream": "true"})
         assert (queue.count, queue.sum) == (1, 0.0)
         upstream_queue = histogram(registry, "llm_proxy_upstream_queue_time_seconds", lbl)
         assert (upstream_queue.count, upstream_queue.sum) == (1, 250 / 1000)
@@ -711,7 +711,7 @@ async def test_queue_time_under_the_concurrency_limit() -> None:
             clock.now = T0 + waited
             gate.set()
             await asyncio.gather(a, b)
-        queue = histogram(registry, "llm_proxy_queue_time_seconds", labels())
+        queue = histogram(registry, "llm_proxy_queue_time_seconds", {**labels(), "stream": "true"})
         assert (queue.count, queue.sum) == (2, waited)
         assert queue.buckets == expected_buckets(QUEUE_BUCKETS, [0.0, waited])
 
