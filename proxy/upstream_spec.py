@@ -216,12 +216,18 @@ def _spec(path: str, index: int, table: Mapping[str, Any], limits: Mapping[str, 
         values["keep_warm"] = float(get("keep_warm", (int, float), lambda v: 0 <= v < float("inf")))
     if "headers" in table:
         headers = get("headers", dict)
-        pairs = []
+        pairs: list[tuple[str, str]] = []
         for header, value in headers.items():
-            if not HEADER_NAME.match(header) or header.lower() in _RESERVED_HEADERS:
+            if not HEADER_NAME.match(header):
+                raise fail("headers", f"{header!r} is not a header name (letters, digits "
+                           "and !#$%&'*+-.^_`|~, no space)")
+            if header.lower() in _RESERVED_HEADERS:
                 raise fail("headers", f"{header!r} cannot be set here (keys go through "
                            "api_key_env and auth; hop-by-hop and framing headers are the "
                            "proxy's)")
+            if any(name == header.lower() for name, _ in pairs):
+                raise fail("headers", f"{header!r} is given twice (header names are one "
+                           "whatever their case)")
             if not isinstance(value, str) or not _HEADER_VALUE.match(value):
                 raise fail("headers", f"the value of {header!r} must be a string of visible "
                            "ASCII characters")
