@@ -54,6 +54,17 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float = 20.0)
     raise TimeoutError("proxy did not become healthy")
 
 
+def serve(upstream_url: str, port: int, tmp_path: Path, *flags: str,
+          env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """``serve`` in front of ``upstream_url`` on ``port`` (its temporary files in
+    ``tmp_path``), with ``flags``."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "proxy", "serve", "--upstream", upstream_url + "/v1",
+         "--port", str(port), *flags],
+        env=env if env is not None else {**os.environ, "TMPDIR": str(tmp_path)},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
 def metric_total(text: str, name: str) -> float:
     total = 0.0
     for line in text.splitlines():
@@ -66,10 +77,8 @@ def test_two_workers_sum_metrics(upstream: ScriptedUpstream, tmp_path: Path) -> 
     port = free_port()
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "proxy", "serve", "--upstream", upstream.url + "/v1",
-         "--port", str(port), "--workers", "2", "--upstream-name", "up"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = serve(upstream.url, port, tmp_path, "--workers", "2", "--upstream-name", "up",
+                 env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, proc)
@@ -120,11 +129,7 @@ def test_a_killed_worker_leaves_no_request_in_flight(tmp_path: Path) -> None:
     fake = Scheduled(ttft=0.05, itl=0.05, tokens=400)  # a 20 s stream, cut by the kill
     with ScriptedUpstream(fake).running() as up:
         port = free_port()
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "proxy", "serve", "--upstream", up.url + "/v1",
-             "--port", str(port), "--workers", "2"],
-            env={**os.environ, "TMPDIR": str(tmp_path)},
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        proc = serve(up.url, port, tmp_path, "--workers", "2")
         url = f"http://127.0.0.1:{port}"
         try:
             wait_healthy(url, proc)
@@ -165,11 +170,7 @@ def test_sigterm_with_workers_lets_in_flight_stream_finish(tmp_path: Path) -> No
     fake = Scheduled(ttft=0.05, itl=0.05, tokens=60)  # a 3 s stream
     with ScriptedUpstream(fake).running() as up:
         port = free_port()
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "proxy", "serve", "--upstream", up.url + "/v1",
-             "--port", str(port), "--workers", "2", "--graceful-timeout", "20"],
-            env={**os.environ, "TMPDIR": str(tmp_path)},
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        proc = serve(up.url, port, tmp_path, "--workers", "2", "--graceful-timeout", "20")
         url = f"http://127.0.0.1:{port}"
         try:
             wait_healthy(url, proc)
@@ -210,9 +211,7 @@ def test_an_inherited_metrics_directory_is_not_this_proxys(
     body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "x"}]}
     for run in range(2):
         port = free_port()
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "proxy", "serve", "--upstream", upstream.url + "/v1",
-             "--port", str(port)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        proc = serve(upstream.url, port, tmp_path, env=env)
         url = f"http://127.0.0.1:{port}"
         try:
             wait_healthy(url, proc)
@@ -235,11 +234,7 @@ def test_workers_stop_when_their_supervisor_is_killed(
     stop too, and the port is free for the next start; they used to serve on, orphaned,
     with nothing to restart or stop them."""
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "proxy", "serve", "--upstream", upstream.url + "/v1",
-         "--port", str(port), "--workers", "2"],
-        env={**os.environ, "TMPDIR": str(tmp_path)},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = serve(upstream.url, port, tmp_path, "--workers", "2")
     workers: list[int] = []
 
     def running() -> list[int]:
