@@ -20,25 +20,33 @@ LIST_LIMIT = 8 * 1024 * 1024  # bytes of one upstream's list read at most
 Headers = list[tuple[bytes, bytes]]
 
 
+Refusal = tuple[int, bytes]  # an upstream's 401 or 403: its status and body
+
+
 async def merged_models(targets: Sequence[LiveUpstream],
                         headers_for: Callable[[LiveUpstream], Headers], query: bytes,
-                        warnings: RateLimitedLog) -> list[Any] | None:
-    """The merged list's items, or None when no upstream answered with a list.
-    ``headers_for`` gives the headers a request to an upstream carries."""
+                        warnings: RateLimitedLog) -> tuple[int, bytes] | None:
+    """The answer: 200 and the merged list; when every upstream refused the client's key
+    (401 or 403: a key the proxy passes through), the first refusal as it came, the
+    client's to mend, not an upstream failure; None when no upstream answered with a
+    list. ``headers_for`` gives the headers a request to an upstream carries."""
     lists = await asyncio.gather(*(_model_list(t, headers_for, query, warnings)
                                    for t in targets))
-    if all(items is None for items in lists):
+    refusals = [items for items in lists if isinstance(items, tuple)]
+    if refusals and len(refusals) == len(lists):
+        return refusals[0]
+    if all(not isinstance(items, list) for items in lists):
         return None
     seen: set[Any] = set()
     data: list[Any] = []
     for items in lists:
-        for item in items or ():
+        for item in items if isinstance(items, list) else ():
             key = item.get("id") if isinstance(item, dict) else None
             if key is None or key in seen:
                 continue
             seen.add(key)
             data.append(item)
-    return data
+    return 200, list_body(data)
 
 
 def list_body(data: list[Any]) -> bytes:
@@ -47,7 +55,7 @@ def list_body(data: list[Any]) -> bytes:
 
 
 async def _model_list(target: LiveUpstream, headers_for: Callable[[LiveUpstream], Headers],
-                      query: bytes, warnings: RateLimitedLog) -> list[Any] | None:
+                      query: bytes, warnings: RateLimitedLog) -> list[Any] | Refusal | None:
     out = headers_for(target)
     try:
         response = await target.client.open("GET", b"/models", query, out, b"")
@@ -64,6 +72,8 @@ async def _model_list(target: LiveUpstream, headers_for: Callable[[LiveUpstream]
     if not isinstance(items, list):
         warnings.warning("model list: upstream %s left out: HTTP %s%s", target.name,
                          response.status_code, "" if parsed is None else " without a data list")
+        if response.status_code in (401, 403) and json_object(body) is not None:
+            return response.status_code, body
         return None
     return items
 

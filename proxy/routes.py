@@ -23,7 +23,7 @@ from proxy.doctor.job import PrefixCheck
 from proxy.logs import RateLimitedLog
 from proxy.measure import Meter, Outcome, StreamTimer
 from proxy.metrics import UNKNOWN_MODEL, Metrics
-from proxy.model_list import ALL_UPSTREAMS, list_body, merged_models
+from proxy.model_list import ALL_UPSTREAMS, merged_models
 from proxy.otel_metrics import OtelMetrics
 from proxy.relay import Watch, relay, watch_disconnect
 from proxy.reqlog import RequestLog
@@ -331,24 +331,24 @@ class V1Handler:
                             send: Send) -> Ended:
         """``GET /v1/models`` with several upstreams: every upstream's list, merged
         (:mod:`proxy.model_list`); a 502 only when no upstream answered."""
-        data = await merged_models(
+        answer = await merged_models(
             self._listing(),
             lambda target: self._upstream_headers(target, headers, identity=False),
             scope.get("query_string", b""), self._warnings)
-        request_id = uuid.uuid4().hex
-        t_end = self.clock()
-        if data is None:
+        request_id, t_end = uuid.uuid4().hex, self.clock()
+        if answer is None:
             failed = UpstreamFailed(502, error_body("no upstream answered the model list",
                                                     "upstream_error", "upstream_failed"),
                                     Outcome.UPSTREAM_ERROR)
             await _send_error(send, failed, request_id)
             return Ended(502, Outcome.UPSTREAM_ERROR, t_end, request_id, upstream=ALL_UPSTREAMS)
-        body = list_body(data)
-        await send({"type": "http.response.start", "status": 200, "headers": [
+        status, body = answer  # 200 and the list, or the refusal of the client's key
+        await send({"type": "http.response.start", "status": status, "headers": [
             *JSON_HEADERS, (b"content-length", str(len(body)).encode()),
             (b"x-request-id", request_id.encode())]})
         await send({"type": "http.response.body", "body": body, "more_body": False})
-        return Ended(200, Outcome.COMPLETED, t_end, request_id, upstream=ALL_UPSTREAMS)
+        outcome = Outcome.COMPLETED if status == 200 else status_outcome(status)
+        return Ended(status, outcome, t_end, request_id, upstream=ALL_UPSTREAMS)
 
     async def _exchange(self, x: Stages, scope: Scope, headers: list[tuple[bytes, bytes]],
                         receive: Receive, send: Send) -> None:

@@ -365,6 +365,30 @@ async def test_model_list_is_the_union_and_an_upstream_down_is_left_out(
         assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_failed"
 
 
+async def test_a_key_every_upstream_refuses_gets_the_model_list_refused_not_a_502(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The proxy holds no key, and the client's is wrong: both upstreams answer 401.
+    The merged list answers the first refusal as it came (the client's to mend, where
+    a 502 upstream_failed counted toward the 5xx alert); one upstream answering is still
+    the list."""
+    clock = ScriptedClock()
+    refused = {"error": {"message": "Incorrect API key provided", "type": "invalid_request_error",
+                         "code": "invalid_api_key"}}
+    listing = {"object": "list", "data": [{"id": "claude-3"}]}
+    async with two_upstreams(tmp_path, clock, json_answer(401, refused),
+                             json_answer(401, refused), plain,
+                             monkeypatch=monkeypatch) as s, s.http() as http:
+        r = await http.get("/v1/models", headers={"authorization": "Bearer sk-wrong"})
+        assert (r.status_code, r.json()) == (401, refused)
+        outcomes = s.registry.get_sample_value("llm_proxy_requests_total", {
+            "route": "/v1/models", "model": "unknown", "upstream": "all", "stream": "false",
+            "code": "401"})
+        assert outcomes == 1
+        s.b.handler = json_answer(200, listing)  # one upstream takes the key now
+        r = await http.get("/v1/models", headers={"authorization": "Bearer sk-wrong"})
+        assert (r.status_code, r.json()["data"]) == (200, [{"id": "claude-3"}])
+
+
 async def test_client_label_from_a_header_is_bounded(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     clock = ScriptedClock()
