@@ -56,7 +56,8 @@ class Dist:
             if cumulative > below:
                 rows.append((lower, upper, cumulative - below))
             lower, below = upper, cumulative
-        capped, most, holding, others = 0.0, 0.0, 0.0, 0.0
+        capped, most, others = 0.0, 0.0, 0.0
+        holding: tuple[float, float, float] | None = None  # the bucket holding cap
         for lower, upper, k in rows:
             if upper > cap:
                 most += k * (upper - cap)
@@ -64,12 +65,12 @@ class Dist:
                 capped += k * (lower + upper) / 2
             elif lower >= cap or math.isinf(upper):
                 capped += k * cap
-            else:  # the bucket holding cap
-                holding = k
+            else:
+                holding = (lower, upper, k)
                 continue
             others += k * (lower if math.isinf(upper) else (lower + upper) / 2)
-        if holding:
-            lower, upper = next((lo, up) for lo, up, _ in rows if lo < cap < up)
-            mean = min(max((self.total - others) / holding, lower), upper)
-            capped += holding * min(mean, cap)
+        if holding is not None:
+            lower, upper, k = holding
+            mean = min(max((self.total - others) / k, lower), upper)
+            capped += k * min(mean, cap)
         return max(0.0, min(self.total - capped, most) / n)
