@@ -123,7 +123,6 @@ _TOKEN_HISTOGRAMS = (
 @dataclass(frozen=True, slots=True)
 class _Children:
     ttft: Histogram
-    no_first_token: Histogram
     ttfa: Histogram
     ttfb: Histogram
     itl: Histogram
@@ -252,8 +251,7 @@ class Metrics:
             labels = (route, model, upstream)
             who = (*labels, client) if self.client_label is not None else labels
             found = _Children(
-                self.ttft.labels(*who), self.no_first_token.labels(*who),
-                self.ttfa.labels(*who), self.ttfb.labels(*labels),
+                self.ttft.labels(*who), self.ttfa.labels(*who), self.ttfb.labels(*labels),
                 self.itl.labels(*who), self.tpot.labels(*labels),
                 self.queue.labels(*labels, "true" if stream else "false"),
                 self.upstream_queue.labels(*labels),
@@ -307,7 +305,12 @@ class Metrics:
             if record.ttft_s is not None:
                 c.ttft.observe(record.ttft_s, exemplar)
             elif 200 <= record.status < 300 and record.outcome is not Outcome.COMPLETED:
-                c.no_first_token.observe(record.duration_s, exemplar)
+                # made when first needed, not with the others: an empty histogram of every
+                # route and model would be series of nothing on every scrape
+                who: tuple[str, ...] = (record.route, record.model, record.upstream)
+                if self.client_label is not None:
+                    who = (*who, record.client)
+                self.no_first_token.labels(*who).observe(record.duration_s, exemplar)
             if record.ttfa_s is not None:
                 c.ttfa.observe(record.ttfa_s)
             observe_many(c.itl, record.itl_s)
