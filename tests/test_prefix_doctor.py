@@ -548,6 +548,33 @@ def test_a_time_ahead_of_a_document_in_the_last_message_is_variable_before_stabl
         assert report.stable_bytes % BLOCK == 0
 
 
+@pytest.mark.parametrize("where", ["last", "mid-chat"])
+@pytest.mark.parametrize("size", [700, 1000])  # bytes: under a chunk's least length
+def test_a_time_ahead_of_a_short_document_is_variable_before_stable(where: str,
+                                                                    size: int) -> None:
+    """A message under a kilobyte (a chunk's least length) whose head changes ahead of
+    text seen before: the head is still a chunk of its own, so the break is named where
+    the time is, in the newest message or one before it; not "an earlier turn was
+    edited" (message_changed), nor nothing at all."""
+    document = prose(300, "short-doc")[:size - len("Current time is 10:00:00. ")]
+    doctor = Doctor()
+
+    def body(clock: str) -> dict[str, Any]:
+        message = f"Current time is {clock}. {document}"
+        assert 2 * BLOCK < len(message) <= DEFAULT_CHUNK_BYTES
+        if where == "last":
+            return chat(("system", STABLE), ("user", message))
+        return chat(("system", STABLE), ("user", message), ("assistant", "ok"),
+                    ("user", "Question?"))
+
+    doctor.send(CHAT, body("10:00:00"), 0)
+    for turn, clock in enumerate(["10:00:01", "10:00:02"], 1):
+        report = doctor.send(CHAT, body(clock), turn * 1_000)
+        assert (report.reason, report.part, report.index, report.role, report.offset) == (
+            "variable_before_stable", "message", 1, "user", 0)
+        assert report.stable_bytes is not None and report.stable_bytes >= BLOCK
+
+
 def test_a_new_question_after_the_same_document_in_one_message_is_not_a_break() -> None:
     doctor = Doctor()
     doctor.send(CHAT, chat(("system", "Be brief."), ("user", f"{DOCUMENT} Question 1?")), 0)

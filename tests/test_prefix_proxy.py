@@ -383,6 +383,12 @@ def _timestamped(now: str) -> dict[str, Any]:
             "messages": [{"role": "user", "content": "What changed?"}]}
 
 
+def _short_timed(now: str, *after: tuple[str, Any]) -> dict[str, Any]:
+    """A time ahead of a document of under a kilobyte, in one user message."""
+    return chat(("system", STABLE), ("user", f"Current time is {now}. " + text(700, "doc")),
+                *after)
+
+
 HISTORY = [("system", STABLE), ("user", text(500, "h1")), ("assistant", text(700, "h2")),
            ("user", text(300, "h3")), ("assistant", text(400, "h4")), ("user", "q?")]
 EDITED = [*HISTORY[:2], ("assistant", text(650, "rewritten")), *HISTORY[3:]]
@@ -397,6 +403,13 @@ PAIRS: dict[str, tuple[str, dict[str, Any], dict[str, Any], float, str, str, int
     "timestamp at the head of system": (
         MESSAGES, _timestamped("15:09:20"), _timestamped("15:09:21"), 1,
         "variable_before_stable", "system", 0, 0),
+    "a time ahead of a short document, in the last message": (
+        CHAT, _short_timed("15:09:20"), _short_timed("15:09:21"), 1,
+        "variable_before_stable", "message", 1, 0),
+    "a time ahead of a short document, in an earlier message": (
+        CHAT, _short_timed("15:09:20", ("assistant", "ok"), ("user", "q?")),
+        _short_timed("15:09:21", ("assistant", "ok"), ("user", "q?")), 1,
+        "variable_before_stable", "message", 1, 0),
     "a message edited in the middle": (
         CHAT, chat(*HISTORY), chat(*EDITED), 1, "message_changed", "message", 2, 0),
     "an expired window": (

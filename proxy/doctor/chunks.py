@@ -10,12 +10,15 @@ DEFAULT_CHUNK_BYTES = 1024  # a content chunk's least length (its most: four tim
 FIRST_CHUNK_BYTES = 16  # the least length of a part's first chunk
 
 
-def chunk_ends(data: bytes, least: int, most: int, first: int = FIRST_CHUNK_BYTES) -> list[int]:
+def chunk_ends(
+    data: bytes, least: int, most: int, first: int = FIRST_CHUNK_BYTES, whole: int | None = None
+) -> list[int]:
     """Where the content-defined chunks of ``data`` end, by the rules of
-    ``docs/design/doctor.md``, "The chunks".
+    ``docs/design/doctor.md``, "The chunks": a text of at most ``whole`` bytes (default
+    ``least``) is one chunk.
     """
     n = len(data)
-    if n <= least:
+    if n <= (least if whole is None else whole):
         return [n]
     ends: list[int] = []
     find = data.find

@@ -218,6 +218,11 @@ class PromptHasher:
         self.block_bytes = block_bytes
         self.chunk_bytes = chunk_bytes
         self.chunk_max = 4 * chunk_bytes
+        # a part of two blocks or less is one chunk (a changed head's block leaves less
+        # than the block of stable text a break needs); a longer one, if a kilobyte or
+        # less, has its head and its tail cut off as chunks all the same, so that a
+        # timestamp ahead of a short document is named (variable_before_stable)
+        self.chunk_whole = min(chunk_bytes, 2 * block_bytes)
 
         def keyed(person: bytes) -> hashlib.blake2b:  # one domain per use of a digest
             return hashlib.blake2b(key=key, digest_size=8, person=person)
@@ -485,7 +490,7 @@ class PromptHasher:
             chain.append(snapshot().digest())
         under = self._chunk.copy()
         under.update(root + head)
-        cut = chunk_ends(data, self.chunk_bytes, self.chunk_max)
+        cut = chunk_ends(data, self.chunk_bytes, self.chunk_max, whole=self.chunk_whole)
         if length <= size and len(cut) == 1:  # one block, one chunk: one leaf
             under.update(leaf)
             chunks: tuple[bytes, ...] = (under.digest(),)
