@@ -139,11 +139,14 @@ def record_of(
     estimated = False
     if prompt is None and report.computed_tokens is not None and report.cached_tokens is not None:
         prompt = report.computed_tokens + report.cached_tokens  # the engine's own count
-    if timer is not None and raw is None and ended.outcome is Outcome.COMPLETED:
-        # No usage (--no-inject-usage, or a server that ignores the request for it):
-        # count output events; the prompt is the engine's count where its timings give
-        # one, else the proxy's estimate, said as such.
-        completion = timer.output_choices
+    if raw is None and ended.outcome is Outcome.COMPLETED and (
+            timer is not None or (dialect is not None and 200 <= ended.status < 300)):
+        # No usage (--no-inject-usage, or a server that ignores the request for it, or
+        # a non-stream answer without it): a stream counts its output events; the prompt
+        # is the engine's count where its timings give one, else the proxy's estimate,
+        # said as such.
+        if timer is not None:
+            completion = timer.output_choices
         if prompt is None:
             payload = asked.payload if asked is not None else None
             prompt = estimate_prompt_tokens(payload) if payload is not None else None

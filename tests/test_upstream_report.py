@@ -34,7 +34,7 @@ import pytest
 from proxy.cli import main
 from proxy.simulator.app import create_simulator_app
 from proxy.simulator.model import SimConfig
-from tests.fake_upstream import ScriptedUpstream, sse
+from tests.fake_upstream import Conn, RawUpstream, ScriptedUpstream, sse
 from tests.servers import serve_in_thread
 from tests.test_keys import served
 
@@ -492,3 +492,33 @@ async def test_gpt_5_6_cached_tokens_are_not_rounded_to_128(
     cacheable = min(repeated, 2309)  # the prompt's last token is always computed
     assert cacheable % 128, "a multiple of 128 would not tell the two rules apart"
     assert line["cache_missed_tokens"] == cacheable // step * step
+
+
+@pytest.mark.e2e
+def test_a_non_stream_answer_without_usage_gets_the_estimate_too(tmp_path: Path) -> None:
+    """A non-stream answer with no usage in its body: its prompt tokens are the proxy's
+    estimate, said as such, as a stream's are, so the doctor's repeated tokens are
+    known for the second request. Before, only streams got the estimate: the same
+    prompt read null tokens when the app did not stream."""
+    answer = json.dumps({"id": "c1", "object": "chat.completion", "model": MODEL, "choices": [
+        {"index": 0, "message": {"role": "assistant", "content": "ok"},
+         "finish_reason": "stop"}]}).encode()
+
+    async def no_usage(conn: Conn) -> None:
+        await conn.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                         b"content-length: %d\r\n\r\n" % len(answer) + answer)
+
+    log = tmp_path / "requests.jsonl"
+    shared = "You are a careful assistant. " * 120  # about 3.5 KB, repeated
+    upstream = RawUpstream({MODEL: no_usage})
+    with upstream.running(), served(upstream.url, log_requests=str(log),
+                                    prefix_doctor=True) as (proxy, _):
+        chat(proxy.url, shared + "First question?", stream=False)
+        wait_logged(log, 1)
+        chat(proxy.url, shared + "Second question?", stream=False)
+        first, second = wait_logged(log, 2)
+    for line in (first, second):
+        assert line["prompt_tokens"] and line["tokens_estimated"]
+        assert line["completion_tokens"] is None  # no count to make of a body's text
+    assert second["repeated_prefix_tokens"], "the shared head repeated, in estimated tokens"
+    assert second["cache_missed_tokens"] is None  # no cached figure: unknown
