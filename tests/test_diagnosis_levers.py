@@ -122,6 +122,30 @@ def test_missed_cache_hits_are_their_own_part_and_lever() -> None:
     assert "prompt_cache" not in by_name(diagnose(example()))  # left out when not known
 
 
+def test_the_prefill_sentence_and_the_missed_tokens_add_up_as_said() -> None:
+    """162 uncached tokens besides 1,847 missed (a user's mean of 2,009): said as 200
+    besides 1,800, which add up to the 2,000 the mean reads as; each rounded alone,
+    "162 besides the 1,800" added up to nothing the card or the JSON says."""
+    d = diagnose(example(missed_cache_tokens=1847.0,
+                         fit=line_fit(mean_tokens=2009.0, spread=1500.0)))
+    sentence = by_name(d)["prefill"].sentence
+    found = re.search(r"Prefill: ([\d,]+) uncached prompt tokens besides the ([\d,]+) the "
+                      r"cache missed", sentence)
+    assert found is not None, sentence
+    rest, missed = (int(g.replace(",", "")) for g in found.groups())
+    assert (rest, missed) == (200, 1800)
+
+
+def test_the_prompt_cache_lever_quotes_no_slope_while_the_fit_is_not_known() -> None:
+    """Six requests: the prefill fit is not known yet, so neither is the missed tokens'
+    cost; the lever's numbers said a slope all the same (from too little data)."""
+    d = diagnose(example(missed_cache_tokens=1000.0, fit=line_fit(6)))
+    lever = by_name(d)["prompt_cache"]
+    assert lever.status == "too_little_data"
+    assert lever.numbers["ms_per_1k_tokens"] is None
+    assert lever.numbers["missed_cache_tokens"] == 1000.0
+
+
 def test_the_prompt_cache_lever_says_which_missed_tokens_a_breakpoint_would_serve() -> None:
     """Of the missed tokens, those past the last cache breakpoint (a route that caches only
     marked prefixes) call for a breakpoint; the rest were asked for and not served."""

@@ -378,10 +378,14 @@ def _prefill(ev: Evidence, split: FirstTokenSplit) -> Lever:
     saves = split.prefill_ms
     tokens = saves / fit.ms_per_1k_tokens * 1000  # the missed cache hits left out
     missed = split.missed_cache_ms
-    besides = (f" besides the {say.tokens(missed / fit.ms_per_1k_tokens * 1000)} the cache "
-               "missed," if missed else "")  # so that it adds up to mean_uncached_tokens
+    shown, besides = say.tokens(tokens), ""
+    if missed:  # the two as said add up to the mean uncached prompt, as said
+        of_missed = missed / fit.ms_per_1k_tokens * 1000
+        said = say.rounded_tokens(of_missed)
+        shown = f"{max(0, say.rounded_tokens(tokens + of_missed) - said):,}"
+        besides = f" besides the {said:,} the cache missed,"
     mean = " on average" if fit.model == "quadratic" else ""  # its cost grows with length
-    head = (f"Prefill: {say.tokens(tokens)} uncached prompt tokens{besides} at "
+    head = (f"Prefill: {shown} uncached prompt tokens{besides} at "
             f"{say.sig(fit.ms_per_1k_tokens / 1000)} ms per token{mean} are "
             f"{say.dur(saves)}{say.of_first(split.mean_ms)}.")
     status = _worth(saves, split.mean_ms)
@@ -417,7 +421,8 @@ def _missed_cache(ev: Evidence, split: FirstTokenSplit) -> Lever:
     saves = split.missed_cache_ms
     numbers = {"missed_cache_tokens": ev.missed_cache_tokens,
                "ms_per_1k_tokens": ev.fit.ms_per_1k_tokens, "first_token_ms": split.mean_ms}
-    if saves is None:
+    if saves is None:  # the fit's slope, not usable yet, is no cost to quote either
+        numbers["ms_per_1k_tokens"] = None
         return Lever("prompt_cache", "too_little_data", "first_token", None,
                      "Prompt cache: the prefill cost is not known yet, so neither is what "
                      "the missed cache hits cost.", numbers)

@@ -49,13 +49,17 @@ def of_first(mean_ms: float | None) -> str:
 
 
 def tokens(value: float | None) -> str:
-    if value is None:
-        return "unknown"
-    value = round(value)
-    if value >= 1000:  # 9,137 -> 9,100: bucket estimates are no finer than that
-        scale = 10 ** (len(str(value)) - 2)
-        value = round(value / scale) * scale
-    return f"{value:,}"
+    return "unknown" if value is None else f"{rounded_tokens(value):,}"
+
+
+def rounded_tokens(value: float) -> int:
+    """A token figure as a sentence says it: 9,137 -> 9,100 (bucket estimates are no
+    finer than that)."""
+    whole = round(value)
+    if whole >= 1000:
+        scale = 10 ** (len(str(whole)) - 2)
+        whole = round(whole / scale) * scale
+    return whole
 
 
 def rate(value: float) -> str:
