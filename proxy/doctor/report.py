@@ -41,10 +41,10 @@ _PART_CHANGED = frozenset(
 )
 # The sentence of each break that has no position in the prompt.
 _SENTENCES = {
-    "model_changed": "The same prompt went recently to another model of this upstream: a "
-    "cache is per model.",
-    "cache_key_changed": "The same prompt came recently with another prompt_cache_key or "
-    "cache_salt: a cache is per key.",
+    "model_changed": "The same start of this prompt went recently to another model of this "
+    "upstream: a cache is per model.",
+    "cache_key_changed": "The same start of this prompt came recently with another "
+    "prompt_cache_key or cache_salt: a cache is per key.",
     "first_seen": "Nothing like this prompt went to this upstream and model within the "
     "window: a new prompt, nothing to fix.",
 }
