@@ -517,11 +517,13 @@ async def test_a_changed_setting_is_named_and_nothing_is_missed(route: str,
     assert b"private-schema" not in log_file.read_bytes()
 
 
-@pytest.mark.parametrize("case", ["one message", "system and user", "two settings"])
+@pytest.mark.parametrize("case", ["one message", "system and user", "two settings",
+                                  "one removed, another added"])
 async def test_a_removed_setting_is_named_by_its_name(case: str, tmp_path: Path) -> None:
     """A setting present, then absent: the prefix breaks ahead of the text, where the
     setting was, so the break is the setting's (its name as the role), not the next
-    part's (or none at all when that part is the newest message)."""
+    part's (or none at all when that part is the newest message). One removed and
+    another added in its place: the one given now is named (it was the removed one)."""
     schema = {"type": "json_schema", "json_schema": {"name": "private-schema-a"}}
     if case == "one message":
         first = chat(("user", STABLE), response_format=schema)
@@ -529,10 +531,13 @@ async def test_a_removed_setting_is_named_by_its_name(case: str, tmp_path: Path)
     elif case == "system and user":
         first = chat(("system", STABLE), ("user", "hi"), response_format=schema)
         second = chat(("system", STABLE), ("user", "hi"))
-    else:  # one of two removed: the one removed is named, not the one that stays
+    elif case == "two settings":  # one of two removed: the one removed is named, not the one that stays
         first = chat(("system", STABLE), ("user", "hi"), response_format=schema,
                      service_tier="flex")
         second = chat(("system", STABLE), ("user", "hi"), service_tier="flex")
+    else:
+        first = chat(("system", STABLE), ("user", "hi"), service_tier="flex")
+        second = chat(("system", STABLE), ("user", "hi"), response_format=schema)
     clock, answers = ScriptedClock(T0), Answers()
     app, registry, log_file = doctor_app(answers, clock, tmp_path)
     answers.queue(2000, 0)

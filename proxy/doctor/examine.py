@@ -111,11 +111,12 @@ def examine(
     policy: PrefixPolicy = PrefixPolicy(),
     *,
     removed: str = "",
+    added: tuple[str, ...] = (),
 ) -> PrefixReport:
     """Read an index's answer to ``hashed.probe()`` at ``now_ms`` into a report
     (``docs/design/doctor.md`` gives the rules). ``removed``: a request setting the last
     prompt with the same opening gave and this one does not, which names a break ahead
-    of the prompt text."""
+    of the prompt text; ``added``: the settings this one gives and that one did not."""
     blocks = len(hashed.chain)
     last = seen.last  # bound once: the examination reads most keys through it
     cutoff = now_ms - policy.window_ms
@@ -207,10 +208,15 @@ def examine(
         return base  # grown from a recent request that ended right here
     if continued < cutoff:
         return base  # no recent request went on past here
+    if shape.kind == "settings" and (not removed or shape.role in added):
+        # a request setting (its name is the role), never new text: one changed, or
+        # given now and not before (though another was removed as well)
+        return _at(base, shape, offset, "settings_changed")
     if removed and offset == 0 and all(s.kind == "settings" for s in parts[:p]):
-        # broken ahead of the text, where a setting was: named by it, not by the next part
+        # broken ahead of the text, or at a setting given before too (moved up, as one
+        # ahead of it went), where the removed setting was: named by it
         return base._replace(reason="settings_changed", part="settings", role=removed)
-    if shape.kind == "settings":  # a request setting (its name is the role), never new text
+    if shape.kind == "settings":
         return _at(base, shape, offset, "settings_changed")
 
     # A recent request went on past the last repeated block; this one differs there.
@@ -310,15 +316,17 @@ class PrefixDoctor:
         names = tuple(part.role for part in parts[:anchor]) if anchor else ()
         opening = hashed.anchors[0]
         before = self._settings.get(opening, ())
-        removed = ""
+        removed, added = "", ()
         if before != names:
             if len(self._settings) >= SETTINGS_MEMORY:
                 self._settings.clear()
             self._settings[opening] = names
             removed = next((name for name in before if name not in names), "")
+            added = tuple(name for name in names if name not in before)
         try:
             seen = self.index.exchange(hashed.query, now_ms, held_ms)  # probe(): a frame
         except IndexUnanswered as exc:
             exc.hashed = hashed  # the keys outlive the failed exchange (see the class)
             raise
-        return hashed, examine(hashed, seen, now_ms, self.policy, removed=removed)
+        return hashed, examine(hashed, seen, now_ms, self.policy, removed=removed,
+                               added=added)
