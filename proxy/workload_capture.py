@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 import os
 import secrets
 import time
@@ -24,6 +25,8 @@ if TYPE_CHECKING:
     from proxy.doctor.job import PrefixJob
     from proxy.doctor.keys import HashedPrompt
     from proxy.measure import RequestRecord
+
+log = logging.getLogger("proxy.workload")
 
 DEFAULT_BUFFER = 10_000  # requests waiting for the writer thread
 GATHER_S = 1.0  # how long the writer thread gathers a batch
@@ -158,11 +161,20 @@ class WorkloadCapture:
     ) -> None:
         self.shared = shared
         self.base = f"{path}.{os.getpid()}" if per_process or shared is not None else path
+        self._number = 0  # the last rotated file's number
+        first = self.base
+        if os.path.exists(first) and os.path.getsize(first):
+            # an earlier capture's lines: left as they are, this one starts in the first
+            # free FILE.N, so that a file holds one id space and one timeline (as the
+            # Mooncake readers take a file)
+            first = self._free_name()
+            log.warning("workload capture: %s holds an earlier capture; this one is "
+                        "written to %s", self.base, first)
         start = (clock(), wall_clock())
         if shared is not None:  # the supervisor's start, placed on this process's clock
             start = (start[0] - (start[1] - shared.start_wall), shared.start_wall)
         self._writer = WorkloadWriter(
-            self.base,
+            first,
             block_size=block_size,
             workload_id=shared.workload_id if shared is not None else None,
             start=start,
@@ -178,7 +190,6 @@ class WorkloadCapture:
         self.client = client
         self._monotonic = monotonic
         self._opened_at: float | None = None  # when the current file got its first line
-        self._number = 0  # the last rotated file's number
         self._on_skip = skipped
         # Prompt keys handed to the thread and written by it: each counter has one writer
         # (the loop, the thread), so neither needs a lock; their difference is what waits.
@@ -287,12 +298,16 @@ class WorkloadCapture:
         return bool(self.rotate_bytes) and self._writer.size >= self.rotate_bytes
 
     def _rotate(self) -> None:
+        self._writer.rotate(self._free_name())
+        self._opened_at = None
+
+    def _free_name(self) -> str:
+        """The next rotated file's name: the first free ``FILE.N`` past the last one."""
         number = self._number + 1
         while os.path.exists(f"{self.base}.{number}"):
             number += 1
         self._number = number
-        self._writer.rotate(f"{self.base}.{number}")
-        self._opened_at = None
+        return f"{self.base}.{number}"
 
 
 def capture_from(

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import logging
 import os
 import random
 import re
@@ -398,6 +399,32 @@ async def test_rotation_by_size_continues_one_trace_in_numbered_files(tmp_path: 
     async with app:
         await send_all(app, bodies)
     check_rotated(tmp_path, len(bodies))
+
+
+async def test_a_capture_started_on_a_file_that_holds_one_continues_beside_it(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A restart with the same --workload-file: the earlier capture's file is left as it
+    was, and the new capture (its own id space, its own start) is written to the first
+    free FILE.N and said so. Appended to the file, its ids began at 0 again and its
+    timestamps went back: a reader that takes a file as one workload (AIPerf, Dynamo's
+    mocker) read two prompts as one prefix."""
+    trace = tmp_path / "trace.jsonl"
+    first = conversation(3, tokens=60)
+    app, _ = proxy_app(Counting(), trace, workload_block_size=64)
+    async with app:
+        await send_all(app, first)
+    before = trace.read_bytes()
+    (tmp_path / "trace.jsonl.1").write_text("")  # a number in use is skipped
+    with caplog.at_level(logging.WARNING, logger="proxy.workload"):
+        app, _ = proxy_app(Counting(), trace, workload_block_size=64)
+        async with app:
+            await send_all(app, conversation(2, tokens=60))
+    assert trace.read_bytes() == before
+    (segment,) = read_segments(str(trace))
+    (again,) = read_segments(str(tmp_path / "trace.jsonl.2"))
+    assert len(segment.records) == 3 and len(again.records) == 2
+    assert segment.meta.workload_id != again.meta.workload_id
+    assert "trace.jsonl.2" in caplog.text
 
 
 def check_rotated(tmp_path: Path, requests: int) -> None:
