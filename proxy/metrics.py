@@ -229,7 +229,8 @@ class Metrics:
         self.workload_skipped = Counter(
             "llm_proxy_trace_skipped_requests", "Measured requests answered 2xx that have no "
             "line in the workload file (--workload-file), by reason: no_usage (the upstream reported no "
-            "prompt tokens), dropped (the capture's buffer was full while the file was slower "
+            "prompt tokens), incomplete (a stream cut short, by the client or the upstream, "
+            "before its usage came), dropped (the capture's buffer was full while the file was slower "
             "than the requests, or writing failed); those requests were served and measured "
             "as usual. The name, from when a workload file was called a trace, is kept for "
             "dashboards and alerts.", ("reason",), registry=reg)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from proxy.line_writer import CLOSE_TIMEOUT_S, LineWriter
+from proxy.measure import Outcome
 from proxy.workload_file import DEFAULT_BLOCK_SIZE, WorkloadWriter, digest_id, token_block_keys
 
 if TYPE_CHECKING:
@@ -34,7 +35,7 @@ MAX_PENDING_KEYS = 1 << 19  # prompt keys waiting with them (bounds the memory t
 PREFIX_CAPACITY = 65_536  # prefixes PrefixKeys remembers
 MODEL_MAX = 256  # characters of a model name written
 SHARED_ENV = "LLM_PROXY_WORKER_WORKLOAD"  # set by serve's supervisor for its workers
-SKIP_REASONS = ("no_usage", "dropped")
+SKIP_REASONS = ("no_usage", "incomplete", "dropped")
 _EPS = 1e-6  # bytes: a token block's end computed at the ratio, against an integer end
 
 
@@ -163,7 +164,7 @@ class WorkloadCapture:
         self.base = f"{path}.{os.getpid()}" if per_process or shared is not None else path
         self._number = 0  # the last rotated file's number
         first = self.base
-        if os.path.exists(first) and os.path.getsize(first):
+        if os.path.isfile(first) and os.path.getsize(first):
             # an earlier capture's lines: left as they are, this one starts in the first
             # free FILE.N, so that a file holds one id space and one timeline (as the
             # Mooncake readers take a file)
@@ -222,8 +223,9 @@ class WorkloadCapture:
         if not 200 <= record.status < 300:
             return
         if record.prompt_tokens is None or record.tokens_estimated:
-            if self._on_skip is not None:
-                self._on_skip("no_usage", 1)
+            if self._on_skip is not None:  # a stream cut short before its usage: its own
+                self._on_skip("incomplete" if record.outcome is not Outcome.COMPLETED
+                              else "no_usage", 1)
             return
         hashed = prefix.hashed if prefix is not None else None
         keys = _keys_held(hashed)

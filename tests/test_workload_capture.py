@@ -61,6 +61,7 @@ from tests.fake_upstream import (
     RawUpstream,
     ScriptedUpstream,
     completion_json,
+    content_event,
     stream_events,
 )
 from tests.servers import ROOT, proxy_process
@@ -320,6 +321,26 @@ async def test_requests_without_usage_are_counted_not_written(tmp_path: Path) ->
     assert line["input_length"] == 40 and line["output_length"] == 2
     assert registry.get_sample_value(SKIPPED, {"reason": "no_usage"}) == 2
     assert registry.get_sample_value(SKIPPED, {"reason": "dropped"}) == 0
+
+
+async def test_a_stream_cut_short_before_its_usage_is_counted_as_incomplete(
+        tmp_path: Path) -> None:
+    """A stream that broke (here the upstream's body ends after two tokens, with neither
+    a finish nor its usage; a client that leaves is the same): no line, counted as
+    incomplete. It was counted as no_usage, which says the upstream reports none."""
+    async def broken(request: httpx.Request) -> httpx.Response:
+        cut = content_event("a") + content_event("b")
+        return httpx.Response(200, headers=SSE, content=cut)
+
+    trace = tmp_path / "trace.jsonl"
+    app, registry = proxy_app(broken, trace)
+    body = {"model": "m", "messages": [{"role": "user", "content": "abcd" * 40}],
+            "stream": True}
+    async with app:
+        await send_all(app, [body])
+    assert not trace.read_text()
+    assert registry.get_sample_value(SKIPPED, {"reason": "incomplete"}) == 1
+    assert registry.get_sample_value(SKIPPED, {"reason": "no_usage"}) == 0
 
 
 async def test_answers_that_are_not_2xx_are_not_traffic_to_replay(tmp_path: Path) -> None:
