@@ -37,6 +37,7 @@ _KIND, _SIZE = itemgetter(0), itemgetter(3)  # a PartShape's kind, its size
 # made as ``tuple.__new__(PrefixReport, (sizes..., *_UNBROKEN, unseen))``, a C call
 # where the NamedTuple's __new__ would be a frame
 _UNBROKEN = (None,) * 8
+_NONE_ADDED: tuple[str, ...] = ()
 SETTINGS_MEMORY = 1024  # prompt openings whose settings a doctor remembers (then forgotten)
 _KIND_REASON = {
     "settings": "settings_changed",
@@ -316,7 +317,7 @@ class PrefixDoctor:
         names = tuple(part.role for part in parts[:anchor]) if anchor else ()
         opening = hashed.anchors[0]
         before = self._settings.get(opening, ())
-        removed, added = "", ()
+        removed, added = "", _NONE_ADDED
         if before != names:
             if len(self._settings) >= SETTINGS_MEMORY:
                 self._settings.clear()
