@@ -779,14 +779,17 @@ class Flood:
         self.ended = True
 
 
-async def raw_request(port: int, body: bytes, *, rcvbuf: int = 4096) -> tuple[socket.socket, bytes]:
+async def raw_request(port: int, body: bytes, *,
+                      rcvbuf: int | None = 4096) -> tuple[socket.socket, bytes]:
     """POST ``body`` on a raw socket whose receive buffer is ``rcvbuf`` bytes (set before
-    connecting, so the window it advertises stays small), read up to the end of the
-    response head and return the socket and the head; the caller decides what to read."""
+    connecting, so the window it advertises stays small; None: the kernel's, autotuned),
+    read up to the end of the response head and return the socket and the head; the
+    caller decides what to read."""
     loop = asyncio.get_running_loop()
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        if rcvbuf is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
         sock.setblocking(False)
         await loop.sock_connect(sock, ("127.0.0.1", port))
         await loop.sock_sendall(sock, b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
@@ -944,6 +947,39 @@ async def test_slow_client_that_keeps_reading_is_never_cut() -> None:
         longer = (metric(samples, itl, model="flood", le="+Inf")
                   - metric(samples, itl, model="flood", le=str(read_timeout)))
         assert longer >= 3
+
+
+async def test_a_client_reading_slowly_all_along_is_never_cut() -> None:
+    """A client that reads all the time, more slowly than the upstream sends: the
+    kernel's send queue to it grows to megabytes, and the socket becomes writable again
+    only once a good part of that drained, which takes longer than the client write
+    timeout at this pace. The client took bytes all along, so it is not cut: every
+    byte, completed. Before, only the transport's own buffer counted as progress, and
+    such a client was cut as client_stalled with the end of its answer lost."""
+    write_timeout, rate = 0.5, 800_000  # bytes a second the client takes
+    flood = Flood(limit=6 << 20)
+    upstream = RawUpstream({"flood": flood})
+    with upstream.running(), run_proxy(upstream.url, loop="uvloop",
+                                       client_write_timeout=write_timeout) as (proxy, _):
+        sock, _ = await raw_request(proxy.port, chat("flood"), rcvbuf=None)
+        loop, got, error = asyncio.get_running_loop(), bytearray(), None
+        started = time.perf_counter()
+        with sock:  # the slow client under test: 16 KiB at a time, at ``rate``
+            async with asyncio.timeout(120):
+                while True:
+                    try:
+                        part = await loop.sock_recv(sock, 16 << 10)
+                    except ConnectionError as exc:
+                        error = exc
+                        break
+                    if not part:
+                        break
+                    got += part
+                    await anyio.sleep(max(0.0, started + len(got) / rate - time.perf_counter()))
+        body = bytes(got)
+        assert error is None and flood.ended
+        assert dechunk(body) == FLOOD_EVENT * (flood.sent // len(FLOOD_EVENT)) + DONE
+        await outcome_is(proxy.url, "completed", "flood")
 
 
 def held_until(gate: Gate) -> Callable[[Conn], Awaitable[None]]:
