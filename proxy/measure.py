@@ -112,7 +112,7 @@ OUTCOME_MEANINGS: dict[Outcome, OutcomeMeaning] = {
         "'upstream_failed'"),
     Outcome.CANCELLED: OutcomeMeaning(
         "the proxy was shutting down and the request still ran after --graceful-timeout",
-        "503 if nothing was sent yet, else the stream breaks"),
+        "503 proxy_shutting_down if nothing was sent yet, else the stream breaks"),
     Outcome.REJECTED: OutcomeMeaning(
         "the proxy answered itself (400, 401, 404, 408, 413, 429, 431); never in "
         "'llm_proxy_stream_outcomes_total'",

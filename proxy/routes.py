@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 from urllib.parse import unquote
 
 from proxy.admission import QueueFull
+from proxy.answers import JSON_HEADERS, Refused, UpstreamFailed, cancelled, send_error
 from proxy.asgi import Receive, Scope, Send
 from proxy.auth import CLIENT_KEY_HEADERS, KeyCheck, presented_key
 from proxy.bodies import LARGE_BODY, decode_body, meant_as_json, not_an_object
@@ -64,44 +65,6 @@ MEASURED_ROUTES: dict[bytes, Dialect] = {
 MEASURED_ROUTES_WITHOUT_RESPONSE_INFO: dict[bytes, Dialect] = {
     d.route.removeprefix("/v1").encode(): d for d in DIALECTS_WITHOUT_RESPONSE_INFO.values()}
 NON_STREAM_USAGE_LIMIT = 8 * 1024 * 1024
-JSON_HEADERS = [(b"content-type", b"application/json")]
-
-
-class Refused(Exception):
-    """The proxy refuses the request and answers it itself, in the OpenAI error shape
-    (outcome ``rejected``)."""
-
-    outcome = Outcome.REJECTED
-    reason = ""  # not an upstream failure: no warning line
-
-    def __init__(self, status: int, message: str, type_: str, code: str, *,
-                 extra: list[tuple[bytes, bytes]] | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type_
-        self.code = code
-        self.extra = extra or []
-
-    @property
-    def body(self) -> bytes:
-        return error_body(self.message, self.type, self.code)
-
-
-class UpstreamFailed(Exception):
-    """The upstream exchange failed before the response headers: the client gets the
-    status and body :func:`proxy.upstream.error_response` made of the failure, and the
-    request the outcome :func:`proxy.stages.failure_outcome` names; ``reason`` is for
-    the warning."""
-
-    extra: tuple[tuple[bytes, bytes], ...] = ()
-
-    def __init__(self, status: int, body: bytes, outcome: Outcome, reason: str = "") -> None:
-        super().__init__(status)
-        self.status = status
-        self.body = body
-        self.outcome = outcome
-        self.reason = reason
 
 
 class BodyTooLarge(Exception):
@@ -191,7 +154,7 @@ class V1Handler:
             request_id = uuid.uuid4().hex
             x.ended = Ended(answer.status, answer.outcome, self.clock(), request_id,
                             answer.reason)
-            await _send_error(send, answer, request_id)
+            await send_error(send, answer, request_id)
         except ClientDisconnected:
             x.ended = Ended(499, Outcome.CLIENT_DISCONNECTED, self.clock())
         except asyncio.CancelledError:
@@ -200,7 +163,7 @@ class V1Handler:
             ended = x.ended
             x.ended = (Ended(503, Outcome.CANCELLED, self.clock()) if ended is None else
                        ended._replace(status=ended.status or 503, outcome=Outcome.CANCELLED))
-            raise
+            await cancelled(send, x.answered is not None)
         finally:
             self._finish(x)
         # Recorded first, so a client that saw the end can already scrape the request.
@@ -340,7 +303,7 @@ class V1Handler:
             failed = UpstreamFailed(502, error_body("no upstream answered the model list",
                                                     "upstream_error", "upstream_failed"),
                                     Outcome.UPSTREAM_ERROR)
-            await _send_error(send, failed, request_id)
+            await send_error(send, failed, request_id)
             return Ended(502, Outcome.UPSTREAM_ERROR, t_end, request_id, upstream=ALL_UPSTREAMS)
         status, body = answer  # 200 and the list, or the refusal of the client's key
         await send({"type": "http.response.start", "status": status, "headers": [
@@ -574,13 +537,6 @@ def _key_accepted(answered: Answered | None, ended: Ended) -> bool:
 
 def _unbounded(model: str) -> str:
     return model
-
-
-async def _send_error(send: Send, answer: Refused | UpstreamFailed, request_id: str) -> None:
-    headers = [*JSON_HEADERS, (b"x-request-id", request_id.encode()), *answer.extra]
-    body = answer.body
-    await send({"type": "http.response.start", "status": answer.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
 async def _read_body(receive: Receive, limit: int) -> bytes:

@@ -1190,6 +1190,10 @@ async def test_sigterm_stops_accepting_lets_streams_finish_exits_0() -> None:
 
 
 async def test_sigterm_grace_period_ends_stuck_streams_exits_0() -> None:
+    """A stream stuck past the grace period is cut, and a request still queued behind it
+    (--max-concurrency 1) gets a 503 in the OpenAI shape; neither makes a traceback.
+    Before, the queued client got uvicorn's plain-text 500 (while the metrics said 503)
+    and each cut request logged "Exception in ASGI application"."""
     async def stuck(conn: Conn) -> None:
         await conn.head(200)
         await conn.chunk(content_event(" stuck"))
@@ -1197,17 +1201,25 @@ async def test_sigterm_grace_period_ends_stuck_streams_exits_0() -> None:
 
     upstream = RawUpstream({"stuck": stuck})
     with upstream.running():
-        async with proxy_process(upstream.url, "--graceful-timeout", "1") as (proc, port, _):
-            async with client() as c, c.stream(
-                    "POST", f"http://127.0.0.1:{port}{CHAT}", content=chat("stuck")) as r:
+        async with proxy_process(upstream.url, "--graceful-timeout", "1",
+                                 "--max-concurrency", "1") as (proc, port, out):
+            base = f"http://127.0.0.1:{port}"
+            async with client() as c, c.stream("POST", base + CHAT, content=chat("stuck")) as r:
                 parts = r.aiter_raw()
                 await read_until(parts, bytearray(), lambda b: b" stuck" in b)
+                queued = asyncio.ensure_future(c.post(base + CHAT, content=chat("queued")))
+                await wait_metric(base, "llm_proxy_in_flight_requests", 2)  # queued, or relaying
                 t = time.perf_counter()
                 proc.send_signal(signal.SIGTERM)
                 # well short of the upstream's NEVER_S: only the grace period ends it
                 code = await anyio.to_thread.run_sync(proc.wait, 2 * AT_ONCE_S)
                 elapsed = time.perf_counter() - t
+                answer = await queued
             assert code == 0
             assert 1.0 <= elapsed < 1.0 + AT_ONCE_S
             stuck_conn = upstream.seen("stuck")[0]
             assert await anyio.to_thread.run_sync(stuck_conn.closed.wait, AT_ONCE_S)
+            assert answer.status_code == 503
+            assert openai_error(answer.content)["code"] == "proxy_shutting_down"
+            assert upstream.seen("queued") == []
+    assert not [line for line in out if "Exception in ASGI application" in line], "".join(out)
