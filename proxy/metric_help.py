@@ -18,9 +18,11 @@ TTFT_HELP = (
     "(role-only chunk, response.created, message_start) are never tokens. Streams only."
 )
 NO_FIRST_TOKEN_HELP = (
-    "Streams answered 2xx that ended before any output event, without completing (the "
+    "Streams that ended before any output event, without completing: answered 2xx (the "
     "client left, the upstream broke off, went silent or sent an error event, the proxy "
-    "shut down), by how long the client had waited, from the proxy receiving the request "
+    "shut down), or not answered at all when the client left or the proxy shut down "
+    "(queued in the proxy, or an upstream that sent no headers), by how long the client "
+    "had waited, from the proxy receiving the request "
     "until the stream ended: the waits time to first token never observes, which the TTFT "
     "SLO counts as misses past its target. Buckets: the TTFT histogram's (--ttft-buckets)."
 )

@@ -96,6 +96,10 @@ class BoundedLabels:
         return OTHER_MODEL
 
 
+# Ends of a stream the upstream never answered that are still a wait without a first
+# token: the client gave up, or the proxy shut down, before any status came.
+_LEFT_UNANSWERED = frozenset((Outcome.CLIENT_DISCONNECTED, Outcome.CANCELLED))
+
 # Per-request token counts: the record's field, the histogram's name and help.
 _TOKEN_HISTOGRAMS = (
     ("prompt_tokens", "llm_proxy_prompt_tokens", "Prompt tokens per request, cached ones "
@@ -189,8 +193,9 @@ class Metrics:
                               buckets=options.itl_buckets, registry=reg)
         self.queue = Histogram(
             "llm_proxy_queue_time_seconds", "Time a request waited in the proxy for an admission "
-            "slot (--max-concurrency); 0 when unlimited. Every measured route, streamed or "
-            "not (the stream label, as on the request duration).", (*base, "stream"),
+            "slot (--max-concurrency), a client's that gave up while waiting included; 0 when "
+            "unlimited. Every measured route, streamed or not (the stream label, as on the "
+            "request duration).", (*base, "stream"),
             buckets=QUEUE_BUCKETS, registry=reg)
         self.upstream_queue = Histogram(
             "llm_proxy_upstream_queue_time_seconds", "Queue time reported by the upstream itself "
@@ -305,7 +310,11 @@ class Metrics:
                 c.ttfb.observe(record.ttfb_s)
             if record.ttft_s is not None:
                 c.ttft.observe(record.ttft_s, exemplar)
-            elif 200 <= record.status < 300 and record.outcome is not Outcome.COMPLETED:
+            elif (record.outcome is not Outcome.COMPLETED and record.outcome
+                  is not Outcome.REJECTED and (200 <= record.status < 300
+                                               or record.outcome in _LEFT_UNANSWERED)):
+                # a 2xx stream that broke off, or one whose client left (or whose proxy
+                # shut down) before the upstream answered: a queued one, a hung upstream
                 # made when first needed, not with the others: an empty histogram of every
                 # route and model would be series of nothing on every scrape
                 who: tuple[str, ...] = (record.route, record.model, record.upstream)

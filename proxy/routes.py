@@ -328,7 +328,14 @@ class V1Handler:
         try:
             queue_s = None
             if arrival.dialect is not None:
-                queue_s = await self._admit(target)
+                t_q = self.clock()
+                try:
+                    queue_s = await self._admit(target)
+                except asyncio.CancelledError:  # the client left (or the server shut down)
+                    # while it waited: its wait is a queue time all the same
+                    waited = self.clock() - t_q if target.admission.limited else 0.0
+                    x.admitted = Admitted(waited, None)
+                    raise
                 admitted = True
             x.answered = answered = await self._forward(x, scope, headers, queue_s)
             x.ended = await self._relay(answered, send)
@@ -364,7 +371,7 @@ class V1Handler:
 
     async def _admit(self, target: LiveUpstream) -> float:
         """The wait for an upstream slot (0 when unlimited); a full queue is a 429."""
-        t_q = self.clock()
+        t_q = self.clock()  # again: the caller's, read before, is for a wait cut short
         admission = target.admission
         try:
             await admission.acquire()

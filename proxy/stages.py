@@ -52,8 +52,9 @@ class Admitted(NamedTuple):
 
     queue_s: float | None  # the wait for a slot; None off the measured routes
     # the proxy's own time from arrival until the request was written (a new connection's
-    # set-up included), the wait excluded
-    overhead_s: float
+    # set-up included), the wait excluded; None when it was never sent (the client left,
+    # or the server shut down, while it waited for its slot)
+    overhead_s: float | None
 
 
 class Answered(NamedTuple):

@@ -1189,6 +1189,38 @@ async def test_sigterm_stops_accepting_lets_streams_finish_exits_0() -> None:
         assert [(r["model"], r["outcome"], r["status"]) for r in records] == [("hold", "completed", 200)]
 
 
+async def test_a_client_that_gives_up_while_queued_still_counts_its_wait() -> None:
+    """--max-concurrency 1, one stream holding the slot: a second stream's client gives
+    up while queued. Its wait is a queue time (the queue histogram under overload held
+    only those that got a slot, the ones that waited least) and a wait without a first
+    token (the TTFT SLO's miss); before, neither saw it, only a 499."""
+    async def stuck(conn: Conn) -> None:
+        await conn.head(200)
+        await conn.chunk(content_event(" stuck"))
+        await conn.until_closed(NEVER_S)
+
+    upstream = RawUpstream({"stuck": stuck})
+    with upstream.running(), run_proxy(upstream.url, max_concurrency=1) as (proxy, _):
+        async with client() as c, c.stream("POST", proxy.url + CHAT,
+                                           content=chat("stuck")) as r:
+            parts = r.aiter_raw()  # kept: an iterator dropped closes the stream
+            await read_until(parts, bytearray(), lambda b: b" stuck" in b)
+            body = chat("queued")
+            with socket.create_connection(("127.0.0.1", proxy.port)) as sock:
+                sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
+                             b"application/json\r\ncontent-length: %d\r\n\r\n%s"
+                             % (len(body), body))
+                await wait_metric(proxy.url, "llm_proxy_in_flight_requests", 2)  # it waits
+            # closed: the client gave up
+            await outcome_is(proxy.url, "client_disconnected", "queued")
+            samples = await scrape(proxy.url)
+        assert upstream.seen("queued") == []
+        assert metric(samples, "llm_proxy_queue_time_seconds_count", model="queued") == 1
+        assert metric(samples, "llm_proxy_queue_time_seconds_sum", model="queued") > 0
+        assert metric(samples, "llm_proxy_wait_without_first_token_seconds_count",
+                      model="queued") == 1
+
+
 async def test_sigterm_grace_period_ends_stuck_streams_exits_0() -> None:
     """A stream stuck past the grace period is cut, and a request still queued behind it
     (--max-concurrency 1) gets a 503 in the OpenAI shape; neither makes a traceback.
