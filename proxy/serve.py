@@ -266,10 +266,16 @@ def _run_single(settings: Settings, env: MutableMapping[str, str]) -> int:
 
 
 def _serve_app(settings: Settings, env: MutableMapping[str, str], sock: socket.socket) -> int:
+    import logging.config
+
     import uvicorn
 
     from proxy.app import create_app
 
+    # before the app is made: the lines it logs (an upstream reached through an HTTP
+    # proxy) had no handler yet, and were lost, in one process (uvicorn applies the
+    # configuration later; a worker's is applied before it makes its app)
+    logging.config.dictConfig(_log_config())
     app = create_app(settings, environ=env)
     linger = 0
     if settings.metrics_port and app.metrics is not None:

@@ -6,8 +6,10 @@ Design: ``docs/design/upstream-client.md``.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
+import os
 import time
 import urllib.request
 from collections.abc import Callable, Iterable
@@ -15,6 +17,7 @@ from typing import Protocol
 from urllib.parse import unquote_to_bytes, urlsplit
 
 from proxy.admission import Admission
+from proxy.config_values import SettingsError
 from proxy.tracing import upstream_attributes
 from proxy.upstream_spec import UpstreamSpec
 from proxy.wire.endpoint import Endpoint, ProxyEndpoint
@@ -78,7 +81,11 @@ class UpstreamClient:
         self.endpoint = Endpoint(scheme, hostname, port)
         proxy_url = env_proxy(scheme, hostname)
         if proxy_url is not None:
-            via = ProxyEndpoint.from_url(proxy_url)
+            try:
+                via = ProxyEndpoint.from_url(proxy_url)
+            except ValueError as exc:  # an https:// or socks5:// proxy: said in one line
+                raise SettingsError(f"{scheme.upper()}_PROXY for upstream {self.host}: {exc}; "
+                                    "set NO_PROXY to reach it directly") from None
             if scheme == "https":
                 self.endpoint = Endpoint(scheme, hostname, port, via)
                 how = "a CONNECT tunnel"
@@ -189,10 +196,36 @@ class LiveUpstream:
 
 
 def env_proxy(scheme: str, host: str) -> str | None:
-    """The ``HTTP(S)_PROXY`` URL that applies to ``host``, unless ``NO_PROXY`` exempts it."""
-    if urllib.request.proxy_bypass(host):
+    """The ``HTTP(S)_PROXY`` URL that applies to ``host``, unless ``NO_PROXY`` exempts it:
+    as the standard library reads it, and also by address ranges (``10.0.0.0/8``), an
+    IPv6 address in brackets and a ``*.`` wildcard, as curl and Go read it (Kubernetes
+    clusters set ``NO_PROXY=10.0.0.0/8,.svc``)."""
+    if urllib.request.proxy_bypass(host) or _no_proxy_match(host):
         return None
     return urllib.request.getproxies().get(scheme)
+
+
+def _no_proxy_match(host: str) -> bool:
+    entries = os.environ.get("no_proxy") or os.environ.get("NO_PROXY") or ""
+    try:
+        address = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        address = None
+    name = host.lower().rstrip(".")
+    for entry in (e.strip().lower() for e in entries.split(",")):
+        if not entry:
+            continue
+        if entry.startswith("*."):  # a wildcard: the domain's names, and the domain
+            entry = entry[1:]
+        if address is not None:
+            try:
+                if address in ipaddress.ip_network(entry.strip("[]"), strict=False):
+                    return True
+            except ValueError:
+                pass
+        elif entry.startswith(".") and (name.endswith(entry) or name == entry[1:]):
+            return True
+    return False
 
 
 class UnsafePath(ValueError):

@@ -21,9 +21,11 @@ import logging
 import os
 import re
 import shutil
+import signal
 import socket
 import ssl
 import subprocess
+import sys
 import threading
 import warnings
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -42,7 +44,7 @@ from proxy.wire.endpoint import Endpoint, ProxyEndpoint
 from proxy.wire.errors import ConnectError, ConnectTimeout
 from proxy.wire.pool import WireTransport
 from tests.raw_upstream import RawUpstream, closed_port
-from tests.servers import serve_in_thread
+from tests.servers import ROOT, serve_in_thread
 from tests.test_wire import (
     PROXY_VARIABLES,
     anyio_backend,  # noqa: F401 (the fixture: every async test on asyncio and on uvloop)
@@ -534,7 +536,21 @@ async def test_proxy_closes_the_socket_of_a_connect_that_never_got_through(
     ("http://upstream.internal:8000/v1",
      {"HTTP_PROXY": "http://proxy.internal:3128", "NO_PROXY": "upstream.internal"}, None),
     ("http://upstream.internal:8000/v1", {}, None),
-], ids=["http-proxy", "https-proxy", "other-scheme-only", "no-proxy-for-host", "none"])
+    ("http://10.1.2.3:8000/v1", {"HTTP_PROXY": "http://proxy.internal:3128",
+                                 "NO_PROXY": "localhost,10.0.0.0/8"}, None),
+    ("http://[fd00::5]:8000/v1", {"HTTP_PROXY": "http://proxy.internal:3128",
+                                  "NO_PROXY": "fd00::/8"}, None),
+    ("http://[::1]:8000/v1", {"HTTP_PROXY": "http://proxy.internal:3128",
+                              "NO_PROXY": "[::1]"}, None),
+    ("http://up.trial.test:8000/v1", {"HTTP_PROXY": "http://proxy.internal:3128",
+                                      "NO_PROXY": "*.trial.test"}, None),
+    ("http://10.1.2.3:8000/v1", {"HTTP_PROXY": "http://proxy.internal:3128",
+                                 "NO_PROXY": "192.168.0.0/16,.svc"},
+     "upstream 10.1.2.3:8000 is reached through the HTTP proxy proxy.internal:3128 "
+     "(HTTP_PROXY), with absolute-form requests"),
+], ids=["http-proxy", "https-proxy", "other-scheme-only", "no-proxy-for-host", "none",
+        "no-proxy-cidr", "no-proxy-ipv6-cidr", "no-proxy-ipv6-bracketed", "no-proxy-wildcard",
+        "no-proxy-other-range"])
 def test_upstream_logs_one_line_when_a_proxy_applies(
         upstream: str, env: dict[str, str], expected: str | None,
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
@@ -568,3 +584,47 @@ def test_an_unsupported_proxy_url_fails_at_start_up_without_its_credentials(
         UpstreamClient(single_spec(Settings(upstream="https://api.example.com/v1")))
     assert "proxy.internal:1080" in str(caught.value)
     assert "hunter2" not in str(caught.value)
+
+
+def _serve_until_ready(env: dict[str, str], *args: str) -> tuple[int, str]:
+    """``python -m proxy serve ARGS`` with ``env``: its exit code and output, once it
+    listened (then stopped with SIGTERM) or exited by itself."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "proxy", "serve", "--port", "0", *args],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**{k: v for k, v in os.environ.items() if k.upper() not in PROXY_VARIABLES},
+             "PYTHONUNBUFFERED": "1", **env})
+    out: list[str] = []
+    assert proc.stdout is not None
+    with proc, proc.stdout:
+        try:
+            for line in proc.stdout:  # until it listens, or exits
+                out.append(line)
+                if "Uvicorn running on" in line:
+                    proc.send_signal(signal.SIGTERM)
+            return proc.wait(30), "".join(out)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+
+
+def test_the_proxy_line_is_logged_by_serve_in_one_process() -> None:
+    """``serve`` (one process): the start-up line naming the HTTP proxy reaches the log.
+    It was made before any handler was set up, and lost (the unit test's caplog gave
+    it one); only workers printed it."""
+    code, out = _serve_until_ready({"HTTPS_PROXY": "http://127.0.0.1:9"},
+                                   "--upstream", "https://api.example.com/v1")
+    assert code == 0, out
+    assert ("upstream api.example.com:443 is reached through the HTTP proxy 127.0.0.1:9 "
+            "(HTTPS_PROXY), with a CONNECT tunnel") in out
+
+
+def test_an_unsupported_proxy_url_stops_serve_with_one_line() -> None:
+    """An https:// or socks5:// proxy in the environment (set for other tools): one line,
+    exit 2, no traceback and no password; it was a 43-line traceback and exit 1."""
+    code, out = _serve_until_ready({"HTTPS_PROXY": "socks5://relay:hunter2@127.0.0.1:9"},
+                                   "--upstream", "https://api.example.com/v1")
+    assert code == 2, out
+    assert "Traceback" not in out and "hunter2" not in out
+    assert "HTTPS_PROXY for upstream api.example.com:443: only http:// proxies" in out
