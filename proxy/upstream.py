@@ -58,7 +58,7 @@ class UpstreamClient:
         scheme = parts.scheme
         hostname = parts.hostname or ""
         port = parts.port or (443 if scheme == "https" else 80)
-        self.host = f"{hostname}:{port}"
+        self.host = f"[{hostname}]:{port}" if ":" in hostname else f"{hostname}:{port}"
         self.hostname, self.port = hostname, port
         self.transport = (
             transport

@@ -197,3 +197,20 @@ async def test_real_failures_name_the_host_and_nothing_secret(
     for secret in SECRETS:
         assert secret not in err["message"]
         assert secret not in str(caught.value)
+
+
+async def test_an_ipv6_upstream_is_named_in_brackets_in_its_errors() -> None:
+    """``upstream ::1:9 unreachable: cannot connect to ::1:9``: the port reads as part of
+    the address. Named as in a URL, ``[::1]:9``, as its label already was."""
+    transport = WireTransport(max_connections=1, connect_timeout=1.0, read_timeout=1.0)
+    upstream = UpstreamClient(single_spec(Settings(upstream="http://[::1]:9/v1")),
+                              transport=transport)
+    try:
+        with pytest.raises(UpstreamError) as caught:
+            await request(upstream)
+    finally:
+        await upstream.aclose()
+    assert upstream.host == "[::1]:9"
+    _, raw = error_response(caught.value, upstream.host)
+    message = json.loads(raw)["error"]["message"]
+    assert message.startswith("upstream [::1]:9 unreachable: cannot connect to [::1]:9: "), message

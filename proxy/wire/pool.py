@@ -184,7 +184,8 @@ class WireTransport:
                 self._ssl = ssl.create_default_context()
             ssl_context = self._ssl
         host, port, via = endpoint.host, endpoint.port, endpoint.via
-        target = f"{host}:{port}" + (f" through the proxy {via.host}:{via.port}" if via else "")
+        target = (f"[{host}]:{port}" if ":" in host else f"{host}:{port}") + (
+            f" through the proxy {via.host}:{via.port}" if via else "")
         loop = self.loop
 
         def connection() -> Connection:
