@@ -18,6 +18,9 @@ from proxy.upstream import error_body
 from proxy.uvicorn_writer import client_connection
 
 JSON_HEADERS = [(b"content-type", b"application/json")]
+# A refusal that leaves the request body unread (too large, too slow) closes the
+# connection, as nginx does: the rest of the body is not waited for
+CLOSE = [(b"connection", b"close")]
 
 
 class Refused(Exception):
@@ -58,8 +61,9 @@ class UpstreamFailed(Exception):
 
 
 async def send_error(send: Send, answer: Refused | UpstreamFailed, request_id: str) -> None:
-    headers = [*JSON_HEADERS, (b"x-request-id", request_id.encode()), *answer.extra]
     body = answer.body
+    headers = [*JSON_HEADERS, (b"content-length", b"%d" % len(body)),
+               (b"x-request-id", request_id.encode()), *answer.extra]
     await send({"type": "http.response.start", "status": answer.status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
 

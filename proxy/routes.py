@@ -14,7 +14,14 @@ from typing import Any, NamedTuple
 from urllib.parse import unquote
 
 from proxy.admission import QueueFull
-from proxy.answers import JSON_HEADERS, Refused, UpstreamFailed, cancelled, send_error
+from proxy.answers import (
+    CLOSE,
+    JSON_HEADERS,
+    Refused,
+    UpstreamFailed,
+    cancelled,
+    send_error,
+)
 from proxy.asgi import Receive, Scope, Send
 from proxy.auth import CLIENT_KEY_HEADERS, KeyCheck, presented_key
 from proxy.bodies import LARGE_BODY, decode_body, meant_as_json, not_an_object
@@ -215,7 +222,7 @@ class V1Handler:
 
     def _too_large(self) -> Refused:
         return Refused(413, f"request body larger than {self.options.max_body_bytes} bytes",
-                       "invalid_request_error", "request_too_large")
+                       "invalid_request_error", "request_too_large", extra=CLOSE)
 
     async def _read(self, receive: Receive) -> bytes:
         limit = self.options.max_body_bytes
@@ -228,7 +235,7 @@ class V1Handler:
             raise self._too_large() from None
         except TimeoutError:
             raise Refused(408, "request body not received in time", "invalid_request_error",
-                          "body_timeout") from None
+                          "body_timeout", extra=CLOSE) from None
 
     async def _decode(self, arrival: Arrival, body: bytes
                       ) -> tuple[dict[str, Any] | None, bytes | None]:

@@ -1110,6 +1110,34 @@ async def test_slow_body_gets_408() -> None:
         await still_serves(proxy.url)
 
 
+async def test_a_refusal_that_leaves_the_body_unread_closes_the_connection() -> None:
+    """A keep-alive client whose body is too slow (408) or too large (413): the answer
+    has its length and says connection: close, and the proxy closes (as nginx does),
+    rather than keep a connection whose unread body it would go on receiving."""
+    upstream = RawUpstream()
+    with upstream.running(), run_proxy(upstream.url, body_timeout=0.5,
+                                       max_body_bytes=1024) as (proxy, _):
+        for head, body, status in [
+                (b"content-length: 100\r\n", b'{"model": "sl', 408),
+                (b"content-length: 10000000000\r\n", b"", 413)]:
+            reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+            try:
+                writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n" + head
+                             + b"\r\n" + body)
+                await writer.drain()
+                async with asyncio.timeout(AT_ONCE_S):
+                    response = await reader.read()  # until the proxy closes
+            finally:
+                writer.close()
+            top, _, rest = response.partition(b"\r\n\r\n")
+            assert top.startswith(b"HTTP/1.1 %d " % status)
+            assert re.search(rb"(?i)\r\nconnection: *close\r\n", top + b"\r\n"), top
+            length = re.search(rb"(?i)\r\ncontent-length: *(\d+)", top)
+            assert length is not None and int(length[1]) == len(rest), top
+            assert openai_error(rest)["code"] in ("body_timeout", "request_too_large")
+        await still_serves(proxy.url)
+
+
 async def test_headers_above_limit_get_431() -> None:
     upstream = RawUpstream()
     with upstream.running(), run_proxy(upstream.url, max_header_bytes=2048) as (proxy, _):
