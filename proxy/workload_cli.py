@@ -209,10 +209,10 @@ def info(workload: Workload) -> list[str]:
         local = f"{first.astimezone():%a %Y-%m-%d %H:%M:%S %Z} to {last.astimezone():%a %H:%M:%S}"
         lines.append(f"time       {local} (machine time); trace_start {workload.start.isoformat()}")
     per_minute = Counter(int(r.timestamp // 60000) for r in recs)
-    rate = len(recs) / span_s if span_s > 0 else float("nan")
+    rate = f"{len(recs) / span_s:.2f} requests/s on average" if span_s > 0 else "one instant"
     lines.append(
-        f"span       {span_s:.1f} s ({timedelta(seconds=round(span_s))}); {rate:.2f} requests/s "
-        f"on average, {max(per_minute.values())} requests in the busiest minute"
+        f"span       {span_s:.1f} s ({timedelta(seconds=round(span_s))}); {rate}, "
+        f"{max(per_minute.values())} requests in the busiest minute"
     )
     said = "" if workload.block_size else " (not stated by the file: the default)"
     lines.append(f"block size {size} tokens{said}")

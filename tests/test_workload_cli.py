@@ -180,6 +180,17 @@ def test_info_describes_the_trace(captured: Path, capsys: pytest.CaptureFixture[
     assert "secret-model-0 1440" in text and "TTFT       p50 103 ms" in text
 
 
+def test_info_on_one_request_says_no_rate(tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """One request spans no time: no rate to give ("nan requests/s on average" before)."""
+    one = tmp_path / "one.jsonl"
+    one.write_text(json.dumps({"timestamp": 0, "input_length": 10, "output_length": 2,
+                               "hash_ids": [0]}) + "\n")
+    code, text, _ = run(capsys, "info", str(one))
+    assert code == 0 and "nan" not in text
+    assert "span       0.0 s (0:00:00); one instant, 1 requests in the busiest minute" in text
+
+
 def test_a_reader_that_leaves_early_ends_the_command_quietly(tmp_path: Path) -> None:
     """``workload anonymise big.jsonl | head -1``: the reader closes the pipe after what it
     wanted; the command stops there, with no error line and no traceback."""
