@@ -76,12 +76,16 @@ class BoundedLabels:
     """Maps a request's ``model`` (or client) to a bounded label value: the first
     ``max_values`` distinct values keep theirs (``unknown`` always does), an allow-list if
     given admits only its names, anything else (and anything longer than 200 characters)
-    becomes ``other``."""
+    becomes ``other``. ``tentative``: a new value is only lent by a call, and takes its
+    place among the first ``max_values`` when :meth:`settle` says its request was not
+    refused by name (so that names an upstream refuses cannot use the places up)."""
 
-    def __init__(self, max_values: int, allowlist: Iterable[str] = ()) -> None:
+    def __init__(self, max_values: int, allowlist: Iterable[str] = (), *,
+                 tentative: bool = False) -> None:
         self._max = max_values
         self._allow = frozenset(allowlist)
         self._seen: set[str] = set()
+        self._tentative = tentative
 
     def __call__(self, value: str) -> str:
         if value in self._seen:
@@ -91,6 +95,17 @@ class BoundedLabels:
         if value == UNKNOWN_MODEL or len(self._seen) < self._max:
             if len(value) > 200:
                 return OTHER_MODEL
+            if not self._tentative or value == UNKNOWN_MODEL:
+                self._seen.add(value)
+            return value
+        return OTHER_MODEL
+
+    def settle(self, value: str, admit: bool) -> str:
+        """At a request's finish, the label lent at its start (:meth:`__call__`): kept if
+        it has its place, or takes one now if ``admit`` and one is left; else ``other``."""
+        if value in self._seen or value in (OTHER_MODEL, UNKNOWN_MODEL):
+            return value
+        if admit and len(self._seen) < self._max:
             self._seen.add(value)
             return value
         return OTHER_MODEL
@@ -164,7 +179,8 @@ class Metrics:
         self.options = options = options if options is not None else MetricsOptions()
         self.registry = registry if registry is not None else CollectorRegistry()
         self.multiprocess = options.multiprocess_dir is not None
-        self.model_label = BoundedLabels(options.max_models, options.model_allowlist)
+        self.model_label = BoundedLabels(options.max_models, options.model_allowlist,
+                                         tentative=True)
         self.client_label = (BoundedLabels(options.max_clients, options.client_allowlist)
                              if options.client_label else None)
         reg = self.registry

@@ -245,7 +245,9 @@ OPTIONS: tuple[Option, ...] = (
            "event loop); when it is full, new lines are dropped and counted in "
            "llm_proxy_request_log_dropped_lines_total instead of slowing the streams down.",
            "LINES", group=Group.LOGS),
-    Option("max_models", _int(1), "Distinct 'model' label values kept; later names are counted as 'other'.", "N",
+    Option("max_models", _int(1), "Distinct 'model' label values kept (per worker), each taken by a name's first "
+           "request the upstream did not refuse by name or key; later names are counted as "
+           "'other'.", "N",
            group=Group.LABELS),
     Option("model_allowlist", _names, "Comma-separated model names allowed as label values; any other "
            "becomes 'other'.", "NAMES", unset="none, the first --max-models names are kept",

@@ -500,8 +500,12 @@ class V1Handler:
         client = ""
         if x.identity and (not self._upstream_checks_key or _key_accepted(answered, ended)):
             client = self.client_label(x.identity)
-        model = x.asked.model if x.asked is not None else UNKNOWN_MODEL
         status = answered.response.status_code if answered is not None else 0
+        if x.asked is not None and self.metrics is not None:  # a new name takes its label
+            # place unless its upstream refused it, or the key, by name (a scanner's)
+            x.asked = x.asked._replace(model=self.metrics.model_label.settle(
+                x.asked.model, status not in _REFUSED_NAME))
+        model = x.asked.model if x.asked is not None else UNKNOWN_MODEL
         # a 4xx is the client's request, not an upstream failure
         reason = ended.reason or (f"HTTP {status}" if status >= 500 else "")
         target = x.target
@@ -538,6 +542,11 @@ class V1Handler:
                                  answered.prefix if answered is not None else None)
         except Exception:  # measurement never breaks serving
             log.exception("failed to record a request")
+
+# An upstream's answer that refused the request as named (its model, or its key): such a
+# model name takes no label place of its own
+_REFUSED_NAME = frozenset((400, 401, 403, 404, 422))
+
 
 def _key_accepted(answered: Answered | None, ended: Ended) -> bool:
     """Did the upstream take the key it was passed? Only an answer of its own says so,

@@ -24,6 +24,7 @@ import pytest
 
 from proxy.config import QUEUE_BUCKETS, Settings
 from proxy.measure import tpot
+from proxy.upstream import error_body
 from tests import upstream_fakes as fakes
 from tests.upstream_fakes import (
     CHAT,
@@ -458,12 +459,16 @@ async def test_upstream_error_status_passed_through(status: int, body: bytes,
         assert response.content == body
         assert response.headers["content-type"] == content_type
         assert response.headers["retry-after"] == "7"
-        assert registry.get_sample_value(
-            "llm_proxy_requests_total", labels(stream="true", code=str(status))) == 1
+        # a first request refused for its key: its model name takes no label place
+        model = "other" if status == 401 else "m"
+        assert registry.get_sample_value("llm_proxy_requests_total",
+                                         labels(model=model, stream="true",
+                                                code=str(status))) == 1
         assert registry.get_sample_value(
             "llm_proxy_stream_outcomes_total",
-            labels(outcome="upstream_4xx" if status < 500 else "upstream_5xx")) == 1
-        assert histogram(registry, "llm_proxy_time_to_first_token_seconds", labels()).count == 0
+            labels(model=model, outcome="upstream_4xx" if status < 500 else "upstream_5xx")) == 1
+        assert histogram(registry, "llm_proxy_time_to_first_token_seconds",
+                         labels(model=model)).count == 0
 
 
 @pytest.mark.parametrize("body", [b"not json {", b"[1, 2, 3]", b'"str"', b"", b"\xff\xfe"])
@@ -549,6 +554,30 @@ async def test_model_cardinality_cap() -> None:
                 "llm_proxy_requests_total", labels(model=label, stream="false", code="200")) == count
         assert registry.get_sample_value(
             "llm_proxy_requests_total", labels(model="m3", stream="false", code="200")) is None
+
+
+async def test_model_names_the_upstream_refuses_take_no_label_place() -> None:
+    """A client sends three names the upstream does not serve (404), then a real one:
+    the refused names are labelled other and take none of the two places, so the real
+    model keeps its name. Before, the first 100 names sent took the places, served or
+    not, and every later model was other for the life of the process."""
+    async def respond(request: httpx.Request) -> httpx.Response:
+        known = json.loads(request.content)["model"] == "real"
+        body = b"{}" if known else error_body("model not found", "invalid_request_error",
+                                              "model_not_found")
+        return httpx.Response(200 if known else 404, content=body,
+                              headers={"content-type": "application/json"})
+
+    app, registry = make_app(FakeUpstream(respond), ScriptedClock(), max_models=2)
+    async with app:
+        for model in ("junk-1", "junk-2", "junk-3", "real", "real"):
+            await post(app, CHAT, {"model": model})
+    assert registry.get_sample_value(
+        "llm_proxy_requests_total", labels(model="real", stream="false", code="200")) == 2
+    assert registry.get_sample_value(
+        "llm_proxy_requests_total", labels(model="other", stream="false", code="404")) == 3
+    assert registry.get_sample_value(
+        "llm_proxy_requests_total", labels(model="junk-1", stream="false", code="404")) is None
 
 
 async def test_model_allowlist() -> None:
