@@ -321,8 +321,9 @@ def _block(d: Diagnosis) -> list[str]:
     if d.no_first_token:
         many = "s" if d.no_first_token != 1 else ""
         lines += _wrap(f"{d.no_first_token:,} stream{many} ended before a first token, after "
-                       f"{_dur(d.no_first_token_wait_ms)} on average (the client left, or the "
-                       "upstream broke off, went silent or sent an error): the first token "
+                       f"{_dur(d.no_first_token_wait_ms)} on average (the client left, queued or "
+                       "waiting, or the upstream broke off, went silent or sent an error): "
+                       "the first token "
                        "above leaves them out; the TTFT SLO counts those past its target", 2, 4)
     if split.capped:
         lines += _wrap("(prefill and missed cache scaled down to what the queues leave of the "

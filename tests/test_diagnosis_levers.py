@@ -146,6 +146,18 @@ def test_the_prompt_cache_lever_quotes_no_slope_while_the_fit_is_not_known() -> 
     assert lever.numbers["missed_cache_tokens"] == 1000.0
 
 
+def test_a_prefill_scaled_down_to_the_first_token_still_names_the_prompt_as_counted() -> None:
+    """The fit puts 1.2 s of prefill in a 0.5 s first token (0.4 s of it queue): the part
+    is scaled down to what is left, and the sentence says so; the tokens it names are the
+    mean uncached prompt as counted, not the scaled time over the slope (a user read 420
+    tokens for a mean of 548)."""
+    d = diagnose(example(ttft_mean_s=0.5))
+    assert d.first_token.capped
+    sentence = by_name(d)["prefill"].sentence
+    assert sentence.startswith("Prefill: 9,100 uncached prompt tokens at 0.13 ms per token are "
+                               "100 ms of the 500 ms first token (scaled down from 1.2 s"), sentence
+
+
 def test_the_prompt_cache_lever_says_which_missed_tokens_a_breakpoint_would_serve() -> None:
     """Of the missed tokens, those past the last cache breakpoint (a route that caches only
     marked prefixes) call for a breakpoint; the rest were asked for and not served."""

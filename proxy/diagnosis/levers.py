@@ -376,18 +376,25 @@ def _prefill(ev: Evidence, split: FirstTokenSplit) -> Lever:
                      f"({fit.requests:,} requests); a shorter prompt would not be faster.",
                      numbers)
     saves = split.prefill_ms
-    tokens = saves / fit.ms_per_1k_tokens * 1000  # the missed cache hits left out
-    missed = split.missed_cache_ms
-    shown, besides = say.tokens(tokens), ""
-    if missed:  # the two as said add up to the mean uncached prompt, as said
-        of_missed = missed / fit.ms_per_1k_tokens * 1000
+    # the tokens as counted (the split's time, scaled down where it was capped, is not
+    # the prompt): the mean uncached prompt, the missed cache hits apart
+    uncached = fit.mean_uncached_tokens or 0.0
+    of_missed = (min(max(0.0, ev.missed_cache_tokens), uncached)
+                 if ev.missed_cache_tokens is not None and split.missed_cache_ms else 0.0)
+    shown, besides = say.tokens(uncached - of_missed), ""
+    if of_missed:  # the two as said add up to the mean uncached prompt, as said
         said = say.rounded_tokens(of_missed)
-        shown = f"{max(0, say.rounded_tokens(tokens + of_missed) - said):,}"
+        shown = f"{max(0, say.rounded_tokens(uncached) - said):,}"
         besides = f" besides the {said:,} the cache missed,"
     mean = " on average" if fit.model == "quadratic" else ""  # its cost grows with length
+    scaled = ""
+    if split.capped and fit.mean_prefill_ms is not None and uncached:
+        fitted = fit.mean_prefill_ms * (1 - of_missed / uncached)  # before it was scaled
+        scaled = (f" (scaled down from {say.dur(fitted)}: the fit puts more in it than the "
+                  "first token leaves)")
     head = (f"Prefill: {shown} uncached prompt tokens{besides} at "
             f"{say.sig(fit.ms_per_1k_tokens / 1000)} ms per token{mean} are "
-            f"{say.dur(saves)}{say.of_first(split.mean_ms)}.")
+            f"{say.dur(saves)}{say.of_first(split.mean_ms)}{scaled}.")
     status = _worth(saves, split.mean_ms)
     advice = (" Shorten the prompt, or put what does not change first so the upstream can "
               "cache it." if status == "lever" else " Not worth shortening for speed.")
