@@ -544,8 +544,9 @@ class V1Handler:
             log.exception("failed to record a request")
 
 # An upstream's answer that refused the request as named (its model, or its key): such a
-# model name takes no label place of its own
-_REFUSED_NAME = frozenset((400, 401, 403, 404, 422))
+# model name takes no label place of its own. Not 400 or 422: a served model's request
+# may be refused for its content (too long a context), and its name is real
+_REFUSED_NAME = frozenset((401, 403, 404))
 
 
 def _key_accepted(answered: Answered | None, ended: Ended) -> bool:

@@ -9,7 +9,6 @@ import asyncio
 import ipaddress
 import json
 import logging
-import os
 import time
 import urllib.request
 from collections.abc import Callable, Iterable
@@ -206,7 +205,7 @@ def env_proxy(scheme: str, host: str) -> str | None:
 
 
 def _no_proxy_match(host: str) -> bool:
-    entries = os.environ.get("no_proxy") or os.environ.get("NO_PROXY") or ""
+    entries = urllib.request.getproxies().get("no", "")  # NO_PROXY, as the library reads it
     try:
         address = ipaddress.ip_address(host.strip("[]"))
     except ValueError:

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("proxy.workload")
 
+TEXT_BYTES_PER_TOKEN = 4.0  # the proxy's estimate of text (proxy.measure.estimate_prompt_tokens)
 DEFAULT_BUFFER = 10_000  # requests waiting for the writer thread
 GATHER_S = 1.0  # how long the writer thread gathers a batch
 MAX_PENDING_KEYS = 1 << 19  # prompt keys waiting with them (bounds the memory they hold)
@@ -82,16 +83,19 @@ class PrefixKeys:
     def __len__(self) -> int:
         return len(self._held)
 
-    def __call__(self, hashed: HashedPrompt, input_tokens: int) -> tuple[Hashable, ...]:
+    def __call__(self, hashed: HashedPrompt, input_tokens: int,
+                 bytes_per_token: float | None = None) -> tuple[Hashable, ...]:
+        """The keys of a prompt of ``input_tokens``; ``bytes_per_token``: the ratio its
+        text is placed with, where its tokens follow no bytes in proportion (media)."""
         chain = hashed.chain
         ends = hashed.block_ends()
         prompt_bytes = ends[-1] if ends else 0
         size = self.block_size
-        keys = token_block_keys(chain, ends, prompt_bytes, input_tokens, size)
+        keys = token_block_keys(chain, ends, prompt_bytes, input_tokens, size, bytes_per_token)
         if not keys:
             return ()
         count = len(keys)
-        ratio = prompt_bytes / input_tokens
+        ratio = bytes_per_token or prompt_bytes / input_tokens
         token_ends = [(i + 1) * size * ratio for i in range(count - 1)]
         token_ends.append(float(prompt_bytes))  # the last block ends with the prompt
         held = self._held
@@ -273,7 +277,11 @@ class WorkloadCapture:
         self, record: RequestRecord, started: float, model: str, hashed: HashedPrompt | None
     ) -> Any:
         input_length = record.prompt_tokens or 0
-        keys = self._keys(hashed, input_length) if hashed is not None else ()
+        # an image, audio or file (or context the proxy cannot see): its tokens follow no
+        # bytes, so the text is placed at the proxy's estimate, not the prompt's ratio
+        rules = record.prefix.rules if record.prefix is not None else None
+        per_token = TEXT_BYTES_PER_TOKEN if rules is not None and rules.unknown else None
+        keys = self._keys(hashed, input_length, per_token) if hashed is not None else ()
         itl = record.itl_s
         return self._writer.record(
             started=started,

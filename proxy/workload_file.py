@@ -412,6 +412,7 @@ def token_block_keys(
     prompt_bytes: int,
     input_tokens: int,
     block_size: int = DEFAULT_BLOCK_SIZE,
+    bytes_per_token: float | None = None,
 ) -> list[Hashable]:
     """Keys per token block from a chain of byte-block keys.
 
@@ -422,14 +423,16 @@ def token_block_keys(
     is ``(chain[j], i)`` for the first *j* whose block ends at or after that byte, so
     equal keys promise equal prefixes through the token block. The last token block
     always takes the chain's last key. There are ``ceil(input_tokens / block_size)``
-    keys; none without a chain or tokens.
+    keys; none without a chain or tokens. ``bytes_per_token``: the ratio to place them
+    with instead, where the tokens follow no bytes the proxy sees in proportion (an image
+    in the prompt): the blocks past the prompt's bytes take its last key.
     """
     if not chain or input_tokens <= 0 or prompt_bytes <= 0:
         return []
     if len(block_ends) != len(chain):
         raise ValueError("block_ends and chain differ in length")
     count = -(-input_tokens // block_size)
-    ratio = prompt_bytes / input_tokens
+    ratio = bytes_per_token or prompt_bytes / input_tokens
     last = len(chain) - 1
     keys: list[Hashable] = []
     for i in range(count):

@@ -307,6 +307,44 @@ async def test_a_growing_conversation_keeps_its_ids_whole_under_a_template(
 # What is and is not in a line
 
 
+async def test_an_image_after_a_shared_prefix_shares_ids_only_as_far_as_the_text(
+        tmp_path: Path) -> None:
+    """The same system prompt (600 tokens), then a question and an image of 765 tokens of
+    their own: the ids are shared for the system prompt's 9 whole blocks of 64 tokens.
+    Placed at the prompt's own bytes per token, where the image's tokens follow no bytes
+    (it enters the prompt as a short hash), the text's blocks were squeezed and 17 ids
+    claimed to be shared: a replay read twice the cache the upstream could give."""
+    rng = random.Random(7)
+    system = text(600, 1, rng)  # 2,400 characters: 600 tokens of 4
+
+    async def counting(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        prompt = 0
+        for message in body["messages"]:
+            content = message["content"]
+            for part in ([{"type": "text", "text": content}] if isinstance(content, str)
+                         else content):
+                prompt += len(part["text"]) // 4 if part["type"] == "text" else 765
+        events = stream_events(3, usage=True, prompt=prompt, cached=0)
+        return httpx.Response(200, headers=SSE, content=b"".join(events))
+
+    def asked(question: str, image: str) -> dict[str, Any]:
+        return {"model": "m", "stream": True, "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": [
+                {"type": "text", "text": question},
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64," + image}}]}]}
+
+    trace = tmp_path / "trace.jsonl"
+    app, _ = proxy_app(counting, trace, workload_block_size=64)
+    async with app:
+        await send_all(app, [asked("What is in the picture?", "iVBORw0KGgo" * 40),
+                             asked("And in this one?", "R0lGODlhAQ" * 40)])
+    first, second = lines(trace)
+    assert first["input_length"] == 600 + 5 + 765
+    assert leading_equal(first["hash_ids"], second["hash_ids"]) == 9
+
+
 async def test_requests_without_usage_are_counted_not_written(tmp_path: Path) -> None:
     """With --no-inject-usage a stream that did not ask for usage has none: no line (its
     prompt tokens would be an estimate), counted; one that asked gets its line."""
