@@ -337,7 +337,7 @@ class V1Handler:
             if arrival.dialect is not None:
                 t_q = self.clock()
                 try:
-                    queue_s = await self._admit(target)
+                    queue_s = await self._admit(target, t_q)
                 except asyncio.CancelledError:  # the client left (or the server shut down)
                     # while it waited: its wait is a queue time all the same
                     waited = self.clock() - t_q if target.admission.limited else 0.0
@@ -376,9 +376,9 @@ class V1Handler:
                 target.admission.release()
             target.leave()
 
-    async def _admit(self, target: LiveUpstream) -> float:
-        """The wait for an upstream slot (0 when unlimited); a full queue is a 429."""
-        t_q = self.clock()  # again: the caller's, read before, is for a wait cut short
+    async def _admit(self, target: LiveUpstream, t_q: float) -> float:
+        """The wait for an upstream slot since ``t_q`` (0 when unlimited); a full queue is
+        a 429."""
         admission = target.admission
         try:
             await admission.acquire()
