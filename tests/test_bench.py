@@ -1120,3 +1120,42 @@ def test_bench_and_the_proxy_count_every_documented_output_event() -> None:
         assert got == (REASONING if thinking else ANSWER), kind
         info = MESSAGES.classify(b"content_block_delta", data)
         assert (info.outputs, info.answer) == (1, not thinking), kind
+
+
+@pytest.mark.e2e
+def test_bench_interrupted_reports_and_writes_what_finished(tmp_path: Path) -> None:
+    """Ctrl-C in a long run: the requests that finished are summarised and written to
+    --json (marked interrupted), and bench exits 130. Before, a day-long replay stopped
+    with "bench: interrupted" and nothing else: every result was lost."""
+    import signal
+    import subprocess
+    import sys
+
+    from proxy.simulator.app import create_simulator_app
+    from proxy.simulator.model import SimConfig
+    from tests.servers import ROOT
+
+    out_file = tmp_path / "run.json"
+    config = SimConfig(slots=4, itl=0.02, jitter=0.0, output_tokens=40, output_dist="fixed",
+                       seed=1)
+    with serve_in_thread(create_simulator_app(config)) as sim:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "proxy", "bench", "--base-url", sim.url + "/v1", "--requests", "40",
+             "--concurrency", "2", "--max-tokens", "40", "--no-compare", "--json",
+             str(out_file)],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        with proc, proc.stdout, proc.stderr:  # type: ignore[union-attr]
+            assert proc.stderr is not None and proc.stdout is not None
+            for line in proc.stderr:  # progress: a line per 10 % when not a TTY
+                if line.startswith("bench: 10%"):
+                    proc.send_signal(signal.SIGINT)
+                    break
+            err = proc.stderr.read()
+            out = proc.stdout.read()
+            code = proc.wait(60)
+    assert code == 130, err
+    assert "bench: interrupted: the" in err and "TTFT" in out
+    data = json.loads(out_file.read_text())
+    assert data["interrupted"] is True
+    assert 4 <= len(data["requests"]) < 40
+    assert data["summary"]["completed"] == len(data["requests"])

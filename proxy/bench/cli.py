@@ -6,6 +6,7 @@ Design: ``docs/design/bench.md``.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import math
 import os
@@ -292,7 +293,7 @@ async def _run(args: argparse.Namespace, replay: Replay | None) -> int:
     import httpx
 
     from . import promscrape
-    from .client import make_client, run
+    from .client import RunResult, make_client, run
     from .stats import format_table, summarize
 
     base = args.base_url.rstrip("/")
@@ -324,14 +325,29 @@ async def _run(args: argparse.Namespace, replay: Replay | None) -> int:
                 before = None
         print(work.describe, file=sys.stderr)
         progress = Progress(sys.stderr, plan.requests, plan.duration, enabled=not args.no_progress)
+        finished: list[RequestResult] = []
+
+        def done(result: RequestResult) -> None:
+            finished.append(result)
+            progress.update(result)
+
+        interrupted, started = False, time.perf_counter()
         try:
             outcome = await run(
-                plan, work.planned, arrivals=work.arrivals, client=http, on_result=progress.update
+                plan, work.planned, arrivals=work.arrivals, client=http, on_result=done
             )
+        except asyncio.CancelledError:  # Ctrl-C (the runner cancels this task): a long
+            # replay's finished requests are reported and written, not lost
+            interrupted = True
+            results = tuple(sorted(finished, key=lambda r: r.index))
+            outcome = RunResult(results, time.perf_counter() - started)
         finally:
             progress.close()
         after = None
-        if before is not None and metrics_url:
+        if interrupted:
+            print(f"\nbench: interrupted: the {len(outcome.results)} requests that finished "
+                  "are reported; those in flight are not", file=sys.stderr)
+        elif before is not None and metrics_url:
             try:
                 after = await promscrape.scrape(http, metrics_url, scrape_key)
             except httpx.HTTPError as exc:
@@ -362,7 +378,7 @@ async def _run(args: argparse.Namespace, replay: Replay | None) -> int:
                 file=out,
             )
     compared = None
-    if work.replay is not None:
+    if work.replay is not None and not interrupted:
         from .replay import compare
         from .replay import format_comparison as format_replay
 
@@ -374,6 +390,7 @@ async def _run(args: argparse.Namespace, replay: Replay | None) -> int:
         print(format_replay(compared), file=out)
     if args.json or args.report:
         payload = _payload(args, outcome.results, summary, view, extra)
+        payload["interrupted"] = interrupted
         if compared is not None and work.replay is not None:
             payload["replay"] = {**compared, "scheduled_s": list(work.replay.offsets)}
         if args.json:
@@ -381,6 +398,8 @@ async def _run(args: argparse.Namespace, replay: Replay | None) -> int:
         if args.report:
             _write_report(args, payload)
             print(f"bench: report written to {args.report}", file=sys.stderr)
+    if interrupted:
+        return 130
     return 0 if summary.completed else 1
 
 
