@@ -1159,3 +1159,21 @@ def test_bench_interrupted_reports_and_writes_what_finished(tmp_path: Path) -> N
     assert data["interrupted"] is True
     assert 4 <= len(data["requests"]) < 40
     assert data["summary"]["completed"] == len(data["requests"])
+
+
+def test_the_client_loads_its_connection_backend_before_the_run() -> None:
+    """httpcore loads anyio's asyncio backend at a client's first connection: tens of
+    milliseconds of imports on the loop, which held every request of a workload's
+    opening burst back but the first (about 20 ms). make_client loads it, before the
+    run's clock starts. In a fresh process, since this one has long loaded it."""
+    import subprocess
+    import sys
+
+    from tests.servers import ROOT
+
+    probe = ("import sys; from proxy.bench.client import make_client; "
+             "before = 'anyio._backends._asyncio' in sys.modules; make_client(1); "
+             "print(before, 'anyio._backends._asyncio' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True,
+                         text=True, check=True, timeout=60).stdout.split()
+    assert out == ["False", "True"]
