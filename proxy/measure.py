@@ -5,6 +5,7 @@ Design: ``docs/design/request-path.md``.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -456,3 +457,40 @@ class Meter:
         info = self.timer.event(name, data, t)
         if info.outputs == 1 and info.usage is None and not info.error:
             self.template.learn(chunk, info)
+
+
+# Content codings the proxy undoes to measure a stream that an upstream compressed
+# although asked for identity (zlib reads gzip's and zlib's headers both); the bytes the
+# client gets stay as sent. A decoded read is measured a piece of at most this at a time.
+DECODABLE_CODINGS = frozenset(("gzip", "x-gzip", "deflate"))
+DECODE_PIECE = 1 << 20
+_ANY_HEADER = 32 + zlib.MAX_WBITS
+
+
+class DecodedMeter(Meter):
+    """A :class:`Meter` of a stream its upstream compressed (``Content-Encoding: gzip`` or
+    ``deflate``) though the proxy asked for ``identity``: each read is decoded, a copy,
+    and measured as it decodes (several gzip members one after the other, too). A body
+    that does not decode is measured no further."""
+
+    __slots__ = ("_decoder",)
+
+    def __init__(self, timer: StreamTimer, parser: SSEParser) -> None:
+        super().__init__(timer, parser)
+        self._decoder: Any = zlib.decompressobj(_ANY_HEADER)
+
+    def chunk(self, chunk: bytes, t: float) -> None:
+        data = chunk
+        while data and self._decoder is not None:
+            decoder = self._decoder
+            try:
+                out = decoder.decompress(data, DECODE_PIECE)
+            except zlib.error:  # not what it says it is: the rest goes unmeasured
+                self._decoder = None
+                return
+            if out:
+                super().chunk(out, t)
+            data = decoder.unconsumed_tail
+            if not data and decoder.eof and decoder.unused_data:  # the next gzip member
+                data = decoder.unused_data
+                self._decoder = zlib.decompressobj(_ANY_HEADER)

@@ -29,7 +29,7 @@ from proxy.clients import Identify
 from proxy.dialects import DIALECTS, DIALECTS_WITHOUT_RESPONSE_INFO, Dialect
 from proxy.doctor.job import PrefixCheck
 from proxy.logs import RateLimitedLog
-from proxy.measure import Meter, Outcome, StreamTimer
+from proxy.measure import DECODABLE_CODINGS, DecodedMeter, Meter, Outcome, StreamTimer
 from proxy.metrics import UNKNOWN_MODEL, Metrics
 from proxy.model_list import ALL_UPSTREAMS, merged_models
 from proxy.otel_metrics import OtelMetrics
@@ -437,7 +437,11 @@ class V1Handler:
                                        stream=event_stream)
         dialect = arrival.dialect
         observe = self.metrics is not None and dialect is not None and 200 <= status < 300
-        strip = asked.strip_usage and event_stream and observe
+        # an upstream that compressed the stream though asked for identity: measured on a
+        # decoded copy, and its usage event (compressed) left in
+        coding = (response.headers.get("content-encoding", "identity").strip().lower()
+                  if event_stream else "identity")
+        strip = asked.strip_usage and event_stream and observe and coding == "identity"
         request_id = response.headers.get("x-request-id", "")
         # no length on a 204 or 304 (RFC 9110, 8.6): uvicorn would wait for a body
         headers = response_headers(response.headers.raw,
@@ -450,8 +454,11 @@ class V1Handler:
         meter = None
         if observe and event_stream and dialect is not None:
             # the doctor's job is ready once the upstream's prefill was done
-            meter = Meter(StreamTimer(dialect, prefix.ready if prefix is not None else None),
-                          SSEParser())
+            timer = StreamTimer(dialect, prefix.ready if prefix is not None else None)
+            if coding == "identity":
+                meter = Meter(timer, SSEParser())
+            elif coding in DECODABLE_CODINGS:
+                meter = DecodedMeter(timer, SSEParser())
         return Answered(response, request_id, headers, event_stream, strip,
                         NON_STREAM_USAGE_LIMIT if observe and not event_stream else 0,
                         meter, prefix)

@@ -321,6 +321,41 @@ async def test_upstream_error_status_passes_through_unchanged(
         await still_serves(proxy.url)
 
 
+@pytest.mark.parametrize("coding", ["gzip", "deflate", "br"])
+async def test_a_stream_compressed_though_asked_for_identity_is_measured_as_sent(
+        coding: str) -> None:
+    """An upstream that gzips its event stream although the proxy asked for identity:
+    the client gets the bytes as sent (and decodes them itself), and the stream is
+    measured on a decoded copy: completed, its first token, its tokens from the usage
+    inside. Before, nothing was parsed and a stream that completed read as
+    upstream_interrupted. A coding the proxy cannot undo (br) goes unmeasured, completed."""
+    events = stream_events(5, usage=True, prompt=11)
+    packer = zlib.compressobj(wbits=31 if coding != "deflate" else 15)
+    packed = [packer.compress(event) + packer.flush(zlib.Z_SYNC_FLUSH) for event in events]
+    packed[-1] += packer.flush()
+    sent = b"".join(packed)
+
+    async def compressed(conn: Conn) -> None:
+        await conn.head(200, extra=(("content-encoding", coding),))
+        for part in packed:
+            await conn.chunk(part)
+        await conn.end()
+
+    upstream = RawUpstream({"packed": compressed})
+    with upstream.running(), run_proxy(upstream.url) as (proxy, _):
+        async with client() as c, c.stream("POST", proxy.url + CHAT,
+                                           content=chat("packed")) as r:
+            assert r.headers["content-encoding"] == coding
+            got = b"".join([part async for part in r.aiter_raw()])  # not decoded
+        assert got == sent
+        await outcome_is(proxy.url, "completed", "packed")
+        samples = await scrape(proxy.url)
+        ttft = metric(samples, "llm_proxy_time_to_first_token_seconds_count", model="packed")
+        tokens = metric(samples, "llm_proxy_completion_tokens_sum", model="packed")
+        assert (ttft, tokens) == ((0, 0) if coding == "br" else (1, 5))
+        await still_serves(proxy.url)
+
+
 @pytest.mark.parametrize("status", [600, 999])
 async def test_an_upstream_status_past_599_is_a_502_in_openai_shape(status: int) -> None:
     """RFC 9110 has no status past 599 (httptools reads up to 999): the client gets the
