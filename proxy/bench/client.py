@@ -464,7 +464,7 @@ def make_client(concurrency: int | None, timeout: float = 600.0) -> httpx.AsyncC
     The connection backend httpcore loads at a client's first connection (anyio's, and
     anyio's asyncio backend: tens of milliseconds of imports, on the loop) is loaded
     here, before the run's clock starts: it held every request of an opening burst back
-    but the first, by about 20 ms."""
+    but the first (``benchmarks/RESULTS.md``, "bench's opening burst")."""
     for module in ("httpcore._backends.anyio", "anyio._backends._asyncio"):
         with contextlib.suppress(ImportError):  # their own layouts; without them, as before
             importlib.import_module(module)
