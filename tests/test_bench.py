@@ -1162,8 +1162,8 @@ def test_bench_interrupted_reports_and_writes_what_finished(tmp_path: Path) -> N
 
 
 def test_the_client_loads_its_connection_backend_before_the_run() -> None:
-    """httpcore loads anyio's asyncio backend at a client's first connection: tens of
-    milliseconds of imports on the loop, which held every request of a workload's
+    """httpcore loads anyio's asyncio backend at a client's first connection: imports on
+    the loop, which held every request of a workload's
     opening burst back but the first. make_client loads it, before the
     run's clock starts. In a fresh process, since this one has long loaded it."""
     import subprocess

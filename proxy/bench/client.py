@@ -461,10 +461,10 @@ class RunResult:
 def make_client(concurrency: int | None, timeout: float = 600.0) -> httpx.AsyncClient:
     """One pooled client for a run; the pool is as large as the run's concurrency.
 
-    The connection backend httpcore loads at a client's first connection (anyio's, and
-    anyio's asyncio backend: tens of milliseconds of imports, on the loop) is loaded
-    here, before the run's clock starts: it held every request of an opening burst back
-    but the first (``benchmarks/RESULTS.md``, "bench's opening burst")."""
+    The connection backends httpcore loads at a client's first connection (anyio's, and
+    anyio's asyncio one: imports, on the loop) are loaded here, before the run's clock
+    starts: they held every request of an opening burst back but the first
+    (``benchmarks/RESULTS.md``, "bench's opening burst")."""
     for module in ("httpcore._backends.anyio", "anyio._backends._asyncio"):
         with contextlib.suppress(ImportError):  # their own layouts; without them, as before
             importlib.import_module(module)
