@@ -232,14 +232,19 @@ def prometheus_queries(range_: str, where: str = "", *, fit_from_rules: bool = T
             out.append(Query(name, _selector(fit_rule(name, range_), where), rule=True))
             continue
         s, r = _selector(name, extra), range_
-        # a series with a sample at the range's start: its increase; one born inside the
-        # range on a target Prometheus scraped at its start (a new model, upstream or
-        # client): all of its count, which increase() would lose up to its first scrape;
-        # any other (Prometheus began scraping within the range): its increase, since
-        # what it held at its first scrape may predate the range (docs/diagnose.md)
-        out.append(Query(name, f"sum by ({labels}) ((increase({s}[{r}]) and {s} offset {r}) "
-                               f"or (({s} unless {s} offset {r}) and on (job, instance) "
-                               f"up offset {r}) or increase({s}[{r}]))"))
+        # a series with a sample at the range's start: the difference between the two
+        # (its increase where it reset within); one born inside the range on a target
+        # Prometheus scraped at its start (a new model, upstream or client): all of its
+        # count, which increase() would lose up to its first scrape; any other
+        # (Prometheus began scraping within the range): what it gained between its first
+        # and last scrapes, since what it held at the first may predate the range. No
+        # extrapolation: increase() stretches each series by its own factor, and a
+        # histogram's buckets, its sum and its count then disagree (docs/diagnose.md)
+        out.append(Query(name, f"sum by ({labels}) ((({s} - {s} offset {r}) and "
+                               f"(resets({s}[{r}]) == 0)) or (increase({s}[{r}]) and {s} "
+                               f"offset {r}) or (({s} unless {s} offset {r}) and on (job, "
+                               f"instance) up offset {r}) or (max_over_time({s}[{r}]) - "
+                               f"min_over_time({s}[{r}])))"))
     return out
 
 

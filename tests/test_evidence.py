@@ -404,14 +404,23 @@ def test_a_series_born_inside_the_range_counts_whole_in_prometheus(tmp_path: Any
     appeared inside the range, on a target Prometheus scraped all along (its first scrape
     already 8 requests: a burst, then one a minute), counts all 16, where increase()
     alone lost most of the first 8 (8.5); on a target Prometheus only began to scrape
-    within the range, what the first scrape held may predate the range: its increase."""
+    within the range, what the first scrape held may predate the range: what it gained
+    from its first scrape to its last (8). Not extrapolated: on that target, a histogram
+    whose 32-token bucket was empty at the first scrape (every earlier answer longer)
+    and whose answers since were all 32 tokens gains 8 in that bucket and 8 in the next,
+    where increase() stretched the two by different factors (8 and 8.5), which diagnose
+    read as answers above the cap that were never there."""
     import json
     import subprocess
 
     from tests.test_observability import require_tool
 
     promtool = require_tool("promtool")
-    (query,) = (q for q in ev.prometheus_queries("10m") if q.sample == "llm_proxy_requests_total")
+    queries = ev.prometheus_queries("10m")
+    (query,) = (q for q in queries if q.sample == "llm_proxy_requests_total")
+    (buckets,) = (q for q in queries if q.sample == "llm_proxy_completion_tokens_bucket")
+    tokens = ('llm_proxy_completion_tokens_bucket{job="p",instance="late",'
+              'route="/v1/chat/completions",upstream="u",model="long",le="%s"}')
     where = ('{job="p",instance="%s",route="/v1/chat/completions",upstream="u",stream="true",'
              'code="200",model="%s"}')
     series = [
@@ -420,7 +429,11 @@ def test_a_series_born_inside_the_range_counts_whole_in_prometheus(tmp_path: Any
         ("llm_proxy_requests_total" + where % ("a", "old"), "0+10x30"),
         ("llm_proxy_requests_total" + where % ("a", "new"), "_x22 8+1x8"),
         ("llm_proxy_requests_total" + where % ("late", "seen-late"), "_x22 8+1x8"),
+        (tokens % "32", "_x22 0+1x8"),  # 200 longer answers before, then 32 a minute
+        (tokens % "64", "_x22 200+1x8"),
+        (tokens % "+Inf", "_x22 200+1x8"),
     ]
+    bucket = '{route="/v1/chat/completions",upstream="u",model="long",le="%s"}'
     labels = '{route="/v1/chat/completions",upstream="u",model="%s"}'
     spec = {
         "rule_files": [],
@@ -434,8 +447,13 @@ def test_a_series_born_inside_the_range_counts_whole_in_prometheus(tmp_path: Any
                 "exp_samples": [
                     {"labels": labels % "old", "value": 100},
                     {"labels": labels % "new", "value": 16},
-                    {"labels": labels % "seen-late", "value": 8.5},
+                    {"labels": labels % "seen-late", "value": 8},
                 ],
+            }, {
+                "expr": buckets.expr,
+                "eval_time": "30m",
+                "exp_samples": [{"labels": bucket % le, "value": 8}
+                                for le in ("32", "64", "+Inf")],
             }],
         }],
     }

@@ -115,10 +115,38 @@ def _set_filter_or_born(sel: Any, ancestors: tuple[Any, ...]) -> bool:
             and rhs.name == sel.name and rhs.offset is not None and sel.offset is None)
 
 
+def _reset_filter(ancestors: tuple[Any, ...]) -> bool:
+    """Whether the selector is read inside ``resets(S[r]) == 0``, the right side of an
+    ``and``: which series did not restart within the range (a filter, not summed)."""
+    up = [a for a in ancestors if not isinstance(a, pp.ParenExpr)]
+    return (len(up) > 3 and isinstance(up[0], pp.MatrixSelector) and isinstance(up[1], pp.Call)
+            and up[1].func.name == "resets" and isinstance(up[2], pp.BinaryExpr)
+            and isinstance(up[3], pp.BinaryExpr) and str(up[3].op) == "and")
+
+
+def _per_series_difference(sel: Any, between: list[Any]) -> bool:
+    """Whether the selector is in one series' own difference, taken before the sum: ``S -
+    S offset r`` (the series at two instants; kept only where it did not restart), or
+    ``max_over_time(S[r]) - min_over_time(S[r])`` (what it gained within the range)."""
+    if len(between) == 1 and isinstance(between[0], pp.BinaryExpr) and str(between[0].op) == "-":
+        lhs, rhs = between[0].lhs, between[0].rhs
+        return (isinstance(lhs, pp.VectorSelector) and isinstance(rhs, pp.VectorSelector)
+                and lhs.name == rhs.name == sel.name and lhs.offset is None
+                and rhs.offset is not None)
+    if (len(between) == 3 and isinstance(between[0], pp.MatrixSelector)
+            and isinstance(between[1], pp.Call) and isinstance(between[2], pp.BinaryExpr)
+            and str(between[2].op) == "-"):
+        lhs, rhs = between[2].lhs, between[2].rhs
+        return (isinstance(lhs, pp.Call) and isinstance(rhs, pp.Call)
+                and (lhs.func.name, rhs.func.name) == ("max_over_time", "min_over_time")
+                and str(lhs.args[0]) == str(rhs.args[0]))
+    return False
+
+
 def aggregation_problems(expr: str, types: dict[str, str]) -> list[str]:
     problems = []
     for sel, ancestors in raw_selectors(pp.parse(expr)):
-        if _set_filter_or_born(sel, ancestors):
+        if _set_filter_or_born(sel, ancestors) or _reset_filter(ancestors):
             continue
         kind = types.get(sel.name)
         if kind is None:
@@ -142,7 +170,7 @@ def aggregation_problems(expr: str, types: dict[str, str]) -> list[str]:
                 and isinstance(between[0], pp.MatrixSelector)
                 and isinstance(between[1], pp.Call)
                 and between[1].func.name in ("rate", "increase")
-            )
+            ) or _per_series_difference(sel, between)
             if not ok:
                 problems.append(f"{sel.name}: a {kind} series must be rate()d, then summed")
         elif between:
@@ -171,6 +199,11 @@ def test_the_check_catches_per_target_mistakes(metric_types: dict[str, str]) -> 
         "sum by (instance) (rate(llm_proxy_requests_total[5m]))",
         "sum(llm_proxy_requests_total)",
         "llm_proxy_in_flight_requests",
+        "sum(llm_proxy_requests_total - llm_proxy_requests_total)",
+        "sum(max_over_time(llm_proxy_requests_total[5m]))",
+        "sum(max_over_time(llm_proxy_requests_total[5m]) - min_over_time(llm_proxy_in_flight_requests[5m]))",
+        "sum(llm_proxy_requests_total and resets(llm_proxy_requests_total[5m]) == 0) "
+        "+ sum(resets(llm_proxy_requests_total[5m]))",
     ]
     for expr in wrong:
         assert aggregation_problems(expr, metric_types), expr
@@ -178,6 +211,12 @@ def test_the_check_catches_per_target_mistakes(metric_types: dict[str, str]) -> 
         "histogram_quantile(0.5, sum by (le) (rate(llm_proxy_time_to_first_token_seconds_bucket[5m])))",
         metric_types,
     )
+    assert not aggregation_problems(  # each series' own difference, taken before the sum
+        "sum by (le) (((llm_proxy_time_to_first_token_seconds_bucket - "
+        "llm_proxy_time_to_first_token_seconds_bucket offset 5m) and "
+        "(resets(llm_proxy_time_to_first_token_seconds_bucket[5m]) == 0)) or "
+        "(max_over_time(llm_proxy_time_to_first_token_seconds_bucket[5m]) - "
+        "min_over_time(llm_proxy_time_to_first_token_seconds_bucket[5m])))", metric_types)
 
 
 # ---------------------------------------------------------------------------
