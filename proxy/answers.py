@@ -71,8 +71,9 @@ async def send_error(send: Send, answer: Refused | UpstreamFailed, request_id: s
 async def cancelled(send: Send, started: bool) -> None:
     """A request the server cancelled (uvicorn, at --graceful-timeout) ends here, not
     with the cancellation: a 503 in the OpenAI shape when nothing was sent yet, else the
-    client's connection dropped, the stream cut. Raised on, uvicorn logged a traceback
-    a request and answered an unsent one with a plain-text 500."""
+    client's connection dropped, the stream cut. Left to propagate, the cancellation made
+    uvicorn log a traceback per request and answer one not yet begun with a plain-text
+    500."""
     task = asyncio.current_task()
     if task is not None:
         task.uncancel()
