@@ -19,7 +19,7 @@ from proxy.admission import Admission
 from proxy.config_values import SettingsError
 from proxy.tracing import upstream_attributes
 from proxy.upstream_spec import UpstreamSpec
-from proxy.wire.endpoint import Endpoint, ProxyEndpoint
+from proxy.wire.endpoint import Endpoint, ProxyEndpoint, authority
 from proxy.wire.errors import (
     ConnectError,
     PoolTimeout,
@@ -57,7 +57,7 @@ class UpstreamClient:
         scheme = parts.scheme
         hostname = parts.hostname or ""
         port = parts.port or (443 if scheme == "https" else 80)
-        self.host = f"[{hostname}]:{port}" if ":" in hostname else f"{hostname}:{port}"
+        self.host = authority(hostname, port)
         self.hostname, self.port = hostname, port
         self.transport = (
             transport
@@ -199,13 +199,13 @@ def env_proxy(scheme: str, host: str) -> str | None:
     as the standard library reads it, and also by address ranges (``10.0.0.0/8``), an
     IPv6 address in brackets and a ``*.`` wildcard, as curl and Go read it (Kubernetes
     clusters set ``NO_PROXY=10.0.0.0/8,.svc``)."""
-    if urllib.request.proxy_bypass(host) or _no_proxy_match(host):
+    proxies = urllib.request.getproxies()  # the environment's, read once
+    if urllib.request.proxy_bypass(host) or _no_proxy_match(host, proxies.get("no", "")):
         return None
-    return urllib.request.getproxies().get(scheme)
+    return proxies.get(scheme)
 
 
-def _no_proxy_match(host: str) -> bool:
-    entries = urllib.request.getproxies().get("no", "")  # NO_PROXY, as the library reads it
+def _no_proxy_match(host: str, entries: str) -> bool:
     try:
         address = ipaddress.ip_address(host.strip("[]"))
     except ValueError:

@@ -12,6 +12,11 @@ from urllib.parse import unquote, urlsplit
 from proxy.wire.http11 import MAX_HEAD_BYTES
 
 
+def authority(host: str, port: int) -> str:
+    """``host:port`` as a URL writes it: an IPv6 address in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 @dataclass(frozen=True, slots=True)
 class ProxyEndpoint:
     """An HTTP proxy to tunnel through (``HTTPS_PROXY`` for an https upstream)."""
@@ -68,8 +73,8 @@ async def tunnel(
     else:
         raise last or OSError(f"no address for {via.host}")
     try:
-        authority = (f"[{host}]:{port}" if ":" in host else f"{host}:{port}").encode("idna")
-        request = b"CONNECT %b HTTP/1.1\r\nHost: %b\r\n" % (authority, authority)
+        target = authority(host, port).encode("idna")
+        request = b"CONNECT %b HTTP/1.1\r\nHost: %b\r\n" % (target, target)
         if via.authorization:
             request += b"Proxy-Authorization: " + via.authorization + b"\r\n"
         await loop.sock_sendall(sock, request + b"\r\n")

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from proxy.logs import RateLimitedLog
 from proxy.wire.connection import Connection
-from proxy.wire.endpoint import Endpoint, tunnel
+from proxy.wire.endpoint import Endpoint, authority, tunnel
 from proxy.wire.errors import (
     ConnectError,
     ConnectTimeout,
@@ -184,8 +184,8 @@ class WireTransport:
                 self._ssl = ssl.create_default_context()
             ssl_context = self._ssl
         host, port, via = endpoint.host, endpoint.port, endpoint.via
-        target = (f"[{host}]:{port}" if ":" in host else f"{host}:{port}") + (
-            f" through the proxy {via.host}:{via.port}" if via else "")
+        target = authority(host, port) + (f" through the proxy {via.host}:{via.port}"
+                                          if via else "")
         loop = self.loop
 
         def connection() -> Connection:
