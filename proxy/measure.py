@@ -22,6 +22,7 @@ from proxy.dialects import (
     merge_usage,
 )
 from proxy.doctor.report import TokenRules, token_counts
+from proxy.wire.http11 import DECODABLE, DECODE_PIECE
 
 if TYPE_CHECKING:
     from proxy.sse import SSEParser
@@ -396,8 +397,12 @@ def tpot(first_t: float | None, last_t: float | None, completion_tokens: int | N
     return (last_t - first_t) / (completion_tokens - 1)
 
 
+CHARS_PER_TOKEN = 4  # the proxy's estimate of text, where no usage counts it
+
+
 def estimate_prompt_tokens(body: Mapping[str, Any]) -> int | None:
-    """Rough prompt size (about 4 characters a token) when the upstream gave no usage."""
+    """Rough prompt size (about :data:`CHARS_PER_TOKEN` characters a token) when the
+    upstream gave no usage."""
     chars = 0
     prompt = body.get("prompt")
     if isinstance(prompt, str):
@@ -418,7 +423,7 @@ def estimate_prompt_tokens(body: Mapping[str, Any]) -> int | None:
                         chars += len(part["text"])
     if chars == 0 and prompt is None and messages is None:
         return None
-    return max(1, round(chars / 4))
+    return max(1, round(chars / CHARS_PER_TOKEN))
 
 
 class Meter:
@@ -460,10 +465,10 @@ class Meter:
 
 
 # Content codings the proxy undoes to measure a stream that an upstream compressed
-# although asked for identity (zlib reads gzip's and zlib's headers both); the bytes the
-# client gets stay as sent. A decoded read is measured a piece of at most this at a time.
-DECODABLE_CODINGS = frozenset(("gzip", "x-gzip", "deflate"))
-DECODE_PIECE = 1 << 20
+# although asked for identity, the transfer codings it undoes (zlib reads gzip's and
+# zlib's headers both); the bytes the client gets stay as sent. A decoded read is
+# measured a piece of at most DECODE_PIECE at a time, as a transfer coding's.
+DECODABLE_CODINGS = frozenset(coding.decode("latin-1") for coding in DECODABLE)
 _ANY_HEADER = 32 + zlib.MAX_WBITS
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from proxy.line_writer import CLOSE_TIMEOUT_S, LineWriter
-from proxy.measure import Outcome
+from proxy.measure import CHARS_PER_TOKEN, Outcome
 from proxy.workload_file import DEFAULT_BLOCK_SIZE, WorkloadWriter, digest_id, token_block_keys
 
 if TYPE_CHECKING:
@@ -29,7 +29,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("proxy.workload")
 
-TEXT_BYTES_PER_TOKEN = 4.0  # the proxy's estimate of text (proxy.measure.estimate_prompt_tokens)
 DEFAULT_BUFFER = 10_000  # requests waiting for the writer thread
 GATHER_S = 1.0  # how long the writer thread gathers a batch
 MAX_PENDING_KEYS = 1 << 19  # prompt keys waiting with them (bounds the memory they hold)
@@ -280,7 +279,7 @@ class WorkloadCapture:
         # an image, audio or file (or context the proxy cannot see): its tokens follow no
         # bytes, so the text is placed at the proxy's estimate, not the prompt's ratio
         rules = record.prefix.rules if record.prefix is not None else None
-        per_token = TEXT_BYTES_PER_TOKEN if rules is not None and rules.unknown else None
+        per_token = CHARS_PER_TOKEN if rules is not None and rules.unknown else None
         keys = self._keys(hashed, input_length, per_token) if hashed is not None else ()
         itl = record.itl_s
         return self._writer.record(

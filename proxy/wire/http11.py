@@ -136,7 +136,9 @@ def body_framing(
     return has_length, None
 
 
-_DECODABLE = {
+# The codings the proxy undoes (zlib's window bits): transfer codings here, and the
+# content codings of an event stream its upstream compressed (proxy.measure.DecodedMeter)
+DECODABLE = {
     b"gzip": 16 + zlib.MAX_WBITS,
     b"x-gzip": 16 + zlib.MAX_WBITS,
     b"deflate": zlib.MAX_WBITS,
@@ -163,7 +165,7 @@ def transfer_codings(lines: list[bytes]) -> tuple[bool, bytes | None]:
     # identity is no coding at all; it is dropped only here, after the decision above, so
     # that "chunked, identity" (not chunked, to the parser) is the refusal below
     rest = [c for c in rest if c != b"identity"]
-    if len(rest) > 1 or (rest and rest[0] not in _DECODABLE):
+    if len(rest) > 1 or (rest and rest[0] not in DECODABLE):
         shown = value.decode("latin-1")[:100]
         raise RemoteProtocolError(f"unsupported transfer coding from the upstream: {shown!r}")
     return chunked, rest[0] if rest else None
@@ -208,7 +210,7 @@ class Decoding:
         self, coding: bytes, ex: Exchange, fail: Callable[[Exchange, UpstreamError], None]
     ) -> None:
         self.coding = coding.decode("latin-1")
-        self.wbits = _DECODABLE[coding]
+        self.wbits = DECODABLE[coding]
         self.z = zlib.decompressobj(self.wbits)
         self.ex = ex
         self.fail = fail  # the connection's: ends the exchange and closes the connection
@@ -241,7 +243,7 @@ class Decoding:
             data = z.unconsumed_tail
             after: UpstreamError | None = None
             if z.eof and z.unused_data:
-                if self.wbits == _DECODABLE[b"gzip"]:  # another gzip member follows
+                if self.wbits == DECODABLE[b"gzip"]:  # another gzip member follows
                     data = z.unused_data + data
                     self.z = zlib.decompressobj(self.wbits)
                 else:
