@@ -330,9 +330,10 @@ class Metrics:
                   is not Outcome.REJECTED and (200 <= record.status < 300
                                                or record.outcome in _LEFT_UNANSWERED)):
                 # a 2xx stream that broke off, or one whose client left (or whose proxy
-                # shut down) before the upstream answered: a queued one, a hung upstream
-                # made when first needed, not with the others: an empty histogram of every
-                # route and model would be series of nothing on every scrape
+                # shut down) before the upstream answered: a queued one, a hung upstream.
+                # Its child is made when first needed, not with the others: an empty
+                # histogram of every route and model would be series of nothing on every
+                # scrape
                 who: tuple[str, ...] = (record.route, record.model, record.upstream)
                 if self.client_label is not None:
                     who = (*who, record.client)

@@ -69,8 +69,8 @@ class ClientConnection:
         """Bytes written for the client that it has not taken: the transport's buffer,
         and the kernel's send queue where it says (Linux). The kernel's counts: with a
         send buffer of megabytes, the socket is writable again only once about a third
-        of it drained, so the transport's buffer alone stays put for tens of seconds
-        while a slow client reads all along."""
+        of it drained, so the transport's buffer alone stays put while a slow client
+        reads all along."""
         transport = self.transport
         buffered: int = transport.get_write_buffer_size()
         sock = transport.get_extra_info("socket")
