@@ -221,8 +221,13 @@ class LruPrefixIndex:
             epoch = self._epoch  # the clock's ms at tick 0, from the first exchange
             if epoch is None:
                 epoch = self._epoch = now_ms - 1 - self.horizon_ms
-            t = min(max(1, now_ms - epoch), m)  # ticks: ms since the epoch, 40 bits
-            h = t if held_ms is None else min(max(1, held_ms - epoch), m)
+            t = now_ms - epoch  # ticks: ms since the epoch, 1 to 40 bits
+            t = 1 if t < 1 else m if t > m else t
+            if held_ms is None:
+                h = t
+            else:
+                h = held_ms - epoch
+                h = 1 if h < 1 else m if h > m else h
             self._forget_before(t - self.horizon_ms)
             get = entries.get
             whole = marks.find(ENDED) if settle else -1
@@ -255,18 +260,19 @@ class LruPrefixIndex:
             on, cl_at = CONTINUED, _CL  # locals: this loop runs per key
             fresh_on, fresh_end = (h << _CS) | (h << _CL), (h << _ES) | h
             rest = stop if cut <= probe.scoped < stop else len(keys)  # the scope's: held
-            written: Iterable[tuple[bytes, int]] = zip(keys[skip:cut], marks[skip:cut], strict=True)
+            written: Iterable[tuple[bytes, int]] = zip(keys[skip:cut], marks[skip:cut])
             if rest > stop:
-                written = chain(written, zip(keys[stop:rest], marks[stop:rest], strict=True))
+                written = chain(written, zip(keys[stop:rest], marks[stop:rest]))
             for key, mark in written:
                 # this request's stamp h into the run of its kind, unless the run holds it
                 # already or ends at most a settle before it; most stamps are the run's
                 # new latest, within a window of the one before. A key held twice by the
                 # prompt (two equal chunks) is read as before its first write.
                 old = before.setdefault(key, get(key, 0))
-                if not old:  # never held (or forgotten)
+                if not old:  # never held (or forgotten): written last, no touch
                     entries[key] = fresh_on if mark == on else fresh_end
-                elif mark == on:
+                    continue
+                if mark == on:
                     cl = (old >> cl_at) & m
                     if cl >= floor and old >> _CS <= h:
                         continue
@@ -283,9 +289,11 @@ class LruPrefixIndex:
                     else:
                         entries[key] = _stamp(old, _ES, h, w)
                 touch(key)
-            for _ in range(len(entries) - self.capacity):  # a key read later: as it was
+            over = len(entries) - self.capacity
+            while over > 0:  # a key read later: as it was
                 gone, old = entries.popitem(last=False)
                 before.setdefault(gone, old)
+                over -= 1
             lo = cut  # the keys it wrote that nobody held, from the covered head back
             while lo > skip and not before[keys[lo - 1]]:
                 lo -= 1

@@ -468,16 +468,27 @@ class PromptHasher:
         self._leads[name] = lead
         self._lead_keys += size
 
-    def _new_part(self, running: Any, head: bytes, data: bytes, root: bytes) -> _HashedPart:
+    def _new_part(
+        self, running: Any, head: bytes, data: bytes, root: bytes, *, last: bool = False
+    ) -> _HashedPart:
         """The keys of a part of ``data`` under ``head`` (its kind and role) not hashed
         before: its chain blocks, from ``running`` (the keyed hash of the prompt before
-        it, updated in place), and its content chunks, under ``root``."""
+        it, updated in place; ``last``: the caller's own copy, which the part keeps as its
+        state, updated no more), and its content chunks, under ``root``."""
         size, condense = self.block_bytes, xxh3_128_digest
         update, snapshot = running.update, running.copy
-        chain: list[bytes] = []
-        view = memoryview(data)
         length = len(data)
         update(head)  # a part's first block also covers its kind and role
+        if length <= size and length <= self.chunk_whole:  # one block, one chunk: one leaf
+            leaf = condense(data)  # most questions and short messages: as below, in brief
+            update(leaf)
+            key = snapshot().digest()
+            under = self._chunk.copy()
+            under.update(root + head + leaf)
+            return _new(_HashedPart, (
+                (key,), (under.digest(),), (length,), running if last else snapshot()))
+        chain: list[bytes] = []
+        view = memoryview(data)
         whole = length - length % size  # bytes in whole blocks
         leaf = b""
         if whole:  # whole blocks: condensed at C speed, one key after each
@@ -517,7 +528,7 @@ class PromptHasher:
                 self._parts.move_to_end(name)
         kept = known is not None
         if known is None:
-            known = self._new_part(lead.state.copy(), head, data, root)
+            known = self._new_part(lead.state.copy(), head, data, root, last=True)
             if self._again(name):
                 self._remember(name, known)
                 kept = True
@@ -559,9 +570,12 @@ class PromptHasher:
         (the part cache) and the whole prompt and its shapes are one recalled; else None,
         with ``names`` holding the names of the parts it got to."""
         cached, heads, head_of = self._parts, self._heads, self._head
+        copy, condense = self._part_key.copy, xxh3_128_digest
         before = root
         for kind, _, role, data in parts:
-            name = self._part_name(before, heads.get((kind, role)) or head_of(kind, role), data)
+            named = copy()  # the part's name (_part_name), without a frame a part
+            named.update(before + (heads.get((kind, role)) or head_of(kind, role)) + condense(data))
+            name = named.digest()
             names.append(name)
             known = cached.get(name)  # without the lock: one lookup
             if known is None:
