@@ -14,7 +14,6 @@ import json
 import re
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from itertools import repeat
 from operator import methodcaller
 from typing import Any, NamedTuple
 
@@ -300,7 +299,8 @@ _SINGLE_FIELDS: tuple[str, ...] = (
         for name in dict.fromkeys((*CHAT_SETTINGS, *RESPONSES_SETTINGS, *MESSAGES_SETTINGS))
     ),
 )
-_SINGLE_COUNT = Counter(_SINGLE_FIELDS)
+_SINGLE = frozenset(_SINGLE_FIELDS)  # each once; the fields that count more, and how much
+_SINGLE_MORE = tuple((name, n - 1) for name, n in Counter(_SINGLE_FIELDS).items() if n > 1)
 _CONTENT = methodcaller("get", "content")  # an item's content (a body parsed from JSON)
 _IDS_PER_PIECE = 16  # token ids written as text cost about a content piece per this many
 
@@ -310,7 +310,10 @@ def part_bound(payload: Mapping[str, Any], *, walk_below: int = 0) -> int:
     known before any part is built: the prompt-cache doctor's cost follows it
     (``docs/design/doctor.md``, "Where").
     """
-    count = sum(map(_SINGLE_COUNT.get, payload, repeat(0)))  # the body's few fields
+    count = len(_SINGLE.intersection(payload))  # the body's few fields: one look
+    for name, more in _SINGLE_MORE:
+        if name in payload:
+            count += more
     arrays = _PART_ARRAYS.intersection(payload)  # the ones it gives: one look
     for name in arrays:
         value = payload[name]

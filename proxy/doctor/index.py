@@ -260,9 +260,11 @@ class LruPrefixIndex:
             on, cl_at = CONTINUED, _CL  # locals: this loop runs per key
             fresh_on, fresh_end = (h << _CS) | (h << _CL), (h << _ES) | h
             rest = stop if cut <= probe.scoped < stop else len(keys)  # the scope's: held
-            written: Iterable[tuple[bytes, int]] = zip(keys[skip:cut], marks[skip:cut])
+            # keys and marks: equal lengths, so no strict= (a keyword makes zip a slow call)
+            written: Iterable[tuple[bytes, int]]
+            written = zip(keys[skip:cut], marks[skip:cut])  # noqa: B905
             if rest > stop:
-                written = chain(written, zip(keys[stop:rest], marks[stop:rest]))
+                written = chain(written, zip(keys[stop:rest], marks[stop:rest]))  # noqa: B905
             for key, mark in written:
                 # this request's stamp h into the run of its kind, unless the run holds it
                 # already or ends at most a settle before it; most stamps are the run's

@@ -266,23 +266,27 @@ class PrefixCheck:
         ``docs/design/doctor.md``) or a body bound for the hashing thread (past
         :data:`INLINE_MAX_BLOCKS`), and weighs its jobs first; one already weighed for
         a thread (with a shared index) is handed over at the loop's next turn."""
-        loop = asyncio.get_running_loop()
         place = job.place
         if place is not None and place is not Place.INLINE:
-            loop.call_soon(job.start)
+            asyncio.get_running_loop().call_soon(job.start)
             return
         batch = self._batch
-        batch.append(job)
         blocks = body_bytes // self._block_bytes
-        self._batch_blocks += _counted(blocks)
-        full = self._batch_blocks >= BATCH_BLOCKS or len(batch) >= BATCH_JOBS
-        if full or blocks > INLINE_MAX_BLOCKS:
-            if self._batch_timer is not None:
-                self._batch_timer.cancel()
-            self._batch_timer = loop.call_soon(self.run_batch)
-            self._batch_soon = True
-        elif self._batch_timer is None:
-            self._batch_timer = loop.call_later(BATCH_S, self.run_batch)
+        counted = self._batch_blocks + _counted(blocks)
+        soon = (counted >= BATCH_BLOCKS or len(batch) >= BATCH_JOBS - 1
+                or blocks > INLINE_MAX_BLOCKS)
+        timer = self._batch_timer
+        if soon or timer is None:  # the loop looked up only then (a syscall: getpid)
+            loop = asyncio.get_running_loop()  # raises before the job joins, if closed
+            if soon:
+                if timer is not None:
+                    timer.cancel()
+                self._batch_timer = loop.call_soon(self.run_batch)
+                self._batch_soon = True
+            else:
+                self._batch_timer = loop.call_later(BATCH_S, self.run_batch)
+        batch.append(job)
+        self._batch_blocks = counted
 
     def run_batch(self, upto: PrefixJob | None = None) -> None:
         """Examine the batch's jobs, in order, for :data:`BATCH_TURN_S` of this turn of the

@@ -39,8 +39,8 @@ class HashedPrompt(NamedTuple):
     ``keys`` and ``marks`` are the probe (:meth:`probe`), laid out while hashing: the
     chunks, then the chain from its last block to its first, then the root and the
     anchors (so an LRU, touching them in that order, forgets chunks before the chain and
-    a chain's tail before its head). Chunk positions are kept for :func:`proxy.doctor.examine.examine` only:
-    sizes, never text."""
+    a chain's tail before its head). Chunk positions are kept for
+    :func:`proxy.doctor.examine.examine` only: sizes, never text."""
 
     block_bytes: int
     parts: tuple[PartShape, ...]
@@ -174,7 +174,8 @@ class _Lead(NamedTuple):
         same count, anchor part and indices (which the names leave out)."""
         if self.anchor != anchor or len(self.parts) != len(parts) - 1:
             return False
-        for shape, part in zip(self.parts, parts, strict=False):  # noqa: SIM110 (no generator)
+        # the shorter first: no strict= (a keyword makes zip a slow call), no generator
+        for shape, part in zip(self.parts, parts):  # noqa: B905, SIM110
             if shape.index != part[1]:
                 return False
         return True
