@@ -25,6 +25,7 @@ TTFT = "llm_proxy_time_to_first_token_seconds"
 QUEUE = "llm_proxy_queue_time_seconds"
 UPSTREAM_QUEUE = "llm_proxy_upstream_queue_time_seconds"
 DURATION = "llm_proxy_request_duration_seconds"
+ITL = "llm_proxy_inter_token_latency_seconds"
 TPOT = "llm_proxy_time_per_output_token_seconds"
 COMPLETION = "llm_proxy_completion_tokens"
 MISSED_PER_REQUEST = "llm_proxy_prompt_cache_missed_tokens_per_request"
@@ -36,7 +37,7 @@ ESTIMATED = "llm_proxy_prefill_fit_estimated_requests_total"
 ENGINE_PREFILL = "llm_proxy_upstream_prefill_seconds"
 NO_FIRST_TOKEN = "llm_proxy_wait_without_first_token_seconds"
 
-SUMMED = (TTFT, QUEUE, UPSTREAM_QUEUE, DURATION, TPOT, COMPLETION, MISSED_PER_REQUEST,
+SUMMED = (TTFT, QUEUE, UPSTREAM_QUEUE, ITL, TPOT, COMPLETION, MISSED_PER_REQUEST,
           ENGINE_PREFILL, NO_FIRST_TOKEN)
 BUCKETED = (TPOT, COMPLETION)  # their buckets are read too
 COUNTERS = (REQUESTS, MISSED, UNMARKED, SKIPPED_SAMPLE, ESTIMATED, *FIT_SAMPLES)
@@ -46,7 +47,7 @@ SAMPLE_NAMES: frozenset[str] = frozenset(
     + [f"{h}_bucket" for h in BUCKETED]
 )
 _BUCKET_OF = {f"{h}_bucket": h for h in BUCKETED}
-_STREAMS_ONLY = (DURATION, QUEUE)  # histograms with a stream label: read for streams
+_STREAMS_ONLY = (QUEUE,)  # histograms with a stream label: read for streams
 
 # The recording rules holding the fit's sums over a window (prometheus/rules/recording.yml).
 RULE_RANGES = ("5m", "1h")
@@ -121,7 +122,7 @@ class ReadingBuilder:
         if name not in SAMPLE_NAMES or not math.isfinite(value):
             return
         if name.startswith(_STREAMS_ONLY) and labels.get("stream", "true") != "true":
-            return  # the mean total time and queue are of streams, as the first token is
+            return  # the queue time is of streams, as the first token is
         key = (labels.get("route", ""), labels.get("model", ""), labels.get("upstream", ""))
         figs = self._figures.get(key)
         if figs is None:
@@ -310,6 +311,14 @@ def evidence(now: Reading, before: Reading | None = None, *, route: str | None =
     return out
 
 
+def stream_total(ttft_sum: float, streams: float, gaps_sum: float) -> float | None:
+    """The mean time of the streams that had a first token: the first token, then
+    decoding from it to the last output event (the sum of their gaps, ``ITL``); None
+    without one. Not the request duration's mean, which also holds the streams answered
+    an error, or cut before a first token, and would understate it."""
+    return (ttft_sum + gaps_sum) / streams if streams > 0 else None
+
+
 def _mean(figs: Figures, histogram: str) -> float | None:
     count = figs.get(f"{histogram}_count")
     return figs.get(f"{histogram}_sum") / count if count > 0 else None
@@ -346,7 +355,8 @@ def _evidence(key: Key, figs: Figures) -> Evidence:
         fit_estimated=round(figs.get(ESTIMATED)),
         engine_prefill_mean_s=_mean(figs, ENGINE_PREFILL),
         engine_prefill_requests=round(figs.get(f"{ENGINE_PREFILL}_count")),
-        duration_mean_s=_mean(figs, DURATION),
+        duration_mean_s=stream_total(figs.get(f"{TTFT}_sum"), figs.get(f"{TTFT}_count"),
+                                     figs.get(f"{ITL}_sum")),
         tpot=_dist(figs, TPOT),
         completion=_dist(figs, COMPLETION),
         finish={k: v for k, v in figs.finish.items() if v > 0},

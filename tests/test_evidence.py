@@ -106,9 +106,10 @@ def test_the_registry_gives_what_the_records_say() -> None:
                                               rel=1e-12)
     assert chat.upstream_queue_mean_s == pytest.approx(
         mean([r.upstream_queue_s or 0 for r in mine]), rel=1e-12)
-    # the mean total time is of streams only, as the first token is
-    assert chat.duration_mean_s == pytest.approx(mean([r.duration_s for r in streams]),
-                                                 rel=1e-12)
+    # the mean total time is of the streams that had a first token: it, then their gaps
+    assert chat.duration_mean_s == pytest.approx(
+        mean([r.ttft_s + math.fsum(r.itl_s) for r in streams if r.ttft_s is not None]),
+        rel=1e-12)
     points = [((r.prompt_tokens or 0) - (r.cached_prompt_tokens or 0),
                (r.ttft_s or 0) - (r.queue_s or 0)) for r in streams]
     expected = fit(FitSums.of(points))

@@ -191,7 +191,9 @@ def test_time_split_adds_up_to_the_mean_streamed_request() -> None:
     metrics = Metrics(CollectorRegistry())
     for i in range(4):
         metrics.observe(
-            record(i, queue_s=0.1, overhead_s=0.002, ttft_s=0.5, duration_s=2.0), measured=True
+            record(i, queue_s=0.1, overhead_s=0.002, ttft_s=0.5, duration_s=2.0,
+                   itl_s=(0.5, 0.5, 0.5)),
+            measured=True,
         )
     metrics.observe(
         record(9, stream=False, ttft_s=None, duration_s=30.0, queue_s=0.1, overhead_s=0.002),
@@ -207,6 +209,26 @@ def test_time_split_adds_up_to_the_mean_streamed_request() -> None:
         {"queue": 0.1, "overhead": 0.002, "first_token": 0.398, "decode": 1.5}
     )
     assert math.fsum(split["shares"].values()) == pytest.approx(1.0)
+
+
+def test_time_split_leaves_out_the_streams_that_had_no_first_token() -> None:
+    """Streams answered an error (429 at once) are streams without a first token: they
+    lowered the mean duration below the first token, and decoding read as 0."""
+    metrics = Metrics(CollectorRegistry())
+    metrics.observe(record(0, ttft_s=0.3, duration_s=0.5, itl_s=(0.05,) * 4), measured=True)
+    for i in range(1, 5):
+        metrics.observe(
+            record(i, status=429, outcome=Outcome.UPSTREAM_4XX, ttft_s=None, ttfa_s=None,
+                   tpot_s=None, itl_s=(), output_events=0, completion_tokens=None,
+                   duration_s=0.003),
+            measured=True,
+        )
+    split = ui_data.LiveData(metrics.registry, clock=Clock()).answer(("", "", ""))["figures"][
+        "total"
+    ]["time"]
+    assert split["request_s"] == pytest.approx(0.5)
+    assert split["parts_s"]["decode"] == pytest.approx(0.2)
+    assert math.fsum(split["parts_s"].values()) == pytest.approx(split["request_s"])
 
 
 def test_last_minute_starts_from_the_collection_a_minute_ago() -> None:
@@ -967,7 +989,8 @@ def test_the_slowest_requests_reach_the_page_through_metrics() -> None:
     # The app's page reads a registry restricted to the samples it uses: all of them.
     total = answer["figures"]["total"]
     assert total["requests"] == 3 and total["ttft"]["n"] == total["itl"]["n"] / 3 == 3
-    assert total["tpot"]["n"] == 3 and total["time"]["request_s"] == pytest.approx(1.0)
+    # the time split's request: its first token (0.1 to 0.3 s, 0.2 s the mean), its gaps (0.09 s)
+    assert total["tpot"]["n"] == 3 and total["time"]["request_s"] == pytest.approx(0.2 + 0.09)
     assert total["cache_hit_ratio"] == pytest.approx(0.25)
 
 

@@ -60,7 +60,7 @@ class Evidence:
     fit_estimated: int = 0  # of the fit's requests, those with the proxy's own token estimate
     engine_prefill_mean_s: float | None = None  # the engine's own prefill time, mean
     engine_prefill_requests: int = 0  # the requests that reported it
-    duration_mean_s: float | None = None  # mean total time of the streams
+    duration_mean_s: float | None = None  # mean time of the streams with a first token
     tpot: Dist | None = None  # seconds per output token, one per stream
     completion: Dist | None = None  # completion tokens per response
     finish: Mapping[str, float] = field(default_factory=dict)  # by llm_proxy_finish_reasons label

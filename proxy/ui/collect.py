@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 from proxy.doctor.examine import REASONS
 from proxy.evidence import (
     COMPLETION,
-    DURATION,
+    ITL,
     MISSED,
     QUEUE,
     REQUESTS,
@@ -30,12 +30,11 @@ from proxy.evidence import (
 from proxy.measure import Outcome
 
 TTFA = "llm_proxy_time_to_first_answer_token_seconds"
-ITL = "llm_proxy_inter_token_latency_seconds"
 HISTOGRAMS = (TTFT, TTFA, ITL, TPOT)  # buckets kept: percentiles and charts
 OVERHEAD = "llm_proxy_overhead_seconds"
 PROMPT = "llm_proxy_prompt_tokens"
 CACHED = "llm_proxy_cached_prompt_tokens"
-SUMMED = (DURATION, QUEUE, OVERHEAD, PROMPT, CACHED, COMPLETION)  # only _sum and _count
+SUMMED = (QUEUE, OVERHEAD, PROMPT, CACHED, COMPLETION)  # only _sum and _count
 OUTCOMES = "llm_proxy_stream_outcomes_total"
 IN_FLIGHT = "llm_proxy_in_flight_requests"
 REPEATED = "llm_proxy_prompt_repeated_tokens_total"
@@ -186,7 +185,7 @@ class Reader:
             hkey = (key, base, part)
             self.hsums[hkey] = self.hsums.get(hkey, 0.0) + value
         elif base in SUMMED:
-            if base not in (DURATION, QUEUE) or labels.get("stream", "true") == "true":
+            if base != QUEUE or labels.get("stream", "true") == "true":
                 self.scalar(key, f"{base}_{part}", value)
         elif name == REQUESTS:
             self.scalar(key, "requests", value)

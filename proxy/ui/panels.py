@@ -17,7 +17,7 @@ from proxy.diagnosis import levers
 from proxy.diagnosis.fit import MODEL_WORDS
 from proxy.doctor.examine import REASONS
 from proxy.doctor.report import explain_break
-from proxy.evidence import COMPLETION, DURATION, QUEUE, TPOT, TTFT, Key
+from proxy.evidence import COMPLETION, ITL, QUEUE, TPOT, TTFT, Key, stream_total
 from proxy.measure import Outcome
 from proxy.ui.breaks import BreakExample, RecentBreaks
 from proxy.ui.collect import (
@@ -25,7 +25,6 @@ from proxy.ui.collect import (
     COARSE_S,
     CODES,
     FULL_WINDOW_S,
-    ITL,
     OUTCOME_NAMES,
     OVERHEAD,
     PROMPT,
@@ -317,7 +316,12 @@ def _figures(data: LiveData, s: Series, seconds: float) -> dict[str, Any]:
         count = s.get(f"{name}_count")
         return s.get(f"{name}_sum") / count if count > 0 else None
 
+    def sum_count(histogram: str) -> tuple[float, float]:
+        values = s.hists.get(histogram)  # its buckets, then its sum and count
+        return (values[-2], values[-1]) if values else (0.0, 0.0)
+
     ttft = data.dist(s, TTFT)
+    itl = data.dist(s, ITL)
     prompt = s.get(f"{PROMPT}_sum")
     return {
         "seconds": seconds,
@@ -330,12 +334,13 @@ def _figures(data: LiveData, s: Series, seconds: float) -> dict[str, Any]:
                             if prompt > 0 and s.get(f"{CACHED}_count") > 0 else None),
         "ttft": ttft,
         "ttfa": data.dist(s, TTFA),
-        "itl": data.dist(s, ITL),
+        "itl": itl,
         "tpot": data.dist(s, TPOT),
         "outcomes": {o: v for o in (*OUTCOME_NAMES, "other") if (v := s.get(f"outcome_{o}"))},
         "codes": {c: v for c in (*CODES, "other") if (v := s.get(f"code_{c}"))},
         "time": _time_split(
-            mean(DURATION), mean(QUEUE), mean(OVERHEAD), ttft["mean"] if ttft else None
+            stream_total(*sum_count(TTFT), sum_count(ITL)[0]),
+            mean(QUEUE), mean(OVERHEAD), ttft["mean"] if ttft else None,
         ),
     }
 
@@ -430,8 +435,9 @@ def _row(view: View, key: Key, s: Series) -> dict[str, Any]:
 def _time_split(
     duration: float | None, queue: float | None, overhead: float | None, ttft: float | None
 ) -> dict[str, Any] | None:
-    """Mean streamed request time in four parts that add up to it (see the module
-    docstring); ``None`` until there is a streamed request with a first token."""
+    """Mean time of a stream that had a first token (``duration``:
+    :func:`proxy.evidence.stream_total`), in four parts that add up to it (see the module
+    docstring); ``None`` until there is one."""
     if duration is None or ttft is None or duration <= 0:
         return None
     queue = min(queue or 0.0, ttft)
