@@ -23,14 +23,17 @@ _FIRST_WINDOW = 256
 _WS = re.compile(r"[ \t\n\r]*").match  # JSON whitespace, as json.decoder's WHITESPACE
 _raw_decode = json.JSONDecoder().raw_decode
 _scanstring: Callable[[str, int, bool], tuple[str, int]] = json.decoder.scanstring  # type: ignore[attr-defined]
-_encode = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+# allow_nan=False: a number past a float's range (1e400) decodes as inf, which would be
+# written back as Infinity, not JSON; such a body is forwarded as it came instead
+_encode = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode
 _HIGH_SURROGATE = re.compile(r"\\u[dD][89abAB]").match
 _LOW_SURROGATE = re.compile(r"\\u[dD][c-fC-F]").match
 
 
 def compact(value: Any) -> bytes:
-    """``value`` as the proxy sends a JSON body it re-encodes: compact, UTF-8."""
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
+    """``value`` as the proxy sends a JSON body it re-encodes: compact, UTF-8; raises
+    ValueError where that would not be JSON (a NaN or an infinity)."""
+    return _encode(value).encode()
 
 
 @dataclass(slots=True)
@@ -336,5 +339,5 @@ def _with_usage(payload: dict[str, Any], encode: Callable[[Any], bytes] = compac
     changed["stream_options"] = {**(options or {}), "include_usage": True}
     try:
         return encode(changed)
-    except (ValueError, UnicodeEncodeError):  # e.g. a lone surrogate escaped in the JSON
+    except ValueError:  # a lone surrogate escaped in the JSON, a number past a float's range
         return None  # forward the body as it came; tokens fall back to counting

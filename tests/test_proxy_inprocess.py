@@ -192,6 +192,20 @@ async def test_injection_when_include_usage_is_false() -> None:
         assert up.seen[0].json["stream_options"] == {"include_usage": True}
 
 
+async def test_a_body_that_would_not_encode_as_json_goes_out_as_it_came() -> None:
+    """1e400 is JSON, but decodes as an infinity that json writes back as Infinity,
+    which is not: no usage request is added, the bytes go to the upstream unchanged."""
+    clock = ScriptedClock()
+    up = sse_upstream(clock, chat_script())
+    app, _ = make_app(up, clock)
+    async with app:
+        raw = json.dumps(stream_request()).encode().replace(b"{", b'{"temperature":1e400,', 1)
+        async with client_for(app) as client:
+            response = await client.post(CHAT, content=raw)
+        assert response.status_code == 200
+        assert up.seen[0].body == raw
+
+
 async def test_no_injection_for_non_streaming() -> None:
     clock = ScriptedClock()
     up = json_upstream(200, json.dumps({"choices": [], "usage": USAGE["usage"]}).encode())
