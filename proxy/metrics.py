@@ -114,6 +114,11 @@ class BoundedLabels:
 # Ends of a stream the upstream never answered that are still a wait without a first
 # token: the client gave up, or the proxy shut down, before any status came.
 _LEFT_UNANSWERED = frozenset((Outcome.CLIENT_DISCONNECTED, Outcome.CANCELLED))
+# Made at 0 with a label set (Metrics._from_zero): the codes of the shipped error-ratio
+# rule the proxy answers itself (an upstream that failed or timed out, a shutdown) or
+# relays most, and every outcome a stream can end with.
+_FROM_ZERO_CODES = ("500", "502", "503", "504")
+_STREAM_OUTCOMES = tuple(str(o) for o in Outcome if o is not Outcome.REJECTED)
 
 # Per-request token counts: the record's field, the histogram's name and help.
 _TOKEN_HISTOGRAMS = (
@@ -280,7 +285,22 @@ class Metrics:
                 self.overhead.labels(*labels),
                 tuple((field, h.labels(*who)) for field, h in self.tokens.items()))
             self._children[key] = found
+            self._from_zero(labels, who, stream)
         return found
+
+    def _from_zero(self, labels: tuple[str, ...], who: tuple[str, ...], stream: bool) -> None:
+        """A new label set's failure series at 0, before any failure: ``rate()`` and
+        ``increase()`` count nothing of what a series held at its first scrape, so a
+        series born at its first failure would hide it from the rules, the alerts and the
+        dashboard (a sporadic failure never). The first request's own failure, counted
+        as its series is made, still is (``docs/dashboards.md``, "Series from zero")."""
+        flag = "true" if stream else "false"
+        for code in _FROM_ZERO_CODES:
+            self.requests.labels(*who, flag, code)
+        if stream:
+            self.no_first_token.labels(*who)
+            for outcome in _STREAM_OUTCOMES:
+                self.outcomes.labels(*labels, outcome)
 
     def observe(self, record: RequestRecord, *, measured: bool) -> None:
         """Record one finished request. Called exactly once per request.
@@ -330,10 +350,8 @@ class Metrics:
                   is not Outcome.REJECTED and (200 <= record.status < 300
                                                or record.outcome in _LEFT_UNANSWERED)):
                 # a 2xx stream that broke off, or one whose client left (or whose proxy
-                # shut down) before the upstream answered: a queued one, a hung upstream.
-                # Its child is made when first needed, not with the others: an empty
-                # histogram of every route and model would be series of nothing on every
-                # scrape
+                # shut down) before the upstream answered: a queued one, a hung upstream
+                # (its child made at 0 with the label set's first stream: _from_zero)
                 who: tuple[str, ...] = (record.route, record.model, record.upstream)
                 if self.client_label is not None:
                     who = (*who, record.client)

@@ -87,10 +87,11 @@ def request_id(result: RawResult) -> str:
 
 
 def requests_total(registry: CollectorRegistry) -> dict[tuple[str, str, str, str], float]:
-    """``llm_proxy_requests_total`` by (route, model, stream, code)."""
+    """``llm_proxy_requests_total`` by (route, model, stream, code), of the codes answered
+    (a label set's failure codes are made at 0 with its first request)."""
     return {(s.labels["route"], s.labels["model"], s.labels["stream"], s.labels["code"]): s.value
             for family in registry.collect() for s in family.samples
-            if s.name == "llm_proxy_requests_total"}
+            if s.name == "llm_proxy_requests_total" and s.value}
 
 
 def log_lines(path: Path) -> list[dict[str, Any]]:

@@ -63,11 +63,12 @@ def digest(key: str) -> str:
 
 
 def requests_by_client(text: str) -> dict[tuple[str, str], float]:
-    """``llm_proxy_requests_total`` summed per (client, code)."""
+    """``llm_proxy_requests_total`` summed per (client, code), of the codes answered (a
+    label set's failure codes are made at 0 with its first request)."""
     out: dict[tuple[str, str], float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            if s.name == "llm_proxy_requests_total":
+            if s.name == "llm_proxy_requests_total" and s.value:
                 key = (s.labels["client"], s.labels["code"])
                 out[key] = out.get(key, 0.0) + s.value
     return out
