@@ -240,7 +240,7 @@ class Metrics:
             "--connect-timeout), upstream_unreachable (connect failed), upstream_4xx, "
             "upstream_5xx (the upstream's status, relayed), upstream_error (an error event "
             "inside a 200 stream: Responses error or response.failed, Messages event: error; "
-            "or invalid HTTP), cancelled (still running when the proxy's shutdown grace "
+            "an error object for a 200 answer's body; or invalid HTTP), cancelled (still running when the proxy's shutdown grace "
             "period ended).", (*base, "outcome"),
             registry=reg)
         self.in_flight_gauge = Gauge(

@@ -44,6 +44,7 @@ from proxy.stages import (
     Asked,
     Ended,
     Stages,
+    error_answer,
     failure_outcome,
     record_of,
     status_outcome,
@@ -481,6 +482,9 @@ class V1Handler:
         if outcome is Outcome.COMPLETED and meter is not None and meter.timer.error:
             outcome = Outcome.UPSTREAM_ERROR  # an error event inside the 200 stream
             reason = "error event in the stream"
+        elif outcome is Outcome.COMPLETED and meter is None and ok and error_answer(result.body):
+            outcome = Outcome.UPSTREAM_ERROR  # status 200, and an error object for a body
+            reason = "error object in a 2xx body"
         elif (outcome is Outcome.COMPLETED and meter is not None and meter.timer.ended_t is None
               and not meter.timer.response().finish):
             # the body ended well, the answer did not: no last event and no finish reason

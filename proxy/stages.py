@@ -5,6 +5,7 @@ Design: ``docs/design/request-path.md``.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -208,6 +209,20 @@ def failure_outcome(exc: UpstreamError) -> Outcome:
     if isinstance(exc, ReadError):  # closed or reset with the request sent, no answer yet
         return Outcome.UPSTREAM_INTERRUPTED
     return Outcome.UPSTREAM_ERROR  # invalid HTTP
+
+
+def error_answer(body: bytes | None) -> bool:
+    """Whether a 2xx answer's collected body is an error: an ``error`` object without
+    the answer's ``choices`` or ``content`` (some servers answer a failure with status
+    200; a failed Responses object holds one beside its empty ``output``)."""
+    if not body or b'"error"' not in body:
+        return False
+    try:
+        payload = json.loads(body)
+    except (ValueError, RecursionError):
+        return False
+    return (isinstance(payload, dict) and isinstance(payload.get("error"), dict)
+            and bool(payload["error"]) and "choices" not in payload and "content" not in payload)
 
 
 def status_outcome(status: int) -> Outcome:

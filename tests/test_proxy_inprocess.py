@@ -206,6 +206,25 @@ async def test_a_body_that_would_not_encode_as_json_goes_out_as_it_came() -> Non
         assert up.seen[0].body == raw
 
 
+@pytest.mark.parametrize("body", [
+    {"error": {"message": "model overloaded", "type": "server_error", "code": None}},
+    {"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}},
+])
+async def test_an_error_object_answered_200_is_an_upstream_error(body: dict[str, Any]) -> None:
+    """Some servers answer a failure with status 200 and an error object, as JSON, to a
+    stream request: it is no completed stream."""
+    clock = ScriptedClock()
+    raw = json.dumps(body).encode()
+    app, registry = make_app(json_upstream(200, raw), clock)
+    async with app:
+        response = await post(app, CHAT, stream_request())
+        assert response.status_code == 200 and response.content == raw
+        assert registry.get_sample_value(
+            "llm_proxy_stream_outcomes_total", labels(outcome="upstream_error")) == 1
+        assert registry.get_sample_value(
+            "llm_proxy_stream_outcomes_total", labels(outcome="completed")) == 0
+
+
 async def test_no_injection_for_non_streaming() -> None:
     clock = ScriptedClock()
     up = json_upstream(200, json.dumps({"choices": [], "usage": USAGE["usage"]}).encode())
