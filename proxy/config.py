@@ -45,6 +45,10 @@ ITL_BUCKETS: tuple[float, ...] = (
     0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
     0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0,
 )  # fmt: skip
+# Bucket edges the shipped rules and alerts select (prometheus/rules: the TTFT SLO's
+# target, the TTFT alerts' and the ITL alert's thresholds), per bucket setting: a layout
+# without one makes them read wrong (the SLO would count every stream a miss).
+RULE_EDGES: dict[str, tuple[float, ...]] = {"ttft_buckets": (2.0, 5.0), "itl_buckets": (0.2,)}
 DURATION_BUCKETS: tuple[float, ...] = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0,
     15.0, 20.0, 30.0, 45.0, 60.0, 90.0, 120.0, 180.0, 300.0, 600.0,

@@ -99,8 +99,8 @@ def run(args: argparse.Namespace) -> int:
     # traceback, as after a drain.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _exit_zero)
-    for spec in settings.upstream_specs:
-        warning = upstream_warning(spec.url)
+    warnings = [upstream_warning(spec.url) for spec in settings.upstream_specs]
+    for warning in [*warnings, *rule_edge_warnings(settings, args, env)]:
         if warning:
             print(f"llm-latency-proxy: warning: {warning}", file=sys.stderr, flush=True)
     try:
@@ -164,6 +164,22 @@ def _listen(host: str, port: int, option: str = "port") -> socket.socket:
 
 
 _VERSION_SEGMENT = re.compile(r"v\d+\w*")
+
+
+def rule_edge_warnings(settings: Settings, args: argparse.Namespace | None = None,
+                       env: Mapping[str, str] | None = None) -> list[str]:
+    """A line per bucket edge the shipped rules select (:data:`proxy.config.RULE_EDGES`)
+    that the settings' layout lacks, naming the option as it was given."""
+    out = []
+    for option, edges in config.RULE_EDGES.items():
+        have = getattr(settings, option)
+        missing = [edge for edge in edges if edge not in have]
+        if missing:
+            out.append(f"{config.given_as(option, args, env)} has no {', '.join(f'{e:g} s' for e in missing)} edge, which "
+                       "the shipped recording rules and alerts (prometheus/rules) read: they "
+                       "would read wrong (the TTFT SLO counts every stream a miss); add it, "
+                       "or move the rules' edges to edges you have")
+    return out
 
 
 def upstream_warning(upstream: str) -> str | None:

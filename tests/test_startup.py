@@ -144,3 +144,17 @@ def test_port_0_with_workers_names_the_port_the_workers_share() -> None:
         assert get_healthz(port) == 200
         assert proc.stop() == 0
     assert not [line for line in proc.lines if "warning" in line.lower()]
+
+
+@pytest.mark.e2e
+def test_a_bucket_layout_without_the_rules_edges_warns_at_start() -> None:
+    """The shipped rules read the TTFT buckets at 2 s (the SLO) and 5 s, the ITL buckets
+    at 0.2 s: without the 2 s edge the SLO counts every stream a miss, so start-up says so."""
+    with serving("--port", "0", "--upstream", "http://127.0.0.1:9/v1",
+                 "--ttft-buckets", "0.5,1,5") as proc:
+        proc.wait_for(BANNER)
+        assert proc.stop() == 0
+    warnings = [line for line in proc.lines if "warning" in line.lower()]
+    assert len(warnings) == 1
+    assert warnings[0].startswith("llm-latency-proxy: warning: --ttft-buckets has no 2 s edge")
+    assert "prometheus/rules" in warnings[0]
