@@ -231,6 +231,20 @@ def test_time_split_leaves_out_the_streams_that_had_no_first_token() -> None:
     assert math.fsum(split["parts_s"].values()) == pytest.approx(split["request_s"])
 
 
+def test_cache_hit_ratio_leaves_out_upstreams_that_never_say() -> None:
+    """An upstream that reports no cached tokens is unknown, not a cache that hit
+    nothing: its prompt tokens are not in the ratio's denominator."""
+    metrics = Metrics(CollectorRegistry())
+    metrics.observe(record(0, upstream="says", prompt_tokens=1234, cached_prompt_tokens=1000),
+                    measured=True)
+    metrics.observe(record(1, upstream="silent", prompt_tokens=1234, cached_prompt_tokens=None),
+                    measured=True)
+    data = ui_data.LiveData(metrics.registry, clock=Clock())
+    assert data.answer(("", "", ""))["figures"]["total"]["cache_hit_ratio"] == pytest.approx(
+        1000 / 1234)
+    assert data.answer(("", "", "silent"))["figures"]["total"]["cache_hit_ratio"] is None
+
+
 def test_last_minute_starts_from_the_collection_a_minute_ago() -> None:
     clock = Clock()
     metrics = Metrics(CollectorRegistry())

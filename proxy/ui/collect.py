@@ -65,6 +65,10 @@ _SCALARS: tuple[str, ...] = (
     "repeated_tokens",
     "examined",
     *(f"break_{r}" for r in (*REASONS, "other")),
+    # the prompt tokens of the series whose answers said what they served from cache:
+    # the cache hit ratio's denominator, where an upstream that never says is unknown,
+    # not a cache that hit nothing (a series whose answers said only at times: all of it)
+    "prompt_reported",
 )
 _AT = {name: i for i, name in enumerate(_SCALARS)}
 _REASONS = frozenset(REASONS)
@@ -213,7 +217,10 @@ class Reader:
         self, edges: dict[str, tuple[float, ...]], previous: dict[Key, Series]
     ) -> dict[Key, Series]:
         out: dict[Key, Series] = {}
+        cached, prompt = _AT[f"{CACHED}_count"], _AT[f"{PROMPT}_sum"]
+        reported = _AT["prompt_reported"]
         for key, row in self.scalars.items():
+            row[reported] = row[prompt] if row[cached] > 0 else 0.0
             old = previous.get(key)
             scalars = array("d", row)
             if old is not None and old.scalars == scalars:

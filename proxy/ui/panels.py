@@ -322,7 +322,6 @@ def _figures(data: LiveData, s: Series, seconds: float) -> dict[str, Any]:
 
     ttft = data.dist(s, TTFT)
     itl = data.dist(s, ITL)
-    prompt = s.get(f"{PROMPT}_sum")
     return {
         "seconds": seconds,
         "requests": s.get("requests"),
@@ -330,8 +329,8 @@ def _figures(data: LiveData, s: Series, seconds: float) -> dict[str, Any]:
         "output_tokens": s.get(f"{COMPLETION}_sum"),
         "output_tokens_per_s": s.get(f"{COMPLETION}_sum") / seconds if seconds > 0 else None,
         # unknown, not 0, where no upstream said what it served from its cache
-        "cache_hit_ratio": (s.get(f"{CACHED}_sum") / prompt
-                            if prompt > 0 and s.get(f"{CACHED}_count") > 0 else None),
+        "cache_hit_ratio": (s.get(f"{CACHED}_sum") / s.get("prompt_reported")
+                            if s.get("prompt_reported") > 0 else None),
         "ttft": ttft,
         "ttfa": data.dist(s, TTFA),
         "itl": itl,
