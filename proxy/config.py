@@ -48,7 +48,11 @@ ITL_BUCKETS: tuple[float, ...] = (
 # Bucket edges the shipped rules and alerts select (prometheus/rules: the TTFT SLO's
 # target, the TTFT alerts' and the ITL alert's thresholds), per bucket setting: a layout
 # without one makes them read wrong (the SLO would count every stream a miss).
-RULE_EDGES: dict[str, tuple[float, ...]] = {"ttft_buckets": (2.0, 5.0), "itl_buckets": (0.2,)}
+RULE_EDGES: dict[str, tuple[tuple[float, str], ...]] = {
+    "ttft_buckets": ((2.0, "the TTFT SLO, which would count every stream a miss"),
+                     (5.0, "the TTFT p99 alert")),
+    "itl_buckets": ((0.2, "the ITL p99 alert"),),
+}
 DURATION_BUCKETS: tuple[float, ...] = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0,
     15.0, 20.0, 30.0, 45.0, 60.0, 90.0, 120.0, 180.0, 300.0, 600.0,

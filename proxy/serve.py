@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 from proxy import config
 from proxy.config import Settings, redact
 from proxy.config_values import SettingsError
-from proxy.options import OPTIONS, SINGLE_UPSTREAM_OPTIONS
+from proxy.options import BY_NAME, OPTIONS, SINGLE_UPSTREAM_OPTIONS
 
 # The end of ``serve --help``: the two set-ups most users start from, laid out by hand
 # (see _HelpFormatter) within 80 columns, each command as typed (a backslash continues
@@ -168,17 +168,26 @@ _VERSION_SEGMENT = re.compile(r"v\d+\w*")
 
 def rule_edge_warnings(settings: Settings, args: argparse.Namespace | None = None,
                        env: Mapping[str, str] | None = None) -> list[str]:
-    """A line per bucket edge the shipped rules select (:data:`proxy.config.RULE_EDGES`)
-    that the settings' layout lacks, naming the option as it was given."""
-    out = []
+    """A line per bucket layout that lacks an edge the shipped rules select
+    (:data:`proxy.config.RULE_EDGES`), naming the option as it was given (the config
+    file's key where neither its flag nor its variable was); none without measurement."""
+    out: list[str] = []
+    if not settings.measure:
+        return out
     for option, edges in config.RULE_EDGES.items():
         have = getattr(settings, option)
-        missing = [edge for edge in edges if edge not in have]
-        if missing:
-            out.append(f"{config.given_as(option, args, env)} has no {', '.join(f'{e:g} s' for e in missing)} edge, which "
-                       "the shipped recording rules and alerts (prometheus/rules) read: they "
-                       "would read wrong (the TTFT SLO counts every stream a miss); add it, "
-                       "or move the rules' edges to edges you have")
+        missing = [(edge, what) for edge, what in edges if edge not in have]
+        if not missing:
+            continue
+        named = config.given_as(option, args, env)
+        if (named == BY_NAME[option].flag and settings.config
+                and (args is None or getattr(args, option, None) is None)):
+            named = f"{option} in {settings.config}"
+        at = " or ".join(f"{edge:g} s" for edge, _ in missing)
+        whats = "; ".join(what for _, what in missing)
+        out.append(f"{named} has no edge at {at}, which the shipped rules read "
+                   f"(prometheus/rules: {whats}): add it, or move the rules' edges to "
+                   "edges you have")
     return out
 
 

@@ -8,6 +8,7 @@ deadline, never on a fixed sleep.
 
 from __future__ import annotations
 
+import argparse
 import http.client
 import os
 import queue
@@ -156,5 +157,22 @@ def test_a_bucket_layout_without_the_rules_edges_warns_at_start() -> None:
         assert proc.stop() == 0
     warnings = [line for line in proc.lines if "warning" in line.lower()]
     assert len(warnings) == 1
-    assert warnings[0].startswith("llm-latency-proxy: warning: --ttft-buckets has no 2 s edge")
-    assert "prometheus/rules" in warnings[0]
+    assert warnings[0].startswith(
+        "llm-latency-proxy: warning: --ttft-buckets has no edge at 2 s, which the shipped rules")
+    assert "TTFT SLO" in warnings[0] and "p99" not in warnings[0]
+
+
+def test_the_bucket_warning_names_the_config_file_key_and_is_silent_without_metrics(
+        tmp_path: Path) -> None:
+    from proxy import config
+    from proxy.serve import rule_edge_warnings
+
+    path = tmp_path / "proxy.toml"
+    path.write_text('itl_buckets = [0.1, 0.3]\n\n[[upstream]]\nname = "up"\n'
+                    'url = "http://127.0.0.1:9/v1"\ndefault = true\n')
+    settings = config.from_sources(argparse.Namespace(config=str(path)), {})
+    (warning,) = rule_edge_warnings(settings, argparse.Namespace(config=str(path)), {})
+    assert warning.startswith(f"itl_buckets in {path} has no edge at 0.2 s")
+    assert "ITL p99 alert" in warning and "SLO" not in warning
+    quiet = config.from_sources(argparse.Namespace(config=str(path), measure=False), {})
+    assert rule_edge_warnings(quiet, None, {}) == []
