@@ -212,16 +212,17 @@ def failure_outcome(exc: UpstreamError) -> Outcome:
 
 
 def error_answer(body: bytes | None) -> bool:
-    """Whether a 2xx answer's collected body is an error: an ``error`` object without
-    the answer's ``choices`` or ``content`` (some servers answer a failure with status
-    200; a failed Responses object holds one beside its empty ``output``)."""
+    """Whether a 2xx answer's collected body is an error: an ``error`` object (or a
+    non-empty string: ``{"error": "overloaded"}``) without the answer's ``choices`` or
+    ``content`` (some servers answer a failure with status 200; a failed Responses
+    object holds one beside its empty ``output``)."""
     if not body or b'"error"' not in body:
         return False
     try:
         payload = json.loads(body)
     except (ValueError, RecursionError):
         return False
-    return (isinstance(payload, dict) and isinstance(payload.get("error"), dict)
+    return (isinstance(payload, dict) and isinstance(payload.get("error"), dict | str)
             and bool(payload["error"]) and "choices" not in payload and "content" not in payload)
 
 

@@ -209,6 +209,7 @@ async def test_a_body_that_would_not_encode_as_json_goes_out_as_it_came() -> Non
 @pytest.mark.parametrize("body", [
     {"error": {"message": "model overloaded", "type": "server_error", "code": None}},
     {"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}},
+    {"error": "overloaded"},
 ])
 async def test_an_error_object_answered_200_is_an_upstream_error(body: dict[str, Any]) -> None:
     """Some servers answer a failure with status 200 and an error object, as JSON, to a
