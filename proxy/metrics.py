@@ -297,9 +297,8 @@ class Metrics:
         flag = "true" if stream else "false"
         for code in _FROM_ZERO_CODES:
             self.requests.labels(*who, flag, code)
-        if stream:
-            self.no_first_token.labels(*who)
-            for outcome in _STREAM_OUTCOMES:
+        if stream:  # not the wait without a first token: a histogram a client and model
+            for outcome in _STREAM_OUTCOMES:  # would add a bucket layout of zeros
                 self.outcomes.labels(*labels, outcome)
 
     def observe(self, record: RequestRecord, *, measured: bool) -> None:
@@ -350,8 +349,9 @@ class Metrics:
                   is not Outcome.REJECTED and (200 <= record.status < 300
                                                or record.outcome in _LEFT_UNANSWERED)):
                 # a 2xx stream that broke off, or one whose client left (or whose proxy
-                # shut down) before the upstream answered: a queued one, a hung upstream
-                # (its child made at 0 with the label set's first stream: _from_zero)
+                # shut down) before the upstream answered: a queued one, a hung upstream.
+                # Its child is made when first needed (not at 0 with the others, as the
+                # failure counters are: a layout of empty buckets a client and model)
                 who: tuple[str, ...] = (record.route, record.model, record.upstream)
                 if self.client_label is not None:
                     who = (*who, record.client)
