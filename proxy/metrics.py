@@ -240,8 +240,8 @@ class Metrics:
             "--connect-timeout), upstream_unreachable (connect failed), upstream_4xx, "
             "upstream_5xx (the upstream's status, relayed), upstream_error (an error event "
             "inside a 200 stream: Responses error or response.failed, Messages event: error; "
-            "an error object for a 200 answer's body; or invalid HTTP), cancelled (still running when the proxy's shutdown grace "
-            "period ended).", (*base, "outcome"),
+            "an error object for a 200 answer's body; or invalid HTTP), cancelled (still "
+            "running when the proxy's shutdown grace period ended).", (*base, "outcome"),
             registry=reg)
         self.in_flight_gauge = Gauge(
             "llm_proxy_in_flight_requests", "Requests the proxy is handling right now "

@@ -58,7 +58,8 @@ def test_a_failure_after_the_first_request_is_counted_by_increase(tmp_path: Path
         assert stream(proxy) == 502
         wait_for("Prometheus to scrape the failure",
                  lambda: prom_value(prom, f'llm_proxy_requests_total{{{on}, code="502"}}') == 1)
-        gained = prom_value(prom, f'sum(increase(llm_proxy_requests_total{{{on}, code="502"}}[1m]))')
+        failed = f'llm_proxy_requests_total{{{on}, code="502"}}'
+        gained = prom_value(prom, f"sum(increase({failed}[1m]))")
         assert gained is not None and gained > 0.5
         outcome = (f'sum(increase(llm_proxy_stream_outcomes_total{{{on}, '
                    'outcome="upstream_unreachable"}[1m]))')
