@@ -24,7 +24,6 @@ SELECTORS = ("route", "model", "upstream")
 TTFT = "llm_proxy_time_to_first_token_seconds"
 QUEUE = "llm_proxy_queue_time_seconds"
 UPSTREAM_QUEUE = "llm_proxy_upstream_queue_time_seconds"
-DURATION = "llm_proxy_request_duration_seconds"
 ITL = "llm_proxy_inter_token_latency_seconds"
 TPOT = "llm_proxy_time_per_output_token_seconds"
 COMPLETION = "llm_proxy_completion_tokens"

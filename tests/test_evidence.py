@@ -175,7 +175,7 @@ def prometheus_answer(query: ev.Query, snapshot: promscrape.Snapshot) -> list[di
         mapping = dict(labels)
         if name != query.sample:
             continue
-        if name.startswith(ev.DURATION) and mapping.get("stream") != "true":
+        if name.startswith(ev.QUEUE) and mapping.get("stream") != "true":
             continue
         group = tuple(mapping[k] for k in by)
         sums[group] = sums.get(group, 0.0) + value

@@ -120,6 +120,11 @@ class Series:
     def get(self, name: str) -> float:
         return self.scalars[_AT[name]]
 
+    def sum_count(self, name: str) -> tuple[float, float]:
+        """Histogram ``name``'s sum and count; 0 and 0 without it."""
+        values = self.hists.get(name)
+        return (values[-2], values[-1]) if values is not None else (0.0, 0.0)
+
 
 def _nonnegative(values: Iterable[float]) -> array[float]:
     return array("d", (v if v > 0.0 else 0.0 for v in values))

@@ -136,8 +136,7 @@ class LiveData:
         pairs = self.pairs(series, name)
         if pairs is None:
             return None
-        values = series.hists[name]
-        count, total = values[-1], values[-2]
+        total, count = series.sum_count(name)
         out: dict[str, Any] = {"n": count, "mean": total / count}
         for q in QUANTILES:
             out[f"p{round(q * 100)}"] = finite(histogram_quantile(q, pairs))

@@ -316,12 +316,7 @@ def _figures(data: LiveData, s: Series, seconds: float) -> dict[str, Any]:
         count = s.get(f"{name}_count")
         return s.get(f"{name}_sum") / count if count > 0 else None
 
-    def sum_count(histogram: str) -> tuple[float, float]:
-        values = s.hists.get(histogram)  # its buckets, then its sum and count
-        return (values[-2], values[-1]) if values else (0.0, 0.0)
-
     ttft = data.dist(s, TTFT)
-    itl = data.dist(s, ITL)
     return {
         "seconds": seconds,
         "requests": s.get("requests"),
@@ -333,12 +328,12 @@ def _figures(data: LiveData, s: Series, seconds: float) -> dict[str, Any]:
                             if s.get("prompt_reported") > 0 else None),
         "ttft": ttft,
         "ttfa": data.dist(s, TTFA),
-        "itl": itl,
+        "itl": data.dist(s, ITL),
         "tpot": data.dist(s, TPOT),
         "outcomes": {o: v for o in (*OUTCOME_NAMES, "other") if (v := s.get(f"outcome_{o}"))},
         "codes": {c: v for c in (*CODES, "other") if (v := s.get(f"code_{c}"))},
         "time": _time_split(
-            stream_total(*sum_count(TTFT), sum_count(ITL)[0]),
+            stream_total(*s.sum_count(TTFT), s.sum_count(ITL)[0]),
             mean(QUEUE), mean(OVERHEAD), ttft["mean"] if ttft else None,
         ),
     }
