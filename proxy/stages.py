@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -211,12 +212,17 @@ def failure_outcome(exc: UpstreamError) -> Outcome:
     return Outcome.UPSTREAM_ERROR  # invalid HTTP
 
 
+# an "error" key whose value is an object or a string: the one look before a 2xx body
+# is parsed for it (record_of parses it again, for its usage)
+_ERROR_GIVEN = re.compile(rb'"error"[ \t\n\r]*:[ \t\n\r]*[{"]').search
+
+
 def error_answer(body: bytes | None) -> bool:
     """Whether a 2xx answer's collected body is an error: an ``error`` object (or a
     non-empty string: ``{"error": "overloaded"}``) without the answer's ``choices`` or
     ``content`` (some servers answer a failure with status 200; a failed Responses
     object holds one beside its empty ``output``)."""
-    if not body or b'"error"' not in body:
+    if not body or _ERROR_GIVEN(body) is None:  # most answers: none, or "error": null
         return False
     try:
         payload = json.loads(body)
