@@ -48,7 +48,7 @@ class Endpoint:
     via: ProxyEndpoint | None = None  # CONNECT tunnel through this proxy (https only)
 
     def __str__(self) -> str:
-        return f"{self.host}:{self.port}"
+        return authority(self.host, self.port)
 
 
 async def tunnel(

@@ -184,7 +184,7 @@ class WireTransport:
                 self._ssl = ssl.create_default_context()
             ssl_context = self._ssl
         host, port, via = endpoint.host, endpoint.port, endpoint.via
-        target = authority(host, port) + (f" through the proxy {via.host}:{via.port}"
+        target = authority(host, port) + (f" through the proxy {authority(via.host, via.port)}"
                                           if via else "")
         loop = self.loop
 
@@ -252,9 +252,7 @@ class WireTransport:
         try:
             conn = await self._connect(endpoint)
         except UpstreamError as exc:  # the next request connects and reports it
-            log.debug(
-                "keeping a connection to %s:%d warm failed: %s", endpoint.host, endpoint.port, exc
-            )
+            log.debug("keeping a connection to %s warm failed: %s", endpoint, exc)
             return
         conn.park()
         idle.append(conn)
