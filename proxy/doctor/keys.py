@@ -571,12 +571,9 @@ class PromptHasher:
         (the part cache) and the whole prompt and its shapes are one recalled; else None,
         with ``names`` holding the names of the parts it got to."""
         cached, heads, head_of = self._parts, self._heads, self._head
-        copy, condense = self._part_key.copy, xxh3_128_digest
         before = root
         for kind, _, role, data in parts:
-            named = copy()  # the part's name (_part_name), without a frame a part
-            named.update(before + (heads.get((kind, role)) or head_of(kind, role)) + condense(data))
-            name = named.digest()
+            name = self._part_name(before, heads.get((kind, role)) or head_of(kind, role), data)
             names.append(name)
             known = cached.get(name)  # without the lock: one lookup
             if known is None:
