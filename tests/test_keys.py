@@ -256,6 +256,7 @@ def status_with(port: int, key: str) -> int:
 
 
 KEYS_RELOADED = re.compile(r"client keys reloaded from .*: 2 keys$")
+STARTED = re.compile(r"Application startup complete")  # uvicorn's, one line a worker
 KEYS_REFUSED = re.compile(r"client keys reload refused, the running client keys stay: "
                           r"invalid setting --client-keys-file: line 2 is not a SHA-256 hex digest")
 
@@ -273,6 +274,10 @@ def test_sighup_rereads_the_client_keys(
             "--upstream", upstream.url + "/v1", "--upstream-api-key-env", "TEST_KEYS_UPSTREAM_KEY",
             "--client-keys-file", str(keys), "--port", "0", "--workers", str(workers)) as proc:
         port = int(proc.wait_for(BANNER)[1])
+        # every worker up (with workers, their lines follow the banner): one still
+        # importing would die of the SIGHUP, and its replacement says nothing of a reload
+        for _ in range(workers if workers > 1 else 0):
+            proc.wait_for(STARTED)
         assert (status_with(port, a), status_with(port, b), status_with(port, c)) == (200, 200, 401)
         keys.write_text(f"{digest(b)}\n{digest(c)}\n")  # a revoked, c added
         proc.popen.send_signal(signal.SIGHUP)
